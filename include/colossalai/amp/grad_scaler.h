@@ -1,0 +1,66 @@
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/arg.h>
+
+#include <vector>
+
+namespace colossalai {
+namespace amp {
+
+/// Options of the dynamic loss scaler, with torch.cuda.amp.GradScaler's
+/// meaning and the defaults ColossalAI's fp16 mixed precision uses.
+struct GradScalerOptions {
+  TORCH_ARG(double, init_scale) = 65536.0;
+  TORCH_ARG(double, growth_factor) = 2.0;
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  TORCH_ARG(int64_t, growth_interval) = 2000;
+};
+
+/// Dynamic loss scaling for fp16 training: the loss is multiplied by `scale`
+/// before backward; gradients are divided by it before the step; a step whose
+/// gradients hold inf/nan is skipped and the scale backs off; after
+/// `growth_interval` clean steps the scale grows.
+///
+/// Example:
+/// \code
+///   GradScaler scaler;
+///   scaler.scale(loss).backward();
+///   if (!scaler.unscale_(params)) optimizer.step();  // false: no overflow
+///   scaler.update();
+/// \endcode
+class GradScaler {
+ public:
+  explicit GradScaler(GradScalerOptions options = {});
+
+  at::Tensor scale(const at::Tensor& loss) const;
+  /// Divides the gradients by the scale (once per step) and returns whether
+  /// any of them is inf or nan.
+  bool unscale_(const std::vector<at::Tensor>& params);
+  /// Whether the current step saw an overflow (after unscale_).
+  bool found_inf() const {
+    return found_inf_;
+  }
+  /// Adjusts the scale after a step (skipped or not) and resets the step state.
+  void update();
+
+  double get_scale() const {
+    return scale_;
+  }
+  int64_t growth_tracker() const {
+    return growth_tracker_;
+  }
+  const GradScalerOptions& options() const {
+    return options_;
+  }
+
+ private:
+  GradScalerOptions options_;
+  double scale_;
+  int64_t growth_tracker_ = 0;
+  bool unscaled_ = false;
+  bool found_inf_ = false;
+};
+
+} // namespace amp
+} // namespace colossalai

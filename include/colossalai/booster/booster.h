@@ -1,0 +1,183 @@
+#pragma once
+
+/// The Booster: one call turns a single-process LibTorch training setup into
+/// the parallel strategy a plugin implements (`colossalai.booster.Booster`).
+///
+/// Example:
+/// \code
+///   colossalai::launch_from_env();
+///   namespace cb = colossalai::booster;
+///   auto plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
+///   cb::Booster booster(cb::BoosterOptions().plugin(plugin)
+///                           .mixed_precision("bf16"));
+///   Net model;
+///   auto optimizer = std::make_shared<torch::optim::AdamW>(
+///       model->parameters(), torch::optim::AdamWOptions(1e-3));
+///   auto boosted = booster.boost(model, optimizer, criterion);
+///   auto loss = boosted.criterion(boosted.model(x), y);
+///   booster.backward(loss, *boosted.optimizer);
+///   boosted.optimizer->step();
+///   boosted.optimizer->zero_grad();
+/// \endcode
+
+#include <colossalai/booster/mixed_precision/mixed_precision_base.h>
+#include <colossalai/booster/plugin/plugin_base.h>
+#include <colossalai/interface/model.h>
+#include <colossalai/interface/optimizer.h>
+
+#include <torch/arg.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace colossalai {
+namespace booster {
+
+using Criterion = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+
+struct BoosterOptions {
+  /// "cpu", "cuda" or "" (the launched rank's device).
+  TORCH_ARG(std::string, device) = "";
+  /// "fp16", "bf16", "fp32" or "" (none). Applied by the Booster unless the
+  /// plugin controls precision.
+  TORCH_ARG(std::string, mixed_precision) = "";
+  /// The parallel strategy; null trains in this process alone.
+  TORCH_ARG(std::shared_ptr<plugin::Plugin>, plugin) = nullptr;
+};
+
+namespace detail {
+template <class T>
+std::shared_ptr<torch::nn::Module> as_module(
+    const torch::nn::ModuleHolder<T>& m) {
+  return m.ptr();
+}
+template <class T>
+std::shared_ptr<torch::nn::Module> as_module(const std::shared_ptr<T>& m) {
+  return m;
+}
+} // namespace detail
+
+/// A boosted model, called with the user module's own forward signature: the
+/// call goes straight to `M::forward`, with the plugin's and mixed
+/// precision's work around it. `M` is a module holder (`TORCH_MODULE`) or a
+/// `std::shared_ptr` to a module.
+template <class M>
+class BoostedModel {
+ public:
+  BoostedModel() = default;
+  BoostedModel(M module, std::shared_ptr<interface::ModelWrapper> wrapper)
+      : module_(std::move(module)), wrapper_(std::move(wrapper)) {}
+
+  template <class... Args>
+  auto operator()(Args&&... args) {
+    Scope scope(*wrapper_);
+    return module_->forward(std::forward<Args>(args)...);
+  }
+
+  /// The user's module (parameters, train()/eval(), children).
+  M& unwrap() {
+    return module_;
+  }
+  const std::shared_ptr<interface::ModelWrapper>& wrapper() const {
+    return wrapper_;
+  }
+  void train(bool on = true) {
+    module_->train(on);
+  }
+  void eval() {
+    module_->eval();
+  }
+  std::vector<at::Tensor> parameters() const {
+    return module_->parameters();
+  }
+
+ private:
+  struct Scope {
+    explicit Scope(interface::ModelWrapper& w) : w_(w) {
+      w_.enter_forward();
+    }
+    ~Scope() {
+      w_.exit_forward();
+    }
+    interface::ModelWrapper& w_;
+  };
+
+  M module_;
+  std::shared_ptr<interface::ModelWrapper> wrapper_;
+};
+
+/// What `boost` returns; works with structured bindings.
+template <class M, class D, class S>
+struct Boosted {
+  BoostedModel<M> model;
+  std::shared_ptr<interface::OptimizerWrapper> optimizer;
+  Criterion criterion;
+  D dataloader;
+  S lr_scheduler;
+};
+
+class Booster {
+ public:
+  explicit Booster(BoosterOptions options = BoosterOptions());
+
+  /// Wraps the training objects for the plugin's strategy. Optimizer,
+  /// criterion, data loader and scheduler may be absent (null); the data
+  /// loader and scheduler are passed through (create the loader with the
+  /// plugin's `prepare_dataloader` to shard data).
+  template <class M, class D = std::nullptr_t, class S = std::nullptr_t>
+  Boosted<M, D, S> boost(
+      M model,
+      std::shared_ptr<torch::optim::Optimizer> optimizer = nullptr,
+      Criterion criterion = nullptr,
+      D dataloader = nullptr,
+      S lr_scheduler = nullptr) {
+    auto parts = boost_parts(detail::as_module(model), std::move(optimizer));
+    return Boosted<M, D, S>{
+        BoostedModel<M>(std::move(model), std::move(parts.first)),
+        std::move(parts.second), std::move(criterion), std::move(dataloader),
+        std::move(lr_scheduler)};
+  }
+
+  /// loss.backward() through the optimizer (loss scaling, plugin hooks).
+  void backward(const at::Tensor& loss, interface::OptimizerWrapper& optimizer);
+
+  /// Gradient synchronization is off while the guard lives (gradient
+  /// accumulation). Fails if the plugin does not support it.
+  template <class M>
+  plugin::NoSyncGuard no_sync(
+      BoostedModel<M>& model,
+      interface::OptimizerWrapper* optimizer = nullptr) {
+    return no_sync(*model.wrapper(), optimizer);
+  }
+  plugin::NoSyncGuard no_sync(
+      interface::ModelWrapper& model,
+      interface::OptimizerWrapper* optimizer = nullptr);
+
+  const std::shared_ptr<plugin::Plugin>& plugin() const {
+    return plugin_;
+  }
+  const at::Device& device() const {
+    return device_;
+  }
+  const BoosterOptions& options() const {
+    return options_;
+  }
+
+ private:
+  std::pair<
+      std::shared_ptr<interface::ModelWrapper>,
+      std::shared_ptr<interface::OptimizerWrapper>>
+  boost_parts(
+      std::shared_ptr<torch::nn::Module> model,
+      std::shared_ptr<torch::optim::Optimizer> optimizer);
+
+  BoosterOptions options_;
+  std::shared_ptr<plugin::Plugin> plugin_;
+  std::shared_ptr<mixed_precision::MixedPrecision> mixed_precision_;
+  at::Device device_{at::kCPU};
+};
+
+} // namespace booster
+} // namespace colossalai

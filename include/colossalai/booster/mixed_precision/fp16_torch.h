@@ -1,0 +1,60 @@
+#pragma once
+
+#include <colossalai/amp/grad_scaler.h>
+#include <colossalai/booster/mixed_precision/mixed_precision_base.h>
+
+namespace colossalai {
+namespace booster {
+namespace mixed_precision {
+
+/// The optimizer side of fp16 autocast training: scales the loss in
+/// backward, unscales and checks the gradients for inf/nan before step or
+/// clipping, skips the step on overflow and updates the scale.
+class TorchAMPOptimizer : public interface::OptimizerWrapper {
+ public:
+  TorchAMPOptimizer(
+      std::shared_ptr<torch::optim::Optimizer> optim,
+      amp::GradScalerOptions options = {});
+
+  void backward(const at::Tensor& loss, bool retain_graph = false) override;
+  /// Returns after updating the scale; the step is skipped on overflow (see
+  /// `last_step_skipped`).
+  void step() override;
+  double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
+  void clip_grad_by_value(double clip_value) override;
+
+  bool last_step_skipped() const {
+    return last_step_skipped_;
+  }
+  amp::GradScaler& scaler() {
+    return scaler_;
+  }
+
+ private:
+  amp::GradScaler scaler_;
+  bool last_step_skipped_ = false;
+};
+
+/// ColossalAI's "fp16" mixed precision: fp16 autocast + dynamic loss scaling
+/// (init_scale 2^16, growth_factor 2, backoff_factor 0.5, growth_interval
+/// 2000). Needs CUDA: CPU LibTorch cannot multiply fp16 matrices.
+class FP16TorchMixedPrecision : public MixedPrecision {
+ public:
+  explicit FP16TorchMixedPrecision(
+      amp::GradScalerOptions options = {},
+      at::DeviceType device = at::kCUDA);
+  std::string name() const override {
+    return "fp16";
+  }
+  void configure(
+      std::shared_ptr<interface::ModelWrapper>& model,
+      std::shared_ptr<interface::OptimizerWrapper>& optimizer) override;
+
+ private:
+  amp::GradScalerOptions options_;
+  at::DeviceType device_;
+};
+
+} // namespace mixed_precision
+} // namespace booster
+} // namespace colossalai

@@ -1,0 +1,88 @@
+#pragma once
+
+#include <colossalai/interface/model.h>
+#include <colossalai/interface/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace colossalai {
+namespace checkpoint_io {
+class CheckpointIO;
+} // namespace checkpoint_io
+
+namespace booster {
+namespace plugin {
+
+/// RAII scope returned by `no_sync`: gradient synchronization is off until it
+/// is destroyed.
+class NoSyncGuard {
+ public:
+  NoSyncGuard() = default;
+  explicit NoSyncGuard(std::function<void()> on_exit)
+      : on_exit_(std::move(on_exit)) {}
+  NoSyncGuard(NoSyncGuard&& other) noexcept
+      : on_exit_(std::move(other.on_exit_)) {
+    other.on_exit_ = nullptr;
+  }
+  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  ~NoSyncGuard() {
+    if (on_exit_) {
+      on_exit_();
+    }
+  }
+
+ private:
+  std::function<void()> on_exit_;
+};
+
+/// A parallel strategy (`colossalai.booster.plugin.Plugin`). Capabilities a
+/// plugin lacks fail with a message naming the plugin and the feature.
+class Plugin {
+ public:
+  virtual ~Plugin() = default;
+
+  virtual std::string name() const = 0;
+  /// "cpu", "cuda".
+  virtual std::vector<std::string> supported_devices() const = 0;
+  /// "fp16", "bf16", "fp32".
+  virtual std::vector<std::string> supported_precisions() const = 0;
+  /// Whether the plugin applies mixed precision itself (else the Booster
+  /// does).
+  virtual bool control_precision() const = 0;
+  /// Whether the plugin moves the model to its device itself.
+  virtual bool control_device() const = 0;
+  virtual bool support_no_sync() const = 0;
+  virtual bool support_lora() const {
+    return false;
+  }
+  virtual bool control_checkpoint_io() const {
+    return false;
+  }
+  virtual std::shared_ptr<checkpoint_io::CheckpointIO> get_checkpoint_io();
+
+  /// Wraps the model and optimizer for this strategy (either may be null).
+  virtual void configure(
+      std::shared_ptr<interface::ModelWrapper>& model,
+      std::shared_ptr<interface::OptimizerWrapper>& optimizer) = 0;
+
+  /// Turns gradient synchronization off for the guard's lifetime.
+  virtual NoSyncGuard no_sync(
+      interface::ModelWrapper& model,
+      interface::OptimizerWrapper* optimizer);
+
+  /// Adds LoRA adapters to the model.
+  virtual std::shared_ptr<torch::nn::Module> enable_lora(
+      std::shared_ptr<torch::nn::Module> model,
+      const std::string& pretrained_dir = "");
+
+ protected:
+  [[noreturn]] void unsupported(const std::string& feature) const;
+};
+
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai

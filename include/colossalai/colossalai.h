@@ -1,0 +1,16 @@
+#pragma once
+
+/// Umbrella header: the whole public API.
+
+#include <colossalai/amp/grad_scaler.h>
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/mixed_precision/bf16.h>
+#include <colossalai/booster/mixed_precision/fp16_torch.h>
+#include <colossalai/booster/plugin/torch_ddp_model.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/cluster/process_group_mesh.h>
+#include <colossalai/data/dataloader.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/error.h>
+#include <colossalai/initialize.h>
+#include <colossalai/launcher.h>

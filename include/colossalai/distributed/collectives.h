@@ -1,0 +1,101 @@
+#pragma once
+
+/// The collective layer every plugin uses. Each call starts the operation and
+/// returns a `Work` handle; `wait()` completes it (and any local post-processing
+/// such as the sum of a reduce-scatter), throwing `DistributedError` that names
+/// the rank, operation and group when a peer died or the group timeout expired.
+///
+/// All tensors must be contiguous. Supported dtypes: float32, bfloat16, float16
+/// (and integer types for data movement). Where the backend lacks an operation
+/// (Gloo in LibTorch 1.13: reduce-scatter, flat all-gather, bf16 all-reduce),
+/// a bandwidth-optimal replacement is used; see NOTE [Gloo replacements].
+///
+/// Example:
+/// \code
+///   auto group = colossalai::distributed::world_group();
+///   auto work = colossalai::distributed::all_reduce(grad, *group);
+///   // ... overlap compute ...
+///   work.wait();
+/// \endcode
+
+#include <colossalai/distributed/process_group.h>
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace colossalai {
+namespace distributed {
+
+enum class ReduceOp { kSum, kAvg, kMax, kMin };
+
+/// Handle to an operation in flight.
+class Work {
+ public:
+  Work() = default; // an already-completed operation
+  Work(
+      compat::WorkPtr work,
+      std::function<void()> finish,
+      std::string op,
+      const ProcessGroup* group);
+
+  /// Blocks until done, runs local post-processing once. Idempotent.
+  void wait();
+  /// True when the network part is done (wait() then returns at once, save for
+  /// local post-processing).
+  bool is_completed() const;
+
+ private:
+  compat::WorkPtr work_;
+  std::function<void()> finish_;
+  std::string op_;
+  const ProcessGroup* group_ = nullptr;
+  bool done_ = true;
+};
+
+/// In-place reduction of `tensor` over the group.
+Work all_reduce(at::Tensor& tensor, const ProcessGroup& group,
+                ReduceOp op = ReduceOp::kSum);
+
+/// Copies `tensor` of group rank `src` into `tensor` of every other rank.
+Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group);
+
+/// Element range [begin, end) of rank `rank`'s shard when `numel` elements are
+/// split over `world` ranks: balanced, the first `numel % world` shards get one
+/// more element (the `tensor_split` convention).
+std::pair<int64_t, int64_t> shard_range(int64_t numel, int world, int rank);
+
+/// Gathers every rank's shard into one flat `output`. `input` is this rank's
+/// shard, with `input.numel()` equal to the length `shard_range` gives for
+/// `output.numel()`; lengths need not divide evenly.
+Work all_gather(at::Tensor& output, const at::Tensor& input,
+                const ProcessGroup& group);
+
+/// Reduces the flat `input` over the group and leaves this rank's shard (as
+/// `shard_range` defines it) in `output`.
+Work reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                    const ProcessGroup& group, ReduceOp op = ReduceOp::kSum);
+
+/// Rank r sends the r-th block of `input` to every rank and receives
+/// everyone's blocks into `output`, in rank order. Empty split vectors mean
+/// equal blocks.
+Work all_to_all(at::Tensor& output, const at::Tensor& input,
+                const ProcessGroup& group,
+                std::vector<int64_t> output_splits = {},
+                std::vector<int64_t> input_splits = {});
+
+/// Point-to-point; `dst` / `src` are group ranks.
+Work send(const at::Tensor& tensor, int dst, const ProcessGroup& group,
+          int tag = 0);
+Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag = 0);
+
+Work barrier(const ProcessGroup& group);
+
+/// Bytes this process handed to collectives since start (payload, per
+/// operation counted once); used by benchmarks.
+int64_t bytes_communicated();
+
+} // namespace distributed
+} // namespace colossalai

@@ -1,0 +1,86 @@
+#pragma once
+
+#include <colossalai/utils/compat.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace colossalai {
+namespace distributed {
+
+enum class BackendType { kGloo, kNccl };
+
+/// A set of processes that communicate together, with the c10d backend that
+/// carries their collectives (Gloo for CPU tensors, NCCL for CUDA tensors).
+///
+/// Groups are created through `new_group` (or `cluster::ProcessGroupMesh`);
+/// ranks passed to collectives are ranks *inside* the group.
+class ProcessGroup {
+ public:
+  ProcessGroup(
+      compat::BackendPtr backend,
+      BackendType type,
+      std::vector<int> ranks,
+      int global_rank,
+      std::string name,
+      std::chrono::milliseconds timeout);
+
+  /// This process's rank inside the group.
+  int rank() const {
+    return rank_;
+  }
+  int size() const {
+    return static_cast<int>(ranks_.size());
+  }
+  /// Global ranks of the members, in group-rank order.
+  const std::vector<int>& ranks() const {
+    return ranks_;
+  }
+  int global_rank(int group_rank) const {
+    return ranks_.at(group_rank);
+  }
+  const std::string& name() const {
+    return name_;
+  }
+  BackendType backend_type() const {
+    return type_;
+  }
+  std::chrono::milliseconds timeout() const {
+    return timeout_;
+  }
+  compat::Backend& backend() const {
+    return *backend_;
+  }
+  /// "rank 3 (group 'dp' rank 1 of 2)": used in every error message.
+  std::string describe() const;
+
+ private:
+  compat::BackendPtr backend_;
+  BackendType type_;
+  std::vector<int> ranks_;
+  int rank_;
+  std::string name_;
+  std::chrono::milliseconds timeout_;
+};
+
+using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+/// The group of all processes; requires `colossalai::launch`.
+ProcessGroupPtr world_group();
+
+/// Creates a group over `global_ranks` (sorted or not: the order given is the
+/// group-rank order). Only members call it; every member must call it with the
+/// same ranks and name, in the same order relative to other `new_group` calls.
+ProcessGroupPtr new_group(
+    const std::vector<int>& global_ranks,
+    const std::string& name = "group");
+
+/// Global rank and world size; require `colossalai::launch`.
+int get_rank();
+int get_world_size();
+bool is_initialized();
+
+} // namespace distributed
+} // namespace colossalai

@@ -1,0 +1,55 @@
+#pragma once
+
+/// Starting and stopping the distributed runtime (`colossalai.launch`).
+///
+/// Example:
+/// \code
+///   // under `colossalai run --nproc_per_node 2 ./train`:
+///   colossalai::launch_from_env();
+///   // or explicitly:
+///   colossalai::launch(colossalai::LaunchOptions().rank(r).world_size(2));
+/// \endcode
+
+#include <c10/core/Device.h>
+#include <torch/arg.h>
+
+#include <chrono>
+#include <string>
+
+namespace colossalai {
+
+struct LaunchOptions {
+  /// Global rank of this process and the number of processes.
+  TORCH_ARG(int, rank) = -1;
+  TORCH_ARG(int, world_size) = -1;
+  /// Address and port of the rendezvous server, which rank 0 hosts.
+  TORCH_ARG(std::string, host) = "127.0.0.1";
+  TORCH_ARG(int, port) = 29500;
+  /// "gloo", "nccl" or "auto" (NCCL when CUDA is available, else Gloo).
+  TORCH_ARG(std::string, backend) = "auto";
+  /// Rank on this node; selects the CUDA device. -1: rank % device count.
+  TORCH_ARG(int, local_rank) = -1;
+  /// Limit for the rendezvous and for every collective.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+};
+
+/// Joins the process group of `world_size` processes. Throws
+/// `distributed::DistributedError` naming the rank when the rendezvous server
+/// cannot be reached or a peer does not arrive within `timeout`.
+void launch(const LaunchOptions& options);
+
+/// Reads rank, world size, local rank and the master address from the
+/// environment that torchrun / `colossalai run` (RANK, WORLD_SIZE, LOCAL_RANK,
+/// MASTER_ADDR, MASTER_PORT), OpenMPI (OMPI_COMM_WORLD_RANK, _SIZE,
+/// _LOCAL_RANK) or Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) set;
+/// `base` supplies backend, timeout and defaults for the address.
+void launch_from_env(LaunchOptions base = LaunchOptions());
+
+/// Tears the runtime down (groups, store). Safe to call when not launched.
+void destroy();
+
+/// The device this rank computes on: cuda:local_rank with NCCL, else CPU.
+/// Before launch, CPU.
+c10::Device current_device();
+
+} // namespace colossalai

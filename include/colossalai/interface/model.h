@@ -1,0 +1,58 @@
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <utility>
+
+namespace colossalai {
+namespace interface {
+
+/// What plugins and mixed precision see of a boosted model: the user's module
+/// (type-erased) plus the work they do around each forward. Wrappers nest: a
+/// mixed-precision wrapper may hold a plugin's wrapper, which holds the module.
+///
+/// Users call the model through `booster::BoostedModel<M>`, which keeps the
+/// module's own forward signature and calls `pre_forward`/`post_forward`.
+class ModelWrapper {
+ public:
+  explicit ModelWrapper(std::shared_ptr<torch::nn::Module> module);
+  explicit ModelWrapper(std::shared_ptr<ModelWrapper> inner);
+  virtual ~ModelWrapper() = default;
+
+  /// The user's module, with every wrapper removed.
+  const std::shared_ptr<torch::nn::Module>& unwrap() const {
+    return module_;
+  }
+  /// The wrapper this one wraps, or null.
+  const std::shared_ptr<ModelWrapper>& inner() const {
+    return inner_;
+  }
+
+  /// Run before/after every forward, outermost first for pre and innermost
+  /// first for post. `post_forward` also runs when forward throws.
+  void enter_forward();
+  void exit_forward() noexcept;
+
+ protected:
+  virtual void pre_forward() {}
+  virtual void post_forward() noexcept {}
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<ModelWrapper> inner_;
+};
+
+/// Finds the wrapper of type W in the chain starting at `model`, or null.
+template <class W>
+W* find_wrapper(ModelWrapper& model) {
+  for (ModelWrapper* m = &model; m != nullptr; m = m->inner().get()) {
+    if (auto* w = dynamic_cast<W*>(m)) {
+      return w;
+    }
+  }
+  return nullptr;
+}
+
+} // namespace interface
+} // namespace colossalai

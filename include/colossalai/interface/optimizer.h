@@ -1,0 +1,59 @@
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <vector>
+
+namespace colossalai {
+namespace interface {
+
+/// The boosted optimizer: works with every `torch::optim` optimizer (SGD,
+/// Adam, AdamW, RMSprop, Adagrad, or your own). Plugins and mixed precision
+/// derive from it to add loss scaling, sharding or gradient reduction.
+///
+/// Example:
+/// \code
+///   booster.backward(loss, *boosted.optimizer);
+///   boosted.optimizer->clip_grad_by_norm(1.0);
+///   boosted.optimizer->step();
+///   boosted.optimizer->zero_grad();
+/// \endcode
+class OptimizerWrapper {
+ public:
+  explicit OptimizerWrapper(std::shared_ptr<torch::optim::Optimizer> optim);
+  virtual ~OptimizerWrapper() = default;
+
+  virtual void step();
+  /// set_to_none=true (PyTorch 2's default) drops the gradients; false zeros
+  /// them in place.
+  virtual void zero_grad(bool set_to_none = true);
+  virtual void backward(const at::Tensor& loss, bool retain_graph = false);
+  /// Scales gradients so their global `norm_type`-norm is at most `max_norm`;
+  /// returns the norm before clipping (inf for norm_type = inf).
+  virtual double clip_grad_by_norm(double max_norm, double norm_type = 2.0);
+  virtual void clip_grad_by_value(double clip_value);
+
+  std::vector<torch::optim::OptimizerParamGroup>& param_groups() {
+    return optim_->param_groups();
+  }
+  /// Every parameter of every group.
+  std::vector<at::Tensor> parameters() const;
+  /// The user's optimizer.
+  torch::optim::Optimizer& unwrap() {
+    return *optim_;
+  }
+  const std::shared_ptr<torch::optim::Optimizer>& optimizer_ptr() const {
+    return optim_;
+  }
+
+ protected:
+  std::shared_ptr<torch::optim::Optimizer> optim_;
+};
+
+/// Gradient norm helpers shared by wrappers.
+double grad_norm(const std::vector<at::Tensor>& params, double norm_type);
+void scale_grads(const std::vector<at::Tensor>& params, double factor);
+
+} // namespace interface
+} // namespace colossalai

@@ -1,0 +1,61 @@
+#pragma once
+
+/// The process launcher behind `colossalai run` (torchrun-compatible).
+///
+/// Example:
+/// \code
+///   colossalai::launcher::RunOptions opts;
+///   opts.nproc_per_node = 2;
+///   opts.program = {"./train", "--epochs", "1"};
+///   int rc = colossalai::launcher::run(opts);
+/// \endcode
+
+#include <string>
+#include <vector>
+
+namespace colossalai {
+namespace launcher {
+
+struct RunOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  /// Prefix every line of rank r's output with "[rank r] ".
+  bool prefix_output = true;
+  /// When set, each rank's stdout+stderr also goes to <log_dir>/rank_<r>.log.
+  std::string log_dir;
+  /// Seconds to wait for the other ranks after SIGTERM before SIGKILL.
+  int kill_grace_seconds = 5;
+  /// Program and its arguments.
+  std::vector<std::string> program;
+  /// Set by parse_run_args for -h/--help; the program is then optional.
+  bool help = false;
+};
+
+/// Usage text of `colossalai run`.
+std::string run_usage();
+
+/// Parses `colossalai run` arguments (everything after "run"): options, then
+/// the program and its arguments (options after the program, or after "--",
+/// belong to the program). Accepts "--opt value" and "--opt=value". Throws
+/// c10::Error naming the offending option on bad input.
+RunOptions parse_run_args(const std::vector<std::string>& args);
+
+/// Spawns the local ranks with RANK, WORLD_SIZE, LOCAL_RANK,
+/// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT set, forwards
+/// SIGINT/SIGTERM/SIGHUP to them, and waits. When any rank fails, the others
+/// are stopped (SIGTERM, then SIGKILL after the grace period). Returns 0 when
+/// all ranks succeed, else the first failure's exit code (128 + signal for a
+/// rank killed by a signal). Rank r's stdout and stderr go to ours (prefixed
+/// when asked); stdin is /dev/null, since ranks run in their own process
+/// groups. POSIX only; one run() at a time per process.
+int run(const RunOptions& options);
+
+/// True when this process was started by a launcher (RANK or a cluster
+/// launcher's variables are set).
+bool launched_by_launcher();
+
+} // namespace launcher
+} // namespace colossalai

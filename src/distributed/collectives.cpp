@@ -1,0 +1,360 @@
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/error.h>
+
+#include <atomic>
+
+// NOTE [Gloo replacements]
+// Gloo in LibTorch 1.13 has no reduce-scatter, no flat all-gather and no bf16
+// arithmetic. Replacements that move the same number of bytes as the optimal
+// algorithms:
+//  * reduce_scatter = one all-to-all of the N shards (each rank sends N-1
+//    shards and receives N-1, the ring optimum) + a local sum in fp32;
+//  * flat all_gather = Gloo's allgather into views of the output (uneven
+//    shards are padded to the largest, at most one element each);
+//  * bf16 all_reduce = the reduce_scatter above + all_gather, both moving the
+//    raw 16-bit payload (a bf16 tensor travels viewed as fp16: only bytes move).
+//    The all_gather phase starts in wait(); collectives are matched by call
+//    order, so this stays consistent as long as every rank waits in the same
+//    order relative to its other calls on the group, as SPMD code does.
+// On NCCL the native `_reduce_scatter_base` / `_allgather_base` are used.
+
+namespace colossalai {
+namespace distributed {
+
+namespace {
+
+std::atomic<int64_t> g_bytes{0};
+
+void count(const at::Tensor& t) {
+  g_bytes.fetch_add(t.numel() * t.element_size(), std::memory_order_relaxed);
+}
+
+bool gloo(const ProcessGroup& g) {
+  return g.backend_type() == BackendType::kGloo;
+}
+
+// Gloo moves bf16 only as opaque 16-bit words.
+at::Tensor raw(const at::Tensor& t, const ProcessGroup& g) {
+  return gloo(g) && t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
+}
+
+void check_dense(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.defined(), op, ": ", what, " tensor is undefined");
+  TORCH_CHECK(t.is_contiguous(), op, ": ", what, " tensor must be contiguous");
+}
+
+::c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMax:
+      return ::c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return ::c10d::ReduceOp::MIN;
+    default:
+      return ::c10d::ReduceOp::SUM;
+  }
+}
+
+// Reduces `n` equal blocks of `blocks` into `out` (accumulating in fp32 for
+// 16-bit types so the result is rounded once).
+void local_reduce(at::Tensor& out, const at::Tensor& blocks, int n,
+                  ReduceOp op) {
+  auto view = blocks.view({n, -1});
+  bool low = out.scalar_type() == at::kBFloat16 ||
+      out.scalar_type() == at::kHalf;
+  at::Tensor r;
+  switch (op) {
+    case ReduceOp::kMax:
+      r = std::get<0>(view.max(0));
+      break;
+    case ReduceOp::kMin:
+      r = std::get<0>(view.min(0));
+      break;
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      r = low ? view.sum(0, false, at::kFloat) : view.sum(0);
+      if (op == ReduceOp::kAvg) {
+        r.div_(n);
+      }
+      break;
+  }
+  out.copy_(r);
+}
+
+std::vector<int64_t> shard_sizes(int64_t numel, int world) {
+  std::vector<int64_t> s(world);
+  for (int r = 0; r < world; ++r) {
+    auto range = shard_range(numel, world, r);
+    s[r] = range.second - range.first;
+  }
+  return s;
+}
+
+} // namespace
+
+Work::Work(compat::WorkPtr work, std::function<void()> finish, std::string op,
+           const ProcessGroup* group)
+    : work_(std::move(work)),
+      finish_(std::move(finish)),
+      op_(std::move(op)),
+      group_(group),
+      done_(false) {}
+
+void Work::wait() {
+  if (done_) {
+    return;
+  }
+  done_ = true;
+  try {
+    if (work_) {
+      work_->wait();
+    }
+    if (finish_) {
+      auto finish = std::move(finish_);
+      finish();
+    }
+  } catch (const DistributedError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw DistributedError(
+        (group_ ? group_->describe() : std::string("rank ?")) + ": " + op_ +
+        " failed (timeout " +
+        std::to_string(group_ ? group_->timeout().count() : 0) +
+        " ms; did a peer exit?): " + error_text(e));
+  }
+}
+
+bool Work::is_completed() const {
+  return done_ || (work_ && !finish_ && work_->isCompleted());
+}
+
+std::pair<int64_t, int64_t> shard_range(int64_t numel, int world, int rank) {
+  TORCH_CHECK(world > 0 && rank >= 0 && rank < world, "shard_range: bad rank");
+  int64_t base = numel / world, extra = numel % world;
+  int64_t begin = rank * base + std::min<int64_t>(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
+
+Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
+  check_dense(tensor, "all_reduce", "input");
+  count(tensor);
+  if (group.size() == 1) {
+    return Work();
+  }
+  if (gloo(group) && tensor.scalar_type() == at::kBFloat16) {
+    // Two phases, see NOTE [Gloo replacements].
+    auto range = shard_range(tensor.numel(), group.size(), group.rank());
+    auto flat = tensor.view({-1});
+    auto shard_buf = at::empty({range.second - range.first}, tensor.options());
+    auto rs = std::make_shared<Work>(reduce_scatter(shard_buf, flat, group, op));
+    const ProcessGroup* g = &group;
+    return Work(compat::WorkPtr(), [rs, shard_buf, flat, g]() mutable {
+      rs->wait();
+      all_gather(flat, shard_buf, *g).wait();
+    }, "all_reduce(bf16)", &group);
+  }
+  std::vector<at::Tensor> ts{tensor};
+  ::c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  auto w = group.backend().allreduce(ts, opts);
+  std::function<void()> finish;
+  if (op == ReduceOp::kAvg) {
+    int n = group.size();
+    finish = [tensor, n]() mutable { tensor.div_(n); };
+  }
+  return Work(std::move(w), std::move(finish), "all_reduce", &group);
+}
+
+Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
+  check_dense(tensor, "broadcast", "input");
+  TORCH_CHECK(src >= 0 && src < group.size(), "broadcast: src ", src,
+              " outside group of ", group.size());
+  count(tensor);
+  if (group.size() == 1) {
+    return Work();
+  }
+  std::vector<at::Tensor> ts{raw(tensor, group)};
+  ::c10d::BroadcastOptions opts;
+  opts.rootRank = src;
+  return Work(group.backend().broadcast(ts, opts), nullptr, "broadcast",
+              &group);
+}
+
+Work all_gather(at::Tensor& output, const at::Tensor& input,
+                const ProcessGroup& group) {
+  check_dense(output, "all_gather", "output");
+  check_dense(input, "all_gather", "input");
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(),
+              "all_gather: output dtype ", output.scalar_type(),
+              " differs from input dtype ", input.scalar_type());
+  const int n = group.size();
+  auto sizes = shard_sizes(output.numel(), n);
+  TORCH_CHECK(input.numel() == sizes[group.rank()], "all_gather: rank ",
+              group.rank(), " must give ", sizes[group.rank()],
+              " elements for an output of ", output.numel(), ", got ",
+              input.numel());
+  count(input);
+  auto out = output.view({-1});
+  if (n == 1) {
+    out.copy_(input.view({-1}));
+    return Work();
+  }
+  const int64_t m = sizes[0]; // largest shard
+  const bool even = m * n == output.numel();
+  if (!gloo(group) && even) {
+    auto o = raw(out, group);
+    auto i = raw(input.view({-1}), group);
+    return Work(group.backend()._allgather_base(o, i), nullptr, "all_gather",
+                &group);
+  }
+  at::Tensor buffer = even ? out : at::empty({m * n}, output.options());
+  at::Tensor in = input.view({-1});
+  if (in.numel() != m) {
+    auto padded = at::zeros({m}, input.options());
+    padded.slice(0, 0, in.numel()).copy_(in);
+    in = padded;
+  }
+  std::vector<std::vector<at::Tensor>> outs(1);
+  for (int r = 0; r < n; ++r) {
+    outs[0].push_back(raw(buffer.slice(0, r * m, (r + 1) * m), group));
+  }
+  std::vector<at::Tensor> ins{raw(in, group)};
+  auto w = group.backend().allgather(outs, ins);
+  std::function<void()> finish;
+  if (!even) {
+    finish = [out, buffer, sizes, m, n]() mutable {
+      int64_t at = 0;
+      for (int r = 0; r < n; ++r) {
+        out.slice(0, at, at + sizes[r])
+            .copy_(buffer.slice(0, r * m, r * m + sizes[r]));
+        at += sizes[r];
+      }
+    };
+  }
+  return Work(std::move(w), std::move(finish), "all_gather", &group);
+}
+
+Work reduce_scatter(at::Tensor& output, const at::Tensor& input,
+                    const ProcessGroup& group, ReduceOp op) {
+  check_dense(output, "reduce_scatter", "output");
+  check_dense(input, "reduce_scatter", "input");
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(),
+              "reduce_scatter: output dtype ", output.scalar_type(),
+              " differs from input dtype ", input.scalar_type());
+  const int n = group.size();
+  auto sizes = shard_sizes(input.numel(), n);
+  const int64_t mine = sizes[group.rank()];
+  TORCH_CHECK(output.numel() == mine, "reduce_scatter: rank ", group.rank(),
+              " must receive ", mine, " elements of an input of ",
+              input.numel(), ", got an output of ", output.numel());
+  count(input);
+  auto in = input.view({-1});
+  auto out = output.view({-1});
+  if (n == 1) {
+    out.copy_(in);
+    return Work();
+  }
+  const int64_t m = sizes[0];
+  const bool even = m * n == input.numel();
+  if (!gloo(group)) {
+    at::Tensor src = in, dst = out;
+    if (!even) {
+      src = at::zeros({m * n}, input.options());
+      int64_t at = 0;
+      for (int r = 0; r < n; ++r) {
+        src.slice(0, r * m, r * m + sizes[r]).copy_(in.slice(0, at, at + sizes[r]));
+        at += sizes[r];
+      }
+      dst = at::empty({m}, input.options());
+    }
+    ::c10d::ReduceScatterOptions opts;
+    opts.reduceOp = to_c10d(op);
+    auto w = group.backend()._reduce_scatter_base(dst, src, opts);
+    std::function<void()> finish;
+    if (!even || op == ReduceOp::kAvg) {
+      finish = [out, dst, mine, n, op, even]() mutable {
+        if (!even) {
+          out.copy_(dst.slice(0, 0, mine));
+        }
+        if (op == ReduceOp::kAvg) {
+          out.div_(n);
+        }
+      };
+    }
+    return Work(std::move(w), std::move(finish), "reduce_scatter", &group);
+  }
+  // Gloo: all-to-all of the shards, then a local reduction.
+  auto blocks = at::empty({mine * n}, input.options());
+  std::vector<int64_t> out_splits(n, mine), in_splits = sizes;
+  auto o = raw(blocks, group);
+  auto i = raw(in, group);
+  ::c10d::AllToAllOptions opts;
+  auto w = group.backend().alltoall_base(o, i, out_splits, in_splits, opts);
+  return Work(std::move(w), [out, blocks, n, op]() mutable {
+    local_reduce(out, blocks, n, op);
+  }, "reduce_scatter", &group);
+}
+
+Work all_to_all(at::Tensor& output, const at::Tensor& input,
+                const ProcessGroup& group, std::vector<int64_t> output_splits,
+                std::vector<int64_t> input_splits) {
+  check_dense(output, "all_to_all", "output");
+  check_dense(input, "all_to_all", "input");
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(),
+              "all_to_all: output and input dtypes differ");
+  const int n = group.size();
+  TORCH_CHECK(output_splits.empty() || (int)output_splits.size() == n,
+              "all_to_all: output_splits needs ", n, " entries");
+  TORCH_CHECK(input_splits.empty() || (int)input_splits.size() == n,
+              "all_to_all: input_splits needs ", n, " entries");
+  if (input_splits.empty()) {
+    TORCH_CHECK(input.size(0) % n == 0, "all_to_all: input dim 0 (",
+                input.size(0), ") must divide by the group size ", n,
+                " when no splits are given");
+  }
+  count(input);
+  if (n == 1) {
+    output.copy_(input);
+    return Work();
+  }
+  auto o = raw(output, group);
+  auto i = raw(input, group);
+  ::c10d::AllToAllOptions opts;
+  return Work(group.backend().alltoall_base(o, i, output_splits, input_splits,
+                                            opts),
+              nullptr, "all_to_all", &group);
+}
+
+Work send(const at::Tensor& tensor, int dst, const ProcessGroup& group,
+          int tag) {
+  check_dense(tensor, "send", "input");
+  TORCH_CHECK(dst >= 0 && dst < group.size() && dst != group.rank(),
+              "send: bad destination rank ", dst);
+  count(tensor);
+  std::vector<at::Tensor> ts{raw(tensor, group)};
+  return Work(group.backend().send(ts, dst, tag), nullptr,
+              "send to " + std::to_string(dst), &group);
+}
+
+Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag) {
+  check_dense(tensor, "recv", "output");
+  TORCH_CHECK(src >= 0 && src < group.size() && src != group.rank(),
+              "recv: bad source rank ", src);
+  std::vector<at::Tensor> ts{raw(tensor, group)};
+  return Work(group.backend().recv(ts, src, tag), nullptr,
+              "recv from " + std::to_string(src), &group);
+}
+
+Work barrier(const ProcessGroup& group) {
+  if (group.size() == 1) {
+    return Work();
+  }
+  ::c10d::BarrierOptions opts;
+  return Work(group.backend().barrier(opts), nullptr, "barrier", &group);
+}
+
+int64_t bytes_communicated() {
+  return g_bytes.load(std::memory_order_relaxed);
+}
+
+} // namespace distributed
+} // namespace colossalai

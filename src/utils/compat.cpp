@@ -1,0 +1,57 @@
+#include <colossalai/utils/compat.h>
+
+#include <ATen/autocast_mode.h>
+
+namespace colossalai {
+namespace compat {
+
+#if COLOSSALAI_TORCH_AT_LEAST(2, 4)
+AutocastGuard::AutocastGuard(at::DeviceType device, at::ScalarType dtype)
+    : device_(device),
+      prev_enabled_(at::autocast::is_autocast_enabled(device)),
+      prev_dtype_(at::autocast::get_autocast_dtype(device)) {
+  at::autocast::set_autocast_enabled(device, true);
+  at::autocast::set_autocast_dtype(device, dtype);
+  at::autocast::increment_nesting();
+}
+
+AutocastGuard::~AutocastGuard() {
+  if (at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
+  at::autocast::set_autocast_enabled(device_, prev_enabled_);
+  at::autocast::set_autocast_dtype(device_, prev_dtype_);
+}
+#else
+AutocastGuard::AutocastGuard(at::DeviceType device, at::ScalarType dtype)
+    : device_(device) {
+  if (device == at::kCPU) {
+    prev_enabled_ = at::autocast::is_cpu_enabled();
+    prev_dtype_ = at::autocast::get_autocast_cpu_dtype();
+    at::autocast::set_cpu_enabled(true);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  } else {
+    prev_enabled_ = at::autocast::is_enabled();
+    prev_dtype_ = at::autocast::get_autocast_gpu_dtype();
+    at::autocast::set_enabled(true);
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  }
+  at::autocast::increment_nesting();
+}
+
+AutocastGuard::~AutocastGuard() {
+  if (at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
+  if (device_ == at::kCPU) {
+    at::autocast::set_cpu_enabled(prev_enabled_);
+    at::autocast::set_autocast_cpu_dtype(prev_dtype_);
+  } else {
+    at::autocast::set_enabled(prev_enabled_);
+    at::autocast::set_autocast_gpu_dtype(prev_dtype_);
+  }
+}
+#endif
+
+} // namespace compat
+} // namespace colossalai

@@ -1,0 +1,49 @@
+#pragma once
+
+// Runs a test body on N real processes (GoogleTest, spawn mode).
+//
+// The parent re-executes this test binary N times with a filter selecting the
+// current test; each child joins a process group through colossalai::launch
+// on a free port and runs the body for its rank. The parent collects exit
+// codes and output, kills every rank when one hangs past the deadline, and
+// reports each failing rank with the tail of its output.
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace colossalai {
+namespace testing {
+
+struct RankResult {
+  int rank = 0;
+  int exit_code = 0;  // 128 + signal when killed by one
+  bool timed_out = false;
+  std::string output; // stdout + stderr
+};
+
+struct MultiProcessOptions {
+  int timeout_seconds = 180;
+  /// Timeout of collectives inside the ranks.
+  int collective_timeout_seconds = 60;
+  /// Intra-op threads per rank (ranks share the machine's cores).
+  int threads_per_rank = 1;
+};
+
+using RankFn = std::function<void(int rank, int world)>;
+
+/// Runs `fn` on `world` processes and returns what each did. In a child, runs
+/// the body for its rank and exits.
+std::vector<RankResult> run_processes(int world, const RankFn& fn,
+                                      MultiProcessOptions options = {});
+
+/// Like run_processes, adding a test failure for every rank that failed or
+/// hung, with its rank and output.
+void run_distributed(int world, const RankFn& fn,
+                     MultiProcessOptions options = {});
+
+/// A free TCP port on the loopback interface.
+int free_port();
+
+} // namespace testing
+} // namespace colossalai
