@@ -1,5 +1,6 @@
 #include <colossalai/initialize.h>
 
+#include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/utils/env.h>
 
@@ -107,6 +108,9 @@ void launch(const LaunchOptions& o) {
   rt.initialized = true;
   try {
     rt.world = dd::create_group(rt, all, "world");
+    // Nobody leaves the rendezvous before everyone has connected: a fast rank
+    // that exits early would otherwise break a slow rank's mesh setup.
+    distributed::barrier(*rt.world).wait();
   } catch (...) {
     rt.initialized = false;
     rt.store.reset();

@@ -1,5 +1,6 @@
 #include "multiprocess.h"
 
+#include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
 
@@ -81,6 +82,9 @@ std::string tail(const std::string& s, size_t lines) {
                                o.collective_timeout_seconds)));
     fn(rank, world);
     code = ::testing::Test::HasFailure() ? 1 : 0;
+    if (code == 0 && o.final_barrier) {
+      distributed::barrier(*distributed::world_group()).wait();
+    }
   } catch (const std::exception& e) {
     std::cerr << "rank " << rank << " threw: "
               << distributed::error_text(e) << std::endl;
