@@ -250,6 +250,8 @@ TEST(LauncherRun, KeepsTheParentsOmpNumThreads) {
 TEST(LauncherRun, FailureStopsTheOtherRanks) {
   auto start = std::chrono::steady_clock::now();
   RunOptions o = sh(2, "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 60");
+  // Long enough that only the SIGTERM can stop rank 0 within the bound.
+  o.kill_grace_seconds = 120;
   EXPECT_EQ(colossalai::launcher::run(o), 3);
   EXPECT_LT(seconds_since(start), 30.0);
 }
