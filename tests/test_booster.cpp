@@ -1,0 +1,339 @@
+// Single-process pieces of the Booster: loss scaling with planted overflows,
+// the optimizer wrapper against torch's own clipping, the distributed sampler,
+// mesh arithmetic, and the errors users see for bad configuration.
+
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/mixed_precision/fp16_torch.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/data/distributed_sampler.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/error.h>
+#include <colossalai/initialize.h>
+
+#include <harness/multiprocess.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <set>
+
+namespace cb = colossalai::booster;
+namespace ci = colossalai::interface;
+
+namespace {
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return colossalai::distributed::error_text(e);
+  }
+  return "";
+}
+
+} // namespace
+
+TEST(GradScaler, SkipsStepOnPlantedOverflowAndBacksOff) {
+  torch::manual_seed(0);
+  torch::nn::Linear lin(4, 2);
+  auto sgd = std::make_shared<torch::optim::SGD>(lin->parameters(),
+                                                 torch::optim::SGDOptions(0.1));
+  cb::mixed_precision::TorchAMPOptimizer opt(
+      sgd, colossalai::amp::GradScalerOptions().growth_interval(3));
+  EXPECT_EQ(opt.scaler().get_scale(), 65536.0);
+
+  auto x = torch::randn({8, 4});
+  auto run = [&](bool plant, double value) {
+    opt.zero_grad();
+    opt.backward(lin(x).pow(2).mean());
+    if (plant) {
+      lin->weight.mutable_grad()[0][1] = value;
+    }
+    auto before = lin->weight.detach().clone();
+    opt.step();
+    return !at::equal(before, lin->weight.detach());
+  };
+  // inf and nan: step skipped, scale halves, growth restarts.
+  EXPECT_FALSE(run(true, std::numeric_limits<double>::infinity()));
+  EXPECT_TRUE(opt.last_step_skipped());
+  EXPECT_EQ(opt.scaler().get_scale(), 32768.0);
+  EXPECT_FALSE(run(true, std::nan("")));
+  EXPECT_EQ(opt.scaler().get_scale(), 16384.0);
+  // Clean steps update; after growth_interval of them the scale doubles.
+  EXPECT_TRUE(run(false, 0));
+  EXPECT_TRUE(run(false, 0));
+  EXPECT_EQ(opt.scaler().get_scale(), 16384.0);
+  EXPECT_TRUE(run(false, 0));
+  EXPECT_EQ(opt.scaler().get_scale(), 32768.0);
+  EXPECT_EQ(opt.scaler().growth_tracker(), 0);
+}
+
+TEST(GradScaler, UnscaledGradientsEqualUnscaledTraining) {
+  torch::manual_seed(0);
+  torch::nn::Linear a(4, 2), b(4, 2);
+  b->weight.data().copy_(a->weight.data());
+  b->bias.data().copy_(a->bias.data());
+  auto x = torch::randn({8, 4});
+  cb::mixed_precision::TorchAMPOptimizer opt(
+      std::make_shared<torch::optim::SGD>(a->parameters(),
+                                          torch::optim::SGDOptions(0.1)));
+  opt.backward(a(x).sum());
+  double norm = opt.clip_grad_by_norm(1e9);
+  b(x).sum().backward();
+  EXPECT_TRUE(at::allclose(a->weight.grad(), b->weight.grad()));
+  EXPECT_NEAR(norm,
+              torch::nn::utils::clip_grad_norm_(b->parameters(), 1e9), 1e-5);
+}
+
+TEST(GradScaler, RejectsBadOptions) {
+  EXPECT_NE(error_of([] {
+              colossalai::amp::GradScaler(
+                  colossalai::amp::GradScalerOptions().backoff_factor(2));
+            }).find("backoff_factor"),
+            std::string::npos);
+}
+
+TEST(OptimizerWrapper, ClippingMatchesTorch) {
+  for (double norm_type : {2.0, 1.0, std::numeric_limits<double>::infinity()}) {
+    torch::manual_seed(3);
+    torch::nn::Linear a(6, 3), b(6, 3);
+    b->weight.data().copy_(a->weight.data());
+    b->bias.data().copy_(a->bias.data());
+    auto x = torch::randn({5, 6});
+    ci::OptimizerWrapper opt(std::make_shared<torch::optim::Adam>(
+        a->parameters(), torch::optim::AdamOptions(1e-3)));
+    opt.backward(a(x).pow(2).sum());
+    b(x).pow(2).sum().backward();
+    double got = opt.clip_grad_by_norm(0.5, norm_type);
+    double want =
+        torch::nn::utils::clip_grad_norm_(b->parameters(), 0.5, norm_type);
+    EXPECT_NEAR(got, want, 1e-4 * want) << "norm_type " << norm_type;
+    EXPECT_TRUE(at::allclose(a->weight.grad(), b->weight.grad(), 1e-5, 1e-6));
+  }
+}
+
+TEST(OptimizerWrapper, WorksWithEveryTorchOptimizer) {
+  auto make = [](const std::string& kind, std::vector<at::Tensor> p)
+      -> std::shared_ptr<torch::optim::Optimizer> {
+    if (kind == "SGD")
+      return std::make_shared<torch::optim::SGD>(
+          p, torch::optim::SGDOptions(0.1).momentum(0.9));
+    if (kind == "Adam")
+      return std::make_shared<torch::optim::Adam>(p);
+    if (kind == "AdamW")
+      return std::make_shared<torch::optim::AdamW>(p);
+    if (kind == "RMSprop")
+      return std::make_shared<torch::optim::RMSprop>(p);
+    return std::make_shared<torch::optim::Adagrad>(p);
+  };
+  for (std::string kind : {"SGD", "Adam", "AdamW", "RMSprop", "Adagrad"}) {
+    torch::manual_seed(0);
+    torch::nn::Linear a(3, 3), b(3, 3);
+    b->weight.data().copy_(a->weight.data());
+    b->bias.data().copy_(a->bias.data());
+    auto x = torch::randn({4, 3});
+    cb::Booster booster;
+    auto boosted = booster.boost(a, make(kind, a->parameters()));
+    auto plain = make(kind, b->parameters());
+    for (int s = 0; s < 3; ++s) {
+      boosted.optimizer->zero_grad();
+      booster.backward(boosted.model(x).pow(2).mean(), *boosted.optimizer);
+      boosted.optimizer->step();
+      plain->zero_grad();
+      b(x).pow(2).mean().backward();
+      plain->step();
+    }
+    EXPECT_TRUE(at::equal(a->weight, b->weight)) << kind;
+    EXPECT_EQ(boosted.optimizer->param_groups().size(), 1u);
+  }
+}
+
+TEST(OptimizerWrapper, ZeroGradKeepsOrDropsGradients) {
+  torch::nn::Linear a(2, 2);
+  ci::OptimizerWrapper opt(std::make_shared<torch::optim::SGD>(
+      a->parameters(), torch::optim::SGDOptions(0.1)));
+  a(torch::ones({1, 2})).sum().backward();
+  opt.zero_grad(/*set_to_none=*/false);
+  ASSERT_TRUE(a->weight.grad().defined());
+  EXPECT_EQ(a->weight.grad().abs().sum().item<float>(), 0.0f);
+  opt.zero_grad();
+  EXPECT_FALSE(a->weight.grad().defined());
+}
+
+TEST(Booster, BoostedModelKeepsTheForwardSignatureAndUnwraps) {
+  struct TwoInputsImpl : torch::nn::Module {
+    TwoInputsImpl() {
+      lin = register_module("lin", torch::nn::Linear(2, 2));
+    }
+    at::Tensor forward(const at::Tensor& a, double scale) {
+      return lin(a) * scale;
+    }
+    torch::nn::Linear lin{nullptr};
+  };
+  auto model = std::make_shared<TwoInputsImpl>();
+  cb::Booster booster(cb::BoosterOptions().mixed_precision("bf16"));
+  auto [m, opt, crit, dl, sched] = booster.boost(model);
+  auto out = m(torch::ones({1, 2}), 2.0);
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16); // autocast around forward
+  EXPECT_EQ(m.unwrap().get(), model.get());
+  EXPECT_EQ(opt, nullptr);
+  // Autocast is off again outside the boosted call.
+  EXPECT_EQ(model->forward(torch::ones({1, 2}), 1.0).scalar_type(), at::kFloat);
+}
+
+TEST(Booster, BadPrecisionAndPluginCombinationsAreClearErrors) {
+  EXPECT_NE(error_of([] {
+              cb::Booster(cb::BoosterOptions().mixed_precision("fp8"));
+            }).find("mixed_precision"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              cb::Booster(cb::BoosterOptions().mixed_precision("fp16"));
+            }).find("CUDA"),
+            std::string::npos);
+
+  struct Fp32OnlyPlugin : cb::plugin::Plugin {
+    std::string name() const override {
+      return "Fp32OnlyPlugin";
+    }
+    std::vector<std::string> supported_devices() const override {
+      return {"cpu"};
+    }
+    std::vector<std::string> supported_precisions() const override {
+      return {"fp32"};
+    }
+    bool control_precision() const override {
+      return false;
+    }
+    bool control_device() const override {
+      return false;
+    }
+    bool support_no_sync() const override {
+      return false;
+    }
+    void configure(std::shared_ptr<ci::ModelWrapper>&,
+                   std::shared_ptr<ci::OptimizerWrapper>&) override {}
+  };
+  auto plugin = std::make_shared<Fp32OnlyPlugin>();
+  auto msg = error_of([&] {
+    cb::Booster(cb::BoosterOptions().plugin(plugin).mixed_precision("bf16"));
+  });
+  EXPECT_NE(msg.find("Fp32OnlyPlugin"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("bf16"), std::string::npos) << msg;
+
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  torch::nn::Linear lin(2, 2);
+  auto boosted = booster.boost(lin);
+  msg = error_of([&] { booster.no_sync(boosted.model); });
+  EXPECT_NE(msg.find("Fp32OnlyPlugin does not support no_sync"),
+            std::string::npos)
+      << msg;
+  msg = error_of([&] { plugin->enable_lora(lin.ptr()); });
+  EXPECT_NE(msg.find("Fp32OnlyPlugin does not support LoRA"),
+            std::string::npos);
+  msg = error_of([&] { plugin->get_checkpoint_io(); });
+  EXPECT_NE(msg.find("checkpoint IO"), std::string::npos);
+}
+
+TEST(Booster, DDPPluginNeedsLaunch) {
+  auto msg = error_of([] { cb::plugin::TorchDDPPlugin plugin; });
+  EXPECT_NE(msg.find("colossalai::launch"), std::string::npos) << msg;
+}
+
+TEST(DistributedSampler, ShardsAreDisjointDeterministicAndPadded) {
+  const size_t n = 10;
+  for (int world : {1, 2, 3, 4}) {
+    std::multiset<size_t> all;
+    for (int r = 0; r < world; ++r) {
+      colossalai::data::DistributedSampler s(n, world, r, true, 7);
+      auto a = s.indices();
+      colossalai::data::DistributedSampler again(n, world, r, true, 7);
+      EXPECT_EQ(a, again.indices()); // same seed + epoch, same order
+      EXPECT_EQ(a.size(), (n + world - 1) / world);
+      s.set_epoch(1);
+      EXPECT_NE(a, s.indices()); // reshuffled
+      all.insert(a.begin(), a.end());
+    }
+    // Every sample is drawn; only padding repeats.
+    std::set<size_t> distinct(all.begin(), all.end());
+    EXPECT_EQ(distinct.size(), n);
+    EXPECT_EQ(all.size(), ((n + world - 1) / world) * world);
+  }
+  colossalai::data::DistributedSampler dropped(10, 3, 2, false, 0, true);
+  EXPECT_EQ(dropped.indices(), (std::vector<size_t>{2, 5, 8}));
+}
+
+TEST(Launch, BadEnvironmentNamesTheVariable) {
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+  ::unsetenv("OMPI_COMM_WORLD_RANK");
+  ::unsetenv("SLURM_PROCID");
+  auto msg = error_of([] { colossalai::launch_from_env(); });
+  EXPECT_NE(msg.find("RANK"), std::string::npos) << msg;
+
+  ::setenv("RANK", "zero", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  msg = error_of([] { colossalai::launch_from_env(); });
+  EXPECT_NE(msg.find("RANK='zero'"), std::string::npos) << msg;
+
+  ::setenv("RANK", "0", 1);
+  ::unsetenv("MASTER_ADDR");
+  msg = error_of([] { colossalai::launch_from_env(); });
+  EXPECT_NE(msg.find("MASTER_ADDR"), std::string::npos) << msg;
+
+  ::setenv("RANK", "5", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", "1234", 1);
+  msg = error_of([] { colossalai::launch_from_env(); });
+  EXPECT_NE(msg.find("rank must be in [0, world_size=2)"), std::string::npos)
+      << msg;
+  for (auto v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
+    ::unsetenv(v);
+  }
+  msg = error_of([] {
+    colossalai::launch(colossalai::LaunchOptions().rank(0).world_size(1)
+                           .backend("mpi"));
+  });
+  EXPECT_NE(msg.find("backend"), std::string::npos) << msg;
+}
+
+TEST(Launch, UnreachableMasterTimesOutWithAClearError) {
+  // Rank 1 of 2 with nobody serving the port: the rendezvous must give up
+  // after the timeout and say where it tried.
+  int port = colossalai::testing::free_port();
+  auto t0 = std::chrono::steady_clock::now();
+  auto msg = error_of([&] {
+    colossalai::launch(colossalai::LaunchOptions()
+                           .rank(1)
+                           .world_size(2)
+                           .port(port)
+                           .timeout(std::chrono::seconds(2)));
+  });
+  auto elapsed = std::chrono::steady_clock::now() - t0;
+  EXPECT_NE(msg.find("rendezvous at 127.0.0.1:" + std::to_string(port)),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
+  EXPECT_LT(elapsed, std::chrono::seconds(60)); // bounded, not a hang
+}
+
+TEST(ProcessGroupMesh, GroupsAlongAxes) {
+  colossalai::testing::run_distributed(4, [](int rank, int) {
+    colossalai::cluster::ProcessGroupMesh mesh({2, 2});
+    EXPECT_EQ(mesh.coordinate(), (std::vector<int>{rank / 2, rank % 2}));
+    auto tp = mesh.get_group_along_axis(1);
+    auto dp = mesh.get_group_along_axis(0);
+    EXPECT_EQ(tp->ranks(), (std::vector<int>{rank / 2 * 2, rank / 2 * 2 + 1}));
+    EXPECT_EQ(dp->ranks(), (std::vector<int>{rank % 2, rank % 2 + 2}));
+    EXPECT_EQ(mesh.get_group_along_axis(1).get(), tp.get()); // cached
+    // The groups really communicate among their members only.
+    auto t = at::full({1}, static_cast<double>(rank));
+    colossalai::distributed::all_reduce(t, *tp).wait();
+    EXPECT_EQ(t.item<float>(), (rank / 2 * 2) * 2 + 1);
+    t.fill_(rank);
+    colossalai::distributed::all_reduce(t, *dp).wait();
+    EXPECT_EQ(t.item<float>(), (rank % 2) * 2 + 2);
+    EXPECT_EQ(mesh.get_group_along_axis({0, 1})->size(), 4);
+    EXPECT_THROW(colossalai::cluster::ProcessGroupMesh({3}), c10::Error);
+  });
+}
