@@ -53,6 +53,10 @@ RunOptions parse_run_args(const std::vector<std::string>& args);
 /// groups. POSIX only; one run() at a time per process.
 int run(const RunOptions& options);
 
+/// A TCP port on the loopback interface that is free right now (for a
+/// single-node run that must not collide with another job's port).
+int find_free_port();
+
 /// True when this process was started by a launcher (RANK or a cluster
 /// launcher's variables are set).
 bool launched_by_launcher();

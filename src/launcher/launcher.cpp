@@ -8,6 +8,9 @@
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -122,7 +125,8 @@ void on_signal(int sig) {
 }
 
 // SIGCHLD wakes the loop; SIGPIPE is ignored so a closed stdout does not kill
-// us and orphan the ranks. Forwarded signals come first.
+// us and orphan the ranks. A forwarded signal that is ignored on entry (as
+// under nohup) stays ignored, here and in the ranks.
 constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP};
 constexpr int kHandled[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE};
 constexpr int kNumHandled = sizeof(kHandled) / sizeof(kHandled[0]);
@@ -139,11 +143,17 @@ class SignalScope {
     }
     g_wake_fd.store(fds_[1]);
     for (int i = 0; i < kNumHandled; ++i) {
+      int sig = kHandled[i];
+      ::sigaction(sig, nullptr, &old_[i]);
+      bool forwarded = sig != SIGCHLD && sig != SIGPIPE;
+      if (forwarded && old_[i].sa_handler == SIG_IGN) {
+        continue;
+      }
       struct sigaction sa {};
-      sa.sa_handler = kHandled[i] == SIGPIPE ? SIG_IGN : on_signal;
-      sa.sa_flags = SA_RESTART | (kHandled[i] == SIGCHLD ? SA_NOCLDSTOP : 0);
+      sa.sa_handler = sig == SIGPIPE ? SIG_IGN : on_signal;
+      sa.sa_flags = SA_RESTART | (sig == SIGCHLD ? SA_NOCLDSTOP : 0);
       sigemptyset(&sa.sa_mask);
-      ::sigaction(kHandled[i], &sa, &old_[i]);
+      ::sigaction(sig, &sa, nullptr);
     }
   }
   ~SignalScope() {
@@ -285,7 +295,11 @@ void spawn(const RunOptions& o, int local_rank, Rank& r) {
   pid_t pid = ::fork();
   if (pid == 0) {
     for (int sig : kHandled) {
-      ::signal(sig, SIG_DFL);
+      struct sigaction cur;
+      ::sigaction(sig, nullptr, &cur);
+      if (sig == SIGPIPE || cur.sa_handler != SIG_IGN) {
+        ::signal(sig, SIG_DFL);
+      }
     }
     ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
     ::setpgid(0, 0);
@@ -704,6 +718,21 @@ int run(const RunOptions& options) {
 bool launched_by_launcher() {
   return utils::env_str("RANK") || utils::env_str("OMPI_COMM_WORLD_RANK") ||
       utils::env_str("SLURM_PROCID");
+}
+
+int find_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, "find_free_port: socket() failed: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0; // the kernel picks a free one
+  socklen_t len = sizeof(addr);
+  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  TORCH_CHECK(ok, "find_free_port: no free loopback port");
+  return ntohs(addr.sin_port);
 }
 
 } // namespace launcher

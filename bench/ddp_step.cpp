@@ -1,0 +1,236 @@
+// DDP step benchmark on gpt-small-cpu (shared reference workload).
+//
+// Each rank trains with TorchDDPPlugin; rounds alternate between steps with
+// gradient synchronization and steps under no_sync (no communication at all:
+// the floor for N processes sharing this machine), so both are measured under
+// the same conditions. Reports medians, peak RSS per rank and bytes
+// communicated per step, as JSON and one table line.
+//
+//   bench_ddp_step [--nproc 2] [--steps 10] [--rounds 3] [--warmup 2]
+//                  [--threads 1] [--bucket-cap-mb 25] [--out FILE.json]
+
+#include <colossalai/colossalai.h>
+
+#include <zoo/gpt.h>
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+namespace cb = colossalai::booster;
+namespace cd = colossalai::distributed;
+
+namespace {
+
+struct Args {
+  int nproc = 2;
+  int steps = 10;
+  int rounds = 3;
+  int warmup = 2;
+  int threads = 1;
+  double bucket_cap_mb = 25;
+  std::string out;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    TORCH_CHECK(i + 1 < argc, "option ", k, " needs a value");
+    std::string v = argv[++i];
+    if (k == "--nproc") a.nproc = std::stoi(v);
+    else if (k == "--steps") a.steps = std::stoi(v);
+    else if (k == "--rounds") a.rounds = std::stoi(v);
+    else if (k == "--warmup") a.warmup = std::stoi(v);
+    else if (k == "--threads") a.threads = std::stoi(v);
+    else if (k == "--bucket-cap-mb") a.bucket_cap_mb = std::stod(v);
+    else if (k == "--out") a.out = v;
+    else TORCH_CHECK(false, "unknown option ", k);
+  }
+  return a;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(p * (v.size() - 1) + 0.5)];
+}
+
+// Peak resident set size of this process, from /proc (kB -> bytes).
+int64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      return std::stoll(line.substr(6)) * 1024;
+    }
+  }
+  return -1;
+}
+
+std::string machine() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      return line.substr(line.find(':') + 2);
+    }
+  }
+  return "unknown";
+}
+
+int run_rank(const Args& a) {
+  colossalai::launch_from_env();
+  at::set_num_threads(a.threads);
+  const int rank = cd::get_rank(), world = cd::get_world_size();
+  auto cfg = colossalai::zoo::GPTConfig::small_cpu();
+
+  auto plugin = std::make_shared<cb::plugin::TorchDDPPlugin>(
+      cb::plugin::TorchDDPPluginOptions().bucket_cap_mb(a.bucket_cap_mb));
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  torch::manual_seed(0);
+  colossalai::zoo::GPT model(cfg);
+  auto optimizer = std::make_shared<torch::optim::AdamW>(
+      model->parameters(), torch::optim::AdamWOptions(3e-4)
+                               .betas({0.9, 0.999})
+                               .eps(1e-8)
+                               .weight_decay(0.01));
+  auto boosted = booster.boost(model, optimizer);
+  auto* ddp = colossalai::interface::find_wrapper<cb::plugin::TorchDDPModel>(
+      *boosted.model.wrapper());
+
+  auto batch = colossalai::zoo::random_tokens(8, cfg, 100 + rank);
+  auto step = [&](bool sync) {
+    auto t0 = std::chrono::steady_clock::now();
+    boosted.optimizer->zero_grad();
+    auto loss = colossalai::zoo::gpt_loss(boosted.model(batch.first),
+                                          batch.second);
+    if (sync) {
+      booster.backward(loss, *boosted.optimizer);
+    } else {
+      auto guard = booster.no_sync(boosted.model, boosted.optimizer.get());
+      booster.backward(loss, *boosted.optimizer);
+    }
+    boosted.optimizer->step();
+    return std::chrono::duration<double, std::milli>(
+               std::chrono::steady_clock::now() - t0).count();
+  };
+
+  std::map<std::string, std::vector<double>> times;
+  int64_t bytes = 0, synced_steps = 0;
+  for (int w = 0; w < a.warmup; ++w) {
+    step(true);
+    step(false);
+  }
+  for (int r = 0; r < a.rounds; ++r) {
+    for (bool sync : {true, false}) {
+      // Start each block together so neither mode eats the other's tail.
+      cd::barrier(*cd::world_group()).wait();
+      int64_t b0 = cd::bytes_communicated();
+      for (int s = 0; s < a.steps; ++s) {
+        times[sync ? "ddp" : "no_sync"].push_back(step(sync));
+      }
+      if (sync) {
+        bytes += cd::bytes_communicated() - b0;
+        synced_steps += a.steps;
+      }
+      if (rank == 0) {
+        std::fprintf(stderr, "round %d/%d %s done\n", r + 1, a.rounds,
+                     sync ? "ddp" : "no_sync");
+      }
+    }
+  }
+
+  // Per-rank peak RSS and medians to rank 0.
+  auto local = at::tensor({static_cast<double>(peak_rss_bytes()),
+                           median(times["ddp"]), median(times["no_sync"])},
+                          at::kDouble);
+  auto all = at::empty({3 * world}, at::kDouble);
+  cd::all_gather(all, local, *cd::world_group()).wait();
+  if (rank != 0) {
+    return 0;
+  }
+  double ddp_ms = median(times["ddp"]), floor_ms = median(times["no_sync"]);
+  std::ostringstream rss;
+  for (int r = 0; r < world; ++r) {
+    rss << (r ? ", " : "") << static_cast<int64_t>(all[3 * r].item<double>());
+  }
+  const int64_t params = cfg.num_parameters();
+  const double bytes_per_step = static_cast<double>(bytes) / synced_steps;
+  std::ostringstream json;
+  json << "{\n"
+       << "  \"benchmark\": \"ddp_step\",\n"
+       << "  \"model\": \"gpt-small-cpu\",\n"
+       << "  \"parameters\": " << params << ",\n"
+       << "  \"config\": {\"world_size\": " << world
+       << ", \"micro_batch\": 8, \"seq_len\": " << cfg.block_size()
+       << ", \"threads_per_rank\": " << a.threads
+       << ", \"bucket_cap_mb\": " << a.bucket_cap_mb
+       << ", \"steps_per_round\": " << a.steps << ", \"rounds\": " << a.rounds
+       << ", \"optimizer\": \"AdamW(3e-4, wd 0.01)\", \"dtype\": \"fp32\"},\n"
+       << "  \"machine\": {\"cpu\": \"" << machine()
+       << "\", \"cores\": " << std::thread::hardware_concurrency()
+       << ", \"torch\": \"" << TORCH_VERSION << "\"},\n"
+       << "  \"ddp_step_ms\": {\"median\": " << ddp_ms
+       << ", \"p10\": " << percentile(times["ddp"], 0.1)
+       << ", \"p90\": " << percentile(times["ddp"], 0.9) << "},\n"
+       << "  \"no_sync_step_ms\": {\"median\": " << floor_ms
+       << ", \"p10\": " << percentile(times["no_sync"], 0.1)
+       << ", \"p90\": " << percentile(times["no_sync"], 0.9) << "},\n"
+       << "  \"ratio_ddp_over_floor\": " << ddp_ms / floor_ms << ",\n"
+       << "  \"buckets\": " << ddp->bucket_numels().size() << ",\n"
+       << "  \"bytes_allreduced_per_step\": " << bytes_per_step << ",\n"
+       << "  \"bus_bytes_per_rank_per_step\": "
+       << bytes_per_step * 2.0 * (world - 1) / world << ",\n"
+       << "  \"peak_rss_bytes_per_rank\": [" << rss.str() << "]\n"
+       << "}\n";
+  if (!a.out.empty()) {
+    std::ofstream(a.out) << json.str();
+  }
+  std::cout << json.str();
+  std::printf(
+      "| gpt-small-cpu | %d ranks | DDP %.1f ms | no-sync floor %.1f ms | "
+      "ratio %.2fx | %.1f MB all-reduced/step | peak RSS rank0 %.0f MB |\n",
+      world, ddp_ms, floor_ms, ddp_ms / floor_ms, bytes_per_step / 1e6,
+      all[0].item<double>() / 1e6);
+  return 0;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Args a = parse(argc, argv);
+    if (!colossalai::launcher::launched_by_launcher()) {
+      colossalai::launcher::RunOptions o;
+      o.nproc_per_node = a.nproc;
+      o.master_port = colossalai::launcher::find_free_port();
+      o.prefix_output = false;
+      char exe[4096];
+      ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+      TORCH_CHECK(n > 0, "cannot find this program's path");
+      exe[n] = '\0';
+      o.program.assign(argv, argv + argc);
+      o.program[0] = exe;
+      return colossalai::launcher::run(o);
+    }
+    return run_rank(a);
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << cd::error_text(e) << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,247 @@
+// Trains a small residual CNN on Fashion-MNIST with the Booster.
+//
+//   train_fashion_mnist [--nproc 2] [--plugin ddp|none] [--epochs 3]
+//                       [--batch-size 64] [--precision fp32|bf16|fp16]
+//                       [--lr 2e-3] [--data-dir DIR]
+//
+// Started directly, it launches --nproc ranks of itself (as `colossalai run`
+// would); started by a launcher, it joins the launcher's ranks.
+
+#include <colossalai/colossalai.h>
+
+#include <zoo/cnn_fmnist.h>
+#include <zoo/fashion_mnist.h>
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+namespace cb = colossalai::booster;
+namespace cd = colossalai::distributed;
+using colossalai::zoo::FashionMNIST;
+
+namespace {
+
+struct Args {
+  int nproc = 2;
+  std::string plugin = "ddp";
+  int epochs = 3;
+  int batch_size = 64; // per rank
+  std::string precision = "fp32";
+  double lr = 2e-3;
+  std::string data_dir = FashionMNIST::default_root();
+  uint64_t seed = 1024;
+};
+
+const char* kUsage =
+    "usage: train_fashion_mnist [--nproc N] [--plugin ddp|none] [--epochs E]\n"
+    "                           [--batch-size B] [--precision fp32|bf16|fp16]\n"
+    "                           [--lr LR] [--data-dir DIR] [--seed S]\n"
+    "  --batch-size is per rank; the global batch is N*B.\n";
+
+Args parse(int argc, char** argv) {
+  Args a;
+  std::map<std::string, std::string> kv;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    if (k == "-h" || k == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    }
+    std::string v;
+    auto eq = k.find('=');
+    if (eq != std::string::npos) {
+      v = k.substr(eq + 1);
+      k = k.substr(0, eq);
+    } else {
+      TORCH_CHECK(i + 1 < argc, "option ", k, " needs a value\n", kUsage);
+      v = argv[++i];
+    }
+    kv[k] = v;
+  }
+  for (auto& [k, v] : kv) {
+    try {
+      if (k == "--nproc") a.nproc = std::stoi(v);
+      else if (k == "--plugin") a.plugin = v;
+      else if (k == "--epochs") a.epochs = std::stoi(v);
+      else if (k == "--batch-size") a.batch_size = std::stoi(v);
+      else if (k == "--precision") a.precision = v;
+      else if (k == "--lr") a.lr = std::stod(v);
+      else if (k == "--data-dir") a.data_dir = v;
+      else if (k == "--seed") a.seed = std::stoull(v);
+      else TORCH_CHECK(false, "unknown option ", k, "\n", kUsage);
+    } catch (const std::invalid_argument&) {
+      TORCH_CHECK(false, "option ", k, " expects a number, got '", v, "'");
+    }
+  }
+  TORCH_CHECK(a.nproc >= 1, "--nproc must be >= 1");
+  TORCH_CHECK(a.epochs >= 1, "--epochs must be >= 1");
+  TORCH_CHECK(a.batch_size >= 1, "--batch-size must be >= 1");
+  TORCH_CHECK(a.plugin == "ddp" || a.plugin == "none",
+              "--plugin must be 'ddp' or 'none', got '", a.plugin, "'");
+  TORCH_CHECK(a.plugin == "ddp" || a.nproc == 1,
+              "--plugin none trains in one process: use --nproc 1");
+  return a;
+}
+
+// Re-runs this program as `nproc` ranks through the launcher.
+int spawn_ranks(const Args& a, int argc, char** argv) {
+  colossalai::launcher::RunOptions o;
+  o.nproc_per_node = a.nproc;
+  o.master_port = colossalai::launcher::find_free_port();
+  o.prefix_output = false; // rank 0 prints; others stay quiet
+  char exe[4096];
+  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  TORCH_CHECK(n > 0, "cannot find this program's path");
+  exe[n] = '\0';
+  o.program.push_back(exe);
+  for (int i = 1; i < argc; ++i) {
+    o.program.push_back(argv[i]);
+  }
+  return colossalai::launcher::run(o);
+}
+
+void progress(int epoch, int epochs, size_t step, size_t steps, double loss,
+              double samples_per_s) {
+  const int width = 30;
+  int filled = static_cast<int>(width * step / std::max<size_t>(steps, 1));
+  std::printf("\repoch %d/%d [%s%s] %zu/%zu loss %.4f  %.0f samples/s", epoch,
+              epochs, std::string(filled, '#').c_str(),
+              std::string(width - filled, '.').c_str(), step, steps, loss,
+              samples_per_s);
+  std::fflush(stdout);
+}
+
+template <class Dataset>
+std::unique_ptr<colossalai::data::DistributedDataLoader<Dataset>> make_loader(
+    const std::shared_ptr<cb::plugin::TorchDDPPlugin>& plugin, Dataset ds,
+    size_t batch_size, bool shuffle, uint64_t seed) {
+  if (plugin) {
+    return plugin->prepare_dataloader(std::move(ds), batch_size, shuffle, seed);
+  }
+  auto size = *ds.size();
+  return std::make_unique<colossalai::data::DistributedDataLoader<Dataset>>(
+      std::move(ds),
+      colossalai::data::DistributedSampler(size, 1, 0, shuffle, seed),
+      torch::data::DataLoaderOptions(batch_size));
+}
+
+int train(const Args& a) {
+  const bool distributed = a.plugin == "ddp";
+  if (distributed) {
+    colossalai::launch_from_env();
+  }
+  const int rank = cd::get_rank();
+  const int world = cd::get_world_size();
+  // Ranks share the machine's cores.
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+  at::set_num_threads(std::max(1, cores / world));
+
+  FashionMNIST train_set(a.data_dir, FashionMNIST::Mode::kTrain);
+  FashionMNIST test_set(a.data_dir, FashionMNIST::Mode::kTest);
+
+  std::shared_ptr<cb::plugin::TorchDDPPlugin> plugin;
+  if (distributed) {
+    plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
+  }
+  cb::Booster booster(
+      cb::BoosterOptions().plugin(plugin).mixed_precision(a.precision));
+
+  torch::manual_seed(a.seed);
+  colossalai::zoo::CNNFashionMNIST model;
+  auto optimizer = std::make_shared<torch::optim::AdamW>(
+      model->parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(1e-4));
+  cb::Criterion criterion = [](const at::Tensor& logits,
+                               const at::Tensor& target) {
+    return torch::nn::functional::cross_entropy(logits.to(at::kFloat), target);
+  };
+  auto boosted = booster.boost(model, optimizer, criterion);
+
+  auto train_loader =
+      make_loader(plugin, train_set.map(torch::data::transforms::Stack<>()),
+                  a.batch_size, /*shuffle=*/true, a.seed);
+  auto test_loader =
+      make_loader(plugin, test_set.map(torch::data::transforms::Stack<>()),
+                  256, /*shuffle=*/false, a.seed);
+  if (rank == 0) {
+    std::printf("Fashion-MNIST: %zu train / %zu test images; model %lld "
+                "parameters; %d rank(s) x batch %d, plugin %s, precision %s\n",
+                *train_set.size(), *test_set.size(),
+                static_cast<long long>(
+                    colossalai::zoo::CNNFashionMNISTImpl::kNumParameters),
+                world, a.batch_size, a.plugin.c_str(), a.precision.c_str());
+  }
+
+  double accuracy = 0;
+  for (int epoch = 1; epoch <= a.epochs; ++epoch) {
+    boosted.model.train();
+    train_loader->set_epoch(epoch);
+    const size_t steps = train_loader->num_batches();
+    size_t step = 0;
+    double smooth = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    for (auto& batch : *train_loader) {
+      auto loss = boosted.criterion(boosted.model(batch.data), batch.target);
+      booster.backward(loss, *boosted.optimizer);
+      boosted.optimizer->step();
+      boosted.optimizer->zero_grad();
+      ++step;
+      double l = loss.item<double>();
+      smooth = step == 1 ? l : 0.95 * smooth + 0.05 * l;
+      if (rank == 0 && (step % 20 == 0 || step == steps)) {
+        double s = std::chrono::duration<double>(
+                       std::chrono::steady_clock::now() - t0).count();
+        progress(epoch, a.epochs, step, steps, smooth,
+                 step * a.batch_size * world / s);
+      }
+    }
+
+    // Test accuracy over every rank's shard of the test set.
+    boosted.model.eval();
+    at::NoGradGuard no_grad;
+    auto counts = at::zeros({2}, at::kDouble); // correct, seen
+    for (auto& batch : *test_loader) {
+      auto pred = boosted.model(batch.data).argmax(1);
+      counts[0] += pred.eq(batch.target).sum().item<double>();
+      counts[1] += batch.target.size(0);
+    }
+    if (distributed) {
+      cd::all_reduce(counts, *cd::world_group()).wait();
+    }
+    accuracy = counts[0].item<double>() / counts[1].item<double>();
+    if (rank == 0) {
+      double s = std::chrono::duration<double>(
+                     std::chrono::steady_clock::now() - t0).count();
+      std::printf("\nepoch %d/%d: test accuracy %.2f%% (%.0f images), %.1f s\n",
+                  epoch, a.epochs, 100 * accuracy, counts[1].item<double>(), s);
+      std::fflush(stdout);
+    }
+  }
+  if (rank == 0) {
+    std::printf("final test accuracy: %.2f%%\n", 100 * accuracy);
+  }
+  return 0;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Args a = parse(argc, argv);
+    if (a.plugin == "ddp" && !colossalai::launcher::launched_by_launcher()) {
+      return spawn_ranks(a, argc, argv);
+    }
+    return train(a);
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << cd::error_text(e) << std::endl;
+    return 1;
+  }
+}
