@@ -171,6 +171,13 @@ TEST(TorchDDP, BucketsFollowReverseOrderWithSmallFirstBucket) {
     int64_t total = 0;
     for (auto n : numels) total += n;
     EXPECT_EQ(total, 8 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4);
+
+    // Communication overlaps backward: every bucket starts its all-reduce
+    // from a gradient hook, while earlier layers' gradients are still being
+    // computed, not after backward.
+    auto x = at::randn({4, 8});
+    boosted.model(x).sum().backward();
+    EXPECT_EQ(ddp->buckets_overlapped(), numels.size());
   });
 }
 

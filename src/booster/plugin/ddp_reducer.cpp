@@ -163,6 +163,7 @@ void Reducer::launch_ready_buckets() {
     // Divide first, as PyTorch does: keeps fp16 sums in range.
     b.buffer.div_(group_->size());
     b.work = distributed::all_reduce(b.buffer, *group_);
+    overlapped_ += finalizing_ ? 0 : 1;
   }
 }
 
@@ -175,9 +176,13 @@ void Reducer::reset() {
   }
   next_bucket_ = 0;
   in_backward_ = false;
+  finalizing_ = false;
+  overlapped_ = 0;
 }
 
 void Reducer::finalize() {
+  finalizing_ = true;
+  overlapped_last_ = overlapped_;
   std::vector<size_t> missing;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!ready_[i]) {

@@ -36,6 +36,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   std::vector<int64_t> bucket_numels() const;
   int64_t bytes_per_sync() const;
+  /// Buckets whose all-reduce started from a gradient hook, i.e. while
+  /// backward was still computing, in the last synchronized backward.
+  size_t buckets_overlapped() const {
+    return overlapped_last_;
+  }
 
  private:
   struct Slot {
@@ -71,6 +76,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<int32_t> used_;
   size_t next_bucket_ = 0;
   bool in_backward_ = false;
+  bool finalizing_ = false;
+  size_t overlapped_ = 0;
+  size_t overlapped_last_ = 0;
 
   // static_graph: parameters found unused everywhere in the first iteration.
   bool unused_known_ = false;

@@ -126,6 +126,10 @@ int64_t TorchDDPModel::bytes_per_sync() const {
   return reducer_->bytes_per_sync();
 }
 
+size_t TorchDDPModel::buckets_overlapped() const {
+  return reducer_->buckets_overlapped();
+}
+
 TorchDDPPlugin::TorchDDPPlugin(TorchDDPPluginOptions options)
     : options_(options) {
   TORCH_CHECK(options.bucket_cap_mb() > 0,

@@ -42,6 +42,9 @@ class TorchDDPModel : public interface::ModelWrapper {
   std::vector<int64_t> bucket_numels() const;
   /// Bytes all-reduced per synchronized backward.
   int64_t bytes_per_sync() const;
+  /// Buckets whose all-reduce started while backward was still running, in
+  /// the last synchronized backward (the rest started at its end).
+  size_t buckets_overlapped() const;
 
  protected:
   void pre_forward() override;
