@@ -180,7 +180,7 @@ TEST(ZooCNN, ParameterCountAndShape) {
   torch::manual_seed(0);
   CNNFashionMNIST model;
   EXPECT_EQ(count_parameters(*model), CNNFashionMNISTImpl::kNumParameters);
-  EXPECT_EQ(count_parameters(*model), 116602);
+  EXPECT_EQ(count_parameters(*model), 147322);
   auto x = torch::randn({5, 1, 28, 28});
   auto logits = model->forward(x);
   EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{5, 10}));
@@ -190,6 +190,7 @@ TEST(ZooCNN, ParameterCountAndShape) {
   EXPECT_TRUE(model->fc->weight.grad().defined());
   model->eval();
   EXPECT_EQ(model->forward(x).sizes(), (std::vector<int64_t>{5, 10}));
+  EXPECT_THROW(model->forward(torch::randn({2, 1, 32, 32})), c10::Error);
 }
 
 // -------------------------------------------------------- Fashion-MNIST

@@ -39,20 +39,20 @@ CNNFashionMNISTImpl::CNNFashionMNISTImpl() {
   conv3 = register_module("conv3", conv3x3(32, 64, 2));
   bn3 = register_module("bn3", torch::nn::BatchNorm2d(64));
   res2 = register_module("res2", ResidualBlock(64));
-  fc = register_module("fc", torch::nn::Linear(64, kNumClasses));
+  fc = register_module("fc", torch::nn::Linear(64 * 7 * 7, kNumClasses));
 }
 
 at::Tensor CNNFashionMNISTImpl::forward(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 4 && x.size(1) == 1,
-              "CNNFashionMNIST: expected input [B, 1, H, W], got ",
+  TORCH_CHECK(x.dim() == 4 && x.size(1) == 1 && x.size(2) == 28 &&
+                  x.size(3) == 28,
+              "CNNFashionMNIST: expected input [B, 1, 28, 28], got ",
               x.sizes());
   auto h = torch::relu(bn1->forward(conv1->forward(x)));
   h = torch::relu(bn2->forward(conv2->forward(h)));
   h = res1->forward(h);
   h = torch::relu(bn3->forward(conv3->forward(h)));
   h = res2->forward(h);
-  h = h.mean({2, 3}); // global average pool -> [B, 64]
-  return fc->forward(h);
+  return fc->forward(h.flatten(1)); // [B, 64 * 7 * 7] -> [B, 10]
 }
 
 } // namespace zoo
