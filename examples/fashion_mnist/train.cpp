@@ -252,6 +252,8 @@ int main(int argc, char** argv) {
   try {
     Args a = parse(argc, argv);
     if (a.plugin == "ddp" && !colossalai::launcher::launched_by_launcher()) {
+      // Fail once, here, rather than once per rank when the data is missing.
+      FashionMNIST(a.data_dir, FashionMNIST::Mode::kTest);
       return spawn_ranks(a, argc, argv);
     }
     return train(a);
