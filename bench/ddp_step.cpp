@@ -16,8 +16,6 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -47,14 +45,22 @@ Args parse(int argc, char** argv) {
     std::string k = argv[i];
     TORCH_CHECK(i + 1 < argc, "option ", k, " needs a value");
     std::string v = argv[++i];
-    if (k == "--nproc") a.nproc = std::stoi(v);
-    else if (k == "--steps") a.steps = std::stoi(v);
-    else if (k == "--rounds") a.rounds = std::stoi(v);
-    else if (k == "--warmup") a.warmup = std::stoi(v);
-    else if (k == "--threads") a.threads = std::stoi(v);
-    else if (k == "--bucket-cap-mb") a.bucket_cap_mb = std::stod(v);
-    else if (k == "--out") a.out = v;
-    else TORCH_CHECK(false, "unknown option ", k);
+    if (k == "--nproc")
+      a.nproc = std::stoi(v);
+    else if (k == "--steps")
+      a.steps = std::stoi(v);
+    else if (k == "--rounds")
+      a.rounds = std::stoi(v);
+    else if (k == "--warmup")
+      a.warmup = std::stoi(v);
+    else if (k == "--threads")
+      a.threads = std::stoi(v);
+    else if (k == "--bucket-cap-mb")
+      a.bucket_cap_mb = std::stod(v);
+    else if (k == "--out")
+      a.out = v;
+    else
+      TORCH_CHECK(false, "unknown option ", k);
   }
   return a;
 }
@@ -105,10 +111,11 @@ int run_rank(const Args& a) {
   torch::manual_seed(0);
   colossalai::zoo::GPT model(cfg);
   auto optimizer = std::make_shared<torch::optim::AdamW>(
-      model->parameters(), torch::optim::AdamWOptions(3e-4)
-                               .betas({0.9, 0.999})
-                               .eps(1e-8)
-                               .weight_decay(0.01));
+      model->parameters(),
+      torch::optim::AdamWOptions(3e-4)
+          .betas({0.9, 0.999})
+          .eps(1e-8)
+          .weight_decay(0.01));
   auto boosted = booster.boost(model, optimizer);
   auto* ddp = colossalai::interface::find_wrapper<cb::plugin::TorchDDPModel>(
       *boosted.model.wrapper());
@@ -117,8 +124,8 @@ int run_rank(const Args& a) {
   auto step = [&](bool sync) {
     auto t0 = std::chrono::steady_clock::now();
     boosted.optimizer->zero_grad();
-    auto loss = colossalai::zoo::gpt_loss(boosted.model(batch.first),
-                                          batch.second);
+    auto loss =
+        colossalai::zoo::gpt_loss(boosted.model(batch.first), batch.second);
     if (sync) {
       booster.backward(loss, *boosted.optimizer);
     } else {
@@ -127,7 +134,8 @@ int run_rank(const Args& a) {
     }
     boosted.optimizer->step();
     return std::chrono::duration<double, std::milli>(
-               std::chrono::steady_clock::now() - t0).count();
+               std::chrono::steady_clock::now() - t0)
+        .count();
   };
 
   std::map<std::string, std::vector<double>> times;
@@ -149,16 +157,22 @@ int run_rank(const Args& a) {
         synced_steps += a.steps;
       }
       if (rank == 0) {
-        std::fprintf(stderr, "round %d/%d %s done\n", r + 1, a.rounds,
-                     sync ? "ddp" : "no_sync");
+        std::fprintf(
+            stderr,
+            "round %d/%d %s done\n",
+            r + 1,
+            a.rounds,
+            sync ? "ddp" : "no_sync");
       }
     }
   }
 
   // Per-rank peak RSS and medians to rank 0.
-  auto local = at::tensor({static_cast<double>(peak_rss_bytes()),
-                           median(times["ddp"]), median(times["no_sync"])},
-                          at::kDouble);
+  auto local = at::tensor(
+      {static_cast<double>(peak_rss_bytes()),
+       median(times["ddp"]),
+       median(times["no_sync"])},
+      at::kDouble);
   auto all = at::empty({3 * world}, at::kDouble);
   cd::all_gather(all, local, *cd::world_group()).wait();
   if (rank != 0) {
@@ -205,7 +219,11 @@ int run_rank(const Args& a) {
   std::printf(
       "| gpt-small-cpu | %d ranks | DDP %.1f ms | no-sync floor %.1f ms | "
       "ratio %.2fx | %.1f MB all-reduced/step | peak RSS rank0 %.0f MB |\n",
-      world, ddp_ms, floor_ms, ddp_ms / floor_ms, bytes_per_step / 1e6,
+      world,
+      ddp_ms,
+      floor_ms,
+      ddp_ms / floor_ms,
+      bytes_per_step / 1e6,
       all[0].item<double>() / 1e6);
   return 0;
 }
@@ -216,17 +234,7 @@ int main(int argc, char** argv) {
   try {
     Args a = parse(argc, argv);
     if (!colossalai::launcher::launched_by_launcher()) {
-      colossalai::launcher::RunOptions o;
-      o.nproc_per_node = a.nproc;
-      o.master_port = colossalai::launcher::find_free_port();
-      o.prefix_output = false;
-      char exe[4096];
-      ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-      TORCH_CHECK(n > 0, "cannot find this program's path");
-      exe[n] = '\0';
-      o.program.assign(argv, argv + argc);
-      o.program[0] = exe;
-      return colossalai::launcher::run(o);
+      return colossalai::launcher::run_self(a.nproc, argc, argv);
     }
     return run_rank(a);
   } catch (const std::exception& e) {

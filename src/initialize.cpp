@@ -34,20 +34,25 @@ void launch(const LaunchOptions& o) {
   TORCH_CHECK(!rt.initialized, "colossalai::launch: already launched");
   TORCH_CHECK(
       o.world_size() >= 1,
-      "colossalai::launch: world_size must be >= 1, got ", o.world_size());
+      "colossalai::launch: world_size must be >= 1, got ",
+      o.world_size());
   TORCH_CHECK(
       o.rank() >= 0 && o.rank() < o.world_size(),
-      "colossalai::launch: rank must be in [0, world_size=", o.world_size(),
-      "), got ", o.rank());
+      "colossalai::launch: rank must be in [0, world_size=",
+      o.world_size(),
+      "), got ",
+      o.rank());
   TORCH_CHECK(
       o.port() > 0 && o.port() < 65536,
-      "colossalai::launch: port must be in [1, 65535], got ", o.port());
+      "colossalai::launch: port must be in [1, 65535], got ",
+      o.port());
   TORCH_CHECK(
       o.timeout().count() > 0, "colossalai::launch: timeout must be positive");
   TORCH_CHECK(
       o.backend() == "auto" || o.backend() == "gloo" || o.backend() == "nccl",
       "colossalai::launch: backend must be 'auto', 'gloo' or 'nccl', got '",
-      o.backend(), "'");
+      o.backend(),
+      "'");
 
   bool cuda = torch::cuda::is_available();
   bool nccl = o.backend() == "nccl" || (o.backend() == "auto" && cuda);
@@ -83,8 +88,8 @@ void launch(const LaunchOptions& o) {
   rt.world_size = o.world_size();
   rt.timeout = o.timeout();
   rt.host = o.host();
-  rt.backend = nccl ? distributed::BackendType::kNccl
-                    : distributed::BackendType::kGloo;
+  rt.backend =
+      nccl ? distributed::BackendType::kNccl : distributed::BackendType::kGloo;
   if (nccl) {
     int count = static_cast<int>(torch::cuda::device_count());
     int local = o.local_rank() >= 0 ? o.local_rank() : o.rank() % count;
@@ -132,11 +137,19 @@ void launch_from_env(LaunchOptions base) {
       : env.source == "openmpi"                   ? "OMPI_COMM_WORLD_SIZE"
                                                   : "SLURM_NTASKS";
   TORCH_CHECK(
-      env.rank.has_value(), "launch_from_env (", env.source, "): ", rank_var,
+      env.rank.has_value(),
+      "launch_from_env (",
+      env.source,
+      "): ",
+      rank_var,
       " is not set");
   TORCH_CHECK(
-      env.world_size.has_value(), "launch_from_env (", env.source, "): ",
-      size_var, " is not set");
+      env.world_size.has_value(),
+      "launch_from_env (",
+      env.source,
+      "): ",
+      size_var,
+      " is not set");
   base.rank(*env.rank).world_size(*env.world_size);
   if (env.local_rank) {
     base.local_rank(*env.local_rank);

@@ -37,8 +37,8 @@ std::string error_of(const std::function<void()>& fn) {
 TEST(GradScaler, SkipsStepOnPlantedOverflowAndBacksOff) {
   torch::manual_seed(0);
   torch::nn::Linear lin(4, 2);
-  auto sgd = std::make_shared<torch::optim::SGD>(lin->parameters(),
-                                                 torch::optim::SGDOptions(0.1));
+  auto sgd = std::make_shared<torch::optim::SGD>(
+      lin->parameters(), torch::optim::SGDOptions(0.1));
   cb::mixed_precision::TorchAMPOptimizer opt(
       sgd, colossalai::amp::GradScalerOptions().growth_interval(3));
   EXPECT_EQ(opt.scaler().get_scale(), 65536.0);
@@ -76,22 +76,23 @@ TEST(GradScaler, UnscaledGradientsEqualUnscaledTraining) {
   b->bias.data().copy_(a->bias.data());
   auto x = torch::randn({8, 4});
   cb::mixed_precision::TorchAMPOptimizer opt(
-      std::make_shared<torch::optim::SGD>(a->parameters(),
-                                          torch::optim::SGDOptions(0.1)));
+      std::make_shared<torch::optim::SGD>(
+          a->parameters(), torch::optim::SGDOptions(0.1)));
   opt.backward(a(x).sum());
   double norm = opt.clip_grad_by_norm(1e9);
   b(x).sum().backward();
   EXPECT_TRUE(at::allclose(a->weight.grad(), b->weight.grad()));
-  EXPECT_NEAR(norm,
-              torch::nn::utils::clip_grad_norm_(b->parameters(), 1e9), 1e-5);
+  EXPECT_NEAR(
+      norm, torch::nn::utils::clip_grad_norm_(b->parameters(), 1e9), 1e-5);
 }
 
 TEST(GradScaler, RejectsBadOptions) {
-  EXPECT_NE(error_of([] {
-              colossalai::amp::GradScaler(
-                  colossalai::amp::GradScalerOptions().backoff_factor(2));
-            }).find("backoff_factor"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        colossalai::amp::GradScaler(
+            colossalai::amp::GradScalerOptions().backoff_factor(2));
+      }).find("backoff_factor"),
+      std::string::npos);
 }
 
 TEST(OptimizerWrapper, ClippingMatchesTorch) {
@@ -183,14 +184,16 @@ TEST(Booster, BoostedModelKeepsTheForwardSignatureAndUnwraps) {
 }
 
 TEST(Booster, BadPrecisionAndPluginCombinationsAreClearErrors) {
-  EXPECT_NE(error_of([] {
-              cb::Booster(cb::BoosterOptions().mixed_precision("fp8"));
-            }).find("mixed_precision"),
-            std::string::npos);
-  EXPECT_NE(error_of([] {
-              cb::Booster(cb::BoosterOptions().mixed_precision("fp16"));
-            }).find("CUDA"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        cb::Booster(cb::BoosterOptions().mixed_precision("fp8"));
+      }).find("mixed_precision"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        cb::Booster(cb::BoosterOptions().mixed_precision("fp16"));
+      }).find("CUDA"),
+      std::string::npos);
 
   struct Fp32OnlyPlugin : cb::plugin::Plugin {
     std::string name() const override {
@@ -211,8 +214,9 @@ TEST(Booster, BadPrecisionAndPluginCombinationsAreClearErrors) {
     bool support_no_sync() const override {
       return false;
     }
-    void configure(std::shared_ptr<ci::ModelWrapper>&,
-                   std::shared_ptr<ci::OptimizerWrapper>&) override {}
+    void configure(
+        std::shared_ptr<ci::ModelWrapper>&,
+        std::shared_ptr<ci::OptimizerWrapper>&) override {}
   };
   auto plugin = std::make_shared<Fp32OnlyPlugin>();
   auto msg = error_of([&] {
@@ -225,12 +229,12 @@ TEST(Booster, BadPrecisionAndPluginCombinationsAreClearErrors) {
   torch::nn::Linear lin(2, 2);
   auto boosted = booster.boost(lin);
   msg = error_of([&] { booster.no_sync(boosted.model); });
-  EXPECT_NE(msg.find("Fp32OnlyPlugin does not support no_sync"),
-            std::string::npos)
+  EXPECT_NE(
+      msg.find("Fp32OnlyPlugin does not support no_sync"), std::string::npos)
       << msg;
   msg = error_of([&] { plugin->enable_lora(lin.ptr()); });
-  EXPECT_NE(msg.find("Fp32OnlyPlugin does not support LoRA"),
-            std::string::npos);
+  EXPECT_NE(
+      msg.find("Fp32OnlyPlugin does not support LoRA"), std::string::npos);
   msg = error_of([&] { plugin->get_checkpoint_io(); });
   EXPECT_NE(msg.find("checkpoint IO"), std::string::npos);
 }
@@ -291,8 +295,8 @@ TEST(Launch, BadEnvironmentNamesTheVariable) {
     ::unsetenv(v);
   }
   msg = error_of([] {
-    colossalai::launch(colossalai::LaunchOptions().rank(0).world_size(1)
-                           .backend("mpi"));
+    colossalai::launch(
+        colossalai::LaunchOptions().rank(0).world_size(1).backend("mpi"));
   });
   EXPECT_NE(msg.find("backend"), std::string::npos) << msg;
 }
@@ -303,15 +307,14 @@ TEST(Launch, UnreachableMasterTimesOutWithAClearError) {
   int port = colossalai::testing::free_port();
   auto t0 = std::chrono::steady_clock::now();
   auto msg = error_of([&] {
-    colossalai::launch(colossalai::LaunchOptions()
-                           .rank(1)
-                           .world_size(2)
-                           .port(port)
-                           .timeout(std::chrono::seconds(2)));
+    colossalai::launch(
+        colossalai::LaunchOptions().rank(1).world_size(2).port(port).timeout(
+            std::chrono::seconds(2)));
   });
   auto elapsed = std::chrono::steady_clock::now() - t0;
-  EXPECT_NE(msg.find("rendezvous at 127.0.0.1:" + std::to_string(port)),
-            std::string::npos)
+  EXPECT_NE(
+      msg.find("rendezvous at 127.0.0.1:" + std::to_string(port)),
+      std::string::npos)
       << msg;
   EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
   EXPECT_LT(elapsed, std::chrono::seconds(60)); // bounded, not a hang

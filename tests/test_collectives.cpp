@@ -16,8 +16,10 @@ using colossalai::testing::run_distributed;
 
 namespace {
 
-const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16,
-                                             at::kHalf};
+const std::vector<at::ScalarType> kDtypes = {
+    at::kFloat,
+    at::kBFloat16,
+    at::kHalf};
 const std::vector<int64_t> kLengths = {1, 7, 1000, 1023};
 
 // Rank r's deterministic input: integers in [-8, 8].
@@ -26,8 +28,10 @@ at::Tensor input(int rank, int64_t n, at::ScalarType dtype, int salt = 0) {
   return ((i * 7 + rank * 13 + salt) % 17 - 8).to(dtype);
 }
 
-void expect_equal(const at::Tensor& got, const at::Tensor& want,
-                  const std::string& what) {
+void expect_equal(
+    const at::Tensor& got,
+    const at::Tensor& want,
+    const std::string& what) {
   ASSERT_EQ(got.sizes(), want.sizes()) << what;
   EXPECT_TRUE(at::equal(got.to(at::kFloat), want.to(at::kFloat)))
       << what << ": max diff "
@@ -40,8 +44,8 @@ void check_all(int rank, int world) {
   ASSERT_EQ(group->rank(), rank);
   for (auto dtype : kDtypes) {
     for (int64_t n : kLengths) {
-      std::string tag = std::string(c10::toString(dtype)) + " n=" +
-          std::to_string(n) + " world=" + std::to_string(world);
+      std::string tag = std::string(c10::toString(dtype)) +
+          " n=" + std::to_string(n) + " world=" + std::to_string(world);
       auto sum = at::zeros({n}, at::kFloat);
       auto max = at::full({n}, -100.0, at::kFloat);
       for (int r = 0; r < world; ++r) {
@@ -78,8 +82,10 @@ void check_all(int rank, int world) {
       // reduce_scatter from one flat tensor.
       auto out = at::empty({range.second - range.first}, dtype);
       cd::reduce_scatter(out, input(rank, n, dtype), *group).wait();
-      expect_equal(out, sum.slice(0, range.first, range.second),
-                   "reduce_scatter " + tag);
+      expect_equal(
+          out,
+          sum.slice(0, range.first, range.second),
+          "reduce_scatter " + tag);
     }
   }
 }
@@ -158,8 +164,10 @@ TEST(Collectives, AsyncHandlesOverlap) {
     std::vector<at::Tensor> ts;
     std::vector<cd::Work> works;
     for (int i = 0; i < 8; ++i) {
-      ts.push_back(at::full({4096}, static_cast<double>(rank + i),
-                            i % 2 ? at::kBFloat16 : at::kFloat));
+      ts.push_back(at::full(
+          {4096},
+          static_cast<double>(rank + i),
+          i % 2 ? at::kBFloat16 : at::kFloat));
       works.push_back(cd::all_reduce(ts.back(), *group));
     }
     for (int i = 0; i < 8; ++i) {

@@ -37,8 +37,7 @@ struct MLPImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) {
     return fc3(torch::gelu(fc2(torch::relu(fc1(x)))));
   }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr},
-      unused{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr}, unused{nullptr};
 };
 TORCH_MODULE(MLP);
 
@@ -85,8 +84,10 @@ std::vector<at::Tensor> reference(int steps, int world, double clip = 0) {
   return model->parameters();
 }
 
-void expect_close(const std::vector<at::Tensor>& got,
-                  const std::vector<at::Tensor>& want, const std::string& what) {
+void expect_close(
+    const std::vector<at::Tensor>& got,
+    const std::vector<at::Tensor>& want,
+    const std::string& what) {
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i) {
     EXPECT_TRUE(at::allclose(got[i], want[i], 1e-4, 1e-5))
@@ -95,8 +96,11 @@ void expect_close(const std::vector<at::Tensor>& got,
   }
 }
 
-void train_ddp_matches(int rank, int world, cb::plugin::TorchDDPPluginOptions o,
-                       double clip = 0) {
+void train_ddp_matches(
+    int rank,
+    int world,
+    cb::plugin::TorchDDPPluginOptions o,
+    double clip = 0) {
   auto plugin = std::make_shared<cb::plugin::TorchDDPPlugin>(o);
   cb::Booster booster(cb::BoosterOptions().plugin(plugin));
   // Different seeds per rank: the plugin must broadcast rank 0's weights.
@@ -118,16 +122,17 @@ void train_ddp_matches(int rank, int world, cb::plugin::TorchDDPPluginOptions o,
     }
     boosted.optimizer->step();
   }
-  expect_close(boosted.model.parameters(), reference(steps, world, clip),
-               "DDP vs single process");
+  expect_close(
+      boosted.model.parameters(),
+      reference(steps, world, clip),
+      "DDP vs single process");
 }
 
 } // namespace
 
 TEST(TorchDDP, MatchesSingleProcessTwoRanks) {
-  run_distributed(2, [](int rank, int world) {
-    train_ddp_matches(rank, world, {});
-  });
+  run_distributed(
+      2, [](int rank, int world) { train_ddp_matches(rank, world, {}); });
 }
 
 TEST(TorchDDP, MatchesSingleProcessThreeRanksManyBuckets) {
@@ -141,7 +146,8 @@ TEST(TorchDDP, MatchesSingleProcessThreeRanksManyBuckets) {
 TEST(TorchDDP, GradientAsBucketView) {
   run_distributed(2, [](int rank, int world) {
     train_ddp_matches(
-        rank, world,
+        rank,
+        world,
         cb::plugin::TorchDDPPluginOptions().gradient_as_bucket_view(true));
   });
 }
@@ -169,7 +175,8 @@ TEST(TorchDDP, BucketsFollowReverseOrderWithSmallFirstBucket) {
     EXPECT_EQ(numels.front(), 4 + 128 + 32);
     EXPECT_EQ(numels[1], 32 * 32);
     int64_t total = 0;
-    for (auto n : numels) total += n;
+    for (auto n : numels)
+      total += n;
     EXPECT_EQ(total, 8 * 32 + 32 + 32 * 32 + 32 + 32 * 4 + 4);
 
     // Communication overlaps backward: every bucket starts its all-reduce
@@ -201,7 +208,8 @@ TEST(TorchDDP, NoSyncAccumulationEqualsOneStepOnTheUnion) {
         auto g = model->fc1->weight.grad().clone();
         auto other = g.clone();
         colossalai::distributed::broadcast(
-            other, 0, *colossalai::distributed::world_group()).wait();
+            other, 0, *colossalai::distributed::world_group())
+            .wait();
         if (rank == 1) {
           EXPECT_FALSE(at::allclose(g, other));
         }
@@ -241,8 +249,9 @@ TEST(TorchDDP, UnusedParametersAreReportedOrHandled) {
       auto boosted = booster.boost(model, adamw(model), mse);
       auto b = local_batch(0, rank, world);
       try {
-        booster.backward(boosted.criterion(boosted.model(b.first), b.second),
-                         *boosted.optimizer);
+        booster.backward(
+            boosted.criterion(boosted.model(b.first), b.second),
+            *boosted.optimizer);
         ADD_FAILURE() << "expected an error naming the unused parameters";
       } catch (const c10::Error& e) {
         std::string msg = e.what();
@@ -262,8 +271,9 @@ TEST(TorchDDP, UnusedParametersAreReportedOrHandled) {
       for (int s = 0; s < 3; ++s) {
         auto b = local_batch(s, rank, world);
         boosted.optimizer->zero_grad();
-        booster.backward(boosted.criterion(boosted.model(b.first), b.second),
-                         *boosted.optimizer);
+        booster.backward(
+            boosted.criterion(boosted.model(b.first), b.second),
+            *boosted.optimizer);
         EXPECT_FALSE(model->unused->weight.grad().defined());
         boosted.optimizer->step();
       }
@@ -298,7 +308,8 @@ TEST(TorchDDP, Bf16TrainsAndStaysInSync) {
     for (auto& p : model->parameters()) {
       auto other = p.detach().clone();
       colossalai::distributed::broadcast(
-          other, 0, *colossalai::distributed::world_group()).wait();
+          other, 0, *colossalai::distributed::world_group())
+          .wait();
       EXPECT_TRUE(at::equal(other, p.detach()));
     }
   });
@@ -307,8 +318,8 @@ TEST(TorchDDP, Bf16TrainsAndStaysInSync) {
 TEST(TorchDDP, BuffersBroadcastFromRankZero) {
   run_distributed(2, [](int rank, int) {
     torch::manual_seed(1);
-    auto model = torch::nn::Sequential(torch::nn::Linear(4, 4),
-                                       torch::nn::BatchNorm1d(4));
+    auto model = torch::nn::Sequential(
+        torch::nn::Linear(4, 4), torch::nn::BatchNorm1d(4));
     auto plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
     cb::Booster booster(cb::BoosterOptions().plugin(plugin));
     auto boosted = booster.boost(model.ptr());
@@ -322,7 +333,8 @@ TEST(TorchDDP, BuffersBroadcastFromRankZero) {
     boosted.model(x); // eval: broadcast only, no update
     auto after0 = mean.clone();
     colossalai::distributed::broadcast(
-        after0, 0, *colossalai::distributed::world_group()).wait();
+        after0, 0, *colossalai::distributed::world_group())
+        .wait();
     EXPECT_TRUE(at::equal(mean, after0));
   });
 }
@@ -356,8 +368,8 @@ TEST(TorchDDP, RankExitingMidTrainingStopsTheOthers) {
           std::string msg = e.what();
           EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
           // Found by the dead connection, not by the 60 s timeout.
-          EXPECT_LT(std::chrono::steady_clock::now() - t0,
-                    std::chrono::seconds(30));
+          EXPECT_LT(
+              std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
         }
       },
       o);

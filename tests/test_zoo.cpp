@@ -69,8 +69,9 @@ TEST(ZooGPT, ParameterCount) {
   EXPECT_EQ(count_parameters(*model), 5289472);
   EXPECT_EQ(GPTConfig().num_parameters(), 5289472);
   // The analytic count must follow the real layout for other shapes too.
-  const auto other = GPTConfig().vocab_size(100).block_size(16).n_embd(32)
-                         .n_head(2).n_layer(3);
+  const auto other =
+      GPTConfig().vocab_size(100).block_size(16).n_embd(32).n_head(2).n_layer(
+          3);
   EXPECT_EQ(count_parameters(*GPT(other)), other.num_parameters());
 }
 
@@ -117,14 +118,14 @@ TEST(ZooGPT, ForwardShapeAndLoss) {
 
   // Shorter sequences are fine.
   auto short_idx = batch.first.slice(1, 0, 10);
-  EXPECT_EQ(model->forward(short_idx).sizes(),
-            (std::vector<int64_t>{2, 10, 4096}));
+  EXPECT_EQ(
+      model->forward(short_idx).sizes(), (std::vector<int64_t>{2, 10, 4096}));
 }
 
 TEST(ZooGPT, AttentionIsCausal) {
   torch::manual_seed(0);
-  GPT model(GPTConfig().vocab_size(50).block_size(8).n_embd(16).n_head(2)
-                .n_layer(2));
+  GPT model(
+      GPTConfig().vocab_size(50).block_size(8).n_embd(16).n_head(2).n_layer(2));
   torch::NoGradGuard no_grad;
   auto idx = torch::randint(50, {1, 8}, torch::kLong);
   auto changed = idx.clone();
@@ -148,9 +149,13 @@ TEST(ZooGPT, DeterministicInitAndTokens) {
     EXPECT_TRUE(torch::equal(pa[i], pb[i]));
   }
   EXPECT_NEAR(a->wte->weight.std().item<double>(), 0.02, 0.002);
-  EXPECT_EQ(a->blocks[0]->as<colossalai::zoo::BlockImpl>()
-                ->qkv->bias.abs().sum().item<double>(),
-            0.0);
+  EXPECT_EQ(
+      a->blocks[0]
+          ->as<colossalai::zoo::BlockImpl>()
+          ->qkv->bias.abs()
+          .sum()
+          .item<double>(),
+      0.0);
 
   const GPTConfig c;
   auto t1 = colossalai::zoo::random_tokens(3, c, 99);
@@ -165,12 +170,10 @@ TEST(ZooGPT, DeterministicInitAndTokens) {
 }
 
 TEST(ZooGPT, RejectsBadInput) {
-  GPT model(GPTConfig().vocab_size(10).block_size(4).n_embd(8).n_head(2)
-                .n_layer(1));
-  EXPECT_THROW(model->forward(torch::zeros({1, 5}, torch::kLong)),
-               c10::Error);
-  EXPECT_THROW(model->forward(torch::zeros({1, 4}, torch::kInt)),
-               c10::Error);
+  GPT model(
+      GPTConfig().vocab_size(10).block_size(4).n_embd(8).n_head(2).n_layer(1));
+  EXPECT_THROW(model->forward(torch::zeros({1, 5}, torch::kLong)), c10::Error);
+  EXPECT_THROW(model->forward(torch::zeros({1, 4}, torch::kInt)), c10::Error);
   EXPECT_THROW(GPT(GPTConfig().n_embd(10).n_head(4)), c10::Error);
 }
 
@@ -199,7 +202,7 @@ bool dataset_installed() {
   struct stat st;
   const auto root = FashionMNIST::default_root();
   return ::stat((root + "/train-images-idx3-ubyte.gz").c_str(), &st) == 0 &&
-         ::stat((root + "/t10k-labels-idx1-ubyte.gz").c_str(), &st) == 0;
+      ::stat((root + "/t10k-labels-idx1-ubyte.gz").c_str(), &st) == 0;
 }
 
 TEST(ZooFashionMNIST, RealData) {
@@ -274,13 +277,15 @@ class ZooFashionMNISTFiles : public ::testing::Test {
     return out;
   }
 
-  std::string write_gz(const std::string& name,
-                       const std::vector<uint8_t>& data) {
+  std::string write_gz(
+      const std::string& name,
+      const std::vector<uint8_t>& data) {
     const std::string path = dir_ + "/" + name;
     gzFile f = gzopen(path.c_str(), "wb");
     EXPECT_NE(f, nullptr);
-    EXPECT_EQ(gzwrite(f, data.data(), static_cast<unsigned>(data.size())),
-              static_cast<int>(data.size()));
+    EXPECT_EQ(
+        gzwrite(f, data.data(), static_cast<unsigned>(data.size())),
+        static_cast<int>(data.size()));
     gzclose(f);
     written_.push_back(path);
     return path;
@@ -308,8 +313,8 @@ TEST_F(ZooFashionMNISTFiles, LoadsSyntheticFiles) {
   EXPECT_EQ(ds.images().sizes(), (std::vector<int64_t>{20, 1, 28, 28}));
   EXPECT_EQ(ds.get(13).target.item<int64_t>(), 3);
   // Pixel 1 of image 0 has raw value 1.
-  const double expected = (1.0 / 255.0 - FashionMNIST::kMean) /
-                          FashionMNIST::kStd;
+  const double expected =
+      (1.0 / 255.0 - FashionMNIST::kMean) / FashionMNIST::kStd;
   EXPECT_NEAR(ds.get(0).data[0][0][1].item<double>(), expected, 1e-6);
   EXPECT_THROW(ds.get(20), c10::Error);
 }
@@ -318,19 +323,20 @@ TEST_F(ZooFashionMNISTFiles, MissingDirectory) {
   const std::string missing = dir_ + "/nope";
   auto msg = error_message([&] { FashionMNIST ds(missing); });
   EXPECT_NE(msg.find(missing), std::string::npos) << msg;
-  EXPECT_NE(msg.find("install the Debian package dataset-fashion-mnist"),
-            std::string::npos)
+  EXPECT_NE(
+      msg.find("install the Debian package dataset-fashion-mnist"),
+      std::string::npos)
       << msg;
 }
 
 TEST_F(ZooFashionMNISTFiles, MissingFile) {
   write_gz("train-images-idx3-ubyte.gz", idx_images(2, 2 * 784));
   auto msg = error_message([&] { FashionMNIST ds(dir_); });
-  EXPECT_NE(msg.find(dir_ + "/train-labels-idx1-ubyte.gz"),
-            std::string::npos)
+  EXPECT_NE(msg.find(dir_ + "/train-labels-idx1-ubyte.gz"), std::string::npos)
       << msg;
-  EXPECT_NE(msg.find("install the Debian package dataset-fashion-mnist"),
-            std::string::npos)
+  EXPECT_NE(
+      msg.find("install the Debian package dataset-fashion-mnist"),
+      std::string::npos)
       << msg;
 }
 
@@ -359,8 +365,7 @@ TEST_F(ZooFashionMNISTFiles, TruncatedGzipStream) {
 
 TEST_F(ZooFashionMNISTFiles, WrongMagic) {
   // Labels where images belong.
-  const auto images =
-      write_gz("train-images-idx3-ubyte.gz", idx_labels(10));
+  const auto images = write_gz("train-images-idx3-ubyte.gz", idx_labels(10));
   write_gz("train-labels-idx1-ubyte.gz", idx_labels(10));
   auto msg = error_message([&] { FashionMNIST ds(dir_); });
   EXPECT_NE(msg.find(images), std::string::npos) << msg;

@@ -43,10 +43,10 @@ CNNFashionMNISTImpl::CNNFashionMNISTImpl() {
 }
 
 at::Tensor CNNFashionMNISTImpl::forward(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 4 && x.size(1) == 1 && x.size(2) == 28 &&
-                  x.size(3) == 28,
-              "CNNFashionMNIST: expected input [B, 1, 28, 28], got ",
-              x.sizes());
+  TORCH_CHECK(
+      x.dim() == 4 && x.size(1) == 1 && x.size(2) == 28 && x.size(3) == 28,
+      "CNNFashionMNIST: expected input [B, 1, 28, 28], got ",
+      x.sizes());
   auto h = torch::relu(bn1->forward(conv1->forward(x)));
   h = torch::relu(bn2->forward(conv2->forward(h)));
   h = res1->forward(h);

@@ -40,15 +40,15 @@ std::string hex32(uint32_t v) {
 // IDX header, so a stream that ends early is caught either here (zlib
 // reports it) or there (too few bytes).
 std::vector<uint8_t> read_gz(const std::string& path) {
-  TORCH_CHECK(is_file(path), "FashionMNIST: missing file '", path, "'; ",
-              kInstallHint);
+  TORCH_CHECK(
+      is_file(path), "FashionMNIST: missing file '", path, "'; ", kInstallHint);
   gzFile file = gzopen(path.c_str(), "rb");
   TORCH_CHECK(file != nullptr, "FashionMNIST: cannot open '", path, "'");
   std::vector<uint8_t> bytes;
   std::vector<uint8_t> chunk(1 << 20);
   while (true) {
-    const int n = gzread(file, chunk.data(),
-                         static_cast<unsigned>(chunk.size()));
+    const int n =
+        gzread(file, chunk.data(), static_cast<unsigned>(chunk.size()));
     if (n <= 0) {
       int errnum = Z_OK;
       const char* msg = gzerror(file, &errnum);
@@ -60,8 +60,13 @@ std::vector<uint8_t> read_gz(const std::string& path) {
           what.erase(0, prefix.size());
         }
         gzclose(file);
-        TORCH_CHECK(false, "FashionMNIST: '", path,
-                    "' is corrupt or truncated (zlib: ", what, ")");
+        TORCH_CHECK(
+            false,
+            "FashionMNIST: '",
+            path,
+            "' is corrupt or truncated (zlib: ",
+            what,
+            ")");
       }
       break;
     }
@@ -73,46 +78,77 @@ std::vector<uint8_t> read_gz(const std::string& path) {
 
 uint32_t read_be32(const std::vector<uint8_t>& bytes, size_t offset) {
   return (uint32_t{bytes[offset]} << 24) | (uint32_t{bytes[offset + 1]} << 16) |
-         (uint32_t{bytes[offset + 2]} << 8) | uint32_t{bytes[offset + 3]};
+      (uint32_t{bytes[offset + 2]} << 8) | uint32_t{bytes[offset + 3]};
 }
 
-void check_header(const std::string& path, const std::vector<uint8_t>& bytes,
-                  size_t header_bytes) {
-  TORCH_CHECK(bytes.size() >= header_bytes, "FashionMNIST: '", path,
-              "' is truncated: ", bytes.size(),
-              " bytes after decompression, shorter than the ", header_bytes,
-              "-byte IDX header");
+void check_header(
+    const std::string& path,
+    const std::vector<uint8_t>& bytes,
+    size_t header_bytes) {
+  TORCH_CHECK(
+      bytes.size() >= header_bytes,
+      "FashionMNIST: '",
+      path,
+      "' is truncated: ",
+      bytes.size(),
+      " bytes after decompression, shorter than the ",
+      header_bytes,
+      "-byte IDX header");
 }
 
-void check_size(const std::string& path, const std::vector<uint8_t>& bytes,
-                size_t expected) {
-  TORCH_CHECK(bytes.size() >= expected, "FashionMNIST: '", path,
-              "' is truncated: expected ", expected,
-              " bytes after decompression, got ", bytes.size());
-  TORCH_CHECK(bytes.size() == expected, "FashionMNIST: '", path,
-              "' is corrupt: expected ", expected,
-              " bytes after decompression, got ", bytes.size());
+void check_size(
+    const std::string& path,
+    const std::vector<uint8_t>& bytes,
+    size_t expected) {
+  TORCH_CHECK(
+      bytes.size() >= expected,
+      "FashionMNIST: '",
+      path,
+      "' is truncated: expected ",
+      expected,
+      " bytes after decompression, got ",
+      bytes.size());
+  TORCH_CHECK(
+      bytes.size() == expected,
+      "FashionMNIST: '",
+      path,
+      "' is corrupt: expected ",
+      expected,
+      " bytes after decompression, got ",
+      bytes.size());
 }
 
 at::Tensor read_images(const std::string& path) {
   auto bytes = read_gz(path);
   check_header(path, bytes, 16);
   const uint32_t magic = read_be32(bytes, 0);
-  TORCH_CHECK(magic == kImageMagic, "FashionMNIST: '", path,
-              "' is not an IDX image file (magic ", hex32(magic),
-              ", expected ", hex32(kImageMagic), ")");
+  TORCH_CHECK(
+      magic == kImageMagic,
+      "FashionMNIST: '",
+      path,
+      "' is not an IDX image file (magic ",
+      hex32(magic),
+      ", expected ",
+      hex32(kImageMagic),
+      ")");
   const uint32_t count = read_be32(bytes, 4);
   const uint32_t rows = read_be32(bytes, 8);
   const uint32_t cols = read_be32(bytes, 12);
-  TORCH_CHECK(rows == FashionMNIST::kRows && cols == FashionMNIST::kCols,
-              "FashionMNIST: '", path, "' holds ", rows, "x", cols,
-              " images, expected 28x28");
+  TORCH_CHECK(
+      rows == FashionMNIST::kRows && cols == FashionMNIST::kCols,
+      "FashionMNIST: '",
+      path,
+      "' holds ",
+      rows,
+      "x",
+      cols,
+      " images, expected 28x28");
   check_size(path, bytes, 16 + size_t{count} * rows * cols);
   // from_blob borrows `bytes`; the float conversion copies before it dies.
-  auto raw = torch::from_blob(bytes.data() + 16,
-                              {int64_t{count}, 1, FashionMNIST::kRows,
-                               FashionMNIST::kCols},
-                              torch::kUInt8);
+  auto raw = torch::from_blob(
+      bytes.data() + 16,
+      {int64_t{count}, 1, FashionMNIST::kRows, FashionMNIST::kCols},
+      torch::kUInt8);
   return raw.to(torch::kFloat)
       .div_(255.0)
       .sub_(FashionMNIST::kMean)
@@ -123,50 +159,82 @@ at::Tensor read_labels(const std::string& path) {
   auto bytes = read_gz(path);
   check_header(path, bytes, 8);
   const uint32_t magic = read_be32(bytes, 0);
-  TORCH_CHECK(magic == kLabelMagic, "FashionMNIST: '", path,
-              "' is not an IDX label file (magic ", hex32(magic),
-              ", expected ", hex32(kLabelMagic), ")");
+  TORCH_CHECK(
+      magic == kLabelMagic,
+      "FashionMNIST: '",
+      path,
+      "' is not an IDX label file (magic ",
+      hex32(magic),
+      ", expected ",
+      hex32(kLabelMagic),
+      ")");
   const uint32_t count = read_be32(bytes, 4);
   check_size(path, bytes, 8 + size_t{count});
-  auto labels = torch::from_blob(bytes.data() + 8, {int64_t{count}},
-                                 torch::kUInt8)
-                    .to(torch::kLong);
+  auto labels =
+      torch::from_blob(bytes.data() + 8, {int64_t{count}}, torch::kUInt8)
+          .to(torch::kLong);
   if (count > 0) {
     const int64_t max_label = labels.max().item<int64_t>();
-    TORCH_CHECK(max_label < FashionMNIST::kNumClasses, "FashionMNIST: '",
-                path, "' is corrupt: label ", max_label,
-                " is outside [0, 9]");
+    TORCH_CHECK(
+        max_label < FashionMNIST::kNumClasses,
+        "FashionMNIST: '",
+        path,
+        "' is corrupt: label ",
+        max_label,
+        " is outside [0, 9]");
   }
   return labels;
 }
 
 } // namespace
 
-FashionMNIST::FashionMNIST(const std::string& root, Mode mode)
-    : mode_(mode) {
-  TORCH_CHECK(is_directory(root), "FashionMNIST: directory '", root,
-              "' does not exist; ", kInstallHint);
+FashionMNIST::FashionMNIST(const std::string& root, Mode mode) : mode_(mode) {
+  TORCH_CHECK(
+      is_directory(root),
+      "FashionMNIST: directory '",
+      root,
+      "' does not exist; ",
+      kInstallHint);
   const std::string prefix =
       root + "/" + (mode == Mode::kTrain ? "train" : "t10k");
   const std::string images_path = prefix + "-images-idx3-ubyte.gz";
   const std::string labels_path = prefix + "-labels-idx1-ubyte.gz";
   // Check both names first so a half-installed directory reports the
   // missing file rather than whichever happened to be read first.
-  TORCH_CHECK(is_file(images_path), "FashionMNIST: missing file '",
-              images_path, "'; ", kInstallHint);
-  TORCH_CHECK(is_file(labels_path), "FashionMNIST: missing file '",
-              labels_path, "'; ", kInstallHint);
+  TORCH_CHECK(
+      is_file(images_path),
+      "FashionMNIST: missing file '",
+      images_path,
+      "'; ",
+      kInstallHint);
+  TORCH_CHECK(
+      is_file(labels_path),
+      "FashionMNIST: missing file '",
+      labels_path,
+      "'; ",
+      kInstallHint);
   images_ = read_images(images_path);
   labels_ = read_labels(labels_path);
-  TORCH_CHECK(images_.size(0) == labels_.size(0), "FashionMNIST: '",
-              images_path, "' has ", images_.size(0), " images but '",
-              labels_path, "' has ", labels_.size(0), " labels");
+  TORCH_CHECK(
+      images_.size(0) == labels_.size(0),
+      "FashionMNIST: '",
+      images_path,
+      "' has ",
+      images_.size(0),
+      " images but '",
+      labels_path,
+      "' has ",
+      labels_.size(0),
+      " labels");
 }
 
 torch::data::Example<> FashionMNIST::get(size_t index) {
-  TORCH_CHECK(index < static_cast<size_t>(images_.size(0)),
-              "FashionMNIST: index ", index, " out of range for size ",
-              images_.size(0));
+  TORCH_CHECK(
+      index < static_cast<size_t>(images_.size(0)),
+      "FashionMNIST: index ",
+      index,
+      " out of range for size ",
+      images_.size(0));
   const auto i = static_cast<int64_t>(index);
   return {images_[i], labels_[i]};
 }
@@ -181,10 +249,21 @@ std::string FashionMNIST::default_root() {
 
 const char* FashionMNIST::class_name(int64_t label) {
   static const char* const kNames[kNumClasses] = {
-      "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-      "Sandal",      "Shirt",   "Sneaker",  "Bag",   "Ankle boot"};
-  TORCH_CHECK(label >= 0 && label < kNumClasses,
-              "FashionMNIST: label ", label, " is outside [0, 9]");
+      "T-shirt/top",
+      "Trouser",
+      "Pullover",
+      "Dress",
+      "Coat",
+      "Sandal",
+      "Shirt",
+      "Sneaker",
+      "Bag",
+      "Ankle boot"};
+  TORCH_CHECK(
+      label >= 0 && label < kNumClasses,
+      "FashionMNIST: label ",
+      label,
+      " is outside [0, 9]");
   return kNames[label];
 }
 

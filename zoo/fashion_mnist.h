@@ -46,8 +46,9 @@ class FashionMNIST : public torch::data::datasets::Dataset<FashionMNIST> {
   /// Loads one split from `root`. Throws c10::Error naming the path when
   /// the directory or a file is missing, and naming the file when it is
   /// corrupt, truncated, or not an IDX file of the expected kind.
-  explicit FashionMNIST(const std::string& root = default_root(),
-                        Mode mode = Mode::kTrain);
+  explicit FashionMNIST(
+      const std::string& root = default_root(),
+      Mode mode = Mode::kTrain);
 
   /// (image [1, 28, 28] float normalised as (x/255 - kMean)/kStd,
   ///  label [] int64 in [0, 9]).
@@ -55,13 +56,19 @@ class FashionMNIST : public torch::data::datasets::Dataset<FashionMNIST> {
 
   c10::optional<size_t> size() const override;
 
-  bool is_train() const { return mode_ == Mode::kTrain; }
+  bool is_train() const {
+    return mode_ == Mode::kTrain;
+  }
 
   /// All images [N, 1, 28, 28] float, normalised.
-  const at::Tensor& images() const { return images_; }
+  const at::Tensor& images() const {
+    return images_;
+  }
 
   /// All labels [N] int64.
-  const at::Tensor& labels() const { return labels_; }
+  const at::Tensor& labels() const {
+    return labels_;
+  }
 
   /// Where the Debian package installs the files.
   static std::string default_root();

@@ -39,7 +39,9 @@ torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias) {
 
 } // namespace
 
-GPTConfig GPTConfig::small_cpu() { return GPTConfig(); }
+GPTConfig GPTConfig::small_cpu() {
+  return GPTConfig();
+}
 
 GPTConfig GPTConfig::gpt2_medium() {
   return GPTConfig()
@@ -54,16 +56,20 @@ int64_t GPTConfig::num_parameters() const {
   const int64_t c = n_embd_;
   const int64_t layer_norm = 2 * c;
   const int64_t block = layer_norm + (c * 3 * c + 3 * c) + (c * c + c) +
-                        layer_norm + (c * 4 * c + 4 * c) + (4 * c * c + c);
+      layer_norm + (c * 4 * c + 4 * c) + (4 * c * c + c);
   return vocab_size_ * c + block_size_ * c + n_layer_ * block + layer_norm +
-         c * vocab_size_;
+      c * vocab_size_;
 }
 
 BlockImpl::BlockImpl(const GPTConfig& config) : config_(config) {
   const int64_t c = config.n_embd();
-  TORCH_CHECK(config.n_head() > 0 && c % config.n_head() == 0,
-              "GPT: n_embd (", c, ") must be a multiple of n_head (",
-              config.n_head(), ")");
+  TORCH_CHECK(
+      config.n_head() > 0 && c % config.n_head() == 0,
+      "GPT: n_embd (",
+      c,
+      ") must be a multiple of n_head (",
+      config.n_head(),
+      ")");
   ln1 = register_module("ln1", make_layer_norm(c));
   qkv = register_module("qkv", make_linear(c, 3 * c, true));
   proj = register_module("proj", make_linear(c, c, true));
@@ -99,7 +105,7 @@ at::Tensor BlockImpl::causal_self_attention(const at::Tensor& x) {
   auto v = parts[2].view({b, t, h, d}).transpose(1, 2);
 
   auto att = torch::matmul(q, k.transpose(-2, -1)) *
-             (1.0 / std::sqrt(static_cast<double>(d)));
+      (1.0 / std::sqrt(static_cast<double>(d)));
   // Built per call instead of registered as a buffer so that state dicts
   // hold only trainable parameters.
   auto future = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
@@ -115,9 +121,10 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
 }
 
 GPTImpl::GPTImpl(const GPTConfig& config) : config_(config) {
-  TORCH_CHECK(config.vocab_size() > 0 && config.block_size() > 0 &&
-                  config.n_embd() > 0 && config.n_layer() >= 0,
-              "GPT: config sizes must be positive");
+  TORCH_CHECK(
+      config.vocab_size() > 0 && config.block_size() > 0 &&
+          config.n_embd() > 0 && config.n_layer() >= 0,
+      "GPT: config sizes must be positive");
   wte = register_module(
       "wte", torch::nn::Embedding(config.vocab_size(), config.n_embd()));
   wpe = register_module(
@@ -150,13 +157,19 @@ void GPTImpl::reset_parameters() {
 }
 
 at::Tensor GPTImpl::forward(const at::Tensor& idx) {
-  TORCH_CHECK(idx.dim() == 2, "GPT: expected idx of shape [B, T], got ",
-              idx.sizes());
-  TORCH_CHECK(idx.scalar_type() == torch::kLong,
-              "GPT: expected int64 token ids, got ", idx.scalar_type());
+  TORCH_CHECK(
+      idx.dim() == 2, "GPT: expected idx of shape [B, T], got ", idx.sizes());
+  TORCH_CHECK(
+      idx.scalar_type() == torch::kLong,
+      "GPT: expected int64 token ids, got ",
+      idx.scalar_type());
   const int64_t t = idx.size(1);
-  TORCH_CHECK(t <= config_.block_size(), "GPT: sequence length ", t,
-              " exceeds block_size ", config_.block_size());
+  TORCH_CHECK(
+      t <= config_.block_size(),
+      "GPT: sequence length ",
+      t,
+      " exceeds block_size ",
+      config_.block_size());
 
   auto pos = torch::arange(t, idx.options());
   auto x = wte->forward(idx) + wpe->forward(pos); // [B, T, C] + [T, C]
@@ -167,11 +180,16 @@ at::Tensor GPTImpl::forward(const at::Tensor& idx) {
 }
 
 at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  TORCH_CHECK(logits.dim() == 3, "gpt_loss: expected logits [B, T, V], got ",
-              logits.sizes());
-  TORCH_CHECK(targets.sizes() == logits.sizes().slice(0, 2),
-              "gpt_loss: targets ", targets.sizes(),
-              " do not match logits ", logits.sizes());
+  TORCH_CHECK(
+      logits.dim() == 3,
+      "gpt_loss: expected logits [B, T, V], got ",
+      logits.sizes());
+  TORCH_CHECK(
+      targets.sizes() == logits.sizes().slice(0, 2),
+      "gpt_loss: targets ",
+      targets.sizes(),
+      " do not match logits ",
+      logits.sizes());
   const int64_t v = logits.size(2);
   // Cross-entropy in fp32 even for half-precision logits: log-softmax over
   // a large vocabulary loses too much precision in fp16.
@@ -179,23 +197,28 @@ at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets) {
       logits.reshape({-1, v}).to(torch::kFloat), targets.reshape({-1}));
 }
 
-std::pair<at::Tensor, at::Tensor> random_tokens(int64_t batch,
-                                                const GPTConfig& config,
-                                                at::Generator generator) {
+std::pair<at::Tensor, at::Tensor> random_tokens(
+    int64_t batch,
+    const GPTConfig& config,
+    at::Generator generator) {
   TORCH_CHECK(batch > 0, "random_tokens: batch must be positive");
-  auto tokens =
-      torch::randint(config.vocab_size(), {batch, config.block_size() + 1},
-                     generator, torch::TensorOptions().dtype(torch::kLong));
+  auto tokens = torch::randint(
+      config.vocab_size(),
+      {batch, config.block_size() + 1},
+      generator,
+      torch::TensorOptions().dtype(torch::kLong));
   using torch::indexing::Slice;
-  return {tokens.index({Slice(), Slice(0, -1)}).contiguous(),
-          tokens.index({Slice(), Slice(1, at::indexing::None)}).contiguous()};
+  return {
+      tokens.index({Slice(), Slice(0, -1)}).contiguous(),
+      tokens.index({Slice(), Slice(1, at::indexing::None)}).contiguous()};
 }
 
-std::pair<at::Tensor, at::Tensor> random_tokens(int64_t batch,
-                                                const GPTConfig& config,
-                                                uint64_t seed) {
-  return random_tokens(batch, config,
-                       at::make_generator<at::CPUGeneratorImpl>(seed));
+std::pair<at::Tensor, at::Tensor> random_tokens(
+    int64_t batch,
+    const GPTConfig& config,
+    uint64_t seed) {
+  return random_tokens(
+      batch, config, at::make_generator<at::CPUGeneratorImpl>(seed));
 }
 
 } // namespace zoo

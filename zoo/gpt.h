@@ -73,7 +73,9 @@ class BlockImpl : public torch::nn::Module {
   /// Resets Linear weights to N(0, 0.02) and biases to zero.
   void reset_parameters();
 
-  const GPTConfig& config() const { return config_; }
+  const GPTConfig& config() const {
+    return config_;
+  }
 
   // Registered in this order so named_parameters() lists them in it.
   torch::nn::LayerNorm ln1{nullptr};
@@ -107,7 +109,9 @@ class GPTImpl : public torch::nn::Module {
   /// same way; both are deterministic given torch::manual_seed.
   void reset_parameters();
 
-  const GPTConfig& config() const { return config_; }
+  const GPTConfig& config() const {
+    return config_;
+  }
 
   torch::nn::Embedding wte{nullptr};
   torch::nn::Embedding wpe{nullptr};
@@ -129,15 +133,17 @@ at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets);
 /// tokens uniformly from [0, vocab_size) with T = block_size, and returns
 /// (inputs, targets) = (tokens[:, :-1], tokens[:, 1:]), both [batch, T]
 /// int64. The same generator state gives the same batch.
-std::pair<at::Tensor, at::Tensor> random_tokens(int64_t batch,
-                                                const GPTConfig& config,
-                                                at::Generator generator);
+std::pair<at::Tensor, at::Tensor> random_tokens(
+    int64_t batch,
+    const GPTConfig& config,
+    at::Generator generator);
 
 /// As above with a fresh CPU generator seeded by `seed`, so the batch does
 /// not depend on (or disturb) the global RNG.
-std::pair<at::Tensor, at::Tensor> random_tokens(int64_t batch,
-                                                const GPTConfig& config,
-                                                uint64_t seed);
+std::pair<at::Tensor, at::Tensor> random_tokens(
+    int64_t batch,
+    const GPTConfig& config,
+    uint64_t seed);
 
 } // namespace zoo
 } // namespace colossalai

@@ -15,15 +15,13 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
-#include <unistd.h>
-
 #include <chrono>
 #include <cmath>
-#include <thread>
 #include <cstdio>
 #include <iostream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 namespace cb = colossalai::booster;
 namespace cd = colossalai::distributed;
@@ -70,15 +68,24 @@ Args parse(int argc, char** argv) {
   }
   for (auto& [k, v] : kv) {
     try {
-      if (k == "--nproc") a.nproc = std::stoi(v);
-      else if (k == "--plugin") a.plugin = v;
-      else if (k == "--epochs") a.epochs = std::stoi(v);
-      else if (k == "--batch-size") a.batch_size = std::stoi(v);
-      else if (k == "--precision") a.precision = v;
-      else if (k == "--lr") a.lr = std::stod(v);
-      else if (k == "--data-dir") a.data_dir = v;
-      else if (k == "--seed") a.seed = std::stoull(v);
-      else TORCH_CHECK(false, "unknown option ", k, "\n", kUsage);
+      if (k == "--nproc")
+        a.nproc = std::stoi(v);
+      else if (k == "--plugin")
+        a.plugin = v;
+      else if (k == "--epochs")
+        a.epochs = std::stoi(v);
+      else if (k == "--batch-size")
+        a.batch_size = std::stoi(v);
+      else if (k == "--precision")
+        a.precision = v;
+      else if (k == "--lr")
+        a.lr = std::stod(v);
+      else if (k == "--data-dir")
+        a.data_dir = v;
+      else if (k == "--seed")
+        a.seed = std::stoull(v);
+      else
+        TORCH_CHECK(false, "unknown option ", k, "\n", kUsage);
     } catch (const std::invalid_argument&) {
       TORCH_CHECK(false, "option ", k, " expects a number, got '", v, "'");
     }
@@ -86,45 +93,46 @@ Args parse(int argc, char** argv) {
   TORCH_CHECK(a.nproc >= 1, "--nproc must be >= 1");
   TORCH_CHECK(a.epochs >= 1, "--epochs must be >= 1");
   TORCH_CHECK(a.batch_size >= 1, "--batch-size must be >= 1");
-  TORCH_CHECK(a.plugin == "ddp" || a.plugin == "none",
-              "--plugin must be 'ddp' or 'none', got '", a.plugin, "'");
-  TORCH_CHECK(a.plugin == "ddp" || a.nproc == 1,
-              "--plugin none trains in one process: use --nproc 1");
+  TORCH_CHECK(
+      a.plugin == "ddp" || a.plugin == "none",
+      "--plugin must be 'ddp' or 'none', got '",
+      a.plugin,
+      "'");
+  TORCH_CHECK(
+      a.plugin == "ddp" || a.nproc == 1,
+      "--plugin none trains in one process: use --nproc 1");
   return a;
 }
 
-// Re-runs this program as `nproc` ranks through the launcher.
-int spawn_ranks(const Args& a, int argc, char** argv) {
-  colossalai::launcher::RunOptions o;
-  o.nproc_per_node = a.nproc;
-  o.master_port = colossalai::launcher::find_free_port();
-  o.prefix_output = false; // rank 0 prints; others stay quiet
-  char exe[4096];
-  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  TORCH_CHECK(n > 0, "cannot find this program's path");
-  exe[n] = '\0';
-  o.program.push_back(exe);
-  for (int i = 1; i < argc; ++i) {
-    o.program.push_back(argv[i]);
-  }
-  return colossalai::launcher::run(o);
-}
-
-void progress(int epoch, int epochs, size_t step, size_t steps, double loss,
-              double samples_per_s) {
+void progress(
+    int epoch,
+    int epochs,
+    size_t step,
+    size_t steps,
+    double loss,
+    double samples_per_s) {
   const int width = 30;
   int filled = static_cast<int>(width * step / std::max<size_t>(steps, 1));
-  std::printf("\repoch %d/%d [%s%s] %zu/%zu loss %.4f  %.0f samples/s", epoch,
-              epochs, std::string(filled, '#').c_str(),
-              std::string(width - filled, '.').c_str(), step, steps, loss,
-              samples_per_s);
+  std::printf(
+      "\repoch %d/%d [%s%s] %zu/%zu loss %.4f  %.0f samples/s",
+      epoch,
+      epochs,
+      std::string(filled, '#').c_str(),
+      std::string(width - filled, '.').c_str(),
+      step,
+      steps,
+      loss,
+      samples_per_s);
   std::fflush(stdout);
 }
 
 template <class Dataset>
 std::unique_ptr<colossalai::data::DistributedDataLoader<Dataset>> make_loader(
-    const std::shared_ptr<cb::plugin::TorchDDPPlugin>& plugin, Dataset ds,
-    size_t batch_size, bool shuffle, uint64_t seed) {
+    const std::shared_ptr<cb::plugin::TorchDDPPlugin>& plugin,
+    Dataset ds,
+    size_t batch_size,
+    bool shuffle,
+    uint64_t seed) {
   if (plugin) {
     return plugin->prepare_dataloader(std::move(ds), batch_size, shuffle, seed);
   }
@@ -166,19 +174,30 @@ int train(const Args& a) {
   };
   auto boosted = booster.boost(model, optimizer, criterion);
 
-  auto train_loader =
-      make_loader(plugin, train_set.map(torch::data::transforms::Stack<>()),
-                  a.batch_size, /*shuffle=*/true, a.seed);
-  auto test_loader =
-      make_loader(plugin, test_set.map(torch::data::transforms::Stack<>()),
-                  256, /*shuffle=*/false, a.seed);
+  auto train_loader = make_loader(
+      plugin,
+      train_set.map(torch::data::transforms::Stack<>()),
+      a.batch_size,
+      /*shuffle=*/true,
+      a.seed);
+  auto test_loader = make_loader(
+      plugin,
+      test_set.map(torch::data::transforms::Stack<>()),
+      256,
+      /*shuffle=*/false,
+      a.seed);
   if (rank == 0) {
-    std::printf("Fashion-MNIST: %zu train / %zu test images; model %lld "
-                "parameters; %d rank(s) x batch %d, plugin %s, precision %s\n",
-                *train_set.size(), *test_set.size(),
-                static_cast<long long>(
-                    colossalai::zoo::CNNFashionMNISTImpl::kNumParameters),
-                world, a.batch_size, a.plugin.c_str(), a.precision.c_str());
+    std::printf(
+        "Fashion-MNIST: %zu train / %zu test images; model %lld "
+        "parameters; %d rank(s) x batch %d, plugin %s, precision %s\n",
+        *train_set.size(),
+        *test_set.size(),
+        static_cast<long long>(
+            colossalai::zoo::CNNFashionMNISTImpl::kNumParameters),
+        world,
+        a.batch_size,
+        a.plugin.c_str(),
+        a.precision.c_str());
   }
 
   // Cosine decay of the learning rate to zero over the run: a few epochs
@@ -212,10 +231,16 @@ int train(const Args& a) {
       double l = loss.item<double>();
       smooth = step == 1 ? l : 0.95 * smooth + 0.05 * l;
       if (rank == 0 && (step % 20 == 0 || step == steps)) {
-        double s = std::chrono::duration<double>(
-                       std::chrono::steady_clock::now() - t0).count();
-        progress(epoch, a.epochs, step, steps, smooth,
-                 step * a.batch_size * world / s);
+        double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                .count();
+        progress(
+            epoch,
+            a.epochs,
+            step,
+            steps,
+            smooth,
+            step * a.batch_size * world / s);
       }
     }
 
@@ -233,10 +258,16 @@ int train(const Args& a) {
     }
     accuracy = counts[0].item<double>() / counts[1].item<double>();
     if (rank == 0) {
-      double s = std::chrono::duration<double>(
-                     std::chrono::steady_clock::now() - t0).count();
-      std::printf("\nepoch %d/%d: test accuracy %.2f%% (%.0f images), %.1f s\n",
-                  epoch, a.epochs, 100 * accuracy, counts[1].item<double>(), s);
+      double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count();
+      std::printf(
+          "\nepoch %d/%d: test accuracy %.2f%% (%.0f images), %.1f s\n",
+          epoch,
+          a.epochs,
+          100 * accuracy,
+          counts[1].item<double>(),
+          s);
       std::fflush(stdout);
     }
   }
@@ -254,7 +285,7 @@ int main(int argc, char** argv) {
     if (a.plugin == "ddp" && !colossalai::launcher::launched_by_launcher()) {
       // Fail once, here, rather than once per rank when the data is missing.
       FashionMNIST(a.data_dir, FashionMNIST::Mode::kTest);
-      return spawn_ranks(a, argc, argv);
+      return colossalai::launcher::run_self(a.nproc, argc, argv);
     }
     return train(a);
   } catch (const std::exception& e) {

@@ -53,6 +53,12 @@ RunOptions parse_run_args(const std::vector<std::string>& args);
 /// groups. POSIX only; one run() at a time per process.
 int run(const RunOptions& options);
 
+/// Re-runs this very program (same arguments) as `nproc` local ranks on a
+/// free port, the way `colossalai run --nproc_per_node nproc` would, and
+/// returns run()'s exit code. Lets a program launch itself when started
+/// directly; check `launched_by_launcher()` first to avoid recursion.
+int run_self(int nproc, int argc, char** argv, bool prefix_output = false);
+
 /// A TCP port on the loopback interface that is free right now (for a
 /// single-node run that must not collide with another job's port).
 int find_free_port();

@@ -6,12 +6,14 @@ namespace amp {
 GradScaler::GradScaler(GradScalerOptions options)
     : options_(options), scale_(options.init_scale()) {
   TORCH_CHECK(options_.init_scale() > 0, "GradScaler: init_scale must be > 0");
-  TORCH_CHECK(options_.growth_factor() > 1.0,
-              "GradScaler: growth_factor must be > 1");
-  TORCH_CHECK(options_.backoff_factor() > 0 && options_.backoff_factor() < 1,
-              "GradScaler: backoff_factor must be in (0, 1)");
-  TORCH_CHECK(options_.growth_interval() > 0,
-              "GradScaler: growth_interval must be > 0");
+  TORCH_CHECK(
+      options_.growth_factor() > 1.0, "GradScaler: growth_factor must be > 1");
+  TORCH_CHECK(
+      options_.backoff_factor() > 0 && options_.backoff_factor() < 1,
+      "GradScaler: backoff_factor must be in (0, 1)");
+  TORCH_CHECK(
+      options_.growth_interval() > 0,
+      "GradScaler: growth_interval must be > 0");
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& loss) const {

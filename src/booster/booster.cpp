@@ -32,14 +32,23 @@ Booster::Booster(BoosterOptions options)
     precision = "";
   }
   if (plugin_) {
-    TORCH_CHECK(contains(plugin_->supported_devices(), device_type),
-                plugin_->name(), " does not support device '", device_type,
-                "' (supported: ", join(plugin_->supported_devices()), ")");
+    TORCH_CHECK(
+        contains(plugin_->supported_devices(), device_type),
+        plugin_->name(),
+        " does not support device '",
+        device_type,
+        "' (supported: ",
+        join(plugin_->supported_devices()),
+        ")");
     if (!precision.empty()) {
-      TORCH_CHECK(contains(plugin_->supported_precisions(), precision),
-                  plugin_->name(), " does not support mixed_precision '",
-                  precision, "' (supported: ",
-                  join(plugin_->supported_precisions()), ")");
+      TORCH_CHECK(
+          contains(plugin_->supported_precisions(), precision),
+          plugin_->name(),
+          " does not support mixed_precision '",
+          precision,
+          "' (supported: ",
+          join(plugin_->supported_precisions()),
+          ")");
     }
   }
   if (!plugin_ || !plugin_->control_precision()) {
@@ -48,10 +57,12 @@ Booster::Booster(BoosterOptions options)
   }
 }
 
-std::pair<std::shared_ptr<interface::ModelWrapper>,
-          std::shared_ptr<interface::OptimizerWrapper>>
-Booster::boost_parts(std::shared_ptr<torch::nn::Module> model,
-                     std::shared_ptr<torch::optim::Optimizer> optimizer) {
+std::pair<
+    std::shared_ptr<interface::ModelWrapper>,
+    std::shared_ptr<interface::OptimizerWrapper>>
+Booster::boost_parts(
+    std::shared_ptr<torch::nn::Module> model,
+    std::shared_ptr<torch::optim::Optimizer> optimizer) {
   TORCH_CHECK(model != nullptr, "Booster.boost: the model is null");
   if (!plugin_ || !plugin_->control_device()) {
     model->to(device_);
@@ -71,17 +82,20 @@ Booster::boost_parts(std::shared_ptr<torch::nn::Module> model,
   return {mw, optim_w};
 }
 
-void Booster::backward(const at::Tensor& loss,
-                       interface::OptimizerWrapper& optimizer) {
+void Booster::backward(
+    const at::Tensor& loss,
+    interface::OptimizerWrapper& optimizer) {
   optimizer.backward(loss);
 }
 
-plugin::NoSyncGuard Booster::no_sync(interface::ModelWrapper& model,
-                                     interface::OptimizerWrapper* optimizer) {
-  TORCH_CHECK(plugin_ != nullptr,
-              "Booster.no_sync: there is no plugin, so nothing to sync");
-  TORCH_CHECK(plugin_->support_no_sync(), plugin_->name(),
-              " does not support no_sync");
+plugin::NoSyncGuard Booster::no_sync(
+    interface::ModelWrapper& model,
+    interface::OptimizerWrapper* optimizer) {
+  TORCH_CHECK(
+      plugin_ != nullptr,
+      "Booster.no_sync: there is no plugin, so nothing to sync");
+  TORCH_CHECK(
+      plugin_->support_no_sync(), plugin_->name(), " does not support no_sync");
   return plugin_->no_sync(model, optimizer);
 }
 

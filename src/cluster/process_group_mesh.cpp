@@ -17,15 +17,24 @@ ProcessGroupMesh::ProcessGroupMesh(std::vector<int> shape)
     total *= s;
   }
   TORCH_CHECK(
-      total == distributed::get_world_size(), "ProcessGroupMesh: the shape's ",
-      "product (", total, ") must equal the world size (",
-      distributed::get_world_size(), ")");
+      total == distributed::get_world_size(),
+      "ProcessGroupMesh: the shape's ",
+      "product (",
+      total,
+      ") must equal the world size (",
+      distributed::get_world_size(),
+      ")");
   coord_ = unravel(rank_);
 }
 
 int ProcessGroupMesh::size(int axis) const {
-  TORCH_CHECK(axis >= 0 && axis < (int)shape_.size(), "ProcessGroupMesh: axis ",
-              axis, " out of range for ", shape_.size(), " axes");
+  TORCH_CHECK(
+      axis >= 0 && axis < (int)shape_.size(),
+      "ProcessGroupMesh: axis ",
+      axis,
+      " out of range for ",
+      shape_.size(),
+      " axes");
   return shape_[axis];
 }
 
@@ -35,12 +44,16 @@ int ProcessGroupMesh::coordinate(int axis) const {
 }
 
 int ProcessGroupMesh::ravel(const std::vector<int>& coord) const {
-  TORCH_CHECK(coord.size() == shape_.size(), "ProcessGroupMesh::ravel: need ",
-              shape_.size(), " coordinates");
+  TORCH_CHECK(
+      coord.size() == shape_.size(),
+      "ProcessGroupMesh::ravel: need ",
+      shape_.size(),
+      " coordinates");
   int r = 0;
   for (size_t i = 0; i < shape_.size(); ++i) {
-    TORCH_CHECK(coord[i] >= 0 && coord[i] < shape_[i],
-                "ProcessGroupMesh::ravel: coordinate out of range");
+    TORCH_CHECK(
+        coord[i] >= 0 && coord[i] < shape_[i],
+        "ProcessGroupMesh::ravel: coordinate out of range");
     r = r * shape_[i] + coord[i];
   }
   return r;

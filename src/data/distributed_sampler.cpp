@@ -10,9 +10,13 @@
 namespace colossalai {
 namespace data {
 
-DistributedSampler::DistributedSampler(size_t size, int num_replicas, int rank,
-                                       bool shuffle, uint64_t seed,
-                                       bool drop_last)
+DistributedSampler::DistributedSampler(
+    size_t size,
+    int num_replicas,
+    int rank,
+    bool shuffle,
+    uint64_t seed,
+    bool drop_last)
     : size_(size),
       num_replicas_(num_replicas),
       rank_(rank),
@@ -20,9 +24,15 @@ DistributedSampler::DistributedSampler(size_t size, int num_replicas, int rank,
       seed_(seed),
       drop_last_(drop_last),
       epoch_(std::make_shared<int64_t>(0)) {
-  TORCH_CHECK(num_replicas >= 1, "DistributedSampler: num_replicas must be >= 1");
-  TORCH_CHECK(rank >= 0 && rank < num_replicas, "DistributedSampler: rank ",
-              rank, " outside [0, ", num_replicas, ")");
+  TORCH_CHECK(
+      num_replicas >= 1, "DistributedSampler: num_replicas must be >= 1");
+  TORCH_CHECK(
+      rank >= 0 && rank < num_replicas,
+      "DistributedSampler: rank ",
+      rank,
+      " outside [0, ",
+      num_replicas,
+      ")");
   compute_sizes();
   reset();
 }

@@ -12,10 +12,10 @@
 //  * flat all_gather = Gloo's allgather into views of the output (uneven
 //    shards are padded to the largest, at most one element each);
 //  * bf16 all_reduce = the reduce_scatter above + all_gather, both moving the
-//    raw 16-bit payload (a bf16 tensor travels viewed as fp16: only bytes move).
-//    The all_gather phase starts in wait(); collectives are matched by call
-//    order, so this stays consistent as long as every rank waits in the same
-//    order relative to its other calls on the group, as SPMD code does.
+//    raw 16-bit payload (a bf16 tensor travels viewed as fp16: only bytes
+//    move). The all_gather phase starts in wait(); collectives are matched by
+//    call order, so this stays consistent as long as every rank waits in the
+//    same order relative to its other calls on the group, as SPMD code does.
 // On NCCL the native `_reduce_scatter_base` / `_allgather_base` are used.
 
 namespace colossalai {
@@ -56,11 +56,14 @@ void check_dense(const at::Tensor& t, const char* op, const char* what) {
 
 // Reduces `n` equal blocks of `blocks` into `out` (accumulating in fp32 for
 // 16-bit types so the result is rounded once).
-void local_reduce(at::Tensor& out, const at::Tensor& blocks, int n,
-                  ReduceOp op) {
+void local_reduce(
+    at::Tensor& out,
+    const at::Tensor& blocks,
+    int n,
+    ReduceOp op) {
   auto view = blocks.view({n, -1});
-  bool low = out.scalar_type() == at::kBFloat16 ||
-      out.scalar_type() == at::kHalf;
+  bool low =
+      out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf;
   at::Tensor r;
   switch (op) {
     case ReduceOp::kMax:
@@ -91,8 +94,11 @@ std::vector<int64_t> shard_sizes(int64_t numel, int world) {
 
 } // namespace
 
-Work::Work(compat::WorkPtr work, std::function<void()> finish, std::string op,
-           const ProcessGroup* group)
+Work::Work(
+    compat::WorkPtr work,
+    std::function<void()> finish,
+    std::string op,
+    const ProcessGroup* group)
     : work_(std::move(work)),
       finish_(std::move(finish)),
       op_(std::move(op)),
@@ -145,12 +151,17 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
     auto range = shard_range(tensor.numel(), group.size(), group.rank());
     auto flat = tensor.view({-1});
     auto shard_buf = at::empty({range.second - range.first}, tensor.options());
-    auto rs = std::make_shared<Work>(reduce_scatter(shard_buf, flat, group, op));
+    auto rs =
+        std::make_shared<Work>(reduce_scatter(shard_buf, flat, group, op));
     const ProcessGroup* g = &group;
-    return Work(compat::WorkPtr(), [rs, shard_buf, flat, g]() mutable {
-      rs->wait();
-      all_gather(flat, shard_buf, *g).wait();
-    }, "all_reduce(bf16)", &group);
+    return Work(
+        compat::WorkPtr(),
+        [rs, shard_buf, flat, g]() mutable {
+          rs->wait();
+          all_gather(flat, shard_buf, *g).wait();
+        },
+        "all_reduce(bf16)",
+        &group);
   }
   std::vector<at::Tensor> ts{tensor};
   ::c10d::AllreduceOptions opts;
@@ -166,8 +177,12 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
 
 Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
   check_dense(tensor, "broadcast", "input");
-  TORCH_CHECK(src >= 0 && src < group.size(), "broadcast: src ", src,
-              " outside group of ", group.size());
+  TORCH_CHECK(
+      src >= 0 && src < group.size(),
+      "broadcast: src ",
+      src,
+      " outside group of ",
+      group.size());
   count(tensor);
   if (group.size() == 1) {
     return Work();
@@ -175,23 +190,34 @@ Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
   std::vector<at::Tensor> ts{raw(tensor, group)};
   ::c10d::BroadcastOptions opts;
   opts.rootRank = src;
-  return Work(group.backend().broadcast(ts, opts), nullptr, "broadcast",
-              &group);
+  return Work(
+      group.backend().broadcast(ts, opts), nullptr, "broadcast", &group);
 }
 
-Work all_gather(at::Tensor& output, const at::Tensor& input,
-                const ProcessGroup& group) {
+Work all_gather(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const ProcessGroup& group) {
   check_dense(output, "all_gather", "output");
   check_dense(input, "all_gather", "input");
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(),
-              "all_gather: output dtype ", output.scalar_type(),
-              " differs from input dtype ", input.scalar_type());
+  TORCH_CHECK(
+      output.scalar_type() == input.scalar_type(),
+      "all_gather: output dtype ",
+      output.scalar_type(),
+      " differs from input dtype ",
+      input.scalar_type());
   const int n = group.size();
   auto sizes = shard_sizes(output.numel(), n);
-  TORCH_CHECK(input.numel() == sizes[group.rank()], "all_gather: rank ",
-              group.rank(), " must give ", sizes[group.rank()],
-              " elements for an output of ", output.numel(), ", got ",
-              input.numel());
+  TORCH_CHECK(
+      input.numel() == sizes[group.rank()],
+      "all_gather: rank ",
+      group.rank(),
+      " must give ",
+      sizes[group.rank()],
+      " elements for an output of ",
+      output.numel(),
+      ", got ",
+      input.numel());
   count(input);
   auto out = output.view({-1});
   if (n == 1) {
@@ -203,8 +229,8 @@ Work all_gather(at::Tensor& output, const at::Tensor& input,
   if (!gloo(group) && even) {
     auto o = raw(out, group);
     auto i = raw(input.view({-1}), group);
-    return Work(group.backend()._allgather_base(o, i), nullptr, "all_gather",
-                &group);
+    return Work(
+        group.backend()._allgather_base(o, i), nullptr, "all_gather", &group);
   }
   at::Tensor buffer = even ? out : at::empty({m * n}, output.options());
   at::Tensor in = input.view({-1});
@@ -233,19 +259,32 @@ Work all_gather(at::Tensor& output, const at::Tensor& input,
   return Work(std::move(w), std::move(finish), "all_gather", &group);
 }
 
-Work reduce_scatter(at::Tensor& output, const at::Tensor& input,
-                    const ProcessGroup& group, ReduceOp op) {
+Work reduce_scatter(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const ProcessGroup& group,
+    ReduceOp op) {
   check_dense(output, "reduce_scatter", "output");
   check_dense(input, "reduce_scatter", "input");
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(),
-              "reduce_scatter: output dtype ", output.scalar_type(),
-              " differs from input dtype ", input.scalar_type());
+  TORCH_CHECK(
+      output.scalar_type() == input.scalar_type(),
+      "reduce_scatter: output dtype ",
+      output.scalar_type(),
+      " differs from input dtype ",
+      input.scalar_type());
   const int n = group.size();
   auto sizes = shard_sizes(input.numel(), n);
   const int64_t mine = sizes[group.rank()];
-  TORCH_CHECK(output.numel() == mine, "reduce_scatter: rank ", group.rank(),
-              " must receive ", mine, " elements of an input of ",
-              input.numel(), ", got an output of ", output.numel());
+  TORCH_CHECK(
+      output.numel() == mine,
+      "reduce_scatter: rank ",
+      group.rank(),
+      " must receive ",
+      mine,
+      " elements of an input of ",
+      input.numel(),
+      ", got an output of ",
+      output.numel());
   count(input);
   auto in = input.view({-1});
   auto out = output.view({-1});
@@ -261,7 +300,8 @@ Work reduce_scatter(at::Tensor& output, const at::Tensor& input,
       src = at::zeros({m * n}, input.options());
       int64_t at = 0;
       for (int r = 0; r < n; ++r) {
-        src.slice(0, r * m, r * m + sizes[r]).copy_(in.slice(0, at, at + sizes[r]));
+        src.slice(0, r * m, r * m + sizes[r])
+            .copy_(in.slice(0, at, at + sizes[r]));
         at += sizes[r];
       }
       dst = at::empty({m}, input.options());
@@ -289,27 +329,43 @@ Work reduce_scatter(at::Tensor& output, const at::Tensor& input,
   auto i = raw(in, group);
   ::c10d::AllToAllOptions opts;
   auto w = group.backend().alltoall_base(o, i, out_splits, in_splits, opts);
-  return Work(std::move(w), [out, blocks, n, op]() mutable {
-    local_reduce(out, blocks, n, op);
-  }, "reduce_scatter", &group);
+  return Work(
+      std::move(w),
+      [out, blocks, n, op]() mutable { local_reduce(out, blocks, n, op); },
+      "reduce_scatter",
+      &group);
 }
 
-Work all_to_all(at::Tensor& output, const at::Tensor& input,
-                const ProcessGroup& group, std::vector<int64_t> output_splits,
-                std::vector<int64_t> input_splits) {
+Work all_to_all(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const ProcessGroup& group,
+    std::vector<int64_t> output_splits,
+    std::vector<int64_t> input_splits) {
   check_dense(output, "all_to_all", "output");
   check_dense(input, "all_to_all", "input");
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(),
-              "all_to_all: output and input dtypes differ");
+  TORCH_CHECK(
+      output.scalar_type() == input.scalar_type(),
+      "all_to_all: output and input dtypes differ");
   const int n = group.size();
-  TORCH_CHECK(output_splits.empty() || (int)output_splits.size() == n,
-              "all_to_all: output_splits needs ", n, " entries");
-  TORCH_CHECK(input_splits.empty() || (int)input_splits.size() == n,
-              "all_to_all: input_splits needs ", n, " entries");
+  TORCH_CHECK(
+      output_splits.empty() || (int)output_splits.size() == n,
+      "all_to_all: output_splits needs ",
+      n,
+      " entries");
+  TORCH_CHECK(
+      input_splits.empty() || (int)input_splits.size() == n,
+      "all_to_all: input_splits needs ",
+      n,
+      " entries");
   if (input_splits.empty()) {
-    TORCH_CHECK(input.size(0) % n == 0, "all_to_all: input dim 0 (",
-                input.size(0), ") must divide by the group size ", n,
-                " when no splits are given");
+    TORCH_CHECK(
+        input.size(0) % n == 0,
+        "all_to_all: input dim 0 (",
+        input.size(0),
+        ") must divide by the group size ",
+        n,
+        " when no splits are given");
   }
   count(input);
   if (n == 1) {
@@ -319,29 +375,44 @@ Work all_to_all(at::Tensor& output, const at::Tensor& input,
   auto o = raw(output, group);
   auto i = raw(input, group);
   ::c10d::AllToAllOptions opts;
-  return Work(group.backend().alltoall_base(o, i, output_splits, input_splits,
-                                            opts),
-              nullptr, "all_to_all", &group);
+  return Work(
+      group.backend().alltoall_base(o, i, output_splits, input_splits, opts),
+      nullptr,
+      "all_to_all",
+      &group);
 }
 
-Work send(const at::Tensor& tensor, int dst, const ProcessGroup& group,
-          int tag) {
+Work send(
+    const at::Tensor& tensor,
+    int dst,
+    const ProcessGroup& group,
+    int tag) {
   check_dense(tensor, "send", "input");
-  TORCH_CHECK(dst >= 0 && dst < group.size() && dst != group.rank(),
-              "send: bad destination rank ", dst);
+  TORCH_CHECK(
+      dst >= 0 && dst < group.size() && dst != group.rank(),
+      "send: bad destination rank ",
+      dst);
   count(tensor);
   std::vector<at::Tensor> ts{raw(tensor, group)};
-  return Work(group.backend().send(ts, dst, tag), nullptr,
-              "send to " + std::to_string(dst), &group);
+  return Work(
+      group.backend().send(ts, dst, tag),
+      nullptr,
+      "send to " + std::to_string(dst),
+      &group);
 }
 
 Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag) {
   check_dense(tensor, "recv", "output");
-  TORCH_CHECK(src >= 0 && src < group.size() && src != group.rank(),
-              "recv: bad source rank ", src);
+  TORCH_CHECK(
+      src >= 0 && src < group.size() && src != group.rank(),
+      "recv: bad source rank ",
+      src);
   std::vector<at::Tensor> ts{raw(tensor, group)};
-  return Work(group.backend().recv(ts, src, tag), nullptr,
-              "recv from " + std::to_string(src), &group);
+  return Work(
+      group.backend().recv(ts, src, tag),
+      nullptr,
+      "recv from " + std::to_string(src),
+      &group);
 }
 
 Work barrier(const ProcessGroup& group) {

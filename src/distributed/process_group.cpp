@@ -55,13 +55,23 @@ ProcessGroupPtr create_group(
   std::sort(sorted.begin(), sorted.end());
   TORCH_CHECK(
       std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
-      "new_group('", name, "'): duplicate ranks");
+      "new_group('",
+      name,
+      "'): duplicate ranks");
   TORCH_CHECK(
       sorted.front() >= 0 && sorted.back() < rt.world_size,
-      "new_group('", name, "'): ranks must lie in [0, ", rt.world_size, ")");
+      "new_group('",
+      name,
+      "'): ranks must lie in [0, ",
+      rt.world_size,
+      ")");
   auto me = std::find(global_ranks.begin(), global_ranks.end(), rt.rank);
   TORCH_CHECK(
-      me != global_ranks.end(), "new_group('", name, "'): rank ", rt.rank,
+      me != global_ranks.end(),
+      "new_group('",
+      name,
+      "'): rank ",
+      rt.rank,
       " is not a member; only members create a group");
   const int group_rank = static_cast<int>(me - global_ranks.begin());
   const int group_size = static_cast<int>(global_ranks.size());
@@ -122,8 +132,7 @@ ProcessGroupPtr new_group(
     const std::string& name) {
   auto& rt = detail::runtime();
   std::lock_guard<std::mutex> lock(rt.mutex);
-  TORCH_CHECK(
-      rt.initialized, "new_group: call colossalai::launch() first");
+  TORCH_CHECK(rt.initialized, "new_group: call colossalai::launch() first");
   return detail::create_group(rt, global_ranks, name);
 }
 

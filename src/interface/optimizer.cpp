@@ -35,8 +35,10 @@ void OptimizerWrapper::zero_grad(bool set_to_none) {
 }
 
 void OptimizerWrapper::backward(const at::Tensor& loss, bool retain_graph) {
-  TORCH_CHECK(loss.numel() == 1,
-              "backward: the loss must be a scalar, got shape ", loss.sizes());
+  TORCH_CHECK(
+      loss.numel() == 1,
+      "backward: the loss must be a scalar, got shape ",
+      loss.sizes());
   loss.backward({}, retain_graph);
 }
 
@@ -58,8 +60,9 @@ double grad_norm(const std::vector<at::Tensor>& params, double norm_type) {
   for (auto& p : params) {
     const auto& g = p.grad();
     if (g.defined()) {
-      norms.push_back(inf ? g.abs().max().to(at::kFloat)
-                          : g.to(at::kFloat).norm(norm_type));
+      norms.push_back(
+          inf ? g.abs().max().to(at::kFloat)
+              : g.to(at::kFloat).norm(norm_type));
     }
   }
   if (norms.empty()) {

@@ -3,14 +3,14 @@
 
 #include <c10/util/Exception.h>
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -720,9 +720,25 @@ bool launched_by_launcher() {
       utils::env_str("SLURM_PROCID");
 }
 
+int run_self(int nproc, int argc, char** argv, bool prefix_output) {
+  RunOptions o;
+  o.nproc_per_node = nproc;
+  o.master_port = find_free_port();
+  o.prefix_output = prefix_output;
+  char exe[PATH_MAX];
+  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  TORCH_CHECK(
+      n > 0, "run_self: cannot read /proc/self/exe: ", std::strerror(errno));
+  exe[n] = '\0';
+  o.program.assign(argv, argv + argc);
+  o.program[0] = exe;
+  return run(o);
+}
+
 int find_free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(fd >= 0, "find_free_port: socket() failed: ", std::strerror(errno));
+  TORCH_CHECK(
+      fd >= 0, "find_free_port: socket() failed: ", std::strerror(errno));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);

@@ -27,7 +27,11 @@ std::optional<int> env_int(const char* name) {
   TORCH_CHECK(
       errno == 0 && end != s->c_str() && *end == '\0' && v >= INT32_MIN &&
           v <= INT32_MAX,
-      "environment variable ", name, "='", *s, "' is not an integer");
+      "environment variable ",
+      name,
+      "='",
+      *s,
+      "' is not an integer");
   return static_cast<int>(v);
 }
 

@@ -71,21 +71,21 @@ std::string tail(const std::string& s, size_t lines) {
   at::set_num_threads(o.threads_per_rank);
   int code = 0;
   try {
-    colossalai::launch(colossalai::LaunchOptions()
-                           .rank(rank)
-                           .world_size(world)
-                           .port(port)
-                           .backend("gloo")
-                           .timeout(std::chrono::seconds(
-                               o.collective_timeout_seconds)));
+    colossalai::launch(
+        colossalai::LaunchOptions()
+            .rank(rank)
+            .world_size(world)
+            .port(port)
+            .backend("gloo")
+            .timeout(std::chrono::seconds(o.collective_timeout_seconds)));
     fn(rank, world);
     code = ::testing::Test::HasFailure() ? 1 : 0;
     if (code == 0 && o.final_barrier) {
       distributed::barrier(*distributed::world_group()).wait();
     }
   } catch (const std::exception& e) {
-    std::cerr << "rank " << rank << " threw: "
-              << distributed::error_text(e) << std::endl;
+    std::cerr << "rank " << rank << " threw: " << distributed::error_text(e)
+              << std::endl;
     code = 1;
   }
   std::cout.flush();
@@ -101,8 +101,10 @@ int free_port() {
   return colossalai::launcher::find_free_port();
 }
 
-std::vector<RankResult> run_processes(int world, const RankFn& fn,
-                                      MultiProcessOptions o) {
+std::vector<RankResult> run_processes(
+    int world,
+    const RankFn& fn,
+    MultiProcessOptions o) {
   const int invocation = next_invocation();
   if (const char* child = std::getenv(kChild)) {
     if (std::atoi(std::getenv("COLOSSALAI_TEST_INVOCATION")) == invocation) {
@@ -128,10 +130,14 @@ std::vector<RankResult> run_processes(int world, const RankFn& fn,
       ::setenv("COLOSSALAI_TEST_RANK", std::to_string(r).c_str(), 1);
       ::setenv("COLOSSALAI_TEST_WORLD", std::to_string(world).c_str(), 1);
       ::setenv("COLOSSALAI_TEST_PORT", std::to_string(port).c_str(), 1);
-      ::setenv("COLOSSALAI_TEST_INVOCATION",
-               std::to_string(invocation).c_str(), 1);
-      ::execl("/proc/self/exe", "/proc/self/exe", filter.c_str(),
-              "--gtest_brief=1", static_cast<char*>(nullptr));
+      ::setenv(
+          "COLOSSALAI_TEST_INVOCATION", std::to_string(invocation).c_str(), 1);
+      ::execl(
+          "/proc/self/exe",
+          "/proc/self/exe",
+          filter.c_str(),
+          "--gtest_brief=1",
+          static_cast<char*>(nullptr));
       std::perror("exec");
       std::_Exit(127);
     }
@@ -154,8 +160,8 @@ std::vector<RankResult> run_processes(int world, const RankFn& fn,
         done[r] = true;
         --remaining;
         progressed = true;
-        results[r].exit_code = WIFEXITED(status) ? WEXITSTATUS(status)
-                                                 : 128 + WTERMSIG(status);
+        results[r].exit_code =
+            WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
       }
     }
     if (remaining == 0) {
@@ -189,13 +195,13 @@ void run_distributed(int world, const RankFn& fn, MultiProcessOptions o) {
   auto results = run_processes(world, fn, o);
   for (const auto& r : results) {
     if (r.timed_out) {
-      ADD_FAILURE() << "rank " << r.rank << " of " << world << " hung (killed after "
-                    << o.timeout_seconds << " s); output:\n"
+      ADD_FAILURE() << "rank " << r.rank << " of " << world
+                    << " hung (killed after " << o.timeout_seconds
+                    << " s); output:\n"
                     << tail(r.output, 40);
     } else if (r.exit_code != 0) {
       ADD_FAILURE() << "rank " << r.rank << " of " << world
-                    << " failed with exit code " << r.exit_code
-                    << "; output:\n"
+                    << " failed with exit code " << r.exit_code << "; output:\n"
                     << tail(r.output, 40);
     }
   }

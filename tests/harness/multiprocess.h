@@ -17,7 +17,7 @@ namespace testing {
 
 struct RankResult {
   int rank = 0;
-  int exit_code = 0;  // 128 + signal when killed by one
+  int exit_code = 0; // 128 + signal when killed by one
   bool timed_out = false;
   std::string output; // stdout + stderr
 };
@@ -37,13 +37,17 @@ using RankFn = std::function<void(int rank, int world)>;
 
 /// Runs `fn` on `world` processes and returns what each did. In a child, runs
 /// the body for its rank and exits.
-std::vector<RankResult> run_processes(int world, const RankFn& fn,
-                                      MultiProcessOptions options = {});
+std::vector<RankResult> run_processes(
+    int world,
+    const RankFn& fn,
+    MultiProcessOptions options = {});
 
 /// Like run_processes, adding a test failure for every rank that failed or
 /// hung, with its rank and output.
-void run_distributed(int world, const RankFn& fn,
-                     MultiProcessOptions options = {});
+void run_distributed(
+    int world,
+    const RankFn& fn,
+    MultiProcessOptions options = {});
 
 /// A free TCP port on the loopback interface.
 int free_port();

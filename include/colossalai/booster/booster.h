@@ -35,7 +35,8 @@
 namespace colossalai {
 namespace booster {
 
-using Criterion = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+using Criterion =
+    std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 
 struct BoosterOptions {
   /// "cpu", "cuda" or "" (the launched rank's device).
@@ -136,7 +137,9 @@ class Booster {
     auto parts = boost_parts(detail::as_module(model), std::move(optimizer));
     return Boosted<M, D, S>{
         BoostedModel<M>(std::move(model), std::move(parts.first)),
-        std::move(parts.second), std::move(criterion), std::move(dataloader),
+        std::move(parts.second),
+        std::move(criterion),
+        std::move(dataloader),
         std::move(lr_scheduler)};
   }
 

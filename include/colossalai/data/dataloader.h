@@ -27,13 +27,17 @@ class DistributedDataLoader {
  public:
   using Loader = torch::data::StatelessDataLoader<Dataset, DistributedSampler>;
 
-  DistributedDataLoader(Dataset dataset, DistributedSampler sampler,
-                        torch::data::DataLoaderOptions options)
+  DistributedDataLoader(
+      Dataset dataset,
+      DistributedSampler sampler,
+      torch::data::DataLoaderOptions options)
       : sampler_(sampler),
         batch_size_(options.batch_size()),
         drop_last_(options.drop_last()),
-        loader_(std::make_unique<Loader>(std::move(dataset),
-                                         std::move(sampler), options)) {}
+        loader_(std::make_unique<Loader>(
+            std::move(dataset),
+            std::move(sampler),
+            options)) {}
 
   auto begin() {
     return loader_->begin();

@@ -21,9 +21,13 @@ namespace data {
 class DistributedSampler
     : public torch::data::samplers::Sampler<std::vector<size_t>> {
  public:
-  DistributedSampler(size_t size, int num_replicas, int rank,
-                     bool shuffle = true, uint64_t seed = 1024,
-                     bool drop_last = false);
+  DistributedSampler(
+      size_t size,
+      int num_replicas,
+      int rank,
+      bool shuffle = true,
+      uint64_t seed = 1024,
+      bool drop_last = false);
 
   void set_epoch(int64_t epoch) {
     *epoch_ = epoch;

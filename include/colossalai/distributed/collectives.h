@@ -1,9 +1,10 @@
 #pragma once
 
 /// The collective layer every plugin uses. Each call starts the operation and
-/// returns a `Work` handle; `wait()` completes it (and any local post-processing
-/// such as the sum of a reduce-scatter), throwing `DistributedError` that names
-/// the rank, operation and group when a peer died or the group timeout expired.
+/// returns a `Work` handle; `wait()` completes it (and any local
+/// post-processing such as the sum of a reduce-scatter), throwing
+/// `DistributedError` that names the rank, operation and group when a peer died
+/// or the group timeout expired.
 ///
 /// All tensors must be contiguous. Supported dtypes: float32, bfloat16, float16
 /// (and integer types for data movement). Where the backend lacks an operation
@@ -56,8 +57,10 @@ class Work {
 };
 
 /// In-place reduction of `tensor` over the group.
-Work all_reduce(at::Tensor& tensor, const ProcessGroup& group,
-                ReduceOp op = ReduceOp::kSum);
+Work all_reduce(
+    at::Tensor& tensor,
+    const ProcessGroup& group,
+    ReduceOp op = ReduceOp::kSum);
 
 /// Copies `tensor` of group rank `src` into `tensor` of every other rank.
 Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group);
@@ -70,25 +73,35 @@ std::pair<int64_t, int64_t> shard_range(int64_t numel, int world, int rank);
 /// Gathers every rank's shard into one flat `output`. `input` is this rank's
 /// shard, with `input.numel()` equal to the length `shard_range` gives for
 /// `output.numel()`; lengths need not divide evenly.
-Work all_gather(at::Tensor& output, const at::Tensor& input,
-                const ProcessGroup& group);
+Work all_gather(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const ProcessGroup& group);
 
 /// Reduces the flat `input` over the group and leaves this rank's shard (as
 /// `shard_range` defines it) in `output`.
-Work reduce_scatter(at::Tensor& output, const at::Tensor& input,
-                    const ProcessGroup& group, ReduceOp op = ReduceOp::kSum);
+Work reduce_scatter(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const ProcessGroup& group,
+    ReduceOp op = ReduceOp::kSum);
 
 /// Rank r sends the r-th block of `input` to every rank and receives
 /// everyone's blocks into `output`, in rank order. Empty split vectors mean
 /// equal blocks.
-Work all_to_all(at::Tensor& output, const at::Tensor& input,
-                const ProcessGroup& group,
-                std::vector<int64_t> output_splits = {},
-                std::vector<int64_t> input_splits = {});
+Work all_to_all(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const ProcessGroup& group,
+    std::vector<int64_t> output_splits = {},
+    std::vector<int64_t> input_splits = {});
 
 /// Point-to-point; `dst` / `src` are group ranks.
-Work send(const at::Tensor& tensor, int dst, const ProcessGroup& group,
-          int tag = 0);
+Work send(
+    const at::Tensor& tensor,
+    int dst,
+    const ProcessGroup& group,
+    int tag = 0);
 Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag = 0);
 
 Work barrier(const ProcessGroup& group);

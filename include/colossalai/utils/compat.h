@@ -17,7 +17,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #define COLOSSALAI_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||            \
+  (TORCH_VERSION_MAJOR > (major) ||             \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 #if COLOSSALAI_TORCH_AT_LEAST(2, 0)

@@ -46,8 +46,7 @@ void TorchAMPOptimizer::step() {
   scaler_.update();
 }
 
-double TorchAMPOptimizer::clip_grad_by_norm(double max_norm,
-                                            double norm_type) {
+double TorchAMPOptimizer::clip_grad_by_norm(double max_norm, double norm_type) {
   if (scaler_.unscale_(parameters())) {
     return std::numeric_limits<double>::infinity(); // step will be skipped
   }
@@ -94,8 +93,11 @@ std::shared_ptr<MixedPrecision> make_mixed_precision(
     return std::make_shared<FP16TorchMixedPrecision>(
         amp::GradScalerOptions(), device);
   }
-  TORCH_CHECK(false, "mixed_precision must be 'fp16', 'bf16' or 'fp32', got '",
-              name, "'");
+  TORCH_CHECK(
+      false,
+      "mixed_precision must be 'fp16', 'bf16' or 'fp32', got '",
+      name,
+      "'");
 }
 
 } // namespace mixed_precision

@@ -5,8 +5,8 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <map>
-#include <tuple>
 #include <sstream>
+#include <tuple>
 
 namespace colossalai {
 namespace booster {
@@ -31,8 +31,11 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
 
 } // namespace
 
-Reducer::Reducer(std::vector<std::string> names, std::vector<at::Tensor> params,
-                 distributed::ProcessGroupPtr group, ReducerOptions options)
+Reducer::Reducer(
+    std::vector<std::string> names,
+    std::vector<at::Tensor> params,
+    distributed::ProcessGroupPtr group,
+    ReducerOptions options)
     : names_(std::move(names)),
       params_(std::move(params)),
       group_(std::move(group)),
@@ -58,12 +61,14 @@ void Reducer::build_buckets() {
   std::vector<int64_t> numels;
   for (size_t k = params_.size(); k-- > 0;) {
     const auto& p = params_[k];
-    Key key{static_cast<int>(p.scalar_type()),
-            static_cast<int>(p.device().type()), p.device().index()};
+    Key key{
+        static_cast<int>(p.scalar_type()),
+        static_cast<int>(p.device().type()),
+        p.device().index()};
     const int64_t bytes = p.numel() * p.element_size();
     auto it = open.find(key);
-    const int64_t cap = closed[key] == 0 ? options_.first_bucket_bytes
-                                         : options_.bucket_bytes;
+    const int64_t cap =
+        closed[key] == 0 ? options_.first_bucket_bytes : options_.bucket_bytes;
     if (it != open.end() && it->second.bytes > 0 &&
         it->second.bytes + bytes > cap) {
       closed[key]++;
@@ -92,8 +97,11 @@ void Reducer::register_hooks() {
   std::weak_ptr<Reducer> weak = shared_from_this();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    TORCH_CHECK(acc != nullptr, "TorchDDPPlugin: parameter '", names_[i],
-                "' is not a leaf that requires grad");
+    TORCH_CHECK(
+        acc != nullptr,
+        "TorchDDPPlugin: parameter '",
+        names_[i],
+        "' is not a leaf that requires grad");
     acc->add_post_hook(std::make_unique<GradReadyHook>([weak, i]() {
       if (auto self = weak.lock()) {
         self->on_grad_ready(i);
@@ -126,8 +134,11 @@ void Reducer::on_grad_ready(size_t index) {
       }
     }
   }
-  TORCH_INTERNAL_ASSERT(!ready_[index], "gradient of '", names_[index],
-                        "' reported twice in one backward");
+  TORCH_INTERNAL_ASSERT(
+      !ready_[index],
+      "gradient of '",
+      names_[index],
+      "' reported twice in one backward");
   mark_ready(index, true);
 }
 
@@ -198,11 +209,15 @@ void Reducer::finalize() {
       names << ", ... (" << missing.size() << " in all)";
     }
     reset();
-    TORCH_CHECK(false, "TorchDDPPlugin: parameters received no gradient in "
-                "this backward: ", names.str(), ". If the model has "
-                "parameters that do not take part in every forward, use "
-                "TorchDDPPluginOptions().find_unused_parameters(true); "
-                "otherwise make every output take part in the loss.");
+    TORCH_CHECK(
+        false,
+        "TorchDDPPlugin: parameters received no gradient in "
+        "this backward: ",
+        names.str(),
+        ". If the model has "
+        "parameters that do not take part in every forward, use "
+        "TorchDDPPluginOptions().find_unused_parameters(true); "
+        "otherwise make every output take part in the loss.");
   }
   for (size_t i : missing) {
     mark_ready(i, false);
@@ -242,7 +257,8 @@ void Reducer::finalize() {
     }
     auto& param = params_[i];
     const auto& slot = slots_[i];
-    auto view = buckets_[slot.bucket].buffer.narrow(0, slot.offset, slot.numel)
+    auto view = buckets_[slot.bucket]
+                    .buffer.narrow(0, slot.offset, slot.numel)
                     .view(param.sizes());
     auto& grad = param.mutable_grad();
     if (options_.gradient_as_bucket_view) {

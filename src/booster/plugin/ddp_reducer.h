@@ -26,8 +26,11 @@ struct ReducerOptions {
 
 class Reducer : public std::enable_shared_from_this<Reducer> {
  public:
-  Reducer(std::vector<std::string> names, std::vector<at::Tensor> params,
-          distributed::ProcessGroupPtr group, ReducerOptions options);
+  Reducer(
+      std::vector<std::string> names,
+      std::vector<at::Tensor> params,
+      distributed::ProcessGroupPtr group,
+      ReducerOptions options);
 
   /// Installs the gradient-accumulator hooks; call once after make_shared.
   void register_hooks();

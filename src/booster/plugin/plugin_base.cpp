@@ -8,13 +8,15 @@ std::shared_ptr<checkpoint_io::CheckpointIO> Plugin::get_checkpoint_io() {
   unsupported("checkpoint IO");
 }
 
-NoSyncGuard Plugin::no_sync(interface::ModelWrapper&,
-                            interface::OptimizerWrapper*) {
+NoSyncGuard Plugin::no_sync(
+    interface::ModelWrapper&,
+    interface::OptimizerWrapper*) {
   unsupported("no_sync");
 }
 
 std::shared_ptr<torch::nn::Module> Plugin::enable_lora(
-    std::shared_ptr<torch::nn::Module>, const std::string&) {
+    std::shared_ptr<torch::nn::Module>,
+    const std::string&) {
   unsupported("LoRA");
 }
 
@@ -23,9 +25,11 @@ void Plugin::unsupported(const std::string& feature) const {
 }
 
 DPPluginBase::DPPluginBase() {
-  TORCH_CHECK(distributed::is_initialized(), "data-parallel plugins need the ",
-              "distributed runtime: call colossalai::launch() or "
-              "colossalai::launch_from_env() before creating the plugin");
+  TORCH_CHECK(
+      distributed::is_initialized(),
+      "data-parallel plugins need the ",
+      "distributed runtime: call colossalai::launch() or "
+      "colossalai::launch_from_env() before creating the plugin");
   mesh_ = std::make_unique<cluster::ProcessGroupMesh>(
       std::vector<int>{distributed::get_world_size()});
   dp_group_ = mesh_->get_group_along_axis(0);

@@ -14,16 +14,19 @@ namespace colossalai {
 namespace booster {
 namespace plugin {
 
-void broadcast_coalesced(const std::vector<at::Tensor>& tensors, int src,
-                         const distributed::ProcessGroup& group) {
+void broadcast_coalesced(
+    const std::vector<at::Tensor>& tensors,
+    int src,
+    const distributed::ProcessGroup& group) {
   if (group.size() == 1) {
     return;
   }
   // One flat message per dtype, in first-appearance order on every rank.
   std::vector<std::pair<at::ScalarType, std::vector<at::Tensor>>> by_dtype;
   for (const auto& t : tensors) {
-    auto it = std::find_if(by_dtype.begin(), by_dtype.end(),
-                           [&](auto& e) { return e.first == t.scalar_type(); });
+    auto it = std::find_if(by_dtype.begin(), by_dtype.end(), [&](auto& e) {
+      return e.first == t.scalar_type();
+    });
     if (it == by_dtype.end()) {
       by_dtype.push_back({t.scalar_type(), {}});
       it = by_dtype.end() - 1;
@@ -47,15 +50,17 @@ void broadcast_coalesced(const std::vector<at::Tensor>& tensors, int src,
   }
 }
 
-TorchDDPModel::TorchDDPModel(std::shared_ptr<interface::ModelWrapper> inner,
-                             distributed::ProcessGroupPtr group,
-                             const TorchDDPPluginOptions& options)
+TorchDDPModel::TorchDDPModel(
+    std::shared_ptr<interface::ModelWrapper> inner,
+    distributed::ProcessGroupPtr group,
+    const TorchDDPPluginOptions& options)
     : interface::ModelWrapper(std::move(inner)),
       group_(std::move(group)),
       options_(options) {
-  TORCH_CHECK(options.bucket_cap_mb() > 0,
-              "TorchDDPPlugin: bucket_cap_mb must be > 0, got ",
-              options.bucket_cap_mb());
+  TORCH_CHECK(
+      options.bucket_cap_mb() > 0,
+      "TorchDDPPlugin: bucket_cap_mb must be > 0, got ",
+      options.bucket_cap_mb());
   // Deduplicate shared parameters (tied weights): one gradient, one slot.
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
@@ -85,8 +90,8 @@ TorchDDPModel::TorchDDPModel(std::shared_ptr<interface::ModelWrapper> inner,
   ro.find_unused_parameters = options.find_unused_parameters();
   ro.gradient_as_bucket_view = options.gradient_as_bucket_view();
   ro.static_graph = options.static_graph();
-  reducer_ = std::make_shared<detail::Reducer>(std::move(names),
-                                               std::move(params), group_, ro);
+  reducer_ = std::make_shared<detail::Reducer>(
+      std::move(names), std::move(params), group_, ro);
   reducer_->register_hooks();
 }
 
@@ -132,9 +137,10 @@ size_t TorchDDPModel::buckets_overlapped() const {
 
 TorchDDPPlugin::TorchDDPPlugin(TorchDDPPluginOptions options)
     : options_(options) {
-  TORCH_CHECK(options.bucket_cap_mb() > 0,
-              "TorchDDPPlugin: bucket_cap_mb must be > 0, got ",
-              options.bucket_cap_mb());
+  TORCH_CHECK(
+      options.bucket_cap_mb() > 0,
+      "TorchDDPPlugin: bucket_cap_mb must be > 0, got ",
+      options.bucket_cap_mb());
 }
 
 void TorchDDPPlugin::configure(
@@ -143,18 +149,21 @@ void TorchDDPPlugin::configure(
   if (!model) {
     return;
   }
-  TORCH_CHECK(interface::find_wrapper<TorchDDPModel>(*model) == nullptr,
-              "TorchDDPPlugin: the model is already boosted");
+  TORCH_CHECK(
+      interface::find_wrapper<TorchDDPModel>(*model) == nullptr,
+      "TorchDDPPlugin: the model is already boosted");
   model->unwrap()->to(current_device());
   model = std::make_shared<TorchDDPModel>(model, dp_group_, options_);
 }
 
-NoSyncGuard TorchDDPPlugin::no_sync(interface::ModelWrapper& model,
-                                    interface::OptimizerWrapper*) {
+NoSyncGuard TorchDDPPlugin::no_sync(
+    interface::ModelWrapper& model,
+    interface::OptimizerWrapper*) {
   auto* ddp = interface::find_wrapper<TorchDDPModel>(model);
-  TORCH_CHECK(ddp != nullptr,
-              "TorchDDPPlugin.no_sync: the model was not boosted by this "
-              "plugin");
+  TORCH_CHECK(
+      ddp != nullptr,
+      "TorchDDPPlugin.no_sync: the model was not boosted by this "
+      "plugin");
   bool previous = ddp->require_sync();
   ddp->set_require_sync(false);
   return NoSyncGuard([ddp, previous]() { ddp->set_require_sync(previous); });

@@ -42,15 +42,22 @@ class DPPluginBase : public Plugin {
       uint64_t seed = 1024,
       bool drop_last = false,
       size_t num_workers = 0) const {
-    TORCH_CHECK(batch_size > 0, name(), ".prepare_dataloader: batch_size ",
-                "must be > 0");
+    TORCH_CHECK(
+        batch_size > 0,
+        name(),
+        ".prepare_dataloader: batch_size ",
+        "must be > 0");
     auto size = dataset.size();
-    TORCH_CHECK(size.has_value(), name(), ".prepare_dataloader: the dataset ",
-                "must have a size");
-    data::DistributedSampler sampler(*size, dp_size(), dp_rank(), shuffle,
-                                     seed, drop_last);
+    TORCH_CHECK(
+        size.has_value(),
+        name(),
+        ".prepare_dataloader: the dataset ",
+        "must have a size");
+    data::DistributedSampler sampler(
+        *size, dp_size(), dp_rank(), shuffle, seed, drop_last);
     return std::make_unique<data::DistributedDataLoader<Dataset>>(
-        std::move(dataset), std::move(sampler),
+        std::move(dataset),
+        std::move(sampler),
         torch::data::DataLoaderOptions(batch_size)
             .drop_last(drop_last)
             .workers(num_workers));
