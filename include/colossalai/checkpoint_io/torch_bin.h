@@ -1,0 +1,22 @@
+#pragma once
+
+/// PyTorch `.bin` state-dict files: a pickled dict of tensors in the zip
+/// format that Python's `torch.save` writes and `torch.load` reads.
+
+#include <colossalai/checkpoint_io/state_dict.h>
+
+#include <string>
+
+namespace colossalai {
+namespace checkpoint_io {
+
+/// Writes `tensors` as a dict {name: tensor} that Python's torch.load reads.
+void save_bin(const std::string& path, const StateDict& tensors);
+
+/// Reads a dict of tensors written by save_bin or by Python's torch.save.
+/// Throws naming the file when it is missing, truncated or not a dict of
+/// tensors.
+StateDict load_bin(const std::string& path);
+
+} // namespace checkpoint_io
+} // namespace colossalai
