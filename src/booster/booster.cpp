@@ -1,4 +1,5 @@
 #include <colossalai/booster/booster.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/initialize.h>
 
 #include <algorithm>
@@ -55,6 +56,36 @@ Booster::Booster(BoosterOptions options)
     mixed_precision_ =
         mixed_precision::make_mixed_precision(precision, device_.type());
   }
+  if (plugin_ && plugin_->control_checkpoint_io()) {
+    checkpoint_io_ = plugin_->get_checkpoint_io();
+  } else {
+    checkpoint_io_ = std::make_shared<checkpoint_io::GeneralCheckpointIO>();
+  }
+}
+
+void Booster::save_optimizer(
+    interface::OptimizerWrapper& optimizer,
+    const std::string& checkpoint,
+    const checkpoint_io::SaveOptimizerOptions& o) {
+  checkpoint_io_->save_optimizer(optimizer, checkpoint, o);
+}
+
+void Booster::load_optimizer(
+    interface::OptimizerWrapper& optimizer,
+    const std::string& checkpoint) {
+  checkpoint_io_->load_optimizer(optimizer, checkpoint);
+}
+
+void Booster::save_lr_scheduler(
+    const nn::lr_scheduler::LRScheduler& s,
+    const std::string& checkpoint) {
+  checkpoint_io_->save_lr_scheduler(s, checkpoint);
+}
+
+void Booster::load_lr_scheduler(
+    nn::lr_scheduler::LRScheduler& s,
+    const std::string& checkpoint) {
+  checkpoint_io_->load_lr_scheduler(s, checkpoint);
 }
 
 std::pair<

@@ -22,6 +22,7 @@
 
 #include <colossalai/booster/mixed_precision/mixed_precision_base.h>
 #include <colossalai/booster/plugin/plugin_base.h>
+#include <colossalai/checkpoint_io/checkpoint_io_base.h>
 #include <colossalai/interface/model.h>
 #include <colossalai/interface/optimizer.h>
 
@@ -158,6 +159,43 @@ class Booster {
       interface::ModelWrapper& model,
       interface::OptimizerWrapper* optimizer = nullptr);
 
+  /// Saves the model's weights: one file (safetensors or PyTorch .bin), or
+  /// with `shard` a directory of shards plus a Hugging Face index.
+  template <class M>
+  void save_model(
+      BoostedModel<M>& model,
+      const std::string& checkpoint,
+      const checkpoint_io::SaveModelOptions& options = {}) {
+    checkpoint_io_->save_model(*model.wrapper(), checkpoint, options);
+  }
+  /// Loads weights saved by save_model (or by Python / Hugging Face tools):
+  /// a file, a sharded directory or its index file. With `strict`, missing
+  /// and unexpected keys are errors.
+  template <class M>
+  void load_model(
+      BoostedModel<M>& model,
+      const std::string& checkpoint,
+      bool strict = true) {
+    checkpoint_io_->load_model(*model.wrapper(), checkpoint, strict);
+  }
+  void save_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& checkpoint,
+      const checkpoint_io::SaveOptimizerOptions& options = {});
+  void load_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& checkpoint);
+  void save_lr_scheduler(
+      const nn::lr_scheduler::LRScheduler& scheduler,
+      const std::string& checkpoint);
+  void load_lr_scheduler(
+      nn::lr_scheduler::LRScheduler& scheduler,
+      const std::string& checkpoint);
+  /// The checkpoint IO in use (the plugin's, or the general one).
+  checkpoint_io::CheckpointIO& checkpoint_io() {
+    return *checkpoint_io_;
+  }
+
   const std::shared_ptr<plugin::Plugin>& plugin() const {
     return plugin_;
   }
@@ -179,6 +217,7 @@ class Booster {
   BoosterOptions options_;
   std::shared_ptr<plugin::Plugin> plugin_;
   std::shared_ptr<mixed_precision::MixedPrecision> mixed_precision_;
+  std::shared_ptr<checkpoint_io::CheckpointIO> checkpoint_io_;
   at::Device device_{at::kCPU};
 };
 

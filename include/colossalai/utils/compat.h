@@ -13,6 +13,10 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include <sstream>
+#include <string>
+#include <type_traits>
+
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -36,6 +40,19 @@ using Backend = ::c10d::ProcessGroup;
 #endif
 using BackendPtr = c10::intrusive_ptr<Backend>;
 using WorkPtr = c10::intrusive_ptr<::c10d::Work>;
+
+/// Key of a parameter in `torch::optim::Optimizer::state()`: the TensorImpl
+/// address as a string on 1.13, the address itself on later versions.
+template <class StateMap>
+typename StateMap::key_type optimizer_state_key(const at::Tensor& param) {
+  if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
+    std::ostringstream os;
+    os << param.unsafeGetTensorImpl();
+    return os.str();
+  } else {
+    return param.unsafeGetTensorImpl();
+  }
+}
 
 /// RAII autocast region on one device type (CPU or CUDA).
 class AutocastGuard {

@@ -1,3 +1,4 @@
+#include <colossalai/booster/plugin/torch_ddp_checkpoint_io.h>
 #include <colossalai/booster/plugin/torch_ddp_model.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/distributed/collectives.h>
@@ -154,6 +155,18 @@ void TorchDDPPlugin::configure(
       "TorchDDPPlugin: the model is already boosted");
   model->unwrap()->to(current_device());
   model = std::make_shared<TorchDDPModel>(model, dp_group_, options_);
+}
+
+bool TorchDDPCheckpointIO::is_writer() const {
+  return group_->rank() == 0;
+}
+
+void TorchDDPCheckpointIO::sync_point() {
+  distributed::barrier(*group_).wait();
+}
+
+std::shared_ptr<checkpoint_io::CheckpointIO> TorchDDPPlugin::get_checkpoint_io() {
+  return std::make_shared<TorchDDPCheckpointIO>(dp_group_);
 }
 
 NoSyncGuard TorchDDPPlugin::no_sync(

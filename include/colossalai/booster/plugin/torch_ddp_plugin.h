@@ -64,6 +64,10 @@ class TorchDDPPlugin : public DPPluginBase {
   bool support_no_sync() const override {
     return true;
   }
+  bool control_checkpoint_io() const override {
+    return true;
+  }
+  std::shared_ptr<checkpoint_io::CheckpointIO> get_checkpoint_io() override;
   void configure(
       std::shared_ptr<interface::ModelWrapper>& model,
       std::shared_ptr<interface::OptimizerWrapper>& optimizer) override;

@@ -1,0 +1,136 @@
+#pragma once
+
+#include <colossalai/checkpoint_io/state_dict.h>
+#include <colossalai/interface/model.h>
+#include <colossalai/interface/optimizer.h>
+
+#include <torch/arg.h>
+
+#include <exception>
+#include <memory>
+#include <string>
+#include <thread>
+
+namespace colossalai {
+namespace nn {
+namespace lr_scheduler {
+class LRScheduler;
+} // namespace lr_scheduler
+} // namespace nn
+
+namespace checkpoint_io {
+
+/// Options of `save_model` (`Booster.save_model`'s keyword arguments).
+struct SaveModelOptions {
+  /// A directory of shard files plus a Hugging Face index, instead of one
+  /// file.
+  TORCH_ARG(bool, shard) = false;
+  /// Gather distributed tensors into full ones before saving.
+  TORCH_ARG(bool, gather_dtensor) = true;
+  /// Inserted into file names: "model.<prefix>.safetensors".
+  TORCH_ARG(std::string, prefix) = "";
+  /// Largest shard, in MB (a larger single tensor gets a shard of its own).
+  TORCH_ARG(int64_t, size_per_shard) = 1024;
+  /// safetensors instead of PyTorch `.bin`.
+  TORCH_ARG(bool, use_safetensors) = false;
+  /// Snapshot the tensors and write them from a background thread.
+  TORCH_ARG(bool, use_async) = false;
+};
+
+/// Options of `save_optimizer`.
+struct SaveOptimizerOptions {
+  TORCH_ARG(bool, shard) = false;
+  TORCH_ARG(bool, gather_dtensor) = true;
+  TORCH_ARG(std::string, prefix) = "";
+  TORCH_ARG(int64_t, size_per_shard) = 1024;
+  TORCH_ARG(bool, use_async) = false;
+};
+
+/// Saves and loads models, optimizers and LR schedulers
+/// (`colossalai.checkpoint_io.CheckpointIO`). `load_model` and
+/// `load_optimizer` recognise sharded checkpoints by their index file, so one
+/// call loads either kind. Plugins return their own subclass.
+///
+/// Every save is atomic: it writes under a temporary name and renames at the
+/// end, so a process killed mid-save leaves the previous checkpoint intact.
+class CheckpointIO {
+ public:
+  virtual ~CheckpointIO();
+
+  void save_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      const SaveModelOptions& options = {});
+  void load_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      bool strict = true);
+  void save_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& checkpoint,
+      const SaveOptimizerOptions& options = {});
+  void load_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& checkpoint);
+  virtual void save_lr_scheduler(
+      const nn::lr_scheduler::LRScheduler& scheduler,
+      const std::string& checkpoint);
+  virtual void load_lr_scheduler(
+      nn::lr_scheduler::LRScheduler& scheduler,
+      const std::string& checkpoint);
+
+  /// Waits for the background save in flight (use_async) and rethrows its
+  /// error, if any.
+  void synchronize();
+
+ protected:
+  /// Whether this process writes files (e.g. only rank 0 under DDP).
+  virtual bool is_writer() const {
+    return true;
+  }
+  /// Where processes meet: after each save, and before each load, so files
+  /// are complete before anyone reads them.
+  virtual void sync_point() {}
+
+  virtual void save_unsharded_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      const SaveModelOptions& options) = 0;
+  virtual void save_sharded_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      const SaveModelOptions& options) = 0;
+  virtual void load_unsharded_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      bool strict) = 0;
+  virtual void load_sharded_model(
+      interface::ModelWrapper& model,
+      const std::string& index_file,
+      bool strict) = 0;
+  virtual void save_unsharded_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& checkpoint,
+      const SaveOptimizerOptions& options) = 0;
+  virtual void save_sharded_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& checkpoint,
+      const SaveOptimizerOptions& options) = 0;
+  virtual void load_unsharded_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& checkpoint) = 0;
+  virtual void load_sharded_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& index_file) = 0;
+
+  /// Runs `job` now, or in the background when `async` (after the previous
+  /// background job finished; its error is rethrown here first).
+  void run_maybe_async(bool async, std::function<void()> job);
+
+ private:
+  std::thread writer_;
+  std::exception_ptr writer_error_;
+};
+
+} // namespace checkpoint_io
+} // namespace colossalai

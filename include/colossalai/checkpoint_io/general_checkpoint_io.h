@@ -1,0 +1,81 @@
+#pragma once
+
+#include <colossalai/checkpoint_io/checkpoint_io_base.h>
+
+#include <set>
+
+namespace colossalai {
+namespace checkpoint_io {
+
+/// Checkpoints of a model and optimizer held whole by this process (plain
+/// training and DDP).
+///
+/// Files, readable by Python (`torch.load`, `safetensors`, Hugging Face):
+///  - model, unsharded: one `.safetensors` or `.bin` file at the given path;
+///  - model, sharded: a directory of `model-0000i-of-0000n.safetensors`
+///    (or `pytorch_model-...bin`) files plus `model.safetensors.index.json`
+///    (`pytorch_model.bin.index.json`);
+///  - optimizer, unsharded: one `.bin` holding {"state", "param_groups"} as
+///    `torch.optim.Optimizer.state_dict()` does;
+///  - optimizer, sharded: `pytorch_optim-0000i-of-0000n.bin` shards of
+///    {param_id: state}, `pytorch_optim_group.bin` and
+///    `pytorch_optim.bin.index.json` (ColossalAI's layout);
+///  - LR scheduler: a LibTorch archive.
+///
+/// Example:
+/// \code
+///   GeneralCheckpointIO io;
+///   io.save_model(*boosted.model.wrapper(), "ckpt/model",
+///                 SaveModelOptions().shard(true).use_safetensors(true));
+///   io.load_model(*boosted.model.wrapper(), "ckpt/model");
+/// \endcode
+class GeneralCheckpointIO : public CheckpointIO {
+ protected:
+  void save_unsharded_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      const SaveModelOptions& options) override;
+  void save_sharded_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      const SaveModelOptions& options) override;
+  void load_unsharded_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      bool strict) override;
+  void load_sharded_model(
+      interface::ModelWrapper& model,
+      const std::string& index_file,
+      bool strict) override;
+  void save_unsharded_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& checkpoint,
+      const SaveOptimizerOptions& options) override;
+  void save_sharded_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& checkpoint,
+      const SaveOptimizerOptions& options) override;
+  void load_unsharded_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& checkpoint) override;
+  void load_sharded_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const std::string& index_file) override;
+};
+
+/// The module's parameters and buffers under their dotted names.
+StateDict model_state_dict(torch::nn::Module& module);
+
+/// Copies `state` into the module's tensors. Shapes must match and dtypes
+/// must be of the same kind (floating point may convert to another floating
+/// point type). With `strict`, `state` must hold exactly the module's keys;
+/// `seen` collects the keys used, for checks across several shard files.
+void load_model_state(
+    torch::nn::Module& module,
+    const StateDict& state,
+    const std::string& file,
+    std::set<std::string>* seen = nullptr,
+    bool strict_unexpected = true);
+
+} // namespace checkpoint_io
+} // namespace colossalai

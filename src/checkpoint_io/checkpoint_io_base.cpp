@@ -1,0 +1,216 @@
+#include <colossalai/checkpoint_io/checkpoint_io_base.h>
+#include <colossalai/nn/lr_scheduler/lr_scheduler.h>
+
+#include "io_utils.h"
+
+#include <torch/serialize/archive.h>
+
+#include <filesystem>
+
+namespace colossalai {
+namespace checkpoint_io {
+
+namespace {
+
+// The index file inside a sharded checkpoint directory, or "".
+std::string find_index(
+    const std::string& dir,
+    const std::string& must_contain) {
+  std::vector<std::string> found;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    auto name = e.path().filename().string();
+    if (name.size() > 11 && name.substr(name.size() - 11) == ".index.json" &&
+        name.find(must_contain) != std::string::npos) {
+      found.push_back(e.path().string());
+    }
+  }
+  TORCH_CHECK(
+      found.size() <= 1,
+      "checkpoint directory '",
+      dir,
+      "' holds several index files; pass the one to load");
+  return found.empty() ? "" : found.front();
+}
+
+// A directory holding exactly one checkpoint file (no index), or "".
+std::string single_file(const std::string& dir) {
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.is_regular_file()) {
+      files.push_back(e.path().string());
+    }
+  }
+  return files.size() == 1 ? files.front() : "";
+}
+
+} // namespace
+
+CheckpointIO::~CheckpointIO() {
+  if (writer_.joinable()) {
+    writer_.join();
+  }
+}
+
+void CheckpointIO::synchronize() {
+  if (writer_.joinable()) {
+    writer_.join();
+  }
+  if (writer_error_) {
+    auto e = writer_error_;
+    writer_error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void CheckpointIO::run_maybe_async(bool async, std::function<void()> job) {
+  synchronize(); // the next save waits for the previous one
+  if (!async) {
+    job();
+    return;
+  }
+  writer_ = std::thread([this, job = std::move(job)]() {
+    try {
+      job();
+    } catch (...) {
+      writer_error_ = std::current_exception();
+    }
+  });
+}
+
+void CheckpointIO::save_model(
+    interface::ModelWrapper& model,
+    const std::string& checkpoint,
+    const SaveModelOptions& options) {
+  TORCH_CHECK(
+      options.size_per_shard() > 0,
+      "save_model: size_per_shard must be > 0 MB, got ",
+      options.size_per_shard());
+  if (is_writer()) {
+    if (options.shard()) {
+      save_sharded_model(model, checkpoint, options);
+    } else {
+      save_unsharded_model(model, checkpoint, options);
+    }
+  }
+  sync_point();
+}
+
+void CheckpointIO::load_model(
+    interface::ModelWrapper& model,
+    const std::string& checkpoint,
+    bool strict) {
+  synchronize();
+  sync_point();
+  auto path = detail::resolve(checkpoint);
+  TORCH_CHECK(
+      detail::exists(path),
+      "load_model: checkpoint '",
+      checkpoint,
+      "' does not exist");
+  if (detail::is_dir(path)) {
+    auto index = find_index(path, "model");
+    if (!index.empty()) {
+      load_sharded_model(model, index, strict);
+      return;
+    }
+    auto file = single_file(path);
+    TORCH_CHECK(
+        !file.empty(),
+        "load_model: directory '",
+        path,
+        "' has no index file (*model*.index.json) and not exactly "
+        "one checkpoint file");
+    load_unsharded_model(model, file, strict);
+  } else if (
+      path.size() > 11 && path.substr(path.size() - 11) == ".index.json") {
+    load_sharded_model(model, path, strict);
+  } else {
+    load_unsharded_model(model, path, strict);
+  }
+}
+
+void CheckpointIO::save_optimizer(
+    interface::OptimizerWrapper& optimizer,
+    const std::string& checkpoint,
+    const SaveOptimizerOptions& options) {
+  TORCH_CHECK(
+      options.size_per_shard() > 0,
+      "save_optimizer: size_per_shard must be > 0 MB, got ",
+      options.size_per_shard());
+  if (is_writer()) {
+    if (options.shard()) {
+      save_sharded_optimizer(optimizer, checkpoint, options);
+    } else {
+      save_unsharded_optimizer(optimizer, checkpoint, options);
+    }
+  }
+  sync_point();
+}
+
+void CheckpointIO::load_optimizer(
+    interface::OptimizerWrapper& optimizer,
+    const std::string& checkpoint) {
+  synchronize();
+  sync_point();
+  auto path = detail::resolve(checkpoint);
+  TORCH_CHECK(
+      detail::exists(path),
+      "load_optimizer: checkpoint '",
+      checkpoint,
+      "' does not exist");
+  if (detail::is_dir(path)) {
+    auto index = find_index(path, "optim");
+    TORCH_CHECK(
+        !index.empty(),
+        "load_optimizer: directory '",
+        path,
+        "' has no optimizer index (pytorch_optim.bin.index.json)");
+    load_sharded_optimizer(optimizer, index);
+  } else if (
+      path.size() > 11 && path.substr(path.size() - 11) == ".index.json") {
+    load_sharded_optimizer(optimizer, path);
+  } else {
+    load_unsharded_optimizer(optimizer, path);
+  }
+}
+
+void CheckpointIO::save_lr_scheduler(
+    const nn::lr_scheduler::LRScheduler& scheduler,
+    const std::string& checkpoint) {
+  synchronize();
+  if (is_writer()) {
+    torch::serialize::OutputArchive archive;
+    scheduler.save(archive);
+    detail::atomic_write_file(
+        checkpoint, [&](const std::string& tmp) { archive.save_to(tmp); });
+  }
+  sync_point();
+}
+
+void CheckpointIO::load_lr_scheduler(
+    nn::lr_scheduler::LRScheduler& scheduler,
+    const std::string& checkpoint) {
+  synchronize();
+  sync_point();
+  auto path = detail::resolve(checkpoint);
+  TORCH_CHECK(
+      detail::exists(path) && !detail::is_dir(path),
+      "load_lr_scheduler: checkpoint file '",
+      checkpoint,
+      "' does not exist");
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(
+        false,
+        "load_lr_scheduler: '",
+        path,
+        "' is not a scheduler checkpoint: ",
+        e.what_without_backtrace());
+  }
+  scheduler.load(archive);
+}
+
+} // namespace checkpoint_io
+} // namespace colossalai

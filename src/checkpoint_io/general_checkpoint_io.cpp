@@ -1,0 +1,461 @@
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/safetensors.h>
+#include <colossalai/checkpoint_io/torch_bin.h>
+
+#include "io_utils.h"
+#include "optimizer_state.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/serialize.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace colossalai {
+namespace checkpoint_io {
+
+namespace {
+
+constexpr const char* kSafetensorsName = "model.safetensors";
+constexpr const char* kBinName = "pytorch_model.bin";
+constexpr const char* kOptimName = "pytorch_optim.bin";
+constexpr const char* kOptimGroupName = "pytorch_optim_group.bin";
+
+// Owned CPU copies, so training may go on while a background thread writes.
+StateDict snapshot(const StateDict& state) {
+  StateDict out;
+  for (const auto& item : state) {
+    out.insert(item.key(), item.value().detach().to(at::kCPU, false, true));
+  }
+  return out;
+}
+
+StateDict detached(const StateDict& state) {
+  StateDict out;
+  for (const auto& item : state) {
+    out.insert(item.key(), item.value().detach());
+  }
+  return out;
+}
+
+void write_tensors(
+    const std::string& path,
+    const StateDict& state,
+    bool safetensors) {
+  if (safetensors) {
+    safetensors::save_file(path, state, {{"format", "pt"}});
+  } else {
+    save_bin(path, state);
+  }
+}
+
+bool looks_like_zip(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[2] = {0, 0};
+  in.read(magic, 2);
+  return in.gcount() == 2 && magic[0] == 'P' && magic[1] == 'K';
+}
+
+StateDict read_tensors(const std::string& path) {
+  return looks_like_zip(path) ? load_bin(path) : safetensors::load_file(path);
+}
+
+bool same_kind(at::ScalarType a, at::ScalarType b) {
+  return (at::isFloatingType(a) && at::isFloatingType(b)) || a == b;
+}
+
+std::string list(const std::vector<std::string>& names) {
+  std::ostringstream os;
+  for (size_t i = 0; i < names.size() && i < 8; ++i) {
+    os << (i ? ", " : "") << names[i];
+  }
+  if (names.size() > 8) {
+    os << ", ... (" << names.size() << " in all)";
+  }
+  return os.str();
+}
+
+// Pickled {id: {name: tensor}}.
+c10::impl::GenericDict states_ivalue(
+    const std::map<int64_t, StateDict>& states) {
+  c10::impl::GenericDict d(c10::IntType::get(), c10::AnyType::get());
+  for (const auto& kv : states) {
+    c10::Dict<std::string, at::Tensor> inner;
+    for (const auto& item : kv.second) {
+      inner.insert(item.key(), item.value());
+    }
+    d.insert(kv.first, inner);
+  }
+  return d;
+}
+
+std::map<int64_t, StateDict> states_from_ivalue(
+    const c10::IValue& v,
+    const std::string& file) {
+  TORCH_CHECK(
+      v.isGenericDict(),
+      "optimizer checkpoint '",
+      file,
+      "': expected a dict of parameter states");
+  std::map<int64_t, StateDict> out;
+  for (const auto& kv : v.toGenericDict()) {
+    TORCH_CHECK(
+        kv.key().isInt() && kv.value().isGenericDict(),
+        "optimizer checkpoint '",
+        file,
+        "': state entries must be {int: {str: tensor}}");
+    StateDict s;
+    for (const auto& inner : kv.value().toGenericDict()) {
+      TORCH_CHECK(
+          inner.key().isString(),
+          "optimizer checkpoint '",
+          file,
+          "': state keys must be strings");
+      if (inner.value().isTensor()) {
+        s.insert(inner.key().toStringRef(), inner.value().toTensor());
+      } else if (inner.value().isDouble() || inner.value().isInt()) {
+        // Python's older layout stores step as a number.
+        s.insert(
+            inner.key().toStringRef(),
+            at::scalar_tensor(inner.value().toScalar(), at::kDouble));
+      }
+    }
+    out.emplace(kv.key().toInt(), std::move(s));
+  }
+  return out;
+}
+
+c10::IValue read_pickle(const std::string& path) {
+  auto bytes = detail::read_bytes(path);
+  try {
+    return torch::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(
+        false,
+        "cannot read '",
+        path,
+        "' (truncated or not a ",
+        "PyTorch checkpoint): ",
+        e.what_without_backtrace());
+  }
+}
+
+std::map<int64_t, StateDict> snapshot_states(
+    const std::map<int64_t, StateDict>& states,
+    bool copy) {
+  std::map<int64_t, StateDict> out;
+  for (const auto& kv : states) {
+    out.emplace(kv.first, copy ? snapshot(kv.second) : detached(kv.second));
+  }
+  return out;
+}
+
+} // namespace
+
+StateDict model_state_dict(torch::nn::Module& module) {
+  StateDict state;
+  for (const auto& item : module.named_parameters(true)) {
+    state.insert(item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(true)) {
+    if (item.value().defined()) {
+      state.insert(item.key(), item.value());
+    }
+  }
+  return state;
+}
+
+void load_model_state(
+    torch::nn::Module& module,
+    const StateDict& state,
+    const std::string& file,
+    std::set<std::string>* seen,
+    bool strict_unexpected) {
+  auto targets = model_state_dict(module);
+  std::vector<std::string> unexpected;
+  at::NoGradGuard no_grad;
+  for (const auto& item : state) {
+    auto* target = targets.find(item.key());
+    if (target == nullptr) {
+      unexpected.push_back(item.key());
+      continue;
+    }
+    const auto& src = item.value();
+    TORCH_CHECK(
+        src.sizes() == target->sizes(),
+        "load_model: '",
+        file,
+        "': key '",
+        item.key(),
+        "' has shape ",
+        src.sizes(),
+        " but the model's tensor has shape ",
+        target->sizes());
+    TORCH_CHECK(
+        same_kind(src.scalar_type(), target->scalar_type()),
+        "load_model: '",
+        file,
+        "': key '",
+        item.key(),
+        "' has dtype ",
+        src.scalar_type(),
+        " but the model's tensor has dtype ",
+        target->scalar_type());
+    target->copy_(src);
+    if (seen) {
+      seen->insert(item.key());
+    }
+  }
+  TORCH_CHECK(
+      !strict_unexpected || unexpected.empty(),
+      "load_model: '",
+      file,
+      "' has keys the model does not (strict): ",
+      list(unexpected));
+}
+
+void GeneralCheckpointIO::save_unsharded_model(
+    interface::ModelWrapper& model,
+    const std::string& checkpoint,
+    const SaveModelOptions& o) {
+  auto state = model_state_dict(*model.unwrap());
+  state = o.use_async() ? snapshot(state) : detached(state);
+  const bool st = o.use_safetensors();
+  run_maybe_async(o.use_async(), [state, checkpoint, st]() {
+    detail::atomic_write_file(checkpoint, [&](const std::string& tmp) {
+      write_tensors(tmp, state, st);
+    });
+  });
+}
+
+void GeneralCheckpointIO::save_sharded_model(
+    interface::ModelWrapper& model,
+    const std::string& checkpoint,
+    const SaveModelOptions& o) {
+  auto state = model_state_dict(*model.unwrap());
+  state = o.use_async() ? snapshot(state) : detached(state);
+  const bool st = o.use_safetensors();
+  const std::string weights =
+      detail::add_prefix(st ? kSafetensorsName : kBinName, o.prefix());
+  const int64_t max_bytes = o.size_per_shard() * 1024 * 1024;
+  run_maybe_async(o.use_async(), [=]() {
+    detail::atomic_write_dir(checkpoint, [&](const std::string& dir) {
+      auto shards = detail::split_shards(state, max_bytes);
+      detail::Index index;
+      const int n = static_cast<int>(shards.size());
+      for (int i = 0; i < n; ++i) {
+        auto name = n == 1 ? weights : detail::shard_name(weights, i + 1, n);
+        write_tensors(detail::join(dir, name), shards[i], st);
+        for (const auto& item : shards[i]) {
+          index.total_size += detail::nbytes(item.value());
+          index.weight_map.emplace_back(item.key(), name);
+        }
+      }
+      detail::write_index(detail::join(dir, weights + ".index.json"), index);
+    });
+  });
+}
+
+void GeneralCheckpointIO::load_unsharded_model(
+    interface::ModelWrapper& model,
+    const std::string& checkpoint,
+    bool strict) {
+  auto state = read_tensors(checkpoint);
+  std::set<std::string> seen;
+  load_model_state(*model.unwrap(), state, checkpoint, &seen, strict);
+  if (strict) {
+    std::vector<std::string> missing;
+    for (const auto& item : model_state_dict(*model.unwrap())) {
+      if (!seen.count(item.key())) {
+        missing.push_back(item.key());
+      }
+    }
+    TORCH_CHECK(
+        missing.empty(),
+        "load_model: '",
+        checkpoint,
+        "' lacks keys the model has (strict): ",
+        list(missing));
+  }
+}
+
+void GeneralCheckpointIO::load_sharded_model(
+    interface::ModelWrapper& model,
+    const std::string& index_file,
+    bool strict) {
+  auto index = detail::read_index(index_file);
+  auto dir = std::filesystem::path(index_file).parent_path().string();
+  std::vector<std::string> files;
+  std::set<std::string> expected;
+  for (const auto& kv : index.weight_map) {
+    expected.insert(kv.first);
+    if (std::find(files.begin(), files.end(), kv.second) == files.end()) {
+      files.push_back(kv.second);
+    }
+  }
+  std::set<std::string> seen;
+  for (const auto& f : files) {
+    auto path = detail::join(dir, f);
+    TORCH_CHECK(
+        detail::exists(path),
+        "load_model: shard '",
+        path,
+        "' named by index '",
+        index_file,
+        "' is missing");
+    load_model_state(*model.unwrap(), read_tensors(path), path, &seen, strict);
+  }
+  for (const auto& key : expected) {
+    TORCH_CHECK(
+        seen.count(key) || !strict,
+        "load_model: index '",
+        index_file,
+        "' lists key '",
+        key,
+        "' that its shard does not hold");
+  }
+  if (strict) {
+    std::vector<std::string> missing;
+    for (const auto& item : model_state_dict(*model.unwrap())) {
+      if (!seen.count(item.key())) {
+        missing.push_back(item.key());
+      }
+    }
+    TORCH_CHECK(
+        missing.empty(),
+        "load_model: '",
+        index_file,
+        "' lacks keys the model has (strict): ",
+        list(missing));
+  }
+}
+
+void GeneralCheckpointIO::save_unsharded_optimizer(
+    interface::OptimizerWrapper& optimizer,
+    const std::string& checkpoint,
+    const SaveOptimizerOptions& o) {
+  auto& optim = optimizer.unwrap();
+  auto states =
+      snapshot_states(detail::optimizer_param_states(optim), o.use_async());
+  auto groups = detail::optimizer_param_groups(optim);
+  run_maybe_async(o.use_async(), [states, groups, checkpoint]() {
+    c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+    d.insert("state", states_ivalue(states));
+    d.insert("param_groups", groups);
+    auto bytes = torch::pickle_save(d);
+    detail::atomic_write_file(checkpoint, [&](const std::string& tmp) {
+      detail::write_bytes(tmp, bytes);
+    });
+  });
+}
+
+void GeneralCheckpointIO::save_sharded_optimizer(
+    interface::OptimizerWrapper& optimizer,
+    const std::string& checkpoint,
+    const SaveOptimizerOptions& o) {
+  auto& optim = optimizer.unwrap();
+  auto states =
+      snapshot_states(detail::optimizer_param_states(optim), o.use_async());
+  auto groups = detail::optimizer_param_groups(optim);
+  const auto index_name = detail::add_prefix(kOptimName, o.prefix());
+  const auto group_name = detail::add_prefix(kOptimGroupName, o.prefix());
+  const int64_t max_bytes = o.size_per_shard() * 1024 * 1024;
+  run_maybe_async(o.use_async(), [=]() {
+    detail::atomic_write_dir(checkpoint, [&](const std::string& dir) {
+      // Shards hold whole parameter states, filled up to max_bytes.
+      std::vector<std::map<int64_t, StateDict>> shards;
+      int64_t current = 0;
+      for (const auto& kv : states) {
+        int64_t n = 0;
+        for (const auto& item : kv.second) {
+          n += detail::nbytes(item.value());
+        }
+        if (shards.empty() || (current > 0 && current + n > max_bytes)) {
+          shards.emplace_back();
+          current = 0;
+        }
+        shards.back().emplace(kv.first, kv.second);
+        current += n;
+      }
+      detail::Index index;
+      index.metadata["param_groups"] = group_name;
+      const int total = static_cast<int>(shards.size());
+      for (int i = 0; i < total; ++i) {
+        auto name = detail::shard_name(index_name, i + 1, total);
+        detail::write_bytes(
+            detail::join(dir, name),
+            torch::pickle_save(states_ivalue(shards[i])));
+        for (const auto& kv : shards[i]) {
+          for (const auto& item : kv.second) {
+            index.total_size += detail::nbytes(item.value());
+          }
+          index.weight_map.emplace_back(std::to_string(kv.first), name);
+        }
+      }
+      detail::write_bytes(
+          detail::join(dir, group_name), torch::pickle_save(groups));
+      detail::write_index(detail::join(dir, index_name + ".index.json"), index);
+    });
+  });
+}
+
+void GeneralCheckpointIO::load_unsharded_optimizer(
+    interface::OptimizerWrapper& optimizer,
+    const std::string& checkpoint) {
+  auto v = read_pickle(checkpoint);
+  TORCH_CHECK(
+      v.isGenericDict(),
+      "load_optimizer: '",
+      checkpoint,
+      "' is not an optimizer state dict");
+  auto d = v.toGenericDict();
+  TORCH_CHECK(
+      d.contains("state") && d.contains("param_groups"),
+      "load_optimizer: '",
+      checkpoint,
+      "' lacks 'state' or 'param_groups'");
+  auto& optim = optimizer.unwrap();
+  detail::load_param_groups(optim, d.at("param_groups"), checkpoint);
+  for (const auto& kv : states_from_ivalue(d.at("state"), checkpoint)) {
+    detail::load_param_state(optim, kv.first, kv.second, checkpoint);
+  }
+}
+
+void GeneralCheckpointIO::load_sharded_optimizer(
+    interface::OptimizerWrapper& optimizer,
+    const std::string& index_file) {
+  auto index = detail::read_index(index_file);
+  auto dir = std::filesystem::path(index_file).parent_path().string();
+  auto groups_it = index.metadata.find("param_groups");
+  TORCH_CHECK(
+      groups_it != index.metadata.end(),
+      "load_optimizer: index '",
+      index_file,
+      "' has no metadata.param_groups");
+  auto& optim = optimizer.unwrap();
+  auto groups_file = detail::join(dir, groups_it->second);
+  detail::load_param_groups(optim, read_pickle(groups_file), groups_file);
+  std::vector<std::string> files;
+  for (const auto& kv : index.weight_map) {
+    if (std::find(files.begin(), files.end(), kv.second) == files.end()) {
+      files.push_back(kv.second);
+    }
+  }
+  for (const auto& f : files) {
+    auto path = detail::join(dir, f);
+    TORCH_CHECK(
+        detail::exists(path),
+        "load_optimizer: shard '",
+        path,
+        "' named by index '",
+        index_file,
+        "' is missing");
+    for (const auto& kv : states_from_ivalue(read_pickle(path), path)) {
+      detail::load_param_state(optim, kv.first, kv.second, path);
+    }
+  }
+}
+
+} // namespace checkpoint_io
+} // namespace colossalai

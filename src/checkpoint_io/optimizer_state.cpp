@@ -1,0 +1,322 @@
+#include "optimizer_state.h"
+
+#include <colossalai/utils/compat.h>
+
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+namespace colossalai {
+namespace checkpoint_io {
+namespace detail {
+
+namespace {
+
+using torch::optim::Optimizer;
+
+std::vector<at::Tensor> all_params(Optimizer& o) {
+  std::vector<at::Tensor> out;
+  for (auto& g : o.param_groups()) {
+    for (auto& p : g.params()) {
+      out.push_back(p);
+    }
+  }
+  return out;
+}
+
+// Python stores `step` as a float32 scalar tensor.
+at::Tensor step_tensor(int64_t step) {
+  return at::scalar_tensor(static_cast<double>(step), at::kFloat);
+}
+
+int64_t step_value(const StateDict& s, const std::string& file) {
+  auto* t = s.find("step");
+  TORCH_CHECK(
+      t != nullptr,
+      "optimizer checkpoint '",
+      file,
+      "': a parameter's state has no 'step'");
+  return static_cast<int64_t>(t->item<double>());
+}
+
+at::Tensor get(
+    const StateDict& s,
+    const char* key,
+    const at::Tensor& like,
+    const std::string& file,
+    bool required = true) {
+  auto* t = s.find(key);
+  if (t == nullptr) {
+    TORCH_CHECK(
+        !required,
+        "optimizer checkpoint '",
+        file,
+        "': a parameter's state has no '",
+        key,
+        "'");
+    return at::Tensor();
+  }
+  TORCH_CHECK(
+      t->sizes() == like.sizes(),
+      "optimizer checkpoint '",
+      file,
+      "': state '",
+      key,
+      "' has shape ",
+      t->sizes(),
+      " but its parameter has shape ",
+      like.sizes());
+  return t->to(like.options(), /*non_blocking=*/false, /*copy=*/true);
+}
+
+template <class S>
+const S* as(const torch::optim::OptimizerParamState& s) {
+  return dynamic_cast<const S*>(&s);
+}
+
+std::string kind(Optimizer& o) {
+  if (dynamic_cast<torch::optim::AdamW*>(&o))
+    return "AdamW";
+  if (dynamic_cast<torch::optim::Adam*>(&o))
+    return "Adam";
+  if (dynamic_cast<torch::optim::SGD*>(&o))
+    return "SGD";
+  if (dynamic_cast<torch::optim::RMSprop*>(&o))
+    return "RMSprop";
+  if (dynamic_cast<torch::optim::Adagrad*>(&o))
+    return "Adagrad";
+  return "";
+}
+
+void check_supported(Optimizer& o) {
+  TORCH_CHECK(
+      !kind(o).empty(),
+      "optimizer checkpoints support SGD, Adam, "
+      "AdamW, RMSprop and Adagrad; this optimizer is none of them");
+}
+
+} // namespace
+
+std::map<int64_t, StateDict> optimizer_param_states(Optimizer& o) {
+  check_supported(o);
+  std::map<int64_t, StateDict> out;
+  auto params = all_params(o);
+  auto& state = o.state();
+  using Map = std::decay_t<decltype(state)>;
+  for (size_t id = 0; id < params.size(); ++id) {
+    auto it = state.find(compat::optimizer_state_key<Map>(params[id]));
+    if (it == state.end()) {
+      continue; // no step taken for this parameter yet
+    }
+    StateDict s;
+    const auto& ps = *it->second;
+    if (auto* a = as<torch::optim::AdamWParamState>(ps)) {
+      s.insert("step", step_tensor(a->step()));
+      s.insert("exp_avg", a->exp_avg());
+      s.insert("exp_avg_sq", a->exp_avg_sq());
+      if (a->max_exp_avg_sq().defined()) {
+        s.insert("max_exp_avg_sq", a->max_exp_avg_sq());
+      }
+    } else if (auto* a = as<torch::optim::AdamParamState>(ps)) {
+      s.insert("step", step_tensor(a->step()));
+      s.insert("exp_avg", a->exp_avg());
+      s.insert("exp_avg_sq", a->exp_avg_sq());
+      if (a->max_exp_avg_sq().defined()) {
+        s.insert("max_exp_avg_sq", a->max_exp_avg_sq());
+      }
+    } else if (auto* m = as<torch::optim::SGDParamState>(ps)) {
+      s.insert("momentum_buffer", m->momentum_buffer());
+    } else if (auto* r = as<torch::optim::RMSpropParamState>(ps)) {
+      s.insert("step", step_tensor(r->step()));
+      s.insert("square_avg", r->square_avg());
+      if (r->momentum_buffer().defined()) {
+        s.insert("momentum_buffer", r->momentum_buffer());
+      }
+      if (r->grad_avg().defined()) {
+        s.insert("grad_avg", r->grad_avg());
+      }
+    } else if (auto* g = as<torch::optim::AdagradParamState>(ps)) {
+      s.insert("step", step_tensor(g->step()));
+      s.insert("sum", g->sum());
+    }
+    out.emplace(static_cast<int64_t>(id), std::move(s));
+  }
+  return out;
+}
+
+c10::impl::GenericList optimizer_param_groups(Optimizer& o) {
+  check_supported(o);
+  c10::impl::GenericList groups(c10::AnyType::get());
+  int64_t next_id = 0;
+  for (auto& g : o.param_groups()) {
+    c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+    auto& opts = g.options();
+    if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&opts)) {
+      d.insert("lr", a->lr());
+      d.insert(
+          "betas",
+          c10::ivalue::Tuple::create(
+              c10::IValue(std::get<0>(a->betas())),
+              c10::IValue(std::get<1>(a->betas()))));
+      d.insert("eps", a->eps());
+      d.insert("weight_decay", a->weight_decay());
+      d.insert("amsgrad", a->amsgrad());
+    } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&opts)) {
+      d.insert("lr", a->lr());
+      d.insert(
+          "betas",
+          c10::ivalue::Tuple::create(
+              c10::IValue(std::get<0>(a->betas())),
+              c10::IValue(std::get<1>(a->betas()))));
+      d.insert("eps", a->eps());
+      d.insert("weight_decay", a->weight_decay());
+      d.insert("amsgrad", a->amsgrad());
+    } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&opts)) {
+      d.insert("lr", s->lr());
+      d.insert("momentum", s->momentum());
+      d.insert("dampening", s->dampening());
+      d.insert("weight_decay", s->weight_decay());
+      d.insert("nesterov", s->nesterov());
+    } else if (auto* r = dynamic_cast<torch::optim::RMSpropOptions*>(&opts)) {
+      d.insert("lr", r->lr());
+      d.insert("alpha", r->alpha());
+      d.insert("eps", r->eps());
+      d.insert("weight_decay", r->weight_decay());
+      d.insert("momentum", r->momentum());
+      d.insert("centered", r->centered());
+    } else if (auto* a = dynamic_cast<torch::optim::AdagradOptions*>(&opts)) {
+      d.insert("lr", a->lr());
+      d.insert("lr_decay", a->lr_decay());
+      d.insert("weight_decay", a->weight_decay());
+      d.insert("initial_accumulator_value", a->initial_accumulator_value());
+      d.insert("eps", a->eps());
+    }
+    c10::List<int64_t> ids;
+    for (size_t i = 0; i < g.params().size(); ++i) {
+      ids.push_back(next_id++);
+    }
+    d.insert("params", ids);
+    groups.push_back(d);
+  }
+  return groups;
+}
+
+void load_param_state(
+    Optimizer& o,
+    int64_t id,
+    const StateDict& s,
+    const std::string& file) {
+  check_supported(o);
+  auto params = all_params(o);
+  TORCH_CHECK(
+      id >= 0 && id < static_cast<int64_t>(params.size()),
+      "optimizer checkpoint '",
+      file,
+      "' has state for parameter ",
+      id,
+      " but the optimizer has ",
+      params.size(),
+      " parameters");
+  const auto& p = params[id];
+  auto& state = o.state();
+  using Map = std::decay_t<decltype(state)>;
+  auto key = compat::optimizer_state_key<Map>(p);
+  const auto k = kind(o);
+  if (k == "AdamW" || k == "Adam") {
+    auto fill = [&](auto st) {
+      st->step(step_value(s, file));
+      st->exp_avg(get(s, "exp_avg", p, file));
+      st->exp_avg_sq(get(s, "exp_avg_sq", p, file));
+      st->max_exp_avg_sq(get(s, "max_exp_avg_sq", p, file, false));
+      state[key] = std::move(st);
+    };
+    if (k == "AdamW") {
+      fill(std::make_unique<torch::optim::AdamWParamState>());
+    } else {
+      fill(std::make_unique<torch::optim::AdamParamState>());
+    }
+  } else if (k == "SGD") {
+    auto st = std::make_unique<torch::optim::SGDParamState>();
+    st->momentum_buffer(get(s, "momentum_buffer", p, file));
+    state[key] = std::move(st);
+  } else if (k == "RMSprop") {
+    auto st = std::make_unique<torch::optim::RMSpropParamState>();
+    st->step(step_value(s, file));
+    st->square_avg(get(s, "square_avg", p, file));
+    st->momentum_buffer(get(s, "momentum_buffer", p, file, false));
+    st->grad_avg(get(s, "grad_avg", p, file, false));
+    state[key] = std::move(st);
+  } else {
+    auto st = std::make_unique<torch::optim::AdagradParamState>();
+    st->step(step_value(s, file));
+    st->sum(get(s, "sum", p, file));
+    state[key] = std::move(st);
+  }
+}
+
+void load_param_groups(
+    Optimizer& o,
+    const c10::IValue& value,
+    const std::string& file) {
+  check_supported(o);
+  TORCH_CHECK(
+      value.isList(),
+      "optimizer checkpoint '",
+      file,
+      "': param_groups is not a list");
+  auto groups = value.toList();
+  TORCH_CHECK(
+      groups.size() == o.param_groups().size(),
+      "optimizer checkpoint '",
+      file,
+      "' has ",
+      groups.size(),
+      " param groups, the optimizer has ",
+      o.param_groups().size());
+  for (size_t i = 0; i < groups.size(); ++i) {
+    auto d = groups.get(i).toGenericDict();
+    auto& g = o.param_groups()[i];
+    auto n = d.at("params").toList().size();
+    TORCH_CHECK(
+        n == g.params().size(),
+        "optimizer checkpoint '",
+        file,
+        "': param group ",
+        i,
+        " has ",
+        n,
+        " parameters, the optimizer's has ",
+        g.params().size());
+    auto num = [&](const char* key) { return d.at(key).toDouble(); };
+    auto& opts = g.options();
+    auto betas = [&]() {
+      auto t = d.at("betas").toTuple();
+      return std::make_tuple(
+          t->elements()[0].toDouble(), t->elements()[1].toDouble());
+    };
+    if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&opts)) {
+      a->lr(num("lr")).betas(betas()).eps(num("eps"));
+      a->weight_decay(num("weight_decay")).amsgrad(d.at("amsgrad").toBool());
+    } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&opts)) {
+      a->lr(num("lr")).betas(betas()).eps(num("eps"));
+      a->weight_decay(num("weight_decay")).amsgrad(d.at("amsgrad").toBool());
+    } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&opts)) {
+      s->lr(num("lr")).momentum(num("momentum")).dampening(num("dampening"));
+      s->weight_decay(num("weight_decay")).nesterov(d.at("nesterov").toBool());
+    } else if (auto* r = dynamic_cast<torch::optim::RMSpropOptions*>(&opts)) {
+      r->lr(num("lr")).alpha(num("alpha")).eps(num("eps"));
+      r->weight_decay(num("weight_decay")).momentum(num("momentum"));
+      r->centered(d.at("centered").toBool());
+    } else if (auto* a = dynamic_cast<torch::optim::AdagradOptions*>(&opts)) {
+      a->lr(num("lr")).lr_decay(num("lr_decay"));
+      a->weight_decay(num("weight_decay")).eps(num("eps"));
+      a->initial_accumulator_value(num("initial_accumulator_value"));
+    }
+  }
+}
+
+} // namespace detail
+} // namespace checkpoint_io
+} // namespace colossalai

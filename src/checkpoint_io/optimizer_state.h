@@ -1,0 +1,40 @@
+#pragma once
+
+// torch::optim state <-> the PyTorch state_dict layout (internal):
+// state: {param_id: {"step": t, "exp_avg": t, ...}}, param_groups: [{"lr": ...,
+// "params": [ids]}], with ids numbering parameters across groups in order.
+
+#include <colossalai/checkpoint_io/state_dict.h>
+
+#include <ATen/core/ivalue.h>
+#include <torch/optim/optimizer.h>
+
+#include <map>
+
+namespace colossalai {
+namespace checkpoint_io {
+namespace detail {
+
+/// Per-parameter state by id, tensors as stored (not copied).
+std::map<int64_t, StateDict> optimizer_param_states(
+    torch::optim::Optimizer& optimizer);
+
+/// The groups' hyperparameters and parameter ids.
+c10::impl::GenericList optimizer_param_groups(torch::optim::Optimizer& o);
+
+/// Restores one parameter's state (copied to the parameter's device).
+void load_param_state(
+    torch::optim::Optimizer& optimizer,
+    int64_t id,
+    const StateDict& state,
+    const std::string& file);
+
+/// Restores hyperparameters; checks the groups match in number and size.
+void load_param_groups(
+    torch::optim::Optimizer& optimizer,
+    const c10::IValue& groups,
+    const std::string& file);
+
+} // namespace detail
+} // namespace checkpoint_io
+} // namespace colossalai

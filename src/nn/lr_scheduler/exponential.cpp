@@ -1,0 +1,28 @@
+#include <colossalai/nn/lr_scheduler/exponential.h>
+
+namespace colossalai {
+namespace nn {
+namespace lr_scheduler {
+
+ExponentialLR::ExponentialLR(
+    torch::optim::Optimizer& optimizer,
+    const ExponentialLROptions& options)
+    : LRScheduler(optimizer), options_(options) {
+  initial_step();
+}
+
+std::vector<double> ExponentialLR::get_lr() {
+  auto lrs = group_lrs();
+  if (last_epoch_ == 0) {
+    return lrs;
+  }
+  // Recursive rather than base * gamma^t: the products round differently.
+  for (double& lr : lrs) {
+    lr *= options_.gamma();
+  }
+  return lrs;
+}
+
+} // namespace lr_scheduler
+} // namespace nn
+} // namespace colossalai

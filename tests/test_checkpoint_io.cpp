@@ -1,0 +1,447 @@
+// Checkpoint IO: every format and option round-trips, optimizers resume
+// bit-identically, saves are atomic under SIGKILL, async saves snapshot,
+// bad files give errors that name file and key, and under DDP rank 0 writes
+// while every rank loads.
+
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/safetensors.h>
+#include <colossalai/distributed/error.h>
+
+#include <harness/multiprocess.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+namespace cb = colossalai::booster;
+namespace ck = colossalai::checkpoint_io;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(int64_t width = 64) {
+    fc1 = register_module("fc1", torch::nn::Linear(16, width));
+    bn = register_module("bn", torch::nn::BatchNorm1d(width));
+    fc2 = register_module("fc2", torch::nn::Linear(width, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return fc2(torch::relu(bn(fc1(x))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(Net);
+
+std::string temp_dir() {
+  auto dir = fs::temp_directory_path() /
+      ("colossalai_ckpt_" + std::to_string(::getpid()) + "_" +
+       std::to_string(
+           std::chrono::steady_clock::now().time_since_epoch().count()));
+  fs::create_directories(dir);
+  return dir.string();
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return colossalai::distributed::error_text(e);
+  }
+  return "";
+}
+
+void expect_same_state(torch::nn::Module& a, torch::nn::Module& b) {
+  auto sa = ck::model_state_dict(a), sb = ck::model_state_dict(b);
+  ASSERT_EQ(sa.size(), sb.size());
+  for (const auto& item : sa) {
+    ASSERT_NE(sb.find(item.key()), nullptr) << item.key();
+    EXPECT_TRUE(at::equal(item.value(), sb[item.key()])) << item.key();
+  }
+}
+
+Net trained_net(int64_t width = 64, int seed = 0) {
+  torch::manual_seed(seed);
+  Net net(width);
+  net(torch::randn({8, 16})); // moves BatchNorm statistics off their init
+  return net;
+}
+
+} // namespace
+
+TEST(CheckpointIO, ModelRoundTripsInEveryFormat) {
+  auto dir = temp_dir();
+  for (bool st : {false, true}) {
+    for (bool shard : {false, true}) {
+      for (bool async : {false, true}) {
+        auto src = trained_net();
+        cb::Booster booster;
+        auto boosted = booster.boost(src);
+        auto path = dir + "/m" + std::to_string(st) + std::to_string(shard) +
+            std::to_string(async);
+        booster.save_model(
+            boosted.model,
+            path,
+            ck::SaveModelOptions().use_safetensors(st).shard(shard).use_async(
+                async));
+        booster.checkpoint_io().synchronize();
+        auto dst = trained_net(64, 1);
+        auto boosted_dst = booster.boost(dst);
+        booster.load_model(boosted_dst.model, path);
+        expect_same_state(*src, *dst);
+        if (shard) {
+          auto index = path +
+              (st ? "/model.safetensors.index.json"
+                  : "/pytorch_model.bin.index.json");
+          EXPECT_TRUE(fs::exists(index)) << index;
+          // The index file itself is also accepted.
+          auto again = trained_net(64, 2);
+          auto b2 = booster.boost(again);
+          booster.load_model(b2.model, index);
+          expect_same_state(*src, *again);
+        }
+      }
+    }
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointIO, ShardsRespectSizeAndPrefix) {
+  auto dir = temp_dir();
+  auto src = trained_net(/*width=*/16384); // fc1.weight: 1 MiB, fc2: 256 KiB
+  cb::Booster booster;
+  auto boosted = booster.boost(src);
+  booster.save_model(
+      boosted.model,
+      dir + "/sharded",
+      ck::SaveModelOptions()
+          .shard(true)
+          .use_safetensors(true)
+          .size_per_shard(1)
+          .prefix("step5"));
+  std::vector<std::string> shards;
+  for (const auto& e : fs::directory_iterator(dir + "/sharded")) {
+    auto name = e.path().filename().string();
+    if (name.find(".index.json") == std::string::npos) {
+      shards.push_back(name);
+      EXPECT_LE(fs::file_size(e.path()), (1 << 20) + (1 << 17)) << name;
+    }
+    EXPECT_NE(name.find("step5"), std::string::npos) << name;
+  }
+  EXPECT_GE(shards.size(), 2u);
+  std::ifstream in(dir + "/sharded/model.step5.safetensors.index.json");
+  std::string text(
+      (std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  int64_t total = 0;
+  for (const auto& item : ck::model_state_dict(*src)) {
+    total += item.value().numel() * item.value().element_size();
+    EXPECT_NE(text.find("\"" + item.key() + "\""), std::string::npos);
+  }
+  EXPECT_NE(
+      text.find("\"total_size\": " + std::to_string(total)), std::string::npos)
+      << text;
+  auto dst = trained_net(16384, 1);
+  auto b2 = booster.boost(dst);
+  booster.load_model(b2.model, dir + "/sharded");
+  expect_same_state(*src, *dst);
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointIO, BadInputNamesFileAndKey) {
+  auto dir = temp_dir();
+  cb::Booster booster;
+  auto src = trained_net();
+  auto boosted = booster.boost(src);
+  booster.save_model(
+      boosted.model,
+      dir + "/m.safetensors",
+      ck::SaveModelOptions().use_safetensors(true));
+
+  // Missing file.
+  auto msg =
+      error_of([&] { booster.load_model(boosted.model, dir + "/nope"); });
+  EXPECT_NE(msg.find(dir + "/nope"), std::string::npos) << msg;
+
+  // Shape mismatch and unexpected / missing keys under strict.
+  auto wide = trained_net(32);
+  auto bw = booster.boost(wide);
+  msg = error_of([&] { booster.load_model(bw.model, dir + "/m.safetensors"); });
+  EXPECT_NE(msg.find("fc1.weight"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("m.safetensors"), std::string::npos) << msg;
+
+  ck::StateDict partial;
+  partial.insert("fc1.weight", src->fc1->weight.detach());
+  partial.insert("extra.weight", at::zeros({2}));
+  ck::safetensors::save_file(dir + "/partial.safetensors", partial);
+  msg = error_of(
+      [&] { booster.load_model(boosted.model, dir + "/partial.safetensors"); });
+  EXPECT_NE(msg.find("extra.weight"), std::string::npos) << msg;
+  ck::StateDict only_fc1;
+  only_fc1.insert("fc1.weight", src->fc1->weight.detach());
+  ck::safetensors::save_file(dir + "/fc1.safetensors", only_fc1);
+  msg = error_of(
+      [&] { booster.load_model(boosted.model, dir + "/fc1.safetensors"); });
+  EXPECT_NE(msg.find("fc2.weight"), std::string::npos) << msg;
+  // Not strict: loads what is there.
+  booster.load_model(boosted.model, dir + "/fc1.safetensors", false);
+
+  // dtype of another kind.
+  ck::StateDict ints;
+  ints.insert("fc1.bias", at::zeros({64}, at::kLong));
+  ck::safetensors::save_file(dir + "/ints.safetensors", ints);
+  msg = error_of([&] {
+    booster.load_model(boosted.model, dir + "/ints.safetensors", false);
+  });
+  EXPECT_NE(msg.find("fc1.bias"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("dtype"), std::string::npos) << msg;
+
+  // Truncated file.
+  auto size = fs::file_size(dir + "/m.safetensors");
+  fs::copy_file(dir + "/m.safetensors", dir + "/cut.safetensors");
+  fs::resize_file(dir + "/cut.safetensors", size / 2);
+  msg = error_of(
+      [&] { booster.load_model(boosted.model, dir + "/cut.safetensors"); });
+  EXPECT_NE(msg.find("cut.safetensors"), std::string::npos) << msg;
+
+  // A shard named by the index is missing.
+  booster.save_model(
+      boosted.model, dir + "/sh", ck::SaveModelOptions().shard(true));
+  fs::remove(dir + "/sh/pytorch_model.bin");
+  msg = error_of([&] { booster.load_model(boosted.model, dir + "/sh"); });
+  EXPECT_NE(msg.find("pytorch_model.bin"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("missing"), std::string::npos) << msg;
+  fs::remove_all(dir);
+}
+
+namespace {
+
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(
+    const std::string& kind,
+    const std::vector<at::Tensor>& p) {
+  if (kind == "SGD")
+    return std::make_shared<torch::optim::SGD>(
+        p, torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true));
+  if (kind == "Adam")
+    return std::make_shared<torch::optim::Adam>(
+        p, torch::optim::AdamOptions(1e-2).amsgrad(true));
+  if (kind == "AdamW")
+    return std::make_shared<torch::optim::AdamW>(
+        p, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  if (kind == "RMSprop")
+    return std::make_shared<torch::optim::RMSprop>(
+        p, torch::optim::RMSpropOptions(1e-2).momentum(0.5).centered(true));
+  return std::make_shared<torch::optim::Adagrad>(p);
+}
+
+void train_steps(
+    cb::Booster& booster,
+    Net& net,
+    colossalai::interface::OptimizerWrapper& opt,
+    int from,
+    int to) {
+  for (int s = from; s < to; ++s) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(s);
+    auto x = at::randn({8, 16}, gen), y = at::randn({8, 4}, gen);
+    opt.zero_grad();
+    booster.backward(torch::mse_loss(net(x), y), opt);
+    opt.step();
+  }
+}
+
+} // namespace
+
+TEST(CheckpointIO, OptimizerResumeIsBitIdentical) {
+  auto dir = temp_dir();
+  const int n = 4, m = 3;
+  for (std::string kind : {"SGD", "Adam", "AdamW", "RMSprop", "Adagrad"}) {
+    for (bool shard : {false, true}) {
+      cb::Booster booster;
+      // Uninterrupted reference.
+      auto ref = trained_net();
+      auto ref_b = booster.boost(ref, make_optimizer(kind, ref->parameters()));
+      train_steps(booster, ref, *ref_b.optimizer, 0, n + m);
+
+      auto net = trained_net();
+      auto b = booster.boost(net, make_optimizer(kind, net->parameters()));
+      train_steps(booster, net, *b.optimizer, 0, n);
+      auto path = dir + "/" + kind + std::to_string(shard);
+      booster.save_model(b.model, path + ".model");
+      booster.save_optimizer(
+          *b.optimizer,
+          path + ".optim",
+          ck::SaveOptimizerOptions().shard(shard));
+
+      auto fresh = trained_net(64, 7);
+      auto fb = booster.boost(fresh, make_optimizer(kind, fresh->parameters()));
+      booster.load_model(fb.model, path + ".model");
+      booster.load_optimizer(*fb.optimizer, path + ".optim");
+      train_steps(booster, fresh, *fb.optimizer, n, n + m);
+      for (size_t i = 0; i < ref->parameters().size(); ++i) {
+        EXPECT_TRUE(at::equal(ref->parameters()[i], fresh->parameters()[i]))
+            << kind << (shard ? " sharded" : "") << " parameter " << i;
+      }
+    }
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointIO, AsyncSaveSnapshotsAndReportsErrorsLater) {
+  auto dir = temp_dir();
+  cb::Booster booster;
+  auto net = trained_net();
+  auto b = booster.boost(net);
+  auto expected = net->fc1->weight.detach().clone();
+  booster.save_model(
+      b.model, dir + "/async.bin", ck::SaveModelOptions().use_async(true));
+  {
+    at::NoGradGuard g;
+    net->fc1->weight.fill_(42); // training goes on while the file is written
+  }
+  booster.checkpoint_io().synchronize();
+  auto other = trained_net(64, 3);
+  auto ob = booster.boost(other);
+  booster.load_model(ob.model, dir + "/async.bin");
+  EXPECT_TRUE(at::equal(other->fc1->weight, expected));
+
+  // A background failure surfaces at the next call, naming the path.
+  booster.save_model(
+      b.model,
+      "/proc/no/such/dir/x.bin",
+      ck::SaveModelOptions().use_async(true));
+  auto msg = error_of([&] { booster.checkpoint_io().synchronize(); });
+  EXPECT_NE(msg.find("/proc/no/such/dir"), std::string::npos) << msg;
+  fs::remove_all(dir);
+}
+
+// Child side of the atomicity test: saves forever until killed.
+TEST(CheckpointIO, SaverChild) {
+  const char* path = std::getenv("COLOSSALAI_SAVER_PATH");
+  if (path == nullptr) {
+    GTEST_SKIP() << "only runs as the child of KilledSaveLeavesOldCheckpoint";
+  }
+  bool shard = std::getenv("COLOSSALAI_SAVER_SHARD") != nullptr;
+  auto net = trained_net(/*width=*/16384, /*seed=*/9);
+  cb::Booster booster;
+  auto b = booster.boost(net);
+  while (true) {
+    booster.save_model(
+        b.model,
+        path,
+        ck::SaveModelOptions().shard(shard).size_per_shard(1).use_safetensors(
+            true));
+  }
+}
+
+TEST(CheckpointIO, KilledSaveLeavesOldCheckpoint) {
+  auto dir = temp_dir();
+  for (bool shard : {false, true}) {
+    auto path = dir + (shard ? "/sharded" : "/single.safetensors");
+    cb::Booster booster;
+    auto old = trained_net(16384, 1);
+    auto ob = booster.boost(old);
+    booster.save_model(
+        ob.model,
+        path,
+        ck::SaveModelOptions().shard(shard).size_per_shard(1).use_safetensors(
+            true));
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      pid_t pid = ::fork();
+      if (pid == 0) {
+        ::setenv("COLOSSALAI_SAVER_PATH", path.c_str(), 1);
+        if (shard) {
+          ::setenv("COLOSSALAI_SAVER_SHARD", "1", 1);
+        }
+        ::execl(
+            "/proc/self/exe",
+            "/proc/self/exe",
+            "--gtest_filter=CheckpointIO.SaverChild",
+            static_cast<char*>(nullptr));
+        std::_Exit(127);
+      }
+      // Kill it while its temporary file exists, i.e. mid-save.
+      auto tmp = path + ".tmp-" + std::to_string(pid);
+      auto deadline =
+          std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (!fs::exists(tmp) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      ASSERT_TRUE(fs::exists(tmp)) << "the saver never started writing";
+      std::this_thread::sleep_for(std::chrono::milliseconds(attempt * 3));
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+      // Whatever is at the path is a complete checkpoint: the old one or one
+      // the child finished.
+      auto loaded = trained_net(16384, 5);
+      auto lb = booster.boost(loaded);
+      booster.load_model(lb.model, path);
+      auto w = loaded->fc1->weight;
+      bool is_old = at::equal(w, old->fc1->weight);
+      bool is_new = at::equal(w, trained_net(16384, 9)->fc1->weight);
+      EXPECT_TRUE(is_old || is_new) << (shard ? "sharded" : "single file");
+      fs::remove_all(tmp);
+    }
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointIO, DDPRankZeroWritesEveryRankLoadsAndResumes) {
+  colossalai::testing::run_distributed(2, [](int rank, int world) {
+    auto dir = fs::temp_directory_path() /
+        ("colossalai_ddp_ckpt_" + std::to_string(::getppid()));
+    const int n = 3, m = 2;
+    auto run = [&](bool resume, bool shard) {
+      const auto model_path =
+          (dir / ("model" + std::to_string(shard))).string();
+      const auto optim_path =
+          (dir / ("optim" + std::to_string(shard))).string();
+      auto plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto net = trained_net(64, resume ? 11 : 0);
+      auto b = booster.boost(net, make_optimizer("AdamW", net->parameters()));
+      auto step = [&](int s) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * s + rank);
+        auto x = at::randn({8, 16}, gen), y = at::randn({8, 4}, gen);
+        b.optimizer->zero_grad();
+        booster.backward(torch::mse_loss(b.model(x), y), *b.optimizer);
+        b.optimizer->step();
+      };
+      if (!resume) {
+        for (int s = 0; s < n; ++s)
+          step(s);
+        booster.save_model(
+            b.model, model_path, ck::SaveModelOptions().shard(shard));
+        booster.save_optimizer(
+            *b.optimizer, optim_path, ck::SaveOptimizerOptions().shard(shard));
+        for (int s = n; s < n + m; ++s)
+          step(s);
+      } else {
+        booster.load_model(b.model, model_path);
+        booster.load_optimizer(*b.optimizer, optim_path);
+        for (int s = n; s < n + m; ++s)
+          step(s);
+      }
+      return net->parameters();
+    };
+    for (bool shard : {false, true}) {
+      auto straight = run(false, shard);
+      auto resumed = run(true, shard);
+      for (size_t i = 0; i < straight.size(); ++i) {
+        EXPECT_TRUE(at::equal(straight[i], resumed[i]))
+            << "rank " << rank << " parameter " << i;
+      }
+    }
+    if (rank == 0) {
+      fs::remove_all(dir);
+    }
+  });
+}
