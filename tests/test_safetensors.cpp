@@ -80,6 +80,14 @@ std::string safetensors_bytes(
   return le64(header.size()) + header + data;
 }
 
+std::string repeat(const std::string& s, int n) {
+  std::string out;
+  for (int i = 0; i < n; ++i) {
+    out += s;
+  }
+  return out;
+}
+
 template <typename T>
 std::string raw(std::initializer_list<T> values) {
   std::string s(values.size() * sizeof(T), '\0');
@@ -285,7 +293,8 @@ TEST(Safetensors, ReadsAnotherWritersFile) {
     EXPECT_EQ(keys(sd), (std::vector<std::string>{"a", "b", "c"}));
     EXPECT_TRUE(sd["a"].equal(at::tensor({1.5f, -2.0f})));
     EXPECT_TRUE(sd["b"].equal(at::tensor({7, -9}, at::kInt)));
-    EXPECT_TRUE(sd["c"].equal(at::tensor({true, false, true}).reshape({1, 3})));
+    EXPECT_TRUE(
+        sd["c"].equal(at::tensor({1, 0, 1}).to(at::kBool).reshape({1, 3})));
     // Unaligned data is copied, so kernels always see aligned elements.
     for (const auto& item : sd) {
       EXPECT_EQ(
@@ -524,6 +533,11 @@ TEST(Safetensors, MalformedHeadersNameFileAndKey) {
        std::string(10000, '[') + std::string(10000, ']'),
        "",
        {"nested deeper"}},
+      {"rank_above_limit",
+       "{\"a\":{\"dtype\":\"U8\",\"shape\":[" + repeat("1,", 2000) +
+           "1],\"data_offsets\":[0,1]}}",
+       "x",
+       {"'a'", "more than 1024"}},
       {"invalid_utf8", "{\"\xff\":{}}", "", {"not valid JSON"}},
   };
   TempDir dir;
@@ -712,7 +726,10 @@ TEST(TorchBin, Errors) {
   const auto evil = dir.file("evil.bin");
   write_archive(
       evil,
-      std::string("\x80\x02") + "cos\nsystem\nX\x02\x00\x00\x00id\x85R.",
+      std::string(
+          "\x80\x02"
+          "cos\nsystem\nX\x02\x00\x00\x00id\x85R.",
+          23),
       {});
   expect_error([&] { load_bin(evil); }, {evil, "'os.system'"});
 

@@ -8,6 +8,7 @@
 // would); started by a launcher, it joins the launcher's ranks.
 
 #include <colossalai/colossalai.h>
+#include <colossalai/nn/lr_scheduler/cosine.h>
 
 #include <zoo/cnn_fmnist.h>
 #include <zoo/fashion_mnist.h>
@@ -18,6 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -38,13 +40,18 @@ struct Args {
   double lr = 2e-3;
   std::string data_dir = FashionMNIST::default_root();
   uint64_t seed = 1024;
+  std::string checkpoint = "checkpoints/fashion_mnist";
+  bool resume = false;
 };
 
 const char* kUsage =
     "usage: train_fashion_mnist [--nproc N] [--plugin ddp|none] [--epochs E]\n"
     "                           [--batch-size B] [--precision fp32|bf16|fp16]\n"
     "                           [--lr LR] [--data-dir DIR] [--seed S]\n"
-    "  --batch-size is per rank; the global batch is N*B.\n";
+    "                           [--checkpoint DIR] [--resume]\n"
+    "  --batch-size is per rank; the global batch is N*B.\n"
+    "  A checkpoint is saved in --checkpoint after every epoch; --resume\n"
+    "  continues from it up to --epochs in all.\n";
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -54,6 +61,10 @@ Args parse(int argc, char** argv) {
     if (k == "-h" || k == "--help") {
       std::cout << kUsage;
       std::exit(0);
+    }
+    if (k == "--resume") {
+      kv[k] = "1";
+      continue;
     }
     std::string v;
     auto eq = k.find('=');
@@ -84,6 +95,10 @@ Args parse(int argc, char** argv) {
         a.data_dir = v;
       else if (k == "--seed")
         a.seed = std::stoull(v);
+      else if (k == "--checkpoint")
+        a.checkpoint = v;
+      else if (k == "--resume")
+        a.resume = true;
       else
         TORCH_CHECK(false, "unknown option ", k, "\n", kUsage);
     } catch (const std::invalid_argument&) {
@@ -202,18 +217,28 @@ int train(const Args& a) {
 
   // Cosine decay of the learning rate to zero over the run: a few epochs
   // then reach a lower loss than a constant rate.
-  const double total_steps =
-      static_cast<double>(a.epochs) * train_loader->num_batches();
-  double global_step = 0;
-  auto set_lr = [&]() {
-    double lr = 0.5 * a.lr * (1 + std::cos(M_PI * global_step / total_steps));
-    for (auto& group : boosted.optimizer->param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  colossalai::nn::lr_scheduler::CosineAnnealingLR scheduler(
+      *optimizer,
+      static_cast<int64_t>(a.epochs * train_loader->num_batches()));
+
+  int first_epoch = 1;
+  const std::string state_file = a.checkpoint + "/trainer_state.txt";
+  if (a.resume) {
+    std::ifstream in(state_file);
+    TORCH_CHECK(in >> first_epoch, "--resume: no checkpoint in '",
+                a.checkpoint, "' (", state_file, " is missing)");
+    ++first_epoch;
+    booster.load_model(boosted.model, a.checkpoint + "/model.safetensors");
+    booster.load_optimizer(*boosted.optimizer, a.checkpoint + "/optimizer.bin");
+    booster.load_lr_scheduler(scheduler, a.checkpoint + "/lr_scheduler.pt");
+    if (rank == 0) {
+      std::printf("resumed from '%s' after epoch %d\n", a.checkpoint.c_str(),
+                  first_epoch - 1);
     }
-  };
+  }
 
   double accuracy = 0;
-  for (int epoch = 1; epoch <= a.epochs; ++epoch) {
+  for (int epoch = first_epoch; epoch <= a.epochs; ++epoch) {
     boosted.model.train();
     train_loader->set_epoch(epoch);
     const size_t steps = train_loader->num_batches();
@@ -221,12 +246,11 @@ int train(const Args& a) {
     double smooth = 0;
     auto t0 = std::chrono::steady_clock::now();
     for (auto& batch : *train_loader) {
-      set_lr();
-      ++global_step;
       auto loss = boosted.criterion(boosted.model(batch.data), batch.target);
       booster.backward(loss, *boosted.optimizer);
       boosted.optimizer->step();
       boosted.optimizer->zero_grad();
+      scheduler.step();
       ++step;
       double l = loss.item<double>();
       smooth = step == 1 ? l : 0.95 * smooth + 0.05 * l;
@@ -270,8 +294,17 @@ int train(const Args& a) {
           s);
       std::fflush(stdout);
     }
+    booster.save_model(boosted.model, a.checkpoint + "/model.safetensors",
+                       colossalai::checkpoint_io::SaveModelOptions()
+                           .use_safetensors(true));
+    booster.save_optimizer(*boosted.optimizer, a.checkpoint + "/optimizer.bin");
+    booster.save_lr_scheduler(scheduler, a.checkpoint + "/lr_scheduler.pt");
+    if (rank == 0) {
+      std::ofstream(state_file) << epoch << "\n";
+    }
   }
   if (rank == 0) {
+    std::printf("checkpoint: %s\n", a.checkpoint.c_str());
     std::printf("final test accuracy: %.2f%%\n", 100 * accuracy);
   }
   return 0;

@@ -14,3 +14,4 @@
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
 #include <colossalai/launcher.h>
+#include <colossalai/nn/lr_scheduler/all.h>

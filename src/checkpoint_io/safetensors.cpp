@@ -31,6 +31,9 @@ constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 /// Deepest legal nesting: root object > entry > shape array > number.
 constexpr int kMaxJsonDepth = 3;
+/// Most entries a shape may have; far above any real tensor's rank, it keeps
+/// a hostile header from costing gigabytes of parsed JSON.
+constexpr size_t kMaxRank = 1024;
 
 struct DtypeName {
   const char* name;
@@ -208,6 +211,8 @@ Json parse_json(
   // Keys seen so far in the object open at each depth: duplicates would make
   // the header ambiguous.
   std::vector<std::unordered_set<std::string>> keys(kMaxJsonDepth + 2);
+  std::string tensor; // the top-level key being parsed
+  size_t entries = 0; // in the array being parsed
   auto callback = [&](int depth, Json::parse_event_t event, Json& parsed) {
     // Bounding the depth bounds the parser's memory on hostile input.
     TORCH_CHECK(
@@ -215,7 +220,20 @@ Json parse_json(
         "safetensors file '",
         file,
         "': header JSON is nested deeper than a safetensors header can be");
-    if (event == Json::parse_event_t::object_start) {
+    if (depth == kMaxJsonDepth) {
+      TORCH_CHECK(
+          ++entries <= kMaxRank,
+          "safetensors file '",
+          file,
+          "': tensor '",
+          tensor,
+          "' has an array of more than ",
+          kMaxRank,
+          " entries");
+    }
+    if (event == Json::parse_event_t::array_start) {
+      entries = 0;
+    } else if (event == Json::parse_event_t::object_start) {
       keys[depth + 1].clear();
     } else if (event == Json::parse_event_t::key) {
       const auto& key = parsed.get_ref<const std::string&>();
@@ -226,6 +244,9 @@ Json parse_json(
           "': header JSON repeats the key '",
           key,
           "'");
+      if (depth == 1) {
+        tensor = key;
+      }
     }
     return true;
   };

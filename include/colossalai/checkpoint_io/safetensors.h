@@ -62,7 +62,8 @@ void save_file(
 
 /// A safetensors file mapped into memory; tensors view the mapping (no copy)
 /// and keep it alive. The mapping is private copy-on-write, so writing to a
-/// returned tensor never changes the file.
+/// returned tensor never changes the file. The file must not shrink while
+/// mapped: reading pages past its new end raises SIGBUS.
 class MappedFile {
  public:
   static std::shared_ptr<MappedFile> open(const std::string& path);
@@ -75,7 +76,8 @@ class MappedFile {
     return path_;
   }
   bool contains(const std::string& name) const;
-  /// Throws naming file and key when absent.
+  /// Throws naming file and key when absent. Data that its writer left
+  /// unaligned for the dtype (a header not padded to 8 bytes) is copied.
   at::Tensor tensor(const std::string& name);
   /// Every tensor, in file order.
   StateDict tensors();

@@ -60,9 +60,8 @@ using MultiplicativeLROptions = LambdaLROptions;
 ///
 /// Example:
 /// \code
-///   MultiplicativeLR scheduler(
-///       optimizer, MultiplicativeLROptions(100, [](int64_t) { return 0.95;
-///       }));
+///   auto factor = [](int64_t) { return 0.95; };
+///   MultiplicativeLR scheduler(optimizer, {100, factor});
 /// \endcode
 class MultiplicativeLR final : public LRScheduler {
  public:

@@ -40,9 +40,8 @@ struct OneCycleLROptions {
 ///
 /// Example:
 /// \code
-///   auto optimizer = torch::optim::AdamW(params,
-///   torch::optim::AdamWOptions(1e-3)); OneCycleLR scheduler(optimizer,
-///   OneCycleLROptions(1000).pct_start(0.25));
+///   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(1e-3));
+///   OneCycleLR scheduler(optimizer, OneCycleLROptions(1000).pct_start(0.25));
 /// \endcode
 class OneCycleLR final : public LRScheduler {
  public:

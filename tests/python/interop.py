@@ -1,0 +1,140 @@
+"""Exchanges state-dict files with the C++ library (tests/test_interop_python.cpp).
+
+    interop.py check DIR
+
+Reads DIR/cpp.safetensors with a minimal reader written from the format's
+spec and DIR/cpp.bin with torch.load, compares both with `expected()`, then
+writes DIR/py.safetensors (own minimal writer), DIR/py.bin (torch.save of a
+state-dict-like OrderedDict) and DIR/py_one.bin (a one-entry dict) for the C++
+side to read. Exits non-zero, with a traceback, on any mismatch.
+"""
+
+import collections
+import json
+import os
+import struct
+import sys
+
+import torch
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def expected():
+    """The tensors both sides write; test_interop_python.cpp builds the same."""
+    return collections.OrderedDict(
+        [
+            ("f32", torch.arange(12, dtype=torch.float32).reshape(3, 4) / 4 - 1),
+            ("bf16", ((torch.arange(10) - 5) * 0.5).to(torch.bfloat16)),
+            ("i64", torch.arange(6, dtype=torch.int64).reshape(2, 3) * (1 << 40) - 3),
+            ("f16", ((torch.arange(8) - 4) / 8).to(torch.float16).reshape(2, 2, 2)),
+            ("bool", torch.arange(5) % 2 == 0),
+            ("scalar", torch.tensor(3.25, dtype=torch.float64)),
+        ]
+    )
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    assert (8 + n) % 8 == 0, f"header of {n} bytes leaves the data unaligned"
+    header = json.loads(data[8 : 8 + n].decode("utf-8"))
+    metadata = header.pop("__metadata__", {})
+    tensors = collections.OrderedDict()
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        dtype = DTYPES[info["dtype"]]
+        chunk = bytearray(data[8 + n + begin : 8 + n + end])
+        if chunk:
+            flat = torch.frombuffer(chunk, dtype=dtype)
+        else:
+            flat = torch.empty(0, dtype=dtype)
+        tensors[name] = flat.reshape(info["shape"])
+    covered = sum(i["data_offsets"][1] - i["data_offsets"][0] for i in header.values())
+    assert 8 + n + covered == len(data), "data section not exactly covered"
+    return tensors, metadata
+
+
+def write_safetensors(path, tensors, metadata):
+    header = {"__metadata__": metadata}
+    chunks = []
+    offset = 0
+    for name, t in tensors.items():
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {
+            "dtype": NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        chunks.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * ((8 - (8 + len(text)) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for raw in chunks:
+            f.write(raw)
+
+
+def same(name, want, got):
+    assert isinstance(got, torch.Tensor), f"{name}: {type(got).__name__}, not a tensor"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(got, want), f"{name}: values differ:\n{got}\n!=\n{want}"
+
+
+def check(directory):
+    want = expected()
+
+    tensors, metadata = read_safetensors(os.path.join(directory, "cpp.safetensors"))
+    assert metadata == {"writer": "colossalai"}, f"metadata {metadata}"
+    assert list(tensors) == list(want), f"key order {list(tensors)}"
+    for name, t in want.items():
+        same("cpp.safetensors:" + name, t, tensors[name])
+
+    loaded = torch.load(os.path.join(directory, "cpp.bin"))
+    assert isinstance(loaded, dict), f"cpp.bin holds a {type(loaded).__name__}"
+    assert list(loaded) == list(want), f"key order {list(loaded)}"
+    for name, t in want.items():
+        same("cpp.bin:" + name, t, loaded[name])
+
+    # Written the other way round, so the C++ side cannot rely on our order.
+    reversed_want = collections.OrderedDict(reversed(list(want.items())))
+    write_safetensors(
+        os.path.join(directory, "py.safetensors"), reversed_want, {"writer": "python"}
+    )
+    # Like nn.Module.state_dict(): an OrderedDict with `_metadata`, a
+    # Parameter and a view sharing another entry's storage.
+    state = collections.OrderedDict(want)
+    state["f32"] = torch.nn.Parameter(want["f32"].clone())
+    state["f32_t"] = state["f32"].data.t()
+    state._metadata = collections.OrderedDict({"": {"version": 1}})
+    torch.save(state, os.path.join(directory, "py.bin"))
+    torch.save({"only": torch.arange(3)}, os.path.join(directory, "py_one.bin"))
+
+
+def main(argv):
+    if len(argv) != 3 or argv[1] != "check":
+        print(__doc__, file=sys.stderr)
+        return 2
+    check(argv[2])
+    print("interop.py: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
