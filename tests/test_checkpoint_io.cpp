@@ -8,6 +8,7 @@
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/distributed/error.h>
+#include <colossalai/nn/lr_scheduler/cosine.h>
 
 #include <harness/multiprocess.h>
 
@@ -444,4 +445,28 @@ TEST(CheckpointIO, DDPRankZeroWritesEveryRankLoadsAndResumes) {
       fs::remove_all(dir);
     }
   });
+}
+
+TEST(CheckpointIO, LRSchedulerRoundTripsThroughTheBooster) {
+  auto dir = temp_dir();
+  cb::Booster booster;
+  auto net = trained_net();
+  auto opt = std::make_shared<torch::optim::SGD>(net->parameters(),
+                                                 torch::optim::SGDOptions(0.1));
+  colossalai::nn::lr_scheduler::CosineAnnealingLR a(*opt, 20);
+  for (int i = 0; i < 7; ++i) a.step();
+  booster.save_lr_scheduler(a, dir + "/sched.pt");
+  auto opt2 = std::make_shared<torch::optim::SGD>(net->parameters(),
+                                                  torch::optim::SGDOptions(0.1));
+  colossalai::nn::lr_scheduler::CosineAnnealingLR b(*opt2, 20);
+  booster.load_lr_scheduler(b, dir + "/sched.pt");
+  EXPECT_EQ(b.last_epoch(), 7);
+  for (int i = 0; i < 5; ++i) {
+    a.step();
+    b.step();
+    EXPECT_EQ(a.get_last_lr(), b.get_last_lr());
+  }
+  auto msg = error_of([&] { booster.load_lr_scheduler(b, dir + "/none.pt"); });
+  EXPECT_NE(msg.find("none.pt"), std::string::npos) << msg;
+  fs::remove_all(dir);
 }
