@@ -524,7 +524,11 @@ class Unpickler {
   }
 
   /// The few callables a state dict names; anything else is refused.
-  Obj* call(const std::string& name, const std::vector<Obj*>& args) {
+  Obj* call(
+      const std::string& name,
+      const std::vector<Obj*>& args,
+      int depth = 0) {
+    check(depth < 4, "tensor rebuild calls nest too deeply");
     if (name == "collections.OrderedDict") {
       check(args.empty(), "OrderedDict built from arguments");
       return make(Kind::Dict);
@@ -543,7 +547,7 @@ class Unpickler {
       check(args.size() >= 3, name + " with too few arguments");
       Obj* func = expect(args[0], Kind::Global, "_rebuild_from_type_v2");
       Obj* inner = expect(args[2], Kind::Tuple, "_rebuild_from_type_v2");
-      return call(func->s, inner->items);
+      return call(func->s, inner->items, depth + 1);
     }
     if (name == "torch.jit._pickle.restore_type_tag") {
       // Written by LibTorch's pickle_save around typed containers.
