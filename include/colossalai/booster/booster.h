@@ -75,7 +75,7 @@ class BoostedModel {
   template <class... Args>
   auto operator()(Args&&... args) {
     Scope scope(*wrapper_);
-    return module_->forward(std::forward<Args>(args)...);
+    return module_->forward(prepare(std::forward<Args>(args))...);
   }
 
   /// The user's module (parameters, train()/eval(), children).
@@ -96,6 +96,17 @@ class BoostedModel {
   }
 
  private:
+  // Tensor arguments pass through the wrappers' input transform; the rest
+  // are forwarded untouched.
+  template <class T>
+  decltype(auto) prepare(T&& arg) {
+    if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+      return wrapper_->prepare_input(arg);
+    } else {
+      return std::forward<T>(arg);
+    }
+  }
+
   struct Scope {
     explicit Scope(interface::ModelWrapper& w) : w_(w) {
       w_.enter_forward();

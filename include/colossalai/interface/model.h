@@ -34,7 +34,16 @@ class ModelWrapper {
   void enter_forward();
   void exit_forward() noexcept;
 
+  /// Applied to every tensor argument of forward, innermost wrapper first
+  /// (e.g. a cast of floating inputs to the training dtype).
+  at::Tensor prepare_input(const at::Tensor& input) {
+    return transform_input(inner_ ? inner_->prepare_input(input) : input);
+  }
+
  protected:
+  virtual at::Tensor transform_input(const at::Tensor& input) {
+    return input;
+  }
   virtual void pre_forward() {}
   virtual void post_forward() noexcept {}
 

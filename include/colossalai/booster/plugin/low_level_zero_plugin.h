@@ -1,0 +1,88 @@
+#pragma once
+
+#include <colossalai/booster/plugin/dp_plugin_base.h>
+#include <colossalai/zero/low_level_optimizer.h>
+
+#include <torch/arg.h>
+
+namespace colossalai {
+namespace booster {
+namespace plugin {
+
+/// Options of LowLevelZeroPlugin, with ColossalAI's names and defaults.
+struct LowLevelZeroPluginOptions {
+  TORCH_ARG(int, stage) = 1;
+  /// "fp16" (needs CUDA), "bf16" or "fp32".
+  TORCH_ARG(std::string, precision) = "fp16";
+  TORCH_ARG(double, initial_scale) = 4294967296.0;
+  TORCH_ARG(double, min_scale) = 1.0;
+  TORCH_ARG(double, growth_factor) = 2.0;
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  TORCH_ARG(int64_t, growth_interval) = 1000;
+  TORCH_ARG(int64_t, hysteresis) = 2;
+  TORCH_ARG(double, max_scale) = 4294967296.0;
+  /// Global gradient-norm clipping inside step; 0 = off. Only norm 2.
+  TORCH_ARG(double, max_norm) = 0.0;
+  TORCH_ARG(double, norm_type) = 2.0;
+  /// Gradient bucket size in millions of elements.
+  TORCH_ARG(double, reduce_bucket_size_in_m) = 12;
+  /// "" (the working dtype), "fp32", "bf16" or "fp16".
+  TORCH_ARG(std::string, communication_dtype) = "";
+  TORCH_ARG(bool, overlap_communication) = true;
+  TORCH_ARG(bool, overlap_allgather) = false;
+  TORCH_ARG(bool, cpu_offload) = false;
+  TORCH_ARG(bool, master_weights) = true;
+  TORCH_ARG(bool, verbose) = false;
+};
+
+/// ZeRO-1/2 data parallelism: optimizer states (and with stage 2 gradients)
+/// sharded over the data-parallel ranks. See NOTE [ZeRO-1/2 layout].
+///
+/// Example:
+/// \code
+///   auto plugin = std::make_shared<LowLevelZeroPlugin>(
+///       LowLevelZeroPluginOptions().stage(2).precision("bf16"));
+///   Booster booster(BoosterOptions().plugin(plugin));
+///   auto boosted = booster.boost(model, optimizer, criterion);
+/// \endcode
+class LowLevelZeroPlugin : public DPPluginBase {
+ public:
+  explicit LowLevelZeroPlugin(LowLevelZeroPluginOptions options = {});
+
+  std::string name() const override {
+    return "LowLevelZeroPlugin";
+  }
+  std::vector<std::string> supported_devices() const override {
+    return {"cpu", "cuda"};
+  }
+  std::vector<std::string> supported_precisions() const override {
+    return {"fp16", "bf16", "fp32"};
+  }
+  bool control_precision() const override {
+    return true;
+  }
+  bool control_device() const override {
+    return true;
+  }
+  bool support_no_sync() const override {
+    return options_.stage() == 1;
+  }
+  void configure(
+      std::shared_ptr<interface::ModelWrapper>& model,
+      std::shared_ptr<interface::OptimizerWrapper>& optimizer) override;
+  NoSyncGuard no_sync(
+      interface::ModelWrapper& model,
+      interface::OptimizerWrapper* optimizer) override;
+
+  const LowLevelZeroPluginOptions& options() const {
+    return options_;
+  }
+
+ private:
+  LowLevelZeroPluginOptions options_;
+  at::ScalarType dtype_;
+};
+
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai

@@ -1,0 +1,115 @@
+#include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_model.h>
+#include <colossalai/initialize.h>
+
+namespace colossalai {
+namespace booster {
+namespace plugin {
+
+namespace {
+
+at::ScalarType parse_dtype(const std::string& name, const char* option,
+                           bool allow_empty) {
+  if (name == "fp32") return at::kFloat;
+  if (name == "bf16") return at::kBFloat16;
+  if (name == "fp16") return at::kHalf;
+  TORCH_CHECK(allow_empty && name.empty(), "LowLevelZeroPlugin: ", option,
+              " must be 'fp16', 'bf16' or 'fp32', got '", name, "'");
+  return at::kFloat;
+}
+
+// Runs the module in the working dtype: floating inputs are cast to it.
+class LowLevelZeroModel : public interface::ModelWrapper {
+ public:
+  LowLevelZeroModel(std::shared_ptr<interface::ModelWrapper> inner,
+                    at::ScalarType dtype)
+      : interface::ModelWrapper(std::move(inner)), dtype_(dtype) {}
+
+ protected:
+  at::Tensor transform_input(const at::Tensor& x) override {
+    return x.is_floating_point() && x.scalar_type() != dtype_ ? x.to(dtype_)
+                                                              : x;
+  }
+
+ private:
+  at::ScalarType dtype_;
+};
+
+} // namespace
+
+LowLevelZeroPlugin::LowLevelZeroPlugin(LowLevelZeroPluginOptions options)
+    : options_(std::move(options)) {
+  TORCH_CHECK(options_.stage() == 1 || options_.stage() == 2,
+              "LowLevelZeroPlugin: stage must be 1 or 2, got ",
+              options_.stage());
+  dtype_ = parse_dtype(options_.precision(), "precision", false);
+  parse_dtype(options_.communication_dtype(), "communication_dtype", true);
+  TORCH_CHECK(options_.norm_type() == 2.0,
+              "LowLevelZeroPlugin: norm_type must be 2.0, got ",
+              options_.norm_type());
+  TORCH_CHECK(options_.max_norm() >= 0,
+              "LowLevelZeroPlugin: max_norm must be >= 0");
+  TORCH_CHECK(options_.reduce_bucket_size_in_m() > 0,
+              "LowLevelZeroPlugin: reduce_bucket_size_in_m must be > 0");
+  TORCH_CHECK(options_.master_weights() || dtype_ == at::kFloat,
+              "LowLevelZeroPlugin: master_weights(false) is not supported; "
+              "the optimizer updates fp32 slices");
+  TORCH_CHECK(!(dtype_ == at::kHalf && current_device().is_cpu()),
+              "LowLevelZeroPlugin: precision 'fp16' needs a CUDA device "
+              "(CPU LibTorch cannot multiply fp16 matrices); use "
+              "precision('bf16') or precision('fp32') on CPU");
+}
+
+void LowLevelZeroPlugin::configure(
+    std::shared_ptr<interface::ModelWrapper>& model,
+    std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
+  TORCH_CHECK(model != nullptr && optimizer != nullptr,
+              "LowLevelZeroPlugin: boost needs both a model and an optimizer");
+  auto module = model->unwrap();
+  module->to(current_device(), dtype_);
+  std::vector<at::Tensor> state = module->parameters();
+  for (const auto& b : module->buffers()) {
+    state.push_back(b);
+  }
+  broadcast_coalesced(state, 0, *dp_group_); // every rank starts equal
+  model = std::make_shared<LowLevelZeroModel>(model, dtype_);
+
+  zero::LowLevelZeroOptimizerOptions zo;
+  zo.stage(options_.stage())
+      .dtype(dtype_)
+      .reduce_bucket_size(static_cast<int64_t>(
+          options_.reduce_bucket_size_in_m() * 1000 * 1000))
+      .overlap_communication(options_.overlap_communication())
+      .max_norm(options_.max_norm())
+      .initial_scale(options_.initial_scale())
+      .min_scale(options_.min_scale())
+      .max_scale(options_.max_scale())
+      .growth_factor(options_.growth_factor())
+      .backoff_factor(options_.backoff_factor())
+      .growth_interval(options_.growth_interval())
+      .hysteresis(options_.hysteresis())
+      .cpu_offload(options_.cpu_offload());
+  if (!options_.communication_dtype().empty()) {
+    zo.communication_dtype(
+        parse_dtype(options_.communication_dtype(), "communication_dtype",
+                    false));
+  }
+  optimizer = std::make_shared<zero::LowLevelZeroOptimizer>(
+      optimizer->optimizer_ptr(), dp_group_, zo);
+}
+
+NoSyncGuard LowLevelZeroPlugin::no_sync(interface::ModelWrapper&,
+                                        interface::OptimizerWrapper* optimizer) {
+  TORCH_CHECK(options_.stage() == 1,
+              "LowLevelZeroPlugin: no_sync needs stage 1 (stage 2 keeps only "
+              "gradient slices, so gradients cannot accumulate locally)");
+  auto* zero_opt = dynamic_cast<zero::LowLevelZeroOptimizer*>(optimizer);
+  TORCH_CHECK(zero_opt != nullptr,
+              "LowLevelZeroPlugin.no_sync: pass the boosted optimizer");
+  zero_opt->set_require_sync(false);
+  return NoSyncGuard([zero_opt]() { zero_opt->set_require_sync(true); });
+}
+
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai

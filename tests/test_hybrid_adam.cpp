@@ -1,0 +1,778 @@
+// HybridAdam / CPUAdam against LibTorch's Adam and AdamW, the ISA paths
+// against each other, working copies, NVMe offload and option checks.
+
+#include <colossalai/nn/optimizer/cpu_adam.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
+#include <colossalai/utils/compat.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace opt = colossalai::nn::optimizer;
+namespace fs = std::filesystem;
+
+const std::vector<int64_t> kSizes = {1, 7, 15, 16, 17, 1000, 4097, 100003};
+
+std::vector<torch::Tensor> make_params(
+    const std::vector<int64_t>& sizes,
+    uint64_t seed) {
+  torch::manual_seed(seed);
+  std::vector<torch::Tensor> params;
+  for (int64_t n : sizes) {
+    params.push_back(torch::randn({n}).requires_grad_());
+  }
+  return params;
+}
+
+std::vector<torch::Tensor> clone_params(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : ps) {
+    out.push_back(p.detach().clone().requires_grad_());
+  }
+  return out;
+}
+
+// Fresh gradients for step `step`, the same for every optimizer compared.
+std::vector<torch::Tensor> make_grads(
+    const std::vector<torch::Tensor>& params,
+    int step) {
+  torch::manual_seed(1000 + step);
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params) {
+    // Mixed magnitudes exercise eps and the bias correction.
+    grads.push_back(torch::randn_like(p) * (step % 2 ? 1e-3 : 1.0));
+  }
+  return grads;
+}
+
+void set_grads(
+    std::vector<torch::Tensor>& params,
+    const std::vector<torch::Tensor>& grads) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i].mutable_grad() = grads[i].clone();
+  }
+}
+
+// Norm-wise relative error max|a - b| / max|b|: an elementwise ratio means
+// nothing where a step cancels a value down to almost zero.
+double rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  auto bd = b.detach().to(torch::kDouble);
+  auto diff = (a.detach().to(torch::kDouble) - bd).abs().max().item<double>();
+  return diff / std::max(bd.abs().max().item<double>(), 1e-30);
+}
+
+// The key of `param` in `optimizer.state()`.
+auto state_key(
+    const torch::optim::Optimizer& optimizer,
+    const torch::Tensor& p) {
+  return colossalai::compat::optimizer_state_key<std::remove_const_t<
+      std::remove_reference_t<decltype(optimizer.state())>>>(p);
+}
+
+// LibTorch's Adam/AdamW step written out with the same ATen ops, so the
+// bias_correction = false case has a reference too.
+void reference_step(
+    torch::Tensor p,
+    torch::Tensor g,
+    torch::Tensor m,
+    torch::Tensor v,
+    const opt::HybridAdamOptions& o,
+    int64_t step) {
+  torch::NoGradGuard no_grad;
+  const double lr = o.lr(), wd = o.weight_decay(), eps = o.eps();
+  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+  if (o.adamw_mode() && wd != 0) {
+    p.mul_(1 - lr * wd);
+  }
+  if (!o.adamw_mode() && wd != 0) {
+    g = g.add(p, wd);
+  }
+  const double bc1 = o.bias_correction() ? 1 - std::pow(b1, step) : 1.0;
+  const double bc2 = o.bias_correction() ? 1 - std::pow(b2, step) : 1.0;
+  m.mul_(b1).add_(g, 1 - b1);
+  v.mul_(b2).addcmul_(g, g, 1 - b2);
+  auto denom = (v.sqrt() / std::sqrt(bc2)).add_(eps);
+  p.addcdiv_(m, denom, -lr / bc1);
+}
+
+struct Case {
+  bool adamw;
+  double weight_decay;
+};
+
+class HybridAdamVsTorch : public ::testing::TestWithParam<Case> {};
+
+TEST_P(HybridAdamVsTorch, MatchesLibTorchWithTwoGroups) {
+  const Case c = GetParam();
+  // Two groups with their own lr / weight decay, every size in each.
+  auto params_a = make_params(kSizes, 1);
+  auto params_b = make_params(kSizes, 2);
+  auto ref_a = clone_params(params_a);
+  auto ref_b = clone_params(params_b);
+
+  const double wd_b = c.weight_decay * 3;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(
+      params_a,
+      std::make_unique<opt::HybridAdamOptions>(opt::HybridAdamOptions(1e-3)
+                                                   .betas({0.9, 0.999})
+                                                   .weight_decay(c.weight_decay)
+                                                   .adamw_mode(c.adamw)));
+  groups.emplace_back(
+      params_b,
+      std::make_unique<opt::HybridAdamOptions>(opt::HybridAdamOptions(5e-3)
+                                                   .betas({0.8, 0.99})
+                                                   .eps(1e-6)
+                                                   .weight_decay(wd_b)
+                                                   .adamw_mode(c.adamw)));
+  opt::HybridAdam ours(std::move(groups));
+
+  std::unique_ptr<torch::optim::Optimizer> theirs;
+  if (c.adamw) {
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(
+        ref_a,
+        std::make_unique<torch::optim::AdamWOptions>(
+            torch::optim::AdamWOptions(1e-3).weight_decay(c.weight_decay)));
+    g.emplace_back(
+        ref_b,
+        std::make_unique<torch::optim::AdamWOptions>(
+            torch::optim::AdamWOptions(5e-3)
+                .betas({0.8, 0.99})
+                .eps(1e-6)
+                .weight_decay(wd_b)));
+    theirs = std::make_unique<torch::optim::AdamW>(std::move(g));
+  } else {
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(
+        ref_a,
+        std::make_unique<torch::optim::AdamOptions>(
+            torch::optim::AdamOptions(1e-3).weight_decay(c.weight_decay)));
+    g.emplace_back(
+        ref_b,
+        std::make_unique<torch::optim::AdamOptions>(
+            torch::optim::AdamOptions(5e-3)
+                .betas({0.8, 0.99})
+                .eps(1e-6)
+                .weight_decay(wd_b)));
+    theirs = std::make_unique<torch::optim::Adam>(std::move(g));
+  }
+
+  for (int step = 1; step <= 5; ++step) {
+    auto ga = make_grads(params_a, step);
+    auto gb = make_grads(params_b, step + 100);
+    set_grads(params_a, ga);
+    set_grads(params_b, gb);
+    set_grads(ref_a, ga);
+    set_grads(ref_b, gb);
+    ours.step();
+    theirs->step();
+    for (size_t i = 0; i < kSizes.size(); ++i) {
+      EXPECT_LE(rel_diff(params_a[i], ref_a[i]), 1e-6)
+          << "size " << kSizes[i] << " step " << step;
+      EXPECT_LE(rel_diff(params_b[i], ref_b[i]), 1e-6)
+          << "size " << kSizes[i] << " step " << step;
+    }
+  }
+  // The moments match too.
+  double rel_moment = 0;
+  auto compare_moments = [&](const std::vector<torch::Tensor>& mine,
+                             const std::vector<torch::Tensor>& ref) {
+    for (size_t i = 0; i < mine.size(); ++i) {
+      const auto& s = static_cast<const opt::HybridAdamParamState&>(
+          *ours.state().at(state_key(ours, mine[i])));
+      const auto& t = *theirs->state().at(state_key(*theirs, ref[i]));
+      torch::Tensor m, v;
+      if (c.adamw) {
+        const auto& r = static_cast<const torch::optim::AdamWParamState&>(t);
+        m = r.exp_avg();
+        v = r.exp_avg_sq();
+        EXPECT_EQ(s.step(), r.step());
+      } else {
+        const auto& r = static_cast<const torch::optim::AdamParamState&>(t);
+        m = r.exp_avg();
+        v = r.exp_avg_sq();
+        EXPECT_EQ(s.step(), r.step());
+      }
+      rel_moment = std::max(rel_moment, rel_diff(s.exp_avg(), m));
+      rel_moment = std::max(rel_moment, rel_diff(s.exp_avg_sq(), v));
+    }
+  };
+  compare_moments(params_a, ref_a);
+  compare_moments(params_b, ref_b);
+  EXPECT_LE(rel_moment, 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes,
+    HybridAdamVsTorch,
+    ::testing::Values(
+        Case{true, 0.0},
+        Case{true, 0.01},
+        Case{false, 0.0},
+        Case{false, 0.01}));
+
+TEST(HybridAdam, MatchesReferenceWithAndWithoutBiasCorrection) {
+  for (bool bias_correction : {true, false}) {
+    for (bool adamw : {true, false}) {
+      for (double wd : {0.0, 0.05}) {
+        const auto o = opt::HybridAdamOptions(2e-3)
+                           .bias_correction(bias_correction)
+                           .adamw_mode(adamw)
+                           .weight_decay(wd);
+        auto params = make_params(kSizes, 3);
+        auto ref = clone_params(params);
+        std::vector<torch::Tensor> m, v;
+        for (auto& p : ref) {
+          m.push_back(torch::zeros_like(p));
+          v.push_back(torch::zeros_like(p));
+        }
+        opt::CPUAdam ours(params, o);
+        for (int step = 1; step <= 4; ++step) {
+          auto grads = make_grads(params, step);
+          set_grads(params, grads);
+          ours.step();
+          for (size_t i = 0; i < params.size(); ++i) {
+            reference_step(ref[i], grads[i], m[i], v[i], o, step);
+            EXPECT_LE(rel_diff(params[i], ref[i]), 1e-6)
+                << "bias_correction " << bias_correction << " adamw " << adamw
+                << " wd " << wd << " size " << kSizes[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(HybridAdam, ReferenceIsLibTorch) {
+  // The written-out reference is LibTorch's AdamW op for op.
+  auto params = make_params({4097}, 4);
+  auto ref = clone_params(params);
+  auto m = torch::zeros_like(ref[0]), v = torch::zeros_like(ref[0]);
+  torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(1e-3));
+  for (int step = 1; step <= 3; ++step) {
+    auto grads = make_grads(params, step);
+    set_grads(params, grads);
+    adamw.step();
+    reference_step(
+        ref[0],
+        grads[0],
+        m,
+        v,
+        opt::HybridAdamOptions(1e-3).weight_decay(1e-2),
+        step);
+  }
+  EXPECT_TRUE(torch::equal(params[0], ref[0]));
+}
+
+TEST(HybridAdam, LowPrecisionGradients) {
+  for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    auto params = make_params(kSizes, 5);
+    auto ref = clone_params(params);
+    opt::HybridAdam ours(params, opt::HybridAdamOptions(1e-3));
+    torch::optim::AdamW theirs(
+        ref, torch::optim::AdamWOptions(1e-3).weight_decay(0));
+    for (int step = 1; step <= 3; ++step) {
+      auto grads = make_grads(params, step);
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto low = grads[i].to(dtype);
+        params[i].mutable_grad() = low;
+        ref[i].mutable_grad() = low.to(torch::kFloat);
+      }
+      ours.step();
+      theirs.step();
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_LE(rel_diff(params[i], ref[i]), 1e-6)
+          << dtype << " size " << kSizes[i];
+    }
+  }
+}
+
+TEST(HybridAdam, WorkingCopyIsRoundedMaster) {
+  for (auto dtype : {torch::kBFloat16, torch::kHalf, torch::kFloat}) {
+    auto params = make_params(kSizes, 6);
+    opt::HybridAdam ours(params, opt::HybridAdamOptions(1e-2));
+    std::vector<torch::Tensor> working;
+    for (auto& p : params) {
+      working.push_back(torch::zeros({p.numel()}, dtype));
+      ours.set_working_copy(p, working.back());
+    }
+    for (int step = 1; step <= 3; ++step) {
+      auto grads = make_grads(params, step);
+      for (size_t i = 0; i < params.size(); ++i) {
+        params[i].mutable_grad() = grads[i].to(torch::kBFloat16);
+      }
+      ours.step();
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(torch::equal(working[i], params[i].detach().to(dtype)))
+            << dtype << " size " << kSizes[i] << " step " << step;
+      }
+    }
+    EXPECT_TRUE(ours.working_copy(params[0]).is_same(working[0]));
+    ours.remove_working_copy(params[0]);
+    EXPECT_FALSE(ours.working_copy(params[0]).defined());
+  }
+}
+
+TEST(HybridAdam, WorkingCopyRoundsSpecialValues) {
+  // Ties, NaN, inf and overflow round as Tensor::to() does.
+  std::vector<float> values = {
+      1.0f + 1.0f / 256, // bf16 tie, rounds to even
+      1.0f + 3.0f / 256,
+      -0.0f,
+      1e-40f, // subnormal
+      3.4e38f,
+      65520.0f, // fp16 overflow to inf
+      std::numeric_limits<float>::infinity(),
+      std::numeric_limits<float>::quiet_NaN()};
+  for (int r = 0; r < 13; ++r) {
+    values.push_back(static_cast<float>(r) * 0.3337f - 2);
+  }
+  for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (auto isa :
+         {opt::CpuAdamIsa::kScalar,
+          opt::CpuAdamIsa::kAvx2,
+          opt::CpuAdamIsa::kAvx512}) {
+      if (!opt::cpu_adam_isa_supported(isa)) {
+        continue;
+      }
+      opt::set_cpu_adam_isa(isa);
+      // lr 0 leaves the parameter as it is; only the copy is exercised.
+      auto p = torch::tensor(values).requires_grad_();
+      opt::HybridAdam ours({p}, opt::HybridAdamOptions(0));
+      auto w = torch::empty({p.numel()}, dtype);
+      ours.set_working_copy(p, w);
+      p.mutable_grad() = torch::zeros_like(p);
+      ours.step();
+      // Any NaN encoding will do (LibTorch's own kernels differ on it).
+      auto expected = p.detach().to(dtype);
+      auto nan = torch::isnan(expected);
+      EXPECT_TRUE(torch::equal(torch::isnan(w), nan));
+      auto keep = nan.logical_not();
+      EXPECT_TRUE(torch::equal(
+          w.view(torch::kShort).masked_select(keep),
+          expected.view(torch::kShort).masked_select(keep)))
+          << dtype << " " << opt::to_string(isa) << "\n"
+          << w.view(torch::kShort) << expected.view(torch::kShort);
+    }
+  }
+  opt::set_cpu_adam_isa(opt::CpuAdamIsa::kAuto);
+}
+
+// Runs a few steps on fresh copies with the given ISA and thread count and
+// returns params, moments and working copies.
+std::vector<torch::Tensor> run_isa(
+    opt::CpuAdamIsa isa,
+    int threads,
+    const opt::HybridAdamOptions& o,
+    torch::ScalarType grad_dtype) {
+  opt::set_cpu_adam_isa(isa);
+  const int saved = at::get_num_threads();
+  at::set_num_threads(threads);
+  auto params = make_params(kSizes, 7);
+  opt::HybridAdam ours(params, o);
+  std::vector<torch::Tensor> working;
+  for (auto& p : params) {
+    working.push_back(torch::empty({p.numel()}, torch::kBFloat16));
+    ours.set_working_copy(p, working.back());
+  }
+  for (int step = 1; step <= 3; ++step) {
+    auto grads = make_grads(params, step);
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].mutable_grad() = grads[i].to(grad_dtype);
+    }
+    ours.step();
+  }
+  at::set_num_threads(saved);
+  std::vector<torch::Tensor> out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& s = static_cast<const opt::HybridAdamParamState&>(
+        *ours.state().at(state_key(ours, params[i])));
+    out.push_back(params[i].detach().clone());
+    out.push_back(s.exp_avg().clone());
+    out.push_back(s.exp_avg_sq().clone());
+    out.push_back(working[i]);
+  }
+  return out;
+}
+
+TEST(HybridAdam, IsaPathsAgreeBitForBit) {
+  const std::vector<opt::CpuAdamIsa> isas = {
+      opt::CpuAdamIsa::kScalar,
+      opt::CpuAdamIsa::kAvx2,
+      opt::CpuAdamIsa::kAvx512};
+  int tested = 0;
+  for (auto grad_dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    for (bool adamw : {true, false}) {
+      const auto o =
+          opt::HybridAdamOptions(1e-3).weight_decay(0.02).adamw_mode(adamw);
+      auto expected = run_isa(opt::CpuAdamIsa::kScalar, 1, o, grad_dtype);
+      for (auto isa : isas) {
+        if (!opt::cpu_adam_isa_supported(isa)) {
+          std::cout << "skipping " << opt::to_string(isa)
+                    << ": not supported by this CPU\n";
+          continue;
+        }
+        for (int threads : {1, 2}) {
+          auto got = run_isa(isa, threads, o, grad_dtype);
+          ASSERT_EQ(got.size(), expected.size());
+          EXPECT_EQ(opt::cpu_adam_isa(), isa);
+          for (size_t i = 0; i < got.size(); ++i) {
+            EXPECT_TRUE(torch::equal(got[i], expected[i]))
+                << opt::to_string(isa) << " threads " << threads << " tensor "
+                << i << " grad " << grad_dtype << " adamw " << adamw;
+          }
+          ++tested;
+        }
+      }
+    }
+  }
+  EXPECT_GE(tested, 6);
+  opt::set_cpu_adam_isa(opt::CpuAdamIsa::kAuto);
+  EXPECT_NE(opt::cpu_adam_isa(), opt::CpuAdamIsa::kAuto);
+}
+
+TEST(HybridAdam, UsableAsPlainOptimizer) {
+  // A model trained through the base-class interface, closure included.
+  torch::manual_seed(0);
+  torch::nn::Linear model(8, 1);
+  auto x = torch::randn({64, 8});
+  auto y = x.sum(1, true);
+  std::unique_ptr<torch::optim::Optimizer> optimizer =
+      std::make_unique<opt::HybridAdam>(
+          model->parameters(), opt::HybridAdamOptions(5e-2));
+  double first = 0, last = 0;
+  for (int i = 0; i < 200; ++i) {
+    auto loss = optimizer->step([&] {
+      optimizer->zero_grad();
+      auto l = torch::mse_loss(model(x), y);
+      l.backward();
+      return l;
+    });
+    (i == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first * 1e-2);
+  // The lr is reachable through the generic options, as schedulers need.
+  optimizer->param_groups()[0].options().set_lr(0.5);
+  EXPECT_EQ(
+      static_cast<opt::HybridAdamOptions&>(
+          optimizer->param_groups()[0].options())
+          .lr(),
+      0.5);
+}
+
+TEST(HybridAdam, SaveLoadResumes) {
+  auto params = make_params({1000, 17}, 8);
+  auto copy = clone_params(params);
+  opt::HybridAdam a(params, opt::HybridAdamOptions(1e-3).weight_decay(0.1));
+  opt::HybridAdam b(copy, opt::HybridAdamOptions(1e-3).weight_decay(0.1));
+  for (int step = 1; step <= 2; ++step) {
+    set_grads(params, make_grads(params, step));
+    a.step();
+  }
+  std::stringstream buffer;
+  {
+    torch::serialize::OutputArchive archive;
+    a.save(archive);
+    archive.save_to(buffer);
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    torch::NoGradGuard g;
+    copy[i].copy_(params[i]);
+  }
+  {
+    torch::serialize::InputArchive archive;
+    archive.load_from(buffer);
+    b.load(archive);
+  }
+  for (int step = 3; step <= 4; ++step) {
+    auto grads = make_grads(params, step);
+    set_grads(params, grads);
+    set_grads(copy, grads);
+    a.step();
+    b.step();
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(torch::equal(params[i], copy[i]));
+  }
+}
+
+std::string make_temp_dir() {
+  std::string templ = (fs::temp_directory_path() / "hybrid_adam_test_XXXXXX");
+  std::vector<char> buf(templ.begin(), templ.end());
+  buf.push_back('\0');
+  EXPECT_NE(::mkdtemp(buf.data()), nullptr);
+  return buf.data();
+}
+
+TEST(HybridAdam, NvmeOffloadMatchesInMemory) {
+  const std::string dir = make_temp_dir();
+  for (double fraction : {0.3, 1.0}) {
+    auto params = make_params(kSizes, 9);
+    auto ref = clone_params(params);
+    const auto o = opt::HybridAdamOptions(1e-3).weight_decay(0.01);
+    opt::HybridAdam off(
+        params,
+        opt::HybridAdamOptions(o)
+            .nvme_offload_fraction(fraction)
+            .nvme_offload_dir(dir));
+    opt::HybridAdam mem(ref, o);
+    std::vector<torch::Tensor> working;
+    for (auto& p : params) {
+      working.push_back(torch::empty({p.numel()}, torch::kBFloat16));
+      off.set_working_copy(p, working.back());
+    }
+    for (int step = 1; step <= 4; ++step) {
+      auto grads = make_grads(params, step);
+      set_grads(params, grads);
+      set_grads(ref, grads);
+      off.step();
+      mem.step();
+      for (size_t i = 0; i < params.size(); ++i) {
+        ASSERT_TRUE(torch::equal(params[i], ref[i]))
+            << "fraction " << fraction << " size " << kSizes[i];
+        ASSERT_TRUE(
+            torch::equal(working[i], ref[i].detach().to(torch::kBFloat16)));
+      }
+    }
+    // The first parameters that fit in the share are offloaded.
+    int64_t total = 0, expected = 0;
+    for (int64_t n : kSizes) {
+      total += n;
+    }
+    const auto budget = static_cast<int64_t>(total * fraction);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const bool should = expected + kSizes[i] <= budget;
+      expected += should ? kSizes[i] : 0;
+      EXPECT_EQ(off.is_offloaded(params[i]), should) << kSizes[i];
+      const auto& s = static_cast<const opt::HybridAdamParamState&>(
+          *off.state().at(state_key(off, params[i])));
+      if (should) {
+        auto files = off.offload_files(params[i]);
+        ASSERT_EQ(files.size(), 2u);
+        for (const auto& f : files) {
+          EXPECT_TRUE(fs::exists(f)) << f;
+          EXPECT_EQ(fs::file_size(f), static_cast<uintmax_t>(kSizes[i] * 4));
+        }
+        EXPECT_FALSE(s.exp_avg().defined()); // not resident
+      } else {
+        EXPECT_TRUE(off.offload_files(params[i]).empty());
+        EXPECT_TRUE(s.exp_avg().defined());
+      }
+    }
+    EXPECT_EQ(off.offloaded_numel(), expected);
+    EXPECT_GT(expected, 0);
+
+    // A save includes offloaded states; an in-memory optimizer resumes
+    // from it and stays equal.
+    std::stringstream buffer;
+    {
+      torch::serialize::OutputArchive archive;
+      off.save(archive);
+      archive.save_to(buffer);
+    }
+    auto resumed_params = clone_params(params);
+    opt::HybridAdam resumed(resumed_params, o);
+    {
+      torch::serialize::InputArchive archive;
+      archive.load_from(buffer);
+      resumed.load(archive);
+    }
+    // Fetched states equal the in-memory optimizer's.
+    off.fetch_offloaded_states();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& a = static_cast<const opt::HybridAdamParamState&>(
+          *off.state().at(state_key(off, params[i])));
+      const auto& b = static_cast<const opt::HybridAdamParamState&>(
+          *mem.state().at(state_key(mem, ref[i])));
+      ASSERT_TRUE(a.exp_avg().defined());
+      EXPECT_TRUE(torch::equal(a.exp_avg(), b.exp_avg()));
+      EXPECT_TRUE(torch::equal(a.exp_avg_sq(), b.exp_avg_sq()));
+    }
+    for (int step = 5; step <= 6; ++step) {
+      auto grads = make_grads(params, step);
+      set_grads(params, grads);
+      set_grads(ref, grads);
+      set_grads(resumed_params, grads);
+      off.step(); // writes the fetched states back out
+      mem.step();
+      resumed.step();
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(torch::equal(params[i], ref[i]));
+      EXPECT_TRUE(torch::equal(resumed_params[i], ref[i]));
+    }
+    // Loading into the offloaded optimizer spills the loaded states.
+    {
+      std::stringstream b2;
+      torch::serialize::OutputArchive archive;
+      mem.save(archive);
+      archive.save_to(b2);
+      torch::serialize::InputArchive in;
+      in.load_from(b2);
+      off.load(in);
+    }
+    auto grads = make_grads(params, 7);
+    set_grads(params, grads);
+    set_grads(ref, grads);
+    off.step();
+    mem.step();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(torch::equal(params[i], ref[i]));
+    }
+    const std::string own = off.offload_dir();
+    EXPECT_TRUE(fs::is_directory(own));
+    EXPECT_EQ(fs::path(own).parent_path(), fs::path(dir));
+  }
+  // Each optimizer removed its own directory.
+  EXPECT_TRUE(fs::is_empty(dir));
+  fs::remove_all(dir);
+}
+
+template <typename F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(HybridAdam, RejectsBadOptions) {
+  auto p = torch::zeros({4}, torch::requires_grad());
+  using O = opt::HybridAdamOptions;
+  expect_error([&] { opt::HybridAdam({p}, O(-1)); }, "lr must be >= 0, got -1");
+  expect_error([&] { opt::HybridAdam({p}, O().eps(-1e-8)); }, "eps");
+  expect_error(
+      [&] {
+        opt::HybridAdam({p}, O().betas({1.0, 0.999}));
+      },
+      "betas[0] must be in [0, 1), got 1");
+  expect_error(
+      [&] {
+        opt::HybridAdam({p}, O().betas({0.9, -0.1}));
+      },
+      "betas[1]");
+  expect_error(
+      [&] { opt::HybridAdam({p}, O().weight_decay(-0.1)); }, "weight_decay");
+  expect_error(
+      [&] { opt::HybridAdam({p}, O().nvme_offload_fraction(1.5)); },
+      "nvme_offload_fraction must be in [0, 1], got 1.5");
+  expect_error(
+      [&] { opt::HybridAdam({p}, O().nvme_offload_fraction(-0.1)); },
+      "nvme_offload_fraction must be in [0, 1]");
+  expect_error(
+      [&] {
+        opt::HybridAdam(
+            {p},
+            O().nvme_offload_fraction(0.5).nvme_offload_dir(
+                "/nonexistent/hybrid_adam"));
+      },
+      "nvme_offload_dir: '/nonexistent/hybrid_adam' is not an existing "
+      "directory");
+  if (::geteuid() != 0) { // root may write anywhere
+    const std::string dir = make_temp_dir();
+    fs::permissions(dir, fs::perms::owner_read | fs::perms::owner_exec);
+    expect_error(
+        [&] {
+          opt::HybridAdam(
+              {p}, O().nvme_offload_fraction(0.5).nvme_offload_dir(dir));
+        },
+        "is not writable");
+    fs::permissions(dir, fs::perms::owner_all);
+    fs::remove_all(dir);
+  }
+  // Group options: right type, valid, no per-group offload settings.
+  {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(
+        std::vector<torch::Tensor>{p},
+        std::make_unique<torch::optim::AdamOptions>(1e-3));
+    expect_error(
+        [&] { opt::HybridAdam(std::move(groups)); },
+        "parameter group 0: options must be HybridAdamOptions");
+  }
+  {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<torch::Tensor>{p});
+    groups.emplace_back(
+        std::vector<torch::Tensor>{torch::zeros({2}, torch::requires_grad())},
+        std::make_unique<O>(O().weight_decay(-1)));
+    expect_error(
+        [&] { opt::HybridAdam(std::move(groups)); },
+        "parameter group 1: weight_decay must be >= 0, got -1");
+  }
+  {
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(
+        std::vector<torch::Tensor>{p},
+        std::make_unique<O>(O().nvme_offload_fraction(0.5)));
+    expect_error(
+        [&] { opt::HybridAdam(std::move(groups)); },
+        "apply to the whole optimizer");
+  }
+  // Tensors.
+  {
+    auto half = torch::zeros({4}, torch::kHalf).requires_grad_();
+    opt::HybridAdam a({half});
+    half.mutable_grad() = torch::ones_like(half);
+    expect_error([&] { a.step(); }, "parameters must be fp32");
+  }
+  {
+    auto q = torch::zeros({4}, torch::requires_grad());
+    opt::HybridAdam a({q});
+    q.mutable_grad() = torch::ones({4}, torch::kDouble);
+    expect_error([&] { a.step(); }, "gradients must be fp32, bf16 or fp16");
+    q.mutable_grad() = torch::ones({5});
+    expect_error([&] { a.step(); }, "does not match its parameter");
+    expect_error(
+        [&] { a.set_working_copy(q, torch::zeros({3}, torch::kBFloat16)); },
+        "working copy has 3 elements");
+    expect_error(
+        [&] { a.set_working_copy(q, torch::zeros({4}, torch::kInt)); },
+        "must be bf16, fp16 or fp32");
+    expect_error(
+        [&] {
+          a.set_working_copy(
+              q, torch::zeros({4, 2}, torch::kBFloat16).select(1, 0));
+        },
+        "contiguous");
+    expect_error(
+        [&] { a.set_working_copy(torch::zeros({4}), torch::zeros({4})); },
+        "not a parameter of this optimizer");
+  }
+}
+
+TEST(HybridAdam, IsaSelection) {
+  for (auto isa :
+       {opt::CpuAdamIsa::kScalar,
+        opt::CpuAdamIsa::kAvx2,
+        opt::CpuAdamIsa::kAvx512}) {
+    if (opt::cpu_adam_isa_supported(isa)) {
+      opt::set_cpu_adam_isa(isa);
+      EXPECT_EQ(opt::cpu_adam_isa(), isa);
+    } else {
+      expect_error([&] { opt::set_cpu_adam_isa(isa); }, "does not support");
+    }
+  }
+  opt::set_cpu_adam_isa(opt::CpuAdamIsa::kAuto);
+  std::cout << "best ISA here: " << opt::to_string(opt::cpu_adam_isa()) << "\n";
+}
+
+} // namespace
