@@ -7,12 +7,17 @@
 
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/distributed/collectives.h>
 
 #include <harness/multiprocess.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <filesystem>
 
 namespace cb = colossalai::booster;
 namespace cz = colossalai::zero;
@@ -85,8 +90,8 @@ void zero_matches(int rank, int world, int stage, double clip) {
   for (int s = 0; s < 5; ++s) {
     auto b = local_batch(s, rank, world);
     boosted.optimizer->zero_grad();
-    booster.backward(torch::mse_loss(boosted.model(b.first), b.second),
-                     *boosted.optimizer);
+    booster.backward(
+        torch::mse_loss(boosted.model(b.first), b.second), *boosted.optimizer);
     boosted.optimizer->step();
   }
   auto ref = reference(5, world, clip);
@@ -127,8 +132,8 @@ TEST(LowLevelZero, Bf16TrainsAndReplicasAgree) {
     double first = 0, last = 0;
     for (int s = 0; s < 30; ++s) {
       boosted.optimizer->zero_grad();
-      auto loss = torch::mse_loss(boosted.model(b.first).to(at::kFloat),
-                                  b.second);
+      auto loss =
+          torch::mse_loss(boosted.model(b.first).to(at::kFloat), b.second);
       booster.backward(loss, *boosted.optimizer);
       boosted.optimizer->step();
       (s == 0 ? first : last) = loss.item<double>();
@@ -137,7 +142,8 @@ TEST(LowLevelZero, Bf16TrainsAndReplicasAgree) {
     for (auto& p : model->parameters()) {
       auto other = p.detach().clone();
       colossalai::distributed::broadcast(
-          other, 0, *colossalai::distributed::world_group()).wait();
+          other, 0, *colossalai::distributed::world_group())
+          .wait();
       EXPECT_TRUE(at::equal(other, p.detach()));
     }
   });
@@ -189,8 +195,8 @@ TEST(LowLevelZero, NoSyncOnlyWithStage1) {
     loss.backward();
     ref_opt.step();
     for (size_t i = 0; i < ref->parameters().size(); ++i) {
-      EXPECT_TRUE(at::allclose(model->parameters()[i], ref->parameters()[i],
-                               1e-4, 1e-5))
+      EXPECT_TRUE(at::allclose(
+          model->parameters()[i], ref->parameters()[i], 1e-4, 1e-5))
           << "parameter " << i;
     }
   });
@@ -203,7 +209,8 @@ TEST(LowLevelZero, OverflowOnOneRankSkipsTheStepEverywhere) {
     auto model = make_model();
     auto group = colossalai::distributed::world_group();
     auto opt = std::make_shared<cz::LowLevelZeroOptimizer>(
-        adamw(model), group,
+        adamw(model),
+        group,
         cz::LowLevelZeroOptimizerOptions()
             .stage(2)
             .dtype(at::kHalf)
@@ -243,11 +250,12 @@ TEST(LowLevelZero, MemoryMatchesZeroFormulas) {
         auto model = make_model();
         auto boosted = booster.boost(model, adamw(model));
         auto b = local_batch(0, rank, world);
-        booster.backward(torch::mse_loss(boosted.model(b.first), b.second),
-                         *boosted.optimizer);
+        booster.backward(
+            torch::mse_loss(boosted.model(b.first), b.second),
+            *boosted.optimizer);
         boosted.optimizer->step();
-        auto* zo = dynamic_cast<cz::LowLevelZeroOptimizer*>(
-            boosted.optimizer.get());
+        auto* zo =
+            dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
         ASSERT_NE(zo, nullptr);
         auto stats = zo->memory_stats();
         // Psi parameters; each padded to a multiple of N, then sliced.
@@ -279,22 +287,129 @@ TEST(LowLevelZero, BadOptionsAreClearErrors) {
       }
       return std::string();
     };
-    EXPECT_NE(msg([] {
-                cb::plugin::LowLevelZeroPlugin(
-                    cb::plugin::LowLevelZeroPluginOptions().stage(3));
-              }).find("stage"),
-              std::string::npos);
-    EXPECT_NE(msg([] {
-                cb::plugin::LowLevelZeroPlugin(
-                    cb::plugin::LowLevelZeroPluginOptions());
-              }).find("fp16"),
-              std::string::npos); // the fp16 default needs CUDA
-    EXPECT_NE(msg([] {
-                cb::plugin::LowLevelZeroPlugin(
-                    cb::plugin::LowLevelZeroPluginOptions()
-                        .precision("fp32")
-                        .norm_type(1.0));
-              }).find("norm_type"),
-              std::string::npos);
+    EXPECT_NE(
+        msg([] {
+          cb::plugin::LowLevelZeroPlugin(
+              cb::plugin::LowLevelZeroPluginOptions().stage(3));
+        }).find("stage"),
+        std::string::npos);
+    EXPECT_NE(
+        msg([] {
+          cb::plugin::LowLevelZeroPlugin(
+              cb::plugin::LowLevelZeroPluginOptions());
+        }).find("fp16"),
+        std::string::npos); // the fp16 default needs CUDA
+    EXPECT_NE(
+        msg([] {
+          cb::plugin::LowLevelZeroPlugin(cb::plugin::LowLevelZeroPluginOptions()
+                                             .precision("fp32")
+                                             .norm_type(1.0));
+        }).find("norm_type"),
+        std::string::npos);
   });
+}
+
+namespace {
+
+// Global batch of 12 samples (divides by 1, 2 and 3 ranks) split by rank.
+std::pair<at::Tensor, at::Tensor> batch12(int step, int rank, int world) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+  auto x = at::randn({12, 8}, gen), y = at::randn({12, 4}, gen);
+  int64_t per = 12 / world;
+  return {x.narrow(0, per * rank, per), y.narrow(0, per * rank, per)};
+}
+
+std::string ckpt_dir() {
+  return "/tmp/colossalai_zero_ckpt_" + std::to_string(::getppid());
+}
+
+template <class Plugin>
+std::vector<at::Tensor> resume_and_train(
+    std::shared_ptr<Plugin> plugin,
+    int rank,
+    int world,
+    int from,
+    int to) {
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  torch::manual_seed(99); // overwritten by the checkpoint
+  MLP model;
+  auto boosted = booster.boost(model, adamw(model));
+  booster.load_model(boosted.model, ckpt_dir() + "/model");
+  booster.load_optimizer(*boosted.optimizer, ckpt_dir() + "/optim");
+  for (int s = from; s < to; ++s) {
+    auto b = batch12(s, rank, world);
+    boosted.optimizer->zero_grad();
+    booster.backward(
+        torch::mse_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+    boosted.optimizer->step();
+  }
+  return model->parameters();
+}
+
+std::vector<at::Tensor> uninterrupted(int steps) {
+  auto model = make_model();
+  auto opt = adamw(model);
+  for (int s = 0; s < steps; ++s) {
+    auto b = batch12(s, 0, 1);
+    opt->zero_grad();
+    torch::mse_loss(model(b.first), b.second).backward();
+    opt->step();
+  }
+  return model->parameters();
+}
+
+void expect_close_to_reference(
+    const std::vector<at::Tensor>& got,
+    const std::string& what) {
+  auto ref = uninterrupted(5);
+  for (size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_TRUE(at::allclose(got[i], ref[i], 1e-4, 1e-5))
+        << what << ": parameter " << i << " differs by "
+        << (got[i] - ref[i]).abs().max().item<double>();
+  }
+}
+
+cb::plugin::LowLevelZeroPluginOptions zero2() {
+  return cb::plugin::LowLevelZeroPluginOptions().stage(2).precision("fp32");
+}
+
+} // namespace
+
+TEST(LowLevelZero, CheckpointSavedOnTwoRanksLoadsAtAnyWorldSizeAndUnderDDP) {
+  // 3 steps on 2 ranks, save (optimizer states gathered from the slices).
+  run_distributed(2, [](int rank, int world) {
+    auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(zero2());
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = make_model();
+    auto boosted = booster.boost(model, adamw(model));
+    for (int s = 0; s < 3; ++s) {
+      auto b = batch12(s, rank, world);
+      boosted.optimizer->zero_grad();
+      booster.backward(
+          torch::mse_loss(boosted.model(b.first), b.second),
+          *boosted.optimizer);
+      boosted.optimizer->step();
+    }
+    booster.save_model(boosted.model, ckpt_dir() + "/model");
+    booster.save_optimizer(
+        *boosted.optimizer,
+        ckpt_dir() + "/optim",
+        colossalai::checkpoint_io::SaveOptimizerOptions().shard(true));
+  });
+  // Then 2 more steps at 1, 2 and 3 ranks and under DDP: all equal the 5
+  // uninterrupted single-process steps.
+  for (int world : {1, 2, 3}) {
+    run_distributed(world, [](int rank, int world) {
+      auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(zero2());
+      expect_close_to_reference(
+          resume_and_train(plugin, rank, world, 3, 5),
+          "ZeRO-2 on " + std::to_string(world));
+    });
+  }
+  run_distributed(2, [](int rank, int world) {
+    auto plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
+    expect_close_to_reference(
+        resume_and_train(plugin, rank, world, 3, 5), "DDP");
+  });
+  std::filesystem::remove_all(ckpt_dir());
 }

@@ -85,12 +85,12 @@ void CheckpointIO::save_model(
       options.size_per_shard() > 0,
       "save_model: size_per_shard must be > 0 MB, got ",
       options.size_per_shard());
-  if (is_writer()) {
-    if (options.shard()) {
-      save_sharded_model(model, checkpoint, options);
-    } else {
-      save_unsharded_model(model, checkpoint, options);
-    }
+  // Every rank takes part (state may have to be gathered); only writers
+  // write.
+  if (options.shard()) {
+    save_sharded_model(model, checkpoint, options);
+  } else {
+    save_unsharded_model(model, checkpoint, options);
   }
   sync_point();
 }
@@ -137,12 +137,10 @@ void CheckpointIO::save_optimizer(
       options.size_per_shard() > 0,
       "save_optimizer: size_per_shard must be > 0 MB, got ",
       options.size_per_shard());
-  if (is_writer()) {
-    if (options.shard()) {
-      save_sharded_optimizer(optimizer, checkpoint, options);
-    } else {
-      save_unsharded_optimizer(optimizer, checkpoint, options);
-    }
+  if (options.shard()) {
+    save_sharded_optimizer(optimizer, checkpoint, options);
+  } else {
+    save_unsharded_optimizer(optimizer, checkpoint, options);
   }
   sync_point();
 }

@@ -219,6 +219,9 @@ void GeneralCheckpointIO::save_unsharded_model(
     interface::ModelWrapper& model,
     const std::string& checkpoint,
     const SaveModelOptions& o) {
+  if (!is_writer()) {
+    return;
+  }
   auto state = model_state_dict(*model.unwrap());
   state = o.use_async() ? snapshot(state) : detached(state);
   const bool st = o.use_safetensors();
@@ -233,6 +236,9 @@ void GeneralCheckpointIO::save_sharded_model(
     interface::ModelWrapper& model,
     const std::string& checkpoint,
     const SaveModelOptions& o) {
+  if (!is_writer()) {
+    return;
+  }
   auto state = model_state_dict(*model.unwrap());
   state = o.use_async() ? snapshot(state) : detached(state);
   const bool st = o.use_safetensors();
@@ -335,10 +341,11 @@ void GeneralCheckpointIO::save_unsharded_optimizer(
     interface::OptimizerWrapper& optimizer,
     const std::string& checkpoint,
     const SaveOptimizerOptions& o) {
-  auto& optim = optimizer.unwrap();
-  auto states =
-      snapshot_states(detail::optimizer_param_states(optim), o.use_async());
-  auto groups = detail::optimizer_param_groups(optim);
+  auto states = snapshot_states(optimizer_states(optimizer), o.use_async());
+  if (!is_writer()) {
+    return;
+  }
+  auto groups = detail::optimizer_param_groups(optimizer.unwrap());
   run_maybe_async(o.use_async(), [states, groups, checkpoint]() {
     c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
     d.insert("state", states_ivalue(states));
@@ -354,10 +361,11 @@ void GeneralCheckpointIO::save_sharded_optimizer(
     interface::OptimizerWrapper& optimizer,
     const std::string& checkpoint,
     const SaveOptimizerOptions& o) {
-  auto& optim = optimizer.unwrap();
-  auto states =
-      snapshot_states(detail::optimizer_param_states(optim), o.use_async());
-  auto groups = detail::optimizer_param_groups(optim);
+  auto states = snapshot_states(optimizer_states(optimizer), o.use_async());
+  if (!is_writer()) {
+    return;
+  }
+  auto groups = detail::optimizer_param_groups(optimizer.unwrap());
   const auto index_name = detail::add_prefix(kOptimName, o.prefix());
   const auto group_name = detail::add_prefix(kOptimGroupName, o.prefix());
   const int64_t max_bytes = o.size_per_shard() * 1024 * 1024;
@@ -418,7 +426,7 @@ void GeneralCheckpointIO::load_unsharded_optimizer(
   auto& optim = optimizer.unwrap();
   detail::load_param_groups(optim, d.at("param_groups"), checkpoint);
   for (const auto& kv : states_from_ivalue(d.at("state"), checkpoint)) {
-    detail::load_param_state(optim, kv.first, kv.second, checkpoint);
+    load_optimizer_state(optimizer, kv.first, kv.second, checkpoint);
   }
 }
 
@@ -452,9 +460,22 @@ void GeneralCheckpointIO::load_sharded_optimizer(
         index_file,
         "' is missing");
     for (const auto& kv : states_from_ivalue(read_pickle(path), path)) {
-      detail::load_param_state(optim, kv.first, kv.second, path);
+      load_optimizer_state(optimizer, kv.first, kv.second, path);
     }
   }
+}
+
+std::map<int64_t, StateDict> GeneralCheckpointIO::optimizer_states(
+    interface::OptimizerWrapper& optimizer) {
+  return detail::optimizer_param_states(optimizer.unwrap());
+}
+
+void GeneralCheckpointIO::load_optimizer_state(
+    interface::OptimizerWrapper& optimizer,
+    int64_t id,
+    const StateDict& state,
+    const std::string& file) {
+  detail::load_param_state(optimizer.unwrap(), id, state, file);
 }
 
 } // namespace checkpoint_io

@@ -89,34 +89,38 @@ struct LowLevelZeroOptimizer::Impl
     // Re-point every group at fp32 slices of the parameters it held.
     for (auto& g : inner->param_groups()) {
       for (auto& p : g.params()) {
-        TORCH_CHECK(p.is_leaf() && p.requires_grad(),
-                    "LowLevelZeroPlugin: optimizer parameters must be leaves "
-                    "that require grad");
+        TORCH_CHECK(
+            p.is_leaf() && p.requires_grad(),
+            "LowLevelZeroPlugin: optimizer parameters must be leaves "
+            "that require grad");
         Param info;
         info.working = p;
         info.numel = p.numel();
         info.shard = (p.numel() + world - 1) / world;
-        auto flat = at::zeros({info.shard * world}, p.options().dtype(at::kFloat));
+        auto flat =
+            at::zeros({info.shard * world}, p.options().dtype(at::kFloat));
         flat.narrow(0, 0, info.numel).copy_(p.detach().reshape({-1}));
-        info.master = flat.narrow(0, group->rank() * info.shard, info.shard)
-                          .clone()
-                          .to(o.cpu_offload() ? at::Device(at::kCPU)
-                                              : p.device())
-                          .set_requires_grad(true);
+        info.master =
+            flat.narrow(0, group->rank() * info.shard, info.shard)
+                .clone()
+                .to(o.cpu_offload() ? at::Device(at::kCPU) : p.device())
+                .set_requires_grad(true);
         info.grad = at::zeros_like(info.master).detach();
         working.push_back(p);
         p = info.master; // the optimizer now steps the slice
         params.push_back(std::move(info));
       }
     }
-    TORCH_CHECK(inner->state().empty(),
-                "LowLevelZeroPlugin: boost the optimizer before its first step");
+    TORCH_CHECK(
+        inner->state().empty(),
+        "LowLevelZeroPlugin: boost the optimizer before its first step");
     // Buckets in reverse order (backward produces late layers first).
     const int64_t cap = std::max<int64_t>(1, o.reduce_bucket_size());
     for (size_t k = params.size(); k-- > 0;) {
       auto& p = params[k];
       if (buckets.empty() ||
-          (buckets.back().block > 0 && (buckets.back().block + p.shard) * world > cap)) {
+          (buckets.back().block > 0 &&
+           (buckets.back().block + p.shard) * world > cap)) {
         buckets.emplace_back();
       }
       auto& b = buckets.back();
@@ -172,8 +176,8 @@ struct LowLevelZeroOptimizer::Impl
     auto& p = params[i];
     auto& b = buckets[p.bucket];
     if (!b.buffer.defined()) {
-      b.buffer = at::zeros({b.block * n()},
-                           p.working.options().dtype(comm_dtype));
+      b.buffer =
+          at::zeros({b.block * n()}, p.working.options().dtype(comm_dtype));
     }
     auto& g = p.working.mutable_grad();
     if (g.defined()) {
@@ -222,8 +226,8 @@ struct LowLevelZeroOptimizer::Impl
         : b.buffer.narrow(0, group->rank() * b.block, b.block);
     for (size_t i : b.params) {
       auto& p = params[i];
-      p.grad.add_(mine.narrow(0, p.offset, p.shard).to(at::kFloat)
-                      .to(p.grad.device()));
+      p.grad.add_(
+          mine.narrow(0, p.offset, p.shard).to(at::kFloat).to(p.grad.device()));
     }
     b.buffer = at::Tensor();
     b.out = at::Tensor();
@@ -302,7 +306,8 @@ struct LowLevelZeroOptimizer::Impl
       for (const auto& p : params) {
         local = at::maximum(local, p.grad.abs().max().to(at::kDouble));
       }
-      distributed::all_reduce(local, *group, distributed::ReduceOp::kMax).wait();
+      distributed::all_reduce(local, *group, distributed::ReduceOp::kMax)
+          .wait();
       return local.item<double>();
     }
     distributed::all_reduce(local, *group).wait();
@@ -376,12 +381,14 @@ LowLevelZeroOptimizer::LowLevelZeroOptimizer(
     std::shared_ptr<torch::optim::Optimizer> optimizer,
     distributed::ProcessGroupPtr group,
     LowLevelZeroOptimizerOptions options)
-    : interface::OptimizerWrapper(optimizer),
-      impl_(std::make_shared<Impl>()) {
-  TORCH_CHECK(options.stage() == 1 || options.stage() == 2,
-              "LowLevelZeroPlugin: stage must be 1 or 2, got ", options.stage());
-  TORCH_CHECK(options.reduce_bucket_size() > 0,
-              "LowLevelZeroPlugin: reduce_bucket_size_in_m must be > 0");
+    : interface::OptimizerWrapper(optimizer), impl_(std::make_shared<Impl>()) {
+  TORCH_CHECK(
+      options.stage() == 1 || options.stage() == 2,
+      "LowLevelZeroPlugin: stage must be 1 or 2, got ",
+      options.stage());
+  TORCH_CHECK(
+      options.reduce_bucket_size() > 0,
+      "LowLevelZeroPlugin: reduce_bucket_size_in_m must be > 0");
   impl_->group = std::move(group);
   impl_->o = options;
   impl_->comm_dtype = options.communication_dtype().value_or(options.dtype());
@@ -414,8 +421,9 @@ void LowLevelZeroOptimizer::zero_grad(bool set_to_none) {
   }
 }
 
-double LowLevelZeroOptimizer::clip_grad_by_norm(double max_norm,
-                                                double norm_type) {
+double LowLevelZeroOptimizer::clip_grad_by_norm(
+    double max_norm,
+    double norm_type) {
   TORCH_CHECK(max_norm > 0, "clip_grad_by_norm: max_norm must be positive");
   impl_->unscale();
   double norm = impl_->global_norm(norm_type);
@@ -436,9 +444,10 @@ void LowLevelZeroOptimizer::clip_grad_by_value(double clip_value) {
 }
 
 void LowLevelZeroOptimizer::set_require_sync(bool require) {
-  TORCH_CHECK(require || impl_->o.stage() == 1,
-              "LowLevelZeroPlugin: no_sync needs stage 1; stage 2 keeps only "
-              "gradient slices, so there is nothing to accumulate locally");
+  TORCH_CHECK(
+      require || impl_->o.stage() == 1,
+      "LowLevelZeroPlugin: no_sync needs stage 1; stage 2 keeps only "
+      "gradient slices, so there is nothing to accumulate locally");
   impl_->require_sync = require;
 }
 
@@ -473,6 +482,81 @@ MemoryStats LowLevelZeroOptimizer::memory_stats() const {
     }
   }
   return s;
+}
+
+std::map<int64_t, checkpoint_io::StateDict> LowLevelZeroOptimizer::
+    full_states() {
+  auto& im = *impl_;
+  std::map<int64_t, checkpoint_io::StateDict> out;
+  for (const auto& kv :
+       checkpoint_io::detail::optimizer_param_states(*im.inner)) {
+    const auto& p = im.params[kv.first];
+    checkpoint_io::StateDict full;
+    for (const auto& item : kv.second) {
+      if (item.key() == "step") {
+        full.insert(item.key(), item.value());
+        continue;
+      }
+      auto slice = item.value().detach().contiguous();
+      auto buf = at::empty({p.shard * im.n()}, slice.options());
+      distributed::all_gather(buf, slice, *im.group).wait();
+      full.insert(
+          item.key(), buf.narrow(0, 0, p.numel).view(p.working.sizes()));
+    }
+    out.emplace(kv.first, std::move(full));
+  }
+  return out;
+}
+
+void LowLevelZeroOptimizer::load_full_state(
+    int64_t id,
+    const checkpoint_io::StateDict& state,
+    const std::string& file) {
+  auto& im = *impl_;
+  TORCH_CHECK(
+      id >= 0 && id < static_cast<int64_t>(im.params.size()),
+      "optimizer checkpoint '",
+      file,
+      "' has state for parameter ",
+      id,
+      " but the optimizer has ",
+      im.params.size());
+  const auto& p = im.params[id];
+  checkpoint_io::StateDict slice;
+  for (const auto& item : state) {
+    if (item.key() == "step") {
+      slice.insert(item.key(), item.value());
+      continue;
+    }
+    TORCH_CHECK(
+        item.value().numel() == p.numel,
+        "optimizer checkpoint '",
+        file,
+        "': state '",
+        item.key(),
+        "' of parameter ",
+        id,
+        " has ",
+        item.value().numel(),
+        " elements, the parameter has ",
+        p.numel);
+    auto padded = at::zeros({p.shard * im.n()}, p.master.options());
+    padded.narrow(0, 0, p.numel).copy_(item.value().reshape({-1}));
+    slice.insert(
+        item.key(),
+        padded.narrow(0, im.group->rank() * p.shard, p.shard).clone());
+  }
+  checkpoint_io::detail::load_param_state(*im.inner, id, slice, file);
+}
+
+void LowLevelZeroOptimizer::sync_master_from_working() {
+  auto& im = *impl_;
+  at::NoGradGuard no_grad;
+  for (auto& p : im.params) {
+    auto padded = at::zeros({p.shard * im.n()}, p.master.options());
+    padded.narrow(0, 0, p.numel).copy_(p.working.detach().reshape({-1}));
+    p.master.copy_(padded.narrow(0, im.group->rank() * p.shard, p.shard));
+  }
 }
 
 } // namespace zero

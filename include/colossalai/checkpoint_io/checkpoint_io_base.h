@@ -84,7 +84,8 @@ class CheckpointIO {
   void synchronize();
 
  protected:
-  /// Whether this process writes files (e.g. only rank 0 under DDP).
+  /// Whether this process writes files (e.g. only rank 0 under DDP). Every
+  /// rank runs the save_* methods (they may gather state); only writers write.
   virtual bool is_writer() const {
     return true;
   }

@@ -2,6 +2,7 @@
 
 #include <colossalai/checkpoint_io/checkpoint_io_base.h>
 
+#include <map>
 #include <set>
 
 namespace colossalai {
@@ -61,6 +62,17 @@ class GeneralCheckpointIO : public CheckpointIO {
   void load_sharded_optimizer(
       interface::OptimizerWrapper& optimizer,
       const std::string& index_file) override;
+
+  /// Full per-parameter optimizer states by parameter id (collective for
+  /// plugins that shard them).
+  virtual std::map<int64_t, StateDict> optimizer_states(
+      interface::OptimizerWrapper& optimizer);
+  /// Restores one parameter's full state (a sharding plugin keeps its slice).
+  virtual void load_optimizer_state(
+      interface::OptimizerWrapper& optimizer,
+      int64_t id,
+      const StateDict& state,
+      const std::string& file);
 };
 
 /// The module's parameters and buffers under their dotted names.

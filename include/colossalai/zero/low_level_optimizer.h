@@ -1,10 +1,12 @@
 #pragma once
 
+#include <colossalai/checkpoint_io/state_dict.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/interface/optimizer.h>
 
 #include <torch/arg.h>
 
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -77,6 +79,18 @@ class LowLevelZeroOptimizer : public interface::OptimizerWrapper {
   MemoryStats memory_stats() const;
   /// The working (model) parameters this optimizer manages.
   const std::vector<at::Tensor>& working_params() const;
+
+  /// Full optimizer states by parameter id, gathered from every rank's
+  /// slices (collective: every rank must call it).
+  std::map<int64_t, checkpoint_io::StateDict> full_states();
+  /// Keeps this rank's slice of a full state (from any world size or plugin).
+  void load_full_state(
+      int64_t id,
+      const checkpoint_io::StateDict& state,
+      const std::string& file);
+  /// Re-reads the master slices from the working parameters (after the
+  /// model's weights were loaded).
+  void sync_master_from_working();
 
   struct Impl;
 

@@ -1,4 +1,5 @@
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_checkpoint_io.h>
 #include <colossalai/booster/plugin/torch_ddp_model.h>
 #include <colossalai/initialize.h>
 
@@ -8,22 +9,36 @@ namespace plugin {
 
 namespace {
 
-at::ScalarType parse_dtype(const std::string& name, const char* option,
-                           bool allow_empty) {
-  if (name == "fp32") return at::kFloat;
-  if (name == "bf16") return at::kBFloat16;
-  if (name == "fp16") return at::kHalf;
-  TORCH_CHECK(allow_empty && name.empty(), "LowLevelZeroPlugin: ", option,
-              " must be 'fp16', 'bf16' or 'fp32', got '", name, "'");
+at::ScalarType parse_dtype(
+    const std::string& name,
+    const char* option,
+    bool allow_empty) {
+  if (name == "fp32")
+    return at::kFloat;
+  if (name == "bf16")
+    return at::kBFloat16;
+  if (name == "fp16")
+    return at::kHalf;
+  TORCH_CHECK(
+      allow_empty && name.empty(),
+      "LowLevelZeroPlugin: ",
+      option,
+      " must be 'fp16', 'bf16' or 'fp32', got '",
+      name,
+      "'");
   return at::kFloat;
 }
 
 // Runs the module in the working dtype: floating inputs are cast to it.
 class LowLevelZeroModel : public interface::ModelWrapper {
  public:
-  LowLevelZeroModel(std::shared_ptr<interface::ModelWrapper> inner,
-                    at::ScalarType dtype)
+  LowLevelZeroModel(
+      std::shared_ptr<interface::ModelWrapper> inner,
+      at::ScalarType dtype)
       : interface::ModelWrapper(std::move(inner)), dtype_(dtype) {}
+
+  // The optimizer whose master slices mirror this model's weights.
+  std::weak_ptr<zero::LowLevelZeroOptimizer> optimizer;
 
  protected:
   at::Tensor transform_input(const at::Tensor& x) override {
@@ -35,36 +50,100 @@ class LowLevelZeroModel : public interface::ModelWrapper {
   at::ScalarType dtype_;
 };
 
+// Rank 0 writes full weights and full (gathered) optimizer states in the
+// GeneralCheckpointIO layout, so checkpoints load at any world size and under
+// any plugin; loading keeps this rank's slices.
+class LowLevelZeroCheckpointIO : public TorchDDPCheckpointIO {
+ public:
+  using TorchDDPCheckpointIO::TorchDDPCheckpointIO;
+
+ protected:
+  std::map<int64_t, checkpoint_io::StateDict> optimizer_states(
+      interface::OptimizerWrapper& optimizer) override {
+    return zero_of(optimizer).full_states();
+  }
+  void load_optimizer_state(
+      interface::OptimizerWrapper& optimizer,
+      int64_t id,
+      const checkpoint_io::StateDict& state,
+      const std::string& file) override {
+    zero_of(optimizer).load_full_state(id, state, file);
+  }
+  void load_unsharded_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      bool strict) override {
+    TorchDDPCheckpointIO::load_unsharded_model(model, checkpoint, strict);
+    sync_masters(model);
+  }
+  void load_sharded_model(
+      interface::ModelWrapper& model,
+      const std::string& index_file,
+      bool strict) override {
+    TorchDDPCheckpointIO::load_sharded_model(model, index_file, strict);
+    sync_masters(model);
+  }
+
+ private:
+  static zero::LowLevelZeroOptimizer& zero_of(interface::OptimizerWrapper& o) {
+    auto* z = dynamic_cast<zero::LowLevelZeroOptimizer*>(&o);
+    TORCH_CHECK(
+        z != nullptr,
+        "LowLevelZeroPlugin checkpoints need the "
+        "optimizer the plugin boosted");
+    return *z;
+  }
+  static void sync_masters(interface::ModelWrapper& model) {
+    auto* m = interface::find_wrapper<LowLevelZeroModel>(model);
+    if (m != nullptr) {
+      if (auto opt = m->optimizer.lock()) {
+        opt->sync_master_from_working();
+      }
+    }
+  }
+};
+
 } // namespace
+
+std::shared_ptr<checkpoint_io::CheckpointIO> LowLevelZeroPlugin::
+    get_checkpoint_io() {
+  return std::make_shared<LowLevelZeroCheckpointIO>(dp_group_);
+}
 
 LowLevelZeroPlugin::LowLevelZeroPlugin(LowLevelZeroPluginOptions options)
     : options_(std::move(options)) {
-  TORCH_CHECK(options_.stage() == 1 || options_.stage() == 2,
-              "LowLevelZeroPlugin: stage must be 1 or 2, got ",
-              options_.stage());
+  TORCH_CHECK(
+      options_.stage() == 1 || options_.stage() == 2,
+      "LowLevelZeroPlugin: stage must be 1 or 2, got ",
+      options_.stage());
   dtype_ = parse_dtype(options_.precision(), "precision", false);
   parse_dtype(options_.communication_dtype(), "communication_dtype", true);
-  TORCH_CHECK(options_.norm_type() == 2.0,
-              "LowLevelZeroPlugin: norm_type must be 2.0, got ",
-              options_.norm_type());
-  TORCH_CHECK(options_.max_norm() >= 0,
-              "LowLevelZeroPlugin: max_norm must be >= 0");
-  TORCH_CHECK(options_.reduce_bucket_size_in_m() > 0,
-              "LowLevelZeroPlugin: reduce_bucket_size_in_m must be > 0");
-  TORCH_CHECK(options_.master_weights() || dtype_ == at::kFloat,
-              "LowLevelZeroPlugin: master_weights(false) is not supported; "
-              "the optimizer updates fp32 slices");
-  TORCH_CHECK(!(dtype_ == at::kHalf && current_device().is_cpu()),
-              "LowLevelZeroPlugin: precision 'fp16' needs a CUDA device "
-              "(CPU LibTorch cannot multiply fp16 matrices); use "
-              "precision('bf16') or precision('fp32') on CPU");
+  TORCH_CHECK(
+      options_.norm_type() == 2.0,
+      "LowLevelZeroPlugin: norm_type must be 2.0, got ",
+      options_.norm_type());
+  TORCH_CHECK(
+      options_.max_norm() >= 0, "LowLevelZeroPlugin: max_norm must be >= 0");
+  TORCH_CHECK(
+      options_.reduce_bucket_size_in_m() > 0,
+      "LowLevelZeroPlugin: reduce_bucket_size_in_m must be > 0");
+  TORCH_CHECK(
+      options_.master_weights() || dtype_ == at::kFloat,
+      "LowLevelZeroPlugin: master_weights(false) is not supported; "
+      "the optimizer updates fp32 slices");
+  TORCH_CHECK(
+      !(dtype_ == at::kHalf && current_device().is_cpu()),
+      "LowLevelZeroPlugin: precision 'fp16' needs a CUDA device "
+      "(CPU LibTorch cannot multiply fp16 matrices); use "
+      "precision('bf16') or precision('fp32') on CPU");
 }
 
 void LowLevelZeroPlugin::configure(
     std::shared_ptr<interface::ModelWrapper>& model,
     std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
-  TORCH_CHECK(model != nullptr && optimizer != nullptr,
-              "LowLevelZeroPlugin: boost needs both a model and an optimizer");
+  TORCH_CHECK(
+      model != nullptr && optimizer != nullptr,
+      "LowLevelZeroPlugin: boost needs both a model and an optimizer");
   auto module = model->unwrap();
   module->to(current_device(), dtype_);
   std::vector<at::Tensor> state = module->parameters();
@@ -72,7 +151,8 @@ void LowLevelZeroPlugin::configure(
     state.push_back(b);
   }
   broadcast_coalesced(state, 0, *dp_group_); // every rank starts equal
-  model = std::make_shared<LowLevelZeroModel>(model, dtype_);
+  auto zero_model = std::make_shared<LowLevelZeroModel>(model, dtype_);
+  model = zero_model;
 
   zero::LowLevelZeroOptimizerOptions zo;
   zo.stage(options_.stage())
@@ -90,22 +170,26 @@ void LowLevelZeroPlugin::configure(
       .hysteresis(options_.hysteresis())
       .cpu_offload(options_.cpu_offload());
   if (!options_.communication_dtype().empty()) {
-    zo.communication_dtype(
-        parse_dtype(options_.communication_dtype(), "communication_dtype",
-                    false));
+    zo.communication_dtype(parse_dtype(
+        options_.communication_dtype(), "communication_dtype", false));
   }
-  optimizer = std::make_shared<zero::LowLevelZeroOptimizer>(
+  auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), dp_group_, zo);
+  zero_model->optimizer = zero_opt;
+  optimizer = zero_opt;
 }
 
-NoSyncGuard LowLevelZeroPlugin::no_sync(interface::ModelWrapper&,
-                                        interface::OptimizerWrapper* optimizer) {
-  TORCH_CHECK(options_.stage() == 1,
-              "LowLevelZeroPlugin: no_sync needs stage 1 (stage 2 keeps only "
-              "gradient slices, so gradients cannot accumulate locally)");
+NoSyncGuard LowLevelZeroPlugin::no_sync(
+    interface::ModelWrapper&,
+    interface::OptimizerWrapper* optimizer) {
+  TORCH_CHECK(
+      options_.stage() == 1,
+      "LowLevelZeroPlugin: no_sync needs stage 1 (stage 2 keeps only "
+      "gradient slices, so gradients cannot accumulate locally)");
   auto* zero_opt = dynamic_cast<zero::LowLevelZeroOptimizer*>(optimizer);
-  TORCH_CHECK(zero_opt != nullptr,
-              "LowLevelZeroPlugin.no_sync: pass the boosted optimizer");
+  TORCH_CHECK(
+      zero_opt != nullptr,
+      "LowLevelZeroPlugin.no_sync: pass the boosted optimizer");
   zero_opt->set_require_sync(false);
   return NoSyncGuard([zero_opt]() { zero_opt->set_require_sync(true); });
 }

@@ -67,6 +67,10 @@ class LowLevelZeroPlugin : public DPPluginBase {
   bool support_no_sync() const override {
     return options_.stage() == 1;
   }
+  bool control_checkpoint_io() const override {
+    return true;
+  }
+  std::shared_ptr<checkpoint_io::CheckpointIO> get_checkpoint_io() override;
   void configure(
       std::shared_ptr<interface::ModelWrapper>& model,
       std::shared_ptr<interface::OptimizerWrapper>& optimizer) override;
