@@ -15,3 +15,4 @@
 #include <colossalai/initialize.h>
 #include <colossalai/launcher.h>
 #include <colossalai/nn/lr_scheduler/all.h>
+#include <colossalai/booster/plugin/low_level_zero_plugin.h>
