@@ -42,7 +42,8 @@ struct Setup {
 int64_t tensor_bytes(const std::vector<at::Tensor>& ts) {
   int64_t n = 0;
   for (const auto& t : ts) {
-    if (t.defined()) n += t.numel() * t.element_size();
+    if (t.defined())
+      n += t.numel() * t.element_size();
   }
   return n;
 }
@@ -65,9 +66,11 @@ int run_rank(int steps, int rounds, const std::string& out) {
               .precision("fp32"));
     }
     torch::manual_seed(0);
-    auto s = std::make_unique<Setup>(
-        Setup{name, cb::Booster(cb::BoosterOptions().plugin(plugin)),
-              colossalai::zoo::GPT(cfg), {}});
+    auto s = std::make_unique<Setup>(Setup{
+        name,
+        cb::Booster(cb::BoosterOptions().plugin(plugin)),
+        colossalai::zoo::GPT(cfg),
+        {}});
     auto opt = std::make_shared<torch::optim::AdamW>(
         s->model->parameters(),
         torch::optim::AdamWOptions(3e-4).weight_decay(0.01));
@@ -81,21 +84,25 @@ int run_rank(int steps, int rounds, const std::string& out) {
   auto step = [&](Setup& s) {
     auto t0 = std::chrono::steady_clock::now();
     s.boosted.optimizer->zero_grad();
-    auto loss = colossalai::zoo::gpt_loss(s.boosted.model(batch.first),
-                                          batch.second);
+    auto loss =
+        colossalai::zoo::gpt_loss(s.boosted.model(batch.first), batch.second);
     s.booster.backward(loss, *s.boosted.optimizer);
     s.boosted.optimizer->step();
     return std::chrono::duration<double, std::milli>(
-               std::chrono::steady_clock::now() - t0).count();
+               std::chrono::steady_clock::now() - t0)
+        .count();
   };
   std::map<std::string, std::vector<double>> times;
-  for (auto& s : setups) step(*s); // warm up, creates optimizer states
+  for (auto& s : setups)
+    step(*s); // warm up, creates optimizer states
   for (int r = 0; r < rounds; ++r) {
     for (auto& s : setups) {
       cd::barrier(*cd::world_group()).wait();
-      for (int i = 0; i < steps; ++i) times[s->name].push_back(step(*s));
+      for (int i = 0; i < steps; ++i)
+        times[s->name].push_back(step(*s));
     }
-    if (rank == 0) std::fprintf(stderr, "round %d/%d done\n", r + 1, rounds);
+    if (rank == 0)
+      std::fprintf(stderr, "round %d/%d done\n", r + 1, rounds);
   }
 
   // Model-state bytes held per rank at rest (after a step).
@@ -109,17 +116,17 @@ int run_rank(int steps, int rounds, const std::string& out) {
       states += tensor_bytes({a->exp_avg(), a->exp_avg_sq()});
     }
     std::vector<at::Tensor> grads;
-    for (auto& p : d.model->parameters()) grads.push_back(p.grad());
-    measured["ddp"] = tensor_bytes(d.model->parameters()) +
-        tensor_bytes(grads) + states;
+    for (auto& p : d.model->parameters())
+      grads.push_back(p.grad());
+    measured["ddp"] =
+        tensor_bytes(d.model->parameters()) + tensor_bytes(grads) + states;
   }
   for (size_t i = 1; i < setups.size(); ++i) {
     auto* z = dynamic_cast<colossalai::zero::LowLevelZeroOptimizer*>(
         setups[i]->boosted.optimizer.get());
     auto st = z->memory_stats();
-    measured[setups[i]->name] =
-        st.working_params + st.gradients + st.master_weights +
-        st.optimizer_states;
+    measured[setups[i]->name] = st.working_params + st.gradients +
+        st.master_weights + st.optimizer_states;
   }
   // fp32 formulas (shared/NOTES.md): DDP (4+4+8)Psi, ZeRO-1 (4+4+8/N)Psi,
   // ZeRO-2 (4+(4+8)/N)Psi. Our layout at rest, both stages: working
@@ -136,28 +143,37 @@ int run_rank(int steps, int rounds, const std::string& out) {
       {"ddp", 16.0 * psi},
       {"zero1", (4.0 + 16.0 / n) * psi},
       {"zero2", (4.0 + 16.0 / n) * psi}};
-  if (rank != 0) return 0;
+  if (rank != 0)
+    return 0;
   std::ostringstream json;
   json << "{\n  \"benchmark\": \"zero_step\",\n  \"model\": \"gpt-small-cpu\","
        << "\n  \"parameters\": " << psi << ",\n  \"world_size\": " << world
        << ",\n  \"setups\": {";
-  std::printf("| setup | step ms (median) | vs DDP | model-state MB/rank | "
-              "ZeRO formula MB | our layout MB |\n|---|---|---|---|---|---|\n");
+  std::printf(
+      "| setup | step ms (median) | vs DDP | model-state MB/rank | "
+      "ZeRO formula MB | our layout MB |\n|---|---|---|---|---|---|\n");
   const double ddp_ms = median(times["ddp"]);
   for (size_t i = 0; i < setups.size(); ++i) {
     const auto& name = setups[i]->name;
     double ms = median(times[name]);
     json << (i ? "," : "") << "\n    \"" << name << "\": {\"step_ms\": " << ms
-         << ", \"vs_ddp\": " << ms / ddp_ms << ", \"model_state_bytes\": "
-         << measured[name] << ", \"formula_bytes\": " << formula[name]
+         << ", \"vs_ddp\": " << ms / ddp_ms
+         << ", \"model_state_bytes\": " << measured[name]
+         << ", \"formula_bytes\": " << formula[name]
          << ", \"layout_bytes\": " << layout[name] << "}";
-    std::printf("| %s | %.1f | %.2fx | %.1f | %.1f | %.1f |\n", name.c_str(),
-                ms, ms / ddp_ms, measured[name] / 1e6, formula[name] / 1e6,
-                layout[name] / 1e6);
+    std::printf(
+        "| %s | %.1f | %.2fx | %.1f | %.1f | %.1f |\n",
+        name.c_str(),
+        ms,
+        ms / ddp_ms,
+        measured[name] / 1e6,
+        formula[name] / 1e6,
+        layout[name] / 1e6);
   }
   json << "\n  }\n}\n";
   std::cout << json.str();
-  if (!out.empty()) std::ofstream(out) << json.str();
+  if (!out.empty())
+    std::ofstream(out) << json.str();
   return 0;
 }
 
@@ -168,10 +184,14 @@ int main(int argc, char** argv) {
   std::string out;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
-    if (k == "--nproc") nproc = std::stoi(v);
-    else if (k == "--steps") steps = std::stoi(v);
-    else if (k == "--rounds") rounds = std::stoi(v);
-    else if (k == "--out") out = v;
+    if (k == "--nproc")
+      nproc = std::stoi(v);
+    else if (k == "--steps")
+      steps = std::stoi(v);
+    else if (k == "--rounds")
+      rounds = std::stoi(v);
+    else if (k == "--out")
+      out = v;
     else {
       std::cerr << "unknown option " << k << "\n";
       return 2;

@@ -8,7 +8,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 // GCC 12 reports the intrinsics' own deliberately undefined vectors
 // (_mm512_undefined_*) as maybe-uninitialized once they are inlined.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #define COLOSSALAI_CPU_ADAM_X86 1
 #endif
