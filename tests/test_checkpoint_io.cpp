@@ -9,6 +9,7 @@
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/nn/lr_scheduler/cosine.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
 
 #include <harness/multiprocess.h>
 
@@ -238,6 +239,10 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(
   if (kind == "AdamW")
     return std::make_shared<torch::optim::AdamW>(
         p, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  if (kind == "HybridAdam")
+    return std::make_shared<colossalai::nn::optimizer::HybridAdam>(
+        p,
+        colossalai::nn::optimizer::HybridAdamOptions(1e-2).weight_decay(0.1));
   if (kind == "RMSprop")
     return std::make_shared<torch::optim::RMSprop>(
         p, torch::optim::RMSpropOptions(1e-2).momentum(0.5).centered(true));
@@ -264,7 +269,8 @@ void train_steps(
 TEST(CheckpointIO, OptimizerResumeIsBitIdentical) {
   auto dir = temp_dir();
   const int n = 4, m = 3;
-  for (std::string kind : {"SGD", "Adam", "AdamW", "RMSprop", "Adagrad"}) {
+  for (std::string kind :
+       {"SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "HybridAdam"}) {
     for (bool shard : {false, true}) {
       cb::Booster booster;
       // Uninterrupted reference.
@@ -451,13 +457,14 @@ TEST(CheckpointIO, LRSchedulerRoundTripsThroughTheBooster) {
   auto dir = temp_dir();
   cb::Booster booster;
   auto net = trained_net();
-  auto opt = std::make_shared<torch::optim::SGD>(net->parameters(),
-                                                 torch::optim::SGDOptions(0.1));
+  auto opt = std::make_shared<torch::optim::SGD>(
+      net->parameters(), torch::optim::SGDOptions(0.1));
   colossalai::nn::lr_scheduler::CosineAnnealingLR a(*opt, 20);
-  for (int i = 0; i < 7; ++i) a.step();
+  for (int i = 0; i < 7; ++i)
+    a.step();
   booster.save_lr_scheduler(a, dir + "/sched.pt");
-  auto opt2 = std::make_shared<torch::optim::SGD>(net->parameters(),
-                                                  torch::optim::SGDOptions(0.1));
+  auto opt2 = std::make_shared<torch::optim::SGD>(
+      net->parameters(), torch::optim::SGDOptions(0.1));
   colossalai::nn::lr_scheduler::CosineAnnealingLR b(*opt2, 20);
   booster.load_lr_scheduler(b, dir + "/sched.pt");
   EXPECT_EQ(b.last_epoch(), 7);

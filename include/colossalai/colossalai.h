@@ -16,3 +16,4 @@
 #include <colossalai/launcher.h>
 #include <colossalai/nn/lr_scheduler/all.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>

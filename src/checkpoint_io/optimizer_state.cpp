@@ -1,5 +1,6 @@
 #include "optimizer_state.h"
 
+#include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/utils/compat.h>
 
 #include <torch/optim/adagrad.h>
@@ -77,6 +78,8 @@ const S* as(const torch::optim::OptimizerParamState& s) {
 }
 
 std::string kind(Optimizer& o) {
+  if (dynamic_cast<nn::optimizer::HybridAdam*>(&o))
+    return "HybridAdam";
   if (dynamic_cast<torch::optim::AdamW*>(&o))
     return "AdamW";
   if (dynamic_cast<torch::optim::Adam*>(&o))
@@ -91,10 +94,14 @@ std::string kind(Optimizer& o) {
 }
 
 void check_supported(Optimizer& o) {
+  if (auto* h = dynamic_cast<nn::optimizer::HybridAdam*>(&o)) {
+    h->fetch_offloaded_states(); // states kept in files come back first
+  }
   TORCH_CHECK(
       !kind(o).empty(),
       "optimizer checkpoints support SGD, Adam, "
-      "AdamW, RMSprop and Adagrad; this optimizer is none of them");
+      "AdamW, RMSprop, Adagrad and HybridAdam; this optimizer is none of "
+      "them");
 }
 
 } // namespace
@@ -112,7 +119,11 @@ std::map<int64_t, StateDict> optimizer_param_states(Optimizer& o) {
     }
     StateDict s;
     const auto& ps = *it->second;
-    if (auto* a = as<torch::optim::AdamWParamState>(ps)) {
+    if (auto* h = as<nn::optimizer::HybridAdamParamState>(ps)) {
+      s.insert("step", step_tensor(h->step()));
+      s.insert("exp_avg", h->exp_avg());
+      s.insert("exp_avg_sq", h->exp_avg_sq());
+    } else if (auto* a = as<torch::optim::AdamWParamState>(ps)) {
       s.insert("step", step_tensor(a->step()));
       s.insert("exp_avg", a->exp_avg());
       s.insert("exp_avg_sq", a->exp_avg_sq());
@@ -153,7 +164,18 @@ c10::impl::GenericList optimizer_param_groups(Optimizer& o) {
   for (auto& g : o.param_groups()) {
     c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
     auto& opts = g.options();
-    if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&opts)) {
+    if (auto* h = dynamic_cast<nn::optimizer::HybridAdamOptions*>(&opts)) {
+      d.insert("lr", h->lr());
+      d.insert(
+          "betas",
+          c10::ivalue::Tuple::create(
+              c10::IValue(std::get<0>(h->betas())),
+              c10::IValue(std::get<1>(h->betas()))));
+      d.insert("eps", h->eps());
+      d.insert("weight_decay", h->weight_decay());
+      d.insert("bias_correction", h->bias_correction());
+      d.insert("adamw_mode", h->adamw_mode());
+    } else if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&opts)) {
       d.insert("lr", a->lr());
       d.insert(
           "betas",
@@ -224,7 +246,13 @@ void load_param_state(
   using Map = std::decay_t<decltype(state)>;
   auto key = compat::optimizer_state_key<Map>(p);
   const auto k = kind(o);
-  if (k == "AdamW" || k == "Adam") {
+  if (k == "HybridAdam") {
+    auto st = std::make_unique<nn::optimizer::HybridAdamParamState>();
+    st->step(step_value(s, file));
+    st->exp_avg(get(s, "exp_avg", p, file));
+    st->exp_avg_sq(get(s, "exp_avg_sq", p, file));
+    state[key] = std::move(st);
+  } else if (k == "AdamW" || k == "Adam") {
     auto fill = [&](auto st) {
       st->step(step_value(s, file));
       st->exp_avg(get(s, "exp_avg", p, file));
@@ -296,7 +324,12 @@ void load_param_groups(
       return std::make_tuple(
           t->elements()[0].toDouble(), t->elements()[1].toDouble());
     };
-    if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&opts)) {
+    if (auto* h = dynamic_cast<nn::optimizer::HybridAdamOptions*>(&opts)) {
+      h->lr(num("lr")).betas(betas()).eps(num("eps"));
+      h->weight_decay(num("weight_decay"));
+      h->bias_correction(d.at("bias_correction").toBool());
+      h->adamw_mode(d.at("adamw_mode").toBool());
+    } else if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&opts)) {
       a->lr(num("lr")).betas(betas()).eps(num("eps"));
       a->weight_decay(num("weight_decay")).amsgrad(d.at("amsgrad").toBool());
     } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&opts)) {
