@@ -28,10 +28,17 @@ struct LowLevelZeroPluginOptions {
   TORCH_ARG(double, reduce_bucket_size_in_m) = 12;
   /// "" (the working dtype), "fp32", "bf16" or "fp16".
   TORCH_ARG(std::string, communication_dtype) = "";
+  /// Start each gradient bucket's reduction from backward hooks.
   TORCH_ARG(bool, overlap_communication) = true;
+  /// Accepted for compatibility; the parameter all-gather after step is
+  /// issued for all parameters at once and waited before step returns.
   TORCH_ARG(bool, overlap_allgather) = false;
+  /// Master slices, gradient slices and optimizer states in host memory;
+  /// pass a HybridAdam for the fused CPU update.
   TORCH_ARG(bool, cpu_offload) = false;
+  /// Only true is supported (the optimizer always updates fp32 slices).
   TORCH_ARG(bool, master_weights) = true;
+  /// Accepted for compatibility; nothing extra is printed.
   TORCH_ARG(bool, verbose) = false;
 };
 
