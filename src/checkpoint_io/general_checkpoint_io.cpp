@@ -141,6 +141,25 @@ c10::IValue read_pickle(const std::string& path) {
   }
 }
 
+// Strict loading: every key of the module must have been loaded.
+void check_missing(
+    torch::nn::Module& module,
+    const std::set<std::string>& seen,
+    const std::string& file) {
+  std::vector<std::string> missing;
+  for (const auto& item : model_state_dict(module)) {
+    if (!seen.count(item.key())) {
+      missing.push_back(item.key());
+    }
+  }
+  TORCH_CHECK(
+      missing.empty(),
+      "load_model: '",
+      file,
+      "' lacks keys the model has (strict): ",
+      list(missing));
+}
+
 std::map<int64_t, StateDict> snapshot_states(
     const std::map<int64_t, StateDict>& states,
     bool copy) {
@@ -271,18 +290,7 @@ void GeneralCheckpointIO::load_unsharded_model(
   std::set<std::string> seen;
   load_model_state(*model.unwrap(), state, checkpoint, &seen, strict);
   if (strict) {
-    std::vector<std::string> missing;
-    for (const auto& item : model_state_dict(*model.unwrap())) {
-      if (!seen.count(item.key())) {
-        missing.push_back(item.key());
-      }
-    }
-    TORCH_CHECK(
-        missing.empty(),
-        "load_model: '",
-        checkpoint,
-        "' lacks keys the model has (strict): ",
-        list(missing));
+    check_missing(*model.unwrap(), seen, checkpoint);
   }
 }
 
@@ -322,18 +330,7 @@ void GeneralCheckpointIO::load_sharded_model(
         "' that its shard does not hold");
   }
   if (strict) {
-    std::vector<std::string> missing;
-    for (const auto& item : model_state_dict(*model.unwrap())) {
-      if (!seen.count(item.key())) {
-        missing.push_back(item.key());
-      }
-    }
-    TORCH_CHECK(
-        missing.empty(),
-        "load_model: '",
-        index_file,
-        "' lacks keys the model has (strict): ",
-        list(missing));
+    check_missing(*model.unwrap(), seen, index_file);
   }
 }
 

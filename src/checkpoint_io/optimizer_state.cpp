@@ -93,6 +93,27 @@ std::string kind(Optimizer& o) {
   return "";
 }
 
+// Adam, AdamW and HybridAdam share their moments' and hyperparameters'
+// names but not a base class.
+template <class S>
+void adam_state(StateDict& s, const S& a) {
+  s.insert("step", step_tensor(a.step()));
+  s.insert("exp_avg", a.exp_avg());
+  s.insert("exp_avg_sq", a.exp_avg_sq());
+}
+
+template <class O>
+void adam_group(c10::impl::GenericDict& d, const O& a) {
+  d.insert("lr", a.lr());
+  d.insert(
+      "betas",
+      c10::ivalue::Tuple::create(
+          c10::IValue(std::get<0>(a.betas())),
+          c10::IValue(std::get<1>(a.betas()))));
+  d.insert("eps", a.eps());
+  d.insert("weight_decay", a.weight_decay());
+}
+
 void check_supported(Optimizer& o) {
   if (auto* h = dynamic_cast<nn::optimizer::HybridAdam*>(&o)) {
     h->fetch_offloaded_states(); // states kept in files come back first
@@ -120,20 +141,14 @@ std::map<int64_t, StateDict> optimizer_param_states(Optimizer& o) {
     StateDict s;
     const auto& ps = *it->second;
     if (auto* h = as<nn::optimizer::HybridAdamParamState>(ps)) {
-      s.insert("step", step_tensor(h->step()));
-      s.insert("exp_avg", h->exp_avg());
-      s.insert("exp_avg_sq", h->exp_avg_sq());
+      adam_state(s, *h);
     } else if (auto* a = as<torch::optim::AdamWParamState>(ps)) {
-      s.insert("step", step_tensor(a->step()));
-      s.insert("exp_avg", a->exp_avg());
-      s.insert("exp_avg_sq", a->exp_avg_sq());
+      adam_state(s, *a);
       if (a->max_exp_avg_sq().defined()) {
         s.insert("max_exp_avg_sq", a->max_exp_avg_sq());
       }
     } else if (auto* a = as<torch::optim::AdamParamState>(ps)) {
-      s.insert("step", step_tensor(a->step()));
-      s.insert("exp_avg", a->exp_avg());
-      s.insert("exp_avg_sq", a->exp_avg_sq());
+      adam_state(s, *a);
       if (a->max_exp_avg_sq().defined()) {
         s.insert("max_exp_avg_sq", a->max_exp_avg_sq());
       }
@@ -165,35 +180,14 @@ c10::impl::GenericList optimizer_param_groups(Optimizer& o) {
     c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
     auto& opts = g.options();
     if (auto* h = dynamic_cast<nn::optimizer::HybridAdamOptions*>(&opts)) {
-      d.insert("lr", h->lr());
-      d.insert(
-          "betas",
-          c10::ivalue::Tuple::create(
-              c10::IValue(std::get<0>(h->betas())),
-              c10::IValue(std::get<1>(h->betas()))));
-      d.insert("eps", h->eps());
-      d.insert("weight_decay", h->weight_decay());
+      adam_group(d, *h);
       d.insert("bias_correction", h->bias_correction());
       d.insert("adamw_mode", h->adamw_mode());
     } else if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&opts)) {
-      d.insert("lr", a->lr());
-      d.insert(
-          "betas",
-          c10::ivalue::Tuple::create(
-              c10::IValue(std::get<0>(a->betas())),
-              c10::IValue(std::get<1>(a->betas()))));
-      d.insert("eps", a->eps());
-      d.insert("weight_decay", a->weight_decay());
+      adam_group(d, *a);
       d.insert("amsgrad", a->amsgrad());
     } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&opts)) {
-      d.insert("lr", a->lr());
-      d.insert(
-          "betas",
-          c10::ivalue::Tuple::create(
-              c10::IValue(std::get<0>(a->betas())),
-              c10::IValue(std::get<1>(a->betas()))));
-      d.insert("eps", a->eps());
-      d.insert("weight_decay", a->weight_decay());
+      adam_group(d, *a);
       d.insert("amsgrad", a->amsgrad());
     } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&opts)) {
       d.insert("lr", s->lr());
