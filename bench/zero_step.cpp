@@ -130,10 +130,10 @@ int run_rank(int steps, int rounds, const std::string& out) {
   }
   // fp32 formulas (shared/NOTES.md): DDP (4+4+8)Psi, ZeRO-1 (4+4+8/N)Psi,
   // ZeRO-2 (4+(4+8)/N)Psi. Our layout at rest, both stages: working
-  // parameters 4Psi plus fp32 slices of gradients, master weights and the two
-  // moments (4+4+8)Psi/N — stage 1 also reduces through buckets into slices
-  // rather than keeping full gradients, and the fp32 master slices duplicate
-  // the working weights when training in fp32.
+  // parameters 4Psi plus fp32 slices of gradients and the two moments
+  // (4+8)Psi/N (in fp32 the master slice is the weights' own storage);
+  // stage 1 also reduces through buckets into slices rather than keeping
+  // full gradients.
   const double n = world;
   std::map<std::string, double> formula = {
       {"ddp", 16.0 * psi},
@@ -141,8 +141,8 @@ int run_rank(int steps, int rounds, const std::string& out) {
       {"zero2", (4.0 + 12.0 / n) * psi}};
   std::map<std::string, double> layout = {
       {"ddp", 16.0 * psi},
-      {"zero1", (4.0 + 16.0 / n) * psi},
-      {"zero2", (4.0 + 16.0 / n) * psi}};
+      {"zero1", (4.0 + 12.0 / n) * psi},
+      {"zero2", (4.0 + 12.0 / n) * psi}};
   if (rank != 0)
     return 0;
   std::ostringstream json;

@@ -42,6 +42,9 @@ struct LowLevelZeroOptimizer::Impl
     int64_t shard = 0; // padded numel / N
     at::Tensor master; // fp32 slice the inner optimizer updates
     at::Tensor grad;   // fp32 slice of the averaged gradient
+    // fp32 training: the padded flat storage the working parameter views and
+    // the master slice aliases, so the weights exist once.
+    at::Tensor flat;
     size_t bucket = 0;
     int64_t offset = 0; // within the bucket's per-rank block
   };
@@ -100,11 +103,21 @@ struct LowLevelZeroOptimizer::Impl
         auto flat =
             at::zeros({info.shard * world}, p.options().dtype(at::kFloat));
         flat.narrow(0, 0, info.numel).copy_(p.detach().reshape({-1}));
-        info.master =
-            flat.narrow(0, group->rank() * info.shard, info.shard)
-                .clone()
-                .to(o.cpu_offload() ? at::Device(at::kCPU) : p.device())
-                .set_requires_grad(true);
+        auto mine = flat.narrow(0, group->rank() * info.shard, info.shard);
+        if (p.scalar_type() == at::kFloat && !o.cpu_offload()) {
+          // The parameter becomes a view of the padded flat buffer and the
+          // master slice is this rank's part of it: the optimizer updates
+          // the weights in place, the all-gather fills in the rest.
+          at::NoGradGuard no_grad;
+          p.set_data(flat.narrow(0, 0, info.numel).view(p.sizes()));
+          info.flat = flat;
+          info.master = mine.detach().set_requires_grad(true);
+        } else {
+          info.master =
+              mine.clone()
+                  .to(o.cpu_offload() ? at::Device(at::kCPU) : p.device())
+                  .set_requires_grad(true);
+        }
         info.grad = at::zeros_like(info.master).detach();
         working.push_back(p);
         p = info.master; // the optimizer now steps the slice
@@ -364,15 +377,20 @@ struct LowLevelZeroOptimizer::Impl
     std::vector<distributed::Work> works;
     for (auto& p : params) {
       auto dtype = p.working.scalar_type();
-      full.push_back(at::empty({p.shard * n()}, p.working.options()));
-      auto slice = p.master.detach().to(p.working.device(), dtype);
+      full.push_back(
+          p.flat.defined() ? p.flat
+                           : at::empty({p.shard * n()}, p.working.options()));
+      // A copy: the input must not alias the output it is gathered into.
+      auto slice = p.master.detach().to(p.working.device(), dtype, false, true);
       works.push_back(distributed::all_gather(full.back(), slice, *group));
     }
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
       works[i].wait();
       auto& p = params[i];
-      p.working.view({-1}).copy_(full[i].narrow(0, 0, p.numel));
+      if (!p.flat.defined()) {
+        p.working.view({-1}).copy_(full[i].narrow(0, 0, p.numel));
+      }
     }
   }
 };
@@ -468,7 +486,9 @@ MemoryStats LowLevelZeroOptimizer::memory_stats() const {
   for (const auto& p : impl_->params) {
     s.working_params += bytes_of(p.working);
     s.gradients += bytes_of(p.grad) + bytes_of(p.working.grad());
-    s.master_weights += bytes_of(p.master);
+    if (!p.flat.defined()) { // an aliased slice is the weights themselves
+      s.master_weights += bytes_of(p.master);
+    }
   }
   for (const auto& b : impl_->buckets) {
     s.gradients += bytes_of(b.buffer) + bytes_of(b.out);
