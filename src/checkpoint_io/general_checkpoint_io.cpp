@@ -50,6 +50,12 @@ void write_tensors(
   }
 }
 
+// The model's tensors as they are, or owned CPU copies for a background save.
+StateDict state_to_save(interface::ModelWrapper& model, bool async) {
+  auto state = model_state_dict(*model.unwrap());
+  return async ? snapshot(state) : detached(state);
+}
+
 bool looks_like_zip(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   char magic[2] = {0, 0};
@@ -241,8 +247,7 @@ void GeneralCheckpointIO::save_unsharded_model(
   if (!is_writer()) {
     return;
   }
-  auto state = model_state_dict(*model.unwrap());
-  state = o.use_async() ? snapshot(state) : detached(state);
+  const auto state = state_to_save(model, o.use_async());
   const bool st = o.use_safetensors();
   run_maybe_async(o.use_async(), [state, checkpoint, st]() {
     detail::atomic_write_file(checkpoint, [&](const std::string& tmp) {
@@ -258,8 +263,7 @@ void GeneralCheckpointIO::save_sharded_model(
   if (!is_writer()) {
     return;
   }
-  auto state = model_state_dict(*model.unwrap());
-  state = o.use_async() ? snapshot(state) : detached(state);
+  const auto state = state_to_save(model, o.use_async());
   const bool st = o.use_safetensors();
   const std::string weights =
       detail::add_prefix(st ? kSafetensorsName : kBinName, o.prefix());

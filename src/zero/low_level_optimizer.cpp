@@ -1,10 +1,9 @@
 #include <colossalai/zero/low_level_optimizer.h>
 
 #include "../checkpoint_io/optimizer_state.h"
+#include "../utils/grad_ready_hook.h"
 
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <cmath>
 #include <deque>
@@ -13,20 +12,6 @@ namespace colossalai {
 namespace zero {
 
 namespace {
-
-class GradReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list&) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
 
 int64_t bytes_of(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
@@ -153,13 +138,12 @@ struct LowLevelZeroOptimizer::Impl
   void register_hooks() {
     std::weak_ptr<Impl> weak = shared_from_this();
     for (size_t i = 0; i < params.size(); ++i) {
-      auto acc = torch::autograd::impl::grad_accumulator(params[i].working);
-      acc->add_post_hook(std::make_unique<GradReadyHook>([weak, i]() {
-        if (auto self = weak.lock()) {
-          self->on_ready(i);
-        }
-      }));
-      accumulators.push_back(std::move(acc));
+      accumulators.push_back(
+          utils::on_grad_accumulated(params[i].working, [weak, i]() {
+            if (auto self = weak.lock()) {
+              self->on_ready(i);
+            }
+          }));
     }
   }
 
@@ -308,23 +292,22 @@ struct LowLevelZeroOptimizer::Impl
   }
 
   double global_norm(double norm_type) {
+    // Slices are disjoint, so the global norm combines per-rank partials:
+    // a max for the inf-norm, a sum of |g|^p otherwise.
     const bool inf = std::isinf(norm_type);
     at::Tensor local = at::zeros({1}, at::kDouble);
     for (const auto& p : params) {
-      local += inf ? p.grad.abs().max().to(at::kDouble)
-                   : p.grad.to(at::kDouble).abs().pow(norm_type).sum();
+      auto g = p.grad.to(at::kDouble).abs();
+      local =
+          inf ? at::maximum(local, g.max()) : local + g.pow(norm_type).sum();
     }
-    if (inf) {
-      local = at::zeros({1}, at::kDouble);
-      for (const auto& p : params) {
-        local = at::maximum(local, p.grad.abs().max().to(at::kDouble));
-      }
-      distributed::all_reduce(local, *group, distributed::ReduceOp::kMax)
-          .wait();
-      return local.item<double>();
-    }
-    distributed::all_reduce(local, *group).wait();
-    return std::pow(local.item<double>(), 1.0 / norm_type);
+    distributed::all_reduce(
+        local,
+        *group,
+        inf ? distributed::ReduceOp::kMax : distributed::ReduceOp::kSum)
+        .wait();
+    return inf ? local.item<double>()
+               : std::pow(local.item<double>(), 1.0 / norm_type);
   }
 
   void update_scale(bool found_inf) {

@@ -1,8 +1,8 @@
 #include "ddp_reducer.h"
 
+#include "../../utils/grad_ready_hook.h"
+
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <map>
 #include <sstream>
@@ -12,24 +12,6 @@ namespace colossalai {
 namespace booster {
 namespace plugin {
 namespace detail {
-
-namespace {
-
-class GradReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  torch::autograd::variable_list operator()(
-      const torch::autograd::variable_list& outputs,
-      const torch::autograd::variable_list& /*inputs*/) override {
-    fn_();
-    return outputs;
-  }
-
- private:
-  std::function<void()> fn_;
-};
-
-} // namespace
 
 Reducer::Reducer(
     std::vector<std::string> names,
@@ -96,17 +78,16 @@ void Reducer::build_buckets() {
 void Reducer::register_hooks() {
   std::weak_ptr<Reducer> weak = shared_from_this();
   for (size_t i = 0; i < params_.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    auto acc = utils::on_grad_accumulated(params_[i], [weak, i]() {
+      if (auto self = weak.lock()) {
+        self->on_grad_ready(i);
+      }
+    });
     TORCH_CHECK(
         acc != nullptr,
         "TorchDDPPlugin: parameter '",
         names_[i],
         "' is not a leaf that requires grad");
-    acc->add_post_hook(std::make_unique<GradReadyHook>([weak, i]() {
-      if (auto self = weak.lock()) {
-        self->on_grad_ready(i);
-      }
-    }));
     // The parameter holds its accumulator weakly; keep it (and the hook).
     accumulators_.push_back(std::move(acc));
   }
