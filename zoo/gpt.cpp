@@ -116,8 +116,10 @@ at::Tensor BlockImpl::causal_self_attention(const at::Tensor& x) {
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
+  auto scope = forward_scope(); // a sharding strategy's unit boundary
   auto h = x + proj->forward(causal_self_attention(ln1->forward(x)));
-  return h + out->forward(torch::gelu(fc->forward(ln2->forward(h))));
+  return scope.exit(
+      h + out->forward(torch::gelu(fc->forward(ln2->forward(h)))));
 }
 
 GPTImpl::GPTImpl(const GPTConfig& config) : config_(config) {

@@ -17,6 +17,8 @@
 ///                                         batch.second);
 /// \endcode
 
+#include <colossalai/nn/hookable_module.h>
+
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -63,7 +65,10 @@ struct GPTConfig {
 /// One pre-LayerNorm transformer block:
 ///   x = x + proj(causal_self_attention(ln1(x)))
 ///   x = x + out(gelu(fc(ln2(x))))
-class BlockImpl : public torch::nn::Module {
+/// Its forward opens a `ForwardScope`, so sharding strategies can make each
+/// block a unit (e.g. TorchFSDPPlugin's per-block wrapping).
+class BlockImpl : public torch::nn::Module,
+                  public colossalai::nn::HookableModule {
  public:
   explicit BlockImpl(const GPTConfig& config);
 

@@ -219,6 +219,26 @@ c10::impl::GenericList optimizer_param_groups(Optimizer& o) {
   return groups;
 }
 
+void check_state_numel(
+    const std::string& file,
+    const std::string& key,
+    int64_t id,
+    int64_t state_numel,
+    int64_t param_numel) {
+  TORCH_CHECK(
+      state_numel == param_numel,
+      "optimizer checkpoint '",
+      file,
+      "': state '",
+      key,
+      "' of parameter ",
+      id,
+      " has ",
+      state_numel,
+      " elements, the parameter has ",
+      param_numel);
+}
+
 void load_param_state(
     Optimizer& o,
     int64_t id,

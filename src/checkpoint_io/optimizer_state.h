@@ -22,6 +22,15 @@ std::map<int64_t, StateDict> optimizer_param_states(
 /// The groups' hyperparameters and parameter ids.
 c10::impl::GenericList optimizer_param_groups(torch::optim::Optimizer& o);
 
+/// Checks that a full state tensor `key` of parameter `id` has the
+/// parameter's element count (sharding plugins slice it afterwards).
+void check_state_numel(
+    const std::string& file,
+    const std::string& key,
+    int64_t id,
+    int64_t state_numel,
+    int64_t param_numel);
+
 /// Restores one parameter's state (copied to the parameter's device).
 void load_param_state(
     torch::optim::Optimizer& optimizer,

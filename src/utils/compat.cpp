@@ -5,6 +5,23 @@
 namespace colossalai {
 namespace compat {
 
+void free_storage(const at::Tensor& t) {
+  auto* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(static_cast<size_t>(0));
+}
+
+void allocate_storage(const at::Tensor& t, size_t nbytes) {
+  auto* s = t.storage().unsafeGetStorageImpl();
+  TORCH_INTERNAL_ASSERT(s->allocator() != nullptr);
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+size_t storage_nbytes(const at::Tensor& t) {
+  return t.storage().nbytes();
+}
+
 #if COLOSSALAI_TORCH_AT_LEAST(2, 4)
 AutocastGuard::AutocastGuard(at::DeviceType device, at::ScalarType dtype)
     : device_(device),

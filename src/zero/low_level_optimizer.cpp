@@ -531,18 +531,8 @@ void LowLevelZeroOptimizer::load_full_state(
       slice.insert(item.key(), item.value());
       continue;
     }
-    TORCH_CHECK(
-        item.value().numel() == p.numel,
-        "optimizer checkpoint '",
-        file,
-        "': state '",
-        item.key(),
-        "' of parameter ",
-        id,
-        " has ",
-        item.value().numel(),
-        " elements, the parameter has ",
-        p.numel);
+    checkpoint_io::detail::check_state_numel(
+        file, item.key(), id, item.value().numel(), p.numel);
     auto padded = at::zeros({p.shard * im.n()}, p.master.options());
     padded.narrow(0, 0, p.numel).copy_(item.value().reshape({-1}));
     slice.insert(

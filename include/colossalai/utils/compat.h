@@ -54,6 +54,15 @@ typename StateMap::key_type optimizer_state_key(const at::Tensor& param) {
   }
 }
 
+/// Releases the memory of `t`'s storage in place: every tensor viewing it
+/// (autograd's saved copies of a parameter included) stays valid and sees the
+/// data again once `allocate_storage` re-creates it.
+void free_storage(const at::Tensor& t);
+/// Re-allocates `t`'s storage in place with `nbytes` (uninitialised).
+void allocate_storage(const at::Tensor& t, size_t nbytes);
+/// Bytes `t`'s storage currently holds (0 once freed).
+size_t storage_nbytes(const at::Tensor& t);
+
 /// RAII autocast region on one device type (CPU or CUDA).
 class AutocastGuard {
  public:

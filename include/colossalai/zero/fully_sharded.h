@@ -1,0 +1,237 @@
+#pragma once
+
+/// Fully sharded data parallelism (ZeRO-3, PyTorch's FSDP) for LibTorch
+/// modules. Most users reach it through `TorchFSDPPlugin`; this header is the
+/// engine underneath.
+///
+/// NOTE [FSDP units]
+/// A unit is a module whose parameters are flattened into one padded flat
+/// buffer of P = S * s elements (S: ranks sharing the shards); rank r owns
+/// elements [r*s, (r+1)*s) as an fp32 shard, the only copy of those weights
+/// at rest. The parameters stay the module's own tensors: they are views of
+/// a full buffer whose storage is allocated and filled by an all-gather
+/// before the unit computes and freed in place afterwards, so autograd's
+/// saved references to them remain valid and see the data again when it is
+/// re-gathered for backward.
+///
+/// C++ modules have no forward hooks, so a unit's boundaries must be visible:
+///  - the root module is always a unit (it owns every parameter no finer
+///    unit owns) and is gathered around the boosted model's forward;
+///  - finer units are modules chosen by `auto_wrap_policy` that derive from
+///    `colossalai::nn::HookableModule` and open a `ForwardScope` in their
+///    forward (the zoo's GPT blocks do). Choosing a module that does not is
+///    an error at boost time.
+/// The output of every non-root unit carries a gradient hook: when backward
+/// reaches it, the unit is re-gathered (and, with backward prefetch, the next
+/// unit in backward order starts gathering). When all of a unit's gradients
+/// have been accumulated, they are copied into one flat buffer,
+/// reduce-scattered (averaged) into the unit's fp32 gradient shard, and the
+/// full gradients and parameters are freed.
+///
+/// The optimizer sees one tensor per original parameter: the part of it that
+/// lies in this rank's shard (possibly empty). So parameter groups, per-group
+/// options and checkpoints keep the model's own parameter order, and full
+/// optimizer states gather from those pieces.
+
+#include <colossalai/checkpoint_io/state_dict.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/interface/model.h>
+#include <colossalai/interface/optimizer.h>
+
+#include <torch/arg.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace colossalai {
+namespace zero {
+
+enum class ShardingStrategy {
+  /// Parameters, gradients and optimizer states sharded; a unit's parameters
+  /// are freed after its forward and re-gathered for its backward.
+  kFullShard,
+  /// As kFullShard, but parameters stay gathered from forward to backward.
+  kShardGradOp,
+  /// Nothing sharded: DDP-like, gradients all-reduced.
+  kNoShard,
+  /// kFullShard inside groups of `hybrid_shard_size` ranks (a node), the
+  /// groups replicating each other.
+  kHybridShard,
+};
+
+enum class BackwardPrefetch {
+  /// Gather a unit only when backward reaches it.
+  kNone,
+  /// Start gathering the next unit (in backward order) when the current
+  /// unit's backward starts: communication overlaps its computation.
+  kBackwardPre,
+  /// Start it when the current unit's gradients are complete.
+  kBackwardPost,
+};
+
+/// Chooses units: called for every sub-module (not the root) in pre-order
+/// with its dotted name and its parameter count (sub-modules included).
+using AutoWrapPolicy = std::function<
+    bool(const std::string& name, torch::nn::Module& module, int64_t numel)>;
+
+/// Every module of type `T` (e.g. `zoo::BlockImpl`) becomes a unit.
+template <class T>
+AutoWrapPolicy module_type_wrap_policy() {
+  return [](const std::string&, torch::nn::Module& m, int64_t) {
+    return dynamic_cast<T*>(&m) != nullptr;
+  };
+}
+/// Every hookable module with at least `min_num_params` parameters becomes a
+/// unit (modules that cannot be units are skipped).
+AutoWrapPolicy size_based_wrap_policy(int64_t min_num_params);
+/// Modules whose dotted name matches the ECMAScript regular expression.
+AutoWrapPolicy name_wrap_policy(const std::string& pattern);
+
+struct FullyShardedOptions {
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+  /// Finer units; null: the whole model is one unit.
+  TORCH_ARG(AutoWrapPolicy, auto_wrap_policy) = nullptr;
+  TORCH_ARG(BackwardPrefetch, backward_prefetch) =
+      BackwardPrefetch::kBackwardPre;
+  /// Start gathering the next unit (in forward order) when one starts.
+  TORCH_ARG(bool, forward_prefetch) = false;
+  /// Dtype parameters are gathered and computed in (kFloat, kBFloat16).
+  /// Shards, gradient shards and optimizer states stay fp32.
+  TORCH_ARG(at::ScalarType, param_dtype) = at::kFloat;
+  /// Dtype gradients are reduced in (default: param_dtype).
+  TORCH_ARG(c10::optional<at::ScalarType>, reduce_dtype) = c10::nullopt;
+  /// Dtype buffers are kept in (default: param_dtype).
+  TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;
+  /// Shards, gradient shards (and so optimizer states) in host memory.
+  TORCH_ARG(bool, cpu_offload) = false;
+  /// Modules whose parameters (their sub-modules' included) are neither
+  /// sharded nor synchronized, as in PyTorch.
+  TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) =
+      {};
+  /// Called on every unit's module before sharding (e.g. to initialise
+  /// weights).
+  TORCH_ARG(std::function<void(torch::nn::Module&)>, param_init_fn) = nullptr;
+  /// Broadcast rank 0's parameters and buffers before sharding.
+  TORCH_ARG(bool, sync_module_states) = false;
+  /// Ranks sharing shards under kHybridShard; 0: this node's ranks (the
+  /// launcher's LOCAL_WORLD_SIZE).
+  TORCH_ARG(int, hybrid_shard_size) = 0;
+  /// Data-parallel ranks; null: all.
+  TORCH_ARG(distributed::ProcessGroupPtr, process_group) = nullptr;
+};
+
+/// Bytes of model state this rank holds (tensors counted by their storage).
+struct FullyShardedMemoryStats {
+  /// Full (gathered) parameter buffers currently allocated.
+  int64_t gathered_params = 0;
+  /// fp32 parameter shards.
+  int64_t shards = 0;
+  /// Full gradients not yet reduced, reduction buffers and gradient shards.
+  int64_t gradients = 0;
+  int64_t optimizer_states = 0;
+  int64_t total() const {
+    return gathered_params + shards + gradients + optimizer_states;
+  }
+};
+
+namespace detail {
+struct FsdpState;
+} // namespace detail
+
+class FullyShardedOptimizer;
+
+/// A module sharded as NOTE [FSDP units] describes. Collective: every rank
+/// of the data-parallel group constructs it with the same model.
+class FullyShardedModel : public interface::ModelWrapper {
+ public:
+  FullyShardedModel(
+      std::shared_ptr<interface::ModelWrapper> inner,
+      FullyShardedOptions options);
+  ~FullyShardedModel() override;
+
+  /// Re-points `optimizer` at this rank's shards and wraps it.
+  std::shared_ptr<FullyShardedOptimizer> shard_optimizer(
+      std::shared_ptr<torch::optim::Optimizer> optimizer);
+
+  /// RAII: every parameter holds its full fp32 value while the guard lives
+  /// (for evaluation, inspection or checkpoints); with `writeback`, changes
+  /// are written back to the shards when it ends. Collective.
+  class FullParams {
+   public:
+    FullParams(FullParams&& other) noexcept;
+    FullParams(const FullParams&) = delete;
+    FullParams& operator=(const FullParams&) = delete;
+    FullParams& operator=(FullParams&&) = delete;
+    ~FullParams() noexcept(false);
+
+   private:
+    friend class FullyShardedModel;
+    FullParams(std::shared_ptr<detail::FsdpState> state, bool writeback);
+    std::shared_ptr<detail::FsdpState> state_;
+    bool writeback_;
+  };
+  FullParams summon_full_params(bool writeback = false);
+
+  /// Dotted names of the units ("" is the root), in construction order.
+  std::vector<std::string> unit_names() const;
+  /// Elements in each unit's padded flat buffer.
+  std::vector<int64_t> unit_numels() const;
+  /// Order the units ran in during the first forward.
+  std::vector<std::string> execution_order() const;
+
+  FullyShardedMemoryStats memory_stats() const;
+  /// The largest total seen since construction or the last reset, sampled
+  /// whenever a unit is gathered, a gradient arrives or the optimizer steps.
+  FullyShardedMemoryStats peak_memory_stats() const;
+  void reset_peak_memory_stats();
+
+  /// Number of all-gathers started by backward prefetch (for tests).
+  int64_t prefetch_count() const;
+
+  void set_require_sync(bool require);
+
+  const std::shared_ptr<detail::FsdpState>& state() const {
+    return state_;
+  }
+
+ protected:
+  at::Tensor transform_input(const at::Tensor& input) override;
+  void pre_forward() override;
+  void post_forward() noexcept override;
+
+ private:
+  std::shared_ptr<detail::FsdpState> state_;
+};
+
+/// The optimizer of a FullyShardedModel: steps only this rank's shards.
+class FullyShardedOptimizer : public interface::OptimizerWrapper {
+ public:
+  FullyShardedOptimizer(
+      std::shared_ptr<torch::optim::Optimizer> optimizer,
+      std::shared_ptr<detail::FsdpState> state);
+
+  void step() override;
+  void zero_grad(bool set_to_none = true) override;
+  void backward(const at::Tensor& loss, bool retain_graph = false) override;
+  /// Clips by the global norm across every rank's gradient shards.
+  double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
+  void clip_grad_by_value(double clip_value) override;
+
+  /// Full optimizer states by parameter id, gathered from every rank's
+  /// pieces (collective).
+  std::map<int64_t, checkpoint_io::StateDict> full_states();
+  /// Keeps this rank's piece of a full state (from any world size or plugin).
+  void load_full_state(
+      int64_t id,
+      const checkpoint_io::StateDict& state,
+      const std::string& file);
+
+ private:
+  std::shared_ptr<detail::FsdpState> state_;
+};
+
+} // namespace zero
+} // namespace colossalai

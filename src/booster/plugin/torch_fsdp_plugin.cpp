@@ -1,0 +1,117 @@
+#include <colossalai/booster/plugin/torch_ddp_checkpoint_io.h>
+#include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+
+namespace colossalai {
+namespace booster {
+namespace plugin {
+
+namespace {
+
+zero::FullyShardedModel& fsdp_of(interface::ModelWrapper& model) {
+  auto* m = interface::find_wrapper<zero::FullyShardedModel>(model);
+  TORCH_CHECK(
+      m != nullptr,
+      "TorchFSDPPlugin checkpoints need the model the plugin boosted");
+  return *m;
+}
+
+zero::FullyShardedOptimizer& fsdp_of(interface::OptimizerWrapper& o) {
+  auto* z = dynamic_cast<zero::FullyShardedOptimizer*>(&o);
+  TORCH_CHECK(
+      z != nullptr,
+      "TorchFSDPPlugin checkpoints need the optimizer the plugin boosted");
+  return *z;
+}
+
+// Full tensors in the GeneralCheckpointIO layout: every rank gathers (each
+// unit's full fp32 value), rank 0 writes; loading writes this rank's range
+// back into its shards.
+class TorchFSDPCheckpointIO : public TorchDDPCheckpointIO {
+ public:
+  using TorchDDPCheckpointIO::TorchDDPCheckpointIO;
+
+ protected:
+  void save_unsharded_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      const checkpoint_io::SaveModelOptions& options) override {
+    auto full = fsdp_of(model).summon_full_params(/*writeback=*/false);
+    TorchDDPCheckpointIO::save_unsharded_model(model, checkpoint, options);
+  }
+  void save_sharded_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      const checkpoint_io::SaveModelOptions& options) override {
+    auto full = fsdp_of(model).summon_full_params(/*writeback=*/false);
+    TorchDDPCheckpointIO::save_sharded_model(model, checkpoint, options);
+  }
+  void load_unsharded_model(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      bool strict) override {
+    auto full = fsdp_of(model).summon_full_params(/*writeback=*/true);
+    TorchDDPCheckpointIO::load_unsharded_model(model, checkpoint, strict);
+  }
+  void load_sharded_model(
+      interface::ModelWrapper& model,
+      const std::string& index_file,
+      bool strict) override {
+    auto full = fsdp_of(model).summon_full_params(/*writeback=*/true);
+    TorchDDPCheckpointIO::load_sharded_model(model, index_file, strict);
+  }
+  std::map<int64_t, checkpoint_io::StateDict> optimizer_states(
+      interface::OptimizerWrapper& optimizer) override {
+    return fsdp_of(optimizer).full_states();
+  }
+  void load_optimizer_state(
+      interface::OptimizerWrapper& optimizer,
+      int64_t id,
+      const checkpoint_io::StateDict& state,
+      const std::string& file) override {
+    fsdp_of(optimizer).load_full_state(id, state, file);
+  }
+};
+
+} // namespace
+
+TorchFSDPPlugin::TorchFSDPPlugin(TorchFSDPPluginOptions options)
+    : options_(std::move(options)) {
+  TORCH_CHECK(
+      options_.hybrid_shard_size() >= 0,
+      "TorchFSDPPlugin: hybrid_shard_size must be >= 0, got ",
+      options_.hybrid_shard_size());
+  if (options_.process_group()) {
+    dp_group_ = options_.process_group();
+  } else {
+    options_.process_group(dp_group_);
+  }
+}
+
+std::shared_ptr<checkpoint_io::CheckpointIO> TorchFSDPPlugin::
+    get_checkpoint_io() {
+  return std::make_shared<TorchFSDPCheckpointIO>(dp_group_);
+}
+
+void TorchFSDPPlugin::configure(
+    std::shared_ptr<interface::ModelWrapper>& model,
+    std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
+  TORCH_CHECK(model != nullptr, "TorchFSDPPlugin: boost needs a model");
+  auto fsdp = std::make_shared<zero::FullyShardedModel>(model, options_);
+  if (optimizer != nullptr) {
+    optimizer = fsdp->shard_optimizer(optimizer->optimizer_ptr());
+  }
+  model = fsdp;
+}
+
+NoSyncGuard TorchFSDPPlugin::no_sync(
+    interface::ModelWrapper& model,
+    interface::OptimizerWrapper*) {
+  auto* m = interface::find_wrapper<zero::FullyShardedModel>(model);
+  TORCH_CHECK(m != nullptr, "TorchFSDPPlugin.no_sync: pass the boosted model");
+  m->set_require_sync(false);
+  return NoSyncGuard([m]() { m->set_require_sync(true); });
+}
+
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai

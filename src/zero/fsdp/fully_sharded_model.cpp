@@ -1,0 +1,478 @@
+#include "state.h"
+
+#include <colossalai/initialize.h>
+#include <colossalai/nn/hookable_module.h>
+#include <colossalai/utils/compat.h>
+#include <colossalai/utils/env.h>
+
+#include "../../utils/grad_ready_hook.h"
+
+#include <torch/nn/module.h>
+
+#include <regex>
+#include <set>
+#include <unordered_map>
+
+namespace colossalai {
+namespace zero {
+
+using detail::FsdpState;
+using detail::Unit;
+
+AutoWrapPolicy size_based_wrap_policy(int64_t min_num_params) {
+  return [min_num_params](
+             const std::string&, torch::nn::Module& m, int64_t numel) {
+    return numel >= min_num_params &&
+        dynamic_cast<nn::HookableModule*>(&m) != nullptr;
+  };
+}
+
+AutoWrapPolicy name_wrap_policy(const std::string& pattern) {
+  std::regex re(pattern);
+  return [re](const std::string& name, torch::nn::Module&, int64_t) {
+    return std::regex_match(name, re);
+  };
+}
+
+namespace {
+
+const char* strategy_name(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::kFullShard:
+      return "FULL_SHARD";
+    case ShardingStrategy::kShardGradOp:
+      return "SHARD_GRAD_OP";
+    case ShardingStrategy::kNoShard:
+      return "NO_SHARD";
+    case ShardingStrategy::kHybridShard:
+      return "HYBRID_SHARD";
+  }
+  return "?";
+}
+
+void check_float_dtype(at::ScalarType t, const char* option) {
+  TORCH_CHECK(
+      t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+      "FSDP: ",
+      option,
+      " must be float32, bfloat16 or float16, got ",
+      t);
+}
+
+// Forward hooks of one unit module.
+class UnitHooks : public nn::ForwardHooks {
+ public:
+  UnitHooks(std::weak_ptr<FsdpState> state, size_t k)
+      : state_(std::move(state)), k_(k) {}
+  void pre_forward() override {
+    state()->enter_unit(k_);
+  }
+  at::Tensor post_forward(const at::Tensor& output) override {
+    return state()->exit_unit(k_, output);
+  }
+
+ private:
+  std::shared_ptr<FsdpState> state() {
+    auto s = state_.lock();
+    TORCH_CHECK(s != nullptr, "FSDP: the sharded model was destroyed");
+    return s;
+  }
+  std::weak_ptr<FsdpState> state_;
+  size_t k_;
+};
+
+int64_t numel_of(torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) {
+    n += p.numel();
+  }
+  return n;
+}
+
+void make_groups(FsdpState& st, const distributed::ProcessGroupPtr& dp) {
+  const auto strategy = st.o.sharding_strategy();
+  const int world = dp->size();
+  if (strategy == ShardingStrategy::kFullShard ||
+      strategy == ShardingStrategy::kShardGradOp) {
+    st.shard_group = dp;
+    st.S = world;
+  } else if (strategy == ShardingStrategy::kNoShard) {
+    st.S = 1;
+    st.R = world;
+    st.shard_group = nullptr;
+    st.replicate_group = world > 1 ? dp : nullptr;
+  } else {
+    int h = st.o.hybrid_shard_size();
+    if (h == 0) {
+      h = utils::read_dist_env().local_world_size.value_or(world);
+    }
+    TORCH_CHECK(
+        h > 0 && world % h == 0,
+        "FSDP: hybrid_shard_size (",
+        h,
+        ") must divide the data-parallel size ",
+        world);
+    const int me = dp->rank();
+    std::vector<int> shard_ranks, replica_ranks;
+    for (int i = 0; i < h; ++i) {
+      shard_ranks.push_back(dp->global_rank(me / h * h + i));
+    }
+    for (int j = 0; j < world / h; ++j) {
+      replica_ranks.push_back(dp->global_rank(j * h + me % h));
+    }
+    st.S = h;
+    st.R = world / h;
+    st.shard_group = h > 1
+        ? distributed::new_group(
+              shard_ranks, "fsdp_shard_" + std::to_string(shard_ranks[0]))
+        : nullptr;
+    st.replicate_group = st.R > 1
+        ? distributed::new_group(
+              replica_ranks,
+              "fsdp_replicate_" + std::to_string(replica_ranks[0]))
+        : nullptr;
+  }
+}
+
+// Flattens a unit's parameters into its padded buffer and keeps this rank's
+// fp32 shard.
+void build_unit(FsdpState& st, Unit& u) {
+  int64_t numel = 0;
+  for (const auto& p : u.params) {
+    TORCH_CHECK(
+        p.is_floating_point(),
+        "FSDP: parameter '",
+        u.param_names[&p - u.params.data()],
+        "' is not floating point");
+    u.offsets.push_back(numel);
+    numel += p.numel();
+    u.grads_expected += p.requires_grad() ? 1 : 0;
+  }
+  u.numel = numel;
+  u.shard = (numel + st.S - 1) / st.S;
+  const int64_t padded = u.shard * st.S;
+  const int r = st.S > 1 ? st.shard_rank() : 0;
+
+  auto flat32 =
+      at::zeros({padded}, at::TensorOptions(st.device).dtype(at::kFloat));
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    flat32.narrow(0, u.offsets[i], u.params[i].numel())
+        .copy_(u.params[i].detach().reshape({-1}));
+  }
+  u.aliased = st.S == 1 && st.param_dtype == at::kFloat && !st.o.cpu_offload();
+  if (u.aliased) {
+    u.full = flat32;
+    u.shard_data = flat32;
+  } else {
+    u.shard_data =
+        flat32.narrow(0, r * u.shard, u.shard).clone().to(st.shard_device);
+    u.full = flat32.to(st.param_dtype, false, /*copy=*/true);
+  }
+  flat32 = at::Tensor();
+  u.shard_grad = at::zeros({u.shard}, u.shard_data.options());
+
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    auto& p = u.params[i];
+    u.views.push_back(
+        u.full.narrow(0, u.offsets[i], p.numel()).view(p.sizes()).detach());
+    p.set_data(u.views.back());
+    // This rank's part of the parameter, for the optimizer.
+    const int64_t lo = std::max(u.offsets[i], r * u.shard);
+    const int64_t hi = std::min(u.offsets[i] + p.numel(), (r + 1) * u.shard);
+    const int64_t start =
+        std::min(std::max<int64_t>(lo - r * u.shard, 0), u.shard);
+    const int64_t len = std::max<int64_t>(hi - lo, 0);
+    auto piece = u.shard_data.narrow(0, start, len).detach();
+    piece.set_requires_grad(p.requires_grad());
+    if (p.requires_grad()) {
+      piece.mutable_grad() = u.shard_grad.narrow(0, start, len);
+    }
+    u.pieces.push_back(piece);
+  }
+  u.gathered = true;
+  if (st.reshard_at_rest() && !u.aliased) {
+    compat::free_storage(u.full);
+    u.gathered = false;
+  }
+}
+
+} // namespace
+
+namespace detail {
+
+void FsdpState::install_grad_hooks() {
+  accumulators.clear();
+  std::weak_ptr<FsdpState> weak = shared_from_this();
+  for (size_t k = 0; k < units.size(); ++k) {
+    for (size_t i = 0; i < units[k].params.size(); ++i) {
+      if (!units[k].params[i].requires_grad()) {
+        continue;
+      }
+      accumulators.push_back(
+          utils::on_grad_accumulated(units[k].params[i], [weak, k, i]() {
+            if (auto self = weak.lock()) {
+              self->on_grad(k, i);
+            }
+          }));
+    }
+  }
+}
+
+} // namespace detail
+
+FullyShardedModel::FullyShardedModel(
+    std::shared_ptr<interface::ModelWrapper> inner,
+    FullyShardedOptions options)
+    : interface::ModelWrapper(std::move(inner)),
+      state_(std::make_shared<FsdpState>()) {
+  auto& st = *state_;
+  st.o = std::move(options);
+  check_float_dtype(st.o.param_dtype(), "param_dtype");
+  st.param_dtype = st.o.param_dtype();
+  st.reduce_dtype = st.o.reduce_dtype().value_or(st.param_dtype);
+  check_float_dtype(st.reduce_dtype, "reduce_dtype");
+  const auto buffer_dtype = st.o.buffer_dtype().value_or(st.param_dtype);
+  check_float_dtype(buffer_dtype, "buffer_dtype");
+  st.device = current_device();
+  TORCH_CHECK(
+      st.param_dtype != at::kHalf || !st.device.is_cpu(),
+      "FSDP: param_dtype float16 needs a CUDA device (CPU LibTorch cannot "
+      "multiply fp16 matrices); use bfloat16 on CPU");
+  st.shard_device = st.o.cpu_offload() ? at::Device(at::kCPU) : st.device;
+
+  auto dp =
+      st.o.process_group() ? st.o.process_group() : distributed::world_group();
+  make_groups(st, dp);
+
+  auto module = unwrap();
+  module->to(st.device);
+  for (auto& b : module->buffers()) {
+    if (b.is_floating_point()) {
+      b.set_data(b.to(buffer_dtype));
+    }
+  }
+  if (st.o.sync_module_states() && dp->size() > 1) {
+    at::NoGradGuard no_grad;
+    for (auto t : module->parameters()) {
+      distributed::broadcast(t, 0, *dp).wait();
+    }
+    for (auto t : module->buffers()) {
+      distributed::broadcast(t, 0, *dp).wait();
+    }
+  }
+
+  // Ignored parameters stay outside every unit.
+  std::set<const void*> ignored;
+  for (const auto& m : st.o.ignored_modules()) {
+    TORCH_CHECK(m != nullptr, "FSDP: ignored_modules holds a null module");
+    for (const auto& p : m->parameters()) {
+      ignored.insert(p.unsafeGetTensorImpl());
+    }
+  }
+
+  // Units: the root plus what the policy picks, in pre-order.
+  st.units.emplace_back();
+  st.units[0].root = true;
+  st.units[0].module = module.get();
+  std::vector<std::pair<std::string, size_t>> prefixes; // name. -> unit
+  if (st.o.auto_wrap_policy()) {
+    for (const auto& item : module->named_modules("", false)) {
+      auto& m = *item.value();
+      if (!st.o.auto_wrap_policy()(item.key(), m, numel_of(m))) {
+        continue;
+      }
+      auto* hookable = dynamic_cast<nn::HookableModule*>(&m);
+      TORCH_CHECK(
+          hookable != nullptr,
+          "FSDP: auto_wrap_policy chose module '",
+          item.key(),
+          "' (",
+          m.name(),
+          "), which cannot be a unit: its class must derive from "
+          "colossalai::nn::HookableModule and open a ForwardScope in "
+          "forward (see colossalai/nn/hookable_module.h)");
+      Unit u;
+      u.name = item.key();
+      u.module = &m;
+      prefixes.emplace_back(item.key() + ".", st.units.size());
+      st.units.push_back(std::move(u));
+    }
+  }
+  std::set<const void*> seen;
+  for (const auto& item : module->named_parameters(true)) {
+    const void* impl = item.value().unsafeGetTensorImpl();
+    if (ignored.count(impl) || !seen.insert(impl).second) {
+      continue;
+    }
+    size_t owner = 0; // the deepest unit whose name prefixes the parameter
+    for (const auto& pre : prefixes) {
+      if (item.key().compare(0, pre.first.size(), pre.first) == 0) {
+        owner = pre.second;
+      }
+    }
+    st.units[owner].params.push_back(item.value());
+    st.units[owner].param_names.push_back(item.key());
+  }
+  if (st.o.param_init_fn()) {
+    at::NoGradGuard no_grad;
+    for (auto& u : st.units) {
+      st.o.param_init_fn()(*u.module);
+    }
+  }
+  for (auto& u : st.units) {
+    build_unit(st, u);
+  }
+  for (size_t k = 1; k < st.units.size(); ++k) {
+    dynamic_cast<nn::HookableModule*>(st.units[k].module)
+        ->set_forward_hooks(std::make_shared<UnitHooks>(state_, k));
+  }
+  st.install_grad_hooks();
+  st.sample_peak();
+}
+
+FullyShardedModel::~FullyShardedModel() {
+  for (size_t k = 1; k < state_->units.size(); ++k) {
+    if (auto* h = dynamic_cast<nn::HookableModule*>(state_->units[k].module)) {
+      h->set_forward_hooks(nullptr);
+    }
+  }
+}
+
+at::Tensor FullyShardedModel::transform_input(const at::Tensor& x) {
+  return x.is_floating_point() && x.scalar_type() != state_->param_dtype
+      ? x.to(state_->param_dtype)
+      : x;
+}
+
+void FullyShardedModel::pre_forward() {
+  state_->root_pre_forward();
+}
+
+void FullyShardedModel::post_forward() noexcept {
+  try {
+    state_->root_post_forward();
+  } catch (const std::exception& e) {
+    TORCH_WARN("FSDP: releasing parameters after forward failed: ", e.what());
+  }
+}
+
+std::vector<std::string> FullyShardedModel::unit_names() const {
+  std::vector<std::string> out;
+  for (const auto& u : state_->units) {
+    out.push_back(u.name);
+  }
+  return out;
+}
+
+std::vector<int64_t> FullyShardedModel::unit_numels() const {
+  std::vector<int64_t> out;
+  for (const auto& u : state_->units) {
+    out.push_back(u.full.numel());
+  }
+  return out;
+}
+
+std::vector<std::string> FullyShardedModel::execution_order() const {
+  std::vector<std::string> out;
+  for (size_t k : state_->order) {
+    out.push_back(state_->units[k].name);
+  }
+  return out;
+}
+
+FullyShardedMemoryStats FullyShardedModel::memory_stats() const {
+  return state_->measure();
+}
+
+FullyShardedMemoryStats FullyShardedModel::peak_memory_stats() const {
+  return state_->peak;
+}
+
+void FullyShardedModel::reset_peak_memory_stats() {
+  state_->peak = state_->measure();
+}
+
+int64_t FullyShardedModel::prefetch_count() const {
+  return state_->prefetches;
+}
+
+void FullyShardedModel::set_require_sync(bool require) {
+  TORCH_CHECK(
+      !state_->in_backward, "FSDP: no_sync cannot change during backward");
+  state_->require_sync = require;
+}
+
+FullyShardedModel::FullParams FullyShardedModel::summon_full_params(
+    bool writeback) {
+  return FullParams(state_, writeback);
+}
+
+FullyShardedModel::FullParams::FullParams(
+    std::shared_ptr<FsdpState> state,
+    bool writeback)
+    : state_(std::move(state)), writeback_(writeback) {
+  auto& st = *state_;
+  TORCH_CHECK(
+      !st.in_forward && !st.in_backward && !st.summoned,
+      "FSDP: summon_full_params() needs the model at rest (not inside "
+      "forward, backward or another summon_full_params)");
+  st.summoned = true;
+  at::NoGradGuard no_grad;
+  for (auto& u : st.units) {
+    if (u.numel == 0) {
+      continue;
+    }
+    auto full = at::empty({u.padded()}, u.full.options().dtype(at::kFloat));
+    auto src = u.shard_data.to(st.device, at::kFloat, false, /*copy=*/true);
+    if (st.S > 1) {
+      distributed::all_gather(full, src, *st.shard_group).wait();
+    } else {
+      full.copy_(src);
+    }
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      auto& p = u.params[i];
+      p.set_data(full.narrow(0, u.offsets[i], p.numel()).view(p.sizes()));
+    }
+  }
+}
+
+FullyShardedModel::FullParams::FullParams(FullParams&& other) noexcept
+    : state_(std::move(other.state_)), writeback_(other.writeback_) {}
+
+FullyShardedModel::FullParams::~FullParams() noexcept(false) {
+  if (!state_) {
+    return;
+  }
+  auto& st = *state_;
+  at::NoGradGuard no_grad;
+  for (auto& u : st.units) {
+    if (u.numel == 0) {
+      continue;
+    }
+    const int r = st.S > 1 ? st.shard_rank() : 0;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      auto& p = u.params[i];
+      if (writeback_) {
+        // This rank's range of the (possibly edited) full value.
+        const int64_t lo = std::max(u.offsets[i], r * u.shard);
+        const int64_t hi =
+            std::min(u.offsets[i] + p.numel(), (r + 1) * u.shard);
+        if (hi > lo) {
+          u.shard_data.narrow(0, lo - r * u.shard, hi - lo)
+              .copy_(p.detach().reshape({-1}).narrow(
+                  0, lo - u.offsets[i], hi - lo));
+        }
+      }
+      p.set_data(u.views[i]);
+    }
+  }
+  st.summoned = false;
+  st.install_grad_hooks(); // a dtype change under set_data drops them
+  if (writeback_) {
+    st.refresh_gathered();
+  }
+}
+
+} // namespace zero
+} // namespace colossalai

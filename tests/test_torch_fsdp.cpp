@@ -1,0 +1,654 @@
+// TorchFSDPPlugin (ZeRO-3) on real processes against single-process training
+// with the same global batch.
+//
+// fp32 tolerance: |fsdp - ref| <= 1e-5 + 1e-4 |ref| after 4 steps. The
+// gradient average is the same sum in another order (per-rank means summed
+// by a reduce-scatter), so only rounding differs; AdamW and SGD then do the
+// same arithmetic on shards. SGD with momentum is blind to nothing: a wrong
+// average or a missing contribution moves its weights by far more than the
+// tolerance (checked by breaking the division).
+
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/utils/compat.h>
+
+#include <harness/multiprocess.h>
+#include <zoo/gpt.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+namespace cb = colossalai::booster;
+namespace cz = colossalai::zero;
+namespace zoo = colossalai::zoo;
+using colossalai::testing::run_distributed;
+
+namespace {
+
+constexpr int kMicro = 2; // sequences per rank per step
+
+zoo::GPTConfig tiny() {
+  return zoo::GPTConfig()
+      .vocab_size(96)
+      .block_size(16)
+      .n_embd(32)
+      .n_head(2)
+      .n_layer(3);
+}
+
+zoo::GPT make_model(const zoo::GPTConfig& cfg = tiny()) {
+  torch::manual_seed(42);
+  return zoo::GPT(cfg);
+}
+
+std::pair<at::Tensor, at::Tensor> global_batch(
+    int step,
+    int world,
+    const zoo::GPTConfig& cfg = tiny()) {
+  return zoo::random_tokens(kMicro * world, cfg, 1000 + step);
+}
+
+std::pair<at::Tensor, at::Tensor> local_batch(
+    int step,
+    int rank,
+    int world,
+    const zoo::GPTConfig& cfg = tiny()) {
+  auto b = global_batch(step, world, cfg);
+  return {
+      b.first.narrow(0, kMicro * rank, kMicro),
+      b.second.narrow(0, kMicro * rank, kMicro)};
+}
+
+std::shared_ptr<torch::optim::Optimizer> make_opt(zoo::GPT& m, bool sgd) {
+  if (sgd) {
+    return std::make_shared<torch::optim::SGD>(
+        m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  return std::make_shared<torch::optim::AdamW>(
+      m->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+}
+
+std::vector<at::Tensor> reference(
+    int steps,
+    int world,
+    bool sgd,
+    double clip = 0,
+    const zoo::GPTConfig& cfg = tiny()) {
+  auto model = make_model(cfg);
+  auto opt = make_opt(model, sgd);
+  for (int s = 0; s < steps; ++s) {
+    auto b = global_batch(s, world, cfg);
+    opt->zero_grad();
+    zoo::gpt_loss(model(b.first), b.second).backward();
+    if (clip > 0) {
+      torch::nn::utils::clip_grad_norm_(model->parameters(), clip);
+    }
+    opt->step();
+  }
+  return model->parameters();
+}
+
+cz::FullyShardedModel& fsdp(cb::BoostedModel<zoo::GPT>& m) {
+  auto* w =
+      colossalai::interface::find_wrapper<cz::FullyShardedModel>(*m.wrapper());
+  TORCH_CHECK(w != nullptr);
+  return *w;
+}
+
+std::vector<at::Tensor> full_params(cb::BoostedModel<zoo::GPT>& m) {
+  auto guard = fsdp(m).summon_full_params();
+  std::vector<at::Tensor> out;
+  for (const auto& p : m.parameters()) {
+    out.push_back(p.detach().clone());
+  }
+  return out;
+}
+
+struct Case {
+  cz::ShardingStrategy strategy = cz::ShardingStrategy::kFullShard;
+  bool per_block = true;
+  int hybrid = 0;
+  bool sgd = false;
+  double clip = 0;
+  bool offload = false;
+  cz::BackwardPrefetch prefetch = cz::BackwardPrefetch::kBackwardPre;
+  bool forward_prefetch = false;
+  std::string label;
+};
+
+cb::plugin::TorchFSDPPluginOptions options_for(const Case& c) {
+  cb::plugin::TorchFSDPPluginOptions o;
+  o.sharding_strategy(c.strategy)
+      .hybrid_shard_size(c.hybrid)
+      .cpu_offload(c.offload)
+      .backward_prefetch(c.prefetch)
+      .forward_prefetch(c.forward_prefetch);
+  if (c.per_block) {
+    o.auto_wrap_policy(cz::module_type_wrap_policy<zoo::BlockImpl>());
+  }
+  return o;
+}
+
+void check_close(
+    const std::vector<at::Tensor>& got,
+    const std::vector<at::Tensor>& ref,
+    const std::string& label,
+    double rtol = 1e-4,
+    double atol = 1e-5) {
+  ASSERT_EQ(got.size(), ref.size()) << label;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_TRUE(at::allclose(got[i], ref[i], rtol, atol))
+        << label << ": parameter " << i << " differs by "
+        << (got[i] - ref[i]).abs().max().item<double>();
+  }
+}
+
+void fsdp_matches(int rank, int world, const Case& c) {
+  constexpr int kSteps = 4;
+  auto plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(options_for(c));
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  auto model = make_model();
+  auto boosted = booster.boost(model, make_opt(model, c.sgd));
+  for (int s = 0; s < kSteps; ++s) {
+    auto b = local_batch(s, rank, world);
+    boosted.optimizer->zero_grad();
+    booster.backward(
+        zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+    if (c.clip > 0) {
+      boosted.optimizer->clip_grad_by_norm(c.clip);
+    }
+    boosted.optimizer->step();
+  }
+  check_close(
+      full_params(boosted.model),
+      reference(kSteps, world, c.sgd, c.clip),
+      c.label);
+}
+
+std::vector<Case> strategy_cases(int world) {
+  using S = cz::ShardingStrategy;
+  std::vector<Case> cases;
+  Case c;
+  c.label = "FULL_SHARD, one unit";
+  c.per_block = false;
+  cases.push_back(c);
+  c = Case();
+  c.label = "FULL_SHARD, a unit per block";
+  cases.push_back(c);
+  c.label = "FULL_SHARD, a unit per block, SGD";
+  c.sgd = true;
+  cases.push_back(c);
+  c = Case();
+  c.label = "SHARD_GRAD_OP, a unit per block, SGD";
+  c.strategy = S::kShardGradOp;
+  c.sgd = true;
+  cases.push_back(c);
+  c = Case();
+  c.label = "NO_SHARD, a unit per block, SGD";
+  c.strategy = S::kNoShard;
+  c.sgd = true;
+  cases.push_back(c);
+  c = Case();
+  c.label = "HYBRID_SHARD, a unit per block, SGD";
+  c.strategy = S::kHybridShard;
+  c.hybrid = world == 4 ? 2 : 1;
+  c.sgd = true;
+  cases.push_back(c);
+  c.label = "HYBRID_SHARD, one unit";
+  c.per_block = false;
+  c.sgd = false;
+  cases.push_back(c);
+  return cases;
+}
+
+} // namespace
+
+TEST(TorchFSDP, StrategiesMatchSingleProcessOnTwoRanks) {
+  run_distributed(2, [](int rank, int world) {
+    for (const auto& c : strategy_cases(world)) {
+      fsdp_matches(rank, world, c);
+    }
+    Case c;
+    c.label = "FULL_SHARD with clipping";
+    c.clip = 0.05;
+    c.sgd = true;
+    fsdp_matches(rank, world, c);
+    c = Case();
+    c.label =
+        "FULL_SHARD, cpu_offload, post-backward prefetch, forward "
+        "prefetch";
+    c.offload = true;
+    c.prefetch = cz::BackwardPrefetch::kBackwardPost;
+    c.forward_prefetch = true;
+    c.sgd = true;
+    fsdp_matches(rank, world, c);
+    c = Case();
+    c.label = "HYBRID_SHARD 2x1";
+    c.strategy = cz::ShardingStrategy::kHybridShard;
+    c.hybrid = 2;
+    c.sgd = true;
+    fsdp_matches(rank, world, c);
+  });
+}
+
+TEST(TorchFSDP, StrategiesMatchSingleProcessOnFourRanks) {
+  run_distributed(4, [](int rank, int world) {
+    for (const auto& c : strategy_cases(world)) {
+      fsdp_matches(rank, world, c);
+    }
+  });
+}
+
+// The real gpt-small-cpu shape, one unit per block.
+TEST(TorchFSDP, GptSmallCpuPerBlockMatchesOnTwoRanks) {
+  run_distributed(2, [](int rank, int world) {
+    const auto cfg = zoo::GPTConfig::small_cpu();
+    auto plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
+        cb::plugin::TorchFSDPPluginOptions().auto_wrap_policy(
+            cz::module_type_wrap_policy<zoo::BlockImpl>()));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = make_model(cfg);
+    auto boosted = booster.boost(model, make_opt(model, false));
+    EXPECT_EQ(
+        fsdp(boosted.model).unit_names(),
+        (std::vector<std::string>{
+            "", "blocks.0", "blocks.1", "blocks.2", "blocks.3"}));
+    for (int s = 0; s < 2; ++s) {
+      auto b = local_batch(s, rank, world, cfg);
+      boosted.optimizer->zero_grad();
+      booster.backward(
+          zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+      boosted.optimizer->step();
+    }
+    EXPECT_EQ(
+        fsdp(boosted.model).execution_order(),
+        (std::vector<std::string>{
+            "blocks.0", "blocks.1", "blocks.2", "blocks.3"}));
+    // 3 prefetches per backward (blocks 2, 1, 0 while 3, 2, 1 compute).
+    EXPECT_EQ(fsdp(boosted.model).prefetch_count(), 6);
+    check_close(
+        full_params(boosted.model),
+        reference(2, world, false, 0, cfg),
+        "gpt-small-cpu");
+  });
+}
+
+// bf16 compute with fp32 shards and fp32 reduction, against one process
+// that does the same (bf16 copy of fp32 master weights for forward and
+// backward, fp32 update). Plain SGD, so the update is lr * gradient and the
+// only difference is the rounding of bf16 gradients summed in another
+// order: the updates must agree within 5% of the largest update, where a
+// wrong average would be off by 50%.
+TEST(TorchFSDP, Bf16ComputeMatchesBf16Reference) {
+  run_distributed(2, [](int rank, int world) {
+    constexpr int kSteps = 3;
+    constexpr double kLr = 0.5;
+    auto plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
+        cb::plugin::TorchFSDPPluginOptions()
+            .auto_wrap_policy(cz::module_type_wrap_policy<zoo::BlockImpl>())
+            .param_dtype(at::kBFloat16)
+            .reduce_dtype(at::kFloat));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = make_model();
+    auto initial = model->parameters();
+    for (auto& t : initial) {
+      t = t.detach().clone();
+    }
+    auto opt = std::make_shared<torch::optim::SGD>(
+        model->parameters(), torch::optim::SGDOptions(kLr));
+    auto boosted = booster.boost(model, opt);
+    EXPECT_EQ(model->parameters()[0].scalar_type(), at::kBFloat16);
+    for (int s = 0; s < kSteps; ++s) {
+      auto b = local_batch(s, rank, world);
+      boosted.optimizer->zero_grad();
+      booster.backward(
+          zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+      boosted.optimizer->step();
+    }
+    auto got = full_params(boosted.model);
+
+    auto master = make_model();
+    auto work = make_model();
+    work->to(at::kBFloat16);
+    auto mp = master->parameters();
+    auto wp = work->parameters();
+    for (int s = 0; s < kSteps; ++s) {
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < mp.size(); ++i) {
+          wp[i].copy_(mp[i]);
+          wp[i].mutable_grad() = at::Tensor();
+        }
+      }
+      auto b = global_batch(s, world);
+      zoo::gpt_loss(work(b.first), b.second).backward();
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < mp.size(); ++i) {
+        mp[i].sub_(wp[i].grad().to(at::kFloat) * kLr);
+      }
+    }
+    double worst = 0, largest = 0;
+    for (size_t i = 0; i < mp.size(); ++i) {
+      auto ref_update = mp[i].detach() - initial[i];
+      largest = std::max(largest, ref_update.abs().max().item<double>());
+      worst = std::max(
+          worst,
+          ((got[i] - initial[i]) - ref_update).abs().max().item<double>());
+    }
+    EXPECT_GT(largest, 1e-3);
+    EXPECT_LE(worst, 0.05 * largest) << "largest update " << largest;
+  });
+}
+
+// Model-state bytes per rank at rest and at the peak of a step (FULL_SHARD,
+// a unit per block, fp32 AdamW), beside the ZeRO-3 formula 16 Psi / N.
+// At rest a rank holds its shards, gradient shards and Adam states only:
+// the formula plus padding (each unit rounds up to a multiple of N
+// elements, 16 bytes each). The peak adds the units in flight: the root
+// (gathered for the whole step), the block computing and the one being
+// prefetched, their full gradients and at most two reduction buffers.
+TEST(TorchFSDP, MemoryAtRestIsTheShardAndPeakAddsUnitsInFlight) {
+  for (int world : {1, 2, 4}) {
+    run_distributed(world, [](int rank, int world) {
+      const auto cfg = tiny().n_embd(64).vocab_size(256);
+      auto plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
+          cb::plugin::TorchFSDPPluginOptions().auto_wrap_policy(
+              cz::module_type_wrap_policy<zoo::BlockImpl>()));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto model = make_model(cfg);
+      const int64_t psi = cfg.num_parameters();
+      auto boosted = booster.boost(model, make_opt(model, false));
+      auto& m = fsdp(boosted.model);
+      for (int s = 0; s < 2; ++s) {
+        auto b = local_batch(s, rank, world, cfg);
+        boosted.optimizer->zero_grad();
+        m.reset_peak_memory_stats();
+        booster.backward(
+            zoo::gpt_loss(boosted.model(b.first), b.second),
+            *boosted.optimizer);
+        boosted.optimizer->step();
+      }
+      auto rest = m.memory_stats();
+      auto peak = m.peak_memory_stats();
+      auto numels = m.unit_numels();
+      const int64_t units = static_cast<int64_t>(numels.size());
+      const double formula = 16.0 * psi / world;
+      const int64_t root = numels[0];
+      const int64_t block = *std::max_element(numels.begin() + 1, numels.end());
+      // Parameters and their storage: nothing gathered at rest (with one
+      // rank the shard is the full buffer, kept as the shard).
+      EXPECT_EQ(rest.gathered_params, 0);
+      for (const auto& p : model->parameters()) {
+        if (world > 1) {
+          EXPECT_EQ(colossalai::compat::storage_nbytes(p), 0u);
+        }
+      }
+      EXPECT_LE(rest.total(), formula + 16.0 * units * world);
+      EXPECT_GE(rest.total(), formula);
+      const double in_flight = 4.0 * (root + 2 * block) // gathered params
+          + 4.0 * (root + block)                        // full gradients
+          + 2 * 8.0 * std::max(root, block);            // 2 reductions
+      EXPECT_LE(peak.total(), rest.total() + in_flight);
+      EXPECT_TRUE(world == 1 || peak.gathered_params > 0);
+      if (rank == 0) {
+        std::printf(
+            "[fsdp-memory] world %d psi %lld: rest %lld B (formula %.0f), "
+            "peak %lld B (gathered %lld, grads %lld, shards %lld, optim "
+            "%lld), bound %.0f\n",
+            world,
+            static_cast<long long>(psi),
+            static_cast<long long>(rest.total()),
+            formula,
+            static_cast<long long>(peak.total()),
+            static_cast<long long>(peak.gathered_params),
+            static_cast<long long>(peak.gradients),
+            static_cast<long long>(peak.shards),
+            static_cast<long long>(peak.optimizer_states),
+            rest.total() + in_flight);
+      }
+    });
+  }
+}
+
+TEST(TorchFSDP, PrefetchOffGathersOnDemandAndStillMatches) {
+  run_distributed(2, [](int rank, int world) {
+    Case c;
+    c.label = "no prefetch";
+    c.prefetch = cz::BackwardPrefetch::kNone;
+    c.sgd = true;
+    fsdp_matches(rank, world, c);
+  });
+}
+
+// Gradients accumulate in full under no_sync (the documented cost) and the
+// synchronized backward reduces their sum: one SGD step on the union of the
+// micro-batches.
+TEST(TorchFSDP, NoSyncAccumulatesThenReducesTheSum) {
+  run_distributed(2, [](int rank, int world) {
+    auto plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
+        cb::plugin::TorchFSDPPluginOptions().auto_wrap_policy(
+            cz::module_type_wrap_policy<zoo::BlockImpl>()));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, true));
+    boosted.optimizer->zero_grad();
+    {
+      auto guard = booster.no_sync(boosted.model, boosted.optimizer.get());
+      for (int m = 0; m < 2; ++m) {
+        auto b = local_batch(m, rank, world);
+        booster.backward(
+            zoo::gpt_loss(boosted.model(b.first), b.second),
+            *boosted.optimizer);
+      }
+      // Parameters are resharded even though gradients are kept.
+      for (const auto& p : model->parameters()) {
+        EXPECT_EQ(colossalai::compat::storage_nbytes(p), 0u);
+      }
+      EXPECT_TRUE(model->parameters()[0].grad().defined());
+    }
+    auto b = local_batch(2, rank, world);
+    booster.backward(
+        zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+    boosted.optimizer->step();
+
+    auto ref = make_model();
+    auto opt = make_opt(ref, true);
+    opt->zero_grad();
+    for (int m = 0; m < 3; ++m) {
+      auto g = global_batch(m, world);
+      zoo::gpt_loss(ref(g.first), g.second).backward();
+    }
+    opt->step();
+    check_close(full_params(boosted.model), ref->parameters(), "no_sync");
+  });
+}
+
+namespace {
+
+std::string scratch(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() /
+      ("colossalai_fsdp_" + std::to_string(getppid()) + "_" + name);
+  return dir.string();
+}
+
+} // namespace
+
+// A checkpoint written by FSDP on 2 ranks continues under FSDP on 4 ranks
+// and under DDP; one written by DDP continues under FSDP. Each run: 2 steps,
+// save, fresh objects, load, 2 more steps == 4 uninterrupted steps.
+TEST(TorchFSDP, CheckpointsMoveBetweenWorldSizesAndPlugins) {
+  const auto dir = scratch("ckpt");
+  const auto global_world = 4; // the batch every run slices
+  auto fsdp_plugin = [] {
+    return std::make_shared<cb::plugin::TorchFSDPPlugin>(
+        cb::plugin::TorchFSDPPluginOptions().auto_wrap_policy(
+            cz::module_type_wrap_policy<zoo::BlockImpl>()));
+  };
+  // Each rank of a w-rank run takes kMicro * 4 / w sequences of the
+  // 4-rank global batch, so every run sees the same global batch.
+  auto slice = [](int s, int rank, int w) {
+    auto b = global_batch(s, 4);
+    const int per = kMicro * 4 / w;
+    return std::make_pair(
+        b.first.narrow(0, per * rank, per),
+        b.second.narrow(0, per * rank, per));
+  };
+  auto run_steps =
+      [slice](auto& booster, auto& boosted, int from, int to, int rank, int w) {
+        for (int s = from; s < to; ++s) {
+          auto b = slice(s, rank, w);
+          boosted.optimizer->zero_grad();
+          booster.backward(
+              zoo::gpt_loss(boosted.model(b.first), b.second),
+              *boosted.optimizer);
+          boosted.optimizer->step();
+        }
+      };
+  // FSDP on 2 ranks saves (sharded model files and optimizer).
+  run_distributed(2, [&](int rank, int world) {
+    cb::Booster booster(cb::BoosterOptions().plugin(fsdp_plugin()));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, false));
+    run_steps(booster, boosted, 0, 2, rank, world);
+    booster.save_model(
+        boosted.model,
+        dir + "/fsdp_model",
+        colossalai::checkpoint_io::SaveModelOptions()
+            .shard(true)
+            .size_per_shard(1));
+    booster.save_optimizer(*boosted.optimizer, dir + "/fsdp_optim.bin");
+  });
+  const auto ref = reference(4, global_world, false);
+  // ... continues under FSDP on 4 ranks.
+  run_distributed(4, [&](int rank, int world) {
+    cb::Booster booster(cb::BoosterOptions().plugin(fsdp_plugin()));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, false));
+    booster.load_model(boosted.model, dir + "/fsdp_model");
+    booster.load_optimizer(*boosted.optimizer, dir + "/fsdp_optim.bin");
+    run_steps(booster, boosted, 2, 4, rank, world);
+    check_close(full_params(boosted.model), ref, "FSDP(2) -> FSDP(4)");
+  });
+  // ... and under DDP on 2 ranks; DDP saves its own.
+  run_distributed(2, [&](int rank, int world) {
+    cb::Booster booster(cb::BoosterOptions().plugin(
+        std::make_shared<cb::plugin::TorchDDPPlugin>()));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, false));
+    booster.load_model(boosted.model, dir + "/fsdp_model");
+    booster.load_optimizer(*boosted.optimizer, dir + "/fsdp_optim.bin");
+    run_steps(booster, boosted, 2, 4, rank, world);
+    check_close(model->parameters(), ref, "FSDP(2) -> DDP(2)");
+  });
+  run_distributed(2, [&](int rank, int world) {
+    cb::Booster booster(cb::BoosterOptions().plugin(
+        std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+            cb::plugin::LowLevelZeroPluginOptions().stage(2).precision(
+                "fp32"))));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, false));
+    run_steps(booster, boosted, 0, 2, rank, world);
+    booster.save_model(boosted.model, dir + "/zero_model.safetensors");
+    booster.save_optimizer(*boosted.optimizer, dir + "/zero_optim.bin");
+  });
+  // A ZeRO-2 checkpoint continues under FSDP (one unit) on 2 ranks.
+  run_distributed(2, [&](int rank, int world) {
+    cb::Booster booster(cb::BoosterOptions().plugin(
+        std::make_shared<cb::plugin::TorchFSDPPlugin>()));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, false));
+    booster.load_model(boosted.model, dir + "/zero_model.safetensors");
+    booster.load_optimizer(*boosted.optimizer, dir + "/zero_optim.bin");
+    run_steps(booster, boosted, 2, 4, rank, world);
+    check_close(full_params(boosted.model), ref, "ZeRO-2(2) -> FSDP(2)");
+  });
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TorchFSDP, BadOptionsAreClearErrors) {
+  run_distributed(2, [](int, int) {
+    auto expect_error = [](const std::function<void()>& fn,
+                           const std::string& needle) {
+      try {
+        fn();
+        ADD_FAILURE() << "expected an error containing '" << needle << "'";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+            << e.what();
+      }
+    };
+    auto boost_with = [](cb::plugin::TorchFSDPPluginOptions o) {
+      cb::Booster booster(cb::BoosterOptions().plugin(
+          std::make_shared<cb::plugin::TorchFSDPPlugin>(o)));
+      auto model = make_model();
+      booster.boost(model, make_opt(model, false));
+    };
+    // A policy that picks modules whose forward has no unit boundary.
+    expect_error(
+        [&] {
+          boost_with(cb::plugin::TorchFSDPPluginOptions().auto_wrap_policy(
+              cz::name_wrap_policy("blocks\\.0\\.qkv")));
+        },
+        "HookableModule");
+    expect_error(
+        [&] {
+          boost_with(cb::plugin::TorchFSDPPluginOptions()
+                         .sharding_strategy(cz::ShardingStrategy::kHybridShard)
+                         .hybrid_shard_size(3));
+        },
+        "hybrid_shard_size");
+    expect_error(
+        [&] {
+          boost_with(
+              cb::plugin::TorchFSDPPluginOptions().param_dtype(at::kHalf));
+        },
+        "bfloat16");
+    expect_error(
+        [&] {
+          cb::Booster booster(
+              cb::BoosterOptions()
+                  .plugin(std::make_shared<cb::plugin::TorchFSDPPlugin>())
+                  .mixed_precision("bf16"));
+        },
+        "TorchFSDPPlugin");
+    expect_error(
+        [&] {
+          cb::Booster booster(cb::BoosterOptions().plugin(
+              std::make_shared<cb::plugin::TorchFSDPPlugin>()));
+          auto model = make_model();
+          auto stray = torch::zeros({3}, torch::requires_grad());
+          auto params = model->parameters();
+          params.push_back(stray);
+          booster.boost(
+              model,
+              std::make_shared<torch::optim::SGD>(
+                  params, torch::optim::SGDOptions(0.1)));
+        },
+        "not in the boosted model");
+  });
+}
+
+// Ignored modules keep their parameters whole; everything else is sharded.
+TEST(TorchFSDP, IgnoredModulesStayWhole) {
+  run_distributed(2, [](int, int) {
+    auto model = make_model();
+    auto plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
+        cb::plugin::TorchFSDPPluginOptions()
+            .auto_wrap_policy(cz::module_type_wrap_policy<zoo::BlockImpl>())
+            .ignored_modules({model->head.ptr()}));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto boosted = booster.boost(model, make_opt(model, false));
+    EXPECT_GT(colossalai::compat::storage_nbytes(model->head->weight), 0u);
+    EXPECT_EQ(colossalai::compat::storage_nbytes(model->wte->weight), 0u);
+    auto b = local_batch(0, 0, 2);
+    booster.backward(
+        zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+    boosted.optimizer->step();
+    EXPECT_GT(colossalai::compat::storage_nbytes(model->head->weight), 0u);
+  });
+}
