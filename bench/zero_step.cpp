@@ -1,10 +1,14 @@
-// Step time and model-state memory of DDP, ZeRO-1 and ZeRO-2 on
-// gpt-small-cpu, 2 ranks x 1 thread, fp32 AdamW. The three setups live in
-// the same processes and their timed rounds alternate, so the ratios compare
-// like with like on a noisy machine. Model-state bytes are counted per rank
-// from the tensors each setup holds, beside the ZeRO formulas.
+// Step time and model-state memory of DDP, ZeRO-1, ZeRO-2 and FSDP
+// (FULL_SHARD, one unit per transformer block, with and without backward
+// prefetch) on gpt-small-cpu, 2 ranks x 1 thread, fp32 AdamW. The setups
+// live in the same processes and their timed rounds alternate, so the ratios
+// compare like with like on a noisy machine. Model-state bytes are counted
+// per rank from the tensors each setup holds, beside the ZeRO formulas; FSDP
+// also reports its peak during a step.
 //
-//   bench_zero_step [--nproc 2] [--steps 4] [--rounds 3] [--out FILE.json]
+//   bench_zero_step [--nproc 2] [--steps 4] [--rounds 3]
+//                   [--setups ddp,zero1,zero2,fsdp,fsdp_noprefetch]
+//                   [--out FILE.json]
 
 #include <colossalai/colossalai.h>
 
@@ -48,7 +52,26 @@ int64_t tensor_bytes(const std::vector<at::Tensor>& ts) {
   return n;
 }
 
-int run_rank(int steps, int rounds, const std::string& out) {
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty())
+      out.push_back(item);
+  }
+  return out;
+}
+
+colossalai::zero::FullyShardedModel* fsdp_of(Setup& s) {
+  return colossalai::interface::find_wrapper<colossalai::zero::FullyShardedModel>(
+      *s.boosted.model.wrapper());
+}
+
+int run_rank(
+    int steps,
+    int rounds,
+    const std::string& names,
+    const std::string& out) {
   colossalai::launch_from_env();
   at::set_num_threads(1);
   const int rank = cd::get_rank(), world = cd::get_world_size();
@@ -59,11 +82,22 @@ int run_rank(int steps, int rounds, const std::string& out) {
     std::shared_ptr<cb::plugin::Plugin> plugin;
     if (name == "ddp") {
       plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
-    } else {
+    } else if (name == "fsdp" || name == "fsdp_noprefetch") {
+      namespace cz = colossalai::zero;
+      plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
+          cb::plugin::TorchFSDPPluginOptions()
+              .auto_wrap_policy(
+                  cz::module_type_wrap_policy<colossalai::zoo::BlockImpl>())
+              .backward_prefetch(
+                  name == "fsdp" ? cz::BackwardPrefetch::kBackwardPre
+                                 : cz::BackwardPrefetch::kNone));
+    } else if (name == "zero1" || name == "zero2") {
       plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
           cb::plugin::LowLevelZeroPluginOptions()
               .stage(name == "zero1" ? 1 : 2)
               .precision("fp32"));
+    } else {
+      TORCH_CHECK(false, "unknown setup '", name, "'");
     }
     torch::manual_seed(0);
     auto s = std::make_unique<Setup>(Setup{
@@ -78,9 +112,12 @@ int run_rank(int steps, int rounds, const std::string& out) {
     return s;
   };
   std::vector<std::unique_ptr<Setup>> setups;
-  for (auto name : {"ddp", "zero1", "zero2"}) {
+  for (const auto& name : split(names)) {
     setups.push_back(make(name));
   }
+  TORCH_CHECK(
+      !setups.empty() && setups[0]->name == "ddp",
+      "--setups must start with ddp (the baseline of every ratio)");
   auto step = [&](Setup& s) {
     auto t0 = std::chrono::steady_clock::now();
     s.boosted.optimizer->zero_grad();
@@ -95,6 +132,10 @@ int run_rank(int steps, int rounds, const std::string& out) {
   std::map<std::string, std::vector<double>> times;
   for (auto& s : setups)
     step(*s); // warm up, creates optimizer states
+  for (auto& s : setups) {
+    if (auto* f = fsdp_of(*s))
+      f->reset_peak_memory_stats();
+  }
   for (int r = 0; r < rounds; ++r) {
     for (auto& s : setups) {
       cd::barrier(*cd::world_group()).wait();
@@ -121,7 +162,18 @@ int run_rank(int steps, int rounds, const std::string& out) {
     measured["ddp"] =
         tensor_bytes(d.model->parameters()) + tensor_bytes(grads) + states;
   }
+  std::map<std::string, int64_t> peak;
+  int64_t largest_unit = 0;
+  std::vector<int64_t> unit_numels;
   for (size_t i = 1; i < setups.size(); ++i) {
+    if (auto* f = fsdp_of(*setups[i])) {
+      measured[setups[i]->name] = f->memory_stats().total();
+      peak[setups[i]->name] = f->peak_memory_stats().total();
+      unit_numels = f->unit_numels();
+      for (auto n : unit_numels)
+        largest_unit = std::max(largest_unit, n);
+      continue;
+    }
     auto* z = dynamic_cast<colossalai::zero::LowLevelZeroOptimizer*>(
         setups[i]->boosted.optimizer.get());
     auto st = z->memory_stats();
@@ -133,25 +185,36 @@ int run_rank(int steps, int rounds, const std::string& out) {
   // parameters 4Psi plus fp32 slices of gradients and the two moments
   // (4+8)Psi/N (in fp32 the master slice is the weights' own storage);
   // stage 1 also reduces through buckets into slices rather than keeping
-  // full gradients.
+  // full gradients. ZeRO-3 / FSDP: 16 Psi / N at rest, plus the units in
+  // flight during a step (reported as the peak).
   const double n = world;
   std::map<std::string, double> formula = {
       {"ddp", 16.0 * psi},
       {"zero1", (8.0 + 8.0 / n) * psi},
-      {"zero2", (4.0 + 12.0 / n) * psi}};
+      {"zero2", (4.0 + 12.0 / n) * psi},
+      {"fsdp", 16.0 / n * psi},
+      {"fsdp_noprefetch", 16.0 / n * psi}};
   std::map<std::string, double> layout = {
       {"ddp", 16.0 * psi},
       {"zero1", (4.0 + 12.0 / n) * psi},
-      {"zero2", (4.0 + 12.0 / n) * psi}};
+      {"zero2", (4.0 + 12.0 / n) * psi},
+      {"fsdp", 16.0 / n * psi},
+      {"fsdp_noprefetch", 16.0 / n * psi}};
   if (rank != 0)
     return 0;
   std::ostringstream json;
   json << "{\n  \"benchmark\": \"zero_step\",\n  \"model\": \"gpt-small-cpu\","
        << "\n  \"parameters\": " << psi << ",\n  \"world_size\": " << world
+       << ",\n  \"largest_unit_parameters\": " << largest_unit
+       << ",\n  \"fsdp_unit_parameters\": [";
+  for (size_t i = 0; i < unit_numels.size(); ++i)
+    json << (i ? ", " : "") << unit_numels[i];
+  json << "]"
        << ",\n  \"setups\": {";
   std::printf(
       "| setup | step ms (median) | vs DDP | model-state MB/rank | "
-      "ZeRO formula MB | our layout MB |\n|---|---|---|---|---|---|\n");
+      "ZeRO formula MB | our layout MB | peak in step MB |\n"
+      "|---|---|---|---|---|---|---|\n");
   const double ddp_ms = median(times["ddp"]);
   for (size_t i = 0; i < setups.size(); ++i) {
     const auto& name = setups[i]->name;
@@ -160,15 +223,21 @@ int run_rank(int steps, int rounds, const std::string& out) {
          << ", \"vs_ddp\": " << ms / ddp_ms
          << ", \"model_state_bytes\": " << measured[name]
          << ", \"formula_bytes\": " << formula[name]
-         << ", \"layout_bytes\": " << layout[name] << "}";
+         << ", \"layout_bytes\": " << layout[name];
+    if (peak.count(name))
+      json << ", \"peak_model_state_bytes\": " << peak[name];
+    json << ", \"vs_ddp_memory\": "
+         << static_cast<double>(measured[name]) / measured["ddp"] << "}";
     std::printf(
-        "| %s | %.1f | %.2fx | %.1f | %.1f | %.1f |\n",
+        "| %s | %.1f | %.2fx | %.1f | %.1f | %.1f | %s |\n",
         name.c_str(),
         ms,
         ms / ddp_ms,
         measured[name] / 1e6,
         formula[name] / 1e6,
-        layout[name] / 1e6);
+        layout[name] / 1e6,
+        peak.count(name) ? std::to_string(peak[name] / 1000000).c_str()
+                         : "-");
   }
   json << "\n  }\n}\n";
   std::cout << json.str();
@@ -181,7 +250,7 @@ int run_rank(int steps, int rounds, const std::string& out) {
 
 int main(int argc, char** argv) {
   int nproc = 2, steps = 4, rounds = 3;
-  std::string out;
+  std::string out, names = "ddp,zero1,zero2,fsdp,fsdp_noprefetch";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--nproc")
@@ -192,6 +261,8 @@ int main(int argc, char** argv) {
       rounds = std::stoi(v);
     else if (k == "--out")
       out = v;
+    else if (k == "--setups")
+      names = v;
     else {
       std::cerr << "unknown option " << k << "\n";
       return 2;
@@ -201,7 +272,7 @@ int main(int argc, char** argv) {
     if (!colossalai::launcher::launched_by_launcher()) {
       return colossalai::launcher::run_self(nproc, argc, argv);
     }
-    return run_rank(steps, rounds, out);
+    return run_rank(steps, rounds, names, out);
   } catch (const std::exception& e) {
     std::cerr << "error: " << cd::error_text(e) << std::endl;
     return 1;
