@@ -12,6 +12,8 @@
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/utils/compat.h>
 
@@ -650,5 +652,47 @@ TEST(TorchFSDP, IgnoredModulesStayWhole) {
         zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
     boosted.optimizer->step();
     EXPECT_GT(colossalai::compat::storage_nbytes(model->head->weight), 0u);
+  });
+}
+
+// A checkpoint that does not fit is a clear error and leaves the shards
+// as they were (the full values are not written back).
+TEST(TorchFSDP, FailedLoadLeavesTheShardsUnchanged) {
+  run_distributed(2, [](int rank, int) {
+    const auto path = scratch("mismatch") + ".safetensors";
+    if (rank == 0) {
+      // Every tensor fits but the last: a partial load would change the
+      // others.
+      colossalai::checkpoint_io::StateDict state;
+      for (const auto& item :
+           colossalai::checkpoint_io::model_state_dict(*make_model())) {
+        state.insert(
+            item.key(),
+            item.key() == "head.weight" ? torch::zeros({3, 3})
+                                        : torch::full_like(item.value(), 0.5));
+      }
+      colossalai::checkpoint_io::safetensors::save_file(path, state, {});
+    }
+    colossalai::distributed::barrier(*colossalai::distributed::world_group())
+        .wait();
+    cb::Booster booster(cb::BoosterOptions().plugin(
+        std::make_shared<cb::plugin::TorchFSDPPlugin>()));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, false));
+    auto before = full_params(boosted.model);
+    try {
+      booster.load_model(boosted.model, path);
+      ADD_FAILURE() << "loading a checkpoint of another shape succeeded";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("shape"), std::string::npos)
+          << e.what();
+    }
+    check_close(
+        full_params(boosted.model), before, "after a failed load", 0, 0);
+    colossalai::distributed::barrier(*colossalai::distributed::world_group())
+        .wait();
+    if (rank == 0) {
+      std::filesystem::remove(path);
+    }
   });
 }

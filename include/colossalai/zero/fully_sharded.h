@@ -158,7 +158,8 @@ class FullyShardedModel : public interface::ModelWrapper {
 
   /// RAII: every parameter holds its full fp32 value while the guard lives
   /// (for evaluation, inspection or checkpoints); with `writeback`, changes
-  /// are written back to the shards when it ends. Collective.
+  /// are written back to the shards when it ends (not when it ends by an
+  /// exception: the shards then keep their values). Collective.
   class FullParams {
    public:
     FullParams(FullParams&& other) noexcept;
@@ -172,6 +173,7 @@ class FullyShardedModel : public interface::ModelWrapper {
     FullParams(std::shared_ptr<detail::FsdpState> state, bool writeback);
     std::shared_ptr<detail::FsdpState> state_;
     bool writeback_;
+    int uncaught_; // exceptions in flight at construction
   };
   FullParams summon_full_params(bool writeback = false);
 

@@ -9,6 +9,7 @@
 
 #include <torch/nn/module.h>
 
+#include <exception>
 #include <regex>
 #include <set>
 #include <unordered_map>
@@ -411,7 +412,9 @@ FullyShardedModel::FullParams FullyShardedModel::summon_full_params(
 FullyShardedModel::FullParams::FullParams(
     std::shared_ptr<FsdpState> state,
     bool writeback)
-    : state_(std::move(state)), writeback_(writeback) {
+    : state_(std::move(state)),
+      writeback_(writeback),
+      uncaught_(std::uncaught_exceptions()) {
   auto& st = *state_;
   TORCH_CHECK(
       !st.in_forward && !st.in_backward && !st.summoned,
@@ -438,13 +441,17 @@ FullyShardedModel::FullParams::FullParams(
 }
 
 FullyShardedModel::FullParams::FullParams(FullParams&& other) noexcept
-    : state_(std::move(other.state_)), writeback_(other.writeback_) {}
+    : state_(std::move(other.state_)),
+      writeback_(other.writeback_),
+      uncaught_(other.uncaught_) {}
 
 FullyShardedModel::FullParams::~FullParams() noexcept(false) {
   if (!state_) {
     return;
   }
   auto& st = *state_;
+  // A load that failed half-way must not reach the shards.
+  const bool writeback = writeback_ && std::uncaught_exceptions() == uncaught_;
   at::NoGradGuard no_grad;
   for (auto& u : st.units) {
     if (u.numel == 0) {
@@ -453,7 +460,7 @@ FullyShardedModel::FullParams::~FullParams() noexcept(false) {
     const int r = st.S > 1 ? st.shard_rank() : 0;
     for (size_t i = 0; i < u.params.size(); ++i) {
       auto& p = u.params[i];
-      if (writeback_) {
+      if (writeback) {
         // This rank's range of the (possibly edited) full value.
         const int64_t lo = std::max(u.offsets[i], r * u.shard);
         const int64_t hi =
@@ -469,7 +476,7 @@ FullyShardedModel::FullParams::~FullParams() noexcept(false) {
   }
   st.summoned = false;
   st.install_grad_hooks(); // a dtype change under set_data drops them
-  if (writeback_) {
+  if (writeback) {
     st.refresh_gathered();
   }
 }
