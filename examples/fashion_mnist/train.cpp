@@ -1,6 +1,7 @@
 // Trains a small residual CNN on Fashion-MNIST with the Booster.
 //
-//   train_fashion_mnist [--nproc 2] [--plugin ddp|none] [--epochs 3]
+//   train_fashion_mnist [--nproc 2] [--plugin ddp|zero2|fsdp|none]
+//                       [--epochs 3]
 //                       [--batch-size 64] [--precision fp32|bf16|fp16]
 //                       [--lr 2e-3] [--data-dir DIR]
 //
@@ -45,7 +46,8 @@ struct Args {
 };
 
 const char* kUsage =
-    "usage: train_fashion_mnist [--nproc N] [--plugin ddp|none] [--epochs E]\n"
+    "usage: train_fashion_mnist [--nproc N] [--plugin ddp|zero2|fsdp|none]\n"
+    "                           [--epochs E]\n"
     "                           [--batch-size B] [--precision fp32|bf16|fp16]\n"
     "                           [--lr LR] [--data-dir DIR] [--seed S]\n"
     "                           [--checkpoint DIR] [--resume]\n"
@@ -109,12 +111,13 @@ Args parse(int argc, char** argv) {
   TORCH_CHECK(a.epochs >= 1, "--epochs must be >= 1");
   TORCH_CHECK(a.batch_size >= 1, "--batch-size must be >= 1");
   TORCH_CHECK(
-      a.plugin == "ddp" || a.plugin == "none",
-      "--plugin must be 'ddp' or 'none', got '",
+      a.plugin == "ddp" || a.plugin == "zero2" || a.plugin == "fsdp" ||
+          a.plugin == "none",
+      "--plugin must be 'ddp', 'zero2', 'fsdp' or 'none', got '",
       a.plugin,
       "'");
   TORCH_CHECK(
-      a.plugin == "ddp" || a.nproc == 1,
+      a.plugin != "none" || a.nproc == 1,
       "--plugin none trains in one process: use --nproc 1");
   return a;
 }
@@ -143,7 +146,7 @@ void progress(
 
 template <class Dataset>
 std::unique_ptr<colossalai::data::DistributedDataLoader<Dataset>> make_loader(
-    const std::shared_ptr<cb::plugin::TorchDDPPlugin>& plugin,
+    const std::shared_ptr<cb::plugin::DPPluginBase>& plugin,
     Dataset ds,
     size_t batch_size,
     bool shuffle,
@@ -159,7 +162,7 @@ std::unique_ptr<colossalai::data::DistributedDataLoader<Dataset>> make_loader(
 }
 
 int train(const Args& a) {
-  const bool distributed = a.plugin == "ddp";
+  const bool distributed = a.plugin != "none";
   if (distributed) {
     colossalai::launch_from_env();
   }
@@ -172,12 +175,28 @@ int train(const Args& a) {
   FashionMNIST train_set(a.data_dir, FashionMNIST::Mode::kTrain);
   FashionMNIST test_set(a.data_dir, FashionMNIST::Mode::kTest);
 
-  std::shared_ptr<cb::plugin::TorchDDPPlugin> plugin;
-  if (distributed) {
+  // DDP takes the precision from the Booster; ZeRO and FSDP keep fp32
+  // master weights and set their compute dtype themselves.
+  std::shared_ptr<cb::plugin::DPPluginBase> plugin;
+  std::string booster_precision = a.precision;
+  if (a.plugin == "ddp") {
     plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
+  } else if (a.plugin == "zero2") {
+    plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+        cb::plugin::LowLevelZeroPluginOptions().stage(2).precision(
+            a.precision));
+    booster_precision = "";
+  } else if (a.plugin == "fsdp") {
+    TORCH_CHECK(
+        a.precision == "fp32" || a.precision == "bf16",
+        "--plugin fsdp trains in fp32 or bf16");
+    plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
+        cb::plugin::TorchFSDPPluginOptions().param_dtype(
+            a.precision == "bf16" ? at::kBFloat16 : at::kFloat));
+    booster_precision = "";
   }
   cb::Booster booster(
-      cb::BoosterOptions().plugin(plugin).mixed_precision(a.precision));
+      cb::BoosterOptions().plugin(plugin).mixed_precision(booster_precision));
 
   torch::manual_seed(a.seed);
   colossalai::zoo::CNNFashionMNIST model;
@@ -218,22 +237,28 @@ int train(const Args& a) {
   // Cosine decay of the learning rate to zero over the run: a few epochs
   // then reach a lower loss than a constant rate.
   colossalai::nn::lr_scheduler::CosineAnnealingLR scheduler(
-      *optimizer,
-      static_cast<int64_t>(a.epochs * train_loader->num_batches()));
+      *optimizer, static_cast<int64_t>(a.epochs * train_loader->num_batches()));
 
   int first_epoch = 1;
   const std::string state_file = a.checkpoint + "/trainer_state.txt";
   if (a.resume) {
     std::ifstream in(state_file);
-    TORCH_CHECK(in >> first_epoch, "--resume: no checkpoint in '",
-                a.checkpoint, "' (", state_file, " is missing)");
+    TORCH_CHECK(
+        in >> first_epoch,
+        "--resume: no checkpoint in '",
+        a.checkpoint,
+        "' (",
+        state_file,
+        " is missing)");
     ++first_epoch;
     booster.load_model(boosted.model, a.checkpoint + "/model.safetensors");
     booster.load_optimizer(*boosted.optimizer, a.checkpoint + "/optimizer.bin");
     booster.load_lr_scheduler(scheduler, a.checkpoint + "/lr_scheduler.pt");
     if (rank == 0) {
-      std::printf("resumed from '%s' after epoch %d\n", a.checkpoint.c_str(),
-                  first_epoch - 1);
+      std::printf(
+          "resumed from '%s' after epoch %d\n",
+          a.checkpoint.c_str(),
+          first_epoch - 1);
     }
   }
 
@@ -294,9 +319,10 @@ int train(const Args& a) {
           s);
       std::fflush(stdout);
     }
-    booster.save_model(boosted.model, a.checkpoint + "/model.safetensors",
-                       colossalai::checkpoint_io::SaveModelOptions()
-                           .use_safetensors(true));
+    booster.save_model(
+        boosted.model,
+        a.checkpoint + "/model.safetensors",
+        colossalai::checkpoint_io::SaveModelOptions().use_safetensors(true));
     booster.save_optimizer(*boosted.optimizer, a.checkpoint + "/optimizer.bin");
     booster.save_lr_scheduler(scheduler, a.checkpoint + "/lr_scheduler.pt");
     if (rank == 0) {
@@ -315,7 +341,7 @@ int train(const Args& a) {
 int main(int argc, char** argv) {
   try {
     Args a = parse(argc, argv);
-    if (a.plugin == "ddp" && !colossalai::launcher::launched_by_launcher()) {
+    if (a.plugin != "none" && !colossalai::launcher::launched_by_launcher()) {
       // Fail once, here, rather than once per rank when the data is missing.
       FashionMNIST(a.data_dir, FashionMNIST::Mode::kTest);
       return colossalai::launcher::run_self(a.nproc, argc, argv);
