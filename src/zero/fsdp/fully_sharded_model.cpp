@@ -12,7 +12,6 @@
 #include <exception>
 #include <regex>
 #include <set>
-#include <unordered_map>
 
 namespace colossalai {
 namespace zero {
@@ -36,20 +35,6 @@ AutoWrapPolicy name_wrap_policy(const std::string& pattern) {
 }
 
 namespace {
-
-const char* strategy_name(ShardingStrategy s) {
-  switch (s) {
-    case ShardingStrategy::kFullShard:
-      return "FULL_SHARD";
-    case ShardingStrategy::kShardGradOp:
-      return "SHARD_GRAD_OP";
-    case ShardingStrategy::kNoShard:
-      return "NO_SHARD";
-    case ShardingStrategy::kHybridShard:
-      return "HYBRID_SHARD";
-  }
-  return "?";
-}
 
 void check_float_dtype(at::ScalarType t, const char* option) {
   TORCH_CHECK(

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace colossalai {
 namespace zero {
@@ -45,10 +46,10 @@ FullyShardedOptimizer::FullyShardedOptimizer(
       piece_of.emplace(u.params[i].unsafeGetTensorImpl(), u.pieces[i]);
     }
   }
-  std::unordered_map<const void*, bool> ignored;
+  std::unordered_set<const void*> ignored;
   for (const auto& m : state_->o.ignored_modules()) {
     for (const auto& p : m->parameters()) {
-      ignored.emplace(p.unsafeGetTensorImpl(), true);
+      ignored.insert(p.unsafeGetTensorImpl());
     }
   }
   // The optimizer now steps this rank's piece of each parameter.
@@ -153,8 +154,6 @@ std::map<int64_t, checkpoint_io::StateDict> FullyShardedOptimizer::
           st.units[k].pieces[i].unsafeGetTensorImpl(), std::make_pair(k, i));
     }
   }
-  std::vector<std::pair<size_t, size_t>> loc;
-  std::vector<int64_t> ids_in_units;
   int64_t id = 0;
   std::map<int64_t, checkpoint_io::StateDict> out;
   std::vector<std::vector<std::pair<size_t, int64_t>>> by_unit(st.units.size());

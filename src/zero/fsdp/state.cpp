@@ -38,13 +38,8 @@ void FsdpState::launch_gather(size_t k) {
   if (compat::storage_nbytes(u.full) == 0) {
     compat::allocate_storage(u.full, nbytes);
   }
-  // A separate tensor: the gather's input must not alias its output.
-  auto src = u.shard_data.to(
-      device,
-      param_dtype,
-      /*non_blocking=*/false,
-      /*copy=*/S == 1 || u.shard_data.device() != device ||
-          param_dtype != at::kFloat);
+  // The shard (cast and moved only when needed); never a view of `full`.
+  auto src = u.shard_data.to(device, param_dtype);
   if (S == 1) {
     u.full.copy_(src);
     u.gathered = true;
