@@ -172,38 +172,30 @@ void fsdp_matches(int rank, int world, const Case& c) {
       c.label);
 }
 
+// Every strategy with one unit and with a unit per block; SGD with
+// momentum (sensitive to the gradient average) and AdamW alternate.
 std::vector<Case> strategy_cases(int world) {
   using S = cz::ShardingStrategy;
+  const std::vector<std::pair<S, std::string>> strategies = {
+      {S::kFullShard, "FULL_SHARD"},
+      {S::kShardGradOp, "SHARD_GRAD_OP"},
+      {S::kNoShard, "NO_SHARD"},
+      {S::kHybridShard, "HYBRID_SHARD"}};
   std::vector<Case> cases;
+  for (const auto& s : strategies) {
+    for (bool per_block : {false, true}) {
+      Case c;
+      c.strategy = s.first;
+      c.per_block = per_block;
+      c.hybrid = world == 4 ? 2 : 1; // 2 x 2, or 2 replicas of 1
+      c.sgd = per_block;
+      c.label = s.second +
+          (per_block ? ", a unit per block, SGD" : ", one unit, AdamW");
+      cases.push_back(c);
+    }
+  }
   Case c;
-  c.label = "FULL_SHARD, one unit";
-  c.per_block = false;
-  cases.push_back(c);
-  c = Case();
-  c.label = "FULL_SHARD, a unit per block";
-  cases.push_back(c);
-  c.label = "FULL_SHARD, a unit per block, SGD";
-  c.sgd = true;
-  cases.push_back(c);
-  c = Case();
-  c.label = "SHARD_GRAD_OP, a unit per block, SGD";
-  c.strategy = S::kShardGradOp;
-  c.sgd = true;
-  cases.push_back(c);
-  c = Case();
-  c.label = "NO_SHARD, a unit per block, SGD";
-  c.strategy = S::kNoShard;
-  c.sgd = true;
-  cases.push_back(c);
-  c = Case();
-  c.label = "HYBRID_SHARD, a unit per block, SGD";
-  c.strategy = S::kHybridShard;
-  c.hybrid = world == 4 ? 2 : 1;
-  c.sgd = true;
-  cases.push_back(c);
-  c.label = "HYBRID_SHARD, one unit";
-  c.per_block = false;
-  c.sgd = false;
+  c.label = "FULL_SHARD, a unit per block, AdamW";
   cases.push_back(c);
   return cases;
 }
