@@ -445,7 +445,7 @@ class Report:
         self.add("## Reproduce", "",
                  "```sh",
                  "bench/run            # full suite; bench/run --quick for a short one",
-                 "bench/run --only collectives,ddp_step --out-dir /tmp/b",
+                 "bench/run --only collectives,ddp_step --out-dir bench/results/mine",
                  "```", "")
         with open(os.path.join(self.dir, "report.md"), "w") as f:
             f.write("\n".join(self.lines))
