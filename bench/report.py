@@ -115,7 +115,8 @@ class Report:
             mem = machine.get("memory_bytes", 0) / (1 << 30)
             self.add(f"- Machine: {machine.get('cpu')}, {machine.get('cores')} cores, "
                      f"{mem:.0f} GiB memory")
-        if run:
+        runs = run.get("runs", [run] if run else [])
+        for run in runs:
             pkg = run.get("libtorch_package")
             self.add(f"- LibTorch {run.get('libtorch')}"
                      + (f" (Debian package {pkg})" if pkg and pkg != "unknown" else "")

@@ -27,11 +27,31 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
-import torch.nn.functional as F
+
+def _pin_library_threads():
+    """torch.set_num_threads does not bound the BLAS library's own thread pool
+    in Debian's build (OpenBLAS, pthreads): a "1-thread" rank would still run
+    its GEMMs on every core. The pools size themselves from the environment
+    when the library loads, so set it before importing torch; spawned ranks
+    inherit it."""
+    threads = "1"
+    for i, a in enumerate(sys.argv):
+        if a == "--threads" and i + 1 < len(sys.argv):
+            threads = sys.argv[i + 1]
+        elif a.startswith("--threads="):
+            threads = a.split("=", 1)[1]
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = threads
+
+
+if __name__ == "__main__":
+    _pin_library_threads()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 VOCAB, CTX, WIDTH, HEADS, LAYERS = 4096, 128, 256, 4, 4
 MICRO_BATCH = 8
@@ -233,6 +253,7 @@ def main():
         "parameters": params,
         "config": {"world_size": args.nproc, "micro_batch": MICRO_BATCH,
                    "seq_len": CTX, "threads_per_rank": args.threads,
+                   "library_threads_env": os.environ.get("OPENBLAS_NUM_THREADS"),
                    "bucket_cap_mb": 25, "steps_per_round": args.steps,
                    "rounds": args.rounds,
                    "optimizer": "AdamW(3e-4, wd 0.01)", "dtype": "fp32"},
