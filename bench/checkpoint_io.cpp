@@ -12,6 +12,8 @@
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/interface/model.h>
 
+#include "bench_util.h"
+
 #include <torch/torch.h>
 
 #include <fcntl.h>
@@ -139,7 +141,9 @@ int main(int argc, char** argv) {
 
   const double gbytes = bytes / 1e9;
   std::ostringstream json;
-  json << "{\n  \"benchmark\": \"checkpoint_io\",\n  \"bytes\": " << bytes
+  json << "{\n  \"benchmark\": \"checkpoint_io\",\n  \"machine\": "
+       << colossalai::bench::machine_json() << ",\n  \"peak_rss_bytes\": "
+       << colossalai::bench::peak_rss_bytes() << ",\n  \"bytes\": " << bytes
        << ",\n  \"reps\": " << reps << ",\n  \"copy_GBps\": "
        << gbytes / median(copy_t) << ",\n  \"read_GBps\": "
        << gbytes / median(read_t) << ",\n  \"cases\": {";

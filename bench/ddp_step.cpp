@@ -1,9 +1,13 @@
 // DDP step benchmark on gpt-small-cpu (shared reference workload).
 //
-// Each rank trains with TorchDDPPlugin; rounds alternate between steps with
-// gradient synchronization and steps under no_sync (no communication at all:
-// the floor for N processes sharing this machine), so both are measured under
-// the same conditions. Reports medians, peak RSS per rank and bytes
+// Each rank trains with TorchDDPPlugin. Every round runs three timed blocks
+// in turn, so all three are measured under the same machine conditions:
+//   ddp      steps with gradient synchronization;
+//   no_sync  steps under no_sync (no communication at all: the floor for N
+//            processes sharing this machine);
+//   single   rank 0 alone trains a plain (unboosted) copy of the model while
+//            the other ranks wait: the single-process floor.
+// Reports medians with p10/p90, peak RSS per rank, machine and bytes
 // communicated per step, as JSON and one table line.
 //
 //   bench_ddp_step [--nproc 2] [--steps 10] [--rounds 3] [--warmup 2]
@@ -12,6 +16,8 @@
 #include <colossalai/colossalai.h>
 
 #include <zoo/gpt.h>
+
+#include "bench_util.h"
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -65,39 +71,8 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(p * (v.size() - 1) + 0.5)];
-}
-
-// Peak resident set size of this process, from /proc (kB -> bytes).
-int64_t peak_rss_bytes() {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) {
-      return std::stoll(line.substr(6)) * 1024;
-    }
-  }
-  return -1;
-}
-
-std::string machine() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      return line.substr(line.find(':') + 2);
-    }
-  }
-  return "unknown";
-}
+using colossalai::bench::median;
+using colossalai::bench::percentile;
 
 int run_rank(const Args& a) {
   colossalai::launch_from_env();
@@ -120,7 +95,27 @@ int run_rank(const Args& a) {
   auto* ddp = colossalai::interface::find_wrapper<cb::plugin::TorchDDPModel>(
       *boosted.model.wrapper());
 
+  // The single-process floor: a plain copy of the model on rank 0.
+  torch::manual_seed(0);
+  colossalai::zoo::GPT single_model(cfg);
+  torch::optim::AdamW single_opt(
+      single_model->parameters(),
+      torch::optim::AdamWOptions(3e-4)
+          .betas({0.9, 0.999})
+          .eps(1e-8)
+          .weight_decay(0.01));
+
   auto batch = colossalai::zoo::random_tokens(8, cfg, 100 + rank);
+  auto single_step = [&]() {
+    auto t0 = std::chrono::steady_clock::now();
+    single_opt.zero_grad();
+    colossalai::zoo::gpt_loss(single_model(batch.first), batch.second)
+        .backward();
+    single_opt.step();
+    return std::chrono::duration<double, std::milli>(
+               std::chrono::steady_clock::now() - t0)
+        .count();
+  };
   auto step = [&](bool sync) {
     auto t0 = std::chrono::steady_clock::now();
     boosted.optimizer->zero_grad();
@@ -143,6 +138,9 @@ int run_rank(const Args& a) {
   for (int w = 0; w < a.warmup; ++w) {
     step(true);
     step(false);
+    if (rank == 0) {
+      single_step();
+    }
   }
   for (int r = 0; r < a.rounds; ++r) {
     for (bool sync : {true, false}) {
@@ -165,11 +163,19 @@ int run_rank(const Args& a) {
             sync ? "ddp" : "no_sync");
       }
     }
+    cd::barrier(*cd::world_group()).wait();
+    if (rank == 0) {
+      for (int s = 0; s < a.steps; ++s) {
+        times["single"].push_back(single_step());
+      }
+      std::fprintf(stderr, "round %d/%d single done\n", r + 1, a.rounds);
+    }
   }
+  cd::barrier(*cd::world_group()).wait();
 
   // Per-rank peak RSS and medians to rank 0.
   auto local = at::tensor(
-      {static_cast<double>(peak_rss_bytes()),
+      {static_cast<double>(colossalai::bench::peak_rss_bytes()),
        median(times["ddp"]),
        median(times["no_sync"])},
       at::kDouble);
@@ -179,6 +185,7 @@ int run_rank(const Args& a) {
     return 0;
   }
   double ddp_ms = median(times["ddp"]), floor_ms = median(times["no_sync"]);
+  double single_ms = median(times["single"]);
   std::ostringstream rss;
   for (int r = 0; r < world; ++r) {
     rss << (r ? ", " : "") << static_cast<int64_t>(all[3 * r].item<double>());
@@ -196,9 +203,16 @@ int run_rank(const Args& a) {
        << ", \"bucket_cap_mb\": " << a.bucket_cap_mb
        << ", \"steps_per_round\": " << a.steps << ", \"rounds\": " << a.rounds
        << ", \"optimizer\": \"AdamW(3e-4, wd 0.01)\", \"dtype\": \"fp32\"},\n"
-       << "  \"machine\": {\"cpu\": \"" << machine()
-       << "\", \"cores\": " << std::thread::hardware_concurrency()
-       << ", \"torch\": \"" << TORCH_VERSION << "\"},\n"
+       << "  \"implementation\": \"ours (C++, TorchDDPPlugin)\",\n"
+       << "  \"machine\": " << colossalai::bench::machine_json() << ",\n"
+       << "  \"step_ms\": {\"ddp\": "
+       << colossalai::bench::stats_json(times["ddp"])
+       << ",\n              \"no_sync\": "
+       << colossalai::bench::stats_json(times["no_sync"])
+       << ",\n              \"single\": "
+       << colossalai::bench::stats_json(times["single"]) << "},\n"
+       << "  \"ratios\": {\"ddp_over_no_sync\": " << ddp_ms / floor_ms
+       << ", \"single_over_no_sync\": " << single_ms / floor_ms << "},\n"
        << "  \"ddp_step_ms\": {\"median\": " << ddp_ms
        << ", \"p10\": " << percentile(times["ddp"], 0.1)
        << ", \"p90\": " << percentile(times["ddp"], 0.9) << "},\n"
@@ -218,10 +232,12 @@ int run_rank(const Args& a) {
   std::cout << json.str();
   std::printf(
       "| gpt-small-cpu | %d ranks | DDP %.1f ms | no-sync floor %.1f ms | "
-      "ratio %.2fx | %.1f MB all-reduced/step | peak RSS rank0 %.0f MB |\n",
+      "single process %.1f ms | ratio %.2fx | %.1f MB all-reduced/step | "
+      "peak RSS rank0 %.0f MB |\n",
       world,
       ddp_ms,
       floor_ms,
+      single_ms,
       ddp_ms / floor_ms,
       bytes_per_step / 1e6,
       all[0].item<double>() / 1e6);

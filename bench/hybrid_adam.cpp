@@ -13,6 +13,8 @@
 
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 
+#include "bench_util.h"
+
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
@@ -163,7 +165,9 @@ int main(int argc, char** argv) {
   }
 
   std::ostringstream json;
-  json << "{\n  \"benchmark\": \"hybrid_adam\",\n  \"threads\": " << threads
+  json << "{\n  \"benchmark\": \"hybrid_adam\",\n  \"machine\": "
+       << colossalai::bench::machine_json() << ",\n  \"peak_rss_bytes\": "
+       << colossalai::bench::peak_rss_bytes() << ",\n  \"threads\": " << threads
        << ",\n  \"isa\": \"" << opt::to_string(opt::cpu_adam_isa())
        << "\",\n  \"reps\": " << reps << ",\n  \"bytes_per_param\": 28"
        << ",\n  \"tensor_copy_GBps\": " << tensor_copy_GBps

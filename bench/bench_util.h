@@ -1,0 +1,86 @@
+#pragma once
+
+// Helpers shared by the benchmark programs: order statistics, peak RSS and
+// the "machine" block every benchmark JSON carries.
+
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace colossalai {
+namespace bench {
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) {
+    return 0;
+  }
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Nearest-rank percentile, p in [0, 1].
+inline double percentile(std::vector<double> v, double p) {
+  if (v.empty()) {
+    return 0;
+  }
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(p * (v.size() - 1) + 0.5)];
+}
+
+/// {"median": m, "p10": a, "p90": b, "n": k} of `v`.
+inline std::string stats_json(const std::vector<double>& v) {
+  std::ostringstream os;
+  os << "{\"median\": " << median(v) << ", \"p10\": " << percentile(v, 0.1)
+     << ", \"p90\": " << percentile(v, 0.9) << ", \"n\": " << v.size() << "}";
+  return os.str();
+}
+
+/// Value of a "Key:   123 kB" line of a /proc file, in bytes (-1 if absent).
+inline int64_t proc_kb(const char* file, const std::string& key) {
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(key, 0) == 0) {
+      return std::stoll(line.substr(key.size())) * 1024;
+    }
+  }
+  return -1;
+}
+
+/// Peak resident set size of this process.
+inline int64_t peak_rss_bytes() {
+  return proc_kb("/proc/self/status", "VmHWM:");
+}
+
+inline std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      return line.substr(line.find(':') + 2);
+    }
+  }
+  return "unknown";
+}
+
+/// {"cpu": ..., "cores": ..., "memory_bytes": ..., "torch": ...}
+inline std::string machine_json() {
+  std::ostringstream os;
+  std::string cpu = cpu_model();
+  std::replace(cpu.begin(), cpu.end(), '"', '\'');
+  os << "{\"cpu\": \"" << cpu
+     << "\", \"cores\": " << std::thread::hardware_concurrency()
+     << ", \"memory_bytes\": " << proc_kb("/proc/meminfo", "MemTotal:")
+     << ", \"torch\": \"" << TORCH_VERSION << "\"}";
+  return os.str();
+}
+
+} // namespace bench
+} // namespace colossalai

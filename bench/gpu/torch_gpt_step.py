@@ -1,0 +1,127 @@
+"""The gpt2-medium-gpu training step in plain PyTorch eager (Python): the peer
+of bench_gpu_gpt_step. Same model (bench/peers/torch_ddp_step.py's GPT, which
+mirrors zoo/gpt.cpp, including its matmul/mask/softmax attention), batch,
+bf16 autocast, fp32 cross-entropy and AdamW settings.
+
+  python3 bench/gpu/torch_gpt_step.py [--device cuda] [--model gpt2-medium]
+      [--batch 8] [--steps 20] [--warmup 3] [--foreach auto|on|off]
+      [--out FILE.json]
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peers"))
+from torch_ddp_step import GPT, machine, stats  # noqa: E402
+
+MODELS = {"gpt2-medium": dict(vocab=50304, ctx=1024, d=1024, h=16, n=24),
+          "gpt-small-cpu": dict(vocab=4096, ctx=128, d=256, h=4, n=4)}
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_rates(dev, n):
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    c = torch.empty(n, n, dtype=torch.bfloat16, device=dev)
+    iters = 20 if dev.type == "cuda" else 2
+    for _ in range(3):
+        torch.matmul(a, b, out=c)
+    sync(dev)
+    rates = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.matmul(a, b, out=c)
+        sync(dev)
+        rates.append(2.0 * n ** 3 * iters / (time.perf_counter() - t0))
+    return rates
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", default="gpt2-medium", choices=sorted(MODELS))
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--matmul-n", type=int, default=8192)
+    p.add_argument("--foreach", default="auto", choices=["auto", "on", "off"],
+                   help="AdamW's multi-tensor path (auto: PyTorch's default)")
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    dev = torch.device(a.device)
+    cfg = MODELS[a.model]
+    n = a.matmul_n if dev.type == "cuda" else min(a.matmul_n, 1024)
+    rates = matmul_rates(dev, n)
+    peak = statistics.median(rates)
+
+    torch.manual_seed(0)
+    model = GPT(**cfg).to(dev)
+    foreach = None if a.foreach == "auto" else a.foreach == "on"
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999),
+                            eps=1e-8, weight_decay=0.01, foreach=foreach)
+    g = torch.Generator().manual_seed(100)
+    tokens = torch.randint(0, cfg["vocab"], (a.batch, cfg["ctx"] + 1), generator=g)
+    x, y = tokens[:, :-1].contiguous().to(dev), tokens[:, 1:].contiguous().to(dev)
+    last = [0.0]
+
+    def step():
+        sync(dev)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]).float(), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        sync(dev)
+        last[0] = loss.item()
+        return (time.perf_counter() - t0) * 1e3
+
+    for _ in range(a.warmup):
+        step()
+    times = [step() for _ in range(a.steps)]
+    params = sum(p.numel() for p in model.parameters())
+    embed = (cfg["vocab"] + cfg["ctx"]) * cfg["d"]
+    flops_per_token = 6.0 * (params - embed) + 12.0 * cfg["n"] * cfg["d"] * cfg["ctx"]
+    step_ms = statistics.median(times)
+    tokens_per_s = a.batch * cfg["ctx"] / (step_ms * 1e-3)
+    result = {
+        "benchmark": "gpu_gpt_step",
+        "implementation": f"PyTorch {torch.__version__} eager (Python)",
+        "model": a.model, "parameters": params,
+        "config": {"device": a.device, "batch": a.batch, "seq_len": cfg["ctx"],
+                   "precision": "bf16 autocast, fp32 parameters",
+                   "optimizer": f"AdamW(3e-4, wd 0.01, foreach {a.foreach})",
+                   "steps": a.steps, "warmup": a.warmup},
+        "machine": machine(),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "matmul": {"n": n, "bf16_flops_median": peak, "bf16_flops_max": max(rates)},
+        "flops_per_token": flops_per_token,
+        "step_ms": stats(times),
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token / peak,
+        "final_loss": last[0],
+        "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else -1,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
