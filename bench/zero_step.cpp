@@ -130,6 +130,7 @@ int run_rank(
         .count();
   };
   std::map<std::string, std::vector<double>> times;
+  std::map<std::string, int64_t> bytes; // handed to collectives, timed steps
   for (auto& s : setups)
     step(*s); // warm up, creates optimizer states
   for (auto& s : setups) {
@@ -139,8 +140,10 @@ int run_rank(
   for (int r = 0; r < rounds; ++r) {
     for (auto& s : setups) {
       cd::barrier(*cd::world_group()).wait();
+      const int64_t b0 = cd::bytes_communicated();
       for (int i = 0; i < steps; ++i)
         times[s->name].push_back(step(*s));
+      bytes[s->name] += cd::bytes_communicated() - b0;
     }
     if (rank == 0)
       std::fprintf(stderr, "round %d/%d done\n", r + 1, rounds);
@@ -226,6 +229,8 @@ int run_rank(
          << ", \"layout_bytes\": " << layout[name];
     if (peak.count(name))
       json << ", \"peak_model_state_bytes\": " << peak[name];
+    json << ", \"bytes_communicated_per_step\": "
+         << bytes[name] / std::max<size_t>(1, times[name].size());
     json << ", \"vs_ddp_memory\": "
          << static_cast<double>(measured[name]) / measured["ddp"] << "}";
     std::printf(
