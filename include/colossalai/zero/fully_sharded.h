@@ -186,7 +186,8 @@ class FullyShardedModel : public interface::ModelWrapper {
 
   FullyShardedMemoryStats memory_stats() const;
   /// The largest total seen since construction or the last reset, sampled
-  /// whenever a unit is gathered, a gradient arrives or the optimizer steps.
+  /// whenever a unit is gathered, a unit's gradients are complete or the
+  /// optimizer steps.
   FullyShardedMemoryStats peak_memory_stats() const;
   void reset_peak_memory_stats();
 

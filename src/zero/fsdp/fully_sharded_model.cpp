@@ -166,15 +166,17 @@ void build_unit(FsdpState& st, Unit& u) {
     // This rank's part of the parameter, for the optimizer.
     const int64_t lo = std::max(u.offsets[i], r * u.shard);
     const int64_t hi = std::min(u.offsets[i] + p.numel(), (r + 1) * u.shard);
-    const int64_t start =
-        std::min(std::max<int64_t>(lo - r * u.shard, 0), u.shard);
-    const int64_t len = std::max<int64_t>(hi - lo, 0);
-    auto piece = u.shard_data.narrow(0, start, len).detach();
+    detail::PieceRange range;
+    if (hi > lo) {
+      range = {lo - r * u.shard, lo - u.offsets[i], hi - lo};
+    }
+    auto piece = u.shard_data.narrow(0, range.in_shard, range.len).detach();
     piece.set_requires_grad(p.requires_grad());
     if (p.requires_grad()) {
-      piece.mutable_grad() = u.shard_grad.narrow(0, start, len);
+      piece.mutable_grad() = u.shard_grad.narrow(0, range.in_shard, range.len);
     }
     u.pieces.push_back(piece);
+    u.ranges.push_back(range);
   }
   u.gathered = true;
   if (st.reshard_at_rest() && !u.aliased) {
@@ -253,7 +255,9 @@ FullyShardedModel::FullyShardedModel(
   for (const auto& m : st.o.ignored_modules()) {
     TORCH_CHECK(m != nullptr, "FSDP: ignored_modules holds a null module");
     for (const auto& p : m->parameters()) {
-      ignored.insert(p.unsafeGetTensorImpl());
+      if (ignored.insert(p.unsafeGetTensorImpl()).second) {
+        st.ignored_params.push_back(p);
+      }
     }
   }
 
@@ -442,19 +446,14 @@ FullyShardedModel::FullParams::~FullParams() noexcept(false) {
     if (u.numel == 0) {
       continue;
     }
-    const int r = st.S > 1 ? st.shard_rank() : 0;
     for (size_t i = 0; i < u.params.size(); ++i) {
       auto& p = u.params[i];
-      if (writeback) {
+      const auto& range = u.ranges[i];
+      if (writeback && range.len > 0) {
         // This rank's range of the (possibly edited) full value.
-        const int64_t lo = std::max(u.offsets[i], r * u.shard);
-        const int64_t hi =
-            std::min(u.offsets[i] + p.numel(), (r + 1) * u.shard);
-        if (hi > lo) {
-          u.shard_data.narrow(0, lo - r * u.shard, hi - lo)
-              .copy_(p.detach().reshape({-1}).narrow(
-                  0, lo - u.offsets[i], hi - lo));
-        }
+        u.shard_data.narrow(0, range.in_shard, range.len)
+            .copy_(
+                p.detach().reshape({-1}).narrow(0, range.in_param, range.len));
       }
       p.set_data(u.views[i]);
     }

@@ -47,10 +47,8 @@ FullyShardedOptimizer::FullyShardedOptimizer(
     }
   }
   std::unordered_set<const void*> ignored;
-  for (const auto& m : state_->o.ignored_modules()) {
-    for (const auto& p : m->parameters()) {
-      ignored.insert(p.unsafeGetTensorImpl());
-    }
+  for (const auto& p : state_->ignored_params) {
+    ignored.insert(p.unsafeGetTensorImpl());
   }
   // The optimizer now steps this rank's piece of each parameter.
   for (auto& g : optim_->param_groups()) {
@@ -81,22 +79,20 @@ void FullyShardedOptimizer::step() {
 }
 
 void FullyShardedOptimizer::zero_grad(bool set_to_none) {
+  auto clear = [set_to_none](at::Tensor p) {
+    auto& g = p.mutable_grad();
+    if (g.defined()) {
+      g = set_to_none ? at::Tensor() : g.zero_();
+    }
+  };
   for (auto& u : state_->units) {
     u.shard_grad.zero_(); // the pieces' gradients are views of it
-    for (auto& p : u.params) {
-      auto& g = p.mutable_grad(); // kept by no_sync
-      if (g.defined()) {
-        g = set_to_none ? at::Tensor() : g.zero_();
-      }
+    for (const auto& p : u.params) {
+      clear(p); // full gradients kept by no_sync
     }
   }
-  for (const auto& m : state_->o.ignored_modules()) {
-    for (auto& p : m->parameters()) {
-      auto& g = p.mutable_grad();
-      if (g.defined()) {
-        g = set_to_none ? at::Tensor() : g.zero_();
-      }
-    }
+  for (const auto& p : state_->ignored_params) {
+    clear(p);
   }
 }
 
@@ -170,7 +166,6 @@ std::map<int64_t, checkpoint_io::StateDict> FullyShardedOptimizer::
       ++id;
     }
   }
-  const int r = st.S > 1 ? st.shard_rank() : 0;
   for (size_t k = 0; k < st.units.size(); ++k) {
     auto& u = st.units[k];
     if (by_unit[k].empty()) {
@@ -204,11 +199,9 @@ std::map<int64_t, checkpoint_io::StateDict> FullyShardedOptimizer::
         if (!states.count(e.second)) {
           continue;
         }
-        const auto& piece = u.pieces[e.first];
-        if (piece.numel() > 0) {
-          const int64_t lo =
-              std::max(u.offsets[e.first], static_cast<int64_t>(r) * u.shard);
-          local.narrow(0, lo - r * u.shard, piece.numel())
+        const auto& range = u.ranges[e.first];
+        if (range.len > 0) {
+          local.narrow(0, range.in_shard, range.len)
               .copy_(states.at(e.second)[key].reshape({-1}));
         }
       }
@@ -257,17 +250,13 @@ void FullyShardedOptimizer::load_full_state(
       id,
       " but the optimizer has ",
       n);
-  const int r = st.S > 1 ? st.shard_rank() : 0;
   for (auto& u : st.units) {
     for (size_t i = 0; i < u.pieces.size(); ++i) {
       if (!u.pieces[i].is_same(param)) {
         continue;
       }
       const auto& p = u.params[i];
-      const int64_t start = u.pieces[i].numel() == 0
-          ? 0
-          : std::max(u.offsets[i], static_cast<int64_t>(r) * u.shard) -
-              u.offsets[i];
+      const auto& range = u.ranges[i];
       checkpoint_io::StateDict piece;
       for (const auto& item : state) {
         if (item.value().dim() == 0) {
@@ -280,7 +269,7 @@ void FullyShardedOptimizer::load_full_state(
             item.key(),
             item.value()
                 .reshape({-1})
-                .narrow(0, start, u.pieces[i].numel())
+                .narrow(0, range.in_param, range.len)
                 .clone());
       }
       checkpoint_io::detail::load_param_state(*optim_, id, piece, file);

@@ -196,7 +196,6 @@ void FsdpState::pre_backward(size_t k) {
 void FsdpState::on_grad(size_t k, size_t /*i*/) {
   begin_backward();
   auto& u = units[k];
-  sample_peak();
   if (++u.grads_ready == u.grads_expected) {
     unit_grads_done(k);
   }
@@ -204,6 +203,8 @@ void FsdpState::on_grad(size_t k, size_t /*i*/) {
 
 void FsdpState::unit_grads_done(size_t k) {
   auto& u = units[k];
+  // Gradients only grow until a unit completes, so its peak is now.
+  sample_peak();
   u.grads_done = true;
   if (require_sync) {
     reduce(k);

@@ -16,6 +16,15 @@ namespace colossalai {
 namespace zero {
 namespace detail {
 
+// Where a parameter meets this rank's shard: elements [in_param, in_param +
+// len) of the flattened parameter are elements [in_shard, in_shard + len)
+// of the shard (len may be 0).
+struct PieceRange {
+  int64_t in_shard = 0;
+  int64_t in_param = 0;
+  int64_t len = 0;
+};
+
 struct Unit {
   std::string name; // "" for the root
   torch::nn::Module* module = nullptr;
@@ -33,6 +42,7 @@ struct Unit {
   at::Tensor shard_data; // fp32 s (master weights)
   at::Tensor shard_grad; // fp32 s
   std::vector<at::Tensor> pieces; // per param: its part of shard_data
+  std::vector<PieceRange> ranges; // per param: where that part lies
   // Per param: its view of `full`, made while the storage was allocated
   // (views cannot be made of a freed storage).
   std::vector<at::Tensor> views;
@@ -68,6 +78,7 @@ struct FsdpState : std::enable_shared_from_this<FsdpState> {
   at::ScalarType reduce_dtype = at::kFloat;
 
   std::vector<Unit> units; // units[0] is the root (possibly empty)
+  std::vector<at::Tensor> ignored_params; // neither sharded nor reduced
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<size_t> order; // non-root units in first-forward order
   bool order_recorded = false;
