@@ -2,12 +2,15 @@
 
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
+#include <colossalai/launcher.h>
 #include <colossalai/utils/env.h>
 
 #include "distributed/runtime.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
+
+#include <iostream>
 
 namespace colossalai {
 
@@ -125,11 +128,20 @@ void launch(const LaunchOptions& o) {
 
 void launch_from_env(LaunchOptions base) {
   auto env = utils::read_dist_env();
-  TORCH_CHECK(
-      !env.source.empty(),
-      "launch_from_env: no launcher variables found: expected RANK and "
-      "WORLD_SIZE (torchrun / `colossalai run`), OMPI_COMM_WORLD_RANK and "
-      "OMPI_COMM_WORLD_SIZE (mpirun) or SLURM_PROCID and SLURM_NTASKS (srun)");
+  if (env.source.empty()) {
+    // Started by hand: one process, as torch.distributed users expect from
+    // a script that runs fine without a launcher.
+    std::cerr << "colossalai: no launcher variables (RANK/WORLD_SIZE, "
+                 "OMPI_COMM_WORLD_*, SLURM_*); running as one process "
+                 "(world size 1)"
+              << std::endl;
+    base.rank(0)
+        .world_size(1)
+        .host("127.0.0.1")
+        .port(launcher::find_free_port());
+    launch(base);
+    return;
+  }
   const char* rank_var = env.source == "torchrun" ? "RANK"
       : env.source == "openmpi"                   ? "OMPI_COMM_WORLD_RANK"
                                                   : "SLURM_PROCID";

@@ -95,6 +95,50 @@ TEST(GradScaler, RejectsBadOptions) {
       std::string::npos);
 }
 
+// The one scaler under GradScaler, ZeRO and FSDP: hysteresis delays the
+// back-off, growth restores it, both stop at the bounds.
+TEST(DynamicLossScaler, HysteresisGrowthAndBounds) {
+  colossalai::amp::DynamicLossScaler s(
+      colossalai::amp::DynamicLossScalerOptions()
+          .initial_scale(8)
+          .min_scale(2)
+          .max_scale(32)
+          .growth_interval(2)
+          .hysteresis(2));
+  std::vector<double> seen;
+  for (bool inf :
+       {true,
+        true,
+        true,
+        true,
+        true,
+        true,
+        false,
+        false,
+        false,
+        false,
+        true,
+        false,
+        false,
+        false,
+        false,
+        false,
+        false}) {
+    s.update(inf);
+    seen.push_back(s.scale());
+  }
+  EXPECT_EQ(
+      seen,
+      (std::vector<double>{
+          8, 4, 4, 2, 2, 2, 2, 4, 4, 8, 8, 8, 16, 16, 32, 32, 32}));
+  EXPECT_NE(
+      error_of([] {
+        colossalai::amp::DynamicLossScaler(
+            colossalai::amp::DynamicLossScalerOptions().hysteresis(0));
+      }).find("hysteresis"),
+      std::string::npos);
+}
+
 TEST(OptimizerWrapper, ClippingMatchesTorch) {
   for (double norm_type : {2.0, 1.0, std::numeric_limits<double>::infinity()}) {
     torch::manual_seed(3);
@@ -272,12 +316,17 @@ TEST(Launch, BadEnvironmentNamesTheVariable) {
   ::unsetenv("WORLD_SIZE");
   ::unsetenv("OMPI_COMM_WORLD_RANK");
   ::unsetenv("SLURM_PROCID");
-  auto msg = error_of([] { colossalai::launch_from_env(); });
-  EXPECT_NE(msg.find("RANK"), std::string::npos) << msg;
+  ::unsetenv("OMPI_COMM_WORLD_SIZE");
+  ::unsetenv("SLURM_NTASKS");
+  // No launcher: one process.
+  colossalai::launch_from_env();
+  EXPECT_EQ(colossalai::distributed::get_world_size(), 1);
+  EXPECT_EQ(colossalai::distributed::get_rank(), 0);
+  colossalai::destroy();
 
   ::setenv("RANK", "zero", 1);
   ::setenv("WORLD_SIZE", "2", 1);
-  msg = error_of([] { colossalai::launch_from_env(); });
+  auto msg = error_of([] { colossalai::launch_from_env(); });
   EXPECT_NE(msg.find("RANK='zero'"), std::string::npos) << msg;
 
   ::setenv("RANK", "0", 1);

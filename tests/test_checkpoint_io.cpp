@@ -169,9 +169,17 @@ TEST(CheckpointIO, BadInputNamesFileAndKey) {
       dir + "/m.safetensors",
       ck::SaveModelOptions().use_safetensors(true));
 
+  // An accepted option that cannot work is refused by name.
+  auto msg = error_of([&] {
+    booster.save_model(
+        boosted.model,
+        dir + "/d.safetensors",
+        ck::SaveModelOptions().gather_dtensor(false));
+  });
+  EXPECT_NE(msg.find("gather_dtensor"), std::string::npos) << msg;
+
   // Missing file.
-  auto msg =
-      error_of([&] { booster.load_model(boosted.model, dir + "/nope"); });
+  msg = error_of([&] { booster.load_model(boosted.model, dir + "/nope"); });
   EXPECT_NE(msg.find(dir + "/nope"), std::string::npos) << msg;
 
   // Shape mismatch and unexpected / missing keys under strict.

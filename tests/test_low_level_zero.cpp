@@ -88,12 +88,16 @@ void zero_matches(
     int world,
     int stage,
     double clip,
-    bool sgd = false) {
+    bool sgd = false,
+    bool offload = false,
+    bool overlap = true) {
   auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
       cb::plugin::LowLevelZeroPluginOptions()
           .stage(stage)
           .precision("fp32")
           .max_norm(clip)
+          .cpu_offload(offload)
+          .overlap_communication(overlap)
           .reduce_bucket_size_in_m(0.0005)); // several buckets
   cb::Booster booster(cb::BoosterOptions().plugin(plugin));
   torch::manual_seed(7 + rank); // rank 0's weights must win
@@ -113,8 +117,9 @@ void zero_matches(
   auto got = model->parameters();
   for (size_t i = 0; i < ref.size(); ++i) {
     EXPECT_TRUE(at::allclose(got[i], ref[i], 1e-4, 1e-5))
-        << "stage " << stage << " parameter " << i << " differs by "
-        << (got[i] - ref[i]).abs().max().item<double>();
+        << "stage " << stage << (offload ? ", cpu_offload" : "")
+        << (overlap ? "" : ", no overlap") << ": parameter " << i
+        << " differs by " << (got[i] - ref[i]).abs().max().item<double>();
   }
 }
 
@@ -128,6 +133,10 @@ TEST(LowLevelZero, Stage1And2MatchSingleProcessOnTwoRanks) {
     zero_matches(rank, world, 1, 0, /*sgd=*/true);
     zero_matches(rank, world, 2, 0, /*sgd=*/true);
     zero_matches(rank, world, 2, /*clip=*/0.05, /*sgd=*/true);
+    zero_matches(rank, world, 2, 0, /*sgd=*/true, /*offload=*/true);
+    zero_matches(rank, world, 1, 0.05, /*sgd=*/true, /*offload=*/true);
+    zero_matches(rank, world, 1, 0, true, false, /*overlap=*/false);
+    zero_matches(rank, world, 2, 0.05, true, false, /*overlap=*/false);
   });
 }
 
@@ -232,8 +241,9 @@ TEST(LowLevelZero, OverflowOnOneRankSkipsTheStepEverywhere) {
         cz::LowLevelZeroOptimizerOptions()
             .stage(2)
             .dtype(at::kHalf)
-            .initial_scale(1024)
-            .hysteresis(2));
+            .loss_scaler(colossalai::amp::DynamicLossScalerOptions()
+                             .initial_scale(1024)
+                             .hysteresis(2)));
     // Rank 1 plants an inf in the last element of fc1.weight's gradient,
     // which lands in rank 1's own slice only.
     if (rank == 1) {
@@ -276,22 +286,30 @@ TEST(LowLevelZero, MemoryMatchesZeroFormulas) {
             dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
         ASSERT_NE(zo, nullptr);
         auto stats = zo->memory_stats();
-        // Psi parameters; each padded to a multiple of N, then sliced.
-        int64_t psi = 0, slices = 0;
+        // Psi parameters in one bucket (the model is far below the bucket
+        // size), padded to a multiple of N and sliced: s = ceil(Psi / N).
+        int64_t psi = 0;
         for (auto& p : model->parameters()) {
           psi += p.numel();
-          slices += (p.numel() + world - 1) / world;
         }
+        const int64_t slices = (psi + world - 1) / world;
+        EXPECT_EQ(zo->bucket_numels(), (std::vector<int64_t>{slices * world}));
         // fp32 ZeRO-2 (shared/NOTES.md): (4 + (4 + 8)/N) Psi — working
-        // parameters 4 Psi, gradient slices and Adam's two moments as fp32
-        // slices (4 + 8) Psi / N, up to padding; in fp32 the master slice is
-        // the working weights' own storage. Stage 1 holds the same at rest
-        // (it reduces into slices too). Buckets are freed at rest.
-        EXPECT_EQ(stats.working_params, 4 * psi);
+        // parameters 4 Psi (the padded flat buffer they view), gradient
+        // slices and Adam's two moments as fp32 slices (4 + 8) Psi / N; in
+        // fp32 the master slice is the working weights' own storage. Stage 1
+        // holds the same at rest (it reduces into slices too). Buckets are
+        // freed at rest.
+        EXPECT_EQ(stats.working_params, 4 * slices * world);
         EXPECT_EQ(stats.gradients, 4 * slices);
         EXPECT_EQ(stats.master_weights, 0);
-        EXPECT_EQ(stats.optimizer_states, 8 * slices);
-        EXPECT_LE(slices * world - psi, world * 6); // padding < N per tensor
+        // States exist for real elements only (not the padding).
+        const int64_t mine = std::max<int64_t>(
+            0, std::min(psi, (rank + 1) * slices) - rank * slices);
+        EXPECT_EQ(stats.optimizer_states, 8 * mine);
+        EXPECT_LT(slices * world - psi, world); // padding < N per bucket
+        // One all-gather per bucket after the step (none alone).
+        EXPECT_EQ(zo->gathers_last_step(), world > 1 ? 1 : 0);
       }
     });
   }
@@ -325,6 +343,13 @@ TEST(LowLevelZero, BadOptionsAreClearErrors) {
                                              .precision("fp32")
                                              .norm_type(1.0));
         }).find("norm_type"),
+        std::string::npos);
+    EXPECT_NE(
+        msg([] {
+          cb::plugin::LowLevelZeroPlugin(cb::plugin::LowLevelZeroPluginOptions()
+                                             .precision("fp32")
+                                             .overlap_allgather(true));
+        }).find("overlap_allgather"),
         std::string::npos);
   });
 }

@@ -42,7 +42,9 @@ void launch(const LaunchOptions& options);
 /// environment that torchrun / `colossalai run` (RANK, WORLD_SIZE, LOCAL_RANK,
 /// MASTER_ADDR, MASTER_PORT), OpenMPI (OMPI_COMM_WORLD_RANK, _SIZE,
 /// _LOCAL_RANK) or Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) set;
-/// `base` supplies backend, timeout and defaults for the address.
+/// `base` supplies backend, timeout and defaults for the address. With none of
+/// these variables set, runs as one process (world size 1) on a free local
+/// port and says so in one line on stderr.
 void launch_from_env(LaunchOptions base = LaunchOptions());
 
 /// Tears the runtime down (groups, store). Safe to call when not launched.

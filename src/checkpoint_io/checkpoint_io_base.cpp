@@ -85,6 +85,10 @@ void CheckpointIO::save_model(
       options.size_per_shard() > 0,
       "save_model: size_per_shard must be > 0 MB, got ",
       options.size_per_shard());
+  TORCH_CHECK(
+      options.gather_dtensor(),
+      "save_model: gather_dtensor(false) is not supported: checkpoints always hold "
+      "full tensors (so they load at any world size and under any plugin)");
   // Every rank takes part (state may have to be gathered); only writers
   // write.
   if (options.shard()) {
@@ -137,6 +141,10 @@ void CheckpointIO::save_optimizer(
       options.size_per_shard() > 0,
       "save_optimizer: size_per_shard must be > 0 MB, got ",
       options.size_per_shard());
+  TORCH_CHECK(
+      options.gather_dtensor(),
+      "save_optimizer: gather_dtensor(false) is not supported: checkpoints always hold "
+      "full tensors (so they load at any world size and under any plugin)");
   if (options.shard()) {
     save_sharded_optimizer(optimizer, checkpoint, options);
   } else {

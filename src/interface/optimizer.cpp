@@ -1,5 +1,7 @@
 #include <colossalai/interface/optimizer.h>
 
+#include <colossalai/distributed/collectives.h>
+
 #include <cmath>
 #include <limits>
 
@@ -52,24 +54,57 @@ std::vector<at::Tensor> OptimizerWrapper::parameters() const {
   return out;
 }
 
-double grad_norm(const std::vector<at::Tensor>& params, double norm_type) {
-  // Norm of the per-tensor norms, in fp32, as torch.nn.utils does: one host
-  // sync for the whole model.
+double total_norm(
+    const std::vector<at::Tensor>& tensors,
+    double norm_type,
+    const distributed::ProcessGroup* group) {
   const bool inf = std::isinf(norm_type);
   std::vector<at::Tensor> norms;
-  for (auto& p : params) {
-    const auto& g = p.grad();
-    if (g.defined()) {
+  for (const auto& g : tensors) {
+    if (g.defined() && g.numel() > 0) {
       norms.push_back(
           inf ? g.abs().max().to(at::kFloat)
               : g.to(at::kFloat).norm(norm_type));
     }
   }
-  if (norms.empty()) {
-    return 0.0;
+  if (group == nullptr) {
+    // One host sync for the whole model, as torch.nn.utils does.
+    if (norms.empty()) {
+      return 0.0;
+    }
+    auto all = at::stack(norms);
+    return (inf ? all.max() : all.norm(norm_type)).item<double>();
   }
-  auto all = at::stack(norms);
-  return (inf ? all.max() : all.norm(norm_type)).item<double>();
+  at::Tensor local;
+  if (norms.empty()) {
+    local = at::zeros({1}, at::kDouble);
+    for (const auto& g : tensors) {
+      if (g.defined()) { // on the tensors' device (NCCL takes no host ones)
+        local = local.to(g.device());
+        break;
+      }
+    }
+  } else {
+    auto all = at::stack(norms).to(at::kDouble);
+    local = (inf ? all.max() : all.pow(norm_type).sum()).reshape({1});
+  }
+  if (group->size() > 1) {
+    distributed::all_reduce(
+        local,
+        *group,
+        inf ? distributed::ReduceOp::kMax : distributed::ReduceOp::kSum)
+        .wait();
+  }
+  const double v = local.item<double>();
+  return inf ? v : std::pow(v, 1.0 / norm_type);
+}
+
+double grad_norm(const std::vector<at::Tensor>& params, double norm_type) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) {
+    grads.push_back(p.grad());
+  }
+  return total_norm(grads, norm_type);
 }
 
 void scale_grads(const std::vector<at::Tensor>& params, double factor) {

@@ -64,6 +64,24 @@ std::string tail(const std::string& s, size_t lines) {
   return s.substr(pos + 1);
 }
 
+// A child re-runs its test only to reach one run_processes call, where
+// run_child ends the process. A child that instead returns from the test
+// (the call was skipped, the test body changed its path, or an assertion
+// returned early) would exit 0 and pass without running anything: fail it.
+struct ChildMustReachItsInvocation {
+  ChildMustReachItsInvocation() {
+    if (std::getenv(kChild) != nullptr) {
+      std::atexit([] {
+        std::cerr << "test harness: this child rank never reached "
+                     "run_processes invocation "
+                  << std::getenv("COLOSSALAI_TEST_INVOCATION") << " of its test"
+                  << std::endl;
+        std::_Exit(3);
+      });
+    }
+  }
+} child_must_reach_its_invocation;
+
 [[noreturn]] void run_child(const RankFn& fn, const MultiProcessOptions& o) {
   int rank = std::atoi(std::getenv("COLOSSALAI_TEST_RANK"));
   int world = std::atoi(std::getenv("COLOSSALAI_TEST_WORLD"));

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <colossalai/amp/dynamic_loss_scaler.h>
+
 #include <ATen/ATen.h>
 #include <torch/arg.h>
 
@@ -20,7 +22,8 @@ struct GradScalerOptions {
 /// Dynamic loss scaling for fp16 training: the loss is multiplied by `scale`
 /// before backward; gradients are divided by it before the step; a step whose
 /// gradients hold inf/nan is skipped and the scale backs off; after
-/// `growth_interval` clean steps the scale grows.
+/// `growth_interval` clean steps the scale grows. The update rule is
+/// `DynamicLossScaler`'s with hysteresis 1 and no bounds.
 ///
 /// Example:
 /// \code
@@ -45,10 +48,10 @@ class GradScaler {
   void update();
 
   double get_scale() const {
-    return scale_;
+    return scaler_.scale();
   }
   int64_t growth_tracker() const {
-    return growth_tracker_;
+    return scaler_.growth_tracker();
   }
   const GradScalerOptions& options() const {
     return options_;
@@ -56,8 +59,7 @@ class GradScaler {
 
  private:
   GradScalerOptions options_;
-  double scale_;
-  int64_t growth_tracker_ = 0;
+  DynamicLossScaler scaler_;
   bool unscaled_ = false;
   bool found_inf_ = false;
 };

@@ -25,7 +25,8 @@ struct SaveModelOptions {
   /// A directory of shard files plus a Hugging Face index, instead of one
   /// file.
   TORCH_ARG(bool, shard) = false;
-  /// Gather distributed tensors into full ones before saving.
+  /// Gather distributed tensors into full ones before saving; only true is
+  /// supported (false is refused with an error).
   TORCH_ARG(bool, gather_dtensor) = true;
   /// Inserted into file names: "model.<prefix>.safetensors".
   TORCH_ARG(std::string, prefix) = "";
@@ -40,6 +41,7 @@ struct SaveModelOptions {
 /// Options of `save_optimizer`.
 struct SaveOptimizerOptions {
   TORCH_ARG(bool, shard) = false;
+  /// Only true is supported (see SaveModelOptions).
   TORCH_ARG(bool, gather_dtensor) = true;
   TORCH_ARG(std::string, prefix) = "";
   TORCH_ARG(int64_t, size_per_shard) = 1024;

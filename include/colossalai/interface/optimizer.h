@@ -6,6 +6,9 @@
 #include <vector>
 
 namespace colossalai {
+namespace distributed {
+class ProcessGroup;
+} // namespace distributed
 namespace interface {
 
 /// The boosted optimizer: works with every `torch::optim` optimizer (SGD,
@@ -51,7 +54,18 @@ class OptimizerWrapper {
   std::shared_ptr<torch::optim::Optimizer> optim_;
 };
 
-/// Gradient norm helpers shared by wrappers.
+/// The one global-gradient-norm rule of every optimizer wrapper: each
+/// tensor's `norm_type`-norm in fp32, then combined. Without `group`, the
+/// tensors are the whole model's gradients and the result is
+/// torch.nn.utils.clip_grad_norm_'s (norm of the norms, in fp32). With a
+/// `group`, the tensors are this rank's disjoint shards: the partials
+/// (sum of norm^p in double, or the max) are all-reduced over the group on
+/// the tensors' device. Undefined and empty tensors are skipped.
+double total_norm(
+    const std::vector<at::Tensor>& tensors,
+    double norm_type,
+    const distributed::ProcessGroup* group = nullptr);
+/// total_norm of the parameters' gradients.
 double grad_norm(const std::vector<at::Tensor>& params, double norm_type);
 void scale_grads(const std::vector<at::Tensor>& params, double factor);
 

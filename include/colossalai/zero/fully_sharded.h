@@ -37,6 +37,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/interface/model.h>
 #include <colossalai/interface/optimizer.h>
+#include <colossalai/zero/sharded_optimizer.h>
 
 #include <torch/arg.h>
 
@@ -209,28 +210,21 @@ class FullyShardedModel : public interface::ModelWrapper {
   std::shared_ptr<detail::FsdpState> state_;
 };
 
-/// The optimizer of a FullyShardedModel: steps only this rank's shards.
-class FullyShardedOptimizer : public interface::OptimizerWrapper {
+/// The optimizer of a FullyShardedModel: steps only this rank's shards
+/// (norm, clipping, loss scaling and full states from ShardedOptimizer).
+/// With param_dtype float16 it scales the loss dynamically.
+class FullyShardedOptimizer : public ShardedOptimizer {
  public:
   FullyShardedOptimizer(
       std::shared_ptr<torch::optim::Optimizer> optimizer,
-      std::shared_ptr<detail::FsdpState> state);
+      std::shared_ptr<detail::FsdpState> state,
+      ShardedOptimizerOptions options = {});
 
   void step() override;
-  void zero_grad(bool set_to_none = true) override;
-  void backward(const at::Tensor& loss, bool retain_graph = false) override;
-  /// Clips by the global norm across every rank's gradient shards.
-  double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
-  void clip_grad_by_value(double clip_value) override;
 
-  /// Full optimizer states by parameter id, gathered from every rank's
-  /// pieces (collective).
-  std::map<int64_t, checkpoint_io::StateDict> full_states();
-  /// Keeps this rank's piece of a full state (from any world size or plugin).
-  void load_full_state(
-      int64_t id,
-      const checkpoint_io::StateDict& state,
-      const std::string& file);
+ protected:
+  void after_step() override;
+  void zero_extra_grads(bool set_to_none) override;
 
  private:
   std::shared_ptr<detail::FsdpState> state_;

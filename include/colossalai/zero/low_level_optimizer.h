@@ -3,6 +3,7 @@
 #include <colossalai/checkpoint_io/state_dict.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/interface/optimizer.h>
+#include <colossalai/zero/sharded_optimizer.h>
 
 #include <torch/arg.h>
 
@@ -22,19 +23,14 @@ struct LowLevelZeroOptimizerOptions {
   /// Dtype gradients travel in (default: the working dtype).
   TORCH_ARG(c10::optional<at::ScalarType>, communication_dtype) = c10::nullopt;
   /// Elements per gradient bucket.
-  TORCH_ARG(int64_t, reduce_bucket_size) = 12 * 1000 * 1000;
+  TORCH_ARG(int64_t, reduce_bucket_size) = 12 << 20;
   /// Start each bucket's reduction from backward hooks (else at the end).
   TORCH_ARG(bool, overlap_communication) = true;
   /// Global gradient norm limit; 0 disables clipping.
   TORCH_ARG(double, max_norm) = 0.0;
-  /// fp16 dynamic loss scaling.
-  TORCH_ARG(double, initial_scale) = 4294967296.0;
-  TORCH_ARG(double, min_scale) = 1.0;
-  TORCH_ARG(double, max_scale) = 4294967296.0;
-  TORCH_ARG(double, growth_factor) = 2.0;
-  TORCH_ARG(double, backoff_factor) = 0.5;
-  TORCH_ARG(int64_t, growth_interval) = 1000;
-  TORCH_ARG(int64_t, hysteresis) = 2;
+  /// fp16 dynamic loss scaling (ZeRO's defaults: 2^32, hysteresis 2).
+  TORCH_ARG(amp::DynamicLossScalerOptions, loss_scaler) =
+      amp::DynamicLossScalerOptions().initial_scale(4294967296.0);
   /// Keep master weights, gradient slices and optimizer states on the CPU.
   TORCH_ARG(bool, cpu_offload) = false;
 };
@@ -50,15 +46,19 @@ struct MemoryStats {
 /// ZeRO stage 1/2 (`colossalai.zero.LowLevelZeroOptimizer`).
 ///
 /// NOTE [ZeRO-1/2 layout]
-/// Every parameter is flattened and padded to a multiple of the data-parallel
-/// size N; rank r owns elements [r*s, (r+1)*s) with s = padded/N. The user's
-/// optimizer is re-pointed at fp32 "master" slices, so it updates only what
-/// this rank owns and keeps states for those slices alone. Gradients enter
-/// buckets from gradient-accumulator hooks: a bucket stores, for each rank
-/// j, the j-th slices of its parameters side by side, so one reduce-scatter
-/// (stage 2) or all-reduce (stage 1) leaves every rank its own slices. After
-/// the step, updated slices are all-gathered into the working parameters.
-class LowLevelZeroOptimizer : public interface::OptimizerWrapper {
+/// Parameters are grouped into buckets of about `reduce_bucket_size`
+/// elements, in reverse registration order (the order backward produces
+/// gradients). Each bucket is one group in the flat shard layout (NOTE
+/// [Flat shard layout]): the parameters become views of one padded flat
+/// buffer in the working dtype and rank r owns elements [r*s, (r+1)*s) as
+/// fp32 master weights (in fp32 without offload, that slice *is* the
+/// weights: held once). The user's optimizer steps this rank's pieces, so
+/// it keeps states for them alone. Gradients enter the bucket from
+/// gradient-accumulator hooks (the shared GradBucketer); one reduce-scatter
+/// (stage 2) or all-reduce (stage 1) per bucket leaves every rank its
+/// averaged gradient shard. After the step, one all-gather per bucket
+/// rebuilds the working weights.
+class LowLevelZeroOptimizer : public ShardedOptimizer {
  public:
   LowLevelZeroOptimizer(
       std::shared_ptr<torch::optim::Optimizer> optimizer,
@@ -66,33 +66,28 @@ class LowLevelZeroOptimizer : public interface::OptimizerWrapper {
       LowLevelZeroOptimizerOptions options);
   ~LowLevelZeroOptimizer() override;
 
-  void backward(const at::Tensor& loss, bool retain_graph = false) override;
+  /// Steps, then clears the gradient shards (as ColossalAI does).
   void step() override;
-  void zero_grad(bool set_to_none = true) override;
-  double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
-  void clip_grad_by_value(double clip_value) override;
 
   /// Gradient synchronization on/off (no_sync, stage 1 only).
   void set_require_sync(bool require);
-  bool last_step_skipped() const;
-  double loss_scale() const;
   MemoryStats memory_stats() const;
   /// The working (model) parameters this optimizer manages.
   const std::vector<at::Tensor>& working_params() const;
+  /// Elements in each bucket's padded flat buffer.
+  std::vector<int64_t> bucket_numels() const;
+  /// All-gathers issued by the last step (one per bucket).
+  int64_t gathers_last_step() const;
 
-  /// Full optimizer states by parameter id, gathered from every rank's
-  /// slices (collective: every rank must call it).
-  std::map<int64_t, checkpoint_io::StateDict> full_states();
-  /// Keeps this rank's slice of a full state (from any world size or plugin).
-  void load_full_state(
-      int64_t id,
-      const checkpoint_io::StateDict& state,
-      const std::string& file);
   /// Re-reads the master slices from the working parameters (after the
   /// model's weights were loaded).
   void sync_master_from_working();
 
   struct Impl;
+
+ protected:
+  void after_step() override;
+  void zero_extra_grads(bool set_to_none) override;
 
  private:
   std::shared_ptr<Impl> impl_;

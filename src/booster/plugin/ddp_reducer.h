@@ -3,9 +3,7 @@
 // Gradient bucketing and overlapped all-reduce for TorchDDPModel; see
 // NOTE [DDP gradient reduction].
 
-#include <colossalai/distributed/collectives.h>
-
-#include <torch/csrc/autograd/function.h>
+#include "../../distributed/grad_bucketer.h"
 
 #include <memory>
 #include <string>
@@ -24,7 +22,9 @@ struct ReducerOptions {
   bool static_graph = false;
 };
 
-class Reducer : public std::enable_shared_from_this<Reducer> {
+/// DDP's strategy on the shared bucketer: buckets of whole gradients,
+/// averaged by an all-reduce, copied back into `.grad` (or left as views).
+class Reducer : public distributed::BucketHandler {
  public:
   Reducer(
       std::vector<std::string> names,
@@ -32,18 +32,32 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
       distributed::ProcessGroupPtr group,
       ReducerOptions options);
 
-  /// Installs the gradient-accumulator hooks; call once after make_shared.
+  /// Installs the gradient-accumulator hooks.
   void register_hooks();
 
-  bool require_sync = true;
+  void set_require_sync(bool require) {
+    bucketer_->set_sync(require);
+  }
+  bool require_sync() const {
+    return bucketer_->sync();
+  }
 
   std::vector<int64_t> bucket_numels() const;
   int64_t bytes_per_sync() const;
   /// Buckets whose all-reduce started from a gradient hook, i.e. while
   /// backward was still computing, in the last synchronized backward.
   size_t buckets_overlapped() const {
-    return overlapped_last_;
+    return bucketer_->buckets_overlapped();
   }
+
+  // BucketHandler.
+  void on_backward_begin() override;
+  void fill(size_t param, bool used) override;
+  distributed::Work launch(size_t bucket) override;
+  void complete(size_t bucket) override {}
+  void on_missing(const std::vector<size_t>& params) override;
+  void before_wait() override;
+  void on_finalized(bool synced) override;
 
  private:
   struct Slot {
@@ -51,19 +65,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     int64_t offset;
     int64_t numel;
   };
-  struct Bucket {
-    std::vector<size_t> params;
-    at::Tensor buffer;
-    size_t pending = 0;
-    distributed::Work work;
-  };
 
-  void build_buckets();
-  void on_grad_ready(size_t index);
-  void mark_ready(size_t index, bool used);
-  void launch_ready_buckets();
-  void finalize();
-  void reset();
+  std::vector<std::vector<size_t>> plan_buckets();
+  at::Tensor view_of(size_t param) const;
 
   std::vector<std::string> names_;
   std::vector<at::Tensor> params_;
@@ -71,18 +75,13 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   ReducerOptions options_;
 
   std::vector<Slot> slots_;
-  std::vector<Bucket> buckets_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<at::Tensor> buffers_; // one per bucket
+  std::shared_ptr<distributed::GradBucketer> bucketer_;
 
-  // Per-backward state.
-  std::vector<char> ready_;
+  // Per-backward: which parameters got a gradient here; after the
+  // unused-parameter exchange, which got none on any rank.
   std::vector<int32_t> used_;
-  size_t next_bucket_ = 0;
-  bool in_backward_ = false;
-  bool finalizing_ = false;
-  size_t overlapped_ = 0;
-  size_t overlapped_last_ = 0;
-
+  std::vector<char> unused_;
   // static_graph: parameters found unused everywhere in the first iteration.
   bool unused_known_ = false;
   std::vector<char> globally_unused_;

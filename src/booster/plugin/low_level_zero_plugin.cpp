@@ -125,6 +125,10 @@ LowLevelZeroPlugin::LowLevelZeroPlugin(LowLevelZeroPluginOptions options)
   TORCH_CHECK(
       options_.max_norm() >= 0, "LowLevelZeroPlugin: max_norm must be >= 0");
   TORCH_CHECK(
+      !options_.overlap_allgather(),
+      "LowLevelZeroPlugin: overlap_allgather(true) is not supported: the "
+      "post-step all-gather (one per bucket) completes inside step()");
+  TORCH_CHECK(
       options_.reduce_bucket_size_in_m() > 0,
       "LowLevelZeroPlugin: reduce_bucket_size_in_m must be > 0");
   TORCH_CHECK(
@@ -157,17 +161,18 @@ void LowLevelZeroPlugin::configure(
   zero::LowLevelZeroOptimizerOptions zo;
   zo.stage(options_.stage())
       .dtype(dtype_)
-      .reduce_bucket_size(static_cast<int64_t>(
-          options_.reduce_bucket_size_in_m() * 1000 * 1000))
+      .reduce_bucket_size(
+          static_cast<int64_t>(options_.reduce_bucket_size_in_m() * (1 << 20)))
       .overlap_communication(options_.overlap_communication())
       .max_norm(options_.max_norm())
-      .initial_scale(options_.initial_scale())
-      .min_scale(options_.min_scale())
-      .max_scale(options_.max_scale())
-      .growth_factor(options_.growth_factor())
-      .backoff_factor(options_.backoff_factor())
-      .growth_interval(options_.growth_interval())
-      .hysteresis(options_.hysteresis())
+      .loss_scaler(amp::DynamicLossScalerOptions()
+                       .initial_scale(options_.initial_scale())
+                       .min_scale(options_.min_scale())
+                       .max_scale(options_.max_scale())
+                       .growth_factor(options_.growth_factor())
+                       .backoff_factor(options_.backoff_factor())
+                       .growth_interval(options_.growth_interval())
+                       .hysteresis(options_.hysteresis()))
       .cpu_offload(options_.cpu_offload());
   if (!options_.communication_dtype().empty()) {
     zo.communication_dtype(parse_dtype(

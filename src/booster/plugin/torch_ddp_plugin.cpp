@@ -117,11 +117,11 @@ void TorchDDPModel::broadcast_buffers() {
 }
 
 void TorchDDPModel::set_require_sync(bool require) {
-  reducer_->require_sync = require;
+  reducer_->set_require_sync(require);
 }
 
 bool TorchDDPModel::require_sync() const {
-  return reducer_->require_sync;
+  return reducer_->require_sync();
 }
 
 std::vector<int64_t> TorchDDPModel::bucket_numels() const {
@@ -165,7 +165,8 @@ void TorchDDPCheckpointIO::sync_point() {
   distributed::barrier(*group_).wait();
 }
 
-std::shared_ptr<checkpoint_io::CheckpointIO> TorchDDPPlugin::get_checkpoint_io() {
+std::shared_ptr<checkpoint_io::CheckpointIO> TorchDDPPlugin::
+    get_checkpoint_io() {
   return std::make_shared<TorchDDPCheckpointIO>(dp_group_);
 }
 

@@ -5,8 +5,6 @@
 #include <colossalai/utils/compat.h>
 #include <colossalai/utils/env.h>
 
-#include "../../utils/grad_ready_hook.h"
-
 #include <torch/nn/module.h>
 
 #include <exception>
@@ -16,6 +14,8 @@
 namespace colossalai {
 namespace zero {
 
+using detail::all_gather_flat;
+using detail::FlatShardLayout;
 using detail::FsdpState;
 using detail::Unit;
 
@@ -120,64 +120,40 @@ void make_groups(FsdpState& st, const distributed::ProcessGroupPtr& dp) {
   }
 }
 
-// Flattens a unit's parameters into its padded buffer and keeps this rank's
-// fp32 shard.
+// Lays a unit's parameters out flat (NOTE [Flat shard layout]) and keeps
+// this rank's fp32 shard.
 void build_unit(FsdpState& st, Unit& u) {
-  int64_t numel = 0;
-  for (const auto& p : u.params) {
-    TORCH_CHECK(
-        p.is_floating_point(),
-        "FSDP: parameter '",
-        u.param_names[&p - u.params.data()],
-        "' is not floating point");
-    u.offsets.push_back(numel);
-    numel += p.numel();
-    u.grads_expected += p.requires_grad() ? 1 : 0;
-  }
-  u.numel = numel;
-  u.shard = (numel + st.S - 1) / st.S;
-  const int64_t padded = u.shard * st.S;
-  const int r = st.S > 1 ? st.shard_rank() : 0;
-
-  auto flat32 =
-      at::zeros({padded}, at::TensorOptions(st.device).dtype(at::kFloat));
   for (size_t i = 0; i < u.params.size(); ++i) {
-    flat32.narrow(0, u.offsets[i], u.params[i].numel())
-        .copy_(u.params[i].detach().reshape({-1}));
+    TORCH_CHECK(
+        u.params[i].is_floating_point(),
+        "FSDP: parameter '",
+        u.param_names[i],
+        "' is not floating point");
+    u.grads_expected += u.params[i].requires_grad() ? 1 : 0;
   }
+  const int r = st.S > 1 ? st.shard_rank() : 0;
+  u.layout = FlatShardLayout::of(u.params, st.S, r);
+
+  auto flat32 = u.layout.flatten(
+      u.params, at::TensorOptions(st.device).dtype(at::kFloat));
   u.aliased = st.S == 1 && st.param_dtype == at::kFloat && !st.o.cpu_offload();
   if (u.aliased) {
     u.full = flat32;
     u.shard_data = flat32;
   } else {
-    u.shard_data =
-        flat32.narrow(0, r * u.shard, u.shard).clone().to(st.shard_device);
+    u.shard_data = u.layout.my_shard(flat32).clone().to(st.shard_device);
     u.full = flat32.to(st.param_dtype, false, /*copy=*/true);
   }
   flat32 = at::Tensor();
-  u.shard_grad = at::zeros({u.shard}, u.shard_data.options());
+  u.shard_grad = at::zeros({u.layout.shard}, u.shard_data.options());
 
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < u.params.size(); ++i) {
     auto& p = u.params[i];
-    u.views.push_back(
-        u.full.narrow(0, u.offsets[i], p.numel()).view(p.sizes()).detach());
+    u.views.push_back(u.layout.view(u.full, i, p.sizes()).detach());
     p.set_data(u.views.back());
-    // This rank's part of the parameter, for the optimizer.
-    const int64_t lo = std::max(u.offsets[i], r * u.shard);
-    const int64_t hi = std::min(u.offsets[i] + p.numel(), (r + 1) * u.shard);
-    detail::PieceRange range;
-    if (hi > lo) {
-      range = {lo - r * u.shard, lo - u.offsets[i], hi - lo};
-    }
-    auto piece = u.shard_data.narrow(0, range.in_shard, range.len).detach();
-    piece.set_requires_grad(p.requires_grad());
-    if (p.requires_grad()) {
-      piece.mutable_grad() = u.shard_grad.narrow(0, range.in_shard, range.len);
-    }
-    u.pieces.push_back(piece);
-    u.ranges.push_back(range);
   }
+  u.make_pieces(); // this rank's part of each parameter, for the optimizer
   u.gathered = true;
   if (st.reshard_at_rest() && !u.aliased) {
     compat::free_storage(u.full);
@@ -190,21 +166,25 @@ void build_unit(FsdpState& st, Unit& u) {
 namespace detail {
 
 void FsdpState::install_grad_hooks() {
-  accumulators.clear();
-  std::weak_ptr<FsdpState> weak = shared_from_this();
-  for (size_t k = 0; k < units.size(); ++k) {
-    for (size_t i = 0; i < units[k].params.size(); ++i) {
-      if (!units[k].params[i].requires_grad()) {
-        continue;
-      }
-      accumulators.push_back(
-          utils::on_grad_accumulated(units[k].params[i], [weak, k, i]() {
-            if (auto self = weak.lock()) {
-              self->on_grad(k, i);
-            }
-          }));
-    }
+  std::vector<at::Tensor> params;
+  for (const auto& e : grad_params) {
+    params.push_back(units[e.first].params[e.second]);
   }
+  if (bucketer == nullptr) {
+    // Units complete in reverse execution order, the same on every rank:
+    // reduce each as it completes, at most two in flight (bounds memory).
+    distributed::GradBucketerOptions bo;
+    bo.ordered = false;
+    bo.max_in_flight = 2;
+    bucketer = std::make_shared<distributed::GradBucketer>(
+        params.size(), std::move(buckets), this, bo);
+  }
+  size_t bad = 0;
+  TORCH_CHECK(
+      bucketer->attach_hooks(params, &bad),
+      "FSDP: parameter '",
+      units[grad_params[bad].first].param_names[grad_params[bad].second],
+      "' is not a leaf");
 }
 
 } // namespace detail
@@ -310,8 +290,20 @@ FullyShardedModel::FullyShardedModel(
       st.o.param_init_fn()(*u.module);
     }
   }
-  for (auto& u : st.units) {
+  for (size_t k = 0; k < st.units.size(); ++k) {
+    auto& u = st.units[k];
     build_unit(st, u);
+    std::vector<size_t> bucket;
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      if (u.params[i].requires_grad()) {
+        bucket.push_back(st.grad_params.size());
+        st.grad_params.emplace_back(k, i);
+      }
+    }
+    if (!bucket.empty()) {
+      st.bucket_unit.push_back(k);
+      st.buckets.push_back(std::move(bucket));
+    }
   }
   for (size_t k = 1; k < st.units.size(); ++k) {
     dynamic_cast<nn::HookableModule*>(st.units[k].module)
@@ -389,8 +381,8 @@ int64_t FullyShardedModel::prefetch_count() const {
 
 void FullyShardedModel::set_require_sync(bool require) {
   TORCH_CHECK(
-      !state_->in_backward, "FSDP: no_sync cannot change during backward");
-  state_->require_sync = require;
+      !state_->in_backward(), "FSDP: no_sync cannot change during backward");
+  state_->set_require_sync(require);
 }
 
 FullyShardedModel::FullParams FullyShardedModel::summon_full_params(
@@ -406,25 +398,21 @@ FullyShardedModel::FullParams::FullParams(
       uncaught_(std::uncaught_exceptions()) {
   auto& st = *state_;
   TORCH_CHECK(
-      !st.in_forward && !st.in_backward && !st.summoned,
+      !st.in_forward && !st.in_backward() && !st.summoned,
       "FSDP: summon_full_params() needs the model at rest (not inside "
       "forward, backward or another summon_full_params)");
   st.summoned = true;
   at::NoGradGuard no_grad;
   for (auto& u : st.units) {
-    if (u.numel == 0) {
+    if (u.numel() == 0) {
       continue;
     }
     auto full = at::empty({u.padded()}, u.full.options().dtype(at::kFloat));
     auto src = u.shard_data.to(st.device, at::kFloat, false, /*copy=*/true);
-    if (st.S > 1) {
-      distributed::all_gather(full, src, *st.shard_group).wait();
-    } else {
-      full.copy_(src);
-    }
+    all_gather_flat(full, src, u.layout, st.shard_group.get()).wait();
     for (size_t i = 0; i < u.params.size(); ++i) {
       auto& p = u.params[i];
-      p.set_data(full.narrow(0, u.offsets[i], p.numel()).view(p.sizes()));
+      p.set_data(u.layout.view(full, i, p.sizes()));
     }
   }
 }
@@ -443,17 +431,15 @@ FullyShardedModel::FullParams::~FullParams() noexcept(false) {
   const bool writeback = writeback_ && std::uncaught_exceptions() == uncaught_;
   at::NoGradGuard no_grad;
   for (auto& u : st.units) {
-    if (u.numel == 0) {
+    if (u.numel() == 0) {
       continue;
     }
     for (size_t i = 0; i < u.params.size(); ++i) {
       auto& p = u.params[i];
-      const auto& range = u.ranges[i];
-      if (writeback && range.len > 0) {
+      if (writeback && u.layout.ranges[i].len > 0) {
         // This rank's range of the (possibly edited) full value.
-        u.shard_data.narrow(0, range.in_shard, range.len)
-            .copy_(
-                p.detach().reshape({-1}).narrow(0, range.in_param, range.len));
+        u.layout.piece(u.shard_data, i)
+            .copy_(u.layout.piece_of_param(p.detach().reshape({-1}), i));
       }
       p.set_data(u.views[i]);
     }

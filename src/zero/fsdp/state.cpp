@@ -2,7 +2,6 @@
 
 #include <colossalai/utils/compat.h>
 
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
@@ -30,7 +29,7 @@ bool FsdpState::reshard_after_forward(const Unit& u) const {
 
 void FsdpState::launch_gather(size_t k) {
   auto& u = units[k];
-  if (u.aliased || u.gathered || u.gathering || u.numel == 0) {
+  if (u.aliased || u.gathered || u.gathering || u.numel() == 0) {
     return;
   }
   const auto nbytes =
@@ -65,7 +64,7 @@ void FsdpState::wait_gather(size_t k) {
 
 void FsdpState::reshard(size_t k) {
   auto& u = units[k];
-  if (u.aliased || u.numel == 0) {
+  if (u.aliased || u.numel() == 0) {
     return;
   }
   wait_gather(k);
@@ -109,7 +108,7 @@ void FsdpState::root_pre_forward() {
       !summoned,
       "FSDP: forward inside summon_full_params(); end the guard first");
   TORCH_CHECK(
-      !in_backward, "FSDP: forward while a backward pass is in progress");
+      !in_backward(), "FSDP: forward while a backward pass is in progress");
   in_forward = true;
   recording = !order_recorded;
   ensure_gathered(0);
@@ -166,21 +165,8 @@ at::Tensor FsdpState::exit_unit(size_t k, const at::Tensor& output) {
   return output;
 }
 
-void FsdpState::begin_backward() {
-  if (in_backward) {
-    return;
-  }
-  in_backward = true;
-  std::weak_ptr<FsdpState> weak = shared_from_this();
-  torch::autograd::Engine::get_default_engine().queue_callback([weak]() {
-    if (auto self = weak.lock()) {
-      self->finalize_backward();
-    }
-  });
-}
-
 void FsdpState::pre_backward(size_t k) {
-  begin_backward();
+  bucketer->begin_backward();
   ensure_gathered(k);
   if (o.backward_prefetch() == BackwardPrefetch::kBackwardPre) {
     if (auto next = backward_next(k)) {
@@ -193,21 +179,34 @@ void FsdpState::pre_backward(size_t k) {
   }
 }
 
-void FsdpState::on_grad(size_t k, size_t /*i*/) {
-  begin_backward();
+void FsdpState::fill(size_t param, bool /*used*/) {
+  const auto [k, i] = grad_params[param];
   auto& u = units[k];
-  if (++u.grads_ready == u.grads_expected) {
-    unit_grads_done(k);
+  if (!u.flat_grad.defined()) {
+    u.flat_grad = at::empty({u.padded()}, u.full.options().dtype(reduce_dtype));
+    if (u.padded() > u.numel()) {
+      u.flat_grad.narrow(0, u.numel(), u.padded() - u.numel()).zero_();
+    }
+    // Parameters that do not require grad have no slot to fill.
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      if (!u.params[j].requires_grad()) {
+        u.layout.copy_into(u.flat_grad, j, at::Tensor());
+      }
+    }
   }
+  auto& g = u.params[i].mutable_grad();
+  u.layout.copy_into(u.flat_grad, i, g); // zeros when unused
+  g = at::Tensor(); // the full gradient is no longer needed
 }
 
-void FsdpState::unit_grads_done(size_t k) {
+void FsdpState::on_bucket_ready(size_t bucket) {
+  const size_t k = bucket_unit[bucket];
   auto& u = units[k];
   // Gradients only grow until a unit completes, so its peak is now.
   sample_peak();
   u.grads_done = true;
-  if (require_sync) {
-    reduce(k);
+  if (bucketer->finalizing()) {
+    return; // a unit backward did not reach; everything reshards next
   }
   if (reshard_at_rest()) {
     reshard(k);
@@ -223,92 +222,49 @@ void FsdpState::unit_grads_done(size_t k) {
   }
 }
 
-void FsdpState::reduce(size_t k) {
-  auto& u = units[k];
-  auto flat = at::empty({u.padded()}, u.full.options().dtype(reduce_dtype));
-  if (u.padded() > u.numel) {
-    flat.narrow(0, u.numel, u.padded() - u.numel).zero_();
-  }
-  for (size_t i = 0; i < u.params.size(); ++i) {
-    auto dst = flat.narrow(0, u.offsets[i], u.params[i].numel());
-    auto& g = u.params[i].mutable_grad();
-    if (g.defined()) {
-      dst.copy_(g.reshape({-1}));
-      g = at::Tensor(); // the full gradient is no longer needed
-    } else {
-      dst.zero_(); // unused in this backward
-    }
-  }
+distributed::Work FsdpState::launch(size_t bucket) {
+  auto& u = units[bucket_unit[bucket]];
+  auto& flat = u.flat_grad;
   flat.div_(S * R); // average; keeps low-precision sums in range
-  u.flat_grad = flat;
+  distributed::Work work;
   if (S > 1) {
-    u.reduced = at::empty({u.shard}, flat.options());
-    u.reduce_work = distributed::reduce_scatter(u.reduced, flat, *shard_group);
+    u.reduced = at::empty({u.layout.shard}, flat.options());
+    work = distributed::reduce_scatter(u.reduced, flat, *shard_group);
   } else {
     u.reduced = flat;
-    u.reduce_work = R > 1 ? distributed::all_reduce(u.reduced, *replicate_group)
-                          : distributed::Work();
+    if (R > 1) {
+      work = distributed::all_reduce(u.reduced, *replicate_group);
+    }
   }
-  u.reducing = true;
-  reducing.push_back(k);
   sample_peak();
-  // Bound gradient memory: at most two reductions in flight.
-  while (reducing.size() > 2) {
-    consume(reducing.front());
-    reducing.pop_front();
-  }
+  return work;
 }
 
-void FsdpState::consume(size_t k) {
-  auto& u = units[k];
-  u.reduce_work.wait();
-  u.reduce_work = distributed::Work();
+void FsdpState::complete(size_t bucket) {
+  auto& u = units[bucket_unit[bucket]];
   if (S > 1 && R > 1) {
     distributed::all_reduce(u.reduced, *replicate_group).wait();
   }
   u.shard_grad.add_(u.reduced.to(shard_device, at::kFloat));
   u.flat_grad = at::Tensor();
   u.reduced = at::Tensor();
-  u.reducing = false;
 }
 
-void FsdpState::finalize_backward() {
-  try {
+void FsdpState::on_finalized(bool /*synced*/) {
+  if (reshard_at_rest()) {
     for (size_t k = 0; k < units.size(); ++k) {
-      auto& u = units[k];
-      if (!u.grads_done && u.grads_expected > 0) {
-        // Units (or parameters) this backward did not reach: their
-        // gradients are zero, but every rank must take part.
-        if (require_sync) {
-          reduce(k);
-        }
-        u.grads_done = true;
-      }
+      reshard(k); // includes units prefetched but never used
     }
-    while (!reducing.empty()) {
-      consume(reducing.front());
-      reducing.pop_front();
-    }
-    for (size_t k = 0; k < units.size(); ++k) {
-      if (reshard_at_rest()) {
-        reshard(k); // includes units prefetched but never used
-      }
-    }
-  } catch (...) {
-    for (auto& u : units) {
-      u.grads_ready = 0;
-      u.grads_done = false;
-    }
-    reducing.clear();
-    in_backward = false;
-    throw;
   }
-  for (auto& u : units) {
-    u.grads_ready = 0;
-    u.grads_done = false;
-  }
-  in_backward = false;
   sample_peak();
+}
+
+void FsdpState::on_reset() {
+  for (auto& u : units) {
+    u.grads_done = false;
+    u.flat_grad = at::Tensor();
+    u.reduced = at::Tensor();
+  }
 }
 
 FullyShardedMemoryStats FsdpState::measure() const {

@@ -5,9 +5,9 @@
 
 #include <colossalai/zero/fully_sharded.h>
 
-#include <torch/csrc/autograd/function.h>
+#include "../../distributed/grad_bucketer.h"
+#include "../common/flat_params.h"
 
-#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,33 +16,18 @@ namespace colossalai {
 namespace zero {
 namespace detail {
 
-// Where a parameter meets this rank's shard: elements [in_param, in_param +
-// len) of the flattened parameter are elements [in_shard, in_shard + len)
-// of the shard (len may be 0).
-struct PieceRange {
-  int64_t in_shard = 0;
-  int64_t in_param = 0;
-  int64_t len = 0;
-};
-
-struct Unit {
+// A unit: its parameters in the flat shard layout (NOTE [Flat shard
+// layout]) plus the gathered full buffer and per-backward state.
+struct Unit : FlatParams {
   std::string name; // "" for the root
   torch::nn::Module* module = nullptr;
   bool root = false;
 
-  std::vector<at::Tensor> params; // the module's own tensors
   std::vector<std::string> param_names;
-  std::vector<int64_t> offsets; // into the flat buffer
-  int64_t numel = 0;            // unpadded
-  int64_t shard = 0;            // s: elements per rank
-  int64_t grads_expected = 0;   // parameters that require grad
+  int64_t grads_expected = 0; // parameters that require grad
 
-  at::Tensor full;       // S*s in param dtype; its storage is freed at rest
-  bool aliased = false;  // full is the shard itself (nothing to gather)
-  at::Tensor shard_data; // fp32 s (master weights)
-  at::Tensor shard_grad; // fp32 s
-  std::vector<at::Tensor> pieces; // per param: its part of shard_data
-  std::vector<PieceRange> ranges; // per param: where that part lies
+  at::Tensor full;      // S*s in param dtype; its storage is freed at rest
+  bool aliased = false; // full is the shard itself (nothing to gather)
   // Per param: its view of `full`, made while the storage was allocated
   // (views cannot be made of a freed storage).
   std::vector<at::Tensor> views;
@@ -54,19 +39,20 @@ struct Unit {
   at::Tensor gather_src;
 
   // Backward state.
-  int64_t grads_ready = 0;
   bool grads_done = false;
-  bool reducing = false;
-  at::Tensor flat_grad;
-  at::Tensor reduced; // this rank's reduced shard (reduce dtype)
-  distributed::Work reduce_work;
+  at::Tensor flat_grad; // this backward's full gradients, flat
+  at::Tensor reduced;   // this rank's reduced shard (reduce dtype)
 
+  int64_t numel() const {
+    return layout.numel;
+  }
   int64_t padded() const {
-    return full.numel();
+    return layout.padded();
   }
 };
 
-struct FsdpState : std::enable_shared_from_this<FsdpState> {
+struct FsdpState : std::enable_shared_from_this<FsdpState>,
+                   distributed::BucketHandler {
   FullyShardedOptions o;
   distributed::ProcessGroupPtr shard_group;     // S ranks
   distributed::ProcessGroupPtr replicate_group; // R ranks, null when R == 1
@@ -79,16 +65,17 @@ struct FsdpState : std::enable_shared_from_this<FsdpState> {
 
   std::vector<Unit> units; // units[0] is the root (possibly empty)
   std::vector<at::Tensor> ignored_params; // neither sharded nor reduced
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  // Gradient reduction: one bucket per unit with trainable parameters.
+  std::shared_ptr<distributed::GradBucketer> bucketer;
+  std::vector<std::pair<size_t, size_t>> grad_params; // (unit, index)
+  std::vector<size_t> bucket_unit;
+  std::vector<std::vector<size_t>> buckets; // until the bucketer exists
   std::vector<size_t> order; // non-root units in first-forward order
   bool order_recorded = false;
   bool recording = false;
 
   bool in_forward = false;
-  bool in_backward = false;
-  bool require_sync = true;
   bool summoned = false;
-  std::deque<size_t> reducing;
   int64_t prefetches = 0;
 
   int64_t optimizer_bytes = 0; // measured after each step
@@ -100,6 +87,13 @@ struct FsdpState : std::enable_shared_from_this<FsdpState> {
   bool reshard_after_forward(const Unit& u) const;
   bool reshard_at_rest() const {
     return o.sharding_strategy() != ShardingStrategy::kNoShard;
+  }
+
+  bool in_backward() const {
+    return bucketer != nullptr && bucketer->in_backward();
+  }
+  void set_require_sync(bool require) {
+    bucketer->set_sync(require);
   }
 
   // (Re-)installs the gradient-accumulator hooks; needed again whenever a
@@ -124,14 +118,14 @@ struct FsdpState : std::enable_shared_from_this<FsdpState> {
   void root_pre_forward();
   void root_post_forward();
 
-  // Backward.
-  void begin_backward();
+  // Backward (BucketHandler: see NOTE [Gradient bucketing]).
   void pre_backward(size_t k);
-  void on_grad(size_t k, size_t i);
-  void unit_grads_done(size_t k);
-  void reduce(size_t k);
-  void consume(size_t k);
-  void finalize_backward();
+  void fill(size_t param, bool used) override;
+  void on_bucket_ready(size_t bucket) override;
+  distributed::Work launch(size_t bucket) override;
+  void complete(size_t bucket) override;
+  void on_finalized(bool synced) override;
+  void on_reset() override;
   c10::optional<size_t> backward_next(size_t k) const;
   c10::optional<size_t> forward_next(size_t k) const;
 

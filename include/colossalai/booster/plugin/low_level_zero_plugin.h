@@ -30,8 +30,9 @@ struct LowLevelZeroPluginOptions {
   TORCH_ARG(std::string, communication_dtype) = "";
   /// Start each gradient bucket's reduction from backward hooks.
   TORCH_ARG(bool, overlap_communication) = true;
-  /// Accepted for compatibility; the parameter all-gather after step is
-  /// issued for all parameters at once and waited before step returns.
+  /// Not supported (true is refused): the parameter all-gather after step
+  /// is one collective per bucket, all started at once and waited before
+  /// step returns (C++ modules have no forward hooks to wait in).
   TORCH_ARG(bool, overlap_allgather) = false;
   /// Master slices, gradient slices and optimizer states in host memory;
   /// pass a HybridAdam for the fused CPU update.

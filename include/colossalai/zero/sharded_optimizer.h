@@ -1,0 +1,112 @@
+#pragma once
+
+#include <colossalai/amp/dynamic_loss_scaler.h>
+#include <colossalai/checkpoint_io/state_dict.h>
+#include <colossalai/distributed/process_group.h>
+#include <colossalai/interface/optimizer.h>
+
+#include <torch/arg.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace colossalai {
+namespace zero {
+
+namespace detail {
+struct FlatParams;
+} // namespace detail
+
+struct ShardedOptimizerOptions {
+  /// Global gradient norm limit applied in step(); 0 disables clipping.
+  TORCH_ARG(double, max_norm) = 0.0;
+  TORCH_ARG(double, norm_type) = 2.0;
+  /// Dynamic loss scaling (fp16); unset: no scaling.
+  TORCH_ARG(c10::optional<amp::DynamicLossScalerOptions>, loss_scaler) =
+      c10::nullopt;
+};
+
+/// The base of every sharded optimizer (ZeRO-1/2, FSDP; Gemini next): the
+/// user's optimizer steps this rank's pieces of parameter groups laid out as
+/// NOTE [Flat shard layout] describes; this class adds what all of them
+/// share: the global gradient norm over every rank's shards, clipping by
+/// norm and by value, dynamic loss scaling with the overflow decision agreed
+/// across ranks (a step with inf/nan anywhere is skipped everywhere), and
+/// full optimizer states gathered from or scattered to pieces.
+class ShardedOptimizer : public interface::OptimizerWrapper {
+ public:
+  ~ShardedOptimizer() override;
+
+  /// Unscales (fp16), skips on overflow, clips to max_norm, steps the
+  /// pieces, then lets the strategy publish the new weights.
+  void step() override;
+  /// Multiplies the loss by the loss scale (fp16) before backward.
+  void backward(const at::Tensor& loss, bool retain_graph = false) override;
+  void zero_grad(bool set_to_none = true) override;
+  /// Clips by the global norm across every rank's gradient shards.
+  double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
+  void clip_grad_by_value(double clip_value) override;
+
+  /// Whether the last step was skipped for an inf/nan gradient.
+  bool last_step_skipped() const {
+    return skipped_;
+  }
+  /// The loss scale (1 without loss scaling).
+  double loss_scale() const;
+
+  /// Full optimizer states by parameter id, gathered from every rank's
+  /// pieces (collective: every rank must call it).
+  std::map<int64_t, checkpoint_io::StateDict> full_states();
+  /// Keeps this rank's piece of a full state (from any world size or
+  /// plugin).
+  void load_full_state(
+      int64_t id,
+      const checkpoint_io::StateDict& state,
+      const std::string& file);
+
+ protected:
+  ShardedOptimizer(
+      std::shared_ptr<torch::optim::Optimizer> optimizer,
+      ShardedOptimizerOptions options);
+
+  /// Re-points the optimizer's parameters at the pieces of `groups`
+  /// (pointers stay valid for the optimizer's life); `unsharded` are
+  /// parameters the optimizer may hold whole (not reduced, not clipped).
+  /// `group` shares the shards (null: one rank).
+  void shard_param_groups(
+      const std::string& plugin,
+      std::vector<detail::FlatParams*> groups,
+      distributed::ProcessGroupPtr group,
+      const std::vector<at::Tensor>& unsharded = {});
+
+  /// After the pieces were updated (the strategy gathers the new weights).
+  virtual void after_step() {}
+  /// In zero_grad, for gradients the strategy keeps beside the shards
+  /// (e.g. full gradients accumulated under no_sync).
+  virtual void zero_extra_grads(bool set_to_none) {}
+
+  const std::vector<detail::FlatParams*>& flat_groups() const {
+    return groups_;
+  }
+  const distributed::ProcessGroupPtr& shard_group() const {
+    return group_;
+  }
+
+ private:
+  void unscale();
+  bool overflow();
+  double global_norm(double norm_type);
+  void scale_grads(double factor);
+
+  ShardedOptimizerOptions options_;
+  std::unique_ptr<amp::DynamicLossScaler> scaler_;
+  std::vector<detail::FlatParams*> groups_;
+  distributed::ProcessGroupPtr group_;
+  bool unscaled_ = false;
+  bool skipped_ = false;
+};
+
+} // namespace zero
+} // namespace colossalai

@@ -1,0 +1,195 @@
+#include "grad_bucketer.h"
+
+#include "../utils/grad_ready_hook.h"
+
+#include <torch/csrc/autograd/engine.h>
+
+namespace colossalai {
+namespace distributed {
+
+GradBucketer::GradBucketer(
+    size_t num_params,
+    std::vector<std::vector<size_t>> buckets,
+    BucketHandler* handler,
+    GradBucketerOptions options)
+    : handler_(handler),
+      options_(options),
+      bucket_of_(num_params, -1),
+      ready_(num_params, 0) {
+  TORCH_INTERNAL_ASSERT(handler_ != nullptr);
+  buckets_.resize(buckets.size());
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    TORCH_INTERNAL_ASSERT(!buckets[b].empty(), "empty gradient bucket");
+    for (size_t i : buckets[b]) {
+      TORCH_INTERNAL_ASSERT(i < num_params && bucket_of_[i] < 0);
+      bucket_of_[i] = static_cast<int64_t>(b);
+    }
+    buckets_[b].params = std::move(buckets[b]);
+    buckets_[b].pending = buckets_[b].params.size();
+  }
+}
+
+bool GradBucketer::attach_hooks(
+    const std::vector<at::Tensor>& params,
+    size_t* bad) {
+  TORCH_INTERNAL_ASSERT(params.size() == bucket_of_.size());
+  accumulators_.clear();
+  std::weak_ptr<GradBucketer> weak = shared_from_this();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (bucket_of_[i] < 0) {
+      continue;
+    }
+    auto acc = utils::on_grad_accumulated(params[i], [weak, i]() {
+      if (auto self = weak.lock()) {
+        self->ready(i);
+      }
+    });
+    if (acc == nullptr) {
+      if (bad != nullptr) {
+        *bad = i;
+      }
+      return false;
+    }
+    // The parameter holds its accumulator weakly; keep it (and the hook).
+    accumulators_.push_back(std::move(acc));
+  }
+  return true;
+}
+
+void GradBucketer::begin_backward() {
+  if (in_backward_) {
+    return;
+  }
+  in_backward_ = true;
+  std::weak_ptr<GradBucketer> weak = shared_from_this();
+  torch::autograd::Engine::get_default_engine().queue_callback([weak]() {
+    if (auto self = weak.lock()) {
+      self->finalize();
+    }
+  });
+  handler_->on_backward_begin();
+}
+
+void GradBucketer::ready(size_t param, bool used) {
+  if (bucket_of_[param] < 0) {
+    return;
+  }
+  begin_backward();
+  TORCH_INTERNAL_ASSERT(
+      !ready_[param],
+      "gradient of parameter ",
+      param,
+      " reported twice in one backward");
+  mark(param, used);
+}
+
+void GradBucketer::mark(size_t param, bool used) {
+  ready_[param] = 1;
+  if (sync_) {
+    handler_->fill(param, used);
+  }
+  const auto b = static_cast<size_t>(bucket_of_[param]);
+  auto& bucket = buckets_[b];
+  TORCH_INTERNAL_ASSERT(bucket.pending > 0);
+  if (--bucket.pending > 0) {
+    return;
+  }
+  handler_->on_bucket_ready(b);
+  if (!sync_) {
+    return;
+  }
+  if (!options_.ordered) {
+    complete_order_.push_back(b);
+  }
+  if (options_.overlap || finalizing_) {
+    launch_ready(!finalizing_);
+  }
+}
+
+void GradBucketer::launch_ready(bool from_hook) {
+  if (options_.ordered) {
+    // Strictly in bucket order: every rank must issue the same sequence.
+    while (next_ < buckets_.size() && buckets_[next_].pending == 0) {
+      launch(next_++, from_hook);
+    }
+  } else {
+    while (!complete_order_.empty()) {
+      auto b = complete_order_.front();
+      complete_order_.pop_front();
+      launch(b, from_hook);
+    }
+  }
+}
+
+void GradBucketer::launch(size_t b, bool from_hook) {
+  auto& bucket = buckets_[b];
+  bucket.work = handler_->launch(b);
+  bucket.launched = true;
+  in_flight_.push_back(b);
+  overlapped_ += from_hook ? 1 : 0;
+  while (options_.max_in_flight > 0 &&
+         in_flight_.size() > options_.max_in_flight) {
+    complete_oldest();
+  }
+}
+
+void GradBucketer::complete_oldest() {
+  auto b = in_flight_.front();
+  in_flight_.pop_front();
+  auto& bucket = buckets_[b];
+  bucket.work.wait();
+  bucket.work = Work();
+  handler_->complete(b);
+}
+
+void GradBucketer::finalize() {
+  finalizing_ = true;
+  const bool synced = sync_;
+  try {
+    if (synced) {
+      overlapped_last_ = overlapped_;
+      std::vector<size_t> missing;
+      for (size_t i = 0; i < ready_.size(); ++i) {
+        if (bucket_of_[i] >= 0 && !ready_[i]) {
+          missing.push_back(i);
+        }
+      }
+      handler_->on_missing(missing);
+      for (size_t i : missing) {
+        mark(i, false);
+      }
+      launch_ready(false);
+      for (const auto& bucket : buckets_) {
+        TORCH_INTERNAL_ASSERT(bucket.launched);
+      }
+      handler_->before_wait();
+      while (!in_flight_.empty()) {
+        complete_oldest();
+      }
+    }
+    handler_->on_finalized(synced);
+  } catch (...) {
+    reset();
+    throw;
+  }
+  reset();
+}
+
+void GradBucketer::reset() {
+  std::fill(ready_.begin(), ready_.end(), 0);
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+    b.launched = false;
+    b.work = Work();
+  }
+  complete_order_.clear();
+  in_flight_.clear();
+  next_ = 0;
+  in_backward_ = false;
+  finalizing_ = false;
+  overlapped_ = 0;
+  handler_->on_reset();
+}
+
+} // namespace distributed
+} // namespace colossalai

@@ -1,0 +1,162 @@
+#pragma once
+
+// The one gradient bucketer every data-parallel strategy stands on (DDP
+// all-reduce, ZeRO-1/2 reduce-scatter / all-reduce, FSDP per-unit
+// reduce-scatter). See NOTE [Gradient bucketing].
+//
+// NOTE [Gradient bucketing]
+// Parameters are registered in buckets. A gradient-accumulator hook reports
+// each parameter's gradient once per backward; the first report of a
+// backward queues `finalize` on the autograd engine, which runs once the
+// whole backward is done. When every parameter of a bucket has reported,
+// the strategy's `launch` starts the bucket's collective -- from the hook,
+// so communication overlaps the rest of backward (`overlap`), or all at once
+// in finalize. Buckets launch in index order (`ordered`: every rank issues
+// the same sequence even if gradients arrive in another order), or in the
+// order they complete (FSDP: units complete in reverse execution order,
+// the same on every rank). With `max_in_flight` > 0, launching one more
+// bucket first completes the oldest, bounding gradient memory. finalize
+// reports the parameters that got no gradient (the strategy may refuse
+// them), launches what is left, waits for every bucket in launch order
+// calling `complete`, and resets; an error anywhere resets too, so the next
+// backward starts clean. With sync off (no_sync), readiness is still
+// tracked (FSDP reshards on it) but nothing is filled or launched.
+
+#include <colossalai/distributed/collectives.h>
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch {
+namespace autograd {
+struct Node;
+} // namespace autograd
+} // namespace torch
+
+namespace colossalai {
+namespace distributed {
+
+struct GradBucketerOptions {
+  /// Launch a bucket's collective from the gradient hook that completed it.
+  bool overlap = true;
+  /// Launch in bucket-index order (else in completion order).
+  bool ordered = true;
+  /// Buckets launched but not yet completed; 0: no limit.
+  size_t max_in_flight = 0;
+};
+
+/// What a strategy does with its buckets. Called on the backward thread.
+class BucketHandler {
+ public:
+  virtual ~BucketHandler() = default;
+  /// First gradient of a backward (before it is filled).
+  virtual void on_backward_begin() {}
+  /// Copies parameter `param`'s gradient into its bucket; `used` is false
+  /// for a parameter that got no gradient in this backward (fill zeros).
+  /// Not called with sync off.
+  virtual void fill(size_t param, bool used) = 0;
+  /// Every parameter of `bucket` has reported (sync on or off).
+  virtual void on_bucket_ready(size_t bucket) {}
+  /// Starts the bucket's collective.
+  virtual Work launch(size_t bucket) = 0;
+  /// Uses a bucket's result after its collective finished.
+  virtual void complete(size_t bucket) = 0;
+  /// In finalize, the parameters that got no gradient (may throw to refuse
+  /// them; the bucketer resets first).
+  virtual void on_missing(const std::vector<size_t>& params) {}
+  /// In finalize, after every bucket launched and before waiting on them.
+  virtual void before_wait() {}
+  /// In finalize, after every bucket completed; `synced` is false when the
+  /// backward ran with sync off.
+  virtual void on_finalized(bool synced) {}
+  /// The per-backward state is reset (after finalize, or after an error).
+  virtual void on_reset() {}
+};
+
+class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
+ public:
+  /// `buckets[b]` lists the parameter indices (in [0, num_params)) of bucket
+  /// b; a parameter belongs to at most one bucket. `handler` must outlive
+  /// the bucketer's hooks. Buckets must not be empty.
+  GradBucketer(
+      size_t num_params,
+      std::vector<std::vector<size_t>> buckets,
+      BucketHandler* handler,
+      GradBucketerOptions options);
+
+  /// Installs a gradient-accumulator hook on each parameter (index i ->
+  /// params[i]); returns false for the first that is not a leaf requiring
+  /// grad (its index in `bad`). Call again after a parameter changed dtype.
+  bool attach_hooks(const std::vector<at::Tensor>& params, size_t* bad);
+
+  /// Parameter `param`'s gradient is accumulated (what the hooks call);
+  /// `used` false reports a parameter known to get none (DDP static_graph).
+  void ready(size_t param, bool used = true);
+  /// Starts a backward without a gradient (FSDP's pre-backward hook).
+  void begin_backward();
+
+  void set_sync(bool sync) {
+    sync_ = sync;
+  }
+  bool sync() const {
+    return sync_;
+  }
+  bool in_backward() const {
+    return in_backward_;
+  }
+  /// Inside finalize (buckets completing there were not overlapped).
+  bool finalizing() const {
+    return finalizing_;
+  }
+  size_t num_buckets() const {
+    return buckets_.size();
+  }
+  const std::vector<size_t>& bucket_params(size_t b) const {
+    return buckets_[b].params;
+  }
+  /// Buckets launched from a gradient hook (while backward still computed)
+  /// in the last synchronised backward.
+  size_t buckets_overlapped() const {
+    return overlapped_last_;
+  }
+  /// Buckets launched and not completed (bounded by max_in_flight).
+  size_t in_flight() const {
+    return in_flight_.size();
+  }
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;
+    size_t pending = 0;
+    bool launched = false;
+    Work work;
+  };
+
+  void mark(size_t param, bool used);
+  void launch_ready(bool from_hook);
+  void launch(size_t b, bool from_hook);
+  void complete_oldest();
+  void finalize();
+  void reset();
+
+  BucketHandler* handler_;
+  GradBucketerOptions options_;
+  std::vector<Bucket> buckets_;
+  std::vector<int64_t> bucket_of_; // -1: in no bucket
+  std::vector<char> ready_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+
+  bool sync_ = true;
+  bool in_backward_ = false;
+  bool finalizing_ = false;
+  size_t next_ = 0;                   // ordered: next bucket to launch
+  std::deque<size_t> complete_order_; // unordered: ready, not launched
+  std::deque<size_t> in_flight_;
+  size_t overlapped_ = 0;
+  size_t overlapped_last_ = 0;
+};
+
+} // namespace distributed
+} // namespace colossalai

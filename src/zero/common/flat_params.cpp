@@ -1,0 +1,94 @@
+#include "flat_params.h"
+
+namespace colossalai {
+namespace zero {
+namespace detail {
+
+FlatShardLayout FlatShardLayout::of(
+    const std::vector<at::Tensor>& params,
+    int world,
+    int rank) {
+  TORCH_INTERNAL_ASSERT(world >= 1 && rank >= 0 && rank < world);
+  FlatShardLayout l;
+  l.world = world;
+  l.rank = rank;
+  for (const auto& p : params) {
+    l.offsets.push_back(l.numel);
+    l.numels.push_back(p.numel());
+    l.numel += p.numel();
+  }
+  l.shard = (l.numel + world - 1) / world;
+  const int64_t lo_shard = rank * l.shard;
+  const int64_t hi_shard = lo_shard + l.shard;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t lo = std::max(l.offsets[i], lo_shard);
+    const int64_t hi = std::min(l.offsets[i] + l.numels[i], hi_shard);
+    PieceRange r;
+    if (hi > lo) {
+      r = {lo - lo_shard, lo - l.offsets[i], hi - lo};
+    }
+    l.ranges.push_back(r);
+  }
+  return l;
+}
+
+at::Tensor FlatShardLayout::flatten(
+    const std::vector<at::Tensor>& tensors,
+    const at::TensorOptions& options) const {
+  TORCH_INTERNAL_ASSERT(tensors.size() == offsets.size());
+  auto flat = at::empty({padded()}, options);
+  if (padded() > numel) {
+    flat.narrow(0, numel, padded() - numel).zero_();
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    copy_into(flat, i, tensors[i]);
+  }
+  return flat;
+}
+
+void FlatShardLayout::copy_into(
+    at::Tensor& flat,
+    size_t i,
+    const at::Tensor& tensor) const {
+  auto dst = flat.narrow(0, offsets[i], numels[i]);
+  if (tensor.defined()) {
+    dst.copy_(tensor.detach().reshape({-1}));
+  } else {
+    dst.zero_();
+  }
+}
+
+at::Tensor FlatShardLayout::view(
+    const at::Tensor& flat,
+    size_t i,
+    at::IntArrayRef sizes) const {
+  return flat.narrow(0, offsets[i], numels[i]).view(sizes);
+}
+
+void FlatParams::make_pieces() {
+  pieces.clear();
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto piece = layout.piece(shard_data, i).detach();
+    piece.set_requires_grad(params[i].requires_grad());
+    if (params[i].requires_grad()) {
+      piece.mutable_grad() = layout.piece(shard_grad, i);
+    }
+    pieces.push_back(piece);
+  }
+}
+
+distributed::Work all_gather_flat(
+    at::Tensor& full,
+    const at::Tensor& shard,
+    const FlatShardLayout& layout,
+    const distributed::ProcessGroup* group) {
+  if (layout.world == 1 || group == nullptr) {
+    full.copy_(shard);
+    return distributed::Work();
+  }
+  return distributed::all_gather(full, shard, *group);
+}
+
+} // namespace detail
+} // namespace zero
+} // namespace colossalai

@@ -1,0 +1,299 @@
+#include <colossalai/zero/sharded_optimizer.h>
+
+#include "../../checkpoint_io/optimizer_state.h"
+#include "flat_params.h"
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace colossalai {
+namespace zero {
+
+using detail::FlatParams;
+
+ShardedOptimizer::ShardedOptimizer(
+    std::shared_ptr<torch::optim::Optimizer> optimizer,
+    ShardedOptimizerOptions options)
+    : interface::OptimizerWrapper(std::move(optimizer)), options_(options) {
+  TORCH_CHECK(
+      options_.max_norm() >= 0,
+      "max_norm must be >= 0 (0 disables clipping), got ",
+      options_.max_norm());
+  TORCH_CHECK(
+      options_.norm_type() > 0,
+      "norm_type must be positive, got ",
+      options_.norm_type());
+  if (options_.loss_scaler()) {
+    scaler_ = std::make_unique<amp::DynamicLossScaler>(*options_.loss_scaler());
+  }
+}
+
+ShardedOptimizer::~ShardedOptimizer() = default;
+
+void ShardedOptimizer::shard_param_groups(
+    const std::string& plugin,
+    std::vector<FlatParams*> groups,
+    distributed::ProcessGroupPtr group,
+    const std::vector<at::Tensor>& unsharded) {
+  TORCH_CHECK(
+      optim_->state().empty(),
+      plugin,
+      ": boost the optimizer before its first step");
+  groups_ = std::move(groups);
+  group_ = std::move(group);
+  std::unordered_map<const void*, at::Tensor> piece_of;
+  for (auto* g : groups_) {
+    for (size_t i = 0; i < g->params.size(); ++i) {
+      piece_of.emplace(g->params[i].unsafeGetTensorImpl(), g->pieces[i]);
+    }
+  }
+  std::unordered_set<const void*> whole;
+  for (const auto& p : unsharded) {
+    whole.insert(p.unsafeGetTensorImpl());
+  }
+  for (auto& g : optim_->param_groups()) {
+    for (auto& p : g.params()) {
+      auto it = piece_of.find(p.unsafeGetTensorImpl());
+      if (it != piece_of.end()) {
+        p = it->second;
+        continue;
+      }
+      TORCH_CHECK(
+          whole.count(p.unsafeGetTensorImpl()),
+          plugin,
+          ": the optimizer holds a parameter (shape ",
+          p.sizes(),
+          ") that is not in the boosted model");
+    }
+  }
+}
+
+double ShardedOptimizer::loss_scale() const {
+  return scaler_ ? scaler_->scale() : 1.0;
+}
+
+void ShardedOptimizer::backward(const at::Tensor& loss, bool retain) {
+  TORCH_CHECK(
+      loss.numel() == 1,
+      "backward: the loss must be a scalar, got shape ",
+      loss.sizes());
+  if (scaler_) {
+    // fp32 multiply: the scale must not overflow an fp16 loss.
+    (loss.to(at::kFloat) * scaler_->scale()).backward({}, retain);
+  } else {
+    loss.backward({}, retain);
+  }
+}
+
+void ShardedOptimizer::unscale() {
+  if (!scaler_ || unscaled_) {
+    return;
+  }
+  unscaled_ = true;
+  scale_grads(1.0 / scaler_->scale());
+}
+
+void ShardedOptimizer::scale_grads(double factor) {
+  for (auto* g : groups_) {
+    g->shard_grad.mul_(factor);
+  }
+}
+
+bool ShardedOptimizer::overflow() {
+  std::vector<at::Tensor> grads;
+  for (auto* g : groups_) {
+    grads.push_back(g->shard_grad);
+  }
+  // Shards differ per rank: every rank skips if any saw inf/nan. The flag
+  // lives on the gradients' device (NCCL takes no host tensors).
+  auto flag = amp::any_non_finite(grads);
+  if (!groups_.empty()) {
+    flag = flag.to(groups_.front()->shard_grad.device());
+  }
+  if (group_ != nullptr && group_->size() > 1) {
+    distributed::all_reduce(flag, *group_, distributed::ReduceOp::kMax).wait();
+  }
+  return flag.item<float>() > 0;
+}
+
+double ShardedOptimizer::global_norm(double norm_type) {
+  // Shards are disjoint: the global norm combines every rank's partials.
+  std::vector<at::Tensor> grads;
+  for (auto* g : groups_) {
+    grads.push_back(g->shard_grad);
+  }
+  return interface::total_norm(grads, norm_type, group_.get());
+}
+
+void ShardedOptimizer::step() {
+  unscale();
+  skipped_ = scaler_ != nullptr && overflow();
+  if (!skipped_) {
+    if (options_.max_norm() > 0) {
+      const double norm = global_norm(options_.norm_type());
+      // Same rule and epsilon as torch.nn.utils.clip_grad_norm_.
+      const double coef = options_.max_norm() / (norm + 1e-6);
+      if (coef < 1.0) {
+        scale_grads(coef);
+      }
+    }
+    optim_->step();
+    after_step();
+  }
+  if (scaler_) {
+    scaler_->update(skipped_);
+  }
+  unscaled_ = false;
+}
+
+void ShardedOptimizer::zero_grad(bool set_to_none) {
+  for (auto* g : groups_) {
+    g->shard_grad.zero_(); // the pieces' gradients are views of it
+  }
+  zero_extra_grads(set_to_none);
+}
+
+double ShardedOptimizer::clip_grad_by_norm(double max_norm, double norm_type) {
+  TORCH_CHECK(max_norm > 0, "clip_grad_by_norm: max_norm must be positive");
+  TORCH_CHECK(norm_type > 0, "clip_grad_by_norm: norm_type must be positive");
+  unscale();
+  const double norm = global_norm(norm_type);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    scale_grads(coef);
+  }
+  return norm;
+}
+
+void ShardedOptimizer::clip_grad_by_value(double clip_value) {
+  TORCH_CHECK(clip_value >= 0, "clip_grad_by_value: clip_value must be >= 0");
+  unscale();
+  for (auto* g : groups_) {
+    g->shard_grad.clamp_(-clip_value, clip_value);
+  }
+}
+
+std::map<int64_t, checkpoint_io::StateDict> ShardedOptimizer::full_states() {
+  auto states = checkpoint_io::detail::optimizer_param_states(*optim_);
+  // Parameter id -> (group, index) by the pieces' identity.
+  std::unordered_map<const void*, std::pair<size_t, size_t>> where;
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    for (size_t i = 0; i < groups_[k]->pieces.size(); ++i) {
+      where.emplace(
+          groups_[k]->pieces[i].unsafeGetTensorImpl(), std::make_pair(k, i));
+    }
+  }
+  int64_t id = 0;
+  std::map<int64_t, checkpoint_io::StateDict> out;
+  std::vector<std::vector<std::pair<size_t, int64_t>>> by_group(groups_.size());
+  for (auto& g : optim_->param_groups()) {
+    for (auto& p : g.params()) {
+      auto it = where.find(p.unsafeGetTensorImpl());
+      if (it == where.end()) {
+        if (states.count(id)) {
+          out.emplace(id, states.at(id)); // unsharded: held whole
+        }
+      } else {
+        by_group[it->second.first].emplace_back(it->second.second, id);
+      }
+      ++id;
+    }
+  }
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    const auto& fp = *groups_[k];
+    const auto& layout = fp.layout;
+    // Keys come from the first parameter with state; every rank has state
+    // for the same parameters (all pieces get gradients).
+    const checkpoint_io::StateDict* first = nullptr;
+    for (const auto& e : by_group[k]) {
+      if (states.count(e.second)) {
+        first = &states.at(e.second);
+        break;
+      }
+    }
+    if (first == nullptr) {
+      continue;
+    }
+    std::map<int64_t, checkpoint_io::StateDict> group_out;
+    for (const auto& item : *first) {
+      const auto& key = item.key();
+      if (item.value().dim() == 0) { // step counters: equal on every rank
+        for (const auto& e : by_group[k]) {
+          if (states.count(e.second)) {
+            group_out[e.second].insert(key, states.at(e.second)[key]);
+          }
+        }
+        continue;
+      }
+      auto local = at::zeros({layout.shard}, item.value().options());
+      for (const auto& e : by_group[k]) {
+        if (states.count(e.second) && layout.ranges[e.first].len > 0) {
+          layout.piece(local, e.first)
+              .copy_(states.at(e.second)[key].reshape({-1}));
+        }
+      }
+      auto full = at::empty({layout.padded()}, local.options());
+      detail::all_gather_flat(full, local, layout, group_.get()).wait();
+      for (const auto& e : by_group[k]) {
+        if (states.count(e.second)) {
+          group_out[e.second].insert(
+              key, layout.view(full, e.first, fp.params[e.first].sizes()));
+        }
+      }
+    }
+    for (auto& kv : group_out) {
+      out.emplace(kv.first, std::move(kv.second));
+    }
+  }
+  return out;
+}
+
+void ShardedOptimizer::load_full_state(
+    int64_t id,
+    const checkpoint_io::StateDict& state,
+    const std::string& file) {
+  int64_t n = 0;
+  at::Tensor param;
+  for (auto& g : optim_->param_groups()) {
+    for (auto& p : g.params()) {
+      if (n++ == id) {
+        param = p;
+      }
+    }
+  }
+  TORCH_CHECK(
+      param.defined(),
+      "optimizer checkpoint '",
+      file,
+      "' has state for parameter ",
+      id,
+      " but the optimizer has ",
+      n);
+  for (auto* g : groups_) {
+    for (size_t i = 0; i < g->pieces.size(); ++i) {
+      if (!g->pieces[i].is_same(param)) {
+        continue;
+      }
+      checkpoint_io::StateDict piece;
+      for (const auto& item : state) {
+        if (item.value().dim() == 0) {
+          piece.insert(item.key(), item.value());
+          continue;
+        }
+        checkpoint_io::detail::check_state_numel(
+            file, item.key(), id, item.value().numel(), g->layout.numels[i]);
+        piece.insert(
+            item.key(),
+            g->layout.piece_of_param(item.value().reshape({-1}), i)
+                .to(g->shard_data.device())
+                .clone());
+      }
+      checkpoint_io::detail::load_param_state(*optim_, id, piece, file);
+      return;
+    }
+  }
+  checkpoint_io::detail::load_param_state(*optim_, id, state, file);
+}
+
+} // namespace zero
+} // namespace colossalai
