@@ -25,6 +25,9 @@
 
 #include <colossalai/colossalai.h>
 
+// The raw c10d backend, to time it beside our layer.
+#include "../src/distributed/backend.h"
+
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
@@ -124,9 +127,12 @@ struct Case {
   int64_t bytes = 0; // nccl-tests "size"
 };
 
-Case make_case(const std::string& op, int64_t bytes, const cd::ProcessGroup& g) {
+Case make_case(
+    const std::string& op,
+    int64_t bytes,
+    const cd::ProcessGroup& g) {
   const int n = g.size(), rank = g.rank();
-  auto& backend = g.backend();
+  auto& backend = colossalai::distributed::detail::backend(g);
   auto f32 = at::TensorOptions().dtype(at::kFloat);
   // Element count: a multiple of n so every rank's block is the same size.
   int64_t count = std::max<int64_t>(bytes / 4 / n, 1) * n;
@@ -226,7 +232,8 @@ std::vector<double> max_over_ranks(
     const cd::ProcessGroup& g) {
   auto t = at::tensor(v, at::kDouble);
   cd::all_reduce(t, g, cd::ReduceOp::kMax).wait();
-  return std::vector<double>(t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
+  return std::vector<double>(
+      t.data_ptr<double>(), t.data_ptr<double>() + t.numel());
 }
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -311,8 +318,8 @@ int run_rank(const Args& a) {
       const double ours_bus = bytes_d / (ours_med * 1e-6) / 1e9 * c.bus_factor;
       results << (first ? "" : ",") << "\n    {\"op\": \"" << op
               << "\", \"bytes\": " << c.bytes << ", \"iters\": " << iters
-              << ", \"bus_factor\": " << c.bus_factor
-              << ", \"c10d_call\": \"" << c.c10d_call << "\",\n     \"ours\": "
+              << ", \"bus_factor\": " << c.bus_factor << ", \"c10d_call\": \""
+              << c.c10d_call << "\",\n     \"ours\": "
               << side_json(ours_us, bytes_d, c.bus_factor)
               << ",\n     \"c10d\": ";
       first = false;
@@ -350,7 +357,8 @@ int run_rank(const Args& a) {
   }
 
   auto rss = at::empty({n}, at::kDouble);
-  auto mine = at::tensor({static_cast<double>(cbench::peak_rss_bytes())}, at::kDouble);
+  auto mine =
+      at::tensor({static_cast<double>(cbench::peak_rss_bytes())}, at::kDouble);
   cd::all_gather(rss, mine, g).wait();
   if (rank != 0)
     return 0;

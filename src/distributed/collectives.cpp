@@ -1,6 +1,8 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 
+#include "backend.h"
+
 #include <atomic>
 
 // NOTE [Gloo replacements]
@@ -94,43 +96,52 @@ std::vector<int64_t> shard_sizes(int64_t numel, int world) {
 
 } // namespace
 
-Work::Work(
+Work::Work() = default;
+Work::Work(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Work::Work(Work&& other) noexcept = default;
+Work& Work::operator=(Work&& other) noexcept = default;
+Work::~Work() = default;
+
+Work detail::make_work(
     compat::WorkPtr work,
     std::function<void()> finish,
     std::string op,
-    const ProcessGroup* group)
-    : work_(std::move(work)),
-      finish_(std::move(finish)),
-      op_(std::move(op)),
-      group_(group),
-      done_(false) {}
+    const ProcessGroup& group) {
+  auto st = std::make_unique<Work::State>();
+  st->work = std::move(work);
+  st->finish = std::move(finish);
+  st->op = std::move(op);
+  st->group = &group;
+  st->keep = group.weak_from_this().lock();
+  return Work(std::move(st));
+}
 
 void Work::wait() {
-  if (done_) {
+  if (!state_) {
     return;
   }
-  done_ = true;
+  // Finished exactly once: the state leaves the handle before anything runs.
+  auto st = std::move(state_);
   try {
-    if (work_) {
-      work_->wait();
+    if (st->work) {
+      st->work->wait();
     }
-    if (finish_) {
-      auto finish = std::move(finish_);
-      finish();
+    if (st->finish) {
+      st->finish();
     }
   } catch (const DistributedError&) {
     throw;
   } catch (const std::exception& e) {
     throw DistributedError(
-        (group_ ? group_->describe() : std::string("rank ?")) + ": " + op_ +
-        " failed (timeout " +
-        std::to_string(group_ ? group_->timeout().count() : 0) +
+        st->group->describe() + ": " + st->op + " failed (timeout " +
+        std::to_string(st->group->timeout().count()) +
         " ms; did a peer exit?): " + error_text(e));
   }
 }
 
 bool Work::is_completed() const {
-  return done_ || (work_ && !finish_ && work_->isCompleted());
+  return !state_ ||
+      (state_->work && !state_->finish && state_->work->isCompleted());
 }
 
 std::pair<int64_t, int64_t> shard_range(int64_t numel, int world, int rank) {
@@ -154,25 +165,26 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
     auto rs =
         std::make_shared<Work>(reduce_scatter(shard_buf, flat, group, op));
     const ProcessGroup* g = &group;
-    return Work(
+    return detail::make_work(
         compat::WorkPtr(),
         [rs, shard_buf, flat, g]() mutable {
           rs->wait();
           all_gather(flat, shard_buf, *g).wait();
         },
         "all_reduce(bf16)",
-        &group);
+        group);
   }
   std::vector<at::Tensor> ts{tensor};
   ::c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
-  auto w = group.backend().allreduce(ts, opts);
+  auto w = detail::backend(group).allreduce(ts, opts);
   std::function<void()> finish;
   if (op == ReduceOp::kAvg) {
     int n = group.size();
     finish = [tensor, n]() mutable { tensor.div_(n); };
   }
-  return Work(std::move(w), std::move(finish), "all_reduce", &group);
+  return detail::make_work(
+      std::move(w), std::move(finish), "all_reduce", group);
 }
 
 Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
@@ -190,8 +202,8 @@ Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
   std::vector<at::Tensor> ts{raw(tensor, group)};
   ::c10d::BroadcastOptions opts;
   opts.rootRank = src;
-  return Work(
-      group.backend().broadcast(ts, opts), nullptr, "broadcast", &group);
+  return detail::make_work(
+      detail::backend(group).broadcast(ts, opts), nullptr, "broadcast", group);
 }
 
 Work all_gather(
@@ -229,8 +241,11 @@ Work all_gather(
   if (!gloo(group) && even) {
     auto o = raw(out, group);
     auto i = raw(input.view({-1}), group);
-    return Work(
-        group.backend()._allgather_base(o, i), nullptr, "all_gather", &group);
+    return detail::make_work(
+        detail::backend(group)._allgather_base(o, i),
+        nullptr,
+        "all_gather",
+        group);
   }
   at::Tensor buffer = even ? out : at::empty({m * n}, output.options());
   at::Tensor in = input.view({-1});
@@ -244,7 +259,7 @@ Work all_gather(
     outs[0].push_back(raw(buffer.slice(0, r * m, (r + 1) * m), group));
   }
   std::vector<at::Tensor> ins{raw(in, group)};
-  auto w = group.backend().allgather(outs, ins);
+  auto w = detail::backend(group).allgather(outs, ins);
   std::function<void()> finish;
   if (!even) {
     finish = [out, buffer, sizes, m, n]() mutable {
@@ -256,7 +271,8 @@ Work all_gather(
       }
     };
   }
-  return Work(std::move(w), std::move(finish), "all_gather", &group);
+  return detail::make_work(
+      std::move(w), std::move(finish), "all_gather", group);
 }
 
 Work reduce_scatter(
@@ -308,7 +324,7 @@ Work reduce_scatter(
     }
     ::c10d::ReduceScatterOptions opts;
     opts.reduceOp = to_c10d(op);
-    auto w = group.backend()._reduce_scatter_base(dst, src, opts);
+    auto w = detail::backend(group)._reduce_scatter_base(dst, src, opts);
     std::function<void()> finish;
     if (!even || op == ReduceOp::kAvg) {
       finish = [out, dst, mine, n, op, even]() mutable {
@@ -320,7 +336,8 @@ Work reduce_scatter(
         }
       };
     }
-    return Work(std::move(w), std::move(finish), "reduce_scatter", &group);
+    return detail::make_work(
+        std::move(w), std::move(finish), "reduce_scatter", group);
   }
   // Gloo: all-to-all of the shards, then a local reduction.
   auto blocks = at::empty({mine * n}, input.options());
@@ -328,12 +345,13 @@ Work reduce_scatter(
   auto o = raw(blocks, group);
   auto i = raw(in, group);
   ::c10d::AllToAllOptions opts;
-  auto w = group.backend().alltoall_base(o, i, out_splits, in_splits, opts);
-  return Work(
+  auto w =
+      detail::backend(group).alltoall_base(o, i, out_splits, in_splits, opts);
+  return detail::make_work(
       std::move(w),
       [out, blocks, n, op]() mutable { local_reduce(out, blocks, n, op); },
       "reduce_scatter",
-      &group);
+      group);
 }
 
 Work all_to_all(
@@ -375,11 +393,12 @@ Work all_to_all(
   auto o = raw(output, group);
   auto i = raw(input, group);
   ::c10d::AllToAllOptions opts;
-  return Work(
-      group.backend().alltoall_base(o, i, output_splits, input_splits, opts),
+  return detail::make_work(
+      detail::backend(group).alltoall_base(
+          o, i, output_splits, input_splits, opts),
       nullptr,
       "all_to_all",
-      &group);
+      group);
 }
 
 Work send(
@@ -394,11 +413,11 @@ Work send(
       dst);
   count(tensor);
   std::vector<at::Tensor> ts{raw(tensor, group)};
-  return Work(
-      group.backend().send(ts, dst, tag),
+  return detail::make_work(
+      detail::backend(group).send(ts, dst, tag),
       nullptr,
       "send to " + std::to_string(dst),
-      &group);
+      group);
 }
 
 Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag) {
@@ -408,11 +427,11 @@ Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag) {
       "recv: bad source rank ",
       src);
   std::vector<at::Tensor> ts{raw(tensor, group)};
-  return Work(
-      group.backend().recv(ts, src, tag),
+  return detail::make_work(
+      detail::backend(group).recv(ts, src, tag),
       nullptr,
       "recv from " + std::to_string(src),
-      &group);
+      group);
 }
 
 Work barrier(const ProcessGroup& group) {
@@ -420,7 +439,8 @@ Work barrier(const ProcessGroup& group) {
     return Work();
   }
   ::c10d::BarrierOptions opts;
-  return Work(group.backend().barrier(opts), nullptr, "barrier", &group);
+  return detail::make_work(
+      detail::backend(group).barrier(opts), nullptr, "barrier", group);
 }
 
 int64_t bytes_communicated() {

@@ -1,6 +1,7 @@
 #include <colossalai/distributed/error.h>
 #include <colossalai/distributed/process_group.h>
 
+#include "backend.h"
 #include "runtime.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -16,7 +17,7 @@ namespace colossalai {
 namespace distributed {
 
 ProcessGroup::ProcessGroup(
-    compat::BackendPtr backend,
+    std::shared_ptr<detail::BackendHandle> backend,
     BackendType type,
     std::vector<int> ranks,
     int global_rank,
@@ -31,6 +32,8 @@ ProcessGroup::ProcessGroup(
   TORCH_INTERNAL_ASSERT(it != ranks_.end(), "rank not in its own group");
   rank_ = static_cast<int>(it - ranks_.begin());
 }
+
+ProcessGroup::~ProcessGroup() = default;
 
 std::string ProcessGroup::describe() const {
   std::ostringstream os;
@@ -112,7 +115,13 @@ ProcessGroupPtr create_group(
         std::to_string(rt.timeout.count()) + " ms?): " + error_text(e));
   }
   return std::make_shared<ProcessGroup>(
-      std::move(backend), rt.backend, global_ranks, rt.rank, name, rt.timeout);
+      std::make_shared<detail::BackendHandle>(
+          detail::BackendHandle{std::move(backend)}),
+      rt.backend,
+      global_ranks,
+      rt.rank,
+      name,
+      rt.timeout);
 }
 
 } // namespace detail

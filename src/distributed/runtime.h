@@ -4,6 +4,8 @@
 
 #include <colossalai/distributed/process_group.h>
 
+#include "../utils/compat_c10d.h"
+
 #include <c10/core/Device.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 

@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,15 +33,18 @@ namespace distributed {
 
 enum class ReduceOp { kSum, kAvg, kMax, kMin };
 
-/// Handle to an operation in flight.
+/// Handle to an operation in flight: move-only, holds a reference to its
+/// group, finishes (waits and runs local post-processing) exactly once.
 class Work {
  public:
-  Work() = default; // an already-completed operation
-  Work(
-      compat::WorkPtr work,
-      std::function<void()> finish,
-      std::string op,
-      const ProcessGroup* group);
+  struct State; // internal
+  Work();       // an already-completed operation
+  explicit Work(std::unique_ptr<State> state);
+  Work(Work&& other) noexcept;
+  Work& operator=(Work&& other) noexcept;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+  ~Work();
 
   /// Blocks until done, runs local post-processing once. Idempotent.
   void wait();
@@ -49,11 +53,7 @@ class Work {
   bool is_completed() const;
 
  private:
-  compat::WorkPtr work_;
-  std::function<void()> finish_;
-  std::string op_;
-  const ProcessGroup* group_ = nullptr;
-  bool done_ = true;
+  std::unique_ptr<State> state_;
 };
 
 /// In-place reduction of `tensor` over the group.

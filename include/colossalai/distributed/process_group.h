@@ -1,7 +1,5 @@
 #pragma once
 
-#include <colossalai/utils/compat.h>
-
 #include <chrono>
 #include <memory>
 #include <string>
@@ -12,20 +10,25 @@ namespace distributed {
 
 enum class BackendType { kGloo, kNccl };
 
+namespace detail {
+struct BackendHandle; // the c10d backend (src/distributed/backend.h)
+} // namespace detail
+
 /// A set of processes that communicate together, with the c10d backend that
 /// carries their collectives (Gloo for CPU tensors, NCCL for CUDA tensors).
 ///
 /// Groups are created through `new_group` (or `cluster::ProcessGroupMesh`);
 /// ranks passed to collectives are ranks *inside* the group.
-class ProcessGroup {
+class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
   ProcessGroup(
-      compat::BackendPtr backend,
+      std::shared_ptr<detail::BackendHandle> backend,
       BackendType type,
       std::vector<int> ranks,
       int global_rank,
       std::string name,
       std::chrono::milliseconds timeout);
+  ~ProcessGroup();
 
   /// This process's rank inside the group.
   int rank() const {
@@ -50,14 +53,15 @@ class ProcessGroup {
   std::chrono::milliseconds timeout() const {
     return timeout_;
   }
-  compat::Backend& backend() const {
+  /// The c10d backend (opaque outside the library).
+  const detail::BackendHandle& backend_handle() const {
     return *backend_;
   }
   /// "rank 3 (group 'dp' rank 1 of 2)": used in every error message.
   std::string describe() const;
 
  private:
-  compat::BackendPtr backend_;
+  std::shared_ptr<detail::BackendHandle> backend_;
   BackendType type_;
   std::vector<int> ranks_;
   int rank_;

@@ -3,12 +3,9 @@
 /// Every difference between the LibTorch versions we build against (1.13 and
 /// 2.x) lives in this header, so the rest of the library is version-free.
 ///
-/// NOTE [c10d backends across versions]
-/// On 1.13 `ProcessGroupGloo` derives from `c10d::ProcessGroup`, whose
-/// collectives are virtual. On 2.x it derives from `c10d::Backend` and
-/// `ProcessGroup` became a front end that dispatches to backends. Both expose
-/// the same collective signatures on the concrete class, so we hold the
-/// concrete backend through `compat::Backend` and call it directly.
+/// The c10d part (backend and work handle types) is private, in
+/// src/utils/compat_c10d.h, so that public headers do not pull c10d and
+/// Gloo into every user translation unit.
 
 #include <ATen/ATen.h>
 #include <torch/version.h>
@@ -17,29 +14,12 @@
 #include <string>
 #include <type_traits>
 
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
-
 #define COLOSSALAI_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||             \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
-#if COLOSSALAI_TORCH_AT_LEAST(2, 0)
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#else
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#endif
-
 namespace colossalai {
 namespace compat {
-
-#if COLOSSALAI_TORCH_AT_LEAST(2, 0)
-using Backend = ::c10d::Backend;
-#else
-using Backend = ::c10d::ProcessGroup;
-#endif
-using BackendPtr = c10::intrusive_ptr<Backend>;
-using WorkPtr = c10::intrusive_ptr<::c10d::Work>;
 
 /// Key of a parameter in `torch::optim::Optimizer::state()`: the TensorImpl
 /// address as a string on 1.13, the address itself on later versions.

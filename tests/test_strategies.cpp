@@ -1,0 +1,223 @@
+// One cross-strategy harness: the same GPT, the same single-process
+// reference, every data-parallel strategy (DDP, ZeRO-1, ZeRO-2, FSDP with one
+// unit, FSDP with a unit per block, FSDP SHARD_GRAD_OP) at world sizes 1, 2
+// and 4, with SGD + momentum and with AdamW, fp32. Adding a strategy means
+// adding one line to `strategies()`.
+//
+// Exact equality where the arithmetic is the same:
+//  - every strategy computes each rank's gradient with the same kernels on
+//    the same micro-batch; only the averaging collective differs;
+//  - at world 1 and 2 every average is the same (a + b is commutative, / 2 is
+//    exact), so all strategies give identical weights;
+//  - at world 4 the order in which four values are added depends on the
+//    collective: Gloo's ring all-reduce starts each chunk's sum at another
+//    rank, and its chunks follow the buffer's size, so DDP's buckets and
+//    ZeRO-1's flat buckets add in different orders; our reduce-scatter adds
+//    in rank order whatever the buffer. Strategies of one family (same
+//    collective and buffers) are identical; families differ by rounding.
+// Against one process with the global batch (SGD only, see the FSDP
+// per-block test for why AdamW is not compared element by element):
+// |w - ref| <= 1e-5 + 1e-4 |ref| — only the rounding of the batch sum
+// differs, and SGD is linear in the gradient with coefficient <= lr (1 +
+// momentum) per step; a wrong average (2x) or a lost rank moves weights by
+// ~1e-2.
+
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+
+#include <harness/multiprocess.h>
+#include <zoo/gpt.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace cb = colossalai::booster;
+namespace cz = colossalai::zero;
+namespace zoo = colossalai::zoo;
+using colossalai::testing::run_distributed;
+
+namespace {
+
+constexpr int kMicro = 2; // sequences per rank per step
+constexpr int kSteps = 3;
+
+zoo::GPTConfig tiny() {
+  return zoo::GPTConfig()
+      .vocab_size(96)
+      .block_size(16)
+      .n_embd(32)
+      .n_head(2)
+      .n_layer(2);
+}
+
+struct Strategy {
+  std::string name;
+  // Reduction family: strategies of one family add values in one order.
+  std::string family;
+  std::function<std::shared_ptr<cb::plugin::Plugin>()> make;
+};
+
+std::vector<Strategy> strategies() {
+  using P = std::shared_ptr<cb::plugin::Plugin>;
+  auto zero = [](int stage) {
+    return [stage]() -> P {
+      return std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+          cb::plugin::LowLevelZeroPluginOptions()
+              .stage(stage)
+              .precision("fp32")
+              .reduce_bucket_size_in_m(0.005)); // several buckets
+    };
+  };
+  auto fsdp = [](bool per_block, cz::ShardingStrategy s) {
+    return [per_block, s]() -> P {
+      cb::plugin::TorchFSDPPluginOptions o;
+      o.sharding_strategy(s);
+      if (per_block) {
+        o.auto_wrap_policy(cz::module_type_wrap_policy<zoo::BlockImpl>());
+      }
+      return std::make_shared<cb::plugin::TorchFSDPPlugin>(o);
+    };
+  };
+  return {
+      {"ddp",
+       "all_reduce",
+       []() -> P { return std::make_shared<cb::plugin::TorchDDPPlugin>(); }},
+      {"zero1", "all_reduce over flat buckets", zero(1)},
+      {"zero2", "reduce_scatter", zero(2)},
+      {"fsdp", "reduce_scatter", fsdp(false, cz::ShardingStrategy::kFullShard)},
+      {"fsdp_blocks",
+       "reduce_scatter",
+       fsdp(true, cz::ShardingStrategy::kFullShard)},
+      {"fsdp_shard_grad_op",
+       "reduce_scatter",
+       fsdp(true, cz::ShardingStrategy::kShardGradOp)},
+  };
+}
+
+std::shared_ptr<torch::optim::Optimizer> make_opt(zoo::GPT& m, bool sgd) {
+  if (sgd) {
+    return std::make_shared<torch::optim::SGD>(
+        m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  return std::make_shared<torch::optim::AdamW>(
+      m->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+}
+
+zoo::GPT make_model() {
+  torch::manual_seed(42);
+  return zoo::GPT(tiny());
+}
+
+std::pair<at::Tensor, at::Tensor> global_batch(int step, int world) {
+  return zoo::random_tokens(kMicro * world, tiny(), 1000 + step);
+}
+
+// Full weights after kSteps under `plugin` (gathered where sharded).
+std::vector<at::Tensor> train(
+    const Strategy& s,
+    bool sgd,
+    int rank,
+    int world) {
+  cb::Booster booster(cb::BoosterOptions().plugin(s.make()));
+  auto model = make_model();
+  auto boosted = booster.boost(model, make_opt(model, sgd));
+  for (int step = 0; step < kSteps; ++step) {
+    auto b = global_batch(step, world);
+    auto x = b.first.narrow(0, kMicro * rank, kMicro);
+    auto y = b.second.narrow(0, kMicro * rank, kMicro);
+    boosted.optimizer->zero_grad();
+    booster.backward(zoo::gpt_loss(boosted.model(x), y), *boosted.optimizer);
+    boosted.optimizer->step();
+  }
+  auto* f = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
+      *boosted.model.wrapper());
+  std::vector<at::Tensor> out;
+  if (f != nullptr) {
+    auto guard = f->summon_full_params();
+    for (const auto& p : model->parameters()) {
+      out.push_back(p.detach().clone());
+    }
+  } else {
+    for (const auto& p : model->parameters()) {
+      out.push_back(p.detach().clone());
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> reference(bool sgd, int world) {
+  auto model = make_model();
+  auto opt = make_opt(model, sgd);
+  for (int step = 0; step < kSteps; ++step) {
+    auto b = global_batch(step, world);
+    opt->zero_grad();
+    zoo::gpt_loss(model(b.first), b.second).backward();
+    opt->step();
+  }
+  return model->parameters();
+}
+
+double max_diff(
+    const std::vector<at::Tensor>& a,
+    const std::vector<at::Tensor>& b) {
+  double d = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return d;
+}
+
+void every_strategy(int rank, int world) {
+  for (bool sgd : {true, false}) {
+    const std::string opt = sgd ? "SGD" : "AdamW";
+    std::map<std::string, std::vector<at::Tensor>> first_of_family;
+    std::vector<at::Tensor> ddp;
+    for (const auto& s : strategies()) {
+      auto got = train(s, sgd, rank, world);
+      if (ddp.empty()) {
+        ddp = got;
+      }
+      auto& anchor = first_of_family[world > 2 ? s.family : ""];
+      if (anchor.empty()) {
+        anchor = got;
+      }
+      ASSERT_EQ(got.size(), anchor.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(at::equal(got[i], anchor[i]))
+            << s.name << ", " << opt << ", world " << world << ": parameter "
+            << i << " differs from the first " << s.family << " strategy by "
+            << (got[i] - anchor[i]).abs().max().item<double>();
+      }
+      if (sgd) {
+        auto ref = reference(sgd, world);
+        for (size_t i = 0; i < got.size(); ++i) {
+          EXPECT_TRUE(at::allclose(got[i], ref[i], 1e-4, 1e-5))
+              << s.name << ", SGD, world " << world << ": parameter " << i
+              << " differs from one process by "
+              << (got[i] - ref[i]).abs().max().item<double>();
+        }
+      }
+      // Families differ by rounding alone: for SGD by the bound above; for
+      // AdamW by at most twice the largest update, lr (1 - b1) / sqrt(1 -
+      // b2) = 3.2 lr per step, the most rounding can do to an update.
+      EXPECT_LE(max_diff(got, ddp), sgd ? 1e-5 : 2 * kSteps * 3.2e-3)
+          << s.name << ", " << opt;
+    }
+  }
+}
+
+} // namespace
+
+TEST(Strategies, AllMatchOnOneRank) {
+  run_distributed(1, every_strategy);
+}
+
+TEST(Strategies, AllMatchOnTwoRanks) {
+  run_distributed(2, every_strategy);
+}
+
+TEST(Strategies, AllMatchOnFourRanks) {
+  run_distributed(4, every_strategy);
+}
