@@ -565,52 +565,75 @@ TEST(TorchFSDP, CheckpointsMoveBetweenWorldSizesAndPlugins) {
             .shard(true)
             .size_per_shard(1));
     booster.save_optimizer(*boosted.optimizer, dir + "/fsdp_optim.bin");
+    booster.save_optimizer(
+        *boosted.optimizer,
+        dir + "/fsdp_optim",
+        colossalai::checkpoint_io::SaveOptimizerOptions().shard(true));
   });
   const auto ref = reference(4, global_world, false);
   // ... continues under FSDP on 4 ranks.
   run_distributed(4, [&](int rank, int world) {
+    // Files hold each state's own bytes (a state that viewed a unit's gathered
+    // buffer once pickled the whole buffer): AdamW's two moments, 8 bytes per
+    // parameter, plus pickle and zip framing.
+    auto bytes_under = [](const std::string& path) {
+      int64_t n = 0;
+      if (std::filesystem::is_regular_file(path)) {
+        return static_cast<int64_t>(std::filesystem::file_size(path));
+      }
+      for (const auto& e : std::filesystem::directory_iterator(path)) {
+        n += static_cast<int64_t>(e.file_size());
+      }
+      return n;
+    };
+    const int64_t states = 8 * tiny().num_parameters();
+    if (rank == 0) {
+      for (const auto* f : {"/fsdp_optim.bin", "/fsdp_optim"}) {
+        EXPECT_GE(bytes_under(dir + f), states) << f;
+        EXPECT_LE(bytes_under(dir + f), states + 64 * 1024) << f;
+      }
+    }
     cb::Booster booster(cb::BoosterOptions().plugin(fsdp_plugin()));
     auto model = make_model();
     auto boosted = booster.boost(model, make_opt(model, false));
     booster.load_model(boosted.model, dir + "/fsdp_model");
-    booster.load_optimizer(*boosted.optimizer, dir + "/fsdp_optim.bin");
+    booster.load_optimizer(*boosted.optimizer, dir + "/fsdp_optim");
     run_steps(booster, boosted, 2, 4, rank, world);
     check_close(full_params(boosted.model), ref, "FSDP(2) -> FSDP(4)");
-  });
-  // ... and under DDP on 2 ranks; DDP saves its own.
-  run_distributed(2, [&](int rank, int world) {
-    cb::Booster booster(cb::BoosterOptions().plugin(
-        std::make_shared<cb::plugin::TorchDDPPlugin>()));
-    auto model = make_model();
-    auto boosted = booster.boost(model, make_opt(model, false));
-    booster.load_model(boosted.model, dir + "/fsdp_model");
-    booster.load_optimizer(*boosted.optimizer, dir + "/fsdp_optim.bin");
-    run_steps(booster, boosted, 2, 4, rank, world);
-    check_close(model->parameters(), ref, "FSDP(2) -> DDP(2)");
-  });
-  run_distributed(2, [&](int rank, int world) {
-    cb::Booster booster(cb::BoosterOptions().plugin(
-        std::make_shared<cb::plugin::LowLevelZeroPlugin>(
-            cb::plugin::LowLevelZeroPluginOptions().stage(2).precision(
-                "fp32"))));
-    auto model = make_model();
-    auto boosted = booster.boost(model, make_opt(model, false));
-    run_steps(booster, boosted, 0, 2, rank, world);
-    booster.save_model(boosted.model, dir + "/zero_model.safetensors");
-    booster.save_optimizer(*boosted.optimizer, dir + "/zero_optim.bin");
-  });
-  // A ZeRO-2 checkpoint continues under FSDP (one unit) on 2 ranks.
-  run_distributed(2, [&](int rank, int world) {
-    cb::Booster booster(cb::BoosterOptions().plugin(
-        std::make_shared<cb::plugin::TorchFSDPPlugin>()));
-    auto model = make_model();
-    auto boosted = booster.boost(model, make_opt(model, false));
-    booster.load_model(boosted.model, dir + "/zero_model.safetensors");
-    booster.load_optimizer(*boosted.optimizer, dir + "/zero_optim.bin");
-    run_steps(booster, boosted, 2, 4, rank, world);
-    check_close(full_params(boosted.model), ref, "ZeRO-2(2) -> FSDP(2)");
-  });
-  std::filesystem::remove_all(dir);
+});
+// ... and under DDP on 2 ranks; DDP saves its own.
+run_distributed(2, [&](int rank, int world) {
+  cb::Booster booster(cb::BoosterOptions().plugin(
+      std::make_shared<cb::plugin::TorchDDPPlugin>()));
+  auto model = make_model();
+  auto boosted = booster.boost(model, make_opt(model, false));
+  booster.load_model(boosted.model, dir + "/fsdp_model");
+  booster.load_optimizer(*boosted.optimizer, dir + "/fsdp_optim.bin");
+  run_steps(booster, boosted, 2, 4, rank, world);
+  check_close(model->parameters(), ref, "FSDP(2) -> DDP(2)");
+});
+run_distributed(2, [&](int rank, int world) {
+  cb::Booster booster(cb::BoosterOptions().plugin(
+      std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+          cb::plugin::LowLevelZeroPluginOptions().stage(2).precision("fp32"))));
+  auto model = make_model();
+  auto boosted = booster.boost(model, make_opt(model, false));
+  run_steps(booster, boosted, 0, 2, rank, world);
+  booster.save_model(boosted.model, dir + "/zero_model.safetensors");
+  booster.save_optimizer(*boosted.optimizer, dir + "/zero_optim.bin");
+});
+// A ZeRO-2 checkpoint continues under FSDP (one unit) on 2 ranks.
+run_distributed(2, [&](int rank, int world) {
+  cb::Booster booster(cb::BoosterOptions().plugin(
+      std::make_shared<cb::plugin::TorchFSDPPlugin>()));
+  auto model = make_model();
+  auto boosted = booster.boost(model, make_opt(model, false));
+  booster.load_model(boosted.model, dir + "/zero_model.safetensors");
+  booster.load_optimizer(*boosted.optimizer, dir + "/zero_optim.bin");
+  run_steps(booster, boosted, 2, 4, rank, world);
+  check_close(full_params(boosted.model), ref, "ZeRO-2(2) -> FSDP(2)");
+});
+std::filesystem::remove_all(dir);
 }
 
 TEST(TorchFSDP, BadOptionsAreClearErrors) {
@@ -737,4 +760,3 @@ TEST(TorchFSDP, FailedLoadLeavesTheShardsUnchanged) {
     }
   });
 }
-

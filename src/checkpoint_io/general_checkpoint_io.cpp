@@ -39,6 +39,14 @@ StateDict detached(const StateDict& state) {
   return out;
 }
 
+// A tensor that owns exactly its bytes: a view of a larger buffer would keep
+// the whole buffer alive (and a pickle would write all of it).
+at::Tensor compact(const at::Tensor& t) {
+  auto d = t.detach();
+  const auto bytes = static_cast<size_t>(d.numel()) * d.element_size();
+  return d.is_contiguous() && d.storage().nbytes() == bytes ? d : d.clone();
+}
+
 void write_tensors(
     const std::string& path,
     const StateDict& state,
@@ -48,12 +56,6 @@ void write_tensors(
   } else {
     save_bin(path, state);
   }
-}
-
-// The model's tensors as they are, or owned CPU copies for a background save.
-StateDict state_to_save(interface::ModelWrapper& model, bool async) {
-  auto state = model_state_dict(*model.unwrap());
-  return async ? snapshot(state) : detached(state);
 }
 
 bool looks_like_zip(const std::string& path) {
@@ -176,6 +178,70 @@ std::map<int64_t, StateDict> snapshot_states(
   return out;
 }
 
+// NOTE [Streamed sharded saves]
+// A sharded save writes each shard file as soon as it is full, so the writer
+// holds at most one shard (size_per_shard, or one larger tensor) plus what
+// the plugin is handing over (one bucket / unit for sharded plugins), never
+// the whole model or optimizer. Shard names carry the total count
+// ("-00002-of-00005"), unknown until the end: shards are written under
+// provisional names inside the save's temporary directory and renamed once
+// all are written, before the directory is published.
+class ShardParts {
+ public:
+  ShardParts(std::string dir, std::string base, int64_t max_bytes)
+      : dir_(std::move(dir)), base_(std::move(base)), max_bytes_(max_bytes) {}
+
+  /// Whether the current shard must be written before `bytes` more.
+  bool full(int64_t bytes) const {
+    return current_ > 0 && current_ + bytes > max_bytes_;
+  }
+  void add(const std::string& key, int64_t bytes) {
+    if (keys_.empty() || sealed_) {
+      keys_.emplace_back();
+      bytes_.push_back(0);
+      sealed_ = false;
+    }
+    keys_.back().push_back(key);
+    bytes_.back() += bytes;
+    current_ += bytes;
+  }
+  /// Where to write the current shard; starts the next one.
+  std::string seal() {
+    sealed_ = true;
+    current_ = 0;
+    return provisional(keys_.size() - 1);
+  }
+  bool pending() const {
+    return !keys_.empty() && !sealed_;
+  }
+  /// Renames the shards to their final names and lists them in `index`;
+  /// `single` names a lone shard (empty: always numbered).
+  void publish(detail::Index& index, const std::string& single) {
+    const int n = static_cast<int>(keys_.size());
+    for (int i = 0; i < n; ++i) {
+      const auto name = n == 1 && !single.empty()
+          ? single
+          : detail::shard_name(base_, i + 1, n);
+      std::filesystem::rename(provisional(i), detail::join(dir_, name));
+      for (const auto& k : keys_[i]) {
+        index.weight_map.emplace_back(k, name);
+      }
+      index.total_size += bytes_[i];
+    }
+  }
+
+ private:
+  std::string provisional(size_t i) const {
+    return detail::join(dir_, base_ + ".part" + std::to_string(i));
+  }
+  std::string dir_, base_;
+  int64_t max_bytes_;
+  int64_t current_ = 0;
+  bool sealed_ = false;
+  std::vector<std::vector<std::string>> keys_;
+  std::vector<int64_t> bytes_;
+};
+
 } // namespace
 
 StateDict model_state_dict(torch::nn::Module& module) {
@@ -244,12 +310,23 @@ void GeneralCheckpointIO::save_unsharded_model(
     interface::ModelWrapper& model,
     const std::string& checkpoint,
     const SaveModelOptions& o) {
-  if (!is_writer()) {
+  // One file: the writer collects the whole state (owned copies for a
+  // background save); other ranks only take part in the collectives.
+  const bool async = o.use_async();
+  const bool writer = is_writer();
+  StateDict state;
+  stream_model_state(model, [&](const std::string& k, const at::Tensor& t) {
+    if (writer) {
+      state.insert(
+          k,
+          async ? t.detach().to(at::kCPU, false, /*copy=*/true) : t.detach());
+    }
+  });
+  if (!writer) {
     return;
   }
-  const auto state = state_to_save(model, o.use_async());
   const bool st = o.use_safetensors();
-  run_maybe_async(o.use_async(), [state, checkpoint, st]() {
+  run_maybe_async(async, [state, checkpoint, st]() {
     detail::atomic_write_file(checkpoint, [&](const std::string& tmp) {
       write_tensors(tmp, state, st);
     });
@@ -260,30 +337,61 @@ void GeneralCheckpointIO::save_sharded_model(
     interface::ModelWrapper& model,
     const std::string& checkpoint,
     const SaveModelOptions& o) {
-  if (!is_writer()) {
-    return;
-  }
-  const auto state = state_to_save(model, o.use_async());
   const bool st = o.use_safetensors();
   const std::string weights =
       detail::add_prefix(st ? kSafetensorsName : kBinName, o.prefix());
   const int64_t max_bytes = o.size_per_shard() * 1024 * 1024;
-  run_maybe_async(o.use_async(), [=]() {
+  const bool writer = is_writer();
+  // Writes the shards of whatever `feed` hands over, in the save's
+  // temporary directory (NOTE [Streamed sharded saves]).
+  auto write = [=](const std::function<void(const TensorSink&)>& feed) {
     detail::atomic_write_dir(checkpoint, [&](const std::string& dir) {
-      auto shards = detail::split_shards(state, max_bytes);
-      detail::Index index;
-      const int n = static_cast<int>(shards.size());
-      for (int i = 0; i < n; ++i) {
-        auto name = n == 1 ? weights : detail::shard_name(weights, i + 1, n);
-        write_tensors(detail::join(dir, name), shards[i], st);
-        for (const auto& item : shards[i]) {
-          index.total_size += detail::nbytes(item.value());
-          index.weight_map.emplace_back(item.key(), name);
+      ShardParts parts(dir, weights, max_bytes);
+      StateDict shard;
+      auto flush = [&]() {
+        write_tensors(parts.seal(), shard, st);
+        shard = StateDict();
+      };
+      feed([&](const std::string& k, const at::Tensor& t) {
+        const int64_t bytes = detail::nbytes(t);
+        if (parts.full(bytes)) {
+          flush();
         }
+        shard.insert(k, compact(t));
+        parts.add(k, bytes);
+      });
+      if (parts.pending()) {
+        flush();
       }
+      detail::Index index;
+      parts.publish(index, weights);
       detail::write_index(detail::join(dir, weights + ".index.json"), index);
     });
+  };
+  if (!o.use_async()) {
+    if (writer) {
+      write([&](const TensorSink& sink) { stream_model_state(model, sink); });
+    } else {
+      stream_model_state(model, [](const std::string&, const at::Tensor&) {});
+    }
+    return;
+  }
+  // A background save needs an owned copy of everything anyway.
+  StateDict state;
+  stream_model_state(model, [&](const std::string& k, const at::Tensor& t) {
+    if (writer) {
+      state.insert(k, t.detach().to(at::kCPU, false, /*copy=*/true));
+    }
   });
+  if (writer) {
+    run_maybe_async(true, [state, write]() {
+      write([&](const TensorSink& sink) {
+        for (const auto& item : state) {
+          sink(item.key(), item.value());
+        }
+      });
+    });
+  }
 }
 
 void GeneralCheckpointIO::load_unsharded_model(
@@ -362,49 +470,65 @@ void GeneralCheckpointIO::save_sharded_optimizer(
     interface::OptimizerWrapper& optimizer,
     const std::string& checkpoint,
     const SaveOptimizerOptions& o) {
-  auto states = snapshot_states(optimizer_states(optimizer), o.use_async());
-  if (!is_writer()) {
-    return;
-  }
-  auto groups = detail::optimizer_param_groups(optimizer.unwrap());
   const auto index_name = detail::add_prefix(kOptimName, o.prefix());
   const auto group_name = detail::add_prefix(kOptimGroupName, o.prefix());
   const int64_t max_bytes = o.size_per_shard() * 1024 * 1024;
-  run_maybe_async(o.use_async(), [=]() {
+  const bool writer = is_writer();
+  if (!writer) {
+    // Take part in the plugin's collectives; the writer writes.
+    stream_optimizer_states(optimizer, [](int64_t, const StateDict&) {});
+    return;
+  }
+  auto groups = detail::optimizer_param_groups(optimizer.unwrap());
+  // Shards hold whole parameter states (NOTE [Streamed sharded saves]).
+  auto write = [=](const std::function<void(const StateSink&)>& feed) {
     detail::atomic_write_dir(checkpoint, [&](const std::string& dir) {
-      // Shards hold whole parameter states, filled up to max_bytes.
-      std::vector<std::map<int64_t, StateDict>> shards;
-      int64_t current = 0;
-      for (const auto& kv : states) {
+      ShardParts parts(dir, index_name, max_bytes);
+      std::map<int64_t, StateDict> shard;
+      auto flush = [&]() {
+        detail::write_bytes(
+            parts.seal(), torch::pickle_save(states_ivalue(shard)));
+        shard.clear();
+      };
+      feed([&](int64_t id, const StateDict& s) {
         int64_t n = 0;
-        for (const auto& item : kv.second) {
+        StateDict own;
+        for (const auto& item : s) {
           n += detail::nbytes(item.value());
+          own.insert(item.key(), compact(item.value()));
         }
-        if (shards.empty() || (current > 0 && current + n > max_bytes)) {
-          shards.emplace_back();
-          current = 0;
+        if (parts.full(n)) {
+          flush();
         }
-        shards.back().emplace(kv.first, kv.second);
-        current += n;
+        shard.emplace(id, std::move(own));
+        parts.add(std::to_string(id), n);
+      });
+      if (parts.pending()) {
+        flush();
       }
       detail::Index index;
       index.metadata["param_groups"] = group_name;
-      const int total = static_cast<int>(shards.size());
-      for (int i = 0; i < total; ++i) {
-        auto name = detail::shard_name(index_name, i + 1, total);
-        detail::write_bytes(
-            detail::join(dir, name),
-            torch::pickle_save(states_ivalue(shards[i])));
-        for (const auto& kv : shards[i]) {
-          for (const auto& item : kv.second) {
-            index.total_size += detail::nbytes(item.value());
-          }
-          index.weight_map.emplace_back(std::to_string(kv.first), name);
-        }
-      }
+      parts.publish(index, "");
       detail::write_bytes(
           detail::join(dir, group_name), torch::pickle_save(groups));
       detail::write_index(detail::join(dir, index_name + ".index.json"), index);
+    });
+  };
+  if (!o.use_async()) {
+    write([&](const StateSink& sink) {
+      stream_optimizer_states(optimizer, sink);
+    });
+    return;
+  }
+  std::map<int64_t, StateDict> states;
+  stream_optimizer_states(optimizer, [&](int64_t id, const StateDict& s) {
+    states.emplace(id, snapshot(s));
+  });
+  run_maybe_async(true, [states, write]() {
+    write([&](const StateSink& sink) {
+      for (const auto& kv : states) {
+        sink(kv.first, kv.second);
+      }
     });
   });
 }
@@ -469,6 +593,22 @@ void GeneralCheckpointIO::load_sharded_optimizer(
 std::map<int64_t, StateDict> GeneralCheckpointIO::optimizer_states(
     interface::OptimizerWrapper& optimizer) {
   return detail::optimizer_param_states(optimizer.unwrap());
+}
+
+void GeneralCheckpointIO::stream_model_state(
+    interface::ModelWrapper& model,
+    const TensorSink& sink) {
+  for (const auto& item : model_state_dict(*model.unwrap())) {
+    sink(item.key(), item.value());
+  }
+}
+
+void GeneralCheckpointIO::stream_optimizer_states(
+    interface::OptimizerWrapper& optimizer,
+    const StateSink& sink) {
+  for (const auto& kv : optimizer_states(optimizer)) {
+    sink(kv.first, kv.second);
+  }
 }
 
 void GeneralCheckpointIO::load_optimizer_state(

@@ -161,23 +161,6 @@ int64_t nbytes(const at::Tensor& t) {
   return t.numel() * static_cast<int64_t>(t.element_size());
 }
 
-std::vector<StateDict> split_shards(
-    const StateDict& tensors,
-    int64_t max_bytes) {
-  std::vector<StateDict> shards;
-  int64_t current = 0;
-  for (const auto& item : tensors) {
-    int64_t n = nbytes(item.value());
-    if (shards.empty() || (current > 0 && current + n > max_bytes)) {
-      shards.emplace_back();
-      current = 0;
-    }
-    shards.back().insert(item.key(), item.value());
-    current += n;
-  }
-  return shards;
-}
-
 std::vector<char> read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   TORCH_CHECK(in.good(), "cannot open '", path, "': ", std::strerror(errno));

@@ -36,12 +36,6 @@ std::string add_prefix(const std::string& name, const std::string& prefix);
 /// "model.safetensors", 2, 5 -> "model-00002-of-00005.safetensors".
 std::string shard_name(const std::string& name, int index, int total);
 
-/// Splits `tensors` in order into groups of at most `max_bytes` each (a
-/// larger tensor goes alone).
-std::vector<StateDict> split_shards(
-    const StateDict& tensors,
-    int64_t max_bytes);
-
 int64_t nbytes(const at::Tensor& t);
 
 std::vector<char> read_bytes(const std::string& path);

@@ -275,6 +275,53 @@ Work all_gather(
       std::move(w), std::move(finish), "all_gather", group);
 }
 
+Work gather(
+    at::Tensor& output,
+    const at::Tensor& input,
+    int root,
+    const ProcessGroup& group) {
+  check_dense(input, "gather", "input");
+  TORCH_CHECK(
+      root >= 0 && root < group.size(),
+      "gather: root ",
+      root,
+      " outside group of ",
+      group.size());
+  const int n = group.size();
+  const bool me = group.rank() == root;
+  if (me) {
+    check_dense(output, "gather", "output");
+    TORCH_CHECK(
+        output.numel() == input.numel() * n &&
+            output.scalar_type() == input.scalar_type(),
+        "gather: output must hold ",
+        n,
+        " x ",
+        input.numel(),
+        " elements of ",
+        input.scalar_type());
+  }
+  count(input);
+  if (n == 1) {
+    output.view({-1}).copy_(input.view({-1}));
+    return Work();
+  }
+  std::vector<std::vector<at::Tensor>> outs;
+  if (me) {
+    outs.emplace_back();
+    auto flat = output.view({-1});
+    const int64_t m = input.numel();
+    for (int r = 0; r < n; ++r) {
+      outs[0].push_back(raw(flat.slice(0, r * m, (r + 1) * m), group));
+    }
+  }
+  std::vector<at::Tensor> ins{raw(input.view({-1}), group)};
+  ::c10d::GatherOptions opts;
+  opts.rootRank = root;
+  return detail::make_work(
+      detail::backend(group).gather(outs, ins, opts), nullptr, "gather", group);
+}
+
 Work reduce_scatter(
     at::Tensor& output,
     const at::Tensor& input,

@@ -2,6 +2,7 @@
 
 #include <colossalai/checkpoint_io/checkpoint_io_base.h>
 
+#include <functional>
 #include <map>
 #include <set>
 
@@ -67,6 +68,23 @@ class GeneralCheckpointIO : public CheckpointIO {
   /// plugins that shard them).
   virtual std::map<int64_t, StateDict> optimizer_states(
       interface::OptimizerWrapper& optimizer);
+
+  using TensorSink =
+      std::function<void(const std::string& name, const at::Tensor& tensor)>;
+  using StateSink = std::function<void(int64_t id, const StateDict& state)>;
+  /// Hands the model's full tensors to `sink`, a few at a time, on the
+  /// writer (collective where parameters are sharded: every rank calls it,
+  /// the sink may run on the writer only). Sharded saves write shard files
+  /// as tensors arrive, so the writer never holds the whole model. Default:
+  /// the module's own tensors.
+  virtual void stream_model_state(
+      interface::ModelWrapper& model,
+      const TensorSink& sink);
+  /// As stream_model_state, for full per-parameter optimizer states.
+  /// Default: optimizer_states().
+  virtual void stream_optimizer_states(
+      interface::OptimizerWrapper& optimizer,
+      const StateSink& sink);
   /// Restores one parameter's full state (a sharding plugin keeps its slice).
   virtual void load_optimizer_state(
       interface::OptimizerWrapper& optimizer,

@@ -78,6 +78,15 @@ Work all_gather(
     const at::Tensor& input,
     const ProcessGroup& group);
 
+/// Gathers every rank's equal-sized `input` into the flat `output` of group
+/// rank `root` only (rank order); `output` is ignored on other ranks. Moves
+/// a sharded tensor to one writer without every rank holding it whole.
+Work gather(
+    at::Tensor& output,
+    const at::Tensor& input,
+    int root,
+    const ProcessGroup& group);
+
 /// Reduces the flat `input` over the group and leaves this rank's shard (as
 /// `shard_range` defines it) in `output`.
 Work reduce_scatter(

@@ -178,6 +178,14 @@ class FullyShardedModel : public interface::ModelWrapper {
   };
   FullParams summon_full_params(bool writeback = false);
 
+  /// Hands every parameter's full fp32 value (and every buffer) to `sink`
+  /// by its dotted name, one unit at a time: a unit's shards are gathered to
+  /// rank 0 of the shard group only and released before the next unit
+  /// (collective; `sink` runs on that rank only). For saves that must not
+  /// put the whole model on every rank.
+  void stream_full_state(
+      const std::function<void(const std::string&, const at::Tensor&)>& sink);
+
   /// Dotted names of the units ("" is the root), in construction order.
   std::vector<std::string> unit_names() const;
   /// Elements in each unit's padded flat buffer.

@@ -7,6 +7,7 @@
 
 #include <torch/arg.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -56,8 +57,18 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// The loss scale (1 without loss scaling).
   double loss_scale() const;
 
-  /// Full optimizer states by parameter id, gathered from every rank's
-  /// pieces (collective: every rank must call it).
+  /// Receives one parameter's full optimizer state.
+  using StateSink =
+      std::function<void(int64_t id, const checkpoint_io::StateDict& state)>;
+  /// Streams every parameter's full optimizer state to `sink` on rank 0 of
+  /// the shard group, one flat group at a time: the pieces of one group are
+  /// gathered to that rank only, handed over, and released before the next
+  /// (collective: every rank must call it; `sink` runs on rank 0 only). So
+  /// no rank ever holds more than one group's full states at once beyond
+  /// what the sink keeps.
+  void stream_full_states(const StateSink& sink);
+  /// Full optimizer states by parameter id on rank 0 of the shard group
+  /// (empty elsewhere); collective.
   std::map<int64_t, checkpoint_io::StateDict> full_states();
   /// Keeps this rank's piece of a full state (from any world size or
   /// plugin).

@@ -62,6 +62,11 @@ class LowLevelZeroCheckpointIO : public TorchDDPCheckpointIO {
       interface::OptimizerWrapper& optimizer) override {
     return zero_of(optimizer).full_states();
   }
+  void stream_optimizer_states(
+      interface::OptimizerWrapper& optimizer,
+      const StateSink& sink) override {
+    zero_of(optimizer).stream_full_states(sink);
+  }
   void load_optimizer_state(
       interface::OptimizerWrapper& optimizer,
       int64_t id,

@@ -23,27 +23,24 @@ zero::FullyShardedOptimizer& fsdp_of(interface::OptimizerWrapper& o) {
   return *z;
 }
 
-// Full tensors in the GeneralCheckpointIO layout: every rank gathers (each
-// unit's full fp32 value), rank 0 writes; loading writes this rank's range
-// back into its shards.
+// Full tensors in the GeneralCheckpointIO layout: each unit's full fp32
+// value is gathered to rank 0 alone and written a shard file at a time
+// (NOTE [Streamed sharded saves]); loading writes this rank's range back
+// into its shards.
 class TorchFSDPCheckpointIO : public TorchDDPCheckpointIO {
  public:
   using TorchDDPCheckpointIO::TorchDDPCheckpointIO;
 
  protected:
-  void save_unsharded_model(
+  void stream_model_state(
       interface::ModelWrapper& model,
-      const std::string& checkpoint,
-      const checkpoint_io::SaveModelOptions& options) override {
-    auto full = fsdp_of(model).summon_full_params(/*writeback=*/false);
-    TorchDDPCheckpointIO::save_unsharded_model(model, checkpoint, options);
+      const TensorSink& sink) override {
+    fsdp_of(model).stream_full_state(sink);
   }
-  void save_sharded_model(
-      interface::ModelWrapper& model,
-      const std::string& checkpoint,
-      const checkpoint_io::SaveModelOptions& options) override {
-    auto full = fsdp_of(model).summon_full_params(/*writeback=*/false);
-    TorchDDPCheckpointIO::save_sharded_model(model, checkpoint, options);
+  void stream_optimizer_states(
+      interface::OptimizerWrapper& optimizer,
+      const StateSink& sink) override {
+    fsdp_of(optimizer).stream_full_states(sink);
   }
   void load_unsharded_model(
       interface::ModelWrapper& model,

@@ -174,6 +174,16 @@ void ShardedOptimizer::clip_grad_by_value(double clip_value) {
 }
 
 std::map<int64_t, checkpoint_io::StateDict> ShardedOptimizer::full_states() {
+  std::map<int64_t, checkpoint_io::StateDict> out;
+  stream_full_states([&](int64_t id, const checkpoint_io::StateDict& state) {
+    out.emplace(id, state);
+  });
+  return out;
+}
+
+void ShardedOptimizer::stream_full_states(const StateSink& sink) {
+  constexpr int kRoot = 0;
+  const bool root = group_ == nullptr || group_->rank() == kRoot;
   auto states = checkpoint_io::detail::optimizer_param_states(*optim_);
   // Parameter id -> (group, index) by the pieces' identity.
   std::unordered_map<const void*, std::pair<size_t, size_t>> where;
@@ -184,14 +194,13 @@ std::map<int64_t, checkpoint_io::StateDict> ShardedOptimizer::full_states() {
     }
   }
   int64_t id = 0;
-  std::map<int64_t, checkpoint_io::StateDict> out;
   std::vector<std::vector<std::pair<size_t, int64_t>>> by_group(groups_.size());
   for (auto& g : optim_->param_groups()) {
     for (auto& p : g.params()) {
       auto it = where.find(p.unsafeGetTensorImpl());
       if (it == where.end()) {
-        if (states.count(id)) {
-          out.emplace(id, states.at(id)); // unsharded: held whole
+        if (root && states.count(id)) {
+          sink(id, states.at(id)); // unsharded: held whole
         }
       } else {
         by_group[it->second.first].emplace_back(it->second.second, id);
@@ -219,7 +228,7 @@ std::map<int64_t, checkpoint_io::StateDict> ShardedOptimizer::full_states() {
       const auto& key = item.key();
       if (item.value().dim() == 0) { // step counters: equal on every rank
         for (const auto& e : by_group[k]) {
-          if (states.count(e.second)) {
+          if (root && states.count(e.second)) {
             group_out[e.second].insert(key, states.at(e.second)[key]);
           }
         }
@@ -232,20 +241,32 @@ std::map<int64_t, checkpoint_io::StateDict> ShardedOptimizer::full_states() {
               .copy_(states.at(e.second)[key].reshape({-1}));
         }
       }
-      auto full = at::empty({layout.padded()}, local.options());
-      detail::all_gather_flat(full, local, layout, group_.get()).wait();
+      at::Tensor full;
+      if (root) {
+        full = at::empty({layout.padded()}, local.options());
+      }
+      if (group_ != nullptr && group_->size() > 1) {
+        distributed::gather(full, local, kRoot, *group_).wait();
+      } else {
+        full.copy_(local);
+      }
+      if (!root) {
+        continue;
+      }
+      // Compact copies, so the gathered buffer is released now and a
+      // pickled state holds its own bytes, not the whole group's.
       for (const auto& e : by_group[k]) {
         if (states.count(e.second)) {
           group_out[e.second].insert(
-              key, layout.view(full, e.first, fp.params[e.first].sizes()));
+              key,
+              layout.view(full, e.first, fp.params[e.first].sizes()).clone());
         }
       }
     }
-    for (auto& kv : group_out) {
-      out.emplace(kv.first, std::move(kv.second));
+    for (const auto& kv : group_out) {
+      sink(kv.first, kv.second);
     }
   }
-  return out;
 }
 
 void ShardedOptimizer::load_full_state(

@@ -385,6 +385,54 @@ void FullyShardedModel::set_require_sync(bool require) {
   state_->set_require_sync(require);
 }
 
+void FullyShardedModel::stream_full_state(
+    const std::function<void(const std::string&, const at::Tensor&)>& sink) {
+  auto& st = *state_;
+  TORCH_CHECK(
+      !st.in_forward && !st.in_backward() && !st.summoned,
+      "FSDP: saving needs the model at rest (not inside forward, backward "
+      "or summon_full_params)");
+  const bool root = st.S == 1 || st.shard_rank() == 0;
+  for (auto& u : st.units) {
+    if (u.numel() == 0) {
+      continue;
+    }
+    at::Tensor full;
+    if (root) {
+      full = at::empty({u.padded()}, u.full.options().dtype(at::kFloat));
+    }
+    auto src = u.shard_data.to(st.device, at::kFloat, false, /*copy=*/true);
+    if (st.S > 1) {
+      distributed::gather(full, src, 0, *st.shard_group).wait();
+    } else {
+      full.copy_(src);
+    }
+    if (root) {
+      for (size_t i = 0; i < u.params.size(); ++i) {
+        sink(u.param_names[i], u.layout.view(full, i, u.params[i].sizes()));
+      }
+    }
+  }
+  if (!root) {
+    return;
+  }
+  std::set<const void*> ignored;
+  for (const auto& p : st.ignored_params) {
+    ignored.insert(p.unsafeGetTensorImpl());
+  }
+  auto module = unwrap();
+  for (const auto& item : module->named_parameters(true)) {
+    if (ignored.count(item.value().unsafeGetTensorImpl())) {
+      sink(item.key(), item.value()); // held whole
+    }
+  }
+  for (const auto& item : module->named_buffers(true)) {
+    if (item.value().defined()) {
+      sink(item.key(), item.value());
+    }
+  }
+}
+
 FullyShardedModel::FullParams FullyShardedModel::summon_full_params(
     bool writeback) {
   return FullParams(state_, writeback);
