@@ -4,7 +4,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/initialize.h>
 
-#include "ddp_reducer.h"
+#include "../../zero/ddp/reducer.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -85,13 +85,13 @@ TorchDDPModel::TorchDDPModel(
   // Every rank starts from rank 0's weights.
   broadcast_coalesced(state, 0, *group_);
 
-  detail::ReducerOptions ro;
+  zero::detail::ReducerOptions ro;
   ro.bucket_bytes = static_cast<int64_t>(options.bucket_cap_mb() * (1 << 20));
   ro.first_bucket_bytes = std::min<int64_t>(1 << 20, ro.bucket_bytes);
   ro.find_unused_parameters = options.find_unused_parameters();
   ro.gradient_as_bucket_view = options.gradient_as_bucket_view();
   ro.static_graph = options.static_graph();
-  reducer_ = std::make_shared<detail::Reducer>(
+  reducer_ = std::make_shared<zero::detail::Reducer>(
       std::move(names), std::move(params), group_, ro);
   reducer_->register_hooks();
 }

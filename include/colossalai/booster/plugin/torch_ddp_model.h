@@ -7,12 +7,14 @@
 #include <memory>
 
 namespace colossalai {
+namespace zero {
+namespace detail {
+class Reducer; // the DDP engine (src/zero/ddp)
+} // namespace detail
+} // namespace zero
+
 namespace booster {
 namespace plugin {
-
-namespace detail {
-class Reducer;
-} // namespace detail
 
 /// The model wrapper TorchDDPPlugin returns: broadcasts rank 0's parameters
 /// and buffers at construction, rank 0's buffers before each forward (with
@@ -54,7 +56,7 @@ class TorchDDPModel : public interface::ModelWrapper {
 
   distributed::ProcessGroupPtr group_;
   TorchDDPPluginOptions options_;
-  std::shared_ptr<detail::Reducer> reducer_;
+  std::shared_ptr<zero::detail::Reducer> reducer_;
 };
 
 /// Broadcasts `tensors` from group rank `src`, coalesced per dtype into one

@@ -1,8 +1,8 @@
 #include <colossalai/zero/low_level_optimizer.h>
 
-#include "../checkpoint_io/optimizer_state.h"
-#include "../distributed/grad_bucketer.h"
-#include "common/flat_params.h"
+#include "../../checkpoint_io/optimizer_state.h"
+#include "../../distributed/grad_bucketer.h"
+#include "../common/flat_params.h"
 
 namespace colossalai {
 namespace zero {

@@ -1,7 +1,7 @@
 #pragma once
 
-// Gradient bucketing and overlapped all-reduce for TorchDDPModel; see
-// NOTE [DDP gradient reduction].
+// The DDP engine (ZeRO stage 0): TorchDDPModel's gradient all-reduce on
+// the shared GradBucketer, beside the ZeRO-1/2 and FSDP engines.
 
 #include "../../distributed/grad_bucketer.h"
 
@@ -10,8 +10,7 @@
 #include <vector>
 
 namespace colossalai {
-namespace booster {
-namespace plugin {
+namespace zero {
 namespace detail {
 
 struct ReducerOptions {
@@ -88,6 +87,5 @@ class Reducer : public distributed::BucketHandler {
 };
 
 } // namespace detail
-} // namespace plugin
-} // namespace booster
+} // namespace zero
 } // namespace colossalai

@@ -1,12 +1,11 @@
-#include "ddp_reducer.h"
+#include "reducer.h"
 
 #include <map>
 #include <sstream>
 #include <tuple>
 
 namespace colossalai {
-namespace booster {
-namespace plugin {
+namespace zero {
 namespace detail {
 
 Reducer::Reducer(
@@ -213,6 +212,5 @@ int64_t Reducer::bytes_per_sync() const {
 }
 
 } // namespace detail
-} // namespace plugin
-} // namespace booster
+} // namespace zero
 } // namespace colossalai
