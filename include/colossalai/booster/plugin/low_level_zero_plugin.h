@@ -24,7 +24,7 @@ struct LowLevelZeroPluginOptions {
   /// Global gradient-norm clipping inside step; 0 = off. Only norm 2.
   TORCH_ARG(double, max_norm) = 0.0;
   TORCH_ARG(double, norm_type) = 2.0;
-  /// Gradient bucket size in millions of elements.
+  /// Gradient bucket size in units of 2^20 elements (as ColossalAI).
   TORCH_ARG(double, reduce_bucket_size_in_m) = 12;
   /// "" (the working dtype), "fp32", "bf16" or "fp16".
   TORCH_ARG(std::string, communication_dtype) = "";

@@ -28,7 +28,9 @@ namespace plugin {
 /// asynchronously, so communication overlaps the rest of backward. Buckets
 /// start strictly in index order on every rank (collectives are matched by
 /// order). A callback queued on the autograd engine runs at the end of
-/// backward: it waits for the buckets and writes the averages back.
+/// backward: it waits for the buckets and writes the averages back. The
+/// machinery is the shared GradBucketer (NOTE [Gradient bucketing]) that
+/// ZeRO and FSDP stand on too; this class adds only what DDP does with it.
 class TorchDDPModel : public interface::ModelWrapper {
  public:
   TorchDDPModel(
