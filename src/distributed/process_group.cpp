@@ -22,12 +22,14 @@ ProcessGroup::ProcessGroup(
     std::vector<int> ranks,
     int global_rank,
     std::string name,
-    std::chrono::milliseconds timeout)
+    std::chrono::milliseconds timeout,
+    c10::Device device)
     : backend_(std::move(backend)),
       type_(type),
       ranks_(std::move(ranks)),
       name_(std::move(name)),
-      timeout_(timeout) {
+      timeout_(timeout),
+      device_(device) {
   auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
   TORCH_INTERNAL_ASSERT(it != ranks_.end(), "rank not in its own group");
   rank_ = static_cast<int>(it - ranks_.begin());
@@ -121,7 +123,8 @@ ProcessGroupPtr create_group(
       global_ranks,
       rt.rank,
       name,
-      rt.timeout);
+      rt.timeout,
+      rt.device);
 }
 
 } // namespace detail

@@ -78,16 +78,13 @@ double total_norm(
   at::Tensor local;
   if (norms.empty()) {
     local = at::zeros({1}, at::kDouble);
-    for (const auto& g : tensors) {
-      if (g.defined()) { // on the tensors' device (NCCL takes no host ones)
-        local = local.to(g.device());
-        break;
-      }
-    }
   } else {
     auto all = at::stack(norms).to(at::kDouble);
     local = (inf ? all.max() : all.pow(norm_type).sum()).reshape({1});
   }
+  // On the group's device (NCCL takes no host tensors; offloaded shards
+  // live on the host).
+  local = local.to(group->device());
   if (group->size() > 1) {
     distributed::all_reduce(
         local,

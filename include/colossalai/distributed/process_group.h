@@ -1,5 +1,7 @@
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <chrono>
 #include <memory>
 #include <string>
@@ -27,7 +29,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
       std::vector<int> ranks,
       int global_rank,
       std::string name,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      c10::Device device = c10::Device(c10::kCPU));
   ~ProcessGroup();
 
   /// This process's rank inside the group.
@@ -53,6 +56,11 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   std::chrono::milliseconds timeout() const {
     return timeout_;
   }
+  /// Where this group's tensors live: control tensors (flags, norms,
+  /// counts) are made here, since NCCL takes no host tensors.
+  c10::Device device() const {
+    return device_;
+  }
   /// The c10d backend (opaque outside the library).
   const detail::BackendHandle& backend_handle() const {
     return *backend_;
@@ -67,6 +75,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   int rank_;
   std::string name_;
   std::chrono::milliseconds timeout_;
+  c10::Device device_;
 };
 
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;

@@ -105,12 +105,11 @@ bool ShardedOptimizer::overflow() {
     grads.push_back(g->shard_grad);
   }
   // Shards differ per rank: every rank skips if any saw inf/nan. The flag
-  // lives on the gradients' device (NCCL takes no host tensors).
+  // moves to the group's device (NCCL takes no host tensors; offloaded
+  // shards live on the host).
   auto flag = amp::any_non_finite(grads);
-  if (!groups_.empty()) {
-    flag = flag.to(groups_.front()->shard_grad.device());
-  }
   if (group_ != nullptr && group_->size() > 1) {
+    flag = flag.to(group_->device());
     distributed::all_reduce(flag, *group_, distributed::ReduceOp::kMax).wait();
   }
   return flag.item<float>() > 0;

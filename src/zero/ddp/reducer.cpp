@@ -161,7 +161,7 @@ void Reducer::before_wait() {
   // Which parameters no rank used (overlapping the buckets still in
   // flight): their gradients stay as they were.
   auto flags = at::tensor(used_, at::TensorOptions().dtype(at::kInt))
-                   .to(buffers_.front().device());
+                   .to(group_->device());
   distributed::all_reduce(flags, *group_, distributed::ReduceOp::kMax).wait();
   auto host = flags.cpu();
   auto acc = host.accessor<int32_t, 1>();
