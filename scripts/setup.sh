@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 packages=(
   build-essential cmake ccache
   libtorch-dev libgloo-dev libopenblas0-pthread
-  libgtest-dev zlib1g-dev nlohmann-json3-dev
+  libgtest-dev zlib1g-dev nlohmann-json3-dev libcli11-dev
   clang libclang-rt-14-dev python3-torch
   dataset-fashion-mnist python3-matplotlib
 )

@@ -1,4 +1,6 @@
 #include <colossalai/launcher.h>
+
+#include <CLI/CLI.hpp>
 #include <colossalai/utils/env.h>
 
 #include <c10/util/Exception.h>
@@ -36,20 +38,6 @@ using Clock = std::chrono::steady_clock;
 // Once every rank has exited, output still held open by their leftover
 // descendants is read for this long at most, so such a daemon cannot hang us.
 constexpr auto kDrainTimeout = std::chrono::seconds(1);
-
-int parse_int(const std::string& option, const std::string& value) {
-  errno = 0;
-  char* end = nullptr;
-  long v = std::strtol(value.c_str(), &end, 10);
-  TORCH_CHECK(
-      !value.empty() && errno == 0 && *end == '\0' && v >= INT_MIN &&
-          v <= INT_MAX,
-      option,
-      " expects an integer, got '",
-      value,
-      "'");
-  return static_cast<int>(v);
-}
 
 void validate(const RunOptions& o) {
   TORCH_CHECK(
@@ -550,106 +538,98 @@ std::atomic<bool> g_in_run{false};
 
 } // namespace
 
+namespace {
+
+// The options of `colossalai run`, bound to `o`. torchrun's grammar:
+// launcher options, then PROGRAM and its own arguments, untouched
+// (prefix_command stops at the first argument that is not ours).
+std::unique_ptr<CLI::App> run_app(RunOptions& o) {
+  auto app = std::make_unique<CLI::App>(
+      "Starts N local ranks of PROGRAM with torchrun's environment (RANK,\n"
+      "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
+      "MASTER_PORT). When a rank fails, the others are stopped and its exit\n"
+      "code is returned (128 + signal when it was killed by a signal).",
+      "colossalai run");
+  app->footer(
+      "PROGRAM and its ARGS follow the options (after '--' when PROGRAM\n"
+      "starts with '-'); options also take the form --opt=value.");
+  app->set_help_flag("-h,--help", "show this help");
+  // "--nproc-per-node" is accepted for "--nproc_per_node", as in torchrun.
+  app->add_option(
+         "--nproc_per_node,--nproc-per-node",
+         o.nproc_per_node,
+         "ranks on this node")
+      ->required();
+  app->add_option("--nnodes", o.nnodes, "number of nodes")
+      ->capture_default_str();
+  app->add_option(
+         "--node_rank,--node-rank", o.node_rank, "this node's index in [0, M)")
+      ->capture_default_str();
+  app->add_option("--master_addr,--master-addr", o.master_addr, "rank 0's host")
+      ->capture_default_str();
+  app->add_option("--master_port,--master-port", o.master_port, "rank 0's port")
+      ->capture_default_str();
+  app->add_option(
+      "--log_dir,--log-dir",
+      o.log_dir,
+      "also write rank r's output to DIR/rank_<r>.log");
+  app->add_flag_function(
+         "--no_prefix,--no-prefix",
+         [&o](int64_t) { o.prefix_output = false; },
+         "do not prefix output lines with \"[rank r] \"")
+      ->disable_flag_override();
+  app->add_option(
+         "--kill_grace_seconds,--kill-grace-seconds",
+         o.kill_grace_seconds,
+         "after a failure, seconds between SIGTERM and SIGKILL")
+      ->capture_default_str();
+  app->prefix_command();
+  return app;
+}
+
+} // namespace
+
 std::string run_usage() {
-  return "usage: colossalai run --nproc_per_node N [--nnodes M --node_rank R\n"
-         "                      --master_addr A --master_port P]\n"
-         "                      [--log_dir DIR] [--no_prefix]\n"
-         "                      [--kill_grace_seconds S] [--] PROGRAM "
-         "[ARGS...]\n"
-         "\n"
-         "Starts N local ranks of PROGRAM with torchrun's environment (RANK,\n"
-         "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
-         "MASTER_PORT). Options also take the form --opt=value.\n"
-         "\n"
-         "  --nproc_per_node N      ranks on this node (required)\n"
-         "  --nnodes M              number of nodes (default 1)\n"
-         "  --node_rank R           this node's index in [0, M) (default 0)\n"
-         "  --master_addr A         rank 0's host (default 127.0.0.1)\n"
-         "  --master_port P         rank 0's port (default 29500)\n"
-         "  --log_dir DIR           also write rank r's output to "
-         "DIR/rank_<r>.log\n"
-         "  --no_prefix             do not prefix output lines with "
-         "\"[rank r] \"\n"
-         "  --kill_grace_seconds S  after a failure, wait S seconds between\n"
-         "                          SIGTERM and SIGKILL (default 5)\n"
-         "  -h, --help              show this help\n"
-         "\n"
-         "When a rank fails, the others are stopped and its exit code is\n"
-         "returned (128 + signal when it was killed by a signal).\n";
+  RunOptions o;
+  return run_app(o)->help();
 }
 
 RunOptions parse_run_args(const std::vector<std::string>& args) {
   RunOptions o;
-  bool has_nproc = false;
-  size_t i = 0;
-  for (; i < args.size(); ++i) {
-    const std::string& arg = args[i];
-    if (arg == "--") {
-      ++i;
+  for (const auto& a : args) {
+    if (a == "--") {
       break;
     }
-    if (arg.size() < 2 || arg[0] != '-') {
-      break; // the program
-    }
-    if (arg == "-h" || arg == "--help") {
-      o.help = true;
-      continue;
-    }
-    TORCH_CHECK(arg.compare(0, 2, "--") == 0, "unknown option '", arg, "'");
-    // "--nproc-per-node" is accepted for "--nproc_per_node", as in torchrun.
-    size_t eq = arg.find('=');
-    std::string key = arg.substr(2, eq == std::string::npos ? eq : eq - 2);
-    std::replace(key.begin(), key.end(), '-', '_');
-    const std::string option = "--" + key;
-    if (key == "no_prefix") {
-      TORCH_CHECK(eq == std::string::npos, option, " takes no value");
-      o.prefix_output = false;
-      continue;
-    }
-    static const char* const kValued[] = {
-        "nproc_per_node",
-        "nnodes",
-        "node_rank",
-        "master_addr",
-        "master_port",
-        "log_dir",
-        "kill_grace_seconds"};
+    // CLI11 would take the next argument as the value of "--opt=".
     TORCH_CHECK(
-        std::find(std::begin(kValued), std::end(kValued), key) !=
-            std::end(kValued),
-        "unknown option '",
-        arg.substr(0, eq),
-        "'");
-    std::string value;
-    if (eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-    } else {
-      TORCH_CHECK(i + 1 < args.size(), option, " needs a value");
-      value = args[++i];
-    }
-    if (key == "nproc_per_node") {
-      o.nproc_per_node = parse_int(option, value);
-      has_nproc = true;
-    } else if (key == "nnodes") {
-      o.nnodes = parse_int(option, value);
-    } else if (key == "node_rank") {
-      o.node_rank = parse_int(option, value);
-    } else if (key == "master_addr") {
-      o.master_addr = value;
-    } else if (key == "master_port") {
-      o.master_port = parse_int(option, value);
-    } else if (key == "log_dir") {
-      TORCH_CHECK(!value.empty(), option, " must not be empty");
-      o.log_dir = value;
-    } else {
-      o.kill_grace_seconds = parse_int(option, value);
-    }
+        !(a.size() > 3 && a.compare(0, 2, "--") == 0 && a.back() == '='),
+        a.substr(0, a.size() - 1),
+        " needs a value (got '",
+        a,
+        "')");
   }
-  o.program.assign(args.begin() + i, args.end());
-  if (o.help) {
+  auto app = run_app(o);
+  try {
+    std::vector<std::string> reversed(args.rbegin(), args.rend());
+    app->parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    o.help = true;
     return o;
+  } catch (const CLI::ParseError& e) {
+    TORCH_CHECK(false, e.what());
   }
-  TORCH_CHECK(has_nproc, "--nproc_per_node is required");
+  auto rest = app->remaining();
+  if (!rest.empty() && rest.front() == "--") {
+    rest.erase(rest.begin()); // what follows is the program, dashes or not
+  } else if (
+      !rest.empty() && rest.front().size() > 1 && rest.front()[0] == '-') {
+    TORCH_CHECK(
+        false,
+        "unknown option '",
+        rest.front().substr(0, rest.front().find('=')),
+        "'");
+  }
+  o.program = std::move(rest);
   validate(o);
   return o;
 }
