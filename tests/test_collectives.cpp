@@ -177,6 +177,35 @@ TEST(Collectives, AsyncHandlesOverlap) {
   });
 }
 
+// gather moves every rank's piece to one root only (what streamed saves
+// use), in rank order, for float and bf16; a moved Work finishes once.
+TEST(Collectives, GatherToOneRoot) {
+  run_distributed(3, [](int rank, int world) {
+    auto group = cd::world_group();
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      auto piece = at::full({5}, static_cast<double>(rank + 1), dtype);
+      at::Tensor out;
+      if (rank == 1) {
+        out = at::empty({5 * world}, piece.options());
+      }
+      cd::Work w = cd::gather(out, piece, /*root=*/1, *group);
+      cd::Work moved = std::move(w);
+      moved.wait();
+      moved.wait();                  // idempotent
+      EXPECT_TRUE(w.is_completed()); // a moved-from handle is complete
+      if (rank == 1) {
+        for (int r = 0; r < world; ++r) {
+          EXPECT_TRUE(out.narrow(0, 5 * r, 5)
+                          .to(at::kFloat)
+                          .eq(r + 1)
+                          .all()
+                          .item<bool>());
+        }
+      }
+    }
+  });
+}
+
 TEST(Collectives, BadArgumentsNameTheProblem) {
   run_distributed(2, [](int rank, int) {
     auto group = cd::world_group();
@@ -198,4 +227,20 @@ TEST(Collectives, ShardRangeIsBalanced) {
   EXPECT_EQ(cd::shard_range(10, 3, 1), (std::pair<int64_t, int64_t>(4, 7)));
   EXPECT_EQ(cd::shard_range(10, 3, 2), (std::pair<int64_t, int64_t>(7, 10)));
   EXPECT_EQ(cd::shard_range(2, 4, 3), (std::pair<int64_t, int64_t>(2, 2)));
+}
+
+// The harness re-runs a test in each child to reach the run_processes call
+// it was spawned for. A child whose test returns without reaching it (the
+// call skipped, a changed code path, an early return) must fail: it ran
+// nothing. Here the children skip the call on purpose.
+TEST(Harness, ChildThatNeverReachesItsInvocationFails) {
+  if (std::getenv("COLOSSALAI_TEST_CHILD") != nullptr) {
+    return;
+  }
+  auto results = colossalai::testing::run_processes(2, [](int, int) {});
+  ASSERT_EQ(results.size(), 2u);
+  for (const auto& r : results) {
+    EXPECT_NE(r.exit_code, 0) << "rank " << r.rank << " passed silently";
+    EXPECT_NE(r.output.find("never reached"), std::string::npos) << r.output;
+  }
 }
