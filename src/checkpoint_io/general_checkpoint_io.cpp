@@ -168,16 +168,6 @@ void check_missing(
       list(missing));
 }
 
-std::map<int64_t, StateDict> snapshot_states(
-    const std::map<int64_t, StateDict>& states,
-    bool copy) {
-  std::map<int64_t, StateDict> out;
-  for (const auto& kv : states) {
-    out.emplace(kv.first, copy ? snapshot(kv.second) : detached(kv.second));
-  }
-  return out;
-}
-
 // NOTE [Streamed sharded saves]
 // A sharded save writes each shard file as soon as it is full, so the writer
 // holds at most one shard (size_per_shard, or one larger tensor) plus what
@@ -450,8 +440,16 @@ void GeneralCheckpointIO::save_unsharded_optimizer(
     interface::OptimizerWrapper& optimizer,
     const std::string& checkpoint,
     const SaveOptimizerOptions& o) {
-  auto states = snapshot_states(optimizer_states(optimizer), o.use_async());
-  if (!is_writer()) {
+  // One file: the writer collects every state (owned copies for a
+  // background save); other ranks only take part in the collectives.
+  const bool writer = is_writer();
+  std::map<int64_t, StateDict> states;
+  stream_optimizer_states(optimizer, [&](int64_t id, const StateDict& s) {
+    if (writer) {
+      states.emplace(id, o.use_async() ? snapshot(s) : detached(s));
+    }
+  });
+  if (!writer) {
     return;
   }
   auto groups = detail::optimizer_param_groups(optimizer.unwrap());
@@ -590,11 +588,6 @@ void GeneralCheckpointIO::load_sharded_optimizer(
   }
 }
 
-std::map<int64_t, StateDict> GeneralCheckpointIO::optimizer_states(
-    interface::OptimizerWrapper& optimizer) {
-  return detail::optimizer_param_states(optimizer.unwrap());
-}
-
 void GeneralCheckpointIO::stream_model_state(
     interface::ModelWrapper& model,
     const TensorSink& sink) {
@@ -606,7 +599,7 @@ void GeneralCheckpointIO::stream_model_state(
 void GeneralCheckpointIO::stream_optimizer_states(
     interface::OptimizerWrapper& optimizer,
     const StateSink& sink) {
-  for (const auto& kv : optimizer_states(optimizer)) {
+  for (const auto& kv : detail::optimizer_param_states(optimizer.unwrap())) {
     sink(kv.first, kv.second);
   }
 }

@@ -9,6 +9,12 @@
 namespace colossalai {
 namespace checkpoint_io {
 
+/// Receives a model's full tensors by name, a few at a time.
+using TensorSink =
+    std::function<void(const std::string& name, const at::Tensor& tensor)>;
+/// Receives one parameter's full optimizer state by parameter id.
+using StateSink = std::function<void(int64_t id, const StateDict& state)>;
+
 /// Checkpoints of a model and optimizer held whole by this process (plain
 /// training and DDP).
 ///
@@ -64,14 +70,8 @@ class GeneralCheckpointIO : public CheckpointIO {
       interface::OptimizerWrapper& optimizer,
       const std::string& index_file) override;
 
-  /// Full per-parameter optimizer states by parameter id (collective for
-  /// plugins that shard them).
-  virtual std::map<int64_t, StateDict> optimizer_states(
-      interface::OptimizerWrapper& optimizer);
-
-  using TensorSink =
-      std::function<void(const std::string& name, const at::Tensor& tensor)>;
-  using StateSink = std::function<void(int64_t id, const StateDict& state)>;
+  using TensorSink = checkpoint_io::TensorSink;
+  using StateSink = checkpoint_io::StateSink;
   /// Hands the model's full tensors to `sink`, a few at a time, on the
   /// writer (collective where parameters are sharded: every rank calls it,
   /// the sink may run on the writer only). Sharded saves write shard files
@@ -81,7 +81,7 @@ class GeneralCheckpointIO : public CheckpointIO {
       interface::ModelWrapper& model,
       const TensorSink& sink);
   /// As stream_model_state, for full per-parameter optimizer states.
-  /// Default: optimizer_states().
+  /// Default: the optimizer's own states.
   virtual void stream_optimizer_states(
       interface::OptimizerWrapper& optimizer,
       const StateSink& sink);

@@ -1,6 +1,6 @@
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
-#include <colossalai/booster/plugin/torch_ddp_checkpoint_io.h>
 #include <colossalai/booster/plugin/torch_ddp_model.h>
+#include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
 #include <colossalai/initialize.h>
 
 namespace colossalai {
@@ -50,43 +50,35 @@ class LowLevelZeroModel : public interface::ModelWrapper {
   at::ScalarType dtype_;
 };
 
-// Rank 0 writes full weights and full (gathered) optimizer states in the
-// GeneralCheckpointIO layout, so checkpoints load at any world size and under
-// any plugin; loading keeps this rank's slices.
-class LowLevelZeroCheckpointIO : public TorchDDPCheckpointIO {
+// How ZeRO's state reaches a checkpoint: full weights (every rank holds
+// them) and full optimizer states gathered bucket by bucket to rank 0, in the
+// GeneralCheckpointIO layout, so checkpoints load at any world size and
+// under any plugin; loading keeps this rank's slices.
+class ZeroStateAccess : public checkpoint_io::StateAccess {
  public:
-  using TorchDDPCheckpointIO::TorchDDPCheckpointIO;
-
- protected:
-  std::map<int64_t, checkpoint_io::StateDict> optimizer_states(
-      interface::OptimizerWrapper& optimizer) override {
-    return zero_of(optimizer).full_states();
-  }
-  void stream_optimizer_states(
+  void stream_optimizer(
       interface::OptimizerWrapper& optimizer,
-      const StateSink& sink) override {
+      const checkpoint_io::StateSink& sink) override {
     zero_of(optimizer).stream_full_states(sink);
   }
-  void load_optimizer_state(
+  void load_optimizer_param(
       interface::OptimizerWrapper& optimizer,
       int64_t id,
       const checkpoint_io::StateDict& state,
       const std::string& file) override {
     zero_of(optimizer).load_full_state(id, state, file);
   }
-  void load_unsharded_model(
+  void load_model(
       interface::ModelWrapper& model,
-      const std::string& checkpoint,
-      bool strict) override {
-    TorchDDPCheckpointIO::load_unsharded_model(model, checkpoint, strict);
-    sync_masters(model);
-  }
-  void load_sharded_model(
-      interface::ModelWrapper& model,
-      const std::string& index_file,
-      bool strict) override {
-    TorchDDPCheckpointIO::load_sharded_model(model, index_file, strict);
-    sync_masters(model);
+      const std::function<void()>& load) override {
+    load();
+    // The master slices follow the loaded weights.
+    auto* m = interface::find_wrapper<LowLevelZeroModel>(model);
+    if (m != nullptr) {
+      if (auto opt = m->optimizer.lock()) {
+        opt->sync_master_from_working();
+      }
+    }
   }
 
  private:
@@ -98,21 +90,14 @@ class LowLevelZeroCheckpointIO : public TorchDDPCheckpointIO {
         "optimizer the plugin boosted");
     return *z;
   }
-  static void sync_masters(interface::ModelWrapper& model) {
-    auto* m = interface::find_wrapper<LowLevelZeroModel>(model);
-    if (m != nullptr) {
-      if (auto opt = m->optimizer.lock()) {
-        opt->sync_master_from_working();
-      }
-    }
-  }
 };
 
 } // namespace
 
 std::shared_ptr<checkpoint_io::CheckpointIO> LowLevelZeroPlugin::
     get_checkpoint_io() {
-  return std::make_shared<LowLevelZeroCheckpointIO>(dp_group_);
+  return std::make_shared<checkpoint_io::DistributedCheckpointIO>(
+      dp_group_, std::make_shared<ZeroStateAccess>());
 }
 
 LowLevelZeroPlugin::LowLevelZeroPlugin(LowLevelZeroPluginOptions options)

@@ -157,14 +157,6 @@ void TorchDDPPlugin::configure(
   model = std::make_shared<TorchDDPModel>(model, dp_group_, options_);
 }
 
-bool TorchDDPCheckpointIO::is_writer() const {
-  return group_->rank() == 0;
-}
-
-void TorchDDPCheckpointIO::sync_point() {
-  distributed::barrier(*group_).wait();
-}
-
 std::shared_ptr<checkpoint_io::CheckpointIO> TorchDDPPlugin::
     get_checkpoint_io() {
   return std::make_shared<TorchDDPCheckpointIO>(dp_group_);

@@ -1,5 +1,5 @@
-#include <colossalai/booster/plugin/torch_ddp_checkpoint_io.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+#include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
 
 namespace colossalai {
 namespace booster {
@@ -27,40 +27,25 @@ zero::FullyShardedOptimizer& fsdp_of(interface::OptimizerWrapper& o) {
 // value is gathered to rank 0 alone and written a shard file at a time
 // (NOTE [Streamed sharded saves]); loading writes this rank's range back
 // into its shards.
-class TorchFSDPCheckpointIO : public TorchDDPCheckpointIO {
+class FsdpStateAccess : public checkpoint_io::StateAccess {
  public:
-  using TorchDDPCheckpointIO::TorchDDPCheckpointIO;
-
- protected:
-  void stream_model_state(
+  void stream_model(
       interface::ModelWrapper& model,
-      const TensorSink& sink) override {
+      const checkpoint_io::TensorSink& sink) override {
     fsdp_of(model).stream_full_state(sink);
   }
-  void stream_optimizer_states(
+  void stream_optimizer(
       interface::OptimizerWrapper& optimizer,
-      const StateSink& sink) override {
+      const checkpoint_io::StateSink& sink) override {
     fsdp_of(optimizer).stream_full_states(sink);
   }
-  void load_unsharded_model(
+  void load_model(
       interface::ModelWrapper& model,
-      const std::string& checkpoint,
-      bool strict) override {
+      const std::function<void()>& load) override {
     auto full = fsdp_of(model).summon_full_params(/*writeback=*/true);
-    TorchDDPCheckpointIO::load_unsharded_model(model, checkpoint, strict);
+    load();
   }
-  void load_sharded_model(
-      interface::ModelWrapper& model,
-      const std::string& index_file,
-      bool strict) override {
-    auto full = fsdp_of(model).summon_full_params(/*writeback=*/true);
-    TorchDDPCheckpointIO::load_sharded_model(model, index_file, strict);
-  }
-  std::map<int64_t, checkpoint_io::StateDict> optimizer_states(
-      interface::OptimizerWrapper& optimizer) override {
-    return fsdp_of(optimizer).full_states();
-  }
-  void load_optimizer_state(
+  void load_optimizer_param(
       interface::OptimizerWrapper& optimizer,
       int64_t id,
       const checkpoint_io::StateDict& state,
@@ -86,7 +71,8 @@ TorchFSDPPlugin::TorchFSDPPlugin(TorchFSDPPluginOptions options)
 
 std::shared_ptr<checkpoint_io::CheckpointIO> TorchFSDPPlugin::
     get_checkpoint_io() {
-  return std::make_shared<TorchFSDPCheckpointIO>(dp_group_);
+  return std::make_shared<checkpoint_io::DistributedCheckpointIO>(
+      dp_group_, std::make_shared<FsdpStateAccess>());
 }
 
 void TorchFSDPPlugin::configure(

@@ -1,0 +1,95 @@
+#include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
+#include <colossalai/distributed/collectives.h>
+
+#include "optimizer_state.h"
+
+namespace colossalai {
+namespace checkpoint_io {
+
+void StateAccess::stream_model(
+    interface::ModelWrapper& model,
+    const TensorSink& sink) {
+  for (const auto& item : model_state_dict(*model.unwrap())) {
+    sink(item.key(), item.value());
+  }
+}
+
+void StateAccess::stream_optimizer(
+    interface::OptimizerWrapper& optimizer,
+    const StateSink& sink) {
+  for (const auto& kv : detail::optimizer_param_states(optimizer.unwrap())) {
+    sink(kv.first, kv.second);
+  }
+}
+
+void StateAccess::load_model(
+    interface::ModelWrapper&,
+    const std::function<void()>& load) {
+  load();
+}
+
+void StateAccess::load_optimizer_param(
+    interface::OptimizerWrapper& optimizer,
+    int64_t id,
+    const StateDict& state,
+    const std::string& file) {
+  detail::load_param_state(optimizer.unwrap(), id, state, file);
+}
+
+DistributedCheckpointIO::DistributedCheckpointIO(
+    distributed::ProcessGroupPtr group,
+    std::shared_ptr<StateAccess> access)
+    : group_(std::move(group)), access_(std::move(access)) {
+  TORCH_CHECK(group_ != nullptr, "DistributedCheckpointIO: the group is null");
+  TORCH_CHECK(
+      access_ != nullptr, "DistributedCheckpointIO: the state access is null");
+}
+
+bool DistributedCheckpointIO::is_writer() const {
+  return group_->rank() == 0;
+}
+
+void DistributedCheckpointIO::sync_point() {
+  distributed::barrier(*group_).wait();
+}
+
+void DistributedCheckpointIO::stream_model_state(
+    interface::ModelWrapper& model,
+    const TensorSink& sink) {
+  access_->stream_model(model, sink);
+}
+
+void DistributedCheckpointIO::stream_optimizer_states(
+    interface::OptimizerWrapper& optimizer,
+    const StateSink& sink) {
+  access_->stream_optimizer(optimizer, sink);
+}
+
+void DistributedCheckpointIO::load_unsharded_model(
+    interface::ModelWrapper& model,
+    const std::string& checkpoint,
+    bool strict) {
+  access_->load_model(model, [&] {
+    GeneralCheckpointIO::load_unsharded_model(model, checkpoint, strict);
+  });
+}
+
+void DistributedCheckpointIO::load_sharded_model(
+    interface::ModelWrapper& model,
+    const std::string& index_file,
+    bool strict) {
+  access_->load_model(model, [&] {
+    GeneralCheckpointIO::load_sharded_model(model, index_file, strict);
+  });
+}
+
+void DistributedCheckpointIO::load_optimizer_state(
+    interface::OptimizerWrapper& optimizer,
+    int64_t id,
+    const StateDict& state,
+    const std::string& file) {
+  access_->load_optimizer_param(optimizer, id, state, file);
+}
+
+} // namespace checkpoint_io
+} // namespace colossalai
