@@ -1,40 +1,8 @@
 #include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
 #include <colossalai/distributed/collectives.h>
 
-#include "optimizer_state.h"
-
 namespace colossalai {
 namespace checkpoint_io {
-
-void StateAccess::stream_model(
-    interface::ModelWrapper& model,
-    const TensorSink& sink) {
-  for (const auto& item : model_state_dict(*model.unwrap())) {
-    sink(item.key(), item.value());
-  }
-}
-
-void StateAccess::stream_optimizer(
-    interface::OptimizerWrapper& optimizer,
-    const StateSink& sink) {
-  for (const auto& kv : detail::optimizer_param_states(optimizer.unwrap())) {
-    sink(kv.first, kv.second);
-  }
-}
-
-void StateAccess::load_model(
-    interface::ModelWrapper&,
-    const std::function<void()>& load) {
-  load();
-}
-
-void StateAccess::load_optimizer_param(
-    interface::OptimizerWrapper& optimizer,
-    int64_t id,
-    const StateDict& state,
-    const std::string& file) {
-  detail::load_param_state(optimizer.unwrap(), id, state, file);
-}
 
 DistributedCheckpointIO::DistributedCheckpointIO(
     distributed::ProcessGroupPtr group,

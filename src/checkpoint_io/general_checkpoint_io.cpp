@@ -588,7 +588,7 @@ void GeneralCheckpointIO::load_sharded_optimizer(
   }
 }
 
-void GeneralCheckpointIO::stream_model_state(
+void StateAccess::stream_model(
     interface::ModelWrapper& model,
     const TensorSink& sink) {
   for (const auto& item : model_state_dict(*model.unwrap())) {
@@ -596,7 +596,7 @@ void GeneralCheckpointIO::stream_model_state(
   }
 }
 
-void GeneralCheckpointIO::stream_optimizer_states(
+void StateAccess::stream_optimizer(
     interface::OptimizerWrapper& optimizer,
     const StateSink& sink) {
   for (const auto& kv : detail::optimizer_param_states(optimizer.unwrap())) {
@@ -604,12 +604,38 @@ void GeneralCheckpointIO::stream_optimizer_states(
   }
 }
 
-void GeneralCheckpointIO::load_optimizer_state(
+void StateAccess::load_model(
+    interface::ModelWrapper&,
+    const std::function<void()>& load) {
+  load();
+}
+
+void StateAccess::load_optimizer_param(
     interface::OptimizerWrapper& optimizer,
     int64_t id,
     const StateDict& state,
     const std::string& file) {
   detail::load_param_state(optimizer.unwrap(), id, state, file);
+}
+
+void GeneralCheckpointIO::stream_model_state(
+    interface::ModelWrapper& model,
+    const TensorSink& sink) {
+  StateAccess().stream_model(model, sink);
+}
+
+void GeneralCheckpointIO::stream_optimizer_states(
+    interface::OptimizerWrapper& optimizer,
+    const StateSink& sink) {
+  StateAccess().stream_optimizer(optimizer, sink);
+}
+
+void GeneralCheckpointIO::load_optimizer_state(
+    interface::OptimizerWrapper& optimizer,
+    int64_t id,
+    const StateDict& state,
+    const std::string& file) {
+  StateAccess().load_optimizer_param(optimizer, id, state, file);
 }
 
 } // namespace checkpoint_io
