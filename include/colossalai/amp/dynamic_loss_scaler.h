@@ -3,15 +3,14 @@
 #include <ATen/ATen.h>
 #include <torch/arg.h>
 
-#include <limits>
 #include <vector>
 
 namespace colossalai {
 namespace amp {
 
 /// Options of the one dynamic loss scaler every fp16 path uses (the
-/// mixed-precision GradScaler, ZeRO, FSDP), with ColossalAI's names and
-/// the defaults of its DynamicGradScaler.
+/// mixed-precision GradScaler, ZeRO, FSDP), with ColossalAI's names; the
+/// defaults are its DynamicGradScaler's, bounded as LowLevelZeroPlugin's.
 struct DynamicLossScalerOptions {
   TORCH_ARG(double, initial_scale) = 65536.0;
   TORCH_ARG(double, min_scale) = 1.0;
