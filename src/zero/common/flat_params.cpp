@@ -32,14 +32,19 @@ FlatShardLayout FlatShardLayout::of(
   return l;
 }
 
-at::Tensor FlatShardLayout::flatten(
-    const std::vector<at::Tensor>& tensors,
-    const at::TensorOptions& options) const {
-  TORCH_INTERNAL_ASSERT(tensors.size() == offsets.size());
+at::Tensor FlatShardLayout::empty_flat(const at::TensorOptions& options) const {
   auto flat = at::empty({padded()}, options);
   if (padded() > numel) {
     flat.narrow(0, numel, padded() - numel).zero_();
   }
+  return flat;
+}
+
+at::Tensor FlatShardLayout::flatten(
+    const std::vector<at::Tensor>& tensors,
+    const at::TensorOptions& options) const {
+  TORCH_INTERNAL_ASSERT(tensors.size() == offsets.size());
+  auto flat = empty_flat(options);
   for (size_t i = 0; i < tensors.size(); ++i) {
     copy_into(flat, i, tensors[i]);
   }

@@ -51,6 +51,9 @@ struct FlatShardLayout {
   int64_t padded() const {
     return shard * world;
   }
+  /// An uninitialised flat buffer of padded() elements whose padding is
+  /// zero (so a reduction over it adds nothing there).
+  at::Tensor empty_flat(const at::TensorOptions& options) const;
   /// A zero-padded flat copy of `tensors` (one per parameter).
   at::Tensor flatten(
       const std::vector<at::Tensor>& tensors,

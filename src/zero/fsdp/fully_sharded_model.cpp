@@ -129,7 +129,6 @@ void build_unit(FsdpState& st, Unit& u) {
         "FSDP: parameter '",
         u.param_names[i],
         "' is not floating point");
-    u.grads_expected += u.params[i].requires_grad() ? 1 : 0;
   }
   const int r = st.S > 1 ? st.shard_rank() : 0;
   u.layout = FlatShardLayout::of(u.params, st.S, r);

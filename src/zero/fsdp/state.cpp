@@ -183,10 +183,7 @@ void FsdpState::fill(size_t param, bool /*used*/) {
   const auto [k, i] = grad_params[param];
   auto& u = units[k];
   if (!u.flat_grad.defined()) {
-    u.flat_grad = at::empty({u.padded()}, u.full.options().dtype(reduce_dtype));
-    if (u.padded() > u.numel()) {
-      u.flat_grad.narrow(0, u.numel(), u.padded() - u.numel()).zero_();
-    }
+    u.flat_grad = u.layout.empty_flat(u.full.options().dtype(reduce_dtype));
     // Parameters that do not require grad have no slot to fill.
     for (size_t j = 0; j < u.params.size(); ++j) {
       if (!u.params[j].requires_grad()) {
@@ -201,10 +198,8 @@ void FsdpState::fill(size_t param, bool /*used*/) {
 
 void FsdpState::on_bucket_ready(size_t bucket) {
   const size_t k = bucket_unit[bucket];
-  auto& u = units[k];
   // Gradients only grow until a unit completes, so its peak is now.
   sample_peak();
-  u.grads_done = true;
   if (bucketer->finalizing()) {
     return; // a unit backward did not reach; everything reshards next
   }
@@ -261,7 +256,6 @@ void FsdpState::on_finalized(bool /*synced*/) {
 
 void FsdpState::on_reset() {
   for (auto& u : units) {
-    u.grads_done = false;
     u.flat_grad = at::Tensor();
     u.reduced = at::Tensor();
   }

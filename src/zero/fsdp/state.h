@@ -24,7 +24,6 @@ struct Unit : FlatParams {
   bool root = false;
 
   std::vector<std::string> param_names;
-  int64_t grads_expected = 0; // parameters that require grad
 
   at::Tensor full;      // S*s in param dtype; its storage is freed at rest
   bool aliased = false; // full is the shard itself (nothing to gather)
@@ -39,7 +38,6 @@ struct Unit : FlatParams {
   at::Tensor gather_src;
 
   // Backward state.
-  bool grads_done = false;
   at::Tensor flat_grad; // this backward's full gradients, flat
   at::Tensor reduced;   // this rank's reduced shard (reduce dtype)
 

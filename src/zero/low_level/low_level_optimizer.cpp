@@ -134,12 +134,7 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     const auto [k, i] = where[param];
     auto& b = buckets[k];
     if (!b.grads.defined()) {
-      b.grads =
-          at::empty({b.layout.padded()}, b.working.options().dtype(comm_dtype));
-      if (b.layout.padded() > b.layout.numel) {
-        b.grads.narrow(0, b.layout.numel, b.layout.padded() - b.layout.numel)
-            .zero_();
-      }
+      b.grads = b.layout.empty_flat(b.working.options().dtype(comm_dtype));
     }
     auto& g = b.params[i].mutable_grad();
     b.layout.copy_into(b.grads, i, g); // zeros for an unused parameter
