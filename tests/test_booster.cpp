@@ -12,6 +12,8 @@
 
 #include <harness/multiprocess.h>
 
+#include <harness/test_util.h>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -23,14 +25,7 @@ namespace ci = colossalai::interface;
 
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return colossalai::distributed::error_text(e);
-  }
-  return "";
-}
+using colossalai::testing::error_of;
 
 } // namespace
 

@@ -1,5 +1,6 @@
 // Checkpoint IO: every format and option round-trips, optimizers resume
-// bit-identically, saves are atomic under SIGKILL, async saves snapshot,
+// bit-identically, async saves snapshot (saves killed mid-way:
+// test_checkpoint_faults),
 // bad files give errors that name file and key, and under DDP rank 0 writes
 // while every rank loads.
 
@@ -12,6 +13,8 @@
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 
 #include <harness/multiprocess.h>
+
+#include <harness/test_util.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -31,6 +34,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using colossalai::testing::error_of;
+std::string temp_dir() {
+  return colossalai::testing::temp_dir("colossalai_ckpt");
+}
+
 struct NetImpl : torch::nn::Module {
   explicit NetImpl(int64_t width = 64) {
     fc1 = register_module("fc1", torch::nn::Linear(16, width));
@@ -44,24 +52,6 @@ struct NetImpl : torch::nn::Module {
   torch::nn::BatchNorm1d bn{nullptr};
 };
 TORCH_MODULE(Net);
-
-std::string temp_dir() {
-  auto dir = fs::temp_directory_path() /
-      ("colossalai_ckpt_" + std::to_string(::getpid()) + "_" +
-       std::to_string(
-           std::chrono::steady_clock::now().time_since_epoch().count()));
-  fs::create_directories(dir);
-  return dir.string();
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return colossalai::distributed::error_text(e);
-  }
-  return "";
-}
 
 void expect_same_state(torch::nn::Module& a, torch::nn::Module& b) {
   auto sa = ck::model_state_dict(a), sb = ck::model_state_dict(b);
@@ -335,77 +325,6 @@ TEST(CheckpointIO, AsyncSaveSnapshotsAndReportsErrorsLater) {
       ck::SaveModelOptions().use_async(true));
   auto msg = error_of([&] { booster.checkpoint_io().synchronize(); });
   EXPECT_NE(msg.find("/proc/no/such/dir"), std::string::npos) << msg;
-  fs::remove_all(dir);
-}
-
-// Child side of the atomicity test: saves forever until killed.
-TEST(CheckpointIO, SaverChild) {
-  const char* path = std::getenv("COLOSSALAI_SAVER_PATH");
-  if (path == nullptr) {
-    GTEST_SKIP() << "only runs as the child of KilledSaveLeavesOldCheckpoint";
-  }
-  bool shard = std::getenv("COLOSSALAI_SAVER_SHARD") != nullptr;
-  auto net = trained_net(/*width=*/16384, /*seed=*/9);
-  cb::Booster booster;
-  auto b = booster.boost(net);
-  while (true) {
-    booster.save_model(
-        b.model,
-        path,
-        ck::SaveModelOptions().shard(shard).size_per_shard(1).use_safetensors(
-            true));
-  }
-}
-
-TEST(CheckpointIO, KilledSaveLeavesOldCheckpoint) {
-  auto dir = temp_dir();
-  for (bool shard : {false, true}) {
-    auto path = dir + (shard ? "/sharded" : "/single.safetensors");
-    cb::Booster booster;
-    auto old = trained_net(16384, 1);
-    auto ob = booster.boost(old);
-    booster.save_model(
-        ob.model,
-        path,
-        ck::SaveModelOptions().shard(shard).size_per_shard(1).use_safetensors(
-            true));
-    for (int attempt = 0; attempt < 3; ++attempt) {
-      pid_t pid = ::fork();
-      if (pid == 0) {
-        ::setenv("COLOSSALAI_SAVER_PATH", path.c_str(), 1);
-        if (shard) {
-          ::setenv("COLOSSALAI_SAVER_SHARD", "1", 1);
-        }
-        ::execl(
-            "/proc/self/exe",
-            "/proc/self/exe",
-            "--gtest_filter=CheckpointIO.SaverChild",
-            static_cast<char*>(nullptr));
-        std::_Exit(127);
-      }
-      // Kill it while its temporary file exists, i.e. mid-save.
-      auto tmp = path + ".tmp-" + std::to_string(pid);
-      auto deadline =
-          std::chrono::steady_clock::now() + std::chrono::seconds(60);
-      while (!fs::exists(tmp) && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
-      ASSERT_TRUE(fs::exists(tmp)) << "the saver never started writing";
-      std::this_thread::sleep_for(std::chrono::milliseconds(attempt * 3));
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-      // Whatever is at the path is a complete checkpoint: the old one or one
-      // the child finished.
-      auto loaded = trained_net(16384, 5);
-      auto lb = booster.boost(loaded);
-      booster.load_model(lb.model, path);
-      auto w = loaded->fc1->weight;
-      bool is_old = at::equal(w, old->fc1->weight);
-      bool is_new = at::equal(w, trained_net(16384, 9)->fc1->weight);
-      EXPECT_TRUE(is_old || is_new) << (shard ? "sharded" : "single file");
-      fs::remove_all(tmp);
-    }
-  }
   fs::remove_all(dir);
 }
 

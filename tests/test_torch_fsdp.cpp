@@ -600,40 +600,41 @@ TEST(TorchFSDP, CheckpointsMoveBetweenWorldSizesAndPlugins) {
     booster.load_optimizer(*boosted.optimizer, dir + "/fsdp_optim");
     run_steps(booster, boosted, 2, 4, rank, world);
     check_close(full_params(boosted.model), ref, "FSDP(2) -> FSDP(4)");
-});
-// ... and under DDP on 2 ranks; DDP saves its own.
-run_distributed(2, [&](int rank, int world) {
-  cb::Booster booster(cb::BoosterOptions().plugin(
-      std::make_shared<cb::plugin::TorchDDPPlugin>()));
-  auto model = make_model();
-  auto boosted = booster.boost(model, make_opt(model, false));
-  booster.load_model(boosted.model, dir + "/fsdp_model");
-  booster.load_optimizer(*boosted.optimizer, dir + "/fsdp_optim.bin");
-  run_steps(booster, boosted, 2, 4, rank, world);
-  check_close(model->parameters(), ref, "FSDP(2) -> DDP(2)");
-});
-run_distributed(2, [&](int rank, int world) {
-  cb::Booster booster(cb::BoosterOptions().plugin(
-      std::make_shared<cb::plugin::LowLevelZeroPlugin>(
-          cb::plugin::LowLevelZeroPluginOptions().stage(2).precision("fp32"))));
-  auto model = make_model();
-  auto boosted = booster.boost(model, make_opt(model, false));
-  run_steps(booster, boosted, 0, 2, rank, world);
-  booster.save_model(boosted.model, dir + "/zero_model.safetensors");
-  booster.save_optimizer(*boosted.optimizer, dir + "/zero_optim.bin");
-});
-// A ZeRO-2 checkpoint continues under FSDP (one unit) on 2 ranks.
-run_distributed(2, [&](int rank, int world) {
-  cb::Booster booster(cb::BoosterOptions().plugin(
-      std::make_shared<cb::plugin::TorchFSDPPlugin>()));
-  auto model = make_model();
-  auto boosted = booster.boost(model, make_opt(model, false));
-  booster.load_model(boosted.model, dir + "/zero_model.safetensors");
-  booster.load_optimizer(*boosted.optimizer, dir + "/zero_optim.bin");
-  run_steps(booster, boosted, 2, 4, rank, world);
-  check_close(full_params(boosted.model), ref, "ZeRO-2(2) -> FSDP(2)");
-});
-std::filesystem::remove_all(dir);
+  });
+  // ... and under DDP on 2 ranks; DDP saves its own.
+  run_distributed(2, [&](int rank, int world) {
+    cb::Booster booster(cb::BoosterOptions().plugin(
+        std::make_shared<cb::plugin::TorchDDPPlugin>()));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, false));
+    booster.load_model(boosted.model, dir + "/fsdp_model");
+    booster.load_optimizer(*boosted.optimizer, dir + "/fsdp_optim.bin");
+    run_steps(booster, boosted, 2, 4, rank, world);
+    check_close(model->parameters(), ref, "FSDP(2) -> DDP(2)");
+  });
+  run_distributed(2, [&](int rank, int world) {
+    cb::Booster booster(cb::BoosterOptions().plugin(
+        std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+            cb::plugin::LowLevelZeroPluginOptions().stage(2).precision(
+                "fp32"))));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, false));
+    run_steps(booster, boosted, 0, 2, rank, world);
+    booster.save_model(boosted.model, dir + "/zero_model.safetensors");
+    booster.save_optimizer(*boosted.optimizer, dir + "/zero_optim.bin");
+  });
+  // A ZeRO-2 checkpoint continues under FSDP (one unit) on 2 ranks.
+  run_distributed(2, [&](int rank, int world) {
+    cb::Booster booster(cb::BoosterOptions().plugin(
+        std::make_shared<cb::plugin::TorchFSDPPlugin>()));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, false));
+    booster.load_model(boosted.model, dir + "/zero_model.safetensors");
+    booster.load_optimizer(*boosted.optimizer, dir + "/zero_optim.bin");
+    run_steps(booster, boosted, 2, 4, rank, world);
+    check_close(full_params(boosted.model), ref, "ZeRO-2(2) -> FSDP(2)");
+  });
+  std::filesystem::remove_all(dir);
 }
 
 TEST(TorchFSDP, BadOptionsAreClearErrors) {

@@ -19,7 +19,8 @@ std::string find_index(
   std::vector<std::string> found;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     auto name = e.path().filename().string();
-    if (name.size() > 11 && name.substr(name.size() - 11) == ".index.json" &&
+    if (!detail::is_hidden(name) && name.size() > 11 &&
+        name.substr(name.size() - 11) == ".index.json" &&
         name.find(must_contain) != std::string::npos) {
       found.push_back(e.path().string());
     }
@@ -33,10 +34,12 @@ std::string find_index(
 }
 
 // A directory holding exactly one checkpoint file (no index), or "".
+// Hidden files (temporaries of a killed save, journals) do not count.
 std::string single_file(const std::string& dir) {
   std::vector<std::string> files;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    if (e.is_regular_file()) {
+    if (e.is_regular_file() &&
+        !detail::is_hidden(e.path().filename().string())) {
       files.push_back(e.path().string());
     }
   }
@@ -105,7 +108,7 @@ void CheckpointIO::load_model(
     bool strict) {
   synchronize();
   sync_point();
-  auto path = detail::resolve(checkpoint);
+  const auto& path = checkpoint;
   TORCH_CHECK(
       detail::exists(path),
       "load_model: checkpoint '",
@@ -158,7 +161,7 @@ void CheckpointIO::load_optimizer(
     const std::string& checkpoint) {
   synchronize();
   sync_point();
-  auto path = detail::resolve(checkpoint);
+  const auto& path = checkpoint;
   TORCH_CHECK(
       detail::exists(path),
       "load_optimizer: checkpoint '",
@@ -198,7 +201,7 @@ void CheckpointIO::load_lr_scheduler(
     const std::string& checkpoint) {
   synchronize();
   sync_point();
-  auto path = detail::resolve(checkpoint);
+  const auto& path = checkpoint;
   TORCH_CHECK(
       detail::exists(path) && !detail::is_dir(path),
       "load_lr_scheduler: checkpoint file '",

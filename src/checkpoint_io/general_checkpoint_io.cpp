@@ -4,6 +4,8 @@
 
 #include "io_utils.h"
 #include "optimizer_state.h"
+#include "pickle_reader.h"
+#include "sharded_commit.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/serialize.h>
@@ -58,15 +60,42 @@ void write_tensors(
   }
 }
 
-bool looks_like_zip(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  char magic[2] = {0, 0};
-  in.read(magic, 2);
-  return in.gcount() == 2 && magic[0] == 'P' && magic[1] == 'K';
-}
-
+// The format is told by the content, not the name: an 8-byte length
+// followed by '{' is safetensors, a zip archive (or a legacy pickle, refused
+// with its own message) is a .bin.
 StateDict read_tensors(const std::string& path) {
-  return looks_like_zip(path) ? load_bin(path) : safetensors::load_file(path);
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "cannot open '", path, "'");
+  unsigned char head[9] = {0};
+  in.read(reinterpret_cast<char*>(head), sizeof(head));
+  const auto got = in.gcount();
+  TORCH_CHECK(
+      got > 0,
+      "'",
+      path,
+      "' is empty: a model checkpoint (.bin zip archive or safetensors) was "
+      "expected");
+  const bool safetensors_like = got == 9 && head[8] == '{';
+  // (A safetensors header length may start with any byte, 0x80 included.)
+  if ((got >= 2 && head[0] == 'P' && head[1] == 'K') ||
+      (head[0] == 0x80 && !safetensors_like)) {
+    return load_bin(path);
+  }
+  const auto ends_with = [&](const char* ext) {
+    const std::string e(ext);
+    return path.size() >= e.size() &&
+        path.compare(path.size() - e.size(), e.size(), e) == 0;
+  };
+  TORCH_CHECK(
+      safetensors_like || ends_with(".safetensors"),
+      "'",
+      path,
+      "' is neither a PyTorch .bin checkpoint (a zip archive from torch.save)"
+      " nor a safetensors file; ",
+      ends_with(".bin") || ends_with(".pt") || ends_with(".pth")
+          ? "its name says .bin, but it does not start like a zip archive"
+          : "it starts with neither a zip signature nor a safetensors header");
+  return safetensors::load_file(path);
 }
 
 bool same_kind(at::ScalarType a, at::ScalarType b) {
@@ -98,55 +127,8 @@ c10::impl::GenericDict states_ivalue(
   return d;
 }
 
-std::map<int64_t, StateDict> states_from_ivalue(
-    const c10::IValue& v,
-    const std::string& file) {
-  TORCH_CHECK(
-      v.isGenericDict(),
-      "optimizer checkpoint '",
-      file,
-      "': expected a dict of parameter states");
-  std::map<int64_t, StateDict> out;
-  for (const auto& kv : v.toGenericDict()) {
-    TORCH_CHECK(
-        kv.key().isInt() && kv.value().isGenericDict(),
-        "optimizer checkpoint '",
-        file,
-        "': state entries must be {int: {str: tensor}}");
-    StateDict s;
-    for (const auto& inner : kv.value().toGenericDict()) {
-      TORCH_CHECK(
-          inner.key().isString(),
-          "optimizer checkpoint '",
-          file,
-          "': state keys must be strings");
-      if (inner.value().isTensor()) {
-        s.insert(inner.key().toStringRef(), inner.value().toTensor());
-      } else if (inner.value().isDouble() || inner.value().isInt()) {
-        // Python's older layout stores step as a number.
-        s.insert(
-            inner.key().toStringRef(),
-            at::scalar_tensor(inner.value().toScalar(), at::kDouble));
-      }
-    }
-    out.emplace(kv.key().toInt(), std::move(s));
-  }
-  return out;
-}
-
 c10::IValue read_pickle(const std::string& path) {
-  auto bytes = detail::read_bytes(path);
-  try {
-    return torch::pickle_load(bytes);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(
-        false,
-        "cannot read '",
-        path,
-        "' (truncated or not a ",
-        "PyTorch checkpoint): ",
-        e.what_without_backtrace());
-  }
+  return detail::load_pickle(path);
 }
 
 // Strict loading: every key of the module must have been loaded.
@@ -174,63 +156,8 @@ void check_missing(
 // the plugin is handing over (one bucket / unit for sharded plugins), never
 // the whole model or optimizer. Shard names carry the total count
 // ("-00002-of-00005"), unknown until the end: shards are written under
-// provisional names inside the save's temporary directory and renamed once
-// all are written, before the directory is published.
-class ShardParts {
- public:
-  ShardParts(std::string dir, std::string base, int64_t max_bytes)
-      : dir_(std::move(dir)), base_(std::move(base)), max_bytes_(max_bytes) {}
-
-  /// Whether the current shard must be written before `bytes` more.
-  bool full(int64_t bytes) const {
-    return current_ > 0 && current_ + bytes > max_bytes_;
-  }
-  void add(const std::string& key, int64_t bytes) {
-    if (keys_.empty() || sealed_) {
-      keys_.emplace_back();
-      bytes_.push_back(0);
-      sealed_ = false;
-    }
-    keys_.back().push_back(key);
-    bytes_.back() += bytes;
-    current_ += bytes;
-  }
-  /// Where to write the current shard; starts the next one.
-  std::string seal() {
-    sealed_ = true;
-    current_ = 0;
-    return provisional(keys_.size() - 1);
-  }
-  bool pending() const {
-    return !keys_.empty() && !sealed_;
-  }
-  /// Renames the shards to their final names and lists them in `index`;
-  /// `single` names a lone shard (empty: always numbered).
-  void publish(detail::Index& index, const std::string& single) {
-    const int n = static_cast<int>(keys_.size());
-    for (int i = 0; i < n; ++i) {
-      const auto name = n == 1 && !single.empty()
-          ? single
-          : detail::shard_name(base_, i + 1, n);
-      std::filesystem::rename(provisional(i), detail::join(dir_, name));
-      for (const auto& k : keys_[i]) {
-        index.weight_map.emplace_back(k, name);
-      }
-      index.total_size += bytes_[i];
-    }
-  }
-
- private:
-  std::string provisional(size_t i) const {
-    return detail::join(dir_, base_ + ".part" + std::to_string(i));
-  }
-  std::string dir_, base_;
-  int64_t max_bytes_;
-  int64_t current_ = 0;
-  bool sealed_ = false;
-  std::vector<std::vector<std::string>> keys_;
-  std::vector<int64_t> bytes_;
-};
+// provisional names and named when the save commits
+// (NOTE [Sharded checkpoint commit]).
 
 } // namespace
 
@@ -332,31 +259,27 @@ void GeneralCheckpointIO::save_sharded_model(
       detail::add_prefix(st ? kSafetensorsName : kBinName, o.prefix());
   const int64_t max_bytes = o.size_per_shard() * 1024 * 1024;
   const bool writer = is_writer();
-  // Writes the shards of whatever `feed` hands over, in the save's
-  // temporary directory (NOTE [Streamed sharded saves]).
+  // Writes the shards of whatever `feed` hands over and commits them.
   auto write = [=](const std::function<void(const TensorSink&)>& feed) {
-    detail::atomic_write_dir(checkpoint, [&](const std::string& dir) {
-      ShardParts parts(dir, weights, max_bytes);
-      StateDict shard;
-      auto flush = [&]() {
-        write_tensors(parts.seal(), shard, st);
-        shard = StateDict();
-      };
-      feed([&](const std::string& k, const at::Tensor& t) {
-        const int64_t bytes = detail::nbytes(t);
-        if (parts.full(bytes)) {
-          flush();
-        }
-        shard.insert(k, compact(t));
-        parts.add(k, bytes);
-      });
-      if (parts.pending()) {
+    detail::ShardedCommit commit(
+        checkpoint, weights + ".index.json", weights, max_bytes);
+    StateDict shard;
+    auto flush = [&]() {
+      write_tensors(commit.seal(), shard, st);
+      shard = StateDict();
+    };
+    feed([&](const std::string& k, const at::Tensor& t) {
+      const int64_t bytes = detail::nbytes(t);
+      if (commit.full(bytes)) {
         flush();
       }
-      detail::Index index;
-      parts.publish(index, weights);
-      detail::write_index(detail::join(dir, weights + ".index.json"), index);
+      shard.insert(k, compact(t));
+      commit.add(k, bytes);
     });
+    if (commit.pending()) {
+      flush();
+    }
+    commit.commit(detail::Index(), weights);
   };
   if (!o.use_async()) {
     if (writer) {
@@ -480,37 +403,33 @@ void GeneralCheckpointIO::save_sharded_optimizer(
   auto groups = detail::optimizer_param_groups(optimizer.unwrap());
   // Shards hold whole parameter states (NOTE [Streamed sharded saves]).
   auto write = [=](const std::function<void(const StateSink&)>& feed) {
-    detail::atomic_write_dir(checkpoint, [&](const std::string& dir) {
-      ShardParts parts(dir, index_name, max_bytes);
-      std::map<int64_t, StateDict> shard;
-      auto flush = [&]() {
-        detail::write_bytes(
-            parts.seal(), torch::pickle_save(states_ivalue(shard)));
-        shard.clear();
-      };
-      feed([&](int64_t id, const StateDict& s) {
-        int64_t n = 0;
-        StateDict own;
-        for (const auto& item : s) {
-          n += detail::nbytes(item.value());
-          own.insert(item.key(), compact(item.value()));
-        }
-        if (parts.full(n)) {
-          flush();
-        }
-        shard.emplace(id, std::move(own));
-        parts.add(std::to_string(id), n);
-      });
-      if (parts.pending()) {
+    detail::ShardedCommit commit(
+        checkpoint, index_name + ".index.json", index_name, max_bytes);
+    std::map<int64_t, StateDict> shard;
+    auto flush = [&]() {
+      detail::write_bytes(
+          commit.seal(), torch::pickle_save(states_ivalue(shard)));
+      shard.clear();
+    };
+    feed([&](int64_t id, const StateDict& s) {
+      int64_t n = 0;
+      StateDict own;
+      for (const auto& item : s) {
+        n += detail::nbytes(item.value());
+        own.insert(item.key(), compact(item.value()));
+      }
+      if (commit.full(n)) {
         flush();
       }
-      detail::Index index;
-      index.metadata["param_groups"] = group_name;
-      parts.publish(index, "");
-      detail::write_bytes(
-          detail::join(dir, group_name), torch::pickle_save(groups));
-      detail::write_index(detail::join(dir, index_name + ".index.json"), index);
+      shard.emplace(id, std::move(own));
+      commit.add(std::to_string(id), n);
     });
+    if (commit.pending()) {
+      flush();
+    }
+    detail::write_bytes(
+        commit.extra(group_name, "param_groups"), torch::pickle_save(groups));
+    commit.commit(detail::Index(), "");
   };
   if (!o.use_async()) {
     write([&](const StateSink& sink) {
@@ -534,23 +453,13 @@ void GeneralCheckpointIO::save_sharded_optimizer(
 void GeneralCheckpointIO::load_unsharded_optimizer(
     interface::OptimizerWrapper& optimizer,
     const std::string& checkpoint) {
-  auto v = read_pickle(checkpoint);
-  TORCH_CHECK(
-      v.isGenericDict(),
-      "load_optimizer: '",
+  detail::load_state_dict(
+      optimizer.unwrap(),
+      read_pickle(checkpoint),
       checkpoint,
-      "' is not an optimizer state dict");
-  auto d = v.toGenericDict();
-  TORCH_CHECK(
-      d.contains("state") && d.contains("param_groups"),
-      "load_optimizer: '",
-      checkpoint,
-      "' lacks 'state' or 'param_groups'");
-  auto& optim = optimizer.unwrap();
-  detail::load_param_groups(optim, d.at("param_groups"), checkpoint);
-  for (const auto& kv : states_from_ivalue(d.at("state"), checkpoint)) {
-    load_optimizer_state(optimizer, kv.first, kv.second, checkpoint);
-  }
+      [&](int64_t id, const StateDict& state) {
+        load_optimizer_state(optimizer, id, state, checkpoint);
+      });
 }
 
 void GeneralCheckpointIO::load_sharded_optimizer(
@@ -582,7 +491,7 @@ void GeneralCheckpointIO::load_sharded_optimizer(
         "' named by index '",
         index_file,
         "' is missing");
-    for (const auto& kv : states_from_ivalue(read_pickle(path), path)) {
+    for (const auto& kv : detail::param_states(read_pickle(path), path)) {
       load_optimizer_state(optimizer, kv.first, kv.second, path);
     }
   }

@@ -1,14 +1,18 @@
 #include "io_utils.h"
 
+#include "../utils/fault_point.h"
+
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +26,17 @@ namespace detail {
 
 namespace {
 
+std::string parent_of(const std::string& path) {
+  auto parent = fs::path(path).parent_path();
+  return parent.empty() ? "." : parent.string();
+}
+
+bool process_alive(long pid) {
+  return pid > 0 && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+}
+
+} // namespace
+
 void fsync_path(const std::string& path, bool directory) {
   int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
   if (fd < 0) {
@@ -30,17 +45,6 @@ void fsync_path(const std::string& path, bool directory) {
   ::fsync(fd);
   ::close(fd);
 }
-
-std::string parent_of(const std::string& path) {
-  auto parent = fs::path(path).parent_path();
-  return parent.empty() ? "." : parent.string();
-}
-
-std::string temp_name(const std::string& path) {
-  return path + ".tmp-" + std::to_string(::getpid());
-}
-
-} // namespace
 
 bool is_dir(const std::string& path) {
   std::error_code ec;
@@ -56,6 +60,36 @@ std::string join(const std::string& dir, const std::string& name) {
   return (fs::path(dir) / name).string();
 }
 
+std::string temp_path(
+    const std::string& dir,
+    const std::string& name,
+    const std::string& what) {
+  return join(
+      dir,
+      "." + name + "." + std::to_string(::getpid()) + "." + what +
+          (what.empty() ? "" : ".") + "tmp");
+}
+
+bool is_hidden(const std::string& file_name) {
+  return !file_name.empty() && file_name[0] == '.';
+}
+
+void remove_stale_temps(const std::string& dir, const std::string& name) {
+  const std::string head = "." + name + ".";
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const auto file = e.path().filename().string();
+    if (file.size() < head.size() + 4 || file.compare(0, head.size(), head) ||
+        file.compare(file.size() - 4, 4, ".tmp")) {
+      continue;
+    }
+    const long pid = std::strtol(file.c_str() + head.size(), nullptr, 10);
+    if (pid == ::getpid() || !process_alive(pid)) {
+      fs::remove(e.path(), ec);
+    }
+  }
+}
+
 void atomic_write_file(
     const std::string& path,
     const std::function<void(const std::string& tmp)>& write) {
@@ -64,13 +98,16 @@ void atomic_write_file(
       "cannot save '",
       path,
       "': a directory of that name exists (a sharded checkpoint?)");
-  auto parent = parent_of(path);
+  const auto parent = parent_of(path);
+  const auto name = fs::path(path).filename().string();
   std::error_code ec;
   fs::create_directories(parent, ec);
-  const auto tmp = temp_name(path);
+  remove_stale_temps(parent, name);
+  const auto tmp = temp_path(parent, name);
   try {
     write(tmp);
     fsync_path(tmp, false);
+    utils::fault_point("file:written");
     TORCH_CHECK(
         ::rename(tmp.c_str(), path.c_str()) == 0,
         "cannot rename '",
@@ -83,63 +120,8 @@ void atomic_write_file(
     ::unlink(tmp.c_str());
     throw;
   }
+  utils::fault_point("file:renamed");
   fsync_path(parent, true);
-}
-
-void atomic_write_dir(
-    const std::string& dir,
-    const std::function<void(const std::string& tmp_dir)>& write) {
-  TORCH_CHECK(
-      !exists(dir) || is_dir(dir),
-      "cannot save sharded checkpoint '",
-      dir,
-      "': a file of that name exists");
-  const auto tmp = temp_name(dir);
-  std::error_code ec;
-  fs::remove_all(tmp, ec);
-  TORCH_CHECK(
-      fs::create_directories(tmp, ec),
-      "cannot create '",
-      tmp,
-      "': ",
-      ec.message());
-  try {
-    write(tmp);
-    for (const auto& entry : fs::directory_iterator(tmp)) {
-      fsync_path(entry.path().string(), false);
-    }
-    fsync_path(tmp, true);
-  } catch (...) {
-    fs::remove_all(tmp, ec);
-    throw;
-  }
-  const auto old = dir + ".old";
-  fs::remove_all(old, ec);
-  if (exists(dir)) {
-    TORCH_CHECK(
-        ::rename(dir.c_str(), old.c_str()) == 0,
-        "cannot move '",
-        dir,
-        "' aside: ",
-        std::strerror(errno));
-  }
-  TORCH_CHECK(
-      ::rename(tmp.c_str(), dir.c_str()) == 0,
-      "cannot rename '",
-      tmp,
-      "' to '",
-      dir,
-      "': ",
-      std::strerror(errno));
-  fsync_path(parent_of(dir), true);
-  fs::remove_all(old, ec);
-}
-
-std::string resolve(const std::string& path) {
-  if (!exists(path) && exists(path + ".old")) {
-    return path + ".old";
-  }
-  return path;
 }
 
 std::string add_prefix(const std::string& name, const std::string& prefix) {

@@ -14,22 +14,27 @@ namespace colossalai {
 namespace checkpoint_io {
 namespace detail {
 
-/// Writes `path` atomically: `write(tmp)` fills a temporary file beside it,
-/// which is flushed to disk and renamed over `path`.
+/// Writes `path` atomically: `write(tmp)` fills a hidden temporary file
+/// beside it (".<name>.<pid>.tmp"), which is flushed to disk and renamed over
+/// `path`. Temporaries left by killed saves of the same path are removed
+/// first.
 void atomic_write_file(
     const std::string& path,
     const std::function<void(const std::string& tmp)>& write);
 
-/// Same for a directory: `write(tmp_dir)` fills a fresh temporary directory
-/// that replaces `dir`. An existing `dir` is first renamed to `dir.old` and
-/// removed after the swap; `resolve` falls back to it if a crash hit between
-/// the two renames.
-void atomic_write_dir(
+/// The hidden temporary name ".<name>.<pid>.<what>tmp" of `name` in `dir`.
+std::string temp_path(
     const std::string& dir,
-    const std::function<void(const std::string& tmp_dir)>& write);
+    const std::string& name,
+    const std::string& what = "");
+/// Removes temporaries of `name` in `dir` whose process is gone (a save
+/// killed mid-way) or is this one (a save that failed).
+void remove_stale_temps(const std::string& dir, const std::string& name);
+/// Whether a directory entry is a temporary or hidden file that loads skip.
+bool is_hidden(const std::string& file_name);
 
-/// `path`, or `path.old` when only that survived an interrupted swap.
-std::string resolve(const std::string& path);
+/// Flushes a file or directory entry to disk (best effort).
+void fsync_path(const std::string& path, bool directory);
 
 /// "model.safetensors" + prefix "x" -> "model.x.safetensors".
 std::string add_prefix(const std::string& name, const std::string& prefix);

@@ -298,6 +298,67 @@ void load_param_state(
   }
 }
 
+namespace {
+
+// One param group of a checkpoint, read with errors that name the file,
+// group and key. Python writes whole numbers as ints (weight_decay=0).
+class GroupReader {
+ public:
+  GroupReader(const c10::IValue& v, const std::string& file, size_t i)
+      : file_(file), i_(i) {
+    check(v.isGenericDict(), "is not a dict");
+    d_ = v.toGenericDict();
+  }
+  const c10::IValue& at(const char* key) const {
+    auto it = d_.find(c10::IValue(std::string(key)));
+    check(it != d_.end(), std::string("has no '") + key + "'");
+    return it->value();
+  }
+  double num(const char* key) const {
+    const auto& v = at(key);
+    check(
+        v.isDouble() || v.isInt() || v.isBool(),
+        std::string("'") + key + "' is not a number");
+    return v.isDouble() ? v.toDouble()
+        : v.isInt()     ? static_cast<double>(v.toInt())
+                        : static_cast<double>(v.toBool());
+  }
+  bool flag(const char* key) const {
+    const auto& v = at(key);
+    check(v.isBool() || v.isInt(), std::string("'") + key + "' is not a bool");
+    return v.isBool() ? v.toBool() : v.toInt() != 0;
+  }
+  std::tuple<double, double> betas() const {
+    const auto& v = at("betas");
+    std::vector<c10::IValue> items;
+    if (v.isTuple()) {
+      items = v.toTupleRef().elements().vec();
+    } else if (v.isList()) {
+      items = v.toList().vec();
+    }
+    check(
+        items.size() == 2 && items[0].isDouble() && items[1].isDouble(),
+        "'betas' is not a pair of floats");
+    return std::make_tuple(items[0].toDouble(), items[1].toDouble());
+  }
+  size_t num_params() const {
+    const auto& v = at("params");
+    check(v.isList(), "'params' is not a list");
+    return v.toList().size();
+  }
+
+ private:
+  void check(bool ok, const std::string& what) const {
+    TORCH_CHECK(
+        ok, "optimizer checkpoint '", file_, "': param group ", i_, " ", what);
+  }
+  c10::impl::GenericDict d_{c10::AnyType::get(), c10::AnyType::get()};
+  const std::string& file_;
+  size_t i_;
+};
+
+} // namespace
+
 void load_param_groups(
     Optimizer& o,
     const c10::IValue& value,
@@ -318,9 +379,9 @@ void load_param_groups(
       " param groups, the optimizer has ",
       o.param_groups().size());
   for (size_t i = 0; i < groups.size(); ++i) {
-    auto d = groups.get(i).toGenericDict();
+    GroupReader d(groups.get(i), file, i);
     auto& g = o.param_groups()[i];
-    auto n = d.at("params").toList().size();
+    const auto n = d.num_params();
     TORCH_CHECK(
         n == g.params().size(),
         "optimizer checkpoint '",
@@ -331,36 +392,92 @@ void load_param_groups(
         n,
         " parameters, the optimizer's has ",
         g.params().size());
-    auto num = [&](const char* key) { return d.at(key).toDouble(); };
     auto& opts = g.options();
-    auto betas = [&]() {
-      auto t = d.at("betas").toTuple();
-      return std::make_tuple(
-          t->elements()[0].toDouble(), t->elements()[1].toDouble());
-    };
     if (auto* h = dynamic_cast<nn::optimizer::HybridAdamOptions*>(&opts)) {
-      h->lr(num("lr")).betas(betas()).eps(num("eps"));
-      h->weight_decay(num("weight_decay"));
-      h->bias_correction(d.at("bias_correction").toBool());
-      h->adamw_mode(d.at("adamw_mode").toBool());
+      h->lr(d.num("lr")).betas(d.betas()).eps(d.num("eps"));
+      h->weight_decay(d.num("weight_decay"));
+      h->bias_correction(d.flag("bias_correction"));
+      h->adamw_mode(d.flag("adamw_mode"));
     } else if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&opts)) {
-      a->lr(num("lr")).betas(betas()).eps(num("eps"));
-      a->weight_decay(num("weight_decay")).amsgrad(d.at("amsgrad").toBool());
+      a->lr(d.num("lr")).betas(d.betas()).eps(d.num("eps"));
+      a->weight_decay(d.num("weight_decay")).amsgrad(d.flag("amsgrad"));
     } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&opts)) {
-      a->lr(num("lr")).betas(betas()).eps(num("eps"));
-      a->weight_decay(num("weight_decay")).amsgrad(d.at("amsgrad").toBool());
+      a->lr(d.num("lr")).betas(d.betas()).eps(d.num("eps"));
+      a->weight_decay(d.num("weight_decay")).amsgrad(d.flag("amsgrad"));
     } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&opts)) {
-      s->lr(num("lr")).momentum(num("momentum")).dampening(num("dampening"));
-      s->weight_decay(num("weight_decay")).nesterov(d.at("nesterov").toBool());
+      s->lr(d.num("lr")).momentum(d.num("momentum"));
+      s->dampening(d.num("dampening")).weight_decay(d.num("weight_decay"));
+      s->nesterov(d.flag("nesterov"));
     } else if (auto* r = dynamic_cast<torch::optim::RMSpropOptions*>(&opts)) {
-      r->lr(num("lr")).alpha(num("alpha")).eps(num("eps"));
-      r->weight_decay(num("weight_decay")).momentum(num("momentum"));
-      r->centered(d.at("centered").toBool());
+      r->lr(d.num("lr")).alpha(d.num("alpha")).eps(d.num("eps"));
+      r->weight_decay(d.num("weight_decay")).momentum(d.num("momentum"));
+      r->centered(d.flag("centered"));
     } else if (auto* a = dynamic_cast<torch::optim::AdagradOptions*>(&opts)) {
-      a->lr(num("lr")).lr_decay(num("lr_decay"));
-      a->weight_decay(num("weight_decay")).eps(num("eps"));
-      a->initial_accumulator_value(num("initial_accumulator_value"));
+      a->lr(d.num("lr")).lr_decay(d.num("lr_decay"));
+      a->weight_decay(d.num("weight_decay")).eps(d.num("eps"));
+      a->initial_accumulator_value(d.num("initial_accumulator_value"));
     }
+  }
+}
+
+std::map<int64_t, StateDict> param_states(
+    const c10::IValue& v,
+    const std::string& file) {
+  TORCH_CHECK(
+      v.isGenericDict(),
+      "optimizer checkpoint '",
+      file,
+      "': expected a dict of parameter states");
+  std::map<int64_t, StateDict> out;
+  for (const auto& kv : v.toGenericDict()) {
+    TORCH_CHECK(
+        kv.key().isInt() && kv.value().isGenericDict(),
+        "optimizer checkpoint '",
+        file,
+        "': state entries must be {int: {str: tensor}}");
+    StateDict s;
+    for (const auto& inner : kv.value().toGenericDict()) {
+      TORCH_CHECK(
+          inner.key().isString(),
+          "optimizer checkpoint '",
+          file,
+          "': state keys must be strings");
+      const auto& value = inner.value();
+      if (value.isTensor()) {
+        s.insert(inner.key().toStringRef(), value.toTensor());
+      } else if (value.isDouble() || value.isInt()) {
+        // Python's older layout stores step as a number.
+        s.insert(
+            inner.key().toStringRef(),
+            at::scalar_tensor(value.toScalar(), at::kDouble));
+      }
+    }
+    out.emplace(kv.key().toInt(), std::move(s));
+  }
+  return out;
+}
+
+void load_state_dict(
+    Optimizer& o,
+    const c10::IValue& v,
+    const std::string& file,
+    const std::function<void(int64_t, const StateDict&)>& load_param) {
+  TORCH_CHECK(
+      v.isGenericDict(),
+      "load_optimizer: '",
+      file,
+      "' is not an optimizer state dict");
+  auto d = v.toGenericDict();
+  const c10::IValue state_key(std::string("state"));
+  const c10::IValue groups_key(std::string("param_groups"));
+  TORCH_CHECK(
+      d.contains(state_key) && d.contains(groups_key),
+      "load_optimizer: '",
+      file,
+      "' lacks 'state' or 'param_groups'");
+  load_param_groups(o, d.at(groups_key), file);
+  for (const auto& kv : param_states(d.at(state_key), file)) {
+    load_param(kv.first, kv.second);
   }
 }
 

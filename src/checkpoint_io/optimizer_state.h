@@ -9,6 +9,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <map>
 
 namespace colossalai {
@@ -43,6 +44,20 @@ void load_param_groups(
     torch::optim::Optimizer& optimizer,
     const c10::IValue& groups,
     const std::string& file);
+
+/// The per-parameter states of a checkpoint's `state` entry:
+/// {int: {str: tensor or number}}.
+std::map<int64_t, StateDict> param_states(
+    const c10::IValue& state,
+    const std::string& file);
+
+/// Restores a whole optimizer state dict {"state", "param_groups"}: groups
+/// into `optimizer`, each parameter's state through `load_param`.
+void load_state_dict(
+    torch::optim::Optimizer& optimizer,
+    const c10::IValue& state_dict,
+    const std::string& file,
+    const std::function<void(int64_t, const StateDict&)>& load_param);
 
 } // namespace detail
 } // namespace checkpoint_io

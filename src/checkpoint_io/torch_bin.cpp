@@ -1,5 +1,7 @@
 #include <colossalai/checkpoint_io/torch_bin.h>
 
+#include "pickle_reader.h"
+
 #include <ATen/core/Dict.h>
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
@@ -14,6 +16,7 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <memory>
 #include <unordered_map>
 
 namespace colossalai {
@@ -28,7 +31,10 @@ namespace {
 // None. So .bin files are read with the small unpickler below: it accepts the
 // opcodes of protocols 2 to 5 that containers of tensors use, rebuilds tensors
 // from the zip's storage records and refuses any other Python object, so no
-// code named by the file runs.
+// code named by the file runs. Model and optimizer files both go through it
+// (torch::pickle_load also crashes on malformed input: a REDUCE on an empty
+// stack, 200,000 nested lists). It is iterative, so nesting costs memory, not
+// stack; conversion to IValues stops at a fixed depth.
 
 std::string errno_message(int err) {
   return std::strerror(err);
@@ -147,8 +153,11 @@ struct Obj {
   double f = 0;            // Float
   std::string s;           // Str, Bytes, Global ("module.name")
   std::vector<Obj*> items; // Tuple, List; Dict as key, value, key, value...
-  at::Tensor tensor;       // Tensor
-  c10::Storage storage;    // Storage
+  // Dict: position of each str / int key's value in `items`, so building a
+  // dict of n keys costs O(n), not O(n^2).
+  std::unique_ptr<std::unordered_map<std::string, size_t>> keys;
+  at::Tensor tensor;                // Tensor
+  c10::Storage storage;             // Storage
   at::ScalarType dtype = at::kByte; // Storage
 };
 
@@ -491,13 +500,22 @@ class Unpickler {
     return o;
   }
   void set_item(Obj* dict, Obj* key, Obj* value) {
+    // Python semantics: a repeated key replaces the value.
+    std::string id;
     if (key->kind == Kind::Str) {
-      for (size_t k = 0; k < dict->items.size(); k += 2) {
-        Obj* existing = dict->items[k];
-        if (existing->kind == Kind::Str && existing->s == key->s) {
-          dict->items[k + 1] = value;
-          return;
-        }
+      id = "s" + key->s;
+    } else if (key->kind == Kind::Int) {
+      id = "i" + std::to_string(key->i);
+    }
+    if (!id.empty()) {
+      if (!dict->keys) {
+        dict->keys =
+            std::make_unique<std::unordered_map<std::string, size_t>>();
+      }
+      auto inserted = dict->keys->emplace(id, dict->items.size() + 1);
+      if (!inserted.second) {
+        dict->items[inserted.first->second] = value;
+        return;
       }
     }
     dict->items.push_back(key);
@@ -548,6 +566,14 @@ class Unpickler {
       Obj* func = expect(args[0], Kind::Global, "_rebuild_from_type_v2");
       Obj* inner = expect(args[2], Kind::Tuple, "_rebuild_from_type_v2");
       return call(func->s, inner->items, depth + 1);
+    }
+    if (name == "torch.jit._pickle.build_intlist" ||
+        name == "torch.jit._pickle.build_doublelist" ||
+        name == "torch.jit._pickle.build_boollist" ||
+        name == "torch.jit._pickle.build_tensorlist") {
+      // Written by LibTorch's pickle_save for List[int] and friends.
+      check(args.size() == 1, name + " takes one list");
+      return expect(args[0], Kind::List, "build_*list");
     }
     if (name == "torch.jit._pickle.restore_type_tag") {
       // Written by LibTorch's pickle_save around typed containers.
@@ -651,10 +677,193 @@ class Unpickler {
   std::unordered_map<std::string, c10::Storage> records_;
 };
 
+// Deeper than any optimizer or model state (dict -> dict -> dict -> tensor;
+// list -> dict -> tuple); a deeper file is malformed or hostile.
+constexpr int kMaxDepth = 32;
+
+/// Converts the pickle's objects to IValues. Shared objects (the memo) are
+/// converted once, so a file cannot blow up by reference; cycles and deep
+/// nesting stop at kMaxDepth.
+class ToIValue {
+ public:
+  explicit ToIValue(const std::string& file) : file_(file) {}
+
+  c10::IValue operator()(Obj* o, int depth = 0) {
+    TORCH_CHECK(
+        depth < kMaxDepth,
+        "'",
+        file_,
+        "' is not a valid checkpoint: its objects nest deeper than ",
+        kMaxDepth,
+        " levels (or refer to themselves)");
+    auto cached = done_.find(o);
+    if (cached != done_.end()) {
+      return cached->second;
+    }
+    c10::IValue v = convert(o, depth);
+    done_.emplace(o, v);
+    return v;
+  }
+
+ private:
+  c10::IValue convert(Obj* o, int depth) {
+    switch (o->kind) {
+      case Kind::None:
+        return c10::IValue();
+      case Kind::Bool:
+        return c10::IValue(o->i != 0);
+      case Kind::Int:
+        return c10::IValue(o->i);
+      case Kind::Float:
+        return c10::IValue(o->f);
+      case Kind::Str:
+      case Kind::Bytes:
+        return c10::IValue(o->s);
+      case Kind::Tensor:
+        return c10::IValue(o->tensor);
+      case Kind::Tuple: {
+        std::vector<c10::IValue> items;
+        for (Obj* item : o->items) {
+          items.push_back((*this)(item, depth + 1));
+        }
+        return c10::ivalue::Tuple::create(std::move(items));
+      }
+      case Kind::List: {
+        c10::impl::GenericList list(c10::AnyType::get());
+        for (Obj* item : o->items) {
+          list.push_back((*this)(item, depth + 1));
+        }
+        return list;
+      }
+      case Kind::Dict: {
+        bool all_str = true, all_int = true;
+        for (size_t k = 0; k < o->items.size(); k += 2) {
+          const Kind kk = o->items[k]->kind;
+          TORCH_CHECK(
+              kk == Kind::Str || kk == Kind::Int,
+              "'",
+              file_,
+              "' is not a valid checkpoint: a dict has a key of type ",
+              kind_name(kk));
+          all_str &= kk == Kind::Str;
+          all_int &= kk == Kind::Int;
+        }
+        c10::TypePtr key_type = c10::AnyType::get();
+        if (all_str) {
+          key_type = c10::StringType::get();
+        } else if (all_int) {
+          key_type = c10::IntType::get();
+        }
+        c10::impl::GenericDict dict(key_type, c10::AnyType::get());
+        for (size_t k = 0; k < o->items.size(); k += 2) {
+          dict.insert_or_assign(
+              (*this)(o->items[k], depth + 1),
+              (*this)(o->items[k + 1], depth + 1));
+        }
+        return dict;
+      }
+      default:
+        TORCH_CHECK(
+            false,
+            "'",
+            file_,
+            "' is not a valid checkpoint: it holds a ",
+            kind_name(o->kind),
+            " outside a tensor");
+    }
+  }
+
+  const std::string& file_;
+  std::unordered_map<Obj*, c10::IValue> done_;
+};
+
 std::string first_line(const char* what) {
   std::string s(what);
   size_t eol = s.find('\n');
   return eol == std::string::npos ? s : s.substr(0, eol);
+}
+
+/// Runs `fn`, turning the errors of the zip reader and the standard library
+/// (which do not name the file) into errors that do.
+template <class Fn>
+auto naming_file(const std::string& path, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    if (msg.find("'" + path + "'") != std::string::npos) {
+      throw;
+    }
+    TORCH_CHECK(
+        false,
+        "'",
+        path,
+        "' is not a valid checkpoint (truncated or corrupt zip): ",
+        first_line(msg.c_str()));
+  } catch (const std::bad_alloc&) {
+    TORCH_CHECK(
+        false,
+        "'",
+        path,
+        "' is not a valid checkpoint: it declares records too large to load");
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "'", path, "' is not a valid checkpoint: ", e.what());
+  }
+}
+
+/// Checks `path` starts like a torch.save zip archive, with a message that
+/// says what it is instead.
+void check_zip(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "cannot open '", path, "': ", errno_message(errno));
+  struct stat st {};
+  const bool is_file = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  char magic[4] = {0, 0, 0, 0};
+  const ssize_t got = is_file ? ::pread(fd, magic, sizeof(magic), 0) : 0;
+  ::close(fd);
+  TORCH_CHECK(is_file, "cannot open '", path, "': not a regular file");
+  TORCH_CHECK(got > 0, "'", path, "' is empty, not a .bin checkpoint");
+  TORCH_CHECK(
+      !(got >= 2 && static_cast<uint8_t>(magic[0]) == 0x80),
+      "'",
+      path,
+      "' was written in PyTorch's legacy (pre-1.6) format; re-save it with "
+      "torch.save's default zip format");
+  TORCH_CHECK(
+      got == 4 && std::memcmp(magic, "PK\x03\x04", 4) == 0,
+      "'",
+      path,
+      "' is not a .bin checkpoint (a zip archive from torch.save): ",
+      got < 4 ? "it is truncated" : "it does not start like a zip archive");
+}
+
+/// The root object of an archive's data.pkl; `keep` holds the objects.
+Obj* read_root(
+    caffe2::serialize::PyTorchStreamReader& archive,
+    const std::string& path,
+    std::unique_ptr<Unpickler>& keep) {
+  if (archive.hasRecord("byteorder")) {
+    auto record = archive.getRecord("byteorder");
+    std::string order(
+        static_cast<const char*>(std::get<0>(record).get()),
+        std::get<1>(record));
+    TORCH_CHECK(
+        order == "little",
+        "'",
+        path,
+        "' holds ",
+        order,
+        "-endian tensors, which are unsupported");
+  }
+  TORCH_CHECK(
+      archive.hasRecord("data.pkl"),
+      "'",
+      path,
+      "' is not a valid .bin checkpoint: it has no data.pkl");
+  auto pickle = archive.getRecord("data.pkl");
+  keep = std::make_unique<Unpickler>(path, archive);
+  return keep->run(
+      static_cast<const char*>(std::get<0>(pickle).get()), std::get<1>(pickle));
 }
 
 } // namespace
@@ -699,52 +908,11 @@ void save_bin(const std::string& path, const StateDict& tensors) {
 }
 
 StateDict load_bin(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "cannot open '", path, "': ", errno_message(errno));
-  struct stat st {};
-  const bool is_file = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-  char magic[4] = {0, 0, 0, 0};
-  const ssize_t got = is_file ? ::pread(fd, magic, sizeof(magic), 0) : 0;
-  ::close(fd);
-  TORCH_CHECK(is_file, "cannot open '", path, "': not a regular file");
-  TORCH_CHECK(
-      !(got >= 2 && static_cast<uint8_t>(magic[0]) == 0x80),
-      "'",
-      path,
-      "' was written in PyTorch's legacy (pre-1.6) format; re-save it with "
-      "torch.save's default zip format");
-  TORCH_CHECK(
-      got == 4 && std::memcmp(magic, "PK\x03\x04", 4) == 0,
-      "'",
-      path,
-      "' is not a .bin checkpoint (a zip archive from torch.save): ",
-      got < 4 ? "it is truncated" : "it does not start like a zip archive");
-
-  try {
+  check_zip(path);
+  return naming_file(path, [&] {
     caffe2::serialize::PyTorchStreamReader archive(path);
-    if (archive.hasRecord("byteorder")) {
-      auto record = archive.getRecord("byteorder");
-      std::string order(
-          static_cast<const char*>(std::get<0>(record).get()),
-          std::get<1>(record));
-      TORCH_CHECK(
-          order == "little",
-          "'",
-          path,
-          "' holds ",
-          order,
-          "-endian tensors, which are unsupported");
-    }
-    TORCH_CHECK(
-        archive.hasRecord("data.pkl"),
-        "'",
-        path,
-        "' is not a valid .bin checkpoint: it has no data.pkl");
-    auto pickle = archive.getRecord("data.pkl");
-    Unpickler unpickler(path, archive);
-    Obj* root = unpickler.run(
-        static_cast<const char*>(std::get<0>(pickle).get()),
-        std::get<1>(pickle));
+    std::unique_ptr<Unpickler> unpickler;
+    Obj* root = read_root(archive, path, unpickler);
     TORCH_CHECK(
         root->kind == Kind::Dict,
         "'",
@@ -774,30 +942,30 @@ StateDict load_bin(const std::string& path) {
       out.insert(key->s, value->tensor);
     }
     return out;
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    if (msg.find("'" + path + "'") != std::string::npos) {
-      throw;
-    }
-    // Errors from the zip reader do not name the file.
-    TORCH_CHECK(
-        false,
-        "'",
-        path,
-        "' is not a valid .bin checkpoint (truncated or corrupt zip): ",
-        first_line(msg.c_str()));
-  } catch (const std::bad_alloc&) {
-    TORCH_CHECK(
-        false,
-        "'",
-        path,
-        "' is not a valid .bin checkpoint: it declares records too large "
-        "to load");
-  } catch (const std::exception& e) {
-    TORCH_CHECK(
-        false, "'", path, "' is not a valid .bin checkpoint: ", e.what());
-  }
+  });
 }
+
+namespace detail {
+
+c10::IValue load_pickle(
+    caffe2::serialize::PyTorchStreamReader& archive,
+    const std::string& name) {
+  return naming_file(name, [&] {
+    std::unique_ptr<Unpickler> unpickler;
+    Obj* root = read_root(archive, name, unpickler);
+    return ToIValue(name)(root);
+  });
+}
+
+c10::IValue load_pickle(const std::string& path) {
+  check_zip(path);
+  return naming_file(path, [&] {
+    caffe2::serialize::PyTorchStreamReader archive(path);
+    return load_pickle(archive, path);
+  });
+}
+
+} // namespace detail
 
 } // namespace checkpoint_io
 } // namespace colossalai

@@ -1,12 +1,20 @@
 """Exchanges state-dict files with the C++ library (tests/test_interop_python.cpp).
 
     interop.py check DIR
+    interop.py optim DIR
 
 Reads DIR/cpp.safetensors with a minimal reader written from the format's
 spec and DIR/cpp.bin with torch.load, compares both with `expected()`, then
 writes DIR/py.safetensors (own minimal writer), DIR/py.bin (torch.save of a
 state-dict-like OrderedDict) and DIR/py_one.bin (a one-entry dict) for the C++
 side to read. Exits non-zero, with a traceback, on any mismatch.
+
+`optim` trains a Linear(4, 3) for two steps with each of AdamW, Adam (integer
+weight_decay=0, as Python writes it) and SGD with momentum, and writes
+DIR/model_<name>.bin and DIR/optim_<name>.bin (torch.save of the model's and
+the optimizer's state_dict), DIR/expect_<name>.bin (the optimizer's state as
+flat tensors "<param id>.<key>") and DIR/after_<name>.bin (the model after a
+third step) for the C++ side to load, step and compare.
 """
 
 import collections
@@ -127,11 +135,51 @@ def check(directory):
     torch.save({"only": torch.arange(3)}, os.path.join(directory, "py_one.bin"))
 
 
+def optim_batch():
+    """The batch of every step; test_interop_python.cpp builds the same."""
+    x = torch.arange(8, dtype=torch.float32).reshape(2, 4) / 8
+    y = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 6 - 0.5
+    return x, y
+
+
+def optim(directory):
+    makers = {
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05),
+        "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    }
+    x, y = optim_batch()
+    for name, make in makers.items():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = make(model.parameters())
+
+        def step():
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+
+        step()
+        step()
+        torch.save(model.state_dict(), os.path.join(directory, f"model_{name}.bin"))
+        torch.save(opt.state_dict(), os.path.join(directory, f"optim_{name}.bin"))
+        flat = {}
+        for pid, state in opt.state_dict()["state"].items():
+            for key, value in state.items():
+                flat[f"{pid}.{key}"] = torch.as_tensor(value)
+        torch.save(flat, os.path.join(directory, f"expect_{name}.bin"))
+        step()
+        torch.save(model.state_dict(), os.path.join(directory, f"after_{name}.bin"))
+
+
 def main(argv):
-    if len(argv) != 3 or argv[1] != "check":
+    if len(argv) != 3 or argv[1] not in ("check", "optim"):
         print(__doc__, file=sys.stderr)
         return 2
-    check(argv[2])
+    if argv[1] == "optim":
+        optim(argv[2])
+    else:
+        check(argv[2])
     print("interop.py: all checks passed")
     return 0
 

@@ -53,8 +53,11 @@ struct SaveOptimizerOptions {
 /// `load_optimizer` recognise sharded checkpoints by their index file, so one
 /// call loads either kind. Plugins return their own subclass.
 ///
-/// Every save is atomic: it writes under a temporary name and renames at the
-/// end, so a process killed mid-save leaves the previous checkpoint intact.
+/// Every save is atomic: a process killed at any point leaves the previous
+/// or the new checkpoint, loadable by its path (and, sharded, by its
+/// directory or index). A sharded save into a directory replaces only its
+/// own index and the files that index names; other files (another prefix,
+/// the optimizer beside the model, the user's own) are never touched.
 class CheckpointIO {
  public:
   virtual ~CheckpointIO();

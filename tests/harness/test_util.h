@@ -1,0 +1,20 @@
+#pragma once
+
+// Small helpers shared by the tests.
+
+#include <functional>
+#include <string>
+
+namespace colossalai {
+namespace testing {
+
+/// The message `fn` throws (error_text of the exception), or "" if it
+/// returns.
+std::string error_of(const std::function<void()>& fn);
+
+/// A fresh directory under the system's temporary directory, named after
+/// `prefix`, this process and the time.
+std::string temp_dir(const std::string& prefix);
+
+} // namespace testing
+} // namespace colossalai
