@@ -1,28 +1,63 @@
 #!/usr/bin/env bash
-# Builds the safetensors header fuzzer with libFuzzer, ASan and UBSan, then
-# runs it on a copy of the seed corpus.
+# Builds a fuzzer with libFuzzer, ASan and UBSan, then runs it on a copy of
+# its seed corpus.
 #
-#   fuzz/run.sh [SECONDS]   (default 20)
+#   fuzz/run.sh [TARGET] [SECONDS] [-- LIBFUZZER_FLAGS...]
 #
-# Needs clang and libFuzzer (Debian: clang, libclang-rt-14-dev) and LibTorch
-# under /usr. The binary and any crash inputs go to $FUZZ_BUILD_DIR (default
-# build/fuzz). Exits non-zero when the fuzzer finds a crash.
+# TARGET: safetensors (the header parser, default) or pickle (the hardened
+# unpickler and the optimizer-state path; links the library built in
+# $COLOSSALAI_LIB, default build/libcolossalai.a, for what it does not
+# compile instrumented). SECONDS: default 20. Needs clang and libFuzzer
+# (Debian: clang, libclang-rt-14-dev) and LibTorch under /usr. The binary and
+# any crash inputs go to $FUZZ_BUILD_DIR (default build/fuzz). Exits non-zero
+# when the fuzzer finds a crash.
 set -euo pipefail
 
-seconds="${1:-20}"
+target=safetensors
+if [[ $# -gt 0 && ! "$1" =~ ^[0-9]+$ && "$1" != "--" ]]; then
+  target="$1"
+  shift
+fi
+seconds=20
+if [[ $# -gt 0 && "$1" =~ ^[0-9]+$ ]]; then
+  seconds="$1"
+  shift
+fi
+[[ $# -gt 0 && "$1" == "--" ]] && shift
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${FUZZ_BUILD_DIR:-$repo/build/fuzz}"
 cxx="${FUZZ_CXX:-clang++}"
 torch_include="${TORCH_INCLUDE:-/usr/include}"
 mkdir -p "$out"
 
-sources=("$repo/fuzz/safetensors_fuzz.cpp" "$repo/src/checkpoint_io/safetensors.cpp")
-binary="$out/safetensors_fuzz"
+extra_link=()
+case "$target" in
+  safetensors)
+    sources=("$repo/fuzz/safetensors_fuzz.cpp" "$repo/src/checkpoint_io/safetensors.cpp")
+    headers=("$repo/include/colossalai/checkpoint_io/safetensors.h")
+    flags=(-max_len=4096 -dict="$repo/fuzz/safetensors.dict")
+    ;;
+  pickle)
+    sources=("$repo/fuzz/pickle_fuzz.cpp" "$repo/src/checkpoint_io/torch_bin.cpp"
+             "$repo/src/checkpoint_io/optimizer_state.cpp")
+    headers=("$repo/src/checkpoint_io/pickle_reader.h" "$repo/src/checkpoint_io/optimizer_state.h")
+    lib="${COLOSSALAI_LIB:-$repo/build/libcolossalai.a}"
+    [[ -f "$lib" ]] || { echo "fuzz/run.sh pickle: build the library first ($lib)" >&2; exit 2; }
+    extra_link=("$lib" -lgomp -lpthread)
+    headers+=("$lib")
+    flags=(-max_len=8192 -dict="$repo/fuzz/pickle.dict")
+    ;;
+  *)
+    echo "fuzz/run.sh: unknown target '$target' (safetensors, pickle)" >&2
+    exit 2
+    ;;
+esac
+binary="$out/${target}_fuzz"
 rebuild=0
 if [[ ! -x "$binary" ]]; then
   rebuild=1
 else
-  for f in "${sources[@]}" "$repo/include/colossalai/checkpoint_io/safetensors.h"; do
+  for f in "${sources[@]}" "${headers[@]}"; do
     [[ "$f" -nt "$binary" ]] && rebuild=1
   done
 fi
@@ -33,13 +68,13 @@ if (( rebuild )); then
     -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
     -I"$repo/include" -I"$torch_include" -I"$torch_include/torch/csrc/api/include" \
     "${sources[@]}" -o "$binary" \
-    -ltorch -ltorch_cpu -lc10
+    "${extra_link[@]}" -ltorch -ltorch_cpu -lc10
   echo "built in $(( $(date +%s) - start )) s"
 fi
 
 corpus="$(mktemp -d)"
 trap 'rm -rf "$corpus"' EXIT
-cp "$repo"/fuzz/corpus/safetensors/* "$corpus"/
+cp "$repo"/fuzz/corpus/"$target"/* "$corpus"/
 
-"$binary" -max_total_time="$seconds" -max_len=4096 -timeout=10 \
-  -dict="$repo/fuzz/safetensors.dict" -artifact_prefix="$out/" "$corpus"
+"$binary" -max_total_time="$seconds" -timeout=10 "${flags[@]}" \
+  -artifact_prefix="$out/${target}-" "$@" "$corpus"

@@ -10,7 +10,12 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
+#include <signal.h>
+
+#include <atomic>
+#include <future>
 #include <iostream>
+#include <thread>
 
 namespace colossalai {
 
@@ -69,61 +74,141 @@ void launch(const LaunchOptions& o) {
   TORCH_CHECK(
       !nccl || cuda, "colossalai::launch: backend 'nccl' needs a CUDA device");
 
-  ::c10d::TCPStoreOptions so;
-  so.port = static_cast<std::uint16_t>(o.port());
-  so.isServer = o.rank() == 0;
-  so.numWorkers = static_cast<std::size_t>(o.world_size());
-  so.waitWorkers = true;
-  so.timeout = o.timeout();
-  try {
-    rt.store = c10::make_intrusive<::c10d::TCPStore>(o.host(), so);
-  } catch (const std::exception& e) {
-    throw distributed::DistributedError(
-        "rank " + std::to_string(o.rank()) + ": rendezvous at " + o.host() +
-        ":" + std::to_string(o.port()) + " failed within " +
-        std::to_string(o.timeout().count()) + " ms (world_size " +
-        std::to_string(o.world_size()) +
-        "; is the master reachable and every rank started?): " +
-        distributed::error_text(e));
-  }
+  // Gloo writes to sockets whose peer may have died: make that an error
+  // (EPIPE, turned into a DistributedError) instead of a silent SIGPIPE
+  // death, as Python does for every process.
+  ::signal(SIGPIPE, SIG_IGN);
 
-  rt.rank = o.rank();
-  rt.world_size = o.world_size();
-  rt.timeout = o.timeout();
-  rt.host = o.host();
-  rt.backend =
+  // NOTE [Bounded rendezvous]
+  // c10d's TCPStore client waits for the master's replies with no deadline (a
+  // listener that accepts and never answers blocks it forever), and rank 0
+  // waits for the workers and then again for Gloo's connections, each for
+  // the whole timeout. So the rendezvous runs on a helper thread, filling a
+  // staging runtime, and the caller waits for it at most `timeout`: then it
+  // gets a DistributedError naming its rank, the master and the phase
+  // reached. An abandoned helper holds only its own state and ends when its
+  // sockets close or time out.
+  auto staging = std::make_shared<dd::Runtime>();
+  staging->rank = o.rank();
+  staging->world_size = o.world_size();
+  staging->timeout = o.timeout();
+  staging->host = o.host();
+  staging->backend =
       nccl ? distributed::BackendType::kNccl : distributed::BackendType::kGloo;
   if (nccl) {
     int count = static_cast<int>(torch::cuda::device_count());
     int local = o.local_rank() >= 0 ? o.local_rank() : o.rank() % count;
-    rt.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local));
-  } else {
-    if (auto ifname = utils::gloo_socket_ifname()) {
-      rt.gloo_device =
-          ::c10d::ProcessGroupGloo::createDeviceForInterface(*ifname);
-    } else if (is_loopback(o.host())) {
-      rt.gloo_device =
-          ::c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-    } else {
-      rt.gloo_device = ::c10d::ProcessGroupGloo::createDefaultDevice();
+    staging->device =
+        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local));
+  }
+  static const char* const kPhases[] = {
+      "starting the rendezvous store",
+      "connecting to the master's store",
+      "waiting for every rank to reach the store",
+      "connecting to the other ranks (process group 'world')",
+      "the first barrier",
+  };
+  auto phase = std::make_shared<std::atomic<int>>(o.rank() == 0 ? 0 : 1);
+  const std::string where = "rank " + std::to_string(o.rank()) + " of " +
+      std::to_string(o.world_size()) + ": rendezvous at " + o.host() + ":" +
+      std::to_string(o.port());
+  auto done = std::make_shared<std::promise<void>>();
+  auto finished = done->get_future();
+  std::thread([staging, phase, done, o, where]() {
+    try {
+      ::c10d::TCPStoreOptions so;
+      so.port = static_cast<std::uint16_t>(o.port());
+      so.isServer = o.rank() == 0;
+      so.numWorkers = static_cast<std::size_t>(o.world_size());
+      so.waitWorkers = false;
+      so.timeout = o.timeout();
+      c10::intrusive_ptr<::c10d::TCPStore> store;
+      try {
+        store = c10::make_intrusive<::c10d::TCPStore>(o.host(), so);
+        *phase = 2;
+        store->waitForWorkers();
+      } catch (const std::exception& e) {
+        const std::string text = distributed::error_text(e);
+        if (*phase == 0) {
+          // The port is taken or the address is not ours: no peer to blame.
+          throw distributed::DistributedError(
+              where +
+              ": cannot start the rendezvous store (is another job "
+              "using port " +
+              std::to_string(o.port()) +
+              "? choose another master port): " + text);
+        }
+        throw distributed::DistributedError(
+            where + " failed while " + kPhases[phase->load()] + " (within " +
+            std::to_string(o.timeout().count()) + " ms; is the master " +
+            "reachable and every rank started?): " + text);
+      }
+      staging->store = store;
+      if (staging->backend == distributed::BackendType::kGloo) {
+        if (auto ifname = utils::gloo_socket_ifname()) {
+          staging->gloo_device =
+              ::c10d::ProcessGroupGloo::createDeviceForInterface(*ifname);
+        } else if (is_loopback(o.host())) {
+          staging->gloo_device =
+              ::c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+        } else {
+          staging->gloo_device =
+              ::c10d::ProcessGroupGloo::createDefaultDevice();
+        }
+      }
+      *phase = 3;
+      std::vector<int> all(o.world_size());
+      for (int r = 0; r < o.world_size(); ++r) {
+        all[r] = r;
+      }
+      staging->initialized = true;
+      staging->world = dd::create_group(*staging, all, "world");
+      // Nobody leaves the rendezvous before everyone has connected: a fast
+      // rank that exits early would otherwise break a slow rank's mesh setup.
+      *phase = 4;
+      distributed::barrier(*staging->world).wait();
+      done->set_value();
+    } catch (...) {
+      done->set_exception(std::current_exception());
     }
-    rt.device = c10::Device(c10::kCPU);
+  }).detach();
+  if (finished.wait_for(o.timeout()) != std::future_status::ready) {
+    const int reached = phase->load();
+    const std::string n = std::to_string(o.world_size());
+    std::string hint;
+    if (reached >= 3) {
+      hint =
+          "is every rank started and reachable from this host (firewall, "
+          "GLOO_SOCKET_IFNAME)?";
+    } else if (o.rank() == 0) {
+      hint = "are all " + n +
+          " ranks started, with this master address and "
+          "port?";
+    } else if (reached == 1) {
+      hint = "is the master started and reachable?";
+    } else {
+      hint = "are all " + n +
+          " ranks started, and is that port the master's "
+          "rendezvous store (one that accepts and never answers is not)?";
+    }
+    throw distributed::DistributedError(
+        where + " did not complete within " +
+        std::to_string(o.timeout().count()) + " ms, stuck " + kPhases[reached] +
+        ": " + hint);
   }
-  std::vector<int> all(rt.world_size);
-  for (int r = 0; r < rt.world_size; ++r) {
-    all[r] = r;
-  }
+  finished.get(); // rethrows the helper's error
+
+  rt.rank = staging->rank;
+  rt.world_size = staging->world_size;
+  rt.timeout = staging->timeout;
+  rt.host = staging->host;
+  rt.backend = staging->backend;
+  rt.device = staging->device;
+  rt.store = staging->store;
+  rt.gloo_device = staging->gloo_device;
+  rt.world = staging->world;
+  rt.group_name_uses = staging->group_name_uses;
   rt.initialized = true;
-  try {
-    rt.world = dd::create_group(rt, all, "world");
-    // Nobody leaves the rendezvous before everyone has connected: a fast rank
-    // that exits early would otherwise break a slow rank's mesh setup.
-    distributed::barrier(*rt.world).wait();
-  } catch (...) {
-    rt.initialized = false;
-    rt.store.reset();
-    throw;
-  }
 }
 
 void launch_from_env(LaunchOptions base) {

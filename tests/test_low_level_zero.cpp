@@ -351,6 +351,25 @@ TEST(LowLevelZero, BadOptionsAreClearErrors) {
                                              .overlap_allgather(true));
         }).find("overlap_allgather"),
         std::string::npos);
+    // The plugin applies its own precision: a Booster mixed_precision that
+    // contradicts it is refused (it used to train in fp32 without a word);
+    // one that repeats it is accepted.
+    auto fp32 = [] {
+      return std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+          cb::plugin::LowLevelZeroPluginOptions().precision("fp32"));
+    };
+    auto contradiction = msg([&] {
+      cb::Booster(cb::BoosterOptions().plugin(fp32()).mixed_precision("bf16"));
+    });
+    EXPECT_NE(contradiction.find("contradicts"), std::string::npos)
+        << contradiction;
+    EXPECT_NE(contradiction.find("'fp32'"), std::string::npos) << contradiction;
+    EXPECT_EQ(
+        msg([&] {
+          cb::Booster(
+              cb::BoosterOptions().plugin(fp32()).mixed_precision("fp32"));
+        }),
+        "");
   });
 }
 

@@ -52,6 +52,19 @@ Booster::Booster(BoosterOptions options)
           ")");
     }
   }
+  // One rule for every plugin that applies its own precision: a Booster
+  // mixed_precision may repeat it, never contradict it.
+  TORCH_CHECK(
+      !(plugin_ && plugin_->control_precision() && !precision.empty() &&
+        precision != plugin_->precision()),
+      "Booster mixed_precision '",
+      precision,
+      "' contradicts ",
+      plugin_ ? plugin_->name() : "",
+      "'s precision '",
+      plugin_ ? plugin_->precision() : "",
+      "': the plugin applies its own precision; set it in the plugin's "
+      "options and leave mixed_precision unset (or equal)");
   if (!plugin_ || !plugin_->control_precision()) {
     mixed_precision_ =
         mixed_precision::make_mixed_precision(precision, device_.type());

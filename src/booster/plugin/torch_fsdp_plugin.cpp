@@ -95,6 +95,17 @@ NoSyncGuard TorchFSDPPlugin::no_sync(
   return NoSyncGuard([m]() { m->set_require_sync(true); });
 }
 
+std::string TorchFSDPPlugin::precision() const {
+  switch (options_.param_dtype()) {
+    case at::kHalf:
+      return "fp16";
+    case at::kBFloat16:
+      return "bf16";
+    default:
+      return "fp32";
+  }
+}
+
 } // namespace plugin
 } // namespace booster
 } // namespace colossalai

@@ -69,6 +69,9 @@ class LowLevelZeroPlugin : public DPPluginBase {
   bool control_precision() const override {
     return true;
   }
+  std::string precision() const override {
+    return options_.precision();
+  }
   bool control_device() const override {
     return true;
   }

@@ -53,6 +53,12 @@ class Plugin {
   /// Whether the plugin applies mixed precision itself (else the Booster
   /// does).
   virtual bool control_precision() const = 0;
+  /// The precision a plugin that controls precision trains in ("fp16",
+  /// "bf16", "fp32"). A Booster mixed_precision that differs is refused: the
+  /// plugin would silently train in its own.
+  virtual std::string precision() const {
+    return "";
+  }
   /// Whether the plugin moves the model to its device itself.
   virtual bool control_device() const = 0;
   virtual bool support_no_sync() const = 0;

@@ -49,13 +49,14 @@ class TorchFSDPPlugin : public DPPluginBase {
     return {"cpu", "cuda"};
   }
   /// Precision is set with the options' param_dtype; a Booster
-  /// mixed_precision other than fp32 is refused so it cannot be ignored.
+  /// mixed_precision that differs is refused so it cannot be ignored.
   std::vector<std::string> supported_precisions() const override {
-    return {"fp32"};
+    return {"fp16", "bf16", "fp32"};
   }
   bool control_precision() const override {
     return true;
   }
+  std::string precision() const override;
   bool control_device() const override {
     return true;
   }
