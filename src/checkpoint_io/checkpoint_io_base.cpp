@@ -7,6 +7,8 @@
 
 #include <filesystem>
 
+#include <sys/mman.h>
+
 namespace colossalai {
 namespace checkpoint_io {
 
@@ -46,6 +48,46 @@ std::string single_file(const std::string& dir) {
   return files.size() == 1 ? files.front() : "";
 }
 
+// Host memory for snapshots. Faulting in fresh pages is most of a first
+// snapshot's cost (4 KiB at a time: 1.8 s for 670 MB on a VM here), so large
+// buffers ask for transparent huge pages, and later saves reuse them.
+c10::Storage host_buffer(size_t bytes) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  if (bytes < kHuge) {
+    return at::empty({static_cast<int64_t>(bytes)}, at::kByte).storage();
+  }
+  const size_t length = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = ::mmap(
+      nullptr,
+      length,
+      PROT_READ | PROT_WRITE,
+      MAP_PRIVATE | MAP_ANONYMOUS,
+      -1,
+      0);
+  TORCH_CHECK(
+      p != MAP_FAILED,
+      "async save: cannot allocate ",
+      bytes,
+      " bytes of host memory for the snapshot");
+  ::madvise(p, length, MADV_HUGEPAGE); // a hint; fine if refused
+  auto* region = new std::pair<void*, size_t>(p, length);
+  c10::DataPtr data(
+      p,
+      region,
+      [](void* ctx) {
+        auto* r = static_cast<std::pair<void*, size_t>*>(ctx);
+        ::munmap(r->first, r->second);
+        delete r;
+      },
+      c10::Device(c10::kCPU));
+  return c10::Storage(
+      c10::Storage::use_byte_size_t(),
+      bytes,
+      std::move(data),
+      /*allocator=*/nullptr,
+      /*resizable=*/false);
+}
+
 } // namespace
 
 CheckpointIO::~CheckpointIO() {
@@ -80,10 +122,39 @@ void CheckpointIO::run_maybe_async(bool async, std::function<void()> job) {
   });
 }
 
+at::Tensor CheckpointIO::snapshot(const at::Tensor& t) {
+  const auto src = t.detach();
+  const auto bytes = static_cast<size_t>(src.numel()) * src.element_size();
+  if (snapshot_cursor_ == snapshot_buffers_.size()) {
+    snapshot_buffers_.emplace_back();
+  }
+  auto& buffer = snapshot_buffers_[snapshot_cursor_++];
+  if (!buffer || buffer.nbytes() < bytes) {
+    buffer = host_buffer(bytes);
+  }
+  auto out =
+      at::empty({0}, src.options().device(at::kCPU))
+          .set_(buffer, 0, src.sizes(), c10::contiguous_strides(src.sizes()));
+  out.copy_(src);
+  return out;
+}
+
+StateDict CheckpointIO::snapshot(const StateDict& state) {
+  StateDict out;
+  for (const auto& item : state) {
+    out.insert(item.key(), snapshot(item.value()));
+  }
+  return out;
+}
+
 void CheckpointIO::save_model(
     interface::ModelWrapper& model,
     const std::string& checkpoint,
     const SaveModelOptions& options) {
+  if (options.use_async()) {
+    synchronize(); // the snapshot buffers are free again
+    snapshot_cursor_ = 0;
+  }
   TORCH_CHECK(
       options.size_per_shard() > 0,
       "save_model: size_per_shard must be > 0 MB, got ",
@@ -140,6 +211,10 @@ void CheckpointIO::save_optimizer(
     interface::OptimizerWrapper& optimizer,
     const std::string& checkpoint,
     const SaveOptimizerOptions& options) {
+  if (options.use_async()) {
+    synchronize(); // the snapshot buffers are free again
+    snapshot_cursor_ = 0;
+  }
   TORCH_CHECK(
       options.size_per_shard() > 0,
       "save_optimizer: size_per_shard must be > 0 MB, got ",

@@ -24,15 +24,6 @@ constexpr const char* kBinName = "pytorch_model.bin";
 constexpr const char* kOptimName = "pytorch_optim.bin";
 constexpr const char* kOptimGroupName = "pytorch_optim_group.bin";
 
-// Owned CPU copies, so training may go on while a background thread writes.
-StateDict snapshot(const StateDict& state) {
-  StateDict out;
-  for (const auto& item : state) {
-    out.insert(item.key(), item.value().detach().to(at::kCPU, false, true));
-  }
-  return out;
-}
-
 StateDict detached(const StateDict& state) {
   StateDict out;
   for (const auto& item : state) {
@@ -234,9 +225,7 @@ void GeneralCheckpointIO::save_unsharded_model(
   StateDict state;
   stream_model_state(model, [&](const std::string& k, const at::Tensor& t) {
     if (writer) {
-      state.insert(
-          k,
-          async ? t.detach().to(at::kCPU, false, /*copy=*/true) : t.detach());
+      state.insert(k, async ? snapshot(t) : t.detach());
     }
   });
   if (!writer) {
@@ -293,7 +282,7 @@ void GeneralCheckpointIO::save_sharded_model(
   StateDict state;
   stream_model_state(model, [&](const std::string& k, const at::Tensor& t) {
     if (writer) {
-      state.insert(k, t.detach().to(at::kCPU, false, /*copy=*/true));
+      state.insert(k, snapshot(t));
     }
   });
   if (writer) {

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace colossalai {
 namespace nn {
@@ -34,7 +35,10 @@ struct SaveModelOptions {
   TORCH_ARG(int64_t, size_per_shard) = 1024;
   /// safetensors instead of PyTorch `.bin`.
   TORCH_ARG(bool, use_safetensors) = false;
-  /// Snapshot the tensors and write them from a background thread.
+  /// Snapshot the tensors and write them from a background thread. The
+  /// caller waits only for the snapshot, a copy into host buffers that the
+  /// CheckpointIO keeps for its next async save (so only the first one pays
+  /// for fresh memory; the buffers hold one copy of the saved state).
   TORCH_ARG(bool, use_async) = false;
 };
 
@@ -133,9 +137,19 @@ class CheckpointIO {
   /// background job finished; its error is rethrown here first).
   void run_maybe_async(bool async, std::function<void()> job);
 
+  /// An owned host copy of `t` for a background save, in a buffer reused
+  /// from the previous async save when one fits (save_model and
+  /// save_optimizer wait for the previous background save before a new
+  /// snapshot starts).
+  at::Tensor snapshot(const at::Tensor& t);
+  StateDict snapshot(const StateDict& state);
+
  private:
   std::thread writer_;
   std::exception_ptr writer_error_;
+  // Snapshot buffers, taken in order by each async save (NOTE above).
+  std::vector<c10::Storage> snapshot_buffers_;
+  size_t snapshot_cursor_ = 0;
 };
 
 } // namespace checkpoint_io
