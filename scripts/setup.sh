@@ -10,7 +10,7 @@ packages=(
   libtorch-dev libgloo-dev libopenblas0-pthread
   libgtest-dev zlib1g-dev nlohmann-json3-dev libcli11-dev
   clang libclang-rt-14-dev python3-torch
-  dataset-fashion-mnist python3-matplotlib
+  dataset-fashion-mnist python3-matplotlib iproute2
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -7,6 +7,7 @@
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+#include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
 
@@ -237,5 +238,119 @@ TEST(DistributedFaults, KilledRankDuringEveryPluginsStep) {
           << results[0].output;
       EXPECT_FALSE(results[0].timed_out);
     }
+  }
+}
+
+namespace {
+
+// Sums of every parameter, the same on every rank when replicas agree.
+at::Tensor checksum(zoo::GPT& model) {
+  std::vector<at::Tensor> sums;
+  for (const auto& p : model->parameters()) {
+    sums.push_back(p.detach().to(at::kDouble).sum());
+  }
+  return at::stack(sums);
+}
+
+} // namespace
+
+// Runs only as a rank started by `colossalai run` from tests/netns/two_hosts.sh
+// (two hosts made of network namespaces). COLOSSALAI_NETNS_MODE=train: DDP and
+// ZeRO-2 train 3 SGD steps across the hosts and must match one process on
+// the global batch (the tolerance of test_strategies: only the batch sum's
+// rounding differs, and SGD is linear in the gradient). =drop: DDP trains
+// until the script takes the link down; the rank must raise a
+// DistributedError within the 10 s collective timeout and exit non-zero.
+TEST(DistributedFaults, RankOnTwoHosts) {
+  const char* mode = std::getenv("COLOSSALAI_NETNS_MODE");
+  if (mode == nullptr) {
+    GTEST_SKIP() << "runs only under tests/netns/two_hosts.sh";
+  }
+  colossalai::launch_from_env(
+      colossalai::LaunchOptions().backend("gloo").timeout(
+          std::chrono::seconds(10)));
+  const int rank = colossalai::distributed::get_rank();
+  const int world = colossalai::distributed::get_world_size();
+  auto step_batch = [&](int step) {
+    return zoo::random_tokens(2 * world, tiny(), 500 + step);
+  };
+  auto sgd = [](zoo::GPT& m) {
+    return std::make_shared<torch::optim::SGD>(
+        m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  };
+  if (std::string(mode) == "train") {
+    torch::manual_seed(0);
+    zoo::GPT reference(tiny());
+    auto ref_opt = sgd(reference);
+    for (int step = 0; step < 3; ++step) {
+      auto b = step_batch(step);
+      ref_opt->zero_grad();
+      zoo::gpt_loss(reference(b.first), b.second).backward();
+      ref_opt->step();
+    }
+    for (const std::string plugin : {"ddp", "zero2"}) {
+      cb::Booster booster(cb::BoosterOptions().plugin(make_plugin(plugin)));
+      torch::manual_seed(0);
+      zoo::GPT model(tiny());
+      auto boosted = booster.boost(model, sgd(model));
+      for (int step = 0; step < 3; ++step) {
+        auto b = step_batch(step);
+        auto x = b.first.narrow(0, 2 * rank, 2);
+        auto y = b.second.narrow(0, 2 * rank, 2);
+        boosted.optimizer->zero_grad();
+        booster.backward(
+            zoo::gpt_loss(boosted.model(x), y), *boosted.optimizer);
+        boosted.optimizer->step();
+      }
+      auto params = model->parameters();
+      auto ref = reference->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        ASSERT_TRUE(at::allclose(params[i], ref[i], 1e-4, 1e-5))
+            << plugin << " parameter " << i;
+      }
+      auto mine = checksum(model);
+      auto all = at::empty({mine.numel() * world}, mine.options());
+      colossalai::distributed::all_gather(
+          all, mine, *colossalai::distributed::world_group())
+          .wait();
+      for (int r = 0; r < world; ++r) {
+        ASSERT_TRUE(
+            at::equal(all.narrow(0, r * mine.numel(), mine.numel()), mine))
+            << plugin << ": replicas differ";
+      }
+      std::cout << "rank " << rank << ": " << plugin
+                << " across hosts matches one process" << std::endl;
+    }
+    colossalai::distributed::barrier(*colossalai::distributed::world_group())
+        .wait();
+    return;
+  }
+  cb::Booster booster(cb::BoosterOptions().plugin(make_plugin("ddp")));
+  torch::manual_seed(0);
+  zoo::GPT model(tiny());
+  auto boosted = booster.boost(model, sgd(model));
+  auto dropped_at = std::chrono::steady_clock::now();
+  try {
+    for (int step = 0; step < 100000; ++step) {
+      auto b = step_batch(step % 7);
+      boosted.optimizer->zero_grad();
+      booster.backward(
+          zoo::gpt_loss(
+              boosted.model(b.first.narrow(0, 2 * rank, 2)),
+              b.second.narrow(0, 2 * rank, 2)),
+          *boosted.optimizer);
+      boosted.optimizer->step();
+      if (step == 5) {
+        std::cout << "TRAINING" << std::endl; // the script drops the link
+      }
+      dropped_at = std::chrono::steady_clock::now(); // last good step
+    }
+    ADD_FAILURE() << "training went on after the link went down";
+  } catch (const colossalai::distributed::DistributedError& e) {
+    std::cout << "rank " << rank << " raised after "
+              << seconds_since(dropped_at) << " s: " << e.what() << std::endl;
+    EXPECT_LT(seconds_since(dropped_at), 20.0);
+    std::cout.flush();
+    std::_Exit(1); // the launcher must report the failure
   }
 }

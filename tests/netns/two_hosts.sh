@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Two hosts on one machine: network namespaces joined by a veth pair
+# (10.231.7.1 and 10.231.7.2, a private range), one `colossalai run` per host
+# with --nnodes 2. First DDP and ZeRO-2 train across them and must match one
+# process; then the link is taken down mid-training and every rank must raise
+# within the collective timeout, both launchers exit non-zero, nothing hangs.
+#
+#   tests/netns/two_hosts.sh CLI TEST_BINARY
+#
+# Needs root and `ip` (iproute2); exits 77 (skipped) where namespaces cannot
+# be made.
+set -uo pipefail
+cli="$1"
+binary="$2"
+tag="cai$$"
+a="${tag}a" b="${tag}b"
+log="$(mktemp -d)"
+
+skip() { echo "SKIPPED: $*"; exit 77; }
+[[ "$(id -u)" == 0 ]] || skip "needs root to create network namespaces"
+command -v ip >/dev/null || skip "needs ip (Debian: iproute2)"
+ip netns add "$a" 2>/dev/null || skip "cannot create network namespaces here"
+cleanup() {
+  ip netns pids "$a" 2>/dev/null | xargs -r kill -9 2>/dev/null
+  ip netns pids "$b" 2>/dev/null | xargs -r kill -9 2>/dev/null
+  ip netns del "$a" 2>/dev/null
+  ip netns del "$b" 2>/dev/null
+  rm -rf "$log"
+}
+trap cleanup EXIT
+ip netns add "$b" || skip "cannot create a second network namespace"
+ip link add "${tag}va" netns "$a" type veth peer name "${tag}vb" netns "$b" ||
+  skip "cannot create a veth pair"
+ip -n "$a" addr add 10.231.7.1/24 dev "${tag}va"
+ip -n "$b" addr add 10.231.7.2/24 dev "${tag}vb"
+for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
+ip -n "$a" link set "${tag}va" up
+ip -n "$b" link set "${tag}vb" up
+
+# host NODE_RANK NS IFACE MODE: one launcher, one rank, in the background.
+host() {
+  ip netns exec "$2" env GLOO_SOCKET_IFNAME="$3" COLOSSALAI_NETNS_MODE="$4" \
+    timeout -s KILL 120 "$cli" run --nnodes 2 --node_rank "$1" --nproc_per_node 1 \
+      --master_addr 10.231.7.1 --master_port 29611 \
+      "$binary" --gtest_filter=DistributedFaults.RankOnTwoHosts \
+      >"$log/$4.$1" 2>&1
+}
+
+status=0
+echo "== training across two hosts (DDP, ZeRO-2)"
+host 0 "$a" "${tag}va" train & p0=$!
+host 1 "$b" "${tag}vb" train & p1=$!
+wait $p0; r0=$?
+wait $p1; r1=$?
+if [[ $r0 != 0 || $r1 != 0 ]] || ! grep -q "zero2 across hosts matches one process" "$log/train.0"; then
+  echo "FAIL: training across hosts (launcher exit codes $r0, $r1)"
+  tail -n 30 "$log/train.0" "$log/train.1"
+  status=1
+else
+  grep -h "across hosts" "$log/train.0" "$log/train.1"
+fi
+
+echo "== dropping the link mid-training"
+host 0 "$a" "${tag}va" drop & p0=$!
+host 1 "$b" "${tag}vb" drop & p1=$!
+for _ in $(seq 600); do
+  grep -q TRAINING "$log/drop.0" 2>/dev/null && grep -q TRAINING "$log/drop.1" 2>/dev/null && break
+  sleep 0.1
+done
+start=$(date +%s%N)
+ip -n "$a" link set "${tag}va" down
+wait $p0; r0=$?
+wait $p1; r1=$?
+elapsed_ms=$(( ($(date +%s%N) - start) / 1000000 ))
+grep -h "raised after" "$log/drop.0" "$log/drop.1"
+echo "launchers exited with $r0 and $r1, ${elapsed_ms} ms after the link went down"
+if [[ $r0 == 0 || $r1 == 0 || $r0 == 137 || $r1 == 137 ]]; then
+  echo "FAIL: a launcher succeeded or had to be killed (0 / 137)"
+  tail -n 30 "$log/drop.0" "$log/drop.1"
+  status=1
+fi
+if (( elapsed_ms > 40000 )); then
+  echo "FAIL: took ${elapsed_ms} ms (collective timeout 10 s)"
+  status=1
+fi
+exit $status
