@@ -33,9 +33,12 @@ struct LaunchOptions {
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
 };
 
-/// Joins the process group of `world_size` processes. Throws
-/// `distributed::DistributedError` naming the rank when the rendezvous server
-/// cannot be reached or a peer does not arrive within `timeout`.
+/// Joins the process group of `world_size` processes. The whole rendezvous
+/// ends within `timeout`: otherwise it throws `distributed::DistributedError`
+/// naming the rank, the master address and the phase it was stuck in (a
+/// master port held by something that never answers included). Sets SIGPIPE
+/// to be ignored, as Python does, so a peer that dies mid-collective gives
+/// every survivor a DistributedError instead of a silent death.
 void launch(const LaunchOptions& options);
 
 /// Reads rank, world size, local rank and the master address from the
