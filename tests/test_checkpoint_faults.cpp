@@ -229,6 +229,7 @@ TEST(CheckpointFaults, KillAtEveryCommitStepKeepsOldOrNew) {
       {"model", true, true},
       {"optimizer", false, false},
       {"optimizer", true, false},
+      {"optimizer", true, true},
   };
   for (const auto& job : jobs) {
     for (const auto& step : steps(job.shard)) {
