@@ -31,6 +31,10 @@ trap cleanup EXIT
 ip netns add "$b" || skip "cannot create a second network namespace"
 ip link add "${tag}va" netns "$a" type veth peer name "${tag}vb" netns "$b" ||
   skip "cannot create a veth pair"
+# nsenter switches only the network namespace (`ip netns exec` also remounts
+# /sys, which containers may forbid).
+in_ns() { nsenter --net="/run/netns/$1" "${@:2}"; }
+in_ns "$a" true 2>/dev/null || skip "cannot enter a network namespace here"
 ip -n "$a" addr add 10.231.7.1/24 dev "${tag}va"
 ip -n "$b" addr add 10.231.7.2/24 dev "${tag}vb"
 for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
@@ -39,7 +43,7 @@ ip -n "$b" link set "${tag}vb" up
 
 # host NODE_RANK NS IFACE MODE: one launcher, one rank, in the background.
 host() {
-  ip netns exec "$2" env GLOO_SOCKET_IFNAME="$3" COLOSSALAI_NETNS_MODE="$4" \
+  in_ns "$2" env GLOO_SOCKET_IFNAME="$3" COLOSSALAI_NETNS_MODE="$4" \
     timeout -s KILL 120 "$cli" run --nnodes 2 --node_rank "$1" --nproc_per_node 1 \
       --master_addr 10.231.7.1 --master_port 29611 \
       "$binary" --gtest_filter=DistributedFaults.RankOnTwoHosts \
