@@ -13,33 +13,33 @@ set -uo pipefail
 cli="$1"
 binary="$2"
 tag="cai$$"
-a="${tag}a" b="${tag}b"
 log="$(mktemp -d)"
 
 skip() { echo "SKIPPED: $*"; exit 77; }
 [[ "$(id -u)" == 0 ]] || skip "needs root to create network namespaces"
 command -v ip >/dev/null || skip "needs ip (Debian: iproute2)"
-ip netns add "$a" 2>/dev/null || skip "cannot create network namespaces here"
+# Each host is a network namespace held by a sleeping process and entered
+# through /proc/PID/ns/net: nothing is mounted (`ip netns add` mounts
+# /run/netns, which outlives the test in a chroot), and the namespaces and
+# their veth pair vanish when the holders exit.
+unshare --net sleep 600 & a=$!
+unshare --net sleep 600 & b=$!
 cleanup() {
-  ip netns pids "$a" 2>/dev/null | xargs -r kill -9 2>/dev/null
-  ip netns pids "$b" 2>/dev/null | xargs -r kill -9 2>/dev/null
-  ip netns del "$a" 2>/dev/null
-  ip netns del "$b" 2>/dev/null
+  { kill -9 "$a" "$b"; wait "$a" "$b"; } 2>/dev/null
   rm -rf "$log"
 }
 trap cleanup EXIT
-ip netns add "$b" || skip "cannot create a second network namespace"
-ip link add "${tag}va" netns "$a" type veth peer name "${tag}vb" netns "$b" ||
-  skip "cannot create a veth pair"
-# nsenter switches only the network namespace (`ip netns exec` also remounts
-# /sys, which containers may forbid).
-in_ns() { nsenter --net="/run/netns/$1" "${@:2}"; }
-in_ns "$a" true 2>/dev/null || skip "cannot enter a network namespace here"
-ip -n "$a" addr add 10.231.7.1/24 dev "${tag}va"
-ip -n "$b" addr add 10.231.7.2/24 dev "${tag}vb"
-for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
-ip -n "$a" link set "${tag}va" up
-ip -n "$b" link set "${tag}vb" up
+in_ns() { nsenter --net="/proc/$1/ns/net" "${@:2}"; }
+sleep 0.2
+in_ns "$a" true 2>/dev/null || skip "cannot create or enter network namespaces here"
+ip link add "${tag}va" type veth peer name "${tag}vb" || skip "cannot create a veth pair"
+ip link set "${tag}va" netns "$a" && ip link set "${tag}vb" netns "$b" ||
+  { ip link del "${tag}va" 2>/dev/null; skip "cannot move a veth end into a namespace"; }
+in_ns "$a" ip addr add 10.231.7.1/24 dev "${tag}va"
+in_ns "$b" ip addr add 10.231.7.2/24 dev "${tag}vb"
+for ns in "$a" "$b"; do in_ns "$ns" ip link set lo up; done
+in_ns "$a" ip link set "${tag}va" up
+in_ns "$b" ip link set "${tag}vb" up
 
 # host NODE_RANK NS IFACE MODE: one launcher, one rank, in the background.
 host() {
@@ -72,7 +72,7 @@ for _ in $(seq 600); do
   sleep 0.1
 done
 start=$(date +%s%N)
-ip -n "$a" link set "${tag}va" down
+in_ns "$a" ip link set "${tag}va" down
 wait $p0; r0=$?
 wait $p1; r1=$?
 elapsed_ms=$(( ($(date +%s%N) - start) / 1000000 ))
