@@ -447,9 +447,9 @@ TEST(CheckpointFaults, ManyKeysAreCheckedInLinearTime) {
     ck::save_bin(path, state);
     auto start = std::chrono::steady_clock::now();
     auto m = error_of([&] { booster.load_model(b.model, path); });
-    auto seconds = std::chrono::duration<double>(
-                       std::chrono::steady_clock::now() - start)
-                       .count();
+    auto seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count();
     EXPECT_NE(m.find("has keys the model does not"), std::string::npos) << m;
     EXPECT_LT(seconds, 20.0);
     std::cout << keys << " keys refused in " << seconds << " s\n";

@@ -143,12 +143,7 @@ TEST(DistributedFaults, TakenPortSaysSoOnly) {
 namespace {
 
 zoo::GPTConfig tiny() {
-  return zoo::GPTConfig()
-      .vocab_size(96)
-      .block_size(16)
-      .n_embd(32)
-      .n_head(2)
-      .n_layer(2);
+  return zoo::GPTConfig::tiny_test();
 }
 
 std::shared_ptr<cb::plugin::Plugin> make_plugin(const std::string& name) {

@@ -1,14 +1,34 @@
-// Gemini's chunk plan: the chunk-size search (ColossalAI's rule) and the
-// packing of parameters into chunks in execution order.
+// Gemini: the chunk plan (ColossalAI's chunk-size search, packing in
+// execution order) and the GeminiPlugin on real ranks (chunks sharded and
+// straddling modules, small models kept gathered, checkpoints, refused
+// options). Equality with one process at 1, 2 and 4 ranks is proven by the
+// cross-strategy harness (test_strategies.cpp).
 
 #include <src/zero/gemini/chunk_plan.h>
 
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/gemini_plugin.h>
+#include <colossalai/checkpoint_io/torch_bin.h>
+#include <colossalai/zero/fully_sharded.h>
+
+#include <harness/multiprocess.h>
 #include <harness/test_util.h>
+#include <zoo/gpt.h>
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <filesystem>
+
+namespace cb = colossalai::booster;
+namespace ck = colossalai::checkpoint_io;
+namespace cz = colossalai::zero;
 namespace gm = colossalai::zero::gemini;
+namespace zoo = colossalai::zoo;
 using colossalai::testing::error_of;
+using colossalai::testing::run_distributed;
 
 namespace {
 
@@ -93,4 +113,219 @@ TEST(GeminiChunks, BadOptionsNameTheOption) {
   EXPECT_NE(msg.find("search_interval (hidden_dim)"), std::string::npos) << msg;
   msg = error_of([] { gm::pack_chunks({1}, 0, 1); });
   EXPECT_NE(msg.find("chunk_size"), std::string::npos) << msg;
+}
+
+// --- GeminiPlugin on real ranks ---------------------------------------------
+
+namespace {
+
+zoo::GPTConfig tiny() {
+  return zoo::GPTConfig::tiny_test();
+}
+
+std::vector<int64_t> numels_of(zoo::GPT& model) {
+  std::vector<int64_t> out;
+  for (const auto& p : model->parameters()) {
+    out.push_back(p.numel());
+  }
+  return out;
+}
+
+cb::plugin::GeminiPluginOptions chunked(int64_t chunk_size) {
+  return cb::plugin::GeminiPluginOptions().precision("fp32").chunk_size(
+      chunk_size);
+}
+
+} // namespace
+
+TEST(GeminiPlugin, ChunksAreShardedAndStraddleModules) {
+  run_distributed(2, [](int rank, int world) {
+    auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(chunked(4000));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    torch::manual_seed(0);
+    zoo::GPT model(tiny());
+    const auto numels = numels_of(model);
+    auto boosted = booster.boost(
+        model,
+        std::make_shared<torch::optim::AdamW>(
+            model->parameters(), torch::optim::AdamWOptions(1e-3)));
+    auto* m = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
+        *boosted.model.wrapper());
+    ASSERT_NE(m, nullptr);
+    // The units are the packed chunks, in parameter order.
+    const auto plan = gm::pack_chunks(numels, 4000, world);
+    const auto names = m->unit_names();
+    ASSERT_EQ(names.size(), plan.size());
+    int64_t padded = 0;
+    for (size_t c = 0; c < plan.size(); ++c) {
+      EXPECT_EQ(names[c], "chunk" + std::to_string(c));
+      padded += m->unit_numels()[c];
+      EXPECT_GE(m->unit_numels()[c], plan[c].used);
+    }
+    // Each rank keeps 1/world of every chunk, in fp32.
+    EXPECT_EQ(m->memory_stats().shards, padded / world * 4);
+    // A training step gathers and releases chunks by module: afterwards
+    // nothing stays gathered.
+    auto b = zoo::random_tokens(2, tiny(), rank);
+    boosted.optimizer->zero_grad();
+    booster.backward(
+        zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+    boosted.optimizer->step();
+    EXPECT_EQ(m->memory_stats().gathered_params, 0);
+    EXPECT_EQ(m->execution_order().size(), 2u); // the two blocks
+  });
+}
+
+TEST(GeminiPlugin, SmallModelsAreOneChunkKeptGathered) {
+  run_distributed(2, [](int, int world) {
+    // Default min_chunk_size_m (32 Mi elements) exceeds the model.
+    auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
+        cb::plugin::GeminiPluginOptions().precision("fp32"));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    zoo::GPT model(tiny());
+    int64_t total = 0;
+    for (const auto& n : numels_of(model)) {
+      total += n;
+    }
+    auto boosted = booster.boost(model);
+    auto* m = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
+        *boosted.model.wrapper());
+    ASSERT_NE(m, nullptr);
+    EXPECT_EQ(m->unit_names().size(), 1u);
+    EXPECT_EQ(m->memory_stats().shards, total * 4); // whole on every rank
+    (void)world;
+  });
+}
+
+TEST(GeminiPlugin, CheckpointLoadsInOneProcessWithoutAPlugin) {
+  // The ranks' scratch directory, named after the parent test process.
+  const auto scratch = [](pid_t parent) {
+    return (std::filesystem::temp_directory_path() /
+            ("colossalai_gemini_" + std::to_string(parent)))
+        .string();
+  };
+  run_distributed(2, [&](int rank, int) {
+    const auto dir = scratch(::getppid());
+    auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(chunked(4000));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    torch::manual_seed(0);
+    zoo::GPT model(tiny());
+    auto boosted = booster.boost(
+        model,
+        std::make_shared<torch::optim::SGD>(
+            model->parameters(), torch::optim::SGDOptions(0.1)));
+    auto b = zoo::random_tokens(2, tiny(), rank);
+    booster.backward(
+        zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+    boosted.optimizer->step();
+    booster.save_model(
+        boosted.model,
+        dir + "/model",
+        ck::SaveModelOptions().shard(true).size_per_shard(1));
+    auto* m = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
+        *boosted.model.wrapper());
+    auto full = m->summon_full_params();
+    if (rank == 0) {
+      ck::StateDict expected;
+      for (const auto& item : model->named_parameters()) {
+        expected.insert(item.key(), item.value().detach().clone());
+      }
+      ck::save_bin(dir + "/expected.bin", expected);
+    }
+  });
+  if (::testing::Test::HasFailure() || std::getenv("COLOSSALAI_TEST_CHILD")) {
+    return;
+  }
+  const auto dir = scratch(::getpid());
+  zoo::GPT plain(tiny());
+  cb::Booster booster;
+  auto boosted = booster.boost(plain);
+  booster.load_model(boosted.model, dir + "/model");
+  const auto expected = ck::load_bin(dir + "/expected.bin");
+  for (const auto& item : plain->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value(), expected[item.key()])) << item.key();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(GeminiPlugin, UnsupportedOptionsNameTheOption) {
+  run_distributed(1, [](int, int) {
+    using O = cb::plugin::GeminiPluginOptions;
+    const std::vector<std::pair<O, std::string>> cases = {
+        {O().precision("fp32").placement_policy("auto"), "placement_policy"},
+        {O().precision("fp32").placement_policy("cuda"), "placement_policy"},
+        {O().precision("fp32").shard_param_frac(0.5), "shard_param_frac"},
+        {O().precision("fp32").offload_optim_frac(0.3), "offload_optim_frac"},
+        {O().precision("fp32").offload_param_frac(0.5), "offload_param_frac"},
+        {O().precision("fp32").tp_size(2), "tp_size"},
+        {O().precision("fp32").chunk_size(-1), "chunk_size"},
+        {O().precision("fp8"), "precision"},
+        {O(), "fp16"}, // the default needs CUDA
+    };
+    for (const auto& c : cases) {
+      auto msg = error_of([&] { cb::plugin::GeminiPlugin plugin(c.first); });
+      EXPECT_NE(msg.find(c.second), std::string::npos)
+          << c.second << ": " << msg;
+    }
+    auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(chunked(1000));
+    auto msg = error_of([&] {
+      cb::Booster(cb::BoosterOptions().plugin(plugin).mixed_precision("bf16"));
+    });
+    EXPECT_NE(msg.find("contradicts"), std::string::npos) << msg;
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    zoo::GPT model(tiny());
+    auto boosted = booster.boost(model);
+    // As in ColossalAI: gradients accumulate over several backward calls
+    // (in the fp32 gradient shards), but there is no no_sync.
+    msg = error_of([&] { booster.no_sync(boosted.model); });
+    EXPECT_NE(msg.find("does not support no_sync"), std::string::npos) << msg;
+  });
+}
+
+TEST(GeminiPlugin, GradientsAccumulateOverSeveralBackwards) {
+  // Two backward calls on halves of each rank's batch (each loss halved),
+  // then one step, equal one step of one process on the global batch within
+  // the harness's SGD bound |w - ref| <= 1e-5 + 1e-4 |ref|: only the
+  // rounding of the gradient sums differs.
+  torch::manual_seed(0);
+  zoo::GPT reference(tiny());
+  torch::optim::SGD ref_opt(
+      reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto batch = zoo::random_tokens(8, tiny(), 77);
+  for (int step = 0; step < 2; ++step) {
+    ref_opt.zero_grad();
+    zoo::gpt_loss(reference(batch.first), batch.second).backward();
+    ref_opt.step();
+  }
+  const auto ref = reference->parameters();
+  run_distributed(2, [&](int rank, int) {
+    auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
+        chunked(4000).enable_gradient_accumulation(true));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    torch::manual_seed(0);
+    zoo::GPT model(tiny());
+    auto boosted = booster.boost(
+        model,
+        std::make_shared<torch::optim::SGD>(
+            model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
+    for (int step = 0; step < 2; ++step) {
+      boosted.optimizer->zero_grad();
+      for (int half = 0; half < 2; ++half) {
+        auto x = batch.first.narrow(0, 4 * rank + 2 * half, 2);
+        auto y = batch.second.narrow(0, 4 * rank + 2 * half, 2);
+        booster.backward(
+            zoo::gpt_loss(boosted.model(x), y) / 2, *boosted.optimizer);
+      }
+      boosted.optimizer->step();
+    }
+    auto* m = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
+        *boosted.model.wrapper());
+    auto full = m->summon_full_params();
+    auto params = model->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(params[i], ref[i], 1e-4, 1e-5))
+          << "parameter " << i << " differs by "
+          << (params[i] - ref[i]).abs().max().item<double>();
+    }
+  });
 }

@@ -1,7 +1,7 @@
 // One cross-strategy harness: the same GPT, the same single-process
 // reference, every data-parallel strategy (DDP, ZeRO-1, ZeRO-2, FSDP with one
-// unit, FSDP with a unit per block, FSDP SHARD_GRAD_OP) at world sizes 1, 2
-// and 4, with SGD + momentum and with AdamW, fp32. Adding a strategy means
+// unit, FSDP with a unit per block, FSDP SHARD_GRAD_OP, Gemini) at world sizes
+// 1, 2 and 4, with SGD + momentum and with AdamW, fp32. Adding a strategy means
 // adding one line to `strategies()`.
 //
 // Exact equality where the arithmetic is the same:
@@ -23,6 +23,7 @@
 // ~1e-2.
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/gemini_plugin.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
@@ -44,12 +45,7 @@ constexpr int kMicro = 2; // sequences per rank per step
 constexpr int kSteps = 3;
 
 zoo::GPTConfig tiny() {
-  return zoo::GPTConfig()
-      .vocab_size(96)
-      .block_size(16)
-      .n_embd(32)
-      .n_head(2)
-      .n_layer(2);
+  return zoo::GPTConfig::tiny_test();
 }
 
 struct Strategy {
@@ -93,6 +89,20 @@ std::vector<Strategy> strategies() {
       {"fsdp_shard_grad_op",
        "reduce_scatter",
        fsdp(true, cz::ShardingStrategy::kShardGradOp)},
+      // Chunks of 4,500 elements (the largest parameter, 4,096, rounded up
+      // to the 500-element search interval) that straddle the blocks: a
+      // block gathers several chunks and a chunk serves several modules.
+      {"gemini",
+       "reduce_scatter",
+       []() -> P {
+         return std::make_shared<cb::plugin::GeminiPlugin>(
+             cb::plugin::GeminiPluginOptions()
+                 .precision("fp32")
+                 .min_chunk_size_m(2000.0 / (1 << 20))
+                 .search_range_m(0)
+                 .hidden_dim(500)
+                 .max_prefetch(1));
+       }},
   };
 }
 

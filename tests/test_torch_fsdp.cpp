@@ -35,12 +35,7 @@ namespace {
 constexpr int kMicro = 2; // sequences per rank per step
 
 zoo::GPTConfig tiny() {
-  return zoo::GPTConfig()
-      .vocab_size(96)
-      .block_size(16)
-      .n_embd(32)
-      .n_head(2)
-      .n_layer(3);
+  return zoo::GPTConfig::tiny_test().n_layer(3);
 }
 
 zoo::GPT make_model(const zoo::GPTConfig& cfg = tiny()) {

@@ -43,6 +43,11 @@ GPTConfig GPTConfig::small_cpu() {
   return GPTConfig();
 }
 
+GPTConfig GPTConfig::tiny_test() {
+  return GPTConfig().vocab_size(96).block_size(16).n_embd(32).n_head(2).n_layer(
+      2);
+}
+
 GPTConfig GPTConfig::gpt2_medium() {
   return GPTConfig()
       .vocab_size(50304)

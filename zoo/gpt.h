@@ -40,6 +40,9 @@ namespace zoo {
 struct GPTConfig {
   /// The defaults: vocab 4096, context 128, width 256, 4 heads, 4 blocks.
   static GPTConfig small_cpu();
+  /// vocab 96, context 16, width 32, 2 heads, 2 blocks (under 30,000
+  /// parameters): trains in milliseconds, for tests.
+  static GPTConfig tiny_test();
   /// GPT-2 medium shape with the vocabulary padded to a multiple of 64:
   /// vocab 50304, context 1024, width 1024, 16 heads, 24 blocks
   /// (406,382,592 parameters).

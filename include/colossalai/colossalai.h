@@ -15,6 +15,7 @@
 #include <colossalai/initialize.h>
 #include <colossalai/launcher.h>
 #include <colossalai/nn/lr_scheduler/all.h>
+#include <colossalai/booster/plugin/gemini_plugin.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
 #include <colossalai/nn/hookable_module.h>

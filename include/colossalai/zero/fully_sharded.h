@@ -117,6 +117,12 @@ struct FullyShardedOptions {
   TORCH_ARG(std::function<void(torch::nn::Module&)>, param_init_fn) = nullptr;
   /// Broadcast rank 0's parameters and buffers before sharding.
   TORCH_ARG(bool, sync_module_states) = false;
+  /// 0: one unit per module chosen by auto_wrap_policy (and the root).
+  /// > 0: parameters packed in order into chunks of this many elements
+  /// (Gemini's layout, NOTE [Gemini chunks]); the chosen modules still
+  /// decide when chunks gather (each gathers the chunks its parameters fall
+  /// in), a chunk may serve several modules.
+  TORCH_ARG(int64_t, chunk_size) = 0;
   /// Ranks sharing shards under kHybridShard; 0: this node's ranks (the
   /// launcher's LOCAL_WORLD_SIZE).
   TORCH_ARG(int, hybrid_shard_size) = 0;
@@ -155,7 +161,8 @@ class FullyShardedModel : public interface::ModelWrapper {
 
   /// Re-points `optimizer` at this rank's shards and wraps it.
   std::shared_ptr<FullyShardedOptimizer> shard_optimizer(
-      std::shared_ptr<torch::optim::Optimizer> optimizer);
+      std::shared_ptr<torch::optim::Optimizer> optimizer,
+      ShardedOptimizerOptions options = {});
 
   /// RAII: every parameter holds its full fp32 value while the guard lives
   /// (for evaluation, inspection or checkpoints); with `writeback`, changes

@@ -79,9 +79,17 @@ void TorchFSDPPlugin::configure(
     std::shared_ptr<interface::ModelWrapper>& model,
     std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
   TORCH_CHECK(model != nullptr, "TorchFSDPPlugin: boost needs a model");
+  shard(model, optimizer, {});
+}
+
+void TorchFSDPPlugin::shard(
+    std::shared_ptr<interface::ModelWrapper>& model,
+    std::shared_ptr<interface::OptimizerWrapper>& optimizer,
+    const zero::ShardedOptimizerOptions& optimizer_options) {
   auto fsdp = std::make_shared<zero::FullyShardedModel>(model, options_);
   if (optimizer != nullptr) {
-    optimizer = fsdp->shard_optimizer(optimizer->optimizer_ptr());
+    optimizer =
+        fsdp->shard_optimizer(optimizer->optimizer_ptr(), optimizer_options);
   }
   model = fsdp;
 }

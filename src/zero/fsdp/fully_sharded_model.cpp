@@ -1,5 +1,7 @@
 #include "state.h"
 
+#include "../gemini/chunk_plan.h"
+
 #include <colossalai/initialize.h>
 #include <colossalai/nn/hookable_module.h>
 #include <colossalai/utils/compat.h>
@@ -45,16 +47,16 @@ void check_float_dtype(at::ScalarType t, const char* option) {
       t);
 }
 
-// Forward hooks of one unit module.
-class UnitHooks : public nn::ForwardHooks {
+// Forward hooks of one scope's module.
+class ScopeHooks : public nn::ForwardHooks {
  public:
-  UnitHooks(std::weak_ptr<FsdpState> state, size_t k)
-      : state_(std::move(state)), k_(k) {}
+  ScopeHooks(std::weak_ptr<FsdpState> state, size_t s)
+      : state_(std::move(state)), k_(s) {}
   void pre_forward() override {
-    state()->enter_unit(k_);
+    state()->enter_scope(k_);
   }
   at::Tensor post_forward(const at::Tensor& output) override {
-    return state()->exit_unit(k_, output);
+    return state()->exit_scope(k_, output);
   }
 
  private:
@@ -240,11 +242,10 @@ FullyShardedModel::FullyShardedModel(
     }
   }
 
-  // Units: the root plus what the policy picks, in pre-order.
-  st.units.emplace_back();
-  st.units[0].root = true;
-  st.units[0].module = module.get();
-  std::vector<std::pair<std::string, size_t>> prefixes; // name. -> unit
+  // Scopes: the root plus what the policy picks, in pre-order.
+  st.scopes.emplace_back();
+  st.scopes[0].module = module.get();
+  std::vector<std::pair<std::string, size_t>> prefixes; // name. -> scope
   if (st.o.auto_wrap_policy()) {
     for (const auto& item : module->named_modules("", false)) {
       auto& m = *item.value();
@@ -261,32 +262,86 @@ FullyShardedModel::FullyShardedModel(
           "), which cannot be a unit: its class must derive from "
           "colossalai::nn::HookableModule and open a ForwardScope in "
           "forward (see colossalai/nn/hookable_module.h)");
-      Unit u;
-      u.name = item.key();
-      u.module = &m;
-      prefixes.emplace_back(item.key() + ".", st.units.size());
-      st.units.push_back(std::move(u));
+      detail::Scope scope;
+      scope.name = item.key();
+      scope.module = &m;
+      prefixes.emplace_back(item.key() + ".", st.scopes.size());
+      st.scopes.push_back(std::move(scope));
     }
   }
+  // Each parameter belongs to the deepest scope whose name prefixes it.
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<size_t> owners;
   std::set<const void*> seen;
   for (const auto& item : module->named_parameters(true)) {
     const void* impl = item.value().unsafeGetTensorImpl();
     if (ignored.count(impl) || !seen.insert(impl).second) {
       continue;
     }
-    size_t owner = 0; // the deepest unit whose name prefixes the parameter
+    size_t owner = 0;
     for (const auto& pre : prefixes) {
       if (item.key().compare(0, pre.first.size(), pre.first) == 0) {
         owner = pre.second;
       }
     }
-    st.units[owner].params.push_back(item.value());
-    st.units[owner].param_names.push_back(item.key());
+    params.push_back(item.value());
+    names.push_back(item.key());
+    owners.push_back(owner);
   }
   if (st.o.param_init_fn()) {
     at::NoGradGuard no_grad;
-    for (auto& u : st.units) {
-      st.o.param_init_fn()(*u.module);
+    for (auto& scope : st.scopes) {
+      st.o.param_init_fn()(*scope.module);
+    }
+  }
+  auto add_to_unit = [&](size_t k, size_t i) {
+    st.units[k].params.push_back(params[i]);
+    st.units[k].param_names.push_back(names[i]);
+    auto& su = st.scopes[owners[i]].units;
+    if (std::find(su.begin(), su.end(), k) == su.end()) {
+      su.push_back(k);
+    }
+  };
+  if (st.o.chunk_size() == 0) {
+    // One unit per scope (NOTE [FSDP units]).
+    st.units.resize(st.scopes.size());
+    for (size_t k = 0; k < st.scopes.size(); ++k) {
+      st.units[k].name = st.scopes[k].name;
+      st.units[k].module = st.scopes[k].module;
+      st.scopes[k].units = {k};
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      st.units[owners[i]].params.push_back(params[i]);
+      st.units[owners[i]].param_names.push_back(names[i]);
+    }
+  } else {
+    // Fixed-size chunks in parameter order (NOTE [Gemini chunks]).
+    TORCH_CHECK(
+        st.o.chunk_size() > 0,
+        "FSDP: chunk_size must be >= 0, got ",
+        st.o.chunk_size());
+    std::vector<int64_t> numels;
+    for (const auto& p : params) {
+      numels.push_back(p.numel());
+    }
+    const auto chunks = gemini::pack_chunks(numels, st.o.chunk_size(), st.S);
+    st.units.resize(std::max<size_t>(chunks.size(), 1));
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      st.units[c].name = "chunk" + std::to_string(c);
+      for (size_t i : chunks[c].params) {
+        add_to_unit(c, i);
+      }
+    }
+  }
+  for (size_t k : st.scopes[0].units) {
+    st.units[k].root = true; // kept gathered from forward to backward
+  }
+  st.open_scopes.assign(st.units.size(), 0);
+  st.unit_scope.assign(st.units.size(), 0);
+  for (size_t s = st.scopes.size(); s-- > 0;) {
+    for (size_t k : st.scopes[s].units) {
+      st.unit_scope[k] = s; // the earliest scope: the last in backward
     }
   }
   for (size_t k = 0; k < st.units.size(); ++k) {
@@ -304,17 +359,17 @@ FullyShardedModel::FullyShardedModel(
       st.buckets.push_back(std::move(bucket));
     }
   }
-  for (size_t k = 1; k < st.units.size(); ++k) {
-    dynamic_cast<nn::HookableModule*>(st.units[k].module)
-        ->set_forward_hooks(std::make_shared<UnitHooks>(state_, k));
+  for (size_t k = 1; k < st.scopes.size(); ++k) {
+    dynamic_cast<nn::HookableModule*>(st.scopes[k].module)
+        ->set_forward_hooks(std::make_shared<ScopeHooks>(state_, k));
   }
   st.install_grad_hooks();
   st.sample_peak();
 }
 
 FullyShardedModel::~FullyShardedModel() {
-  for (size_t k = 1; k < state_->units.size(); ++k) {
-    if (auto* h = dynamic_cast<nn::HookableModule*>(state_->units[k].module)) {
+  for (size_t k = 1; k < state_->scopes.size(); ++k) {
+    if (auto* h = dynamic_cast<nn::HookableModule*>(state_->scopes[k].module)) {
       h->set_forward_hooks(nullptr);
     }
   }
@@ -356,8 +411,8 @@ std::vector<int64_t> FullyShardedModel::unit_numels() const {
 
 std::vector<std::string> FullyShardedModel::execution_order() const {
   std::vector<std::string> out;
-  for (size_t k : state_->order) {
-    out.push_back(state_->units[k].name);
+  for (size_t s : state_->order) {
+    out.push_back(state_->scopes[s].name);
   }
   return out;
 }

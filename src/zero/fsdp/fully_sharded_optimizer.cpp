@@ -34,8 +34,10 @@ ShardedOptimizerOptions with_scaler(
 } // namespace
 
 std::shared_ptr<FullyShardedOptimizer> FullyShardedModel::shard_optimizer(
-    std::shared_ptr<torch::optim::Optimizer> optimizer) {
-  return std::make_shared<FullyShardedOptimizer>(std::move(optimizer), state_);
+    std::shared_ptr<torch::optim::Optimizer> optimizer,
+    ShardedOptimizerOptions options) {
+  return std::make_shared<FullyShardedOptimizer>(
+      std::move(optimizer), state_, std::move(options));
 }
 
 FullyShardedOptimizer::FullyShardedOptimizer(

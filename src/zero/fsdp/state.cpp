@@ -87,20 +87,38 @@ void FsdpState::refresh_gathered() {
   }
 }
 
-c10::optional<size_t> FsdpState::backward_next(size_t k) const {
-  auto it = std::find(order.begin(), order.end(), k);
+c10::optional<size_t> FsdpState::backward_next(size_t s) const {
+  auto it = std::find(order.begin(), order.end(), s);
   if (it == order.end() || it == order.begin()) {
     return c10::nullopt;
   }
   return *(it - 1);
 }
 
-c10::optional<size_t> FsdpState::forward_next(size_t k) const {
-  auto it = std::find(order.begin(), order.end(), k);
+c10::optional<size_t> FsdpState::forward_next(size_t s) const {
+  auto it = std::find(order.begin(), order.end(), s);
   if (it == order.end() || it + 1 == order.end()) {
     return c10::nullopt;
   }
   return *(it + 1);
+}
+
+void FsdpState::gather_scope(size_t s) {
+  for (size_t k : scopes[s].units) {
+    launch_gather(k);
+  }
+  for (size_t k : scopes[s].units) {
+    wait_gather(k);
+  }
+}
+
+void FsdpState::prefetch_scope(size_t s) {
+  for (size_t k : scopes[s].units) {
+    if (!units[k].gathered && !units[k].gathering && !units[k].aliased) {
+      ++prefetches;
+    }
+    launch_gather(k);
+  }
 }
 
 void FsdpState::root_pre_forward() {
@@ -111,14 +129,22 @@ void FsdpState::root_pre_forward() {
       !in_backward(), "FSDP: forward while a backward pass is in progress");
   in_forward = true;
   recording = !order_recorded;
-  ensure_gathered(0);
+  gather_scope(0);
+  for (size_t k : scopes[0].units) {
+    ++open_scopes[k];
+  }
   if (o.forward_prefetch() && !order.empty()) {
-    launch_gather(order.front());
+    for (size_t k : scopes[order.front()].units) {
+      launch_gather(k);
+    }
   }
 }
 
 void FsdpState::root_post_forward() {
   in_forward = false;
+  for (size_t k : scopes[0].units) {
+    --open_scopes[k];
+  }
   if (recording) {
     recording = false;
     order_recorded = true;
@@ -131,50 +157,55 @@ void FsdpState::root_post_forward() {
   }
 }
 
-void FsdpState::enter_unit(size_t k) {
+void FsdpState::enter_scope(size_t s) {
   TORCH_CHECK(
       in_forward,
       "FSDP: unit '",
-      units[k].name,
+      scopes[s].name,
       "' ran outside the boosted model's forward; call the model "
       "through the BoostedModel the booster returned");
-  if (recording && std::find(order.begin(), order.end(), k) == order.end()) {
-    order.push_back(k);
+  if (recording && std::find(order.begin(), order.end(), s) == order.end()) {
+    order.push_back(s);
   }
-  ensure_gathered(k);
+  gather_scope(s);
+  for (size_t k : scopes[s].units) {
+    ++open_scopes[k];
+  }
   if (o.forward_prefetch()) {
-    if (auto next = forward_next(k)) {
-      launch_gather(*next);
+    if (auto next = forward_next(s)) {
+      for (size_t k : scopes[*next].units) {
+        launch_gather(k);
+      }
     }
   }
 }
 
-at::Tensor FsdpState::exit_unit(size_t k, const at::Tensor& output) {
+at::Tensor FsdpState::exit_scope(size_t s, const at::Tensor& output) {
   if (torch::autograd::GradMode::is_enabled() && output.requires_grad()) {
     std::weak_ptr<FsdpState> weak = shared_from_this();
-    output.register_hook([weak, k](const at::Tensor&) {
+    output.register_hook([weak, s](const at::Tensor&) {
       if (auto self = weak.lock()) {
-        self->pre_backward(k);
+        self->pre_backward(s);
       }
     });
   }
-  if (reshard_after_forward(units[k]) ||
-      (!torch::autograd::GradMode::is_enabled() && reshard_at_rest())) {
-    reshard(k);
+  const bool no_grad = !torch::autograd::GradMode::is_enabled();
+  for (size_t k : scopes[s].units) {
+    // A unit another open scope still uses stays (chunks shared by scopes).
+    if (--open_scopes[k] == 0 &&
+        (reshard_after_forward(units[k]) || (no_grad && reshard_at_rest()))) {
+      reshard(k);
+    }
   }
   return output;
 }
 
-void FsdpState::pre_backward(size_t k) {
+void FsdpState::pre_backward(size_t s) {
   bucketer->begin_backward();
-  ensure_gathered(k);
+  gather_scope(s);
   if (o.backward_prefetch() == BackwardPrefetch::kBackwardPre) {
-    if (auto next = backward_next(k)) {
-      if (!units[*next].gathered && !units[*next].gathering &&
-          !units[*next].aliased) {
-        ++prefetches;
-      }
-      launch_gather(*next);
+    if (auto next = backward_next(s)) {
+      prefetch_scope(*next);
     }
   }
 }
@@ -207,12 +238,8 @@ void FsdpState::on_bucket_ready(size_t bucket) {
     reshard(k);
   }
   if (o.backward_prefetch() == BackwardPrefetch::kBackwardPost) {
-    if (auto next = backward_next(k)) {
-      if (!units[*next].gathered && !units[*next].gathering &&
-          !units[*next].aliased) {
-        ++prefetches;
-      }
-      launch_gather(*next);
+    if (auto next = backward_next(unit_scope[k])) {
+      prefetch_scope(*next);
     }
   }
 }

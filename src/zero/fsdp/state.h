@@ -49,6 +49,17 @@ struct Unit : FlatParams {
   }
 };
 
+// A forward scope: the root, or a module that opens a ForwardScope. The
+// units holding its parameters are gathered while it runs and again for
+// its backward. FSDP has one unit per scope; with chunks (Gemini, NOTE
+// [Gemini chunks]) they are the chunks its parameters fall in, and a chunk
+// may serve several scopes.
+struct Scope {
+  std::string name; // "" for the root
+  torch::nn::Module* module = nullptr;
+  std::vector<size_t> units;
+};
+
 struct FsdpState : std::enable_shared_from_this<FsdpState>,
                    distributed::BucketHandler {
   FullyShardedOptions o;
@@ -61,14 +72,19 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
   at::ScalarType param_dtype = at::kFloat;
   at::ScalarType reduce_dtype = at::kFloat;
 
-  std::vector<Unit> units; // units[0] is the root (possibly empty)
+  std::vector<Unit> units;   // units[0] is the root's (possibly empty)
+  std::vector<Scope> scopes; // scopes[0] is the root
+  // Per unit: the scopes using it in the running forward, and the scope
+  // whose backward completes it (for kBackwardPost prefetch).
+  std::vector<int> open_scopes;
+  std::vector<size_t> unit_scope;
   std::vector<at::Tensor> ignored_params; // neither sharded nor reduced
   // Gradient reduction: one bucket per unit with trainable parameters.
   std::shared_ptr<distributed::GradBucketer> bucketer;
   std::vector<std::pair<size_t, size_t>> grad_params; // (unit, index)
   std::vector<size_t> bucket_unit;
   std::vector<std::vector<size_t>> buckets; // until the bucketer exists
-  std::vector<size_t> order; // non-root units in first-forward order
+  std::vector<size_t> order; // non-root scopes in first-forward order
   bool order_recorded = false;
   bool recording = false;
 
@@ -110,22 +126,26 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
   // Re-gathers a unit that is gathered, after its shard changed.
   void refresh_gathered();
 
+  // Gathers all units of scope `s` (launched together, then waited).
+  void gather_scope(size_t s);
+  void prefetch_scope(size_t s);
+
   // Forward.
-  void enter_unit(size_t k);
-  at::Tensor exit_unit(size_t k, const at::Tensor& output);
+  void enter_scope(size_t s);
+  at::Tensor exit_scope(size_t s, const at::Tensor& output);
   void root_pre_forward();
   void root_post_forward();
 
   // Backward (BucketHandler: see NOTE [Gradient bucketing]).
-  void pre_backward(size_t k);
+  void pre_backward(size_t s);
   void fill(size_t param, bool used) override;
   void on_bucket_ready(size_t bucket) override;
   distributed::Work launch(size_t bucket) override;
   void complete(size_t bucket) override;
   void on_finalized(bool synced) override;
   void on_reset() override;
-  c10::optional<size_t> backward_next(size_t k) const;
-  c10::optional<size_t> forward_next(size_t k) const;
+  c10::optional<size_t> backward_next(size_t s) const;
+  c10::optional<size_t> forward_next(size_t s) const;
 
   FullyShardedMemoryStats measure() const;
   void sample_peak();

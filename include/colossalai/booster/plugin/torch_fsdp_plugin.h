@@ -78,7 +78,13 @@ class TorchFSDPPlugin : public DPPluginBase {
     return options_;
   }
 
- private:
+ protected:
+  /// Wraps `model` (and `optimizer`) with these options.
+  void shard(
+      std::shared_ptr<interface::ModelWrapper>& model,
+      std::shared_ptr<interface::OptimizerWrapper>& optimizer,
+      const zero::ShardedOptimizerOptions& optimizer_options);
+
   TorchFSDPPluginOptions options_;
 };
 

@@ -1,0 +1,109 @@
+#pragma once
+
+#include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+
+#include <string>
+
+namespace colossalai {
+namespace booster {
+namespace plugin {
+
+/// Options of GeminiPlugin, with ColossalAI's names and defaults.
+struct GeminiPluginOptions {
+  /// Chunk size in elements; 0: searched (search_range_m, hidden_dim,
+  /// min_chunk_size_m), as ColossalAI does without a chunk_config_dict.
+  TORCH_ARG(int64_t, chunk_size) = 0;
+  /// "static" (ColossalAI's default); "auto" is refused until the memory
+  /// tracer exists.
+  TORCH_ARG(std::string, placement_policy) = "static";
+  /// Accepted: several backward calls before a step always accumulate
+  /// (reduced) gradients in the fp32 gradient shards. As in ColossalAI,
+  /// there is no no_sync.
+  TORCH_ARG(bool, enable_gradient_accumulation) = false;
+  /// Chunks gathered ahead of use, in forward and backward; 0: none.
+  TORCH_ARG(int, max_prefetch) = 0;
+  /// Share of chunks that are sharded; only 1.0 is supported.
+  TORCH_ARG(double, shard_param_frac) = 1.0;
+  /// Share of chunk bytes whose fp32 shards, gradients and optimizer
+  /// states live in host memory (the first chunks in execution order).
+  TORCH_ARG(double, offload_optim_frac) = 0.0;
+  /// Only 0.0 is supported: chunks keep no low-precision shard apart from
+  /// the fp32 one, which offload_optim_frac places.
+  TORCH_ARG(double, offload_param_frac) = 0.0;
+  /// "fp16" (needs CUDA), "bf16", or "fp32" (an addition: no low-precision
+  /// copy at all).
+  TORCH_ARG(std::string, precision) = "fp16";
+  /// Only true is supported (the shards are the fp32 master weights).
+  TORCH_ARG(bool, master_weights) = true;
+  TORCH_ARG(double, search_range_m) = 32;
+  /// The chunk-size search interval; 0: 1024.
+  TORCH_ARG(int64_t, hidden_dim) = 0;
+  TORCH_ARG(double, min_chunk_size_m) = 32;
+  /// Loss scaler (fp16).
+  TORCH_ARG(double, initial_scale) = 65536.0;
+  TORCH_ARG(double, min_scale) = 1.0;
+  TORCH_ARG(double, growth_factor) = 2.0;
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  TORCH_ARG(int64_t, growth_interval) = 1000;
+  TORCH_ARG(int64_t, hysteresis) = 2;
+  TORCH_ARG(double, max_scale) = 4294967296.0;
+  /// Gradient clipping inside step(); 0: none.
+  TORCH_ARG(double, max_norm) = 0.0;
+  TORCH_ARG(double, norm_type) = 2.0;
+  /// Only 1 is supported (tensor parallelism is HybridParallelPlugin's).
+  TORCH_ARG(int, tp_size) = 1;
+  TORCH_ARG(int, extra_dp_size) = 1;
+  /// Reduce-scatters overlap the rest of backward (always true here).
+  TORCH_ARG(bool, enable_async_reduce) = true;
+  /// Accepted for compatibility.
+  TORCH_ARG(bool, verbose) = false;
+};
+
+/// Gemini: chunk-based ZeRO-3. Parameters are packed in execution order
+/// into fixed-size chunks (NOTE [Gemini chunks]), each sharded over the
+/// data-parallel ranks and gathered while a module using it computes; a
+/// chunk is the unit of all-gather, reduce-scatter and placement. It runs on
+/// the FSDP engine (FullyShardedOptions::chunk_size), so clipping, loss
+/// scaling and checkpoints (full tensors, loadable at any world
+/// size and under every plugin) are FSDP's. Chunks gather per module that
+/// opens a ForwardScope (colossalai::nn::HookableModule, e.g. the zoo's GPT
+/// blocks); the rest of the model's parameters are gathered for the whole
+/// forward.
+///
+/// Example:
+/// \code
+///   auto plugin = std::make_shared<GeminiPlugin>(
+///       GeminiPluginOptions().precision("bf16").max_norm(1.0));
+///   Booster booster(BoosterOptions().plugin(plugin));
+///   auto boosted = booster.boost(model, optimizer, criterion);
+/// \endcode
+class GeminiPlugin : public TorchFSDPPlugin {
+ public:
+  explicit GeminiPlugin(GeminiPluginOptions options = {});
+
+  std::string name() const override {
+    return "GeminiPlugin";
+  }
+  std::vector<std::string> supported_precisions() const override {
+    return {"fp16", "bf16", "fp32"};
+  }
+  std::string precision() const override {
+    return gemini_.precision();
+  }
+  bool support_no_sync() const override {
+    return false;
+  }
+  void configure(
+      std::shared_ptr<interface::ModelWrapper>& model,
+      std::shared_ptr<interface::OptimizerWrapper>& optimizer) override;
+  const GeminiPluginOptions& gemini_options() const {
+    return gemini_;
+  }
+
+ private:
+  GeminiPluginOptions gemini_;
+};
+
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai

@@ -1,0 +1,144 @@
+#include <colossalai/booster/plugin/gemini_plugin.h>
+
+#include "../../zero/gemini/chunk_plan.h"
+
+#include <torch/cuda.h>
+
+#include <set>
+
+namespace colossalai {
+namespace booster {
+namespace plugin {
+
+namespace {
+
+at::ScalarType dtype_of(const std::string& precision) {
+  if (precision == "fp16") {
+    return at::kHalf;
+  }
+  if (precision == "bf16") {
+    return at::kBFloat16;
+  }
+  TORCH_CHECK(
+      precision == "fp32",
+      "GeminiPlugin: precision must be 'fp16', 'bf16' or 'fp32', got '",
+      precision,
+      "'");
+  return at::kFloat;
+}
+
+TorchFSDPPluginOptions engine_options(const GeminiPluginOptions& o) {
+  const auto dtype = dtype_of(o.precision());
+  TORCH_CHECK(
+      dtype != at::kHalf || torch::cuda::is_available(),
+      "GeminiPlugin: precision 'fp16' needs a CUDA device (CPU LibTorch "
+      "cannot multiply fp16 matrices); use precision 'bf16' or 'fp32'");
+  TORCH_CHECK(
+      o.placement_policy() == "static" || o.placement_policy() == "auto",
+      "GeminiPlugin: placement_policy must be 'static' or 'auto', got '",
+      o.placement_policy(),
+      "'");
+  TORCH_CHECK(
+      o.placement_policy() == "static",
+      "GeminiPlugin: placement_policy 'auto' is not implemented yet (it needs "
+      "the memory tracer); use 'static'");
+  TORCH_CHECK(
+      o.shard_param_frac() == 1.0,
+      "GeminiPlugin: shard_param_frac must be 1.0 (every chunk sharded); "
+      "got ",
+      o.shard_param_frac());
+  TORCH_CHECK(
+      o.offload_optim_frac() == 0.0 || o.offload_optim_frac() == 1.0,
+      "GeminiPlugin: offload_optim_frac must be 0.0 or 1.0 for now (per-chunk "
+      "placement is not implemented yet); got ",
+      o.offload_optim_frac());
+  TORCH_CHECK(
+      o.offload_param_frac() == 0.0,
+      "GeminiPlugin: offload_param_frac must be 0.0: chunks keep no "
+      "low-precision shard besides the fp32 one, which offload_optim_frac "
+      "places; got ",
+      o.offload_param_frac());
+  TORCH_CHECK(
+      o.master_weights(),
+      "GeminiPlugin: master_weights(false) is not supported (the fp32 shards "
+      "are the master weights)");
+  TORCH_CHECK(
+      o.tp_size() == 1 && o.extra_dp_size() == 1,
+      "GeminiPlugin: tp_size and extra_dp_size must be 1 (use "
+      "HybridParallelPlugin for tensor parallelism)");
+  TORCH_CHECK(
+      o.max_prefetch() >= 0,
+      "GeminiPlugin: max_prefetch must be >= 0, got ",
+      o.max_prefetch());
+  TORCH_CHECK(
+      o.chunk_size() >= 0,
+      "GeminiPlugin: chunk_size must be >= 0 (0: searched), got ",
+      o.chunk_size());
+  TORCH_CHECK(
+      o.norm_type() == 2.0,
+      "GeminiPlugin: only norm_type 2.0 is supported, got ",
+      o.norm_type());
+  TorchFSDPPluginOptions e;
+  e.param_dtype(dtype).reduce_dtype(dtype);
+  e.cpu_offload(o.offload_optim_frac() == 1.0);
+  // Every module that opens a ForwardScope gathers the chunks it needs.
+  e.auto_wrap_policy(zero::size_based_wrap_policy(0));
+  e.forward_prefetch(o.max_prefetch() > 0);
+  e.backward_prefetch(
+      o.max_prefetch() > 0 ? zero::BackwardPrefetch::kBackwardPre
+                           : zero::BackwardPrefetch::kNone);
+  return e;
+}
+
+} // namespace
+
+GeminiPlugin::GeminiPlugin(GeminiPluginOptions options)
+    : TorchFSDPPlugin(engine_options(options)), gemini_(std::move(options)) {}
+
+void GeminiPlugin::configure(
+    std::shared_ptr<interface::ModelWrapper>& model,
+    std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
+  TORCH_CHECK(model != nullptr, "GeminiPlugin: boost needs a model");
+  const int dp = dp_group_->size();
+  int64_t chunk_size = gemini_.chunk_size();
+  bool keep_gathered = false;
+  if (chunk_size == 0) {
+    std::vector<int64_t> numels;
+    std::set<const void*> seen;
+    for (const auto& p : model->unwrap()->parameters()) {
+      if (seen.insert(p.unsafeGetTensorImpl()).second) {
+        numels.push_back(p.numel());
+      }
+    }
+    zero::gemini::ChunkSearchOptions so;
+    so.search_range_m = gemini_.search_range_m();
+    so.search_interval = gemini_.hidden_dim() > 0 ? gemini_.hidden_dim() : 1024;
+    so.min_chunk_size_m = gemini_.min_chunk_size_m();
+    const auto found = zero::gemini::search_chunk_size(numels, dp, so);
+    chunk_size = std::max<int64_t>(found.chunk_size, 1);
+    keep_gathered = found.keep_gathered;
+  }
+  options_.chunk_size(chunk_size);
+  // A model below min_chunk_size is one chunk kept gathered on every rank,
+  // its gradients all-reduced (ColossalAI's keep_gathered).
+  options_.sharding_strategy(
+      keep_gathered ? zero::ShardingStrategy::kNoShard
+                    : zero::ShardingStrategy::kFullShard);
+  zero::ShardedOptimizerOptions oo;
+  oo.max_norm(gemini_.max_norm()).norm_type(gemini_.norm_type());
+  if (gemini_.precision() == "fp16") {
+    oo.loss_scaler(amp::DynamicLossScalerOptions()
+                       .initial_scale(gemini_.initial_scale())
+                       .min_scale(gemini_.min_scale())
+                       .max_scale(gemini_.max_scale())
+                       .growth_factor(gemini_.growth_factor())
+                       .backoff_factor(gemini_.backoff_factor())
+                       .growth_interval(gemini_.growth_interval())
+                       .hysteresis(gemini_.hysteresis()));
+  }
+  shard(model, optimizer, oo);
+}
+
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai
