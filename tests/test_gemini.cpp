@@ -255,7 +255,7 @@ TEST(GeminiPlugin, UnsupportedOptionsNameTheOption) {
         {O().precision("fp32").placement_policy("auto"), "placement_policy"},
         {O().precision("fp32").placement_policy("cuda"), "placement_policy"},
         {O().precision("fp32").shard_param_frac(0.5), "shard_param_frac"},
-        {O().precision("fp32").offload_optim_frac(0.3), "offload_optim_frac"},
+        {O().precision("fp32").offload_optim_frac(1.5), "offload_optim_frac"},
         {O().precision("fp32").offload_param_frac(0.5), "offload_param_frac"},
         {O().precision("fp32").tp_size(2), "tp_size"},
         {O().precision("fp32").chunk_size(-1), "chunk_size"},
@@ -326,6 +326,65 @@ TEST(GeminiPlugin, GradientsAccumulateOverSeveralBackwards) {
       EXPECT_TRUE(at::allclose(params[i], ref[i], 1e-4, 1e-5))
           << "parameter " << i << " differs by "
           << (params[i] - ref[i]).abs().max().item<double>();
+    }
+  });
+}
+
+TEST(GeminiPlugin, StaticPlacementOffloadsTheStatedShareAndChangesNothing) {
+  // offload_optim_frac 0, 0.5 and 1: the host tier holds no chunk, the first
+  // chunks up to half of the bytes (the last one may pass it), or all; the
+  // weights after two AdamW steps are identical (placement moves state, it
+  // does not change arithmetic).
+  run_distributed(2, [](int rank, int) {
+    std::vector<std::vector<at::Tensor>> results;
+    for (double frac : {0.0, 0.5, 1.0}) {
+      auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
+          chunked(4000).offload_optim_frac(frac));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      torch::manual_seed(0);
+      zoo::GPT model(tiny());
+      auto boosted = booster.boost(
+          model,
+          std::make_shared<torch::optim::AdamW>(
+              model->parameters(), torch::optim::AdamWOptions(1e-3)));
+      auto* m = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
+          *boosted.model.wrapper());
+      for (int step = 0; step < 2; ++step) {
+        auto b = zoo::random_tokens(2, tiny(), 10 * step + rank);
+        boosted.optimizer->zero_grad();
+        booster.backward(
+            zoo::gpt_loss(boosted.model(b.first), b.second),
+            *boosted.optimizer);
+        boosted.optimizer->step();
+      }
+      const auto stats = m->memory_stats();
+      const int64_t tiered = stats.shards * 2; // shards + gradient shards
+      int64_t largest = 0;
+      for (auto n : m->unit_numels()) {
+        largest = std::max<int64_t>(largest, n / 2 * 4 * 2);
+      }
+      if (frac == 0.0) {
+        EXPECT_EQ(stats.offloaded, 0);
+      } else if (frac == 1.0) {
+        EXPECT_EQ(stats.offloaded, tiered);
+      } else {
+        EXPECT_GE(stats.offloaded, tiered / 2);
+        EXPECT_LE(stats.offloaded, tiered / 2 + largest);
+      }
+      std::cout << "offload_optim_frac " << frac << ": " << stats.offloaded
+                << " of " << tiered << " bytes in the host tier\n";
+      auto full = m->summon_full_params();
+      std::vector<at::Tensor> weights;
+      for (const auto& p : model->parameters()) {
+        weights.push_back(p.detach().clone());
+      }
+      results.push_back(std::move(weights));
+    }
+    for (size_t r = 1; r < results.size(); ++r) {
+      for (size_t i = 0; i < results[0].size(); ++i) {
+        EXPECT_TRUE(at::equal(results[r][i], results[0][i]))
+            << "placement " << r << " parameter " << i;
+      }
     }
   });
 }

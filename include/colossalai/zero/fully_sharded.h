@@ -108,6 +108,13 @@ struct FullyShardedOptions {
   TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;
   /// Shards, gradient shards (and so optimizer states) in host memory.
   TORCH_ARG(bool, cpu_offload) = false;
+  /// Share of the units' bytes, first units first, whose shards and
+  /// gradient shards (and so optimizer states) live in host memory: units
+  /// are offloaded in order until the offloaded bytes reach this share
+  /// (Gemini's static placement, offload_optim_frac). cpu_offload(true) is
+  /// 1.0. On a CPU-only build both tiers are host memory; memory_stats()
+  /// still reports what is placed in the host tier.
+  TORCH_ARG(double, cpu_offload_fraction) = 0.0;
   /// Modules whose parameters (their sub-modules' included) are neither
   /// sharded nor synchronized, as in PyTorch.
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) =
@@ -139,6 +146,9 @@ struct FullyShardedMemoryStats {
   /// Full gradients not yet reduced, reduction buffers and gradient shards.
   int64_t gradients = 0;
   int64_t optimizer_states = 0;
+  /// Of `shards` and `gradients`: the bytes placed in the host tier
+  /// (cpu_offload, cpu_offload_fraction). Not part of total().
+  int64_t offloaded = 0;
   int64_t total() const {
     return gathered_params + shards + gradients + optimizer_states;
   }

@@ -48,9 +48,8 @@ TorchFSDPPluginOptions engine_options(const GeminiPluginOptions& o) {
       "got ",
       o.shard_param_frac());
   TORCH_CHECK(
-      o.offload_optim_frac() == 0.0 || o.offload_optim_frac() == 1.0,
-      "GeminiPlugin: offload_optim_frac must be 0.0 or 1.0 for now (per-chunk "
-      "placement is not implemented yet); got ",
+      o.offload_optim_frac() >= 0.0 && o.offload_optim_frac() <= 1.0,
+      "GeminiPlugin: offload_optim_frac must be in [0, 1], got ",
       o.offload_optim_frac());
   TORCH_CHECK(
       o.offload_param_frac() == 0.0,
@@ -80,7 +79,7 @@ TorchFSDPPluginOptions engine_options(const GeminiPluginOptions& o) {
       o.norm_type());
   TorchFSDPPluginOptions e;
   e.param_dtype(dtype).reduce_dtype(dtype);
-  e.cpu_offload(o.offload_optim_frac() == 1.0);
+  e.cpu_offload_fraction(o.offload_optim_frac());
   // Every module that opens a ForwardScope gathers the chunks it needs.
   e.auto_wrap_policy(zero::size_based_wrap_policy(0));
   e.forward_prefetch(o.max_prefetch() > 0);

@@ -137,12 +137,13 @@ void build_unit(FsdpState& st, Unit& u) {
 
   auto flat32 = u.layout.flatten(
       u.params, at::TensorOptions(st.device).dtype(at::kFloat));
-  u.aliased = st.S == 1 && st.param_dtype == at::kFloat && !st.o.cpu_offload();
+  u.aliased = st.S == 1 && st.param_dtype == at::kFloat && !u.offloaded;
   if (u.aliased) {
     u.full = flat32;
     u.shard_data = flat32;
   } else {
-    u.shard_data = u.layout.my_shard(flat32).clone().to(st.shard_device);
+    u.shard_data = u.layout.my_shard(flat32).clone().to(
+        u.offloaded ? at::Device(at::kCPU) : st.device);
     u.full = flat32.to(st.param_dtype, false, /*copy=*/true);
   }
   flat32 = at::Tensor();
@@ -208,7 +209,6 @@ FullyShardedModel::FullyShardedModel(
       st.param_dtype != at::kHalf || !st.device.is_cpu(),
       "FSDP: param_dtype float16 needs a CUDA device (CPU LibTorch cannot "
       "multiply fp16 matrices); use bfloat16 on CPU");
-  st.shard_device = st.o.cpu_offload() ? at::Device(at::kCPU) : st.device;
 
   auto dp =
       st.o.process_group() ? st.o.process_group() : distributed::world_group();
@@ -342,6 +342,29 @@ FullyShardedModel::FullyShardedModel(
   for (size_t s = st.scopes.size(); s-- > 0;) {
     for (size_t k : st.scopes[s].units) {
       st.unit_scope[k] = s; // the earliest scope: the last in backward
+    }
+  }
+  // Static placement: units go to the host tier in order until the share
+  // is reached (the last one may pass it).
+  const double fraction =
+      st.o.cpu_offload() ? 1.0 : st.o.cpu_offload_fraction();
+  TORCH_CHECK(
+      fraction >= 0.0 && fraction <= 1.0,
+      "FSDP: cpu_offload_fraction must be in [0, 1], got ",
+      fraction);
+  int64_t total_numel = 0, offloaded_numel = 0;
+  for (const auto& u : st.units) {
+    for (const auto& p : u.params) {
+      total_numel += p.numel();
+    }
+  }
+  for (auto& u : st.units) {
+    if (offloaded_numel >= fraction * total_numel || fraction == 0.0) {
+      break;
+    }
+    u.offloaded = true;
+    for (const auto& p : u.params) {
+      offloaded_numel += p.numel();
     }
   }
   for (size_t k = 0; k < st.units.size(); ++k) {

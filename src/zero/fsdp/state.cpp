@@ -267,7 +267,7 @@ void FsdpState::complete(size_t bucket) {
   if (S > 1 && R > 1) {
     distributed::all_reduce(u.reduced, *replicate_group).wait();
   }
-  u.shard_grad.add_(u.reduced.to(shard_device, at::kFloat));
+  u.shard_grad.add_(u.reduced.to(u.shard_grad.device(), at::kFloat));
   u.flat_grad = at::Tensor();
   u.reduced = at::Tensor();
 }
@@ -297,6 +297,9 @@ FullyShardedMemoryStats FsdpState::measure() const {
     }
     s.shards += bytes_of(u.shard_data);
     s.gradients += bytes_of(u.shard_grad) + bytes_of(u.flat_grad);
+    if (u.offloaded) {
+      s.offloaded += bytes_of(u.shard_data) + bytes_of(u.shard_grad);
+    }
     if (u.reduced.defined() && !u.reduced.is_same(u.flat_grad)) {
       s.gradients += bytes_of(u.reduced);
     }

@@ -22,6 +22,7 @@ struct Unit : FlatParams {
   std::string name; // "" for the root
   torch::nn::Module* module = nullptr;
   bool root = false;
+  bool offloaded = false; // shards in the host tier (cpu_offload_fraction)
 
   std::vector<std::string> param_names;
 
@@ -68,7 +69,6 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
   int S = 1;
   int R = 1;
   at::Device device = at::kCPU;
-  at::Device shard_device = at::kCPU;
   at::ScalarType param_dtype = at::kFloat;
   at::ScalarType reduce_dtype = at::kFloat;
 

@@ -25,7 +25,9 @@ struct GeminiPluginOptions {
   /// Share of chunks that are sharded; only 1.0 is supported.
   TORCH_ARG(double, shard_param_frac) = 1.0;
   /// Share of chunk bytes whose fp32 shards, gradients and optimizer
-  /// states live in host memory (the first chunks in execution order).
+  /// states live in host memory: chunks in execution order until the share
+  /// is reached (static placement; on a CPU-only build both tiers are host
+  /// memory and memory_stats().offloaded reports the host tier's bytes).
   TORCH_ARG(double, offload_optim_frac) = 0.0;
   /// Only 0.0 is supported: chunks keep no low-precision shard apart from
   /// the fp32 one, which offload_optim_frac places.
