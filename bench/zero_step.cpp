@@ -1,13 +1,13 @@
-// Step time and model-state memory of DDP, ZeRO-1, ZeRO-2 and FSDP
+// Step time and model-state memory of DDP, ZeRO-1, ZeRO-2, FSDP
 // (FULL_SHARD, one unit per transformer block, with and without backward
-// prefetch) on gpt-small-cpu, 2 ranks x 1 thread, fp32 AdamW. The setups
+// prefetch) and Gemini (1 Mi-element chunks, prefetch on) on gpt-small-cpu, 2 ranks x 1 thread, fp32 AdamW. The setups
 // live in the same processes and their timed rounds alternate, so the ratios
 // compare like with like on a noisy machine. Model-state bytes are counted
 // per rank from the tensors each setup holds, beside the ZeRO formulas; FSDP
 // also reports its peak during a step.
 //
 //   bench_zero_step [--nproc 2] [--steps 4] [--rounds 3]
-//                   [--setups ddp,zero1,zero2,fsdp,fsdp_noprefetch]
+//                   [--setups ddp,zero1,zero2,fsdp,fsdp_noprefetch,gemini]
 //                   [--out FILE.json]
 
 #include <colossalai/colossalai.h>
@@ -91,6 +91,17 @@ int run_rank(
               .backward_prefetch(
                   name == "fsdp" ? cz::BackwardPrefetch::kBackwardPre
                                  : cz::BackwardPrefetch::kNone));
+    } else if (name == "gemini") {
+      // gpt-small-cpu is below the default min_chunk_size_m (32 Mi
+      // elements, where it would be one gathered chunk): 1 Mi-element
+      // chunks on the hidden-dim interval make it ~6 sharded chunks.
+      plugin = std::make_shared<cb::plugin::GeminiPlugin>(
+          cb::plugin::GeminiPluginOptions()
+              .precision("fp32")
+              .min_chunk_size_m(1)
+              .search_range_m(1)
+              .hidden_dim(cfg.n_embd())
+              .max_prefetch(1));
     } else if (name == "zero1" || name == "zero2") {
       plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
           cb::plugin::LowLevelZeroPluginOptions()
@@ -196,13 +207,15 @@ int run_rank(
       {"zero1", (8.0 + 8.0 / n) * psi},
       {"zero2", (4.0 + 12.0 / n) * psi},
       {"fsdp", 16.0 / n * psi},
-      {"fsdp_noprefetch", 16.0 / n * psi}};
+      {"fsdp_noprefetch", 16.0 / n * psi},
+      {"gemini", 16.0 / n * psi}};
   std::map<std::string, double> layout = {
       {"ddp", 16.0 * psi},
       {"zero1", (4.0 + 12.0 / n) * psi},
       {"zero2", (4.0 + 12.0 / n) * psi},
       {"fsdp", 16.0 / n * psi},
-      {"fsdp_noprefetch", 16.0 / n * psi}};
+      {"fsdp_noprefetch", 16.0 / n * psi},
+      {"gemini", 16.0 / n * psi}};
   if (rank != 0)
     return 0;
   std::ostringstream json;
@@ -255,7 +268,7 @@ int run_rank(
 
 int main(int argc, char** argv) {
   int nproc = 2, steps = 4, rounds = 3;
-  std::string out, names = "ddp,zero1,zero2,fsdp,fsdp_noprefetch";
+  std::string out, names = "ddp,zero1,zero2,fsdp,fsdp_noprefetch,gemini";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--nproc")
