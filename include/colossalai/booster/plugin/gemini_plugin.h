@@ -20,7 +20,9 @@ struct GeminiPluginOptions {
   /// (reduced) gradients in the fp32 gradient shards. As in ColossalAI,
   /// there is no no_sync.
   TORCH_ARG(bool, enable_gradient_accumulation) = false;
-  /// Chunks gathered ahead of use, in forward and backward; 0: none.
+  /// > 0: while a module computes, the chunks of the next module (in
+  /// forward, then in backward order) are gathered ahead, whatever their
+  /// number; 0: chunks are gathered when needed.
   TORCH_ARG(int, max_prefetch) = 0;
   /// Share of chunks that are sharded; only 1.0 is supported.
   TORCH_ARG(double, shard_param_frac) = 1.0;
