@@ -131,6 +131,13 @@ std::vector<int64_t> numels_of(zoo::GPT& model) {
   return out;
 }
 
+// The FSDP engine Gemini runs on, inside a boosted model.
+template <class Boosted>
+cz::FullyShardedModel* engine_of(Boosted& boosted) {
+  return colossalai::interface::find_wrapper<cz::FullyShardedModel>(
+      *boosted.model.wrapper());
+}
+
 cb::plugin::GeminiPluginOptions chunked(int64_t chunk_size) {
   return cb::plugin::GeminiPluginOptions().precision("fp32").chunk_size(
       chunk_size);
@@ -149,8 +156,7 @@ TEST(GeminiPlugin, ChunksAreShardedAndStraddleModules) {
         model,
         std::make_shared<torch::optim::AdamW>(
             model->parameters(), torch::optim::AdamWOptions(1e-3)));
-    auto* m = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
-        *boosted.model.wrapper());
+    auto* m = engine_of(boosted);
     ASSERT_NE(m, nullptr);
     // The units are the packed chunks, in parameter order.
     const auto plan = gm::pack_chunks(numels, 4000, world);
@@ -188,8 +194,7 @@ TEST(GeminiPlugin, SmallModelsAreOneChunkKeptGathered) {
       total += n;
     }
     auto boosted = booster.boost(model);
-    auto* m = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
-        *boosted.model.wrapper());
+    auto* m = engine_of(boosted);
     ASSERT_NE(m, nullptr);
     EXPECT_EQ(m->unit_names().size(), 1u);
     EXPECT_EQ(m->memory_stats().shards, total * 4); // whole on every rank
@@ -222,8 +227,7 @@ TEST(GeminiPlugin, CheckpointLoadsInOneProcessWithoutAPlugin) {
         boosted.model,
         dir + "/model",
         ck::SaveModelOptions().shard(true).size_per_shard(1));
-    auto* m = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
-        *boosted.model.wrapper());
+    auto* m = engine_of(boosted);
     auto full = m->summon_full_params();
     if (rank == 0) {
       ck::StateDict expected;
@@ -318,8 +322,7 @@ TEST(GeminiPlugin, GradientsAccumulateOverSeveralBackwards) {
       }
       boosted.optimizer->step();
     }
-    auto* m = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
-        *boosted.model.wrapper());
+    auto* m = engine_of(boosted);
     auto full = m->summon_full_params();
     auto params = model->parameters();
     for (size_t i = 0; i < params.size(); ++i) {
@@ -347,8 +350,7 @@ TEST(GeminiPlugin, StaticPlacementOffloadsTheStatedShareAndChangesNothing) {
           model,
           std::make_shared<torch::optim::AdamW>(
               model->parameters(), torch::optim::AdamWOptions(1e-3)));
-      auto* m = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
-          *boosted.model.wrapper());
+      auto* m = engine_of(boosted);
       for (int step = 0; step < 2; ++step) {
         auto b = zoo::random_tokens(2, tiny(), 10 * step + rank);
         boosted.optimizer->zero_grad();

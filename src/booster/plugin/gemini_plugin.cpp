@@ -1,6 +1,7 @@
 #include <colossalai/booster/plugin/gemini_plugin.h>
 
 #include "../../zero/gemini/chunk_plan.h"
+#include "plugin_options.h"
 
 #include <torch/cuda.h>
 
@@ -12,23 +13,9 @@ namespace plugin {
 
 namespace {
 
-at::ScalarType dtype_of(const std::string& precision) {
-  if (precision == "fp16") {
-    return at::kHalf;
-  }
-  if (precision == "bf16") {
-    return at::kBFloat16;
-  }
-  TORCH_CHECK(
-      precision == "fp32",
-      "GeminiPlugin: precision must be 'fp16', 'bf16' or 'fp32', got '",
-      precision,
-      "'");
-  return at::kFloat;
-}
-
 TorchFSDPPluginOptions engine_options(const GeminiPluginOptions& o) {
-  const auto dtype = dtype_of(o.precision());
+  const auto dtype =
+      detail::parse_precision(o.precision(), "GeminiPlugin", "precision");
   TORCH_CHECK(
       dtype != at::kHalf || torch::cuda::is_available(),
       "GeminiPlugin: precision 'fp16' needs a CUDA device (CPU LibTorch "
@@ -126,14 +113,7 @@ void GeminiPlugin::configure(
   zero::ShardedOptimizerOptions oo;
   oo.max_norm(gemini_.max_norm()).norm_type(gemini_.norm_type());
   if (gemini_.precision() == "fp16") {
-    oo.loss_scaler(amp::DynamicLossScalerOptions()
-                       .initial_scale(gemini_.initial_scale())
-                       .min_scale(gemini_.min_scale())
-                       .max_scale(gemini_.max_scale())
-                       .growth_factor(gemini_.growth_factor())
-                       .backoff_factor(gemini_.backoff_factor())
-                       .growth_interval(gemini_.growth_interval())
-                       .hysteresis(gemini_.hysteresis()));
+    oo.loss_scaler(detail::loss_scaler_options(gemini_));
   }
   shard(model, optimizer, oo);
 }

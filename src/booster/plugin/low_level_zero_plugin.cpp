@@ -3,31 +3,13 @@
 #include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
 #include <colossalai/initialize.h>
 
+#include "plugin_options.h"
+
 namespace colossalai {
 namespace booster {
 namespace plugin {
 
 namespace {
-
-at::ScalarType parse_dtype(
-    const std::string& name,
-    const char* option,
-    bool allow_empty) {
-  if (name == "fp32")
-    return at::kFloat;
-  if (name == "bf16")
-    return at::kBFloat16;
-  if (name == "fp16")
-    return at::kHalf;
-  TORCH_CHECK(
-      allow_empty && name.empty(),
-      "LowLevelZeroPlugin: ",
-      option,
-      " must be 'fp16', 'bf16' or 'fp32', got '",
-      name,
-      "'");
-  return at::kFloat;
-}
 
 // Runs the module in the working dtype: floating inputs are cast to it.
 class LowLevelZeroModel : public interface::ModelWrapper {
@@ -106,8 +88,13 @@ LowLevelZeroPlugin::LowLevelZeroPlugin(LowLevelZeroPluginOptions options)
       options_.stage() == 1 || options_.stage() == 2,
       "LowLevelZeroPlugin: stage must be 1 or 2, got ",
       options_.stage());
-  dtype_ = parse_dtype(options_.precision(), "precision", false);
-  parse_dtype(options_.communication_dtype(), "communication_dtype", true);
+  dtype_ = detail::parse_precision(
+      options_.precision(), "LowLevelZeroPlugin", "precision");
+  detail::parse_precision(
+      options_.communication_dtype(),
+      "LowLevelZeroPlugin",
+      "communication_dtype",
+      true);
   TORCH_CHECK(
       options_.norm_type() == 2.0,
       "LowLevelZeroPlugin: norm_type must be 2.0, got ",
@@ -155,18 +142,13 @@ void LowLevelZeroPlugin::configure(
           static_cast<int64_t>(options_.reduce_bucket_size_in_m() * (1 << 20)))
       .overlap_communication(options_.overlap_communication())
       .max_norm(options_.max_norm())
-      .loss_scaler(amp::DynamicLossScalerOptions()
-                       .initial_scale(options_.initial_scale())
-                       .min_scale(options_.min_scale())
-                       .max_scale(options_.max_scale())
-                       .growth_factor(options_.growth_factor())
-                       .backoff_factor(options_.backoff_factor())
-                       .growth_interval(options_.growth_interval())
-                       .hysteresis(options_.hysteresis()))
+      .loss_scaler(detail::loss_scaler_options(options_))
       .cpu_offload(options_.cpu_offload());
   if (!options_.communication_dtype().empty()) {
-    zo.communication_dtype(parse_dtype(
-        options_.communication_dtype(), "communication_dtype", false));
+    zo.communication_dtype(detail::parse_precision(
+        options_.communication_dtype(),
+        "LowLevelZeroPlugin",
+        "communication_dtype"));
   }
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), dp_group_, zo);

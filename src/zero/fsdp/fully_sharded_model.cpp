@@ -308,7 +308,6 @@ FullyShardedModel::FullyShardedModel(
     st.units.resize(st.scopes.size());
     for (size_t k = 0; k < st.scopes.size(); ++k) {
       st.units[k].name = st.scopes[k].name;
-      st.units[k].module = st.scopes[k].module;
       st.scopes[k].units = {k};
     }
     for (size_t i = 0; i < params.size(); ++i) {

@@ -20,7 +20,6 @@ namespace detail {
 // layout]) plus the gathered full buffer and per-backward state.
 struct Unit : FlatParams {
   std::string name; // "" for the root
-  torch::nn::Module* module = nullptr;
   bool root = false;
   bool offloaded = false; // shards in the host tier (cpu_offload_fraction)
 
