@@ -76,6 +76,20 @@ std::vector<Strategy> strategies() {
       return std::make_shared<cb::plugin::TorchFSDPPlugin>(o);
     };
   };
+  // Chunks of 4,500 elements (the largest parameter, 4,096, rounded up to
+  // the 500-element search interval) that straddle the blocks: a block
+  // gathers several chunks and a chunk serves several modules.
+  using GO = cb::plugin::GeminiPluginOptions;
+  auto gemini = [](std::function<GO(GO)> placement) {
+    return [placement]() -> P {
+      return std::make_shared<cb::plugin::GeminiPlugin>(
+          placement(GO().precision("fp32")
+                        .min_chunk_size_m(2000.0 / (1 << 20))
+                        .search_range_m(0)
+                        .hidden_dim(500)
+                        .max_prefetch(1)));
+    };
+  };
   return {
       {"ddp",
        "all_reduce",
@@ -89,20 +103,16 @@ std::vector<Strategy> strategies() {
       {"fsdp_shard_grad_op",
        "reduce_scatter",
        fsdp(true, cz::ShardingStrategy::kShardGradOp)},
-      // Chunks of 4,500 elements (the largest parameter, 4,096, rounded up
-      // to the 500-element search interval) that straddle the blocks: a
-      // block gathers several chunks and a chunk serves several modules.
-      {"gemini",
-       "reduce_scatter",
-       []() -> P {
-         return std::make_shared<cb::plugin::GeminiPlugin>(
-             cb::plugin::GeminiPluginOptions()
-                 .precision("fp32")
-                 .min_chunk_size_m(2000.0 / (1 << 20))
-                 .search_range_m(0)
-                 .hidden_dim(500)
-                 .max_prefetch(1));
-       }},
+      {"gemini", "reduce_scatter", gemini([](GO o) { return o; })},
+      // Static placement with every fp32 shard on the host and half the
+      // chunks reading their parameters from there at each gather.
+      {"gemini_offload", "reduce_scatter", gemini([](GO o) {
+         return o.offload_optim_frac(1.0).offload_param_frac(0.5);
+       })},
+      // Auto placement, half the chunks kept gathered between uses.
+      {"gemini_auto", "reduce_scatter", gemini([](GO o) {
+         return o.placement_policy("auto").shard_param_frac(0.5);
+       })},
   };
 }
 

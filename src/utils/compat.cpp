@@ -2,6 +2,15 @@
 
 #include <ATen/autocast_mode.h>
 
+#include <malloc.h>
+
+#ifdef COLOSSALAI_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#endif
+
 namespace colossalai {
 namespace compat {
 
@@ -20,6 +29,31 @@ void allocate_storage(const at::Tensor& t, size_t nbytes) {
 
 size_t storage_nbytes(const at::Tensor& t) {
   return t.storage().nbytes();
+}
+
+int64_t memory_allocated(at::Device device) {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[0].current; // StatType::AGGREGATE
+  }
+#endif
+  TORCH_CHECK(device.is_cpu(), "memory_allocated: unsupported device ", device);
+  const auto info = mallinfo2(); // sums every arena
+  return static_cast<int64_t>(info.uordblks + info.hblkhd);
+}
+
+int64_t device_memory_capacity(at::Device device) {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (device.is_cuda()) {
+    c10::cuda::CUDAGuard guard(device.index());
+    size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return static_cast<int64_t>(total);
+  }
+#endif
+  return 0;
 }
 
 #if COLOSSALAI_TORCH_AT_LEAST(2, 4)

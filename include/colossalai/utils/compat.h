@@ -43,6 +43,13 @@ void allocate_storage(const at::Tensor& t, size_t nbytes);
 /// Bytes `t`'s storage currently holds (0 once freed).
 size_t storage_nbytes(const at::Tensor& t);
 
+/// Bytes allocated on `device` now: the CUDA caching allocator's allocated
+/// bytes on CUDA builds; on the host, the C heap's bytes in use (every
+/// thread's arenas and mmap'd blocks), which includes more than tensors.
+int64_t memory_allocated(at::Device device);
+/// Total memory of `device` (CUDA); 0 when unknown (the host).
+int64_t device_memory_capacity(at::Device device);
+
 /// RAII autocast region on one device type (CPU or CUDA).
 class AutocastGuard {
  public:

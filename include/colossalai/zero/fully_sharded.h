@@ -73,6 +73,58 @@ enum class BackwardPrefetch {
   kBackwardPost,
 };
 
+/// How a unit's state is placed between the device and the host tier
+/// (Gemini's placement policies, NOTE [Gemini placement]).
+enum class PlacementPolicy {
+  /// Fixed at construction by cpu_offload_fraction (fp32 shards, gradient
+  /// shards, optimizer states) and offload_param_fraction.
+  kStatic,
+  /// Every unit's fp32 shard, gradient shard and optimizer states live in
+  /// the host tier; its low-precision parameter shard is cached on the
+  /// device while the budget allows and evicted, furthest next use first,
+  /// when a gather needs room. The budget for model data is the device
+  /// capacity minus the non-model memory measured at the same moment of the
+  /// first (warm-up) step.
+  kAuto,
+};
+
+struct PlacementOptions {
+  TORCH_ARG(PlacementPolicy, policy) = PlacementPolicy::kStatic;
+  /// Static: of the units whose fp32 shards are in the host tier, this share
+  /// (first units first) keeps no device copy of its parameter shard, so
+  /// each gather reads the host; the others keep one, refreshed after each
+  /// step.
+  TORCH_ARG(double, offload_param_fraction) = 0.0;
+  /// Device memory this rank may use, in bytes; 0: the device's total
+  /// memory (CUDA) or no limit (a CPU-only build, where the device tier is
+  /// host memory that is accounted and, under kAuto, kept within this
+  /// budget).
+  TORCH_ARG(int64_t, device_capacity) = 0;
+  /// kAuto, warm-up step: share of the capacity kept for non-model data.
+  TORCH_ARG(double, warmup_non_model_data_ratio) = 0.8;
+  /// kAuto, later steps: share of the capacity that may be used at all.
+  TORCH_ARG(double, steady_cuda_cap_ratio) = 0.9;
+};
+
+/// What the placement did, in bytes (NOTE [Gemini placement]). Moves count
+/// bytes that cross between the tiers; on a CPU-only build both tiers are
+/// host memory and the counts are what a device would have moved.
+struct PlacementStats {
+  int64_t device_capacity = 0; ///< the budget; 0: none
+  int64_t device_model = 0;    ///< model data in the device tier now
+  int64_t host_model = 0;      ///< model data in the host tier now
+  int64_t non_model = 0;       ///< measured at the last moment
+  /// Largest device_model + non_model seen at a moment since the last
+  /// reset_peak_memory_stats().
+  int64_t peak_device = 0;
+  int64_t peak_non_model = 0;
+  int64_t host_to_device = 0; ///< bytes moved since construction
+  int64_t device_to_host = 0;
+  int64_t evictions = 0; ///< parameter shards evicted (kAuto)
+  int64_t moments = 0;   ///< moments recorded in the warm-up step
+  bool warmed_up = false;
+};
+
 /// Chooses units: called for every sub-module (not the root) in pre-order
 /// with its dotted name and its parameter count (sub-modules included).
 using AutoWrapPolicy = std::function<
@@ -115,6 +167,12 @@ struct FullyShardedOptions {
   /// 1.0. On a CPU-only build both tiers are host memory; memory_stats()
   /// still reports what is placed in the host tier.
   TORCH_ARG(double, cpu_offload_fraction) = 0.0;
+  /// Share of the units' bytes, last units first, whose parameters stay
+  /// gathered between uses (Gemini's shard_param_frac = 1 - this): they are
+  /// gathered once and refreshed after each step instead of before every
+  /// forward and backward; gradients and optimizer states stay sharded.
+  TORCH_ARG(double, keep_gathered_fraction) = 0.0;
+  TORCH_ARG(PlacementOptions, placement) = {};
   /// Modules whose parameters (their sub-modules' included) are neither
   /// sharded nor synchronized, as in PyTorch.
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) =
@@ -146,11 +204,14 @@ struct FullyShardedMemoryStats {
   /// Full gradients not yet reduced, reduction buffers and gradient shards.
   int64_t gradients = 0;
   int64_t optimizer_states = 0;
+  /// Device copies of host-tier shards in param_dtype (placement).
+  int64_t param_shards = 0;
   /// Of `shards` and `gradients`: the bytes placed in the host tier
   /// (cpu_offload, cpu_offload_fraction). Not part of total().
   int64_t offloaded = 0;
   int64_t total() const {
-    return gathered_params + shards + gradients + optimizer_states;
+    return gathered_params + shards + gradients + optimizer_states +
+        param_shards;
   }
 };
 
@@ -211,6 +272,8 @@ class FullyShardedModel : public interface::ModelWrapper {
   std::vector<std::string> execution_order() const;
 
   FullyShardedMemoryStats memory_stats() const;
+  /// Placement between the device and the host tier (Gemini).
+  PlacementStats placement_stats() const;
   /// The largest total seen since construction or the last reset, sampled
   /// whenever a unit is gathered, a unit's gradients are complete or the
   /// optimizer steps.

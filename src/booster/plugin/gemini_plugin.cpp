@@ -25,25 +25,44 @@ TorchFSDPPluginOptions engine_options(const GeminiPluginOptions& o) {
       "GeminiPlugin: placement_policy must be 'static' or 'auto', got '",
       o.placement_policy(),
       "'");
+  const bool autop = o.placement_policy() == "auto";
+  auto fraction = [](double f, const char* option) {
+    TORCH_CHECK(
+        f >= 0.0 && f <= 1.0,
+        "GeminiPlugin: ",
+        option,
+        " must be in [0, 1], got ",
+        f);
+  };
+  fraction(o.shard_param_frac(), "shard_param_frac");
+  fraction(o.offload_optim_frac(), "offload_optim_frac");
+  fraction(o.offload_param_frac(), "offload_param_frac");
+  fraction(o.warmup_non_model_data_ratio(), "warmup_non_model_data_ratio");
+  fraction(o.steady_cuda_cap_ratio(), "steady_cuda_cap_ratio");
   TORCH_CHECK(
-      o.placement_policy() == "static",
-      "GeminiPlugin: placement_policy 'auto' is not implemented yet (it needs "
-      "the memory tracer); use 'static'");
+      !autop ||
+          (o.offload_optim_frac() == 0.0 && o.offload_param_frac() == 0.0),
+      "GeminiPlugin: offload_optim_frac and offload_param_frac are for "
+      "placement_policy 'static'; 'auto' places every chunk itself");
   TORCH_CHECK(
-      o.shard_param_frac() == 1.0,
-      "GeminiPlugin: shard_param_frac must be 1.0 (every chunk sharded); "
-      "got ",
-      o.shard_param_frac());
-  TORCH_CHECK(
-      o.offload_optim_frac() >= 0.0 && o.offload_optim_frac() <= 1.0,
-      "GeminiPlugin: offload_optim_frac must be in [0, 1], got ",
+      o.offload_param_frac() == 0.0 ||
+          (o.shard_param_frac() == 1.0 && o.offload_optim_frac() == 1.0),
+      "GeminiPlugin: offload_param_frac needs shard_param_frac 1.0 and "
+      "offload_optim_frac 1.0 (a chunk whose fp32 shard is on the device "
+      "gathers from it); got shard_param_frac ",
+      o.shard_param_frac(),
+      ", offload_optim_frac ",
       o.offload_optim_frac());
   TORCH_CHECK(
-      o.offload_param_frac() == 0.0,
-      "GeminiPlugin: offload_param_frac must be 0.0: chunks keep no "
-      "low-precision shard besides the fp32 one, which offload_optim_frac "
-      "places; got ",
-      o.offload_param_frac());
+      o.gpu_margin_mem_ratio() == 0.0,
+      "GeminiPlugin: gpu_margin_mem_ratio must be 0.0 (optimizer states "
+      "stay on the host under 'auto'); got ",
+      o.gpu_margin_mem_ratio());
+  TORCH_CHECK(
+      o.device_memory_capacity() >= 0,
+      "GeminiPlugin: device_memory_capacity must be >= 0 (0: the device's), "
+      "got ",
+      o.device_memory_capacity());
   TORCH_CHECK(
       o.master_weights(),
       "GeminiPlugin: master_weights(false) is not supported (the fp32 shards "
@@ -67,6 +86,15 @@ TorchFSDPPluginOptions engine_options(const GeminiPluginOptions& o) {
   TorchFSDPPluginOptions e;
   e.param_dtype(dtype).reduce_dtype(dtype);
   e.cpu_offload_fraction(o.offload_optim_frac());
+  e.keep_gathered_fraction(1.0 - o.shard_param_frac());
+  zero::PlacementOptions po;
+  po.policy(
+        autop ? zero::PlacementPolicy::kAuto : zero::PlacementPolicy::kStatic)
+      .offload_param_fraction(o.offload_param_frac())
+      .device_capacity(o.device_memory_capacity())
+      .warmup_non_model_data_ratio(o.warmup_non_model_data_ratio())
+      .steady_cuda_cap_ratio(o.steady_cuda_cap_ratio());
+  e.placement(po);
   // Every module that opens a ForwardScope gathers the chunks it needs.
   e.auto_wrap_policy(zero::size_based_wrap_policy(0));
   e.forward_prefetch(o.max_prefetch() > 0);

@@ -77,6 +77,11 @@ struct FlatShardLayout {
   }
 };
 
+/// Bytes of `t`'s elements (0 for an undefined tensor), for memory stats.
+inline int64_t bytes_of(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
 /// A group of parameters in the flat shard layout, as the sharded optimizer
 /// sees it: fp32 master shard, fp32 gradient shard and one piece per
 /// parameter (a view of the shard whose .grad is a view of the gradient

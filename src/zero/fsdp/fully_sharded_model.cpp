@@ -157,7 +157,7 @@ void build_unit(FsdpState& st, Unit& u) {
   }
   u.make_pieces(); // this rank's part of each parameter, for the optimizer
   u.gathered = true;
-  if (st.reshard_at_rest() && !u.aliased) {
+  if (st.reshard_at_rest() && !u.aliased && !u.keep_gathered) {
     compat::free_storage(u.full);
     u.gathered = false;
   }
@@ -343,29 +343,9 @@ FullyShardedModel::FullyShardedModel(
       st.unit_scope[k] = s; // the earliest scope: the last in backward
     }
   }
-  // Static placement: units go to the host tier in order until the share
-  // is reached (the last one may pass it).
-  const double fraction =
-      st.o.cpu_offload() ? 1.0 : st.o.cpu_offload_fraction();
-  TORCH_CHECK(
-      fraction >= 0.0 && fraction <= 1.0,
-      "FSDP: cpu_offload_fraction must be in [0, 1], got ",
-      fraction);
-  int64_t total_numel = 0, offloaded_numel = 0;
-  for (const auto& u : st.units) {
-    for (const auto& p : u.params) {
-      total_numel += p.numel();
-    }
-  }
-  for (auto& u : st.units) {
-    if (offloaded_numel >= fraction * total_numel || fraction == 0.0) {
-      break;
-    }
-    u.offloaded = true;
-    for (const auto& p : u.params) {
-      offloaded_numel += p.numel();
-    }
-  }
+  // Tiers (NOTE [Gemini placement]).
+  st.placement = std::make_unique<gemini::Placement>(st, st.o.placement());
+  st.placement->assign_tiers();
   for (size_t k = 0; k < st.units.size(); ++k) {
     auto& u = st.units[k];
     build_unit(st, u);
@@ -386,6 +366,7 @@ FullyShardedModel::FullyShardedModel(
         ->set_forward_hooks(std::make_shared<ScopeHooks>(state_, k));
   }
   st.install_grad_hooks();
+  st.placement->setup();
   st.sample_peak();
 }
 
@@ -443,11 +424,16 @@ FullyShardedMemoryStats FullyShardedModel::memory_stats() const {
   return state_->measure();
 }
 
+PlacementStats FullyShardedModel::placement_stats() const {
+  return state_->placement->stats();
+}
+
 FullyShardedMemoryStats FullyShardedModel::peak_memory_stats() const {
   return state_->peak;
 }
 
 void FullyShardedModel::reset_peak_memory_stats() {
+  state_->placement->reset_peak();
   state_->peak = state_->measure();
 }
 
@@ -571,6 +557,7 @@ FullyShardedModel::FullParams::~FullParams() noexcept(false) {
   st.summoned = false;
   st.install_grad_hooks(); // a dtype change under set_data drops them
   if (writeback) {
+    st.placement->refresh_param_shards();
     st.refresh_gathered();
   }
 }

@@ -2,6 +2,8 @@
 
 #include "../../checkpoint_io/optimizer_state.h"
 
+#include <unordered_map>
+
 namespace colossalai {
 namespace zero {
 
@@ -9,13 +11,36 @@ using detail::FsdpState;
 
 namespace {
 
-int64_t state_bytes(torch::optim::Optimizer& opt) {
+// Optimizer state bytes per unit (placement accounts them in the unit's
+// tier) and in all (ignored parameters' included).
+int64_t state_bytes(torch::optim::Optimizer& opt, FsdpState& st) {
+  std::unordered_map<const void*, size_t> unit_of;
+  for (size_t k = 0; k < st.units.size(); ++k) {
+    st.units[k].optim_bytes = 0;
+    for (const auto& piece : st.units[k].pieces) {
+      unit_of.emplace(piece.unsafeGetTensorImpl(), k);
+    }
+  }
+  std::vector<const void*> ids;
+  for (auto& g : opt.param_groups()) {
+    for (auto& p : g.params()) {
+      ids.push_back(p.unsafeGetTensorImpl());
+    }
+  }
   int64_t n = 0;
   for (const auto& kv : checkpoint_io::detail::optimizer_param_states(opt)) {
+    int64_t b = 0;
     for (const auto& item : kv.second) {
       if (item.key() != "step") {
-        n += item.value().numel() * item.value().element_size();
+        b += item.value().numel() * item.value().element_size();
       }
+    }
+    n += b;
+    auto it = kv.first < static_cast<int64_t>(ids.size())
+        ? unit_of.find(ids[kv.first])
+        : unit_of.end();
+    if (it != unit_of.end()) {
+      st.units[it->second].optim_bytes += b;
     }
   }
   return n;
@@ -69,7 +94,8 @@ void FullyShardedOptimizer::step() {
 
 void FullyShardedOptimizer::after_step() {
   auto& st = *state_;
-  st.optimizer_bytes = state_bytes(*optim_);
+  st.optimizer_bytes = state_bytes(*optim_, st);
+  st.placement->after_step(); // device parameter shards see the new weights
   st.sample_peak();
   st.refresh_gathered(); // units kept gathered at rest see the new weights
 }

@@ -10,14 +10,6 @@ namespace colossalai {
 namespace zero {
 namespace detail {
 
-namespace {
-
-int64_t bytes_of(const at::Tensor& t) {
-  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
-}
-
-} // namespace
-
 bool FsdpState::reshard_after_forward(const Unit& u) const {
   // The root's backward starts right after forward, so it stays gathered
   // (as in PyTorch).
@@ -27,18 +19,21 @@ bool FsdpState::reshard_after_forward(const Unit& u) const {
        s == ShardingStrategy::kHybridShard);
 }
 
-void FsdpState::launch_gather(size_t k) {
+void FsdpState::launch_gather(size_t k, bool prefetch) {
   auto& u = units[k];
   if (u.aliased || u.gathered || u.gathering || u.numel() == 0) {
     return;
+  }
+  // The shard in param_dtype on the device; never a view of `full`.
+  auto src = placement->gather_source(k, prefetch);
+  if (!src.defined()) {
+    return; // a prefetch with no room: gathered when needed instead
   }
   const auto nbytes =
       static_cast<size_t>(u.full.numel()) * u.full.element_size();
   if (compat::storage_nbytes(u.full) == 0) {
     compat::allocate_storage(u.full, nbytes);
   }
-  // The shard (cast and moved only when needed); never a view of `full`.
-  auto src = u.shard_data.to(device, param_dtype);
   if (S == 1) {
     u.full.copy_(src);
     u.gathered = true;
@@ -64,7 +59,7 @@ void FsdpState::wait_gather(size_t k) {
 
 void FsdpState::reshard(size_t k) {
   auto& u = units[k];
-  if (u.aliased || u.numel() == 0) {
+  if (u.aliased || u.keep_gathered || u.numel() == 0) {
     return;
   }
   wait_gather(k);
@@ -114,10 +109,11 @@ void FsdpState::gather_scope(size_t s) {
 
 void FsdpState::prefetch_scope(size_t s) {
   for (size_t k : scopes[s].units) {
-    if (!units[k].gathered && !units[k].gathering && !units[k].aliased) {
+    const bool idle = !units[k].gathered && !units[k].gathering;
+    launch_gather(k, /*prefetch=*/true);
+    if (idle && units[k].gathering) {
       ++prefetches;
     }
-    launch_gather(k);
   }
 }
 
@@ -129,13 +125,15 @@ void FsdpState::root_pre_forward() {
       !in_backward(), "FSDP: forward while a backward pass is in progress");
   in_forward = true;
   recording = !order_recorded;
+  placement->begin_forward();
+  placement->moment();
   gather_scope(0);
   for (size_t k : scopes[0].units) {
     ++open_scopes[k];
   }
   if (o.forward_prefetch() && !order.empty()) {
     for (size_t k : scopes[order.front()].units) {
-      launch_gather(k);
+      launch_gather(k, /*prefetch=*/true);
     }
   }
 }
@@ -167,6 +165,7 @@ void FsdpState::enter_scope(size_t s) {
   if (recording && std::find(order.begin(), order.end(), s) == order.end()) {
     order.push_back(s);
   }
+  placement->moment();
   gather_scope(s);
   for (size_t k : scopes[s].units) {
     ++open_scopes[k];
@@ -174,7 +173,7 @@ void FsdpState::enter_scope(size_t s) {
   if (o.forward_prefetch()) {
     if (auto next = forward_next(s)) {
       for (size_t k : scopes[*next].units) {
-        launch_gather(k);
+        launch_gather(k, /*prefetch=*/true);
       }
     }
   }
@@ -202,6 +201,7 @@ at::Tensor FsdpState::exit_scope(size_t s, const at::Tensor& output) {
 
 void FsdpState::pre_backward(size_t s) {
   bucketer->begin_backward();
+  placement->moment();
   gather_scope(s);
   if (o.backward_prefetch() == BackwardPrefetch::kBackwardPre) {
     if (auto next = backward_next(s)) {
@@ -231,6 +231,7 @@ void FsdpState::on_bucket_ready(size_t bucket) {
   const size_t k = bucket_unit[bucket];
   // Gradients only grow until a unit completes, so its peak is now.
   sample_peak();
+  placement->moment();
   if (bucketer->finalizing()) {
     return; // a unit backward did not reach; everything reshards next
   }
@@ -268,6 +269,9 @@ void FsdpState::complete(size_t bucket) {
     distributed::all_reduce(u.reduced, *replicate_group).wait();
   }
   u.shard_grad.add_(u.reduced.to(u.shard_grad.device(), at::kFloat));
+  if (u.offloaded) {
+    placement->moved_to_host(u.reduced.numel() * u.reduced.element_size());
+  }
   u.flat_grad = at::Tensor();
   u.reduced = at::Tensor();
 }
@@ -293,9 +297,13 @@ FullyShardedMemoryStats FsdpState::measure() const {
   for (const auto& u : units) {
     if (!u.aliased && u.full.defined()) {
       s.gathered_params += static_cast<int64_t>(compat::storage_nbytes(u.full));
-      s.gathered_params += bytes_of(u.gather_src);
+      if (!u.gather_src.is_same(u.param_shard) &&
+          !u.gather_src.is_same(u.shard_data)) {
+        s.gathered_params += bytes_of(u.gather_src); // a transient copy
+      }
     }
     s.shards += bytes_of(u.shard_data);
+    s.param_shards += bytes_of(u.param_shard);
     s.gradients += bytes_of(u.shard_grad) + bytes_of(u.flat_grad);
     if (u.offloaded) {
       s.offloaded += bytes_of(u.shard_data) + bytes_of(u.shard_grad);
@@ -312,6 +320,9 @@ FullyShardedMemoryStats FsdpState::measure() const {
 }
 
 void FsdpState::sample_peak() {
+  if (placement) {
+    placement->sample();
+  }
   auto now = measure();
   if (now.total() > peak.total()) {
     peak = now;

@@ -7,6 +7,7 @@
 
 #include "../../distributed/grad_bucketer.h"
 #include "../common/flat_params.h"
+#include "../gemini/placement.h"
 
 #include <memory>
 #include <string>
@@ -21,7 +22,12 @@ namespace detail {
 struct Unit : FlatParams {
   std::string name; // "" for the root
   bool root = false;
-  bool offloaded = false; // shards in the host tier (cpu_offload_fraction)
+  // Tiers (NOTE [Gemini placement]).
+  bool offloaded = false; // fp32 shard, its gradient and states on the host
+  bool param_offloaded = false; // no device copy of the parameter shard
+  bool keep_gathered = false;   // parameters stay gathered between uses
+  at::Tensor param_shard;       // the device copy, in param_dtype
+  int64_t optim_bytes = 0;      // its optimizer states, after each step
 
   std::vector<std::string> param_names;
 
@@ -93,6 +99,7 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
 
   int64_t optimizer_bytes = 0; // measured after each step
   FullyShardedMemoryStats peak;
+  std::unique_ptr<gemini::Placement> placement;
 
   int shard_rank() const {
     return shard_group->rank();
@@ -115,7 +122,8 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
   void install_grad_hooks();
 
   // Gathering.
-  void launch_gather(size_t k);
+  // A prefetch is skipped when the placement has no room for it.
+  void launch_gather(size_t k, bool prefetch = false);
   void wait_gather(size_t k);
   void ensure_gathered(size_t k) {
     launch_gather(k);

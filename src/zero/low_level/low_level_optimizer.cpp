@@ -7,11 +7,10 @@
 namespace colossalai {
 namespace zero {
 
+using detail::bytes_of;
+
 namespace {
 
-int64_t bytes_of(const at::Tensor& t) {
-  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
-}
 
 ShardedOptimizerOptions sharded_options(const LowLevelZeroOptimizerOptions& o) {
   ShardedOptimizerOptions so;

@@ -13,8 +13,10 @@ struct GeminiPluginOptions {
   /// Chunk size in elements; 0: searched (search_range_m, hidden_dim,
   /// min_chunk_size_m), as ColossalAI does without a chunk_config_dict.
   TORCH_ARG(int64_t, chunk_size) = 0;
-  /// "static" (ColossalAI's default); "auto" is refused until the memory
-  /// tracer exists.
+  /// "static" (ColossalAI's default): the fractions below place the chunks;
+  /// "auto": every chunk's fp32 shard, gradient and optimizer states on the
+  /// host, its parameter shard cached on the device while the budget allows
+  /// (NOTE [Gemini placement]).
   TORCH_ARG(std::string, placement_policy) = "static";
   /// Accepted: several backward calls before a step always accumulate
   /// (reduced) gradients in the fp32 gradient shards. As in ColossalAI,
@@ -24,16 +26,30 @@ struct GeminiPluginOptions {
   /// forward, then in backward order) are gathered ahead, whatever their
   /// number; 0: chunks are gathered when needed.
   TORCH_ARG(int, max_prefetch) = 0;
-  /// Share of chunks that are sharded; only 1.0 is supported.
+  /// Share of chunk bytes that are resharded after use; the rest (the last
+  /// chunks) stay gathered between uses, ZeRO-2-like: more memory, no
+  /// re-gather for backward. Their gradients and optimizer states stay
+  /// sharded.
   TORCH_ARG(double, shard_param_frac) = 1.0;
-  /// Share of chunk bytes whose fp32 shards, gradients and optimizer
-  /// states live in host memory: chunks in execution order until the share
-  /// is reached (static placement; on a CPU-only build both tiers are host
-  /// memory and memory_stats().offloaded reports the host tier's bytes).
+  /// Static: share of chunk bytes (first chunks first) whose fp32 shards,
+  /// gradients and optimizer states live in host memory; the optimizer
+  /// updates them there.
   TORCH_ARG(double, offload_optim_frac) = 0.0;
-  /// Only 0.0 is supported: chunks keep no low-precision shard apart from
-  /// the fp32 one, which offload_optim_frac places.
+  /// Static, with shard_param_frac 1 and offload_optim_frac 1: share of
+  /// chunk bytes (first chunks first) that keep no device copy of their
+  /// parameter shard; each gather reads the host.
   TORCH_ARG(double, offload_param_frac) = 0.0;
+  /// Auto: share of the device capacity kept for non-model data during the
+  /// first (warm-up) step, and share of it usable in later steps.
+  TORCH_ARG(double, warmup_non_model_data_ratio) = 0.8;
+  TORCH_ARG(double, steady_cuda_cap_ratio) = 0.9;
+  /// Only 0 is supported: optimizer states stay on the host under "auto".
+  TORCH_ARG(double, gpu_margin_mem_ratio) = 0.0;
+  /// Bytes of device memory this rank may use (an addition, in place of
+  /// ColossalAI's process memory fraction); 0: the device's total (CUDA)
+  /// or no limit. On a CPU-only build the device tier is host memory that
+  /// is accounted, and "auto" keeps it within this budget.
+  TORCH_ARG(int64_t, device_memory_capacity) = 0;
   /// "fp16" (needs CUDA), "bf16", or "fp32" (an addition: no low-precision
   /// copy at all).
   TORCH_ARG(std::string, precision) = "fp16";
@@ -66,7 +82,8 @@ struct GeminiPluginOptions {
 /// Gemini: chunk-based ZeRO-3. Parameters are packed in execution order
 /// into fixed-size chunks (NOTE [Gemini chunks]), each sharded over the
 /// data-parallel ranks and gathered while a module using it computes; a
-/// chunk is the unit of all-gather, reduce-scatter and placement. It runs on
+/// chunk is the unit of all-gather, reduce-scatter and placement between
+/// the device and the host (NOTE [Gemini placement]). It runs on
 /// the FSDP engine (FullyShardedOptions::chunk_size), so clipping, loss
 /// scaling and checkpoints (full tensors, loadable at any world
 /// size and under every plugin) are FSDP's. Chunks gather per module that

@@ -1,0 +1,127 @@
+#pragma once
+
+// NOTE [Gemini placement]
+// Every unit (a Gemini chunk) has state in two tiers, the device (where it
+// computes) and the host:
+//  - its fp32 shard, gradient shard and optimizer states: the device, or the
+//    host when the unit is offloaded (static: cpu_offload_fraction; auto:
+//    every unit, as ColossalAI's auto policy does);
+//  - for an offloaded unit, a device copy of its shard in param_dtype (the
+//    parameter shard), which the all-gather reads. Static placement keeps it
+//    unless the unit is among the first offload_param_fraction units, which
+//    read the host shard at every gather; auto placement caches it while the
+//    budget allows. The fp32 host shard is the master copy, so evicting the
+//    device copy moves nothing back: it is dropped, and fetched again (host
+//    to device) by the next gather that needs it;
+//  - while it computes: its gathered parameters and full gradients.
+//
+// Auto placement keeps the device tier's model data within a budget:
+//   warm-up (the first step): capacity * (1 - warmup_non_model_data_ratio);
+//   later: capacity * steady_cuda_cap_ratio - the non-model memory recorded
+//   at this moment and the next one of the warm-up step.
+// Non-model memory at a moment is the device's allocated bytes minus the
+// model data (both tiers on a CPU-only build, where the device tier is host
+// memory) minus what was allocated before the model was sharded. Moments are
+// the engine's decision points: the root's forward, each module's forward
+// and backward, each unit's gradients completing. When a gather needs room,
+// parameter shards of units not being gathered are evicted, the one whose
+// next use (from the gather order recorded in the warm-up step) is furthest
+// first, or the least recently used in the warm-up step. A prefetch that
+// does not fit is skipped; a gather that does not fit is an error naming
+// the budget.
+//
+// On CUDA the tiers are real devices and the moves are copies; on a CPU-only
+// build both tiers are host memory, the moves are counted but cost nothing,
+// and the budget is enforced on the accounting (which is how the policy is
+// tested without a GPU). Only sampled moments are checked: memory a module
+// allocates and frees inside its own forward is not seen.
+
+#include <colossalai/zero/fully_sharded.h>
+
+#include <vector>
+
+namespace colossalai {
+namespace zero {
+namespace detail {
+struct FsdpState;
+} // namespace detail
+namespace gemini {
+
+// Non-model memory per moment of a pass (ColossalAI's memory stats
+// collector): recorded in the warm-up step, read back in later ones.
+class MemoryTracer {
+ public:
+  void begin_pass() {
+    index_ = 0;
+  }
+  // Records one moment (warm-up) or steps over it.
+  void record(int64_t non_model, bool warmup);
+  // The most non-model memory of the current moment and the next; the most
+  // of the whole warm-up step beyond the recorded moments.
+  int64_t next_period() const;
+  size_t moments() const {
+    return recorded_.size();
+  }
+
+ private:
+  std::vector<int64_t> recorded_;
+  size_t index_ = 0;
+  int64_t max_ = 0;
+};
+
+class Placement {
+ public:
+  Placement(detail::FsdpState& state, PlacementOptions options);
+
+  // Chooses each unit's tiers (before the units are built).
+  void assign_tiers();
+  // Creates the static parameter shards and measures the baseline (after).
+  void setup();
+
+  // The tensor unit `k`'s all-gather reads (param_dtype, on the device),
+  // after making room for it and its gathered buffer; undefined when a
+  // prefetch does not fit.
+  at::Tensor gather_source(size_t k, bool prefetch);
+  // A decision point (NOTE [Gemini placement]).
+  void moment();
+  // Samples device use between moments (with the last non-model figure).
+  void sample();
+  void begin_forward();
+  void moved_to_host(int64_t bytes) {
+    stats_.device_to_host += bytes;
+  }
+  // The fp32 shards changed: refresh the device parameter shards.
+  void refresh_param_shards();
+  // After an optimizer step: refreshes, and ends the warm-up.
+  void after_step();
+
+  PlacementStats stats() const;
+  void reset_peak();
+
+ private:
+  int64_t device_model() const;
+  int64_t host_model() const;
+  int64_t model_budget() const;
+  // Evicts parameter shards (never unit `k`'s, nor those being gathered)
+  // until `need` bytes fit; whether they do.
+  bool make_room(int64_t need, size_t k);
+  int64_t next_use(size_t k) const;
+
+  detail::FsdpState& st_;
+  PlacementOptions o_;
+  int64_t capacity_ = 0;
+  int64_t baseline_ = 0;
+  int64_t fixed_device_ = 0; // buffers and ignored parameters
+  MemoryTracer tracer_;
+  bool warmup_ = true;
+  std::vector<size_t> uses_; // gathers of the warm-up step, in order
+  std::vector<std::vector<size_t>> use_positions_; // per unit
+  size_t position_ = 0;
+  std::vector<int64_t> last_use_;
+  int64_t clock_ = 0;
+  PlacementStats stats_;
+};
+
+} // namespace gemini
+} // namespace zero
+} // namespace colossalai
