@@ -9,6 +9,7 @@
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/gemini_plugin.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/zero/fully_sharded.h>
 
 #include <harness/multiprocess.h>
@@ -29,6 +30,7 @@ namespace gm = colossalai::zero::gemini;
 namespace zoo = colossalai::zoo;
 using colossalai::testing::error_of;
 using colossalai::testing::run_distributed;
+using colossalai::testing::temp_dir;
 
 namespace {
 
@@ -608,5 +610,169 @@ TEST(GeminiPlugin, AutoPlacementNamesABudgetTooSmall) {
     });
     EXPECT_NE(msg.find("Gemini placement"), std::string::npos) << msg;
     EXPECT_NE(msg.find("device_capacity"), std::string::npos) << msg;
+  });
+}
+
+TEST(GeminiPlugin, OneProcessCheckpointLoadsUnderEveryPlacement) {
+  // A sharded model + optimizer checkpoint saved by one process with no
+  // plugin loads into Gemini at 2 ranks under static placement with device
+  // parameter shards and under auto placement with a budget (the device
+  // copies must see the loaded weights): the forward then equals the saved
+  // model's (same weights, same kernels), and one more SGD + momentum step
+  // on the global batch matches one process within the harness's bound
+  // |w - ref| <= 1e-5 + 1e-4 |ref| (only the batch sum's rounding differs).
+  const auto scratch = [](pid_t parent) {
+    return (std::filesystem::temp_directory_path() /
+            ("colossalai_gemini_load_" + std::to_string(parent)))
+        .string();
+  };
+  const auto cfg = tiny();
+  auto batch = zoo::random_tokens(4, cfg, 5);
+  auto make_sgd = [](zoo::GPT& m) {
+    return std::make_shared<torch::optim::SGD>(
+        m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  };
+  if (std::getenv("COLOSSALAI_TEST_CHILD") == nullptr) {
+    const auto dir = scratch(::getpid());
+    torch::manual_seed(0);
+    zoo::GPT model(cfg);
+    cb::Booster booster;
+    auto boosted = booster.boost(model, make_sgd(model));
+    booster.backward(
+        zoo::gpt_loss(boosted.model(batch.first), batch.second),
+        *boosted.optimizer);
+    boosted.optimizer->step();
+    boosted.optimizer->zero_grad();
+    booster.save_model(
+        boosted.model,
+        dir + "/model",
+        ck::SaveModelOptions().shard(true).size_per_shard(1));
+    booster.save_optimizer(
+        *boosted.optimizer,
+        dir + "/optimizer",
+        ck::SaveOptimizerOptions().shard(true).size_per_shard(1));
+  }
+  run_distributed(2, [&](int rank, int) {
+    const auto dir = scratch(::getppid());
+    auto x = batch.first.narrow(0, 2 * rank, 2);
+    auto y = batch.second.narrow(0, 2 * rank, 2);
+    // The reference: the checkpoint in one process, then one step on the
+    // global batch.
+    zoo::GPT reference(cfg);
+    cb::Booster plain;
+    auto ref = plain.boost(reference, make_sgd(reference));
+    plain.load_model(ref.model, dir + "/model");
+    plain.load_optimizer(*ref.optimizer, dir + "/optimizer");
+    at::Tensor ref_logits;
+    {
+      torch::NoGradGuard no_grad;
+      ref_logits = reference(x);
+    }
+    plain.backward(
+        zoo::gpt_loss(ref.model(batch.first), batch.second), *ref.optimizer);
+    ref.optimizer->step();
+    const auto ref_params = reference->parameters();
+    for (const auto& o :
+         {chunked(4000).offload_optim_frac(1.0),
+          chunked(4000).placement_policy("auto").device_memory_capacity(
+              1 << 20)}) {
+      auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(o);
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      torch::manual_seed(123); // other weights than the checkpoint's
+      zoo::GPT model(cfg);
+      auto boosted = booster.boost(model, make_sgd(model));
+      booster.load_model(boosted.model, dir + "/model");
+      booster.load_optimizer(*boosted.optimizer, dir + "/optimizer");
+      {
+        torch::NoGradGuard no_grad;
+        auto logits = boosted.model(x);
+        EXPECT_TRUE(at::allclose(logits, ref_logits, 1e-5, 1e-6))
+            << o.placement_policy() << ": the forward after loading differs by "
+            << (logits - ref_logits).abs().max().item<double>();
+      }
+      booster.backward(zoo::gpt_loss(boosted.model(x), y), *boosted.optimizer);
+      boosted.optimizer->step();
+      auto full = engine_of(boosted)->summon_full_params();
+      auto params = model->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(at::allclose(params[i], ref_params[i], 1e-4, 1e-5))
+            << o.placement_policy() << ": parameter " << i << " differs by "
+            << (params[i] - ref_params[i]).abs().max().item<double>();
+      }
+    }
+  });
+  if (std::getenv("COLOSSALAI_TEST_CHILD") == nullptr) {
+    std::filesystem::remove_all(scratch(::getpid()));
+  }
+}
+
+TEST(GeminiPlugin, HybridAdamSpillsOptimizerStatesToDisk) {
+  // The disk tier: HybridAdam keeps half of the states of the chunks'
+  // pieces in files (its NVMe path) while Gemini keeps the fp32 shards on
+  // the host. The weights after three steps equal HybridAdam's in memory
+  // bit for bit, the files hold those states between steps (the host tier
+  // does not count them), and a saved optimizer holds the same states.
+  run_distributed(2, [](int rank, int) {
+    namespace opt = colossalai::nn::optimizer;
+    const auto spill = temp_dir("colossalai_gemini_nvme");
+    std::vector<std::vector<at::Tensor>> weights;
+    std::vector<int64_t> host_states;
+    std::vector<std::map<int64_t, ck::StateDict>> states;
+    for (double fraction : {0.0, 0.5}) {
+      auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
+          chunked(4000).offload_optim_frac(1.0));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      torch::manual_seed(0);
+      zoo::GPT model(tiny());
+      auto adam = std::make_shared<opt::HybridAdam>(
+          model->parameters(),
+          opt::HybridAdamOptions(1e-3)
+              .nvme_offload_fraction(fraction)
+              .nvme_offload_dir(spill));
+      auto boosted = booster.boost(model, adam);
+      for (int step = 0; step < 3; ++step) {
+        auto b = zoo::random_tokens(2, tiny(), 10 * step + rank);
+        boosted.optimizer->zero_grad();
+        booster.backward(
+            zoo::gpt_loss(boosted.model(b.first), b.second),
+            *boosted.optimizer);
+        boosted.optimizer->step();
+      }
+      if (fraction > 0) {
+        EXPECT_GT(adam->offloaded_numel(), 0);
+        int64_t on_disk = 0;
+        for (const auto& f : std::filesystem::recursive_directory_iterator(
+                 adam->offload_dir())) {
+          if (f.is_regular_file()) {
+            on_disk += static_cast<int64_t>(f.file_size());
+          }
+        }
+        EXPECT_EQ(on_disk, adam->offloaded_numel() * 4 * 2);
+      }
+      auto* m = engine_of(boosted);
+      host_states.push_back(m->placement_stats().host_model);
+      auto* sharded =
+          dynamic_cast<cz::ShardedOptimizer*>(boosted.optimizer.get());
+      ASSERT_NE(sharded, nullptr);
+      states.push_back(sharded->full_states());
+      auto full = m->summon_full_params();
+      std::vector<at::Tensor> w;
+      for (const auto& p : model->parameters()) {
+        w.push_back(p.detach().clone());
+      }
+      weights.push_back(std::move(w));
+    }
+    EXPECT_LT(host_states[1], host_states[0]);
+    for (size_t i = 0; i < weights[0].size(); ++i) {
+      EXPECT_TRUE(at::equal(weights[0][i], weights[1][i])) << "parameter " << i;
+    }
+    ASSERT_EQ(states[0].size(), states[1].size());
+    for (const auto& kv : states[0]) {
+      for (const auto& item : kv.second) {
+        EXPECT_TRUE(at::equal(item.value(), states[1].at(kv.first)[item.key()]))
+            << "state " << kv.first << " " << item.key();
+      }
+    }
+    std::filesystem::remove_all(spill);
   });
 }

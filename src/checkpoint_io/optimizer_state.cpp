@@ -114,8 +114,9 @@ void adam_group(c10::impl::GenericDict& d, const O& a) {
   d.insert("weight_decay", a.weight_decay());
 }
 
-void check_supported(Optimizer& o) {
-  if (auto* h = dynamic_cast<nn::optimizer::HybridAdam*>(&o)) {
+void check_supported(Optimizer& o, bool fetch_offloaded = true) {
+  auto* h = dynamic_cast<nn::optimizer::HybridAdam*>(&o);
+  if (h != nullptr && fetch_offloaded) {
     h->fetch_offloaded_states(); // states kept in files come back first
   }
   TORCH_CHECK(
@@ -127,8 +128,10 @@ void check_supported(Optimizer& o) {
 
 } // namespace
 
-std::map<int64_t, StateDict> optimizer_param_states(Optimizer& o) {
-  check_supported(o);
+std::map<int64_t, StateDict> optimizer_param_states(
+    Optimizer& o,
+    bool fetch_offloaded) {
+  check_supported(o, fetch_offloaded);
   std::map<int64_t, StateDict> out;
   auto params = all_params(o);
   auto& state = o.state();

@@ -16,9 +16,12 @@ namespace colossalai {
 namespace checkpoint_io {
 namespace detail {
 
-/// Per-parameter state by id, tensors as stored (not copied).
+/// Per-parameter state by id, tensors as stored (not copied). HybridAdam's
+/// states kept in files are read back first, unless `fetch_offloaded` is
+/// false: they are then undefined tensors (for memory accounting).
 std::map<int64_t, StateDict> optimizer_param_states(
-    torch::optim::Optimizer& optimizer);
+    torch::optim::Optimizer& optimizer,
+    bool fetch_offloaded = true);
 
 /// The groups' hyperparameters and parameter ids.
 c10::impl::GenericList optimizer_param_groups(torch::optim::Optimizer& o);

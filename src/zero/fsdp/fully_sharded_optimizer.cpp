@@ -28,11 +28,13 @@ int64_t state_bytes(torch::optim::Optimizer& opt, FsdpState& st) {
     }
   }
   int64_t n = 0;
-  for (const auto& kv : checkpoint_io::detail::optimizer_param_states(opt)) {
+  // States HybridAdam keeps in files stay there (undefined here).
+  for (const auto& kv : checkpoint_io::detail::optimizer_param_states(
+           opt, /*fetch_offloaded=*/false)) {
     int64_t b = 0;
     for (const auto& item : kv.second) {
       if (item.key() != "step") {
-        b += item.value().numel() * item.value().element_size();
+        b += detail::bytes_of(item.value());
       }
     }
     n += b;

@@ -11,7 +11,6 @@ using detail::bytes_of;
 
 namespace {
 
-
 ShardedOptimizerOptions sharded_options(const LowLevelZeroOptimizerOptions& o) {
   ShardedOptimizerOptions so;
   so.max_norm(o.max_norm());
@@ -271,8 +270,9 @@ MemoryStats LowLevelZeroOptimizer::memory_stats() const {
       s.master_weights += bytes_of(b.shard_data);
     }
   }
-  for (const auto& kv :
-       checkpoint_io::detail::optimizer_param_states(*impl_->inner)) {
+  // States HybridAdam keeps in files stay there (undefined here).
+  for (const auto& kv : checkpoint_io::detail::optimizer_param_states(
+           *impl_->inner, /*fetch_offloaded=*/false)) {
     for (const auto& item : kv.second) {
       if (item.key() != "step") {
         s.optimizer_states += bytes_of(item.value());
