@@ -1,13 +1,14 @@
 // Step time and model-state memory of DDP, ZeRO-1, ZeRO-2, FSDP
 // (FULL_SHARD, one unit per transformer block, with and without backward
-// prefetch) and Gemini (1 Mi-element chunks, prefetch on) on gpt-small-cpu, 2 ranks x 1 thread, fp32 AdamW. The setups
-// live in the same processes and their timed rounds alternate, so the ratios
-// compare like with like on a noisy machine. Model-state bytes are counted
-// per rank from the tensors each setup holds, beside the ZeRO formulas; FSDP
-// also reports its peak during a step.
+// prefetch) and Gemini (1 Mi-element chunks, prefetch on) on gpt-small-cpu, 2
+// ranks x 1 thread, fp32 AdamW. The setups live in the same processes and their
+// timed rounds alternate, so the ratios compare like with like on a noisy
+// machine. Model-state bytes are counted per rank from the tensors each setup
+// holds, beside the ZeRO formulas; FSDP also reports its peak during a step.
 //
 //   bench_zero_step [--nproc 2] [--steps 4] [--rounds 3]
-//                   [--setups ddp,zero1,zero2,fsdp,fsdp_noprefetch,gemini]
+//                   [--setups ddp,zero1,zero2,fsdp,fsdp_noprefetch,gemini,
+//                             gemini_auto]
 //                   [--out FILE.json]
 
 #include <colossalai/colossalai.h>
@@ -63,8 +64,8 @@ std::vector<std::string> split(const std::string& s) {
 }
 
 colossalai::zero::FullyShardedModel* fsdp_of(Setup& s) {
-  return colossalai::interface::find_wrapper<colossalai::zero::FullyShardedModel>(
-      *s.boosted.model.wrapper());
+  return colossalai::interface::find_wrapper<
+      colossalai::zero::FullyShardedModel>(*s.boosted.model.wrapper());
 }
 
 int run_rank(
@@ -91,17 +92,20 @@ int run_rank(
               .backward_prefetch(
                   name == "fsdp" ? cz::BackwardPrefetch::kBackwardPre
                                  : cz::BackwardPrefetch::kNone));
-    } else if (name == "gemini") {
+    } else if (name == "gemini" || name == "gemini_auto") {
       // gpt-small-cpu is below the default min_chunk_size_m (32 Mi
       // elements, where it would be one gathered chunk): 1 Mi-element
-      // chunks on the hidden-dim interval make it ~6 sharded chunks.
+      // chunks on the hidden-dim interval make it ~6 sharded chunks. Auto
+      // placement has no device budget here: every fp32 shard, gradient and
+      // optimizer state in the host tier, every parameter shard cached.
       plugin = std::make_shared<cb::plugin::GeminiPlugin>(
           cb::plugin::GeminiPluginOptions()
               .precision("fp32")
               .min_chunk_size_m(1)
               .search_range_m(1)
               .hidden_dim(cfg.n_embd())
-              .max_prefetch(1));
+              .max_prefetch(1)
+              .placement_policy(name == "gemini" ? "static" : "auto"));
     } else if (name == "zero1" || name == "zero2") {
       plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
           cb::plugin::LowLevelZeroPluginOptions()
@@ -208,14 +212,16 @@ int run_rank(
       {"zero2", (4.0 + 12.0 / n) * psi},
       {"fsdp", 16.0 / n * psi},
       {"fsdp_noprefetch", 16.0 / n * psi},
-      {"gemini", 16.0 / n * psi}};
+      {"gemini", 16.0 / n * psi},
+      {"gemini_auto", 16.0 / n * psi}};
   std::map<std::string, double> layout = {
       {"ddp", 16.0 * psi},
       {"zero1", (4.0 + 12.0 / n) * psi},
       {"zero2", (4.0 + 12.0 / n) * psi},
       {"fsdp", 16.0 / n * psi},
       {"fsdp_noprefetch", 16.0 / n * psi},
-      {"gemini", 16.0 / n * psi}};
+      {"gemini", 16.0 / n * psi},
+      {"gemini_auto", 20.0 / n * psi}}; // + cached parameter shards
   if (rank != 0)
     return 0;
   std::ostringstream json;
@@ -254,8 +260,7 @@ int run_rank(
         measured[name] / 1e6,
         formula[name] / 1e6,
         layout[name] / 1e6,
-        peak.count(name) ? std::to_string(peak[name] / 1000000).c_str()
-                         : "-");
+        peak.count(name) ? std::to_string(peak[name] / 1000000).c_str() : "-");
   }
   json << "\n  }\n}\n";
   std::cout << json.str();

@@ -776,3 +776,74 @@ TEST(GeminiPlugin, HybridAdamSpillsOptimizerStatesToDisk) {
     std::filesystem::remove_all(spill);
   });
 }
+
+TEST(GeminiPlugin, Bf16MatchesOneProcessWithinBf16Rounding) {
+  // bf16 compute with fp32 master shards at 2 ranks, static and auto
+  // placement, against one fp32 process on the global batch (SGD, 3 steps).
+  // Bound: SGD moves a weight by lr * g per step, so the weights differ by
+  // at most lr * sum_k |g_k - g32_k|. A bf16 gradient carries a relative
+  // rounding of 2^-8 per operation; we allow 2^-4 of the step's largest
+  // fp32 gradient element (16 such roundings) per step. Averaging wrongly
+  // (summing the two ranks' gradients) moves weights by lr * |g|, 16 times
+  // the bound. Static and auto placement give identical weights.
+  run_distributed(2, [](int rank, int) {
+    const auto cfg = tiny();
+    const double lr = 0.1;
+    torch::manual_seed(0);
+    zoo::GPT reference(cfg);
+    torch::optim::SGD ref_opt(
+        reference->parameters(), torch::optim::SGDOptions(lr));
+    double bound = 0;
+    std::vector<std::pair<at::Tensor, at::Tensor>> batches;
+    for (int step = 0; step < 3; ++step) {
+      batches.push_back(zoo::random_tokens(4, cfg, 30 + step));
+      ref_opt.zero_grad();
+      zoo::gpt_loss(reference(batches[step].first), batches[step].second)
+          .backward();
+      double largest = 0;
+      for (const auto& p : reference->parameters()) {
+        largest = std::max(largest, p.grad().abs().max().item<double>());
+      }
+      bound += lr * largest / 16;
+      ref_opt.step();
+    }
+    const auto ref = reference->parameters();
+    std::vector<std::vector<at::Tensor>> results;
+    for (const auto& o :
+         {GO().precision("bf16").chunk_size(4000),
+          GO().precision("bf16").chunk_size(4000).placement_policy("auto")}) {
+      auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(o);
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      torch::manual_seed(0);
+      zoo::GPT model(cfg);
+      auto boosted = booster.boost(
+          model,
+          std::make_shared<torch::optim::SGD>(
+              model->parameters(), torch::optim::SGDOptions(lr)));
+      for (const auto& b : batches) {
+        boosted.optimizer->zero_grad();
+        booster.backward(
+            zoo::gpt_loss(
+                boosted.model(b.first.narrow(0, 2 * rank, 2)),
+                b.second.narrow(0, 2 * rank, 2)),
+            *boosted.optimizer);
+        boosted.optimizer->step();
+      }
+      auto full = engine_of(boosted)->summon_full_params();
+      std::vector<at::Tensor> w;
+      for (const auto& p : model->parameters()) {
+        w.push_back(p.detach().clone());
+      }
+      results.push_back(std::move(w));
+    }
+    double worst = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double d = (results[0][i] - ref[i]).abs().max().item<double>();
+      worst = std::max(worst, d);
+      EXPECT_LE(d, bound) << "parameter " << i;
+      EXPECT_TRUE(at::equal(results[0][i], results[1][i]))
+          << "static and auto differ at parameter " << i;
+    }
+    EXPECT_GT(worst, 0); // bf16 really computed
+  });
+}

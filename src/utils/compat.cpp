@@ -7,6 +7,7 @@
 #ifdef COLOSSALAI_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #endif
@@ -34,8 +35,9 @@ size_t storage_nbytes(const at::Tensor& t) {
 int64_t memory_allocated(at::Device device) {
 #ifdef COLOSSALAI_WITH_CUDA
   if (device.is_cuda()) {
-    const auto stats =
-        c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto index =
+        device.has_index() ? device.index() : c10::cuda::current_device();
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
     return stats.allocated_bytes[0].current; // StatType::AGGREGATE
   }
 #endif
@@ -47,7 +49,8 @@ int64_t memory_allocated(at::Device device) {
 int64_t device_memory_capacity(at::Device device) {
 #ifdef COLOSSALAI_WITH_CUDA
   if (device.is_cuda()) {
-    c10::cuda::CUDAGuard guard(device.index());
+    c10::cuda::CUDAGuard guard(
+        device.has_index() ? device.index() : c10::cuda::current_device());
     size_t free = 0, total = 0;
     C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
     return static_cast<int64_t>(total);

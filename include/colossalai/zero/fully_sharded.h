@@ -158,7 +158,9 @@ struct FullyShardedOptions {
   TORCH_ARG(c10::optional<at::ScalarType>, reduce_dtype) = c10::nullopt;
   /// Dtype buffers are kept in (default: param_dtype).
   TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;
-  /// Shards, gradient shards (and so optimizer states) in host memory.
+  /// Shards, gradient shards (and so optimizer states) in host memory, and
+  /// no device copy of the parameter shards: each gather reads the host
+  /// (PyTorch's CPUOffload(offload_params=True)).
   TORCH_ARG(bool, cpu_offload) = false;
   /// Share of the units' bytes, first units first, whose shards and
   /// gradient shards (and so optimizer states) live in host memory: units

@@ -91,12 +91,26 @@ struct GeminiPluginOptions {
 /// blocks); the rest of the model's parameters are gathered for the whole
 /// forward.
 ///
+/// Placement (NOTE [Gemini placement]): "static" places chunks by the
+/// fractions; "auto" keeps model states on the host and caches parameter
+/// shards on the device within a budget measured against the non-model
+/// memory of the first step. `FullyShardedModel::placement_stats()` (the
+/// engine inside the boosted model) reports the tiers, the peak and the
+/// bytes moved.
+///
 /// Example:
 /// \code
 ///   auto plugin = std::make_shared<GeminiPlugin>(
 ///       GeminiPluginOptions().precision("bf16").max_norm(1.0));
 ///   Booster booster(BoosterOptions().plugin(plugin));
 ///   auto boosted = booster.boost(model, optimizer, criterion);
+///
+///   // A model whose states exceed the device: auto placement in 8 GiB.
+///   auto big = std::make_shared<GeminiPlugin>(
+///       GeminiPluginOptions()
+///           .precision("bf16")
+///           .placement_policy("auto")
+///           .device_memory_capacity(int64_t(8) << 30));
 /// \endcode
 class GeminiPlugin : public TorchFSDPPlugin {
  public:
