@@ -253,6 +253,11 @@ distributed::Work FsdpState::launch(size_t bucket) {
   if (S > 1) {
     u.reduced = at::empty({u.layout.shard}, flat.options());
     work = distributed::reduce_scatter(u.reduced, flat, *shard_group);
+    // Gloo has no reduce-scatter: it exchanges every shard (all-to-all)
+    // into a buffer of the flat size, then reduces locally.
+    if (shard_group->backend_type() == distributed::BackendType::kGloo) {
+      u.staging = flat.numel() * static_cast<int64_t>(flat.element_size());
+    }
   } else {
     u.reduced = flat;
     if (R > 1) {
@@ -274,6 +279,7 @@ void FsdpState::complete(size_t bucket) {
   }
   u.flat_grad = at::Tensor();
   u.reduced = at::Tensor();
+  u.staging = 0;
 }
 
 void FsdpState::on_finalized(bool /*synced*/) {
@@ -289,6 +295,7 @@ void FsdpState::on_reset() {
   for (auto& u : units) {
     u.flat_grad = at::Tensor();
     u.reduced = at::Tensor();
+    u.staging = 0;
   }
 }
 
@@ -304,7 +311,7 @@ FullyShardedMemoryStats FsdpState::measure() const {
     }
     s.shards += bytes_of(u.shard_data);
     s.param_shards += bytes_of(u.param_shard);
-    s.gradients += bytes_of(u.shard_grad) + bytes_of(u.flat_grad);
+    s.gradients += bytes_of(u.shard_grad) + bytes_of(u.flat_grad) + u.staging;
     if (u.offloaded) {
       s.offloaded += bytes_of(u.shard_data) + bytes_of(u.shard_grad);
     }

@@ -15,7 +15,6 @@ using detail::bytes_of;
 
 namespace {
 
-
 void check_fraction(double f, const char* option) {
   TORCH_CHECK(
       f >= 0.0 && f <= 1.0, "FSDP: ", option, " must be in [0, 1], got ", f);
@@ -146,7 +145,7 @@ int64_t Placement::device_model() const {
         !u.gather_src.is_same(u.shard_data)) {
       n += bytes_of(u.gather_src);
     }
-    n += bytes_of(u.param_shard) + bytes_of(u.flat_grad);
+    n += bytes_of(u.param_shard) + bytes_of(u.flat_grad) + u.staging;
     if (u.reduced.defined() && !u.reduced.is_same(u.flat_grad)) {
       n += bytes_of(u.reduced);
     }
@@ -235,6 +234,20 @@ at::Tensor Placement::gather_source(size_t k, bool prefetch) {
       (u.offloaded || u.shard_data.scalar_type() != pd ||
        u.shard_data.device() != st_.device)) {
     need += shard_bytes; // a copy on the device
+  }
+  if (st_.in_backward()) {
+    // Its gradients follow while it is gathered: the flat buffer in
+    // reduce_dtype (each parameter's gradient is freed once copied in), the
+    // reduced shard and, on a backend without reduce-scatter, the exchange
+    // buffer (FsdpState::launch). Reserve them now: between decision points
+    // nothing is evicted.
+    const int64_t flat =
+        u.padded() * static_cast<int64_t>(c10::elementSize(st_.reduce_dtype));
+    need += flat + flat / std::max(st_.S, 1);
+    if (st_.S > 1 &&
+        st_.shard_group->backend_type() == distributed::BackendType::kGloo) {
+      need += flat;
+    }
   }
   if (o_.policy() == PlacementPolicy::kAuto && !make_room(need, k)) {
     if (prefetch) {

@@ -1,0 +1,109 @@
+#pragma once
+
+/// Tensor-parallel linear layers (ColossalAI's `shardformer.layer`, after
+/// Megatron-LM): `Linear1D_Col` splits the output features over the group,
+/// `Linear1D_Row` the input features. A column layer followed by a row layer
+/// needs one all-reduce in forward (after the row layer) and one in backward
+/// (before the column layer), through the autograd collectives of
+/// colossalai/distributed/functional.h.
+///
+/// Example (an MLP sharded from a full one):
+/// \code
+///   using namespace colossalai::shardformer::layer;
+///   auto fc = Linear1D_Col::from_full(*full_fc, tp);   // out / tp rows
+///   auto proj = Linear1D_Row::from_full(*full_proj, tp); // in / tp columns
+///   auto y = proj(at::gelu(fc(x))); // equals full_proj(gelu(full_fc(x)))
+/// \endcode
+
+#include <colossalai/distributed/process_group.h>
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+namespace colossalai {
+namespace shardformer {
+namespace layer {
+
+struct Linear1DOptions {
+  Linear1DOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  /// The full (unsharded) sizes.
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+  /// Column layer: all-gather the output features (false: each rank keeps
+  /// its out_features / tp slice, for a row layer or a parallel loss next).
+  TORCH_ARG(bool, gather_output) = false;
+  /// Row layer: the input already holds this rank's in_features / tp slice
+  /// (the output of a column layer); false: the full input is split here.
+  TORCH_ARG(bool, parallel_input) = true;
+  /// Sequence parallelism (split_gather): the column layer's input and the
+  /// row layer's output are split along `seq_dim` over the group, so
+  /// activations between blocks are not replicated; the all-reduces become
+  /// an all-gather (column) and a reduce-scatter (row).
+  TORCH_ARG(bool, seq_parallel) = false;
+  TORCH_ARG(int64_t, seq_dim) = 1;
+  /// The tensor-parallel group; null: every rank.
+  TORCH_ARG(distributed::ProcessGroupPtr, process_group) = nullptr;
+};
+
+/// y = x A^T + b with A's rows (output features) split over the group:
+/// rank r holds rows [r * out / tp, (r + 1) * out / tp) and the same slice
+/// of b. The input is replicated; its gradient is summed over the group.
+class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl> {
+ public:
+  explicit Linear1D_ColImpl(Linear1DOptions options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& input);
+
+  /// This rank's shard of `full` (weights copied). `options` may set
+  /// gather_output, seq_parallel and the group; the sizes come from `full`.
+  static std::shared_ptr<Linear1D_ColImpl> from_full(
+      const torch::nn::LinearImpl& full,
+      const distributed::ProcessGroupPtr& group,
+      bool gather_output = false);
+
+  Linear1DOptions options;
+  at::Tensor weight; ///< [out / tp, in]
+  at::Tensor bias;   ///< [out / tp], undefined without bias
+  distributed::ProcessGroupPtr group;
+};
+TORCH_MODULE(Linear1D_Col);
+
+/// y = x A^T + b with A's columns (input features) split over the group:
+/// each rank multiplies its slice of the input by its columns and the
+/// partial results are summed (all-reduce); b is replicated and added once
+/// after the sum.
+class Linear1D_RowImpl : public torch::nn::Cloneable<Linear1D_RowImpl> {
+ public:
+  explicit Linear1D_RowImpl(Linear1DOptions options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& input);
+
+  static std::shared_ptr<Linear1D_RowImpl> from_full(
+      const torch::nn::LinearImpl& full,
+      const distributed::ProcessGroupPtr& group,
+      bool parallel_input = true);
+
+  Linear1DOptions options;
+  at::Tensor weight; ///< [out, in / tp]
+  at::Tensor bias;   ///< [out], replicated
+  distributed::ProcessGroupPtr group;
+};
+TORCH_MODULE(Linear1D_Row);
+
+namespace detail {
+/// The group a layer uses (world when `g` is null) and checks that `n`
+/// splits over it; `what` names the size for the error.
+distributed::ProcessGroupPtr tp_group(
+    const distributed::ProcessGroupPtr& g,
+    int64_t n,
+    const char* layer,
+    const char* what);
+} // namespace detail
+
+} // namespace layer
+} // namespace shardformer
+} // namespace colossalai

@@ -1,0 +1,251 @@
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/functional.h>
+
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace colossalai {
+namespace distributed {
+namespace functional {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool trivial(const ProcessGroupPtr& g) {
+  return g == nullptr || g->size() == 1;
+}
+
+// saved_data holds IValues: the group travels in a capsule.
+struct GroupHolder : torch::CustomClassHolder {
+  explicit GroupHolder(ProcessGroupPtr g) : group(std::move(g)) {}
+  ProcessGroupPtr group;
+};
+
+void save_group(AutogradContext* ctx, const ProcessGroupPtr& g) {
+  ctx->saved_data["group"] =
+      c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(g));
+}
+
+ProcessGroupPtr group_of(AutogradContext* ctx) {
+  auto holder = ctx->saved_data["group"].toCapsule();
+  return static_cast<GroupHolder*>(holder.get())->group;
+}
+
+int64_t wrap(int64_t dim, const at::Tensor& x) {
+  return c10::maybe_wrap_dim(dim, x.dim());
+}
+
+void check_divisible(
+    const at::Tensor& x,
+    int64_t dim,
+    int world,
+    const char* op) {
+  TORCH_CHECK(
+      x.size(dim) % world == 0,
+      op,
+      ": dimension ",
+      dim,
+      " of size ",
+      x.size(dim),
+      " does not split evenly over the group's ",
+      world,
+      " ranks");
+}
+
+at::Tensor all_reduce_sum(const at::Tensor& x, const ProcessGroup& g) {
+  auto out = x.contiguous().clone();
+  all_reduce(out, g).wait();
+  return out;
+}
+
+at::Tensor my_chunk(const at::Tensor& x, int64_t dim, const ProcessGroup& g) {
+  return x.chunk(g.size(), dim)[g.rank()].contiguous();
+}
+
+at::Tensor gather_dim(const at::Tensor& x, int64_t dim, const ProcessGroup& g) {
+  std::vector<int64_t> shape{g.size()};
+  shape.insert(shape.end(), x.sizes().begin(), x.sizes().end());
+  auto stacked = at::empty(shape, x.options());
+  auto flat = stacked.view({-1});
+  all_gather(flat, x.contiguous().view({-1}), g).wait();
+  return dim == 0 ? stacked.flatten(0, 1) : at::cat(stacked.unbind(0), dim);
+}
+
+at::Tensor reduce_scatter_dim(
+    const at::Tensor& x,
+    int64_t dim,
+    const ProcessGroup& g) {
+  // Rank-major blocks, so that rank r's chunk is the r-th flat shard.
+  auto blocks = at::stack(x.chunk(g.size(), dim), 0).contiguous();
+  std::vector<int64_t> shape = blocks.sizes().vec();
+  shape.erase(shape.begin());
+  auto out = at::empty(shape, x.options());
+  auto flat = out.view({-1});
+  reduce_scatter(flat, blocks.view({-1}), g).wait();
+  return out;
+}
+
+at::Tensor all_to_all_dims(
+    const at::Tensor& x,
+    int64_t scatter_dim,
+    int64_t gather_dim,
+    const ProcessGroup& g) {
+  auto blocks = at::stack(x.chunk(g.size(), scatter_dim), 0).contiguous();
+  auto received = at::empty_like(blocks);
+  auto out = received.view({-1});
+  all_to_all(out, blocks.view({-1}), g).wait();
+  return at::cat(received.unbind(0), gather_dim);
+}
+
+struct CopyToGroup : torch::autograd::Function<CopyToGroup> {
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& x,
+      const ProcessGroupPtr& g) {
+    save_group(ctx, g);
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_reduce_sum(grads[0], *group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceFromGroup : torch::autograd::Function<ReduceFromGroup> {
+  static at::Tensor forward(
+      AutogradContext*,
+      const at::Tensor& x,
+      const ProcessGroupPtr& g) {
+    return all_reduce_sum(x, *g);
+  }
+
+  static variable_list backward(AutogradContext*, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+using DimOp = at::Tensor (*)(const at::Tensor&, int64_t, const ProcessGroup&);
+
+// A collective along one dimension whose adjoint is another one.
+template <DimOp Forward, DimOp Backward>
+struct AlongDim : torch::autograd::Function<AlongDim<Forward, Backward>> {
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& x,
+      int64_t dim,
+      const ProcessGroupPtr& g) {
+    save_group(ctx, g);
+    ctx->saved_data["dim"] = dim;
+    return Forward(x, dim, *g);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {
+        Backward(grads[0], ctx->saved_data["dim"].toInt(), *group_of(ctx)),
+        at::Tensor(),
+        at::Tensor()};
+  }
+};
+
+using SplitAlongDim = AlongDim<my_chunk, gather_dim>;
+using GatherAlongDim = AlongDim<gather_dim, my_chunk>;
+using ReduceScatterAlongDim = AlongDim<reduce_scatter_dim, gather_dim>;
+using GatherReduceScatterBackward = AlongDim<gather_dim, reduce_scatter_dim>;
+
+struct AllToAllAlongDims : torch::autograd::Function<AllToAllAlongDims> {
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& x,
+      int64_t scatter_dim,
+      int64_t gather_dim,
+      const ProcessGroupPtr& g) {
+    save_group(ctx, g);
+    ctx->saved_data["scatter"] = scatter_dim;
+    ctx->saved_data["gather"] = gather_dim;
+    return all_to_all_dims(x, scatter_dim, gather_dim, *g);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {
+        all_to_all_dims(
+            grads[0],
+            ctx->saved_data["gather"].toInt(),
+            ctx->saved_data["scatter"].toInt(),
+            *group_of(ctx)),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor()};
+  }
+};
+
+} // namespace
+
+at::Tensor copy_to_group(const at::Tensor& x, const ProcessGroupPtr& group) {
+  return trivial(group) ? x : CopyToGroup::apply(x, group);
+}
+
+at::Tensor reduce_from_group(
+    const at::Tensor& x,
+    const ProcessGroupPtr& group) {
+  return trivial(group) ? x : ReduceFromGroup::apply(x, group);
+}
+
+at::Tensor split_along_dim(
+    const at::Tensor& x,
+    int64_t dim,
+    const ProcessGroupPtr& group) {
+  if (trivial(group)) {
+    return x;
+  }
+  dim = wrap(dim, x);
+  check_divisible(x, dim, group->size(), "split_along_dim");
+  return SplitAlongDim::apply(x, dim, group);
+}
+
+at::Tensor gather_along_dim(
+    const at::Tensor& x,
+    int64_t dim,
+    const ProcessGroupPtr& group) {
+  if (trivial(group)) {
+    return x;
+  }
+  return GatherAlongDim::apply(x, wrap(dim, x), group);
+}
+
+at::Tensor reduce_scatter_along_dim(
+    const at::Tensor& x,
+    int64_t dim,
+    const ProcessGroupPtr& group) {
+  if (trivial(group)) {
+    return x;
+  }
+  dim = wrap(dim, x);
+  check_divisible(x, dim, group->size(), "reduce_scatter_along_dim");
+  return ReduceScatterAlongDim::apply(x, dim, group);
+}
+
+at::Tensor gather_along_dim_reduce_scatter_backward(
+    const at::Tensor& x,
+    int64_t dim,
+    const ProcessGroupPtr& group) {
+  if (trivial(group)) {
+    return x;
+  }
+  return GatherReduceScatterBackward::apply(x, wrap(dim, x), group);
+}
+
+at::Tensor all_to_all_along_dims(
+    const at::Tensor& x,
+    int64_t scatter_dim,
+    int64_t gather_dim,
+    const ProcessGroupPtr& group) {
+  if (trivial(group)) {
+    return x;
+  }
+  scatter_dim = wrap(scatter_dim, x);
+  gather_dim = wrap(gather_dim, x);
+  check_divisible(x, scatter_dim, group->size(), "all_to_all_along_dims");
+  return AllToAllAlongDims::apply(x, scatter_dim, gather_dim, group);
+}
+
+} // namespace functional
+} // namespace distributed
+} // namespace colossalai

@@ -1,0 +1,226 @@
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/functional.h>
+#include <colossalai/shardformer/layer/embedding.h>
+#include <colossalai/shardformer/layer/linear.h>
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <limits>
+
+namespace colossalai {
+namespace shardformer {
+namespace layer {
+
+namespace cdf = distributed::functional;
+
+int64_t padded_vocab_size(int64_t vocab, int64_t divisible_by, int tp) {
+  TORCH_CHECK(
+      divisible_by > 0,
+      "make_vocab_size_divisible_by must be positive, got ",
+      divisible_by);
+  const int64_t multiple = divisible_by * tp;
+  return (vocab + multiple - 1) / multiple * multiple;
+}
+
+Embedding1DImpl::Embedding1DImpl(Embedding1DOptions options_)
+    : options(std::move(options_)) {
+  reset();
+}
+
+void Embedding1DImpl::reset() {
+  group = detail::tp_group(
+      options.process_group(),
+      options.embedding_dim(),
+      "Embedding1D",
+      "embedding_dim");
+  weight = register_parameter(
+      "weight",
+      at::empty(
+          {options.num_embeddings(), options.embedding_dim() / group->size()}));
+  torch::NoGradGuard no_grad;
+  weight.normal_(); // nn.Embedding's N(0, 1)
+}
+
+at::Tensor Embedding1DImpl::forward(const at::Tensor& input) {
+  auto y = at::embedding(weight, input);
+  return options.gather_output() ? cdf::gather_along_dim(y, -1, group) : y;
+}
+
+std::shared_ptr<Embedding1DImpl> Embedding1DImpl::from_full(
+    const torch::nn::EmbeddingImpl& full,
+    const distributed::ProcessGroupPtr& group,
+    bool gather_output) {
+  auto m = std::make_shared<Embedding1DImpl>(
+      Embedding1DOptions(full.weight.size(0), full.weight.size(1))
+          .gather_output(gather_output)
+          .process_group(group));
+  torch::NoGradGuard no_grad;
+  m->weight.copy_(full.weight.chunk(m->group->size(), 1)[m->group->rank()]);
+  return m;
+}
+
+VocabParallelEmbedding1DImpl::VocabParallelEmbedding1DImpl(
+    Embedding1DOptions options_)
+    : options(std::move(options_)) {
+  reset();
+}
+
+void VocabParallelEmbedding1DImpl::reset() {
+  group = options.process_group() != nullptr ? options.process_group()
+                                             : distributed::world_group();
+  padded_ = padded_vocab_size(
+      options.num_embeddings(),
+      options.make_vocab_size_divisible_by(),
+      group->size());
+  const int64_t rows = padded_ / group->size();
+  vocab_start_ = rows * group->rank();
+  weight =
+      register_parameter("weight", at::empty({rows, options.embedding_dim()}));
+  torch::NoGradGuard no_grad;
+  weight.normal_();
+  // Padded rows are never looked up; keep them zero.
+  const int64_t real = real_rows();
+  weight.narrow(0, real, rows - real).zero_();
+}
+
+int64_t VocabParallelEmbedding1DImpl::real_rows() const {
+  return std::max<int64_t>(
+      0, std::min(weight.size(0), options.num_embeddings() - vocab_start_));
+}
+
+at::Tensor VocabParallelEmbedding1DImpl::forward(const at::Tensor& input) {
+  const int64_t rows = weight.size(0);
+  auto outside = (input < vocab_start_) | (input >= vocab_start_ + rows);
+  auto local = (input - vocab_start_).masked_fill(outside, 0);
+  auto y = at::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0);
+  return cdf::reduce_from_group(y, group);
+}
+
+std::shared_ptr<VocabParallelEmbedding1DImpl> VocabParallelEmbedding1DImpl::
+    from_full(
+        const torch::nn::EmbeddingImpl& full,
+        const distributed::ProcessGroupPtr& group,
+        int64_t make_vocab_size_divisible_by) {
+  auto m = std::make_shared<VocabParallelEmbedding1DImpl>(
+      Embedding1DOptions(full.weight.size(0), full.weight.size(1))
+          .make_vocab_size_divisible_by(make_vocab_size_divisible_by)
+          .process_group(group));
+  torch::NoGradGuard no_grad;
+  const int64_t real = m->real_rows();
+  m->weight.zero_();
+  if (real > 0) {
+    m->weight.narrow(0, 0, real)
+        .copy_(full.weight.narrow(0, m->vocab_start_, real));
+  }
+  return m;
+}
+
+at::Tensor lm_head_logits(
+    const at::Tensor& hidden,
+    const at::Tensor& weight,
+    const distributed::ProcessGroupPtr& group,
+    bool gather_output,
+    int64_t vocab_size) {
+  auto g = group != nullptr ? group : distributed::world_group();
+  auto logits = at::linear(cdf::copy_to_group(hidden, g), weight);
+  if (!gather_output) {
+    return logits;
+  }
+  auto full = cdf::gather_along_dim(logits, -1, g);
+  return vocab_size >= 0 && vocab_size < full.size(-1)
+      ? full.narrow(-1, 0, vocab_size)
+      : full;
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct VocabParallelCrossEntropy
+    : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& logits,
+      const at::Tensor& target,
+      const distributed::ProcessGroupPtr& g,
+      int64_t vocab_size,
+      int64_t ignore_index) {
+    const int64_t cols = logits.size(1);
+    const int64_t start = cols * g->rank();
+    auto x = logits.to(at::kFloat).clone();
+    // Padding columns take no probability.
+    const int64_t real =
+        std::max<int64_t>(0, std::min(cols, vocab_size - start));
+    if (real < cols) {
+      x.narrow(1, real, cols - real)
+          .fill_(-std::numeric_limits<float>::infinity());
+    }
+    auto row_max = std::get<0>(x.max(1));
+    distributed::all_reduce(row_max, *g, distributed::ReduceOp::kMax).wait();
+    x.sub_(row_max.unsqueeze(1));
+    auto valid = target != ignore_index;
+    auto mine = (target >= start) & (target < start + cols) & valid;
+    auto local = (target - start).masked_fill(~mine, 0);
+    auto picked =
+        x.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0);
+    distributed::all_reduce(picked, *g).wait();
+    auto e = x.exp_();
+    auto sum = e.sum(1);
+    distributed::all_reduce(sum, *g).wait();
+    auto per_row = (sum.log() - picked).masked_fill(~valid, 0);
+    const double n = std::max<int64_t>(1, valid.sum().item<int64_t>());
+    e.div_(sum.unsqueeze(1)); // softmax over this rank's columns
+    ctx->save_for_backward({e, local, mine, valid});
+    ctx->saved_data["n"] = n;
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return per_row.sum() / n;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto grad = saved[0].clone();
+    auto rows = at::arange(grad.size(0), saved[1].options());
+    grad.index_put_(
+        {rows, saved[1]},
+        grad.index({rows, saved[1]}) - saved[2].to(grad.scalar_type()));
+    grad.mul_(saved[3].unsqueeze(1).to(grad.scalar_type()));
+    grad.mul_(grads[0] / ctx->saved_data["n"].toDouble());
+    const auto dtype =
+        static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {
+        grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+} // namespace
+
+at::Tensor vocab_parallel_cross_entropy(
+    const at::Tensor& logits,
+    const at::Tensor& target,
+    const distributed::ProcessGroupPtr& group,
+    int64_t vocab_size,
+    int64_t ignore_index) {
+  TORCH_CHECK(
+      logits.dim() == 2 && target.dim() == 1 &&
+          logits.size(0) == target.size(0),
+      "vocab_parallel_cross_entropy: logits must be [N, V / tp] and target "
+      "[N], got ",
+      logits.sizes(),
+      " and ",
+      target.sizes());
+  auto g = group != nullptr ? group : distributed::world_group();
+  TORCH_CHECK(
+      vocab_size > 0 && vocab_size <= logits.size(1) * g->size(),
+      "vocab_parallel_cross_entropy: vocab_size ",
+      vocab_size,
+      " does not fit the ",
+      logits.size(1) * g->size(),
+      " columns of the sharded logits");
+  return VocabParallelCrossEntropy::apply(
+      logits, target, g, vocab_size, ignore_index);
+}
+
+} // namespace layer
+} // namespace shardformer
+} // namespace colossalai

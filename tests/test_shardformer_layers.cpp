@@ -1,0 +1,340 @@
+// Tensor-parallel building blocks at tp 2 and 4: the autograd collectives
+// (distributed/functional.h) and the parallel layers (shardformer/layer),
+// each against the unsharded computation, forward and backward.
+//
+// Exactness: inputs, weights and upstream gradients are small integers in
+// float32, so every product and every partial sum is an integer far below
+// 2^24 and exact: the sharded and the full computation must agree bit for
+// bit whatever order the ranks and BLAS add in. So a wrong slice, a missing
+// or doubled reduction, or a wrong adjoint shows as a difference, and no
+// tolerance needs justifying. Only the cross entropy, which needs exp and
+// log, uses floats; its bound is derived where it is checked.
+
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/functional.h>
+#include <colossalai/shardformer/layer/embedding.h>
+#include <colossalai/shardformer/layer/linear.h>
+
+#include <harness/multiprocess.h>
+#include <harness/test_util.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+namespace cd = colossalai::distributed;
+namespace cdf = colossalai::distributed::functional;
+namespace sl = colossalai::shardformer::layer;
+using colossalai::testing::error_of;
+using colossalai::testing::run_distributed;
+
+namespace {
+
+// Integer-valued floats in [-3, 3], the same on every rank.
+at::Tensor ints(at::IntArrayRef shape, int64_t seed) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  return at::randint(-3, 4, shape, gen, at::kFloat);
+}
+
+void expect_equal(
+    const at::Tensor& got,
+    const at::Tensor& want,
+    const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  EXPECT_TRUE(at::equal(got, want))
+      << what << " differs by " << (got - want).abs().max().item<double>();
+}
+
+// Runs `fn(rank, world)` at tp 2 and tp 4.
+void at_tp_2_and_4(const std::function<void(int, int)>& fn) {
+  for (int world : {2, 4}) {
+    run_distributed(world, fn);
+  }
+}
+
+} // namespace
+
+TEST(AutogradCollectives, ForwardAndAdjointBackward) {
+  at_tp_2_and_4([](int rank, int world) {
+    auto g = cd::world_group();
+    const int64_t n = 4 * world;
+    auto full = ints({3, n, 5}, 1);         // what every rank would hold
+    auto mine = full.chunk(world, 1)[rank]; // this rank's sequence chunk
+    auto up = ints({3, n, 5}, 2);
+    auto up_mine = up.chunk(world, 1)[rank];
+    auto per_rank = [&](int r) { return ints({3, n, 5}, 10 + r); };
+    auto sum_over_ranks = [&] {
+      auto s = at::zeros({3, n, 5});
+      for (int r = 0; r < world; ++r) {
+        s += per_rank(r);
+      }
+      return s;
+    };
+
+    { // copy: identity forward, the gradients summed
+      auto x = full.clone().requires_grad_();
+      auto y = cdf::copy_to_group(x, g);
+      expect_equal(y, full, "copy_to_group forward");
+      (y * per_rank(rank)).sum().backward();
+      expect_equal(x.grad(), sum_over_ranks(), "copy_to_group backward");
+    }
+    { // reduce: the partials summed forward, the gradient passed through
+      auto x = per_rank(rank).requires_grad_();
+      auto y = cdf::reduce_from_group(x, g);
+      expect_equal(y, sum_over_ranks(), "reduce_from_group forward");
+      (y * up).sum().backward();
+      expect_equal(x.grad(), up, "reduce_from_group backward");
+    }
+    { // split: this rank's chunk, the gradient gathered back
+      auto x = full.clone().requires_grad_();
+      auto y = cdf::split_along_dim(x, 1, g);
+      expect_equal(y, mine, "split_along_dim forward");
+      (y * up_mine).sum().backward();
+      expect_equal(x.grad(), up, "split_along_dim backward");
+    }
+    { // gather: the chunks concatenated, the gradient split
+      auto x = mine.clone().requires_grad_();
+      auto y = cdf::gather_along_dim(x, 1, g);
+      expect_equal(y, full, "gather_along_dim forward");
+      (y * up).sum().backward();
+      expect_equal(x.grad(), up_mine, "gather_along_dim backward");
+    }
+    { // reduce-scatter: the sum's chunk, the gradient gathered
+      auto x = per_rank(rank).requires_grad_();
+      auto y = cdf::reduce_scatter_along_dim(x, 1, g);
+      expect_equal(
+          y, sum_over_ranks().chunk(world, 1)[rank], "reduce_scatter forward");
+      (y * up_mine).sum().backward();
+      expect_equal(x.grad(), up, "reduce_scatter backward");
+    }
+    { // gather forward, reduce-scatter backward (sequence parallelism)
+      auto x = mine.clone().requires_grad_();
+      auto y = cdf::gather_along_dim_reduce_scatter_backward(x, 1, g);
+      expect_equal(y, full, "gather/reduce-scatter forward");
+      (y * per_rank(rank)).sum().backward();
+      expect_equal(
+          x.grad(),
+          sum_over_ranks().chunk(world, 1)[rank],
+          "gather/reduce-scatter backward");
+    }
+    { // all-to-all: sequence-sharded [B, T/p, H, D] to head-sharded
+      // [B, T, H/p, D] and, in backward, back
+      const int64_t heads = 2 * world;
+      auto whole = ints({2, n, heads, 3}, 3);
+      auto x = whole.chunk(world, 1)[rank].clone().requires_grad_();
+      auto y = cdf::all_to_all_along_dims(x, 2, 1, g);
+      expect_equal(y, whole.chunk(world, 2)[rank], "all_to_all forward");
+      auto up_heads = ints({2, n, heads, 3}, 4);
+      (y * up_heads.chunk(world, 2)[rank]).sum().backward();
+      expect_equal(
+          x.grad(), up_heads.chunk(world, 1)[rank], "all_to_all backward");
+    }
+    auto msg = error_of([&] { cdf::split_along_dim(ints({3}, 5), 0, g); });
+    EXPECT_NE(msg.find("does not split evenly"), std::string::npos) << msg;
+  });
+}
+
+namespace {
+
+// A full nn::Linear with integer weights (the same on every rank).
+torch::nn::Linear int_linear(int64_t in, int64_t out, int64_t seed) {
+  torch::nn::Linear full(torch::nn::LinearOptions(in, out));
+  torch::NoGradGuard no_grad;
+  full->weight.copy_(ints({out, in}, seed));
+  full->bias.copy_(ints({out}, seed + 1));
+  return full;
+}
+
+} // namespace
+
+TEST(ParallelLayers, ColumnThenRowEqualsTheFullLayers) {
+  // Megatron's MLP: Linear1D_Col (no gather) into Linear1D_Row (parallel
+  // input), and each layer alone with gather_output / a split input.
+  at_tp_2_and_4([](int rank, int world) {
+    auto g = cd::world_group();
+    const int64_t in = 8, hidden = 4 * world, out = 6;
+    auto fc = int_linear(in, hidden, 1);
+    auto proj = int_linear(hidden, out, 3);
+    auto x = ints({2, 5, in}, 5).requires_grad_();
+    auto up = ints({2, 5, out}, 6);
+    (proj(fc(x)) * up).sum().backward();
+
+    auto col = sl::Linear1D_Col(sl::Linear1D_ColImpl::from_full(*fc, g));
+    auto row = sl::Linear1D_Row(sl::Linear1D_RowImpl::from_full(*proj, g));
+    auto xs = x.detach().clone().requires_grad_();
+    auto y = row(col(xs));
+    expect_equal(y, proj(fc(x)).detach(), "MLP forward");
+    (y * up).sum().backward();
+    expect_equal(xs.grad(), x.grad(), "input gradient");
+    expect_equal(
+        col->weight.grad(),
+        fc->weight.grad().chunk(world, 0)[rank],
+        "column weight gradient");
+    expect_equal(
+        col->bias.grad(),
+        fc->bias.grad().chunk(world, 0)[rank],
+        "column bias gradient");
+    expect_equal(
+        row->weight.grad(),
+        proj->weight.grad().chunk(world, 1)[rank],
+        "row weight gradient");
+    expect_equal(row->bias.grad(), proj->bias.grad(), "row bias gradient");
+
+    // gather_output: every rank sees the whole output.
+    auto gathered =
+        sl::Linear1D_Col(sl::Linear1D_ColImpl::from_full(*fc, g, true));
+    expect_equal(gathered(x.detach()), fc(x).detach(), "gather_output");
+    // A full input split by the row layer itself.
+    auto split_in =
+        sl::Linear1D_Row(sl::Linear1D_RowImpl::from_full(*proj, g, false));
+    auto h = fc(x).detach();
+    expect_equal(split_in(h), proj(h).detach(), "parallel_input(false)");
+
+    auto msg = error_of(
+        [&] { sl::Linear1D_Col(sl::Linear1DOptions(4, 4 * world + 1)); });
+    EXPECT_NE(msg.find("out_features"), std::string::npos) << msg;
+    msg = error_of([&] { row(ints({2, in}, 7)); });
+    EXPECT_NE(msg.find("parallel_input"), std::string::npos) << msg;
+  });
+}
+
+TEST(ParallelLayers, SequenceParallelColumnRowKeepsTheSequenceSharded) {
+  // split_gather sequence parallelism: the block's input and output are
+  // split along the sequence; inside, the column layer gathers it and the
+  // row layer reduce-scatters back. Equal to the full layers on the whole
+  // sequence, gradients included.
+  at_tp_2_and_4([](int rank, int world) {
+    auto g = cd::world_group();
+    const int64_t in = 8, hidden = 2 * world, out = 6, seq = 2 * world;
+    auto fc = int_linear(in, hidden, 11);
+    auto proj = int_linear(hidden, out, 13);
+    auto x = ints({3, seq, in}, 15).requires_grad_();
+    auto up = ints({3, seq, out}, 16);
+    auto ref = proj(fc(x));
+    (ref * up).sum().backward();
+
+    auto col = sl::Linear1D_ColImpl::from_full(*fc, g);
+    auto row = sl::Linear1D_RowImpl::from_full(*proj, g);
+    col->options.seq_parallel(true);
+    row->options.seq_parallel(true);
+    auto xs = x.detach().chunk(world, 1)[rank].clone().requires_grad_();
+    auto y = row->forward(col->forward(xs));
+    expect_equal(y, ref.detach().chunk(world, 1)[rank], "forward");
+    (y * up.chunk(world, 1)[rank]).sum().backward();
+    expect_equal(xs.grad(), x.grad().chunk(world, 1)[rank], "input gradient");
+    expect_equal(
+        col->weight.grad(),
+        fc->weight.grad().chunk(world, 0)[rank],
+        "column weight gradient");
+    expect_equal(
+        row->weight.grad(),
+        proj->weight.grad().chunk(world, 1)[rank],
+        "row weight gradient");
+    // Each rank adds the bias to its part of the sequence: the full
+    // gradient is the sum over ranks.
+    auto bias_grad = row->bias.grad().clone();
+    cd::all_reduce(bias_grad, *g).wait();
+    expect_equal(bias_grad, proj->bias.grad(), "row bias gradient (summed)");
+  });
+}
+
+TEST(ParallelLayers, EmbeddingsEqualTheFullEmbedding) {
+  at_tp_2_and_4([](int rank, int world) {
+    auto g = cd::world_group();
+    const int64_t vocab = 37, dim = 2 * world; // 37: padded, uneven
+    torch::nn::Embedding full(vocab, dim);
+    {
+      torch::NoGradGuard no_grad;
+      full->weight.copy_(ints({vocab, dim}, 21));
+    }
+    auto gen = at::detail::createCPUGenerator(22);
+    auto tokens = at::randint(0, vocab, {3, 9}, gen, at::kLong);
+    auto up = ints({3, 9, dim}, 23);
+    (full(tokens) * up).sum().backward();
+
+    auto split_dim = sl::Embedding1D(sl::Embedding1DImpl::from_full(*full, g));
+    auto y = split_dim(tokens);
+    expect_equal(y, full(tokens).detach(), "Embedding1D forward");
+    (y * up).sum().backward();
+    expect_equal(
+        split_dim->weight.grad(),
+        full->weight.grad().chunk(world, 1)[rank],
+        "Embedding1D weight gradient");
+
+    auto vocab_split = sl::VocabParallelEmbedding1D(
+        sl::VocabParallelEmbedding1DImpl::from_full(*full, g, 4));
+    EXPECT_EQ(
+        vocab_split->padded_num_embeddings(),
+        sl::padded_vocab_size(vocab, 4, world));
+    EXPECT_EQ(vocab_split->padded_num_embeddings() % (4 * world), 0);
+    auto z = vocab_split(tokens);
+    expect_equal(z, full(tokens).detach(), "VocabParallelEmbedding1D forward");
+    (z * up).sum().backward();
+    const int64_t rows = vocab_split->weight.size(0);
+    const int64_t start = vocab_split->vocab_start();
+    const int64_t real =
+        std::max<int64_t>(0, std::min<int64_t>(rows, vocab - start));
+    auto want = at::zeros({rows, dim});
+    if (real > 0) {
+      want.narrow(0, 0, real).copy_(full->weight.grad().narrow(0, start, real));
+    }
+    expect_equal(
+        vocab_split->weight.grad(),
+        want,
+        "VocabParallelEmbedding1D weight gradient (padding rows zero)");
+  });
+}
+
+TEST(ParallelLayers, VocabParallelHeadAndCrossEntropy) {
+  // Logits of a tied vocabulary-parallel head and the cross entropy on the
+  // sharded logits, against at::cross_entropy on the full logits: loss,
+  // hidden-state gradient and weight gradient. The vocabulary (37) is
+  // padded; one target is ignored. Bound: the loss and the softmax differ
+  // only by where the V exponentials are summed (per rank, then across
+  // ranks), each sum within V * 2^-24 relative of exact; the rest is the
+  // same operations: rtol and atol 4 V 2^-24 on values of order one.
+  at_tp_2_and_4([](int rank, int world) {
+    auto g = cd::world_group();
+    const int64_t vocab = 37, dim = 8, n = 11;
+    torch::manual_seed(31); // floats: same on every rank
+    torch::nn::Embedding wte(vocab, dim);
+    auto hidden = torch::randn({n, dim}).requires_grad_();
+    auto target = torch::randint(0, vocab, {n}, at::kLong);
+    target[3] = -100;
+    auto ref = at::cross_entropy_loss(
+        at::linear(hidden, wte->weight), target, {}, at::Reduction::Mean, -100);
+    ref.backward();
+
+    auto shard = sl::VocabParallelEmbedding1DImpl::from_full(*wte, g, 4);
+    auto h = hidden.detach().clone().requires_grad_();
+    auto logits = sl::lm_head_logits(h, shard->weight, g);
+    EXPECT_EQ(logits.size(1), shard->padded_num_embeddings() / world);
+    auto loss = sl::vocab_parallel_cross_entropy(logits, target, g, vocab);
+    loss.backward();
+    const double tol = 4.0 * vocab * std::ldexp(1.0, -24);
+    EXPECT_NEAR(
+        loss.item<double>(),
+        ref.item<double>(),
+        tol * std::abs(ref.item<double>()));
+    EXPECT_TRUE(at::allclose(h.grad(), hidden.grad(), tol, tol))
+        << (h.grad() - hidden.grad()).abs().max().item<double>();
+    const int64_t start = shard->vocab_start();
+    const int64_t real = shard->real_rows();
+    if (real > 0) {
+      auto got = shard->weight.grad().narrow(0, 0, real);
+      auto want = wte->weight.grad().narrow(0, start, real);
+      EXPECT_TRUE(at::allclose(got, want, tol, tol))
+          << (got - want).abs().max().item<double>();
+    }
+    // The gathered head (parallel_output false) gives the full logits.
+    auto full_logits = sl::lm_head_logits(
+        hidden.detach(), shard->weight, g, /*gather_output=*/true, vocab);
+    EXPECT_TRUE(at::allclose(
+        full_logits, at::linear(hidden.detach(), wte->weight), tol, tol));
+    auto msg = error_of(
+        [&] { sl::vocab_parallel_cross_entropy(logits, target, g, 1000); });
+    EXPECT_NE(msg.find("vocab_size"), std::string::npos) << msg;
+    (void)rank;
+  });
+}
