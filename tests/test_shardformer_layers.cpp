@@ -14,6 +14,7 @@
 #include <colossalai/distributed/functional.h>
 #include <colossalai/shardformer/layer/embedding.h>
 #include <colossalai/shardformer/layer/linear.h>
+#include <colossalai/shardformer/layer/normalization.h>
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
@@ -337,4 +338,59 @@ TEST(ParallelLayers, VocabParallelHeadAndCrossEntropy) {
     EXPECT_NE(msg.find("vocab_size"), std::string::npos) << msg;
     (void)rank;
   });
+}
+
+TEST(ParallelLayers, DropoutMasksAreSharedWhereReplicatedAndOwnWhereSharded) {
+  at_tp_2_and_4([](int rank, int world) {
+    auto g = cd::world_group();
+    torch::manual_seed(5);
+    auto expected_next = torch::rand({4});
+    torch::manual_seed(5);
+    sl::Dropout replicated(sl::DropoutOptions(0.5).process_group(g));
+    sl::Dropout sharded(
+        sl::DropoutOptions(0.5).sharded_input(true).process_group(g));
+    auto ones = torch::ones({256});
+    auto first = replicated(ones);
+    auto second = replicated(ones);
+    auto own = sharded(ones);
+    expect_equal(torch::rand({4}), expected_next, "the global generator");
+    // Inverted dropout: kept elements scaled by 1 / (1 - p).
+    EXPECT_TRUE(((first == 0) | (first == 2)).all().item<bool>());
+    EXPECT_FALSE(at::equal(first, second)) << "the state must advance";
+    auto all_replicated = cdf::gather_along_dim(first.unsqueeze(0), 0, g);
+    auto all_sharded = cdf::gather_along_dim(own.unsqueeze(0), 0, g);
+    for (int r = 0; r < world; ++r) {
+      expect_equal(all_replicated[r], first, "replicated mask of a peer");
+      if (r != rank) {
+        EXPECT_FALSE(at::equal(all_sharded[r], own))
+            << "sharded masks of ranks " << r << " and " << rank;
+      }
+    }
+    // Reproducible from the seed; the identity in eval mode.
+    sl::Dropout again(sl::DropoutOptions(0.5).process_group(g));
+    expect_equal(again(ones), first, "a layer with the same seed");
+    replicated->eval();
+    expect_equal(replicated(ones), ones, "eval mode");
+  });
+}
+
+TEST(ParallelLayers, RMSNormMatchesItsDefinition) {
+  // Against the definition in float64: the fp32 computation rounds each of
+  // its few operations once (mean of 16 squares, rsqrt, two products), so
+  // it is within 2^-20 relative.
+  torch::manual_seed(3);
+  sl::RMSNorm norm(sl::RMSNormOptions(16).eps(1e-5));
+  {
+    torch::NoGradGuard no_grad;
+    norm->weight.uniform_(0.5, 1.5);
+  }
+  auto x = torch::randn({3, 5, 16});
+  auto xd = x.to(at::kDouble);
+  auto want = xd / (xd.pow(2).mean(-1, true) + 1e-5).sqrt() *
+      norm->weight.to(at::kDouble);
+  auto got = norm(x);
+  EXPECT_TRUE(at::allclose(got.to(at::kDouble), want, std::ldexp(1.0, -20), 0))
+      << (got.to(at::kDouble) - want).abs().max().item<double>();
+  EXPECT_EQ(norm(x.to(at::kBFloat16)).scalar_type(), at::kFloat)
+      << "bf16 input times the fp32 weight promotes, as in LLaMA";
 }

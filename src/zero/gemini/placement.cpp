@@ -243,10 +243,12 @@ at::Tensor Placement::gather_source(size_t k, bool prefetch) {
     // nothing is evicted.
     const int64_t flat =
         u.padded() * static_cast<int64_t>(c10::elementSize(st_.reduce_dtype));
-    need += flat + flat / std::max(st_.S, 1);
-    if (st_.S > 1 &&
-        st_.shard_group->backend_type() == distributed::BackendType::kGloo) {
-      need += flat;
+    need += flat;
+    if (st_.S > 1) { // with one rank the flat buffer is the reduced shard
+      need += flat / st_.S;
+      if (st_.shard_group->backend_type() == distributed::BackendType::kGloo) {
+        need += flat;
+      }
     }
   }
   if (o_.policy() == PlacementPolicy::kAuto && !make_room(need, k)) {

@@ -1,0 +1,87 @@
+#pragma once
+
+/// Normalisation and dropout for tensor-parallel models.
+///
+/// Norm layers hold replicated weights (every rank of the tensor-parallel
+/// group computes the same normalisation of a replicated activation);
+/// `LayerNorm` is LibTorch's, whose ATen kernel is already fused, and
+/// `RMSNorm` (LLaMA) is defined here.
+///
+/// `Dropout` draws its masks from a generator state of its own, so that
+/// tensor parallelism gets the masks it needs (ColossalAI's
+/// DropoutForReplicatedInput / DropoutForParallelInput, Megatron's model-
+/// parallel RNG tracker): on a replicated activation every rank of the group
+/// must drop the same elements, or the replicas diverge; on a sharded one
+/// each rank's shard needs its own mask. The layer seeds its state with
+/// `seed` (replicated) or `seed + group rank` (sharded), advances it with
+/// every call, and leaves the global generator as it found it.
+///
+/// Example:
+/// \code
+///   using namespace colossalai::shardformer::layer;
+///   Dropout
+///   attn_drop(DropoutOptions(0.1).sharded_input(true).process_group(tp));
+///   Dropout resid_drop(DropoutOptions(0.1).process_group(tp)); // replicated
+/// \endcode
+
+#include <colossalai/distributed/process_group.h>
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <map>
+
+namespace colossalai {
+namespace shardformer {
+namespace layer {
+
+struct RMSNormOptions {
+  /* implicit */ RMSNormOptions(int64_t hidden_size)
+      : hidden_size_(hidden_size) {}
+  TORCH_ARG(int64_t, hidden_size);
+  TORCH_ARG(double, eps) = 1e-6;
+};
+
+/// y = x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32 and cast
+/// back to the input's dtype (as LLaMA's reference implementation).
+class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl> {
+ public:
+  explicit RMSNormImpl(RMSNormOptions options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+
+  RMSNormOptions options;
+  at::Tensor weight; ///< [hidden_size], ones at construction
+};
+TORCH_MODULE(RMSNorm);
+
+struct DropoutOptions {
+  /* implicit */ DropoutOptions(double p = 0.5) : p_(p) {}
+  TORCH_ARG(double, p);
+  /// The activation is sharded over the group (each rank its own mask);
+  /// false: replicated (the same mask on every rank).
+  TORCH_ARG(bool, sharded_input) = false;
+  TORCH_ARG(uint64_t, seed) = 1024;
+  TORCH_ARG(distributed::ProcessGroupPtr, process_group) = nullptr;
+};
+
+class DropoutImpl : public torch::nn::Cloneable<DropoutImpl> {
+ public:
+  explicit DropoutImpl(DropoutOptions options = {});
+  void reset() override;
+  /// Identity in eval mode or with p = 0.
+  at::Tensor forward(const at::Tensor& x);
+
+  DropoutOptions options;
+
+ private:
+  // The generator state per device type (CPU, CUDA), created on first use.
+  std::map<c10::DeviceType, at::Tensor> states_;
+  uint64_t seed_ = 0;
+};
+TORCH_MODULE(Dropout);
+
+} // namespace layer
+} // namespace shardformer
+} // namespace colossalai

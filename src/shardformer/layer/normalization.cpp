@@ -1,0 +1,81 @@
+#include <colossalai/shardformer/layer/normalization.h>
+
+#include <ATen/Context.h>
+
+#include <mutex>
+
+namespace colossalai {
+namespace shardformer {
+namespace layer {
+
+RMSNormImpl::RMSNormImpl(RMSNormOptions options_)
+    : options(std::move(options_)) {
+  reset();
+}
+
+void RMSNormImpl::reset() {
+  TORCH_CHECK(
+      options.hidden_size() > 0,
+      "RMSNorm: hidden_size must be positive, got ",
+      options.hidden_size());
+  weight = register_parameter("weight", at::ones({options.hidden_size()}));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  auto xf = x.to(at::kFloat);
+  auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + options.eps());
+  return weight * normed.to(x.scalar_type());
+}
+
+DropoutImpl::DropoutImpl(DropoutOptions options_)
+    : options(std::move(options_)) {
+  reset();
+}
+
+void DropoutImpl::reset() {
+  TORCH_CHECK(
+      options.p() >= 0.0 && options.p() <= 1.0,
+      "Dropout: p must be in [0, 1], got ",
+      options.p());
+  auto group = options.process_group() != nullptr ? options.process_group()
+                                                  : distributed::world_group();
+  seed_ = options.seed() +
+      (options.sharded_input() ? static_cast<uint64_t>(group->rank()) : 0);
+  states_.clear();
+}
+
+at::Tensor DropoutImpl::forward(const at::Tensor& x) {
+  if (!is_training() || options.p() == 0.0) {
+    return x;
+  }
+  // Swap this layer's state into the device's default generator for one
+  // draw (at::dropout draws from it), then swap the global state back.
+  auto gen = at::globalContext().defaultGenerator(x.device());
+  at::Tensor global;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    global = gen.get_state();
+    auto it = states_.find(x.device().type());
+    if (it == states_.end()) {
+      gen.set_current_seed(seed_);
+    } else {
+      gen.set_state(it->second);
+    }
+  }
+  at::Tensor y;
+  try {
+    y = at::dropout(x, options.p(), /*train=*/true);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(global);
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  states_[x.device().type()] = gen.get_state();
+  gen.set_state(global);
+  return y;
+}
+
+} // namespace layer
+} // namespace shardformer
+} // namespace colossalai
