@@ -18,6 +18,7 @@
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
+#include <zoo/gpt.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -393,4 +394,92 @@ TEST(ParallelLayers, RMSNormMatchesItsDefinition) {
       << (got.to(at::kDouble) - want).abs().max().item<double>();
   EXPECT_EQ(norm(x.to(at::kBFloat16)).scalar_type(), at::kFloat)
       << "bf16 input times the fp32 weight promotes, as in LLaMA";
+}
+
+namespace {
+
+// zoo::Block's causal attention on the heads this rank holds.
+at::Tensor local_attention(const at::Tensor& qkv, int64_t heads) {
+  const int64_t b = qkv.size(0), t = qkv.size(1), c = qkv.size(2) / 3;
+  const int64_t d = c / heads;
+  auto parts = qkv.split(c, -1);
+  auto q = parts[0].view({b, t, heads, d}).transpose(1, 2);
+  auto k = parts[1].view({b, t, heads, d}).transpose(1, 2);
+  auto v = parts[2].view({b, t, heads, d}).transpose(1, 2);
+  auto att = torch::matmul(q, k.transpose(-2, -1)) *
+      (1.0 / std::sqrt(static_cast<double>(d)));
+  auto future = torch::ones({t, t}, qkv.options().dtype(at::kBool)).triu(1);
+  att = torch::softmax(
+      att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+  return torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, c});
+}
+
+} // namespace
+
+TEST(ParallelLayers, MegatronBlockEqualsTheZooBlock) {
+  // The layers compose into a tensor-parallel transformer block: the fused
+  // q, k, v projection split per section (each rank its heads), attention
+  // on local heads, row-parallel output projection, column / row MLP,
+  // LayerNorms replicated. Forward and every gradient equal zoo::Block's.
+  // Bound: the row layers add the ranks' partial sums (K <= 4E = 128 terms)
+  // in another order than one dot product does; each order is within
+  // K * 2^-24 of the exact sum of terms of order one, and LayerNorm and
+  // softmax do not amplify that by more than a small factor: rtol and atol
+  // 8 K 2^-24 (6e-5).
+  at_tp_2_and_4([](int rank, int world) {
+    auto g = cd::world_group();
+    const auto cfg = colossalai::zoo::GPTConfig::tiny_test().n_head(4);
+    const int64_t e = cfg.n_embd();
+    torch::manual_seed(41);
+    colossalai::zoo::Block full(cfg);
+    auto x = torch::randn({2, 8, e}).requires_grad_();
+    auto up = torch::randn({2, 8, e});
+    (full(x) * up).sum().backward();
+
+    auto qkv = sl::Linear1D_ColImpl::from_full(*full->qkv, g, false, 3);
+    auto proj = sl::Linear1D_RowImpl::from_full(*full->proj, g);
+    auto fc = sl::Linear1D_ColImpl::from_full(*full->fc, g);
+    auto out = sl::Linear1D_RowImpl::from_full(*full->out, g);
+    auto ln1 =
+        std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(full->ln1->clone());
+    auto ln2 =
+        std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(full->ln2->clone());
+    auto xs = x.detach().clone().requires_grad_();
+    auto h = xs +
+        proj->forward(local_attention(
+            qkv->forward(ln1->forward(xs)), cfg.n_head() / world));
+    auto y = h + out->forward(torch::gelu(fc->forward(ln2->forward(h))));
+
+    const double tol = 8.0 * 4 * e * std::ldexp(1.0, -24);
+    auto close = [&](const at::Tensor& got,
+                     const at::Tensor& want,
+                     const std::string& what) {
+      ASSERT_EQ(got.sizes(), want.sizes()) << what;
+      EXPECT_TRUE(at::allclose(got, want, tol, tol))
+          << what << " differs by " << (got - want).abs().max().item<double>();
+    };
+    close(y, full(x).detach(), "output");
+    (y * up).sum().backward();
+    close(xs.grad(), x.grad(), "input gradient");
+    std::vector<at::Tensor> sections;
+    for (const auto& s : full->qkv->weight.grad().chunk(3, 0)) {
+      sections.push_back(s.chunk(world, 0)[rank]);
+    }
+    close(qkv->weight.grad(), at::cat(sections, 0), "qkv weight gradient");
+    close(
+        proj->weight.grad(),
+        full->proj->weight.grad().chunk(world, 1)[rank],
+        "proj weight gradient");
+    close(
+        fc->weight.grad(),
+        full->fc->weight.grad().chunk(world, 0)[rank],
+        "fc weight gradient");
+    close(
+        out->weight.grad(),
+        full->out->weight.grad().chunk(world, 1)[rank],
+        "out weight gradient");
+    close(out->bias.grad(), full->out->bias.grad(), "out bias gradient");
+    close(ln1->weight.grad(), full->ln1->weight.grad(), "ln1 (replicated)");
+    close(ln2->bias.grad(), full->ln2->bias.grad(), "ln2 (replicated)");
+  });
 }

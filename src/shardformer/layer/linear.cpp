@@ -90,19 +90,42 @@ at::Tensor Linear1D_ColImpl::forward(const at::Tensor& input) {
 std::shared_ptr<Linear1D_ColImpl> Linear1D_ColImpl::from_full(
     const torch::nn::LinearImpl& full,
     const distributed::ProcessGroupPtr& group,
-    bool gather_output) {
+    bool gather_output,
+    int64_t fused) {
   at::Tensor b;
   check_full(full, "Linear1D_Col", &b);
-  auto o = Linear1DOptions(full.weight.size(1), full.weight.size(0))
+  const int64_t out = full.weight.size(0);
+  TORCH_CHECK(
+      fused >= 1 && out % fused == 0,
+      "Linear1D_Col: ",
+      out,
+      " output features do not form ",
+      fused,
+      " equal fused sections");
+  TORCH_CHECK(
+      fused == 1 || !gather_output,
+      "Linear1D_Col: gather_output with fused sections would interleave the "
+      "sections by rank; gather each section instead");
+  auto o = Linear1DOptions(full.weight.size(1), out)
                .bias(b.defined())
                .gather_output(gather_output)
                .process_group(group);
+  auto g =
+      detail::tp_group(group, out / fused, "Linear1D_Col", "a fused section");
   auto m = std::make_shared<Linear1D_ColImpl>(o);
   torch::NoGradGuard no_grad;
-  const int tp = m->group->size(), r = m->group->rank();
-  m->weight.copy_(full.weight.chunk(tp, 0)[r]);
+  const int tp = g->size(), r = g->rank();
+  // Rank r: its chunk of each section, sections in order.
+  auto mine = [&](const at::Tensor& t) {
+    std::vector<at::Tensor> parts;
+    for (const auto& section : t.chunk(fused, 0)) {
+      parts.push_back(section.chunk(tp, 0)[r]);
+    }
+    return at::cat(parts, 0);
+  };
+  m->weight.copy_(mine(full.weight));
   if (b.defined()) {
-    m->bias.copy_(b.chunk(tp, 0)[r]);
+    m->bias.copy_(mine(b));
   }
   return m;
 }

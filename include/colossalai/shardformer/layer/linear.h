@@ -58,12 +58,16 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl> {
   void reset() override;
   at::Tensor forward(const at::Tensor& input);
 
-  /// This rank's shard of `full` (weights copied). `options` may set
-  /// gather_output, seq_parallel and the group; the sizes come from `full`.
+  /// This rank's shard of `full` (weights copied). With `fused` > 1 the
+  /// output features are that many equal sections (a fused q, k, v
+  /// projection: `fused` 3) and each section is split over the group, so
+  /// rank r holds its chunk of every section, in section order
+  /// (ColossalAI's FusedLinear1D_Col).
   static std::shared_ptr<Linear1D_ColImpl> from_full(
       const torch::nn::LinearImpl& full,
       const distributed::ProcessGroupPtr& group,
-      bool gather_output = false);
+      bool gather_output = false,
+      int64_t fused = 1);
 
   Linear1DOptions options;
   at::Tensor weight; ///< [out / tp, in]
