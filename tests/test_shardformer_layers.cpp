@@ -396,26 +396,6 @@ TEST(ParallelLayers, RMSNormMatchesItsDefinition) {
       << "bf16 input times the fp32 weight promotes, as in LLaMA";
 }
 
-namespace {
-
-// zoo::Block's causal attention on the heads this rank holds.
-at::Tensor local_attention(const at::Tensor& qkv, int64_t heads) {
-  const int64_t b = qkv.size(0), t = qkv.size(1), c = qkv.size(2) / 3;
-  const int64_t d = c / heads;
-  auto parts = qkv.split(c, -1);
-  auto q = parts[0].view({b, t, heads, d}).transpose(1, 2);
-  auto k = parts[1].view({b, t, heads, d}).transpose(1, 2);
-  auto v = parts[2].view({b, t, heads, d}).transpose(1, 2);
-  auto att = torch::matmul(q, k.transpose(-2, -1)) *
-      (1.0 / std::sqrt(static_cast<double>(d)));
-  auto future = torch::ones({t, t}, qkv.options().dtype(at::kBool)).triu(1);
-  att = torch::softmax(
-      att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
-  return torch::matmul(att, v).transpose(1, 2).contiguous().view({b, t, c});
-}
-
-} // namespace
-
 TEST(ParallelLayers, MegatronBlockEqualsTheZooBlock) {
   // The layers compose into a tensor-parallel transformer block: the fused
   // q, k, v projection split per section (each rank its heads), attention
@@ -446,7 +426,7 @@ TEST(ParallelLayers, MegatronBlockEqualsTheZooBlock) {
         std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(full->ln2->clone());
     auto xs = x.detach().clone().requires_grad_();
     auto h = xs +
-        proj->forward(local_attention(
+        proj->forward(colossalai::zoo::causal_attention(
             qkv->forward(ln1->forward(xs)), cfg.n_head() / world));
     auto y = h + out->forward(torch::gelu(fc->forward(ln2->forward(h))));
 

@@ -94,17 +94,17 @@ void BlockImpl::reset_parameters() {
   init_linear(out);
 }
 
-at::Tensor BlockImpl::causal_self_attention(const at::Tensor& x) {
-  const int64_t b = x.size(0);
-  const int64_t t = x.size(1);
-  const int64_t c = x.size(2);
-  const int64_t h = config_.n_head();
+at::Tensor causal_attention(const at::Tensor& qkv, int64_t n_head) {
+  const int64_t b = qkv.size(0);
+  const int64_t t = qkv.size(1);
+  const int64_t c = qkv.size(2) / 3;
+  const int64_t h = n_head;
   const int64_t d = c / h;
 
   // Plain matmul/mask/softmax rather than a fused kernel: LibTorch 1.13 has
   // no scaled_dot_product_attention, and the model should run the same
   // arithmetic on every version we support.
-  auto parts = qkv->forward(x).split(c, /*dim=*/-1);
+  auto parts = qkv.split(c, /*dim=*/-1);
   auto q = parts[0].view({b, t, h, d}).transpose(1, 2);
   auto k = parts[1].view({b, t, h, d}).transpose(1, 2);
   auto v = parts[2].view({b, t, h, d}).transpose(1, 2);
@@ -113,11 +113,15 @@ at::Tensor BlockImpl::causal_self_attention(const at::Tensor& x) {
       (1.0 / std::sqrt(static_cast<double>(d)));
   // Built per call instead of registered as a buffer so that state dicts
   // hold only trainable parameters.
-  auto future = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
+  auto future = torch::ones({t, t}, qkv.options().dtype(torch::kBool)).triu(1);
   att = att.masked_fill(future, -std::numeric_limits<double>::infinity());
   att = torch::softmax(att, /*dim=*/-1);
   auto y = torch::matmul(att, v); // [B, H, T, D]
   return y.transpose(1, 2).contiguous().view({b, t, c});
+}
+
+at::Tensor BlockImpl::causal_self_attention(const at::Tensor& x) {
+  return causal_attention(qkv->forward(x), config_.n_head());
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {

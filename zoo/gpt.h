@@ -65,6 +65,11 @@ struct GPTConfig {
   TORCH_ARG(int64_t, n_layer) = 4;
 };
 
+/// Causal multi-head attention of a fused projection qkv: [B, T, 3C] (q, k,
+/// v in that order, each C = n_head x head size wide) -> [B, T, C]. A
+/// tensor-parallel block calls it on its own heads.
+at::Tensor causal_attention(const at::Tensor& qkv, int64_t n_head);
+
 /// One pre-LayerNorm transformer block:
 ///   x = x + proj(causal_self_attention(ln1(x)))
 ///   x = x + out(gelu(fc(ln2(x))))
