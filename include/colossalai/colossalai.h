@@ -20,3 +20,7 @@
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
 #include <colossalai/nn/hookable_module.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
+#include <colossalai/distributed/functional.h>
+#include <colossalai/shardformer/layer/embedding.h>
+#include <colossalai/shardformer/layer/linear.h>
+#include <colossalai/shardformer/layer/normalization.h>

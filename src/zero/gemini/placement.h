@@ -23,7 +23,10 @@
 // model data (both tiers on a CPU-only build, where the device tier is host
 // memory) minus what was allocated before the model was sharded. Moments are
 // the engine's decision points: the root's forward, each module's forward
-// and backward, each unit's gradients completing. When a gather needs room,
+// and backward, each unit's gradients completing. A gather for backward
+// also reserves the unit's gradient buffers (the flat gradient, the reduced
+// shard and, on Gloo, which has no reduce-scatter, the exchange buffer),
+// which appear after the decision. When a gather needs room,
 // parameter shards of units not being gathered are evicted, the one whose
 // next use (from the gather order recorded in the warm-up step) is furthest
 // first, or the least recently used in the warm-up step. A prefetch that
