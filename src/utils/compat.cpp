@@ -3,6 +3,9 @@
 #include <ATen/autocast_mode.h>
 
 #include <malloc.h>
+#include <unistd.h>
+
+#include <cstdio>
 
 #ifdef COLOSSALAI_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -42,8 +45,21 @@ int64_t memory_allocated(at::Device device) {
   }
 #endif
   TORCH_CHECK(device.is_cpu(), "memory_allocated: unsupported device ", device);
+#if defined(__GLIBC__) && \
+    (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
   const auto info = mallinfo2(); // sums every arena
   return static_cast<int64_t>(info.uordblks + info.hblkhd);
+#else
+  // Without glibc's mallinfo2: the resident set, a coarser figure.
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) {
+      resident = 0;
+    }
+    std::fclose(f);
+  }
+  return static_cast<int64_t>(resident) * sysconf(_SC_PAGESIZE);
+#endif
 }
 
 int64_t device_memory_capacity(at::Device device) {
