@@ -5,7 +5,7 @@ results folder.
 
 Reads whatever is there (collectives_n*.json, ddp_step_*.json,
 torch_ddp_step_*.json, zero_step_n*.json, hybrid_adam.json,
-checkpoint_io.json, run.json) and skips the sections it has no data for.
+checkpoint_io.json, gemini_budget.json, run.json) and skips the sections it has no data for.
 Plots need matplotlib (Debian: python3-matplotlib); without it the report has
 tables only.
 """
@@ -436,6 +436,42 @@ class Report:
         self.table(["format", "save GB/s", "load GB/s", "save time / copy",
                     "load time / read"], rows)
 
+    def gemini_budget(self):
+        p = os.path.join(self.dir, "gemini_budget.json")
+        if not os.path.exists(p):
+            return
+        d = load(p)
+        budget = d["budget_bytes"]
+        self.add(f"## The largest model one process trains within a "
+                 f"{budget / 2**20:.0f} MB device budget", "")
+        self.add("Device peak measured as the heap's peak in use during a step "
+                 "minus the host tier minus the baseline (bench/gemini_budget.cpp).",
+                 "")
+        largest = d["largest_fitting_parameters"]
+        self.table(["setup", "largest model that fits"],
+                   [[k, f"{v / 1e6:.1f} M parameters"] for k, v in largest.items()])
+        rows = [[r["setup"], r["layers"], f"{r['parameters'] / 1e6:.1f} M",
+                 fmt_bytes(r["device_peak_bytes"]) if r["ran"] else "refused",
+                 "yes" if r["fits"] else "no",
+                 fmt_bytes(r["host_to_device_per_step"])
+                 if r["host_to_device_per_step"] >= 0 else "-"]
+                for r in d["runs"]]
+        self.table(["setup", "blocks", "parameters", "device peak", "fits",
+                    "host to device / step"], rows)
+        if plt is None:
+            return
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for setup in largest:
+            pts = [(r["parameters"] / 1e6, r["device_peak_bytes"] / 2**20)
+                   for r in d["runs"] if r["setup"] == setup and r["ran"]]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=setup)
+        ax.axhline(budget / 2**20, color="k", ls="--", lw=1, label="budget")
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (M)")
+        ax.set_ylabel("device peak MB")
+        ax.legend(fontsize=7)
+        self.figure(fig, "gemini_budget.png", "device peak vs model size")
+
     def write(self):
         self.header()
         self.steps()
@@ -443,6 +479,7 @@ class Report:
         self.collectives()
         self.hybrid_adam()
         self.checkpoint_io()
+        self.gemini_budget()
         self.add("## Reproduce", "",
                  "```sh",
                  "bench/run            # full suite; bench/run --quick for a short one",
