@@ -187,6 +187,16 @@ TEST(ParallelLayers, ColumnThenRowEqualsTheFullLayers) {
     auto gathered =
         sl::Linear1D_Col(sl::Linear1D_ColImpl::from_full(*fc, g, true));
     expect_equal(gathered(x.detach()), fc(x).detach(), "gather_output");
+    // From tensors in GPT-2's Conv1D layout ([in, out], passed transposed),
+    // as a Hugging Face checkpoint holds them.
+    auto conv_fc = fc->weight.detach().t().contiguous();
+    auto conv_proj = proj->weight.detach().t().contiguous();
+    auto col_t = sl::Linear1D_ColImpl::from_full(conv_fc.t(), fc->bias, g);
+    auto row_t = sl::Linear1D_RowImpl::from_full(conv_proj.t(), proj->bias, g);
+    expect_equal(
+        row_t->forward(col_t->forward(x.detach())),
+        proj(fc(x)).detach(),
+        "from Conv1D-layout tensors");
     // A full input split by the row layer itself.
     auto split_in =
         sl::Linear1D_Row(sl::Linear1D_RowImpl::from_full(*proj, g, false));

@@ -48,11 +48,25 @@ void init_like_linear(at::Tensor& w, at::Tensor& b, int64_t in_features) {
 }
 
 void check_full(
-    const torch::nn::LinearImpl& full,
-    const char* layer,
-    at::Tensor* bias) {
-  TORCH_CHECK(full.weight.defined(), layer, ": from_full needs a weight");
-  *bias = full.options.bias() ? full.bias : at::Tensor();
+    const at::Tensor& weight,
+    const at::Tensor& bias,
+    const char* layer) {
+  TORCH_CHECK(
+      weight.defined() && weight.dim() == 2,
+      layer,
+      ": from_full needs a 2-d weight [out_features, in_features]");
+  TORCH_CHECK(
+      !bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)),
+      layer,
+      ": the bias has shape ",
+      bias.sizes(),
+      ", expected [",
+      weight.size(0),
+      "]");
+}
+
+at::Tensor bias_of(const torch::nn::LinearImpl& full) {
+  return full.options.bias() ? full.bias : at::Tensor();
 }
 
 } // namespace
@@ -92,9 +106,17 @@ std::shared_ptr<Linear1D_ColImpl> Linear1D_ColImpl::from_full(
     const distributed::ProcessGroupPtr& group,
     bool gather_output,
     int64_t fused) {
-  at::Tensor b;
-  check_full(full, "Linear1D_Col", &b);
-  const int64_t out = full.weight.size(0);
+  return from_full(full.weight, bias_of(full), group, gather_output, fused);
+}
+
+std::shared_ptr<Linear1D_ColImpl> Linear1D_ColImpl::from_full(
+    const at::Tensor& weight,
+    const at::Tensor& b,
+    const distributed::ProcessGroupPtr& group,
+    bool gather_output,
+    int64_t fused) {
+  check_full(weight, b, "Linear1D_Col");
+  const int64_t out = weight.size(0);
   TORCH_CHECK(
       fused >= 1 && out % fused == 0,
       "Linear1D_Col: ",
@@ -106,7 +128,7 @@ std::shared_ptr<Linear1D_ColImpl> Linear1D_ColImpl::from_full(
       fused == 1 || !gather_output,
       "Linear1D_Col: gather_output with fused sections would interleave the "
       "sections by rank; gather each section instead");
-  auto o = Linear1DOptions(full.weight.size(1), out)
+  auto o = Linear1DOptions(weight.size(1), out)
                .bias(b.defined())
                .gather_output(gather_output)
                .process_group(group);
@@ -123,7 +145,7 @@ std::shared_ptr<Linear1D_ColImpl> Linear1D_ColImpl::from_full(
     }
     return at::cat(parts, 0);
   };
-  m->weight.copy_(mine(full.weight));
+  m->weight.copy_(mine(weight));
   if (b.defined()) {
     m->bias.copy_(mine(b));
   }
@@ -175,16 +197,23 @@ std::shared_ptr<Linear1D_RowImpl> Linear1D_RowImpl::from_full(
     const torch::nn::LinearImpl& full,
     const distributed::ProcessGroupPtr& group,
     bool parallel_input) {
-  at::Tensor b;
-  check_full(full, "Linear1D_Row", &b);
-  auto o = Linear1DOptions(full.weight.size(1), full.weight.size(0))
+  return from_full(full.weight, bias_of(full), group, parallel_input);
+}
+
+std::shared_ptr<Linear1D_RowImpl> Linear1D_RowImpl::from_full(
+    const at::Tensor& weight,
+    const at::Tensor& b,
+    const distributed::ProcessGroupPtr& group,
+    bool parallel_input) {
+  check_full(weight, b, "Linear1D_Row");
+  auto o = Linear1DOptions(weight.size(1), weight.size(0))
                .bias(b.defined())
                .parallel_input(parallel_input)
                .process_group(group);
   auto m = std::make_shared<Linear1D_RowImpl>(o);
   torch::NoGradGuard no_grad;
   const int tp = m->group->size(), r = m->group->rank();
-  m->weight.copy_(full.weight.chunk(tp, 1)[r]);
+  m->weight.copy_(weight.chunk(tp, 1)[r]);
   if (b.defined()) {
     m->bias.copy_(b);
   }

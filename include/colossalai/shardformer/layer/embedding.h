@@ -12,7 +12,8 @@
 /// Example (a GPT's tied embedding and head, logits kept sharded):
 /// \code
 ///   using namespace colossalai::shardformer::layer;
-///   auto wte = VocabParallelEmbedding1D::from_full(*full_wte, tp);
+///   VocabParallelEmbedding1D wte(
+///       VocabParallelEmbedding1DImpl::from_full(*full_wte, tp));
 ///   auto h = wte(tokens);                       // [B, T, E], replicated
 ///   auto logits = lm_head_logits(h, wte->weight, tp); // [B, T, V_pad / tp]
 ///   auto loss = vocab_parallel_cross_entropy(

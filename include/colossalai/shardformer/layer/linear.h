@@ -10,9 +10,11 @@
 /// Example (an MLP sharded from a full one):
 /// \code
 ///   using namespace colossalai::shardformer::layer;
-///   auto fc = Linear1D_Col::from_full(*full_fc, tp);   // out / tp rows
-///   auto proj = Linear1D_Row::from_full(*full_proj, tp); // in / tp columns
+///   Linear1D_Col fc(Linear1D_ColImpl::from_full(*full_fc, tp)); // out / tp
+///   Linear1D_Row proj(Linear1D_RowImpl::from_full(*full_proj, tp)); // in / tp
 ///   auto y = proj(at::gelu(fc(x))); // equals full_proj(gelu(full_fc(x)))
+///   // A Hugging Face GPT-2 Conv1D stores [in, out]: pass its transpose.
+///   auto c_fc = Linear1D_ColImpl::from_full(conv_weight.t(), conv_bias, tp);
 /// \endcode
 
 #include <colossalai/distributed/process_group.h>
@@ -68,6 +70,15 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl> {
       const distributed::ProcessGroupPtr& group,
       bool gather_output = false,
       int64_t fused = 1);
+  /// The same from full tensors: `weight` [out, in] (nn.Linear's layout; a
+  /// GPT-2 Conv1D weight, stored [in, out], is passed transposed) and
+  /// `bias` [out] or undefined.
+  static std::shared_ptr<Linear1D_ColImpl> from_full(
+      const at::Tensor& weight,
+      const at::Tensor& bias,
+      const distributed::ProcessGroupPtr& group,
+      bool gather_output = false,
+      int64_t fused = 1);
 
   Linear1DOptions options;
   at::Tensor weight; ///< [out / tp, in]
@@ -88,6 +99,12 @@ class Linear1D_RowImpl : public torch::nn::Cloneable<Linear1D_RowImpl> {
 
   static std::shared_ptr<Linear1D_RowImpl> from_full(
       const torch::nn::LinearImpl& full,
+      const distributed::ProcessGroupPtr& group,
+      bool parallel_input = true);
+  /// From full tensors, as Linear1D_ColImpl::from_full.
+  static std::shared_ptr<Linear1D_RowImpl> from_full(
+      const at::Tensor& weight,
+      const at::Tensor& bias,
       const distributed::ProcessGroupPtr& group,
       bool parallel_input = true);
 
