@@ -401,6 +401,22 @@ Work reduce_scatter(
       group);
 }
 
+int64_t reduce_scatter_workspace_bytes(
+    int64_t numel,
+    at::ScalarType dtype,
+    const ProcessGroup& group) {
+  const int n = group.size();
+  if (n == 1) {
+    return 0;
+  }
+  const int64_t m = shard_sizes(numel, n)[0];
+  const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
+  if (gloo(group)) {
+    return m * n * elt; // the all-to-all's receive buffer (see above)
+  }
+  return m * n == numel ? 0 : (m * n + m) * elt; // padded input and output
+}
+
 Work all_to_all(
     at::Tensor& output,
     const at::Tensor& input,

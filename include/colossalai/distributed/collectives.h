@@ -95,6 +95,16 @@ Work reduce_scatter(
     const ProcessGroup& group,
     ReduceOp op = ReduceOp::kSum);
 
+/// Bytes of working memory reduce_scatter() allocates beside its output
+/// while it runs, for an input of `numel` elements of `dtype`: Gloo has no
+/// reduce-scatter and receives every rank's shard into a buffer of the
+/// input's size; NCCL needs one only to pad an uneven input. For memory
+/// accounting.
+int64_t reduce_scatter_workspace_bytes(
+    int64_t numel,
+    at::ScalarType dtype,
+    const ProcessGroup& group);
+
 /// Rank r sends the r-th block of `input` to every rank and receives
 /// everyone's blocks into `output`, in rank order. Empty split vectors mean
 /// equal blocks.

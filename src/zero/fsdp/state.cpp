@@ -253,11 +253,8 @@ distributed::Work FsdpState::launch(size_t bucket) {
   if (S > 1) {
     u.reduced = at::empty({u.layout.shard}, flat.options());
     work = distributed::reduce_scatter(u.reduced, flat, *shard_group);
-    // Gloo has no reduce-scatter: it exchanges every shard (all-to-all)
-    // into a buffer of the flat size, then reduces locally.
-    if (shard_group->backend_type() == distributed::BackendType::kGloo) {
-      u.staging = flat.numel() * static_cast<int64_t>(flat.element_size());
-    }
+    u.staging = distributed::reduce_scatter_workspace_bytes(
+        flat.numel(), flat.scalar_type(), *shard_group);
   } else {
     u.reduced = flat;
     if (R > 1) {

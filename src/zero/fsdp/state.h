@@ -46,7 +46,7 @@ struct Unit : FlatParams {
   // Backward state.
   at::Tensor flat_grad; // this backward's full gradients, flat
   at::Tensor reduced;   // this rank's reduced shard (reduce dtype)
-  int64_t staging = 0;  // the backend's buffer while the reduction runs
+  int64_t staging = 0;  // the reduce-scatter's workspace while it runs
 
   int64_t numel() const {
     return layout.numel;

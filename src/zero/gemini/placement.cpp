@@ -238,17 +238,15 @@ at::Tensor Placement::gather_source(size_t k, bool prefetch) {
   if (st_.in_backward()) {
     // Its gradients follow while it is gathered: the flat buffer in
     // reduce_dtype (each parameter's gradient is freed once copied in), the
-    // reduced shard and, on a backend without reduce-scatter, the exchange
-    // buffer (FsdpState::launch). Reserve them now: between decision points
-    // nothing is evicted.
+    // reduced shard and the reduce-scatter's workspace (FsdpState::launch).
+    // Reserve them now: between decision points nothing is evicted.
     const int64_t flat =
         u.padded() * static_cast<int64_t>(c10::elementSize(st_.reduce_dtype));
     need += flat;
     if (st_.S > 1) { // with one rank the flat buffer is the reduced shard
-      need += flat / st_.S;
-      if (st_.shard_group->backend_type() == distributed::BackendType::kGloo) {
-        need += flat;
-      }
+      need += flat / st_.S +
+          distributed::reduce_scatter_workspace_bytes(
+                  u.padded(), st_.reduce_dtype, *st_.shard_group);
     }
   }
   if (o_.policy() == PlacementPolicy::kAuto && !make_room(need, k)) {
