@@ -203,8 +203,9 @@ TEST(ParallelLayers, ColumnThenRowEqualsTheFullLayers) {
     auto h = fc(x).detach();
     expect_equal(split_in(h), proj(h).detach(), "parallel_input(false)");
 
-    auto msg = error_of(
-        [&] { sl::Linear1D_Col(sl::Linear1DOptions(4, 4 * world + 1)); });
+    auto msg = error_of([&] {
+      sl::Linear1D_Col(sl::Linear1DOptions(4, 4 * world + 1).process_group(g));
+    });
     EXPECT_NE(msg.find("out_features"), std::string::npos) << msg;
     msg = error_of([&] { row(ints({2, in}, 7)); });
     EXPECT_NE(msg.find("parallel_input"), std::string::npos) << msg;

@@ -176,7 +176,24 @@ struct AllToAllAlongDims : torch::autograd::Function<AllToAllAlongDims> {
   }
 };
 
+struct ScaleGrad : torch::autograd::Function<ScaleGrad> {
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& x,
+      double factor) {
+    ctx->saved_data["factor"] = factor;
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0] * ctx->saved_data["factor"].toDouble(), at::Tensor()};
+  }
+};
+
 } // namespace
+
+at::Tensor scale_grad(const at::Tensor& x, double factor) {
+  return factor == 1.0 ? x : ScaleGrad::apply(x, factor);
+}
 
 at::Tensor copy_to_group(const at::Tensor& x, const ProcessGroupPtr& group) {
   return trivial(group) ? x : CopyToGroup::apply(x, group);

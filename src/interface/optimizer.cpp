@@ -58,6 +58,18 @@ double total_norm(
     const std::vector<at::Tensor>& tensors,
     double norm_type,
     const distributed::ProcessGroup* group) {
+  if (group == nullptr) {
+    return total_norm(
+        tensors, norm_type, std::vector<const distributed::ProcessGroup*>{});
+  }
+  return total_norm(
+      tensors, norm_type, std::vector<const distributed::ProcessGroup*>{group});
+}
+
+double total_norm(
+    const std::vector<at::Tensor>& tensors,
+    double norm_type,
+    const std::vector<const distributed::ProcessGroup*>& groups) {
   const bool inf = std::isinf(norm_type);
   std::vector<at::Tensor> norms;
   for (const auto& g : tensors) {
@@ -67,7 +79,7 @@ double total_norm(
               : g.to(at::kFloat).norm(norm_type));
     }
   }
-  if (group == nullptr) {
+  if (groups.empty()) {
     // One host sync for the whole model, as torch.nn.utils does.
     if (norms.empty()) {
       return 0.0;
@@ -82,10 +94,13 @@ double total_norm(
     auto all = at::stack(norms).to(at::kDouble);
     local = (inf ? all.max() : all.pow(norm_type).sum()).reshape({1});
   }
-  // On the group's device (NCCL takes no host tensors; offloaded shards
-  // live on the host).
-  local = local.to(group->device());
-  if (group->size() > 1) {
+  for (const auto* group : groups) {
+    if (group == nullptr || group->size() == 1) {
+      continue;
+    }
+    // On the group's device (NCCL takes no host tensors; offloaded shards
+    // live on the host).
+    local = local.to(group->device());
     distributed::all_reduce(
         local,
         *group,

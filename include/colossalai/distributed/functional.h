@@ -81,6 +81,11 @@ at::Tensor all_to_all_along_dims(
     int64_t gather_dim,
     const ProcessGroupPtr& group);
 
+/// Identity whose backward multiplies the gradient by `factor` (e.g. the
+/// sequence-parallel size where every rank of a group computes the same
+/// loss from gathered activations but keeps only its chunk's gradient).
+at::Tensor scale_grad(const at::Tensor& x, double factor);
+
 } // namespace functional
 } // namespace distributed
 } // namespace colossalai

@@ -65,6 +65,12 @@ double total_norm(
     const std::vector<at::Tensor>& tensors,
     double norm_type,
     const distributed::ProcessGroup* group = nullptr);
+/// The same over several groups in turn (e.g. the data-parallel shards,
+/// then the tensor-parallel group): partials combined over each.
+double total_norm(
+    const std::vector<at::Tensor>& tensors,
+    double norm_type,
+    const std::vector<const distributed::ProcessGroup*>& groups);
 /// total_norm of the parameters' gradients.
 double grad_norm(const std::vector<at::Tensor>& params, double norm_type);
 void scale_grads(const std::vector<at::Tensor>& params, double factor);

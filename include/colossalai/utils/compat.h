@@ -50,6 +50,19 @@ int64_t memory_allocated(at::Device device);
 /// Total memory of `device` (CUDA); 0 when unknown (the host).
 int64_t device_memory_capacity(at::Device device);
 
+/// Whether LibTorch has a fused attention kernel
+/// (at::scaled_dot_product_attention, 2.0 and later).
+constexpr bool has_fused_attention() {
+  return COLOSSALAI_TORCH_AT_LEAST(2, 0);
+}
+/// Causal attention of q, k, v [B, H, T, D] through LibTorch's fused kernel
+/// (flash / memory-efficient where the device has them); an error where
+/// `has_fused_attention()` is false.
+at::Tensor fused_causal_attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v);
+
 /// RAII autocast region on one device type (CPU or CUDA).
 class AutocastGuard {
  public:

@@ -70,6 +70,16 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// Full optimizer states by parameter id on rank 0 of the shard group
   /// (empty elsewhere); collective.
   std::map<int64_t, checkpoint_io::StateDict> full_states();
+  /// Tensor parallelism beside the shards (HybridParallelPlugin): every
+  /// parameter is split or replicated over `group` too. The global norm
+  /// then sums every tensor rank's shards, counting `replicated` parameters
+  /// once; `partial_grads` (replicated parameters used on sequence chunks)
+  /// have their gradients summed over `group` at the start of step.
+  void set_model_parallel(
+      distributed::ProcessGroupPtr group,
+      const std::vector<at::Tensor>& replicated,
+      const std::vector<at::Tensor>& partial_grads);
+
   /// Keeps this rank's piece of a full state (from any world size or
   /// plugin).
   void load_full_state(
@@ -111,8 +121,14 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   double global_norm(double norm_type);
   void scale_grads(double factor);
 
+  void sum_partial_grads();
+
   ShardedOptimizerOptions options_;
   std::unique_ptr<amp::DynamicLossScaler> scaler_;
+  distributed::ProcessGroupPtr mp_group_;
+  std::vector<const void*> mp_replicated_; // sorted TensorImpl addresses
+  std::vector<const void*> mp_partial_;
+  bool partials_summed_ = false;
   std::vector<detail::FlatParams*> groups_;
   distributed::ProcessGroupPtr group_;
   bool unscaled_ = false;

@@ -11,25 +11,12 @@ namespace plugin {
 
 namespace {
 
-// Runs the module in the working dtype: floating inputs are cast to it.
-class LowLevelZeroModel : public interface::ModelWrapper {
+// The working-dtype model, and the optimizer whose master slices mirror
+// its weights.
+class LowLevelZeroModel : public detail::CastInputModel {
  public:
-  LowLevelZeroModel(
-      std::shared_ptr<interface::ModelWrapper> inner,
-      at::ScalarType dtype)
-      : interface::ModelWrapper(std::move(inner)), dtype_(dtype) {}
-
-  // The optimizer whose master slices mirror this model's weights.
+  using detail::CastInputModel::CastInputModel;
   std::weak_ptr<zero::LowLevelZeroOptimizer> optimizer;
-
- protected:
-  at::Tensor transform_input(const at::Tensor& x) override {
-    return x.is_floating_point() && x.scalar_type() != dtype_ ? x.to(dtype_)
-                                                              : x;
-  }
-
- private:
-  at::ScalarType dtype_;
 };
 
 // How ZeRO's state reaches a checkpoint: full weights (every rank holds

@@ -3,6 +3,7 @@
 // Option conversions shared by the plugins (internal).
 
 #include <colossalai/amp/dynamic_loss_scaler.h>
+#include <colossalai/interface/model.h>
 
 #include <ATen/ATen.h>
 
@@ -50,6 +51,25 @@ amp::DynamicLossScalerOptions loss_scaler_options(const PluginOptions& o) {
       .growth_interval(o.growth_interval())
       .hysteresis(o.hysteresis());
 }
+
+/// Runs the module in a plugin's working dtype: floating inputs are cast to
+/// it (ZeRO and HybridParallel keep bf16 / fp16 weights).
+class CastInputModel : public interface::ModelWrapper {
+ public:
+  CastInputModel(
+      std::shared_ptr<interface::ModelWrapper> inner,
+      at::ScalarType dtype)
+      : interface::ModelWrapper(std::move(inner)), dtype_(dtype) {}
+
+ protected:
+  at::Tensor transform_input(const at::Tensor& x) override {
+    return x.is_floating_point() && x.scalar_type() != dtype_ ? x.to(dtype_)
+                                                              : x;
+  }
+
+ private:
+  at::ScalarType dtype_;
+};
 
 } // namespace detail
 } // namespace plugin

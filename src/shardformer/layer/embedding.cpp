@@ -5,6 +5,7 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cmath>
 #include <limits>
 
 namespace colossalai {
@@ -28,17 +29,29 @@ Embedding1DImpl::Embedding1DImpl(Embedding1DOptions options_)
 }
 
 void Embedding1DImpl::reset() {
-  group = detail::tp_group(
-      options.process_group(),
-      options.embedding_dim(),
-      "Embedding1D",
-      "embedding_dim");
+  group = options.process_group();
+  detail::check_divisible(
+      group, options.embedding_dim(), "Embedding1D", "embedding_dim");
   weight = register_parameter(
       "weight",
       at::empty(
-          {options.num_embeddings(), options.embedding_dim() / group->size()}));
+          {options.num_embeddings(),
+           options.embedding_dim() / detail::group_size(group)}));
   torch::NoGradGuard no_grad;
   weight.normal_(); // nn.Embedding's N(0, 1)
+}
+
+std::map<std::string, ShardSpec> Embedding1DImpl::shard_specs() const {
+  return {{"weight", ShardSpec::split(1, options.embedding_dim(), group)}};
+}
+
+void Embedding1DImpl::shard_(const distributed::ProcessGroupPtr& g) {
+  TORCH_CHECK(group == nullptr, "Embedding1D.shard_: already sharded");
+  detail::check_divisible(
+      g, options.embedding_dim(), "Embedding1D", "embedding_dim");
+  group = g;
+  options.process_group(g);
+  detail::shard_param_(weight, shard_specs().at("weight"));
 }
 
 at::Tensor Embedding1DImpl::forward(const at::Tensor& input) {
@@ -52,12 +65,36 @@ std::shared_ptr<Embedding1DImpl> Embedding1DImpl::from_full(
     bool gather_output) {
   auto m = std::make_shared<Embedding1DImpl>(
       Embedding1DOptions(full.weight.size(0), full.weight.size(1))
-          .gather_output(gather_output)
-          .process_group(group));
-  torch::NoGradGuard no_grad;
-  m->weight.copy_(full.weight.chunk(m->group->size(), 1)[m->group->rank()]);
+          .gather_output(gather_output));
+  {
+    torch::NoGradGuard no_grad;
+    m->weight.copy_(full.weight);
+  }
+  m->shard_(group);
   return m;
 }
+
+namespace {
+
+// The padded row count of a vocabulary layer over `g` (none without a
+// group: a plain layer keeps the Hugging Face shape).
+int64_t vocab_rows(
+    const Embedding1DOptions& o,
+    const distributed::ProcessGroupPtr& g) {
+  return g == nullptr
+      ? o.num_embeddings()
+      : padded_vocab_size(
+            o.num_embeddings(), o.make_vocab_size_divisible_by(), g->size());
+}
+
+ShardSpec vocab_spec(
+    const Embedding1DOptions& o,
+    const distributed::ProcessGroupPtr& g) {
+  return ShardSpec::split(0, o.num_embeddings(), g)
+      .with_padding(vocab_rows(o, g));
+}
+
+} // namespace
 
 VocabParallelEmbedding1DImpl::VocabParallelEmbedding1DImpl(
     Embedding1DOptions options_)
@@ -66,14 +103,10 @@ VocabParallelEmbedding1DImpl::VocabParallelEmbedding1DImpl(
 }
 
 void VocabParallelEmbedding1DImpl::reset() {
-  group = options.process_group() != nullptr ? options.process_group()
-                                             : distributed::world_group();
-  padded_ = padded_vocab_size(
-      options.num_embeddings(),
-      options.make_vocab_size_divisible_by(),
-      group->size());
-  const int64_t rows = padded_ / group->size();
-  vocab_start_ = rows * group->rank();
+  group = options.process_group();
+  padded_ = vocab_rows(options, group);
+  const int64_t rows = padded_ / detail::group_size(group);
+  vocab_start_ = rows * detail::group_rank(group);
   weight =
       register_parameter("weight", at::empty({rows, options.embedding_dim()}));
   torch::NoGradGuard no_grad;
@@ -83,12 +116,37 @@ void VocabParallelEmbedding1DImpl::reset() {
   weight.narrow(0, real, rows - real).zero_();
 }
 
+std::map<std::string, ShardSpec> VocabParallelEmbedding1DImpl::shard_specs()
+    const {
+  return {{"weight", vocab_spec(options, group)}};
+}
+
+void VocabParallelEmbedding1DImpl::shard_(
+    const distributed::ProcessGroupPtr& g) {
+  TORCH_CHECK(
+      group == nullptr, "VocabParallelEmbedding1D.shard_: already sharded");
+  TORCH_CHECK(
+      weight.size(0) == options.num_embeddings(),
+      "VocabParallelEmbedding1D.shard_: the layer has ",
+      weight.size(0),
+      " rows, expected num_embeddings ",
+      options.num_embeddings());
+  group = g;
+  options.process_group(g);
+  padded_ = vocab_rows(options, g);
+  vocab_start_ = padded_ / detail::group_size(g) * detail::group_rank(g);
+  detail::shard_param_(weight, vocab_spec(options, g));
+}
+
 int64_t VocabParallelEmbedding1DImpl::real_rows() const {
   return std::max<int64_t>(
       0, std::min(weight.size(0), options.num_embeddings() - vocab_start_));
 }
 
 at::Tensor VocabParallelEmbedding1DImpl::forward(const at::Tensor& input) {
+  if (group == nullptr) {
+    return at::embedding(weight, input);
+  }
   const int64_t rows = weight.size(0);
   auto outside = (input < vocab_start_) | (input >= vocab_start_ + rows);
   auto local = (input - vocab_start_).masked_fill(outside, 0);
@@ -103,16 +161,53 @@ std::shared_ptr<VocabParallelEmbedding1DImpl> VocabParallelEmbedding1DImpl::
         int64_t make_vocab_size_divisible_by) {
   auto m = std::make_shared<VocabParallelEmbedding1DImpl>(
       Embedding1DOptions(full.weight.size(0), full.weight.size(1))
-          .make_vocab_size_divisible_by(make_vocab_size_divisible_by)
-          .process_group(group));
-  torch::NoGradGuard no_grad;
-  const int64_t real = m->real_rows();
-  m->weight.zero_();
-  if (real > 0) {
-    m->weight.narrow(0, 0, real)
-        .copy_(full.weight.narrow(0, m->vocab_start_, real));
+          .make_vocab_size_divisible_by(make_vocab_size_divisible_by));
+  {
+    torch::NoGradGuard no_grad;
+    m->weight.copy_(full.weight);
   }
+  m->shard_(group);
   return m;
+}
+
+VocabParallelLMHead1DImpl::VocabParallelLMHead1DImpl(
+    Embedding1DOptions options_)
+    : options(std::move(options_)) {
+  reset();
+}
+
+void VocabParallelLMHead1DImpl::reset() {
+  group = options.process_group();
+  const int64_t padded = vocab_rows(options, group);
+  const int64_t rows = padded / detail::group_size(group);
+  weight =
+      register_parameter("weight", at::empty({rows, options.embedding_dim()}));
+  torch::NoGradGuard no_grad;
+  const double bound =
+      1.0 / std::sqrt(static_cast<double>(options.embedding_dim()));
+  weight.uniform_(-bound, bound); // nn.Linear's
+  const int64_t start = rows * detail::group_rank(group);
+  const int64_t real =
+      std::max<int64_t>(0, std::min(rows, options.num_embeddings() - start));
+  weight.narrow(0, real, rows - real).zero_();
+}
+
+std::map<std::string, ShardSpec> VocabParallelLMHead1DImpl::shard_specs()
+    const {
+  return {{"weight", vocab_spec(options, group)}};
+}
+
+void VocabParallelLMHead1DImpl::shard_(const distributed::ProcessGroupPtr& g) {
+  TORCH_CHECK(
+      group == nullptr, "VocabParallelLMHead1D.shard_: already sharded");
+  group = g;
+  options.process_group(g);
+  detail::shard_param_(weight, vocab_spec(options, g));
+}
+
+at::Tensor VocabParallelLMHead1DImpl::forward(const at::Tensor& hidden) {
+  return lm_head_logits(
+      hidden, weight, group, options.gather_output(), options.num_embeddings());
 }
 
 at::Tensor lm_head_logits(
@@ -121,12 +216,11 @@ at::Tensor lm_head_logits(
     const distributed::ProcessGroupPtr& group,
     bool gather_output,
     int64_t vocab_size) {
-  auto g = group != nullptr ? group : distributed::world_group();
-  auto logits = at::linear(cdf::copy_to_group(hidden, g), weight);
+  auto logits = at::linear(cdf::copy_to_group(hidden, group), weight);
   if (!gather_output) {
     return logits;
   }
-  auto full = cdf::gather_along_dim(logits, -1, g);
+  auto full = cdf::gather_along_dim(logits, -1, group);
   return vocab_size >= 0 && vocab_size < full.size(-1)
       ? full.narrow(-1, 0, vocab_size)
       : full;
@@ -209,7 +303,22 @@ at::Tensor vocab_parallel_cross_entropy(
       logits.sizes(),
       " and ",
       target.sizes());
-  auto g = group != nullptr ? group : distributed::world_group();
+  if (group == nullptr) {
+    TORCH_CHECK(
+        vocab_size > 0 && vocab_size <= logits.size(1),
+        "vocab_parallel_cross_entropy: vocab_size ",
+        vocab_size,
+        " exceeds the logits' ",
+        logits.size(1),
+        " columns");
+    return at::cross_entropy_loss(
+        logits.narrow(1, 0, vocab_size).to(at::kFloat),
+        target,
+        {},
+        at::Reduction::Mean,
+        ignore_index);
+  }
+  const auto& g = group;
   TORCH_CHECK(
       vocab_size > 0 && vocab_size <= logits.size(1) * g->size(),
       "vocab_parallel_cross_entropy: vocab_size ",

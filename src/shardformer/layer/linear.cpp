@@ -14,22 +14,20 @@ namespace cdf = distributed::functional;
 
 namespace detail {
 
-distributed::ProcessGroupPtr tp_group(
+void check_divisible(
     const distributed::ProcessGroupPtr& g,
     int64_t n,
     const char* layer,
     const char* what) {
-  auto group = g != nullptr ? g : distributed::world_group();
   TORCH_CHECK(
-      n % group->size() == 0,
+      n % group_size(g) == 0,
       layer,
       ": ",
       what,
       " (",
       n,
       ") must be divisible by the tensor-parallel size ",
-      group->size());
-  return group;
+      group_size(g));
 }
 
 } // namespace detail
@@ -69,6 +67,38 @@ at::Tensor bias_of(const torch::nn::LinearImpl& full) {
   return full.options.bias() ? full.bias : at::Tensor();
 }
 
+// The weight's dimensions of the output and the input features.
+int64_t out_dim(const Linear1DOptions& o) {
+  return o.conv1d_layout() ? 1 : 0;
+}
+int64_t in_dim(const Linear1DOptions& o) {
+  return o.conv1d_layout() ? 0 : 1;
+}
+
+at::Tensor empty_weight(const Linear1DOptions& o, int64_t out, int64_t in) {
+  return o.conv1d_layout() ? at::empty({in, out}) : at::empty({out, in});
+}
+
+at::Tensor apply_linear(
+    const at::Tensor& x,
+    const at::Tensor& w,
+    const at::Tensor& b,
+    const Linear1DOptions& o) {
+  // A transposed view: at::linear multiplies by w.t() without a copy.
+  return at::linear(x, o.conv1d_layout() ? w.t() : w, b);
+}
+
+void check_unsharded(
+    const distributed::ProcessGroupPtr& current,
+    const char* layer) {
+  TORCH_CHECK(
+      current == nullptr,
+      layer,
+      ".shard_: the layer is already sharded over a group of ",
+      current == nullptr ? 1 : current->size(),
+      " ranks");
+}
+
 } // namespace
 
 Linear1D_ColImpl::Linear1D_ColImpl(Linear1DOptions options_)
@@ -77,18 +107,59 @@ Linear1D_ColImpl::Linear1D_ColImpl(Linear1DOptions options_)
 }
 
 void Linear1D_ColImpl::reset() {
-  group = detail::tp_group(
-      options.process_group(),
+  group = options.process_group();
+  TORCH_CHECK(
+      options.fused_sections() >= 1 &&
+          options.out_features() % options.fused_sections() == 0,
+      "Linear1D_Col: ",
       options.out_features(),
+      " output features do not form ",
+      options.fused_sections(),
+      " equal fused sections");
+  detail::check_divisible(
+      group,
+      options.out_features() / options.fused_sections(),
       "Linear1D_Col",
-      "out_features");
-  const int64_t out = options.out_features() / group->size();
-  weight =
-      register_parameter("weight", at::empty({out, options.in_features()}));
+      options.fused_sections() > 1 ? "a fused section" : "out_features");
+  const int64_t out = options.out_features() / detail::group_size(group);
+  weight = register_parameter(
+      "weight", empty_weight(options, out, options.in_features()));
   if (options.bias()) {
     bias = register_parameter("bias", at::empty({out}));
   }
   init_like_linear(weight, bias, options.in_features());
+}
+
+std::map<std::string, ShardSpec> Linear1D_ColImpl::shard_specs() const {
+  auto w = ShardSpec::split(out_dim(options), options.out_features(), group)
+               .with_sections(options.fused_sections());
+  std::map<std::string, ShardSpec> specs{{"weight", w}};
+  if (bias.defined()) {
+    auto b = w;
+    b.dim = 0;
+    specs.emplace("bias", b);
+  }
+  return specs;
+}
+
+void Linear1D_ColImpl::shard_(const distributed::ProcessGroupPtr& g) {
+  check_unsharded(group, "Linear1D_Col");
+  TORCH_CHECK(
+      options.fused_sections() == 1 || !options.gather_output(),
+      "Linear1D_Col: gather_output with fused sections would interleave the "
+      "sections by rank; gather each section instead");
+  detail::check_divisible(
+      g,
+      options.out_features() / options.fused_sections(),
+      "Linear1D_Col",
+      options.fused_sections() > 1 ? "a fused section" : "out_features");
+  group = g;
+  options.process_group(g);
+  auto specs = shard_specs();
+  detail::shard_param_(weight, specs.at("weight"));
+  if (bias.defined()) {
+    detail::shard_param_(bias, specs.at("bias"));
+  }
 }
 
 at::Tensor Linear1D_ColImpl::forward(const at::Tensor& input) {
@@ -97,7 +168,7 @@ at::Tensor Linear1D_ColImpl::forward(const at::Tensor& input) {
       ? cdf::gather_along_dim_reduce_scatter_backward(
             input, options.seq_dim(), group)
       : cdf::copy_to_group(input, group);
-  auto y = at::linear(x, weight, bias);
+  auto y = apply_linear(x, weight, bias, options);
   return options.gather_output() ? cdf::gather_along_dim(y, -1, group) : y;
 }
 
@@ -116,39 +187,19 @@ std::shared_ptr<Linear1D_ColImpl> Linear1D_ColImpl::from_full(
     bool gather_output,
     int64_t fused) {
   check_full(weight, b, "Linear1D_Col");
-  const int64_t out = weight.size(0);
-  TORCH_CHECK(
-      fused >= 1 && out % fused == 0,
-      "Linear1D_Col: ",
-      out,
-      " output features do not form ",
-      fused,
-      " equal fused sections");
-  TORCH_CHECK(
-      fused == 1 || !gather_output,
-      "Linear1D_Col: gather_output with fused sections would interleave the "
-      "sections by rank; gather each section instead");
-  auto o = Linear1DOptions(weight.size(1), out)
-               .bias(b.defined())
-               .gather_output(gather_output)
-               .process_group(group);
-  auto g =
-      detail::tp_group(group, out / fused, "Linear1D_Col", "a fused section");
-  auto m = std::make_shared<Linear1D_ColImpl>(o);
-  torch::NoGradGuard no_grad;
-  const int tp = g->size(), r = g->rank();
-  // Rank r: its chunk of each section, sections in order.
-  auto mine = [&](const at::Tensor& t) {
-    std::vector<at::Tensor> parts;
-    for (const auto& section : t.chunk(fused, 0)) {
-      parts.push_back(section.chunk(tp, 0)[r]);
+  auto m = std::make_shared<Linear1D_ColImpl>(
+      Linear1DOptions(weight.size(1), weight.size(0))
+          .bias(b.defined())
+          .gather_output(gather_output)
+          .fused_sections(fused));
+  {
+    torch::NoGradGuard no_grad;
+    m->weight.copy_(weight);
+    if (b.defined()) {
+      m->bias.copy_(b);
     }
-    return at::cat(parts, 0);
-  };
-  m->weight.copy_(mine(weight));
-  if (b.defined()) {
-    m->bias.copy_(mine(b));
   }
+  m->shard_(group);
   return m;
 }
 
@@ -158,34 +209,48 @@ Linear1D_RowImpl::Linear1D_RowImpl(Linear1DOptions options_)
 }
 
 void Linear1D_RowImpl::reset() {
-  group = detail::tp_group(
-      options.process_group(),
-      options.in_features(),
-      "Linear1D_Row",
-      "in_features");
-  const int64_t in = options.in_features() / group->size();
-  weight =
-      register_parameter("weight", at::empty({options.out_features(), in}));
+  group = options.process_group();
+  detail::check_divisible(
+      group, options.in_features(), "Linear1D_Row", "in_features");
+  const int64_t in = options.in_features() / detail::group_size(group);
+  weight = register_parameter(
+      "weight", empty_weight(options, options.out_features(), in));
   if (options.bias()) {
     bias = register_parameter("bias", at::empty({options.out_features()}));
   }
   init_like_linear(weight, bias, options.in_features());
 }
 
+std::map<std::string, ShardSpec> Linear1D_RowImpl::shard_specs() const {
+  return {
+      {"weight",
+       ShardSpec::split(in_dim(options), options.in_features(), group)}};
+}
+
+void Linear1D_RowImpl::shard_(const distributed::ProcessGroupPtr& g) {
+  check_unsharded(group, "Linear1D_Row");
+  detail::check_divisible(
+      g, options.in_features(), "Linear1D_Row", "in_features");
+  group = g;
+  options.process_group(g);
+  detail::shard_param_(weight, shard_specs().at("weight"));
+}
+
 at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
   auto x =
       options.parallel_input() ? input : cdf::split_along_dim(input, -1, group);
+  const int64_t local_in = weight.size(in_dim(options));
   TORCH_CHECK(
-      x.size(-1) == weight.size(1),
+      x.size(-1) == local_in,
       "Linear1D_Row: the input's last dimension is ",
       x.size(-1),
       ", expected this rank's ",
-      weight.size(1),
+      local_in,
       " of ",
       options.in_features(),
       " input features",
       options.parallel_input() ? " (parallel_input is set)" : "");
-  auto partial = at::linear(x, weight);
+  auto partial = apply_linear(x, weight, at::Tensor(), options);
   auto y = options.seq_parallel()
       ? cdf::reduce_scatter_along_dim(partial, options.seq_dim(), group)
       : cdf::reduce_from_group(partial, group);
@@ -206,17 +271,18 @@ std::shared_ptr<Linear1D_RowImpl> Linear1D_RowImpl::from_full(
     const distributed::ProcessGroupPtr& group,
     bool parallel_input) {
   check_full(weight, b, "Linear1D_Row");
-  auto o = Linear1DOptions(weight.size(1), weight.size(0))
-               .bias(b.defined())
-               .parallel_input(parallel_input)
-               .process_group(group);
-  auto m = std::make_shared<Linear1D_RowImpl>(o);
-  torch::NoGradGuard no_grad;
-  const int tp = m->group->size(), r = m->group->rank();
-  m->weight.copy_(weight.chunk(tp, 1)[r]);
-  if (b.defined()) {
-    m->bias.copy_(b);
+  auto m = std::make_shared<Linear1D_RowImpl>(
+      Linear1DOptions(weight.size(1), weight.size(0))
+          .bias(b.defined())
+          .parallel_input(parallel_input));
+  {
+    torch::NoGradGuard no_grad;
+    m->weight.copy_(weight);
+    if (b.defined()) {
+      m->bias.copy_(b);
+    }
   }
+  m->shard_(group);
   return m;
 }
 

@@ -37,10 +37,11 @@ void DropoutImpl::reset() {
       options.p() >= 0.0 && options.p() <= 1.0,
       "Dropout: p must be in [0, 1], got ",
       options.p());
-  auto group = options.process_group() != nullptr ? options.process_group()
-                                                  : distributed::world_group();
+  const auto& group = options.process_group();
   seed_ = options.seed() +
-      (options.sharded_input() ? static_cast<uint64_t>(group->rank()) : 0);
+      (options.sharded_input() && group != nullptr
+           ? static_cast<uint64_t>(group->rank())
+           : 0);
   states_.clear();
 }
 

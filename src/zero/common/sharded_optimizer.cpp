@@ -3,6 +3,7 @@
 #include "../../checkpoint_io/optimizer_state.h"
 #include "flat_params.h"
 
+#include <algorithm>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -115,16 +116,84 @@ bool ShardedOptimizer::overflow() {
   return flag.item<float>() > 0;
 }
 
+namespace {
+
+std::vector<const void*> sorted_impls(const std::vector<at::Tensor>& ts) {
+  std::vector<const void*> out;
+  for (const auto& t : ts) {
+    out.push_back(t.unsafeGetTensorImpl());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool contains(const std::vector<const void*>& sorted, const at::Tensor& t) {
+  return std::binary_search(
+      sorted.begin(), sorted.end(), t.unsafeGetTensorImpl());
+}
+
+} // namespace
+
+void ShardedOptimizer::set_model_parallel(
+    distributed::ProcessGroupPtr group,
+    const std::vector<at::Tensor>& replicated,
+    const std::vector<at::Tensor>& partial_grads) {
+  mp_group_ = std::move(group);
+  mp_replicated_ = sorted_impls(replicated);
+  mp_partial_ = sorted_impls(partial_grads);
+}
+
+void ShardedOptimizer::sum_partial_grads() {
+  if (mp_group_ == nullptr || mp_group_->size() == 1 || mp_partial_.empty() ||
+      partials_summed_) {
+    return;
+  }
+  partials_summed_ = true; // once per step, whoever asks first
+  // Every tensor rank has the same flat layout, so the pieces line up.
+  std::vector<at::Tensor> grads;
+  for (auto* g : groups_) {
+    for (size_t i = 0; i < g->params.size(); ++i) {
+      if (g->pieces[i].numel() > 0 && contains(mp_partial_, g->params[i])) {
+        grads.push_back(g->pieces[i].mutable_grad());
+      }
+    }
+  }
+  if (grads.empty()) {
+    return;
+  }
+  auto flat = at::cat(grads).to(mp_group_->device());
+  distributed::all_reduce(flat, *mp_group_).wait();
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+    offset += g.numel();
+  }
+}
+
 double ShardedOptimizer::global_norm(double norm_type) {
   // Shards are disjoint: the global norm combines every rank's partials.
   std::vector<at::Tensor> grads;
-  for (auto* g : groups_) {
-    grads.push_back(g->shard_grad);
+  if (mp_group_ == nullptr || mp_group_->size() == 1) {
+    for (auto* g : groups_) {
+      grads.push_back(g->shard_grad);
+    }
+    return interface::total_norm(grads, norm_type, group_.get());
   }
-  return interface::total_norm(grads, norm_type, group_.get());
+  // Split parameters: every tensor rank's share; replicated ones: once.
+  const bool first = mp_group_->rank() == 0;
+  for (auto* g : groups_) {
+    for (size_t i = 0; i < g->params.size(); ++i) {
+      if (first || !contains(mp_replicated_, g->params[i])) {
+        grads.push_back(g->pieces[i].grad());
+      }
+    }
+  }
+  return interface::total_norm(
+      grads, norm_type, {group_.get(), mp_group_.get()});
 }
 
 void ShardedOptimizer::step() {
+  sum_partial_grads();
   unscale();
   skipped_ = scaler_ != nullptr && overflow();
   if (!skipped_) {
@@ -143,9 +212,11 @@ void ShardedOptimizer::step() {
     scaler_->update(skipped_);
   }
   unscaled_ = false;
+  partials_summed_ = false;
 }
 
 void ShardedOptimizer::zero_grad(bool set_to_none) {
+  partials_summed_ = false;
   for (auto* g : groups_) {
     g->shard_grad.zero_(); // the pieces' gradients are views of it
   }
@@ -155,6 +226,7 @@ void ShardedOptimizer::zero_grad(bool set_to_none) {
 double ShardedOptimizer::clip_grad_by_norm(double max_norm, double norm_type) {
   TORCH_CHECK(max_norm > 0, "clip_grad_by_norm: max_norm must be positive");
   TORCH_CHECK(norm_type > 0, "clip_grad_by_norm: norm_type must be positive");
+  sum_partial_grads();
   unscale();
   const double norm = global_norm(norm_type);
   const double coef = max_norm / (norm + 1e-6);

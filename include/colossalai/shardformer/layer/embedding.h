@@ -22,6 +22,7 @@
 /// \endcode
 
 #include <colossalai/distributed/process_group.h>
+#include <colossalai/shardformer/layer/parallel_module.h>
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
@@ -40,22 +41,28 @@ struct Embedding1DOptions {
       : num_embeddings_(num_embeddings), embedding_dim_(embedding_dim) {}
   TORCH_ARG(int64_t, num_embeddings);
   TORCH_ARG(int64_t, embedding_dim);
-  /// VocabParallelEmbedding1D: the vocabulary is padded to a multiple of
-  /// this times the tensor-parallel size.
+  /// VocabParallelEmbedding1D / LMHead1D: once sharded, the vocabulary is
+  /// padded to a multiple of this times the tensor-parallel size (a layer
+  /// with no group keeps exactly num_embeddings rows).
   TORCH_ARG(int64_t, make_vocab_size_divisible_by) = 64;
   /// Embedding1D: all-gather the embedding dimension (false: each rank keeps
   /// its embedding_dim / tp slice).
   TORCH_ARG(bool, gather_output) = true;
+  /// The tensor-parallel group; null: not sharded (a plain Embedding).
   TORCH_ARG(distributed::ProcessGroupPtr, process_group) = nullptr;
 };
 
 /// The embedding dimension split over the group: rank r holds columns
 /// [r * E / tp, (r + 1) * E / tp) of every row.
-class Embedding1DImpl : public torch::nn::Cloneable<Embedding1DImpl> {
+class Embedding1DImpl : public torch::nn::Cloneable<Embedding1DImpl>,
+                        public ParallelModule {
  public:
   explicit Embedding1DImpl(Embedding1DOptions options);
   void reset() override;
   at::Tensor forward(const at::Tensor& input);
+  /// Shards this whole layer in place over `group`.
+  void shard_(const distributed::ProcessGroupPtr& group) override;
+  std::map<std::string, ShardSpec> shard_specs() const override;
   static std::shared_ptr<Embedding1DImpl> from_full(
       const torch::nn::EmbeddingImpl& full,
       const distributed::ProcessGroupPtr& group,
@@ -71,11 +78,15 @@ TORCH_MODULE(Embedding1D);
 /// [r * V_pad / tp, (r + 1) * V_pad / tp). Each rank looks up the tokens in
 /// its range (zeros elsewhere) and the results are summed (all-reduce).
 class VocabParallelEmbedding1DImpl
-    : public torch::nn::Cloneable<VocabParallelEmbedding1DImpl> {
+    : public torch::nn::Cloneable<VocabParallelEmbedding1DImpl>,
+      public ParallelModule {
  public:
   explicit VocabParallelEmbedding1DImpl(Embedding1DOptions options);
   void reset() override;
   at::Tensor forward(const at::Tensor& input);
+  /// Pads and shards this whole layer in place over `group`.
+  void shard_(const distributed::ProcessGroupPtr& group) override;
+  std::map<std::string, ShardSpec> shard_specs() const override;
   static std::shared_ptr<VocabParallelEmbedding1DImpl> from_full(
       const torch::nn::EmbeddingImpl& full,
       const distributed::ProcessGroupPtr& group,
@@ -100,6 +111,26 @@ class VocabParallelEmbedding1DImpl
   int64_t vocab_start_ = 0;
 };
 TORCH_MODULE(VocabParallelEmbedding1D);
+
+/// An untied LM head over a vocabulary-parallel weight (ColossalAI's
+/// VocabParallelLMHead1D): weight [V_pad / tp, E], no bias. `forward` gives
+/// this rank's vocabulary columns of the logits, or with `gather_output` the
+/// whole [.., vocab] logits (ColossalAI's parallel_output false).
+class VocabParallelLMHead1DImpl
+    : public torch::nn::Cloneable<VocabParallelLMHead1DImpl>,
+      public ParallelModule {
+ public:
+  explicit VocabParallelLMHead1DImpl(Embedding1DOptions options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& hidden);
+  void shard_(const distributed::ProcessGroupPtr& group) override;
+  std::map<std::string, ShardSpec> shard_specs() const override;
+
+  Embedding1DOptions options;
+  at::Tensor weight; ///< [V_pad / tp, E]
+  distributed::ProcessGroupPtr group;
+};
+TORCH_MODULE(VocabParallelLMHead1D);
 
 /// The LM head of a vocabulary-parallel model: logits of this rank's
 /// vocabulary rows, x W_r^T, with the input's gradient summed over the group

@@ -18,6 +18,7 @@
 /// \endcode
 
 #include <colossalai/distributed/process_group.h>
+#include <colossalai/shardformer/layer/parallel_module.h>
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
@@ -47,18 +48,30 @@ struct Linear1DOptions {
   /// an all-gather (column) and a reduce-scatter (row).
   TORCH_ARG(bool, seq_parallel) = false;
   TORCH_ARG(int64_t, seq_dim) = 1;
-  /// The tensor-parallel group; null: every rank.
+  /// Column layer: the output features are this many equal sections (a
+  /// fused q, k, v projection: 3), each split over the group separately
+  /// (ColossalAI's FusedLinear1D_Col).
+  TORCH_ARG(int64_t, fused_sections) = 1;
+  /// The weight is stored [in_features, out_features], as Hugging Face
+  /// GPT-2's Conv1D stores it, so its checkpoints load unchanged.
+  TORCH_ARG(bool, conv1d_layout) = false;
+  /// The tensor-parallel group; null: not sharded (a plain Linear).
   TORCH_ARG(distributed::ProcessGroupPtr, process_group) = nullptr;
 };
 
 /// y = x A^T + b with A's rows (output features) split over the group:
 /// rank r holds rows [r * out / tp, (r + 1) * out / tp) and the same slice
 /// of b. The input is replicated; its gradient is summed over the group.
-class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl> {
+class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
+                         public ParallelModule {
  public:
   explicit Linear1D_ColImpl(Linear1DOptions options);
   void reset() override;
   at::Tensor forward(const at::Tensor& input);
+
+  /// Shards this whole layer in place over `group` (see ParallelModule).
+  void shard_(const distributed::ProcessGroupPtr& group) override;
+  std::map<std::string, ShardSpec> shard_specs() const override;
 
   /// This rank's shard of `full` (weights copied). With `fused` > 1 the
   /// output features are that many equal sections (a fused q, k, v
@@ -81,7 +94,7 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl> {
       int64_t fused = 1);
 
   Linear1DOptions options;
-  at::Tensor weight; ///< [out / tp, in]
+  at::Tensor weight; ///< [out / tp, in] ([in, out / tp] in conv1d_layout)
   at::Tensor bias;   ///< [out / tp], undefined without bias
   distributed::ProcessGroupPtr group;
 };
@@ -91,11 +104,16 @@ TORCH_MODULE(Linear1D_Col);
 /// each rank multiplies its slice of the input by its columns and the
 /// partial results are summed (all-reduce); b is replicated and added once
 /// after the sum.
-class Linear1D_RowImpl : public torch::nn::Cloneable<Linear1D_RowImpl> {
+class Linear1D_RowImpl : public torch::nn::Cloneable<Linear1D_RowImpl>,
+                         public ParallelModule {
  public:
   explicit Linear1D_RowImpl(Linear1DOptions options);
   void reset() override;
   at::Tensor forward(const at::Tensor& input);
+
+  /// Shards this whole layer in place over `group` (see ParallelModule).
+  void shard_(const distributed::ProcessGroupPtr& group) override;
+  std::map<std::string, ShardSpec> shard_specs() const override;
 
   static std::shared_ptr<Linear1D_RowImpl> from_full(
       const torch::nn::LinearImpl& full,
@@ -109,20 +127,26 @@ class Linear1D_RowImpl : public torch::nn::Cloneable<Linear1D_RowImpl> {
       bool parallel_input = true);
 
   Linear1DOptions options;
-  at::Tensor weight; ///< [out, in / tp]
+  at::Tensor weight; ///< [out, in / tp] ([in / tp, out] in conv1d_layout)
   at::Tensor bias;   ///< [out], replicated
   distributed::ProcessGroupPtr group;
 };
 TORCH_MODULE(Linear1D_Row);
 
 namespace detail {
-/// The group a layer uses (world when `g` is null) and checks that `n`
-/// splits over it; `what` names the size for the error.
-distributed::ProcessGroupPtr tp_group(
+/// Checks that `n` splits over `g` (null: one rank); `what` names the size
+/// for the error.
+void check_divisible(
     const distributed::ProcessGroupPtr& g,
     int64_t n,
     const char* layer,
     const char* what);
+inline int group_size(const distributed::ProcessGroupPtr& g) {
+  return g == nullptr ? 1 : g->size();
+}
+inline int group_rank(const distributed::ProcessGroupPtr& g) {
+  return g == nullptr ? 0 : g->rank();
+}
 } // namespace detail
 
 } // namespace layer

@@ -63,6 +63,7 @@ struct DropoutOptions {
   /// false: replicated (the same mask on every rank).
   TORCH_ARG(bool, sharded_input) = false;
   TORCH_ARG(uint64_t, seed) = 1024;
+  /// The group the activation is sharded or replicated over; null: none.
   TORCH_ARG(distributed::ProcessGroupPtr, process_group) = nullptr;
 };
 

@@ -1,0 +1,173 @@
+#pragma once
+
+#include <colossalai/booster/plugin/dp_plugin_base.h>
+#include <colossalai/shardformer/policy.h>
+
+#include <torch/arg.h>
+
+namespace colossalai {
+namespace booster {
+namespace plugin {
+
+/// Options of HybridParallelPlugin, with ColossalAI's names and defaults.
+struct HybridParallelPluginOptions {
+  /// Tensor-parallel size: the model's ParallelModules are split over it.
+  TORCH_ARG(int, tp_size) = 1;
+  /// Pipeline stages; only 1 until pipeline parallelism lands.
+  TORCH_ARG(int, pp_size) = 1;
+  /// all_to_all sequence-parallel size; 0 = unset (1). split_gather uses the
+  /// tensor group and refuses an sp_size other than 0 or 1.
+  TORCH_ARG(int, sp_size) = 0;
+  /// "fp16" (needs CUDA), "bf16" or "fp32".
+  TORCH_ARG(std::string, precision) = "fp16";
+  /// 0: DDP over the data-parallel group; 1, 2: ZeRO-1/2 over it.
+  TORCH_ARG(int, zero_stage) = 0;
+  /// Turns on fused normalization, flash attention and JIT fusion.
+  TORCH_ARG(bool, enable_all_optimization) = false;
+  /// Accepted: LibTorch's LayerNorm is one fused ATen kernel already.
+  TORCH_ARG(bool, enable_fused_normalization) = false;
+  /// at::scaled_dot_product_attention on LibTorch 2.x; on 1.13, which has
+  /// no fused attention kernel, the models keep their matmul + softmax
+  /// attention (same arithmetic).
+  TORCH_ARG(bool, enable_flash_attention) = false;
+  /// Accepted with no effect (there is no TorchScript fusion here).
+  TORCH_ARG(bool, enable_jit_fused) = false;
+  TORCH_ARG(bool, enable_sequence_parallelism) = false;
+  /// "split_gather" or "all_to_all" ("" = all_to_all, ColossalAI's default);
+  /// "ring" and "ring_attn" are refused (not implemented).
+  TORCH_ARG(std::string, sequence_parallelism_mode) = "";
+  /// Keep the LM head's logits split over the vocabulary.
+  TORCH_ARG(bool, parallel_output) = true;
+  TORCH_ARG(double, initial_scale) = 65536.0;
+  TORCH_ARG(double, min_scale) = 1.0;
+  TORCH_ARG(double, growth_factor) = 2.0;
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  TORCH_ARG(int64_t, growth_interval) = 1000;
+  TORCH_ARG(int64_t, hysteresis) = 2;
+  TORCH_ARG(double, max_scale) = 4294967296.0;
+  /// Global gradient-norm clipping inside step (tensor-parallel aware);
+  /// 0 = off.
+  TORCH_ARG(double, max_norm) = 0.0;
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  TORCH_ARG(double, ddp_bucket_cap_mb) = 25;
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  TORCH_ARG(bool, static_graph) = false;
+  /// ZeRO gradient bucket size in units of 2^20 elements.
+  TORCH_ARG(double, zero_bucket_size_in_m) = 12;
+  /// ZeRO: master weights, gradients and optimizer states on the host.
+  TORCH_ARG(bool, cpu_offload) = false;
+  /// "" (the working dtype), "fp32", "bf16" or "fp16" (ZeRO).
+  TORCH_ARG(std::string, communication_dtype) = "";
+  TORCH_ARG(bool, overlap_communication) = true;
+  /// How to shard the model; null: the model's own (ShardableModel) or the
+  /// base Policy (every ParallelModule over the tensor group).
+  TORCH_ARG(std::shared_ptr<shardformer::Policy>, custom_policy) = nullptr;
+  /// Share of blocks that recompute activations in backward; only 0.
+  TORCH_ARG(double, gradient_checkpointing_ratio) = 0.0;
+  TORCH_ARG(int64_t, make_vocab_size_divisible_by) = 64;
+  /// Mesh axis order: (dp, pp, sp, tp) when true, (pp, dp, sp, tp) else.
+  TORCH_ARG(bool, dp_outside) = true;
+};
+
+/// Tensor, sequence and data parallelism combined
+/// (`colossalai.booster.plugin.HybridParallelPlugin`; pipelines next).
+///
+/// NOTE [Hybrid parallel layout]
+/// The ranks form a mesh (dp, pp, sp, tp) (tp fastest: a tensor group is
+/// neighbouring ranks). At boost, rank 0's whole model is broadcast, then
+/// the policy shards it in place (ShardInfo says how every parameter
+/// splits). Data parallelism runs over the dp x sp group: DDP (zero_stage 0)
+/// or ZeRO-1/2 (the shared sharded-optimizer core), so sequence-parallel
+/// ranks, which see different tokens of the same samples, average their
+/// gradients like data-parallel ones. Tensor-split parameters differ per
+/// tensor rank and are reduced only over dp x sp; replicated ones
+/// (norms, row-parallel biases) get identical gradients on every tensor
+/// rank, except under split_gather, where they see one sequence chunk each
+/// and are summed over the tensor group before the step. The global norm
+/// counts split parameters on every tensor rank and replicated ones once.
+///
+/// Example:
+/// \code
+///   auto plugin = std::make_shared<HybridParallelPlugin>(
+///       HybridParallelPluginOptions().tp_size(2).zero_stage(1)
+///           .precision("bf16"));
+///   Booster booster(BoosterOptions().plugin(plugin));
+///   zoo::GPT2LMHeadModel model(zoo::GPT2Config::small_cpu());
+///   auto boosted = booster.boost(model, optimizer);
+///   auto loss = model->loss(boosted.model(ids), targets);
+/// \endcode
+class HybridParallelPlugin : public DPPluginBase {
+ public:
+  explicit HybridParallelPlugin(HybridParallelPluginOptions options = {});
+
+  std::string name() const override {
+    return "HybridParallelPlugin";
+  }
+  std::vector<std::string> supported_devices() const override {
+    return {"cpu", "cuda"};
+  }
+  std::vector<std::string> supported_precisions() const override {
+    return {"fp16", "bf16", "fp32"};
+  }
+  bool control_precision() const override {
+    return true;
+  }
+  std::string precision() const override {
+    return options_.precision();
+  }
+  bool control_device() const override {
+    return true;
+  }
+  bool support_no_sync() const override {
+    return options_.zero_stage() < 2;
+  }
+  bool control_checkpoint_io() const override {
+    return true;
+  }
+  std::shared_ptr<checkpoint_io::CheckpointIO> get_checkpoint_io() override;
+  void configure(
+      std::shared_ptr<interface::ModelWrapper>& model,
+      std::shared_ptr<interface::OptimizerWrapper>& optimizer) override;
+  NoSyncGuard no_sync(
+      interface::ModelWrapper& model,
+      interface::OptimizerWrapper* optimizer) override;
+
+  const HybridParallelPluginOptions& options() const {
+    return options_;
+  }
+  int tp_size() const {
+    return options_.tp_size();
+  }
+  int sp_size() const {
+    return sp_size_;
+  }
+  const distributed::ProcessGroupPtr& tp_group() const {
+    return tp_group_;
+  }
+  const distributed::ProcessGroupPtr& sp_group() const {
+    return sp_group_;
+  }
+  /// The group gradients are averaged over: dp x sp.
+  const distributed::ProcessGroupPtr& mixed_dp_group() const {
+    return mixed_dp_group_;
+  }
+  /// What sharding the boosted model left (specs, partial gradients).
+  const shardformer::ShardInfo& shard_info() const {
+    return info_;
+  }
+
+ private:
+  HybridParallelPluginOptions options_;
+  at::ScalarType dtype_;
+  std::string sp_mode_;
+  int sp_size_ = 1;
+  distributed::ProcessGroupPtr tp_group_, sp_group_, mixed_dp_group_, pp_group_;
+  shardformer::ShardInfo info_;
+  std::shared_ptr<void> state_; // shared with the checkpoint IO
+  bool configured_ = false;
+};
+
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai

@@ -1,0 +1,102 @@
+#pragma once
+
+/// What every tensor-parallel layer shares (ColossalAI's `ParallelModule`):
+/// it is built whole (no group: a plain layer, tensor-parallel size 1) and
+/// sharded in place over a group by `shard_`, and it says how each of its
+/// parameters splits, so that full (Hugging Face-layout) weights can be cut
+/// into shards on load and gathered back on save at any tensor-parallel size.
+///
+/// Sharding in place keeps every parameter's identity (`set_data`), so an
+/// optimizer built from the whole model before `boost` stays valid.
+///
+/// Example (a custom layer's spec, and cutting / gathering by it):
+/// \code
+///   using namespace colossalai::shardformer::layer;
+///   ShardSpec spec = ShardSpec::split(0, /*full_size=*/1000, tp)
+///                        .with_padding(1024);     // vocabulary rows
+///   auto mine = shard_tensor(full, spec);         // [1024 / tp, E]
+///   auto back = unshard_tensor(all_ranks_chunks, spec); // [1000, E]
+/// \endcode
+
+#include <colossalai/distributed/process_group.h>
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace colossalai {
+namespace shardformer {
+namespace layer {
+
+/// How one parameter splits over its tensor-parallel group.
+struct ShardSpec {
+  /// Replicated on every rank of the group.
+  static ShardSpec replicated() {
+    return ShardSpec();
+  }
+  /// Split along `dim` into `group`'s size chunks, rank r holding chunk r;
+  /// `full_size` is the whole size along `dim`.
+  static ShardSpec split(
+      int64_t dim,
+      int64_t full_size,
+      distributed::ProcessGroupPtr group);
+  /// The `sections` equal sections along `dim` (a fused q, k, v projection:
+  /// 3) are split separately: rank r holds its chunk of each, in order.
+  ShardSpec with_sections(int64_t sections) const;
+  /// Zero rows are appended along `dim` up to `padded` before splitting
+  /// (vocabulary padding); gathering cuts them off again.
+  ShardSpec with_padding(int64_t padded) const;
+
+  bool is_split() const {
+    return dim >= 0;
+  }
+  int size() const {
+    return group == nullptr ? 1 : group->size();
+  }
+  int rank() const {
+    return group == nullptr ? 0 : group->rank();
+  }
+
+  int64_t dim = -1;
+  int64_t sections = 1;
+  int64_t full_size = 0;
+  int64_t padded_size = 0;
+  distributed::ProcessGroupPtr group;
+};
+
+/// This rank's shard of the whole tensor `full` (a new tensor).
+at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec);
+/// This rank's shard of `full` for group rank `rank` of `world`.
+at::Tensor shard_tensor(
+    const at::Tensor& full,
+    const ShardSpec& spec,
+    int world,
+    int rank);
+/// The whole tensor from every rank's shard, in group-rank order.
+at::Tensor unshard_tensor(
+    const std::vector<at::Tensor>& shards,
+    const ShardSpec& spec);
+
+/// Interface of the tensor-parallel layers.
+class ParallelModule {
+ public:
+  virtual ~ParallelModule() = default;
+  /// Shards the whole layer in place over `group` (a layer that needs more,
+  /// e.g. sequence parallelism, reads its options, set before).
+  virtual void shard_(const distributed::ProcessGroupPtr& group) = 0;
+  /// How this module's own parameters (not its children's) split, by their
+  /// local names; parameters not listed are replicated.
+  virtual std::map<std::string, ShardSpec> shard_specs() const = 0;
+};
+
+namespace detail {
+/// Replaces `param`'s data by its shard under `spec`, keeping the tensor's
+/// identity (and requires_grad).
+void shard_param_(at::Tensor& param, const ShardSpec& spec);
+} // namespace detail
+
+} // namespace layer
+} // namespace shardformer
+} // namespace colossalai

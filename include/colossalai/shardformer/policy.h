@@ -1,0 +1,107 @@
+#pragma once
+
+/// Policies: how a model built from the parallel layers is sharded
+/// (ColossalAI's `shardformer.policies`). A model is always built whole, as
+/// it would run on one process (with Hugging Face parameter names, so its
+/// checkpoints load directly); `shard_model` then shards it in place for a
+/// ShardConfig and reports what the data-parallel and checkpoint layers need
+/// to know: how every parameter splits, and which replicated parameters get
+/// only a partial gradient on each tensor-parallel rank.
+///
+/// The base `Policy` shards any model: every ParallelModule (Linear1D_Col,
+/// Linear1D_Row, the embeddings, the LM head) over the tensor group, without
+/// sequence parallelism. A model whose forward must change with the
+/// configuration (attention heads per rank, sequence parallelism) provides
+/// its own policy, as the zoo's GPT-2 and LLaMA do, or the user passes one
+/// as HybridParallelPlugin's `custom_policy`.
+///
+/// Example (a custom model: an MLP built from the parallel layers):
+/// \code
+///   struct MLPImpl : torch::nn::Module {
+///     MLPImpl() {
+///       fc = register_module("fc", Linear1D_Col(Linear1DOptions(64, 256)));
+///       proj = register_module("proj", Linear1D_Row(Linear1DOptions(256,
+///       64)));
+///     }
+///     at::Tensor forward(at::Tensor x) { return proj(at::gelu(fc(x))); }
+///     Linear1D_Col fc{nullptr};
+///     Linear1D_Row proj{nullptr};
+///   };
+///   // HybridParallelPlugin(...tp_size(2)) shards it with the base Policy.
+/// \endcode
+
+#include <colossalai/shardformer/layer/parallel_module.h>
+#include <colossalai/shardformer/shard_config.h>
+
+#include <torch/nn/module.h>
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace colossalai {
+namespace shardformer {
+
+/// What sharding left behind, for the plugin.
+struct ShardInfo {
+  /// Every parameter's split, by its name in `model.named_parameters()`;
+  /// parameters not listed are replicated over the tensor group.
+  std::map<std::string, layer::ShardSpec> specs;
+  /// Replicated parameters used on sequence chunks (split_gather): each
+  /// tensor rank's gradient is a partial sum, summed over the tensor group
+  /// before the optimizer step.
+  std::set<std::string> partial_grad_params;
+};
+
+class Policy {
+ public:
+  virtual ~Policy() = default;
+  virtual std::string name() const {
+    return "Policy";
+  }
+  /// Shards `model` in place for `config` and says what it did. The base
+  /// shards every ParallelModule over the tensor group and refuses sequence
+  /// parallelism (only a policy that knows the model's forward can split
+  /// its sequence).
+  virtual ShardInfo shard(torch::nn::Module& model, const ShardConfig& config);
+  /// Pipeline parallelism: the names of the model's children that stage
+  /// `stage` of `num_stages` holds (the base: every child on one stage).
+  virtual std::vector<std::string> held_layers(
+      const torch::nn::Module& model,
+      int stage,
+      int num_stages) const;
+};
+
+/// A model that knows its policy (the zoo's GPT-2 and LLaMA): the plugin
+/// uses it unless the user passes a custom_policy.
+class ShardableModel {
+ public:
+  virtual ~ShardableModel() = default;
+  virtual std::shared_ptr<Policy> default_policy() const = 0;
+};
+
+/// Shards `model` in place with `policy` (default: the model's own when it
+/// is a ShardableModel, else the base Policy), after
+/// checking the config, and fills in the specs of every ParallelModule the
+/// policy did not describe.
+ShardInfo shard_model(
+    torch::nn::Module& model,
+    const ShardConfig& config,
+    std::shared_ptr<Policy> policy = nullptr);
+
+/// The split of every parameter of `model`, from its ParallelModules.
+std::map<std::string, layer::ShardSpec> collect_shard_specs(
+    const torch::nn::Module& model);
+
+/// Splits `blocks` layers evenly over `num_stages` pipeline stages (the
+/// first and last stages hold the embeddings and the head besides): the
+/// half-open block range of `stage`.
+std::pair<int64_t, int64_t> stage_block_range(
+    int64_t blocks,
+    int stage,
+    int num_stages);
+
+} // namespace shardformer
+} // namespace colossalai

@@ -1,0 +1,609 @@
+#include <colossalai/booster/mixed_precision/mixed_precision_base.h>
+#include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_model.h>
+#include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/initialize.h>
+#include <colossalai/zero/low_level_optimizer.h>
+
+#include "../../checkpoint_io/optimizer_state.h"
+#include "plugin_options.h"
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace colossalai {
+namespace booster {
+namespace plugin {
+
+namespace sl = shardformer::layer;
+
+namespace {
+
+constexpr const char* kName = "HybridParallelPlugin";
+
+// What the plugin learned at boost, shared with its checkpoint IO.
+struct HybridState {
+  shardformer::ShardInfo info;
+  distributed::ProcessGroupPtr tp;
+  // By optimizer parameter id: the split, the local and the full shape.
+  std::vector<sl::ShardSpec> spec_by_id;
+  std::vector<std::vector<int64_t>> local_shape_by_id, full_shape_by_id;
+  std::weak_ptr<zero::LowLevelZeroOptimizer> zero;
+};
+
+std::vector<int64_t> full_shape(
+    const at::Tensor& local,
+    const sl::ShardSpec& s) {
+  auto shape = local.sizes().vec();
+  if (s.is_split()) {
+    shape[s.dim] = s.full_size;
+  }
+  return shape;
+}
+
+// zero_stage 0 (ColossalAI's HybridParallel(Naive|AMP)Optimizer): DDP has
+// averaged the gradients over dp x sp; this adds the tensor-parallel part
+// (partial gradients summed over the tensor group, the norm over it) and
+// clipping inside step.
+class HybridParallelNaiveOptimizer : public interface::OptimizerWrapper {
+ public:
+  HybridParallelNaiveOptimizer(
+      std::shared_ptr<torch::optim::Optimizer> optim,
+      distributed::ProcessGroupPtr tp,
+      std::vector<at::Tensor> replicated,
+      std::vector<at::Tensor> partial,
+      double max_norm)
+      : interface::OptimizerWrapper(std::move(optim)),
+        tp_(std::move(tp)),
+        partial_(std::move(partial)),
+        max_norm_(max_norm) {
+    for (const auto& p : replicated) {
+      replicated_.insert(p.unsafeGetTensorImpl());
+    }
+  }
+
+  void step() override {
+    sum_partial_grads();
+    if (max_norm_ > 0) {
+      clip_grad_by_norm(max_norm_, 2.0);
+    }
+    optim_->step();
+    summed_ = false;
+  }
+
+  void zero_grad(bool set_to_none) override {
+    summed_ = false;
+    interface::OptimizerWrapper::zero_grad(set_to_none);
+  }
+
+  double clip_grad_by_norm(double max_norm, double norm_type) override {
+    TORCH_CHECK(max_norm > 0, "clip_grad_by_norm: max_norm must be positive");
+    TORCH_CHECK(norm_type > 0, "clip_grad_by_norm: norm_type must be positive");
+    sum_partial_grads();
+    const bool first = tp_ == nullptr || tp_->rank() == 0;
+    std::vector<at::Tensor> grads;
+    for (const auto& p : parameters()) {
+      if (first || !replicated_.count(p.unsafeGetTensorImpl())) {
+        grads.push_back(p.grad());
+      }
+    }
+    const double norm = interface::total_norm(
+        grads,
+        norm_type,
+        std::vector<const distributed::ProcessGroup*>{tp_.get()});
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) {
+      interface::scale_grads(parameters(), coef);
+    }
+    return norm;
+  }
+
+ private:
+  void sum_partial_grads() {
+    if (tp_ == nullptr || tp_->size() == 1 || partial_.empty() || summed_) {
+      return;
+    }
+    summed_ = true;
+    std::vector<at::Tensor> grads;
+    for (auto& p : partial_) {
+      TORCH_INTERNAL_ASSERT(p.grad().defined(), "partial gradient missing");
+      grads.push_back(p.mutable_grad());
+    }
+    std::vector<at::Tensor> flat_parts;
+    for (const auto& g : grads) {
+      flat_parts.push_back(g.reshape({-1}));
+    }
+    auto flat = at::cat(flat_parts).to(tp_->device());
+    distributed::all_reduce(flat, *tp_).wait();
+    int64_t offset = 0;
+    for (auto& g : grads) {
+      g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+      offset += g.numel();
+    }
+  }
+
+  distributed::ProcessGroupPtr tp_;
+  std::unordered_set<const void*> replicated_;
+  std::vector<at::Tensor> partial_;
+  double max_norm_;
+  bool summed_ = false;
+};
+
+// Whole tensor of a tensor-split local `t` on tensor rank 0 (undefined
+// elsewhere): one gather, so no other rank holds it whole.
+at::Tensor gather_whole(
+    const at::Tensor& t,
+    const sl::ShardSpec& spec,
+    const distributed::ProcessGroupPtr& tp) {
+  const int n = tp->size();
+  auto local = t.detach().contiguous();
+  at::Tensor out;
+  if (tp->rank() == 0) {
+    out = at::empty({n * local.numel()}, local.options());
+  }
+  distributed::gather(out, local.view({-1}), 0, *tp).wait();
+  if (tp->rank() != 0) {
+    return at::Tensor();
+  }
+  std::vector<int64_t> shape{n};
+  shape.insert(shape.end(), local.sizes().begin(), local.sizes().end());
+  auto parts = out.view(shape).unbind(0);
+  return sl::unshard_tensor(
+      std::vector<at::Tensor>(parts.begin(), parts.end()), spec);
+}
+
+// Every rank's whole tensor (for loading in place).
+at::Tensor all_gather_whole(
+    const at::Tensor& t,
+    const sl::ShardSpec& spec,
+    const distributed::ProcessGroupPtr& tp) {
+  const int n = tp->size();
+  auto local = t.detach().contiguous();
+  auto out = at::empty({n * local.numel()}, local.options());
+  distributed::all_gather(out, local.view({-1}), *tp).wait();
+  std::vector<int64_t> shape{n};
+  shape.insert(shape.end(), local.sizes().begin(), local.sizes().end());
+  auto parts = out.view(shape).unbind(0);
+  return sl::unshard_tensor(
+      std::vector<at::Tensor>(parts.begin(), parts.end()), spec);
+}
+
+bool tp_active(const HybridState& s) {
+  return s.tp != nullptr && s.tp->size() > 1;
+}
+
+// Checkpoints hold whole Hugging Face-layout tensors (any tp / dp size and
+// any plugin loads them): split tensors are gathered to tensor rank 0 one
+// at a time on save, and cut to this rank's shard on load.
+class HybridStateAccess : public checkpoint_io::StateAccess {
+ public:
+  explicit HybridStateAccess(std::shared_ptr<HybridState> state)
+      : state_(std::move(state)) {}
+
+  void stream_model(
+      interface::ModelWrapper& model,
+      const checkpoint_io::TensorSink& sink) override {
+    const auto& specs = state_->info.specs;
+    auto module = model.unwrap();
+    for (const auto& item : module->named_parameters(true)) {
+      auto it = specs.find(item.key());
+      if (it == specs.end() || !tp_active(*state_)) {
+        sink(item.key(), item.value().detach());
+        continue;
+      }
+      auto whole = gather_whole(item.value(), it->second, state_->tp);
+      if (whole.defined()) {
+        sink(item.key(), whole);
+      }
+    }
+    for (const auto& item : module->named_buffers(true)) {
+      if (item.value().defined()) {
+        sink(item.key(), item.value());
+      }
+    }
+  }
+
+  void load_model(
+      interface::ModelWrapper& model,
+      const std::function<void()>& load) override {
+    auto module = model.unwrap();
+    auto named = module->named_parameters(true);
+    std::vector<std::pair<at::Tensor, sl::ShardSpec>> split;
+    if (tp_active(*state_)) {
+      for (const auto& kv : state_->info.specs) {
+        auto* p = named.find(kv.first);
+        TORCH_INTERNAL_ASSERT(p != nullptr, "no parameter ", kv.first);
+        split.emplace_back(*p, kv.second);
+      }
+    }
+    {
+      // Whole tensors while the checkpoint's are copied in; keys it lacks
+      // (strict false) keep their current values.
+      at::NoGradGuard no_grad;
+      for (auto& s : split) {
+        s.first.set_data(all_gather_whole(s.first, s.second, state_->tp));
+      }
+    }
+    load();
+    {
+      at::NoGradGuard no_grad;
+      for (auto& s : split) {
+        s.first.set_data(sl::shard_tensor(s.first.detach(), s.second));
+      }
+    }
+    if (auto z = state_->zero.lock()) {
+      z->sync_master_from_working();
+    }
+  }
+
+  void stream_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const checkpoint_io::StateSink& sink) override {
+    auto emit = [&](int64_t id, const checkpoint_io::StateDict& state) {
+      if (!tp_active(*state_) || !state_->spec_by_id.at(id).is_split()) {
+        sink(id, state);
+        return;
+      }
+      const auto& spec = state_->spec_by_id.at(id);
+      const auto& local = state_->local_shape_by_id.at(id);
+      checkpoint_io::StateDict whole;
+      for (const auto& item : state) {
+        const auto& t = item.value();
+        if (t.defined() && t.dim() > 0 && t.sizes().vec() == local) {
+          auto w = gather_whole(t, spec, state_->tp);
+          if (w.defined()) {
+            whole.insert(item.key(), w);
+          }
+        } else {
+          whole.insert(item.key(), t);
+        }
+      }
+      if (state_->tp->rank() == 0) {
+        sink(id, whole);
+      }
+    };
+    if (auto z = zero_of(optimizer)) {
+      z->stream_full_states(emit);
+      return;
+    }
+    for (const auto& kv :
+         checkpoint_io::detail::optimizer_param_states(optimizer.unwrap())) {
+      emit(kv.first, kv.second);
+    }
+  }
+
+  void load_optimizer_param(
+      interface::OptimizerWrapper& optimizer,
+      int64_t id,
+      const checkpoint_io::StateDict& state,
+      const std::string& file) override {
+    checkpoint_io::StateDict mine = state;
+    if (tp_active(*state_) && id >= 0 &&
+        id < static_cast<int64_t>(state_->spec_by_id.size()) &&
+        state_->spec_by_id[id].is_split()) {
+      const auto& spec = state_->spec_by_id[id];
+      const auto& full = state_->full_shape_by_id[id];
+      mine = checkpoint_io::StateDict();
+      for (const auto& item : state) {
+        const auto& t = item.value();
+        mine.insert(
+            item.key(),
+            t.defined() && t.dim() > 0 && t.sizes().vec() == full
+                ? sl::shard_tensor(t, spec)
+                : t);
+      }
+    }
+    if (auto z = zero_of(optimizer)) {
+      z->load_full_state(id, mine, file);
+    } else {
+      checkpoint_io::detail::load_param_state(
+          optimizer.unwrap(), id, mine, file);
+    }
+  }
+
+ private:
+  static zero::LowLevelZeroOptimizer* zero_of(interface::OptimizerWrapper& o) {
+    return dynamic_cast<zero::LowLevelZeroOptimizer*>(&o);
+  }
+
+  std::shared_ptr<HybridState> state_;
+};
+
+} // namespace
+
+HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
+    : options_(std::move(options)) {
+  const int world = distributed::get_world_size();
+  const int tp = options_.tp_size(), pp = options_.pp_size();
+  TORCH_CHECK(tp >= 1, kName, ": tp_size must be >= 1, got ", tp);
+  TORCH_CHECK(
+      pp == 1,
+      kName,
+      ": pp_size ",
+      pp,
+      " is not supported yet (pipeline parallelism is not implemented); "
+      "use pp_size(1)");
+  TORCH_CHECK(
+      options_.zero_stage() >= 0 && options_.zero_stage() <= 2,
+      kName,
+      ": zero_stage must be 0, 1 or 2, got ",
+      options_.zero_stage());
+  dtype_ = detail::parse_precision(options_.precision(), kName, "precision");
+  detail::parse_precision(
+      options_.communication_dtype(), kName, "communication_dtype", true);
+  TORCH_CHECK(
+      !(dtype_ == at::kHalf && current_device().is_cpu()),
+      kName,
+      ": precision 'fp16' needs a CUDA device (CPU LibTorch cannot multiply "
+      "fp16 matrices); use precision('bf16') or precision('fp32') on CPU");
+  TORCH_CHECK(
+      !(dtype_ == at::kHalf && options_.zero_stage() == 0),
+      kName,
+      ": precision 'fp16' with zero_stage 0 is not supported (its loss "
+      "scaler lives in the ZeRO optimizer); use zero_stage(1) or "
+      "precision('bf16')");
+  TORCH_CHECK(options_.max_norm() >= 0, kName, ": max_norm must be >= 0");
+  TORCH_CHECK(
+      options_.gradient_checkpointing_ratio() == 0.0,
+      kName,
+      ": gradient_checkpointing_ratio > 0 is not supported yet");
+  TORCH_CHECK(
+      !(options_.cpu_offload() && options_.zero_stage() == 0),
+      kName,
+      ": cpu_offload needs zero_stage 1 or 2");
+  TORCH_CHECK(
+      options_.make_vocab_size_divisible_by() > 0,
+      kName,
+      ": make_vocab_size_divisible_by must be positive");
+
+  int sp = 1;
+  if (options_.enable_sequence_parallelism()) {
+    sp_mode_ = options_.sequence_parallelism_mode().empty()
+        ? "all_to_all"
+        : options_.sequence_parallelism_mode();
+    TORCH_CHECK(
+        sp_mode_ == "split_gather" || sp_mode_ == "all_to_all" ||
+            sp_mode_ == "ring" || sp_mode_ == "ring_attn",
+        kName,
+        ": sequence_parallelism_mode must be 'split_gather', 'ring', "
+        "'all_to_all' or 'ring_attn', got '",
+        sp_mode_,
+        "'");
+    TORCH_CHECK(
+        sp_mode_ != "ring" && sp_mode_ != "ring_attn",
+        kName,
+        ": sequence_parallelism_mode '",
+        sp_mode_,
+        "' is not implemented yet; use 'split_gather' or 'all_to_all'");
+    if (sp_mode_ == "split_gather") {
+      TORCH_CHECK(
+          tp > 1,
+          kName,
+          ": sequence_parallelism_mode 'split_gather' runs on the tensor "
+          "group and needs tp_size > 1");
+      TORCH_CHECK(
+          options_.sp_size() <= 1,
+          kName,
+          ": sp_size is set by tp_size under 'split_gather'; leave sp_size "
+          "unset (got ",
+          options_.sp_size(),
+          ")");
+    } else {
+      sp = options_.sp_size() == 0 ? 1 : options_.sp_size();
+      TORCH_CHECK(sp >= 1, kName, ": sp_size must be >= 1, got ", sp);
+    }
+  } else {
+    TORCH_CHECK(
+        options_.sp_size() <= 1,
+        kName,
+        ": sp_size ",
+        options_.sp_size(),
+        " needs enable_sequence_parallelism(true)");
+    TORCH_CHECK(
+        options_.sequence_parallelism_mode().empty(),
+        kName,
+        ": sequence_parallelism_mode is set but "
+        "enable_sequence_parallelism is false");
+  }
+  sp_size_ = sp_mode_ == "split_gather" ? tp : sp;
+  TORCH_CHECK(
+      world % (tp * pp * sp) == 0,
+      kName,
+      ": the world size ",
+      world,
+      " is not divisible by tp_size x pp_size x sp_size = ",
+      tp * pp * sp);
+  const int dp = world / (tp * pp * sp);
+
+  // (dp, pp, sp, tp) or (pp, dp, sp, tp): tp varies fastest.
+  const int dp_axis = options_.dp_outside() ? 0 : 1;
+  const int pp_axis = options_.dp_outside() ? 1 : 0;
+  constexpr int sp_axis = 2, tp_axis = 3;
+  std::vector<int> shape(4);
+  shape[dp_axis] = dp;
+  shape[pp_axis] = pp;
+  shape[sp_axis] = sp;
+  shape[tp_axis] = tp;
+  mesh_ = std::make_unique<cluster::ProcessGroupMesh>(shape);
+  // Every rank asks for its groups in this order.
+  tp_group_ = mesh_->get_group_along_axis(tp_axis);
+  auto sp_axis_group = mesh_->get_group_along_axis(sp_axis);
+  dp_group_ = mesh_->get_group_along_axis(dp_axis);
+  mixed_dp_group_ = mesh_->get_group_along_axis({dp_axis, sp_axis});
+  pp_group_ = mesh_->get_group_along_axis(pp_axis);
+  sp_group_ = sp_mode_ == "split_gather" ? tp_group_ : sp_axis_group;
+}
+
+std::shared_ptr<checkpoint_io::CheckpointIO> HybridParallelPlugin::
+    get_checkpoint_io() {
+  if (!state_) {
+    state_ = std::make_shared<HybridState>();
+  }
+  return std::make_shared<checkpoint_io::DistributedCheckpointIO>(
+      distributed::world_group(),
+      std::make_shared<HybridStateAccess>(
+          std::static_pointer_cast<HybridState>(state_)));
+}
+
+void HybridParallelPlugin::configure(
+    std::shared_ptr<interface::ModelWrapper>& model,
+    std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
+  TORCH_CHECK(
+      model != nullptr && optimizer != nullptr,
+      kName,
+      ": boost needs both a model and an optimizer");
+  TORCH_CHECK(
+      !configured_,
+      kName,
+      ": one plugin boosts one model (make another plugin for another)");
+  configured_ = true;
+  auto module = model->unwrap();
+  const auto device = current_device();
+  // Rank 0's whole model everywhere, so every tensor rank cuts its shard
+  // from the same weights.
+  module->to(device);
+  {
+    std::vector<at::Tensor> state = module->parameters();
+    for (const auto& b : module->buffers()) {
+      state.push_back(b);
+    }
+    broadcast_coalesced(state, 0, *distributed::world_group());
+  }
+
+  shardformer::ShardConfig cfg;
+  const bool all = options_.enable_all_optimization();
+  cfg.tensor_parallel_process_group(
+         options_.tp_size() > 1 ? tp_group_ : nullptr)
+      .sequence_parallel_process_group(
+          sp_mode_ == "all_to_all" ? sp_group_ : nullptr)
+      .enable_sequence_parallelism(!sp_mode_.empty())
+      .sequence_parallelism_mode(sp_mode_.empty() ? "split_gather" : sp_mode_)
+      .enable_flash_attention(all || options_.enable_flash_attention())
+      .enable_fused_normalization(all || options_.enable_fused_normalization())
+      .enable_jit_fused(all || options_.enable_jit_fused())
+      .parallel_output(options_.parallel_output())
+      .make_vocab_size_divisible_by(options_.make_vocab_size_divisible_by());
+  if (!state_) {
+    state_ = std::make_shared<HybridState>();
+  }
+  auto st = std::static_pointer_cast<HybridState>(state_);
+  st->info = shardformer::shard_model(*module, cfg, options_.custom_policy());
+  info_ = st->info;
+  st->tp = options_.tp_size() > 1 ? tp_group_ : nullptr;
+  if (dtype_ != at::kFloat && options_.zero_stage() > 0) {
+    module->to(dtype_);
+  }
+
+  // Parameter roles by identity.
+  std::unordered_map<const void*, std::string> name_of;
+  std::vector<at::Tensor> replicated, partial;
+  for (const auto& item : module->named_parameters(true)) {
+    name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    if (!info_.specs.count(item.key())) {
+      replicated.push_back(item.value());
+    }
+    if (info_.partial_grad_params.count(item.key())) {
+      partial.push_back(item.value());
+    }
+  }
+  for (const auto& n : info_.partial_grad_params) {
+    TORCH_CHECK(
+        module->named_parameters(true).contains(n),
+        kName,
+        ": the policy names a partial-gradient parameter '",
+        n,
+        "' that the model does not have");
+  }
+  for (auto& g : optimizer->param_groups()) {
+    for (auto& p : g.params()) {
+      auto it = name_of.find(p.unsafeGetTensorImpl());
+      TORCH_CHECK(
+          it != name_of.end(),
+          kName,
+          ": the optimizer holds a parameter (shape ",
+          p.sizes(),
+          ") that is not in the boosted model");
+      auto spec_it = info_.specs.find(it->second);
+      auto spec =
+          spec_it == info_.specs.end() ? sl::ShardSpec() : spec_it->second;
+      st->spec_by_id.push_back(spec);
+      st->local_shape_by_id.push_back(p.sizes().vec());
+      st->full_shape_by_id.push_back(full_shape(p, spec));
+    }
+  }
+
+  auto hybrid = std::make_shared<detail::CastInputModel>(
+      model, options_.zero_stage() > 0 ? dtype_ : at::kFloat);
+  model = hybrid;
+  const auto tp = options_.tp_size() > 1 ? tp_group_ : nullptr;
+  if (options_.zero_stage() == 0) {
+    if (mixed_dp_group_->size() > 1) {
+      model = std::make_shared<TorchDDPModel>(
+          model,
+          mixed_dp_group_,
+          TorchDDPPluginOptions()
+              .broadcast_buffers(options_.broadcast_buffers())
+              .bucket_cap_mb(options_.ddp_bucket_cap_mb())
+              .find_unused_parameters(options_.find_unused_parameters())
+              .gradient_as_bucket_view(options_.gradient_as_bucket_view())
+              .static_graph(options_.static_graph()));
+    }
+    if (dtype_ == at::kBFloat16) {
+      // Parameters and gradients stay fp32; matmuls run in bf16.
+      model = std::make_shared<mixed_precision::AutocastModel>(
+          model, device.type(), at::kBFloat16);
+    }
+    optimizer = std::make_shared<HybridParallelNaiveOptimizer>(
+        optimizer->optimizer_ptr(),
+        tp,
+        replicated,
+        partial,
+        options_.max_norm());
+    return;
+  }
+  zero::LowLevelZeroOptimizerOptions zo;
+  zo.stage(options_.zero_stage())
+      .dtype(dtype_)
+      .reduce_bucket_size(
+          static_cast<int64_t>(options_.zero_bucket_size_in_m() * (1 << 20)))
+      .overlap_communication(options_.overlap_communication())
+      .max_norm(options_.max_norm())
+      .loss_scaler(detail::loss_scaler_options(options_))
+      .cpu_offload(options_.cpu_offload());
+  if (!options_.communication_dtype().empty()) {
+    zo.communication_dtype(detail::parse_precision(
+        options_.communication_dtype(), kName, "communication_dtype"));
+  }
+  auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
+      optimizer->optimizer_ptr(), mixed_dp_group_, zo);
+  zero_opt->set_model_parallel(tp, replicated, partial);
+  st->zero = zero_opt;
+  optimizer = zero_opt;
+}
+
+NoSyncGuard HybridParallelPlugin::no_sync(
+    interface::ModelWrapper& model,
+    interface::OptimizerWrapper* optimizer) {
+  TORCH_CHECK(
+      options_.zero_stage() < 2,
+      kName,
+      ": no_sync needs zero_stage 0 or 1 (stage 2 keeps only gradient "
+      "slices, so gradients cannot accumulate locally)");
+  if (options_.zero_stage() == 1) {
+    auto* z = dynamic_cast<zero::LowLevelZeroOptimizer*>(optimizer);
+    TORCH_CHECK(z != nullptr, kName, ".no_sync: pass the boosted optimizer");
+    z->set_require_sync(false);
+    return NoSyncGuard([z]() { z->set_require_sync(true); });
+  }
+  auto* ddp = interface::find_wrapper<TorchDDPModel>(model);
+  if (ddp == nullptr) {
+    return NoSyncGuard(); // one data-parallel rank: nothing to defer
+  }
+  ddp->set_require_sync(false);
+  return NoSyncGuard([ddp]() { ddp->set_require_sync(true); });
+}
+
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai

@@ -1,0 +1,127 @@
+#include <colossalai/shardformer/policy.h>
+
+namespace colossalai {
+namespace shardformer {
+
+int ShardConfig::sp_size() const {
+  if (!enable_sequence_parallelism_) {
+    return 1;
+  }
+  const auto& g = sequence_parallelism_mode_ == "all_to_all"
+      ? sequence_parallel_process_group_
+      : tensor_parallel_process_group_;
+  return g == nullptr ? 1 : g->size();
+}
+
+ShardInfo Policy::shard(torch::nn::Module& model, const ShardConfig& config) {
+  TORCH_CHECK(
+      !config.enable_sequence_parallelism(),
+      name(),
+      ": sequence parallelism needs a policy that knows the model's forward "
+      "(pass one as custom_policy)");
+  for (const auto& item : model.named_modules()) {
+    if (auto* p = dynamic_cast<layer::ParallelModule*>(item.value().get())) {
+      p->shard_(config.tensor_parallel_process_group());
+    }
+  }
+  return ShardInfo();
+}
+
+std::vector<std::string> Policy::held_layers(
+    const torch::nn::Module& model,
+    int stage,
+    int num_stages) const {
+  TORCH_CHECK(
+      num_stages == 1,
+      name(),
+      ": no pipeline split is defined for this model (",
+      num_stages,
+      " stages asked)");
+  std::vector<std::string> names;
+  for (const auto& item : model.named_children()) {
+    names.push_back(item.key());
+  }
+  return names;
+}
+
+std::map<std::string, layer::ShardSpec> collect_shard_specs(
+    const torch::nn::Module& model) {
+  std::map<std::string, layer::ShardSpec> specs;
+  for (const auto& item : model.named_modules()) {
+    const auto* p =
+        dynamic_cast<const layer::ParallelModule*>(item.value().get());
+    if (p == nullptr) {
+      continue;
+    }
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    for (const auto& kv : p->shard_specs()) {
+      if (kv.second.is_split()) {
+        specs.emplace(prefix + kv.first, kv.second);
+      }
+    }
+  }
+  return specs;
+}
+
+ShardInfo shard_model(
+    torch::nn::Module& model,
+    const ShardConfig& config,
+    std::shared_ptr<Policy> policy) {
+  if (policy == nullptr) {
+    if (auto* m = dynamic_cast<ShardableModel*>(&model)) {
+      policy = m->default_policy();
+    }
+  }
+  if (policy == nullptr) {
+    policy = std::make_shared<Policy>();
+  }
+  const auto mode = config.sequence_parallelism_mode();
+  TORCH_CHECK(
+      !config.enable_sequence_parallelism() || mode == "split_gather" ||
+          mode == "all_to_all",
+      "shard_model: sequence_parallelism_mode '",
+      mode,
+      "' is not supported (split_gather, all_to_all)");
+  TORCH_CHECK(
+      !(config.enable_sequence_parallelism() && mode == "all_to_all" &&
+        config.sequence_parallel_process_group() == nullptr),
+      "shard_model: all_to_all sequence parallelism needs "
+      "sequence_parallel_process_group");
+  auto info = policy->shard(model, config);
+  for (auto& kv : collect_shard_specs(model)) {
+    info.specs.emplace(kv.first, kv.second);
+  }
+  return info;
+}
+
+std::pair<int64_t, int64_t> stage_block_range(
+    int64_t blocks,
+    int stage,
+    int num_stages) {
+  TORCH_CHECK(
+      num_stages >= 1 && stage >= 0 && stage < num_stages &&
+          blocks >= num_stages,
+      "stage_block_range: ",
+      blocks,
+      " blocks cannot be split over ",
+      num_stages,
+      " stages (stage ",
+      stage,
+      ")");
+  // The remainder goes to the middle stages: the first and the last hold
+  // the embeddings and the head as well.
+  const int64_t base = blocks / num_stages;
+  const int64_t extra = blocks % num_stages;
+  auto count = [&](int s) {
+    const int64_t from_middle = s - (num_stages - extra) / 2;
+    return base + (from_middle >= 0 && from_middle < extra ? 1 : 0);
+  };
+  int64_t start = 0;
+  for (int s = 0; s < stage; ++s) {
+    start += count(s);
+  }
+  return {start, start + count(stage)};
+}
+
+} // namespace shardformer
+} // namespace colossalai

@@ -1,0 +1,451 @@
+// HybridParallelPlugin: tensor, sequence and data parallelism on the zoo's
+// Hugging Face-layout GPT-2 and LLaMA, checked against one process training
+// the whole model on the same global batch.
+
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/shardformer/policy.h>
+#include <harness/multiprocess.h>
+#include <harness/test_util.h>
+#include <zoo/gpt2.h>
+#include <zoo/llama.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <unistd.h>
+
+namespace cb = colossalai::booster;
+namespace cd = colossalai::distributed;
+namespace sf = colossalai::shardformer;
+namespace zoo = colossalai::zoo;
+using cb::plugin::HybridParallelPlugin;
+using HPO = cb::plugin::HybridParallelPluginOptions;
+using colossalai::testing::run_distributed;
+
+namespace {
+
+constexpr int kSteps = 3;
+constexpr int kGlobalBatch = 4;
+constexpr int64_t kSeq = 16;
+
+// fp32 bounds against one process. Tensor parallelism splits each matmul's
+// reduction (row-parallel partial sums) and data parallelism the batch
+// mean, so results differ from one process by rounding alone: a few fp32
+// ulps per operation (6e-8 relative), grown through 2 blocks and 3 steps.
+// The weights are O(0.1) and SGD's updates lr x grad ~1e-3, so rounding of
+// the updates stays below 1e-6; 2e-5 leaves a factor 20 for other CPUs'
+// BLAS summation orders. AdamW divides by sqrt(v): where v is tiny, rounding
+// of g reaches the update at full size, at most lr (1 - b1) / sqrt(1 - b2)
+// = 3.2 lr per step (the same argument as test_strategies).
+constexpr double kSgdAtol = 2e-5;
+constexpr double kLossTol = 1e-5;
+
+struct Setup {
+  std::string name;
+  HPO options;
+};
+
+std::vector<Setup> setups(int world, bool llama) {
+  auto base = []() { return HPO().precision("fp32"); };
+  std::vector<Setup> s;
+  if (world == 2) {
+    s.push_back({"tp2", base().tp_size(2)});
+    s.push_back(
+        {"tp2_split_gather",
+         base()
+             .tp_size(2)
+             .enable_sequence_parallelism(true)
+             .sequence_parallelism_mode("split_gather")});
+    return s;
+  }
+  s.push_back({"tp4", base().tp_size(4).zero_stage(0)});
+  s.push_back({"tp2_dp2", base().tp_size(2)});
+  s.push_back({"tp2_zero1", base().tp_size(2).zero_stage(1)});
+  s.push_back({"tp2_zero2", base().tp_size(2).zero_stage(2)});
+  s.push_back(
+      {"tp2_dp2_split_gather",
+       base()
+           .tp_size(2)
+           .zero_stage(1)
+           .enable_sequence_parallelism(true)
+           .sequence_parallelism_mode("split_gather")});
+  if (llama) {
+    // Four key/value heads: all_to_all over 2 ranks beside tp 2 would
+    // leave one per rank; run it at tp 1.
+    s.push_back(
+        {"sp2_dp2_all_to_all",
+         base()
+             .sp_size(2)
+             .zero_stage(1)
+             .enable_sequence_parallelism(true)
+             .sequence_parallelism_mode("all_to_all")});
+  } else {
+    s.push_back(
+        {"tp2_sp2_all_to_all",
+         base()
+             .tp_size(2)
+             .sp_size(2)
+             .enable_sequence_parallelism(true)
+             .sequence_parallelism_mode("all_to_all")});
+  }
+  s.push_back({"tp2_dp2_clip", base().tp_size(2).zero_stage(2).max_norm(0.05)});
+  s.push_back({"tp2_dp2_clip_ddp", base().tp_size(2).max_norm(0.05)});
+  return s;
+}
+
+std::pair<at::Tensor, at::Tensor> batch(int step, int64_t vocab) {
+  auto gen = at::detail::createCPUGenerator(500 + step);
+  auto tokens = at::randint(vocab, {kGlobalBatch, kSeq + 1}, gen);
+  return {
+      tokens.narrow(1, 0, kSeq).contiguous(),
+      tokens.narrow(1, 1, kSeq).contiguous()};
+}
+
+template <class Model>
+Model make(bool) {
+  torch::manual_seed(7);
+  if constexpr (std::is_same_v<Model, zoo::GPT2LMHeadModel>) {
+    return zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test());
+  } else {
+    return zoo::LlamaForCausalLM(zoo::LlamaConfig::tiny_test());
+  }
+}
+
+std::shared_ptr<torch::optim::Optimizer> make_opt(
+    const std::vector<at::Tensor>& params,
+    bool sgd) {
+  if (sgd) {
+    return std::make_shared<torch::optim::SGD>(
+        params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  return std::make_shared<torch::optim::AdamW>(
+      params, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+}
+
+// Whole tensors of a (possibly tensor-split) model, by name.
+std::map<std::string, at::Tensor> whole_weights(
+    torch::nn::Module& model,
+    const sf::ShardInfo& info) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model.named_parameters()) {
+    auto t = item.value().detach().to(at::kFloat).contiguous();
+    auto it = info.specs.find(item.key());
+    if (it != info.specs.end() && it->second.size() > 1) {
+      const auto& spec = it->second;
+      auto flat = at::empty({spec.size() * t.numel()}, t.options());
+      cd::all_gather(flat, t.view({-1}), *spec.group).wait();
+      std::vector<int64_t> shape{spec.size()};
+      shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
+      auto parts = flat.view(shape).unbind(0);
+      t = colossalai::shardformer::layer::unshard_tensor(
+          std::vector<at::Tensor>(parts.begin(), parts.end()), spec);
+    }
+    out[item.key()] = t.clone();
+  }
+  return out;
+}
+
+// One process training the whole model on the global batch; `max_norm` > 0
+// clips as torch.nn.utils.clip_grad_norm_.
+template <class Model>
+std::pair<std::vector<double>, std::map<std::string, at::Tensor>> reference(
+    bool sgd,
+    double max_norm = 0) {
+  auto model = make<Model>(sgd);
+  auto opt = make_opt(model->parameters(), sgd);
+  std::vector<double> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto b = batch(step, model->config().vocab_size());
+    opt->zero_grad();
+    at::Tensor loss = model->loss(model->forward(b.first), b.second);
+    loss.backward();
+    if (max_norm > 0) {
+      torch::nn::utils::clip_grad_norm_(model->parameters(), max_norm);
+    }
+    opt->step();
+    losses.push_back(loss.item<double>());
+  }
+  return {losses, whole_weights(*model, sf::ShardInfo())};
+}
+
+template <class Model>
+void check_setups(int world, bool sgd) {
+  constexpr bool llama = std::is_same_v<Model, zoo::LlamaForCausalLM>;
+  const auto ref = reference<Model>(sgd);
+  for (const auto& s : setups(world, llama)) {
+    SCOPED_TRACE(s.name + (sgd ? ", SGD" : ", AdamW"));
+    auto plugin = std::make_shared<HybridParallelPlugin>(s.options);
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = make<Model>(sgd);
+    auto boosted = booster.boost(model, make_opt(model->parameters(), sgd));
+    const int dp = plugin->dp_size();
+    ASSERT_EQ(kGlobalBatch % dp, 0);
+    const int64_t micro = kGlobalBatch / dp;
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto b = batch(step, model->config().vocab_size());
+      auto x = b.first.narrow(0, micro * plugin->dp_rank(), micro);
+      auto y = b.second.narrow(0, micro * plugin->dp_rank(), micro);
+      boosted.optimizer->zero_grad();
+      at::Tensor loss = model->loss(boosted.model(x), y);
+      booster.backward(loss, *boosted.optimizer);
+      boosted.optimizer->step();
+      // The global loss: the mean over the data-parallel ranks' batches.
+      at::Tensor l = loss.detach().to(at::kFloat).reshape({1}).clone();
+      cd::all_reduce(l, *plugin->dp_group()).wait();
+      losses.push_back(l.item<double>() / dp);
+    }
+    const bool clip = s.options.max_norm() > 0;
+    const auto expect =
+        clip ? reference<Model>(sgd, s.options.max_norm()) : ref;
+    for (int step = 0; step < kSteps; ++step) {
+      EXPECT_NEAR(losses[step], expect.first[step], kLossTol)
+          << "step " << step;
+    }
+    auto got = whole_weights(*model, plugin->shard_info());
+    ASSERT_EQ(got.size(), expect.second.size());
+    const double atol = sgd ? kSgdAtol : 2 * kSteps * 3.2e-3;
+    for (const auto& kv : expect.second) {
+      ASSERT_TRUE(got.count(kv.first)) << kv.first;
+      const at::Tensor& g = got.at(kv.first);
+      ASSERT_EQ(g.sizes(), kv.second.sizes()) << kv.first;
+      const at::Tensor diff = g - kv.second;
+      EXPECT_LE(diff.abs().max().item<double>(), atol) << kv.first;
+    }
+  }
+}
+
+TEST(HybridParallel, Gpt2MatchesOneProcessOnTwoRanks) {
+  run_distributed(2, [](int, int world) {
+    check_setups<zoo::GPT2LMHeadModel>(world, true);
+  });
+}
+
+TEST(HybridParallel, Gpt2MatchesOneProcessOnFourRanks) {
+  run_distributed(4, [](int, int world) {
+    check_setups<zoo::GPT2LMHeadModel>(world, true);
+    check_setups<zoo::GPT2LMHeadModel>(world, false);
+  });
+}
+
+TEST(HybridParallel, LlamaMatchesOneProcessOnFourRanks) {
+  run_distributed(4, [](int, int world) {
+    check_setups<zoo::LlamaForCausalLM>(world, true);
+    check_setups<zoo::LlamaForCausalLM>(world, false);
+  });
+}
+
+TEST(HybridParallel, WholeModelIsAPlainHuggingFaceLayout) {
+  zoo::GPT2LMHeadModel gpt2(zoo::GPT2Config::tiny_test());
+  auto p = gpt2->named_parameters();
+  ASSERT_TRUE(p.contains("transformer.h.0.attn.c_attn.weight"));
+  EXPECT_EQ(
+      p["transformer.h.0.attn.c_attn.weight"].sizes(),
+      at::IntArrayRef({32, 96})); // Conv1D: [in, out]
+  EXPECT_EQ(p["transformer.wte.weight"].sizes(), at::IntArrayRef({100, 32}));
+  EXPECT_FALSE(p.contains("lm_head.weight")); // tied to wte
+  zoo::LlamaForCausalLM llama(zoo::LlamaConfig::tiny_test());
+  auto q = llama->named_parameters();
+  EXPECT_EQ(
+      q["model.layers.1.self_attn.k_proj.weight"].sizes(),
+      at::IntArrayRef({16, 32})); // 4 key/value heads x 4
+  EXPECT_EQ(q["lm_head.weight"].sizes(), at::IntArrayRef({100, 32}));
+  EXPECT_TRUE(q.contains("model.layers.0.post_attention_layernorm.weight"));
+}
+
+// The ranks' scratch directory, named after the parent test process (the
+// ranks are its children); removed by the parent.
+std::string scratch(pid_t parent, const std::string& what) {
+  return (std::filesystem::temp_directory_path() /
+          ("colossalai_hybrid_" + what + "_" + std::to_string(parent)))
+      .string();
+}
+
+void remove_scratch(const std::string& what) {
+  if (std::getenv("COLOSSALAI_TEST_CHILD") == nullptr) {
+    std::filesystem::remove_all(scratch(::getpid(), what));
+  }
+}
+
+// Saved at tp 2 x dp 2, the checkpoint holds whole Hugging Face-layout
+// tensors: a plain model, a tp 4 model and a DDP model load it and hold the
+// same weights.
+TEST(HybridParallel, CheckpointFromTp2LoadsAtTp1Tp4AndUnderDdp) {
+  run_distributed(4, [](int rank, int) {
+    const auto dir = scratch(::getppid(), "ckpt");
+    std::map<std::string, at::Tensor> saved;
+    {
+      auto plugin = std::make_shared<HybridParallelPlugin>(
+          HPO().precision("fp32").tp_size(2).zero_stage(1));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto model = make<zoo::GPT2LMHeadModel>(true);
+      auto boosted = booster.boost(model, make_opt(model->parameters(), false));
+      auto b = batch(0, 100);
+      auto loss = model->loss(boosted.model(b.first), b.second);
+      booster.backward(loss, *boosted.optimizer);
+      boosted.optimizer->step();
+      saved = whole_weights(*model, plugin->shard_info());
+      booster.save_model(
+          boosted.model,
+          dir + "/model.safetensors",
+          colossalai::checkpoint_io::SaveModelOptions().use_safetensors(true));
+      booster.save_model(
+          boosted.model,
+          dir + "/sharded",
+          colossalai::checkpoint_io::SaveModelOptions()
+              .shard(true)
+              .size_per_shard(1));
+      booster.save_optimizer(*boosted.optimizer, dir + "/optim.bin");
+    }
+    auto expect_equal = [&](const std::map<std::string, at::Tensor>& got,
+                            const std::string& what) {
+      ASSERT_EQ(got.size(), saved.size()) << what;
+      for (const auto& kv : saved) {
+        EXPECT_TRUE(at::equal(got.at(kv.first), kv.second))
+            << what << ": " << kv.first;
+      }
+    };
+    {
+      // tp 1: a plain model, no plugin.
+      torch::manual_seed(99 + rank);
+      zoo::GPT2LMHeadModel plain(zoo::GPT2Config::tiny_test());
+      colossalai::checkpoint_io::GeneralCheckpointIO io;
+      colossalai::interface::ModelWrapper wrapped(plain.ptr());
+      io.load_model(wrapped, dir + "/model.safetensors");
+      expect_equal(whole_weights(*plain, sf::ShardInfo()), "tp 1");
+    }
+    {
+      auto plugin = std::make_shared<HybridParallelPlugin>(
+          HPO().precision("fp32").tp_size(4).zero_stage(2));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      torch::manual_seed(5);
+      zoo::GPT2LMHeadModel m(zoo::GPT2Config::tiny_test());
+      auto boosted = booster.boost(m, make_opt(m->parameters(), false));
+      booster.load_model(boosted.model, dir + "/sharded");
+      expect_equal(whole_weights(*m, plugin->shard_info()), "tp 4");
+      booster.load_optimizer(*boosted.optimizer, dir + "/optim.bin");
+      // One more step from the loaded state runs.
+      auto b = batch(1, 100);
+      auto loss = m->loss(boosted.model(b.first), b.second);
+      booster.backward(loss, *boosted.optimizer);
+      boosted.optimizer->step();
+      EXPECT_TRUE(std::isfinite(loss.item<double>()));
+    }
+    {
+      cb::Booster booster(cb::BoosterOptions().plugin(
+          std::make_shared<cb::plugin::TorchDDPPlugin>()));
+      torch::manual_seed(6);
+      zoo::GPT2LMHeadModel m(zoo::GPT2Config::tiny_test());
+      auto boosted = booster.boost(m, make_opt(m->parameters(), false));
+      booster.load_model(boosted.model, dir + "/model.safetensors");
+      expect_equal(whole_weights(*m, sf::ShardInfo()), "DDP");
+    }
+  });
+  remove_scratch("ckpt");
+}
+
+// The optimizer states saved at tp 2 and loaded at tp 4 continue training
+// exactly as the run that saved them.
+TEST(HybridParallel, OptimizerStatesResumeAtAnotherTpSize) {
+  run_distributed(4, [](int, int) {
+    const auto dir = scratch(::getppid(), "optim");
+    auto run = [&](int tp, int stage, bool save, bool load) {
+      auto plugin = std::make_shared<HybridParallelPlugin>(
+          HPO().precision("fp32").tp_size(tp).zero_stage(stage));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto model = make<zoo::GPT2LMHeadModel>(false);
+      auto boosted = booster.boost(model, make_opt(model->parameters(), false));
+      const int dp = plugin->dp_size();
+      const int64_t micro = kGlobalBatch / dp;
+      if (load) {
+        booster.load_model(boosted.model, dir + "/model");
+        booster.load_optimizer(*boosted.optimizer, dir + "/optim");
+      }
+      for (int step = load ? 2 : 0; step < (save ? 2 : kSteps); ++step) {
+        auto b = batch(step, 100);
+        auto x = b.first.narrow(0, micro * plugin->dp_rank(), micro);
+        auto y = b.second.narrow(0, micro * plugin->dp_rank(), micro);
+        boosted.optimizer->zero_grad();
+        booster.backward(model->loss(boosted.model(x), y), *boosted.optimizer);
+        boosted.optimizer->step();
+      }
+      if (save) {
+        booster.save_model(
+            boosted.model,
+            dir + "/model",
+            colossalai::checkpoint_io::SaveModelOptions().shard(true));
+        booster.save_optimizer(
+            *boosted.optimizer,
+            dir + "/optim",
+            colossalai::checkpoint_io::SaveOptimizerOptions().shard(true));
+      }
+      return whole_weights(*model, plugin->shard_info());
+    };
+    auto straight = run(2, 1, false, false);
+    run(2, 1, true, false);
+    auto resumed = run(4, 0, false, true);
+    for (const auto& kv : straight) {
+      // Three AdamW steps whose third runs at another tp size: rounding
+      // only (see kSgdAtol's note; AdamW's bound is 3.2 lr per step).
+      EXPECT_LE(
+          (resumed.at(kv.first) - kv.second).abs().max().item<double>(),
+          2 * 3.2e-3)
+          << kv.first;
+    }
+  });
+  remove_scratch("optim");
+}
+
+TEST(HybridParallel, InvalidOptionsNameTheOption) {
+  run_distributed(4, [](int, int) {
+    using colossalai::testing::error_of;
+    auto make_plugin = [](HPO o) {
+      return error_of([o]() { HybridParallelPlugin p(o); });
+    };
+    EXPECT_NE(
+        make_plugin(HPO().precision("fp32").pp_size(2)).find("pp_size"),
+        std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO().precision("fp32").tp_size(3)).find("tp_size"),
+        std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO().precision("fp16")).find("fp16"), std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO()
+                        .precision("fp32")
+                        .enable_sequence_parallelism(true)
+                        .sequence_parallelism_mode("split_gather"))
+            .find("tp_size > 1"),
+        std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO()
+                        .precision("fp32")
+                        .enable_sequence_parallelism(true)
+                        .sequence_parallelism_mode("ring_attn"))
+            .find("ring_attn"),
+        std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO().precision("fp32").sp_size(2)).find("sp_size"),
+        std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO().precision("fp32").zero_stage(3)).find("zero_stage"),
+        std::string::npos);
+    // A model whose heads do not split over the tensor group.
+    auto plugin = std::make_shared<HybridParallelPlugin>(
+        HPO().precision("fp32").tp_size(4));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    torch::manual_seed(1);
+    zoo::GPT2LMHeadModel m(zoo::GPT2Config::tiny_test().n_head(2));
+    auto err =
+        error_of([&]() { booster.boost(m, make_opt(m->parameters(), true)); });
+    EXPECT_NE(err.find("n_head"), std::string::npos) << err;
+  });
+}
+
+} // namespace

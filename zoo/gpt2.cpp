@@ -1,0 +1,331 @@
+#include <zoo/gpt2.h>
+
+#include <colossalai/distributed/functional.h>
+
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+namespace colossalai {
+namespace zoo {
+
+namespace cdf = distributed::functional;
+namespace sl = shardformer::layer;
+
+GPT2Config GPT2Config::tiny_test() {
+  return GPT2Config()
+      .vocab_size(100)
+      .n_positions(32)
+      .n_embd(32)
+      .n_layer(2)
+      .n_head(4)
+      .embd_pdrop(0)
+      .attn_pdrop(0)
+      .resid_pdrop(0);
+}
+
+GPT2Config GPT2Config::small_cpu() {
+  return GPT2Config()
+      .vocab_size(4096)
+      .n_positions(128)
+      .n_embd(256)
+      .n_layer(4)
+      .n_head(4)
+      .embd_pdrop(0)
+      .attn_pdrop(0)
+      .resid_pdrop(0);
+}
+
+namespace {
+
+// Hugging Face's GPT-2 initialisation: N(0, initializer_range) for weights
+// and embeddings, zero biases, and the residual projections (c_proj) scaled
+// by 1 / sqrt(2 n_layer).
+void init_normal(at::Tensor& w, double std) {
+  torch::NoGradGuard no_grad;
+  w.normal_(0.0, std);
+}
+
+void init_zero(at::Tensor& b) {
+  if (b.defined()) {
+    torch::NoGradGuard no_grad;
+    b.zero_();
+  }
+}
+
+torch::nn::LayerNorm layer_norm(const GPT2Config& c) {
+  return torch::nn::LayerNorm(
+      torch::nn::LayerNormOptions({c.n_embd()}).eps(c.layer_norm_epsilon()));
+}
+
+sl::Linear1D_Col conv1d_col(int64_t in, int64_t out, int64_t sections) {
+  return sl::Linear1D_Col(
+      sl::Linear1DOptions(in, out).conv1d_layout(true).fused_sections(
+          sections));
+}
+
+sl::Linear1D_Row conv1d_row(int64_t in, int64_t out) {
+  return sl::Linear1D_Row(sl::Linear1DOptions(in, out).conv1d_layout(true));
+}
+
+} // namespace
+
+GPT2AttentionImpl::GPT2AttentionImpl(
+    const GPT2Config& c,
+    const ParallelState* state)
+    : n_head_(c.n_head()), head_dim_(c.n_embd() / c.n_head()), state_(state) {
+  TORCH_CHECK(
+      c.n_embd() % c.n_head() == 0,
+      "GPT2Config: n_embd (",
+      c.n_embd(),
+      ") must be divisible by n_head (",
+      c.n_head(),
+      ")");
+  c_attn = register_module("c_attn", conv1d_col(c.n_embd(), 3 * c.n_embd(), 3));
+  c_proj = register_module("c_proj", conv1d_row(c.n_embd(), c.n_embd()));
+  attn_dropout = register_module(
+      "attn_dropout", sl::Dropout(sl::DropoutOptions(c.attn_pdrop())));
+  resid_dropout = register_module(
+      "resid_dropout", sl::Dropout(sl::DropoutOptions(c.resid_pdrop())));
+  init_normal(c_attn->weight, c.initializer_range());
+  init_zero(c_attn->bias);
+  init_normal(
+      c_proj->weight, c.initializer_range() / std::sqrt(2.0 * c.n_layer()));
+  init_zero(c_proj->bias);
+}
+
+at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x) {
+  auto qkv = c_attn(x); // [B, T, 3 C / tp]: the whole sequence
+  const int64_t b = qkv.size(0);
+  int64_t t = qkv.size(1);
+  int64_t heads = n_head_ / state_->tp_size();
+  const bool ulysses = state_->sp_mode == "all_to_all";
+  auto parts = qkv.view({b, t, 3, heads, head_dim_});
+  if (ulysses) {
+    // Sequence chunks with every head -> the whole sequence, sp-th of heads.
+    parts = cdf::all_to_all_along_dims(parts, 3, 1, state_->sp);
+    t = parts.size(1);
+    heads = parts.size(3);
+  }
+  auto q = parts.select(2, 0).transpose(1, 2);
+  auto k = parts.select(2, 1).transpose(1, 2);
+  auto v = parts.select(2, 2).transpose(1, 2);
+  const bool drop = attn_dropout->options.p() > 0 && is_training();
+  auto y = attention(
+               q,
+               k,
+               v,
+               state_->fused_attention && !drop,
+               drop ? attn_dropout.get() : nullptr)
+               .transpose(1, 2); // [B, T, H, D]
+  if (ulysses) {
+    y = to_sequence_shards(y, state_->sp);
+  }
+  y = y.reshape({b, y.size(1), -1});
+  return resid_dropout(c_proj(y));
+}
+
+GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& c) {
+  c_fc = register_module("c_fc", conv1d_col(c.n_embd(), 4 * c.n_embd(), 1));
+  c_proj = register_module("c_proj", conv1d_row(4 * c.n_embd(), c.n_embd()));
+  dropout = register_module(
+      "dropout", sl::Dropout(sl::DropoutOptions(c.resid_pdrop())));
+  init_normal(c_fc->weight, c.initializer_range());
+  init_zero(c_fc->bias);
+  init_normal(
+      c_proj->weight, c.initializer_range() / std::sqrt(2.0 * c.n_layer()));
+  init_zero(c_proj->bias);
+}
+
+at::Tensor GPT2MLPImpl::forward(const at::Tensor& x) {
+  return dropout(c_proj(at::gelu(c_fc(x), "tanh"))); // HF's gelu_new
+}
+
+GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& c, const ParallelState* state) {
+  ln_1 = register_module("ln_1", layer_norm(c));
+  attn = register_module("attn", GPT2Attention(c, state));
+  ln_2 = register_module("ln_2", layer_norm(c));
+  mlp = register_module("mlp", GPT2MLP(c));
+}
+
+at::Tensor GPT2BlockImpl::forward(const at::Tensor& x) {
+  auto scope = forward_scope();
+  auto h = x + attn(ln_1(x));
+  return scope.exit(h + mlp(ln_2(h)));
+}
+
+GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& c, const ParallelState* state)
+    : config_(c), state_(state) {
+  wte = register_module(
+      "wte",
+      sl::VocabParallelEmbedding1D(
+          sl::Embedding1DOptions(c.vocab_size(), c.n_embd())));
+  wpe =
+      register_module("wpe", torch::nn::Embedding(c.n_positions(), c.n_embd()));
+  drop =
+      register_module("drop", sl::Dropout(sl::DropoutOptions(c.embd_pdrop())));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.n_layer(); ++i) {
+    h->push_back(GPT2Block(c, state));
+  }
+  ln_f = register_module("ln_f", layer_norm(c));
+  init_normal(wte->weight, c.initializer_range());
+  init_normal(wpe->weight, c.initializer_range());
+}
+
+at::Tensor GPT2ModelImpl::forward(const at::Tensor& ids) {
+  TORCH_CHECK(
+      ids.dim() == 2 && ids.size(1) <= config_.n_positions(),
+      "GPT2Model: ids must be [B, T] with T <= n_positions (",
+      config_.n_positions(),
+      "), got ",
+      ids.sizes());
+  const auto& st = *state_;
+  at::Tensor tokens = ids, pos;
+  if (st.sp_mode == "all_to_all") {
+    std::tie(tokens, pos) = sequence_chunk(ids, st.sp);
+  } else {
+    pos = at::arange(ids.size(1), ids.options().dtype(at::kLong));
+  }
+  auto x = drop(wte(tokens) + wpe(pos));
+  if (st.sp_mode == "split_gather") {
+    x = cdf::split_along_dim(x, 1, st.tp);
+  }
+  for (const auto& block : *h) {
+    x = block->as<GPT2BlockImpl>()->forward(x);
+  }
+  x = ln_f(x);
+  if (st.sp_mode == "split_gather") {
+    x = cdf::gather_along_dim(x, 1, st.tp);
+  } else if (st.sp_mode == "all_to_all") {
+    // Every sp rank computes the whole loss from the gathered states but
+    // keeps only its chunk's gradient: scaled by sp, the mean over the
+    // dp x sp group is the gradient of the whole loss.
+    x = cdf::gather_along_dim(cdf::scale_grad(x, st.sp_size()), 1, st.sp);
+  }
+  return x;
+}
+
+GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config)
+    : config_(config) {
+  transformer = register_module("transformer", GPT2Model(config, &state_));
+}
+
+at::Tensor GPT2LMHeadModelImpl::forward(const at::Tensor& ids) {
+  return sl::lm_head_logits(
+      transformer(ids),
+      transformer->wte->weight,
+      state_.tp,
+      /*gather_output=*/!state_.parallel_output,
+      config_.vocab_size());
+}
+
+at::Tensor GPT2LMHeadModelImpl::loss(
+    const at::Tensor& logits,
+    const at::Tensor& targets) const {
+  const bool sharded = state_.tp_size() > 1 && state_.parallel_output;
+  return sl::vocab_parallel_cross_entropy(
+      logits.flatten(0, 1),
+      targets.flatten(),
+      sharded ? state_.tp : nullptr,
+      config_.vocab_size());
+}
+
+std::shared_ptr<shardformer::Policy> GPT2LMHeadModelImpl::default_policy()
+    const {
+  return std::make_shared<GPT2Policy>();
+}
+
+namespace {
+
+void set_dropout(
+    sl::Dropout& d,
+    const distributed::ProcessGroupPtr& g,
+    bool sharded) {
+  d->options.process_group(g).sharded_input(sharded);
+  d->reset();
+}
+
+} // namespace
+
+shardformer::ShardInfo GPT2Policy::shard(
+    torch::nn::Module& model,
+    const shardformer::ShardConfig& cfg) {
+  auto* m = dynamic_cast<GPT2LMHeadModelImpl*>(&model);
+  TORCH_CHECK(m != nullptr, "GPT2Policy: the model is not a GPT2LMHeadModel");
+  const auto tp = cfg.tensor_parallel_process_group();
+  const auto mode = cfg.sp_mode();
+  auto& st = m->parallel_state();
+  configure_parallel_state(
+      st, cfg, m->config().n_head(), "GPT2Policy", "n_head");
+
+  auto& t = *m->transformer;
+  t.wte->options.make_vocab_size_divisible_by(
+      cfg.make_vocab_size_divisible_by());
+  t.wte->shard_(tp);
+  const bool split_gather = mode == "split_gather";
+  // Activations between blocks: sequence chunks under either sp mode.
+  const auto act_group = split_gather ? tp : st.sp;
+  set_dropout(t.drop, nullptr, false);
+  shardformer::ShardInfo info;
+  for (size_t i = 0; i < t.h->size(); ++i) {
+    auto* blk = t.h[i]->as<GPT2BlockImpl>();
+    auto& a = *blk->attn;
+    auto& mlp = *blk->mlp;
+    for (auto* col : {a.c_attn.get(), mlp.c_fc.get()}) {
+      col->options.seq_parallel(split_gather);
+      col->shard_(tp);
+    }
+    for (auto* row : {a.c_proj.get(), mlp.c_proj.get()}) {
+      row->options.seq_parallel(split_gather);
+      row->shard_(tp);
+    }
+    set_dropout(a.attn_dropout, tp, true); // heads are split
+    set_dropout(a.resid_dropout, act_group, act_group != nullptr);
+    set_dropout(mlp.dropout, act_group, act_group != nullptr);
+    if (split_gather) {
+      const auto p = "transformer.h." + std::to_string(i) + ".";
+      for (const char* n :
+           {"ln_1.weight",
+            "ln_1.bias",
+            "ln_2.weight",
+            "ln_2.bias",
+            "attn.c_proj.bias",
+            "mlp.c_proj.bias"}) {
+        info.partial_grad_params.insert(p + n);
+      }
+    }
+  }
+  if (split_gather) {
+    info.partial_grad_params.insert("transformer.ln_f.weight");
+    info.partial_grad_params.insert("transformer.ln_f.bias");
+  }
+  return info;
+}
+
+std::vector<std::string> GPT2Policy::held_layers(
+    const torch::nn::Module& model,
+    int stage,
+    int num_stages) const {
+  const auto* m = dynamic_cast<const GPT2LMHeadModelImpl*>(&model);
+  TORCH_CHECK(m != nullptr, "GPT2Policy: the model is not a GPT2LMHeadModel");
+  auto range =
+      shardformer::stage_block_range(m->config().n_layer(), stage, num_stages);
+  std::vector<std::string> names;
+  if (stage == 0) {
+    names = {"transformer.wte", "transformer.wpe", "transformer.drop"};
+  }
+  for (int64_t i = range.first; i < range.second; ++i) {
+    names.push_back("transformer.h." + std::to_string(i));
+  }
+  if (stage == num_stages - 1) {
+    names.push_back("transformer.ln_f");
+    if (stage != 0) {
+      names.push_back("transformer.wte"); // the tied head
+    }
+  }
+  return names;
+}
+
+} // namespace zoo
+} // namespace colossalai

@@ -1,0 +1,168 @@
+#pragma once
+
+/// GPT-2 with Hugging Face's layout (`GPT2LMHeadModel`), written with the
+/// tensor-parallel layers: built whole it is a plain model whose parameter
+/// names and shapes are Hugging Face's (`transformer.h.{i}.attn.c_attn.weight`
+/// [C, 3C] in Conv1D layout, ...), so its safetensors load and save
+/// directly; `GPT2Policy` (or HybridParallelPlugin, which uses it) shards it
+/// in place for tensor and sequence parallelism. Learned positions, GELU
+/// (tanh), pre-LayerNorm blocks, LM head tied to `wte`.
+///
+/// Example:
+/// \code
+///   torch::manual_seed(0);
+///   colossalai::zoo::GPT2LMHeadModel model(
+///       colossalai::zoo::GPT2Config::tiny_test());
+///   auto logits = model->forward(ids);               // [B, T, vocab]
+///   auto loss = model->loss(logits, targets);        // next-token targets
+/// \endcode
+
+#include <colossalai/nn/hookable_module.h>
+#include <colossalai/shardformer/layer/embedding.h>
+#include <colossalai/shardformer/layer/linear.h>
+#include <colossalai/shardformer/layer/normalization.h>
+#include <colossalai/shardformer/policy.h>
+#include <zoo/transformer.h>
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+namespace colossalai {
+namespace zoo {
+
+/// Hugging Face's GPT2Config fields (defaults: gpt2 small).
+struct GPT2Config {
+  /// vocab 100 (not a multiple of 64: exercises the padding), 32 positions,
+  /// width 32, 4 heads, 2 blocks, no dropout.
+  static GPT2Config tiny_test();
+  /// gpt-small-cpu's shape (vocab 4096, 128 positions, width 256, 4 heads,
+  /// 4 blocks), no dropout.
+  static GPT2Config small_cpu();
+
+  TORCH_ARG(int64_t, vocab_size) = 50257;
+  TORCH_ARG(int64_t, n_positions) = 1024;
+  TORCH_ARG(int64_t, n_embd) = 768;
+  TORCH_ARG(int64_t, n_layer) = 12;
+  TORCH_ARG(int64_t, n_head) = 12;
+  TORCH_ARG(double, layer_norm_epsilon) = 1e-5;
+  TORCH_ARG(double, embd_pdrop) = 0.1;
+  TORCH_ARG(double, attn_pdrop) = 0.1;
+  TORCH_ARG(double, resid_pdrop) = 0.1;
+  TORCH_ARG(double, initializer_range) = 0.02;
+};
+
+class GPT2AttentionImpl : public torch::nn::Module {
+ public:
+  GPT2AttentionImpl(const GPT2Config& config, const ParallelState* state);
+  /// x: [B, T_local, C] -> [B, T_local, C].
+  at::Tensor forward(const at::Tensor& x);
+
+  shardformer::layer::Linear1D_Col c_attn{nullptr}; ///< fused q, k, v
+  shardformer::layer::Linear1D_Row c_proj{nullptr};
+  shardformer::layer::Dropout attn_dropout{nullptr};
+  shardformer::layer::Dropout resid_dropout{nullptr};
+
+ private:
+  int64_t n_head_, head_dim_;
+  const ParallelState* state_;
+};
+TORCH_MODULE(GPT2Attention);
+
+class GPT2MLPImpl : public torch::nn::Module {
+ public:
+  explicit GPT2MLPImpl(const GPT2Config& config);
+  at::Tensor forward(const at::Tensor& x);
+
+  shardformer::layer::Linear1D_Col c_fc{nullptr};
+  shardformer::layer::Linear1D_Row c_proj{nullptr};
+  shardformer::layer::Dropout dropout{nullptr};
+};
+TORCH_MODULE(GPT2MLP);
+
+/// x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)). Opens a ForwardScope, so
+/// FSDP and Gemini can make each block a unit.
+class GPT2BlockImpl : public torch::nn::Module,
+                      public colossalai::nn::HookableModule {
+ public:
+  GPT2BlockImpl(const GPT2Config& config, const ParallelState* state);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::LayerNorm ln_1{nullptr};
+  GPT2Attention attn{nullptr};
+  torch::nn::LayerNorm ln_2{nullptr};
+  GPT2MLP mlp{nullptr};
+};
+TORCH_MODULE(GPT2Block);
+
+class GPT2ModelImpl : public torch::nn::Module {
+ public:
+  GPT2ModelImpl(const GPT2Config& config, const ParallelState* state);
+  /// ids [B, T] -> final hidden states [B, T, C] (after ln_f), whole
+  /// sequence on every rank.
+  at::Tensor forward(const at::Tensor& ids);
+
+  shardformer::layer::VocabParallelEmbedding1D wte{nullptr};
+  torch::nn::Embedding wpe{nullptr};
+  shardformer::layer::Dropout drop{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+
+ private:
+  GPT2Config config_;
+  const ParallelState* state_;
+};
+TORCH_MODULE(GPT2Model);
+
+class GPT2LMHeadModelImpl : public torch::nn::Module,
+                            public shardformer::ShardableModel {
+ public:
+  explicit GPT2LMHeadModelImpl(const GPT2Config& config = GPT2Config());
+  /// ids [B, T] int64 -> logits [B, T, vocab] (with tensor parallelism and
+  /// parallel_output: this rank's [B, T, V_pad / tp] vocabulary columns).
+  at::Tensor forward(const at::Tensor& ids);
+  /// Mean cross entropy of `forward`'s logits against next-token targets
+  /// [B, T] (aligned with the logits), sharded logits included.
+  at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
+
+  const GPT2Config& config() const {
+    return config_;
+  }
+  ParallelState& parallel_state() {
+    return state_;
+  }
+  std::shared_ptr<shardformer::Policy> default_policy() const override;
+
+  GPT2Model transformer{nullptr};
+
+ private:
+  GPT2Config config_;
+  ParallelState state_;
+};
+TORCH_MODULE(GPT2LMHeadModel);
+
+/// Shards a GPT2LMHeadModel: wte vocabulary-parallel (and the tied head),
+/// c_attn / c_fc column-parallel (c_attn as three fused sections), c_proj
+/// row-parallel, heads split over the tensor group; split_gather sequence
+/// parallelism splits the sequence between blocks over the tensor group,
+/// all_to_all splits it over the sp group and exchanges heads around
+/// attention. Blocks split evenly over pipeline stages.
+class GPT2Policy : public shardformer::Policy {
+ public:
+  std::string name() const override {
+    return "GPT2Policy";
+  }
+  shardformer::ShardInfo shard(
+      torch::nn::Module& model,
+      const shardformer::ShardConfig& config) override;
+  std::vector<std::string> held_layers(
+      const torch::nn::Module& model,
+      int stage,
+      int num_stages) const override;
+};
+
+} // namespace zoo
+} // namespace colossalai

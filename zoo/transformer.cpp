@@ -1,0 +1,102 @@
+#include <zoo/transformer.h>
+
+#include <colossalai/distributed/functional.h>
+#include <colossalai/utils/compat.h>
+
+#include <cmath>
+#include <limits>
+
+namespace colossalai {
+namespace zoo {
+
+namespace cdf = distributed::functional;
+
+void configure_parallel_state(
+    ParallelState& st,
+    const shardformer::ShardConfig& cfg,
+    int64_t heads,
+    const char* policy,
+    const char* what) {
+  const int tp_size = cfg.tp_size();
+  TORCH_CHECK(
+      heads % tp_size == 0,
+      policy,
+      ": ",
+      what,
+      " (",
+      heads,
+      ") must be divisible by tp_size (",
+      tp_size,
+      ")");
+  st.tp = cfg.tensor_parallel_process_group();
+  st.sp_mode = cfg.sp_mode();
+  st.sp = st.sp_mode == "all_to_all" ? cfg.sequence_parallel_process_group()
+                                     : nullptr;
+  TORCH_CHECK(
+      (heads / tp_size) % st.sp_size() == 0,
+      policy,
+      ": all_to_all sequence parallelism needs the ",
+      what,
+      " per tensor rank (",
+      heads / tp_size,
+      ") divisible by sp_size (",
+      st.sp_size(),
+      ")");
+  st.fused_attention =
+      cfg.enable_flash_attention() && compat::has_fused_attention();
+  st.parallel_output = cfg.parallel_output();
+}
+
+at::Tensor attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    bool fused,
+    shardformer::layer::DropoutImpl* dropout) {
+  if (fused) {
+    return compat::fused_causal_attention(q, k, v);
+  }
+  const int64_t t = q.size(2);
+  auto att = at::matmul(q, k.transpose(-2, -1)) *
+      (1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  auto future = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
+  att = at::softmax(
+      att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+  if (dropout != nullptr) {
+    att = dropout->forward(att);
+  }
+  return at::matmul(att, v);
+}
+
+at::Tensor to_head_shards(
+    const at::Tensor& x,
+    const distributed::ProcessGroupPtr& sp) {
+  return cdf::all_to_all_along_dims(x, /*scatter_dim=*/2, /*gather_dim=*/1, sp);
+}
+
+at::Tensor to_sequence_shards(
+    const at::Tensor& x,
+    const distributed::ProcessGroupPtr& sp) {
+  return cdf::all_to_all_along_dims(x, /*scatter_dim=*/1, /*gather_dim=*/2, sp);
+}
+
+std::pair<at::Tensor, at::Tensor> sequence_chunk(
+    const at::Tensor& ids,
+    const distributed::ProcessGroupPtr& sp) {
+  const int64_t t = ids.size(1);
+  const int n = sp == nullptr ? 1 : sp->size();
+  const int r = sp == nullptr ? 0 : sp->rank();
+  TORCH_CHECK(
+      t % n == 0,
+      "sequence parallelism: the sequence length ",
+      t,
+      " must be divisible by the sequence-parallel size ",
+      n);
+  const int64_t len = t / n;
+  return {
+      ids.narrow(1, r * len, len),
+      at::arange(r * len, (r + 1) * len, ids.options().dtype(at::kLong))};
+}
+
+} // namespace zoo
+} // namespace colossalai

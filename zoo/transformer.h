@@ -1,0 +1,74 @@
+#pragma once
+
+/// Pieces the zoo's Hugging Face-layout transformers (GPT-2, LLaMA) share:
+/// causal attention with or without the fused kernel, the Ulysses head
+/// exchange, and the runtime parallel state a policy leaves in a model.
+
+#include <colossalai/distributed/process_group.h>
+#include <colossalai/shardformer/layer/normalization.h>
+#include <colossalai/shardformer/shard_config.h>
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace colossalai {
+namespace zoo {
+
+/// What a model's forward needs to know after sharding (set by its policy;
+/// the defaults are a whole model on one process).
+struct ParallelState {
+  distributed::ProcessGroupPtr tp;
+  /// "", "split_gather" (over `tp`) or "all_to_all" (over `sp`).
+  std::string sp_mode;
+  distributed::ProcessGroupPtr sp;
+  bool fused_attention = false;
+  bool parallel_output = true;
+
+  int tp_size() const {
+    return tp == nullptr ? 1 : tp->size();
+  }
+  int sp_size() const {
+    return sp == nullptr ? 1 : sp->size();
+  }
+};
+
+/// Fills `state` from `config` for a policy, after checking that `heads`
+/// (the heads that split: GPT-2's, LLaMA's key/value heads; `what` names
+/// them) divide over the tensor group and, per tensor rank, over the
+/// all_to_all group.
+void configure_parallel_state(
+    ParallelState& state,
+    const shardformer::ShardConfig& config,
+    int64_t heads,
+    const char* policy,
+    const char* what);
+
+/// Causal softmax attention of q [B, H, T, D] and k, v [B, H, T, D] ->
+/// [B, H, T, D]. `fused` uses LibTorch's kernel (2.x; an error on 1.13);
+/// else matmul, mask, softmax and `dropout` on the probabilities (may be
+/// null).
+at::Tensor attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    bool fused,
+    shardformer::layer::DropoutImpl* dropout);
+
+/// Ulysses: [B, T / sp, H, D] sequence-sharded -> [B, T, H / sp, D]
+/// head-sharded over `sp` (and `to_sequence_shards` back).
+at::Tensor to_head_shards(
+    const at::Tensor& x,
+    const distributed::ProcessGroupPtr& sp);
+at::Tensor to_sequence_shards(
+    const at::Tensor& x,
+    const distributed::ProcessGroupPtr& sp);
+
+/// This rank's chunk of a [B, T] int64 batch along T over `sp` and the
+/// positions of its tokens ([T / sp], from rank x T / sp).
+std::pair<at::Tensor, at::Tensor> sequence_chunk(
+    const at::Tensor& ids,
+    const distributed::ProcessGroupPtr& sp);
+
+} // namespace zoo
+} // namespace colossalai
