@@ -402,6 +402,32 @@ TEST(HybridParallel, OptimizerStatesResumeAtAnotherTpSize) {
   remove_scratch("optim");
 }
 
+// Megatron's count for tensor parallelism without sequence parallelism: per
+// block, one all-reduce of the [B, T, C] activations after each row-parallel
+// layer in forward and one of their gradients before each column-parallel
+// layer in backward, 4 in all; plus the vocabulary-parallel embedding's
+// (forward) and the LM head's input gradient (backward), and the parallel
+// cross entropy's three [B x T] fp32 reductions (row maximum, target logit,
+// sum of exponentials). The bytes the collectives carried equal it exactly.
+TEST(HybridParallel, TensorParallelBytesEqualMegatronsCount) {
+  run_distributed(2, [](int, int) {
+    auto plugin = std::make_shared<HybridParallelPlugin>(
+        HPO().precision("fp32").tp_size(2));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = make<zoo::GPT2LMHeadModel>(true);
+    auto boosted = booster.boost(model, make_opt(model->parameters(), true));
+    auto b = batch(0, 100);
+    const auto& c = model->config();
+    const int64_t bsc = b.first.numel() * c.n_embd() * 4;
+    const int64_t expect =
+        (4 * c.n_layer() + 2) * bsc + 3 * b.first.numel() * 4;
+    const int64_t before = cd::bytes_communicated();
+    booster.backward(
+        model->loss(boosted.model(b.first), b.second), *boosted.optimizer);
+    EXPECT_EQ(cd::bytes_communicated() - before, expect);
+  });
+}
+
 TEST(HybridParallel, InvalidOptionsNameTheOption) {
   run_distributed(4, [](int, int) {
     using colossalai::testing::error_of;
