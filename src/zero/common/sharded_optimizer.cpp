@@ -113,6 +113,12 @@ bool ShardedOptimizer::overflow() {
     flag = flag.to(group_->device());
     distributed::all_reduce(flag, *group_, distributed::ReduceOp::kMax).wait();
   }
+  // Tensor ranks hold different shards too: all of them skip together.
+  if (mp_group_ != nullptr && mp_group_->size() > 1) {
+    flag = flag.to(mp_group_->device());
+    distributed::all_reduce(flag, *mp_group_, distributed::ReduceOp::kMax)
+        .wait();
+  }
   return flag.item<float>() > 0;
 }
 
