@@ -4,9 +4,12 @@
 // Needs /usr/bin/python3 with torch.
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/utils/compat.h>
+#include <zoo/gpt2.h>
+#include <zoo/llama.h>
 
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
@@ -24,6 +27,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+namespace zoo = colossalai::zoo;
 namespace st = colossalai::checkpoint_io::safetensors;
 using colossalai::checkpoint_io::StateDict;
 
@@ -233,6 +237,49 @@ TEST(InteropPython, LoadsPythonModelAndOptimizerCheckpoints) {
     EXPECT_TRUE(at::allclose(model->bias, after["bias"], 1e-5, 1e-6))
         << (model->bias - after["bias"]).abs().max();
   }
+}
+
+// Hugging Face-layout checkpoints written by Python (names and shapes of
+// transformers' GPT2LMHeadModel and LlamaForCausalLM) load into the zoo's
+// models unchanged and give the logits of a plain PyTorch implementation
+// of the same configs (tests/python/hf_reference.py). Bound: both sides run
+// the same fp32 operations on O(1) activations; BLAS summation orders differ
+// by a few ulps per dot product of 32-128 terms, through 2 blocks, so 1e-4
+// on O(1) logits leaves two orders of magnitude.
+TEST(InteropPython, HuggingFaceLayoutCheckpointsGiveTheReferenceLogits) {
+  if (!python_has_torch()) {
+    GTEST_SKIP() << "Python torch absent: install python3-torch";
+  }
+  const fs::path script =
+      fs::path(__FILE__).parent_path() / "python" / "hf_reference.py";
+  ScratchDir scratch;
+  const fs::path dir = scratch.path;
+  const auto result =
+      run(std::string(kPython) + " " + quote(script.string()) + " " +
+          quote(dir.string()));
+  ASSERT_EQ(result.first, 0) << "hf_reference.py failed:\n" << result.second;
+  const auto ids = st::MappedFile::open((dir / "ids.safetensors").string())
+                       ->tensors()["ids"];
+  const StateDict logits =
+      st::MappedFile::open((dir / "logits.safetensors").string())->tensors();
+  colossalai::checkpoint_io::GeneralCheckpointIO io;
+  auto check = [&](std::shared_ptr<torch::nn::Module> module,
+                   const std::function<at::Tensor()>& forward,
+                   const std::string& name) {
+    colossalai::interface::ModelWrapper wrapped(module);
+    io.load_model(wrapped, (dir / (name + ".safetensors")).string());
+    torch::NoGradGuard no_grad;
+    const auto got = forward();
+    const auto& want = logits[name];
+    ASSERT_EQ(got.sizes(), want.sizes()) << name;
+    EXPECT_LE((got - want).abs().max().item<double>(), 1e-4) << name;
+  };
+  zoo::GPT2LMHeadModel gpt2(zoo::GPT2Config::tiny_test());
+  check(
+      gpt2.ptr(), [&] { return gpt2->forward(ids); }, "gpt2");
+  zoo::LlamaForCausalLM llama(zoo::LlamaConfig::tiny_test());
+  check(
+      llama.ptr(), [&] { return llama->forward(ids); }, "llama");
 }
 
 } // namespace
