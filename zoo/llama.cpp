@@ -241,12 +241,7 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& ids) {
 at::Tensor LlamaForCausalLMImpl::loss(
     const at::Tensor& logits,
     const at::Tensor& targets) const {
-  const bool sharded = state_.tp_size() > 1 && state_.parallel_output;
-  return sl::vocab_parallel_cross_entropy(
-      logits.flatten(0, 1),
-      targets.flatten(),
-      sharded ? state_.tp : nullptr,
-      config_.vocab_size());
+  return causal_lm_loss(logits, targets, state_, config_.vocab_size());
 }
 
 std::shared_ptr<shardformer::Policy> LlamaForCausalLMImpl::default_policy()

@@ -1,6 +1,7 @@
 #include <zoo/transformer.h>
 
 #include <colossalai/distributed/functional.h>
+#include <colossalai/shardformer/layer/embedding.h>
 #include <colossalai/utils/compat.h>
 
 #include <cmath>
@@ -45,6 +46,19 @@ void configure_parallel_state(
   st.fused_attention =
       cfg.enable_flash_attention() && compat::has_fused_attention();
   st.parallel_output = cfg.parallel_output();
+}
+
+at::Tensor causal_lm_loss(
+    const at::Tensor& logits,
+    const at::Tensor& targets,
+    const ParallelState& st,
+    int64_t vocab_size) {
+  const bool sharded = st.tp_size() > 1 && st.parallel_output;
+  return shardformer::layer::vocab_parallel_cross_entropy(
+      logits.flatten(0, 1),
+      targets.flatten(),
+      sharded ? st.tp : nullptr,
+      vocab_size);
 }
 
 at::Tensor attention(

@@ -44,6 +44,15 @@ void configure_parallel_state(
     const char* policy,
     const char* what);
 
+/// Mean next-token cross entropy of a causal LM's logits [B, T, V or
+/// V_pad / tp] against targets [B, T]: vocabulary-parallel where `state`
+/// leaves the logits split.
+at::Tensor causal_lm_loss(
+    const at::Tensor& logits,
+    const at::Tensor& targets,
+    const ParallelState& state,
+    int64_t vocab_size);
+
 /// Causal softmax attention of q [B, H, T, D] and k, v [B, H, T, D] ->
 /// [B, H, T, D]. `fused` uses LibTorch's kernel (2.x; an error on 1.13);
 /// else matmul, mask, softmax and `dropout` on the probabilities (may be

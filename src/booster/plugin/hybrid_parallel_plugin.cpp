@@ -8,6 +8,7 @@
 
 #include "../../checkpoint_io/optimizer_state.h"
 #include "plugin_options.h"
+#include "zero_options.h"
 
 #include <unordered_map>
 #include <unordered_set>
@@ -562,19 +563,12 @@ void HybridParallelPlugin::configure(
         options_.max_norm());
     return;
   }
-  zero::LowLevelZeroOptimizerOptions zo;
-  zo.stage(options_.zero_stage())
-      .dtype(dtype_)
-      .reduce_bucket_size(
-          static_cast<int64_t>(options_.zero_bucket_size_in_m() * (1 << 20)))
-      .overlap_communication(options_.overlap_communication())
-      .max_norm(options_.max_norm())
-      .loss_scaler(detail::loss_scaler_options(options_))
-      .cpu_offload(options_.cpu_offload());
-  if (!options_.communication_dtype().empty()) {
-    zo.communication_dtype(detail::parse_precision(
-        options_.communication_dtype(), kName, "communication_dtype"));
-  }
+  auto zo = detail::zero_optimizer_options(
+      options_,
+      options_.zero_stage(),
+      dtype_,
+      options_.zero_bucket_size_in_m(),
+      kName);
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), mixed_dp_group_, zo);
   zero_opt->set_model_parallel(tp, replicated, partial);

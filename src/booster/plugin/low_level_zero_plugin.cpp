@@ -4,6 +4,7 @@
 #include <colossalai/initialize.h>
 
 #include "plugin_options.h"
+#include "zero_options.h"
 
 namespace colossalai {
 namespace booster {
@@ -122,21 +123,12 @@ void LowLevelZeroPlugin::configure(
   auto zero_model = std::make_shared<LowLevelZeroModel>(model, dtype_);
   model = zero_model;
 
-  zero::LowLevelZeroOptimizerOptions zo;
-  zo.stage(options_.stage())
-      .dtype(dtype_)
-      .reduce_bucket_size(
-          static_cast<int64_t>(options_.reduce_bucket_size_in_m() * (1 << 20)))
-      .overlap_communication(options_.overlap_communication())
-      .max_norm(options_.max_norm())
-      .loss_scaler(detail::loss_scaler_options(options_))
-      .cpu_offload(options_.cpu_offload());
-  if (!options_.communication_dtype().empty()) {
-    zo.communication_dtype(detail::parse_precision(
-        options_.communication_dtype(),
-        "LowLevelZeroPlugin",
-        "communication_dtype"));
-  }
+  auto zo = detail::zero_optimizer_options(
+      options_,
+      options_.stage(),
+      dtype_,
+      options_.reduce_bucket_size_in_m(),
+      "LowLevelZeroPlugin");
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), dp_group_, zo);
   zero_model->optimizer = zero_opt;
