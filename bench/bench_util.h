@@ -3,6 +3,7 @@
 // Helpers shared by the benchmark programs: order statistics, peak RSS and
 // the "machine" block every benchmark JSON carries.
 
+#include <ATen/core/Tensor.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -57,6 +58,29 @@ inline int64_t proc_kb(const char* file, const std::string& key) {
 /// Peak resident set size of this process.
 inline int64_t peak_rss_bytes() {
   return proc_kb("/proc/self/status", "VmHWM:");
+}
+
+/// Bytes of the defined tensors' elements.
+inline int64_t tensor_bytes(const std::vector<at::Tensor>& ts) {
+  int64_t n = 0;
+  for (const auto& t : ts) {
+    if (t.defined()) {
+      n += t.numel() * t.element_size();
+    }
+  }
+  return n;
+}
+
+/// "a,b,,c" -> {"a", "b", "c"}: the comma-separated lists of the options.
+inline std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty()) {
+      out.push_back(item);
+    }
+  }
+  return out;
 }
 
 inline std::string cpu_model() {

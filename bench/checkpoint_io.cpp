@@ -78,11 +78,16 @@ int main(int argc, char** argv) {
   std::string out;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
-    if (k == "--gb") gb = std::stod(v);
-    else if (k == "--reps") reps = std::stoi(v);
-    else if (k == "--dir") dir = v;
-    else if (k == "--out") out = v;
-    else TORCH_CHECK(false, "unknown option ", k);
+    if (k == "--gb")
+      gb = std::stod(v);
+    else if (k == "--reps")
+      reps = std::stoi(v);
+    else if (k == "--dir")
+      dir = v;
+    else if (k == "--out")
+      out = v;
+    else
+      TORCH_CHECK(false, "unknown option ", k);
   }
   fs::remove_all(dir);
   fs::create_directories(dir);
@@ -110,12 +115,13 @@ int main(int argc, char** argv) {
   };
   // Async saves: `save` is the whole save (until synchronize), `blocked`
   // the time the caller waited (the snapshot).
-  std::vector<Case> cases = {{"safetensors", true, false},
-                             {"safetensors_sharded", true, true},
-                             {"bin", false, false},
-                             {"bin_sharded", false, true},
-                             {"safetensors_async", true, false, true},
-                             {"safetensors_sharded_async", true, true, true}};
+  std::vector<Case> cases = {
+      {"safetensors", true, false},
+      {"safetensors_sharded", true, true},
+      {"bin", false, false},
+      {"bin_sharded", false, true},
+      {"safetensors_async", true, false, true},
+      {"safetensors_sharded_async", true, true, true}};
   std::map<std::string, std::vector<double>> save, load, blocked;
   std::vector<double> copy_t, read_t;
   for (int r = 0; r < reps; ++r) {
@@ -123,23 +129,29 @@ int main(int argc, char** argv) {
       auto path = dir + "/" + c.name;
       ::sync(); // start each timing with no writeback pending from the last
       auto t0 = std::chrono::steady_clock::now();
-      io.save_model(*model, path,
-                    ck::SaveModelOptions()
-                        .use_safetensors(c.safetensors)
-                        .shard(c.shard)
-                        .size_per_shard(256)
-                        .use_async(c.async));
+      io.save_model(
+          *model,
+          path,
+          ck::SaveModelOptions()
+              .use_safetensors(c.safetensors)
+              .shard(c.shard)
+              .size_per_shard(256)
+              .use_async(c.async));
       blocked[c.name].push_back(seconds_since(t0));
       io.synchronize();
       save[c.name].push_back(seconds_since(t0));
       t0 = std::chrono::steady_clock::now();
       io.load_model(*model, path);
       load[c.name].push_back(seconds_since(t0));
-      std::fprintf(stderr,
-                   "rep %d %-26s save %.2f s (caller blocked %.2f s) load "
-                   "%.2f s\n",
-                   r + 1, c.name.c_str(), save[c.name].back(),
-                   blocked[c.name].back(), load[c.name].back());
+      std::fprintf(
+          stderr,
+          "rep %d %-26s save %.2f s (caller blocked %.2f s) load "
+          "%.2f s\n",
+          r + 1,
+          c.name.c_str(),
+          save[c.name].back(),
+          blocked[c.name].back(),
+          load[c.name].back());
     }
     ::sync();
     auto t0 = std::chrono::steady_clock::now();
@@ -153,11 +165,12 @@ int main(int argc, char** argv) {
   const double gbytes = bytes / 1e9;
   std::ostringstream json;
   json << "{\n  \"benchmark\": \"checkpoint_io\",\n  \"machine\": "
-       << colossalai::bench::machine_json() << ",\n  \"peak_rss_bytes\": "
-       << colossalai::bench::peak_rss_bytes() << ",\n  \"bytes\": " << bytes
-       << ",\n  \"reps\": " << reps << ",\n  \"copy_GBps\": "
-       << gbytes / median(copy_t) << ",\n  \"read_GBps\": "
-       << gbytes / median(read_t) << ",\n  \"cases\": {";
+       << colossalai::bench::machine_json()
+       << ",\n  \"peak_rss_bytes\": " << colossalai::bench::peak_rss_bytes()
+       << ",\n  \"bytes\": " << bytes << ",\n  \"reps\": " << reps
+       << ",\n  \"copy_GBps\": " << gbytes / median(copy_t)
+       << ",\n  \"read_GBps\": " << gbytes / median(read_t)
+       << ",\n  \"cases\": {";
   std::printf(
       "| format | save GB/s | caller blocked s | save s | load GB/s | save "
       "time / copy | load time / copy | load time / read |\n"
@@ -166,20 +179,27 @@ int main(int argc, char** argv) {
     const auto& n = cases[i].name;
     double s = gbytes / median(save[n]), l = gbytes / median(load[n]);
     json << (i ? "," : "") << "\n    \"" << n << "\": {\"save_GBps\": " << s
-         << ", \"load_GBps\": " << l << ", \"save_time_vs_copy\": "
-         << median(save[n]) / median(copy_t) << ", \"load_time_vs_copy\": "
-         << median(load[n]) / median(copy_t) << ", \"load_time_vs_read\": "
-         << median(load[n]) / median(read_t)
+         << ", \"load_GBps\": " << l
+         << ", \"save_time_vs_copy\": " << median(save[n]) / median(copy_t)
+         << ", \"load_time_vs_copy\": " << median(load[n]) / median(copy_t)
+         << ", \"load_time_vs_read\": " << median(load[n]) / median(read_t)
          << ", \"caller_blocked_s\": " << median(blocked[n])
          << ", \"save_s\": " << median(save[n]) << "}";
-    std::printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2fx | %.2fx | %.2fx |\n",
-                n.c_str(), s, median(blocked[n]), median(save[n]), l,
-                median(save[n]) / median(copy_t),
-                median(load[n]) / median(copy_t),
-                median(load[n]) / median(read_t));
+    std::printf(
+        "| %s | %.2f | %.2f | %.2f | %.2f | %.2fx | %.2fx | %.2fx |\n",
+        n.c_str(),
+        s,
+        median(blocked[n]),
+        median(save[n]),
+        l,
+        median(save[n]) / median(copy_t),
+        median(load[n]) / median(copy_t),
+        median(load[n]) / median(read_t));
   }
-  std::printf("| plain copy / plain read | %.2f | | | %.2f | 1.00x | | 1.00x |\n",
-              gbytes / median(copy_t), gbytes / median(read_t));
+  std::printf(
+      "| plain copy / plain read | %.2f | | | %.2f | 1.00x | | 1.00x |\n",
+      gbytes / median(copy_t),
+      gbytes / median(read_t));
   json << "\n  }\n}\n";
   std::cout << json.str();
   if (!out.empty()) {

@@ -107,16 +107,7 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty())
-      out.push_back(item);
-  }
-  return out;
-}
+using colossalai::bench::split;
 
 // One operation at one size: our call and (when c10d has it) the backend's.
 struct Case {

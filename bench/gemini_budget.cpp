@@ -46,16 +46,7 @@ namespace cz = colossalai::zero;
 
 namespace {
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) {
-    if (!item.empty()) {
-      out.push_back(item);
-    }
-  }
-  return out;
-}
+using colossalai::bench::split;
 
 int64_t heap_in_use() {
   return colossalai::compat::memory_allocated(at::kCPU);

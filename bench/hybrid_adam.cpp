@@ -166,10 +166,11 @@ int main(int argc, char** argv) {
 
   std::ostringstream json;
   json << "{\n  \"benchmark\": \"hybrid_adam\",\n  \"machine\": "
-       << colossalai::bench::machine_json() << ",\n  \"peak_rss_bytes\": "
-       << colossalai::bench::peak_rss_bytes() << ",\n  \"threads\": " << threads
-       << ",\n  \"isa\": \"" << opt::to_string(opt::cpu_adam_isa())
-       << "\",\n  \"reps\": " << reps << ",\n  \"bytes_per_param\": 28"
+       << colossalai::bench::machine_json()
+       << ",\n  \"peak_rss_bytes\": " << colossalai::bench::peak_rss_bytes()
+       << ",\n  \"threads\": " << threads << ",\n  \"isa\": \""
+       << opt::to_string(opt::cpu_adam_isa()) << "\",\n  \"reps\": " << reps
+       << ",\n  \"bytes_per_param\": 28"
        << ",\n  \"tensor_copy_GBps\": " << tensor_copy_GBps
        << ",\n  \"memcpy_GBps\": " << memcpy_GBps
        << ",\n  \"copy_GBps\": " << copy_GBps << ",\n  \"cases\": [";

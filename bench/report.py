@@ -5,7 +5,7 @@ results folder.
 
 Reads whatever is there (collectives_n*.json, ddp_step_*.json,
 torch_ddp_step_*.json, zero_step_n*.json, hybrid_adam.json,
-checkpoint_io.json, gemini_budget.json, run.json) and skips the sections it has no data for.
+checkpoint_io.json, gemini_budget.json, hybrid_step_n*.json, run.json) and skips the sections it has no data for.
 Plots need matplotlib (Debian: python3-matplotlib); without it the report has
 tables only.
 """
@@ -472,6 +472,70 @@ class Report:
         ax.legend(fontsize=7)
         self.figure(fig, "gemini_budget.png", "device peak vs model size")
 
+    def hybrid_step(self):
+        runs = [load(p) for p in natural(glob.glob(
+            os.path.join(self.dir, "hybrid_step_n*.json")))]
+        if not runs:
+            return
+        self.add("## Tensor parallelism vs data parallelism "
+                 "(HybridParallelPlugin)", "")
+        self.add(f"Global batch {runs[0]['global_batch']} x 128 tokens at every "
+                 "world size, fp32 AdamW, 1 thread per rank; setups alternate "
+                 "inside one run (`bench_hybrid_step`). Bytes are per step per "
+                 "rank, handed to collectives on the tensor group and on the "
+                 "data-parallel group; the formula columns are Megatron's count "
+                 "((4 L + 2) B T C x 4 bytes + 3 B T x 4 for the parallel cross "
+                 "entropy) and all-reduce (4 Psi_local) or reduce-scatter + "
+                 "all-gather (4 Psi_local (1 + 1/dp)) of the local gradients. "
+                 "\"gap\" is the largest |measured - formula| over every rank. "
+                 "Activations: the heap in use after the forward minus before.",
+                 "")
+        rows = []
+        for d in runs:
+            for model, setups in d["models"].items():
+                for name, r in setups.items():
+                    rows.append([
+                        model, str(d["world_size"]), name,
+                        f"{r['tp']}x{r['dp']}" + (" ZeRO-1" if r["zero_stage"] else ""),
+                        f"{r['step_ms']['median']:.0f}", f"{r['vs_dp']:.2f}x",
+                        fmt_bytes(r["tp_bytes_per_step"]),
+                        fmt_bytes(r["tp_formula_bytes"]),
+                        fmt_bytes(r["dp_bytes_per_step"]),
+                        fmt_bytes(r["dp_formula_bytes"]),
+                        f"{r['tp_gap_any_rank'] + r['dp_gap_any_rank']}",
+                        fmt_bytes(r["model_state_bytes"]),
+                        fmt_bytes(r["model_state_formula_bytes"]),
+                        fmt_bytes(r["activation_bytes"])])
+        self.table(["model", "ranks", "setup", "tp x dp", "step ms", "vs dp",
+                    "tp bytes", "formula", "dp bytes", "formula", "gap B",
+                    "model state", "16 Psi_local (ZeRO-1: 4 + 12/dp)",
+                    "activations"], rows)
+        if plt is None:
+            return
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        labels, ms, mem = [], [], []
+        for d in runs:
+            for model, setups in d["models"].items():
+                for name, r in setups.items():
+                    labels.append(f"{model}\n{name}/{d['world_size']}")
+                    ms.append(r["step_ms"]["median"])
+                    mem.append((r["model_state_bytes"] / 2**20,
+                                r["activation_bytes"] / 2**20))
+        x = range(len(labels))
+        axes[0].bar(x, ms)
+        axes[0].set_ylabel("step ms (median)")
+        axes[1].bar(x, [m[0] for m in mem], label="model state")
+        axes[1].bar(x, [m[1] for m in mem], bottom=[m[0] for m in mem],
+                    label="activations")
+        axes[1].set_ylabel("MB per rank")
+        axes[1].legend(fontsize=7)
+        for ax in axes:
+            ax.set_xticks(list(x))
+            ax.set_xticklabels(labels, rotation=60, fontsize=6)
+        fig.tight_layout()
+        self.figure(fig, "hybrid_step.png",
+                    "step time and memory per rank, tensor vs data parallel")
+
     def write(self):
         self.header()
         self.steps()
@@ -480,6 +544,7 @@ class Report:
         self.hybrid_adam()
         self.checkpoint_io()
         self.gemini_budget()
+        self.hybrid_step()
         self.add("## Reproduce", "",
                  "```sh",
                  "bench/run            # full suite; bench/run --quick for a short one",

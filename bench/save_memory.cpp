@@ -36,15 +36,7 @@ namespace ck = colossalai::checkpoint_io;
 
 namespace {
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    out.push_back(item);
-  }
-  return out;
-}
+using colossalai::bench::split;
 
 int64_t rss() {
   return colossalai::bench::proc_kb("/proc/self/status", "VmRSS:");

@@ -11,6 +11,8 @@
 //                             gemini_auto]
 //                   [--out FILE.json]
 
+#include "bench_util.h"
+
 #include <colossalai/colossalai.h>
 
 #include <zoo/gpt.h>
@@ -44,24 +46,9 @@ struct Setup {
   cb::Boosted<colossalai::zoo::GPT, std::nullptr_t, std::nullptr_t> boosted;
 };
 
-int64_t tensor_bytes(const std::vector<at::Tensor>& ts) {
-  int64_t n = 0;
-  for (const auto& t : ts) {
-    if (t.defined())
-      n += t.numel() * t.element_size();
-  }
-  return n;
-}
+using colossalai::bench::tensor_bytes;
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) {
-    if (!item.empty())
-      out.push_back(item);
-  }
-  return out;
-}
+using colossalai::bench::split;
 
 colossalai::zero::FullyShardedModel* fsdp_of(Setup& s) {
   return colossalai::interface::find_wrapper<

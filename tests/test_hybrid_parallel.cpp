@@ -405,26 +405,43 @@ TEST(HybridParallel, OptimizerStatesResumeAtAnotherTpSize) {
 // Megatron's count for tensor parallelism without sequence parallelism: per
 // block, one all-reduce of the [B, T, C] activations after each row-parallel
 // layer in forward and one of their gradients before each column-parallel
-// layer in backward, 4 in all; plus the vocabulary-parallel embedding's
+// layer in backward, 4 in all (LLaMA's q, k, v and gate, up share one input
+// and so one gradient sum); plus the vocabulary-parallel embedding's
 // (forward) and the LM head's input gradient (backward), and the parallel
 // cross entropy's three [B x T] fp32 reductions (row maximum, target logit,
-// sum of exponentials). The bytes the collectives carried equal it exactly.
+// sum of exponentials). The bytes the tensor group carried equal it exactly,
+// and nothing else was sent.
+template <class Model>
+void check_megatron_bytes() {
+  auto plugin = std::make_shared<HybridParallelPlugin>(
+      HPO().precision("fp32").tp_size(2));
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  auto model = make<Model>(true);
+  auto boosted = booster.boost(model, make_opt(model->parameters(), true));
+  const auto& c = model->config();
+  auto b = batch(0, c.vocab_size());
+  int64_t width = 0, layers = 0;
+  if constexpr (std::is_same_v<Model, zoo::GPT2LMHeadModel>) {
+    width = c.n_embd();
+    layers = c.n_layer();
+  } else {
+    width = c.hidden_size();
+    layers = c.num_hidden_layers();
+  }
+  const int64_t bsc = b.first.numel() * width * 4;
+  const int64_t expect = (4 * layers + 2) * bsc + 3 * b.first.numel() * 4;
+  const int64_t before = cd::bytes_communicated(),
+                tp_before = plugin->tp_group()->bytes_communicated();
+  booster.backward(
+      model->loss(boosted.model(b.first), b.second), *boosted.optimizer);
+  EXPECT_EQ(plugin->tp_group()->bytes_communicated() - tp_before, expect);
+  EXPECT_EQ(cd::bytes_communicated() - before, expect);
+}
+
 TEST(HybridParallel, TensorParallelBytesEqualMegatronsCount) {
   run_distributed(2, [](int, int) {
-    auto plugin = std::make_shared<HybridParallelPlugin>(
-        HPO().precision("fp32").tp_size(2));
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    auto model = make<zoo::GPT2LMHeadModel>(true);
-    auto boosted = booster.boost(model, make_opt(model->parameters(), true));
-    auto b = batch(0, 100);
-    const auto& c = model->config();
-    const int64_t bsc = b.first.numel() * c.n_embd() * 4;
-    const int64_t expect =
-        (4 * c.n_layer() + 2) * bsc + 3 * b.first.numel() * 4;
-    const int64_t before = cd::bytes_communicated();
-    booster.backward(
-        model->loss(boosted.model(b.first), b.second), *boosted.optimizer);
-    EXPECT_EQ(cd::bytes_communicated() - before, expect);
+    check_megatron_bytes<zoo::GPT2LMHeadModel>();
+    check_megatron_bytes<zoo::LlamaForCausalLM>();
   });
 }
 

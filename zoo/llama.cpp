@@ -116,11 +116,13 @@ at::Tensor LlamaAttentionImpl::forward(
   const auto& st = *state_;
   const int64_t d = config_.hidden_size() / config_.num_attention_heads();
   const int64_t b = x.size(0);
-  auto q = q_proj(x);
+  // One shared input for q, k and v: one gradient sum over tp, not three.
+  auto xin = q_proj->prepare_input(x);
+  auto q = q_proj->forward_prepared(xin);
   const int64_t t = q.size(1); // whole sequence under split_gather
   q = q.view({b, t, -1, d});
-  auto k = k_proj(x).view({b, t, -1, d});
-  auto v = v_proj(x).view({b, t, -1, d});
+  auto k = k_proj->forward_prepared(xin).view({b, t, -1, d});
+  auto v = v_proj->forward_prepared(xin).view({b, t, -1, d});
   // Rotary angles: the sequence here is `positions` unless split_gather
   // gathered it whole.
   auto pos = st.sp_mode == "split_gather" ? at::arange(t, positions.options())
@@ -157,7 +159,10 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c) {
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
-  return down_proj(at::silu(gate_proj(x)) * up_proj(x));
+  auto xin = gate_proj->prepare_input(x); // shared, as q, k and v
+  return down_proj(
+      at::silu(gate_proj->forward_prepared(xin)) *
+      up_proj->forward_prepared(xin));
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(

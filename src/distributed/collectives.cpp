@@ -27,8 +27,10 @@ namespace {
 
 std::atomic<int64_t> g_bytes{0};
 
-void count(const at::Tensor& t) {
-  g_bytes.fetch_add(t.numel() * t.element_size(), std::memory_order_relaxed);
+void count(const at::Tensor& t, const ProcessGroup& g) {
+  const int64_t n = t.numel() * t.element_size();
+  g_bytes.fetch_add(n, std::memory_order_relaxed);
+  g.add_bytes_communicated(n);
 }
 
 bool gloo(const ProcessGroup& g) {
@@ -153,7 +155,7 @@ std::pair<int64_t, int64_t> shard_range(int64_t numel, int world, int rank) {
 
 Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
   check_dense(tensor, "all_reduce", "input");
-  count(tensor);
+  count(tensor, group);
   if (group.size() == 1) {
     return Work();
   }
@@ -195,7 +197,7 @@ Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
       src,
       " outside group of ",
       group.size());
-  count(tensor);
+  count(tensor, group);
   if (group.size() == 1) {
     return Work();
   }
@@ -230,7 +232,7 @@ Work all_gather(
       output.numel(),
       ", got ",
       input.numel());
-  count(input);
+  count(input, group);
   auto out = output.view({-1});
   if (n == 1) {
     out.copy_(input.view({-1}));
@@ -301,7 +303,7 @@ Work gather(
         " elements of ",
         input.scalar_type());
   }
-  count(input);
+  count(input, group);
   if (n == 1) {
     output.view({-1}).copy_(input.view({-1}));
     return Work();
@@ -348,7 +350,7 @@ Work reduce_scatter(
       input.numel(),
       ", got an output of ",
       output.numel());
-  count(input);
+  count(input, group);
   auto in = input.view({-1});
   auto out = output.view({-1});
   if (n == 1) {
@@ -448,7 +450,7 @@ Work all_to_all(
         n,
         " when no splits are given");
   }
-  count(input);
+  count(input, group);
   if (n == 1) {
     output.copy_(input);
     return Work();
@@ -474,7 +476,7 @@ Work send(
       dst >= 0 && dst < group.size() && dst != group.rank(),
       "send: bad destination rank ",
       dst);
-  count(tensor);
+  count(tensor, group);
   std::vector<at::Tensor> ts{raw(tensor, group)};
   return detail::make_work(
       detail::backend(group).send(ts, dst, tag),

@@ -68,7 +68,9 @@ std::shared_ptr<torch::nn::Module> as_module(const std::shared_ptr<T>& m) {
 template <class M>
 class BoostedModel {
  public:
-  BoostedModel() = default;
+  // Empty (a null holder): a default-constructed module holder would build a
+  // whole default-configured model, which may be huge.
+  BoostedModel() : module_(nullptr) {}
   BoostedModel(M module, std::shared_ptr<interface::ModelWrapper> wrapper)
       : module_(std::move(module)), wrapper_(std::move(wrapper)) {}
 

@@ -2,6 +2,7 @@
 
 #include <c10/core/Device.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -67,6 +68,14 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   }
   /// "rank 3 (group 'dp' rank 1 of 2)": used in every error message.
   std::string describe() const;
+  /// Bytes this process handed to collectives on this group (payload, per
+  /// operation counted once); benchmarks split traffic by mesh axis with it.
+  int64_t bytes_communicated() const {
+    return bytes_.load(std::memory_order_relaxed);
+  }
+  void add_bytes_communicated(int64_t n) const {
+    bytes_.fetch_add(n, std::memory_order_relaxed);
+  }
 
  private:
   std::shared_ptr<detail::BackendHandle> backend_;
@@ -76,6 +85,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   std::string name_;
   std::chrono::milliseconds timeout_;
   c10::Device device_;
+  mutable std::atomic<int64_t> bytes_{0};
 };
 
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;

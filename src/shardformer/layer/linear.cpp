@@ -162,14 +162,20 @@ void Linear1D_ColImpl::shard_(const distributed::ProcessGroupPtr& g) {
   }
 }
 
-at::Tensor Linear1D_ColImpl::forward(const at::Tensor& input) {
+at::Tensor Linear1D_ColImpl::prepare_input(const at::Tensor& input) const {
   // Every rank's shard reads the whole input: its gradient sums over them.
-  auto x = options.seq_parallel()
-      ? cdf::gather_along_dim_reduce_scatter_backward(
-            input, options.seq_dim(), group)
-      : cdf::copy_to_group(input, group);
-  auto y = apply_linear(x, weight, bias, options);
+  return options.seq_parallel() ? cdf::gather_along_dim_reduce_scatter_backward(
+                                      input, options.seq_dim(), group)
+                                : cdf::copy_to_group(input, group);
+}
+
+at::Tensor Linear1D_ColImpl::forward_prepared(const at::Tensor& prepared) {
+  auto y = apply_linear(prepared, weight, bias, options);
   return options.gather_output() ? cdf::gather_along_dim(y, -1, group) : y;
+}
+
+at::Tensor Linear1D_ColImpl::forward(const at::Tensor& input) {
+  return forward_prepared(prepare_input(input));
 }
 
 std::shared_ptr<Linear1D_ColImpl> Linear1D_ColImpl::from_full(

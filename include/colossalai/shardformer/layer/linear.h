@@ -69,6 +69,20 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
   void reset() override;
   at::Tensor forward(const at::Tensor& input);
 
+  /// The input as every rank's shard reads it: copied to the group (its
+  /// gradient summed over the group in backward) or, with seq_parallel,
+  /// gathered along the sequence. Layers that read one input (q, k and v;
+  /// gate and up) share it: `prepare_input` once, then `forward_prepared`
+  /// on each, so backward sums (or reduce-scatters) once, not once per
+  /// layer. `forward(x)` is `forward_prepared(prepare_input(x))`.
+  /// \code
+  ///   auto xin = q_proj->prepare_input(x);
+  ///   auto q = q_proj->forward_prepared(xin), k =
+  ///   k_proj->forward_prepared(xin);
+  /// \endcode
+  at::Tensor prepare_input(const at::Tensor& input) const;
+  at::Tensor forward_prepared(const at::Tensor& prepared);
+
   /// Shards this whole layer in place over `group` (see ParallelModule).
   void shard_(const distributed::ProcessGroupPtr& group) override;
   std::map<std::string, ShardSpec> shard_specs() const override;
