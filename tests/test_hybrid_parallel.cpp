@@ -8,6 +8,7 @@
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/shardformer/policy.h>
+#include <colossalai/utils/compat.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 #include <zoo/gpt2.h>
@@ -94,6 +95,18 @@ std::vector<Setup> setups(int world, bool llama) {
              .enable_sequence_parallelism(true)
              .sequence_parallelism_mode("all_to_all")});
   }
+  // Recomputed blocks run their collectives again inside backward.
+  s.push_back(
+      {"tp2_dp2_checkpoint_all",
+       base().tp_size(2).gradient_checkpointing_ratio(1.0)});
+  s.push_back(
+      {"tp2_zero2_split_gather_checkpoint_half",
+       base()
+           .tp_size(2)
+           .zero_stage(2)
+           .enable_sequence_parallelism(true)
+           .sequence_parallelism_mode("split_gather")
+           .gradient_checkpointing_ratio(0.5)});
   s.push_back({"tp2_dp2_clip", base().tp_size(2).zero_stage(2).max_norm(0.05)});
   s.push_back({"tp2_dp2_clip_ddp", base().tp_size(2).max_norm(0.05)});
   return s;
@@ -402,6 +415,61 @@ TEST(HybridParallel, OptimizerStatesResumeAtAnotherTpSize) {
   remove_scratch("optim");
 }
 
+// Gradient checkpointing in one process: with dropout on, recomputing every
+// block replays its masks (the layers' own streams and the default
+// generator), so gradients equal the stored-activation run bit for bit; and
+// the forward keeps only each block's input. The memory bound compares heap
+// bytes in use, which depend on shapes, not on the CPU: stored, a GPT-2
+// block of width 256 keeps ~20 [B, T, C] tensors and the attention
+// probabilities (over 5 MB at B 2, T 128, 4 heads), checkpointed one [B, T, C]
+// input (0.26 MB); the logits (4 MB) are kept either way, so a half is far
+// from both.
+TEST(HybridParallel, GradientCheckpointingReplaysDropoutAndSavesMemory) {
+  auto run = [](double ratio, int64_t* activation_bytes) {
+    torch::manual_seed(3);
+    zoo::GPT2LMHeadModel model(zoo::GPT2Config::small_cpu()
+                                   .embd_pdrop(0.1)
+                                   .attn_pdrop(0.1)
+                                   .resid_pdrop(0.1));
+    sf::shard_model(
+        *model, sf::ShardConfig().gradient_checkpointing_ratio(ratio));
+    auto gen = at::detail::createCPUGenerator(11);
+    auto tokens = at::randint(4096, {2, 129}, gen);
+    auto x = tokens.narrow(1, 0, 128).contiguous();
+    auto y = tokens.narrow(1, 1, 128).contiguous();
+    torch::manual_seed(5); // the default generator draws too (embd dropout)
+    const auto cpu = at::Device(at::kCPU);
+    const int64_t before = colossalai::compat::memory_allocated(cpu);
+    at::Tensor logits = model->forward(x);
+    *activation_bytes = colossalai::compat::memory_allocated(cpu) - before;
+    model->loss(logits, y).backward();
+    std::map<std::string, at::Tensor> grads;
+    for (const auto& p : model->named_parameters()) {
+      EXPECT_TRUE(p.value().grad().defined()) << ratio << " " << p.key();
+      grads[p.key()] = p.value().grad().defined() ? p.value().grad().clone()
+                                                  : at::zeros({1});
+    }
+    return grads;
+  };
+  int64_t stored = 0, recomputed = 0, half = 0;
+  const auto a = run(0.0, &stored);
+  const auto b = run(1.0, &recomputed);
+  const auto c = run(0.5, &half);
+  for (const auto& kv : a) {
+    EXPECT_TRUE(at::equal(kv.second, b.at(kv.first))) << kv.first;
+    EXPECT_TRUE(at::equal(kv.second, c.at(kv.first))) << kv.first;
+  }
+  EXPECT_LT(recomputed, stored / 2) << stored << " vs " << recomputed;
+  EXPECT_LT(recomputed, half);
+  EXPECT_LT(half, stored);
+  EXPECT_NE(
+      colossalai::testing::error_of([]() {
+        zoo::GPT2LMHeadModel m(zoo::GPT2Config::tiny_test());
+        sf::shard_model(*m, sf::ShardConfig().gradient_checkpointing_ratio(2));
+      }).find("gradient_checkpointing_ratio"),
+      std::string::npos);
+}
+
 // Megatron's count for tensor parallelism without sequence parallelism: per
 // block, one all-reduce of the [B, T, C] activations after each row-parallel
 // layer in forward and one of their gradients before each column-parallel
@@ -453,6 +521,10 @@ TEST(HybridParallel, InvalidOptionsNameTheOption) {
     };
     EXPECT_NE(
         make_plugin(HPO().precision("fp32").pp_size(2)).find("pp_size"),
+        std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO().precision("fp32").gradient_checkpointing_ratio(1.5))
+            .find("gradient_checkpointing_ratio"),
         std::string::npos);
     EXPECT_NE(
         make_plugin(HPO().precision("fp32").tp_size(3)).find("tp_size"),

@@ -191,8 +191,16 @@ at::Tensor GPT2ModelImpl::forward(const at::Tensor& ids) {
   if (st.sp_mode == "split_gather") {
     x = cdf::split_along_dim(x, 1, st.tp);
   }
-  for (const auto& block : *h) {
-    x = block->as<GPT2BlockImpl>()->forward(x);
+  const int64_t n = static_cast<int64_t>(h->size());
+  for (int64_t i = 0; i < n; ++i) {
+    auto* block = (*h)[i]->as<GPT2BlockImpl>();
+    x = run_block(
+        st,
+        i,
+        n,
+        *block,
+        [block](const at::Tensor& y) { return block->forward(y); },
+        x);
   }
   x = ln_f(x);
   if (st.sp_mode == "split_gather") {

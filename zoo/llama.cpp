@@ -216,8 +216,16 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& ids) {
   if (st.sp_mode == "split_gather") {
     x = cdf::split_along_dim(x, 1, st.tp);
   }
-  for (const auto& layer : *layers) {
-    x = layer->as<LlamaDecoderLayerImpl>()->forward(x, pos);
+  const int64_t n = static_cast<int64_t>(layers->size());
+  for (int64_t i = 0; i < n; ++i) {
+    auto* layer = (*layers)[i]->as<LlamaDecoderLayerImpl>();
+    x = run_block(
+        st,
+        i,
+        n,
+        *layer,
+        [layer, pos](const at::Tensor& y) { return layer->forward(y, pos); },
+        x);
   }
   x = norm(x);
   if (st.sp_mode == "split_gather") {

@@ -1,6 +1,7 @@
 #include <zoo/transformer.h>
 
 #include <colossalai/distributed/functional.h>
+#include <colossalai/nn/checkpoint.h>
 #include <colossalai/shardformer/layer/embedding.h>
 #include <colossalai/utils/compat.h>
 
@@ -46,6 +47,28 @@ void configure_parallel_state(
   st.fused_attention =
       cfg.enable_flash_attention() && compat::has_fused_attention();
   st.parallel_output = cfg.parallel_output();
+  TORCH_CHECK(
+      cfg.gradient_checkpointing_ratio() >= 0.0 &&
+          cfg.gradient_checkpointing_ratio() <= 1.0,
+      policy,
+      ": gradient_checkpointing_ratio must be in [0, 1], got ",
+      cfg.gradient_checkpointing_ratio());
+  st.gradient_checkpointing_ratio = cfg.gradient_checkpointing_ratio();
+}
+
+at::Tensor run_block(
+    const ParallelState& st,
+    int64_t index,
+    int64_t num_blocks,
+    torch::nn::Module& block,
+    const std::function<at::Tensor(const at::Tensor&)>& fn,
+    const at::Tensor& x) {
+  const auto checkpointed = static_cast<int64_t>(
+      st.gradient_checkpointing_ratio * static_cast<double>(num_blocks));
+  if (index < checkpointed && block.is_training()) {
+    return nn::checkpoint(fn, x, &block);
+  }
+  return fn(x);
 }
 
 at::Tensor causal_lm_loss(

@@ -9,6 +9,9 @@
 #include <colossalai/shardformer/shard_config.h>
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <functional>
 
 #include <string>
 
@@ -24,6 +27,9 @@ struct ParallelState {
   distributed::ProcessGroupPtr sp;
   bool fused_attention = false;
   bool parallel_output = true;
+  /// Share of the blocks (the first ones) that recompute their activations
+  /// in backward (ColossalAI: int(ratio x num_layers) blocks).
+  double gradient_checkpointing_ratio = 0.0;
 
   int tp_size() const {
     return tp == nullptr ? 1 : tp->size();
@@ -43,6 +49,17 @@ void configure_parallel_state(
     int64_t heads,
     const char* policy,
     const char* what);
+
+/// Block `index` of `num_blocks`: `fn(x)`, checkpointed (nn::checkpoint,
+/// the block's random streams replayed) when it is among the first
+/// int(gradient_checkpointing_ratio x num_blocks) blocks and `block` trains.
+at::Tensor run_block(
+    const ParallelState& state,
+    int64_t index,
+    int64_t num_blocks,
+    torch::nn::Module& block,
+    const std::function<at::Tensor(const at::Tensor&)>& fn,
+    const at::Tensor& x);
 
 /// Mean next-token cross entropy of a causal LM's logits [B, T, V or
 /// V_pad / tp] against targets [B, T]: vocabulary-parallel where `state`

@@ -76,6 +76,13 @@ int64_t device_memory_capacity(at::Device device) {
 }
 
 #if COLOSSALAI_TORCH_AT_LEAST(2, 4)
+c10::optional<at::ScalarType> autocast_dtype(at::DeviceType device) {
+  if (!at::autocast::is_autocast_enabled(device)) {
+    return c10::nullopt;
+  }
+  return at::autocast::get_autocast_dtype(device);
+}
+
 AutocastGuard::AutocastGuard(at::DeviceType device, at::ScalarType dtype)
     : device_(device),
       prev_enabled_(at::autocast::is_autocast_enabled(device)),
@@ -93,6 +100,15 @@ AutocastGuard::~AutocastGuard() {
   at::autocast::set_autocast_dtype(device_, prev_dtype_);
 }
 #else
+c10::optional<at::ScalarType> autocast_dtype(at::DeviceType device) {
+  const bool cpu = device == at::kCPU;
+  if (!(cpu ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled())) {
+    return c10::nullopt;
+  }
+  return cpu ? at::autocast::get_autocast_cpu_dtype()
+             : at::autocast::get_autocast_gpu_dtype();
+}
+
 AutocastGuard::AutocastGuard(at::DeviceType device, at::ScalarType dtype)
     : device_(device) {
   if (device == at::kCPU) {

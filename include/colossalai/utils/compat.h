@@ -63,6 +63,10 @@ at::Tensor fused_causal_attention(
     const at::Tensor& k,
     const at::Tensor& v);
 
+/// The dtype autocast casts to on `device` (CPU or CUDA) in this thread, or
+/// nullopt where autocast is off there.
+c10::optional<at::ScalarType> autocast_dtype(at::DeviceType device);
+
 /// RAII autocast region on one device type (CPU or CUDA).
 class AutocastGuard {
  public:

@@ -346,9 +346,11 @@ HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
       "precision('bf16')");
   TORCH_CHECK(options_.max_norm() >= 0, kName, ": max_norm must be >= 0");
   TORCH_CHECK(
-      options_.gradient_checkpointing_ratio() == 0.0,
+      options_.gradient_checkpointing_ratio() >= 0.0 &&
+          options_.gradient_checkpointing_ratio() <= 1.0,
       kName,
-      ": gradient_checkpointing_ratio > 0 is not supported yet");
+      ": gradient_checkpointing_ratio must be in [0, 1], got ",
+      options_.gradient_checkpointing_ratio());
   TORCH_CHECK(
       !(options_.cpu_offload() && options_.zero_stage() == 0),
       kName,
@@ -484,7 +486,8 @@ void HybridParallelPlugin::configure(
       .enable_fused_normalization(all || options_.enable_fused_normalization())
       .enable_jit_fused(all || options_.enable_jit_fused())
       .parallel_output(options_.parallel_output())
-      .make_vocab_size_divisible_by(options_.make_vocab_size_divisible_by());
+      .make_vocab_size_divisible_by(options_.make_vocab_size_divisible_by())
+      .gradient_checkpointing_ratio(options_.gradient_checkpointing_ratio());
   if (!state_) {
     state_ = std::make_shared<HybridState>();
   }

@@ -45,6 +45,11 @@ void DropoutImpl::reset() {
   states_.clear();
 }
 
+std::function<void()> DropoutImpl::snapshot_random_state() {
+  // Each draw replaces the map's tensors, so a copy of the map is a snapshot.
+  return [this, saved = states_]() { states_ = saved; };
+}
+
 at::Tensor DropoutImpl::forward(const at::Tensor& x) {
   if (!is_training() || options.p() == 0.0) {
     return x;

@@ -63,7 +63,10 @@ struct HybridParallelPluginOptions {
   /// How to shard the model; null: the model's own (ShardableModel) or the
   /// base Policy (every ParallelModule over the tensor group).
   TORCH_ARG(std::shared_ptr<shardformer::Policy>, custom_policy) = nullptr;
-  /// Share of blocks that recompute activations in backward; only 0.
+  /// Share of blocks that recompute their activations in backward
+  /// (ColossalAI's GradientCheckpointConfig: the first int(ratio x blocks)
+  /// blocks), in [0, 1]; the zoo's models honour it, custom models read it
+  /// from ShardConfig.
   TORCH_ARG(double, gradient_checkpointing_ratio) = 0.0;
   TORCH_ARG(int64_t, make_vocab_size_divisible_by) = 64;
   /// Mesh axis order: (dp, pp, sp, tp) when true, (pp, dp, sp, tp) else.

@@ -25,6 +25,7 @@
 /// \endcode
 
 #include <colossalai/distributed/process_group.h>
+#include <colossalai/nn/checkpoint.h>
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
@@ -67,12 +68,15 @@ struct DropoutOptions {
   TORCH_ARG(distributed::ProcessGroupPtr, process_group) = nullptr;
 };
 
-class DropoutImpl : public torch::nn::Cloneable<DropoutImpl> {
+class DropoutImpl : public torch::nn::Cloneable<DropoutImpl>,
+                    public nn::RandomStateOwner {
  public:
   explicit DropoutImpl(DropoutOptions options = {});
   void reset() override;
   /// Identity in eval mode or with p = 0.
   at::Tensor forward(const at::Tensor& x);
+  /// Activation checkpointing replays the same masks with it.
+  std::function<void()> snapshot_random_state() override;
 
   DropoutOptions options;
 
