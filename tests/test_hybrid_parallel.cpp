@@ -63,6 +63,12 @@ std::vector<Setup> setups(int world, bool llama) {
              .tp_size(2)
              .enable_sequence_parallelism(true)
              .sequence_parallelism_mode("split_gather")});
+    s.push_back(
+        {"sp2_ring_attn",
+         base()
+             .sp_size(2)
+             .enable_sequence_parallelism(true)
+             .sequence_parallelism_mode("ring_attn")});
     return s;
   }
   s.push_back({"tp4", base().tp_size(4).zero_stage(0)});
@@ -76,6 +82,24 @@ std::vector<Setup> setups(int world, bool llama) {
            .zero_stage(1)
            .enable_sequence_parallelism(true)
            .sequence_parallelism_mode("split_gather")});
+  if (llama) {
+    // Four ring hops: the zigzag chunks are 2 tokens of 16.
+    s.push_back(
+        {"sp4_zero1_ring_attn",
+         base()
+             .sp_size(4)
+             .zero_stage(1)
+             .enable_sequence_parallelism(true)
+             .sequence_parallelism_mode("ring_attn")});
+  } else {
+    s.push_back(
+        {"tp2_sp2_ring_attn",
+         base()
+             .tp_size(2)
+             .sp_size(2)
+             .enable_sequence_parallelism(true)
+             .sequence_parallelism_mode("ring_attn")});
+  }
   if (llama) {
     // Four key/value heads: all_to_all over 2 ranks beside tp 2 would
     // leave one per rank; run it at tp 1.
@@ -542,8 +566,9 @@ TEST(HybridParallel, InvalidOptionsNameTheOption) {
         make_plugin(HPO()
                         .precision("fp32")
                         .enable_sequence_parallelism(true)
-                        .sequence_parallelism_mode("ring_attn"))
-            .find("ring_attn"),
+                        .tp_size(2)
+                        .sequence_parallelism_mode("ring"))
+            .find("'ring'"),
         std::string::npos);
     EXPECT_NE(
         make_plugin(HPO().precision("fp32").sp_size(2)).find("sp_size"),

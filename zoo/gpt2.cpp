@@ -111,13 +111,9 @@ at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x) {
   auto k = parts.select(2, 1).transpose(1, 2);
   auto v = parts.select(2, 2).transpose(1, 2);
   const bool drop = attn_dropout->options.p() > 0 && is_training();
-  auto y = attention(
-               q,
-               k,
-               v,
-               state_->fused_attention && !drop,
-               drop ? attn_dropout.get() : nullptr)
-               .transpose(1, 2); // [B, T, H, D]
+  auto y =
+      sequence_attention(q, k, v, *state_, drop ? attn_dropout.get() : nullptr)
+          .transpose(1, 2); // [B, T, H, D]
   if (ulysses) {
     y = to_sequence_shards(y, state_->sp);
   }
@@ -182,11 +178,7 @@ at::Tensor GPT2ModelImpl::forward(const at::Tensor& ids) {
       ids.sizes());
   const auto& st = *state_;
   at::Tensor tokens = ids, pos;
-  if (st.sp_mode == "all_to_all") {
-    std::tie(tokens, pos) = sequence_chunk(ids, st.sp);
-  } else {
-    pos = at::arange(ids.size(1), ids.options().dtype(at::kLong));
-  }
+  std::tie(tokens, pos) = sequence_chunk(ids, st);
   auto x = drop(wte(tokens) + wpe(pos));
   if (st.sp_mode == "split_gather") {
     x = cdf::split_along_dim(x, 1, st.tp);
@@ -202,16 +194,7 @@ at::Tensor GPT2ModelImpl::forward(const at::Tensor& ids) {
         [block](const at::Tensor& y) { return block->forward(y); },
         x);
   }
-  x = ln_f(x);
-  if (st.sp_mode == "split_gather") {
-    x = cdf::gather_along_dim(x, 1, st.tp);
-  } else if (st.sp_mode == "all_to_all") {
-    // Every sp rank computes the whole loss from the gathered states but
-    // keeps only its chunk's gradient: scaled by sp, the mean over the
-    // dp x sp group is the gradient of the whole loss.
-    x = cdf::gather_along_dim(cdf::scale_grad(x, st.sp_size()), 1, st.sp);
-  }
-  return x;
+  return gather_sequence(ln_f(x), st);
 }
 
 GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config)

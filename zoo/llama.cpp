@@ -135,11 +135,11 @@ at::Tensor LlamaAttentionImpl::forward(
     v = to_head_shards(v, st.sp);
   }
   const int64_t n_rep = q.size(2) / k.size(2);
-  auto y = attention(
+  auto y = sequence_attention(
                q.transpose(1, 2),
                repeat_kv(k.transpose(1, 2), n_rep),
                repeat_kv(v.transpose(1, 2), n_rep),
-               st.fused_attention,
+               st,
                nullptr)
                .transpose(1, 2); // [B, T, H, D]
   if (st.sp_mode == "all_to_all") {
@@ -207,11 +207,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& ids) {
       ids.sizes());
   const auto& st = *state_;
   at::Tensor tokens = ids, pos;
-  if (st.sp_mode == "all_to_all") {
-    std::tie(tokens, pos) = sequence_chunk(ids, st.sp);
-  } else {
-    pos = at::arange(ids.size(1), ids.options().dtype(at::kLong));
-  }
+  std::tie(tokens, pos) = sequence_chunk(ids, st);
   auto x = embed_tokens(tokens);
   if (st.sp_mode == "split_gather") {
     x = cdf::split_along_dim(x, 1, st.tp);
@@ -227,14 +223,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& ids) {
         [layer, pos](const at::Tensor& y) { return layer->forward(y, pos); },
         x);
   }
-  x = norm(x);
-  if (st.sp_mode == "split_gather") {
-    x = cdf::gather_along_dim(x, 1, st.tp);
-  } else if (st.sp_mode == "all_to_all") {
-    // As GPT2Model: the gathered states' gradient chunk is scaled by sp.
-    x = cdf::gather_along_dim(cdf::scale_grad(x, st.sp_size()), 1, st.sp);
-  }
-  return x;
+  return gather_sequence(norm(x), st);
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {

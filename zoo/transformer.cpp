@@ -3,6 +3,7 @@
 #include <colossalai/distributed/functional.h>
 #include <colossalai/nn/checkpoint.h>
 #include <colossalai/shardformer/layer/embedding.h>
+#include <colossalai/shardformer/layer/ring_attention.h>
 #include <colossalai/utils/compat.h>
 
 #include <cmath>
@@ -12,6 +13,7 @@ namespace colossalai {
 namespace zoo {
 
 namespace cdf = distributed::functional;
+namespace sl = shardformer::layer;
 
 void configure_parallel_state(
     ParallelState& st,
@@ -32,10 +34,9 @@ void configure_parallel_state(
       ")");
   st.tp = cfg.tensor_parallel_process_group();
   st.sp_mode = cfg.sp_mode();
-  st.sp = st.sp_mode == "all_to_all" ? cfg.sequence_parallel_process_group()
-                                     : nullptr;
+  st.sp = st.sequence_on_sp() ? cfg.sequence_parallel_process_group() : nullptr;
   TORCH_CHECK(
-      (heads / tp_size) % st.sp_size() == 0,
+      st.sp_mode != "all_to_all" || (heads / tp_size) % st.sp_size() == 0,
       policy,
       ": all_to_all sequence parallelism needs the ",
       what,
@@ -119,10 +120,16 @@ at::Tensor to_sequence_shards(
 
 std::pair<at::Tensor, at::Tensor> sequence_chunk(
     const at::Tensor& ids,
-    const distributed::ProcessGroupPtr& sp) {
+    const ParallelState& st) {
   const int64_t t = ids.size(1);
-  const int n = sp == nullptr ? 1 : sp->size();
-  const int r = sp == nullptr ? 0 : sp->rank();
+  if (!st.sequence_on_sp()) {
+    return {ids, at::arange(t, ids.options().dtype(at::kLong))};
+  }
+  const int n = st.sp_size(), r = st.sp == nullptr ? 0 : st.sp->rank();
+  if (st.sp_mode == "ring_attn") {
+    auto pos = sl::zigzag_positions(t, n)[r].to(ids.device());
+    return {ids.index_select(1, pos), pos};
+  }
   TORCH_CHECK(
       t % n == 0,
       "sequence parallelism: the sequence length ",
@@ -133,6 +140,45 @@ std::pair<at::Tensor, at::Tensor> sequence_chunk(
   return {
       ids.narrow(1, r * len, len),
       at::arange(r * len, (r + 1) * len, ids.options().dtype(at::kLong))};
+}
+
+at::Tensor gather_sequence(const at::Tensor& x, const ParallelState& st) {
+  if (st.sp_mode == "split_gather") {
+    return cdf::gather_along_dim(x, 1, st.tp);
+  }
+  if (!st.sequence_on_sp()) {
+    return x;
+  }
+  auto whole =
+      cdf::gather_along_dim(cdf::scale_grad(x, st.sp_size()), 1, st.sp);
+  if (st.sp_mode == "ring_attn" && st.sp_size() > 1) {
+    // Gathered in rank order of the zigzag chunks: back to token order.
+    auto order = sl::zigzag_positions(whole.size(1), st.sp_size()).flatten();
+    whole = whole.index_select(1, at::argsort(order).to(x.device()));
+  }
+  return whole;
+}
+
+at::Tensor sequence_attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const ParallelState& st,
+    shardformer::layer::DropoutImpl* dropout) {
+  if (st.sp_mode != "ring_attn") {
+    return attention(q, k, v, st.fused_attention && !dropout, dropout);
+  }
+  TORCH_CHECK(
+      dropout == nullptr,
+      "ring_attn sequence parallelism has no attention dropout: set the "
+      "model's attention dropout to 0 (GPT-2: attn_pdrop) or train without "
+      "it");
+  return sl::ring_attention(
+      q,
+      k,
+      v,
+      sl::zigzag_positions(q.size(2) * st.sp_size(), st.sp_size()),
+      st.sp);
 }
 
 } // namespace zoo

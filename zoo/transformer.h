@@ -22,7 +22,8 @@ namespace zoo {
 /// the defaults are a whole model on one process).
 struct ParallelState {
   distributed::ProcessGroupPtr tp;
-  /// "", "split_gather" (over `tp`) or "all_to_all" (over `sp`).
+  /// "", "split_gather" (over `tp`), or "all_to_all" / "ring_attn" (over
+  /// `sp`).
   std::string sp_mode;
   distributed::ProcessGroupPtr sp;
   bool fused_attention = false;
@@ -36,6 +37,11 @@ struct ParallelState {
   }
   int sp_size() const {
     return sp == nullptr ? 1 : sp->size();
+  }
+  /// Whether the tokens are split over `sp` from the embeddings to the final
+  /// norm (all_to_all, ring_attn).
+  bool sequence_on_sp() const {
+    return sp_mode == "all_to_all" || sp_mode == "ring_attn";
   }
 };
 
@@ -90,11 +96,28 @@ at::Tensor to_sequence_shards(
     const at::Tensor& x,
     const distributed::ProcessGroupPtr& sp);
 
-/// This rank's chunk of a [B, T] int64 batch along T over `sp` and the
-/// positions of its tokens ([T / sp], from rank x T / sp).
+/// This rank's tokens of a [B, T] int64 batch and their positions when
+/// `state` splits the sequence over sp (contiguous chunks for all_to_all,
+/// the zigzag split for ring_attn); the whole batch and 0 .. T - 1 else.
 std::pair<at::Tensor, at::Tensor> sequence_chunk(
     const at::Tensor& ids,
-    const distributed::ProcessGroupPtr& sp);
+    const ParallelState& state);
+
+/// The final hidden states [B, T, C] from this rank's share: gathered over
+/// tp (split_gather) or sp (all_to_all, ring_attn: back in token order, the
+/// gradient scaled by sp since every sp rank computes the whole loss but
+/// keeps only its tokens' gradient); `x` itself otherwise.
+at::Tensor gather_sequence(const at::Tensor& x, const ParallelState& state);
+
+/// Causal attention of this rank's q, k, v [B, H, T_local, D] under
+/// `state`: ring attention over sp for ring_attn (attention dropout must be
+/// off there), else `attention` over the local sequence.
+at::Tensor sequence_attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const ParallelState& state,
+    shardformer::layer::DropoutImpl* dropout);
 
 } // namespace zoo
 } // namespace colossalai

@@ -7,7 +7,10 @@ int ShardConfig::sp_size() const {
   if (!enable_sequence_parallelism_) {
     return 1;
   }
-  const auto& g = sequence_parallelism_mode_ == "all_to_all"
+  // all_to_all and ring_attn have their own axis; split_gather and ring
+  // run on the tensor group.
+  const auto& g = sequence_parallelism_mode_ == "all_to_all" ||
+          sequence_parallelism_mode_ == "ring_attn"
       ? sequence_parallel_process_group_
       : tensor_parallel_process_group_;
   return g == nullptr ? 1 : g->size();
@@ -78,10 +81,10 @@ ShardInfo shard_model(
   const auto mode = config.sequence_parallelism_mode();
   TORCH_CHECK(
       !config.enable_sequence_parallelism() || mode == "split_gather" ||
-          mode == "all_to_all",
+          mode == "all_to_all" || mode == "ring_attn",
       "shard_model: sequence_parallelism_mode '",
       mode,
-      "' is not supported (split_gather, all_to_all)");
+      "' is not supported (split_gather, all_to_all, ring_attn)");
   TORCH_CHECK(
       !(config.enable_sequence_parallelism() && mode == "all_to_all" &&
         config.sequence_parallel_process_group() == nullptr),

@@ -374,11 +374,11 @@ HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
         sp_mode_,
         "'");
     TORCH_CHECK(
-        sp_mode_ != "ring" && sp_mode_ != "ring_attn",
+        sp_mode_ != "ring",
         kName,
-        ": sequence_parallelism_mode '",
-        sp_mode_,
-        "' is not implemented yet; use 'split_gather' or 'all_to_all'");
+        ": sequence_parallelism_mode 'ring' is not implemented yet; use "
+        "'split_gather' (the same arithmetic and bytes, without the "
+        "ring-overlapped matmuls), 'all_to_all' or 'ring_attn'");
     if (sp_mode_ == "split_gather") {
       TORCH_CHECK(
           tp > 1,
@@ -479,7 +479,8 @@ void HybridParallelPlugin::configure(
   cfg.tensor_parallel_process_group(
          options_.tp_size() > 1 ? tp_group_ : nullptr)
       .sequence_parallel_process_group(
-          sp_mode_ == "all_to_all" ? sp_group_ : nullptr)
+          sp_mode_ == "all_to_all" || sp_mode_ == "ring_attn" ? sp_group_
+                                                              : nullptr)
       .enable_sequence_parallelism(!sp_mode_.empty())
       .sequence_parallelism_mode(sp_mode_.empty() ? "split_gather" : sp_mode_)
       .enable_flash_attention(all || options_.enable_flash_attention())

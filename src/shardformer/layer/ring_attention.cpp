@@ -1,0 +1,253 @@
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/shardformer/layer/ring_attention.h>
+
+#include <torch/autograd.h>
+#include <torch/custom_class.h>
+
+#include <cmath>
+#include <limits>
+
+// NOTE [Ring attention]
+// Rank r of n holds queries Q_r and, at step s, the key / value chunk of
+// rank (r - s) mod n; the chunk for step s + 1 is already travelling (sent to
+// r + 1, received from r - 1) while step s's block runs. Blocks merge with
+// the online softmax: running row maximum m, sum l, unnormalised output acc;
+// the result is acc / l and lse = m + log l is kept for backward. Backward
+// sends the chunks round again with their gradient accumulators: the
+// key / value chunk ahead (overlapped), the dK / dV accumulator after the
+// block adds its share, so after n hops it is back at its owner. Masks come
+// from global positions (key after query: masked), so a block can be empty,
+// full or partial.
+
+namespace colossalai {
+namespace shardformer {
+namespace layer {
+
+namespace {
+
+namespace cd = distributed;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr int kKvTag = 11, kGradTag = 12;
+
+struct RingHolder : torch::CustomClassHolder {
+  distributed::ProcessGroupPtr sp;
+  at::Tensor positions;
+};
+
+// Posts the exchange of `send` to the next rank and of the previous rank's
+// into a new buffer; wait on the returned works before reading it.
+struct Hop {
+  at::Tensor received;
+  cd::Work sent, recvd;
+  void wait() {
+    sent.wait();
+    recvd.wait();
+  }
+};
+
+Hop start_hop(const at::Tensor& send, const cd::ProcessGroup& g, int tag) {
+  const int n = g.size(), r = g.rank();
+  Hop h;
+  h.received = at::empty_like(send);
+  h.recvd = cd::recv(h.received, (r - 1 + n) % n, g, tag);
+  h.sent = cd::send(send, (r + 1) % n, g, tag);
+  return h;
+}
+
+// Key after query: masked. Undefined when nothing is masked; `empty` when
+// everything is.
+at::Tensor causal_mask(
+    const at::Tensor& pos_q,
+    const at::Tensor& pos_k,
+    bool* empty) {
+  auto mask = pos_k.unsqueeze(0) > pos_q.unsqueeze(1); // [Tq, Tk]
+  *empty = mask.all().item<bool>();
+  return mask.any().item<bool>() ? mask : at::Tensor();
+}
+
+at::Tensor scores(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& mask,
+    double scale) {
+  auto s = at::matmul(q, k.transpose(-2, -1)) * scale;
+  if (mask.defined()) {
+    s.masked_fill_(mask, -std::numeric_limits<double>::infinity());
+  }
+  return s;
+}
+
+class RingAttentionFn : public torch::autograd::Function<RingAttentionFn> {
+ public:
+  static variable_list forward(
+      AutogradContext* ctx,
+      const at::Tensor& q,
+      const at::Tensor& k,
+      const at::Tensor& v,
+      c10::intrusive_ptr<RingHolder> holder) {
+    const auto& g = *holder->sp;
+    const int n = g.size(), r = g.rank();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+    const auto pos_q = holder->positions[r];
+    auto q32 = q.to(at::kFloat);
+    auto kv = at::stack({k.to(at::kFloat), v.to(at::kFloat)}).contiguous();
+    auto m = at::full(
+        {q.size(0), q.size(1), q.size(2)},
+        -std::numeric_limits<float>::infinity(),
+        q32.options());
+    auto l = at::zeros_like(m);
+    auto acc = at::zeros_like(q32);
+    for (int s = 0; s < n; ++s) {
+      Hop hop;
+      if (s + 1 < n) {
+        hop = start_hop(kv, g, kKvTag);
+      }
+      bool empty = false;
+      auto mask =
+          causal_mask(pos_q, holder->positions[(r - s + n) % n], &empty);
+      if (!empty) {
+        auto sc = scores(q32, kv[0], mask, scale);
+        auto m_new = at::maximum(m, sc.amax(-1));
+        // Rows with no visible key yet keep m = -inf: shift by 0 there.
+        auto shift = at::where(at::isinf(m_new), at::zeros_like(m_new), m_new);
+        auto alpha = at::exp(m - shift);
+        auto p = at::exp(sc - shift.unsqueeze(-1));
+        l = l * alpha + p.sum(-1);
+        acc = acc * alpha.unsqueeze(-1) + at::matmul(p, kv[1]);
+        m = m_new;
+      }
+      if (s + 1 < n) {
+        hop.wait();
+        kv = hop.received;
+      }
+    }
+    // Causal attention always sees the token itself: l > 0 on every row.
+    auto out32 = acc / l.unsqueeze(-1);
+    auto lse = m + at::log(l);
+    ctx->save_for_backward({q, k, v, out32, lse});
+    ctx->saved_data["ring"] = at::IValue::make_capsule(std::move(holder));
+    return {out32.to(q.scalar_type())};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto capsule = ctx->saved_data.at("ring").toCapsule();
+    const auto& holder = *static_cast<RingHolder*>(capsule.get());
+    const auto& g = *holder.sp;
+    const int n = g.size(), r = g.rank();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2];
+    const auto &out32 = saved[3], &lse = saved[4];
+    const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+    const auto pos_q = holder.positions[r];
+    auto q32 = q.to(at::kFloat);
+    auto dout = grads[0].to(at::kFloat);
+    auto delta = (dout * out32).sum(-1, /*keepdim=*/true); // [B, H, Tq, 1]
+    auto dq = at::zeros_like(q32);
+    auto kv = at::stack({k.to(at::kFloat), v.to(at::kFloat)}).contiguous();
+    auto dkv = at::zeros_like(kv);
+    for (int s = 0; s < n; ++s) {
+      Hop kv_hop;
+      if (s + 1 < n) {
+        kv_hop = start_hop(kv, g, kKvTag);
+      }
+      bool empty = false;
+      auto mask = causal_mask(pos_q, holder.positions[(r - s + n) % n], &empty);
+      if (!empty) {
+        auto p = at::exp(scores(q32, kv[0], mask, scale) - lse.unsqueeze(-1));
+        dkv[1].add_(at::matmul(p.transpose(-2, -1), dout));
+        auto ds = p * (at::matmul(dout, kv[1].transpose(-2, -1)) - delta);
+        dq.add_(at::matmul(ds, kv[0]), scale);
+        dkv[0].add_(at::matmul(ds.transpose(-2, -1), q32), scale);
+      }
+      if (n > 1) {
+        // This chunk's accumulator moves on with it.
+        Hop grad_hop = start_hop(dkv, g, kGradTag);
+        grad_hop.wait();
+        dkv = grad_hop.received;
+      }
+      if (s + 1 < n) {
+        kv_hop.wait();
+        kv = kv_hop.received;
+      }
+    }
+    return {
+        dq.to(q.scalar_type()),
+        dkv[0].to(k.scalar_type()),
+        dkv[1].to(v.scalar_type()),
+        at::Tensor()};
+  }
+};
+
+} // namespace
+
+at::Tensor zigzag_positions(int64_t seq_len, int sp_size) {
+  TORCH_CHECK(sp_size >= 1, "zigzag_positions: sp_size must be >= 1");
+  if (sp_size == 1) {
+    return at::arange(seq_len, at::kLong).unsqueeze(0);
+  }
+  TORCH_CHECK(
+      seq_len % (2 * sp_size) == 0,
+      "ring attention: the sequence length ",
+      seq_len,
+      " must be divisible by 2 x sp_size (",
+      2 * sp_size,
+      ") for the zigzag split");
+  const int64_t c = seq_len / (2 * sp_size);
+  std::vector<at::Tensor> rows;
+  for (int r = 0; r < sp_size; ++r) {
+    rows.push_back(at::cat(
+        {at::arange(r * c, (r + 1) * c, at::kLong),
+         at::arange(
+             (2 * sp_size - 1 - r) * c, (2 * sp_size - r) * c, at::kLong)}));
+  }
+  return at::stack(rows);
+}
+
+at::Tensor ring_attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const at::Tensor& positions,
+    const distributed::ProcessGroupPtr& sp) {
+  TORCH_CHECK(
+      q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+      "ring_attention: q, k, v must be [B, H, T_local, D] of one shape, got ",
+      q.sizes(),
+      ", ",
+      k.sizes(),
+      ", ",
+      v.sizes());
+  const int n = sp == nullptr ? 1 : sp->size();
+  TORCH_CHECK(
+      positions.dim() == 2 && positions.size(0) == n &&
+          positions.size(1) == q.size(2),
+      "ring_attention: positions must be [sp_size, T_local] = [",
+      n,
+      ", ",
+      q.size(2),
+      "], got ",
+      positions.sizes());
+  const auto pos = positions.to(q.device(), at::kLong);
+  if (n == 1) {
+    // One rank: the same arithmetic, no ring.
+    bool empty = false;
+    auto mask = causal_mask(pos[0], pos[0], &empty);
+    auto sc = scores(
+        q.to(at::kFloat),
+        k.to(at::kFloat),
+        mask,
+        1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+    return at::matmul(at::softmax(sc, -1), v.to(at::kFloat))
+        .to(q.scalar_type());
+  }
+  auto holder = c10::make_intrusive<RingHolder>();
+  holder->sp = sp;
+  holder->positions = pos;
+  return RingAttentionFn::apply(q, k, v, std::move(holder))[0];
+}
+
+} // namespace layer
+} // namespace shardformer
+} // namespace colossalai
