@@ -64,6 +64,12 @@ std::vector<Setup> setups(int world, bool llama) {
              .enable_sequence_parallelism(true)
              .sequence_parallelism_mode("split_gather")});
     s.push_back(
+        {"tp2_ring",
+         base()
+             .tp_size(2)
+             .enable_sequence_parallelism(true)
+             .sequence_parallelism_mode("ring")});
+    s.push_back(
         {"sp2_ring_attn",
          base()
              .sp_size(2)
@@ -75,6 +81,12 @@ std::vector<Setup> setups(int world, bool llama) {
   s.push_back({"tp2_dp2", base().tp_size(2)});
   s.push_back({"tp2_zero1", base().tp_size(2).zero_stage(1)});
   s.push_back({"tp2_zero2", base().tp_size(2).zero_stage(2)});
+  s.push_back(
+      {"tp4_ring",
+       base()
+           .tp_size(4)
+           .enable_sequence_parallelism(true)
+           .sequence_parallelism_mode("ring")});
   s.push_back(
       {"tp2_dp2_split_gather",
        base()
@@ -566,9 +578,8 @@ TEST(HybridParallel, InvalidOptionsNameTheOption) {
         make_plugin(HPO()
                         .precision("fp32")
                         .enable_sequence_parallelism(true)
-                        .tp_size(2)
                         .sequence_parallelism_mode("ring"))
-            .find("'ring'"),
+            .find("tp_size > 1"),
         std::string::npos);
     EXPECT_NE(
         make_plugin(HPO().precision("fp32").sp_size(2)).find("sp_size"),

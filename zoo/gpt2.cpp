@@ -249,7 +249,8 @@ shardformer::ShardInfo GPT2Policy::shard(
   t.wte->options.make_vocab_size_divisible_by(
       cfg.make_vocab_size_divisible_by());
   t.wte->shard_(tp);
-  const bool split_gather = mode == "split_gather";
+  // "ring" is split_gather with ring-overlapped matmuls in the layers.
+  const bool split_gather = mode == "split_gather" || mode == "ring";
   // Activations between blocks: sequence chunks under either sp mode.
   const auto act_group = split_gather ? tp : st.sp;
   set_dropout(t.drop, nullptr, false);
@@ -259,11 +260,11 @@ shardformer::ShardInfo GPT2Policy::shard(
     auto& a = *blk->attn;
     auto& mlp = *blk->mlp;
     for (auto* col : {a.c_attn.get(), mlp.c_fc.get()}) {
-      col->options.seq_parallel(split_gather);
+      col->options.seq_parallel(split_gather).ring(mode == "ring");
       col->shard_(tp);
     }
     for (auto* row : {a.c_proj.get(), mlp.c_proj.get()}) {
-      row->options.seq_parallel(split_gather);
+      row->options.seq_parallel(split_gather).ring(mode == "ring");
       row->shard_(tp);
     }
     set_dropout(a.attn_dropout, tp, true); // heads are split

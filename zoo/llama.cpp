@@ -265,7 +265,8 @@ shardformer::ShardInfo LlamaPolicy::shard(
       "LlamaPolicy",
       "num_key_value_heads");
 
-  const bool split_gather = mode == "split_gather";
+  // "ring" is split_gather with ring-overlapped matmuls in the layers.
+  const bool split_gather = mode == "split_gather" || mode == "ring";
   auto& lm = *m->model;
   lm.embed_tokens->options.make_vocab_size_divisible_by(
       cfg.make_vocab_size_divisible_by());
@@ -285,11 +286,11 @@ shardformer::ShardInfo LlamaPolicy::shard(
           a.v_proj.get(),
           mlp.gate_proj.get(),
           mlp.up_proj.get()}) {
-      col->options.seq_parallel(split_gather);
+      col->options.seq_parallel(split_gather).ring(mode == "ring");
       col->shard_(tp);
     }
     for (auto* row : {a.o_proj.get(), mlp.down_proj.get()}) {
-      row->options.seq_parallel(split_gather);
+      row->options.seq_parallel(split_gather).ring(mode == "ring");
       row->shard_(tp);
     }
     if (split_gather) {

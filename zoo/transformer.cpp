@@ -33,7 +33,8 @@ void configure_parallel_state(
       tp_size,
       ")");
   st.tp = cfg.tensor_parallel_process_group();
-  st.sp_mode = cfg.sp_mode();
+  // The layers carry "ring"; the model's forward sees split_gather.
+  st.sp_mode = cfg.sp_mode() == "ring" ? "split_gather" : cfg.sp_mode();
   st.sp = st.sequence_on_sp() ? cfg.sequence_parallel_process_group() : nullptr;
   TORCH_CHECK(
       st.sp_mode != "all_to_all" || (heads / tp_size) % st.sp_size() == 0,

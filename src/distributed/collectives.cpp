@@ -508,6 +508,19 @@ Work barrier(const ProcessGroup& group) {
       detail::backend(group).barrier(opts), nullptr, "barrier", group);
 }
 
+RingHop ring_exchange(
+    const at::Tensor& send_tensor,
+    const ProcessGroup& group,
+    int tag) {
+  const int n = group.size(), r = group.rank();
+  TORCH_CHECK(n > 1, "ring_exchange: the group has one rank");
+  RingHop hop;
+  hop.received = at::empty_like(send_tensor, at::MemoryFormat::Contiguous);
+  hop.arrived = recv(hop.received, (r - 1 + n) % n, group, tag);
+  hop.sent = send(send_tensor, (r + 1) % n, group, tag);
+  return hop;
+}
+
 int64_t bytes_communicated() {
   return g_bytes.load(std::memory_order_relaxed);
 }

@@ -81,10 +81,10 @@ ShardInfo shard_model(
   const auto mode = config.sequence_parallelism_mode();
   TORCH_CHECK(
       !config.enable_sequence_parallelism() || mode == "split_gather" ||
-          mode == "all_to_all" || mode == "ring_attn",
+          mode == "ring" || mode == "all_to_all" || mode == "ring_attn",
       "shard_model: sequence_parallelism_mode '",
       mode,
-      "' is not supported (split_gather, all_to_all, ring_attn)");
+      "' is not supported (split_gather, ring, all_to_all, ring_attn)");
   TORCH_CHECK(
       !(config.enable_sequence_parallelism() && mode == "all_to_all" &&
         config.sequence_parallel_process_group() == nullptr),

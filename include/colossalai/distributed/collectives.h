@@ -125,6 +125,23 @@ Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag = 0);
 
 Work barrier(const ProcessGroup& group);
 
+/// One hop of a ring: `send` goes to the next group rank (rank + 1) while
+/// the previous rank's tensor (same shape and dtype) arrives in `received`.
+/// Both are posted at once; `wait()` before reading `received` or reusing
+/// `send`. Concurrent hops between the same ranks need distinct tags.
+struct RingHop {
+  at::Tensor received;
+  Work sent, arrived;
+  void wait() {
+    sent.wait();
+    arrived.wait();
+  }
+};
+RingHop ring_exchange(
+    const at::Tensor& send,
+    const ProcessGroup& group,
+    int tag);
+
 /// Bytes this process handed to collectives since start (payload, per
 /// operation counted once); used by benchmarks.
 int64_t bytes_communicated();

@@ -23,6 +23,11 @@ namespace {
 
 constexpr const char* kName = "HybridParallelPlugin";
 
+// split_gather and ring split the sequence over the tensor group.
+bool on_tensor_group(const std::string& sp_mode) {
+  return sp_mode == "split_gather" || sp_mode == "ring";
+}
+
 // What the plugin learned at boost, shared with its checkpoint IO.
 struct HybridState {
   shardformer::ShardInfo info;
@@ -373,23 +378,19 @@ HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
         "'all_to_all' or 'ring_attn', got '",
         sp_mode_,
         "'");
-    TORCH_CHECK(
-        sp_mode_ != "ring",
-        kName,
-        ": sequence_parallelism_mode 'ring' is not implemented yet; use "
-        "'split_gather' (the same arithmetic and bytes, without the "
-        "ring-overlapped matmuls), 'all_to_all' or 'ring_attn'");
-    if (sp_mode_ == "split_gather") {
+    if (on_tensor_group(sp_mode_)) {
       TORCH_CHECK(
           tp > 1,
           kName,
-          ": sequence_parallelism_mode 'split_gather' runs on the tensor "
-          "group and needs tp_size > 1");
+          ": sequence_parallelism_mode '",
+          sp_mode_,
+          "' runs on the tensor group and needs tp_size > 1");
       TORCH_CHECK(
           options_.sp_size() <= 1,
           kName,
-          ": sp_size is set by tp_size under 'split_gather'; leave sp_size "
-          "unset (got ",
+          ": sp_size is set by tp_size under '",
+          sp_mode_,
+          "'; leave sp_size unset (got ",
           options_.sp_size(),
           ")");
     } else {
@@ -409,7 +410,7 @@ HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
         ": sequence_parallelism_mode is set but "
         "enable_sequence_parallelism is false");
   }
-  sp_size_ = sp_mode_ == "split_gather" ? tp : sp;
+  sp_size_ = on_tensor_group(sp_mode_) ? tp : sp;
   TORCH_CHECK(
       world % (tp * pp * sp) == 0,
       kName,
@@ -435,7 +436,7 @@ HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
   dp_group_ = mesh_->get_group_along_axis(dp_axis);
   mixed_dp_group_ = mesh_->get_group_along_axis({dp_axis, sp_axis});
   pp_group_ = mesh_->get_group_along_axis(pp_axis);
-  sp_group_ = sp_mode_ == "split_gather" ? tp_group_ : sp_axis_group;
+  sp_group_ = on_tensor_group(sp_mode_) ? tp_group_ : sp_axis_group;
 }
 
 std::shared_ptr<checkpoint_io::CheckpointIO> HybridParallelPlugin::

@@ -2,6 +2,8 @@
 #include <colossalai/initialize.h>
 #include <colossalai/shardformer/layer/linear.h>
 
+#include "ring_linear.h"
+
 #include <torch/nn/init.h>
 
 #include <cmath>
@@ -88,6 +90,11 @@ at::Tensor apply_linear(
   return at::linear(x, o.conv1d_layout() ? w.t() : w, b);
 }
 
+// The weight as [in, out] (a view either way).
+at::Tensor weight_io(const at::Tensor& w, const Linear1DOptions& o) {
+  return o.conv1d_layout() ? w : w.t();
+}
+
 void check_unsharded(
     const distributed::ProcessGroupPtr& current,
     const char* layer) {
@@ -163,6 +170,9 @@ void Linear1D_ColImpl::shard_(const distributed::ProcessGroupPtr& g) {
 }
 
 at::Tensor Linear1D_ColImpl::prepare_input(const at::Tensor& input) const {
+  if (options.seq_parallel() && options.ring()) {
+    return input; // gathered inside the matmul
+  }
   // Every rank's shard reads the whole input: its gradient sums over them.
   return options.seq_parallel() ? cdf::gather_along_dim_reduce_scatter_backward(
                                       input, options.seq_dim(), group)
@@ -170,7 +180,14 @@ at::Tensor Linear1D_ColImpl::prepare_input(const at::Tensor& input) const {
 }
 
 at::Tensor Linear1D_ColImpl::forward_prepared(const at::Tensor& prepared) {
-  auto y = apply_linear(prepared, weight, bias, options);
+  at::Tensor y;
+  if (options.seq_parallel() && options.ring()) {
+    y = detail::ring_gather_matmul(
+        prepared, weight_io(weight, options), options.seq_dim(), group);
+    y = bias.defined() ? y + bias : y;
+  } else {
+    y = apply_linear(prepared, weight, bias, options);
+  }
   return options.gather_output() ? cdf::gather_along_dim(y, -1, group) : y;
 }
 
@@ -256,10 +273,16 @@ at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
       options.in_features(),
       " input features",
       options.parallel_input() ? " (parallel_input is set)" : "");
-  auto partial = apply_linear(x, weight, at::Tensor(), options);
-  auto y = options.seq_parallel()
-      ? cdf::reduce_scatter_along_dim(partial, options.seq_dim(), group)
-      : cdf::reduce_from_group(partial, group);
+  at::Tensor y;
+  if (options.seq_parallel() && options.ring()) {
+    y = detail::ring_matmul_reduce_scatter(
+        x, weight_io(weight, options), options.seq_dim(), group);
+  } else {
+    auto partial = apply_linear(x, weight, at::Tensor(), options);
+    y = options.seq_parallel()
+        ? cdf::reduce_scatter_along_dim(partial, options.seq_dim(), group)
+        : cdf::reduce_from_group(partial, group);
+  }
   // The bias is replicated: added once, after the sum.
   return bias.defined() ? y + bias : y;
 }

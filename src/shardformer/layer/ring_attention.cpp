@@ -36,26 +36,6 @@ struct RingHolder : torch::CustomClassHolder {
   at::Tensor positions;
 };
 
-// Posts the exchange of `send` to the next rank and of the previous rank's
-// into a new buffer; wait on the returned works before reading it.
-struct Hop {
-  at::Tensor received;
-  cd::Work sent, recvd;
-  void wait() {
-    sent.wait();
-    recvd.wait();
-  }
-};
-
-Hop start_hop(const at::Tensor& send, const cd::ProcessGroup& g, int tag) {
-  const int n = g.size(), r = g.rank();
-  Hop h;
-  h.received = at::empty_like(send);
-  h.recvd = cd::recv(h.received, (r - 1 + n) % n, g, tag);
-  h.sent = cd::send(send, (r + 1) % n, g, tag);
-  return h;
-}
-
 // Key after query: masked. Undefined when nothing is masked; `empty` when
 // everything is.
 at::Tensor causal_mask(
@@ -100,9 +80,9 @@ class RingAttentionFn : public torch::autograd::Function<RingAttentionFn> {
     auto l = at::zeros_like(m);
     auto acc = at::zeros_like(q32);
     for (int s = 0; s < n; ++s) {
-      Hop hop;
+      cd::RingHop hop;
       if (s + 1 < n) {
-        hop = start_hop(kv, g, kKvTag);
+        hop = cd::ring_exchange(kv, g, kKvTag);
       }
       bool empty = false;
       auto mask =
@@ -148,9 +128,9 @@ class RingAttentionFn : public torch::autograd::Function<RingAttentionFn> {
     auto kv = at::stack({k.to(at::kFloat), v.to(at::kFloat)}).contiguous();
     auto dkv = at::zeros_like(kv);
     for (int s = 0; s < n; ++s) {
-      Hop kv_hop;
+      cd::RingHop kv_hop;
       if (s + 1 < n) {
-        kv_hop = start_hop(kv, g, kKvTag);
+        kv_hop = cd::ring_exchange(kv, g, kKvTag);
       }
       bool empty = false;
       auto mask = causal_mask(pos_q, holder.positions[(r - s + n) % n], &empty);
@@ -163,7 +143,7 @@ class RingAttentionFn : public torch::autograd::Function<RingAttentionFn> {
       }
       if (n > 1) {
         // This chunk's accumulator moves on with it.
-        Hop grad_hop = start_hop(dkv, g, kGradTag);
+        auto grad_hop = cd::ring_exchange(dkv, g, kGradTag);
         grad_hop.wait();
         dkv = grad_hop.received;
       }

@@ -48,6 +48,13 @@ struct Linear1DOptions {
   /// an all-gather (column) and a reduce-scatter (row).
   TORCH_ARG(bool, seq_parallel) = false;
   TORCH_ARG(int64_t, seq_dim) = 1;
+  /// With seq_parallel: the all-gather (column) and reduce-scatter (row)
+  /// run chunk by chunk around a ring, each chunk's matmul overlapping the
+  /// next hop (sequence_parallelism_mode "ring"). The same bytes and
+  /// results as split_gather up to summation order. A column layer then
+  /// gathers inside its matmul: prepare_input is the identity and layers
+  /// sharing an input each gather it.
+  TORCH_ARG(bool, ring) = false;
   /// Column layer: the output features are this many equal sections (a
   /// fused q, k, v projection: 3), each split over the group separately
   /// (ColossalAI's FusedLinear1D_Col).
