@@ -376,7 +376,11 @@ TEST(HybridParallel, CheckpointFromTp2LoadsAtTp1Tp4AndUnderDdp) {
       torch::manual_seed(5);
       zoo::GPT2LMHeadModel m(zoo::GPT2Config::tiny_test());
       auto boosted = booster.boost(m, make_opt(m->parameters(), false));
+      // Streamed: each rank cuts its shards from the file's whole tensors;
+      // nothing crosses the tensor group (no rank holds the whole model).
+      const int64_t tp_bytes = plugin->tp_group()->bytes_communicated();
       booster.load_model(boosted.model, dir + "/sharded");
+      EXPECT_EQ(plugin->tp_group()->bytes_communicated(), tp_bytes);
       expect_equal(whole_weights(*m, plugin->shard_info()), "tp 4");
       booster.load_optimizer(*boosted.optimizer, dir + "/optim.bin");
       // One more step from the loaded state runs.

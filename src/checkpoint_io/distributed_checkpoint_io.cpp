@@ -33,10 +33,26 @@ void DistributedCheckpointIO::stream_optimizer_states(
   access_->stream_optimizer(optimizer, sink);
 }
 
+namespace {
+
+// Installs the access's tensor loader for one load, also on error.
+struct LoaderScope {
+  LoaderScope(TensorLoader& slot, TensorLoader loader) : slot_(slot) {
+    slot_ = std::move(loader);
+  }
+  ~LoaderScope() {
+    slot_ = nullptr;
+  }
+  TensorLoader& slot_;
+};
+
+} // namespace
+
 void DistributedCheckpointIO::load_unsharded_model(
     interface::ModelWrapper& model,
     const std::string& checkpoint,
     bool strict) {
+  LoaderScope scope(tensor_loader_, access_->model_tensor_loader(model));
   access_->load_model(model, [&] {
     GeneralCheckpointIO::load_unsharded_model(model, checkpoint, strict);
   });
@@ -46,6 +62,7 @@ void DistributedCheckpointIO::load_sharded_model(
     interface::ModelWrapper& model,
     const std::string& index_file,
     bool strict) {
+  LoaderScope scope(tensor_loader_, access_->model_tensor_loader(model));
   access_->load_model(model, [&] {
     GeneralCheckpointIO::load_sharded_model(model, index_file, strict);
   });

@@ -170,11 +170,18 @@ void load_model_state(
     const StateDict& state,
     const std::string& file,
     std::set<std::string>* seen,
-    bool strict_unexpected) {
+    bool strict_unexpected,
+    const TensorLoader& loader) {
   auto targets = model_state_dict(module);
   std::vector<std::string> unexpected;
   at::NoGradGuard no_grad;
   for (const auto& item : state) {
+    if (loader && loader(item.key(), item.value(), file)) {
+      if (seen) {
+        seen->insert(item.key());
+      }
+      continue;
+    }
     auto* target = targets.find(item.key());
     if (target == nullptr) {
       unexpected.push_back(item.key());
@@ -302,7 +309,8 @@ void GeneralCheckpointIO::load_unsharded_model(
     bool strict) {
   auto state = read_tensors(checkpoint);
   std::set<std::string> seen;
-  load_model_state(*model.unwrap(), state, checkpoint, &seen, strict);
+  load_model_state(
+      *model.unwrap(), state, checkpoint, &seen, strict, tensor_loader_);
   if (strict) {
     check_missing(*model.unwrap(), seen, checkpoint);
   }
@@ -332,7 +340,13 @@ void GeneralCheckpointIO::load_sharded_model(
         "' named by index '",
         index_file,
         "' is missing");
-    load_model_state(*model.unwrap(), read_tensors(path), path, &seen, strict);
+    load_model_state(
+        *model.unwrap(),
+        read_tensors(path),
+        path,
+        &seen,
+        strict,
+        tensor_loader_);
   }
   for (const auto& key : expected) {
     TORCH_CHECK(
@@ -500,6 +514,10 @@ void StateAccess::stream_optimizer(
   for (const auto& kv : detail::optimizer_param_states(optimizer.unwrap())) {
     sink(kv.first, kv.second);
   }
+}
+
+TensorLoader StateAccess::model_tensor_loader(interface::ModelWrapper&) {
+  return nullptr;
 }
 
 void StateAccess::load_model(

@@ -20,6 +20,13 @@ using StateSink = std::function<void(int64_t id, const StateDict& state)>;
 /// defaults read and write the module's and optimizer's own tensors (one
 /// process, DDP); ZeRO and FSDP gather their shards to the writer one bucket
 /// or unit at a time and keep their own slice on load.
+/// Copies checkpoint tensor `src` (key `key`, read from `file`) into a
+/// model tensor the default copy cannot handle; false: not handled.
+using TensorLoader = std::function<bool(
+    const std::string& key,
+    const at::Tensor& src,
+    const std::string& file)>;
+
 class StateAccess {
  public:
   virtual ~StateAccess() = default;
@@ -33,6 +40,11 @@ class StateAccess {
   virtual void stream_optimizer(
       interface::OptimizerWrapper& optimizer,
       const StateSink& sink);
+  /// Takes the checkpoint tensors the module does not hold whole (a
+  /// tensor-parallel shard is cut from the full tensor and copied), so a
+  /// load never materialises the whole model; returns false for the keys
+  /// the default copy handles. Null (the default): every tensor is whole.
+  virtual TensorLoader model_tensor_loader(interface::ModelWrapper& model);
   /// Runs `load`, which copies checkpoint tensors into the module's own
   /// tensors, in the scope the plugin needs (FSDP: parameters gathered, then
   /// written back to the shards; ZeRO: master weights re-read after).
@@ -70,6 +82,10 @@ class StateAccess {
 ///   io.load_model(*boosted.model.wrapper(), "ckpt/model");
 /// \endcode
 class GeneralCheckpointIO : public CheckpointIO {
+ protected:
+  /// Set by subclasses around a load (StateAccess::model_tensor_loader).
+  TensorLoader tensor_loader_;
+
  protected:
   void save_unsharded_model(
       interface::ModelWrapper& model,
@@ -132,12 +148,15 @@ StateDict model_state_dict(torch::nn::Module& module);
 /// must be of the same kind (floating point may convert to another floating
 /// point type). With `strict`, `state` must hold exactly the module's keys;
 /// `seen` collects the keys used, for checks across several shard files.
+/// `loader`, when set, is offered each key first (StateAccess::
+/// model_tensor_loader).
 void load_model_state(
     torch::nn::Module& module,
     const StateDict& state,
     const std::string& file,
     std::set<std::string>* seen = nullptr,
-    bool strict_unexpected = true);
+    bool strict_unexpected = true,
+    const TensorLoader& loader = nullptr);
 
 } // namespace checkpoint_io
 } // namespace colossalai

@@ -159,22 +159,6 @@ at::Tensor gather_whole(
       std::vector<at::Tensor>(parts.begin(), parts.end()), spec);
 }
 
-// Every rank's whole tensor (for loading in place).
-at::Tensor all_gather_whole(
-    const at::Tensor& t,
-    const sl::ShardSpec& spec,
-    const distributed::ProcessGroupPtr& tp) {
-  const int n = tp->size();
-  auto local = t.detach().contiguous();
-  auto out = at::empty({n * local.numel()}, local.options());
-  distributed::all_gather(out, local.view({-1}), *tp).wait();
-  std::vector<int64_t> shape{n};
-  shape.insert(shape.end(), local.sizes().begin(), local.sizes().end());
-  auto parts = out.view(shape).unbind(0);
-  return sl::unshard_tensor(
-      std::vector<at::Tensor>(parts.begin(), parts.end()), spec);
-}
-
 bool tp_active(const HybridState& s) {
   return s.tp != nullptr && s.tp->size() > 1;
 }
@@ -210,34 +194,58 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
     }
   }
 
+  // Streaming: each split tensor's shard is cut from the checkpoint's whole
+  // tensor as it is read, so no rank holds a whole model and the load moves
+  // no bytes between ranks.
+  checkpoint_io::TensorLoader model_tensor_loader(
+      interface::ModelWrapper& model) override {
+    if (!tp_active(*state_)) {
+      return nullptr;
+    }
+    auto module = model.unwrap();
+    auto named = module->named_parameters(true);
+    auto targets = std::make_shared<
+        std::map<std::string, std::pair<at::Tensor, sl::ShardSpec>>>();
+    for (const auto& kv : state_->info.specs) {
+      if (!kv.second.is_split()) {
+        continue;
+      }
+      auto* p = named.find(kv.first);
+      TORCH_INTERNAL_ASSERT(p != nullptr, "no parameter ", kv.first);
+      targets->emplace(kv.first, std::make_pair(*p, kv.second));
+    }
+    return [targets](
+               const std::string& key,
+               const at::Tensor& src,
+               const std::string& file) {
+      auto it = targets->find(key);
+      if (it == targets->end()) {
+        return false;
+      }
+      auto& param = it->second.first;
+      const auto& spec = it->second.second;
+      auto whole = param.sizes().vec();
+      whole[spec.dim] = spec.full_size;
+      TORCH_CHECK(
+          src.sizes().vec() == whole,
+          "load_model: '",
+          file,
+          "': key '",
+          key,
+          "' has shape ",
+          src.sizes(),
+          " but the model's whole tensor has shape ",
+          at::IntArrayRef(whole));
+      at::NoGradGuard no_grad;
+      param.copy_(sl::shard_tensor(src, spec));
+      return true;
+    };
+  }
+
   void load_model(
       interface::ModelWrapper& model,
       const std::function<void()>& load) override {
-    auto module = model.unwrap();
-    auto named = module->named_parameters(true);
-    std::vector<std::pair<at::Tensor, sl::ShardSpec>> split;
-    if (tp_active(*state_)) {
-      for (const auto& kv : state_->info.specs) {
-        auto* p = named.find(kv.first);
-        TORCH_INTERNAL_ASSERT(p != nullptr, "no parameter ", kv.first);
-        split.emplace_back(*p, kv.second);
-      }
-    }
-    {
-      // Whole tensors while the checkpoint's are copied in; keys it lacks
-      // (strict false) keep their current values.
-      at::NoGradGuard no_grad;
-      for (auto& s : split) {
-        s.first.set_data(all_gather_whole(s.first, s.second, state_->tp));
-      }
-    }
     load();
-    {
-      at::NoGradGuard no_grad;
-      for (auto& s : split) {
-        s.first.set_data(sl::shard_tensor(s.first.detach(), s.second));
-      }
-    }
     if (auto z = state_->zero.lock()) {
       z->sync_master_from_working();
     }
