@@ -455,6 +455,65 @@ TEST(HybridParallel, OptimizerStatesResumeAtAnotherTpSize) {
   remove_scratch("optim");
 }
 
+// Gradient accumulation: two micro-batches per data-parallel rank, the first
+// under booster.no_sync (no data-parallel reduction), the second synced,
+// equal one process on the whole batch (the loss halved per micro-batch,
+// as in PyTorch). Stage 2 refuses no_sync by name.
+TEST(HybridParallel, NoSyncAccumulatesLikeOneBigBatch) {
+  run_distributed(4, [](int, int) {
+    const auto ref = reference<zoo::GPT2LMHeadModel>(true);
+    for (int stage : {0, 1}) {
+      SCOPED_TRACE("zero_stage " + std::to_string(stage));
+      auto plugin = std::make_shared<HybridParallelPlugin>(
+          HPO().precision("fp32").tp_size(2).zero_stage(stage));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto model = make<zoo::GPT2LMHeadModel>(true);
+      auto boosted = booster.boost(model, make_opt(model->parameters(), true));
+      const int64_t micro = kGlobalBatch / plugin->dp_size() / 2;
+      for (int step = 0; step < kSteps; ++step) {
+        auto b = batch(step, model->config().vocab_size());
+        boosted.optimizer->zero_grad();
+        for (int m = 0; m < 2; ++m) {
+          const int64_t off = (2 * plugin->dp_rank() + m) * micro;
+          auto x = b.first.narrow(0, off, micro);
+          auto y = b.second.narrow(0, off, micro);
+          auto run = [&]() {
+            at::Tensor loss = model->loss(boosted.model(x), y) / 2;
+            booster.backward(loss, *boosted.optimizer);
+          };
+          if (m == 0) {
+            auto guard =
+                booster.no_sync(boosted.model, boosted.optimizer.get());
+            const auto& dp = *plugin->mixed_dp_group();
+            const int64_t before = dp.bytes_communicated();
+            run();
+            EXPECT_EQ(dp.bytes_communicated(), before) << "no_sync reduced";
+          } else {
+            run();
+          }
+        }
+        boosted.optimizer->step();
+      }
+      auto got = whole_weights(*model, plugin->shard_info());
+      for (const auto& kv : ref.second) {
+        EXPECT_LE(
+            (got.at(kv.first) - kv.second).abs().max().item<double>(), kSgdAtol)
+            << kv.first;
+      }
+    }
+    auto plugin = std::make_shared<HybridParallelPlugin>(
+        HPO().precision("fp32").tp_size(2).zero_stage(2));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = make<zoo::GPT2LMHeadModel>(true);
+    auto boosted = booster.boost(model, make_opt(model->parameters(), true));
+    EXPECT_NE(
+        colossalai::testing::error_of([&]() {
+          booster.no_sync(boosted.model, boosted.optimizer.get());
+        }).find("no_sync"),
+        std::string::npos);
+  });
+}
+
 // Gradient checkpointing in one process: with dropout on, recomputing every
 // block replays its masks (the layers' own streams and the default
 // generator), so gradients equal the stored-activation run bit for bit; and
