@@ -15,8 +15,9 @@ struct HybridParallelPluginOptions {
   TORCH_ARG(int, tp_size) = 1;
   /// Pipeline stages; only 1 until pipeline parallelism lands.
   TORCH_ARG(int, pp_size) = 1;
-  /// all_to_all sequence-parallel size; 0 = unset (1). split_gather uses the
-  /// tensor group and refuses an sp_size other than 0 or 1.
+  /// Sequence-parallel size of all_to_all and ring_attn (their own mesh
+  /// axis); 0 = unset (1). split_gather and ring use the tensor group and
+  /// refuse an sp_size other than 0 or 1.
   TORCH_ARG(int, sp_size) = 0;
   /// "fp16" (needs CUDA), "bf16" or "fp32".
   TORCH_ARG(std::string, precision) = "fp16";
@@ -33,8 +34,11 @@ struct HybridParallelPluginOptions {
   /// Accepted with no effect (there is no TorchScript fusion here).
   TORCH_ARG(bool, enable_jit_fused) = false;
   TORCH_ARG(bool, enable_sequence_parallelism) = false;
-  /// "split_gather" or "all_to_all" ("" = all_to_all, ColossalAI's default);
-  /// "ring" and "ring_attn" are refused (not implemented).
+  /// "split_gather" or "ring" (the sequence split over the tensor group
+  /// between blocks; ring overlaps each gather / reduce-scatter chunk with
+  /// its matmul), "all_to_all" (Ulysses: heads exchanged around attention)
+  /// or "ring_attn" (ring attention: key / value chunks passed around the
+  /// sp group; no attention dropout). "" = all_to_all, ColossalAI's default.
   TORCH_ARG(std::string, sequence_parallelism_mode) = "";
   /// Keep the LM head's logits split over the vocabulary.
   TORCH_ARG(bool, parallel_output) = true;
@@ -86,8 +90,8 @@ struct HybridParallelPluginOptions {
 /// gradients like data-parallel ones. Tensor-split parameters differ per
 /// tensor rank and are reduced only over dp x sp; replicated ones
 /// (norms, row-parallel biases) get identical gradients on every tensor
-/// rank, except under split_gather, where they see one sequence chunk each
-/// and are summed over the tensor group before the step. The global norm
+/// rank, except under split_gather / ring, where they see one sequence chunk
+/// each and are summed over the tensor group before the step. The global norm
 /// counts split parameters on every tensor rank and replicated ones once.
 ///
 /// Example:
