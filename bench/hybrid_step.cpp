@@ -17,11 +17,16 @@
 //
 //   bench_hybrid_step [--nproc 4] [--global-batch 16] [--steps 3]
 //                     [--rounds 3] [--models gpt2,llama]
-//                     [--setups dp,tp,tp2_dp2,tp2_zero1] [--out FILE.json]
+//                     [--setups dp,tp,tp2_dp2,tp2_zero1,tp_split_gather,
+//                               tp_ring,sp_all_to_all,sp_ring_attn]
+//                     [--out FILE.json]
 //
 // Setups: dp (tp 1, DDP over every rank), tp (tp over every rank), tp2_dp2
-// (tp 2, DDP over the rest), tp2_zero1 (tp 2, ZeRO-1 over the rest); setups
-// that do not fit the world size are skipped.
+// (tp 2, DDP over the rest), tp2_zero1 (tp 2, ZeRO-1 over the rest), and the
+// sequence-parallel modes over every rank: tp_split_gather and tp_ring (on
+// the tensor group), sp_all_to_all and sp_ring_attn (sp axis, tp 1). Setups
+// that do not fit the world size or the model's heads are skipped. The
+// sequence-parallel setups have no byte formula here (-1).
 
 #include "bench_util.h"
 
@@ -56,15 +61,20 @@ using colossalai::bench::tensor_bytes;
 
 struct Options {
   int global_batch = 16, steps = 3, rounds = 3;
-  std::string models = "gpt2,llama", setups = "dp,tp,tp2_dp2,tp2_zero1", out;
+  std::string models = "gpt2,llama",
+              setups =
+                  "dp,tp,tp2_dp2,tp2_zero1,tp_split_gather,tp_ring,"
+                  "sp_all_to_all,sp_ring_attn",
+              out;
 };
 
 struct Result {
   std::string name;
-  int tp = 1, dp = 1, zero = 0;
+  int tp = 1, dp = 1, zero = 0, sp = 1;
+  std::string sp_mode;
   int64_t micro = 0, local_params = 0;
   std::vector<double> ms;
-  int64_t tp_bytes = 0, dp_bytes = 0, other_bytes = 0; // per step
+  int64_t tp_bytes = 0, dp_bytes = 0, sp_bytes = 0, other_bytes = 0; // /step
   int64_t tp_formula = 0, dp_formula = 0;
   int64_t tp_gap = 0, dp_gap = 0; // largest |measured - formula|, any rank
   int64_t model_state = 0, model_state_formula = 0;
@@ -147,9 +157,16 @@ std::vector<Result> run_model(const Options& o, int world) {
   std::vector<std::unique_ptr<Setup<Model>>> setups;
   for (const auto& name : split(o.setups)) {
     HPO opts = HPO().precision("fp32");
-    int tp = 1, zero = 0;
+    int tp = 1, zero = 0, sp = 1;
+    std::string mode;
     if (name == "tp") {
       tp = world;
+    } else if (name == "tp_split_gather" || name == "tp_ring") {
+      tp = world;
+      mode = name.substr(3);
+    } else if (name == "sp_all_to_all" || name == "sp_ring_attn") {
+      sp = world;
+      mode = name.substr(3);
     } else if (name == "tp2_dp2" || name == "tp2_zero1") {
       if (world != 4)
         continue;
@@ -158,17 +175,28 @@ std::vector<Result> run_model(const Options& o, int world) {
     } else {
       TORCH_CHECK(name == "dp", "unknown setup '", name, "'");
     }
-    if (!splits_heads<Model>(tp)) {
+    const int head_split = mode == "all_to_all" ? sp : tp;
+    if (!splits_heads<Model>(head_split)) {
       if (cd::get_rank() == 0)
         std::fprintf(
-            stderr, "%s: the heads do not split %d ways\n", name.c_str(), tp);
+            stderr,
+            "%s: the heads do not split %d ways\n",
+            name.c_str(),
+            head_split);
       continue;
     }
     opts.tp_size(tp).zero_stage(zero);
+    if (!mode.empty()) {
+      opts.enable_sequence_parallelism(true).sequence_parallelism_mode(mode);
+      if (sp > 1)
+        opts.sp_size(sp);
+    }
     auto s = std::make_unique<Setup<Model>>();
     s->r.name = name;
     s->r.tp = tp;
     s->r.zero = zero;
+    s->r.sp = sp;
+    s->r.sp_mode = mode;
     s->plugin = std::make_shared<HybridParallelPlugin>(opts);
     s->booster =
         std::make_unique<cb::Booster>(cb::BoosterOptions().plugin(s->plugin));
@@ -216,18 +244,20 @@ std::vector<Result> run_model(const Options& o, int world) {
     step(*s, 0, false); // warm up, creates optimizer states
   for (auto& s : setups)
     step(*s, 0, true);
-  std::map<std::string, int64_t> tp_b, dp_b, all_b;
+  std::map<std::string, int64_t> tp_b, dp_b, sp_b, all_b;
   int counter = 1;
   for (int r = 0; r < o.rounds; ++r) {
     for (auto& s : setups) {
       cd::barrier(*cd::world_group()).wait();
       const int64_t a0 = cd::bytes_communicated(),
                     t0 = s->plugin->tp_group()->bytes_communicated(),
-                    d0 = s->plugin->mixed_dp_group()->bytes_communicated();
+                    d0 = s->plugin->mixed_dp_group()->bytes_communicated(),
+                    s0 = s->plugin->sp_group()->bytes_communicated();
       for (int i = 0; i < o.steps; ++i)
         s->r.ms.push_back(step(*s, counter++, false));
       tp_b[s->r.name] += s->plugin->tp_group()->bytes_communicated() - t0;
       dp_b[s->r.name] += s->plugin->mixed_dp_group()->bytes_communicated() - d0;
+      sp_b[s->r.name] += s->plugin->sp_group()->bytes_communicated() - s0;
       all_b[s->r.name] += cd::bytes_communicated() - a0;
     }
     if (cd::get_rank() == 0)
@@ -239,13 +269,25 @@ std::vector<Result> run_model(const Options& o, int world) {
     auto& s = *sp;
     Result r = s.r;
     // A group of one rank is the identity: its traffic counts nowhere.
-    const bool tp_on = r.tp > 1, dp_on = r.dp > 1;
+    // Gradients are averaged over dp x sp (sequence-parallel ranks too).
+    const int64_t mixed = s.plugin->mixed_dp_group()->size();
+    const bool tp_on = r.tp > 1, dp_on = mixed > 1;
     r.tp_bytes = tp_on ? tp_b[r.name] / steps : 0;
     r.dp_bytes = dp_on ? dp_b[r.name] / steps : 0;
-    r.other_bytes = all_b[r.name] / steps - r.tp_bytes - r.dp_bytes;
+    // split_gather and ring run on the tensor group itself. With dp 1 the
+    // sp axis is the data-parallel group too: its bytes are reported as
+    // dp + sp (dp_bytes, no formula; sp_bytes -1).
+    const bool own_sp = s.plugin->sp_group() != s.plugin->tp_group();
+    const bool sp_is_dp = s.plugin->sp_group() == s.plugin->mixed_dp_group();
+    r.sp_bytes = !own_sp || r.sp == 1 ? 0
+        : sp_is_dp                    ? -1
+                                      : sp_b[r.name] / steps;
+    r.other_bytes = all_b[r.name] / steps - r.tp_bytes - r.dp_bytes -
+        std::max<int64_t>(r.sp_bytes, 0);
     const int64_t bsc = r.micro * seq * width_of(s.model) * 4;
-    r.tp_formula =
-        tp_on ? (4 * layers_of(s.model) + 2) * bsc + 3 * r.micro * seq * 4 : 0;
+    r.tp_formula = !r.sp_mode.empty() ? -1
+        : tp_on ? (4 * layers_of(s.model) + 2) * bsc + 3 * r.micro * seq * 4
+                : 0;
     std::vector<at::Tensor> params = s.model->parameters(), grads;
     r.local_params = 0;
     for (const auto& p : params) {
@@ -253,9 +295,13 @@ std::vector<Result> run_model(const Options& o, int world) {
       grads.push_back(p.grad());
     }
     const int64_t psi = r.local_params;
+    if (r.sp_bytes < 0) {
+      r.dp_formula = -1; // dp and sp traffic share one group here
+    }
     if (r.zero == 0) {
       // DDP: one all-reduce of every local gradient.
-      r.dp_formula = dp_on ? 4 * psi : 0;
+      if (r.dp_formula == 0)
+        r.dp_formula = dp_on ? 4 * psi : 0;
       int64_t states = 0;
       for (auto& kv : s.boosted.optimizer->unwrap().state()) {
         auto* a = dynamic_cast<torch::optim::AdamWParamState*>(kv.second.get());
@@ -266,7 +312,8 @@ std::vector<Result> run_model(const Options& o, int world) {
     } else {
       // ZeRO-1: the gradients reduce-scattered (the whole local gradient
       // handed over) and the updated shards all-gathered.
-      r.dp_formula = 4 * psi + 4 * psi / r.dp;
+      if (r.dp_formula == 0)
+        r.dp_formula = 4 * psi + 4 * psi / mixed;
       auto* z = dynamic_cast<colossalai::zero::LowLevelZeroOptimizer*>(
           s.boosted.optimizer.get());
       TORCH_INTERNAL_ASSERT(z);
@@ -275,7 +322,7 @@ std::vector<Result> run_model(const Options& o, int world) {
           st.optimizer_states;
       // fp32 ZeRO-1 at rest in our layout: the weights, and fp32 slices of
       // gradients and both moments ((4 + 12 / N) Psi, bench_zero_step).
-      r.model_state_formula = 4 * psi + 12 * psi / r.dp;
+      r.model_state_formula = 4 * psi + 12 * psi / mixed;
     }
     out.push_back(std::move(r));
   }
@@ -286,8 +333,9 @@ std::string result_json(const Result& r, double base_ms) {
   using colossalai::bench::stats_json;
   const double ms = colossalai::bench::median(r.ms);
   std::ostringstream os;
-  os << "{\"tp\": " << r.tp << ", \"dp\": " << r.dp
-     << ", \"zero_stage\": " << r.zero << ", \"micro_batch\": " << r.micro
+  os << "{\"tp\": " << r.tp << ", \"dp\": " << r.dp << ", \"sp\": " << r.sp
+     << ", \"sp_mode\": \"" << r.sp_mode << "\", \"zero_stage\": " << r.zero
+     << ", \"micro_batch\": " << r.micro
      << ", \"local_parameters\": " << r.local_params
      << ", \"step_ms\": " << stats_json(r.ms) << ", \"vs_dp\": " << ms / base_ms
      << ", \"tp_bytes_per_step\": " << r.tp_bytes
@@ -296,6 +344,7 @@ std::string result_json(const Result& r, double base_ms) {
      << ", \"dp_formula_bytes\": " << r.dp_formula
      << ", \"tp_gap_any_rank\": " << r.tp_gap
      << ", \"dp_gap_any_rank\": " << r.dp_gap
+     << ", \"sp_bytes_per_step\": " << r.sp_bytes
      << ", \"other_bytes_per_step\": " << r.other_bytes
      << ", \"model_state_bytes\": " << r.model_state
      << ", \"model_state_formula_bytes\": " << r.model_state_formula
@@ -321,9 +370,11 @@ int run_rank(const Options& o) {
   // every rank comes with it.
   for (auto& kv : results) {
     for (auto& r : kv.second) {
+      auto gap_of = [](int64_t got, int64_t formula) {
+        return formula < 0 ? 0.0 : static_cast<double>(std::abs(got - formula));
+      };
       at::Tensor gap = at::tensor(
-          {static_cast<double>(std::abs(r.tp_bytes - r.tp_formula)),
-           static_cast<double>(std::abs(r.dp_bytes - r.dp_formula))},
+          {gap_of(r.tp_bytes, r.tp_formula), gap_of(r.dp_bytes, r.dp_formula)},
           at::kDouble);
       cd::all_reduce(gap, *cd::world_group(), cd::ReduceOp::kMax).wait();
       r.tp_gap = static_cast<int64_t>(gap[0].item<double>());
@@ -344,8 +395,8 @@ int run_rank(const Options& o) {
     std::printf(
         "%s, %d ranks, global batch %d x 128\n"
         "| setup | step ms | vs dp | tp bytes/step | formula | dp "
-        "bytes/step | formula | model state MB | formula MB | activations "
-        "MB |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "bytes/step | formula | sp bytes/step | model state MB | formula MB | "
+        "activations MB |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
         kv.first.c_str(),
         world,
         o.global_batch);
@@ -355,8 +406,8 @@ int run_rank(const Options& o) {
       json << (i ? "," : "") << "\n      \"" << r.name
            << "\": " << result_json(r, base);
       std::printf(
-          "| %s | %.0f | %.2fx | %lld | %lld | %lld | %lld | %.1f | %.1f | "
-          "%.1f |\n",
+          "| %s | %.0f | %.2fx | %lld | %lld | %lld | %lld | %lld | %.1f | "
+          "%.1f | %.1f |\n",
           r.name.c_str(),
           colossalai::bench::median(r.ms),
           colossalai::bench::median(r.ms) / base,
@@ -364,6 +415,7 @@ int run_rank(const Options& o) {
           (long long)r.tp_formula,
           (long long)r.dp_bytes,
           (long long)r.dp_formula,
+          (long long)r.sp_bytes,
           r.model_state / 1e6,
           r.model_state_formula / 1e6,
           r.activation / 1e6);

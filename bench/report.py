@@ -486,28 +486,45 @@ class Report:
                  "data-parallel group; the formula columns are Megatron's count "
                  "((4 L + 2) B T C x 4 bytes + 3 B T x 4 for the parallel cross "
                  "entropy) and all-reduce (4 Psi_local) or reduce-scatter + "
-                 "all-gather (4 Psi_local (1 + 1/dp)) of the local gradients. "
+                 "all-gather (4 Psi_local (1 + 1/dp)) of the local gradients, dp counting the sequence-parallel ranks too (gradients average over dp x sp). "
                  "\"gap\" is the largest |measured - formula| over every rank. "
+                 "Sequence-parallel setups (split_gather, ring on the tensor "
+                 "group; all_to_all, ring_attn on their own sp axis, tp 1) have "
+                 "no formula here (-); with dp 1 their sp axis is the "
+                 "data-parallel group too, so its traffic is reported under dp "
+                 "(\"in dp\"). Under all_to_all and ring_attn the LM head and "
+                 "loss run on each rank's own tokens (parallel_output). "
                  "Activations: the heap in use after the forward minus before.",
                  "")
         rows = []
         for d in runs:
             for model, setups in d["models"].items():
                 for name, r in setups.items():
+                    layout = f"{r['tp']}x{r['dp']}"
+                    if r.get("sp", 1) > 1:
+                        layout += f" sp{r['sp']}"
+                    if r.get("sp_mode"):
+                        layout += f" {r['sp_mode']}"
+                    if r["zero_stage"]:
+                        layout += " ZeRO-1"
                     rows.append([
-                        model, str(d["world_size"]), name,
-                        f"{r['tp']}x{r['dp']}" + (" ZeRO-1" if r["zero_stage"] else ""),
+                        model, str(d["world_size"]), name, layout,
                         f"{r['step_ms']['median']:.0f}", f"{r['vs_dp']:.2f}x",
                         fmt_bytes(r["tp_bytes_per_step"]),
-                        fmt_bytes(r["tp_formula_bytes"]),
+                        "-" if r["tp_formula_bytes"] < 0
+                        else fmt_bytes(r["tp_formula_bytes"]),
                         fmt_bytes(r["dp_bytes_per_step"]),
-                        fmt_bytes(r["dp_formula_bytes"]),
+                        "-" if r["dp_formula_bytes"] < 0
+                        else fmt_bytes(r["dp_formula_bytes"]),
+                        "in dp" if r.get("sp_bytes_per_step", 0) < 0
+                        else fmt_bytes(r.get("sp_bytes_per_step", 0)),
                         f"{r['tp_gap_any_rank'] + r['dp_gap_any_rank']}",
                         fmt_bytes(r["model_state_bytes"]),
                         fmt_bytes(r["model_state_formula_bytes"]),
                         fmt_bytes(r["activation_bytes"])])
         self.table(["model", "ranks", "setup", "tp x dp", "step ms", "vs dp",
-                    "tp bytes", "formula", "dp bytes", "formula", "gap B",
+                    "tp bytes", "formula", "dp bytes", "formula", "sp bytes",
+                    "gap B",
                     "model state", "16 Psi_local (ZeRO-1: 4 + 12/dp)",
                     "activations"], rows)
         if plt is None:

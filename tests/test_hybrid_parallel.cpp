@@ -104,6 +104,15 @@ std::vector<Setup> setups(int world, bool llama) {
              .enable_sequence_parallelism(true)
              .sequence_parallelism_mode("ring_attn")});
   } else {
+    // Logits gathered over sp (and tp): the loss on the whole sequence.
+    s.push_back(
+        {"tp2_sp2_all_to_all_gathered_output",
+         base()
+             .tp_size(2)
+             .sp_size(2)
+             .parallel_output(false)
+             .enable_sequence_parallelism(true)
+             .sequence_parallelism_mode("all_to_all")});
     s.push_back(
         {"tp2_sp2_ring_attn",
          base()

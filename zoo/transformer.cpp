@@ -1,5 +1,6 @@
 #include <zoo/transformer.h>
 
+#include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
 #include <colossalai/nn/checkpoint.h>
 #include <colossalai/shardformer/layer/embedding.h>
@@ -79,11 +80,22 @@ at::Tensor causal_lm_loss(
     const ParallelState& st,
     int64_t vocab_size) {
   const bool sharded = st.tp_size() > 1 && st.parallel_output;
-  return shardformer::layer::vocab_parallel_cross_entropy(
-      logits.flatten(0, 1),
-      targets.flatten(),
-      sharded ? st.tp : nullptr,
-      vocab_size);
+  const bool seq_split = sequence_split_output(st);
+  // Logits split along the sequence: this rank's targets, the same split as
+  // the ids.
+  const at::Tensor t = seq_split ? sequence_chunk(targets, st).first : targets;
+  auto local = shardformer::layer::vocab_parallel_cross_entropy(
+      logits.flatten(0, 1), t.flatten(), sharded ? st.tp : nullptr, vocab_size);
+  if (!seq_split) {
+    return local;
+  }
+  // Every chunk has as many tokens, so the sequence's mean is the mean of
+  // the chunk means: that is the value. The gradient stays the chunk's own:
+  // the dp x sp average of the ranks' gradients is then the whole loss's.
+  at::Tensor whole = local.detach().to(at::kFloat).reshape({1}).clone();
+  distributed::all_reduce(whole, *st.sp).wait();
+  whole = (whole / st.sp_size()).reshape({}).to(local.scalar_type());
+  return local + (whole - local.detach());
 }
 
 at::Tensor attention(
@@ -143,11 +155,15 @@ std::pair<at::Tensor, at::Tensor> sequence_chunk(
       at::arange(r * len, (r + 1) * len, ids.options().dtype(at::kLong))};
 }
 
+bool sequence_split_output(const ParallelState& st) {
+  return st.sequence_on_sp() && st.parallel_output && st.sp_size() > 1;
+}
+
 at::Tensor gather_sequence(const at::Tensor& x, const ParallelState& st) {
   if (st.sp_mode == "split_gather") {
     return cdf::gather_along_dim(x, 1, st.tp);
   }
-  if (!st.sequence_on_sp()) {
+  if (!st.sequence_on_sp() || sequence_split_output(st)) {
     return x;
   }
   auto whole =

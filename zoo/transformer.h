@@ -69,7 +69,8 @@ at::Tensor run_block(
 
 /// Mean next-token cross entropy of a causal LM's logits [B, T, V or
 /// V_pad / tp] against targets [B, T]: vocabulary-parallel where `state`
-/// leaves the logits split.
+/// leaves the logits split over tp; over this rank's tokens where it leaves
+/// them split over sp (the value is the whole sequence's loss).
 at::Tensor causal_lm_loss(
     const at::Tensor& logits,
     const at::Tensor& targets,
@@ -103,10 +104,17 @@ std::pair<at::Tensor, at::Tensor> sequence_chunk(
     const at::Tensor& ids,
     const ParallelState& state);
 
+/// Whether the model's output stays split along the sequence over sp
+/// (all_to_all, ring_attn with parallel_output): the LM head and the loss
+/// then run on this rank's tokens only (`causal_lm_loss` takes the matching
+/// targets and reports the whole sequence's loss).
+bool sequence_split_output(const ParallelState& state);
+
 /// The final hidden states [B, T, C] from this rank's share: gathered over
-/// tp (split_gather) or sp (all_to_all, ring_attn: back in token order, the
-/// gradient scaled by sp since every sp rank computes the whole loss but
-/// keeps only its tokens' gradient); `x` itself otherwise.
+/// tp (split_gather); left split over sp when `sequence_split_output`, else
+/// gathered over sp (back in token order, the gradient scaled by sp since
+/// every sp rank computes the whole loss but keeps only its tokens'
+/// gradient); `x` itself otherwise.
 at::Tensor gather_sequence(const at::Tensor& x, const ParallelState& state);
 
 /// Causal attention of this rank's q, k, v [B, H, T_local, D] under
