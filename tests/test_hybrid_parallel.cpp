@@ -11,6 +11,7 @@
 #include <colossalai/utils/compat.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
+#include <harness/zoo_util.h>
 #include <zoo/gpt2.h>
 #include <zoo/llama.h>
 
@@ -178,36 +179,10 @@ Model make(bool) {
 std::shared_ptr<torch::optim::Optimizer> make_opt(
     const std::vector<at::Tensor>& params,
     bool sgd) {
-  if (sgd) {
-    return std::make_shared<torch::optim::SGD>(
-        params, torch::optim::SGDOptions(0.1).momentum(0.9));
-  }
-  return std::make_shared<torch::optim::AdamW>(
-      params, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  return colossalai::testing::make_optimizer(params, sgd);
 }
 
-// Whole tensors of a (possibly tensor-split) model, by name.
-std::map<std::string, at::Tensor> whole_weights(
-    torch::nn::Module& model,
-    const sf::ShardInfo& info) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& item : model.named_parameters()) {
-    auto t = item.value().detach().to(at::kFloat).contiguous();
-    auto it = info.specs.find(item.key());
-    if (it != info.specs.end() && it->second.size() > 1) {
-      const auto& spec = it->second;
-      auto flat = at::empty({spec.size() * t.numel()}, t.options());
-      cd::all_gather(flat, t.view({-1}), *spec.group).wait();
-      std::vector<int64_t> shape{spec.size()};
-      shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
-      auto parts = flat.view(shape).unbind(0);
-      t = colossalai::shardformer::layer::unshard_tensor(
-          std::vector<at::Tensor>(parts.begin(), parts.end()), spec);
-    }
-    out[item.key()] = t.clone();
-  }
-  return out;
-}
+using colossalai::testing::whole_weights;
 
 // One process training the whole model on the global batch; `max_norm` > 0
 // clips as torch.nn.utils.clip_grad_norm_.

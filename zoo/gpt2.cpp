@@ -170,21 +170,33 @@ GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& c, const ParallelState* state)
 }
 
 at::Tensor GPT2ModelImpl::forward(const at::Tensor& ids) {
-  TORCH_CHECK(
-      ids.dim() == 2 && ids.size(1) <= config_.n_positions(),
-      "GPT2Model: ids must be [B, T] with T <= n_positions (",
-      config_.n_positions(),
-      "), got ",
-      ids.sizes());
+  return forward_stage(shardformer::StageLayers(), ids, at::Tensor());
+}
+
+at::Tensor GPT2ModelImpl::forward_stage(
+    const shardformer::StageLayers& layers,
+    const at::Tensor& ids,
+    const at::Tensor& hidden) {
   const auto& st = *state_;
-  at::Tensor tokens = ids, pos;
-  std::tie(tokens, pos) = sequence_chunk(ids, st);
-  auto x = drop(wte(tokens) + wpe(pos));
-  if (st.sp_mode == "split_gather") {
-    x = cdf::split_along_dim(x, 1, st.tp);
-  }
   const int64_t n = static_cast<int64_t>(h->size());
-  for (int64_t i = 0; i < n; ++i) {
+  at::Tensor x = hidden;
+  if (layers.first) {
+    TORCH_CHECK(
+        ids.dim() == 2 && ids.size(1) <= config_.n_positions(),
+        "GPT2Model: ids must be [B, T] with T <= n_positions (",
+        config_.n_positions(),
+        "), got ",
+        ids.sizes());
+    at::Tensor tokens = ids, pos;
+    std::tie(tokens, pos) = sequence_chunk(ids, st);
+    x = drop(wte(tokens) + wpe(pos));
+    if (st.sp_mode == "split_gather") {
+      x = cdf::split_along_dim(x, 1, st.tp);
+    }
+  }
+  TORCH_CHECK(x.defined(), "GPT2Model: a later stage needs hidden states");
+  const int64_t end = layers.end < 0 ? n : layers.end;
+  for (int64_t i = layers.begin; i < end; ++i) {
     auto* block = (*h)[i]->as<GPT2BlockImpl>();
     x = run_block(
         st,
@@ -194,7 +206,7 @@ at::Tensor GPT2ModelImpl::forward(const at::Tensor& ids) {
         [block](const at::Tensor& y) { return block->forward(y); },
         x);
   }
-  return gather_sequence(ln_f(x), st);
+  return layers.last ? gather_sequence(ln_f(x), st) : x;
 }
 
 GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config)
@@ -203,8 +215,19 @@ GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config)
 }
 
 at::Tensor GPT2LMHeadModelImpl::forward(const at::Tensor& ids) {
+  return forward_stage(shardformer::StageLayers(), ids, at::Tensor());
+}
+
+at::Tensor GPT2LMHeadModelImpl::forward_stage(
+    const shardformer::StageLayers& layers,
+    const at::Tensor& ids,
+    const at::Tensor& hidden) {
+  auto x = transformer->forward_stage(layers, ids, hidden);
+  if (!layers.last) {
+    return x;
+  }
   return sl::lm_head_logits(
-      transformer(ids),
+      x,
       transformer->wte->weight,
       state_.tp,
       /*gather_output=*/!state_.parallel_output,
@@ -290,28 +313,56 @@ shardformer::ShardInfo GPT2Policy::shard(
   return info;
 }
 
-std::vector<std::string> GPT2Policy::held_layers(
-    const torch::nn::Module& model,
-    int stage,
-    int num_stages) const {
+namespace {
+
+const GPT2LMHeadModelImpl& as_gpt2(const torch::nn::Module& model) {
   const auto* m = dynamic_cast<const GPT2LMHeadModelImpl*>(&model);
   TORCH_CHECK(m != nullptr, "GPT2Policy: the model is not a GPT2LMHeadModel");
-  auto range =
-      shardformer::stage_block_range(m->config().n_layer(), stage, num_stages);
+  return *m;
+}
+
+} // namespace
+
+int64_t GPT2Policy::num_pipeline_layers(const torch::nn::Module& model) const {
+  return as_gpt2(model).config().n_layer();
+}
+
+std::vector<std::string> GPT2Policy::held_layers(
+    const torch::nn::Module& model,
+    const shardformer::StageLayers& layers) const {
+  const int64_t n = as_gpt2(model).config().n_layer();
   std::vector<std::string> names;
-  if (stage == 0) {
+  if (layers.first) {
     names = {"transformer.wte", "transformer.wpe", "transformer.drop"};
   }
-  for (int64_t i = range.first; i < range.second; ++i) {
+  const int64_t end = layers.end < 0 ? n : layers.end;
+  for (int64_t i = layers.begin; i < end; ++i) {
     names.push_back("transformer.h." + std::to_string(i));
   }
-  if (stage == num_stages - 1) {
+  if (layers.last) {
     names.push_back("transformer.ln_f");
-    if (stage != 0) {
+    if (!layers.first) {
       names.push_back("transformer.wte"); // the tied head
     }
   }
   return names;
+}
+
+std::vector<std::string> GPT2Policy::shared_params(
+    const torch::nn::Module&) const {
+  return {"transformer.wte.weight"};
+}
+
+at::Tensor GPT2Policy::stage_forward(
+    torch::nn::Module& model,
+    const shardformer::StageLayers& layers,
+    const std::vector<at::Tensor>& micro_batch,
+    const at::Tensor& hidden) const {
+  auto& m = const_cast<GPT2LMHeadModelImpl&>(as_gpt2(model));
+  TORCH_CHECK(
+      !micro_batch.empty(),
+      "GPT2Policy: the micro-batch must start with the input ids");
+  return m.forward_stage(layers, micro_batch[0], hidden);
 }
 
 } // namespace zoo

@@ -104,6 +104,12 @@ class GPT2ModelImpl : public torch::nn::Module {
   /// ids [B, T] -> final hidden states [B, T, C] (after ln_f), whole
   /// sequence on every rank.
   at::Tensor forward(const at::Tensor& ids);
+  /// A pipeline stage's part: embeddings of `ids` (first) or `hidden`,
+  /// blocks [layers.begin, layers.end), then ln_f (last).
+  at::Tensor forward_stage(
+      const shardformer::StageLayers& layers,
+      const at::Tensor& ids,
+      const at::Tensor& hidden);
 
   shardformer::layer::VocabParallelEmbedding1D wte{nullptr};
   torch::nn::Embedding wpe{nullptr};
@@ -124,6 +130,11 @@ class GPT2LMHeadModelImpl : public torch::nn::Module,
   /// ids [B, T] int64 -> logits [B, T, vocab] (with tensor parallelism and
   /// parallel_output: this rank's [B, T, V_pad / tp] vocabulary columns).
   at::Tensor forward(const at::Tensor& ids);
+  /// A pipeline stage's part of `forward` (the last stage adds the head).
+  at::Tensor forward_stage(
+      const shardformer::StageLayers& layers,
+      const at::Tensor& ids,
+      const at::Tensor& hidden);
   /// Mean cross entropy of `forward`'s logits against next-token targets
   /// [B, T] (aligned with the logits), sharded logits included.
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
@@ -158,10 +169,19 @@ class GPT2Policy : public shardformer::Policy {
   shardformer::ShardInfo shard(
       torch::nn::Module& model,
       const shardformer::ShardConfig& config) override;
+  int64_t num_pipeline_layers(const torch::nn::Module& model) const override;
+  /// Embeddings on the first stage, ln_f and the tied head (wte) on the
+  /// last.
   std::vector<std::string> held_layers(
       const torch::nn::Module& model,
-      int stage,
-      int num_stages) const override;
+      const shardformer::StageLayers& layers) const override;
+  std::vector<std::string> shared_params(
+      const torch::nn::Module& model) const override;
+  at::Tensor stage_forward(
+      torch::nn::Module& model,
+      const shardformer::StageLayers& layers,
+      const std::vector<at::Tensor>& micro_batch,
+      const at::Tensor& hidden) const override;
 };
 
 } // namespace zoo

@@ -199,6 +199,13 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, const ParallelState* state)
 }
 
 at::Tensor LlamaModelImpl::forward(const at::Tensor& ids) {
+  return forward_stage(shardformer::StageLayers(), ids, at::Tensor());
+}
+
+at::Tensor LlamaModelImpl::forward_stage(
+    const shardformer::StageLayers& stage,
+    const at::Tensor& ids,
+    const at::Tensor& hidden) {
   TORCH_CHECK(
       ids.dim() == 2 && ids.size(1) <= config_.max_position_embeddings(),
       "LlamaModel: ids must be [B, T] with T <= max_position_embeddings (",
@@ -208,12 +215,17 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& ids) {
   const auto& st = *state_;
   at::Tensor tokens = ids, pos;
   std::tie(tokens, pos) = sequence_chunk(ids, st);
-  auto x = embed_tokens(tokens);
-  if (st.sp_mode == "split_gather") {
-    x = cdf::split_along_dim(x, 1, st.tp);
+  at::Tensor x = hidden;
+  if (stage.first) {
+    x = embed_tokens(tokens);
+    if (st.sp_mode == "split_gather") {
+      x = cdf::split_along_dim(x, 1, st.tp);
+    }
   }
+  TORCH_CHECK(x.defined(), "LlamaModel: a later stage needs hidden states");
   const int64_t n = static_cast<int64_t>(layers->size());
-  for (int64_t i = 0; i < n; ++i) {
+  const int64_t end = stage.end < 0 ? n : stage.end;
+  for (int64_t i = stage.begin; i < end; ++i) {
     auto* layer = (*layers)[i]->as<LlamaDecoderLayerImpl>();
     x = run_block(
         st,
@@ -223,7 +235,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& ids) {
         [layer, pos](const at::Tensor& y) { return layer->forward(y, pos); },
         x);
   }
-  return gather_sequence(norm(x), st);
+  return stage.last ? gather_sequence(norm(x), st) : x;
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
@@ -238,6 +250,14 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& ids) {
   return lm_head(model(ids));
+}
+
+at::Tensor LlamaForCausalLMImpl::forward_stage(
+    const shardformer::StageLayers& layers,
+    const at::Tensor& ids,
+    const at::Tensor& hidden) {
+  auto x = model->forward_stage(layers, ids, hidden);
+  return layers.last ? lm_head(x) : x;
 }
 
 at::Tensor LlamaForCausalLMImpl::loss(
@@ -305,26 +325,50 @@ shardformer::ShardInfo LlamaPolicy::shard(
   return info;
 }
 
-std::vector<std::string> LlamaPolicy::held_layers(
-    const torch::nn::Module& module,
-    int stage,
-    int num_stages) const {
-  const auto* m = dynamic_cast<const LlamaForCausalLMImpl*>(&module);
+namespace {
+
+const LlamaForCausalLMImpl& as_llama(const torch::nn::Module& model) {
+  const auto* m = dynamic_cast<const LlamaForCausalLMImpl*>(&model);
   TORCH_CHECK(m != nullptr, "LlamaPolicy: the model is not a LlamaForCausalLM");
-  auto range = shardformer::stage_block_range(
-      m->config().num_hidden_layers(), stage, num_stages);
+  return *m;
+}
+
+} // namespace
+
+int64_t LlamaPolicy::num_pipeline_layers(
+    const torch::nn::Module& model) const {
+  return as_llama(model).config().num_hidden_layers();
+}
+
+std::vector<std::string> LlamaPolicy::held_layers(
+    const torch::nn::Module& model,
+    const shardformer::StageLayers& layers) const {
+  const int64_t n = as_llama(model).config().num_hidden_layers();
   std::vector<std::string> names;
-  if (stage == 0) {
+  if (layers.first) {
     names.push_back("model.embed_tokens");
   }
-  for (int64_t i = range.first; i < range.second; ++i) {
+  const int64_t end = layers.end < 0 ? n : layers.end;
+  for (int64_t i = layers.begin; i < end; ++i) {
     names.push_back("model.layers." + std::to_string(i));
   }
-  if (stage == num_stages - 1) {
+  if (layers.last) {
     names.push_back("model.norm");
     names.push_back("lm_head");
   }
   return names;
+}
+
+at::Tensor LlamaPolicy::stage_forward(
+    torch::nn::Module& model,
+    const shardformer::StageLayers& layers,
+    const std::vector<at::Tensor>& micro_batch,
+    const at::Tensor& hidden) const {
+  auto& m = const_cast<LlamaForCausalLMImpl&>(as_llama(model));
+  TORCH_CHECK(
+      !micro_batch.empty(),
+      "LlamaPolicy: the micro-batch must start with the input ids");
+  return m.forward_stage(layers, micro_batch[0], hidden);
 }
 
 } // namespace zoo

@@ -95,6 +95,12 @@ class LlamaModelImpl : public torch::nn::Module {
   LlamaModelImpl(const LlamaConfig& config, const ParallelState* state);
   /// ids [B, T] -> normalised hidden states [B, T, C], whole sequence.
   at::Tensor forward(const at::Tensor& ids);
+  /// A pipeline stage's part: embeddings (first) or `hidden`, layers
+  /// [layers.begin, layers.end) (positions from `ids`), then norm (last).
+  at::Tensor forward_stage(
+      const shardformer::StageLayers& layers,
+      const at::Tensor& ids,
+      const at::Tensor& hidden);
 
   shardformer::layer::VocabParallelEmbedding1D embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -113,6 +119,11 @@ class LlamaForCausalLMImpl : public torch::nn::Module,
   /// ids [B, T] int64 -> logits [B, T, vocab] (this rank's vocabulary
   /// columns under tensor parallelism with parallel_output).
   at::Tensor forward(const at::Tensor& ids);
+  /// A pipeline stage's part of `forward` (the last stage adds lm_head).
+  at::Tensor forward_stage(
+      const shardformer::StageLayers& layers,
+      const at::Tensor& ids,
+      const at::Tensor& hidden);
   /// Mean cross entropy against next-token targets [B, T].
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
 
@@ -145,10 +156,16 @@ class LlamaPolicy : public shardformer::Policy {
   shardformer::ShardInfo shard(
       torch::nn::Module& model,
       const shardformer::ShardConfig& config) override;
+  int64_t num_pipeline_layers(const torch::nn::Module& model) const override;
+  /// embed_tokens on the first stage, norm and lm_head on the last.
   std::vector<std::string> held_layers(
       const torch::nn::Module& model,
-      int stage,
-      int num_stages) const override;
+      const shardformer::StageLayers& layers) const override;
+  at::Tensor stage_forward(
+      torch::nn::Module& model,
+      const shardformer::StageLayers& layers,
+      const std::vector<at::Tensor>& micro_batch,
+      const at::Tensor& hidden) const override;
 };
 
 } // namespace zoo

@@ -132,6 +132,24 @@ void Booster::backward(
   optimizer.backward(loss);
 }
 
+pipeline::PipelineOutput Booster::execute_pipeline(
+    const pipeline::DataIterator& data_iter,
+    interface::ModelWrapper& model,
+    const pipeline::PipelineCriterion& criterion,
+    interface::OptimizerWrapper* optimizer,
+    bool return_loss,
+    bool return_outputs) {
+  TORCH_CHECK(
+      plugin_ != nullptr && plugin_->support_pipeline(),
+      "Booster.execute_pipeline needs a plugin that runs pipelines "
+      "(HybridParallelPlugin with pp_size > 1), got ",
+      plugin_ ? plugin_->name() : std::string("no plugin"));
+  TORCH_CHECK(data_iter != nullptr, "execute_pipeline: data_iter is empty");
+  TORCH_CHECK(criterion != nullptr, "execute_pipeline: criterion is empty");
+  return plugin_->execute_pipeline(
+      data_iter, model, criterion, optimizer, return_loss, return_outputs);
+}
+
 plugin::NoSyncGuard Booster::no_sync(
     interface::ModelWrapper& model,
     interface::OptimizerWrapper* optimizer) {

@@ -83,6 +83,29 @@ void GradBucketer::ready(size_t param, bool used) {
   mark(param, used);
 }
 
+void GradBucketer::flush(const std::vector<char>& used) {
+  TORCH_INTERNAL_ASSERT(used.size() == ready_.size());
+  TORCH_CHECK(!in_backward_, "gradient synchronisation inside a backward");
+  const bool saved = sync_;
+  sync_ = true;
+  in_backward_ = true;
+  finalizing_ = true; // nothing overlaps: launch in finalize, in order
+  try {
+    handler_->on_backward_begin();
+    for (size_t i = 0; i < ready_.size(); ++i) {
+      if (bucket_of_[i] >= 0 && !ready_[i]) {
+        mark(i, used[i] != 0);
+      }
+    }
+    finalize();
+  } catch (...) {
+    sync_ = saved;
+    reset();
+    throw;
+  }
+  sync_ = saved;
+}
+
 void GradBucketer::mark(size_t param, bool used) {
   ready_[param] = 1;
   if (sync_) {

@@ -100,6 +100,11 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   void set_sync(bool sync) {
     sync_ = sync;
   }
+  /// Synchronises every bucket now, outside a backward: what the backwards
+  /// that ran with sync off accumulated (a pipeline's micro-batches, whose
+  /// backwards each cover one model chunk, synchronised once per step).
+  /// `used[i]`: parameter i has a gradient. Sync is left as it was.
+  void flush(const std::vector<char>& used);
   bool sync() const {
     return sync_;
   }

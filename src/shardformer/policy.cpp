@@ -32,19 +32,30 @@ ShardInfo Policy::shard(torch::nn::Module& model, const ShardConfig& config) {
 
 std::vector<std::string> Policy::held_layers(
     const torch::nn::Module& model,
-    int stage,
-    int num_stages) const {
+    const StageLayers& layers) const {
   TORCH_CHECK(
-      num_stages == 1,
+      layers.first && layers.last,
       name(),
-      ": no pipeline split is defined for this model (",
-      num_stages,
-      " stages asked)");
+      ": no pipeline split is defined for this model; pass a custom_policy "
+      "that overrides num_pipeline_layers, held_layers and stage_forward");
   std::vector<std::string> names;
   for (const auto& item : model.named_children()) {
     names.push_back(item.key());
   }
   return names;
+}
+
+at::Tensor Policy::stage_forward(
+    torch::nn::Module&,
+    const StageLayers&,
+    const std::vector<at::Tensor>&,
+    const at::Tensor&) const {
+  TORCH_CHECK(
+      false,
+      name(),
+      ": no pipeline forward is defined for this model; pass a "
+      "custom_policy that overrides stage_forward");
+  return at::Tensor();
 }
 
 std::map<std::string, layer::ShardSpec> collect_shard_specs(
@@ -66,18 +77,22 @@ std::map<std::string, layer::ShardSpec> collect_shard_specs(
   return specs;
 }
 
-ShardInfo shard_model(
+std::shared_ptr<Policy> resolve_policy(
     torch::nn::Module& model,
-    const ShardConfig& config,
     std::shared_ptr<Policy> policy) {
   if (policy == nullptr) {
     if (auto* m = dynamic_cast<ShardableModel*>(&model)) {
       policy = m->default_policy();
     }
   }
-  if (policy == nullptr) {
-    policy = std::make_shared<Policy>();
-  }
+  return policy != nullptr ? policy : std::make_shared<Policy>();
+}
+
+ShardInfo shard_model(
+    torch::nn::Module& model,
+    const ShardConfig& config,
+    std::shared_ptr<Policy> policy) {
+  policy = resolve_policy(model, std::move(policy));
   const auto mode = config.sequence_parallelism_mode();
   TORCH_CHECK(
       !config.enable_sequence_parallelism() || mode == "split_gather" ||

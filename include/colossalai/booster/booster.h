@@ -172,6 +172,44 @@ class Booster {
       interface::ModelWrapper& model,
       interface::OptimizerWrapper* optimizer = nullptr);
 
+  /// One training step of a pipelined model (`colossalai.booster.Booster.
+  /// execute_pipeline`): every rank calls it; `data_iter` gives the step's
+  /// batch, which is cut into micro-batches along dim 0; the loss (averaged
+  /// over the micro-batches) comes back on the rank holding the last stage.
+  /// Then `optimizer->step()` as usual.
+  ///
+  /// \code
+  ///   auto out = booster.execute_pipeline(
+  ///       [&] { return pipeline::Batch{ids, targets}; }, boosted.model,
+  ///       [&](const at::Tensor& logits, const pipeline::Batch& mb) {
+  ///         return model->loss(logits, mb[1]);
+  ///       },
+  ///       boosted.optimizer.get());
+  ///   boosted.optimizer->step();
+  /// \endcode
+  template <class M>
+  pipeline::PipelineOutput execute_pipeline(
+      const pipeline::DataIterator& data_iter,
+      BoostedModel<M>& model,
+      const pipeline::PipelineCriterion& criterion,
+      interface::OptimizerWrapper* optimizer = nullptr,
+      bool return_loss = true,
+      bool return_outputs = false) {
+    return execute_pipeline(
+        data_iter,
+        *model.wrapper(),
+        criterion,
+        optimizer,
+        return_loss,
+        return_outputs);
+  }
+  pipeline::PipelineOutput execute_pipeline(
+      const pipeline::DataIterator& data_iter,
+      interface::ModelWrapper& model,
+      const pipeline::PipelineCriterion& criterion,
+      interface::OptimizerWrapper* optimizer = nullptr,
+      bool return_loss = true,
+      bool return_outputs = false);
   /// Saves the model's weights: one file (safetensors or PyTorch .bin), or
   /// with `shard` a directory of shards plus a Hugging Face index.
   template <class M>

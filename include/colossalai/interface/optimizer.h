@@ -32,6 +32,11 @@ class OptimizerWrapper {
   /// them in place.
   virtual void zero_grad(bool set_to_none = true);
   virtual void backward(const at::Tensor& loss, bool retain_graph = false);
+  /// What `backward` differentiates: the loss times the loss scale (fp16),
+  /// else the loss (pipelines run backward themselves).
+  virtual at::Tensor scale_loss(const at::Tensor& loss) {
+    return loss;
+  }
   /// Scales gradients so their global `norm_type`-norm is at most `max_norm`;
   /// returns the norm before clipping (inf for norm_type = inf).
   virtual double clip_grad_by_norm(double max_norm, double norm_type = 2.0);

@@ -55,6 +55,17 @@ struct ShardInfo {
   std::set<std::string> partial_grad_params;
 };
 
+/// One pipeline model chunk's share of a model: layers (blocks)
+/// [begin, end) of the policy's `num_pipeline_layers`, and whether it is
+/// the first (embeddings, reads the micro-batch) or the last (final norm,
+/// head) of the pipeline. The default is the whole model.
+struct StageLayers {
+  int64_t begin = 0;
+  int64_t end = -1; ///< -1: every layer
+  bool first = true;
+  bool last = true;
+};
+
 class Policy {
  public:
   virtual ~Policy() = default;
@@ -66,12 +77,36 @@ class Policy {
   /// parallelism (only a policy that knows the model's forward can split
   /// its sequence).
   virtual ShardInfo shard(torch::nn::Module& model, const ShardConfig& config);
-  /// Pipeline parallelism: the names of the model's children that stage
-  /// `stage` of `num_stages` holds (the base: every child on one stage).
+
+  // Pipeline parallelism (ColossalAI's get_held_layers, get_shared_params
+  // and the per-stage forwards its policies install). The base policy
+  // knows no split: pp_size > 1 needs a policy that overrides these.
+
+  /// The layers that split over stages (transformer blocks); 0: the model
+  /// cannot be split (the base).
+  virtual int64_t num_pipeline_layers(const torch::nn::Module& model) const {
+    return 0;
+  }
+  /// Names of the modules (as in `named_modules()`) that `layers` holds.
   virtual std::vector<std::string> held_layers(
       const torch::nn::Module& model,
-      int stage,
-      int num_stages) const;
+      const StageLayers& layers) const;
+  /// Parameters both the first and the last stage hold (a head tied to the
+  /// embedding): their gradients are summed between the two.
+  virtual std::vector<std::string> shared_params(
+      const torch::nn::Module& model) const {
+    return {};
+  }
+  /// Runs `layers` on one micro-batch: the first stage reads `micro_batch`
+  /// (what `Booster::execute_pipeline`'s data iterator gives, cut to one
+  /// micro-batch), the others `hidden`, the previous stage's output; every
+  /// stage sees the micro-batch. The last returns the model's output (the
+  /// criterion's input), the others what the next stage reads.
+  virtual at::Tensor stage_forward(
+      torch::nn::Module& model,
+      const StageLayers& layers,
+      const std::vector<at::Tensor>& micro_batch,
+      const at::Tensor& hidden) const;
 };
 
 /// A model that knows its policy (the zoo's GPT-2 and LLaMA): the plugin
@@ -81,6 +116,11 @@ class ShardableModel {
   virtual ~ShardableModel() = default;
   virtual std::shared_ptr<Policy> default_policy() const = 0;
 };
+
+/// `policy`, else the model's own (ShardableModel), else the base Policy.
+std::shared_ptr<Policy> resolve_policy(
+    torch::nn::Module& model,
+    std::shared_ptr<Policy> policy = nullptr);
 
 /// Shards `model` in place with `policy` (default: the model's own when it
 /// is a ShardableModel, else the base Policy), after
@@ -96,8 +136,8 @@ std::map<std::string, layer::ShardSpec> collect_shard_specs(
     const torch::nn::Module& model);
 
 /// Splits `blocks` layers evenly over `num_stages` pipeline stages (the
-/// first and last stages hold the embeddings and the head besides): the
-/// half-open block range of `stage`.
+/// remainder to the middle stages: the first and the last hold the
+/// embeddings and the head besides): the half-open block range of `stage`.
 std::pair<int64_t, int64_t> stage_block_range(
     int64_t blocks,
     int stage,

@@ -71,6 +71,11 @@ class LowLevelZeroOptimizer : public ShardedOptimizer {
 
   /// Gradient synchronization on/off (no_sync, stage 1 only).
   void set_require_sync(bool require);
+  bool require_sync() const;
+  /// Reduces now the gradients that backwards with sync off accumulated in
+  /// `.grad` (stage 1; pipelines: once per step, after the last
+  /// micro-batch).
+  void sync_gradients();
   MemoryStats memory_stats() const;
   /// The working (model) parameters this optimizer manages.
   const std::vector<at::Tensor>& working_params() const;

@@ -45,6 +45,7 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   void step() override;
   /// Multiplies the loss by the loss scale (fp16) before backward.
   void backward(const at::Tensor& loss, bool retain_graph = false) override;
+  at::Tensor scale_loss(const at::Tensor& loss) override;
   void zero_grad(bool set_to_none = true) override;
   /// Clips by the global norm across every rank's gradient shards.
   double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
@@ -79,6 +80,13 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
       distributed::ProcessGroupPtr group,
       const std::vector<at::Tensor>& replicated,
       const std::vector<at::Tensor>& partial_grads);
+  /// Pipeline stages beside the shards: each stage holds other parameters,
+  /// so the global norm and the overflow decision combine every stage;
+  /// `not_counted` (a copy another stage counts: the tied embedding on the
+  /// last stage) stays out of this stage's norm.
+  void set_pipeline_parallel(
+      distributed::ProcessGroupPtr group,
+      const std::vector<at::Tensor>& not_counted);
 
   /// Keeps this rank's piece of a full state (from any world size or
   /// plugin).
@@ -128,6 +136,8 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   distributed::ProcessGroupPtr mp_group_;
   std::vector<const void*> mp_replicated_; // sorted TensorImpl addresses
   std::vector<const void*> mp_partial_;
+  distributed::ProcessGroupPtr pp_group_;
+  std::vector<const void*> pp_not_counted_;
   bool partials_summed_ = false;
   std::vector<detail::FlatParams*> groups_;
   distributed::ProcessGroupPtr group_;

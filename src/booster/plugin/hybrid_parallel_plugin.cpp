@@ -4,12 +4,15 @@
 #include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/initialize.h>
+#include <colossalai/pipeline/schedule.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
 #include "../../checkpoint_io/optimizer_state.h"
 #include "plugin_options.h"
 #include "zero_options.h"
 
+#include <algorithm>
+#include <set>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -36,6 +39,45 @@ struct HybridState {
   std::vector<sl::ShardSpec> spec_by_id;
   std::vector<std::vector<int64_t>> local_shape_by_id, full_shape_by_id;
   std::weak_ptr<zero::LowLevelZeroOptimizer> zero;
+  bool pipelined = false;
+};
+
+// The outermost wrapper under pp_size > 1: the model runs stage by stage
+// inside execute_pipeline; a direct call is a user error.
+class PipelineGuardModel : public interface::ModelWrapper {
+ public:
+  explicit PipelineGuardModel(std::shared_ptr<interface::ModelWrapper> inner)
+      : interface::ModelWrapper(std::move(inner)) {}
+  // Stage forwards run inside this scope.
+  struct Scope {
+    explicit Scope(PipelineGuardModel& m) : m_(m) {
+      m_.in_schedule_ = true;
+      try {
+        m_.enter_forward();
+      } catch (...) {
+        m_.in_schedule_ = false;
+        throw;
+      }
+    }
+    ~Scope() {
+      m_.exit_forward();
+      m_.in_schedule_ = false;
+    }
+    PipelineGuardModel& m_;
+  };
+
+ protected:
+  void pre_forward() override {
+    TORCH_CHECK(
+        in_schedule_,
+        kName,
+        ": with pp_size > 1 the model runs through "
+        "booster.execute_pipeline(data_iter, model, criterion, optimizer), "
+        "not by calling it");
+  }
+
+ private:
+  bool in_schedule_ = false;
 };
 
 std::vector<int64_t> full_shape(
@@ -59,13 +101,19 @@ class HybridParallelNaiveOptimizer : public interface::OptimizerWrapper {
       distributed::ProcessGroupPtr tp,
       std::vector<at::Tensor> replicated,
       std::vector<at::Tensor> partial,
-      double max_norm)
+      double max_norm,
+      distributed::ProcessGroupPtr pp,
+      const std::vector<at::Tensor>& not_counted)
       : interface::OptimizerWrapper(std::move(optim)),
         tp_(std::move(tp)),
+        pp_(std::move(pp)),
         partial_(std::move(partial)),
         max_norm_(max_norm) {
     for (const auto& p : replicated) {
       replicated_.insert(p.unsafeGetTensorImpl());
+    }
+    for (const auto& p : not_counted) {
+      not_counted_.insert(p.unsafeGetTensorImpl());
     }
   }
 
@@ -90,14 +138,16 @@ class HybridParallelNaiveOptimizer : public interface::OptimizerWrapper {
     const bool first = tp_ == nullptr || tp_->rank() == 0;
     std::vector<at::Tensor> grads;
     for (const auto& p : parameters()) {
-      if (first || !replicated_.count(p.unsafeGetTensorImpl())) {
+      if ((first || !replicated_.count(p.unsafeGetTensorImpl())) &&
+          !not_counted_.count(p.unsafeGetTensorImpl())) {
         grads.push_back(p.grad());
       }
     }
+    // Every stage holds other parameters: the norm combines them.
     const double norm = interface::total_norm(
         grads,
         norm_type,
-        std::vector<const distributed::ProcessGroup*>{tp_.get()});
+        std::vector<const distributed::ProcessGroup*>{tp_.get(), pp_.get()});
     const double coef = max_norm / (norm + 1e-6);
     if (coef < 1.0) {
       interface::scale_grads(parameters(), coef);
@@ -129,8 +179,8 @@ class HybridParallelNaiveOptimizer : public interface::OptimizerWrapper {
     }
   }
 
-  distributed::ProcessGroupPtr tp_;
-  std::unordered_set<const void*> replicated_;
+  distributed::ProcessGroupPtr tp_, pp_;
+  std::unordered_set<const void*> replicated_, not_counted_;
   std::vector<at::Tensor> partial_;
   double max_norm_;
   bool summed_ = false;
@@ -159,6 +209,69 @@ at::Tensor gather_whole(
       std::vector<at::Tensor>(parts.begin(), parts.end()), spec);
 }
 
+void check_pipeline_options(const HybridParallelPluginOptions& o) {
+  const int pp = o.pp_size();
+  const auto& style = o.pp_style();
+  TORCH_CHECK(
+      style == "1f1b" || style == "interleaved" || style == "zbv",
+      kName,
+      ": pp_style must be '1f1b', 'interleaved' or 'zbv', got '",
+      style,
+      "'");
+  TORCH_CHECK(
+      o.num_microbatches() >= 0 && o.microbatch_size() >= 0,
+      kName,
+      ": num_microbatches and microbatch_size must be >= 0");
+  if (pp == 1) {
+    return;
+  }
+  TORCH_CHECK(
+      o.num_microbatches() > 0 || o.microbatch_size() > 0,
+      kName,
+      ": pp_size ",
+      pp,
+      " needs num_microbatches or microbatch_size");
+  if (style == "1f1b") {
+    TORCH_CHECK(
+        o.num_model_chunks() == 1,
+        kName,
+        ": pp_style '1f1b' needs num_model_chunks 1 (got ",
+        o.num_model_chunks(),
+        "); use pp_style('interleaved')");
+  } else if (style == "interleaved") {
+    TORCH_CHECK(
+        o.num_model_chunks() > 1,
+        kName,
+        ": pp_style 'interleaved' needs num_model_chunks > 1");
+  } else {
+    TORCH_CHECK(
+        o.num_model_chunks() == 2,
+        kName,
+        ": pp_style 'zbv' needs num_model_chunks 2 (the V), got ",
+        o.num_model_chunks());
+    TORCH_CHECK(
+        o.gradient_checkpointing_ratio() == 0.0,
+        kName,
+        ": pp_style 'zbv' cannot recompute blocks "
+        "(gradient_checkpointing_ratio must be 0): its input-gradient pass "
+        "would accumulate weight gradients too");
+  }
+  TORCH_CHECK(
+      o.zero_stage() < 2,
+      kName,
+      ": zero_stage 2 with pp_size > 1 is not supported (gradients are "
+      "reduced once per step after every micro-batch; as in ColossalAI); "
+      "use zero_stage(1) or 0");
+}
+
+void check_not_pipelined(const HybridState& s) {
+  TORCH_CHECK(
+      !s.pipelined,
+      kName,
+      ": checkpoints of a pipelined model (pp_size > 1) are not supported "
+      "yet");
+}
+
 bool tp_active(const HybridState& s) {
   return s.tp != nullptr && s.tp->size() > 1;
 }
@@ -174,6 +287,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   void stream_model(
       interface::ModelWrapper& model,
       const checkpoint_io::TensorSink& sink) override {
+    check_not_pipelined(*state_);
     const auto& specs = state_->info.specs;
     auto module = model.unwrap();
     for (const auto& item : module->named_parameters(true)) {
@@ -245,6 +359,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   void load_model(
       interface::ModelWrapper& model,
       const std::function<void()>& load) override {
+    check_not_pipelined(*state_);
     load();
     if (auto z = state_->zero.lock()) {
       z->sync_master_from_working();
@@ -254,6 +369,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   void stream_optimizer(
       interface::OptimizerWrapper& optimizer,
       const checkpoint_io::StateSink& sink) override {
+    check_not_pipelined(*state_);
     auto emit = [&](int64_t id, const checkpoint_io::StateDict& state) {
       if (!tp_active(*state_) || !state_->spec_by_id.at(id).is_split()) {
         sink(id, state);
@@ -292,6 +408,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
       int64_t id,
       const checkpoint_io::StateDict& state,
       const std::string& file) override {
+    check_not_pipelined(*state_);
     checkpoint_io::StateDict mine = state;
     if (tp_active(*state_) && id >= 0 &&
         id < static_cast<int64_t>(state_->spec_by_id.size()) &&
@@ -331,13 +448,8 @@ HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
   const int world = distributed::get_world_size();
   const int tp = options_.tp_size(), pp = options_.pp_size();
   TORCH_CHECK(tp >= 1, kName, ": tp_size must be >= 1, got ", tp);
-  TORCH_CHECK(
-      pp == 1,
-      kName,
-      ": pp_size ",
-      pp,
-      " is not supported yet (pipeline parallelism is not implemented); "
-      "use pp_size(1)");
+  TORCH_CHECK(pp >= 1, kName, ": pp_size must be >= 1, got ", pp);
+  check_pipeline_options(options_);
   TORCH_CHECK(
       options_.zero_stage() >= 0 && options_.zero_stage() <= 2,
       kName,
@@ -445,6 +557,18 @@ HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
   mixed_dp_group_ = mesh_->get_group_along_axis({dp_axis, sp_axis});
   pp_group_ = mesh_->get_group_along_axis(pp_axis);
   sp_group_ = on_tensor_group(sp_mode_) ? tp_group_ : sp_axis_group;
+  // Tied parameters of the first and last stage (two ranks unless the V
+  // puts both on the first): their gradients are summed between the two.
+  if (pp > 1 && options_.pp_style() != "zbv") {
+    const auto& ranks = pp_group_->ranks();
+    const int first = ranks.front(), last = ranks.back();
+    const int me = distributed::get_rank();
+    if (me == first || me == last) {
+      shared_group_ = distributed::new_group(
+          {first, last},
+          "pp_shared_" + std::to_string(first) + "_" + std::to_string(last));
+    }
+  }
 }
 
 std::shared_ptr<checkpoint_io::CheckpointIO> HybridParallelPlugin::
@@ -502,17 +626,27 @@ void HybridParallelPlugin::configure(
     state_ = std::make_shared<HybridState>();
   }
   auto st = std::static_pointer_cast<HybridState>(state_);
-  st->info = shardformer::shard_model(*module, cfg, options_.custom_policy());
+  policy_ = shardformer::resolve_policy(*module, options_.custom_policy());
+  st->info = shardformer::shard_model(*module, cfg, policy_);
   info_ = st->info;
   st->tp = options_.tp_size() > 1 ? tp_group_ : nullptr;
+  // Pipelines: keep this stage's layers, release the rest.
+  std::set<std::string> held;
+  if (options_.pp_size() > 1) {
+    held = setup_pipeline(*module, *optimizer);
+    st->pipelined = true;
+  }
   if (dtype_ != at::kFloat && options_.zero_stage() > 0) {
     module->to(dtype_);
   }
 
   // Parameter roles by identity.
   std::unordered_map<const void*, std::string> name_of;
-  std::vector<at::Tensor> replicated, partial;
+  std::vector<at::Tensor> replicated, partial, not_counted;
   for (const auto& item : module->named_parameters(true)) {
+    if (options_.pp_size() > 1 && !held.count(item.key())) {
+      continue;
+    }
     name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
     if (!info_.specs.count(item.key())) {
       replicated.push_back(item.value());
@@ -547,6 +681,11 @@ void HybridParallelPlugin::configure(
     }
   }
 
+  // A tied parameter is counted in the norm on the stage holding the
+  // embeddings only.
+  if (stage_manager_ != nullptr && !stage_manager_->holds_first_stage()) {
+    not_counted = shared_params_;
+  }
   auto hybrid = std::make_shared<detail::CastInputModel>(
       model, options_.zero_stage() > 0 ? dtype_ : at::kFloat);
   model = hybrid;
@@ -573,7 +712,12 @@ void HybridParallelPlugin::configure(
         tp,
         replicated,
         partial,
-        options_.max_norm());
+        options_.max_norm(),
+        options_.pp_size() > 1 ? pp_group_ : nullptr,
+        not_counted);
+    if (options_.pp_size() > 1) {
+      model = std::make_shared<PipelineGuardModel>(model);
+    }
     return;
   }
   auto zo = detail::zero_optimizer_options(
@@ -585,8 +729,256 @@ void HybridParallelPlugin::configure(
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), mixed_dp_group_, zo);
   zero_opt->set_model_parallel(tp, replicated, partial);
+  if (options_.pp_size() > 1) {
+    zero_opt->set_pipeline_parallel(pp_group_, not_counted);
+    model = std::make_shared<PipelineGuardModel>(model);
+  }
   st->zero = zero_opt;
   optimizer = zero_opt;
+}
+
+std::set<std::string> HybridParallelPlugin::setup_pipeline(
+    torch::nn::Module& module,
+    interface::OptimizerWrapper& optimizer) {
+  const int pp = options_.pp_size();
+  const int64_t layers = policy_->num_pipeline_layers(module);
+  TORCH_CHECK(
+      layers > 0,
+      kName,
+      ": pp_size ",
+      pp,
+      " needs a policy that splits the model into stages, and ",
+      policy_->name(),
+      " does not; pass a custom_policy that overrides num_pipeline_layers, "
+      "held_layers and stage_forward");
+  const bool zbv = options_.pp_style() == "zbv";
+  stage_manager_ = std::make_shared<pipeline::PipelineStageManager>(
+      pp_group_, options_.num_model_chunks(), zbv);
+  const auto per_stage = stage_manager_->distribute_layers(
+      layers, options_.num_layers_per_stage());
+  auto modules = module.named_modules();
+  std::set<std::string> held;
+  chunk_layers_.clear();
+  chunk_params_.assign(options_.num_model_chunks(), {});
+  for (int c = 0; c < options_.num_model_chunks(); ++c) {
+    chunk_layers_.push_back(stage_manager_->stage_layers(c, per_stage));
+    std::set<std::string> mine;
+    for (const auto& name : policy_->held_layers(module, chunk_layers_[c])) {
+      auto* m = modules.find(name);
+      TORCH_CHECK(
+          m != nullptr,
+          kName,
+          ": ",
+          policy_->name(),
+          ".held_layers names a module '",
+          name,
+          "' that the model does not have");
+      for (const auto& p : (*m)->named_parameters(true)) {
+        const auto full = name + "." + p.key();
+        held.insert(full);
+        if (mine.insert(full).second) {
+          chunk_params_[c].push_back(p.value());
+        }
+      }
+    }
+  }
+  auto named = module.named_parameters(true);
+  shared_params_.clear();
+  for (const auto& name : policy_->shared_params(module)) {
+    auto* p = named.find(name);
+    TORCH_CHECK(
+        p != nullptr,
+        kName,
+        ": ",
+        policy_->name(),
+        ".shared_params names '",
+        name,
+        "' that the model does not have");
+    if (held.count(name)) {
+      shared_params_.push_back(*p);
+    }
+  }
+  // Release what other stages hold (ColossalAI's shardformer does the
+  // same): storage freed, no gradient, out of the optimizer.
+  std::unordered_set<const void*> released;
+  {
+    at::NoGradGuard no_grad;
+    for (auto& item : named) {
+      if (!held.count(item.key())) {
+        auto& p = item.value();
+        released.insert(p.unsafeGetTensorImpl());
+        p.set_data(at::empty({0}, p.options()));
+        p.requires_grad_(false);
+      }
+    }
+  }
+  for (auto& g : optimizer.param_groups()) {
+    auto& ps = g.params();
+    ps.erase(
+        std::remove_if(
+            ps.begin(),
+            ps.end(),
+            [&](const at::Tensor& p) {
+              return released.count(p.unsafeGetTensorImpl()) > 0;
+            }),
+        ps.end());
+  }
+  auto p2p = std::make_shared<pipeline::PipelineP2PCommunication>(
+      pp_group_, options_.enable_metadata_cache());
+  schedule_ = std::make_shared<pipeline::PipelineSchedule>(
+      stage_manager_, p2p, options_.pp_style(), options_.overlap_p2p());
+  return held;
+}
+
+void HybridParallelPlugin::sync_shared_grads() {
+  if (shared_group_ == nullptr || shared_params_.empty()) {
+    return;
+  }
+  std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> flat_parts;
+  for (auto& p : shared_params_) {
+    if (!p.grad().defined()) {
+      p.mutable_grad() = at::zeros_like(p);
+    }
+    grads.push_back(p.mutable_grad());
+    flat_parts.push_back(p.grad().reshape({-1}));
+  }
+  auto flat = at::cat(flat_parts).to(shared_group_->device());
+  distributed::all_reduce(flat, *shared_group_).wait();
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+    offset += g.numel();
+  }
+}
+
+pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
+    const pipeline::DataIterator& data_iter,
+    interface::ModelWrapper& model,
+    const pipeline::PipelineCriterion& criterion,
+    interface::OptimizerWrapper* optimizer,
+    bool return_loss,
+    bool return_outputs) {
+  TORCH_CHECK(
+      schedule_ != nullptr,
+      kName,
+      ".execute_pipeline needs a model boosted with pp_size > 1");
+  auto* guard = interface::find_wrapper<PipelineGuardModel>(model);
+  TORCH_CHECK(
+      guard != nullptr, kName, ".execute_pipeline: pass the boosted model");
+  auto* zero = dynamic_cast<zero::LowLevelZeroOptimizer*>(optimizer);
+  TORCH_CHECK(
+      options_.zero_stage() == 0 || zero != nullptr,
+      kName,
+      ".execute_pipeline: pass the boosted optimizer (ZeRO reduces the "
+      "gradients into its buckets)");
+  auto batch = data_iter();
+  TORCH_CHECK(
+      !batch.empty() && batch[0].defined() && batch[0].dim() >= 1,
+      kName,
+      ".execute_pipeline: data_iter gave an empty batch");
+  const int64_t n = batch[0].size(0);
+  for (const auto& t : batch) {
+    TORCH_CHECK(
+        t.defined() && t.dim() >= 1 && t.size(0) == n,
+        kName,
+        ".execute_pipeline: every tensor of the batch must have ",
+        n,
+        " samples along dim 0");
+  }
+  int64_t m = options_.num_microbatches(), size = options_.microbatch_size();
+  if (m > 0 && size > 0) {
+    TORCH_CHECK(
+        m * size == n,
+        kName,
+        ": num_microbatches ",
+        m,
+        " x microbatch_size ",
+        size,
+        " != the batch's ",
+        n,
+        " samples");
+  } else if (m > 0) {
+    TORCH_CHECK(
+        n % m == 0,
+        kName,
+        ": a batch of ",
+        n,
+        " samples does not divide into num_microbatches ",
+        m);
+    size = n / m;
+  } else {
+    TORCH_CHECK(
+        n % size == 0,
+        kName,
+        ": a batch of ",
+        n,
+        " samples does not divide into micro-batches of microbatch_size ",
+        size);
+    m = n / size;
+  }
+  TORCH_CHECK(
+      options_.pp_style() != "interleaved" || m % options_.pp_size() == 0,
+      kName,
+      ": pp_style 'interleaved' needs num_microbatches (",
+      m,
+      ") to be a multiple of pp_size (",
+      options_.pp_size(),
+      ")");
+  const auto device = current_device();
+  std::vector<pipeline::Batch> micro(m);
+  for (int64_t i = 0; i < m; ++i) {
+    for (const auto& t : batch) {
+      micro[i].push_back(
+          guard->prepare_input(t.narrow(0, i * size, size).to(device)));
+    }
+  }
+
+  // Data-parallel synchronisation once per step, after every micro-batch.
+  auto* ddp = interface::find_wrapper<TorchDDPModel>(model);
+  const bool sync = ddp != nullptr ? ddp->require_sync()
+      : zero != nullptr            ? zero->require_sync()
+                                   : true;
+  auto set_sync = [&](bool on) {
+    if (ddp != nullptr) {
+      ddp->set_require_sync(on);
+    }
+    if (zero != nullptr) {
+      zero->set_require_sync(on);
+    }
+  };
+  set_sync(false);
+  NoSyncGuard restore([&]() { set_sync(sync); });
+  auto module = model.unwrap();
+  auto forward = [&](int chunk,
+                     const pipeline::Batch& mb,
+                     const at::Tensor& hidden) {
+    PipelineGuardModel::Scope scope(*guard);
+    return policy_->stage_forward(*module, chunk_layers_[chunk], mb, hidden);
+  };
+  auto scale = [optimizer](const at::Tensor& loss) {
+    return optimizer != nullptr ? optimizer->scale_loss(loss) : loss;
+  };
+  auto out = schedule_->forward_backward_step(
+      micro,
+      forward,
+      chunk_params_,
+      criterion,
+      scale,
+      return_loss,
+      return_outputs);
+  if (!sync) {
+    return out; // no_sync: gradients accumulate until a synchronised step
+  }
+  set_sync(true);
+  sync_shared_grads();
+  if (ddp != nullptr) {
+    ddp->sync_gradients();
+  }
+  if (zero != nullptr) {
+    zero->sync_gradients();
+  }
+  return out;
 }
 
 NoSyncGuard HybridParallelPlugin::no_sync(

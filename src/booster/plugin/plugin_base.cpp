@@ -14,6 +14,18 @@ NoSyncGuard Plugin::no_sync(
   unsupported("no_sync");
 }
 
+pipeline::PipelineOutput Plugin::execute_pipeline(
+    const pipeline::DataIterator&,
+    interface::ModelWrapper&,
+    const pipeline::PipelineCriterion&,
+    interface::OptimizerWrapper*,
+    bool,
+    bool) {
+  unsupported(
+      "execute_pipeline (pipeline parallelism: HybridParallelPlugin with "
+      "pp_size > 1)");
+}
+
 std::shared_ptr<torch::nn::Module> Plugin::enable_lora(
     std::shared_ptr<torch::nn::Module>,
     const std::string&) {

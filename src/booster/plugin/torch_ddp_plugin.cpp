@@ -116,6 +116,10 @@ void TorchDDPModel::broadcast_buffers() {
   }
 }
 
+void TorchDDPModel::sync_gradients() {
+  reducer_->sync_gradients();
+}
+
 void TorchDDPModel::set_require_sync(bool require) {
   reducer_->set_require_sync(require);
 }

@@ -78,12 +78,12 @@ void ShardedOptimizer::backward(const at::Tensor& loss, bool retain) {
       loss.numel() == 1,
       "backward: the loss must be a scalar, got shape ",
       loss.sizes());
-  if (scaler_) {
-    // fp32 multiply: the scale must not overflow an fp16 loss.
-    (loss.to(at::kFloat) * scaler_->scale()).backward({}, retain);
-  } else {
-    loss.backward({}, retain);
-  }
+  scale_loss(loss).backward({}, retain);
+}
+
+at::Tensor ShardedOptimizer::scale_loss(const at::Tensor& loss) {
+  // fp32 multiply: the scale must not overflow an fp16 loss.
+  return scaler_ ? loss.to(at::kFloat) * scaler_->scale() : loss;
 }
 
 void ShardedOptimizer::unscale() {
@@ -114,10 +114,11 @@ bool ShardedOptimizer::overflow() {
     distributed::all_reduce(flag, *group_, distributed::ReduceOp::kMax).wait();
   }
   // Tensor ranks hold different shards too: all of them skip together.
-  if (mp_group_ != nullptr && mp_group_->size() > 1) {
-    flag = flag.to(mp_group_->device());
-    distributed::all_reduce(flag, *mp_group_, distributed::ReduceOp::kMax)
-        .wait();
+  for (const auto& g : {mp_group_, pp_group_}) {
+    if (g != nullptr && g->size() > 1) {
+      flag = flag.to(g->device());
+      distributed::all_reduce(flag, *g, distributed::ReduceOp::kMax).wait();
+    }
   }
   return flag.item<float>() > 0;
 }
@@ -147,6 +148,13 @@ void ShardedOptimizer::set_model_parallel(
   mp_group_ = std::move(group);
   mp_replicated_ = sorted_impls(replicated);
   mp_partial_ = sorted_impls(partial_grads);
+}
+
+void ShardedOptimizer::set_pipeline_parallel(
+    distributed::ProcessGroupPtr group,
+    const std::vector<at::Tensor>& not_counted) {
+  pp_group_ = std::move(group);
+  pp_not_counted_ = sorted_impls(not_counted);
 }
 
 void ShardedOptimizer::sum_partial_grads() {
@@ -179,23 +187,29 @@ void ShardedOptimizer::sum_partial_grads() {
 double ShardedOptimizer::global_norm(double norm_type) {
   // Shards are disjoint: the global norm combines every rank's partials.
   std::vector<at::Tensor> grads;
-  if (mp_group_ == nullptr || mp_group_->size() == 1) {
+  const bool tp = mp_group_ != nullptr && mp_group_->size() > 1;
+  const bool pp = pp_group_ != nullptr && pp_group_->size() > 1;
+  if (!tp && !pp) {
     for (auto* g : groups_) {
       grads.push_back(g->shard_grad);
     }
     return interface::total_norm(grads, norm_type, group_.get());
   }
   // Split parameters: every tensor rank's share; replicated ones: once.
-  const bool first = mp_group_->rank() == 0;
+  // Every stage its own parameters; a tied copy: on one stage.
+  const bool first = !tp || mp_group_->rank() == 0;
   for (auto* g : groups_) {
     for (size_t i = 0; i < g->params.size(); ++i) {
-      if (first || !contains(mp_replicated_, g->params[i])) {
+      if ((first || !contains(mp_replicated_, g->params[i])) &&
+          !contains(pp_not_counted_, g->params[i])) {
         grads.push_back(g->pieces[i].grad());
       }
     }
   }
   return interface::total_norm(
-      grads, norm_type, {group_.get(), mp_group_.get()});
+      grads,
+      norm_type,
+      {group_.get(), tp ? mp_group_.get() : nullptr, pp_group_.get()});
 }
 
 void ShardedOptimizer::step() {

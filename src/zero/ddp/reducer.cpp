@@ -102,6 +102,14 @@ void Reducer::on_backward_begin() {
   }
 }
 
+void Reducer::sync_gradients() {
+  std::vector<char> used;
+  for (const auto& p : params_) {
+    used.push_back(p.grad().defined() ? 1 : 0);
+  }
+  bucketer_->flush(used);
+}
+
 void Reducer::fill(size_t param, bool used) {
   auto& p = params_[param];
   auto view = view_of(param);

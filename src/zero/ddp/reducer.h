@@ -40,6 +40,8 @@ class Reducer : public distributed::BucketHandler {
   bool require_sync() const {
     return bucketer_->sync();
   }
+  /// Averages now what backwards with sync off accumulated in `.grad`.
+  void sync_gradients();
 
   std::vector<int64_t> bucket_numels() const;
   int64_t bytes_per_sync() const;

@@ -242,6 +242,18 @@ void LowLevelZeroOptimizer::set_require_sync(bool require) {
   impl_->bucketer->set_sync(require);
 }
 
+bool LowLevelZeroOptimizer::require_sync() const {
+  return impl_->bucketer->sync();
+}
+
+void LowLevelZeroOptimizer::sync_gradients() {
+  std::vector<char> used;
+  for (const auto& p : impl_->working) {
+    used.push_back(p.grad().defined() ? 1 : 0);
+  }
+  impl_->bucketer->flush(used);
+}
+
 const std::vector<at::Tensor>& LowLevelZeroOptimizer::working_params() const {
   return impl_->working;
 }

@@ -5,7 +5,14 @@
 
 #include <torch/arg.h>
 
+#include <string>
+#include <vector>
+
 namespace colossalai {
+namespace pipeline {
+class PipelineStageManager;
+class PipelineSchedule;
+} // namespace pipeline
 namespace booster {
 namespace plugin {
 
@@ -13,8 +20,28 @@ namespace plugin {
 struct HybridParallelPluginOptions {
   /// Tensor-parallel size: the model's ParallelModules are split over it.
   TORCH_ARG(int, tp_size) = 1;
-  /// Pipeline stages; only 1 until pipeline parallelism lands.
+  /// Pipeline stages (the mesh's pp axis). With more than one, each stage
+  /// holds its share of the layers and a step runs through
+  /// `Booster::execute_pipeline`.
   TORCH_ARG(int, pp_size) = 1;
+  /// Micro-batches per pipeline step; 0: batch size / microbatch_size. One
+  /// of the two is needed with pp_size > 1.
+  TORCH_ARG(int, num_microbatches) = 0;
+  /// Samples per micro-batch; 0: batch size / num_microbatches.
+  TORCH_ARG(int, microbatch_size) = 0;
+  /// "1f1b", "interleaved" (num_model_chunks > 1) or "zbv" (zero-bubble V:
+  /// num_model_chunks 2, backward split into input and weight passes).
+  TORCH_ARG(std::string, pp_style) = "1f1b";
+  /// Model chunks per pipeline rank (interleaved, zbv).
+  TORCH_ARG(int, num_model_chunks) = 1;
+  /// Layers of each virtual stage (pp_size x num_model_chunks entries);
+  /// empty: an even split.
+  TORCH_ARG(std::vector<int>, num_layers_per_stage) = {};
+  /// Send the shape / dtype of each stream between stages once and reuse
+  /// it (every micro-batch then has the same shape).
+  TORCH_ARG(bool, enable_metadata_cache) = true;
+  /// Post each receive before the action ahead of it computes.
+  TORCH_ARG(bool, overlap_p2p) = true;
   /// Sequence-parallel size of all_to_all and ring_attn (their own mesh
   /// axis); 0 = unset (1). split_gather and ring use the tensor group and
   /// refuse an sp_size other than 0 or 1.
@@ -77,8 +104,8 @@ struct HybridParallelPluginOptions {
   TORCH_ARG(bool, dp_outside) = true;
 };
 
-/// Tensor, sequence and data parallelism combined
-/// (`colossalai.booster.plugin.HybridParallelPlugin`; pipelines next).
+/// Tensor, sequence, pipeline and data parallelism combined
+/// (`colossalai.booster.plugin.HybridParallelPlugin`).
 ///
 /// NOTE [Hybrid parallel layout]
 /// The ranks form a mesh (dp, pp, sp, tp) (tp fastest: a tensor group is
@@ -94,6 +121,18 @@ struct HybridParallelPluginOptions {
 /// each and are summed over the tensor group before the step. The global norm
 /// counts split parameters on every tensor rank and replicated ones once.
 ///
+/// NOTE [Hybrid pipeline]
+/// With pp_size > 1 the policy says how the model splits
+/// (`num_pipeline_layers`, `held_layers`, `stage_forward`). At boost each
+/// rank keeps the parameters of its chunks' layers and releases the rest
+/// (their storage is freed, they leave the optimizer), as ColossalAI's
+/// shardformer does. A step (`execute_pipeline`) runs the schedule with
+/// data-parallel synchronisation off, then once: the tied parameters'
+/// gradients are summed between the first and last stage, and the
+/// data-parallel gradients are reduced (DDP's or ZeRO-1's buckets); zero
+/// stage 2 is refused, as in ColossalAI. The optimizer's global norm and
+/// overflow decision combine every stage, counting a tied parameter once.
+///
 /// Example:
 /// \code
 ///   auto plugin = std::make_shared<HybridParallelPlugin>(
@@ -103,6 +142,13 @@ struct HybridParallelPluginOptions {
 ///   zoo::GPT2LMHeadModel model(zoo::GPT2Config::small_cpu());
 ///   auto boosted = booster.boost(model, optimizer);
 ///   auto loss = model->loss(boosted.model(ids), targets);
+///   // With pp_size(2).num_microbatches(4): one step on every rank
+///   auto out = booster.execute_pipeline(
+///       [&] { return pipeline::Batch{ids, targets}; }, boosted.model,
+///       [&](const at::Tensor& logits, const pipeline::Batch& mb) {
+///         return model->loss(logits, mb[1]);
+///       },
+///       boosted.optimizer.get());
 /// \endcode
 class HybridParallelPlugin : public DPPluginBase {
  public:
@@ -139,6 +185,16 @@ class HybridParallelPlugin : public DPPluginBase {
   NoSyncGuard no_sync(
       interface::ModelWrapper& model,
       interface::OptimizerWrapper* optimizer) override;
+  bool support_pipeline() const override {
+    return options_.pp_size() > 1;
+  }
+  pipeline::PipelineOutput execute_pipeline(
+      const pipeline::DataIterator& data_iter,
+      interface::ModelWrapper& model,
+      const pipeline::PipelineCriterion& criterion,
+      interface::OptimizerWrapper* optimizer,
+      bool return_loss,
+      bool return_outputs) override;
 
   const HybridParallelPluginOptions& options() const {
     return options_;
@@ -155,6 +211,18 @@ class HybridParallelPlugin : public DPPluginBase {
   const distributed::ProcessGroupPtr& sp_group() const {
     return sp_group_;
   }
+  const distributed::ProcessGroupPtr& pp_group() const {
+    return pp_group_;
+  }
+  /// The pipeline's stage manager and schedule (null with pp_size 1, or
+  /// before boost).
+  const std::shared_ptr<pipeline::PipelineStageManager>& stage_manager()
+      const {
+    return stage_manager_;
+  }
+  const std::shared_ptr<pipeline::PipelineSchedule>& schedule() const {
+    return schedule_;
+  }
   /// The group gradients are averaged over: dp x sp.
   const distributed::ProcessGroupPtr& mixed_dp_group() const {
     return mixed_dp_group_;
@@ -165,6 +233,13 @@ class HybridParallelPlugin : public DPPluginBase {
   }
 
  private:
+  // Splits the model over the stages: keeps this rank's layers (their
+  // parameter names are returned), releases the rest.
+  std::set<std::string> setup_pipeline(
+      torch::nn::Module& module,
+      interface::OptimizerWrapper& optimizer);
+  void sync_shared_grads();
+
   HybridParallelPluginOptions options_;
   at::ScalarType dtype_;
   std::string sp_mode_;
@@ -172,6 +247,15 @@ class HybridParallelPlugin : public DPPluginBase {
   distributed::ProcessGroupPtr tp_group_, sp_group_, mixed_dp_group_, pp_group_;
   shardformer::ShardInfo info_;
   std::shared_ptr<void> state_; // shared with the checkpoint IO
+  // Pipelines: the stage split, the schedule and the parameters both the
+  // first and the last stage hold (their group, when they are two ranks).
+  std::shared_ptr<pipeline::PipelineStageManager> stage_manager_;
+  std::shared_ptr<pipeline::PipelineSchedule> schedule_;
+  std::shared_ptr<shardformer::Policy> policy_;
+  std::vector<shardformer::StageLayers> chunk_layers_;
+  std::vector<std::vector<at::Tensor>> chunk_params_;
+  std::vector<at::Tensor> shared_params_;
+  distributed::ProcessGroupPtr shared_group_;
   bool configured_ = false;
 };
 

@@ -2,6 +2,7 @@
 
 #include <colossalai/interface/model.h>
 #include <colossalai/interface/optimizer.h>
+#include <colossalai/pipeline/types.h>
 
 #include <functional>
 #include <memory>
@@ -79,6 +80,21 @@ class Plugin {
   virtual NoSyncGuard no_sync(
       interface::ModelWrapper& model,
       interface::OptimizerWrapper* optimizer);
+
+  /// Whether the plugin runs pipelines (`execute_pipeline`).
+  virtual bool support_pipeline() const {
+    return false;
+  }
+  /// One training step of a pipelined model: forward and backward of every
+  /// micro-batch, gradients synchronised (ColossalAI's
+  /// PipelinePluginBase.execute_pipeline).
+  virtual pipeline::PipelineOutput execute_pipeline(
+      const pipeline::DataIterator& data_iter,
+      interface::ModelWrapper& model,
+      const pipeline::PipelineCriterion& criterion,
+      interface::OptimizerWrapper* optimizer,
+      bool return_loss,
+      bool return_outputs);
 
   /// Adds LoRA adapters to the model.
   virtual std::shared_ptr<torch::nn::Module> enable_lora(

@@ -42,6 +42,9 @@ class TorchDDPModel : public interface::ModelWrapper {
   /// Gradient synchronization on/off (no_sync).
   void set_require_sync(bool require);
   bool require_sync() const;
+  /// Averages now the gradients that backwards under no_sync accumulated
+  /// (pipelines: once per step, after the last micro-batch).
+  void sync_gradients();
   /// Element counts of the buckets, in launch order.
   std::vector<int64_t> bucket_numels() const;
   /// Bytes all-reduced per synchronized backward.

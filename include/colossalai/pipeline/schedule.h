@@ -1,0 +1,165 @@
+#pragma once
+
+/// Pipeline schedules (ColossalAI's `pipeline.schedule`): the order in which
+/// each stage runs the forward and backward passes of the micro-batches,
+/// and the one engine that runs any such order.
+///
+/// NOTE [Pipeline schedules]
+/// A schedule is, per stage, a list of actions on (model chunk,
+/// micro-batch): F (forward), B (backward) and, for zero-bubble schedules,
+/// B split into BI (the input's gradient only, which the previous stage
+/// waits for) and W (the weights' gradients, which nobody waits for, so
+/// they fill the bubbles). The generators:
+///  - `one_f_one_b`: p - s - 1 warm-up forwards on stage s, then one
+///    forward / one backward, then the remaining backwards. Bubble
+///    (p - 1) / (m + p - 1).
+///  - `interleaved` (Megatron): each rank holds `chunks` model chunks; the
+///    warm-up runs ahead through the chunks, so the bubble shrinks by the
+///    number of chunks. m must be a multiple of p.
+///  - `zero_bubble_v` (ZB-V): two chunks in a V (the first rank holds the
+///    embeddings and the head). Generated greedily by simulating every
+///    stage with unit costs: a ready BI first, then a ready F (chunk 1, on
+///    the way to the loss, before chunk 0) while at most p micro-batches per
+///    chunk hold activations, else a pending W.
+/// `simulate` runs a schedule's per-stage lists with unit costs and
+/// blocking receives, as the engine does; a schedule it finishes cannot
+/// deadlock in the engine (every action's inputs are produced by actions
+/// that started earlier in the simulation), and its idle share is the
+/// schedule's bubble.
+///
+/// The engine (`PipelineSchedule`) runs one stage's list: a forward reads
+/// the micro-batch (first virtual stage) or the previous stage's output, and
+/// sends its own output on (the last virtual stage applies the criterion
+/// and divides the loss by the number of micro-batches, as ColossalAI
+/// does); a backward receives the output's gradient and sends the input's
+/// back. Transfers are asynchronous (NOTE [Pipeline p2p]); with
+/// `overlap_p2p` the receive of the next action is posted before the
+/// current action computes.
+///
+/// Example:
+/// \code
+///   auto actions = one_f_one_b(/*stage=*/1, /*stages=*/4, /*m=*/8);
+///   auto sim = simulate(generate("1f1b", 4, 1, 8));  // sim.bubble
+/// \endcode
+
+#include <colossalai/pipeline/p2p.h>
+#include <colossalai/pipeline/stage_manager.h>
+#include <colossalai/pipeline/types.h>
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace colossalai {
+namespace pipeline {
+
+enum class ActionKind {
+  kForward,
+  kBackward, ///< input and weight gradients at once
+  kBackwardInput, ///< the input's gradient (zero-bubble)
+  kBackwardWeight ///< the weights' gradients (zero-bubble)
+};
+
+struct Action {
+  ActionKind kind;
+  int chunk;
+  int micro_batch;
+  bool operator==(const Action& o) const {
+    return kind == o.kind && chunk == o.chunk && micro_batch == o.micro_batch;
+  }
+};
+
+/// "F0.3" (forward, chunk 0, micro-batch 3), "B", "BI", "W".
+std::string to_string(const Action& a);
+
+std::vector<Action> one_f_one_b(int stage, int num_stages, int num_microbatches);
+std::vector<Action> interleaved(
+    int stage,
+    int num_stages,
+    int num_chunks,
+    int num_microbatches);
+/// Every stage's list (the V shape is generated for all stages at once).
+std::vector<std::vector<Action>> zero_bubble_v(
+    int num_stages,
+    int num_microbatches);
+/// Every stage's list for `style` ("1f1b", "interleaved", "zbv").
+std::vector<std::vector<Action>> generate(
+    const std::string& style,
+    int num_stages,
+    int num_chunks,
+    int num_microbatches);
+
+struct Simulation {
+  /// Time steps until the last stage finishes (unit cost per action).
+  int64_t makespan = 0;
+  /// Idle share of stages x makespan.
+  double bubble = 0;
+};
+/// Runs `schedule` with unit costs and blocking receives; throws naming the
+/// stuck stages if it deadlocks or an action is missing or repeated.
+Simulation simulate(
+    const std::vector<std::vector<Action>>& schedule,
+    int num_chunks,
+    bool zbv);
+
+/// One action's span in the last step (milliseconds from its start).
+struct TimelineEvent {
+  Action action;
+  double start_ms;
+  double end_ms;
+};
+
+/// The model's part of a step: runs model chunk `chunk` on one micro-batch
+/// (`hidden` is undefined on the first virtual stage).
+using StageForward = std::function<at::Tensor(
+    int chunk,
+    const std::vector<at::Tensor>& micro_batch,
+    const at::Tensor& hidden)>;
+
+class PipelineSchedule {
+ public:
+  PipelineSchedule(
+      std::shared_ptr<PipelineStageManager> stage_manager,
+      std::shared_ptr<PipelineP2PCommunication> p2p,
+      std::string style,
+      bool overlap_p2p);
+
+  /// Runs forward and backward of every micro-batch in this stage's order.
+  /// `chunk_params[c]`: chunk c's trainable parameters (weight passes);
+  /// `scale_loss`: the loss the backward starts from (loss scaling).
+  PipelineOutput forward_backward_step(
+      const std::vector<std::vector<at::Tensor>>& micro_batches,
+      const StageForward& forward,
+      const std::vector<std::vector<at::Tensor>>& chunk_params,
+      const PipelineCriterion& criterion,
+      const std::function<at::Tensor(const at::Tensor&)>& scale_loss,
+      bool return_loss,
+      bool return_outputs);
+
+  /// This stage's actions in the last step, with their times.
+  const std::vector<TimelineEvent>& timeline() const {
+    return timeline_;
+  }
+  const std::string& style() const {
+    return style_;
+  }
+  const PipelineStageManager& stage_manager() const {
+    return *sm_;
+  }
+
+ private:
+  std::shared_ptr<PipelineStageManager> sm_;
+  std::shared_ptr<PipelineP2PCommunication> p2p_;
+  std::string style_;
+  bool overlap_;
+  std::vector<TimelineEvent> timeline_;
+  // Generated per micro-batch count (ZB-V generates all stages at once).
+  int cached_m_ = -1;
+  std::vector<Action> actions_;
+};
+
+} // namespace pipeline
+} // namespace colossalai

@@ -1,0 +1,34 @@
+#pragma once
+
+/// What `Booster::execute_pipeline` takes and returns (kept light: the
+/// plugin interface includes it).
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <vector>
+
+namespace colossalai {
+namespace pipeline {
+
+/// One batch: tensors cut along dim 0 into micro-batches (e.g. {ids,
+/// targets}).
+using Batch = std::vector<at::Tensor>;
+/// Gives the next batch (ColossalAI's data_iter: `next(data_iter)` once per
+/// step, on every rank).
+using DataIterator = std::function<Batch()>;
+/// `criterion(outputs, micro_batch)` -> the scalar loss of one micro-batch.
+using PipelineCriterion =
+    std::function<at::Tensor(const at::Tensor& outputs, const Batch& batch)>;
+
+/// What a step returns (ColossalAI's {'loss', 'outputs'}): the loss
+/// averaged over the micro-batches, on the rank that holds the last virtual
+/// stage (undefined elsewhere), and with `return_outputs` that stage's
+/// outputs concatenated along dim 0.
+struct PipelineOutput {
+  at::Tensor loss;
+  at::Tensor outputs;
+};
+
+} // namespace pipeline
+} // namespace colossalai

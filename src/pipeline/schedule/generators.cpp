@@ -1,0 +1,297 @@
+// Schedule generators and the unit-cost simulator (NOTE [Pipeline
+// schedules]).
+
+#include <colossalai/pipeline/schedule.h>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <deque>
+#include <sstream>
+
+namespace colossalai {
+namespace pipeline {
+
+std::string to_string(const Action& a) {
+  const char* k = a.kind == ActionKind::kForward ? "F"
+      : a.kind == ActionKind::kBackward          ? "B"
+      : a.kind == ActionKind::kBackwardInput     ? "BI"
+                                                 : "W";
+  return std::string(k) + std::to_string(a.chunk) + "." +
+      std::to_string(a.micro_batch);
+}
+
+std::vector<Action> one_f_one_b(int stage, int p, int m) {
+  TORCH_CHECK(p >= 1 && stage >= 0 && stage < p && m >= 1);
+  const int warmup = std::min(p - stage - 1, m);
+  std::vector<Action> out;
+  for (int i = 0; i < warmup; ++i) {
+    out.push_back({ActionKind::kForward, 0, i});
+  }
+  for (int i = 0; i < m - warmup; ++i) {
+    out.push_back({ActionKind::kForward, 0, warmup + i});
+    out.push_back({ActionKind::kBackward, 0, i});
+  }
+  for (int i = m - warmup; i < m; ++i) {
+    out.push_back({ActionKind::kBackward, 0, i});
+  }
+  return out;
+}
+
+std::vector<Action> interleaved(int stage, int p, int chunks, int m) {
+  TORCH_CHECK(p >= 1 && stage >= 0 && stage < p && chunks >= 1 && m >= 1);
+  TORCH_CHECK(
+      m % p == 0,
+      "the interleaved schedule needs num_microbatches (",
+      m,
+      ") to be a multiple of pp_size (",
+      p,
+      ")");
+  const int total = m * chunks;
+  // Megatron's order: p micro-batches of chunk 0, then of chunk 1, ...
+  auto f = [&](int k) {
+    const int group = k / (p * chunks), in_group = k % (p * chunks);
+    return Action{ActionKind::kForward, in_group / p, group * p + k % p};
+  };
+  auto b = [&](int k) {
+    const int group = k / (p * chunks), in_group = k % (p * chunks);
+    return Action{
+        ActionKind::kBackward, chunks - 1 - in_group / p, group * p + k % p};
+  };
+  const int warmup = m == p
+      ? total
+      : std::min((p - stage - 1) * 2 + (chunks - 1) * p, total);
+  std::vector<Action> out;
+  for (int k = 0; k < warmup; ++k) {
+    out.push_back(f(k));
+  }
+  for (int k = 0; k < total - warmup; ++k) {
+    out.push_back(f(warmup + k));
+    out.push_back(b(k));
+  }
+  for (int k = total - warmup; k < total; ++k) {
+    out.push_back(b(k));
+  }
+  return out;
+}
+
+namespace {
+
+// Unit-cost state of every (virtual stage, micro-batch): when its F and its
+// input gradient (B or BI) finish; -1: not yet.
+struct SimState {
+  SimState(int v, int m)
+      : v(v), m(m), f(v * m, -1), b(v * m, -1), w(v * m, -1) {}
+  int v, m;
+  std::vector<int64_t> f, b, w;
+  int64_t& at(std::vector<int64_t>& x, int vs, int mb) {
+    return x[vs * m + mb];
+  }
+  // Whether `a` (on virtual stage vs) can start at time t.
+  bool ready(ActionKind kind, int vs, int mb, int64_t t) {
+    auto done = [&](int64_t finish) { return finish >= 0 && finish <= t; };
+    switch (kind) {
+      case ActionKind::kForward:
+        return vs == 0 || done(at(f, vs - 1, mb));
+      case ActionKind::kBackward:
+      case ActionKind::kBackwardInput:
+        return done(at(f, vs, mb)) &&
+            (vs == v - 1 || done(at(b, vs + 1, mb)));
+      case ActionKind::kBackwardWeight:
+        return done(at(b, vs, mb));
+    }
+    return false;
+  }
+  void finish(ActionKind kind, int vs, int mb, int64_t t) {
+    auto& slot = kind == ActionKind::kForward ? at(f, vs, mb)
+        : kind == ActionKind::kBackwardWeight ? at(w, vs, mb)
+                                              : at(b, vs, mb);
+    TORCH_CHECK(slot < 0, "pipeline schedule: an action runs twice");
+    slot = t;
+    if (kind == ActionKind::kBackward) {
+      at(w, vs, mb) = t;
+    }
+  }
+};
+
+} // namespace
+
+Simulation simulate(
+    const std::vector<std::vector<Action>>& schedule,
+    int chunks,
+    bool zbv) {
+  const int p = static_cast<int>(schedule.size());
+  TORCH_CHECK(p >= 1, "simulate: no stages");
+  int m = 0;
+  for (const auto& list : schedule) {
+    for (const auto& a : list) {
+      m = std::max(m, a.micro_batch + 1);
+    }
+  }
+  SimState st(p * chunks, m);
+  std::vector<size_t> next(p, 0);
+  std::vector<int64_t> busy_until(p, 0);
+  int64_t t = 0, busy = 0, end = 0;
+  size_t left = 0;
+  for (const auto& list : schedule) {
+    left += list.size();
+  }
+  while (left > 0) {
+    bool started = false;
+    for (int s = 0; s < p; ++s) {
+      if (busy_until[s] > t || next[s] >= schedule[s].size()) {
+        continue;
+      }
+      const auto& a = schedule[s][next[s]];
+      const int vs = virtual_stage_index(s, a.chunk, p, zbv);
+      if (!st.ready(a.kind, vs, a.micro_batch, t)) {
+        continue;
+      }
+      st.finish(a.kind, vs, a.micro_batch, t + 1);
+      busy_until[s] = t + 1;
+      end = std::max(end, t + 1);
+      ++next[s];
+      ++busy;
+      --left;
+      started = true;
+    }
+    if (!started && *std::max_element(busy_until.begin(), busy_until.end()) <=
+            t) {
+      std::ostringstream msg;
+      for (int s = 0; s < p; ++s) {
+        if (next[s] < schedule[s].size()) {
+          msg << " stage " << s << " waits at "
+              << to_string(schedule[s][next[s]]) << ";";
+        }
+      }
+      TORCH_CHECK(false, "pipeline schedule deadlocks:", msg.str());
+    }
+    ++t;
+  }
+  const int64_t expected = int64_t(p) * chunks * m;
+  for (int64_t i = 0; i < expected; ++i) {
+    TORCH_CHECK(
+        st.f[i] >= 0 && st.b[i] >= 0 && st.w[i] >= 0,
+        "pipeline schedule: virtual stage ",
+        i / m,
+        " micro-batch ",
+        i % m,
+        " is not fully run");
+  }
+  Simulation out;
+  out.makespan = end;
+  out.bubble = 1.0 - double(busy) / double(p * end);
+  return out;
+}
+
+std::vector<std::vector<Action>> zero_bubble_v(int p, int m) {
+  TORCH_CHECK(p >= 1 && m >= 1);
+  const int v = 2 * p;
+  SimState st(v, m);
+  std::vector<std::vector<Action>> out(p);
+  // Per stage and chunk: next forward / input-gradient micro-batch, and
+  // micro-batches holding activations (forward done, weights not yet).
+  std::vector<std::array<int, 2>> next_f(p, {0, 0}), next_b(p, {0, 0}),
+      held(p, {0, 0});
+  std::vector<std::deque<std::pair<int, int>>> pending_w(p);
+  std::vector<int64_t> busy_until(p, 0);
+  const int64_t total = int64_t(3) * v * m;
+  int64_t done = 0;
+  for (int64_t t = 0; done < total; ++t) {
+    bool started = false;
+    bool relax = false;
+    for (int pass = 0; pass < 2 && !started; ++pass) {
+      for (int s = 0; s < p; ++s) {
+        if (busy_until[s] > t) {
+          continue;
+        }
+        auto vs = [&](int c) { return virtual_stage_index(s, c, p, true); };
+        c10::optional<Action> pick;
+        // 1. An input gradient someone waits for (earliest micro-batch,
+        //    chunk 1 first: it is nearer the loss).
+        for (int c : {1, 0}) {
+          const int mb = next_b[s][c];
+          if (mb < m &&
+              st.ready(ActionKind::kBackwardInput, vs(c), mb, t) &&
+              (!pick || mb < pick->micro_batch)) {
+            pick = Action{ActionKind::kBackwardInput, c, mb};
+          }
+        }
+        // 2. A forward, within the activation budget (p per chunk).
+        if (!pick) {
+          for (int c : {1, 0}) {
+            const int mb = next_f[s][c];
+            if (mb < m && (held[s][c] < p || relax) &&
+                st.ready(ActionKind::kForward, vs(c), mb, t)) {
+              pick = Action{ActionKind::kForward, c, mb};
+              break;
+            }
+          }
+        }
+        // 3. A weight gradient fills the gap.
+        if (!pick && !pending_w[s].empty()) {
+          auto cm = pending_w[s].front();
+          pick = Action{ActionKind::kBackwardWeight, cm.first, cm.second};
+        }
+        if (!pick) {
+          continue;
+        }
+        const auto& a = *pick;
+        st.finish(a.kind, vs(a.chunk), a.micro_batch, t + 1);
+        if (a.kind == ActionKind::kForward) {
+          ++next_f[s][a.chunk];
+          ++held[s][a.chunk];
+        } else if (a.kind == ActionKind::kBackwardInput) {
+          ++next_b[s][a.chunk];
+          pending_w[s].emplace_back(a.chunk, a.micro_batch);
+        } else {
+          pending_w[s].pop_front();
+          --held[s][a.chunk];
+        }
+        out[s].push_back(a);
+        busy_until[s] = t + 1;
+        ++done;
+        started = true;
+      }
+      // Nothing can run and nothing is running: lift the budget once.
+      relax = !started &&
+          *std::max_element(busy_until.begin(), busy_until.end()) <= t;
+      if (!relax) {
+        break;
+      }
+    }
+    TORCH_INTERNAL_ASSERT(
+        started || *std::max_element(busy_until.begin(), busy_until.end()) > t,
+        "zero_bubble_v: the generator is stuck");
+  }
+  return out;
+}
+
+std::vector<std::vector<Action>> generate(
+    const std::string& style,
+    int p,
+    int chunks,
+    int m) {
+  if (style == "zbv") {
+    TORCH_CHECK(chunks == 2, "pp_style 'zbv' needs num_model_chunks 2");
+    return zero_bubble_v(p, m);
+  }
+  std::vector<std::vector<Action>> out;
+  for (int s = 0; s < p; ++s) {
+    if (style == "1f1b") {
+      TORCH_CHECK(chunks == 1, "pp_style '1f1b' needs num_model_chunks 1");
+      out.push_back(one_f_one_b(s, p, m));
+    } else {
+      TORCH_CHECK(
+          style == "interleaved",
+          "pp_style must be '1f1b', 'interleaved' or 'zbv', got '",
+          style,
+          "'");
+      out.push_back(interleaved(s, p, chunks, m));
+    }
+  }
+  return out;
+}
+
+} // namespace pipeline
+} // namespace colossalai

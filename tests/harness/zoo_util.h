@@ -1,0 +1,60 @@
+#pragma once
+// Helpers of the tests that train the zoo's transformers under the hybrid
+// plugin against one process.
+
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/shardformer/policy.h>
+
+#include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <map>
+#include <memory>
+#include <string>
+
+namespace colossalai {
+namespace testing {
+
+/// SGD with momentum or AdamW (the two optimizers every equality test runs).
+inline std::shared_ptr<torch::optim::Optimizer> make_optimizer(
+    const std::vector<at::Tensor>& params,
+    bool sgd) {
+  if (sgd) {
+    return std::make_shared<torch::optim::SGD>(
+        params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  return std::make_shared<torch::optim::AdamW>(
+      params, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+}
+
+/// Whole tensors of a (possibly tensor-split) model, by name; parameters
+/// released by a pipeline split (no elements) are left out. Collective
+/// over each split parameter's group.
+inline std::map<std::string, at::Tensor> whole_weights(
+    torch::nn::Module& model,
+    const shardformer::ShardInfo& info) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model.named_parameters()) {
+    auto t = item.value().detach().to(at::kFloat).contiguous();
+    if (t.numel() == 0) {
+      continue;
+    }
+    auto it = info.specs.find(item.key());
+    if (it != info.specs.end() && it->second.size() > 1) {
+      const auto& spec = it->second;
+      auto flat = at::empty({spec.size() * t.numel()}, t.options());
+      distributed::all_gather(flat, t.view({-1}), *spec.group).wait();
+      std::vector<int64_t> shape{spec.size()};
+      shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
+      auto parts = flat.view(shape).unbind(0);
+      t = shardformer::layer::unshard_tensor(
+          std::vector<at::Tensor>(parts.begin(), parts.end()), spec);
+    }
+    out[item.key()] = t.clone();
+  }
+  return out;
+}
+
+} // namespace testing
+} // namespace colossalai
