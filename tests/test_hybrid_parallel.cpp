@@ -292,19 +292,8 @@ TEST(HybridParallel, WholeModelIsAPlainHuggingFaceLayout) {
   EXPECT_TRUE(q.contains("model.layers.0.post_attention_layernorm.weight"));
 }
 
-// The ranks' scratch directory, named after the parent test process (the
-// ranks are its children); removed by the parent.
-std::string scratch(pid_t parent, const std::string& what) {
-  return (std::filesystem::temp_directory_path() /
-          ("colossalai_hybrid_" + what + "_" + std::to_string(parent)))
-      .string();
-}
-
-void remove_scratch(const std::string& what) {
-  if (std::getenv("COLOSSALAI_TEST_CHILD") == nullptr) {
-    std::filesystem::remove_all(scratch(::getpid(), what));
-  }
-}
+using colossalai::testing::remove_scratch;
+using colossalai::testing::scratch;
 
 // Saved at tp 2 x dp 2, the checkpoint holds whole Hugging Face-layout
 // tensors: a plain model, a tp 4 model and a DDP model load it and hold the

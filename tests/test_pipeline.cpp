@@ -6,6 +6,7 @@
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/pipeline/schedule.h>
 #include <harness/multiprocess.h>
@@ -18,6 +19,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 namespace cb = colossalai::booster;
 namespace cd = colossalai::distributed;
 namespace cp = colossalai::pipeline;
@@ -25,7 +28,9 @@ namespace sf = colossalai::shardformer;
 namespace zoo = colossalai::zoo;
 using cb::plugin::HybridParallelPlugin;
 using HPO = cb::plugin::HybridParallelPluginOptions;
+using colossalai::testing::remove_scratch;
 using colossalai::testing::run_distributed;
+using colossalai::testing::scratch;
 using colossalai::testing::whole_weights;
 
 namespace {
@@ -55,8 +60,8 @@ TEST(PipelineSchedule, InterleavedAndZeroBubbleShrinkTheBubble) {
       auto inter = cp::simulate(cp::generate("interleaved", p, 2, m), 2, false);
       // Each chunk is half a stage, so units are half as long: compare the
       // idle share, which Megatron's analysis puts at 1/chunks of 1F1B's.
-      EXPECT_LT(inter.bubble, one_f_one_b) << "interleaved p " << p << " m "
-                                           << m;
+      EXPECT_LT(inter.bubble, one_f_one_b)
+          << "interleaved p " << p << " m " << m;
       auto zbv = cp::simulate(cp::generate("zbv", p, 2, m), 2, true);
       EXPECT_LT(zbv.bubble, inter.bubble) << "zbv p " << p << " m " << m;
       // Every (chunk, micro-batch) runs F, BI and W once on every stage.
@@ -227,7 +232,9 @@ void check_setups(int world, bool sgd) {
       auto y = b.second.narrow(0, local * plugin->dp_rank(), local);
       boosted.optimizer->zero_grad();
       auto out = booster.execute_pipeline(
-          [&] { return cp::Batch{x, y}; },
+          [&] {
+            return cp::Batch{x, y};
+          },
           boosted.model,
           [&](const at::Tensor& logits, const cp::Batch& mb) {
             return model->loss(logits, mb[1]);
@@ -300,9 +307,7 @@ TEST(Pipeline, MisuseNamesTheOption) {
         [] { HybridParallelPlugin(base().pp_size(2).zero_stage(2)); },
         "zero_stage 2");
     expect_error(
-        [] {
-          HybridParallelPlugin(base().pp_size(2).pp_style("interleaved"));
-        },
+        [] { HybridParallelPlugin(base().pp_size(2).pp_style("interleaved")); },
         "num_model_chunks");
     expect_error(
         [] { HybridParallelPlugin(base().pp_size(2).pp_style("zbv")); },
@@ -326,7 +331,9 @@ TEST(Pipeline, MisuseNamesTheOption) {
     expect_error(
         [&] {
           booster.execute_pipeline(
-              [&] { return cp::Batch{ids, ids}; },
+              [&] {
+                return cp::Batch{ids, ids};
+              },
               boosted.model,
               criterion,
               boosted.optimizer.get());
@@ -343,7 +350,9 @@ TEST(Pipeline, MisuseNamesTheOption) {
     expect_error(
         [&] {
           other.execute_pipeline(
-              [&] { return cp::Batch{ids, ids}; },
+              [&] {
+                return cp::Batch{ids, ids};
+              },
               b2.model,
               criterion,
               b2.optimizer.get());
@@ -374,11 +383,97 @@ TEST(Pipeline, StagesHoldOnlyTheirLayersAndCacheMetadata) {
       in_optimizer += p.numel();
     }
     EXPECT_EQ(in_optimizer, held);
-    EXPECT_TRUE(model->transformer->h[rank == 0 ? 5 : 0]
-                    ->parameters()
-                    .front()
-                    .numel() == 0);
+    EXPECT_TRUE(
+        model->transformer->h[rank == 0 ? 5 : 0]
+            ->parameters()
+            .front()
+            .numel() == 0);
   });
+}
+
+// Saved at pp 2 x tp 2 (each stage sends the tensors it owns to the writer,
+// one at a time), the checkpoint holds whole Hugging Face-layout tensors: a
+// plain model, pp 4 and pp 1 x tp 2 x dp 2 load it and hold the same
+// weights.
+TEST(Pipeline, CheckpointFromPp2Tp2LoadsAtPp4Pp1AndInAPlainModel) {
+  run_distributed(4, [](int rank, int) {
+    namespace cio = colossalai::checkpoint_io;
+    const auto dir = scratch(::getppid(), "pp_ckpt");
+    auto gpt2 = [](int seed) {
+      torch::manual_seed(seed);
+      return zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test().n_layer(8));
+    };
+    auto criterion = [](zoo::GPT2LMHeadModel& m) {
+      return [&m](const at::Tensor& logits, const cp::Batch& mb) {
+        return m->loss(logits, mb[1]);
+      };
+    };
+    std::map<std::string, at::Tensor> saved; // this stage's whole tensors
+    {
+      auto plugin =
+          std::make_shared<HybridParallelPlugin>(base().pp_size(2).tp_size(2));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto model = gpt2(3);
+      auto boosted = booster.boost(
+          model,
+          colossalai::testing::make_optimizer(model->parameters(), false));
+      auto b = batch(0, 100);
+      booster.execute_pipeline(
+          [&] {
+            return cp::Batch{b.first, b.second};
+          },
+          boosted.model,
+          criterion(model),
+          boosted.optimizer.get());
+      boosted.optimizer->step();
+      saved = whole_weights(*model, plugin->shard_info());
+      booster.save_model(
+          boosted.model,
+          dir + "/model.safetensors",
+          cio::SaveModelOptions().use_safetensors(true));
+      booster.save_model(
+          boosted.model,
+          dir + "/sharded",
+          cio::SaveModelOptions().shard(true).size_per_shard(1));
+      EXPECT_NE(
+          colossalai::testing::error_of([&] {
+            booster.save_optimizer(*boosted.optimizer, dir + "/optim.bin");
+          }).find("optimizer checkpoints of a pipelined model"),
+          std::string::npos);
+    }
+    // Every key of both stages is in the file: a plain model loads it
+    // strictly, and this stage's tensors are bit-exact there.
+    auto plain = gpt2(99 + rank);
+    cio::GeneralCheckpointIO io;
+    colossalai::interface::ModelWrapper wrapped(plain.ptr());
+    io.load_model(wrapped, dir + "/model.safetensors");
+    const auto whole = whole_weights(*plain, sf::ShardInfo());
+    for (const auto& kv : saved) {
+      EXPECT_TRUE(at::equal(whole.at(kv.first), kv.second)) << kv.first;
+    }
+    auto expect_loaded = [&](const std::map<std::string, at::Tensor>& got,
+                             const std::string& what) {
+      EXPECT_GT(got.size(), 0u) << what;
+      for (const auto& kv : got) {
+        EXPECT_TRUE(at::equal(whole.at(kv.first), kv.second))
+            << what << ": " << kv.first;
+      }
+    };
+    for (const auto& options :
+         {base().pp_size(4), base().tp_size(2).zero_stage(1)}) {
+      auto plugin = std::make_shared<HybridParallelPlugin>(options);
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto m = gpt2(5);
+      auto boosted = booster.boost(
+          m, colossalai::testing::make_optimizer(m->parameters(), false));
+      const bool pp = options.pp_size() > 1;
+      booster.load_model(
+          boosted.model, dir + (pp ? "/sharded" : "/model.safetensors"));
+      expect_loaded(
+          whole_weights(*m, plugin->shard_info()), pp ? "pp 4" : "tp 2 dp 2");
+    }
+  });
+  remove_scratch("pp_ckpt");
 }
 
 } // namespace

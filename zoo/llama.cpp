@@ -335,8 +335,7 @@ const LlamaForCausalLMImpl& as_llama(const torch::nn::Module& model) {
 
 } // namespace
 
-int64_t LlamaPolicy::num_pipeline_layers(
-    const torch::nn::Module& model) const {
+int64_t LlamaPolicy::num_pipeline_layers(const torch::nn::Module& model) const {
   return as_llama(model).config().num_hidden_layers();
 }
 

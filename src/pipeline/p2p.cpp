@@ -111,7 +111,8 @@ PendingRecv PipelineP2PCommunication::post_recv(
     meta = it->second;
   } else {
     auto m = at::empty(
-        {kMetaLen}, at::TensorOptions().dtype(at::kLong).device(group_->device()));
+        {kMetaLen},
+        at::TensorOptions().dtype(at::kLong).device(group_->device()));
     distributed::recv(m, src, *group_, tag(key, micro_batch, true)).wait();
     m = m.cpu();
     const auto* p = m.data_ptr<int64_t>();
@@ -127,7 +128,8 @@ PendingRecv PipelineP2PCommunication::post_recv(
     received_[key] = meta;
   }
   auto t = at::empty(
-      meta.sizes, at::TensorOptions().dtype(meta.dtype).device(group_->device()));
+      meta.sizes,
+      at::TensorOptions().dtype(meta.dtype).device(group_->device()));
   auto w = distributed::recv(t, src, *group_, tag(key, micro_batch, false));
   return PendingRecv(t, std::move(w));
 }

@@ -108,12 +108,13 @@ std::vector<int64_t> PipelineStageManager::distribute_layers(
   return out;
 }
 
-shardformer::StageLayers PipelineStageManager::stage_layers(
+shardformer::StageLayers PipelineStageManager::stage_layers_of(
+    int stage,
     int chunk,
     const std::vector<int64_t>& per_stage) const {
   TORCH_INTERNAL_ASSERT(
       static_cast<int>(per_stage.size()) == num_virtual_stages());
-  const int v = virtual_stage(chunk);
+  const int v = virtual_stage_of(stage, chunk);
   shardformer::StageLayers out;
   out.begin = std::accumulate(per_stage.begin(), per_stage.begin() + v, 0L);
   out.end = out.begin + per_stage[v];

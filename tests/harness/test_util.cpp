@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 
@@ -28,6 +29,18 @@ std::string temp_dir(const std::string& prefix) {
            std::chrono::steady_clock::now().time_since_epoch().count()));
   fs::create_directories(dir);
   return dir.string();
+}
+
+std::string scratch(int parent, const std::string& what) {
+  return (std::filesystem::temp_directory_path() /
+          ("colossalai_" + what + "_" + std::to_string(parent)))
+      .string();
+}
+
+void remove_scratch(const std::string& what) {
+  if (std::getenv("COLOSSALAI_TEST_CHILD") == nullptr) {
+    std::filesystem::remove_all(scratch(::getpid(), what));
+  }
 }
 
 } // namespace testing

@@ -58,7 +58,7 @@ namespace pipeline {
 
 enum class ActionKind {
   kForward,
-  kBackward, ///< input and weight gradients at once
+  kBackward,      ///< input and weight gradients at once
   kBackwardInput, ///< the input's gradient (zero-bubble)
   kBackwardWeight ///< the weights' gradients (zero-bubble)
 };
@@ -75,7 +75,10 @@ struct Action {
 /// "F0.3" (forward, chunk 0, micro-batch 3), "B", "BI", "W".
 std::string to_string(const Action& a);
 
-std::vector<Action> one_f_one_b(int stage, int num_stages, int num_microbatches);
+std::vector<Action> one_f_one_b(
+    int stage,
+    int num_stages,
+    int num_microbatches);
 std::vector<Action> interleaved(
     int stage,
     int num_stages,

@@ -85,6 +85,13 @@ class PipelineStageManager {
   /// This rank's `chunk`: its layer range and whether it is first / last.
   shardformer::StageLayers stage_layers(
       int chunk,
+      const std::vector<int64_t>& layers_per_virtual_stage) const {
+    return stage_layers_of(stage_, chunk, layers_per_virtual_stage);
+  }
+  /// The same for `chunk` of any `stage`.
+  shardformer::StageLayers stage_layers_of(
+      int stage,
+      int chunk,
       const std::vector<int64_t>& layers_per_virtual_stage) const;
 
  private:

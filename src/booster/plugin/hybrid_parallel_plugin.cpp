@@ -39,7 +39,15 @@ struct HybridState {
   std::vector<sl::ShardSpec> spec_by_id;
   std::vector<std::vector<int64_t>> local_shape_by_id, full_shape_by_id;
   std::weak_ptr<zero::LowLevelZeroOptimizer> zero;
+  // Pipelines: the parameters this stage holds, the stage that writes each
+  // parameter (the first that holds it), and per stage the global rank that
+  // sends its tensors to the writer (its tp / sp / dp rank 0).
   bool pipelined = false;
+  int stage = 0;
+  std::set<std::string> held;
+  std::map<std::string, int> owner;
+  std::vector<int> stage_source;
+  std::shared_ptr<pipeline::PipelineP2PCommunication> to_writer;
 };
 
 // The outermost wrapper under pp_size > 1: the model runs stage by stage
@@ -268,8 +276,8 @@ void check_not_pipelined(const HybridState& s) {
   TORCH_CHECK(
       !s.pipelined,
       kName,
-      ": checkpoints of a pipelined model (pp_size > 1) are not supported "
-      "yet");
+      ": optimizer checkpoints of a pipelined model (pp_size > 1) are not "
+      "supported yet (model checkpoints are)");
 }
 
 bool tp_active(const HybridState& s) {
@@ -287,7 +295,10 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   void stream_model(
       interface::ModelWrapper& model,
       const checkpoint_io::TensorSink& sink) override {
-    check_not_pipelined(*state_);
+    if (state_->pipelined) {
+      stream_pipelined_model(model, sink);
+      return;
+    }
     const auto& specs = state_->info.specs;
     auto module = model.unwrap();
     for (const auto& item : module->named_parameters(true)) {
@@ -313,7 +324,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   // no bytes between ranks.
   checkpoint_io::TensorLoader model_tensor_loader(
       interface::ModelWrapper& model) override {
-    if (!tp_active(*state_)) {
+    if (!tp_active(*state_) && !state_->pipelined) {
       return nullptr;
     }
     auto module = model.unwrap();
@@ -321,17 +332,24 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
     auto targets = std::make_shared<
         std::map<std::string, std::pair<at::Tensor, sl::ShardSpec>>>();
     for (const auto& kv : state_->info.specs) {
-      if (!kv.second.is_split()) {
+      if (!kv.second.is_split() || !tp_active(*state_) ||
+          (state_->pipelined && !state_->held.count(kv.first))) {
         continue;
       }
       auto* p = named.find(kv.first);
       TORCH_INTERNAL_ASSERT(p != nullptr, "no parameter ", kv.first);
       targets->emplace(kv.first, std::make_pair(*p, kv.second));
     }
-    return [targets](
+    auto state = state_;
+    return [targets, state](
                const std::string& key,
                const at::Tensor& src,
                const std::string& file) {
+      // Another stage's parameter: that stage reads it.
+      if (state->pipelined && state->owner.count(key) &&
+          !state->held.count(key)) {
+        return true;
+      }
       auto it = targets->find(key);
       if (it == targets->end()) {
         return false;
@@ -359,7 +377,6 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   void load_model(
       interface::ModelWrapper& model,
       const std::function<void()>& load) override {
-    check_not_pipelined(*state_);
     load();
     if (auto z = state_->zero.lock()) {
       z->sync_master_from_working();
@@ -434,6 +451,43 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   }
 
  private:
+  // Each parameter goes to the writer (global rank 0) from the stage that
+  // owns it, in the model's order, one tensor at a time: split ones are
+  // first gathered to that stage's tensor rank 0. So the writer holds one
+  // tensor (or one shard of a sharded save) at a time and no rank gathers
+  // the whole model.
+  void stream_pipelined_model(
+      interface::ModelWrapper& model,
+      const checkpoint_io::TensorSink& sink) {
+    auto& s = *state_;
+    const int me = distributed::get_rank();
+    auto module = model.unwrap();
+    for (const auto& item : module->named_parameters(true)) {
+      const auto& name = item.key();
+      const int owner = s.owner.at(name);
+      const int src = s.stage_source.at(owner);
+      at::Tensor whole;
+      if (s.stage == owner) {
+        auto it = s.info.specs.find(name);
+        whole = it != s.info.specs.end() && tp_active(s)
+            ? gather_whole(item.value(), it->second, s.tp)
+            : item.value().detach();
+      }
+      if (me == 0) {
+        sink(
+            name, src == 0 ? whole : s.to_writer->post_recv(src, {}, 0).wait());
+      } else if (me == src) {
+        s.to_writer->send(whole, 0, {}, 0);
+        s.to_writer->wait_sends();
+      }
+    }
+    for (const auto& item : module->named_buffers(true)) {
+      if (item.value().defined()) {
+        sink(item.key(), item.value());
+      }
+    }
+  }
+
   static zero::LowLevelZeroOptimizer* zero_of(interface::OptimizerWrapper& o) {
     return dynamic_cast<zero::LowLevelZeroOptimizer*>(&o);
   }
@@ -823,6 +877,48 @@ std::set<std::string> HybridParallelPlugin::setup_pipeline(
             }),
         ps.end());
   }
+  // Checkpoints: which stage writes each parameter, and who sends it.
+  auto st = std::static_pointer_cast<HybridState>(state_);
+  st->stage = stage_manager_->stage();
+  st->held = held;
+  for (int s = pp - 1; s >= 0; --s) {
+    for (int c = 0; c < options_.num_model_chunks(); ++c) {
+      const auto layers = stage_manager_->stage_layers_of(s, c, per_stage);
+      for (const auto& name : policy_->held_layers(module, layers)) {
+        auto* m = modules.find(name);
+        TORCH_CHECK(
+            m != nullptr,
+            kName,
+            ": ",
+            policy_->name(),
+            ".held_layers names a module '",
+            name,
+            "' that the model does not have");
+        for (const auto& p : (*m)->named_parameters(true)) {
+          st->owner[name + "." + p.key()] = s; // the lowest stage wins
+        }
+      }
+    }
+  }
+  for (const auto& item : named) {
+    TORCH_CHECK(
+        st->owner.count(item.key()),
+        kName,
+        ": no pipeline stage holds parameter '",
+        item.key(),
+        "' (",
+        policy_->name(),
+        ".held_layers leaves it out)");
+  }
+  std::vector<int> coord(mesh_->shape().size(), 0);
+  const int pp_axis = options_.dp_outside() ? 1 : 0;
+  st->stage_source.clear();
+  for (int s = 0; s < pp; ++s) {
+    coord[pp_axis] = s;
+    st->stage_source.push_back(mesh_->ravel(coord));
+  }
+  st->to_writer = std::make_shared<pipeline::PipelineP2PCommunication>(
+      distributed::world_group(), /*enable_metadata_cache=*/false);
   auto p2p = std::make_shared<pipeline::PipelineP2PCommunication>(
       pp_group_, options_.enable_metadata_cache());
   schedule_ = std::make_shared<pipeline::PipelineSchedule>(

@@ -64,8 +64,8 @@ PipelineOutput PipelineSchedule::forward_backward_step(
   TORCH_INTERNAL_ASSERT(
       static_cast<int>(chunk_params.size()) == sm_->num_model_chunks());
   if (cached_m_ != m) {
-    actions_ = generate(
-        style_, sm_->num_stages(), sm_->num_model_chunks(), m)[stage];
+    actions_ =
+        generate(style_, sm_->num_stages(), sm_->num_model_chunks(), m)[stage];
     cached_m_ = m;
   }
 

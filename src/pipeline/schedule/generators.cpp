@@ -58,9 +58,8 @@ std::vector<Action> interleaved(int stage, int p, int chunks, int m) {
     return Action{
         ActionKind::kBackward, chunks - 1 - in_group / p, group * p + k % p};
   };
-  const int warmup = m == p
-      ? total
-      : std::min((p - stage - 1) * 2 + (chunks - 1) * p, total);
+  const int warmup =
+      m == p ? total : std::min((p - stage - 1) * 2 + (chunks - 1) * p, total);
   std::vector<Action> out;
   for (int k = 0; k < warmup; ++k) {
     out.push_back(f(k));
@@ -95,8 +94,7 @@ struct SimState {
         return vs == 0 || done(at(f, vs - 1, mb));
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput:
-        return done(at(f, vs, mb)) &&
-            (vs == v - 1 || done(at(b, vs + 1, mb)));
+        return done(at(f, vs, mb)) && (vs == v - 1 || done(at(b, vs + 1, mb)));
       case ActionKind::kBackwardWeight:
         return done(at(b, vs, mb));
     }
@@ -155,8 +153,8 @@ Simulation simulate(
       --left;
       started = true;
     }
-    if (!started && *std::max_element(busy_until.begin(), busy_until.end()) <=
-            t) {
+    if (!started &&
+        *std::max_element(busy_until.begin(), busy_until.end()) <= t) {
       std::ostringstream msg;
       for (int s = 0; s < p; ++s) {
         if (next[s] < schedule[s].size()) {
@@ -211,8 +209,7 @@ std::vector<std::vector<Action>> zero_bubble_v(int p, int m) {
         //    chunk 1 first: it is nearer the loss).
         for (int c : {1, 0}) {
           const int mb = next_b[s][c];
-          if (mb < m &&
-              st.ready(ActionKind::kBackwardInput, vs(c), mb, t) &&
+          if (mb < m && st.ready(ActionKind::kBackwardInput, vs(c), mb, t) &&
               (!pick || mb < pick->micro_batch)) {
             pick = Action{ActionKind::kBackwardInput, c, mb};
           }

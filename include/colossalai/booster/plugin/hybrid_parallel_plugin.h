@@ -216,8 +216,7 @@ class HybridParallelPlugin : public DPPluginBase {
   }
   /// The pipeline's stage manager and schedule (null with pp_size 1, or
   /// before boost).
-  const std::shared_ptr<pipeline::PipelineStageManager>& stage_manager()
-      const {
+  const std::shared_ptr<pipeline::PipelineStageManager>& stage_manager() const {
     return stage_manager_;
   }
   const std::shared_ptr<pipeline::PipelineSchedule>& schedule() const {
