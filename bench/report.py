@@ -5,7 +5,8 @@ results folder.
 
 Reads whatever is there (collectives_n*.json, ddp_step_*.json,
 torch_ddp_step_*.json, zero_step_n*.json, hybrid_adam.json,
-checkpoint_io.json, gemini_budget.json, hybrid_step_n*.json, run.json) and skips the sections it has no data for.
+checkpoint_io.json, gemini_budget.json, hybrid_step_n*.json,
+pipeline_step_n*.json, run.json) and skips the sections it has no data for.
 Plots need matplotlib (Debian: python3-matplotlib); without it the report has
 tables only.
 """
@@ -553,6 +554,165 @@ class Report:
         self.figure(fig, "hybrid_step.png",
                     "step time and memory per rank, tensor vs data parallel")
 
+    def pipeline_step(self):
+        runs = [load(p) for p in natural(glob.glob(
+            os.path.join(self.dir, "pipeline_step_n*.json")))]
+        if not runs:
+            return
+        d0 = runs[0]
+        self.add("## Pipeline parallelism (HybridParallelPlugin)", "")
+        self.add(f"GPT-2 of gpt-small-cpu's width with {d0['n_layer']} blocks "
+                 f"(vocab 4096, width 256), micro-batches of "
+                 f"{d0['microbatch_size']} x {d0['seq']} tokens (global batch "
+                 "2 m), fp32 AdamW, 1 thread per rank, pp_size = ranks (tp 1, "
+                 "dp 1); interleaved and ZB-V with 2 model chunks per rank. "
+                 "The schedules alternate inside one run "
+                 f"(`bench_pipeline_step`, {d0['warmup']} warm-up step, "
+                 f"{d0['rounds']} rounds of {d0['steps']} timed steps). Step: "
+                 "execute_pipeline + optimizer step, slowest rank, median "
+                 "(p10-p90). Bubble of a stage in the last timed step: "
+                 "1 - busy / wall, wall = execute_pipeline on that rank. "
+                 "*span*: busy = the sum of the schedule's timeline spans, "
+                 "which include the blocking receive of each action's input, so "
+                 "it sees only time outside the actions (the drain, the tied "
+                 "embedding's gradient sync); *compute*: the same spans with "
+                 "that receive wait cut off (a forward computes from the "
+                 "policy's stage_forward on, a backward from when autograd "
+                 "reaches the chunk's output). The 1F1B formula is "
+                 "(p - 1) / (m + p - 1); *simulated* is pipeline::simulate's "
+                 "unit-cost bubble of the same schedule (interleaved and ZB-V "
+                 "have no closed form). *compute ms*: busy compute summed over "
+                 "stages, split into forward / backward (B, or BI + W). "
+                 "*CPU share*: the engine thread's CPU time / wall per stage. "
+                 "Activations: the heap in use (mallinfo2), sampled after every "
+                 "chunk forward and criterion and at every backward's start, "
+                 "peak minus before the step, MB per stage.", "")
+        rows = []
+        for d in runs:
+            for name, r in d["setups"].items():
+                st = r["per_stage"]
+                fwd = bwd = 0.0
+                for t in r["timeline"]:
+                    for e in t["events"]:
+                        if e[0] == 0:
+                            fwd += e[4] - e[5]
+                        else:
+                            bwd += e[4] - e[5]
+                rows.append([
+                    str(d["stages"]), r["schedule"], str(r["microbatches"]),
+                    ms(r["step_ms"]),
+                    f"{r['busy_compute_sum_ms']:.0f} ({fwd:.0f} / {bwd:.0f})",
+                    f"{r['bubble_span_mean']:.3f}",
+                    f"{r['bubble_compute_mean']:.2f} ("
+                    + " / ".join(f"{s['bubble_compute']:.2f}" for s in st) + ")",
+                    "-" if r["bubble_formula"] is None
+                    else f"{r['bubble_formula']:.2f}",
+                    f"{r['bubble_simulated']:.2f}",
+                    " / ".join(f"{s['thread_cpu_ms'] / s['wall_ms']:.2f}"
+                               for s in st),
+                    " / ".join(f"{s['activation_peak_bytes'] / 1e6:.1f}"
+                               for s in st)])
+        self.table(["p", "schedule", "m", "step ms", "compute ms (F / B)",
+                    "bubble span", "bubble compute (per stage)",
+                    "1F1B formula", "simulated", "CPU share per stage",
+                    "activations MB per stage"], rows)
+        self.add("Reading it: (1) with more ranks than cores the stages "
+                 "time-share the cores, so spans stretch whenever more stages "
+                 "compute than there are cores; the measured bubble then mixes "
+                 "the schedule's idle time with CPU contention, and the CPU "
+                 "share column (about cores / ranks at most) shows how much of "
+                 "a core each stage got, other jobs included (see the load "
+                 "averages above). (2) ZB-V's W pass runs autograd again from "
+                 "the chunk's output to the weights; the BI pass kept the graph "
+                 "but not the intermediate gradients, so the activation-gradient "
+                 "chain is computed twice and its backward costs more than "
+                 "1F1B's B (compare the B column): a smaller bubble, more work. "
+                 "(3) The stages are not balanced: the first holds the "
+                 "embeddings, the last the LM head (256 x 4096) and the loss "
+                 "(under ZB-V stage 0 holds both), which a unit-cost simulation "
+                 "does not see. (4) 1F1B keeps at most p - s micro-batches in "
+                 "flight on stage s, so its activation peak does not grow with "
+                 "m.", "")
+        if plt is None:
+            return
+        # Bubbles: measured (compute) vs simulated, every setup.
+        fig, ax = plt.subplots(figsize=(9, 3.2))
+        labels, meas, sim, form = [], [], [], []
+        for d in runs:
+            for name, r in d["setups"].items():
+                labels.append(f"p{d['stages']}\n{r['schedule']}\nm{r['microbatches']}")
+                meas.append(r["bubble_compute_mean"])
+                sim.append(r["bubble_simulated"])
+                form.append(r["bubble_formula"])
+        x = list(range(len(labels)))
+        ax.bar([i - 0.2 for i in x], meas, 0.4, label="measured (compute)")
+        ax.bar([i + 0.2 for i in x], sim, 0.4, label="simulated (unit cost)")
+        fx = [i for i, f in zip(x, form) if f is not None]
+        ax.scatter([i + 0.2 for i in fx], [f for f in form if f is not None],
+                   marker="_", s=200, color="k", label="(p-1)/(m+p-1)",
+                   zorder=3)
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, fontsize=6)
+        ax.set_ylabel("bubble fraction (mean over stages)")
+        ax.legend(fontsize=7)
+        self.figure(fig, "pipeline_bubble.png",
+                    "measured vs simulated pipeline bubble")
+        # Timelines: the largest world size and micro-batch count.
+        big = max(runs, key=lambda d: d["stages"])
+        m_max = max(r["microbatches"] for r in big["setups"].values())
+        chosen = [r for r in big["setups"].values()
+                  if r["microbatches"] == m_max]
+        if not chosen:
+            return
+        kind_name = ["F", "B", "BI", "W"]
+        kind_color = ["tab:blue", "tab:red", "tab:orange", "tab:green"]
+        fig, axes = plt.subplots(len(chosen), 1,
+                                 figsize=(11, 1.1 + 0.55 * big["stages"] * len(chosen)),
+                                 squeeze=False)
+        for ax, r in zip(axes[:, 0], chosen):
+            end = 0
+            for t in r["timeline"]:
+                y = t["stage"]
+                ax.broken_barh([(t["call_ms"], t["return_ms"] - t["call_ms"])],
+                               (y - 0.45, 0.9), facecolors="none",
+                               edgecolors="0.6", linewidth=0.6)
+                end = max(end, t["return_ms"])
+                for k, c, mb, s0, s1, c0 in t["events"]:
+                    if c0 > s0:  # waiting for the input inside the span
+                        ax.broken_barh([(s0, c0 - s0)], (y - 0.12, 0.24),
+                                       facecolors="0.85")
+                    ax.broken_barh([(c0, s1 - c0)], (y - 0.4, 0.8),
+                                   facecolors=kind_color[k],
+                                   edgecolors="k", linewidth=0.3,
+                                   hatch="///" if c == 1 else None,
+                                   alpha=1.0 if c == 0 else 0.7)
+                    if s1 - c0 > 0.025 * end:
+                        ax.text((c0 + s1) / 2, y, str(mb), ha="center",
+                                va="center", fontsize=5, color="white")
+            ax.set_yticks(range(big["stages"]))
+            ax.set_yticklabels([f"stage {i}" for i in range(big["stages"])],
+                               fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlim(0, end * 1.01)
+            ax.set_title(f"{r['schedule']}, p={big['stages']}, m={m_max}: "
+                         f"measured bubble {r['bubble_compute_mean']:.2f}, "
+                         f"simulated {r['bubble_simulated']:.2f}", fontsize=8)
+        axes[-1, 0].set_xlabel("ms from the first rank's execute_pipeline call "
+                               "(last timed step)")
+        from matplotlib.patches import Patch
+        handles = [Patch(facecolor=kind_color[i], label=kind_name[i])
+                   for i in range(4)]
+        handles += [Patch(facecolor="white", edgecolor="k", hatch="///",
+                          label="chunk 1"),
+                    Patch(facecolor="0.85", label="waiting for input"),
+                    Patch(facecolor="none", edgecolor="0.6",
+                          label="execute_pipeline")]
+        axes[-1, 0].legend(handles=handles, fontsize=6, ncol=7,
+                           loc="upper center", bbox_to_anchor=(0.5, -0.35))
+        self.figure(fig, "pipeline_timeline.png",
+                    f"one step of each schedule, p={big['stages']}, m={m_max}; "
+                    "numbers are micro-batches")
+
     def write(self):
         self.header()
         self.steps()
@@ -562,6 +722,7 @@ class Report:
         self.checkpoint_io()
         self.gemini_budget()
         self.hybrid_step()
+        self.pipeline_step()
         self.add("## Reproduce", "",
                  "```sh",
                  "bench/run            # full suite; bench/run --quick for a short one",
