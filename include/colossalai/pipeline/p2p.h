@@ -33,10 +33,9 @@
 namespace colossalai {
 namespace pipeline {
 
-/// What a transfer carries: the activations entering virtual stage
-/// `virtual_stage` (grad false) or the gradient leaving it backward (grad
-/// true: the gradient of that virtual stage's input... sent to the
-/// previous one).
+/// A stream between stages: the activations entering virtual stage
+/// `virtual_stage` (grad false), or the gradient of that stage's output,
+/// which the next stage sends back (grad true).
 struct StreamKey {
   int virtual_stage = 0;
   bool grad = false;
