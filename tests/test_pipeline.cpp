@@ -192,20 +192,11 @@ std::pair<std::vector<double>, std::map<std::string, at::Tensor>> reference(
     bool sgd,
     double max_norm) {
   auto model = make<Model>();
-  auto opt = colossalai::testing::make_optimizer(model->parameters(), sgd);
-  std::vector<double> losses;
-  for (int step = 0; step < kSteps; ++step) {
-    auto b = batch(step, model->config().vocab_size());
-    opt->zero_grad();
-    at::Tensor loss = model->loss(model->forward(b.first), b.second);
-    loss.backward();
-    if (max_norm > 0) {
-      torch::nn::utils::clip_grad_norm_(model->parameters(), max_norm);
-    }
-    opt->step();
-    losses.push_back(loss.item<double>());
-  }
-  return {losses, whole_weights(*model, sf::ShardInfo())};
+  const int64_t vocab = model->config().vocab_size();
+  return colossalai::testing::train_one_process(
+      model, kSteps, sgd, max_norm, [vocab](int step) {
+        return batch(step, vocab);
+      });
 }
 
 template <class Model>

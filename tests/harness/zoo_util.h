@@ -6,6 +6,7 @@
 #include <colossalai/shardformer/policy.h>
 
 #include <torch/nn/module.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
@@ -54,6 +55,33 @@ inline std::map<std::string, at::Tensor> whole_weights(
     out[item.key()] = t.clone();
   }
   return out;
+}
+
+/// One process training a zoo causal LM on `steps` global batches
+/// (`batch(step)` -> {ids, targets}); `max_norm` > 0 clips as
+/// torch.nn.utils.clip_grad_norm_. The losses and the final weights.
+template <class Model, class BatchFn>
+std::pair<std::vector<double>, std::map<std::string, at::Tensor>>
+train_one_process(
+    Model model,
+    int steps,
+    bool sgd,
+    double max_norm,
+    const BatchFn& batch) {
+  auto opt = make_optimizer(model->parameters(), sgd);
+  std::vector<double> losses;
+  for (int step = 0; step < steps; ++step) {
+    auto b = batch(step);
+    opt->zero_grad();
+    at::Tensor loss = model->loss(model->forward(b.first), b.second);
+    loss.backward();
+    if (max_norm > 0) {
+      torch::nn::utils::clip_grad_norm_(model->parameters(), max_norm);
+    }
+    opt->step();
+    losses.push_back(loss.item<double>());
+  }
+  return {losses, whole_weights(*model, shardformer::ShardInfo())};
 }
 
 } // namespace testing

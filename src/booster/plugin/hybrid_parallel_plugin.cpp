@@ -814,10 +814,10 @@ std::set<std::string> HybridParallelPlugin::setup_pipeline(
   std::set<std::string> held;
   chunk_layers_.clear();
   chunk_params_.assign(options_.num_model_chunks(), {});
-  for (int c = 0; c < options_.num_model_chunks(); ++c) {
-    chunk_layers_.push_back(stage_manager_->stage_layers(c, per_stage));
-    std::set<std::string> mine;
-    for (const auto& name : policy_->held_layers(module, chunk_layers_[c])) {
+  // The parameters (full name, tensor) of the layers a chunk holds.
+  auto params_of = [&](const shardformer::StageLayers& layers) {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& name : policy_->held_layers(module, layers)) {
       auto* m = modules.find(name);
       TORCH_CHECK(
           m != nullptr,
@@ -828,11 +828,18 @@ std::set<std::string> HybridParallelPlugin::setup_pipeline(
           name,
           "' that the model does not have");
       for (const auto& p : (*m)->named_parameters(true)) {
-        const auto full = name + "." + p.key();
-        held.insert(full);
-        if (mine.insert(full).second) {
-          chunk_params_[c].push_back(p.value());
-        }
+        out.emplace_back(name + "." + p.key(), p.value());
+      }
+    }
+    return out;
+  };
+  for (int c = 0; c < options_.num_model_chunks(); ++c) {
+    chunk_layers_.push_back(stage_manager_->stage_layers(c, per_stage));
+    std::set<std::string> mine;
+    for (const auto& p : params_of(chunk_layers_[c])) {
+      held.insert(p.first);
+      if (mine.insert(p.first).second) {
+        chunk_params_[c].push_back(p.second);
       }
     }
   }
@@ -884,19 +891,8 @@ std::set<std::string> HybridParallelPlugin::setup_pipeline(
   for (int s = pp - 1; s >= 0; --s) {
     for (int c = 0; c < options_.num_model_chunks(); ++c) {
       const auto layers = stage_manager_->stage_layers_of(s, c, per_stage);
-      for (const auto& name : policy_->held_layers(module, layers)) {
-        auto* m = modules.find(name);
-        TORCH_CHECK(
-            m != nullptr,
-            kName,
-            ": ",
-            policy_->name(),
-            ".held_layers names a module '",
-            name,
-            "' that the model does not have");
-        for (const auto& p : (*m)->named_parameters(true)) {
-          st->owner[name + "." + p.key()] = s; // the lowest stage wins
-        }
+      for (const auto& p : params_of(layers)) {
+        st->owner[p.first] = s; // the lowest stage wins
       }
     }
   }
