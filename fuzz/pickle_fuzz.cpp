@@ -87,9 +87,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   torch::optim::AdamW optimizer(model->parameters());
   try {
     ck::detail::load_state_dict(
-        optimizer,
         object,
         "fuzz input",
+        [&](const c10::IValue& groups) {
+          ck::detail::load_param_groups(optimizer, groups, "fuzz input");
+        },
         [&](int64_t id, const ck::StateDict& state) {
           ck::detail::load_param_state(optimizer, id, state, "fuzz input");
         });

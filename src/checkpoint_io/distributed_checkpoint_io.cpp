@@ -1,6 +1,8 @@
 #include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
 #include <colossalai/distributed/collectives.h>
 
+#include <algorithm>
+
 namespace colossalai {
 namespace checkpoint_io {
 
@@ -74,6 +76,48 @@ void DistributedCheckpointIO::load_optimizer_state(
     const StateDict& state,
     const std::string& file) {
   access_->load_optimizer_param(optimizer, id, state, file);
+}
+
+c10::impl::GenericList DistributedCheckpointIO::optimizer_param_groups(
+    interface::OptimizerWrapper& optimizer) {
+  return access_->optimizer_param_groups(optimizer);
+}
+
+void DistributedCheckpointIO::load_optimizer_groups(
+    interface::OptimizerWrapper& optimizer,
+    const c10::IValue& groups,
+    const std::string& file) {
+  access_->load_optimizer_groups(optimizer, groups, file);
+}
+
+int DistributedCheckpointIO::num_parts() {
+  return std::max<int>(1, access_->part_writers().size());
+}
+
+int DistributedCheckpointIO::my_part() {
+  const auto writers = access_->part_writers();
+  if (writers.empty()) {
+    return is_writer() ? 0 : -1;
+  }
+  auto it = std::find(writers.begin(), writers.end(), group_->rank());
+  return it == writers.end() ? -1 : static_cast<int>(it - writers.begin());
+}
+
+void DistributedCheckpointIO::stream_model_part(
+    interface::ModelWrapper& model,
+    const TensorSink& sink) {
+  access_->stream_model_part(model, sink);
+}
+
+void DistributedCheckpointIO::stream_optimizer_part(
+    interface::OptimizerWrapper& optimizer,
+    const StateSink& sink) {
+  access_->stream_optimizer_part(optimizer, sink);
+}
+
+std::vector<std::string> DistributedCheckpointIO::exchange(
+    const std::string& bytes) {
+  return distributed::all_gather_bytes(bytes, *group_);
 }
 
 } // namespace checkpoint_io

@@ -7,6 +7,9 @@
 #include "pickle_reader.h"
 #include "sharded_commit.h"
 
+#include <colossalai/distributed/error.h>
+#include <nlohmann/json.hpp>
+
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/serialize.h>
 
@@ -141,6 +144,83 @@ void check_missing(
       list(missing));
 }
 
+// Runs `f` unless an error was recorded; records the error it throws.
+void guarded(std::string& error, const std::function<void()>& f) {
+  if (!error.empty()) {
+    return;
+  }
+  try {
+    f();
+  } catch (const std::exception& e) {
+    error = distributed::error_text(e);
+    if (error.empty()) {
+      error = "unknown error";
+    }
+  }
+}
+
+// Model tensors into a commit's shard files as they arrive.
+class ModelShards {
+ public:
+  ModelShards(detail::ShardedCommit& commit, bool safetensors)
+      : commit_(commit), safetensors_(safetensors) {}
+  void add(const std::string& k, const at::Tensor& t) {
+    const int64_t bytes = detail::nbytes(t);
+    if (commit_.full(bytes)) {
+      flush();
+    }
+    shard_.insert(k, compact(t));
+    commit_.add(k, bytes);
+  }
+  void finish() {
+    if (commit_.pending()) {
+      flush();
+    }
+  }
+
+ private:
+  void flush() {
+    write_tensors(commit_.seal(), shard_, safetensors_);
+    shard_ = StateDict();
+  }
+  detail::ShardedCommit& commit_;
+  bool safetensors_;
+  StateDict shard_;
+};
+
+// Whole per-parameter optimizer states into a commit's shard files.
+class OptimizerShards {
+ public:
+  explicit OptimizerShards(detail::ShardedCommit& commit) : commit_(commit) {}
+  void add(int64_t id, const StateDict& s) {
+    int64_t n = 0;
+    StateDict own;
+    for (const auto& item : s) {
+      n += detail::nbytes(item.value());
+      own.insert(item.key(), compact(item.value()));
+    }
+    if (commit_.full(n)) {
+      flush();
+    }
+    shard_.emplace(id, std::move(own));
+    commit_.add(std::to_string(id), n);
+  }
+  void finish() {
+    if (commit_.pending()) {
+      flush();
+    }
+  }
+
+ private:
+  void flush() {
+    detail::write_bytes(
+        commit_.seal(), torch::pickle_save(states_ivalue(shard_)));
+    shard_.clear();
+  }
+  detail::ShardedCommit& commit_;
+  std::map<int64_t, StateDict> shard_;
+};
+
 // NOTE [Streamed sharded saves]
 // A sharded save writes each shard file as soon as it is full, so the writer
 // holds at most one shard (size_per_shard, or one larger tensor) plus what
@@ -255,26 +335,43 @@ void GeneralCheckpointIO::save_sharded_model(
       detail::add_prefix(st ? kSafetensorsName : kBinName, o.prefix());
   const int64_t max_bytes = o.size_per_shard() * 1024 * 1024;
   const bool writer = is_writer();
+  if (num_parts() > 1 && !o.use_async()) {
+    save_in_parts(
+        checkpoint,
+        weights + ".index.json",
+        weights,
+        max_bytes,
+        [&](detail::ShardedCommit* part, std::string& error) {
+          std::unique_ptr<ModelShards> shards;
+          if (part != nullptr) {
+            shards = std::make_unique<ModelShards>(*part, st);
+          }
+          stream_model_part(
+              model, [&](const std::string& k, const at::Tensor& t) {
+                guarded(error, [&] {
+                  if (shards) {
+                    shards->add(k, t);
+                  }
+                });
+              });
+          guarded(error, [&] {
+            if (shards) {
+              shards->finish();
+            }
+          });
+        },
+        [&](detail::ShardedCommit& commit) {
+          commit.commit(detail::Index(), weights);
+        });
+    return;
+  }
   // Writes the shards of whatever `feed` hands over and commits them.
   auto write = [=](const std::function<void(const TensorSink&)>& feed) {
     detail::ShardedCommit commit(
         checkpoint, weights + ".index.json", weights, max_bytes);
-    StateDict shard;
-    auto flush = [&]() {
-      write_tensors(commit.seal(), shard, st);
-      shard = StateDict();
-    };
-    feed([&](const std::string& k, const at::Tensor& t) {
-      const int64_t bytes = detail::nbytes(t);
-      if (commit.full(bytes)) {
-        flush();
-      }
-      shard.insert(k, compact(t));
-      commit.add(k, bytes);
-    });
-    if (commit.pending()) {
-      flush();
-    }
+    ModelShards shards(commit, st);
+    feed([&](const std::string& k, const at::Tensor& t) { shards.add(k, t); });
+    shards.finish();
     commit.commit(detail::Index(), weights);
   };
   if (!o.use_async()) {
@@ -285,7 +382,8 @@ void GeneralCheckpointIO::save_sharded_model(
     }
     return;
   }
-  // A background save needs an owned copy of everything anyway.
+  // A background save needs an owned copy of everything anyway (and goes
+  // through the one writer, in parts or not).
   StateDict state;
   stream_model_state(model, [&](const std::string& k, const at::Tensor& t) {
     if (writer) {
@@ -378,7 +476,7 @@ void GeneralCheckpointIO::save_unsharded_optimizer(
   if (!writer) {
     return;
   }
-  auto groups = detail::optimizer_param_groups(optimizer.unwrap());
+  auto groups = optimizer_param_groups(optimizer);
   run_maybe_async(o.use_async(), [states, groups, checkpoint]() {
     c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
     d.insert("state", states_ivalue(states));
@@ -398,41 +496,56 @@ void GeneralCheckpointIO::save_sharded_optimizer(
   const auto group_name = detail::add_prefix(kOptimGroupName, o.prefix());
   const int64_t max_bytes = o.size_per_shard() * 1024 * 1024;
   const bool writer = is_writer();
+  auto write_groups = [group_name](
+                          detail::ShardedCommit& commit,
+                          const c10::impl::GenericList& groups) {
+    detail::write_bytes(
+        commit.extra(group_name, "param_groups"), torch::pickle_save(groups));
+    commit.commit(detail::Index(), "");
+  };
+  if (num_parts() > 1 && !o.use_async()) {
+    save_in_parts(
+        checkpoint,
+        index_name + ".index.json",
+        index_name,
+        max_bytes,
+        [&](detail::ShardedCommit* part, std::string& error) {
+          std::unique_ptr<OptimizerShards> shards;
+          if (part != nullptr) {
+            shards = std::make_unique<OptimizerShards>(*part);
+          }
+          stream_optimizer_part(optimizer, [&](int64_t id, const StateDict& s) {
+            guarded(error, [&] {
+              if (shards) {
+                shards->add(id, s);
+              }
+            });
+          });
+          guarded(error, [&] {
+            if (shards) {
+              shards->finish();
+            }
+          });
+        },
+        [&](detail::ShardedCommit& commit) {
+          write_groups(commit, optimizer_param_groups(optimizer));
+        });
+    return;
+  }
   if (!writer) {
     // Take part in the plugin's collectives; the writer writes.
     stream_optimizer_states(optimizer, [](int64_t, const StateDict&) {});
     return;
   }
-  auto groups = detail::optimizer_param_groups(optimizer.unwrap());
+  auto groups = optimizer_param_groups(optimizer);
   // Shards hold whole parameter states (NOTE [Streamed sharded saves]).
   auto write = [=](const std::function<void(const StateSink&)>& feed) {
     detail::ShardedCommit commit(
         checkpoint, index_name + ".index.json", index_name, max_bytes);
-    std::map<int64_t, StateDict> shard;
-    auto flush = [&]() {
-      detail::write_bytes(
-          commit.seal(), torch::pickle_save(states_ivalue(shard)));
-      shard.clear();
-    };
-    feed([&](int64_t id, const StateDict& s) {
-      int64_t n = 0;
-      StateDict own;
-      for (const auto& item : s) {
-        n += detail::nbytes(item.value());
-        own.insert(item.key(), compact(item.value()));
-      }
-      if (commit.full(n)) {
-        flush();
-      }
-      shard.emplace(id, std::move(own));
-      commit.add(std::to_string(id), n);
-    });
-    if (commit.pending()) {
-      flush();
-    }
-    detail::write_bytes(
-        commit.extra(group_name, "param_groups"), torch::pickle_save(groups));
-    commit.commit(detail::Index(), "");
+    OptimizerShards shards(commit);
+    feed([&](int64_t id, const StateDict& s) { shards.add(id, s); });
+    shards.finish();
+    write_groups(commit, groups);
   };
   if (!o.use_async()) {
     write([&](const StateSink& sink) {
@@ -453,13 +566,112 @@ void GeneralCheckpointIO::save_sharded_optimizer(
   });
 }
 
+// NOTE [Sharded saves in parts]
+// Under pipeline parallelism each stage writes the shards of the tensors it
+// owns, in parallel, and one index names them all (ColossalAI's hybrid
+// checkpoint layout, with Hugging Face's file names):
+//  1. The writer (rank 0) starts the commit and recovers a killed save
+//     (NOTE [Sharded checkpoint commit]) before any part is written; an
+//     exchange tells every rank that this is done (or failed).
+//  2. Every rank streams its part (collective within the part); the part's
+//     writer writes shard temporaries as tensors arrive. A write error is
+//     recorded, not thrown, so the part's collectives still complete.
+//  3. An exchange carries each part's temporaries and keys (or its error)
+//     to every rank. The writer adopts them in part order, so shard numbers
+//     run across parts, and commits: it alone renames, writes the index and
+//     retires the previous checkpoint. Any error aborts the save on every
+//     rank, and the writer removes every temporary.
+//  4. A last exchange carries the commit's outcome, so no rank returns
+//     before the index is published, or returns quietly when it was not.
+void GeneralCheckpointIO::save_in_parts(
+    const std::string& dir,
+    const std::string& index_name,
+    const std::string& stem,
+    int64_t max_bytes,
+    const std::function<void(detail::ShardedCommit*, std::string&)>& write_part,
+    const std::function<void(detail::ShardedCommit&)>& finish) {
+  const bool writer = is_writer();
+  auto first_error = [](const std::vector<std::string>& all) {
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (!all[r].empty()) {
+        return "rank " + std::to_string(r) + ": " + all[r];
+      }
+    }
+    return std::string();
+  };
+  std::unique_ptr<detail::ShardedCommit> coordinator;
+  std::string error;
+  if (writer) {
+    guarded(error, [&] {
+      coordinator = std::make_unique<detail::ShardedCommit>(
+          dir, index_name, stem, max_bytes);
+    });
+  }
+  auto failed = first_error(exchange(error));
+  TORCH_CHECK(failed.empty(), "cannot save '", dir, "': ", failed);
+
+  const int k = my_part();
+  std::unique_ptr<detail::ShardedCommit> part;
+  if (k >= 0) {
+    guarded(error, [&] {
+      part = std::make_unique<detail::ShardedCommit>(
+          dir, index_name, stem, max_bytes, "s" + std::to_string(k) + "-");
+    });
+  }
+  write_part(part.get(), error);
+  nlohmann::json mine;
+  mine["part"] = k;
+  mine["error"] = error;
+  mine["shards"] = nlohmann::json::array();
+  if (part && error.empty()) {
+    guarded(error, [&] {
+      for (const auto& p : part->hand_over()) {
+        mine["shards"].push_back(
+            {{"temp", p.temp}, {"keys", p.keys}, {"bytes", p.bytes}});
+      }
+    });
+    mine["error"] = error;
+  }
+  auto all = exchange(mine.dump());
+  std::string outcome;
+  if (writer) {
+    std::vector<std::string> errors;
+    std::vector<std::vector<detail::ShardedCommit::Part>> by_part(num_parts());
+    for (const auto& text : all) {
+      auto j = nlohmann::json::parse(text);
+      errors.push_back(j.at("error").get<std::string>());
+      const int n = j.at("part").get<int>();
+      for (const auto& e : j.at("shards")) {
+        detail::ShardedCommit::Part p;
+        p.temp = e.at("temp").get<std::string>();
+        p.keys = e.at("keys").get<std::vector<std::string>>();
+        p.bytes = e.at("bytes").get<int64_t>();
+        TORCH_INTERNAL_ASSERT(n >= 0 && n < num_parts(), "part ", n);
+        by_part[n].push_back(std::move(p));
+      }
+    }
+    // Adopted even on error: the coordinator then removes them.
+    for (const auto& parts : by_part) {
+      coordinator->adopt(parts);
+    }
+    outcome = first_error(errors);
+    if (outcome.empty()) {
+      guarded(outcome, [&] { finish(*coordinator); });
+    }
+  }
+  failed = first_error(exchange(outcome));
+  TORCH_CHECK(failed.empty(), "cannot save '", dir, "': ", failed);
+}
+
 void GeneralCheckpointIO::load_unsharded_optimizer(
     interface::OptimizerWrapper& optimizer,
     const std::string& checkpoint) {
   detail::load_state_dict(
-      optimizer.unwrap(),
       read_pickle(checkpoint),
       checkpoint,
+      [&](const c10::IValue& groups) {
+        load_optimizer_groups(optimizer, groups, checkpoint);
+      },
       [&](int64_t id, const StateDict& state) {
         load_optimizer_state(optimizer, id, state, checkpoint);
       });
@@ -476,9 +688,8 @@ void GeneralCheckpointIO::load_sharded_optimizer(
       "load_optimizer: index '",
       index_file,
       "' has no metadata.param_groups");
-  auto& optim = optimizer.unwrap();
   auto groups_file = detail::join(dir, groups_it->second);
-  detail::load_param_groups(optim, read_pickle(groups_file), groups_file);
+  load_optimizer_groups(optimizer, read_pickle(groups_file), groups_file);
   std::vector<std::string> files;
   for (const auto& kv : index.weight_map) {
     if (std::find(files.begin(), files.end(), kv.second) == files.end()) {
@@ -514,6 +725,34 @@ void StateAccess::stream_optimizer(
   for (const auto& kv : detail::optimizer_param_states(optimizer.unwrap())) {
     sink(kv.first, kv.second);
   }
+}
+
+c10::impl::GenericList StateAccess::optimizer_param_groups(
+    interface::OptimizerWrapper& optimizer) {
+  return detail::optimizer_param_groups(optimizer.unwrap());
+}
+
+void StateAccess::load_optimizer_groups(
+    interface::OptimizerWrapper& optimizer,
+    const c10::IValue& groups,
+    const std::string& file) {
+  detail::load_param_groups(optimizer.unwrap(), groups, file);
+}
+
+std::vector<int> StateAccess::part_writers() {
+  return {};
+}
+
+void StateAccess::stream_model_part(
+    interface::ModelWrapper& model,
+    const TensorSink& sink) {
+  stream_model(model, sink);
+}
+
+void StateAccess::stream_optimizer_part(
+    interface::OptimizerWrapper& optimizer,
+    const StateSink& sink) {
+  stream_optimizer(optimizer, sink);
 }
 
 TensorLoader StateAccess::model_tensor_loader(interface::ModelWrapper&) {
@@ -552,6 +791,43 @@ void GeneralCheckpointIO::load_optimizer_state(
     const StateDict& state,
     const std::string& file) {
   StateAccess().load_optimizer_param(optimizer, id, state, file);
+}
+
+c10::impl::GenericList GeneralCheckpointIO::optimizer_param_groups(
+    interface::OptimizerWrapper& optimizer) {
+  return StateAccess().optimizer_param_groups(optimizer);
+}
+
+void GeneralCheckpointIO::load_optimizer_groups(
+    interface::OptimizerWrapper& optimizer,
+    const c10::IValue& groups,
+    const std::string& file) {
+  StateAccess().load_optimizer_groups(optimizer, groups, file);
+}
+
+int GeneralCheckpointIO::num_parts() {
+  return 1;
+}
+
+int GeneralCheckpointIO::my_part() {
+  return is_writer() ? 0 : -1;
+}
+
+void GeneralCheckpointIO::stream_model_part(
+    interface::ModelWrapper& model,
+    const TensorSink& sink) {
+  stream_model_state(model, sink);
+}
+
+void GeneralCheckpointIO::stream_optimizer_part(
+    interface::OptimizerWrapper& optimizer,
+    const StateSink& sink) {
+  stream_optimizer_states(optimizer, sink);
+}
+
+std::vector<std::string> GeneralCheckpointIO::exchange(
+    const std::string& bytes) {
+  return {bytes};
 }
 
 } // namespace checkpoint_io

@@ -461,9 +461,9 @@ std::map<int64_t, StateDict> param_states(
 }
 
 void load_state_dict(
-    Optimizer& o,
     const c10::IValue& v,
     const std::string& file,
+    const std::function<void(const c10::IValue&)>& load_groups,
     const std::function<void(int64_t, const StateDict&)>& load_param) {
   TORCH_CHECK(
       v.isGenericDict(),
@@ -478,7 +478,7 @@ void load_state_dict(
       "load_optimizer: '",
       file,
       "' lacks 'state' or 'param_groups'");
-  load_param_groups(o, d.at(groups_key), file);
+  load_groups(d.at(groups_key));
   for (const auto& kv : param_states(d.at(state_key), file)) {
     load_param(kv.first, kv.second);
   }

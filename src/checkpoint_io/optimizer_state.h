@@ -54,12 +54,13 @@ std::map<int64_t, StateDict> param_states(
     const c10::IValue& state,
     const std::string& file);
 
-/// Restores a whole optimizer state dict {"state", "param_groups"}: groups
-/// into `optimizer`, each parameter's state through `load_param`.
+/// Restores a whole optimizer state dict {"state", "param_groups"}: the
+/// groups through `load_groups`, each parameter's state through
+/// `load_param`.
 void load_state_dict(
-    torch::optim::Optimizer& optimizer,
     const c10::IValue& state_dict,
     const std::string& file,
+    const std::function<void(const c10::IValue&)>& load_groups,
     const std::function<void(int64_t, const StateDict&)>& load_param);
 
 } // namespace detail

@@ -82,10 +82,12 @@ ShardedCommit::ShardedCommit(
     std::string dir,
     std::string index_name,
     std::string stem,
-    int64_t max_bytes)
+    int64_t max_bytes,
+    std::string part_label)
     : dir_(std::move(dir)),
       index_name_(std::move(index_name)),
       stem_(std::move(stem)),
+      label_(std::move(part_label)),
       max_bytes_(max_bytes),
       tag_(random_tag()) {
   TORCH_CHECK(
@@ -101,11 +103,25 @@ ShardedCommit::ShardedCommit(
       dir_,
       "': ",
       ec.message());
-  recover();
+  if (label_.empty()) {
+    recover();
+  }
 }
 
 ShardedCommit::~ShardedCommit() {
-  if (!committed_) {
+  if (committed_) {
+    return;
+  }
+  // Exactly the files this object owns: another writer's temporaries (of a
+  // live process on another host, perhaps) are not ours to judge.
+  std::error_code ec;
+  for (const auto& p : parts_) {
+    fs::remove(p.temp, ec);
+  }
+  for (const auto& e : extras_) {
+    fs::remove(e.temp, ec);
+  }
+  if (label_.empty()) {
     remove_stale_temps(dir_, index_name_);
   }
 }
@@ -141,28 +157,48 @@ bool ShardedCommit::full(int64_t bytes) const {
 }
 
 void ShardedCommit::add(const std::string& key, int64_t bytes) {
-  if (keys_.empty() || sealed_) {
-    keys_.emplace_back();
-    bytes_.push_back(0);
+  if (parts_.empty() || sealed_) {
+    Part p;
+    p.temp = temp_path(
+        dir_, index_name_, label_ + "part" + std::to_string(parts_.size() + 1));
+    parts_.push_back(std::move(p));
     sealed_ = false;
   }
-  keys_.back().push_back(key);
-  bytes_.back() += bytes;
+  parts_.back().keys.push_back(key);
+  parts_.back().bytes += bytes;
   current_ += bytes;
 }
 
 std::string ShardedCommit::seal() {
   TORCH_INTERNAL_ASSERT(pending(), "seal() without entries");
-  if (keys_.size() > 1) {
+  if (parts_.size() > 1) {
     utils::fault_point("sharded:part_written"); // the previous part
   }
   sealed_ = true;
   current_ = 0;
-  return temp_path(dir_, index_name_, "part" + std::to_string(keys_.size()));
+  return parts_.back().temp;
 }
 
 bool ShardedCommit::pending() const {
-  return !keys_.empty() && !sealed_;
+  return !parts_.empty() && !sealed_;
+}
+
+std::vector<ShardedCommit::Part> ShardedCommit::hand_over() {
+  TORCH_INTERNAL_ASSERT(!pending(), "hand_over() with an unsealed shard");
+  TORCH_INTERNAL_ASSERT(extras_.empty(), "a part writer has no extras");
+  for (const auto& p : parts_) {
+    fsync_path(p.temp, false);
+  }
+  auto out = std::move(parts_);
+  parts_.clear();
+  return out;
+}
+
+void ShardedCommit::adopt(const std::vector<Part>& parts) {
+  TORCH_INTERNAL_ASSERT(label_.empty(), "only the coordinator adopts parts");
+  TORCH_INTERNAL_ASSERT(!pending(), "adopt() with an unsealed shard");
+  parts_.insert(parts_.end(), parts.begin(), parts.end());
+  sealed_ = true; // written by their owners
 }
 
 std::string ShardedCommit::extra(
@@ -190,13 +226,13 @@ std::string ShardedCommit::free_name(
 }
 
 void ShardedCommit::commit(Index index, const std::string& single) {
+  TORCH_INTERNAL_ASSERT(label_.empty(), "a part writer does not commit");
   TORCH_INTERNAL_ASSERT(!pending(), "commit() with an unsealed shard");
-  if (!keys_.empty()) {
+  if (!parts_.empty()) {
     utils::fault_point("sharded:part_written"); // the last part
   }
-  for (size_t i = 0; i < keys_.size(); ++i) {
-    fsync_path(
-        temp_path(dir_, index_name_, "part" + std::to_string(i + 1)), false);
+  for (const auto& p : parts_) {
+    fsync_path(p.temp, false);
   }
   for (const auto& e : extras_) {
     fsync_path(e.temp, false);
@@ -205,7 +241,7 @@ void ShardedCommit::commit(Index index, const std::string& single) {
   // Step 3: names no file has, so the live checkpoint stays intact.
   const auto index_path = join(dir_, index_name_);
   std::set<std::string> taken;
-  const int n = static_cast<int>(keys_.size());
+  const int n = static_cast<int>(parts_.size());
   std::vector<std::string> finals;
   for (int i = 0; i < n; ++i) {
     finals.push_back(free_name(
@@ -239,14 +275,12 @@ void ShardedCommit::commit(Index index, const std::string& single) {
 
   // Step 5.
   for (int i = 0; i < n; ++i) {
-    rename_or_throw(
-        temp_path(dir_, index_name_, "part" + std::to_string(i + 1)),
-        join(dir_, finals[i]));
+    rename_or_throw(parts_[i].temp, join(dir_, finals[i]));
     utils::fault_point("sharded:renamed");
-    for (const auto& k : keys_[i]) {
+    for (const auto& k : parts_[i].keys) {
       index.weight_map.emplace_back(k, finals[i]);
     }
-    index.total_size += bytes_[i];
+    index.total_size += parts_[i].bytes;
   }
   for (size_t i = 0; i < extras_.size(); ++i) {
     rename_or_throw(extras_[i].temp, join(dir_, extra_finals[i]));

@@ -36,16 +36,32 @@ namespace detail {
 //     removed, then the journal.
 // Shard names carry the shard count, unknown until the end, so shards are
 // written under provisional names (NOTE [Streamed sharded saves]).
+//
+// Several writers (one per pipeline stage) may write one checkpoint: each
+// part writer does step 2 for its shards and hands them over; the
+// coordinator, which alone recovers (step 1, before any part is written)
+// and commits, adopts them in stage order, so shard numbers run across
+// parts and one index names them all. Directories must be shared.
 class ShardedCommit {
  public:
+  /// A sealed shard: its temporary file, its keys and their bytes.
+  struct Part {
+    std::string temp;
+    std::vector<std::string> keys;
+    int64_t bytes = 0;
+  };
+
   /// A save of the checkpoint indexed by `dir/index_name`, whose shards are
   /// named after `stem` ("model.safetensors" -> "model-00001-of-00002..."),
-  /// each at most `max_bytes` unless one entry is larger.
+  /// each at most `max_bytes` unless one entry is larger. `part_label`
+  /// non-empty: a part writer (no recovery, no commit; temporaries carry
+  /// the label).
   ShardedCommit(
       std::string dir,
       std::string index_name,
       std::string stem,
-      int64_t max_bytes);
+      int64_t max_bytes,
+      std::string part_label = "");
   /// Removes the temporaries of a save that did not commit.
   ~ShardedCommit();
   ShardedCommit(const ShardedCommit&) = delete;
@@ -63,6 +79,12 @@ class ShardedCommit {
   /// the index's metadata under `metadata_key`.
   std::string extra(const std::string& name, const std::string& metadata_key);
 
+  /// A part writer's sealed shards, fsync'd; they are no longer this
+  /// object's to remove.
+  std::vector<Part> hand_over();
+  /// Takes parts written by other ranks, numbered after those so far.
+  void adopt(const std::vector<Part>& parts);
+
   /// Publishes the shards and extras with `index` (steps 3 to 7); `single`
   /// names a lone shard (empty: always numbered).
   void commit(Index index, const std::string& single);
@@ -72,14 +94,13 @@ class ShardedCommit {
       const;
   void recover();
 
-  std::string dir_, index_name_, stem_;
+  std::string dir_, index_name_, stem_, label_;
   int64_t max_bytes_;
   int64_t current_ = 0;
   bool sealed_ = false;
   bool committed_ = false;
   std::string tag_;
-  std::vector<std::vector<std::string>> keys_;
-  std::vector<int64_t> bytes_;
+  std::vector<Part> parts_;
   struct Extra {
     std::string name, metadata_key, temp;
   };

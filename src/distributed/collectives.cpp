@@ -3,7 +3,9 @@
 
 #include "backend.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 
 // NOTE [Gloo replacements]
 // Gloo in LibTorch 1.13 has no reduce-scatter, no flat all-gather and no bf16
@@ -506,6 +508,33 @@ Work barrier(const ProcessGroup& group) {
   ::c10d::BarrierOptions opts;
   return detail::make_work(
       detail::backend(group).barrier(opts), nullptr, "barrier", group);
+}
+
+std::vector<std::string> all_gather_bytes(
+    const std::string& bytes,
+    const ProcessGroup& group) {
+  const int n = group.size();
+  const auto dev = group.device();
+  auto len =
+      at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong).to(dev);
+  auto lens = at::empty({n}, len.options());
+  all_gather(lens, len, group).wait();
+  auto lens_cpu = lens.cpu();
+  const auto* l = lens_cpu.data_ptr<int64_t>();
+  const int64_t longest = *std::max_element(l, l + n);
+  // Padded to the longest, so every rank gives an equal shard.
+  auto mine = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
+  std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
+  mine = mine.to(dev);
+  auto all = at::empty({n * mine.numel()}, mine.options());
+  all_gather(all, mine, group).wait();
+  auto all_cpu = all.cpu();
+  const auto* p = static_cast<const char*>(all_cpu.data_ptr());
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r) {
+    out.emplace_back(p + r * mine.numel(), l[r]);
+  }
+  return out;
 }
 
 RingHop ring_exchange(

@@ -13,8 +13,10 @@ namespace checkpoint_io {
 /// Checkpoint IO of a data-parallel group, composed of three parts: the
 /// formats (GeneralCheckpointIO's files, which any world size and plugin
 /// loads), who writes (rank 0 of `group`, with a barrier after each save and
-/// before each load so no reader sees half-written files) and how state is
-/// reached (`access`). Every data-parallel plugin returns one of these.
+/// before each load so no reader sees half-written files; or, where `access`
+/// names part writers, one rank per pipeline stage writing its own shards in
+/// parallel under one index) and how state is reached (`access`). Every
+/// plugin returns one of these.
 ///
 /// Example:
 /// \code
@@ -51,6 +53,20 @@ class DistributedCheckpointIO : public GeneralCheckpointIO {
       int64_t id,
       const StateDict& state,
       const std::string& file) override;
+  c10::impl::GenericList optimizer_param_groups(
+      interface::OptimizerWrapper& optimizer) override;
+  void load_optimizer_groups(
+      interface::OptimizerWrapper& optimizer,
+      const c10::IValue& groups,
+      const std::string& file) override;
+  int num_parts() override;
+  int my_part() override;
+  void stream_model_part(interface::ModelWrapper& model, const TensorSink& sink)
+      override;
+  void stream_optimizer_part(
+      interface::OptimizerWrapper& optimizer,
+      const StateSink& sink) override;
+  std::vector<std::string> exchange(const std::string& bytes) override;
 
  private:
   distributed::ProcessGroupPtr group_;

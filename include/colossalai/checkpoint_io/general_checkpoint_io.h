@@ -2,12 +2,18 @@
 
 #include <colossalai/checkpoint_io/checkpoint_io_base.h>
 
+#include <ATen/core/ivalue.h>
+
 #include <functional>
 #include <map>
 #include <set>
 
 namespace colossalai {
 namespace checkpoint_io {
+
+namespace detail {
+class ShardedCommit;
+} // namespace detail
 
 /// Receives a model's full tensors by name, a few at a time.
 using TensorSink =
@@ -57,6 +63,31 @@ class StateAccess {
       int64_t id,
       const StateDict& state,
       const std::string& file);
+  /// The param groups a checkpoint stores: hyperparameters and the ids of
+  /// the whole model's parameters (a pipeline stage's optimizer holds only
+  /// some of them).
+  virtual c10::impl::GenericList optimizer_param_groups(
+      interface::OptimizerWrapper& optimizer);
+  /// Restores the groups' hyperparameters from a checkpoint's
+  /// `param_groups` (checks they match the model's groups).
+  virtual void load_optimizer_groups(
+      interface::OptimizerWrapper& optimizer,
+      const c10::IValue& groups,
+      const std::string& file);
+
+  /// Sharded saves in parts (NOTE [Sharded saves in parts]): the group ranks
+  /// that each write one part of a sharded checkpoint, in part order (one
+  /// per pipeline stage). Empty (the default): one writer writes it all.
+  virtual std::vector<int> part_writers();
+  /// This rank's part of the model's full tensors (collective among the
+  /// part's ranks; the sink may run on the part's writer only).
+  virtual void stream_model_part(
+      interface::ModelWrapper& model,
+      const TensorSink& sink);
+  /// As stream_model_part, for per-parameter optimizer states.
+  virtual void stream_optimizer_part(
+      interface::OptimizerWrapper& optimizer,
+      const StateSink& sink);
 };
 
 /// Checkpoints of a model and optimizer held whole by this process (plain
@@ -139,6 +170,42 @@ class GeneralCheckpointIO : public CheckpointIO {
       int64_t id,
       const StateDict& state,
       const std::string& file);
+  /// StateAccess::optimizer_param_groups / load_optimizer_groups.
+  virtual c10::impl::GenericList optimizer_param_groups(
+      interface::OptimizerWrapper& optimizer);
+  virtual void load_optimizer_groups(
+      interface::OptimizerWrapper& optimizer,
+      const c10::IValue& groups,
+      const std::string& file);
+
+  /// Sharded saves in parts: how many parts (1: the writer writes all),
+  /// which one this rank writes (-1: none), the part's state, and a
+  /// blocking exchange of small messages among the ranks (every rank's
+  /// `bytes`, in rank order).
+  virtual int num_parts();
+  virtual int my_part();
+  virtual void stream_model_part(
+      interface::ModelWrapper& model,
+      const TensorSink& sink);
+  virtual void stream_optimizer_part(
+      interface::OptimizerWrapper& optimizer,
+      const StateSink& sink);
+  virtual std::vector<std::string> exchange(const std::string& bytes);
+
+ private:
+  // Writes a sharded checkpoint in num_parts() parts and commits one index
+  // (every rank calls it): `write_part` streams this rank's part into
+  // `part` (null where this rank writes none) and records a write error in
+  // `error` instead of throwing, so the part's collectives complete;
+  // `finish` adds extras and commits, on the writer.
+  void save_in_parts(
+      const std::string& dir,
+      const std::string& index_name,
+      const std::string& stem,
+      int64_t max_bytes,
+      const std::function<
+          void(detail::ShardedCommit* part, std::string& error)>& write_part,
+      const std::function<void(detail::ShardedCommit& commit)>& finish);
 };
 
 /// The module's parameters and buffers under their dotted names.

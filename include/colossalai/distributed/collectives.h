@@ -125,6 +125,12 @@ Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag = 0);
 
 Work barrier(const ProcessGroup& group);
 
+/// Every rank's `bytes`, in group rank order (any lengths; blocking). For
+/// small metadata such as which files a rank wrote, not for tensors.
+std::vector<std::string> all_gather_bytes(
+    const std::string& bytes,
+    const ProcessGroup& group);
+
 /// One hop of a ring: `send` goes to the next group rank (rank + 1) while
 /// the previous rank's tensor (same shape and dtype) arrives in `received`.
 /// Both are posted at once; `wait()` before reading `received` or reusing

@@ -7,7 +7,7 @@
 #include <colossalai/pipeline/schedule.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
-#include "../../checkpoint_io/optimizer_state.h"
+#include "hybrid_checkpoint_io.h"
 #include "plugin_options.h"
 #include "zero_options.h"
 
@@ -30,25 +30,6 @@ constexpr const char* kName = "HybridParallelPlugin";
 bool on_tensor_group(const std::string& sp_mode) {
   return sp_mode == "split_gather" || sp_mode == "ring";
 }
-
-// What the plugin learned at boost, shared with its checkpoint IO.
-struct HybridState {
-  shardformer::ShardInfo info;
-  distributed::ProcessGroupPtr tp;
-  // By optimizer parameter id: the split, the local and the full shape.
-  std::vector<sl::ShardSpec> spec_by_id;
-  std::vector<std::vector<int64_t>> local_shape_by_id, full_shape_by_id;
-  std::weak_ptr<zero::LowLevelZeroOptimizer> zero;
-  // Pipelines: the parameters this stage holds, the stage that writes each
-  // parameter (the first that holds it), and per stage the global rank that
-  // sends its tensors to the writer (its tp / sp / dp rank 0).
-  bool pipelined = false;
-  int stage = 0;
-  std::set<std::string> held;
-  std::map<std::string, int> owner;
-  std::vector<int> stage_source;
-  std::shared_ptr<pipeline::PipelineP2PCommunication> to_writer;
-};
 
 // The outermost wrapper under pp_size > 1: the model runs stage by stage
 // inside execute_pipeline; a direct call is a user error.
@@ -194,27 +175,26 @@ class HybridParallelNaiveOptimizer : public interface::OptimizerWrapper {
   bool summed_ = false;
 };
 
-// Whole tensor of a tensor-split local `t` on tensor rank 0 (undefined
-// elsewhere): one gather, so no other rank holds it whole.
-at::Tensor gather_whole(
-    const at::Tensor& t,
-    const sl::ShardSpec& spec,
-    const distributed::ProcessGroupPtr& tp) {
-  const int n = tp->size();
-  auto local = t.detach().contiguous();
-  at::Tensor out;
-  if (tp->rank() == 0) {
-    out = at::empty({n * local.numel()}, local.options());
+// The optimizer's parameters' names (`name_of`: by tensor identity), by
+// group.
+std::vector<std::vector<std::string>> param_names(
+    interface::OptimizerWrapper& optimizer,
+    const std::unordered_map<const void*, std::string>& name_of) {
+  std::vector<std::vector<std::string>> out;
+  for (auto& g : optimizer.param_groups()) {
+    out.emplace_back();
+    for (auto& p : g.params()) {
+      auto it = name_of.find(p.unsafeGetTensorImpl());
+      TORCH_CHECK(
+          it != name_of.end(),
+          kName,
+          ": the optimizer holds a parameter (shape ",
+          p.sizes(),
+          ") that is not in the boosted model");
+      out.back().push_back(it->second);
+    }
   }
-  distributed::gather(out, local.view({-1}), 0, *tp).wait();
-  if (tp->rank() != 0) {
-    return at::Tensor();
-  }
-  std::vector<int64_t> shape{n};
-  shape.insert(shape.end(), local.sizes().begin(), local.sizes().end());
-  auto parts = out.view(shape).unbind(0);
-  return sl::unshard_tensor(
-      std::vector<at::Tensor>(parts.begin(), parts.end()), spec);
+  return out;
 }
 
 void check_pipeline_options(const HybridParallelPluginOptions& o) {
@@ -271,229 +251,6 @@ void check_pipeline_options(const HybridParallelPluginOptions& o) {
       "reduced once per step after every micro-batch; as in ColossalAI); "
       "use zero_stage(1) or 0");
 }
-
-void check_not_pipelined(const HybridState& s) {
-  TORCH_CHECK(
-      !s.pipelined,
-      kName,
-      ": optimizer checkpoints of a pipelined model (pp_size > 1) are not "
-      "supported yet (model checkpoints are)");
-}
-
-bool tp_active(const HybridState& s) {
-  return s.tp != nullptr && s.tp->size() > 1;
-}
-
-// Checkpoints hold whole Hugging Face-layout tensors (any tp / dp size and
-// any plugin loads them): split tensors are gathered to tensor rank 0 one
-// at a time on save, and cut to this rank's shard on load.
-class HybridStateAccess : public checkpoint_io::StateAccess {
- public:
-  explicit HybridStateAccess(std::shared_ptr<HybridState> state)
-      : state_(std::move(state)) {}
-
-  void stream_model(
-      interface::ModelWrapper& model,
-      const checkpoint_io::TensorSink& sink) override {
-    if (state_->pipelined) {
-      stream_pipelined_model(model, sink);
-      return;
-    }
-    const auto& specs = state_->info.specs;
-    auto module = model.unwrap();
-    for (const auto& item : module->named_parameters(true)) {
-      auto it = specs.find(item.key());
-      if (it == specs.end() || !tp_active(*state_)) {
-        sink(item.key(), item.value().detach());
-        continue;
-      }
-      auto whole = gather_whole(item.value(), it->second, state_->tp);
-      if (whole.defined()) {
-        sink(item.key(), whole);
-      }
-    }
-    for (const auto& item : module->named_buffers(true)) {
-      if (item.value().defined()) {
-        sink(item.key(), item.value());
-      }
-    }
-  }
-
-  // Streaming: each split tensor's shard is cut from the checkpoint's whole
-  // tensor as it is read, so no rank holds a whole model and the load moves
-  // no bytes between ranks.
-  checkpoint_io::TensorLoader model_tensor_loader(
-      interface::ModelWrapper& model) override {
-    if (!tp_active(*state_) && !state_->pipelined) {
-      return nullptr;
-    }
-    auto module = model.unwrap();
-    auto named = module->named_parameters(true);
-    auto targets = std::make_shared<
-        std::map<std::string, std::pair<at::Tensor, sl::ShardSpec>>>();
-    for (const auto& kv : state_->info.specs) {
-      if (!kv.second.is_split() || !tp_active(*state_) ||
-          (state_->pipelined && !state_->held.count(kv.first))) {
-        continue;
-      }
-      auto* p = named.find(kv.first);
-      TORCH_INTERNAL_ASSERT(p != nullptr, "no parameter ", kv.first);
-      targets->emplace(kv.first, std::make_pair(*p, kv.second));
-    }
-    auto state = state_;
-    return [targets, state](
-               const std::string& key,
-               const at::Tensor& src,
-               const std::string& file) {
-      // Another stage's parameter: that stage reads it.
-      if (state->pipelined && state->owner.count(key) &&
-          !state->held.count(key)) {
-        return true;
-      }
-      auto it = targets->find(key);
-      if (it == targets->end()) {
-        return false;
-      }
-      auto& param = it->second.first;
-      const auto& spec = it->second.second;
-      auto whole = param.sizes().vec();
-      whole[spec.dim] = spec.full_size;
-      TORCH_CHECK(
-          src.sizes().vec() == whole,
-          "load_model: '",
-          file,
-          "': key '",
-          key,
-          "' has shape ",
-          src.sizes(),
-          " but the model's whole tensor has shape ",
-          at::IntArrayRef(whole));
-      at::NoGradGuard no_grad;
-      param.copy_(sl::shard_tensor(src, spec));
-      return true;
-    };
-  }
-
-  void load_model(
-      interface::ModelWrapper& model,
-      const std::function<void()>& load) override {
-    load();
-    if (auto z = state_->zero.lock()) {
-      z->sync_master_from_working();
-    }
-  }
-
-  void stream_optimizer(
-      interface::OptimizerWrapper& optimizer,
-      const checkpoint_io::StateSink& sink) override {
-    check_not_pipelined(*state_);
-    auto emit = [&](int64_t id, const checkpoint_io::StateDict& state) {
-      if (!tp_active(*state_) || !state_->spec_by_id.at(id).is_split()) {
-        sink(id, state);
-        return;
-      }
-      const auto& spec = state_->spec_by_id.at(id);
-      const auto& local = state_->local_shape_by_id.at(id);
-      checkpoint_io::StateDict whole;
-      for (const auto& item : state) {
-        const auto& t = item.value();
-        if (t.defined() && t.dim() > 0 && t.sizes().vec() == local) {
-          auto w = gather_whole(t, spec, state_->tp);
-          if (w.defined()) {
-            whole.insert(item.key(), w);
-          }
-        } else {
-          whole.insert(item.key(), t);
-        }
-      }
-      if (state_->tp->rank() == 0) {
-        sink(id, whole);
-      }
-    };
-    if (auto z = zero_of(optimizer)) {
-      z->stream_full_states(emit);
-      return;
-    }
-    for (const auto& kv :
-         checkpoint_io::detail::optimizer_param_states(optimizer.unwrap())) {
-      emit(kv.first, kv.second);
-    }
-  }
-
-  void load_optimizer_param(
-      interface::OptimizerWrapper& optimizer,
-      int64_t id,
-      const checkpoint_io::StateDict& state,
-      const std::string& file) override {
-    check_not_pipelined(*state_);
-    checkpoint_io::StateDict mine = state;
-    if (tp_active(*state_) && id >= 0 &&
-        id < static_cast<int64_t>(state_->spec_by_id.size()) &&
-        state_->spec_by_id[id].is_split()) {
-      const auto& spec = state_->spec_by_id[id];
-      const auto& full = state_->full_shape_by_id[id];
-      mine = checkpoint_io::StateDict();
-      for (const auto& item : state) {
-        const auto& t = item.value();
-        mine.insert(
-            item.key(),
-            t.defined() && t.dim() > 0 && t.sizes().vec() == full
-                ? sl::shard_tensor(t, spec)
-                : t);
-      }
-    }
-    if (auto z = zero_of(optimizer)) {
-      z->load_full_state(id, mine, file);
-    } else {
-      checkpoint_io::detail::load_param_state(
-          optimizer.unwrap(), id, mine, file);
-    }
-  }
-
- private:
-  // Each parameter goes to the writer (global rank 0) from the stage that
-  // owns it, in the model's order, one tensor at a time: split ones are
-  // first gathered to that stage's tensor rank 0. So the writer holds one
-  // tensor (or one shard of a sharded save) at a time and no rank gathers
-  // the whole model.
-  void stream_pipelined_model(
-      interface::ModelWrapper& model,
-      const checkpoint_io::TensorSink& sink) {
-    auto& s = *state_;
-    const int me = distributed::get_rank();
-    auto module = model.unwrap();
-    for (const auto& item : module->named_parameters(true)) {
-      const auto& name = item.key();
-      const int owner = s.owner.at(name);
-      const int src = s.stage_source.at(owner);
-      at::Tensor whole;
-      if (s.stage == owner) {
-        auto it = s.info.specs.find(name);
-        whole = it != s.info.specs.end() && tp_active(s)
-            ? gather_whole(item.value(), it->second, s.tp)
-            : item.value().detach();
-      }
-      if (me == 0) {
-        sink(
-            name, src == 0 ? whole : s.to_writer->post_recv(src, {}, 0).wait());
-      } else if (me == src) {
-        s.to_writer->send(whole, 0, {}, 0);
-        s.to_writer->wait_sends();
-      }
-    }
-    for (const auto& item : module->named_buffers(true)) {
-      if (item.value().defined()) {
-        sink(item.key(), item.value());
-      }
-    }
-  }
-
-  static zero::LowLevelZeroOptimizer* zero_of(interface::OptimizerWrapper& o) {
-    return dynamic_cast<zero::LowLevelZeroOptimizer*>(&o);
-  }
-
-  std::shared_ptr<HybridState> state_;
-};
 
 } // namespace
 
@@ -632,8 +389,7 @@ std::shared_ptr<checkpoint_io::CheckpointIO> HybridParallelPlugin::
   }
   return std::make_shared<checkpoint_io::DistributedCheckpointIO>(
       distributed::world_group(),
-      std::make_shared<HybridStateAccess>(
-          std::static_pointer_cast<HybridState>(state_)));
+      hybrid_state_access(std::static_pointer_cast<HybridState>(state_)));
 }
 
 void HybridParallelPlugin::configure(
@@ -717,16 +473,12 @@ void HybridParallelPlugin::configure(
         n,
         "' that the model does not have");
   }
-  for (auto& g : optimizer->param_groups()) {
-    for (auto& p : g.params()) {
-      auto it = name_of.find(p.unsafeGetTensorImpl());
-      TORCH_CHECK(
-          it != name_of.end(),
-          kName,
-          ": the optimizer holds a parameter (shape ",
-          p.sizes(),
-          ") that is not in the boosted model");
-      auto spec_it = info_.specs.find(it->second);
+  const auto names = param_names(*optimizer, name_of);
+  for (size_t k = 0; k < names.size(); ++k) {
+    const auto& params = optimizer->param_groups()[k].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      auto spec_it = info_.specs.find(names[k][i]);
       auto spec =
           spec_it == info_.specs.end() ? sl::ShardSpec() : spec_it->second;
       st->spec_by_id.push_back(spec);
@@ -859,6 +611,29 @@ std::set<std::string> HybridParallelPlugin::setup_pipeline(
       shared_params_.push_back(*p);
     }
   }
+  // Checkpoints number the optimizer's parameters as it holds them now,
+  // before the release.
+  auto st = std::static_pointer_cast<HybridState>(state_);
+  {
+    std::unordered_map<const void*, std::string> name_of;
+    for (const auto& item : named) {
+      name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    }
+    st->global_id.clear();
+    st->global_groups.clear();
+    st->global_name.clear();
+    int64_t id = 0;
+    for (const auto& group : param_names(optimizer, name_of)) {
+      st->global_groups.emplace_back();
+      for (const auto& name : group) {
+        if (held.count(name)) {
+          st->global_id.push_back(id);
+        }
+        st->global_name.push_back(name);
+        st->global_groups.back().push_back(id++);
+      }
+    }
+  }
   // Release what other stages hold (ColossalAI's shardformer does the
   // same): storage freed, no gradient, out of the optimizer.
   std::unordered_set<const void*> released;
@@ -884,15 +659,21 @@ std::set<std::string> HybridParallelPlugin::setup_pipeline(
             }),
         ps.end());
   }
-  // Checkpoints: which stage writes each parameter, and who sends it.
-  auto st = std::static_pointer_cast<HybridState>(state_);
+  // Checkpoints: which stage writes each parameter and buffer, and who
+  // sends it.
   st->stage = stage_manager_->stage();
   st->held = held;
+  st->owner.clear();
   for (int s = pp - 1; s >= 0; --s) {
     for (int c = 0; c < options_.num_model_chunks(); ++c) {
       const auto layers = stage_manager_->stage_layers_of(s, c, per_stage);
+      for (const auto& name : policy_->held_layers(module, layers)) {
+        for (const auto& b : (*modules.find(name))->named_buffers(true)) {
+          st->owner[name + "." + b.key()] = s; // the lowest stage wins
+        }
+      }
       for (const auto& p : params_of(layers)) {
-        st->owner[p.first] = s; // the lowest stage wins
+        st->owner[p.first] = s;
       }
     }
   }

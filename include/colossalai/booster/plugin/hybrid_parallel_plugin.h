@@ -132,6 +132,12 @@ struct HybridParallelPluginOptions {
 /// data-parallel gradients are reduced (DDP's or ZeRO-1's buckets); zero
 /// stage 2 is refused, as in ColossalAI. The optimizer's global norm and
 /// overflow decision combine every stage, counting a tied parameter once.
+/// Checkpoints: each tensor and optimizer state is written by the first
+/// stage holding it, optimizer states under the whole model's parameter ids
+/// (as the optimizer held them before the release), so they load at any
+/// layout. A sharded save has every stage write its own shards under one
+/// index (NOTE [Sharded saves in parts]); a single file and a background
+/// save go through one writer, one tensor at a time.
 ///
 /// Example:
 /// \code

@@ -1,0 +1,479 @@
+#include "hybrid_checkpoint_io.h"
+
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/shardformer/layer/parallel_module.h>
+
+#include "../../checkpoint_io/optimizer_state.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <cstring>
+
+namespace colossalai {
+namespace booster {
+namespace plugin {
+
+namespace {
+
+namespace sl = shardformer::layer;
+using checkpoint_io::StateDict;
+
+constexpr const char* kName = "HybridParallelPlugin";
+
+bool tp_active(const HybridState& s) {
+  return s.tp != nullptr && s.tp->size() > 1;
+}
+
+// Whole tensor of a tensor-split local `t` on tensor rank 0 (undefined
+// elsewhere): one gather, so no other rank holds it whole.
+at::Tensor gather_whole(
+    const at::Tensor& t,
+    const sl::ShardSpec& spec,
+    const distributed::ProcessGroupPtr& tp) {
+  const int n = tp->size();
+  auto local = t.detach().contiguous();
+  at::Tensor out;
+  if (tp->rank() == 0) {
+    out = at::empty({n * local.numel()}, local.options());
+  }
+  distributed::gather(out, local.view({-1}), 0, *tp).wait();
+  if (tp->rank() != 0) {
+    return at::Tensor();
+  }
+  std::vector<int64_t> shape{n};
+  shape.insert(shape.end(), local.sizes().begin(), local.sizes().end());
+  auto parts = out.view(shape).unbind(0);
+  return sl::unshard_tensor(
+      std::vector<at::Tensor>(parts.begin(), parts.end()), spec);
+}
+
+// One parameter's optimizer state between ranks: a header {id, number of
+// keys} (id -1 ends a stream), the keys, then the tensors.
+void send_state(
+    pipeline::PipelineP2PCommunication& p2p,
+    int dst,
+    int64_t id,
+    const StateDict& state) {
+  const auto dev = p2p.group()->device();
+  auto head = at::empty({2}, at::kLong);
+  head[0] = id;
+  head[1] = static_cast<int64_t>(state.size());
+  p2p.send(head.to(dev), dst, {}, 0);
+  if (state.size() > 0) {
+    std::string keys;
+    for (const auto& item : state) {
+      keys += item.key();
+      keys += '\0';
+    }
+    auto k = at::empty({static_cast<int64_t>(keys.size())}, at::kByte);
+    std::memcpy(k.data_ptr(), keys.data(), keys.size());
+    p2p.send(k.to(dev), dst, {}, 0);
+    for (const auto& item : state) {
+      p2p.send(item.value().detach().to(dev), dst, {}, 0);
+    }
+  }
+  p2p.wait_sends();
+}
+
+bool recv_state(
+    pipeline::PipelineP2PCommunication& p2p,
+    int src,
+    int64_t& id,
+    StateDict& state) {
+  auto head = p2p.post_recv(src, {}, 0).wait().cpu();
+  id = head[0].item<int64_t>();
+  const int64_t n = head[1].item<int64_t>();
+  if (id < 0) {
+    return false;
+  }
+  state = StateDict();
+  if (n == 0) {
+    return true;
+  }
+  auto k = p2p.post_recv(src, {}, 0).wait().cpu();
+  const auto* p = static_cast<const char*>(k.data_ptr());
+  std::vector<std::string> keys;
+  for (int64_t i = 0, start = 0; i < k.numel(); ++i) {
+    if (p[i] == '\0') {
+      keys.emplace_back(p + start, i - start);
+      start = i + 1;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(
+      static_cast<int64_t>(keys.size()) == n, "corrupt optimizer state keys");
+  for (const auto& key : keys) {
+    state.insert(key, p2p.post_recv(src, {}, 0).wait());
+  }
+  return true;
+}
+
+// Checkpoints hold whole Hugging Face-layout tensors (any tp / pp / dp size
+// and any plugin loads them): split tensors are gathered to tensor rank 0
+// one at a time on save, and cut to this rank's shard on load. Under
+// pipelines each stage writes what it owns (NOTE [Sharded saves in parts]),
+// or sends it to the one writer for a single file.
+class HybridStateAccess : public checkpoint_io::StateAccess {
+ public:
+  explicit HybridStateAccess(std::shared_ptr<HybridState> state)
+      : state_(std::move(state)) {}
+
+  void stream_model(
+      interface::ModelWrapper& model,
+      const checkpoint_io::TensorSink& sink) override {
+    if (!state_->pipelined) {
+      stream_stage_model(model, sink);
+      return;
+    }
+    // Each tensor goes to the writer (global rank 0) from the stage that
+    // owns it, in the model's order, one at a time, so the writer holds one
+    // tensor (or one shard of a sharded save) at a time and no rank gathers
+    // the whole model.
+    auto& s = *state_;
+    const int me = distributed::get_rank();
+    for (const auto& item : checkpoint_io::model_state_dict(*model.unwrap())) {
+      const auto& name = item.key();
+      const int owner = s.owner_of(name);
+      const int src = s.stage_source.at(owner);
+      at::Tensor whole;
+      if (s.stage == owner) {
+        whole = whole_tensor(name, item.value());
+      }
+      if (me == 0) {
+        sink(
+            name, src == 0 ? whole : s.to_writer->post_recv(src, {}, 0).wait());
+      } else if (me == src) {
+        s.to_writer->send(whole, 0, {}, 0);
+        s.to_writer->wait_sends();
+      }
+    }
+  }
+
+  std::vector<int> part_writers() override {
+    return state_->pipelined ? state_->stage_source : std::vector<int>();
+  }
+
+  void stream_model_part(
+      interface::ModelWrapper& model,
+      const checkpoint_io::TensorSink& sink) override {
+    stream_stage_model(model, sink);
+  }
+
+  // Streaming: each split tensor's shard is cut from the checkpoint's whole
+  // tensor as it is read, so no rank holds a whole model and the load moves
+  // no bytes between ranks.
+  checkpoint_io::TensorLoader model_tensor_loader(
+      interface::ModelWrapper& model) override {
+    if (!tp_active(*state_) && !state_->pipelined) {
+      return nullptr;
+    }
+    auto module = model.unwrap();
+    auto named = module->named_parameters(true);
+    auto targets = std::make_shared<
+        std::map<std::string, std::pair<at::Tensor, sl::ShardSpec>>>();
+    for (const auto& kv : state_->info.specs) {
+      if (!kv.second.is_split() || !tp_active(*state_) ||
+          (state_->pipelined && !state_->held.count(kv.first))) {
+        continue;
+      }
+      auto* p = named.find(kv.first);
+      TORCH_INTERNAL_ASSERT(p != nullptr, "no parameter ", kv.first);
+      targets->emplace(kv.first, std::make_pair(*p, kv.second));
+    }
+    auto state = state_;
+    auto names = std::make_shared<std::set<std::string>>();
+    for (const auto& item : named) {
+      names->insert(item.key());
+    }
+    return [targets, state, names](
+               const std::string& key,
+               const at::Tensor& src,
+               const std::string& file) {
+      // A parameter this stage released: the stages holding it read it.
+      // (Every stage keeps every buffer.)
+      if (state->pipelined && names->count(key) && !state->held.count(key)) {
+        return true;
+      }
+      auto it = targets->find(key);
+      if (it == targets->end()) {
+        return false;
+      }
+      auto& param = it->second.first;
+      const auto& spec = it->second.second;
+      auto whole = param.sizes().vec();
+      whole[spec.dim] = spec.full_size;
+      TORCH_CHECK(
+          src.sizes().vec() == whole,
+          "load_model: '",
+          file,
+          "': key '",
+          key,
+          "' has shape ",
+          src.sizes(),
+          " but the model's whole tensor has shape ",
+          at::IntArrayRef(whole));
+      at::NoGradGuard no_grad;
+      param.copy_(sl::shard_tensor(src, spec));
+      return true;
+    };
+  }
+
+  void load_model(
+      interface::ModelWrapper& model,
+      const std::function<void()>& load) override {
+    load();
+    if (auto z = state_->zero.lock()) {
+      z->sync_master_from_working();
+    }
+  }
+
+  void stream_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const checkpoint_io::StateSink& sink) override {
+    auto& s = *state_;
+    if (!s.pipelined) {
+      stream_stage_optimizer(optimizer, sink);
+      return;
+    }
+    // One file: stage by stage to the writer (global rank 0), which streams
+    // its own stage first; the others send theirs (ColossalAI gathers them
+    // with all_gather_object, holding every stage's states at once).
+    const int me = distributed::get_rank();
+    const int src = s.stage_source.at(s.stage);
+    stream_stage_optimizer(
+        optimizer, [&](int64_t id, const checkpoint_io::StateDict& state) {
+          if (me == 0) {
+            sink(id, state);
+          } else if (me == src) {
+            send_state(*s.to_writer, 0, id, state);
+          }
+        });
+    if (me == src && me != 0) {
+      send_state(*s.to_writer, 0, -1, checkpoint_io::StateDict());
+    }
+    if (me == 0) {
+      for (size_t stage = 1; stage < s.stage_source.size(); ++stage) {
+        int64_t id = 0;
+        checkpoint_io::StateDict state;
+        while (recv_state(*s.to_writer, s.stage_source[stage], id, state)) {
+          sink(id, state);
+        }
+      }
+    }
+  }
+
+  void stream_optimizer_part(
+      interface::OptimizerWrapper& optimizer,
+      const checkpoint_io::StateSink& sink) override {
+    stream_stage_optimizer(optimizer, sink);
+  }
+
+  c10::impl::GenericList optimizer_param_groups(
+      interface::OptimizerWrapper& optimizer) override {
+    auto groups =
+        checkpoint_io::detail::optimizer_param_groups(optimizer.unwrap());
+    if (!state_->pipelined) {
+      return groups;
+    }
+    // The whole model's ids (this stage's optimizer holds some of them).
+    TORCH_INTERNAL_ASSERT(groups.size() == state_->global_groups.size());
+    for (size_t i = 0; i < groups.size(); ++i) {
+      auto d = groups.get(i).toGenericDict();
+      c10::List<int64_t> ids;
+      for (auto id : state_->global_groups[i]) {
+        ids.push_back(id);
+      }
+      d.insert_or_assign("params", ids);
+    }
+    return groups;
+  }
+
+  void load_optimizer_groups(
+      interface::OptimizerWrapper& optimizer,
+      const c10::IValue& value,
+      const std::string& file) override {
+    auto& optim = optimizer.unwrap();
+    if (!state_->pipelined) {
+      checkpoint_io::detail::load_param_groups(optim, value, file);
+      return;
+    }
+    // Checked against the whole model's groups, then read as this stage's.
+    const auto& global = state_->global_groups;
+    TORCH_CHECK(
+        value.isList() && value.toList().size() == global.size(),
+        "load_optimizer: '",
+        file,
+        "' has ",
+        value.isList() ? std::to_string(value.toList().size()) : "no",
+        " param groups, the optimizer has ",
+        global.size());
+    auto groups = value.toList().copy();
+    for (size_t i = 0; i < groups.size(); ++i) {
+      TORCH_CHECK(
+          groups.get(i).isGenericDict(),
+          "load_optimizer: '",
+          file,
+          "': param group ",
+          i,
+          " is not a dict");
+      auto d = groups.get(i).toGenericDict().copy();
+      const c10::IValue key(std::string("params"));
+      const int64_t n = d.contains(key) && d.at(key).isList()
+          ? static_cast<int64_t>(d.at(key).toList().size())
+          : -1;
+      TORCH_CHECK(
+          n == static_cast<int64_t>(global[i].size()),
+          "load_optimizer: '",
+          file,
+          "': param group ",
+          i,
+          " has ",
+          n,
+          " parameters, the model's has ",
+          global[i].size());
+      c10::List<int64_t> mine;
+      for (int64_t k = 0;
+           k < static_cast<int64_t>(optim.param_groups()[i].params().size());
+           ++k) {
+        mine.push_back(k);
+      }
+      d.insert_or_assign(key, mine);
+      groups.set(i, d);
+    }
+    checkpoint_io::detail::load_param_groups(optim, groups, file);
+  }
+
+  void load_optimizer_param(
+      interface::OptimizerWrapper& optimizer,
+      int64_t id,
+      const checkpoint_io::StateDict& state,
+      const std::string& file) override {
+    if (state_->pipelined) {
+      const auto& g = state_->global_id;
+      auto it = std::find(g.begin(), g.end(), id);
+      if (it == g.end()) {
+        TORCH_CHECK(
+            id >= 0 && id < static_cast<int64_t>(state_->global_name.size()),
+            "optimizer checkpoint '",
+            file,
+            "' has state for parameter ",
+            id,
+            ", but the model has ",
+            state_->global_name.size());
+        return; // another stage's
+      }
+      id = it - g.begin();
+    }
+    checkpoint_io::StateDict mine = state;
+    if (tp_active(*state_) && id >= 0 &&
+        id < static_cast<int64_t>(state_->spec_by_id.size()) &&
+        state_->spec_by_id[id].is_split()) {
+      const auto& spec = state_->spec_by_id[id];
+      const auto& full = state_->full_shape_by_id[id];
+      mine = checkpoint_io::StateDict();
+      for (const auto& item : state) {
+        const auto& t = item.value();
+        mine.insert(
+            item.key(),
+            t.defined() && t.dim() > 0 && t.sizes().vec() == full
+                ? sl::shard_tensor(t, spec)
+                : t);
+      }
+    }
+    if (auto z = zero_of(optimizer)) {
+      z->load_full_state(id, mine, file);
+    } else {
+      checkpoint_io::detail::load_param_state(
+          optimizer.unwrap(), id, mine, file);
+    }
+  }
+
+ private:
+  // The whole tensor of parameter or buffer `name` (gathered over the
+  // tensor group when split: defined on tensor rank 0 only).
+  at::Tensor whole_tensor(const std::string& name, const at::Tensor& t) {
+    auto it = state_->info.specs.find(name);
+    return it != state_->info.specs.end() && tp_active(*state_)
+        ? gather_whole(t, it->second, state_->tp)
+        : t.detach();
+  }
+
+  // The tensors this stage writes (under pipelines, those it owns; else
+  // all), in the model's order.
+  void stream_stage_model(
+      interface::ModelWrapper& model,
+      const checkpoint_io::TensorSink& sink) {
+    const auto& s = *state_;
+    for (const auto& item : checkpoint_io::model_state_dict(*model.unwrap())) {
+      if (s.pipelined && s.owner_of(item.key()) != s.stage) {
+        continue;
+      }
+      auto whole = whole_tensor(item.key(), item.value());
+      if (whole.defined()) {
+        sink(item.key(), whole);
+      }
+    }
+  }
+
+  // The optimizer states this stage writes, by checkpoint id (under
+  // pipelines: of the parameters it owns, by whole-model id).
+  void stream_stage_optimizer(
+      interface::OptimizerWrapper& optimizer,
+      const checkpoint_io::StateSink& sink) {
+    const auto& s = *state_;
+    auto emit = [&](int64_t id, const checkpoint_io::StateDict& state) {
+      int64_t out_id = id;
+      if (s.pipelined) {
+        out_id = s.global_id.at(id);
+        if (s.owner_of(s.global_name.at(out_id)) != s.stage) {
+          return; // a tied parameter: its first stage writes it
+        }
+      }
+      if (!tp_active(s) || !s.spec_by_id.at(id).is_split()) {
+        sink(out_id, state);
+        return;
+      }
+      const auto& spec = s.spec_by_id.at(id);
+      const auto& local = s.local_shape_by_id.at(id);
+      checkpoint_io::StateDict whole;
+      for (const auto& item : state) {
+        const auto& t = item.value();
+        if (t.defined() && t.dim() > 0 && t.sizes().vec() == local) {
+          auto w = gather_whole(t, spec, s.tp);
+          if (w.defined()) {
+            whole.insert(item.key(), w);
+          }
+        } else {
+          whole.insert(item.key(), t);
+        }
+      }
+      if (s.tp->rank() == 0) {
+        sink(out_id, whole);
+      }
+    };
+    if (auto z = zero_of(optimizer)) {
+      z->stream_full_states(emit);
+      return;
+    }
+    for (const auto& kv :
+         checkpoint_io::detail::optimizer_param_states(optimizer.unwrap())) {
+      emit(kv.first, kv.second);
+    }
+  }
+
+  static zero::LowLevelZeroOptimizer* zero_of(interface::OptimizerWrapper& o) {
+    return dynamic_cast<zero::LowLevelZeroOptimizer*>(&o);
+  }
+
+  std::shared_ptr<HybridState> state_;
+};
+
+} // namespace
+
+std::shared_ptr<checkpoint_io::StateAccess> hybrid_state_access(
+    std::shared_ptr<HybridState> state) {
+  return std::make_shared<HybridStateAccess>(std::move(state));
+}
+
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai
