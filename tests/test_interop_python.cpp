@@ -8,6 +8,7 @@
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/utils/compat.h>
+#include <harness/test_util.h>
 #include <zoo/gpt2.h>
 #include <zoo/llama.h>
 
@@ -15,7 +16,6 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/optim.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -31,7 +31,8 @@ namespace zoo = colossalai::zoo;
 namespace st = colossalai::checkpoint_io::safetensors;
 using colossalai::checkpoint_io::StateDict;
 
-constexpr const char* kPython = "/usr/bin/python3";
+using colossalai::testing::kPython;
+using colossalai::testing::python_has_torch;
 
 /// The tensors both sides write; `expected()` in tests/python/interop.py
 /// builds the same.
@@ -53,27 +54,6 @@ std::string quote(const std::string& s) {
     out += c == '\'' ? std::string("'\\''") : std::string(1, c);
   }
   return out + "'";
-}
-
-/// Runs `command` through the shell; returns its exit status and output.
-std::pair<int, std::string> run(const std::string& command) {
-  std::string output;
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) {
-    return {-1, "popen failed"};
-  }
-  char buf[4096];
-  size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0) {
-    output.append(buf, n);
-  }
-  int status = ::pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
-
-bool python_has_torch() {
-  return ::access(kPython, X_OK) == 0 &&
-      run(std::string(kPython) + " -c 'import torch'").first == 0;
 }
 
 void expect_tensor(
@@ -121,9 +101,9 @@ TEST(InteropPython, ExchangesFilesWithPythonTorch) {
       (dir / "cpp.safetensors").string(), want, {{"writer", "colossalai"}});
   colossalai::checkpoint_io::save_bin((dir / "cpp.bin").string(), want);
 
-  const auto result =
-      run(std::string(kPython) + " " + quote(script.string()) + " check " +
-          quote(dir.string()));
+  const auto result = colossalai::testing::run_shell(
+      std::string(kPython) + " " + quote(script.string()) + " check " +
+      quote(dir.string()));
   ASSERT_EQ(result.first, 0) << "interop.py failed:\n" << result.second;
 
   auto file = st::MappedFile::open((dir / "py.safetensors").string());
@@ -159,9 +139,9 @@ TEST(InteropPython, LoadsPythonModelAndOptimizerCheckpoints) {
   }
   ScratchDir scratch;
   const auto dir = scratch.path;
-  const auto result =
-      run(std::string(kPython) + " " + quote(script_path().string()) +
-          " optim " + quote(dir.string()));
+  const auto result = colossalai::testing::run_shell(
+      std::string(kPython) + " " + quote(script_path().string()) + " optim " +
+      quote(dir.string()));
   ASSERT_EQ(result.first, 0) << "interop.py optim failed:\n" << result.second;
 
   // optim_batch() in interop.py.
@@ -254,9 +234,9 @@ TEST(InteropPython, HuggingFaceLayoutCheckpointsGiveTheReferenceLogits) {
       fs::path(__FILE__).parent_path() / "python" / "hf_reference.py";
   ScratchDir scratch;
   const fs::path dir = scratch.path;
-  const auto result =
-      run(std::string(kPython) + " " + quote(script.string()) + " " +
-          quote(dir.string()));
+  const auto result = colossalai::testing::run_shell(
+      std::string(kPython) + " " + quote(script.string()) + " " +
+      quote(dir.string()));
   ASSERT_EQ(result.first, 0) << "hf_reference.py failed:\n" << result.second;
   const auto ids = st::MappedFile::open((dir / "ids.safetensors").string())
                        ->tensors()["ids"];

@@ -1,6 +1,9 @@
 #include <colossalai/booster/booster.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
+#include <colossalai/lora/lora_model.h>
 
 #include <algorithm>
 
@@ -20,6 +23,24 @@ std::string join(const std::vector<std::string>& v) {
   }
   return out;
 }
+
+// Recomputes the LoRA weights of reparametrised layers before every
+// forward (NOTE [LoRA in C++]).
+class LoraRefreshModel : public interface::ModelWrapper {
+ public:
+  LoraRefreshModel(
+      std::shared_ptr<interface::ModelWrapper> inner,
+      std::shared_ptr<lora::LoraModel> lora)
+      : interface::ModelWrapper(std::move(inner)), lora_(std::move(lora)) {}
+
+ protected:
+  void pre_forward() override {
+    lora_->refresh();
+  }
+
+ private:
+  std::shared_ptr<lora::LoraModel> lora_;
+};
 
 } // namespace
 
@@ -111,12 +132,29 @@ Booster::boost_parts(
   if (!plugin_ || !plugin_->control_device()) {
     model->to(device_);
   }
-  auto model_w = std::make_shared<interface::ModelWrapper>(model);
+  boosted_.insert(model.get());
+  std::shared_ptr<interface::ModelWrapper> mw =
+      std::make_shared<interface::ModelWrapper>(model);
+  auto lora = lora_.find(model.get());
+  if (lora != lora_.end()) {
+    mw = std::make_shared<LoraRefreshModel>(mw, lora->second);
+    if (optimizer) {
+      // Frozen base weights get no gradient and hold no optimizer state.
+      for (auto& g : optimizer->param_groups()) {
+        auto& ps = g.params();
+        ps.erase(
+            std::remove_if(
+                ps.begin(),
+                ps.end(),
+                [](const at::Tensor& p) { return !p.requires_grad(); }),
+            ps.end());
+      }
+    }
+  }
   std::shared_ptr<interface::OptimizerWrapper> optim_w;
   if (optimizer) {
     optim_w = std::make_shared<interface::OptimizerWrapper>(optimizer);
   }
-  std::shared_ptr<interface::ModelWrapper> mw = model_w;
   if (plugin_) {
     plugin_->configure(mw, optim_w);
   }
@@ -124,6 +162,69 @@ Booster::boost_parts(
     mixed_precision_->configure(mw, optim_w);
   }
   return {mw, optim_w};
+}
+
+std::shared_ptr<lora::LoraModel> Booster::enable_lora_module(
+    std::shared_ptr<torch::nn::Module> model,
+    const std::string& pretrained_dir,
+    const std::optional<lora::LoraConfig>& lora_config) {
+  TORCH_CHECK(model != nullptr, "Booster.enable_lora: the model is null");
+  TORCH_CHECK(
+      plugin_ == nullptr || plugin_->support_lora(),
+      "Booster.enable_lora: ",
+      plugin_ ? plugin_->name() : std::string(),
+      " does not support LoRA (no plugin, TorchDDPPlugin, LowLevelZeroPlugin "
+      "and HybridParallelPlugin with tp_size 1 do)");
+  TORCH_CHECK(
+      !boosted_.count(model.get()),
+      "Booster.enable_lora: the model is boosted already; enable LoRA "
+      "before boost");
+  TORCH_CHECK(
+      !lora_.count(model.get()),
+      "Booster.enable_lora: the model has LoRA adapters already");
+  std::shared_ptr<lora::LoraModel> lora;
+  if (pretrained_dir.empty()) {
+    TORCH_CHECK(
+        lora_config.has_value(),
+        "Booster.enable_lora: pass a lora_config, or the pretrained_dir of a "
+        "saved adapter");
+    lora = std::make_shared<lora::LoraModel>(model, *lora_config);
+  } else {
+    TORCH_CHECK(
+        !lora_config.has_value(),
+        "Booster.enable_lora: with pretrained_dir the adapter's own "
+        "adapter_config.json applies; pass no lora_config");
+    lora = lora::LoraModel::from_pretrained(model, pretrained_dir);
+  }
+  lora_[model.get()] = lora;
+  return lora;
+}
+
+void Booster::save_lora_as_pretrained(
+    interface::ModelWrapper& model,
+    const std::string& checkpoint,
+    bool use_safetensors) {
+  auto it = lora_.find(model.unwrap().get());
+  TORCH_CHECK(
+      it != lora_.end(),
+      "Booster.save_lora_as_pretrained: the model has no LoRA adapters "
+      "(call enable_lora before boost)");
+  const bool distributed = distributed::is_initialized();
+  std::string error;
+  if (!distributed || distributed::get_rank() == 0) {
+    try {
+      it->second->save_pretrained(checkpoint, use_safetensors);
+    } catch (const std::exception& e) {
+      error = distributed::error_text(e);
+    }
+  }
+  if (distributed) {
+    // Every rank returns after the files exist, or fails with the writer.
+    auto all =
+        distributed::all_gather_bytes(error, *distributed::world_group());
+    error = all.front();
+  }
+  TORCH_CHECK(error.empty(), error);
 }
 
 void Booster::backward(

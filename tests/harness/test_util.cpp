@@ -2,9 +2,11 @@
 
 #include <colossalai/distributed/error.h>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
@@ -41,6 +43,26 @@ void remove_scratch(const std::string& what) {
   if (std::getenv("COLOSSALAI_TEST_CHILD") == nullptr) {
     std::filesystem::remove_all(scratch(::getpid(), what));
   }
+}
+
+std::pair<int, std::string> run_shell(const std::string& command) {
+  std::string output;
+  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) {
+    return {-1, "popen failed"};
+  }
+  char buf[4096];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0) {
+    output.append(buf, n);
+  }
+  const int status = ::pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+bool python_has_torch() {
+  return ::access(kPython, X_OK) == 0 &&
+      run_shell(std::string(kPython) + " -c 'import torch'").first == 0;
 }
 
 } // namespace testing

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <string>
+#include <utility>
 
 namespace colossalai {
 namespace testing {
@@ -21,6 +22,15 @@ std::string temp_dir(const std::string& prefix);
 /// getppid() there); `remove_scratch` in the parent removes it.
 std::string scratch(int parent, const std::string& what);
 void remove_scratch(const std::string& what);
+
+/// Runs `command` through the shell: its exit status and its output
+/// (stdout and stderr).
+std::pair<int, std::string> run_shell(const std::string& command);
+
+/// Debian's Python with torch (python3-torch), which interop tests run.
+constexpr const char* kPython = "/usr/bin/python3";
+/// Whether kPython exists and imports torch.
+bool python_has_torch();
 
 } // namespace testing
 } // namespace colossalai

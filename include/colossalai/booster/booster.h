@@ -25,13 +25,23 @@
 #include <colossalai/checkpoint_io/checkpoint_io_base.h>
 #include <colossalai/interface/model.h>
 #include <colossalai/interface/optimizer.h>
+#include <colossalai/lora/lora_config.h>
 
 #include <torch/arg.h>
 #include <torch/nn/pimpl.h>
 
 #include <functional>
+#include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
+
+namespace colossalai {
+namespace lora {
+class LoraModel;
+} // namespace lora
+} // namespace colossalai
 
 namespace colossalai {
 namespace booster {
@@ -157,6 +167,44 @@ class Booster {
         std::move(lr_scheduler)};
   }
 
+  /// Injects LoRA adapters into `model` (ColossalAI's `booster.
+  /// enable_lora`): from `lora_config`, or, with `pretrained_dir`, as the
+  /// PEFT adapter saved there says (then pass no config), trainable. Call
+  /// it before `boost`, which then refreshes the adapters before every
+  /// forward and leaves the frozen parameters out of the optimizer (build
+  /// it from `model->parameters()` or only the trainable ones). The plugin
+  /// must support LoRA (none, TorchDDP, LowLevelZero, HybridParallel at
+  /// tp_size 1). See NOTE [LoRA in C++].
+  /// \code
+  ///   auto lora = booster.enable_lora(
+  ///       model, "", lora::LoraConfig().r(8).target_modules({"c_attn"}));
+  ///   auto boosted = booster.boost(model, optimizer);
+  ///   // ... train ...
+  ///   booster.save_lora_as_pretrained(boosted.model, "adapter");
+  /// \endcode
+  template <class M>
+  std::shared_ptr<lora::LoraModel> enable_lora(
+      M& model,
+      const std::string& pretrained_dir = "",
+      const std::optional<lora::LoraConfig>& lora_config = std::nullopt) {
+    return enable_lora_module(
+        detail::as_module(model), pretrained_dir, lora_config);
+  }
+  /// Writes the adapter as PEFT's `save_pretrained` does
+  /// (adapter_config.json and adapter_model.safetensors or .bin) from
+  /// rank 0; every rank calls it.
+  template <class M>
+  void save_lora_as_pretrained(
+      BoostedModel<M>& model,
+      const std::string& checkpoint,
+      bool use_safetensors = false) {
+    save_lora_as_pretrained(*model.wrapper(), checkpoint, use_safetensors);
+  }
+  void save_lora_as_pretrained(
+      interface::ModelWrapper& model,
+      const std::string& checkpoint,
+      bool use_safetensors = false);
+
   /// loss.backward() through the optimizer (loss scaling, plugin hooks).
   void backward(const at::Tensor& loss, interface::OptimizerWrapper& optimizer);
 
@@ -265,7 +313,15 @@ class Booster {
       std::shared_ptr<torch::nn::Module> model,
       std::shared_ptr<torch::optim::Optimizer> optimizer);
 
+  std::shared_ptr<lora::LoraModel> enable_lora_module(
+      std::shared_ptr<torch::nn::Module> model,
+      const std::string& pretrained_dir,
+      const std::optional<lora::LoraConfig>& lora_config);
+
   BoosterOptions options_;
+  // Models given LoRA adapters, and models boosted, by identity.
+  std::map<const torch::nn::Module*, std::shared_ptr<lora::LoraModel>> lora_;
+  std::set<const torch::nn::Module*> boosted_;
   std::shared_ptr<plugin::Plugin> plugin_;
   std::shared_ptr<mixed_precision::MixedPrecision> mixed_precision_;
   std::shared_ptr<checkpoint_io::CheckpointIO> checkpoint_io_;

@@ -188,6 +188,9 @@ at::Tensor Linear1D_ColImpl::forward_prepared(const at::Tensor& prepared) {
   } else {
     y = apply_linear(prepared, weight, bias, options);
   }
+  if (output_adapter) {
+    y = y + output_adapter(prepared);
+  }
   return options.gather_output() ? cdf::gather_along_dim(y, -1, group) : y;
 }
 
@@ -282,6 +285,9 @@ at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
     y = options.seq_parallel()
         ? cdf::reduce_scatter_along_dim(partial, options.seq_dim(), group)
         : cdf::reduce_from_group(partial, group);
+  }
+  if (output_adapter) {
+    y = y + output_adapter(x);
   }
   // The bias is replicated: added once, after the sum.
   return bias.defined() ? y + bias : y;

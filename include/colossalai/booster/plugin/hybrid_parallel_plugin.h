@@ -181,6 +181,10 @@ class HybridParallelPlugin : public DPPluginBase {
   bool support_no_sync() const override {
     return options_.zero_stage() < 2;
   }
+  /// LoRA adapters are not tensor-parallel: tp_size 1 only.
+  bool support_lora() const override {
+    return options_.tp_size() == 1;
+  }
   bool control_checkpoint_io() const override {
     return true;
   }

@@ -78,6 +78,9 @@ class LowLevelZeroPlugin : public DPPluginBase {
   bool support_no_sync() const override {
     return options_.stage() == 1;
   }
+  bool support_lora() const override {
+    return true;
+  }
   bool control_checkpoint_io() const override {
     return true;
   }

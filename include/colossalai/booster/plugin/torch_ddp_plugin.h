@@ -64,6 +64,9 @@ class TorchDDPPlugin : public DPPluginBase {
   bool support_no_sync() const override {
     return true;
   }
+  bool support_lora() const override {
+    return true;
+  }
   bool control_checkpoint_io() const override {
     return true;
   }

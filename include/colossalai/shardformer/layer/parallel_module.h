@@ -22,6 +22,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -89,6 +90,11 @@ class ParallelModule {
   /// How this module's own parameters (not its children's) split, by their
   /// local names; parameters not listed are replicated.
   virtual std::map<std::string, ShardSpec> shard_specs() const = 0;
+
+  /// An additive adapter beside the layer (LoRA, NOTE [LoRA in C++]):
+  /// given the layer's input, its result is added to the output. Empty:
+  /// none.
+  std::function<at::Tensor(const at::Tensor& input)> output_adapter;
 };
 
 namespace detail {
