@@ -713,6 +713,42 @@ class Report:
                     f"one step of each schedule, p={big['stages']}, m={m_max}; "
                     "numbers are micro-batches")
 
+    def lora_step(self):
+        path = os.path.join(self.dir, "lora_step.json")
+        if not os.path.exists(path):
+            return
+        d = load(path)
+        self.add("## LoRA vs full fine-tuning", "")
+        self.add(f"One process, 1 thread, fp32 AdamW, {d['batch']} x "
+                 f"{d['seq']} tokens per step; LoRA rank {d['r']} "
+                 "(lora_alpha 2 r) on the attention and MLP projections. "
+                 "gpt-small-cpu is built from torch::nn::Linear, which LoRA "
+                 "adapts by reparametrising the weight (W + s B A before every "
+                 "forward); the GPT-2 of the same width uses colossalai's "
+                 "Linear1D layers, which run LoRA's own adapter path (NOTE "
+                 "[LoRA in C++]). Setups alternate inside one run "
+                 f"(`bench_lora_step`, {d['rounds']} rounds of {d['steps']} "
+                 "steps); step = forward + backward + optimizer step, median "
+                 "(p10-p90).", "")
+        by_model = {}
+        for r in d["setups"]:
+            by_model.setdefault(r["model"], {})[r["mode"]] = r
+        rows = []
+        for model, modes in by_model.items():
+            full = modes.get("full")
+            for mode, r in modes.items():
+                rel = "" if full is None or r is full else (
+                    f" ({r['step_ms']['median'] / full['step_ms']['median']:.2f}x)")
+                st = "" if full is None or r is full else (
+                    f" ({r['optimizer_state_bytes'] / full['optimizer_state_bytes']:.3f}x)")
+                rows.append([model, mode,
+                             f"{r['trainable']:,} of {r['params']:,}",
+                             f"{r['grad_bytes'] / 1e6:.2f}",
+                             f"{r['optimizer_state_bytes'] / 1e6:.2f}{st}",
+                             ms(r["step_ms"]) + rel])
+        self.table(["model", "training", "trainable params", "grads MB",
+                    "optimizer states MB", "step ms"], rows)
+
     def write(self):
         self.header()
         self.steps()
@@ -723,6 +759,7 @@ class Report:
         self.gemini_budget()
         self.hybrid_step()
         self.pipeline_step()
+        self.lora_step()
         self.add("## Reproduce", "",
                  "```sh",
                  "bench/run            # full suite; bench/run --quick for a short one",

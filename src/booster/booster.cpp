@@ -3,6 +3,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
+#include <colossalai/lazy/lazy_init.h>
 #include <colossalai/lora/lora_model.h>
 
 #include <algorithm>
@@ -129,6 +130,11 @@ Booster::boost_parts(
     std::shared_ptr<torch::nn::Module> model,
     std::shared_ptr<torch::optim::Optimizer> optimizer) {
   TORCH_CHECK(model != nullptr, "Booster.boost: the model is null");
+  // A model built in a LazyInitContext gets its values now (NOTE [Lazy
+  // initialization]).
+  if (lazy::is_lazy(*model)) {
+    lazy::materialize(*model);
+  }
   if (!plugin_ || !plugin_->control_device()) {
     model->to(device_);
   }

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 
 namespace colossalai {
 namespace testing {
@@ -63,6 +64,17 @@ std::pair<int, std::string> run_shell(const std::string& command) {
 bool python_has_torch() {
   return ::access(kPython, X_OK) == 0 &&
       run_shell(std::string(kPython) + " -c 'import torch'").first == 0;
+}
+
+int64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      return std::stoll(line.substr(6)) * 1024;
+    }
+  }
+  return -1;
 }
 
 } // namespace testing

@@ -2,6 +2,7 @@
 
 // Small helpers shared by the tests.
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <utility>
@@ -31,6 +32,9 @@ std::pair<int, std::string> run_shell(const std::string& command);
 constexpr const char* kPython = "/usr/bin/python3";
 /// Whether kPython exists and imports torch.
 bool python_has_torch();
+
+/// This process's peak resident set size (VmHWM), in bytes.
+int64_t peak_rss_bytes();
 
 } // namespace testing
 } // namespace colossalai

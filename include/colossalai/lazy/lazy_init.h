@@ -1,0 +1,85 @@
+#pragma once
+
+/// Lazy initialization (ColossalAI's `LazyInitContext`): modules built
+/// inside the scope allocate no parameter memory, and `materialize` later
+/// computes their values exactly as eager construction would have.
+///
+/// NOTE [Lazy initialization]
+/// While a context is open, every tensor its thread creates is a meta
+/// tensor (shape and dtype, no memory), and every operation run on this
+/// thread is recorded in order with its arguments: factories, the
+/// initialisers (uniform_, normal_, zero_, fill_, ...), and whatever else a
+/// constructor computes (a position table, a tied copy). This rides on
+/// LibTorch's dispatcher (the DeferredInit dispatch key, with a fallback
+/// that records the call and runs it on meta). `materialize` replays the
+/// recording on real tensors from the random generator's state at the
+/// context's entry, so every value equals eager construction under the same
+/// seed; tensors the module does not keep are freed right after their last
+/// use, so the peak is what is kept plus one tensor in flight. A kept
+/// tensor is installed in place (the same TensorImpl, so modules' members,
+/// optimizers and hooks that hold it see the real data), or, through
+/// `keep`, a smaller tensor instead (a rank's shard).
+/// Limits: a constructor that reads values (`item()`, a branch on data)
+/// fails in the context; the default CPU generator is the one replayed, and
+/// it is not advanced by a lazy construction (later random draws differ
+/// from an eager program's).
+///
+/// Example:
+/// \code
+///   torch::manual_seed(0);
+///   zoo::GPT model{nullptr};
+///   {
+///     colossalai::lazy::LazyInitContext ctx;
+///     model = zoo::GPT(zoo::GPTConfig::gpt2_medium()); // no weights yet
+///   }
+///   colossalai::lazy::materialize(*model); // == eager under seed 0
+///   // or: booster.boost(model, optimizer) materialises what the rank keeps
+/// \endcode
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace torch {
+namespace nn {
+class Module;
+} // namespace nn
+} // namespace torch
+
+namespace colossalai {
+namespace lazy {
+
+class Recording;
+
+/// RAII scope of lazy construction on the calling thread. Contexts do not
+/// nest.
+class LazyInitContext {
+ public:
+  LazyInitContext();
+  ~LazyInitContext();
+  LazyInitContext(const LazyInitContext&) = delete;
+  LazyInitContext& operator=(const LazyInitContext&) = delete;
+
+ private:
+  std::shared_ptr<Recording> recording_;
+};
+
+/// Whether `t` was created in a LazyInitContext and not materialised yet.
+bool is_lazy(const at::Tensor& t);
+/// Whether any parameter or buffer of `module` is lazy.
+bool is_lazy(const torch::nn::Module& module);
+
+/// Given a tensor's dotted name and its full value, what to install in its
+/// place (the full tensor, or this rank's shard of it).
+using KeepFn =
+    std::function<at::Tensor(const std::string& name, const at::Tensor& full)>;
+
+/// Computes every lazy parameter and buffer of `module` (see NOTE [Lazy
+/// initialization]) and installs it in place, or what `keep` returns for
+/// it. Tensors of other modules recorded in the same context stay lazy.
+void materialize(torch::nn::Module& module, const KeepFn& keep = nullptr);
+
+} // namespace lazy
+} // namespace colossalai
