@@ -2,6 +2,7 @@
 // boost) gives exactly the values of eager construction under the same seed.
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/lazy/lazy_init.h>
 #include <harness/test_util.h>
 #include <zoo/gpt.h>
@@ -10,6 +11,8 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <filesystem>
 
 namespace {
 
@@ -148,6 +151,48 @@ TEST(LazyInit, KeepingShardsBoundsThePeak) {
   EXPECT_LT(grown, whole / 4 + 3 * 206 * 1000 * 1000)
       << "peak grew by " << grown / 1e6 << " MB";
   EXPECT_LT(grown, whole / 2);
+}
+
+// Loading a checkpoint into a lazy model installs the file's tensors
+// directly (no random initialisation first): the same weights as an eager
+// load, for single-file and sharded checkpoints; boost then has nothing
+// left to materialise.
+TEST(LazyInit, LoadIntoALazyModelEqualsEagerLoad) {
+  namespace cio = colossalai::checkpoint_io;
+  const auto dir = colossalai::testing::temp_dir("lazy_load");
+  torch::manual_seed(1);
+  zoo::GPT2LMHeadModel source(zoo::GPT2Config::tiny_test());
+  cio::GeneralCheckpointIO io;
+  colossalai::interface::ModelWrapper src(source.ptr());
+  io.save_model(
+      src,
+      dir + "/model.safetensors",
+      cio::SaveModelOptions().use_safetensors(true));
+  io.save_model(
+      src,
+      dir + "/sharded",
+      cio::SaveModelOptions().shard(true).size_per_shard(1));
+  for (const auto* path : {"/model.safetensors", "/sharded"}) {
+    zoo::GPT2LMHeadModel model{nullptr};
+    {
+      lz::LazyInitContext ctx;
+      model = zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test());
+    }
+    colossalai::interface::ModelWrapper w(model.ptr());
+    io.load_model(w, dir + path);
+    EXPECT_FALSE(lz::is_lazy(*model)) << path;
+    auto want = source->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      const at::Tensor got = item.value();
+      EXPECT_TRUE(got.requires_grad()) << item.key();
+      EXPECT_TRUE(at::equal(got, want[item.key()])) << path << item.key();
+    }
+    colossalai::booster::Booster booster;
+    auto boosted = booster.boost(model);
+    auto ids = at::randint(100, {2, 8});
+    EXPECT_TRUE(at::equal(boosted.model(ids), source->forward(ids)));
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(LazyInit, ValueReadsInTheContextNameTheProblem) {

@@ -1,6 +1,7 @@
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
+#include <colossalai/lazy/lazy_init.h>
 
 #include "io_utils.h"
 #include "optimizer_state.h"
@@ -288,7 +289,9 @@ void load_model_state(
         src.scalar_type(),
         " but the model's tensor has dtype ",
         target->scalar_type());
-    target->copy_(src);
+    if (!lazy::assign_lazy(*target, src)) { // lazy: no random init first
+      target->copy_(src);
+    }
     if (seen) {
       seen->insert(item.key());
     }

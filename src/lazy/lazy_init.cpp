@@ -207,6 +207,22 @@ bool is_lazy(const torch::nn::Module& module) {
   return false;
 }
 
+bool assign_lazy(const at::Tensor& t, const at::Tensor& value) {
+  if (!is_lazy(t)) {
+    return false;
+  }
+  TORCH_CHECK(
+      value.sizes() == t.sizes(),
+      "assign_lazy: shape ",
+      value.sizes(),
+      " for a tensor of shape ",
+      t.sizes());
+  at::NoGradGuard no_grad;
+  auto own = value.detach().to(t.scalar_type()).contiguous().clone();
+  t.unsafeGetTensorImpl()->shallow_copy_from(own.getIntrusivePtr());
+  return true;
+}
+
 void materialize(torch::nn::Module& module, const KeepFn& keep) {
   TORCH_CHECK(
       current == nullptr,
@@ -251,6 +267,77 @@ void materialize(torch::nn::Module& module, const KeepFn& keep) {
     for_each_tensor(rec->ops[i].inputs, mark);
     for_each_tensor(rec->ops[i].outputs, mark);
   }
+  // Initialisers that overwrite a whole storage without reading it, whose
+  // result the next use of the storage overwrites again (a layer's own
+  // init, redrawn by the model's): only their random draws matter, so they
+  // run on a scratch tensor, and a storage made by empty() is allocated at
+  // its first use that counts. So a tensor is whole in memory from its last
+  // initialiser on, not from its construction on.
+  const auto overwrite_of = [](const Recording::Op& op) -> Key {
+    static const std::unordered_set<std::string> kInit = {
+        "aten::uniform_",
+        "aten::normal_",
+        "aten::fill_",
+        "aten::zero_",
+        "aten::random_",
+        "aten::bernoulli_",
+        "aten::exponential_",
+        "aten::geometric_",
+        "aten::log_normal_",
+        "aten::cauchy_"};
+    if (!kInit.count(op.op.schema().name()) || op.inputs.empty() ||
+        !op.inputs[0].isTensor()) {
+      return nullptr;
+    }
+    const auto& self = op.inputs[0].toTensor();
+    if (key_of(self) == nullptr || self.storage_offset() != 0 ||
+        !self.is_contiguous() ||
+        static_cast<size_t>(self.numel() * self.element_size()) !=
+            self.storage().nbytes()) {
+      return nullptr;
+    }
+    for (size_t k = 1; k < op.inputs.size(); ++k) {
+      if (op.inputs[k].isTensor() &&
+          key_of(op.inputs[k].toTensor()) != nullptr) {
+        return nullptr; // fill_ from a tensor of the recording
+      }
+    }
+    return key_of(self);
+  };
+  std::vector<Key> overwrites(rec->ops.size(), nullptr);
+  std::unordered_map<Key, std::vector<size_t>> uses;
+  for (size_t i = 0; i < rec->ops.size(); ++i) {
+    overwrites[i] = overwrite_of(rec->ops[i]);
+    std::unordered_set<Key> seen;
+    auto mark = [&](const at::Tensor& t) {
+      if (key_of(t) != nullptr && seen.insert(key_of(t)).second) {
+        uses[key_of(t)].push_back(i);
+      }
+    };
+    for_each_tensor(rec->ops[i].inputs, mark);
+    for_each_tensor(rec->ops[i].outputs, mark);
+  }
+  std::vector<bool> dead(rec->ops.size(), false);
+  std::unordered_set<size_t> deferred_empty;
+  for (const auto& kv : uses) {
+    const auto& u = kv.second;
+    for (size_t k = 0; k + 1 < u.size(); ++k) {
+      if (overwrites[u[k + 1]] != kv.first) {
+        continue;
+      }
+      if (overwrites[u[k]] == kv.first) {
+        dead[u[k]] = true;
+      } else if (
+          k == 0 && rec->ops[u[k]].op.schema().name() == "aten::empty" &&
+          rec->ops[u[k]].outputs.size() == 1) {
+        deferred_empty.insert(u[k]);
+      }
+    }
+  }
+  // Storages whose empty() was deferred: allocated at first real use.
+  std::unordered_map<Key, at::Tensor> pending; // key -> its meta tensor
+  std::unordered_map<Key, c10::Device> pending_device;
+
   std::unordered_map<Key, std::vector<at::Tensor>> targets_by_storage;
   for (const auto& kv : targets) {
     targets_by_storage[key_of(kv.second)].push_back(kv.second);
@@ -287,7 +374,16 @@ void materialize(torch::nn::Module& module, const KeepFn& keep) {
   };
   std::string op_name;
   auto to_real = [&](const at::Tensor& t) -> at::Tensor {
-    if (key_of(t) != nullptr && real.count(key_of(t))) {
+    const Key key = key_of(t);
+    if (key != nullptr && pending.count(key)) {
+      const auto& meta = pending.at(key);
+      real[key] = at::empty(
+          {static_cast<int64_t>(meta.storage().nbytes()) /
+           static_cast<int64_t>(meta.element_size())},
+          meta.options().device(pending_device.at(key)));
+      pending.erase(key);
+    }
+    if (key != nullptr && real.count(key)) {
       return real_view(t);
     }
     TORCH_CHECK(
@@ -302,7 +398,34 @@ void materialize(torch::nn::Module& module, const KeepFn& keep) {
   for (size_t i = 0; i < rec->ops.size(); ++i) {
     const auto& op = rec->ops[i];
     op_name = op.op.schema().name();
+    if (deferred_empty.count(i)) {
+      const auto& meta = op.outputs[0].toTensor();
+      c10::Device device(c10::kCPU);
+      const auto& args = op.op.schema().arguments();
+      for (size_t k = 0; k < args.size() && k < op.inputs.size(); ++k) {
+        if (args[k].name() == "device" && op.inputs[k].isDevice()) {
+          device = op.inputs[k].toDevice();
+        }
+      }
+      pending[key_of(meta)] = meta;
+      pending_device.emplace(key_of(meta), device);
+      continue;
+    }
     torch::jit::Stack stack;
+    if (dead[i]) {
+      // Only the random draws count: a scratch tensor takes them.
+      const auto& self = op.inputs[0].toTensor();
+      const auto key = key_of(self);
+      const auto device = real.count(key) ? real.at(key).device()
+          : pending_device.count(key)     ? pending_device.at(key)
+                                          : c10::Device(c10::kCPU);
+      stack.push_back(at::empty(self.sizes(), self.options().device(device)));
+      for (size_t k = 1; k < op.inputs.size(); ++k) {
+        stack.push_back(map_tensors(op.inputs[k], to_real));
+      }
+      op.op.callBoxed(&stack);
+      continue;
+    }
     for (const auto& v : op.inputs) {
       stack.push_back(map_tensors(v, to_real));
     }

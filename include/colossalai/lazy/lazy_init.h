@@ -81,5 +81,11 @@ using KeepFn =
 /// it. Tensors of other modules recorded in the same context stay lazy.
 void materialize(torch::nn::Module& module, const KeepFn& keep = nullptr);
 
+/// Installs a copy of `value` (in `t`'s dtype) in place of the lazy tensor
+/// `t`; false when `t` is not lazy. Checkpoint loads go through it, so a
+/// lazy model's weights come from the file and are never drawn at random
+/// first; what the file lacks stays lazy for `materialize`.
+bool assign_lazy(const at::Tensor& t, const at::Tensor& value);
+
 } // namespace lazy
 } // namespace colossalai

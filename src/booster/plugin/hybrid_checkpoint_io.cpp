@@ -1,6 +1,7 @@
 #include "hybrid_checkpoint_io.h"
 
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/lazy/lazy_init.h>
 #include <colossalai/shardformer/layer/parallel_module.h>
 
 #include "../../checkpoint_io/optimizer_state.h"
@@ -212,7 +213,10 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
           " but the model's whole tensor has shape ",
           at::IntArrayRef(whole));
       at::NoGradGuard no_grad;
-      param.copy_(sl::shard_tensor(src, spec));
+      const auto shard = sl::shard_tensor(src, spec);
+      if (!lazy::assign_lazy(param, shard)) {
+        param.copy_(shard);
+      }
       return true;
     };
   }
