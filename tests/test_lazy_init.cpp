@@ -2,13 +2,17 @@
 // boost) gives exactly the values of eager construction under the same seed.
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/gemini_plugin.h>
+#include <colossalai/booster/plugin/torch_fsdp_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/lazy/lazy_init.h>
+#include <harness/multiprocess.h>
 #include <harness/test_util.h>
 #include <zoo/gpt.h>
 #include <zoo/gpt2.h>
 #include <zoo/llama.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -193,6 +197,93 @@ TEST(LazyInit, LoadIntoALazyModelEqualsEagerLoad) {
     EXPECT_TRUE(at::equal(boosted.model(ids), source->forward(ids)));
   }
   std::filesystem::remove_all(dir);
+}
+
+// Under FSDP each rank materialises only its pieces of every unit (one
+// replay of the construction); the sharded model computes and trains as
+// the eagerly built one does (the same seed on every rank, as ColossalAI
+// requires for lazy models), for FULL_SHARD per block and Gemini chunks.
+TEST(LazyInit, FsdpShardsALazyModelAsItMaterialises) {
+  colossalai::testing::run_distributed(2, [](int rank, int) {
+    namespace cb = colossalai::booster;
+    auto run = [&](bool lazy, std::shared_ptr<cb::plugin::Plugin> plugin) {
+      torch::manual_seed(5);
+      zoo::GPT model{nullptr};
+      if (lazy) {
+        lz::LazyInitContext ctx;
+        model = zoo::GPT(zoo::GPTConfig::tiny_test());
+      } else {
+        model = zoo::GPT(zoo::GPTConfig::tiny_test());
+      }
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto opt = std::make_shared<torch::optim::SGD>(
+          model->parameters(), torch::optim::SGDOptions(0.1));
+      auto boosted = booster.boost(model, opt);
+      EXPECT_FALSE(lz::is_lazy(*model));
+      auto ids = at::randint(96, {2, 8}, at::detail::createCPUGenerator(9));
+      std::vector<at::Tensor> outs;
+      at::Tensor loss = boosted.model(ids).sum();
+      outs.push_back(loss.detach().clone());
+      booster.backward(loss, *boosted.optimizer);
+      boosted.optimizer->step();
+      outs.push_back(boosted.model(ids).detach().clone());
+      return outs;
+    };
+    const auto block_policy =
+        colossalai::zero::module_type_wrap_policy<zoo::BlockImpl>();
+    std::vector<std::function<std::shared_ptr<cb::plugin::Plugin>()>> plugins{
+        [&] {
+          return std::make_shared<cb::plugin::TorchFSDPPlugin>(
+              cb::plugin::TorchFSDPPluginOptions().auto_wrap_policy(
+                  block_policy));
+        },
+        [] {
+          return std::make_shared<cb::plugin::GeminiPlugin>(
+              cb::plugin::GeminiPluginOptions().precision("fp32"));
+        }};
+    for (const auto& make : plugins) {
+      auto eager = run(false, make());
+      auto lazy = run(true, make());
+      for (size_t i = 0; i < eager.size(); ++i) {
+        EXPECT_TRUE(at::equal(eager[i], lazy[i]))
+            << "rank " << rank << " " << i;
+      }
+    }
+  });
+}
+
+// A model over a per-process budget: a GPT of 16 blocks of width 1536
+// (about 1.8 GB of fp32 weights) built lazily and sharded by FSDP (a unit
+// per block) over 4 ranks: no rank's peak RSS reaches the whole model.
+// Each rank holds its quarter of the weights and of the gradients, the root
+// unit (embeddings and head, kept gathered) and one tensor in flight while
+// materialising; built eagerly, every rank would first hold it all.
+TEST(LazyInit, FsdpBuildsAModelLargerThanEachRanksBudget) {
+  const auto config = zoo::GPTConfig()
+                          .vocab_size(8192)
+                          .block_size(256)
+                          .n_embd(1536)
+                          .n_head(12)
+                          .n_layer(16);
+  const int64_t whole = config.num_parameters() * 4;
+  colossalai::testing::run_distributed(4, [whole, config](int rank, int) {
+    namespace cb = colossalai::booster;
+    torch::manual_seed(5);
+    zoo::GPT model{nullptr};
+    {
+      lz::LazyInitContext ctx;
+      model = zoo::GPT(config);
+    }
+    auto plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
+        cb::plugin::TorchFSDPPluginOptions().auto_wrap_policy(
+            colossalai::zero::module_type_wrap_policy<zoo::BlockImpl>()));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto boosted = booster.boost(model);
+    const int64_t peak = colossalai::testing::peak_rss_bytes();
+    EXPECT_LT(peak, whole) << "rank " << rank << " peaked at " << peak / 1e6
+                           << " MB; the whole model is " << whole / 1e6
+                           << " MB";
+  });
 }
 
 TEST(LazyInit, ValueReadsInTheContextNameTheProblem) {

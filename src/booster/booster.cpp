@@ -131,8 +131,8 @@ Booster::boost_parts(
     std::shared_ptr<torch::optim::Optimizer> optimizer) {
   TORCH_CHECK(model != nullptr, "Booster.boost: the model is null");
   // A model built in a LazyInitContext gets its values now (NOTE [Lazy
-  // initialization]).
-  if (lazy::is_lazy(*model)) {
+  // initialization]), or, under a sharding plugin, each rank its shard.
+  if (lazy::is_lazy(*model) && !(plugin_ && plugin_->shards_lazy_models())) {
     lazy::materialize(*model);
   }
   if (!plugin_ || !plugin_->control_device()) {

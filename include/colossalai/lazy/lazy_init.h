@@ -15,14 +15,22 @@
 /// recording on real tensors from the random generator's state at the
 /// context's entry, so every value equals eager construction under the same
 /// seed; tensors the module does not keep are freed right after their last
-/// use, so the peak is what is kept plus one tensor in flight. A kept
-/// tensor is installed in place (the same TensorImpl, so modules' members,
-/// optimizers and hooks that hold it see the real data), or, through
+/// use, and an initialiser whose result a later one overwrites (a layer's
+/// own init, redrawn by the model) draws its random numbers into a scratch
+/// tensor, so the peak is what is kept plus about one tensor in flight. A
+/// kept tensor is installed in place (the same TensorImpl, so modules'
+/// members, optimizers and hooks that hold it see the real data), or, through
 /// `keep`, a smaller tensor instead (a rank's shard).
+/// Checkpoint loads (`load_model`, before boost) install the file's tensors
+/// into a lazy model directly: no random draw for a weight the file holds.
 /// Limits: a constructor that reads values (`item()`, a branch on data)
 /// fails in the context; the default CPU generator is the one replayed, and
 /// it is not advanced by a lazy construction (later random draws differ
-/// from an eager program's).
+/// from an eager program's). At boost, TorchFSDPPlugin and GeminiPlugin
+/// materialise with a `keep` that writes each parameter's piece into this
+/// rank's shard of its unit, so no rank holds the whole model; the other
+/// plugins (HybridParallel's tensor-parallel layers included) materialise it
+/// whole first.
 ///
 /// Example:
 /// \code
@@ -33,7 +41,7 @@
 ///     model = zoo::GPT(zoo::GPTConfig::gpt2_medium()); // no weights yet
 ///   }
 ///   colossalai::lazy::materialize(*model); // == eager under seed 0
-///   // or: booster.boost(model, optimizer) materialises what the rank keeps
+///   // or: booster.boost(model, optimizer) materialises it
 /// \endcode
 
 #include <ATen/core/Tensor.h>

@@ -1,5 +1,7 @@
 #include "state.h"
 
+#include <colossalai/lazy/lazy_init.h>
+
 #include "../gemini/chunk_plan.h"
 
 #include <colossalai/initialize.h>
@@ -10,6 +12,7 @@
 #include <torch/nn/module.h>
 
 #include <exception>
+#include <map>
 #include <regex>
 #include <set>
 
@@ -122,9 +125,35 @@ void make_groups(FsdpState& st, const distributed::ProcessGroupPtr& dp) {
   }
 }
 
-// Lays a unit's parameters out flat (NOTE [Flat shard layout]) and keeps
-// this rank's fp32 shard.
-void build_unit(FsdpState& st, Unit& u) {
+// The module on the device with its buffers in buffer_dtype, and with
+// sync_module_states rank 0's values (parameters too, unless lazy: then
+// every rank replays the same construction).
+void prepare_module(
+    FsdpState& st,
+    torch::nn::Module& module,
+    at::ScalarType buffer_dtype,
+    const distributed::ProcessGroup& dp,
+    bool params) {
+  module.to(st.device);
+  for (auto& b : module.buffers()) {
+    if (b.is_floating_point()) {
+      b.set_data(b.to(buffer_dtype));
+    }
+  }
+  if (st.o.sync_module_states() && dp.size() > 1) {
+    at::NoGradGuard no_grad;
+    if (params) {
+      for (auto t : module.parameters()) {
+        distributed::broadcast(t, 0, dp).wait();
+      }
+    }
+    for (auto t : module.buffers()) {
+      distributed::broadcast(t, 0, dp).wait();
+    }
+  }
+}
+
+void lay_out_unit(FsdpState& st, Unit& u) {
   for (size_t i = 0; i < u.params.size(); ++i) {
     TORCH_CHECK(
         u.params[i].is_floating_point(),
@@ -134,25 +163,50 @@ void build_unit(FsdpState& st, Unit& u) {
   }
   const int r = st.S > 1 ? st.shard_rank() : 0;
   u.layout = FlatShardLayout::of(u.params, st.S, r);
+}
 
-  auto flat32 = u.layout.flatten(
-      u.params, at::TensorOptions(st.device).dtype(at::kFloat));
+// Lays a unit's parameters out flat (NOTE [Flat shard layout]) and keeps
+// this rank's fp32 shard. A lazy model's unit comes as that shard already
+// (`shard32`, filled piece by piece while the model was materialised, NOTE
+// [Lazy initialization]; `sizes`: the parameters' shapes), and the full
+// parameters are gathered from the shards, so no rank ever holds the whole
+// model.
+void build_unit(
+    FsdpState& st,
+    Unit& u,
+    at::Tensor shard32 = at::Tensor(),
+    const std::vector<std::vector<int64_t>>* sizes = nullptr) {
   u.aliased = st.S == 1 && st.param_dtype == at::kFloat && !u.offloaded;
-  if (u.aliased) {
-    u.full = flat32;
-    u.shard_data = flat32;
+  if (!shard32.defined()) {
+    auto flat32 = u.layout.flatten(
+        u.params, at::TensorOptions(st.device).dtype(at::kFloat));
+    if (u.aliased) {
+      u.full = flat32;
+      u.shard_data = flat32;
+    } else {
+      u.shard_data = u.layout.my_shard(flat32).clone().to(
+          u.offloaded ? at::Device(at::kCPU) : st.device);
+      u.full = flat32.to(st.param_dtype, false, /*copy=*/true);
+    }
+  } else if (u.aliased) {
+    u.full = shard32;
+    u.shard_data = shard32;
   } else {
-    u.shard_data = u.layout.my_shard(flat32).clone().to(
-        u.offloaded ? at::Device(at::kCPU) : st.device);
-    u.full = flat32.to(st.param_dtype, false, /*copy=*/true);
+    u.full = at::empty(
+        {u.layout.padded()},
+        at::TensorOptions(st.device).dtype(st.param_dtype));
+    auto src = shard32.to(st.param_dtype);
+    all_gather_flat(u.full, src, u.layout, st.shard_group.get()).wait();
+    u.shard_data = shard32.to(u.offloaded ? at::Device(at::kCPU) : st.device);
   }
-  flat32 = at::Tensor();
   u.shard_grad = at::zeros({u.layout.shard}, u.shard_data.options());
 
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < u.params.size(); ++i) {
     auto& p = u.params[i];
-    u.views.push_back(u.layout.view(u.full, i, p.sizes()).detach());
+    const auto shape =
+        sizes != nullptr ? at::IntArrayRef((*sizes)[i]) : p.sizes();
+    u.views.push_back(u.layout.view(u.full, i, shape).detach());
     p.set_data(u.views.back());
   }
   u.make_pieces(); // this rank's part of each parameter, for the optimizer
@@ -215,20 +269,15 @@ FullyShardedModel::FullyShardedModel(
   make_groups(st, dp);
 
   auto module = unwrap();
-  module->to(st.device);
-  for (auto& b : module->buffers()) {
-    if (b.is_floating_point()) {
-      b.set_data(b.to(buffer_dtype));
-    }
-  }
-  if (st.o.sync_module_states() && dp->size() > 1) {
-    at::NoGradGuard no_grad;
-    for (auto t : module->parameters()) {
-      distributed::broadcast(t, 0, *dp).wait();
-    }
-    for (auto t : module->buffers()) {
-      distributed::broadcast(t, 0, *dp).wait();
-    }
+  // A lazy model (NOTE [Lazy initialization]) is materialised below, unit
+  // by unit layout, each rank keeping only its pieces.
+  const bool lazy = lazy::is_lazy(*module);
+  TORCH_CHECK(
+      !lazy || !st.o.param_init_fn(),
+      "FSDP: param_init_fn and a model built in a LazyInitContext exclude "
+      "each other (materialisation already gives the constructor's values)");
+  if (!lazy) {
+    prepare_module(st, *module, buffer_dtype, *dp, /*params=*/true);
   }
 
   // Ignored parameters stay outside every unit.
@@ -346,9 +395,54 @@ FullyShardedModel::FullyShardedModel(
   // Tiers (NOTE [Gemini placement]).
   st.placement = std::make_unique<gemini::Placement>(st, st.o.placement());
   st.placement->assign_tiers();
+  for (auto& u : st.units) {
+    lay_out_unit(st, u);
+  }
+  // Lazy: one replay of the construction hands each parameter to its unit,
+  // whose fp32 shard takes this rank's piece of it; the parameter keeps
+  // that piece (a view) until the unit is built.
+  std::vector<at::Tensor> shards(st.units.size());
+  std::vector<std::vector<std::vector<int64_t>>> sizes(st.units.size());
+  if (lazy) {
+    std::map<std::string, std::pair<size_t, size_t>> where;
+    for (size_t k = 0; k < st.units.size(); ++k) {
+      auto& u = st.units[k];
+      for (size_t i = 0; i < u.params.size(); ++i) {
+        where[u.param_names[i]] = {k, i};
+        sizes[k].push_back(u.params[i].sizes().vec());
+      }
+    }
+    lazy::materialize(
+        *module, [&](const std::string& name, const at::Tensor& full) {
+          auto it = where.find(name);
+          if (it == where.end()) {
+            return full; // a buffer, or an ignored parameter: whole
+          }
+          const size_t k = it->second.first, i = it->second.second;
+          const auto& u = st.units[k];
+          if (!shards[k].defined()) {
+            shards[k] = at::zeros(
+                {u.layout.shard},
+                at::TensorOptions(st.device).dtype(at::kFloat));
+          }
+          const auto& r = u.layout.ranges[i];
+          auto piece = u.layout.piece(shards[k], i);
+          piece.copy_(full.reshape({-1}).narrow(0, r.in_param, r.len));
+          return piece;
+        });
+    prepare_module(st, *module, buffer_dtype, *dp, /*params=*/false);
+  }
   for (size_t k = 0; k < st.units.size(); ++k) {
     auto& u = st.units[k];
-    build_unit(st, u);
+    if (lazy) {
+      if (!shards[k].defined()) { // a unit without parameters
+        shards[k] = at::zeros(
+            {u.layout.shard}, at::TensorOptions(st.device).dtype(at::kFloat));
+      }
+      build_unit(st, u, std::move(shards[k]), &sizes[k]);
+    } else {
+      build_unit(st, u);
+    }
     std::vector<size_t> bucket;
     for (size_t i = 0; i < u.params.size(); ++i) {
       if (u.params[i].requires_grad()) {

@@ -66,6 +66,12 @@ class Plugin {
   virtual bool support_lora() const {
     return false;
   }
+  /// Whether the plugin materialises a model built in a LazyInitContext
+  /// itself, keeping only this rank's shard; otherwise boost materialises
+  /// it whole first.
+  virtual bool shards_lazy_models() const {
+    return false;
+  }
   virtual bool control_checkpoint_io() const {
     return false;
   }

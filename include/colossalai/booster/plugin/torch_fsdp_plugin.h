@@ -63,6 +63,9 @@ class TorchFSDPPlugin : public DPPluginBase {
   bool support_no_sync() const override {
     return true;
   }
+  bool shards_lazy_models() const override {
+    return true;
+  }
   bool control_checkpoint_io() const override {
     return true;
   }
