@@ -3,6 +3,7 @@
 
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/gemini_plugin.h>
+#include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/lazy/lazy_init.h>
@@ -248,6 +249,50 @@ TEST(LazyInit, FsdpShardsALazyModelAsItMaterialises) {
         EXPECT_TRUE(at::equal(eager[i], lazy[i]))
             << "rank " << rank << " " << i;
       }
+    }
+  });
+}
+
+// Under HybridParallelPlugin each tensor rank cuts its shard as the
+// parameter is materialised (never whole): tp 2 on GPT-2 computes and
+// trains as the eagerly built, then sharded, model does.
+TEST(LazyInit, TensorParallelShardsALazyModelAsItMaterialises) {
+  colossalai::testing::run_distributed(2, [](int rank, int) {
+    namespace cb = colossalai::booster;
+    auto run = [&](bool lazy) {
+      torch::manual_seed(6);
+      zoo::GPT2LMHeadModel model{nullptr};
+      if (lazy) {
+        lz::LazyInitContext ctx;
+        model = zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test());
+      } else {
+        model = zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test());
+      }
+      auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(
+          cb::plugin::HybridParallelPluginOptions().tp_size(2).precision(
+              "fp32"));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto opt = std::make_shared<torch::optim::SGD>(
+          model->parameters(), torch::optim::SGDOptions(0.1));
+      auto boosted = booster.boost(model, opt);
+      EXPECT_FALSE(lz::is_lazy(*model));
+      auto ids = at::randint(100, {2, 8}, at::detail::createCPUGenerator(9));
+      std::vector<at::Tensor> outs;
+      at::Tensor loss = model->loss(boosted.model(ids), ids);
+      outs.push_back(loss.detach().clone());
+      booster.backward(loss, *boosted.optimizer);
+      boosted.optimizer->step();
+      outs.push_back(model->loss(boosted.model(ids), ids).detach().clone());
+      for (const auto& p : model->parameters()) {
+        outs.push_back(p.detach().clone()); // this rank's shards
+      }
+      return outs;
+    };
+    auto eager = run(false);
+    auto lazy = run(true);
+    ASSERT_EQ(eager.size(), lazy.size());
+    for (size_t i = 0; i < eager.size(); ++i) {
+      EXPECT_TRUE(at::equal(eager[i], lazy[i])) << "rank " << rank << " " << i;
     }
   });
 }

@@ -207,6 +207,36 @@ bool is_lazy(const torch::nn::Module& module) {
   return false;
 }
 
+namespace {
+std::unordered_map<
+    const c10::TensorImpl*,
+    std::function<at::Tensor(const at::Tensor&)>>&
+transforms() {
+  static std::unordered_map<
+      const c10::TensorImpl*,
+      std::function<at::Tensor(const at::Tensor&)>>
+      t;
+  return t;
+}
+} // namespace
+
+bool transform_lazy(
+    const at::Tensor& t,
+    std::function<at::Tensor(const at::Tensor&)> transform) {
+  if (!is_lazy(t)) {
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto& slot = transforms()[t.unsafeGetTensorImpl()];
+  if (slot) {
+    slot = [first = std::move(slot), then = std::move(transform)](
+               const at::Tensor& x) { return then(first(x)); };
+  } else {
+    slot = std::move(transform);
+  }
+  return true;
+}
+
 bool assign_lazy(const at::Tensor& t, const at::Tensor& value) {
   if (!is_lazy(t)) {
     return false;
@@ -465,6 +495,18 @@ void materialize(torch::nn::Module& module, const KeepFn& keep) {
       if (t != targets_by_storage.end()) {
         for (auto& target : t->second) {
           at::Tensor value = real_view(target);
+          std::function<at::Tensor(const at::Tensor&)> transform;
+          {
+            std::lock_guard<std::mutex> lock(registry_mutex);
+            auto it = transforms().find(target.unsafeGetTensorImpl());
+            if (it != transforms().end()) {
+              transform = std::move(it->second);
+              transforms().erase(it);
+            }
+          }
+          if (transform) {
+            value = transform(value);
+          }
           if (keep) {
             value = keep(names.at(target.unsafeGetTensorImpl()), value);
           }

@@ -28,9 +28,9 @@
 /// it is not advanced by a lazy construction (later random draws differ
 /// from an eager program's). At boost, TorchFSDPPlugin and GeminiPlugin
 /// materialise with a `keep` that writes each parameter's piece into this
-/// rank's shard of its unit, so no rank holds the whole model; the other
-/// plugins (HybridParallel's tensor-parallel layers included) materialise it
-/// whole first.
+/// rank's shard of its unit, and HybridParallelPlugin's tensor-parallel
+/// layers register their cut (`transform_lazy`) while sharding, so no rank
+/// holds the whole model; the other plugins materialise it whole.
 ///
 /// Example:
 /// \code
@@ -88,6 +88,14 @@ using KeepFn =
 /// initialization]) and installs it in place, or what `keep` returns for
 /// it. Tensors of other modules recorded in the same context stay lazy.
 void materialize(torch::nn::Module& module, const KeepFn& keep = nullptr);
+
+/// Defers a change of the lazy tensor `t` to its materialisation:
+/// `transform` maps its full value to what is installed (before `keep`);
+/// false when `t` is not lazy. Tensor-parallel layers shard a lazy
+/// parameter this way, so it is never whole.
+bool transform_lazy(
+    const at::Tensor& t,
+    std::function<at::Tensor(const at::Tensor&)> transform);
 
 /// Installs a copy of `value` (in `t`'s dtype) in place of the lazy tensor
 /// `t`; false when `t` is not lazy. Checkpoint loads go through it, so a

@@ -4,6 +4,7 @@
 #include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/initialize.h>
+#include <colossalai/lazy/lazy_init.h>
 #include <colossalai/pipeline/schedule.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
@@ -407,9 +408,13 @@ void HybridParallelPlugin::configure(
   auto module = model->unwrap();
   const auto device = current_device();
   // Rank 0's whole model everywhere, so every tensor rank cuts its shard
-  // from the same weights.
-  module->to(device);
-  {
+  // from the same weights. A lazy model (NOTE [Lazy initialization]) is
+  // materialised after sharding instead, each tensor rank cutting its shard
+  // as it goes; every rank replays the same construction (the same seed, as
+  // ColossalAI requires).
+  const bool lazy_model = lazy::is_lazy(*module);
+  if (!lazy_model) {
+    module->to(device);
     std::vector<at::Tensor> state = module->parameters();
     for (const auto& b : module->buffers()) {
       state.push_back(b);
@@ -438,6 +443,10 @@ void HybridParallelPlugin::configure(
   auto st = std::static_pointer_cast<HybridState>(state_);
   policy_ = shardformer::resolve_policy(*module, options_.custom_policy());
   st->info = shardformer::shard_model(*module, cfg, policy_);
+  if (lazy_model) {
+    lazy::materialize(*module);
+    module->to(device);
+  }
   info_ = st->info;
   st->tp = options_.tp_size() > 1 ? tp_group_ : nullptr;
   // Pipelines: keep this stage's layers, release the rest.

@@ -1,3 +1,4 @@
+#include <colossalai/lazy/lazy_init.h>
 #include <colossalai/shardformer/layer/parallel_module.h>
 
 #include <ATen/core/grad_mode.h>
@@ -120,6 +121,13 @@ namespace detail {
 
 void shard_param_(at::Tensor& param, const ShardSpec& spec) {
   if (!param.defined() || !spec.is_split()) {
+    return;
+  }
+  // A lazy parameter (NOTE [Lazy initialization]) is cut when it is
+  // materialised, so it is never whole.
+  if (lazy::transform_lazy(param, [spec](const at::Tensor& full) {
+        return shard_tensor(full, spec);
+      })) {
     return;
   }
   at::NoGradGuard no_grad;

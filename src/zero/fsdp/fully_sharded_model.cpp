@@ -271,12 +271,12 @@ FullyShardedModel::FullyShardedModel(
   auto module = unwrap();
   // A lazy model (NOTE [Lazy initialization]) is materialised below, unit
   // by unit layout, each rank keeping only its pieces.
-  const bool lazy = lazy::is_lazy(*module);
+  const bool lazy_model = lazy::is_lazy(*module);
   TORCH_CHECK(
-      !lazy || !st.o.param_init_fn(),
+      !lazy_model || !st.o.param_init_fn(),
       "FSDP: param_init_fn and a model built in a LazyInitContext exclude "
       "each other (materialisation already gives the constructor's values)");
-  if (!lazy) {
+  if (!lazy_model) {
     prepare_module(st, *module, buffer_dtype, *dp, /*params=*/true);
   }
 
@@ -403,7 +403,7 @@ FullyShardedModel::FullyShardedModel(
   // that piece (a view) until the unit is built.
   std::vector<at::Tensor> shards(st.units.size());
   std::vector<std::vector<std::vector<int64_t>>> sizes(st.units.size());
-  if (lazy) {
+  if (lazy_model) {
     std::map<std::string, std::pair<size_t, size_t>> where;
     for (size_t k = 0; k < st.units.size(); ++k) {
       auto& u = st.units[k];
@@ -434,7 +434,7 @@ FullyShardedModel::FullyShardedModel(
   }
   for (size_t k = 0; k < st.units.size(); ++k) {
     auto& u = st.units[k];
-    if (lazy) {
+    if (lazy_model) {
       if (!shards[k].defined()) { // a unit without parameters
         shards[k] = at::zeros(
             {u.layout.shard}, at::TensorOptions(st.device).dtype(at::kFloat));

@@ -181,6 +181,9 @@ class HybridParallelPlugin : public DPPluginBase {
   bool support_no_sync() const override {
     return options_.zero_stage() < 2;
   }
+  bool shards_lazy_models() const override {
+    return true;
+  }
   /// LoRA adapters are not tensor-parallel: tp_size 1 only.
   bool support_lora() const override {
     return options_.tp_size() == 1;
