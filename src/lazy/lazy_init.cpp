@@ -286,17 +286,6 @@ void materialize(torch::nn::Module& module, const KeepFn& keep) {
   if (rec == nullptr) {
     return;
   }
-  // Last use of every recorded storage, so what is not kept is freed early.
-  std::unordered_map<Key, size_t> last;
-  for (size_t i = 0; i < rec->ops.size(); ++i) {
-    auto mark = [&](const at::Tensor& t) {
-      if (key_of(t) != nullptr) {
-        last[key_of(t)] = i;
-      }
-    };
-    for_each_tensor(rec->ops[i].inputs, mark);
-    for_each_tensor(rec->ops[i].outputs, mark);
-  }
   // Initialisers that overwrite a whole storage without reading it, whose
   // result the next use of the storage overwrites again (a layer's own
   // init, redrawn by the model's): only their random draws matter, so they
@@ -346,6 +335,11 @@ void materialize(torch::nn::Module& module, const KeepFn& keep) {
     };
     for_each_tensor(rec->ops[i].inputs, mark);
     for_each_tensor(rec->ops[i].outputs, mark);
+  }
+  // The storages each op uses last, so what is not kept is freed early.
+  std::vector<std::vector<Key>> ends(rec->ops.size());
+  for (const auto& kv : uses) {
+    ends[kv.second.back()].push_back(kv.first);
   }
   std::vector<bool> dead(rec->ops.size(), false);
   std::unordered_set<size_t> deferred_empty;
@@ -484,13 +478,10 @@ void materialize(torch::nn::Module& module, const KeepFn& keep) {
     }
     // Storages whose last use this was: install the module's tensors, drop
     // the rest.
-    std::vector<Key> done;
-    for (const auto& kv : real) {
-      if (last.at(kv.first) == i) {
-        done.push_back(kv.first);
+    for (const auto key : ends[i]) {
+      if (!real.count(key)) {
+        continue; // deferred, or never made real
       }
-    }
-    for (const auto key : done) {
       auto t = targets_by_storage.find(key);
       if (t != targets_by_storage.end()) {
         for (auto& target : t->second) {

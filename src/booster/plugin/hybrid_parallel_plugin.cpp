@@ -80,6 +80,24 @@ std::vector<int64_t> full_shape(
   return shape;
 }
 
+// Sums `tensors` over `group` in place, in one all-reduce of their
+// concatenation.
+void all_reduce_flat(
+    std::vector<at::Tensor>& tensors,
+    const distributed::ProcessGroup& group) {
+  std::vector<at::Tensor> parts;
+  for (const auto& t : tensors) {
+    parts.push_back(t.reshape({-1}));
+  }
+  auto flat = at::cat(parts).to(group.device());
+  distributed::all_reduce(flat, group).wait();
+  int64_t offset = 0;
+  for (auto& t : tensors) {
+    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t));
+    offset += t.numel();
+  }
+}
+
 // zero_stage 0 (ColossalAI's HybridParallel(Naive|AMP)Optimizer): DDP has
 // averaged the gradients over dp x sp; this adds the tensor-parallel part
 // (partial gradients summed over the tensor group, the norm over it) and
@@ -156,17 +174,7 @@ class HybridParallelNaiveOptimizer : public interface::OptimizerWrapper {
       TORCH_INTERNAL_ASSERT(p.grad().defined(), "partial gradient missing");
       grads.push_back(p.mutable_grad());
     }
-    std::vector<at::Tensor> flat_parts;
-    for (const auto& g : grads) {
-      flat_parts.push_back(g.reshape({-1}));
-    }
-    auto flat = at::cat(flat_parts).to(tp_->device());
-    distributed::all_reduce(flat, *tp_).wait();
-    int64_t offset = 0;
-    for (auto& g : grads) {
-      g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
-      offset += g.numel();
-    }
+    all_reduce_flat(grads, *tp_);
   }
 
   distributed::ProcessGroupPtr tp_, pp_;
@@ -717,21 +725,13 @@ void HybridParallelPlugin::sync_shared_grads() {
     return;
   }
   std::vector<at::Tensor> grads;
-  std::vector<at::Tensor> flat_parts;
   for (auto& p : shared_params_) {
     if (!p.grad().defined()) {
       p.mutable_grad() = at::zeros_like(p);
     }
     grads.push_back(p.mutable_grad());
-    flat_parts.push_back(p.grad().reshape({-1}));
   }
-  auto flat = at::cat(flat_parts).to(shared_group_->device());
-  distributed::all_reduce(flat, *shared_group_).wait();
-  int64_t offset = 0;
-  for (auto& g : grads) {
-    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
-    offset += g.numel();
-  }
+  all_reduce_flat(grads, *shared_group_);
 }
 
 pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
