@@ -254,12 +254,14 @@ TEST(LazyInit, FsdpShardsALazyModelAsItMaterialises) {
 }
 
 // Under HybridParallelPlugin each tensor rank cuts its shard as the
-// parameter is materialised (never whole): tp 2 on GPT-2 computes and
-// trains as the eagerly built, then sharded, model does.
-TEST(LazyInit, TensorParallelShardsALazyModelAsItMaterialises) {
+// parameter is materialised (never whole), and each pipeline stage keeps
+// only its layers' parameters: tp 2 and pp 2 on GPT-2 compute and train as
+// the eagerly built, then sharded, model does.
+TEST(LazyInit, HybridParallelShardsALazyModelAsItMaterialises) {
   colossalai::testing::run_distributed(2, [](int rank, int) {
     namespace cb = colossalai::booster;
-    auto run = [&](bool lazy) {
+    using HPO = cb::plugin::HybridParallelPluginOptions;
+    auto run = [&](bool lazy, const HPO& options) {
       torch::manual_seed(6);
       zoo::GPT2LMHeadModel model{nullptr};
       if (lazy) {
@@ -268,9 +270,7 @@ TEST(LazyInit, TensorParallelShardsALazyModelAsItMaterialises) {
       } else {
         model = zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test());
       }
-      auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(
-          cb::plugin::HybridParallelPluginOptions().tp_size(2).precision(
-              "fp32"));
+      auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(options);
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
       auto opt = std::make_shared<torch::optim::SGD>(
           model->parameters(), torch::optim::SGDOptions(0.1));
@@ -278,57 +278,128 @@ TEST(LazyInit, TensorParallelShardsALazyModelAsItMaterialises) {
       EXPECT_FALSE(lz::is_lazy(*model));
       auto ids = at::randint(100, {2, 8}, at::detail::createCPUGenerator(9));
       std::vector<at::Tensor> outs;
-      at::Tensor loss = model->loss(boosted.model(ids), ids);
+      auto step = [&] {
+        if (options.pp_size() == 1) {
+          return model->loss(boosted.model(ids), ids);
+        }
+        auto out = booster.execute_pipeline(
+            [&] { return std::vector<at::Tensor>{ids}; },
+            boosted.model,
+            [&](const at::Tensor& logits, const std::vector<at::Tensor>& mb) {
+              return model->loss(logits, mb[0]);
+            },
+            boosted.optimizer.get());
+        return out.loss.defined() ? out.loss : at::zeros({});
+      };
+      at::Tensor loss = step();
       outs.push_back(loss.detach().clone());
-      booster.backward(loss, *boosted.optimizer);
+      if (options.pp_size() == 1) {
+        booster.backward(loss, *boosted.optimizer);
+      }
       boosted.optimizer->step();
-      outs.push_back(model->loss(boosted.model(ids), ids).detach().clone());
+      boosted.optimizer->zero_grad();
+      outs.push_back(step().detach().clone());
       for (const auto& p : model->parameters()) {
         outs.push_back(p.detach().clone()); // this rank's shards
       }
       return outs;
     };
-    auto eager = run(false);
-    auto lazy = run(true);
-    ASSERT_EQ(eager.size(), lazy.size());
-    for (size_t i = 0; i < eager.size(); ++i) {
-      EXPECT_TRUE(at::equal(eager[i], lazy[i])) << "rank " << rank << " " << i;
+    for (const auto& options :
+         {HPO().tp_size(2).precision("fp32"),
+          HPO().pp_size(2).num_microbatches(2).precision("fp32")}) {
+      auto eager = run(false, options);
+      auto lazy = run(true, options);
+      ASSERT_EQ(eager.size(), lazy.size());
+      int64_t held = 0;
+      for (size_t i = 0; i < eager.size(); ++i) {
+        EXPECT_TRUE(at::equal(eager[i], lazy[i]))
+            << "rank " << rank << " " << i;
+        held += lazy[i].numel();
+      }
+      int64_t whole = 0;
+      for (const auto& p :
+           zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test())->parameters()) {
+        whole += p.numel();
+      }
+      EXPECT_LT(held, whole) << "rank " << rank << " holds the whole model";
     }
   });
 }
 
-// A model over a per-process budget: a GPT of 16 blocks of width 1536
-// (about 1.8 GB of fp32 weights) built lazily and sharded by FSDP (a unit
-// per block) over 4 ranks: no rank's peak RSS reaches the whole model.
-// Each rank holds its quarter of the weights and of the gradients, the root
-// unit (embeddings and head, kept gathered) and one tensor in flight while
-// materialising; built eagerly, every rank would first hold it all.
-TEST(LazyInit, FsdpBuildsAModelLargerThanEachRanksBudget) {
-  const auto config = zoo::GPTConfig()
+// A model over a per-process budget, built lazily and sharded over 4 ranks
+// by each sharding plugin: no rank's peak RSS (the process's 170 MB of
+// code and libraries included) reaches the whole model's fp32 bytes (the
+// budget). GPT-2 with 16 blocks of width 1024 (210 M parameters, 840 MB):
+// FSDP (a unit per block) and Gemini hold a quarter of the weights and of
+// the gradients, tensor parallelism a quarter of each matrix, a pipeline
+// stage 4 blocks (and the tied embedding on the first and last stage), plus
+// one tensor in flight while materialising. Built eagerly, every rank would
+// first hold it all. Gemini's chunks are set to 4 M elements: the searched
+// size (32 to 64 M elements, ColossalAI's defaults) is a quarter of this
+// model, and building a chunk gathers it whole (twice under Gloo, whose
+// all-gather stages through a flat buffer).
+TEST(LazyInit, ShardingPluginsBuildAModelLargerThanEachRanksBudget) {
+  const auto config = zoo::GPT2Config()
                           .vocab_size(8192)
-                          .block_size(256)
-                          .n_embd(1536)
-                          .n_head(12)
+                          .n_positions(256)
+                          .n_embd(1024)
+                          .n_head(16)
                           .n_layer(16);
-  const int64_t whole = config.num_parameters() * 4;
-  colossalai::testing::run_distributed(4, [whole, config](int rank, int) {
-    namespace cb = colossalai::booster;
-    torch::manual_seed(5);
-    zoo::GPT model{nullptr};
+  namespace cb = colossalai::booster;
+  using HPO = cb::plugin::HybridParallelPluginOptions;
+  std::vector<std::pair<
+      std::string,
+      std::function<std::shared_ptr<cb::plugin::Plugin>()>>>
+      plugins{
+          {"TorchFSDP",
+           [] {
+             return std::make_shared<cb::plugin::TorchFSDPPlugin>(
+                 cb::plugin::TorchFSDPPluginOptions().auto_wrap_policy(
+                     colossalai::zero::module_type_wrap_policy<
+                         zoo::GPT2BlockImpl>()));
+           }},
+          {"Gemini",
+           [] {
+             return std::make_shared<cb::plugin::GeminiPlugin>(
+                 cb::plugin::GeminiPluginOptions().precision("fp32").chunk_size(
+                     4 << 20));
+           }},
+          {"HybridParallel tp 4",
+           [] {
+             return std::make_shared<cb::plugin::HybridParallelPlugin>(
+                 HPO().tp_size(4).precision("fp32"));
+           }},
+          {"HybridParallel pp 4", [] {
+             return std::make_shared<cb::plugin::HybridParallelPlugin>(
+                 HPO().pp_size(4).num_microbatches(4).precision("fp32"));
+           }}};
+  for (const auto& named : plugins) {
+    SCOPED_TRACE(named.first);
+    int64_t whole = 0;
     {
       lz::LazyInitContext ctx;
-      model = zoo::GPT(config);
+      for (const auto& p : zoo::GPT2LMHeadModel(config)->parameters()) {
+        whole += p.numel() * 4;
+      }
     }
-    auto plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
-        cb::plugin::TorchFSDPPluginOptions().auto_wrap_policy(
-            colossalai::zero::module_type_wrap_policy<zoo::BlockImpl>()));
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    auto boosted = booster.boost(model);
-    const int64_t peak = colossalai::testing::peak_rss_bytes();
-    EXPECT_LT(peak, whole) << "rank " << rank << " peaked at " << peak / 1e6
-                           << " MB; the whole model is " << whole / 1e6
-                           << " MB";
-  });
+    colossalai::testing::run_distributed(4, [&](int rank, int) {
+      torch::manual_seed(5);
+      zoo::GPT2LMHeadModel model{nullptr};
+      {
+        lz::LazyInitContext ctx;
+        model = zoo::GPT2LMHeadModel(config);
+      }
+      cb::Booster booster(cb::BoosterOptions().plugin(named.second()));
+      auto opt = std::make_shared<torch::optim::SGD>(
+          model->parameters(), torch::optim::SGDOptions(0.1));
+      auto boosted = booster.boost(model, opt);
+      EXPECT_FALSE(lz::is_lazy(*model));
+      const int64_t peak = colossalai::testing::peak_rss_bytes();
+      EXPECT_LT(peak, whole)
+          << named.first << ": rank " << rank << " peaked at " << peak / 1e6
+          << " MB; the whole model is " << whole / 1e6 << " MB";
+    });
+  }
 }
 
 TEST(LazyInit, ValueReadsInTheContextNameTheProblem) {

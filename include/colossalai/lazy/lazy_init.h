@@ -29,8 +29,9 @@
 /// from an eager program's). At boost, TorchFSDPPlugin and GeminiPlugin
 /// materialise with a `keep` that writes each parameter's piece into this
 /// rank's shard of its unit, and HybridParallelPlugin's tensor-parallel
-/// layers register their cut (`transform_lazy`) while sharding, so no rank
-/// holds the whole model; the other plugins materialise it whole.
+/// layers register their cut (`transform_lazy`) while sharding and each
+/// pipeline stage keeps its own layers only, so no rank holds the whole
+/// model; the other plugins materialise it whole.
 ///
 /// Example:
 /// \code

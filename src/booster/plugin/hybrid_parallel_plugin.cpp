@@ -418,8 +418,9 @@ void HybridParallelPlugin::configure(
   // Rank 0's whole model everywhere, so every tensor rank cuts its shard
   // from the same weights. A lazy model (NOTE [Lazy initialization]) is
   // materialised after sharding instead, each tensor rank cutting its shard
-  // as it goes; every rank replays the same construction (the same seed, as
-  // ColossalAI requires).
+  // as it goes (and, under pp, each stage keeping its layers only); every
+  // rank replays the same construction (the same seed, as ColossalAI
+  // requires).
   const bool lazy_model = lazy::is_lazy(*module);
   if (!lazy_model) {
     module->to(device);
@@ -451,7 +452,7 @@ void HybridParallelPlugin::configure(
   auto st = std::static_pointer_cast<HybridState>(state_);
   policy_ = shardformer::resolve_policy(*module, options_.custom_policy());
   st->info = shardformer::shard_model(*module, cfg, policy_);
-  if (lazy_model) {
+  if (lazy_model && options_.pp_size() == 1) {
     lazy::materialize(*module);
     module->to(device);
   }
@@ -627,6 +628,19 @@ std::set<std::string> HybridParallelPlugin::setup_pipeline(
     if (held.count(name)) {
       shared_params_.push_back(*p);
     }
+  }
+  // A lazy model materialises here, keeping this stage's parameters only:
+  // the others are computed one at a time (the random stream must advance
+  // as in eager construction) and dropped at once, so a stage never holds
+  // another stage's layers.
+  if (lazy::is_lazy(module)) {
+    lazy::materialize(
+        module, [&](const std::string& name, const at::Tensor& full) {
+          return held.count(name) || !named.contains(name)
+              ? full
+              : at::empty({0}, full.options());
+        });
+    module.to(current_device());
   }
   // Checkpoints number the optimizer's parameters as it holds them now,
   // before the release.
