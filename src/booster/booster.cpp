@@ -180,7 +180,7 @@ std::shared_ptr<lora::LoraModel> Booster::enable_lora_module(
       "Booster.enable_lora: ",
       plugin_ ? plugin_->name() : std::string(),
       " does not support LoRA (no plugin, TorchDDPPlugin, LowLevelZeroPlugin "
-      "and HybridParallelPlugin with tp_size 1 do)");
+      "and HybridParallelPlugin with tp_size 1 and pp_size 1 do)");
   TORCH_CHECK(
       !boosted_.count(model.get()),
       "Booster.enable_lora: the model is boosted already; enable LoRA "

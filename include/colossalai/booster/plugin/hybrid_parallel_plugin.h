@@ -184,9 +184,11 @@ class HybridParallelPlugin : public DPPluginBase {
   bool shards_lazy_models() const override {
     return true;
   }
-  /// LoRA adapters are not tensor-parallel: tp_size 1 only.
+  /// As in ColossalAI, LoRA needs tp_size 1 (adapters are not
+  /// tensor-parallel) and pp_size 1 (a pipeline stage's forward bypasses the
+  /// wrapper that refreshes reparametrised layers).
   bool support_lora() const override {
-    return options_.tp_size() == 1;
+    return options_.tp_size() == 1 && options_.pp_size() == 1;
   }
   bool control_checkpoint_io() const override {
     return true;
