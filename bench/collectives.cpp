@@ -114,6 +114,10 @@ struct Case {
   std::function<void()> ours;
   std::function<void()> c10d; // empty: no c10d equivalent
   std::string c10d_call;      // what the c10d side calls
+  // Other operations on the same tensor, timed in the same alternating
+  // blocks (reduce_scatter: the all_reduce it should beat, the all_to_all
+  // that moves the same bytes), so their ratios compare like with like.
+  std::vector<std::pair<std::string, std::function<void()>>> refs;
   double bus_factor = 1;
   int64_t bytes = 0; // nccl-tests "size"
 };
@@ -173,6 +177,14 @@ Case make_case(
     } catch (const std::exception&) {
       c.c10d_call = "none (backend lacks reduce_scatter)";
     }
+    auto whole = at::ones({count}, f32);
+    auto moved = at::empty({count}, f32);
+    c.refs.emplace_back("all_reduce", [whole, &g]() mutable {
+      cd::all_reduce(whole, g).wait();
+    });
+    c.refs.emplace_back("all_to_all", [in, moved, &g]() mutable {
+      cd::all_to_all(moved, in, g).wait();
+    });
   } else if (op == "all_to_all") {
     auto in = at::ones({count}, f32);
     auto out = at::empty({count}, f32);
@@ -285,23 +297,41 @@ int run_rank(const Args& a) {
       const int iters = static_cast<int>(
           std::clamp(a.block_ms / std::max(once, 1e-3), 1.0, 2000.0));
 
-      std::vector<double> ours_us, c10d_us;
+      // Sides: ours, c10d's, then the references; each rep rotates which
+      // goes first.
+      std::vector<std::function<void()>> sides{c.ours};
+      if (c.c10d)
+        sides.push_back(c.c10d);
+      for (const auto& ref : c.refs)
+        sides.push_back(ref.second);
+      std::vector<std::vector<double>> us(sides.size());
+      for (auto& f : sides)
+        f(); // the references warm up too
       for (int r = 0; r < a.reps; ++r) {
-        // Alternate which side goes first.
-        for (int side = 0; side < 2; ++side) {
-          bool is_ours = (side == 0) == (r % 2 == 0);
-          if (!is_ours && !c.c10d)
-            continue;
+        for (size_t k = 0; k < sides.size(); ++k) {
+          const size_t side = (k + r) % sides.size();
           cd::barrier(g).wait();
           auto s0 = std::chrono::steady_clock::now();
           for (int i = 0; i < iters; ++i)
-            is_ours ? c.ours() : c.c10d();
-          (is_ours ? ours_us : c10d_us).push_back(ms_since(s0) * 1e3 / iters);
+            sides[side]();
+          us[side].push_back(ms_since(s0) * 1e3 / iters);
         }
       }
-      ours_us = max_over_ranks(ours_us, g);
-      if (!c10d_us.empty())
-        c10d_us = max_over_ranks(c10d_us, g);
+      for (auto& v : us)
+        v = max_over_ranks(v, g);
+      std::vector<double> ours_us = us[0], c10d_us;
+      if (c.c10d)
+        c10d_us = us[1];
+      std::ostringstream refs_json;
+      const size_t first_ref = c.c10d ? 2 : 1;
+      for (size_t k = 0; k < c.refs.size(); ++k) {
+        const double med = cbench::median(us[first_ref + k]);
+        refs_json << (k ? ", " : "") << "\"" << c.refs[k].first
+                  << "\": {\"time_us\": "
+                  << cbench::stats_json(us[first_ref + k])
+                  << ", \"ours_over_this_time\": "
+                  << cbench::median(ours_us) / med << "}";
+      }
       if (rank != 0)
         continue;
       const double bytes_d = static_cast<double>(c.bytes);
@@ -309,6 +339,7 @@ int run_rank(const Args& a) {
       const double ours_bus = bytes_d / (ours_med * 1e-6) / 1e9 * c.bus_factor;
       results << (first ? "" : ",") << "\n    {\"op\": \"" << op
               << "\", \"bytes\": " << c.bytes << ", \"iters\": " << iters
+              << ", \"same_tensor\": {" << refs_json.str() << "}"
               << ", \"bus_factor\": " << c.bus_factor << ", \"c10d_call\": \""
               << c.c10d_call << "\",\n     \"ours\": "
               << side_json(ours_us, bytes_d, c.bus_factor)

@@ -106,15 +106,27 @@ int run_rank(const Args& a) {
           .weight_decay(0.01));
 
   auto batch = colossalai::zoo::random_tokens(8, cfg, 100 + rank);
+  // Phases of the single-process step (zero_grad + forward + loss,
+  // backward, optimizer), for the side-by-side breakdown with PyTorch's.
+  std::map<std::string, std::vector<double>> phases;
   auto single_step = [&]() {
-    auto t0 = std::chrono::steady_clock::now();
+    using clock = std::chrono::steady_clock;
+    auto ms = [](clock::time_point a, clock::time_point b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    auto t0 = clock::now();
     single_opt.zero_grad();
-    colossalai::zoo::gpt_loss(single_model(batch.first), batch.second)
-        .backward();
+    auto loss =
+        colossalai::zoo::gpt_loss(single_model(batch.first), batch.second);
+    auto t1 = clock::now();
+    loss.backward();
+    auto t2 = clock::now();
     single_opt.step();
-    return std::chrono::duration<double, std::milli>(
-               std::chrono::steady_clock::now() - t0)
-        .count();
+    auto t3 = clock::now();
+    phases["forward"].push_back(ms(t0, t1));
+    phases["backward"].push_back(ms(t1, t2));
+    phases["optimizer"].push_back(ms(t2, t3));
+    return ms(t0, t3);
   };
   auto step = [&](bool sync) {
     auto t0 = std::chrono::steady_clock::now();
@@ -142,6 +154,7 @@ int run_rank(const Args& a) {
       single_step();
     }
   }
+  phases.clear(); // warm-up steps are not timed
   for (int r = 0; r < a.rounds; ++r) {
     for (bool sync : {true, false}) {
       // Start each block together so neither mode eats the other's tail.
@@ -211,7 +224,13 @@ int run_rank(const Args& a) {
        << colossalai::bench::stats_json(times["no_sync"])
        << ",\n              \"single\": "
        << colossalai::bench::stats_json(times["single"]) << "},\n"
+       << "  \"single_phases_ms\": {\"forward\": "
+       << colossalai::bench::stats_json(phases["forward"]) << ", \"backward\": "
+       << colossalai::bench::stats_json(phases["backward"])
+       << ", \"optimizer\": "
+       << colossalai::bench::stats_json(phases["optimizer"]) << "},\n"
        << "  \"ratios\": {\"ddp_over_no_sync\": " << ddp_ms / floor_ms
+       << ", \"ddp_over_single\": " << ddp_ms / single_ms
        << ", \"single_over_no_sync\": " << single_ms / floor_ms << "},\n"
        << "  \"ddp_step_ms\": {\"median\": " << ddp_ms
        << ", \"p10\": " << percentile(times["ddp"], 0.1)

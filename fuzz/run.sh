@@ -4,7 +4,8 @@
 #
 #   fuzz/run.sh [TARGET] [SECONDS] [-- LIBFUZZER_FLAGS...]
 #
-# TARGET: safetensors (the header parser, default) or pickle (the hardened
+# TARGET: safetensors (the header parser, default), zip (the zip directory
+# reader of .bin checkpoints) or pickle (the hardened
 # unpickler and the optimizer-state path; links the library built in
 # $COLOSSALAI_LIB, default build/libcolossalai.a, for what it does not
 # compile instrumented). SECONDS: default 20. Needs clang and libFuzzer
@@ -33,9 +34,15 @@ mkdir -p "$out"
 extra_link=()
 case "$target" in
   safetensors)
-    sources=("$repo/fuzz/safetensors_fuzz.cpp" "$repo/src/checkpoint_io/safetensors.cpp")
+    sources=("$repo/fuzz/safetensors_fuzz.cpp" "$repo/src/checkpoint_io/safetensors.cpp" "$repo/src/checkpoint_io/mapped_reads.cpp")
     headers=("$repo/include/colossalai/checkpoint_io/safetensors.h")
     flags=(-max_len=4096 -dict="$repo/fuzz/safetensors.dict")
+    ;;
+  zip)
+    sources=("$repo/fuzz/zip_fuzz.cpp" "$repo/src/checkpoint_io/zip_records.cpp"
+             "$repo/src/checkpoint_io/mapped_reads.cpp")
+    headers=("$repo/src/checkpoint_io/zip_records.h" "$repo/src/checkpoint_io/mapped_reads.h")
+    flags=(-max_len=8192)
     ;;
   pickle)
     sources=("$repo/fuzz/pickle_fuzz.cpp" "$repo/src/checkpoint_io/torch_bin.cpp"
@@ -48,7 +55,7 @@ case "$target" in
     flags=(-max_len=8192 -dict="$repo/fuzz/pickle.dict")
     ;;
   *)
-    echo "fuzz/run.sh: unknown target '$target' (safetensors, pickle)" >&2
+    echo "fuzz/run.sh: unknown target '$target' (safetensors, zip, pickle)" >&2
     exit 2
     ;;
 esac

@@ -172,7 +172,10 @@ def worker(rank, world, port, args, queue):
         models["single"] = GPT()
         opts["single"] = torch.optim.AdamW(models["single"].parameters(), **adamw_kwargs())
 
-    def step(name):
+    # Phases of the single-process step, as bench_ddp_step times them.
+    phases = {"forward": [], "backward": [], "optimizer": []}
+
+    def step(name, timed=True):
         key = "ddp" if name == "no_sync" else name
         model, opt = models[key], opts[key]
         t0 = time.perf_counter()
@@ -180,6 +183,18 @@ def worker(rank, world, port, args, queue):
         if name == "no_sync":
             with model.no_sync():
                 loss_of(model).backward()
+        elif name == "single":
+            loss = loss_of(model)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            if timed:
+                phases["forward"].append((t1 - t0) * 1e3)
+                phases["backward"].append((t2 - t1) * 1e3)
+                phases["optimizer"].append((t3 - t2) * 1e3)
+            return (t3 - t0) * 1e3
         else:
             loss_of(model).backward()
         opt.step()
@@ -193,7 +208,7 @@ def worker(rank, world, port, args, queue):
         for s in setups:
             dist.barrier()
             if runs_here(s):
-                step(s)
+                step(s, timed=False)
     for r in range(args.rounds):
         for s in setups:
             dist.barrier()
@@ -208,7 +223,8 @@ def worker(rank, world, port, args, queue):
     all_rss = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(all_rss, rss)
     if rank == 0:
-        queue.put({"times": times, "rss": [int(t.item()) for t in all_rss]})
+        queue.put({"times": times, "phases": phases,
+                   "rss": [int(t.item()) for t in all_rss]})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -259,6 +275,7 @@ def main():
                    "optimizer": "AdamW(3e-4, wd 0.01)", "dtype": "fp32"},
         "machine": machine(),
         "step_ms": steps,
+        "single_phases_ms": {k: stats(v) for k, v in res["phases"].items() if v},
         "ratios": ratios,
         "peak_rss_bytes_per_rank": res["rss"],
     }

@@ -4,6 +4,7 @@
 #include <colossalai/lazy/lazy_init.h>
 
 #include "io_utils.h"
+#include "mapped_reads.h"
 #include "optimizer_state.h"
 #include "pickle_reader.h"
 #include "sharded_commit.h"
@@ -289,7 +290,11 @@ void load_model_state(
         src.scalar_type(),
         " but the model's tensor has dtype ",
         target->scalar_type());
-    if (!lazy::assign_lazy(*target, src)) { // lazy: no random init first
+    // lazy: no random init first; else a view into a mapped file is read
+    // straight into the target
+    if (!lazy::assign_lazy(*target, src) &&
+        !detail::read_mapped_into(*target, src)) {
+      detail::populate(src);
       target->copy_(src);
     }
     if (seen) {

@@ -1,5 +1,7 @@
 #include <colossalai/checkpoint_io/safetensors.h>
 
+#include "mapped_reads.h"
+
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
@@ -585,9 +587,14 @@ std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
   void* base =
       ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
   int err = errno;
-  ::close(fd);
+  if (base == MAP_FAILED) {
+    ::close(fd);
+  }
   TORCH_CHECK(
       base != MAP_FAILED, "cannot map '", path, "': ", std::strerror(err));
+  // Loads read through the descriptor (NOTE [Loads read into the
+  // parameters]); it is closed with the mapping.
+  checkpoint_io::detail::register_mapping(base, size, fd);
 
   std::shared_ptr<MappedFile> file(new MappedFile());
   file->path_ = path;
@@ -603,6 +610,7 @@ std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
 
 MappedFile::~MappedFile() {
   if (base_ != nullptr) {
+    checkpoint_io::detail::unregister_mapping(base_);
     ::munmap(base_, size_);
   }
 }

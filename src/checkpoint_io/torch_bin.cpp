@@ -1,6 +1,7 @@
 #include <colossalai/checkpoint_io/torch_bin.h>
 
 #include "pickle_reader.h"
+#include "zip_records.h"
 
 #include <ATen/core/Dict.h>
 #include <c10/util/Exception.h>
@@ -185,8 +186,9 @@ class Unpickler {
  public:
   Unpickler(
       const std::string& file,
-      caffe2::serialize::PyTorchStreamReader& archive)
-      : file_(file), archive_(archive) {}
+      caffe2::serialize::PyTorchStreamReader& archive,
+      const detail::ZipRecords* mapped = nullptr)
+      : file_(file), archive_(archive), mapped_(mapped) {}
 
   Obj* run(const char* data, size_t size) {
     data_ = data;
@@ -608,15 +610,22 @@ class Unpickler {
     if (cached == records_.end()) {
       const std::string record = "data/" + key->s;
       check(archive_.hasRecord(record), "record '" + record + "' is missing");
-      at::DataPtr ptr;
-      size_t bytes = 0;
-      std::tie(ptr, bytes) = archive_.getRecord(record);
-      c10::Storage s(
-          c10::Storage::use_byte_size_t(),
-          bytes,
-          std::move(ptr),
-          /*allocator=*/nullptr,
-          /*resizable=*/false);
+      c10::Storage s;
+      const bool mapped = mapped_ != nullptr && mapped_->storage(record, s) &&
+          reinterpret_cast<uintptr_t>(s.data()) %
+                  c10::elementSize(storage->dtype) ==
+              0;
+      if (!mapped) {
+        at::DataPtr ptr;
+        size_t bytes = 0;
+        std::tie(ptr, bytes) = archive_.getRecord(record);
+        s = c10::Storage(
+            c10::Storage::use_byte_size_t(),
+            bytes,
+            std::move(ptr),
+            /*allocator=*/nullptr,
+            /*resizable=*/false);
+      }
       cached = records_.emplace(key->s, std::move(s)).first;
     }
     int64_t need = 0;
@@ -667,6 +676,7 @@ class Unpickler {
 
   const std::string& file_;
   caffe2::serialize::PyTorchStreamReader& archive_;
+  const detail::ZipRecords* mapped_; // stored records, mapped; may be null
   const char* data_ = nullptr;
   size_t size_ = 0;
   size_t pos_ = 0;
@@ -841,7 +851,8 @@ void check_zip(const std::string& path) {
 Obj* read_root(
     caffe2::serialize::PyTorchStreamReader& archive,
     const std::string& path,
-    std::unique_ptr<Unpickler>& keep) {
+    std::unique_ptr<Unpickler>& keep,
+    const detail::ZipRecords* mapped = nullptr) {
   if (archive.hasRecord("byteorder")) {
     auto record = archive.getRecord("byteorder");
     std::string order(
@@ -861,7 +872,7 @@ Obj* read_root(
       path,
       "' is not a valid .bin checkpoint: it has no data.pkl");
   auto pickle = archive.getRecord("data.pkl");
-  keep = std::make_unique<Unpickler>(path, archive);
+  keep = std::make_unique<Unpickler>(path, archive, mapped);
   return keep->run(
       static_cast<const char*>(std::get<0>(pickle).get()), std::get<1>(pickle));
 }
@@ -911,8 +922,9 @@ StateDict load_bin(const std::string& path) {
   check_zip(path);
   return naming_file(path, [&] {
     caffe2::serialize::PyTorchStreamReader archive(path);
+    const auto mapped = detail::ZipRecords::open(path);
     std::unique_ptr<Unpickler> unpickler;
-    Obj* root = read_root(archive, path, unpickler);
+    Obj* root = read_root(archive, path, unpickler, mapped.get());
     TORCH_CHECK(
         root->kind == Kind::Dict,
         "'",

@@ -99,7 +99,7 @@ TorchDDPModel::TorchDDPModel(
 TorchDDPModel::~TorchDDPModel() = default;
 
 void TorchDDPModel::pre_forward() {
-  if (options_.broadcast_buffers()) {
+  if (options_.broadcast_buffers() && group_->size() > 1) {
     broadcast_buffers();
   }
 }

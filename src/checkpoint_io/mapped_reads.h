@@ -1,0 +1,31 @@
+#pragma once
+
+// Reading tensors out of memory-mapped checkpoint files fast (internal).
+
+#include <ATen/ATen.h>
+
+#include <cstddef>
+
+namespace colossalai {
+namespace checkpoint_io {
+namespace detail {
+
+/// Maps in the pages under a CPU tensor (a view into a memory-mapped
+/// checkpoint) in one call, before it is read: faulting them in one 4 KiB
+/// page at a time costs 3-6 us a page on the VMs here, an 8x slower load.
+/// Best effort (a no-op where the kernel lacks MADV_POPULATE_READ).
+void populate(const at::Tensor& t);
+
+/// Mapped checkpoint files register their mapping and hand over its open
+/// descriptor (closed by unregister_mapping), so that loads can read a
+/// mapped tensor with pread (NOTE [Loads read into the parameters]).
+void register_mapping(const void* base, size_t size, int fd);
+void unregister_mapping(const void* base);
+/// Copies `src`, a view into a registered mapping, into `dst` (same dtype
+/// and numel, both contiguous on the CPU) with pread; false (nothing to
+/// rely on in `dst`) when it does not apply, and the caller copies.
+bool read_mapped_into(at::Tensor& dst, const at::Tensor& src);
+
+} // namespace detail
+} // namespace checkpoint_io
+} // namespace colossalai
