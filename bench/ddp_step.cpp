@@ -128,21 +128,32 @@ int run_rank(const Args& a) {
     phases["optimizer"].push_back(ms(t2, t3));
     return ms(t0, t3);
   };
+  std::map<std::string, std::vector<double>> ddp_phases; // synced steps
   auto step = [&](bool sync) {
-    auto t0 = std::chrono::steady_clock::now();
+    using clock = std::chrono::steady_clock;
+    auto ms = [](clock::time_point a, clock::time_point b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    auto t0 = clock::now();
     boosted.optimizer->zero_grad();
     auto loss =
         colossalai::zoo::gpt_loss(boosted.model(batch.first), batch.second);
+    auto t1 = clock::now();
     if (sync) {
       booster.backward(loss, *boosted.optimizer);
     } else {
       auto guard = booster.no_sync(boosted.model, boosted.optimizer.get());
       booster.backward(loss, *boosted.optimizer);
     }
+    auto t2 = clock::now();
     boosted.optimizer->step();
-    return std::chrono::duration<double, std::milli>(
-               std::chrono::steady_clock::now() - t0)
-        .count();
+    auto t3 = clock::now();
+    if (sync) {
+      ddp_phases["forward"].push_back(ms(t0, t1));
+      ddp_phases["backward"].push_back(ms(t1, t2));
+      ddp_phases["optimizer"].push_back(ms(t2, t3));
+    }
+    return ms(t0, t3);
   };
 
   std::map<std::string, std::vector<double>> times;
@@ -155,6 +166,7 @@ int run_rank(const Args& a) {
     }
   }
   phases.clear(); // warm-up steps are not timed
+  ddp_phases.clear();
   for (int r = 0; r < a.rounds; ++r) {
     for (bool sync : {true, false}) {
       // Start each block together so neither mode eats the other's tail.
@@ -229,6 +241,12 @@ int run_rank(const Args& a) {
        << colossalai::bench::stats_json(phases["backward"])
        << ", \"optimizer\": "
        << colossalai::bench::stats_json(phases["optimizer"]) << "},\n"
+       << "  \"ddp_phases_ms\": {\"forward\": "
+       << colossalai::bench::stats_json(ddp_phases["forward"])
+       << ", \"backward\": "
+       << colossalai::bench::stats_json(ddp_phases["backward"])
+       << ", \"optimizer\": "
+       << colossalai::bench::stats_json(ddp_phases["optimizer"]) << "},\n"
        << "  \"ratios\": {\"ddp_over_no_sync\": " << ddp_ms / floor_ms
        << ", \"ddp_over_single\": " << ddp_ms / single_ms
        << ", \"single_over_no_sync\": " << single_ms / floor_ms << "},\n"

@@ -143,10 +143,11 @@ int main(int argc, char** argv) {
     const int64_t n = std::max<int64_t>(max_n, 16 << 20);
     auto p = torch::rand({n}), g = torch::rand({n}), m = torch::rand({n}),
          v = torch::rand({n});
-    float* pp = p.data_ptr<float>();
-    const float* gp = g.data_ptr<float>();
-    float* mp = m.data_ptr<float>();
-    float* vp = v.data_ptr<float>();
+    // __restrict: the four streams never alias, so the loop vectorizes.
+    float* __restrict pp = p.data_ptr<float>();
+    const float* __restrict gp = g.data_ptr<float>();
+    float* __restrict mp = m.data_ptr<float>();
+    float* __restrict vp = v.data_ptr<float>();
     const double t = time_median(reps, [&] {
       at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) {
