@@ -35,6 +35,22 @@ namespace cd = colossalai::distributed;
 
 namespace {
 
+using clock = std::chrono::steady_clock;
+
+double ms(clock::time_point a, clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// {"forward": stats, "backward": stats, "optimizer": stats}
+std::string phases_json(std::map<std::string, std::vector<double>>& phases) {
+  std::ostringstream os;
+  os << "{\"forward\": " << colossalai::bench::stats_json(phases["forward"])
+     << ", \"backward\": " << colossalai::bench::stats_json(phases["backward"])
+     << ", \"optimizer\": "
+     << colossalai::bench::stats_json(phases["optimizer"]) << "}";
+  return os.str();
+}
+
 struct Args {
   int nproc = 2;
   int steps = 10;
@@ -110,10 +126,6 @@ int run_rank(const Args& a) {
   // backward, optimizer), for the side-by-side breakdown with PyTorch's.
   std::map<std::string, std::vector<double>> phases;
   auto single_step = [&]() {
-    using clock = std::chrono::steady_clock;
-    auto ms = [](clock::time_point a, clock::time_point b) {
-      return std::chrono::duration<double, std::milli>(b - a).count();
-    };
     auto t0 = clock::now();
     single_opt.zero_grad();
     auto loss =
@@ -130,10 +142,6 @@ int run_rank(const Args& a) {
   };
   std::map<std::string, std::vector<double>> ddp_phases; // synced steps
   auto step = [&](bool sync) {
-    using clock = std::chrono::steady_clock;
-    auto ms = [](clock::time_point a, clock::time_point b) {
-      return std::chrono::duration<double, std::milli>(b - a).count();
-    };
     auto t0 = clock::now();
     boosted.optimizer->zero_grad();
     auto loss =
@@ -236,17 +244,8 @@ int run_rank(const Args& a) {
        << colossalai::bench::stats_json(times["no_sync"])
        << ",\n              \"single\": "
        << colossalai::bench::stats_json(times["single"]) << "},\n"
-       << "  \"single_phases_ms\": {\"forward\": "
-       << colossalai::bench::stats_json(phases["forward"]) << ", \"backward\": "
-       << colossalai::bench::stats_json(phases["backward"])
-       << ", \"optimizer\": "
-       << colossalai::bench::stats_json(phases["optimizer"]) << "},\n"
-       << "  \"ddp_phases_ms\": {\"forward\": "
-       << colossalai::bench::stats_json(ddp_phases["forward"])
-       << ", \"backward\": "
-       << colossalai::bench::stats_json(ddp_phases["backward"])
-       << ", \"optimizer\": "
-       << colossalai::bench::stats_json(ddp_phases["optimizer"]) << "},\n"
+       << "  \"single_phases_ms\": " << phases_json(phases) << ",\n"
+       << "  \"ddp_phases_ms\": " << phases_json(ddp_phases) << ",\n"
        << "  \"ratios\": {\"ddp_over_no_sync\": " << ddp_ms / floor_ms
        << ", \"ddp_over_single\": " << ddp_ms / single_ms
        << ", \"single_over_no_sync\": " << single_ms / floor_ms << "},\n"

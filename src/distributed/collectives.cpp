@@ -253,7 +253,10 @@ Work reduce_scatter_p2p(
         group);
   };
   const auto my_pieces = cut(mine);
-  auto blocks = pooled(mine * n, in.options());
+  // Peer p's pieces land in slot p, or p - 1 past this rank (no slot for
+  // the own block, which is read from the input).
+  auto slot = [me](int p) { return p < me ? p : p - 1; };
+  auto blocks = pooled(mine * (n - 1), in.options());
   auto sent = std::make_shared<std::vector<Work>>();
   auto arrived = std::make_shared<std::vector<Work>>();
   size_t rounds = my_pieces.size();
@@ -277,7 +280,7 @@ Work reduce_scatter_p2p(
         const auto& piece = my_pieces[c];
         arrived->push_back(post(
             false,
-            blocks.tensor.narrow(0, p * mine + piece.first, piece.second),
+            blocks.tensor.narrow(0, slot(p) * mine + piece.first, piece.second),
             p,
             c));
       }
@@ -295,13 +298,14 @@ Work reduce_scatter_p2p(
        me,
        n,
        off = offset[me],
+       slot,
        op]() mutable {
         size_t k = 0;
         for (const auto& piece : my_pieces) {
           auto part = [&](int p) {
-            return p == me
-                ? in.narrow(0, off + piece.first, piece.second)
-                : blocks.tensor.narrow(0, p * mine + piece.first, piece.second);
+            return p == me ? in.narrow(0, off + piece.first, piece.second)
+                           : blocks.tensor.narrow(
+                                 0, slot(p) * mine + piece.first, piece.second);
           };
           for (int p = 0; p < n - 1; ++p) {
             (*arrived)[k++].wait();
