@@ -6,6 +6,8 @@
 #include <colossalai/lazy/lazy_init.h>
 #include <colossalai/lora/lora_model.h>
 
+#include "../utils/host_memory.h"
+
 #include <algorithm>
 
 namespace colossalai {
@@ -166,6 +168,9 @@ Booster::boost_parts(
   }
   if (mixed_precision_) {
     mixed_precision_->configure(mw, optim_w);
+  }
+  if (options_.retain_freed_memory()) {
+    utils::retain_freed_host_memory();
   }
   return {mw, optim_w};
 }

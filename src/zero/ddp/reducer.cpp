@@ -16,7 +16,9 @@ Reducer::Reducer(
     : names_(std::move(names)),
       params_(std::move(params)),
       group_(std::move(group)),
-      options_(options) {
+      options_(options),
+      world_(
+          at::scalar_tensor(static_cast<double>(group_->size()), at::kDouble)) {
   TORCH_INTERNAL_ASSERT(names_.size() == params_.size());
   used_.assign(params_.size(), 0);
   unused_.assign(params_.size(), 0);
@@ -125,11 +127,15 @@ void Reducer::fill(size_t param, bool used) {
   auto& grad = p.mutable_grad();
   if (grad.defined()) {
     // (An unused parameter may still hold what no_sync accumulated.)
+    // Divided on the way in, as PyTorch divides before the sum (keeps fp16
+    // sums in range); one pass instead of a copy and a division.
     if (grad.data_ptr() != view.data_ptr()) {
-      view.copy_(grad.reshape({-1}));
+      at::div_out(view, grad.reshape({-1}), world_);
       if (options_.gradient_as_bucket_view) {
         grad = view.view(p.sizes());
       }
+    } else {
+      view.div_(world_);
     }
   } else {
     view.zero_();
@@ -138,10 +144,8 @@ void Reducer::fill(size_t param, bool used) {
 }
 
 distributed::Work Reducer::launch(size_t bucket) {
-  auto& buf = buffers_[bucket];
-  // Divide first, as PyTorch does: keeps fp16 sums in range.
-  buf.div_(group_->size());
-  return distributed::all_reduce(buf, *group_);
+  // (fill divided every gradient by the world size already.)
+  return distributed::all_reduce(buffers_[bucket], *group_);
 }
 
 void Reducer::on_missing(const std::vector<size_t>& missing) {

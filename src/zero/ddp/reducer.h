@@ -74,6 +74,7 @@ class Reducer : public distributed::BucketHandler {
   std::vector<at::Tensor> params_;
   distributed::ProcessGroupPtr group_;
   ReducerOptions options_;
+  at::Tensor world_; // the group size, a 0-dim divisor
 
   std::vector<Slot> slots_;
   std::vector<at::Tensor> buffers_; // one per bucket
