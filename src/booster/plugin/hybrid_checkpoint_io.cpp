@@ -4,6 +4,7 @@
 #include <colossalai/lazy/lazy_init.h>
 #include <colossalai/shardformer/layer/parallel_module.h>
 
+#include "../../checkpoint_io/mapped_reads.h"
 #include "../../checkpoint_io/optimizer_state.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
@@ -17,6 +18,21 @@ namespace plugin {
 namespace {
 
 namespace sl = shardformer::layer;
+
+// This rank's shard of `full` as a view, where the shard is one plain slice
+// of it; else an undefined tensor. (Contiguity is checked by the reader.)
+at::Tensor plain_slice(const at::Tensor& full, const sl::ShardSpec& spec) {
+  if (!spec.is_split()) {
+    return full;
+  }
+  if (spec.sections != 1 || spec.padded_size != spec.full_size ||
+      spec.dim >= full.dim() || full.size(spec.dim) != spec.full_size ||
+      spec.full_size % spec.size() != 0) {
+    return at::Tensor();
+  }
+  const int64_t len = spec.full_size / spec.size();
+  return full.narrow(spec.dim, spec.rank() * len, len);
+}
 using checkpoint_io::StateDict;
 
 constexpr const char* kName = "HybridParallelPlugin";
@@ -213,6 +229,14 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
           " but the model's whole tensor has shape ",
           at::IntArrayRef(whole));
       at::NoGradGuard no_grad;
+      // A shard that is one contiguous slice of a mapped file (unsplit, or
+      // split along dimension 0 with no sections or padding) is read
+      // straight into the parameter (NOTE [Loads read into the
+      // parameters]); the others are cut and copied.
+      if (checkpoint_io::detail::read_mapped_into(
+              param, plain_slice(src, spec))) {
+        return true;
+      }
       const auto shard = sl::shard_tensor(src, spec);
       if (!lazy::assign_lazy(param, shard)) {
         param.copy_(shard);
