@@ -33,6 +33,7 @@ at::Tensor plain_slice(const at::Tensor& full, const sl::ShardSpec& spec) {
   const int64_t len = spec.full_size / spec.size();
   return full.narrow(spec.dim, spec.rank() * len, len);
 }
+
 using checkpoint_io::StateDict;
 
 constexpr const char* kName = "HybridParallelPlugin";
