@@ -378,28 +378,28 @@ TEST(HybridParallel, WideCheckpointLoadsIntoTensorParallelShards) {
   run_distributed(2, [](int, int) {
     const auto dir = scratch(::getppid(), "wide");
     const auto config = zoo::GPT2Config::tiny_test().n_embd(128).n_head(4);
-    std::map<std::string, at::Tensor> saved;
-    {
+    // A fresh tp 2 model drawn from `seed` and boosted, handed to `body`.
+    auto with_tp2 = [&](int seed, auto&& body) {
       auto plugin = std::make_shared<HybridParallelPlugin>(
           HPO().precision("fp32").tp_size(2));
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-      torch::manual_seed(1);
+      torch::manual_seed(seed);
       zoo::GPT2LMHeadModel m(config);
       auto boosted = booster.boost(m, make_opt(m->parameters(), false));
-      saved = whole_weights(*m, plugin->shard_info());
+      body(booster, boosted.model, m, *plugin);
+    };
+    std::map<std::string, at::Tensor> saved, got;
+    with_tp2(1, [&](auto& booster, auto& model, auto& m, auto& plugin) {
+      saved = whole_weights(*m, plugin.shard_info());
       booster.save_model(
-          boosted.model,
+          model,
           dir + "/model.safetensors",
           colossalai::checkpoint_io::SaveModelOptions().use_safetensors(true));
-    }
-    auto plugin = std::make_shared<HybridParallelPlugin>(
-        HPO().precision("fp32").tp_size(2));
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    torch::manual_seed(2);
-    zoo::GPT2LMHeadModel m(config);
-    auto boosted = booster.boost(m, make_opt(m->parameters(), false));
-    booster.load_model(boosted.model, dir + "/model.safetensors");
-    const auto got = whole_weights(*m, plugin->shard_info());
+    });
+    with_tp2(2, [&](auto& booster, auto& model, auto& m, auto& plugin) {
+      booster.load_model(model, dir + "/model.safetensors");
+      got = whole_weights(*m, plugin.shard_info());
+    });
     ASSERT_EQ(got.size(), saved.size());
     for (const auto& kv : saved) {
       EXPECT_TRUE(at::equal(got.at(kv.first), kv.second)) << kv.first;
