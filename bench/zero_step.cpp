@@ -3,8 +3,12 @@
 // prefetch) and Gemini (1 Mi-element chunks, prefetch on) on gpt-small-cpu, 2
 // ranks x 1 thread, fp32 AdamW. The setups live in the same processes and their
 // timed rounds alternate, so the ratios compare like with like on a noisy
-// machine. Model-state bytes are counted per rank from the tensors each setup
-// holds, beside the ZeRO formulas; FSDP also reports its peak during a step.
+// machine. Beside them, every rank trains a plain copy of the model at the
+// same time with no communication at all: the floor each setup's
+// communication is measured against (what no_sync gives DDP, for stages
+// that have no no_sync). Model-state bytes are counted per rank from the
+// tensors each setup holds, beside the ZeRO formulas; FSDP also reports its
+// peak during a step.
 //
 //   bench_zero_step [--nproc 2] [--steps 4] [--rounds 3]
 //                   [--setups ddp,zero1,zero2,fsdp,fsdp_noprefetch,gemini,
@@ -131,8 +135,22 @@ int run_rank(
                std::chrono::steady_clock::now() - t0)
         .count();
   };
+  torch::manual_seed(0);
+  colossalai::zoo::GPT plain(cfg);
+  torch::optim::AdamW plain_opt(
+      plain->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.01));
+  auto floor_step = [&] {
+    auto t0 = std::chrono::steady_clock::now();
+    plain_opt.zero_grad();
+    colossalai::zoo::gpt_loss(plain(batch.first), batch.second).backward();
+    plain_opt.step();
+    return std::chrono::duration<double, std::milli>(
+               std::chrono::steady_clock::now() - t0)
+        .count();
+  };
   std::map<std::string, std::vector<double>> times;
   std::map<std::string, int64_t> bytes; // handed to collectives, timed steps
+  floor_step();
   for (auto& s : setups)
     step(*s); // warm up, creates optimizer states
   for (auto& s : setups) {
@@ -147,6 +165,9 @@ int run_rank(
         times[s->name].push_back(step(*s));
       bytes[s->name] += cd::bytes_communicated() - b0;
     }
+    cd::barrier(*cd::world_group()).wait();
+    for (int i = 0; i < steps; ++i)
+      times["floor"].push_back(floor_step());
     if (rank == 0)
       std::fprintf(stderr, "round %d/%d done\n", r + 1, rounds);
   }
@@ -214,6 +235,7 @@ int run_rank(
   std::ostringstream json;
   json << "{\n  \"benchmark\": \"zero_step\",\n  \"model\": \"gpt-small-cpu\","
        << "\n  \"parameters\": " << psi << ",\n  \"world_size\": " << world
+       << ",\n  \"floor_ms\": " << median(times["floor"])
        << ",\n  \"largest_unit_parameters\": " << largest_unit
        << ",\n  \"fsdp_unit_parameters\": [";
   for (size_t i = 0; i < unit_numels.size(); ++i)
@@ -221,15 +243,17 @@ int run_rank(
   json << "]"
        << ",\n  \"setups\": {";
   std::printf(
-      "| setup | step ms (median) | vs DDP | model-state MB/rank | "
-      "ZeRO formula MB | our layout MB | peak in step MB |\n"
-      "|---|---|---|---|---|---|---|\n");
+      "| setup | step ms (median) | vs DDP | vs no-comm floor | "
+      "model-state MB/rank | ZeRO formula MB | our layout MB | "
+      "peak in step MB |\n|---|---|---|---|---|---|---|---|\n");
   const double ddp_ms = median(times["ddp"]);
+  const double floor_ms = median(times["floor"]);
   for (size_t i = 0; i < setups.size(); ++i) {
     const auto& name = setups[i]->name;
     double ms = median(times[name]);
     json << (i ? "," : "") << "\n    \"" << name << "\": {\"step_ms\": " << ms
          << ", \"vs_ddp\": " << ms / ddp_ms
+         << ", \"vs_floor\": " << ms / floor_ms
          << ", \"model_state_bytes\": " << measured[name]
          << ", \"formula_bytes\": " << formula[name]
          << ", \"layout_bytes\": " << layout[name];
@@ -240,10 +264,11 @@ int run_rank(
     json << ", \"vs_ddp_memory\": "
          << static_cast<double>(measured[name]) / measured["ddp"] << "}";
     std::printf(
-        "| %s | %.1f | %.2fx | %.1f | %.1f | %.1f | %s |\n",
+        "| %s | %.1f | %.2fx | %.2fx | %.1f | %.1f | %.1f | %s |\n",
         name.c_str(),
         ms,
         ms / ddp_ms,
+        ms / floor_ms,
         measured[name] / 1e6,
         formula[name] / 1e6,
         layout[name] / 1e6,

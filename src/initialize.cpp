@@ -93,6 +93,8 @@ void launch(const LaunchOptions& o) {
   staging->world_size = o.world_size();
   staging->timeout = o.timeout();
   staging->host = o.host();
+  staging->shm_collectives = o.shm_collectives() &&
+      utils::env_int("COLOSSALAI_SHM_COLLECTIVES").value_or(1) != 0;
   staging->backend =
       nccl ? distributed::BackendType::kNccl : distributed::BackendType::kGloo;
   if (nccl) {
@@ -203,6 +205,7 @@ void launch(const LaunchOptions& o) {
   rt.timeout = staging->timeout;
   rt.host = staging->host;
   rt.backend = staging->backend;
+  rt.shm_collectives = staging->shm_collectives;
   rt.device = staging->device;
   rt.store = staging->store;
   rt.gloo_device = staging->gloo_device;

@@ -11,6 +11,11 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
 namespace cd = colossalai::distributed;
 using colossalai::testing::run_distributed;
 
@@ -104,61 +109,244 @@ TEST(Collectives, FourRanks) {
   run_distributed(4, check_all);
 }
 
+// The same over Gloo's sockets alone: its replacements for what Gloo lacks
+// (NOTE [Gloo replacements]) stay covered where shared memory is the default.
+TEST(Collectives, TwoAndThreeRanksOverGlooAlone) {
+  colossalai::testing::MultiProcessOptions o;
+  o.shm_collectives = false;
+  run_distributed(2, check_all, o);
+  run_distributed(3, check_all, o);
+}
+
+namespace {
+
+bool maps_shared_segment() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    if (line.find("/dev/shm/colossalai.") != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+} // namespace
+
+// NOTE [Shared-memory collectives]: operations many slots long (2 MiB a
+// slot), several in flight at once, uneven shards, outputs that alias their
+// inputs, 16-bit and integer dtypes. Integer-valued inputs make every sum
+// exact, so results are compared exactly; a sum of random floats must have
+// the same bits on every rank. The segment is mapped, and already unlinked
+// from /dev/shm.
+TEST(Collectives, SharedMemoryLargeOperationsInFlight) {
+  for (int world : {2, 3}) {
+    run_distributed(world, [](int rank, int world) {
+      auto group = cd::world_group();
+      EXPECT_TRUE(maps_shared_segment());
+      for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+        EXPECT_EQ(
+            e.path().filename().string().rfind("colossalai.", 0),
+            std::string::npos)
+            << "left in /dev/shm: " << e.path();
+      }
+      EXPECT_EQ(
+          cd::reduce_scatter_workspace_bytes(1 << 20, at::kFloat, *group), 0);
+      const int64_t n = (int64_t(13) << 20) / 4 + world - 1; // 13 MB fp32
+      auto values = [n](int r, int k, at::ScalarType dtype) {
+        return at::randint(
+                   -8,
+                   9,
+                   {n},
+                   at::detail::createCPUGenerator(100 * k + r),
+                   at::TensorOptions().dtype(at::kDouble))
+            .to(dtype);
+      };
+      auto sum_of = [&](int k) {
+        auto s = values(0, k, at::kDouble);
+        for (int r = 1; r < world; ++r) {
+          s += values(r, k, at::kDouble);
+        }
+        return s;
+      };
+      const auto range = cd::shard_range(n, world, rank);
+      const int64_t len = range.second - range.first;
+      for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
+        const std::string tag = c10::toString(dtype);
+        // In flight together: an all-reduce, a reduce-scatter whose output
+        // is this rank's shard of its own input, and an all-gather whose
+        // input is this rank's shard of its own output.
+        auto reduced = values(rank, 0, dtype);
+        auto scattered = values(rank, 1, dtype);
+        auto scattered_out = scattered.narrow(0, range.first, len);
+        auto gathered = at::zeros({n}, dtype);
+        auto gathered_in = gathered.narrow(0, range.first, len);
+        gathered_in.copy_(values(0, 2, dtype).narrow(0, range.first, len));
+        auto w0 = cd::all_reduce(reduced, *group);
+        auto w1 = cd::reduce_scatter(scattered_out, scattered, *group);
+        auto w2 = cd::all_gather(gathered, gathered_in, *group);
+        w2.wait();
+        w0.wait();
+        w1.wait();
+        expect_equal(reduced, sum_of(0), "all_reduce " + tag);
+        expect_equal(
+            scattered_out,
+            sum_of(1).narrow(0, range.first, len),
+            "reduce_scatter " + tag);
+        expect_equal(gathered, values(0, 2, dtype), "all_gather " + tag);
+      }
+      // Max, min and average of a multi-slot bf16 tensor.
+      auto mx = values(rank, 3, at::kBFloat16);
+      cd::all_reduce(mx, *group, cd::ReduceOp::kMax).wait();
+      auto want = values(0, 3, at::kDouble);
+      for (int r = 1; r < world; ++r) {
+        want = at::maximum(want, values(r, 3, at::kDouble));
+      }
+      expect_equal(mx, want, "all_reduce max bf16");
+      auto avg = values(rank, 4, at::kFloat);
+      cd::all_reduce(avg, *group, cd::ReduceOp::kAvg).wait();
+      EXPECT_TRUE(
+          at::allclose(avg.to(at::kDouble), sum_of(4) / world, 0, 1e-6));
+      // Random floats: one rank sums each part, so replicas agree bit for bit.
+      auto x = at::randn({n}, at::detail::createCPUGenerator(7 + rank));
+      cd::all_reduce(x, *group).wait();
+      auto all = at::empty({n * world});
+      cd::all_gather(all, x, *group).wait();
+      for (int r = 1; r < world; ++r) {
+        EXPECT_TRUE(at::equal(all.narrow(0, 0, n), all.narrow(0, r * n, n)))
+            << "rank " << r << "'s all_reduce result differs from rank 0's";
+      }
+    });
+  }
+}
+
+// A rank that dies, or never comes, ends a shared-memory collective with a
+// DistributedError that names the waiting rank: death is seen within a
+// second or so (the dead process is polled), absence at the group timeout.
+TEST(Collectives, SharedMemoryPeerThatDiesOrNeverComes) {
+  colossalai::testing::MultiProcessOptions o;
+  o.final_barrier = false;
+  o.collective_timeout_seconds = 3;
+  auto dies = colossalai::testing::run_processes(
+      2,
+      [](int rank, int) {
+        auto group = cd::world_group();
+        auto t = at::ones({int64_t(3) << 20});
+        cd::all_reduce(t, *group).wait(); // both alive
+        if (rank == 1) {
+          std::_Exit(3);
+        }
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          cd::all_reduce(t, *group).wait();
+          ADD_FAILURE() << "all_reduce completed without its peer";
+        } catch (const cd::DistributedError& e) {
+          const std::string msg = e.what();
+          EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
+          EXPECT_NE(msg.find("exited"), std::string::npos) << msg;
+          EXPECT_LT(
+              std::chrono::steady_clock::now() - start,
+              std::chrono::milliseconds(2500))
+              << msg;
+        }
+        // The channel stays broken: the next call fails at once.
+        EXPECT_THROW(cd::all_reduce(t, *group).wait(), cd::DistributedError);
+      },
+      o);
+  if (!dies.empty()) {
+    ASSERT_EQ(dies.size(), 2u);
+    EXPECT_EQ(dies[1].exit_code, 3);
+    EXPECT_EQ(dies[0].exit_code, 0) << dies[0].output;
+  }
+  auto late = colossalai::testing::run_processes(
+      2,
+      [](int rank, int) {
+        auto group = cd::world_group();
+        auto t = at::ones({1000});
+        if (rank == 1) {
+          std::this_thread::sleep_for(std::chrono::seconds(5));
+          return;
+        }
+        try {
+          cd::all_reduce(t, *group).wait();
+          ADD_FAILURE() << "all_reduce completed without its peer";
+        } catch (const cd::DistributedError& e) {
+          const std::string msg = e.what();
+          EXPECT_NE(
+              msg.find("waited 3000 ms for group rank 1"), std::string::npos)
+              << msg;
+        }
+      },
+      o);
+  if (!late.empty()) {
+    ASSERT_EQ(late.size(), 2u);
+    EXPECT_EQ(late[0].exit_code, 0) << late[0].output;
+  }
+}
+
 // Large reduce-scatters go point to point in chunks (NOTE [Gloo
 // reduce-scatter]): uneven shards of several chunks each, every op, and
 // two calls in flight at once (their chunks share tags and must still pair
 // up in call order). Integer-valued inputs keep every sum exact.
 TEST(Collectives, ChunkedReduceScatterInFlight) {
+  colossalai::testing::MultiProcessOptions gloo_alone;
+  gloo_alone.shm_collectives = false;
   for (int world : {2, 3}) {
-    run_distributed(world, [](int rank, int world) {
-      auto group = cd::world_group();
-      const int64_t n = world * (int64_t(5) << 17) + 1; // 2.5 MB fp32 shards
-      // Rank r's call-k input: integers in [-8, 8], the same on every rank.
-      auto values = [n](int r, int k) {
-        return at::randint(
-            -8,
-            9,
-            {n},
-            at::detail::createCPUGenerator(100 * k + r),
-            at::TensorOptions().dtype(at::kDouble));
-      };
-      for (auto dtype : {at::kFloat, at::kDouble}) {
-        for (auto op :
-             {cd::ReduceOp::kSum, cd::ReduceOp::kAvg, cd::ReduceOp::kMax}) {
-          const std::string tag = std::string(c10::toString(dtype)) + " op " +
-              std::to_string(static_cast<int>(op)) + " world " +
-              std::to_string(world);
-          std::vector<at::Tensor> want(2);
-          for (int k = 0; k < 2; ++k) {
-            for (int r = 0; r < world; ++r) {
-              auto v = values(r, k);
-              want[k] = r == 0               ? v
-                  : op == cd::ReduceOp::kMax ? at::maximum(want[k], v)
-                                             : want[k] + v;
-            }
-            if (op == cd::ReduceOp::kAvg) {
-              want[k] /= world;
+    run_distributed(
+        world,
+        [](int rank, int world) {
+          auto group = cd::world_group();
+          const int64_t n =
+              world * (int64_t(5) << 17) + 1; // 2.5 MB fp32 shards
+          // Rank r's call-k input: integers in [-8, 8], the same on every rank.
+          auto values = [n](int r, int k) {
+            return at::randint(
+                -8,
+                9,
+                {n},
+                at::detail::createCPUGenerator(100 * k + r),
+                at::TensorOptions().dtype(at::kDouble));
+          };
+          for (auto dtype : {at::kFloat, at::kDouble}) {
+            for (auto op :
+                 {cd::ReduceOp::kSum, cd::ReduceOp::kAvg, cd::ReduceOp::kMax}) {
+              const std::string tag = std::string(c10::toString(dtype)) +
+                  " op " + std::to_string(static_cast<int>(op)) + " world " +
+                  std::to_string(world);
+              std::vector<at::Tensor> want(2);
+              for (int k = 0; k < 2; ++k) {
+                for (int r = 0; r < world; ++r) {
+                  auto v = values(r, k);
+                  want[k] = r == 0               ? v
+                      : op == cd::ReduceOp::kMax ? at::maximum(want[k], v)
+                                                 : want[k] + v;
+                }
+                if (op == cd::ReduceOp::kAvg) {
+                  want[k] /= world;
+                }
+              }
+              const auto range = cd::shard_range(n, world, rank);
+              const int64_t len = range.second - range.first;
+              auto out = at::empty({len}, dtype),
+                   out2 = at::empty({len}, dtype);
+              auto in = values(rank, 0).to(dtype),
+                   in2 = values(rank, 1).to(dtype);
+              auto w = cd::reduce_scatter(out, in, *group, op);
+              auto w2 = cd::reduce_scatter(out2, in2, *group, op);
+              w.wait();
+              w2.wait();
+              const auto slice = [&](int k) {
+                return want[k].slice(0, range.first, range.second);
+              };
+              // Exact but for the average's division (one rounding).
+              EXPECT_TRUE(at::allclose(out.to(at::kDouble), slice(0), 0, 1e-6))
+                  << "first call, " << tag;
+              EXPECT_TRUE(at::allclose(out2.to(at::kDouble), slice(1), 0, 1e-6))
+                  << "second call, " << tag;
             }
           }
-          const auto range = cd::shard_range(n, world, rank);
-          const int64_t len = range.second - range.first;
-          auto out = at::empty({len}, dtype), out2 = at::empty({len}, dtype);
-          auto in = values(rank, 0).to(dtype), in2 = values(rank, 1).to(dtype);
-          auto w = cd::reduce_scatter(out, in, *group, op);
-          auto w2 = cd::reduce_scatter(out2, in2, *group, op);
-          w.wait();
-          w2.wait();
-          const auto slice = [&](int k) {
-            return want[k].slice(0, range.first, range.second);
-          };
-          // Exact but for the average's division (one rounding).
-          EXPECT_TRUE(at::allclose(out.to(at::kDouble), slice(0), 0, 1e-6))
-              << "first call, " << tag;
-          EXPECT_TRUE(at::allclose(out2.to(at::kDouble), slice(1), 0, 1e-6))
-              << "second call, " << tag;
-        }
-      }
-    });
+        },
+        gloo_alone);
   }
 }
 

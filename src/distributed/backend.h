@@ -5,6 +5,7 @@
 #include <colossalai/distributed/collectives.h>
 
 #include "../utils/compat_c10d.h"
+#include "shm_channel.h"
 
 #include <functional>
 #include <memory>
@@ -16,6 +17,9 @@ namespace detail {
 
 struct BackendHandle {
   compat::BackendPtr backend;
+  // Set when every member runs on this host (NOTE [Shared-memory
+  // collectives]); null otherwise.
+  std::shared_ptr<ShmChannel> shm;
 };
 
 inline compat::Backend& backend(const ProcessGroup& group) {

@@ -2,6 +2,7 @@
 #include <colossalai/distributed/error.h>
 
 #include "backend.h"
+#include "local_reduce.h"
 
 #include <algorithm>
 #include <atomic>
@@ -42,6 +43,24 @@ bool gloo(const ProcessGroup& g) {
   return g.backend_type() == BackendType::kGloo;
 }
 
+// The group's shared-memory channel when `t` can use it (NOTE [Shared-memory
+// collectives]), else null.
+detail::ShmChannel* shm(
+    const ProcessGroup& g,
+    const at::Tensor& t,
+    bool reduces) {
+  auto* channel = g.backend_handle().shm.get();
+  return channel && detail::ShmChannel::carries(t, reduces) ? channel : nullptr;
+}
+
+Work shm_work(
+    std::shared_future<void> done,
+    const char* op,
+    const ProcessGroup& g) {
+  return detail::make_work(
+      compat::WorkPtr(), [done]() { done.get(); }, op, g);
+}
+
 // Gloo moves bf16 only as opaque 16-bit words.
 at::Tensor raw(const at::Tensor& t, const ProcessGroup& g) {
   return gloo(g) && t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
@@ -63,52 +82,18 @@ void check_dense(const at::Tensor& t, const char* op, const char* what) {
   }
 }
 
-// Reduces `n` equal blocks of `blocks` into `out` (accumulating in fp32 for
-// 16-bit types so the result is rounded once).
+// Reduces `n` equal blocks of `blocks` into `out`.
 void local_reduce(
     at::Tensor& out,
     const at::Tensor& blocks,
     int n,
     ReduceOp op) {
   auto view = blocks.view({n, -1});
-  const bool low =
-      out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf;
-  if (low && (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
-    // 16-bit sums accumulate in fp32 (one rounding at the end).
-    at::Tensor r = view.sum(0, false, at::kFloat);
-    if (op == ReduceOp::kAvg) {
-      r.div_(n);
-    }
-    out.copy_(r);
-    return;
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < n; ++r) {
+    parts.push_back(view[r]);
   }
-  // Block by block into `out`: a reduction over dim 0 into a fresh tensor
-  // (an allocation, its page faults, a strided kernel) costs 10-20x these
-  // two-operand kernels.
-  switch (op) {
-    case ReduceOp::kMax:
-      at::maximum_out(out, view[0], view[1]);
-      for (int r = 2; r < n; ++r) {
-        at::maximum_out(out, out, view[r]);
-      }
-      break;
-    case ReduceOp::kMin:
-      at::minimum_out(out, view[0], view[1]);
-      for (int r = 2; r < n; ++r) {
-        at::minimum_out(out, out, view[r]);
-      }
-      break;
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      at::add_out(out, view[0], view[1]);
-      for (int r = 2; r < n; ++r) {
-        out.add_(view[r]);
-      }
-      if (op == ReduceOp::kAvg) {
-        out.div_(n);
-      }
-      break;
-  }
+  detail::reduce_into(out, parts, op);
 }
 
 // NOTE [Receive buffers]
@@ -185,25 +170,6 @@ PooledBuffer pooled(int64_t numel, const at::TensorOptions& options) {
   b.tensor =
       b.bytes.narrow(0, 0, numel * elt).view(options.dtype().toScalarType());
   return b;
-}
-
-// out = a (op) b; `out` may alias `a`.
-void combine(
-    at::Tensor& out,
-    const at::Tensor& a,
-    const at::Tensor& b,
-    ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kMax:
-      at::maximum_out(out, a, b);
-      break;
-    case ReduceOp::kMin:
-      at::minimum_out(out, a, b);
-      break;
-    default:
-      at::add_out(out, a, b);
-      break;
-  }
 }
 
 // Tags of reduce_scatter's point-to-point chunks: above any a caller uses
@@ -310,17 +276,15 @@ Work reduce_scatter_p2p(
           for (int p = 0; p < n - 1; ++p) {
             (*arrived)[k++].wait();
           }
-          auto dst = out.narrow(0, piece.first, piece.second);
-          combine(dst, part(0), part(1), op);
-          for (int p = 2; p < n; ++p) {
-            combine(dst, dst, part(p), op);
+          std::vector<at::Tensor> parts;
+          for (int p = 0; p < n; ++p) {
+            parts.push_back(part(p));
           }
+          detail::reduce_into(
+              out.narrow(0, piece.first, piece.second), parts, op);
         }
         for (auto& w : *sent) {
           w.wait();
-        }
-        if (op == ReduceOp::kAvg) {
-          out.div_(n);
         }
         blocks.done();
       },
@@ -399,6 +363,9 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
   count(tensor, group);
   if (group.size() == 1) {
     return Work();
+  }
+  if (auto* channel = shm(group, tensor, /*reduces=*/true)) {
+    return shm_work(channel->all_reduce(tensor, op), "all_reduce", group);
   }
   if (gloo(group) && tensor.scalar_type() == at::kBFloat16) {
     // Two phases, see NOTE [Gloo replacements].
@@ -479,6 +446,10 @@ Work all_gather(
   if (n == 1) {
     out.copy_(input.view({-1}));
     return Work();
+  }
+  if (auto* channel = shm(group, input, /*reduces=*/false)) {
+    return shm_work(
+        channel->all_gather(out, input, std::move(sizes)), "all_gather", group);
   }
   const int64_t m = sizes[0]; // largest shard
   const bool even = m * n == output.numel();
@@ -630,6 +601,10 @@ Work reduce_scatter(
     return detail::make_work(
         std::move(w), std::move(finish), "reduce_scatter", group);
   }
+  if (auto* channel = shm(group, input, /*reduces=*/true)) {
+    return shm_work(
+        channel->reduce_scatter(out, in, sizes, op), "reduce_scatter", group);
+  }
   const bool low =
       input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kHalf;
   if (input.device().is_cpu() && !low) {
@@ -664,6 +639,9 @@ int64_t reduce_scatter_workspace_bytes(
   }
   const int64_t m = shard_sizes(numel, n)[0];
   const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
+  if (group.backend_handle().shm) {
+    return 0; // reduced straight from the shared segment into the output
+  }
   if (gloo(group)) {
     return m * n * elt; // the all-to-all's receive buffer (see above)
   }

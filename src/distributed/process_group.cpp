@@ -116,9 +116,22 @@ ProcessGroupPtr create_group(
         name + "' failed (did every member join within " +
         std::to_string(rt.timeout.count()) + " ms?): " + error_text(e));
   }
+  std::shared_ptr<ShmChannel> shm;
+  if (rt.shm_collectives && rt.backend == BackendType::kGloo &&
+      group_size > 1) {
+    try {
+      shm = ShmChannel::open(*store, group_rank, group_size, rt.timeout);
+    } catch (const std::exception& e) {
+      throw DistributedError(
+          "rank " + std::to_string(rt.rank) + ": setting up shared memory " +
+          "for process group '" + name + "' failed (did every member " +
+          "join within " + std::to_string(rt.timeout.count()) +
+          " ms?): " + error_text(e));
+    }
+  }
   return std::make_shared<ProcessGroup>(
       std::make_shared<detail::BackendHandle>(
-          detail::BackendHandle{std::move(backend)}),
+          detail::BackendHandle{std::move(backend), std::move(shm)}),
       rt.backend,
       global_ranks,
       rt.rank,

@@ -22,6 +22,7 @@ struct Runtime {
   int rank = 0;
   int world_size = 1;
   BackendType backend = BackendType::kGloo;
+  bool shm_collectives = false; // LaunchOptions::shm_collectives
   std::chrono::milliseconds timeout{0};
   std::string host;
   c10::Device device{c10::kCPU};

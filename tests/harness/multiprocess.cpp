@@ -54,6 +54,9 @@ std::string read_file(const std::string& path) {
 }
 
 std::string tail(const std::string& s, size_t lines) {
+  if (s.empty()) {
+    return s;
+  }
   size_t pos = s.size();
   for (size_t n = 0; n <= lines && pos > 0; ++n) {
     pos = s.rfind('\n', pos - 1);
@@ -95,7 +98,8 @@ struct ChildMustReachItsInvocation {
             .world_size(world)
             .port(port)
             .backend("gloo")
-            .timeout(std::chrono::seconds(o.collective_timeout_seconds)));
+            .timeout(std::chrono::seconds(o.collective_timeout_seconds))
+            .shm_collectives(o.shm_collectives));
     fn(rank, world);
     code = ::testing::Test::HasFailure() ? 1 : 0;
     if (code == 0 && o.final_barrier) {

@@ -28,6 +28,8 @@ struct MultiProcessOptions {
   int collective_timeout_seconds = 60;
   /// Intra-op threads per rank (ranks share the machine's cores).
   int threads_per_rank = 1;
+  /// LaunchOptions::shm_collectives of every rank.
+  bool shm_collectives = true;
   /// Ranks whose body succeeded meet in a barrier before exiting, so none
   /// tears down connections a slower peer still uses.
   bool final_barrier = true;
