@@ -391,6 +391,8 @@ int run_rank(const Args& a) {
        << ", \"max_bytes\": " << a.max_bytes << ", \"factor\": " << a.factor
        << ", \"quick\": " << (a.quick ? "true" : "false")
        << ", \"backend\": \"gloo\", \"threads_per_rank\": 1"
+       << ", \"shared_memory\": "
+       << (g.backend_handle().shm != nullptr ? "true" : "false")
        << ", \"time\": \"per operation, slowest rank, over blocks\"},"
        << "\n  \"machine\": " << cbench::machine_json()
        << ",\n  \"peak_rss_bytes_per_rank\": [";

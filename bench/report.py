@@ -398,15 +398,23 @@ class Report:
         if not runs:
             return
         ns = sorted(runs)
+        shm = any(r["config"].get("shared_memory") for r in runs.values())
         self.add("## Collectives (Gloo over loopback, fp32)", "")
+        if shm:
+            self.add("Our all_reduce, all_gather and reduce_scatter run through "
+                     "a shared-memory segment here (all ranks on one host; NOTE "
+                     "[Shared-memory collectives]); the other operations and "
+                     "every c10d column go through Gloo's sockets. "
+                     "`COLOSSALAI_SHM_COLLECTIVES=0` times ours on Gloo alone.", "")
         self.add("Time of one operation (the slowest rank's), median over "
                  "alternating blocks; algbw = size / time, busbw = algbw x bus "
                  "factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, "
                  "all_to_all (n-1)/n; broadcast, send_recv 1), as nccl-tests "
                  "defines them. \"ours\" is `colossalai::distributed`, \"c10d\" "
                  "the Gloo backend called directly; c10d's Gloo backend has no "
-                 "reduce_scatter (ours sends each shard point to point in "
-                 "chunks and sums them as they land; see the same-tensor table). "
+                 "reduce_scatter (ours, on Gloo alone, sends each shard point to "
+                 "point in chunks and sums them as they land; see the "
+                 "same-tensor table). "
                  "send_recv: every rank sends to the next and receives from the "
                  "previous at once. GB/s = 10^9 bytes/s.", "")
         rows = []
