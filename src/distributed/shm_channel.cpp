@@ -256,8 +256,15 @@ std::shared_ptr<ShmChannel> ShmChannel::open(
   bool use = !name.empty();
   if (rank == 0) {
     if (use) {
-      for (int q = 1; q < size; ++q) {
-        use = string_of(store.get("shm/ok/" + std::to_string(q))) == "1" && use;
+      try {
+        for (int q = 1; q < size; ++q) {
+          use =
+              string_of(store.get("shm/ok/" + std::to_string(q))) == "1" && use;
+        }
+      } catch (...) {
+        ::shm_unlink(name.c_str()); // a member never answered
+        ::munmap(base, bytes);
+        throw;
       }
       ::shm_unlink(name.c_str()); // mapped by all who could: nothing to leak
     }
@@ -266,7 +273,15 @@ std::shared_ptr<ShmChannel> ShmChannel::open(
     store.set(
         "shm/ok/" + std::to_string(rank),
         bytes_of(failure.empty() ? "1" : "0"));
-    use = string_of(store.get("shm/use")) == "1";
+    try {
+      use = string_of(store.get("shm/use")) == "1";
+    } catch (...) {
+      ::shm_unlink(name.c_str()); // rank 0 never finished the setup
+      if (base != nullptr) {
+        ::munmap(base, bytes);
+      }
+      throw;
+    }
   }
   if (!failure.empty()) {
     std::cerr << "colossalai: rank " << rank
@@ -347,6 +362,8 @@ std::shared_future<void> ShmChannel::enqueue(std::function<void()> fn) {
 }
 
 void ShmChannel::worker() {
+  // The local sums write into callers' tensors, never into autograd graphs.
+  at::NoGradGuard no_grad;
   for (;;) {
     std::packaged_task<void()> task;
     {
