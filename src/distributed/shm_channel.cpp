@@ -198,8 +198,8 @@ std::shared_ptr<ShmChannel> ShmChannel::open(
     }
   }
   // Two buffers of one slot per rank: up to 2 MiB a slot (a piece then
-  // costs far more to copy than its three phase changes), 16 MiB in all
-  // for groups of up to 4 ranks.
+  // costs far more to copy than its three phase changes), at most 16 MiB
+  // in all up to 32 ranks (8 MiB for 2).
   const int64_t slot = std::clamp<int64_t>(
       (16LL << 20) / (2 * size) / kPage * kPage, 256 << 10, 2 << 20);
   const int64_t data_offset =
