@@ -141,10 +141,10 @@ bool maps_shared_segment() {
 } // namespace
 
 // NOTE [Shared-memory collectives]: operations many slots long (2 MiB a
-// slot), several in flight at once, uneven shards, outputs that alias their
-// inputs, 16-bit and integer dtypes. Integer-valued inputs make every sum
-// exact, so results are compared exactly; a sum of random floats must have
-// the same bits on every rank. The segment is mapped, and already unlinked
+// slot; broadcast too), several in flight at once, uneven shards, outputs that
+// alias their inputs, 16-bit and integer dtypes. Integer-valued inputs make
+// every sum exact, so results are compared exactly; a sum of random floats must
+// have the same bits on every rank. The segment is mapped, and already unlinked
 // from /dev/shm.
 TEST(Collectives, SharedMemoryLargeOperationsInFlight) {
   if (!shm_usable()) {
@@ -205,7 +205,11 @@ TEST(Collectives, SharedMemoryLargeOperationsInFlight) {
             "reduce_scatter " + tag);
         expect_equal(gathered, values(0, 2, dtype), "all_gather " + tag);
       }
-      // Max, min and average of a multi-slot bf16 tensor.
+      // A multi-slot broadcast from the last rank.
+      auto bc = values(rank, 5, at::kFloat);
+      cd::broadcast(bc, world - 1, *group).wait();
+      expect_equal(bc, values(world - 1, 5, at::kFloat), "broadcast");
+      // Max of a multi-slot bf16 tensor, average of an fp32 one.
       auto mx = values(rank, 3, at::kBFloat16);
       cd::all_reduce(mx, *group, cd::ReduceOp::kMax).wait();
       auto want = values(0, 3, at::kDouble);

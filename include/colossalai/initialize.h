@@ -31,9 +31,9 @@ struct LaunchOptions {
   TORCH_ARG(int, local_rank) = -1;
   /// Limit for the rendezvous and for every collective.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
-  /// All-reduce, reduce-scatter and all-gather of a Gloo group whose members
-  /// all run on this host go through a segment of shared memory instead of
-  /// TCP sockets (a group that cannot map one falls back to Gloo and says
+  /// All-reduce, reduce-scatter, all-gather and broadcast of a Gloo group whose
+  /// members all run on this host go through a segment of shared memory instead
+  /// of TCP sockets (a group that cannot map one falls back to Gloo and says
   /// so). False, or COLOSSALAI_SHM_COLLECTIVES=0 in the environment, keeps
   /// every collective on Gloo.
   TORCH_ARG(bool, shm_collectives) = true;

@@ -410,6 +410,9 @@ Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
   if (group.size() == 1) {
     return Work();
   }
+  if (auto* channel = shm(group, tensor, /*reduces=*/false)) {
+    return shm_work(channel->broadcast(tensor, src), "broadcast", group);
+  }
   std::vector<at::Tensor> ts{raw(tensor, group)};
   ::c10d::BroadcastOptions opts;
   opts.rootRank = src;

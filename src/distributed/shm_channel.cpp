@@ -24,8 +24,8 @@
 // threads take CPU from the ranks' compute (a 16 MB all-reduce on two
 // ranks takes about 18 ms on an idle 2-core machine). When every member of
 // a Gloo group runs on one host, the group maps one shared segment and its
-// bandwidth collectives (all-reduce, reduce-scatter, all-gather) run through
-// it instead, as MPI and oneCCL do on a node:
+// bandwidth collectives (all-reduce, reduce-scatter, all-gather, broadcast) run
+// through it instead, as MPI and oneCCL do on a node (broadcast too):
 //  * each rank owns one slot in each of two buffers; an operation goes in
 //    slot-sized pieces, alternating buffers, so a rank can fill the next
 //    piece while slower ranks still read the previous one;
@@ -45,7 +45,7 @@
 //    work queue, so they overlap the caller's compute.
 // The segment is unlinked as soon as every member has mapped it, so nothing
 // is left behind whatever way the processes end. Sends, receives,
-// broadcasts, gathers and all-to-all stay on Gloo.
+// gathers, barriers and all-to-all stay on Gloo.
 
 namespace colossalai {
 namespace distributed {
@@ -572,6 +572,25 @@ void ShmChannel::run_all_gather(
   }
 }
 
+void ShmChannel::run_broadcast(const at::Tensor& t, int src) {
+  const int64_t bytes = t.numel() * t.element_size();
+  auto* p = static_cast<uint8_t*>(t.data_ptr());
+  for (int64_t at = 0; at < bytes; at += slot_bytes_) {
+    const int64_t len = std::min(slot_bytes_, bytes - at);
+    const int b = take_buffer();
+    if (rank_ == src) {
+      std::memcpy(slot(b, src), p + at, len);
+    }
+    signal();
+    wait_one(src, phase_);
+    if (rank_ != src) {
+      std::memcpy(p + at, slot(b, src), len);
+    }
+    signal();
+    read_done_[b] = phase_;
+  }
+}
+
 std::shared_future<void> ShmChannel::all_reduce(at::Tensor t, ReduceOp op) {
   TORCH_CHECK(
       op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()),
@@ -595,6 +614,11 @@ std::shared_future<void> ShmChannel::reduce_scatter(
                   in = in.view({-1}),
                   sizes = std::move(sizes),
                   op] { run_reduce_scatter(out, in, sizes, op); });
+}
+
+std::shared_future<void> ShmChannel::broadcast(at::Tensor t, int src) {
+  TORCH_INTERNAL_ASSERT(src >= 0 && src < size_);
+  return enqueue([this, t = t.view({-1}), src] { run_broadcast(t, src); });
 }
 
 std::shared_future<void> ShmChannel::all_gather(

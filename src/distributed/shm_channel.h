@@ -60,6 +60,7 @@ class ShmChannel {
       at::Tensor out,
       at::Tensor in,
       std::vector<int64_t> sizes);
+  std::shared_future<void> broadcast(at::Tensor t, int src);
 
   /// Bytes of one rank's slot: the largest piece one step moves.
   int64_t slot_bytes() const {
@@ -99,6 +100,7 @@ class ShmChannel {
       const at::Tensor& out,
       const at::Tensor& in,
       const std::vector<int64_t>& sizes);
+  void run_broadcast(const at::Tensor& t, int src);
 
   void* base_;
   size_t bytes_;

@@ -11,8 +11,8 @@
 /// (Gloo in LibTorch 1.13: reduce-scatter, flat all-gather, bf16 all-reduce),
 /// a bandwidth-optimal replacement is used; see NOTE [Gloo replacements].
 /// When every member of a Gloo group runs on one host, its all-reduce,
-/// reduce-scatter and all-gather of CPU tensors go through shared memory
-/// instead of sockets (`LaunchOptions::shm_collectives`; NOTE
+/// reduce-scatter, all-gather and broadcast of CPU tensors go through shared
+/// memory instead of sockets (`LaunchOptions::shm_collectives`; NOTE
 /// [Shared-memory collectives]).
 ///
 /// Example:
