@@ -25,6 +25,9 @@
 //    call order, so this stays consistent as long as every rank waits in the
 //    same order relative to its other calls on the group, as SPMD code does.
 // On NCCL the native `_reduce_scatter_base` / `_allgather_base` are used.
+// These replacements serve groups that span hosts (or run with
+// shm_collectives off): on one host the shared-memory channel carries all
+// four operations (NOTE [Shared-memory collectives]).
 
 namespace colossalai {
 namespace distributed {
