@@ -275,13 +275,24 @@ TEST(Collectives, SharedMemoryPeerThatDiesOrNeverComes) {
     EXPECT_EQ(dies[1].exit_code, 3);
     EXPECT_EQ(dies[0].exit_code, 0) << dies[0].output;
   }
+  // Rank 1 stays alive, away from the collective, until rank 0 has given
+  // up on it (a file rank 0 creates; the ranks share their parent).
   auto late = colossalai::testing::run_processes(
       2,
       [](int rank, int) {
         auto group = cd::world_group();
         auto t = at::ones({1000});
+        const std::string gave_up =
+            "/tmp/colossalai-test-late." + std::to_string(::getppid());
         if (rank == 1) {
-          std::this_thread::sleep_for(std::chrono::seconds(5));
+          const auto deadline =
+              std::chrono::steady_clock::now() + std::chrono::seconds(60);
+          while (!std::filesystem::exists(gave_up) &&
+                 std::chrono::steady_clock::now() < deadline) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          }
+          EXPECT_TRUE(std::filesystem::exists(gave_up));
+          std::filesystem::remove(gave_up);
           return;
         }
         try {
@@ -293,11 +304,13 @@ TEST(Collectives, SharedMemoryPeerThatDiesOrNeverComes) {
               msg.find("waited 3000 ms for group rank 1"), std::string::npos)
               << msg;
         }
+        std::ofstream(gave_up) << "gave up\n";
       },
       o);
   if (!late.empty()) {
     ASSERT_EQ(late.size(), 2u);
     EXPECT_EQ(late[0].exit_code, 0) << late[0].output;
+    EXPECT_EQ(late[1].exit_code, 0) << late[1].output;
   }
 }
 

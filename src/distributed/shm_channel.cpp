@@ -70,6 +70,11 @@ constexpr uint64_t kMagic = 0x636f6c6f7373686dULL; // "colosshm"
 constexpr int64_t kPage = 4096;
 constexpr auto kPoll = std::chrono::milliseconds(100);
 
+// Header, then one 64-byte flag per rank; the slots start on the next page.
+int64_t data_offset(int size) {
+  return (64 + 64 * static_cast<int64_t>(size) + kPage - 1) / kPage * kPage;
+}
+
 struct Header {
   uint64_t magic;
   uint64_t size;
@@ -202,9 +207,7 @@ std::shared_ptr<ShmChannel> ShmChannel::open(
   // in all up to 32 ranks (8 MiB for 2).
   const int64_t slot = std::clamp<int64_t>(
       (16LL << 20) / (2 * size) / kPage * kPage, 256 << 10, 2 << 20);
-  const int64_t data_offset =
-      (64 + 64 * static_cast<int64_t>(size) + kPage - 1) / kPage * kPage;
-  const size_t bytes = static_cast<size_t>(data_offset + 2 * size * slot);
+  const size_t bytes = static_cast<size_t>(data_offset(size) + 2 * size * slot);
 
   void* base = nullptr;
   std::string name;
@@ -315,8 +318,7 @@ ShmChannel::ShmChannel(
   static_assert(sizeof(Flag) == 64, "one flag per cache line");
   auto* b = static_cast<uint8_t*>(base);
   flags_ = reinterpret_cast<Flag*>(b + 64);
-  data_ =
-      b + (64 + 64 * static_cast<int64_t>(size) + kPage - 1) / kPage * kPage;
+  data_ = b + data_offset(size);
   thread_ = std::thread([this] { worker(); });
 }
 

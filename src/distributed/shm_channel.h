@@ -62,11 +62,6 @@ class ShmChannel {
       std::vector<int64_t> sizes);
   std::shared_future<void> broadcast(at::Tensor t, int src);
 
-  /// Bytes of one rank's slot: the largest piece one step moves.
-  int64_t slot_bytes() const {
-    return slot_bytes_;
-  }
-
  private:
   struct Flag;
   ShmChannel(
