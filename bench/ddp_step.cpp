@@ -5,10 +5,15 @@
 //   ddp      steps with gradient synchronization;
 //   no_sync  steps under no_sync (no communication at all: the floor for N
 //            processes sharing this machine);
+//   lockstep no_sync steps that end in a barrier: the floor plus what any
+//            synchronous step pays, waiting for the slowest rank, so
+//            DDP / lockstep is the cost of the gradient bytes alone;
 //   single   rank 0 alone trains a plain (unboosted) copy of the model while
 //            the other ranks wait: the single-process floor.
-// Reports medians with p10/p90, peak RSS per rank, machine and bytes
-// communicated per step, as JSON and one table line.
+// Each block also records the process CPU time per step (all threads:
+// compute, the collectives' worker, Gloo's), which tells communication
+// work apart from waiting. Reports medians with p10/p90, peak RSS per rank,
+// machine and bytes communicated per step, as JSON and one table line.
 //
 //   bench_ddp_step [--nproc 2] [--steps 10] [--rounds 3] [--warmup 2]
 //                  [--threads 1] [--bucket-cap-mb 25] [--out FILE.json]
@@ -25,6 +30,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -39,6 +45,13 @@ using clock = std::chrono::steady_clock;
 
 double ms(clock::time_point a, clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// CPU time of the whole process (every thread), in ms.
+double process_cpu_ms() {
+  timespec t{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
 // {"forward": stats, "backward": stats, "optimizer": stats}
@@ -141,7 +154,9 @@ int run_rank(const Args& a) {
     return ms(t0, t3);
   };
   std::map<std::string, std::vector<double>> ddp_phases; // synced steps
-  auto step = [&](bool sync) {
+  enum class Mode { kDdp, kNoSync, kLockstep };
+  auto step = [&](Mode mode) {
+    const bool sync = mode == Mode::kDdp;
     auto t0 = clock::now();
     boosted.optimizer->zero_grad();
     auto loss =
@@ -155,6 +170,9 @@ int run_rank(const Args& a) {
     }
     auto t2 = clock::now();
     boosted.optimizer->step();
+    if (mode == Mode::kLockstep) {
+      cd::barrier(*cd::world_group()).wait();
+    }
     auto t3 = clock::now();
     if (sync) {
       ddp_phases["forward"].push_back(ms(t0, t1));
@@ -163,12 +181,17 @@ int run_rank(const Args& a) {
     }
     return ms(t0, t3);
   };
+  const std::vector<std::pair<Mode, std::string>> modes = {
+      {Mode::kDdp, "ddp"},
+      {Mode::kNoSync, "no_sync"},
+      {Mode::kLockstep, "lockstep"}};
 
-  std::map<std::string, std::vector<double>> times;
+  std::map<std::string, std::vector<double>> times, cpu;
   int64_t bytes = 0, synced_steps = 0;
   for (int w = 0; w < a.warmup; ++w) {
-    step(true);
-    step(false);
+    for (const auto& m : modes) {
+      step(m.first);
+    }
     if (rank == 0) {
       single_step();
     }
@@ -176,24 +199,22 @@ int run_rank(const Args& a) {
   phases.clear(); // warm-up steps are not timed
   ddp_phases.clear();
   for (int r = 0; r < a.rounds; ++r) {
-    for (bool sync : {true, false}) {
+    for (const auto& m : modes) {
       // Start each block together so neither mode eats the other's tail.
       cd::barrier(*cd::world_group()).wait();
       int64_t b0 = cd::bytes_communicated();
       for (int s = 0; s < a.steps; ++s) {
-        times[sync ? "ddp" : "no_sync"].push_back(step(sync));
+        const double c0 = process_cpu_ms();
+        times[m.second].push_back(step(m.first));
+        cpu[m.second].push_back(process_cpu_ms() - c0);
       }
-      if (sync) {
+      if (m.first == Mode::kDdp) {
         bytes += cd::bytes_communicated() - b0;
         synced_steps += a.steps;
       }
       if (rank == 0) {
         std::fprintf(
-            stderr,
-            "round %d/%d %s done\n",
-            r + 1,
-            a.rounds,
-            sync ? "ddp" : "no_sync");
+            stderr, "round %d/%d %s done\n", r + 1, a.rounds, m.second.c_str());
       }
     }
     cd::barrier(*cd::world_group()).wait();
@@ -219,6 +240,7 @@ int run_rank(const Args& a) {
   }
   double ddp_ms = median(times["ddp"]), floor_ms = median(times["no_sync"]);
   double single_ms = median(times["single"]);
+  const double lockstep_ms = median(times["lockstep"]);
   std::ostringstream rss;
   for (int r = 0; r < world; ++r) {
     rss << (r ? ", " : "") << static_cast<int64_t>(all[3 * r].item<double>());
@@ -242,11 +264,21 @@ int run_rank(const Args& a) {
        << colossalai::bench::stats_json(times["ddp"])
        << ",\n              \"no_sync\": "
        << colossalai::bench::stats_json(times["no_sync"])
+       << ",\n              \"lockstep\": "
+       << colossalai::bench::stats_json(times["lockstep"])
        << ",\n              \"single\": "
        << colossalai::bench::stats_json(times["single"]) << "},\n"
+       << "  \"cpu_ms_per_step\": {\"ddp\": "
+       << colossalai::bench::stats_json(cpu["ddp"])
+       << ",\n              \"no_sync\": "
+       << colossalai::bench::stats_json(cpu["no_sync"])
+       << ",\n              \"lockstep\": "
+       << colossalai::bench::stats_json(cpu["lockstep"]) << "},\n"
        << "  \"single_phases_ms\": " << phases_json(phases) << ",\n"
        << "  \"ddp_phases_ms\": " << phases_json(ddp_phases) << ",\n"
        << "  \"ratios\": {\"ddp_over_no_sync\": " << ddp_ms / floor_ms
+       << ", \"ddp_over_lockstep\": " << ddp_ms / lockstep_ms
+       << ", \"lockstep_over_no_sync\": " << lockstep_ms / floor_ms
        << ", \"ddp_over_single\": " << ddp_ms / single_ms
        << ", \"single_over_no_sync\": " << single_ms / floor_ms << "},\n"
        << "  \"ddp_step_ms\": {\"median\": " << ddp_ms

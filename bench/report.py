@@ -222,8 +222,8 @@ class Report:
                     "p90": max(v["p90"] for v in vals)}
 
         rows, bars = [], []
-        o = {k: pooled(ours, k) for k in ("ddp", "no_sync", "single")}
-        t = {k: pooled(peer, k) for k in ("ddp", "zero", "no_sync", "single")}
+        o = {k: pooled(ours, k) for k in ("ddp", "no_sync", "lockstep", "single")}
+        t = {k: pooled(peer, k) for k in ("ddp", "zero", "no_sync", "lockstep", "single")}
         # Per-invocation ratios, then their median: each is a ratio of
         # medians taken in alternation.
         def ratio(runs, a, b):
@@ -245,6 +245,13 @@ class Report:
                      ms(o["no_sync"]) if o["no_sync"] else "-", "1.00x" if o["no_sync"] else "-",
                      ms(t["no_sync"]) if t["no_sync"] else "-", "1.00x" if t["no_sync"] else "-",
                      f(cross("no_sync", "no_sync"))])
+        if o["lockstep"] or t["lockstep"]:
+            rows.append(["lockstep floor (no communication, a barrier ends each step)",
+                         ms(o["lockstep"]) if o["lockstep"] else "-",
+                         f(ratio(ours, "lockstep", "no_sync")),
+                         ms(t["lockstep"]) if t["lockstep"] else "-",
+                         f(ratio(peer, "lockstep", "no_sync")),
+                         f(cross("lockstep", "lockstep"))])
         rows.append(["single process (rank 0 alone)",
                      ms(o["single"]) if o["single"] else "-", f(ratio(ours, "single", "no_sync")),
                      ms(t["single"]) if t["single"] else "-", f(ratio(peer, "single", "no_sync")),
@@ -252,6 +259,21 @@ class Report:
         self.add("Step time and each program's ratio to its own no-sync floor:", "")
         self.table(["setup", "ours ms", "ours / floor", "PyTorch ms",
                     "PyTorch / floor", "ours / PyTorch"], rows)
+        if o["lockstep"] or t["lockstep"]:
+            cpu = {k: statistics.median(r["cpu_ms_per_step"][k]["median"] for r in ours
+                                        if r.get("cpu_ms_per_step", {}).get(k))
+                   for k in ("ddp", "no_sync", "lockstep")
+                   if any(r.get("cpu_ms_per_step", {}).get(k) for r in ours)}
+            line = ("The lockstep floor waits for the slower rank every step, as "
+                    "any synchronous step must, so DDP / lockstep is what the "
+                    f"gradient bytes cost: ours {f(ratio(ours, 'ddp', 'lockstep'))}, "
+                    f"PyTorch {f(ratio(peer, 'ddp', 'lockstep'))}.")
+            if cpu:
+                line += (" Our rank 0's process CPU time per step (every thread): " +
+                         ", ".join(f"{k.replace('_', '-')} {v:.0f} ms" for k, v in cpu.items()) +
+                         "; what DDP adds to it is the collectives' own work, the "
+                         "rest of its wall-time gap is waiting.")
+            self.add(line, "")
 
         zrows = []
         zdata = []

@@ -2,7 +2,7 @@
 bench_ddp_step and bench_zero_step.
 
 Same model (shape, parameter names, initialisation), batch, optimizer and
-thread settings as bench/ddp_step.cpp. Four setups share the processes and
+thread settings as bench/ddp_step.cpp. Five setups share the processes and
 their timed blocks alternate within every round, so their ratios compare like
 with like on a noisy machine:
 
@@ -10,12 +10,14 @@ with like on a noisy machine:
   zero      DistributedDataParallel + ZeroRedundancyOptimizer(AdamW)
   no_sync   the ddp model under no_sync(): no communication at all, the floor
             for N processes sharing this machine
+  lockstep  no_sync steps that end in a barrier: the floor plus the wait for
+            the slowest rank that any synchronous step pays
   single    rank 0 alone trains a plain model while the other ranks wait:
             the single-process floor
 
 Run with Debian's python3-torch:
   /usr/bin/python3 bench/peers/torch_ddp_step.py [--nproc 2] [--rounds 5]
-      [--steps 6] [--setups ddp,zero,no_sync,single] [--out FILE.json]
+      [--steps 6] [--setups ddp,zero,no_sync,lockstep,single] [--out FILE.json]
 """
 import argparse
 import json
@@ -157,7 +159,7 @@ def worker(rank, world, port, args, queue):
         return F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
 
     models, opts = {}, {}
-    if "ddp" in setups or "no_sync" in setups:
+    if "ddp" in setups or "no_sync" in setups or "lockstep" in setups:
         torch.manual_seed(0)
         models["ddp"] = nn.parallel.DistributedDataParallel(GPT(), bucket_cap_mb=25)
         opts["ddp"] = torch.optim.AdamW(models["ddp"].parameters(), **adamw_kwargs())
@@ -176,11 +178,11 @@ def worker(rank, world, port, args, queue):
     phases = {"forward": [], "backward": [], "optimizer": []}
 
     def step(name, timed=True):
-        key = "ddp" if name == "no_sync" else name
+        key = "ddp" if name in ("no_sync", "lockstep") else name
         model, opt = models[key], opts[key]
         t0 = time.perf_counter()
         opt.zero_grad()
-        if name == "no_sync":
+        if name in ("no_sync", "lockstep"):
             with model.no_sync():
                 loss_of(model).backward()
         elif name == "single":
@@ -198,6 +200,8 @@ def worker(rank, world, port, args, queue):
         else:
             loss_of(model).backward()
         opt.step()
+        if name == "lockstep":
+            dist.barrier()
         return (time.perf_counter() - t0) * 1e3
 
     def runs_here(name):
@@ -236,7 +240,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--setups", default="ddp,zero,no_sync,single")
+    p.add_argument("--setups", default="ddp,zero,no_sync,lockstep,single")
     p.add_argument("--out", default="")
     args = p.parse_args()
     s = socket.socket()

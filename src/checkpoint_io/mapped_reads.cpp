@@ -3,9 +3,12 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 
 namespace colossalai {
@@ -48,6 +51,56 @@ struct Mapping {
 std::mutex g_mappings_mu;
 std::map<uintptr_t, Mapping> g_mappings;
 
+bool read_fully(int fd, char* out, size_t bytes, off_t offset) {
+  size_t done = 0;
+  while (done < bytes) {
+    const ssize_t got = ::pread(
+        fd, out + done, bytes - done, offset + static_cast<off_t>(done));
+    if (got < 0 && errno == EINTR) {
+      continue;
+    }
+    if (got <= 0) {
+      return false;
+    }
+    done += static_cast<size_t>(got);
+  }
+  return true;
+}
+
+// NOTE [Copies just past their source]
+// The kernel copies a pread out of a page-cache page with `rep movsb`. On
+// AMD EPYC (measured on a 2-core VM) that copy runs at a quarter of its
+// speed (1.7-2.5 against 7-8 GB/s) when the destination lies 1-31 bytes
+// past the source modulo a page, whatever else the alignment. A tensor
+// above glibc's mmap threshold starts 64 bytes into a page, so one whose
+// file offset is 33-63 bytes into a page lands in that band (writers pad
+// the safetensors header to 8 bytes; ours pads to 64). There the read goes
+// through a 1 MiB buffer at the source's page offset and user space copies
+// it on (glibc's memcpy avoids the band): 4.6-5.9 GB/s.
+bool just_past(const char* out, off_t offset) {
+  const auto gap =
+      (reinterpret_cast<uintptr_t>(out) - static_cast<uintptr_t>(offset)) &
+      4095;
+  return gap >= 1 && gap < 64;
+}
+
+bool read_bounced(int fd, char* out, size_t bytes, off_t offset) {
+  constexpr size_t kChunk = 1 << 20; // stays in cache between the copies
+  std::unique_ptr<char[]> buffer(new char[kChunk + 4096]);
+  const auto start = reinterpret_cast<uintptr_t>(buffer.get());
+  char* at = buffer.get() +
+      ((static_cast<uintptr_t>(offset) - start) & 4095); // same page offset
+  for (size_t done = 0; done < bytes;) {
+    const size_t len = std::min(kChunk, bytes - done);
+    if (!read_fully(fd, at, len, offset + static_cast<off_t>(done))) {
+      return false;
+    }
+    std::memcpy(out + done, at, len);
+    done += len;
+  }
+  return true;
+}
+
 } // namespace
 
 void register_mapping(const void* base, size_t size, int fd) {
@@ -85,20 +138,12 @@ bool read_mapped_into(at::Tensor& dst, const at::Tensor& src) {
     return false;
   }
   auto* out = static_cast<char*>(dst.data_ptr());
-  size_t done = 0;
-  while (done < bytes) {
-    const ssize_t got = ::pread(
-        it->second.fd,
-        out + done,
-        bytes - done,
-        static_cast<off_t>(at - base + done));
-    if (got < 0 && errno == EINTR) {
-      continue;
-    }
-    if (got <= 0) {
-      return false; // the caller copies from the mapping instead
-    }
-    done += static_cast<size_t>(got);
+  const auto offset = static_cast<off_t>(at - base);
+  const bool ok = just_past(out, offset)
+      ? read_bounced(it->second.fd, out, bytes, offset)
+      : read_fully(it->second.fd, out, bytes, offset);
+  if (!ok) {
+    return false; // the caller copies from the mapping instead
   }
   dst.unsafeGetTensorImpl()->bump_version(); // as an in-place copy_ would
   return true;
