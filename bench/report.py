@@ -288,16 +288,19 @@ class Report:
                     theirs, theirs_ratio = ms(t["ddp"]), "1.00x"
                 zrows.append([SETUP_LABEL.get(name, name), f"{s['step_ms']:.0f}",
                               f"{s['step_ms'] / base:.2f}x",
-                              f(s.get("vs_floor")), theirs, theirs_ratio])
+                              f(s.get("vs_floor")), f(s.get("vs_lockstep_floor")),
+                              theirs, theirs_ratio])
                 zdata.append((SETUP_LABEL.get(name, name), s["step_ms"] / base))
             self.add("Sharded data parallelism against each program's own DDP "
                      "(ours: `bench_zero_step`; PyTorch: DDP + "
                      "ZeroRedundancyOptimizer, which shards optimizer states "
                      "like ZeRO-1), and ours against the same run's "
                      "no-communication floor (every rank trains a plain copy "
-                     f"at the same time: {zero.get('floor_ms', 0):.0f} ms):", "")
+                     f"at the same time: {zero.get('floor_ms', 0):.0f} ms) and "
+                     "its lockstep version (the same steps, each ending in a "
+                     f"barrier: {zero.get('lockstep_floor_ms', 0):.0f} ms):", "")
             self.table(["setup", "ours ms", "ours / own DDP",
-                        "ours / no-comm floor", "PyTorch ms",
+                        "ours / no-comm floor", "ours / lockstep floor", "PyTorch ms",
                         "PyTorch / own DDP"], zrows)
         if ours:
             b = ours[0].get("bytes_allreduced_per_step")

@@ -6,7 +6,9 @@
 // machine. Beside them, every rank trains a plain copy of the model at the
 // same time with no communication at all: the floor each setup's
 // communication is measured against (what no_sync gives DDP, for stages
-// that have no no_sync). Model-state bytes are counted per rank from the
+// that have no no_sync), and the same plain steps ending in a barrier: the
+// lockstep floor, which also pays what every synchronous step does, the
+// wait for the slower rank. Model-state bytes are counted per rank from the
 // tensors each setup holds, beside the ZeRO formulas; FSDP also reports its
 // peak during a step.
 //
@@ -168,6 +170,15 @@ int run_rank(
     cd::barrier(*cd::world_group()).wait();
     for (int i = 0; i < steps; ++i)
       times["floor"].push_back(floor_step());
+    cd::barrier(*cd::world_group()).wait();
+    for (int i = 0; i < steps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      floor_step();
+      cd::barrier(*cd::world_group()).wait();
+      times["lockstep"].push_back(std::chrono::duration<double, std::milli>(
+                                      std::chrono::steady_clock::now() - t0)
+                                      .count());
+    }
     if (rank == 0)
       std::fprintf(stderr, "round %d/%d done\n", r + 1, rounds);
   }
@@ -236,6 +247,7 @@ int run_rank(
   json << "{\n  \"benchmark\": \"zero_step\",\n  \"model\": \"gpt-small-cpu\","
        << "\n  \"parameters\": " << psi << ",\n  \"world_size\": " << world
        << ",\n  \"floor_ms\": " << median(times["floor"])
+       << ",\n  \"lockstep_floor_ms\": " << median(times["lockstep"])
        << ",\n  \"largest_unit_parameters\": " << largest_unit
        << ",\n  \"fsdp_unit_parameters\": [";
   for (size_t i = 0; i < unit_numels.size(); ++i)
@@ -243,17 +255,19 @@ int run_rank(
   json << "]"
        << ",\n  \"setups\": {";
   std::printf(
-      "| setup | step ms (median) | vs DDP | vs no-comm floor | "
-      "model-state MB/rank | ZeRO formula MB | our layout MB | "
-      "peak in step MB |\n|---|---|---|---|---|---|---|---|\n");
+      "| setup | step ms (median) | vs DDP | vs no-comm floor | vs lockstep "
+      "floor | model-state MB/rank | ZeRO formula MB | our layout MB | "
+      "peak in step MB |\n|---|---|---|---|---|---|---|---|---|\n");
   const double ddp_ms = median(times["ddp"]);
   const double floor_ms = median(times["floor"]);
+  const double lockstep_ms = median(times["lockstep"]);
   for (size_t i = 0; i < setups.size(); ++i) {
     const auto& name = setups[i]->name;
     double ms = median(times[name]);
     json << (i ? "," : "") << "\n    \"" << name << "\": {\"step_ms\": " << ms
          << ", \"vs_ddp\": " << ms / ddp_ms
          << ", \"vs_floor\": " << ms / floor_ms
+         << ", \"vs_lockstep_floor\": " << ms / lockstep_ms
          << ", \"model_state_bytes\": " << measured[name]
          << ", \"formula_bytes\": " << formula[name]
          << ", \"layout_bytes\": " << layout[name];
@@ -264,11 +278,12 @@ int run_rank(
     json << ", \"vs_ddp_memory\": "
          << static_cast<double>(measured[name]) / measured["ddp"] << "}";
     std::printf(
-        "| %s | %.1f | %.2fx | %.2fx | %.1f | %.1f | %.1f | %s |\n",
+        "| %s | %.1f | %.2fx | %.2fx | %.2fx | %.1f | %.1f | %.1f | %s |\n",
         name.c_str(),
         ms,
         ms / ddp_ms,
         ms / floor_ms,
+        ms / lockstep_ms,
         measured[name] / 1e6,
         formula[name] / 1e6,
         layout[name] / 1e6,
