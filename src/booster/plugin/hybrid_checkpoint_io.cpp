@@ -19,21 +19,6 @@ namespace {
 
 namespace sl = shardformer::layer;
 
-// This rank's shard of `full` as a view, where the shard is one plain slice
-// of it; else an undefined tensor. (Contiguity is checked by the reader.)
-at::Tensor plain_slice(const at::Tensor& full, const sl::ShardSpec& spec) {
-  if (!spec.is_split()) {
-    return full;
-  }
-  if (spec.sections != 1 || spec.padded_size != spec.full_size ||
-      spec.dim >= full.dim() || full.size(spec.dim) != spec.full_size ||
-      spec.full_size % spec.size() != 0) {
-    return at::Tensor();
-  }
-  const int64_t len = spec.full_size / spec.size();
-  return full.narrow(spec.dim, spec.rank() * len, len);
-}
-
 using checkpoint_io::StateDict;
 
 constexpr const char* kName = "HybridParallelPlugin";
@@ -235,7 +220,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
       // straight into the parameter (NOTE [Loads read into the
       // parameters]); the others are cut and copied.
       if (checkpoint_io::detail::read_mapped_into(
-              param, plain_slice(src, spec))) {
+              param, sl::shard_view(src, spec))) {
         return true;
       }
       const auto shard = sl::shard_tensor(src, spec);

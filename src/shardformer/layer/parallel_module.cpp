@@ -49,8 +49,36 @@ ShardSpec ShardSpec::with_padding(int64_t padded) const {
   return s;
 }
 
+namespace {
+
+// Group rank `rank`'s shard as a view where it is one plain slice of `full`
+// (the split rule of shard_tensor without padding or sections); else an
+// undefined tensor.
+at::Tensor plain_slice(
+    const at::Tensor& full,
+    const ShardSpec& spec,
+    int world,
+    int rank) {
+  if (spec.sections != 1 || spec.padded_size != spec.full_size ||
+      spec.dim >= full.dim() || full.size(spec.dim) != spec.full_size ||
+      spec.full_size % world != 0) {
+    return at::Tensor();
+  }
+  const int64_t len = spec.full_size / world;
+  return full.narrow(spec.dim, rank * len, len);
+}
+
+} // namespace
+
 at::Tensor shard_tensor(const at::Tensor& full, const ShardSpec& spec) {
   return shard_tensor(full, spec, spec.size(), spec.rank());
+}
+
+at::Tensor shard_view(const at::Tensor& full, const ShardSpec& spec) {
+  if (!spec.is_split()) {
+    return full;
+  }
+  return plain_slice(full, spec, spec.size(), spec.rank());
 }
 
 at::Tensor shard_tensor(
@@ -80,6 +108,10 @@ at::Tensor shard_tensor(
       " section(s) over ",
       world,
       " ranks");
+  at::Tensor plain = plain_slice(full, spec, world, rank);
+  if (plain.defined()) {
+    return plain.clone(at::MemoryFormat::Contiguous);
+  }
   at::Tensor t = full;
   if (spec.padded_size > spec.full_size) {
     auto shape = full.sizes().vec();

@@ -75,6 +75,11 @@ at::Tensor shard_tensor(
     const ShardSpec& spec,
     int world,
     int rank);
+/// This rank's shard of `full` as a view (no copy) where it is one plain
+/// slice of it (one section, no padding, an even split); `full` itself
+/// where the spec does not split; else an undefined tensor (use
+/// `shard_tensor`). Loaders read into such a view without a copy.
+at::Tensor shard_view(const at::Tensor& full, const ShardSpec& spec);
 /// The whole tensor from every rank's shard, in group-rank order.
 at::Tensor unshard_tensor(
     const std::vector<at::Tensor>& shards,
