@@ -424,7 +424,7 @@ class Report:
             return
         ns = sorted(runs)
         shm = any(r["config"].get("shared_memory") for r in runs.values())
-        self.add("## Collectives (Gloo over loopback, fp32)", "")
+        self.add("## Collectives (ranks on one host, fp32)", "")
         if shm:
             self.add("Our all_reduce, all_gather and reduce_scatter run through "
                      "a shared-memory segment here (all ranks on one host; NOTE "
