@@ -10,6 +10,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <climits>
 #include <cstring>
@@ -152,6 +156,47 @@ at::Tensor view(uint8_t* p, int64_t numel, at::ScalarType dtype) {
 
 int64_t clamp_len(int64_t size, int64_t at, int64_t piece) {
   return std::clamp<int64_t>(size - at, 0, piece);
+}
+
+// NOTE [Streaming copies out of the segment]
+// All-gather and broadcast copy pieces out of the (cache-resident) segment
+// into the output. Ordinary stores first read every destination line from
+// memory (read for ownership); non-temporal stores write around the cache.
+// Measured on 2 ranks in alternation: a 64 MB broadcast took 6.8-7.6
+// against 14.0-14.7 ms, a 256 MB all-gather 45-46 against 65-73 ms. They
+// also leave the result out of the cache, which a reader of a small result
+// would miss, so only operations of at least kStreamBytes stream. The
+// all-reduce's copy-out gained nothing measurable (64 MB: 16.0-18.8
+// against 14.5-17.0 ms) and a reduce-scatter summed in a cached piece and
+// streamed out lost (11.0-12.6 against 9.2-10.8 ms): both keep ordinary
+// stores. The fence makes the stores visible before the operation reports
+// completion or signals a peer.
+constexpr int64_t kStreamBytes = 16 << 20;
+
+void copy_out(uint8_t* dst, const uint8_t* src, size_t n, bool stream) {
+#if defined(__SSE2__)
+  if (stream) {
+    const size_t head =
+        std::min(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+    std::memcpy(dst, src, head);
+    size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+      const auto* s = reinterpret_cast<const __m128i*>(src + i);
+      auto* d = reinterpret_cast<__m128i*>(dst + i);
+      const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1),
+                    c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+      _mm_stream_si128(d, a);
+      _mm_stream_si128(d + 1, b);
+      _mm_stream_si128(d + 2, c);
+      _mm_stream_si128(d + 3, e);
+    }
+    std::memcpy(dst + i, src + i, n - i);
+    _mm_sfence();
+    return;
+  }
+#endif
+  (void)stream;
+  std::memcpy(dst, src, n);
 }
 
 // Maps a segment of `bytes`: created (and its memory reserved, so a full
@@ -553,6 +598,7 @@ void ShmChannel::run_all_gather(
   const int64_t longest = *std::max_element(sizes.begin(), sizes.end());
   auto* src = static_cast<uint8_t*>(in.data_ptr());
   auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  const bool stream = out.numel() * es >= kStreamBytes;
   for (int64_t at = 0; at < longest; at += piece) {
     const int b = take_buffer();
     const int64_t mine = clamp_len(sizes[rank_], at, piece);
@@ -564,9 +610,13 @@ void ShmChannel::run_all_gather(
     for (int q = 0; q < size_; ++q) {
       const int64_t len = clamp_len(sizes[q], at, piece);
       uint8_t* to = dst + (offset[q] + at) * es;
-      const uint8_t* from = q == rank_ ? src + at * es : slot(b, q);
-      if (len > 0 && to != from) {
-        std::memmove(to, from, len * es);
+      if (len <= 0) {
+        continue;
+      }
+      if (q != rank_) {
+        copy_out(to, slot(b, q), len * es, stream);
+      } else if (to != src + at * es) {
+        std::memmove(to, src + at * es, len * es); // may overlap the input
       }
     }
     signal();
@@ -577,6 +627,7 @@ void ShmChannel::run_all_gather(
 void ShmChannel::run_broadcast(const at::Tensor& t, int src) {
   const int64_t bytes = t.numel() * t.element_size();
   auto* p = static_cast<uint8_t*>(t.data_ptr());
+  const bool stream = bytes >= kStreamBytes;
   for (int64_t at = 0; at < bytes; at += slot_bytes_) {
     const int64_t len = std::min(slot_bytes_, bytes - at);
     const int b = take_buffer();
@@ -586,7 +637,7 @@ void ShmChannel::run_broadcast(const at::Tensor& t, int src) {
     signal();
     wait_one(src, phase_);
     if (rank_ != src) {
-      std::memcpy(p + at, slot(b, src), len);
+      copy_out(p + at, slot(b, src), len, stream);
     }
     signal();
     read_done_[b] = phase_;
