@@ -426,7 +426,7 @@ class Report:
         shm = any(r["config"].get("shared_memory") for r in runs.values())
         self.add("## Collectives (ranks on one host, fp32)", "")
         if shm:
-            self.add("Our all_reduce, all_gather and reduce_scatter run through "
+            self.add("Our all_reduce, all_gather, reduce_scatter and broadcast run through "
                      "a shared-memory segment here (all ranks on one host; NOTE "
                      "[Shared-memory collectives]); the other operations and "
                      "every c10d column go through Gloo's sockets. "
