@@ -62,8 +62,8 @@ void copy_file(const std::string& from, const std::string& to) {
 // every byte to DRAM; read_file's small reused buffer stays in cache.
 // `dst` comes from LibTorch's allocator, as parameters do: the kernel's
 // copy into a destination 1-31 bytes past its source (modulo a page) runs
-// at a quarter of the speed on the AMD machines here, and a std::vector's
-// data sits 16 bytes past a page start.
+// at a quarter of the speed on AMD EPYC, and a std::vector's data sits 16
+// bytes past a page start.
 void read_into(const std::string& path, at::Tensor& dst) {
   int in = ::open(path.c_str(), O_RDONLY);
   auto* out = static_cast<char*>(dst.data_ptr());
