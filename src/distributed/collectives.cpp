@@ -643,11 +643,11 @@ int64_t reduce_scatter_workspace_bytes(
   if (n == 1) {
     return 0;
   }
-  const int64_t m = shard_sizes(numel, n)[0];
-  const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
   if (group.backend_handle().shm) {
     return 0; // reduced straight from the shared segment into the output
   }
+  const int64_t m = shard_sizes(numel, n)[0];
+  const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
   if (gloo(group)) {
     return m * n * elt; // the all-to-all's receive buffer (see above)
   }

@@ -154,6 +154,15 @@ at::Tensor view(uint8_t* p, int64_t numel, at::ScalarType dtype) {
   return at::from_blob(p, {numel}, at::TensorOptions().dtype(dtype));
 }
 
+// Where each rank's shard starts in the whole tensor (prefix sums).
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> offset(sizes.size() + 1, 0);
+  for (size_t q = 0; q < sizes.size(); ++q) {
+    offset[q + 1] = offset[q] + sizes[q];
+  }
+  return offset;
+}
+
 int64_t clamp_len(int64_t size, int64_t at, int64_t piece) {
   return std::clamp<int64_t>(size - at, 0, piece);
 }
@@ -551,10 +560,7 @@ void ShmChannel::run_reduce_scatter(
   const int64_t es = in.element_size();
   // Slot layout: one piece per destination rank.
   const int64_t piece = std::max<int64_t>(slot_bytes_ / es / size_, 1);
-  std::vector<int64_t> offset(size_ + 1, 0);
-  for (int q = 0; q < size_; ++q) {
-    offset[q + 1] = offset[q] + sizes[q];
-  }
+  const auto offset = offsets_of(sizes);
   const int64_t longest = *std::max_element(sizes.begin(), sizes.end());
   auto* src = static_cast<uint8_t*>(in.data_ptr());
   std::vector<at::Tensor> srcs(size_);
@@ -591,10 +597,7 @@ void ShmChannel::run_all_gather(
     const std::vector<int64_t>& sizes) {
   const int64_t es = out.element_size();
   const int64_t piece = slot_bytes_ / es;
-  std::vector<int64_t> offset(size_ + 1, 0);
-  for (int q = 0; q < size_; ++q) {
-    offset[q + 1] = offset[q] + sizes[q];
-  }
+  const auto offset = offsets_of(sizes);
   const int64_t longest = *std::max_element(sizes.begin(), sizes.end());
   auto* src = static_cast<uint8_t*>(in.data_ptr());
   auto* dst = static_cast<uint8_t*>(out.data_ptr());
