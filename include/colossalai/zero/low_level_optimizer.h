@@ -15,8 +15,9 @@ namespace colossalai {
 namespace zero {
 
 struct LowLevelZeroOptimizerOptions {
-  /// 1: optimizer states sharded, gradients all-reduced; 2: gradients
-  /// reduce-scattered too, so a rank keeps only its slice.
+  /// 1: optimizer states sharded, gradients accumulate whole between
+  /// synchronizations (`no_sync` works); 2: only gradient slices are kept.
+  /// Both reduce-scatter each bucket, since a rank steps only its slice.
   TORCH_ARG(int, stage) = 1;
   /// Working dtype of the model's parameters (kFloat, kBFloat16, kHalf).
   TORCH_ARG(at::ScalarType, dtype) = at::kFloat;
@@ -55,9 +56,8 @@ struct MemoryStats {
 /// weights: held once). The user's optimizer steps this rank's pieces, so
 /// it keeps states for them alone. Gradients enter the bucket from
 /// gradient-accumulator hooks (the shared GradBucketer); one reduce-scatter
-/// (stage 2) or all-reduce (stage 1) per bucket leaves every rank its
-/// averaged gradient shard. After the step, one all-gather per bucket
-/// rebuilds the working weights.
+/// per bucket (both stages) leaves every rank its averaged gradient shard.
+/// After the step, one all-gather per bucket rebuilds the working weights.
 class LowLevelZeroOptimizer : public ShardedOptimizer {
  public:
   LowLevelZeroOptimizer(

@@ -28,7 +28,7 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     at::Tensor working;   // padded flat buffer the parameters view
     bool aliased = false; // shard_data is this rank's slice of `working`
     at::Tensor grads;     // padded flat gradients (comm dtype), while in use
-    at::Tensor out;       // stage 2: the reduced shard
+    at::Tensor out;       // the reduced shard, while in use
   };
 
   distributed::ProcessGroupPtr group;
@@ -142,17 +142,16 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   distributed::Work launch(size_t k) override {
     auto& b = buckets[k];
     b.grads.div_(n()); // average first: keeps fp16 sums in range
-    if (o.stage() == 2) {
-      b.out = at::empty({b.layout.shard}, b.grads.options());
-      return distributed::reduce_scatter(b.out, b.grads, *group);
-    }
-    return distributed::all_reduce(b.grads, *group);
+    // Both stages: a rank steps only its slice, so a reduce-scatter (half
+    // an all-reduce's bytes) is all it needs. The stages differ in what
+    // they keep between backwards (stage 1 can accumulate locally).
+    b.out = at::empty({b.layout.shard}, b.grads.options());
+    return distributed::reduce_scatter(b.out, b.grads, *group);
   }
 
   void complete(size_t k) override {
     auto& b = buckets[k];
-    auto mine = o.stage() == 2 ? b.out : b.layout.my_shard(b.grads);
-    b.shard_grad.add_(mine.to(b.shard_grad.device(), at::kFloat));
+    b.shard_grad.add_(b.out.to(b.shard_grad.device(), at::kFloat));
     b.grads = at::Tensor();
     b.out = at::Tensor();
   }
