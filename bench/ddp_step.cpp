@@ -241,9 +241,11 @@ int run_rank(const Args& a) {
   double ddp_ms = median(times["ddp"]), floor_ms = median(times["no_sync"]);
   double single_ms = median(times["single"]);
   const double lockstep_ms = median(times["lockstep"]);
-  std::ostringstream rss;
+  std::ostringstream rss, per_rank;
   for (int r = 0; r < world; ++r) {
     rss << (r ? ", " : "") << static_cast<int64_t>(all[3 * r].item<double>());
+    per_rank << (r ? ", " : "") << "{\"ddp\": " << all[3 * r + 1].item<double>()
+             << ", \"no_sync\": " << all[3 * r + 2].item<double>() << "}";
   }
   const int64_t params = cfg.num_parameters();
   const double bytes_per_step = static_cast<double>(bytes) / synced_steps;
@@ -292,7 +294,8 @@ int run_rank(const Args& a) {
        << "  \"bytes_allreduced_per_step\": " << bytes_per_step << ",\n"
        << "  \"bus_bytes_per_rank_per_step\": "
        << bytes_per_step * 2.0 * (world - 1) / world << ",\n"
-       << "  \"peak_rss_bytes_per_rank\": [" << rss.str() << "]\n"
+       << "  \"peak_rss_bytes_per_rank\": [" << rss.str() << "],\n"
+       << "  \"step_ms_median_per_rank\": [" << per_rank.str() << "]\n"
        << "}\n";
   if (!a.out.empty()) {
     std::ofstream(a.out) << json.str();

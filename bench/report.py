@@ -273,6 +273,14 @@ class Report:
                          ", ".join(f"{k.replace('_', '-')} {v:.0f} ms" for k, v in cpu.items()) +
                          "; what DDP adds to it is the collectives' own work, the "
                          "rest of its wall-time gap is waiting.")
+            per_rank = [r["step_ms_median_per_rank"] for r in ours
+                        if len(r.get("step_ms_median_per_rank", [])) > 1]
+            if per_rank:
+                line += (" Each rank's own no-sync median, per invocation (ms): " +
+                         "; ".join(" / ".join(f"{x['no_sync']:.0f}" for x in pr)
+                                   for pr in per_rank) +
+                         ". The ratios above use rank 0's; a synchronous step "
+                         "runs at the pace of the slower one.")
             self.add(line, "")
 
         zrows = []
