@@ -54,14 +54,23 @@ double process_cpu_ms() {
   return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
-// {"forward": stats, "backward": stats, "optimizer": stats}
-std::string phases_json(std::map<std::string, std::vector<double>>& phases) {
+// {"name": stats, ...} for `names`, in that order.
+std::string stats_json(
+    std::map<std::string, std::vector<double>>& samples,
+    std::initializer_list<const char*> names) {
   std::ostringstream os;
-  os << "{\"forward\": " << colossalai::bench::stats_json(phases["forward"])
-     << ", \"backward\": " << colossalai::bench::stats_json(phases["backward"])
-     << ", \"optimizer\": "
-     << colossalai::bench::stats_json(phases["optimizer"]) << "}";
+  const char* sep = "{";
+  for (const char* name : names) {
+    os << sep << "\"" << name
+       << "\": " << colossalai::bench::stats_json(samples[name]);
+    sep = ", ";
+  }
+  os << "}";
   return os.str();
+}
+
+std::string phases_json(std::map<std::string, std::vector<double>>& phases) {
+  return stats_json(phases, {"forward", "backward", "optimizer"});
 }
 
 struct Args {
@@ -262,20 +271,10 @@ int run_rank(const Args& a) {
        << ", \"optimizer\": \"AdamW(3e-4, wd 0.01)\", \"dtype\": \"fp32\"},\n"
        << "  \"implementation\": \"ours (C++, TorchDDPPlugin)\",\n"
        << "  \"machine\": " << colossalai::bench::machine_json() << ",\n"
-       << "  \"step_ms\": {\"ddp\": "
-       << colossalai::bench::stats_json(times["ddp"])
-       << ",\n              \"no_sync\": "
-       << colossalai::bench::stats_json(times["no_sync"])
-       << ",\n              \"lockstep\": "
-       << colossalai::bench::stats_json(times["lockstep"])
-       << ",\n              \"single\": "
-       << colossalai::bench::stats_json(times["single"]) << "},\n"
-       << "  \"cpu_ms_per_step\": {\"ddp\": "
-       << colossalai::bench::stats_json(cpu["ddp"])
-       << ",\n              \"no_sync\": "
-       << colossalai::bench::stats_json(cpu["no_sync"])
-       << ",\n              \"lockstep\": "
-       << colossalai::bench::stats_json(cpu["lockstep"]) << "},\n"
+       << "  \"step_ms\": "
+       << stats_json(times, {"ddp", "no_sync", "lockstep", "single"}) << ",\n"
+       << "  \"cpu_ms_per_step\": "
+       << stats_json(cpu, {"ddp", "no_sync", "lockstep"}) << ",\n"
        << "  \"single_phases_ms\": " << phases_json(phases) << ",\n"
        << "  \"ddp_phases_ms\": " << phases_json(ddp_phases) << ",\n"
        << "  \"ratios\": {\"ddp_over_no_sync\": " << ddp_ms / floor_ms

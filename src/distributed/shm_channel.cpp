@@ -29,7 +29,7 @@
 // ranks takes about 18 ms on an idle 2-core machine). When every member of
 // a Gloo group runs on one host, the group maps one shared segment and its
 // bandwidth collectives (all-reduce, reduce-scatter, all-gather, broadcast) run
-// through it instead, as MPI and oneCCL do on a node (broadcast too):
+// through it instead, as MPI and oneCCL do on a node:
 //  * each rank owns one slot in each of two buffers; an operation goes in
 //    slot-sized pieces, alternating buffers, so a rank can fill the next
 //    piece while slower ranks still read the previous one;
@@ -178,12 +178,11 @@ int64_t clamp_len(int64_t size, int64_t at, int64_t piece) {
 // size the miss did not show: 2 ranks, an all-gather followed at once by a
 // sum over the whole result, 3 alternated runs, streamed vs ordinary
 // stores: 16 MB 3.1-4.3 vs 4.1-4.8 ms, 32 MB 8.1-8.9 vs 8.4-9.2 ms (the sum
-// alone 1.0-1.3 vs 1.1-1.4 ms at 16 MB). The
-// all-reduce's copy-out gained nothing measurable (64 MB: 16.0-18.8
-// against 14.5-17.0 ms) and a reduce-scatter summed in a cached piece and
-// streamed out lost (11.0-12.6 against 9.2-10.8 ms): both keep ordinary
-// stores. The fence makes the stores visible before the operation reports
-// completion or signals a peer.
+// alone 1.0-1.3 vs 1.1-1.4 ms at 16 MB). The all-reduce's copy-out gained
+// nothing measurable (64 MB: 16.0-18.8 against 14.5-17.0 ms) and a
+// reduce-scatter summed in a cached piece and streamed out lost (11.0-12.6
+// against 9.2-10.8 ms): both keep ordinary stores. The fence makes the stores
+// visible before the operation reports completion or signals a peer.
 constexpr int64_t kStreamBytes = 16 << 20;
 
 void copy_out(uint8_t* dst, const uint8_t* src, size_t n, bool stream) {
