@@ -223,7 +223,8 @@ class Report:
 
         rows, bars = [], []
         o = {k: pooled(ours, k) for k in ("ddp", "no_sync", "lockstep", "single")}
-        t = {k: pooled(peer, k) for k in ("ddp", "zero", "no_sync", "lockstep", "single")}
+        t = {k: pooled(peer, k)
+             for k in ("ddp", "zero", "fsdp2", "no_sync", "lockstep", "single")}
         # Per-invocation ratios, then their median: each is a ratio of
         # medians taken in alternation.
         def ratio(runs, a, b):
@@ -292,6 +293,9 @@ class Report:
                 if name == "zero1" and t["zero"]:
                     theirs = ms(t["zero"]) + " (ZeroRedundancyOptimizer)"
                     theirs_ratio = f(ratio(peer, "zero", "ddp"))
+                if name == "fsdp" and t["fsdp2"]:
+                    theirs = ms(t["fsdp2"]) + " (FSDP2 fully_shard)"
+                    theirs_ratio = f(ratio(peer, "fsdp2", "ddp"))
                 if name == "ddp" and t["ddp"]:
                     theirs, theirs_ratio = ms(t["ddp"]), "1.00x"
                 zrows.append([SETUP_LABEL.get(name, name), f"{s['step_ms']:.0f}",

@@ -23,6 +23,7 @@
 #include <torch/torch.h>
 
 #include <malloc.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>

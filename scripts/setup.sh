@@ -1,32 +1,95 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages the project needs (when missing) and builds
-# it in ./build (Release). Safe to run again: it only installs what is missing
-# and rebuilds what changed.
+# Installs the Debian packages the project needs (when missing) and builds it
+# (Release). Safe to run again: it only installs what is missing and rebuilds
+# what changed.
+#
+#   ./scripts/setup.sh              Debian's LibTorch (1.13 on Debian 12,
+#                                   2.6 on Debian 13), built in ./build
+#   ./scripts/setup.sh --torch pip  LibTorch 2.x from PyPI's torch wheel (the
+#                                   pin in scripts/requirements-torch.txt),
+#                                   installed into ./.venv, built in
+#                                   ./build-pip
+#
+# The wheels are kept in ${XDG_CACHE_HOME:-~/.cache}/colossalai-cpp/wheels,
+# outside the tree: a second set-up on the same machine downloads nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+torch_source=system
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --torch) torch_source=${2:-}; shift 2 || true ;;
+    --torch=*) torch_source=${1#--torch=}; shift ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown option '$1' (--torch system|pip)" >&2; exit 2 ;;
+  esac
+done
+case "$torch_source" in
+  system|pip) ;;
+  *) echo "setup.sh: --torch takes 'system' or 'pip', got '$torch_source'" >&2
+     exit 2 ;;
+esac
+
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+updated=0
+install_missing() {
+  local missing=() p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" ||
+      missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "== installing: ${missing[*]}"
+  if [ $updated -eq 0 ]; then
+    $sudo apt-get update -qq
+    updated=1
+  fi
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+    --no-install-recommends "${missing[@]}"
+}
 
 packages=(
   build-essential cmake ccache
   libtorch-dev libgloo-dev libopenblas0-pthread
   libgtest-dev zlib1g-dev nlohmann-json3-dev libcli11-dev
-  clang libclang-rt-14-dev python3-torch
+  clang python3-torch
   dataset-fashion-mnist python3-matplotlib iproute2
 )
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" ||
-    missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "== installing: ${missing[*]}"
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
-    --no-install-recommends "${missing[@]}"
+[ "$torch_source" = pip ] && packages+=(python3-venv)
+install_missing "${packages[@]}"
+# The fuzz targets' sanitizer runtime is versioned like clang itself (14 on
+# Debian 12, 19 on Debian 13).
+clang_major=$(clang --version | sed -n 's/.*clang version \([0-9][0-9]*\).*/\1/p' |
+  head -n 1)
+install_missing "libclang-rt-${clang_major}-dev"
+
+if [ "$torch_source" = system ]; then
+  echo "== configuring and building (Release, Debian's LibTorch) in ./build"
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build build -j "$(nproc)"
+  echo "== build done"
+  exit 0
 fi
 
-echo "== configuring and building (Release) in ./build"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j "$(nproc)"
+# LibTorch from PyPI's torch wheel.
+python=/usr/bin/python3
+wheels="${XDG_CACHE_HOME:-$HOME/.cache}/colossalai-cpp/wheels"
+requirements=scripts/requirements-torch.txt
+mkdir -p "$wheels"
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+if ! .venv/bin/pip install -q --disable-pip-version-check --no-index \
+    --find-links "$wheels" -r "$requirements" 2>/dev/null; then
+  echo "== downloading the pinned wheels into $wheels"
+  .venv/bin/pip download -q --disable-pip-version-check \
+    --only-binary=:all: -d "$wheels" -r "$requirements"
+  .venv/bin/pip install -q --disable-pip-version-check --no-index \
+    --find-links "$wheels" -r "$requirements"
+fi
+prefix=$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
+echo "== configuring and building (Release, LibTorch $(.venv/bin/python -c 'import torch; print(torch.__version__)' 2>/dev/null) from PyPI) in ./build-pip"
+cmake -S . -B build-pip -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCOLOSSALAI_PYTHON="$PWD/.venv/bin/python" >/dev/null
+cmake --build build-pip -j "$(nproc)"
 echo "== build done"

@@ -118,15 +118,14 @@ void launch(const LaunchOptions& o) {
   auto finished = done->get_future();
   std::thread([staging, phase, done, o, where]() {
     try {
-      ::c10d::TCPStoreOptions so;
-      so.port = static_cast<std::uint16_t>(o.port());
-      so.isServer = o.rank() == 0;
-      so.numWorkers = static_cast<std::size_t>(o.world_size());
-      so.waitWorkers = false;
-      so.timeout = o.timeout();
       c10::intrusive_ptr<::c10d::TCPStore> store;
       try {
-        store = c10::make_intrusive<::c10d::TCPStore>(o.host(), so);
+        store = compat::make_tcp_store(
+            o.host(),
+            static_cast<std::uint16_t>(o.port()),
+            /*is_server=*/o.rank() == 0,
+            static_cast<std::size_t>(o.world_size()),
+            o.timeout());
         *phase = 2;
         store->waitForWorkers();
       } catch (const std::exception& e) {

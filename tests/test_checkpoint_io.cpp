@@ -12,6 +12,7 @@
 #include <colossalai/interface/model.h>
 #include <colossalai/nn/lr_scheduler/cosine.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
+#include <colossalai/utils/compat.h>
 
 #include <harness/multiprocess.h>
 
@@ -24,7 +25,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -431,4 +434,131 @@ TEST(CheckpointIO, LRSchedulerRoundTripsThroughTheBooster) {
   auto msg = error_of([&] { booster.load_lr_scheduler(b, dir + "/none.pt"); });
   EXPECT_NE(msg.find("none.pt"), std::string::npos) << msg;
   fs::remove_all(dir);
+}
+
+namespace {
+
+// NOTE [Checkpoints across LibTorch versions]
+// tests/golden/checkpoints/torch-<version>/ holds a checkpoint written by the
+// build against that LibTorch: the model of `known_net` in every format, and
+// its AdamW state after one step with `known_grad`, as one file and sharded.
+// Every build loads every version's files. Parameters are exact small
+// binary fractions, so they must load bit for bit; the optimizer's moments
+// come from one AdamW step, which the reading build recomputes: they must
+// agree to 1e-6 relative (the same formula in fp32; the versions may order
+// its few operations differently, a few ulps at most).
+// To add a version: COLOSSALAI_WRITE_CHECKPOINT_GOLDEN=1 with that build.
+const fs::path kGoldenCheckpoints =
+    fs::path(__FILE__).parent_path() / "golden" / "checkpoints";
+
+at::Tensor known_values(int64_t numel, int64_t salt) {
+  return ((at::arange(numel, at::kFloat) * 5 + salt * 3).fmod(17) - 8) *
+      0.125;
+}
+
+Net known_net() {
+  Net net(8);
+  torch::NoGradGuard no_grad;
+  int64_t salt = 0;
+  for (auto& t : ck::model_state_dict(*net)) {
+    if (t.value().is_floating_point()) {
+      t.value().copy_(known_values(t.value().numel(), ++salt)
+                          .view(t.value().sizes()));
+    }
+  }
+  return net;
+}
+
+// known_net and its AdamW after one step with known gradients.
+std::pair<Net, std::shared_ptr<torch::optim::Optimizer>> known_state() {
+  auto net = known_net();
+  auto opt = make_optimizer("AdamW", net->parameters());
+  int64_t salt = 100;
+  for (auto& p : net->parameters()) {
+    p.mutable_grad() = known_values(p.numel(), ++salt).view(p.sizes());
+  }
+  opt->step();
+  return {net, opt};
+}
+
+void write_golden(const fs::path& dir) {
+  fs::create_directories(dir);
+  auto [net, opt] = known_state();
+  cb::Booster booster;
+  auto b = booster.boost(net, opt);
+  for (bool st : {false, true}) {
+    for (bool shard : {false, true}) {
+      booster.save_model(
+          b.model,
+          (dir / ("model" + std::string(st ? "_st" : "_bin") +
+                  (shard ? "_sharded" : "")))
+              .string(),
+          ck::SaveModelOptions().use_safetensors(st).shard(shard));
+    }
+  }
+  booster.save_optimizer(*b.optimizer, (dir / "optim.bin").string());
+  booster.save_optimizer(
+      *b.optimizer,
+      (dir / "optim_sharded").string(),
+      ck::SaveOptimizerOptions().shard(true));
+}
+
+} // namespace
+
+TEST(CheckpointIO, LoadsCheckpointsOfOtherLibTorchVersions) {
+  const std::string mine = std::string("torch-") + TORCH_VERSION;
+  if (std::getenv("COLOSSALAI_WRITE_CHECKPOINT_GOLDEN") != nullptr) {
+    fs::remove_all(kGoldenCheckpoints / mine);
+    write_golden(kGoldenCheckpoints / mine);
+  }
+  auto [want_net, want_opt] = known_state();
+  std::vector<std::string> versions;
+  for (const auto& e : fs::directory_iterator(kGoldenCheckpoints)) {
+    versions.push_back(e.path().filename().string());
+  }
+  std::sort(versions.begin(), versions.end());
+  // Both sides of the 1.x / 2.x line must be there, or this proves nothing.
+  ASSERT_TRUE(std::any_of(versions.begin(), versions.end(), [](auto& v) {
+    return v.rfind("torch-1.", 0) == 0;
+  }));
+  ASSERT_TRUE(std::any_of(versions.begin(), versions.end(), [](auto& v) {
+    return v.rfind("torch-2.", 0) == 0;
+  }));
+  for (const auto& version : versions) {
+    const fs::path dir = kGoldenCheckpoints / version;
+    for (const char* model :
+         {"model_bin", "model_bin_sharded", "model_st", "model_st_sharded"}) {
+      SCOPED_TRACE(version + "/" + model);
+      auto net = trained_net(8, 3);
+      cb::Booster booster;
+      auto b = booster.boost(net);
+      booster.load_model(b.model, (dir / model).string());
+      expect_same_state(*want_net, *net);
+    }
+    for (const char* optim : {"optim.bin", "optim_sharded"}) {
+      SCOPED_TRACE(version + "/" + optim);
+      auto net = known_net();
+      cb::Booster booster;
+      auto b = booster.boost(net, make_optimizer("AdamW", net->parameters()));
+      booster.load_optimizer(*b.optimizer, (dir / optim).string());
+      auto& got = b.optimizer->unwrap().state();
+      auto& want = want_opt->state();
+      using Map = std::remove_reference_t<decltype(got)>;
+      auto params = net->parameters();
+      auto want_params = want_net->parameters();
+      ASSERT_EQ(got.size(), params.size());
+      for (size_t i = 0; i < params.size(); ++i) {
+        SCOPED_TRACE("parameter " + std::to_string(i));
+        auto g = got.find(colossalai::compat::optimizer_state_key<Map>(params[i]));
+        auto w = want.find(
+            colossalai::compat::optimizer_state_key<Map>(want_params[i]));
+        ASSERT_TRUE(g != got.end() && w != want.end());
+        const auto& gs = static_cast<torch::optim::AdamWParamState&>(*g->second);
+        const auto& ws = static_cast<torch::optim::AdamWParamState&>(*w->second);
+        EXPECT_EQ(gs.step(), ws.step());
+        EXPECT_TRUE(at::allclose(gs.exp_avg(), ws.exp_avg(), 1e-6, 0));
+        EXPECT_TRUE(at::allclose(gs.exp_avg_sq(), ws.exp_avg_sq(), 1e-6, 0));
+      }
+    }
+  }
 }

@@ -6,6 +6,7 @@
 
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
+#include <colossalai/utils/compat.h>
 
 #include <harness/multiprocess.h>
 
@@ -522,4 +523,52 @@ TEST(Harness, ChildThatNeverReachesItsInvocationFails) {
     EXPECT_NE(r.exit_code, 0) << "rank " << r.rank << " passed silently";
     EXPECT_NE(r.output.find("never reached"), std::string::npos) << r.output;
   }
+}
+
+// Which path each operation takes, over Gloo's sockets: Gloo's own flat
+// all-gather, reduce-scatter and bf16 sums where the linked LibTorch has
+// them (2.x), the replacements where it does not (1.13, NOTE [Gloo
+// replacements]); shared memory where every rank is on this host. The
+// results themselves are checked by the tests above on both paths.
+TEST(Collectives, PathsSayWhatRan) {
+  const auto gloo_path = COLOSSALAI_TORCH_AT_LEAST(2, 0)
+      ? cd::CollectivePath::kBackend
+      : cd::CollectivePath::kReplacement;
+  colossalai::testing::MultiProcessOptions o;
+  o.shm_collectives = false;
+  run_distributed(
+      2,
+      [gloo_path](int rank, int world) {
+        auto group = cd::world_group();
+        for (int64_t n : {8, 7}) { // even and uneven shards
+          auto range = cd::shard_range(n, world, rank);
+          auto out = at::empty({range.second - range.first});
+          cd::reduce_scatter(out, input(rank, n, at::kFloat), *group).wait();
+          EXPECT_EQ(cd::collective_path("reduce_scatter"), gloo_path)
+              << "n=" << n << ": "
+              << cd::to_string(cd::collective_path("reduce_scatter"));
+        }
+        auto shard = input(rank, 4, at::kFloat);
+        auto full = at::empty({8});
+        cd::all_gather(full, shard, *group).wait();
+        EXPECT_EQ(cd::collective_path("all_gather"), gloo_path)
+            << cd::to_string(cd::collective_path("all_gather"));
+        auto t = input(rank, 9, at::kBFloat16);
+        cd::all_reduce(t, *group).wait();
+        EXPECT_EQ(cd::collective_path("all_reduce"), gloo_path)
+            << "bf16: " << cd::to_string(cd::collective_path("all_reduce"));
+      },
+      o);
+  if (!shm_usable()) {
+    return;
+  }
+  run_distributed(2, [](int rank, int world) {
+    auto group = cd::world_group();
+    auto out = at::empty({4});
+    cd::reduce_scatter(out, input(rank, 8, at::kFloat), *group).wait();
+    EXPECT_EQ(
+        cd::collective_path("reduce_scatter"),
+        cd::CollectivePath::kSharedMemory);
+  });
+  EXPECT_THROW(cd::collective_path("scatter"), c10::Error);
 }

@@ -1,7 +1,7 @@
 // Files exchanged with Python's torch: Python reads our safetensors (with a
 // reader written from the spec) and .bin files (torch.load), and writes files
 // of its own that we read back, model and optimizer checkpoints included.
-// Needs /usr/bin/python3 with torch.
+// Needs the Python of COLOSSALAI_PYTHON with torch.
 
 #include <colossalai/booster/booster.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>

@@ -1,5 +1,7 @@
 #include <zoo/gpt.h>
 
+#include <colossalai/utils/compat.h>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -110,22 +112,13 @@ at::Tensor causal_attention(const at::Tensor& qkv, int64_t n_head) {
   const int64_t h = n_head;
   const int64_t d = c / h;
 
-  // Plain matmul/mask/softmax rather than a fused kernel: LibTorch 1.13 has
-  // no scaled_dot_product_attention, and the model should run the same
-  // arithmetic on every version we support.
   auto parts = qkv.split(c, /*dim=*/-1);
   auto q = parts[0].view({b, t, h, d}).transpose(1, 2);
   auto k = parts[1].view({b, t, h, d}).transpose(1, 2);
   auto v = parts[2].view({b, t, h, d}).transpose(1, 2);
-
-  auto att = torch::matmul(q, k.transpose(-2, -1)) *
-      (1.0 / std::sqrt(static_cast<double>(d)));
-  // Built per call instead of registered as a buffer so that state dicts
-  // hold only trainable parameters.
-  auto future = torch::ones({t, t}, qkv.options().dtype(torch::kBool)).triu(1);
-  att = att.masked_fill(future, -std::numeric_limits<double>::infinity());
-  att = torch::softmax(att, /*dim=*/-1);
-  auto y = torch::matmul(att, v); // [B, H, T, D]
+  // LibTorch's fused kernel on 2.x, matmul / mask / softmax on 1.13.
+  auto y = colossalai::compat::scaled_dot_product_attention(
+      q, k, v, /*mask=*/c10::nullopt, /*is_causal=*/true); // [B, H, T, D]
   return y.transpose(1, 2).contiguous().view({b, t, c});
 }
 

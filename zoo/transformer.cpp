@@ -104,19 +104,22 @@ at::Tensor attention(
     const at::Tensor& v,
     bool fused,
     shardformer::layer::DropoutImpl* dropout) {
-  if (fused) {
-    return compat::fused_causal_attention(q, k, v);
+  const bool drops = dropout != nullptr && dropout->is_training() &&
+      dropout->options.p() > 0.0;
+  if (fused || !drops) {
+    // LibTorch's kernel on 2.x, the explicit path on 1.13.
+    return compat::scaled_dot_product_attention(
+        q, k, v, /*mask=*/c10::nullopt, /*is_causal=*/true);
   }
+  // Dropout on the probabilities needs them: the explicit path, with the
+  // Dropout whose masks follow the tensor-parallel layout.
   const int64_t t = q.size(2);
   auto att = at::matmul(q, k.transpose(-2, -1)) *
       (1.0 / std::sqrt(static_cast<double>(q.size(3))));
   auto future = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
   att = at::softmax(
       att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
-  if (dropout != nullptr) {
-    att = dropout->forward(att);
-  }
-  return at::matmul(att, v);
+  return at::matmul(dropout->forward(att), v);
 }
 
 at::Tensor to_head_shards(

@@ -78,9 +78,9 @@ at::Tensor causal_lm_loss(
     int64_t vocab_size);
 
 /// Causal softmax attention of q [B, H, T, D] and k, v [B, H, T, D] ->
-/// [B, H, T, D]. `fused` uses LibTorch's kernel (2.x; an error on 1.13);
-/// else matmul, mask, softmax and `dropout` on the probabilities (may be
-/// null).
+/// [B, H, T, D], through compat::scaled_dot_product_attention (LibTorch's
+/// kernel on 2.x) unless `dropout` (may be null) is active and `fused` is
+/// off: then matmul, mask, softmax and `dropout` on the probabilities.
 at::Tensor attention(
     const at::Tensor& q,
     const at::Tensor& k,

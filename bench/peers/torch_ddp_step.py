@@ -2,12 +2,15 @@
 bench_ddp_step and bench_zero_step.
 
 Same model (shape, parameter names, initialisation), batch, optimizer and
-thread settings as bench/ddp_step.cpp. Five setups share the processes and
-their timed blocks alternate within every round, so their ratios compare like
-with like on a noisy machine:
+thread settings as bench/ddp_step.cpp (attention through
+F.scaled_dot_product_attention where torch has it, as ours does on 2.x). The
+setups share the processes and their timed blocks alternate within every
+round, so their ratios compare like with like on a noisy machine:
 
   ddp       DistributedDataParallel (bucket_cap_mb 25), AdamW
   zero      DistributedDataParallel + ZeroRedundancyOptimizer(AdamW)
+  fsdp2     fully_shard (FSDP2) on every block and the root, AdamW on the
+            sharded parameters (torch 2.6 and later; skipped before)
   no_sync   the ddp model under no_sync(): no communication at all, the floor
             for N processes sharing this machine
   lockstep  no_sync steps that end in a barrier: the floor plus the wait for
@@ -15,9 +18,10 @@ with like on a noisy machine:
   single    rank 0 alone trains a plain model while the other ranks wait:
             the single-process floor
 
-Run with Debian's python3-torch:
-  /usr/bin/python3 bench/peers/torch_ddp_step.py [--nproc 2] [--rounds 5]
-      [--steps 6] [--setups ddp,zero,no_sync,lockstep,single] [--out FILE.json]
+Run with the Python whose torch matches the LibTorch of the C++ side
+(Debian's python3-torch, or the venv of `setup.sh --torch pip`):
+  python bench/peers/torch_ddp_step.py [--nproc 2] [--rounds 5] [--steps 6]
+      [--setups ddp,zero,fsdp2,no_sync,lockstep,single] [--out FILE.json]
 """
 import argparse
 import json
@@ -75,10 +79,13 @@ class Block(nn.Module):
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2)
                    for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.h))
-        future = torch.ones(t, t, dtype=torch.bool).triu(1)
-        att = att.masked_fill(future, float("-inf")).softmax(-1)
-        return self.proj((att @ v).transpose(1, 2).contiguous().view(b, t, d))
+        if hasattr(F, "scaled_dot_product_attention"):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.h))
+            future = torch.ones(t, t, dtype=torch.bool).triu(1)
+            y = att.masked_fill(future, float("-inf")).softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, d))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -169,6 +176,14 @@ def worker(rank, world, port, args, queue):
         opts["zero"] = ZeroRedundancyOptimizer(
             models["zero"].parameters(), optimizer_class=torch.optim.AdamW,
             **adamw_kwargs())
+    if "fsdp2" in setups:
+        from torch.distributed.fsdp import fully_shard
+        torch.manual_seed(0)
+        m = GPT()
+        for blk in m.blocks:
+            fully_shard(blk)
+        models["fsdp2"] = fully_shard(m)
+        opts["fsdp2"] = torch.optim.AdamW(m.parameters(), **adamw_kwargs())
     if "single" in setups and rank == 0:
         torch.manual_seed(0)
         models["single"] = GPT()
@@ -233,6 +248,19 @@ def worker(rank, world, port, args, queue):
     dist.destroy_process_group()
 
 
+def has_fsdp2():
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def default_setups():
+    return ("ddp,zero," + ("fsdp2," if has_fsdp2() else "") +
+            "no_sync,lockstep,single")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
@@ -240,7 +268,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--setups", default="ddp,zero,no_sync,lockstep,single")
+    p.add_argument("--setups", default=default_setups())
     p.add_argument("--out", default="")
     args = p.parse_args()
     s = socket.socket()

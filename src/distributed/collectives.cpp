@@ -24,7 +24,10 @@
 //    move). The all_gather phase starts in wait(); collectives are matched by
 //    call order, so this stays consistent as long as every rank waits in the
 //    same order relative to its other calls on the group, as SPMD code does.
-// On NCCL the native `_reduce_scatter_base` / `_allgather_base` are used.
+// Where the backend has the operation itself it is used: NCCL always, Gloo
+// from the LibTorch 2.x releases that implement flat all-gather,
+// reduce-scatter and bf16 sums (found at the first call; NOTE [c10d backends
+// across versions]); `collective_path` says which path the last call took.
 // These replacements serve groups that span hosts (or run with
 // shm_collectives off): on one host the shared-memory channel carries all
 // four operations (NOTE [Shared-memory collectives]).
@@ -64,9 +67,51 @@ Work shm_work(
       compat::WorkPtr(), [done]() { done.get(); }, op, g);
 }
 
-// Gloo moves bf16 only as opaque 16-bit words.
+// A bf16 tensor on a Gloo group travels as opaque 16-bit words where only
+// bytes move (Gloo in 1.13 has no bf16 type at all).
 at::Tensor raw(const at::Tensor& t, const ProcessGroup& g) {
   return gloo(g) && t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t;
+}
+
+// How the last call of each reducing / gathering collective ran
+// (collective_path()).
+enum Op { kAllReduce, kAllGather, kReduceScatter, kNumOps };
+std::atomic<int> g_path[kNumOps] = {};
+
+void record(Op op, CollectivePath path) {
+  g_path[op].store(static_cast<int>(path), std::memory_order_relaxed);
+}
+
+// Whether Gloo's own flat all-gather / reduce-scatter may be tried: unknown
+// until the first call, then what that call found (NOTE [c10d backends
+// across versions]). Every rank links the same LibTorch, so every rank
+// finds the same.
+enum class Native { kUnknown, kYes, kNo };
+std::atomic<Native> g_gloo_native[kNumOps] = {};
+
+// Starts `call` (Gloo's native flat collective) unless Gloo is known to
+// refuse it; null when it refuses, and the caller takes its replacement.
+template <class F>
+compat::WorkPtr try_gloo_native(Op op, F&& call) {
+  if (g_gloo_native[op].load() == Native::kNo) {
+    return compat::WorkPtr();
+  }
+  try {
+    auto w = call();
+    g_gloo_native[op].store(Native::kYes);
+    return w;
+  } catch (const std::exception& e) {
+    if (!compat::is_unsupported(e)) {
+      throw;
+    }
+    g_gloo_native[op].store(Native::kNo);
+    return compat::WorkPtr();
+  }
+}
+
+// Gloo sums bf16 itself where compat says so; 1.13's cannot.
+bool gloo_reduces(at::ScalarType dtype) {
+  return dtype != at::kBFloat16 || compat::gloo_reduces_bf16();
 }
 
 void check_dense(const at::Tensor& t, const char* op, const char* what) {
@@ -304,9 +349,87 @@ std::vector<int64_t> shard_sizes(int64_t numel, int world) {
   return s;
 }
 
+// Reduce-scatter through the backend's own flat collective, an uneven input
+// padded to equal shards; nullopt where Gloo refuses it (NOTE [c10d
+// backends across versions]).
+c10::optional<Work> reduce_scatter_native(
+    at::Tensor out,
+    at::Tensor in,
+    const std::vector<int64_t>& sizes,
+    const ProcessGroup& group,
+    ReduceOp op) {
+  const int n = group.size();
+  const int64_t m = sizes[0], mine = sizes[group.rank()];
+  const bool even = m * n == in.numel();
+  at::Tensor src = in, dst = out;
+  if (!even) {
+    src = at::zeros({m * n}, in.options());
+    int64_t at = 0;
+    for (int r = 0; r < n; ++r) {
+      src.slice(0, r * m, r * m + sizes[r])
+          .copy_(in.slice(0, at, at + sizes[r]));
+      at += sizes[r];
+    }
+    dst = at::empty({m}, in.options());
+  }
+  ::c10d::ReduceScatterOptions opts;
+  opts.reduceOp = to_c10d(op);
+  auto launch = [&] {
+    return compat::reduce_scatter_single(detail::backend(group), dst, src, opts);
+  };
+  auto w = gloo(group) ? try_gloo_native(kReduceScatter, launch) : launch();
+  if (!w) {
+    return c10::nullopt;
+  }
+  record(kReduceScatter, CollectivePath::kBackend);
+  std::function<void()> finish;
+  if (!even || op == ReduceOp::kAvg) {
+    finish = [out, dst, mine, n, op, even]() mutable {
+      if (!even) {
+        out.copy_(dst.slice(0, 0, mine));
+      }
+      if (op == ReduceOp::kAvg) {
+        out.div_(n);
+      }
+    };
+  }
+  return detail::make_work(
+      std::move(w), std::move(finish), "reduce_scatter", group);
+}
+
 } // namespace
 
 Work::Work() = default;
+CollectivePath collective_path(const std::string& op) {
+  static const char* const kNames[kNumOps] = {
+      "all_reduce", "all_gather", "reduce_scatter"};
+  for (int i = 0; i < kNumOps; ++i) {
+    if (op == kNames[i]) {
+      return static_cast<CollectivePath>(g_path[i].load());
+    }
+  }
+  TORCH_CHECK(
+      false,
+      "collective_path: unknown operation '",
+      op,
+      "' (all_reduce, all_gather or reduce_scatter)");
+}
+
+const char* to_string(CollectivePath path) {
+  switch (path) {
+    case CollectivePath::kLocal:
+      return "local";
+    case CollectivePath::kSharedMemory:
+      return "shared memory";
+    case CollectivePath::kBackend:
+      return "backend";
+    case CollectivePath::kReplacement:
+      return "replacement";
+    default:
+      return "none";
+  }
+}
+
 Work::Work(std::unique_ptr<State> state) : state_(std::move(state)) {}
 Work::Work(Work&& other) noexcept = default;
 Work& Work::operator=(Work&& other) noexcept = default;
@@ -365,13 +488,16 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
   check_dense(tensor, "all_reduce", "input");
   count(tensor, group);
   if (group.size() == 1) {
+    record(kAllReduce, CollectivePath::kLocal);
     return Work();
   }
   if (auto* channel = shm(group, tensor, /*reduces=*/true)) {
+    record(kAllReduce, CollectivePath::kSharedMemory);
     return shm_work(channel->all_reduce(tensor, op), "all_reduce", group);
   }
-  if (gloo(group) && tensor.scalar_type() == at::kBFloat16) {
+  if (gloo(group) && !gloo_reduces(tensor.scalar_type())) {
     // Two phases, see NOTE [Gloo replacements].
+    record(kAllReduce, CollectivePath::kReplacement);
     auto range = shard_range(tensor.numel(), group.size(), group.rank());
     auto flat = tensor.view({-1});
     auto shard = pooled(range.second - range.first, tensor.options());
@@ -388,6 +514,7 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
         "all_reduce(bf16)",
         group);
   }
+  record(kAllReduce, CollectivePath::kBackend);
   std::vector<at::Tensor> ts{tensor};
   ::c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
@@ -450,24 +577,30 @@ Work all_gather(
   count(input, group);
   auto out = output.view({-1});
   if (n == 1) {
+    record(kAllGather, CollectivePath::kLocal);
     out.copy_(input.view({-1}));
     return Work();
   }
   if (auto* channel = shm(group, input, /*reduces=*/false)) {
+    record(kAllGather, CollectivePath::kSharedMemory);
     return shm_work(
         channel->all_gather(out, input, std::move(sizes)), "all_gather", group);
   }
   const int64_t m = sizes[0]; // largest shard
   const bool even = m * n == output.numel();
-  if (!gloo(group) && even) {
+  if (even) {
     auto o = raw(out, group);
     auto i = raw(input.view({-1}), group);
-    return detail::make_work(
-        detail::backend(group)._allgather_base(o, i),
-        nullptr,
-        "all_gather",
-        group);
+    auto launch = [&] {
+      return compat::all_gather_single(detail::backend(group), o, i);
+    };
+    auto w = gloo(group) ? try_gloo_native(kAllGather, launch) : launch();
+    if (w) {
+      record(kAllGather, CollectivePath::kBackend);
+      return detail::make_work(std::move(w), nullptr, "all_gather", group);
+    }
   }
+  record(kAllGather, CollectivePath::kReplacement);
   at::Tensor buffer = even ? out : at::empty({m * n}, output.options());
   at::Tensor in = input.view({-1});
   if (in.numel() != m) {
@@ -573,44 +706,27 @@ Work reduce_scatter(
   auto in = input.view({-1});
   auto out = output.view({-1});
   if (n == 1) {
+    record(kReduceScatter, CollectivePath::kLocal);
     out.copy_(in);
     return Work();
   }
-  const int64_t m = sizes[0];
-  const bool even = m * n == input.numel();
   if (!gloo(group)) {
-    at::Tensor src = in, dst = out;
-    if (!even) {
-      src = at::zeros({m * n}, input.options());
-      int64_t at = 0;
-      for (int r = 0; r < n; ++r) {
-        src.slice(0, r * m, r * m + sizes[r])
-            .copy_(in.slice(0, at, at + sizes[r]));
-        at += sizes[r];
-      }
-      dst = at::empty({m}, input.options());
-    }
-    ::c10d::ReduceScatterOptions opts;
-    opts.reduceOp = to_c10d(op);
-    auto w = detail::backend(group)._reduce_scatter_base(dst, src, opts);
-    std::function<void()> finish;
-    if (!even || op == ReduceOp::kAvg) {
-      finish = [out, dst, mine, n, op, even]() mutable {
-        if (!even) {
-          out.copy_(dst.slice(0, 0, mine));
-        }
-        if (op == ReduceOp::kAvg) {
-          out.div_(n);
-        }
-      };
-    }
-    return detail::make_work(
-        std::move(w), std::move(finish), "reduce_scatter", group);
+    auto w = reduce_scatter_native(out, in, sizes, group, op);
+    TORCH_INTERNAL_ASSERT(w.has_value());
+    return std::move(*w);
   }
   if (auto* channel = shm(group, input, /*reduces=*/true)) {
+    record(kReduceScatter, CollectivePath::kSharedMemory);
     return shm_work(
         channel->reduce_scatter(out, in, sizes, op), "reduce_scatter", group);
   }
+  if (gloo_reduces(input.scalar_type()) &&
+      g_gloo_native[kReduceScatter].load() != Native::kNo) {
+    if (auto w = reduce_scatter_native(out, in, sizes, group, op)) {
+      return std::move(*w);
+    }
+  }
+  record(kReduceScatter, CollectivePath::kReplacement);
   const bool low =
       input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kHalf;
   if (input.device().is_cpu() && !low) {
@@ -622,9 +738,8 @@ Work reduce_scatter(
   std::vector<int64_t> out_splits(n, mine), in_splits = sizes;
   auto o = raw(blocks.tensor, group);
   auto i = raw(in, group);
-  ::c10d::AllToAllOptions opts;
-  auto w =
-      detail::backend(group).alltoall_base(o, i, out_splits, in_splits, opts);
+  auto w = compat::all_to_all_single(
+      detail::backend(group), o, i, out_splits, in_splits);
   return detail::make_work(
       std::move(w),
       [out, blocks, n, op]() mutable {
@@ -648,7 +763,8 @@ int64_t reduce_scatter_workspace_bytes(
   }
   const int64_t m = shard_sizes(numel, n)[0];
   const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
-  if (gloo(group)) {
+  if (gloo(group) && (g_gloo_native[kReduceScatter].load() != Native::kYes ||
+                      !gloo_reduces(dtype))) {
     return m * n * elt; // the all-to-all's receive buffer (see above)
   }
   return m * n == numel ? 0 : (m * n + m) * elt; // padded input and output
@@ -692,10 +808,9 @@ Work all_to_all(
   }
   auto o = raw(output, group);
   auto i = raw(input, group);
-  ::c10d::AllToAllOptions opts;
   return detail::make_work(
-      detail::backend(group).alltoall_base(
-          o, i, output_splits, input_splits, opts),
+      compat::all_to_all_single(
+          detail::backend(group), o, i, output_splits, input_splits),
       nullptr,
       "all_to_all",
       group);

@@ -55,8 +55,11 @@ void for_each_tensor(
     if (v.isTensor()) {
       f(v.toTensor());
     } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList()) {
-        f(t);
+      // get(i): a value on every version (iterating yields proxies on some,
+      // references on others).
+      const auto list = v.toTensorList();
+      for (size_t i = 0; i < list.size(); ++i) {
+        f(list.get(i));
       }
     } else if (v.isOptionalTensorList()) {
       for (const c10::optional<at::Tensor>& t : v.toOptionalTensorList()) {
@@ -77,8 +80,9 @@ c10::IValue map_tensors(
   }
   if (v.isTensorList()) {
     c10::List<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorList()) {
-      out.push_back(f(t));
+    const auto list = v.toTensorList();
+    for (size_t i = 0; i < list.size(); ++i) {
+      out.push_back(f(list.get(i)));
     }
     return out;
   }

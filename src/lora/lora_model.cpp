@@ -211,7 +211,8 @@ LoraModel::LoraModel(
         ", adapted by reparametrising its weight (NOTE [LoRA in C++]); use "
         "lora_dropout(0), or build the model from colossalai's Linear1D "
         "layers");
-    const auto& weight = m->named_parameters(false)["weight"];
+    // A copy: named_parameters() returns a temporary dict.
+    const at::Tensor weight = m->named_parameters(false)["weight"];
     layer->base = weight;
     const auto opts = weight.options().requires_grad(false);
     layer->A = at::empty({config_.r(), in}, opts);

@@ -5,7 +5,9 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
+#include <limits>
 
 #ifdef COLOSSALAI_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -155,6 +157,73 @@ at::Tensor fused_causal_attention(
       "fused attention needs LibTorch 2.0 or later (this is ",
       TORCH_VERSION,
       ")");
+#endif
+}
+
+namespace {
+
+// The mask of `scaled_dot_product_attention` combined with the causal one
+// (true = attend), or undefined where there is neither.
+at::Tensor attention_mask(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const c10::optional<at::Tensor>& mask,
+    bool is_causal) {
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(
+        mask->scalar_type() == at::kBool,
+        "scaled_dot_product_attention: the mask must be boolean (true = "
+        "attend), got ",
+        mask->scalar_type());
+    m = *mask;
+  }
+  if (is_causal) {
+    const int64_t tq = q.size(-2), tk = k.size(-2);
+    auto causal = at::ones({tq, tk}, q.options().dtype(at::kBool))
+                      .tril(/*diagonal=*/tk - tq);
+    m = m.defined() ? at::logical_and(m, causal) : causal;
+  }
+  return m;
+}
+
+} // namespace
+
+at::Tensor explicit_attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const c10::optional<at::Tensor>& mask,
+    bool is_causal) {
+  auto att = at::matmul(q, k.transpose(-2, -1)) *
+      (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  auto m = attention_mask(q, k, mask, is_causal);
+  if (m.defined()) {
+    att = att.masked_fill(
+        m.logical_not(), -std::numeric_limits<double>::infinity());
+  }
+  return at::matmul(at::softmax(att, -1), v);
+}
+
+at::Tensor scaled_dot_product_attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const c10::optional<at::Tensor>& mask,
+    bool is_causal) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 0)
+  const bool masked = mask.has_value() && mask->defined();
+  if (!masked && (!is_causal || q.size(-2) == k.size(-2))) {
+    // The kernels' own causal path: no mask tensor at all. (Its causal mask
+    // is aligned top-left, so a shorter query block takes the mask below.)
+    return at::scaled_dot_product_attention(
+        q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, is_causal);
+  }
+  // An explicit mask may not be combined with is_causal: fold it in.
+  return at::scaled_dot_product_attention(
+      q, k, v, attention_mask(q, k, mask, is_causal), 0.0, false);
+#else
+  return explicit_attention(q, k, v, mask, is_causal);
 #endif
 }
 

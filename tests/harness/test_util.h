@@ -28,8 +28,10 @@ void remove_scratch(const std::string& what);
 /// (stdout and stderr).
 std::pair<int, std::string> run_shell(const std::string& command);
 
-/// Debian's Python with torch (python3-torch), which interop tests run.
-constexpr const char* kPython = "/usr/bin/python3";
+/// The Python whose torch matches the linked LibTorch, which interop tests
+/// run: Debian's (python3-torch) for Debian's LibTorch, the venv's for the
+/// PyPI build (CMake's COLOSSALAI_PYTHON).
+constexpr const char* kPython = COLOSSALAI_TEST_PYTHON;
 /// Whether kPython exists and imports torch.
 bool python_has_torch();
 

@@ -9,7 +9,8 @@
 /// All tensors must be contiguous. Supported dtypes: float32, bfloat16, float16
 /// (and integer types for data movement). Where the backend lacks an operation
 /// (Gloo in LibTorch 1.13: reduce-scatter, flat all-gather, bf16 all-reduce),
-/// a bandwidth-optimal replacement is used; see NOTE [Gloo replacements].
+/// a bandwidth-optimal replacement is used; see NOTE [Gloo replacements] and
+/// `collective_path`.
 /// When every member of a Gloo group runs on one host, its all-reduce,
 /// reduce-scatter, all-gather and broadcast of CPU tensors go through shared
 /// memory instead of sockets (`LaunchOptions::shm_collectives`; NOTE
@@ -100,14 +101,34 @@ Work reduce_scatter(
     ReduceOp op = ReduceOp::kSum);
 
 /// Bytes of working memory reduce_scatter() allocates beside its output
-/// while it runs, for an input of `numel` elements of `dtype`: Gloo has no
-/// reduce-scatter and receives every rank's shard into a buffer of the
-/// input's size; NCCL needs one only to pad an uneven input. For memory
-/// accounting.
+/// while it runs, for an input of `numel` elements of `dtype`: Gloo's
+/// replacement receives every rank's shard into a buffer of the input's
+/// size; a backend's own reduce-scatter (NCCL, Gloo on 2.x once it has run)
+/// needs one only to pad an uneven input. For memory accounting.
 int64_t reduce_scatter_workspace_bytes(
     int64_t numel,
     at::ScalarType dtype,
     const ProcessGroup& group);
+
+/// How a collective was carried out.
+enum class CollectivePath {
+  kNone,         ///< not called yet in this process
+  kLocal,        ///< a group of one: a local copy
+  kSharedMemory, ///< the group's shared-memory segment (one host, CPU)
+  kBackend,      ///< the backend's own operation (NCCL; Gloo where it has it)
+  kReplacement,  ///< NOTE [Gloo replacements], where Gloo lacks the operation
+};
+
+/// The path the last `op` ("all_reduce", "all_gather" or "reduce_scatter")
+/// of this process took. For tests and benchmarks that must say what ran.
+///
+/// Example:
+/// \code
+///   reduce_scatter(out, in, *group).wait();
+///   std::cout << to_string(collective_path("reduce_scatter"));
+/// \endcode
+CollectivePath collective_path(const std::string& op);
+const char* to_string(CollectivePath path);
 
 /// Rank r sends the r-th block of `input` to every rank and receives
 /// everyone's blocks into `output`, in rank order. Empty split vectors mean

@@ -63,6 +63,35 @@ at::Tensor fused_causal_attention(
     const at::Tensor& k,
     const at::Tensor& v);
 
+/// softmax(q k^T / sqrt(D) + mask) v for q [B, H, Tq, D] and k, v
+/// [B, H, Tk, D]: `mask` (optional) is boolean, true where a query may
+/// attend a key, broadcastable to [B, H, Tq, Tk] (a padding mask is
+/// [B, 1, 1, Tk]); `is_causal` also hides the keys after each query
+/// (query i sees keys 0..i + Tk - Tq). Every query must see at least one
+/// key. On 2.x this is at::scaled_dot_product_attention (its fused CPU /
+/// CUDA kernels); on 1.13 the explicit matmul, mask, softmax, matmul. The
+/// two agree within fp32 rounding (test_zoo's Attention tests).
+///
+/// Example:
+/// \code
+///   auto pad = ids.ne(pad_id).view({b, 1, 1, t}); // true: a real token
+///   auto y = compat::scaled_dot_product_attention(q, k, v, pad, true);
+/// \endcode
+at::Tensor scaled_dot_product_attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const c10::optional<at::Tensor>& mask,
+    bool is_causal);
+/// The explicit path of `scaled_dot_product_attention`, on every version
+/// (the reference the fused one is checked against).
+at::Tensor explicit_attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const c10::optional<at::Tensor>& mask,
+    bool is_causal);
+
 /// The dtype autocast casts to on `device` (CPU or CUDA) in this thread, or
 /// nullopt where autocast is off there.
 c10::optional<at::ScalarType> autocast_dtype(at::DeviceType device);
