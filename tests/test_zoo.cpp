@@ -5,6 +5,8 @@
 #include <zoo/fashion_mnist.h>
 #include <zoo/gpt.h>
 
+#include <colossalai/utils/compat.h>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -12,6 +14,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -373,3 +376,70 @@ TEST_F(ZooFashionMNISTFiles, WrongMagic) {
 }
 
 } // namespace
+
+// compat::scaled_dot_product_attention (LibTorch's kernel on 2.x) against
+// the explicit matmul / mask / softmax path, against a float64 reference
+// written here, with causal, padding and both masks, Tq == Tk and Tq < Tk.
+// Tolerance: both are float32 sums of D products and a softmax over Tk keys
+// of values O(1): their rounding differs by a few ulps of the output, far
+// below 2e-5 (the bound scales with D * 2^-24 ~ 4e-6 for D = 64).
+TEST(Attention, FusedAndExplicitPathsAgree) {
+  namespace compat = colossalai::compat;
+  torch::manual_seed(0);
+  const int64_t b = 2, h = 3, d = 64;
+  for (int64_t tk : {1, 7, 33}) {
+    for (int64_t tq : {tk, (tk + 1) / 2}) {
+      auto q = torch::randn({b, h, tq, d});
+      auto k = torch::randn({b, h, tk, d});
+      auto v = torch::randn({b, h, tk, d});
+      // Right padding: batch row 1 hides its last keys (never the first,
+      // so every query sees at least one key).
+      auto pad = torch::ones({b, 1, 1, tk}, torch::kBool);
+      pad[1].narrow(-1, (tk + 1) / 2, tk - (tk + 1) / 2).fill_(false);
+      for (bool causal : {false, true}) {
+        for (bool masked : {false, true}) {
+          const std::string tag = "tq=" + std::to_string(tq) +
+              " tk=" + std::to_string(tk) + (causal ? " causal" : "") +
+              (masked ? " padded" : "");
+          c10::optional<at::Tensor> mask;
+          if (masked) {
+            mask = pad;
+          }
+          // float64 reference.
+          auto s = torch::matmul(
+                       q.to(torch::kDouble),
+                       k.to(torch::kDouble).transpose(-2, -1)) /
+              std::sqrt(static_cast<double>(d));
+          auto allow = torch::ones({tq, tk}, torch::kBool);
+          if (causal) {
+            allow = allow.tril(tk - tq);
+          }
+          if (masked) {
+            allow = allow.logical_and(pad);
+          }
+          auto want = torch::matmul(
+              torch::softmax(
+                  s.masked_fill(allow.logical_not(), -INFINITY), -1),
+              v.to(torch::kDouble));
+          auto fused =
+              compat::scaled_dot_product_attention(q, k, v, mask, causal);
+          auto plain = compat::explicit_attention(q, k, v, mask, causal);
+          EXPECT_TRUE(torch::allclose(fused.to(torch::kDouble), want, 0, 2e-5))
+              << tag << ": max diff "
+              << (fused.to(torch::kDouble) - want).abs().max().item<double>();
+          EXPECT_TRUE(torch::allclose(plain.to(torch::kDouble), want, 0, 2e-5))
+              << tag;
+          EXPECT_TRUE(torch::allclose(fused, plain, 0, 2e-5)) << tag;
+        }
+      }
+    }
+  }
+  EXPECT_THROW(
+      compat::scaled_dot_product_attention(
+          torch::randn({1, 1, 2, 4}),
+          torch::randn({1, 1, 2, 4}),
+          torch::randn({1, 1, 2, 4}),
+          torch::ones({2, 2}),
+          false),
+      c10::Error);
+}

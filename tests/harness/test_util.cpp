@@ -66,15 +66,27 @@ bool python_has_torch() {
       run_shell(std::string(kPython) + " -c 'import torch'").first == 0;
 }
 
-int64_t peak_rss_bytes() {
+namespace {
+
+int64_t status_bytes(const std::string& field) {
   std::ifstream in("/proc/self/status");
   std::string line;
   while (std::getline(in, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) {
-      return std::stoll(line.substr(6)) * 1024;
+    if (line.rfind(field, 0) == 0) {
+      return std::stoll(line.substr(field.size())) * 1024;
     }
   }
   return -1;
+}
+
+} // namespace
+
+int64_t peak_rss_bytes() {
+  return status_bytes("VmHWM:");
+}
+
+int64_t rss_bytes() {
+  return status_bytes("VmRSS:");
 }
 
 } // namespace testing

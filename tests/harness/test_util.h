@@ -37,6 +37,10 @@ bool python_has_torch();
 
 /// This process's peak resident set size (VmHWM), in bytes.
 int64_t peak_rss_bytes();
+/// This process's resident set size now (VmRSS), in bytes: the baseline
+/// memory bounds measure above (a CUDA-linked LibTorch starts ~200 MB
+/// higher).
+int64_t rss_bytes();
 
 } // namespace testing
 } // namespace colossalai
