@@ -24,16 +24,12 @@
 
 #include <colossalai/distributed/collectives.h>
 
+#include "../utils/grad_ready_hook.h"
+
 #include <deque>
 #include <memory>
 #include <string>
 #include <vector>
-
-namespace torch {
-namespace autograd {
-struct Node;
-} // namespace autograd
-} // namespace torch
 
 namespace colossalai {
 namespace distributed {
@@ -151,7 +147,7 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   std::vector<Bucket> buckets_;
   std::vector<int64_t> bucket_of_; // -1: in no bucket
   std::vector<char> ready_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<utils::GradAccumulatorPtr> accumulators_;
 
   bool sync_ = true;
   bool in_backward_ = false;

@@ -46,14 +46,66 @@ template <class O>
 struct has_use_libuv<O, std::void_t<decltype(std::declval<O&>().useLibUV)>>
     : std::true_type {};
 
-} // namespace
-
-WorkPtr all_gather_single(Backend& b, at::Tensor& out, at::Tensor& in) {
-  if constexpr (has_all_gather_single<Backend>::value) {
+// The calls, templated so that the branch a version lacks is discarded.
+template <class B>
+WorkPtr all_gather_single_of(B& b, at::Tensor& out, at::Tensor& in) {
+  if constexpr (has_all_gather_single<B>::value) {
     return b.all_gather_single(out, in);
   } else {
     return b._allgather_base(out, in);
   }
+}
+
+template <class B>
+WorkPtr reduce_scatter_single_of(
+    B& b,
+    at::Tensor& out,
+    at::Tensor& in,
+    const ::c10d::ReduceScatterOptions& opts) {
+  if constexpr (has_reduce_scatter_single<B>::value) {
+    return b.reduce_scatter_single(out, in, opts);
+  } else {
+    return b._reduce_scatter_base(out, in, opts);
+  }
+}
+
+template <class B>
+WorkPtr all_to_all_single_of(
+    B& b,
+    at::Tensor& out,
+    at::Tensor& in,
+    std::vector<int64_t>& out_splits,
+    std::vector<int64_t>& in_splits) {
+  ::c10d::AllToAllOptions opts;
+  if constexpr (has_all_to_all_single<B>::value) {
+    return b.all_to_all_single(out, in, out_splits, in_splits, opts);
+  } else {
+    return b.alltoall_base(out, in, out_splits, in_splits, opts);
+  }
+}
+
+template <class O>
+c10::intrusive_ptr<::c10d::TCPStore> make_store(
+    const std::string& host,
+    O so) {
+  if constexpr (has_use_libuv<O>::value) {
+    try {
+      return c10::make_intrusive<::c10d::TCPStore>(host, so);
+    } catch (const std::exception& e) {
+      if (std::string(e.what()).find("libuv") == std::string::npos ||
+          !so.useLibUV) {
+        throw;
+      }
+      so.useLibUV = false; // refused before any socket was opened
+    }
+  }
+  return c10::make_intrusive<::c10d::TCPStore>(host, so);
+}
+
+} // namespace
+
+WorkPtr all_gather_single(Backend& b, at::Tensor& out, at::Tensor& in) {
+  return all_gather_single_of(b, out, in);
 }
 
 WorkPtr reduce_scatter_single(
@@ -61,11 +113,7 @@ WorkPtr reduce_scatter_single(
     at::Tensor& out,
     at::Tensor& in,
     const ::c10d::ReduceScatterOptions& opts) {
-  if constexpr (has_reduce_scatter_single<Backend>::value) {
-    return b.reduce_scatter_single(out, in, opts);
-  } else {
-    return b._reduce_scatter_base(out, in, opts);
-  }
+  return reduce_scatter_single_of(b, out, in, opts);
 }
 
 WorkPtr all_to_all_single(
@@ -74,12 +122,7 @@ WorkPtr all_to_all_single(
     at::Tensor& in,
     std::vector<int64_t>& out_splits,
     std::vector<int64_t>& in_splits) {
-  ::c10d::AllToAllOptions opts;
-  if constexpr (has_all_to_all_single<Backend>::value) {
-    return b.all_to_all_single(out, in, out_splits, in_splits, opts);
-  } else {
-    return b.alltoall_base(out, in, out_splits, in_splits, opts);
-  }
+  return all_to_all_single_of(b, out, in, out_splits, in_splits);
 }
 
 bool is_unsupported(const std::exception& e) {
@@ -103,18 +146,7 @@ c10::intrusive_ptr<::c10d::TCPStore> make_tcp_store(
   so.numWorkers = num_workers;
   so.waitWorkers = false;
   so.timeout = timeout;
-  if constexpr (has_use_libuv<::c10d::TCPStoreOptions>::value) {
-    try {
-      return c10::make_intrusive<::c10d::TCPStore>(host, so);
-    } catch (const std::exception& e) {
-      if (std::string(e.what()).find("libuv") == std::string::npos ||
-          !so.useLibUV) {
-        throw;
-      }
-      so.useLibUV = false; // refused before any socket was opened
-    }
-  }
-  return c10::make_intrusive<::c10d::TCPStore>(host, so);
+  return make_store(host, so);
 }
 
 } // namespace compat

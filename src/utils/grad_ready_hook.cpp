@@ -24,7 +24,7 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
 
 } // namespace
 
-std::shared_ptr<torch::autograd::Node> on_grad_accumulated(
+GradAccumulatorPtr on_grad_accumulated(
     const at::Tensor& param,
     std::function<void()> fn) {
   auto acc = torch::autograd::impl::grad_accumulator(param);

@@ -5,18 +5,26 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <functional>
 #include <memory>
+#include <utility>
 
 namespace colossalai {
 namespace utils {
 
+/// Owning pointer to an autograd node: std::shared_ptr up to some 2.x
+/// releases, c10::intrusive_ptr after; whatever this LibTorch returns.
+using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(
+    std::declval<const at::Tensor&>()));
+
 /// Installs `fn` as a post-hook of `param`'s gradient accumulator and
 /// returns the accumulator, which the caller must keep alive (the parameter
 /// holds it only weakly). Returns null when `param` is not a leaf that
-/// requires grad.
-std::shared_ptr<torch::autograd::Node> on_grad_accumulated(
+/// requires grad. (The accumulator's post-hook, not 2.x's
+/// register_post_accumulate_grad_hook: the same place, on every version.)
+GradAccumulatorPtr on_grad_accumulated(
     const at::Tensor& param,
     std::function<void()> fn);
 
