@@ -40,5 +40,11 @@ bool retain_freed_host_memory() {
 #endif
 }
 
+void release_freed_host_memory() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
+}
+
 } // namespace utils
 } // namespace colossalai

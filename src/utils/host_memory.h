@@ -10,5 +10,11 @@ namespace utils {
 /// false where the C library has no such settings or refused them.
 bool retain_freed_host_memory();
 
+/// Hands the free pages inside the heap back to the kernel (glibc's
+/// malloc_trim). For one-off peaks such as materializing a model shard by
+/// shard: each whole tensor dropped for its shard leaves a hole the next,
+/// differently sized one may not fit, and the holes stay resident.
+void release_freed_host_memory();
+
 } // namespace utils
 } // namespace colossalai

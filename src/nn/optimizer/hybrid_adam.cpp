@@ -428,13 +428,45 @@ void HybridAdam::Impl::run_offloaded(
 
 // ------------------------------------------------------------ optimizer ---
 
+namespace {
+
+// Each group's own options, as given.
+std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> own_options(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> out;
+  for (const auto& g : groups) {
+    out.push_back(g.has_options() ? g.options().clone() : nullptr);
+  }
+  return out;
+}
+
+} // namespace
+
 HybridAdam::HybridAdam(
     std::vector<torch::optim::OptimizerParamGroup> param_groups,
+    HybridAdamOptions defaults)
+    // By reference: the groups are read for their options before the
+    // delegated constructor moves them.
+    : HybridAdam(own_options(param_groups), param_groups, std::move(defaults)) {
+}
+
+HybridAdam::HybridAdam(
+    std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> own,
+    std::vector<torch::optim::OptimizerParamGroup>& param_groups,
     HybridAdamOptions defaults)
     : Optimizer(
           std::move(param_groups),
           std::make_unique<HybridAdamOptions>(defaults)),
       impl_(std::make_unique<Impl>()) {
+  // Later 2.x releases replace a group's options by the defaults merged
+  // with those of the optimizers LibTorch knows, which drops
+  // HybridAdamOptions (and would hide options of a wrong type): keep each
+  // group's own, as 1.13 does.
+  for (size_t i = 0; i < own.size() && i < param_groups_.size(); ++i) {
+    if (own[i]) {
+      param_groups_[i].set_options(std::move(own[i]));
+    }
+  }
   check_options(defaults, "HybridAdam: ");
   for (size_t i = 0; i < param_groups_.size(); ++i) {
     const auto* o =

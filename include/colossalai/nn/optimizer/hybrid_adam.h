@@ -168,6 +168,11 @@ class HybridAdam : public torch::optim::Optimizer {
   void fetch_offloaded_states();
 
  private:
+  HybridAdam(
+      std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> own,
+      std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+      HybridAdamOptions defaults);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
