@@ -9,7 +9,8 @@
 # unpickler and the optimizer-state path; links the library built in
 # $COLOSSALAI_LIB, default build/libcolossalai.a, for what it does not
 # compile instrumented). SECONDS: default 20. Needs clang and libFuzzer
-# (Debian: clang, libclang-rt-14-dev) and LibTorch under /usr. The binary and
+# (Debian: clang, libclang-rt-N-dev) and LibTorch: under /usr, or where
+# TORCH_INCLUDE / TORCH_LIBDIR say. The binary and
 # any crash inputs go to $FUZZ_BUILD_DIR (default build/fuzz). Exits non-zero
 # when the fuzzer finds a crash.
 set -euo pipefail
@@ -29,6 +30,14 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${FUZZ_BUILD_DIR:-$repo/build/fuzz}"
 cxx="${FUZZ_CXX:-clang++}"
 torch_include="${TORCH_INCLUDE:-/usr/include}"
+# LibTorch's library folder (empty: the system's), the C++ standard its
+# headers need and extra link flags; ctest passes those of its build.
+torch_libdir="${TORCH_LIBDIR:-}"
+std="${FUZZ_STD:-c++17}"
+read -r -a link_flags <<<"${FUZZ_LINK_FLAGS:-}"
+if [[ -n "$torch_libdir" ]]; then
+  link_flags+=(-L"$torch_libdir" -Wl,-rpath,"$torch_libdir")
+fi
 mkdir -p "$out"
 
 extra_link=()
@@ -60,8 +69,14 @@ case "$target" in
     ;;
 esac
 binary="$out/${target}_fuzz"
+compile=("$cxx" -std="$std" -O1 -g -fno-omit-frame-pointer
+  -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
+  -I"$repo/include" -I"$torch_include" -I"$torch_include/torch/csrc/api/include"
+  "${sources[@]}" -o "$binary"
+  "${extra_link[@]}" "${link_flags[@]}" -ltorch -ltorch_cpu -lc10)
 rebuild=0
-if [[ ! -x "$binary" ]]; then
+# Built again when a source changed or the command did (another LibTorch).
+if [[ ! -x "$binary" || "$(cat "$binary.cmd" 2>/dev/null)" != "${compile[*]}" ]]; then
   rebuild=1
 else
   for f in "${sources[@]}" "${headers[@]}"; do
@@ -71,11 +86,8 @@ fi
 if (( rebuild )); then
   echo "building $binary"
   start=$(date +%s)
-  "$cxx" -std=c++17 -O1 -g -fno-omit-frame-pointer \
-    -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -I"$repo/include" -I"$torch_include" -I"$torch_include/torch/csrc/api/include" \
-    "${sources[@]}" -o "$binary" \
-    "${extra_link[@]}" -ltorch -ltorch_cpu -lc10
+  "${compile[@]}"
+  printf '%s' "${compile[*]}" >"$binary.cmd"
   echo "built in $(( $(date +%s) - start )) s"
 fi
 

@@ -72,7 +72,16 @@ if [ "$torch_source" = system ]; then
   exit 0
 fi
 
-# LibTorch from PyPI's torch wheel.
+# LibTorch from PyPI's torch wheel. It is a CUDA build: CMake configures
+# against it only with a CUDA toolkit (nvcc and headers) present, even on a
+# machine without a GPU.
+if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "setup.sh: --torch pip needs the CUDA toolkit (nvcc): PyPI's LibTorch is a" >&2
+  echo "  CUDA build and its CMake files look for it. Install NVIDIA's CUDA toolkit" >&2
+  echo "  (or Debian's nvidia-cuda-toolkit, non-free), or use Debian's LibTorch" >&2
+  echo "  (./scripts/setup.sh without --torch pip)." >&2
+  exit 1
+fi
 python=/usr/bin/python3
 wheels="${XDG_CACHE_HOME:-$HOME/.cache}/colossalai-cpp/wheels"
 requirements=scripts/requirements-torch.txt
