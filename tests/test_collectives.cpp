@@ -565,6 +565,16 @@ TEST(Collectives, PathsSayWhatRan) {
           cd::reduce_scatter(out, input(rank, n, at::kFloat), *group).wait();
           check("reduce_scatter", "fp32 reduce_scatter n=" + std::to_string(n));
         }
+        {
+          // Max: Gloo's own reduce-scatter only sums (2.6 returns sums).
+          auto out = at::empty({4});
+          cd::reduce_scatter(
+              out, input(rank, 8, at::kFloat), *group, cd::ReduceOp::kMax)
+              .wait();
+          EXPECT_EQ(
+              cd::collective_path("reduce_scatter"),
+              cd::CollectivePath::kReplacement);
+        }
         auto shard = input(rank, 4, at::kFloat);
         auto full = at::empty({8});
         cd::all_gather(full, shard, *group).wait();

@@ -399,7 +399,6 @@ c10::optional<Work> reduce_scatter_native(
 
 } // namespace
 
-Work::Work() = default;
 CollectivePath collective_path(const std::string& op) {
   static const char* const kNames[kNumOps] = {
       "all_reduce", "all_gather", "reduce_scatter"};
@@ -430,6 +429,7 @@ const char* to_string(CollectivePath path) {
   }
 }
 
+Work::Work() = default;
 Work::Work(std::unique_ptr<State> state) : state_(std::move(state)) {}
 Work::Work(Work&& other) noexcept = default;
 Work& Work::operator=(Work&& other) noexcept = default;
@@ -720,7 +720,10 @@ Work reduce_scatter(
     return shm_work(
         channel->reduce_scatter(out, in, sizes, op), "reduce_scatter", group);
   }
-  if (gloo_reduces(input.scalar_type()) &&
+  // Gloo's own reduce-scatter only sums: LibTorch 2.6's ignores MAX / MIN
+  // and returns sums (test_collectives' ChunkedReduceScatterInFlight).
+  const bool sums = op == ReduceOp::kSum || op == ReduceOp::kAvg;
+  if (sums && gloo_reduces(input.scalar_type()) &&
       g_gloo_native[kReduceScatter].load() != Native::kNo) {
     if (auto w = reduce_scatter_native(out, in, sizes, group, op)) {
       return std::move(*w);

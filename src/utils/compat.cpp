@@ -141,25 +141,6 @@ AutocastGuard::~AutocastGuard() {
 }
 #endif
 
-at::Tensor fused_causal_attention(
-    const at::Tensor& q,
-    const at::Tensor& k,
-    const at::Tensor& v) {
-#if COLOSSALAI_TORCH_AT_LEAST(2, 0)
-  return at::scaled_dot_product_attention(
-      q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
-#else
-  (void)q;
-  (void)k;
-  (void)v;
-  TORCH_CHECK(
-      false,
-      "fused attention needs LibTorch 2.0 or later (this is ",
-      TORCH_VERSION,
-      ")");
-#endif
-}
-
 namespace {
 
 // The mask of `scaled_dot_product_attention` combined with the causal one

@@ -55,13 +55,6 @@ int64_t device_memory_capacity(at::Device device);
 constexpr bool has_fused_attention() {
   return COLOSSALAI_TORCH_AT_LEAST(2, 0);
 }
-/// Causal attention of q, k, v [B, H, T, D] through LibTorch's fused kernel
-/// (flash / memory-efficient where the device has them); an error where
-/// `has_fused_attention()` is false.
-at::Tensor fused_causal_attention(
-    const at::Tensor& q,
-    const at::Tensor& k,
-    const at::Tensor& v);
 
 /// softmax(q k^T / sqrt(D) + mask) v for q [B, H, Tq, D] and k, v
 /// [B, H, Tk, D]: `mask` (optional) is boolean, true where a query may
