@@ -252,7 +252,7 @@ def has_fsdp2():
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
         return True
-    except ImportError:
+    except Exception:  # absent, or (Debian's 1.13 on 3.11) fails to import
         return False
 
 
