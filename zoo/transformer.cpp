@@ -47,8 +47,6 @@ void configure_parallel_state(
       ") divisible by sp_size (",
       st.sp_size(),
       ")");
-  st.fused_attention =
-      cfg.enable_flash_attention() && compat::has_fused_attention();
   st.parallel_output = cfg.parallel_output();
   TORCH_CHECK(
       cfg.gradient_checkpointing_ratio() >= 0.0 &&
@@ -102,11 +100,10 @@ at::Tensor attention(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
-    bool fused,
     shardformer::layer::DropoutImpl* dropout) {
   const bool drops = dropout != nullptr && dropout->is_training() &&
       dropout->options.p() > 0.0;
-  if (fused || !drops) {
+  if (!drops) {
     // LibTorch's kernel on 2.x, the explicit path on 1.13.
     return compat::scaled_dot_product_attention(
         q, k, v, /*mask=*/c10::nullopt, /*is_causal=*/true);
@@ -186,7 +183,7 @@ at::Tensor sequence_attention(
     const ParallelState& st,
     shardformer::layer::DropoutImpl* dropout) {
   if (st.sp_mode != "ring_attn") {
-    return attention(q, k, v, st.fused_attention && !dropout, dropout);
+    return attention(q, k, v, dropout);
   }
   TORCH_CHECK(
       dropout == nullptr,

@@ -26,7 +26,6 @@ struct ParallelState {
   /// `sp`).
   std::string sp_mode;
   distributed::ProcessGroupPtr sp;
-  bool fused_attention = false;
   bool parallel_output = true;
   /// Share of the blocks (the first ones) that recompute their activations
   /// in backward (ColossalAI: int(ratio x num_layers) blocks).
@@ -79,13 +78,12 @@ at::Tensor causal_lm_loss(
 
 /// Causal softmax attention of q [B, H, T, D] and k, v [B, H, T, D] ->
 /// [B, H, T, D], through compat::scaled_dot_product_attention (LibTorch's
-/// kernel on 2.x) unless `dropout` (may be null) is active and `fused` is
-/// off: then matmul, mask, softmax and `dropout` on the probabilities.
+/// kernel on 2.x) unless `dropout` (may be null) is active: then matmul,
+/// mask, softmax and `dropout` on the probabilities.
 at::Tensor attention(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
-    bool fused,
     shardformer::layer::DropoutImpl* dropout);
 
 /// Ulysses: [B, T / sp, H, D] sequence-sharded -> [B, T, H / sp, D]

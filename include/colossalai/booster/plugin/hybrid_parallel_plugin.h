@@ -54,11 +54,11 @@ struct HybridParallelPluginOptions {
   TORCH_ARG(bool, enable_all_optimization) = false;
   /// Accepted: LibTorch's LayerNorm is one fused ATen kernel already.
   TORCH_ARG(bool, enable_fused_normalization) = false;
-  /// Attention runs through at::scaled_dot_product_attention on LibTorch
-  /// 2.x either way, save where attention dropout is active: this flag
-  /// keeps the fused kernel there too (its own dropout masks, not the
-  /// tensor-parallel-aware ones). 1.13 has no fused kernel: matmul +
-  /// softmax.
+  /// Accepted with no effect: the zoo's attention runs through
+  /// at::scaled_dot_product_attention on LibTorch 2.x whenever attention
+  /// dropout is off (dropout needs the probabilities, for masks that follow
+  /// the tensor-parallel layout); 1.13 has no fused kernel (matmul +
+  /// softmax).
   TORCH_ARG(bool, enable_flash_attention) = false;
   /// Accepted with no effect (there is no TorchScript fusion here).
   TORCH_ARG(bool, enable_jit_fused) = false;
