@@ -62,8 +62,22 @@ void launch(const LaunchOptions& o) {
       o.backend(),
       "'");
 
-  bool cuda = torch::cuda::is_available();
-  bool nccl = o.backend() == "nccl" || (o.backend() == "auto" && cuda);
+  std::string device = o.device();
+  if (device == "auto") {
+    device = utils::env_str("COLOSSALAI_DEVICE").value_or("auto");
+  }
+  TORCH_CHECK(
+      device == "auto" || device == "cpu" || device == "cuda",
+      "colossalai::launch: device must be 'auto', 'cpu' or 'cuda', got '",
+      device,
+      "' (LaunchOptions::device or COLOSSALAI_DEVICE)");
+  const bool cuda = torch::cuda::is_available();
+  TORCH_CHECK(
+      device != "cuda" || cuda,
+      "colossalai::launch: device 'cuda' needs a CUDA device, and this "
+      "process sees none (a CPU-only LibTorch, or no GPU visible)");
+  bool nccl = o.backend() == "nccl" ||
+      (o.backend() == "auto" && cuda && device != "cpu");
 #ifndef COLOSSALAI_WITH_CUDA
   TORCH_CHECK(
       !(nccl && o.backend() == "nccl"),
@@ -73,6 +87,20 @@ void launch(const LaunchOptions& o) {
 #endif
   TORCH_CHECK(
       !nccl || cuda, "colossalai::launch: backend 'nccl' needs a CUDA device");
+  TORCH_CHECK(
+      !(nccl && device == "cpu"),
+      "colossalai::launch: backend 'nccl' moves CUDA tensors only; device "
+      "'cpu' needs backend 'gloo'");
+  const bool on_cuda = nccl || device == "cuda";
+  int cuda_index = -1;
+  if (on_cuda) {
+    const int count = static_cast<int>(torch::cuda::device_count());
+    cuda_index = (o.local_rank() >= 0 ? o.local_rank() : o.rank()) % count;
+    compat::set_cuda_device(cuda_index);
+  }
+  if (nccl) {
+    compat::catchable_nccl_failures();
+  }
 
   // Gloo writes to sockets whose peer may have died: make that an error
   // (EPIPE, turned into a DistributedError) instead of a silent SIGPIPE
@@ -97,11 +125,9 @@ void launch(const LaunchOptions& o) {
       utils::env_int("COLOSSALAI_SHM_COLLECTIVES").value_or(1) != 0;
   staging->backend =
       nccl ? distributed::BackendType::kNccl : distributed::BackendType::kGloo;
-  if (nccl) {
-    int count = static_cast<int>(torch::cuda::device_count());
-    int local = o.local_rank() >= 0 ? o.local_rank() : o.rank() % count;
+  if (on_cuda) {
     staging->device =
-        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local));
+        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(cuda_index));
   }
   static const char* const kPhases[] = {
       "starting the rendezvous store",
@@ -116,8 +142,12 @@ void launch(const LaunchOptions& o) {
       std::to_string(o.port());
   auto done = std::make_shared<std::promise<void>>();
   auto finished = done->get_future();
-  std::thread([staging, phase, done, o, where]() {
+  std::thread([staging, phase, done, o, where, cuda_index]() {
     try {
+      if (cuda_index >= 0) {
+        // The current device is per thread; NCCL's first barrier runs here.
+        compat::set_cuda_device(cuda_index);
+      }
       c10::intrusive_ptr<::c10d::TCPStore> store;
       try {
         store = compat::make_tcp_store(

@@ -3,6 +3,7 @@
 // mesh arithmetic, and the errors users see for bad configuration.
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/booster/mixed_precision/bf16.h>
 #include <colossalai/booster/mixed_precision/fp16_torch.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/data/distributed_sampler.h>
@@ -224,6 +225,36 @@ TEST(Booster, BoostedModelKeepsTheForwardSignatureAndUnwraps) {
   EXPECT_EQ(opt, nullptr);
   // Autocast is off again outside the boosted call.
   EXPECT_EQ(model->forward(torch::ones({1, 2}), 1.0).scalar_type(), at::kFloat);
+}
+
+TEST(Booster, TakesMixedPrecisionObjects) {
+  namespace mp = cb::mixed_precision;
+  // A policy object with no device follows the Booster's, like the string.
+  auto bf16 = std::make_shared<mp::BF16MixedPrecision>();
+  cb::Booster booster(cb::BoosterOptions().mixed_precision(bf16));
+  EXPECT_EQ(booster.options().mixed_precision(), "bf16");
+  auto [m, opt, crit, dl, sched] =
+      booster.boost(torch::nn::Linear(2, 2));
+  EXPECT_EQ(m(torch::ones({1, 2})).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(bf16->device_type(), std::optional<at::DeviceType>(at::kCPU));
+  // Built for another device: named, not silently a no-op.
+  EXPECT_NE(
+      error_of([] {
+        cb::Booster(cb::BoosterOptions().mixed_precision(
+            std::make_shared<mp::BF16MixedPrecision>(at::kCUDA)));
+      }).find("built for cuda but the Booster runs on cpu"),
+      std::string::npos);
+  // fp16 with its scaler's options still needs CUDA.
+  EXPECT_NE(
+      error_of([] {
+        cb::Booster(cb::BoosterOptions().mixed_precision(
+            std::make_shared<mp::FP16TorchMixedPrecision>(
+                colossalai::amp::GradScalerOptions().init_scale(1024))));
+      }).find("needs a CUDA device"),
+      std::string::npos);
+  // A string set afterwards wins over the object.
+  auto opts = cb::BoosterOptions().mixed_precision(bf16).mixed_precision("");
+  EXPECT_EQ(opts.mixed_precision_policy(), nullptr);
 }
 
 // NOTE [Freed host memory stays in the process]: after boost, a training

@@ -653,6 +653,11 @@ TEST(HybridParallel, InvalidOptionsNameTheOption) {
     EXPECT_NE(
         make_plugin(HPO().precision("fp32").zero_stage(3)).find("zero_stage"),
         std::string::npos);
+    // No option accepted and ignored: the JIT fusion LibTorch lacks.
+    EXPECT_NE(
+        make_plugin(HPO().precision("fp32").enable_jit_fused(true))
+            .find("enable_jit_fused"),
+        std::string::npos);
     // A model whose heads do not split over the tensor group.
     auto plugin = std::make_shared<HybridParallelPlugin>(
         HPO().precision("fp32").tp_size(4));

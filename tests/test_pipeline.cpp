@@ -75,6 +75,42 @@ TEST(PipelineSchedule, InterleavedAndZeroBubbleShrinkTheBubble) {
   EXPECT_THROW(cp::interleaved(0, 4, 2, 6), c10::Error); // m % p != 0
 }
 
+TEST(PipelineSchedule, EveryPairReceivesInSendOrder) {
+  // NCCL matches a pair's messages by order, not by tag: every generated
+  // schedule must receive each pair's messages in the order they were sent.
+  for (int p : {2, 3, 4}) {
+    for (int m : {4, 8, 12}) {
+      EXPECT_EQ(cp::p2p_order_mismatch(cp::generate("1f1b", p, 1, m), 1, false), "")
+          << "1f1b p " << p << " m " << m;
+      if (m % p == 0) {
+        for (int c : {2, 3}) {
+          EXPECT_EQ(
+              cp::p2p_order_mismatch(
+                  cp::generate("interleaved", p, c, m), c, false),
+              "")
+              << "interleaved p " << p << " chunks " << c << " m " << m;
+        }
+      }
+      EXPECT_EQ(cp::p2p_order_mismatch(cp::generate("zbv", p, 2, m), 2, true), "")
+          << "zbv p " << p << " m " << m;
+    }
+  }
+  // Stage 1 consumes micro-batch 1 before 0: found and named.
+  std::vector<std::vector<cp::Action>> swapped = {
+      {{cp::ActionKind::kForward, 0, 0},
+       {cp::ActionKind::kForward, 0, 1},
+       {cp::ActionKind::kBackward, 0, 0},
+       {cp::ActionKind::kBackward, 0, 1}},
+      {{cp::ActionKind::kForward, 0, 1},
+       {cp::ActionKind::kForward, 0, 0},
+       {cp::ActionKind::kBackward, 0, 0},
+       {cp::ActionKind::kBackward, 0, 1}}};
+  EXPECT_NE(
+      cp::p2p_order_mismatch(swapped, 1, false)
+          .find("stage 0 -> stage 1, message 0"),
+      std::string::npos);
+}
+
 TEST(PipelineSchedule, SimulatorFindsADeadlock) {
   // Stage 0 waits for a gradient before sending the forward it needs.
   std::vector<std::vector<cp::Action>> bad = {

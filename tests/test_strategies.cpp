@@ -153,15 +153,17 @@ std::vector<at::Tensor> train(
   }
   auto* f = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
       *boosted.model.wrapper());
+  // On the host: the reference trains there (COLOSSALAI_DEVICE=cuda runs
+  // the strategies on a GPU).
   std::vector<at::Tensor> out;
   if (f != nullptr) {
     auto guard = f->summon_full_params();
     for (const auto& p : model->parameters()) {
-      out.push_back(p.detach().clone());
+      out.push_back(p.detach().cpu().clone());
     }
   } else {
     for (const auto& p : model->parameters()) {
-      out.push_back(p.detach().clone());
+      out.push_back(p.detach().cpu().clone());
     }
   }
   return out;

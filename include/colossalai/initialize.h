@@ -27,8 +27,14 @@ struct LaunchOptions {
   TORCH_ARG(int, port) = 29500;
   /// "gloo", "nccl" or "auto" (NCCL when CUDA is available, else Gloo).
   TORCH_ARG(std::string, backend) = "auto";
-  /// Rank on this node; selects the CUDA device. -1: rank % device count.
+  /// Rank on this node; selects the CUDA device (local_rank modulo the
+  /// device count, made the current device). -1: the global rank.
   TORCH_ARG(int, local_rank) = -1;
+  /// Where this rank computes: "auto" (CUDA when the backend is NCCL, else
+  /// the CPU), "cpu" or "cuda". "cuda" with Gloo runs CUDA tensors over Gloo
+  /// through pinned host copies (several ranks may share one GPU). The
+  /// environment's COLOSSALAI_DEVICE takes the place of "auto".
+  TORCH_ARG(std::string, device) = "auto";
   /// Limit for the rendezvous and for every collective.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   /// All-reduce, reduce-scatter, all-gather and broadcast of a Gloo group whose
@@ -59,8 +65,8 @@ void launch_from_env(LaunchOptions base = LaunchOptions());
 /// Tears the runtime down (groups, store). Safe to call when not launched.
 void destroy();
 
-/// The device this rank computes on: cuda:local_rank with NCCL, else CPU.
-/// Before launch, CPU.
+/// The device this rank computes on (LaunchOptions::device). Before launch,
+/// CPU.
 c10::Device current_device();
 
 } // namespace colossalai

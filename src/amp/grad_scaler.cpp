@@ -58,6 +58,11 @@ at::Tensor any_non_finite(const std::vector<at::Tensor>& tensors) {
   if (flags.empty()) {
     return at::zeros({1}, at::kFloat);
   }
+  // Partly offloaded shards put gradients on two devices: gather the flags
+  // where the first one is.
+  for (auto& f : flags) {
+    f = f.to(flags.front().device());
+  }
   return at::stack(flags).any().to(at::kFloat).reshape({1});
 }
 

@@ -27,6 +27,23 @@ std::string join(const std::vector<std::string>& v) {
   return out;
 }
 
+// Moves tensor arguments to the model's device, as torch's DDP does with
+// its device_ids: a training loop written for the CPU runs unchanged when
+// the ranks are launched on GPUs.
+class ToDeviceModel : public interface::ModelWrapper {
+ public:
+  ToDeviceModel(std::shared_ptr<interface::ModelWrapper> inner, at::Device d)
+      : interface::ModelWrapper(std::move(inner)), device_(d) {}
+
+ protected:
+  at::Tensor transform_input(const at::Tensor& x) override {
+    return x.defined() && x.device() != device_ ? x.to(device_) : x;
+  }
+
+ private:
+  at::Device device_;
+};
+
 // Recomputes the LoRA weights of reparametrised layers before every
 // forward (NOTE [LoRA in C++]).
 class LoraRefreshModel : public interface::ModelWrapper {
@@ -51,6 +68,23 @@ Booster::Booster(BoosterOptions options)
     : options_(std::move(options)), plugin_(options_.plugin()) {
   device_ = options_.device().empty() ? current_device()
                                       : at::Device(options_.device());
+  if (plugin_ && plugin_->control_device()) {
+    // The plugin places the model on the launched device: another one here
+    // would only mislead autocast.
+    const c10::Device launched = current_device();
+    TORCH_CHECK(
+        device_.type() == launched.type() &&
+            (!device_.has_index() || device_ == launched),
+        "BoosterOptions device '",
+        device_.str(),
+        "' differs from this rank's launched device '",
+        launched.str(),
+        "', where ",
+        plugin_->name(),
+        " places the model; choose the device at launch (LaunchOptions::"
+        "device or COLOSSALAI_DEVICE) and leave the Booster's unset");
+    device_ = launched;
+  }
   const std::string device_type = device_.is_cuda() ? "cuda" : "cpu";
   std::string precision = options_.mixed_precision();
   if (precision == "no") {
@@ -89,7 +123,18 @@ Booster::Booster(BoosterOptions options)
       plugin_ ? plugin_->precision() : "",
       "': the plugin applies its own precision; set it in the plugin's "
       "options and leave mixed_precision unset (or equal)");
-  if (!plugin_ || !plugin_->control_precision()) {
+  auto policy = options_.mixed_precision_policy();
+  TORCH_CHECK(
+      !(policy && plugin_ && plugin_->control_precision()),
+      "Booster mixed_precision: ",
+      plugin_ ? plugin_->name() : "",
+      " applies its own precision, so a MixedPrecision object's settings "
+      "would go unused; set precision (and initial_scale, growth_interval, "
+      "...) in the plugin's options instead");
+  if (policy) {
+    policy->bind_device(device_.type());
+    mixed_precision_ = policy;
+  } else if (!plugin_ || !plugin_->control_precision()) {
     mixed_precision_ =
         mixed_precision::make_mixed_precision(precision, device_.type());
   }
@@ -143,6 +188,9 @@ Booster::boost_parts(
   boosted_.insert(model.get());
   std::shared_ptr<interface::ModelWrapper> mw =
       std::make_shared<interface::ModelWrapper>(model);
+  if (!device_.is_cpu()) {
+    mw = std::make_shared<ToDeviceModel>(mw, device_);
+  }
   auto lora = lora_.find(model.get());
   if (lora != lora_.end()) {
     mw = std::make_shared<LoraRefreshModel>(mw, lora->second);

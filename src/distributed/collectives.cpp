@@ -82,6 +82,50 @@ void record(Op op, CollectivePath path) {
   g_path[op].store(static_cast<int>(path), std::memory_order_relaxed);
 }
 
+// NOTE [Gloo over CUDA tensors]
+// Gloo moves host memory. A CUDA tensor on a Gloo group (several ranks
+// sharing one GPU, or a job without NCCL) travels through a pinned host
+// copy: taken when the call starts, written back in wait(). Every host path
+// below (shared memory, the replacements) then serves CUDA tensors too.
+bool staged(const ProcessGroup& g, const at::Tensor& t) {
+  return gloo(g) && t.defined() && t.is_cuda();
+}
+
+// The host side of `t` (itself when it is not on a GPU).
+at::Tensor host_side(const at::Tensor& t, bool copy) {
+  if (!t.defined() || !t.is_cuda()) {
+    return t;
+  }
+  auto h = at::empty(
+      t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  if (copy) {
+    h.copy_(t);
+  }
+  return h;
+}
+
+// Waits for `inner`, then copies each host side back to its CUDA tensor
+// (an undefined one: a send buffer, only kept alive until then).
+Work staged_work(
+    Work inner,
+    std::vector<std::pair<at::Tensor, at::Tensor>> back,
+    const char* op,
+    const ProcessGroup& g) {
+  auto w = std::make_shared<Work>(std::move(inner));
+  return detail::make_work(
+      compat::WorkPtr(),
+      [w, back]() mutable {
+        w->wait();
+        for (auto& [device, host] : back) {
+          if (device.defined() && device.is_cuda()) {
+            device.copy_(host);
+          }
+        }
+      },
+      op,
+      g);
+}
+
 // Whether Gloo's own flat all-gather / reduce-scatter may be tried: unknown
 // until the first call, then what that call found (NOTE [c10d backends
 // across versions]). Every rank links the same LibTorch, so every rank
@@ -486,6 +530,10 @@ std::pair<int64_t, int64_t> shard_range(int64_t numel, int world, int rank) {
 
 Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
   check_dense(tensor, "all_reduce", "input");
+  if (staged(group, tensor)) {
+    auto h = host_side(tensor, true);
+    return staged_work(all_reduce(h, group, op), {{tensor, h}}, "all_reduce", group);
+  }
   count(tensor, group);
   if (group.size() == 1) {
     record(kAllReduce, CollectivePath::kLocal);
@@ -530,6 +578,11 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
 
 Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
   check_dense(tensor, "broadcast", "input");
+  if (staged(group, tensor)) {
+    auto h = host_side(tensor, group.rank() == src);
+    return staged_work(
+        broadcast(h, src, group), {{tensor, h}}, "broadcast", group);
+  }
   TORCH_CHECK(
       src >= 0 && src < group.size(),
       "broadcast: src ",
@@ -556,6 +609,12 @@ Work all_gather(
     const ProcessGroup& group) {
   check_dense(output, "all_gather", "output");
   check_dense(input, "all_gather", "input");
+  if (staged(group, output) || staged(group, input)) {
+    auto o = host_side(output, false);
+    auto i = host_side(input, true);
+    return staged_work(
+        all_gather(o, i, group), {{output, o}, {at::Tensor(), i}}, "all_gather", group);
+  }
   TORCH_CHECK(
       output.scalar_type() == input.scalar_type(),
       "all_gather: output dtype ",
@@ -635,6 +694,12 @@ Work gather(
     int root,
     const ProcessGroup& group) {
   check_dense(input, "gather", "input");
+  if (staged(group, output) || staged(group, input)) {
+    auto o = host_side(output, false);
+    auto i = host_side(input, true);
+    return staged_work(
+        gather(o, i, root, group), {{output, o}, {at::Tensor(), i}}, "gather", group);
+  }
   TORCH_CHECK(
       root >= 0 && root < group.size(),
       "gather: root ",
@@ -683,6 +748,15 @@ Work reduce_scatter(
     ReduceOp op) {
   check_dense(output, "reduce_scatter", "output");
   check_dense(input, "reduce_scatter", "input");
+  if (staged(group, output) || staged(group, input)) {
+    auto o = host_side(output, false);
+    auto i = host_side(input, true);
+    return staged_work(
+        reduce_scatter(o, i, group, op),
+        {{output, o}, {at::Tensor(), i}},
+        "reduce_scatter",
+        group);
+  }
   TORCH_CHECK(
       output.scalar_type() == input.scalar_type(),
       "reduce_scatter: output dtype ",
@@ -781,6 +855,15 @@ Work all_to_all(
     std::vector<int64_t> input_splits) {
   check_dense(output, "all_to_all", "output");
   check_dense(input, "all_to_all", "input");
+  if (staged(group, output) || staged(group, input)) {
+    auto o = host_side(output, false);
+    auto i = host_side(input, true);
+    return staged_work(
+        all_to_all(o, i, group, output_splits, input_splits),
+        {{output, o}, {at::Tensor(), i}},
+        "all_to_all",
+        group);
+  }
   TORCH_CHECK(
       output.scalar_type() == input.scalar_type(),
       "all_to_all: output and input dtypes differ");
@@ -825,6 +908,11 @@ Work send(
     const ProcessGroup& group,
     int tag) {
   check_dense(tensor, "send", "input");
+  if (staged(group, tensor)) {
+    auto h = host_side(tensor, true);
+    return staged_work(
+        send(h, dst, group, tag), {{at::Tensor(), h}}, "send", group);
+  }
   TORCH_CHECK(
       dst >= 0 && dst < group.size() && dst != group.rank(),
       "send: bad destination rank ",
@@ -840,6 +928,10 @@ Work send(
 
 Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag) {
   check_dense(tensor, "recv", "output");
+  if (staged(group, tensor)) {
+    auto h = host_side(tensor, false);
+    return staged_work(recv(h, src, group, tag), {{tensor, h}}, "recv", group);
+  }
   TORCH_CHECK(
       src >= 0 && src < group.size() && src != group.rank(),
       "recv: bad source rank ",
@@ -857,6 +949,10 @@ Work barrier(const ProcessGroup& group) {
     return Work();
   }
   ::c10d::BarrierOptions opts;
+  if (!gloo(group) && group.device().is_cuda()) {
+    // NCCL's barrier reduces a tensor on a device it would otherwise guess.
+    opts.device_ids = {group.device().index()};
+  }
   return detail::make_work(
       detail::backend(group).barrier(opts), nullptr, "barrier", group);
 }
@@ -896,8 +992,16 @@ RingHop ring_exchange(
   TORCH_CHECK(n > 1, "ring_exchange: the group has one rank");
   RingHop hop;
   hop.received = at::empty_like(send_tensor, at::MemoryFormat::Contiguous);
-  hop.arrived = recv(hop.received, (r - 1 + n) % n, group, tag);
-  hop.sent = send(send_tensor, (r + 1) % n, group, tag);
+  // NCCL queues a pair's sends and receives on one stream in posting
+  // order: with two ranks both neighbours are the same peer, and two ranks
+  // that both receive first would wait forever. Even ranks send first.
+  if (r % 2 == 0) {
+    hop.sent = send(send_tensor, (r + 1) % n, group, tag);
+    hop.arrived = recv(hop.received, (r - 1 + n) % n, group, tag);
+  } else {
+    hop.arrived = recv(hop.received, (r - 1 + n) % n, group, tag);
+    hop.sent = send(send_tensor, (r + 1) % n, group, tag);
+  }
   return hop;
 }
 

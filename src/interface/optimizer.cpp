@@ -8,6 +8,19 @@
 namespace colossalai {
 namespace interface {
 
+namespace {
+
+// Partly offloaded shards put gradients (and so their norms) on two
+// devices: stack them where the first one is.
+at::Tensor stack_on_one_device(std::vector<at::Tensor> ts) {
+  for (auto& t : ts) {
+    t = t.to(ts.front().device());
+  }
+  return at::stack(ts);
+}
+
+} // namespace
+
 OptimizerWrapper::OptimizerWrapper(
     std::shared_ptr<torch::optim::Optimizer> optim)
     : optim_(std::move(optim)) {
@@ -84,14 +97,14 @@ double total_norm(
     if (norms.empty()) {
       return 0.0;
     }
-    auto all = at::stack(norms);
+    auto all = stack_on_one_device(norms);
     return (inf ? all.max() : all.norm(norm_type)).item<double>();
   }
   at::Tensor local;
   if (norms.empty()) {
     local = at::zeros({1}, at::kDouble);
   } else {
-    auto all = at::stack(norms).to(at::kDouble);
+    auto all = stack_on_one_device(norms).to(at::kDouble);
     local = (inf ? all.max() : all.pow(norm_type).sum()).reshape({1});
   }
   for (const auto* group : groups) {

@@ -7,8 +7,8 @@ namespace {
 
 constexpr int kMaxDims = 8;
 constexpr int kMetaLen = 2 + kMaxDims; // dtype, rank, sizes
-// Tags: (stream, micro-batch, meta?) packed below Gloo's 32-bit tag.
-constexpr int kMaxMicroBatches = 1 << 16;
+// Matching is by order (NOTE [Pipeline p2p]): one tag for everything.
+constexpr int kTag = 0;
 
 std::string sizes_str(const std::vector<int64_t>& s) {
   std::string out = "[";
@@ -22,23 +22,26 @@ std::string sizes_str(const std::vector<int64_t>& s) {
 
 PipelineP2PCommunication::PipelineP2PCommunication(
     distributed::ProcessGroupPtr group,
-    bool enable_metadata_cache)
+    bool enable_metadata_cache,
+    bool one_way)
     : group_(std::move(group)), cache_(enable_metadata_cache) {
   TORCH_CHECK(group_ != nullptr, "PipelineP2PCommunication: no group");
+  if (!one_way && group_->size() > 1) {
+    up_ = distributed::new_group(group_->ranks(), group_->name() + "/p2p-up");
+  }
 }
 
-int PipelineP2PCommunication::tag(
-    const StreamKey& key,
-    int micro_batch,
-    bool meta) const {
-  TORCH_CHECK(
-      micro_batch >= 0 && micro_batch < kMaxMicroBatches,
-      "pipeline: at most ",
-      kMaxMicroBatches,
-      " micro-batches per step");
-  const int stream = key.virtual_stage * 2 + (key.grad ? 1 : 0);
-  // Metadata of the cached stream travels on micro-batch 0's tag.
-  return ((stream * kMaxMicroBatches + micro_batch) << 1) | (meta ? 1 : 0);
+const distributed::ProcessGroup& PipelineP2PCommunication::channel(
+    int peer,
+    bool sending) const {
+  // A message to a higher rank travels on up_, whoever asks.
+  const bool up = sending ? peer > group_->rank() : peer < group_->rank();
+  if (!up) {
+    return *group_;
+  }
+  TORCH_INTERNAL_ASSERT(
+      up_ != nullptr, "pipeline: a one-way channel sends only to lower ranks");
+  return *up_;
 }
 
 void PipelineP2PCommunication::send(
@@ -88,12 +91,12 @@ void PipelineP2PCommunication::send(
       p[2 + d] = t.size(d);
     }
     m = m.to(group_->device());
-    auto w = distributed::send(m, dst, *group_, tag(key, micro_batch, true));
+    auto w = distributed::send(m, dst, channel(dst, true), kTag);
     sends_.push_back({m, std::move(w)});
     ++metadata_sent_;
     sent_[key] = meta;
   }
-  auto w = distributed::send(t, dst, *group_, tag(key, micro_batch, false));
+  auto w = distributed::send(t, dst, channel(dst, true), kTag);
   sends_.push_back({t, std::move(w)});
 }
 
@@ -113,7 +116,7 @@ PendingRecv PipelineP2PCommunication::post_recv(
     auto m = at::empty(
         {kMetaLen},
         at::TensorOptions().dtype(at::kLong).device(group_->device()));
-    distributed::recv(m, src, *group_, tag(key, micro_batch, true)).wait();
+    distributed::recv(m, src, channel(src, false), kTag).wait();
     m = m.cpu();
     const auto* p = m.data_ptr<int64_t>();
     TORCH_CHECK(
@@ -130,7 +133,7 @@ PendingRecv PipelineP2PCommunication::post_recv(
   auto t = at::empty(
       meta.sizes,
       at::TensorOptions().dtype(meta.dtype).device(group_->device()));
-  auto w = distributed::recv(t, src, *group_, tag(key, micro_batch, false));
+  auto w = distributed::recv(t, src, channel(src, false), kTag);
   return PendingRecv(t, std::move(w));
 }
 

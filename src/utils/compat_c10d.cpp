@@ -5,6 +5,12 @@
 #include <type_traits>
 #include <utility>
 
+#include <cstdlib>
+
+#ifdef COLOSSALAI_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
 namespace colossalai {
 namespace compat {
 namespace {
@@ -147,6 +153,31 @@ c10::intrusive_ptr<::c10d::TCPStore> make_tcp_store(
   so.waitWorkers = false;
   so.timeout = timeout;
   return make_store(host, so);
+}
+
+void set_cuda_device(int index) {
+#ifdef COLOSSALAI_WITH_CUDA
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+#else
+  TORCH_CHECK(false, "set_cuda_device: this build has no CUDA");
+#endif
+}
+
+void catchable_nccl_failures() {
+  auto set_unless_chosen = [](const char* name, const char* old_name,
+                              const char* value) {
+    if (std::getenv(name) == nullptr && std::getenv(old_name) == nullptr) {
+      // The TORCH_ names arrived in 2.2; later releases warn about the old.
+      ::setenv(
+          COLOSSALAI_TORCH_AT_LEAST(2, 2) ? name : old_name,
+          value,
+          /*overwrite=*/0);
+    }
+  };
+  set_unless_chosen("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT", "1");
+  // 2 = CleanUpOnly: abort the communicators, keep the process.
+  set_unless_chosen(
+      "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "2");
 }
 
 } // namespace compat

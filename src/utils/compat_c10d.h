@@ -89,5 +89,20 @@ c10::intrusive_ptr<::c10d::TCPStore> make_tcp_store(
     std::size_t num_workers,
     std::chrono::milliseconds timeout);
 
+/// Makes `index` the calling thread's current CUDA device (a no-op check in
+/// builds without CUDA, which never get here with a CUDA device).
+void set_cuda_device(int index);
+
+/// NOTE [NCCL failures are exceptions]
+/// c10d's NCCL backend by default lets its watchdog tear the process down
+/// when a collective times out or a peer fails, and wait() only orders
+/// streams. We make wait() block with the group timeout and throw, and the
+/// watchdog abort the communicators without ending the process: each
+/// `Work::wait` then turns the failure into a DistributedError naming rank,
+/// op and group. Applied before the first NCCL group is created, unless the
+/// environment already chose (TORCH_NCCL_BLOCKING_WAIT,
+/// TORCH_NCCL_ASYNC_ERROR_HANDLING, or their older NCCL_ names).
+void catchable_nccl_failures();
+
 } // namespace compat
 } // namespace colossalai

@@ -1,5 +1,7 @@
 #include "host_memory.h"
 
+#include <ATen/ATen.h>
+
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
@@ -44,6 +46,21 @@ void release_freed_host_memory() {
 #if defined(__GLIBC__)
   malloc_trim(0);
 #endif
+}
+
+at::Tensor offload_to_host(const at::Tensor& t) {
+  if (!t.is_cuda()) {
+    return t.to(at::kCPU);
+  }
+  auto host = at::empty(
+      t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(t);
+  return host;
+}
+
+at::Tensor zeros_like_pinned(const at::Tensor& t) {
+  const bool pinned = t.device().is_cpu() && t.is_pinned();
+  return at::empty(t.sizes(), t.options().pinned_memory(pinned)).zero_();
 }
 
 } // namespace utils

@@ -1,9 +1,21 @@
 #pragma once
 
-// Host memory reuse across training steps (internal).
+// Host memory reuse across training steps, and the host tier of offloading
+// (internal).
+
+#include <ATen/core/Tensor.h>
 
 namespace colossalai {
 namespace utils {
+
+/// `t` copied to the host for an offload tier (optimizer states, master
+/// shards, gradient shards): page-locked when `t` lives on a GPU, so its
+/// transfers run at the bus's speed without a staging copy (as ColossalAI's
+/// pin_memory); `t` itself when it is already on the host.
+at::Tensor offload_to_host(const at::Tensor& t);
+/// Zeros shaped like `t`, on its device, page-locked when `t` is (empty_like
+/// does not keep pinning).
+at::Tensor zeros_like_pinned(const at::Tensor& t);
 
 /// Makes glibc keep freed memory in the process instead of handing it back
 /// to the kernel: NOTE [Freed host memory stays in the process]. Returns

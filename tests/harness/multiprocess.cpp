@@ -97,7 +97,8 @@ struct ChildMustReachItsInvocation {
             .rank(rank)
             .world_size(world)
             .port(port)
-            .backend("gloo")
+            .backend(o.backend)
+            .device(o.device)
             .timeout(std::chrono::seconds(o.collective_timeout_seconds))
             .shm_collectives(o.shm_collectives));
     fn(rank, world);

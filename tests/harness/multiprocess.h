@@ -30,6 +30,10 @@ struct MultiProcessOptions {
   int threads_per_rank = 1;
   /// LaunchOptions::shm_collectives of every rank.
   bool shm_collectives = true;
+  /// LaunchOptions::backend and ::device of every rank ("auto": the
+  /// environment's COLOSSALAI_DEVICE, else the CPU with Gloo).
+  std::string backend = "gloo";
+  std::string device = "auto";
   /// Ranks whose body succeeded meet in a barrier before exiting, so none
   /// tears down connections a slower peer still uses.
   bool final_barrier = true;

@@ -49,12 +49,34 @@ namespace booster {
 using Criterion =
     std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 
+// Named outside BoosterOptions, whose mixed_precision() hides the namespace.
+using MixedPrecisionPtr = std::shared_ptr<mixed_precision::MixedPrecision>;
+
 struct BoosterOptions {
   /// "cpu", "cuda" or "" (the launched rank's device).
   TORCH_ARG(std::string, device) = "";
   /// "fp16", "bf16", "fp32" or "" (none). Applied by the Booster unless the
   /// plugin controls precision.
   TORCH_ARG(std::string, mixed_precision) = "";
+ public:
+  /// A configured policy (`FP16TorchMixedPrecision` with its scaler options,
+  /// `BF16MixedPrecision`), as the specification's Booster also takes; sets
+  /// `mixed_precision()` to its name. A plugin that applies its own
+  /// precision refuses it (its options carry the scaler's).
+  BoosterOptions& mixed_precision(
+      MixedPrecisionPtr policy) {
+    mixed_precision_ = policy ? policy->name() : "";
+    mixed_precision_policy_ = std::move(policy);
+    return *this;
+  }
+  /// The policy given to `mixed_precision`, while its name is still the
+  /// chosen precision.
+  MixedPrecisionPtr mixed_precision_policy() const {
+    return mixed_precision_policy_ &&
+            mixed_precision_policy_->name() == mixed_precision_
+        ? mixed_precision_policy_
+        : nullptr;
+  }
   /// The parallel strategy; null trains in this process alone.
   TORCH_ARG(std::shared_ptr<plugin::Plugin>, plugin) = nullptr;
   /// From the end of `boost` on, freed host memory stays in the process
@@ -65,6 +87,9 @@ struct BoosterOptions {
   /// model is built and sharded, to the whole process. False leaves
   /// malloc's settings alone.
   TORCH_ARG(bool, retain_freed_memory) = true;
+
+ private:
+  MixedPrecisionPtr mixed_precision_policy_;
 };
 
 namespace detail {
@@ -158,7 +183,9 @@ class Booster {
   /// Wraps the training objects for the plugin's strategy. Optimizer,
   /// criterion, data loader and scheduler may be absent (null); the data
   /// loader and scheduler are passed through (create the loader with the
-  /// plugin's `prepare_dataloader` to shard data).
+  /// plugin's `prepare_dataloader` to shard data). Tensor arguments of the
+  /// boosted model, and the criterion's target, move to the device the
+  /// model runs on (as torch's DDP moves its inputs).
   template <class M, class D = std::nullptr_t, class S = std::nullptr_t>
   Boosted<M, D, S> boost(
       M model,
@@ -167,6 +194,18 @@ class Booster {
       D dataloader = nullptr,
       S lr_scheduler = nullptr) {
     auto parts = boost_parts(detail::as_module(model), std::move(optimizer));
+    if (criterion) {
+      // The target follows the output to its device, as the model's inputs
+      // do (a CPU data loader feeds a GPU model).
+      criterion = [c = std::move(criterion)](
+                      const at::Tensor& out, const at::Tensor& target) {
+        return c(
+            out,
+            target.defined() && target.device() != out.device()
+                ? target.to(out.device())
+                : target);
+      };
+    }
     return Boosted<M, D, S>{
         BoostedModel<M>(std::move(model), std::move(parts.first)),
         std::move(parts.second),

@@ -5,15 +5,22 @@
 /// gradients backward, asynchronous so compute overlaps them.
 ///
 /// NOTE [Pipeline p2p]
-/// Each transfer belongs to a stream (a tag: one per destination virtual
-/// stage, direction and micro-batch), so transfers can be posted in any
-/// order. A receiver must know the shape and dtype before it posts its
-/// receive: the sender first sends a small metadata message (dtype, rank,
-/// sizes). With `enable_metadata_cache` this happens once per stream key
-/// (virtual stage and direction); later transfers reuse the cached metadata,
-/// so the receive can be posted before it is needed (overlap), and a shape
-/// that changes between micro-batches is an error on the sender, which
-/// names the option. Sends are kept alive until `wait_sends`.
+/// A receiver must know the shape and dtype before it posts its receive:
+/// the sender first sends a small metadata message (dtype, rank, sizes).
+/// With `enable_metadata_cache` this happens once per stream key (virtual
+/// stage and direction); later transfers reuse the cached metadata, so the
+/// receive can be posted before it is needed (overlap), and a shape that
+/// changes between micro-batches is an error on the sender, which names the
+/// option. Sends are kept alive until `wait_sends`.
+/// Messages are matched by order, never by tag: NCCL ignores tags, and
+/// queues a pair's sends and receives on one stream, so two ranks that each
+/// post a receive from the other before their send would wait forever.
+/// Hence two groups over the same ranks: one carries every message to a
+/// higher rank, the other every message to a lower one, and on each a pair
+/// only ever moves data one way. The receiver posts its receives in the
+/// order the sender sends (the engine posts them in its actions' order, and
+/// `p2p_order_mismatch` proves every generated schedule consistent). Gloo
+/// runs the same path with tag 0, so the CPU suite tests what NCCL relies on.
 ///
 /// Example:
 /// \code
@@ -68,9 +75,12 @@ class PendingRecv {
 
 class PipelineP2PCommunication {
  public:
+  /// Collective over `group`'s members (creates the second direction's
+  /// group) unless `one_way`: then messages only ever go to lower ranks.
   PipelineP2PCommunication(
       distributed::ProcessGroupPtr group,
-      bool enable_metadata_cache = true);
+      bool enable_metadata_cache = true,
+      bool one_way = false);
 
   /// Starts sending `tensor` to pipeline rank `dst`.
   void send(
@@ -99,9 +109,11 @@ class PipelineP2PCommunication {
     at::ScalarType dtype;
     std::vector<int64_t> sizes;
   };
-  int tag(const StreamKey& key, int micro_batch, bool meta) const;
+  // The group that carries a message to (sending) or from `peer`.
+  const distributed::ProcessGroup& channel(int peer, bool sending) const;
 
   distributed::ProcessGroupPtr group_;
+  distributed::ProcessGroupPtr up_; // messages to higher ranks (null: one way)
   bool cache_;
   std::map<StreamKey, Meta> sent_, received_;
   struct InFlight {

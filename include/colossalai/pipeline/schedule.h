@@ -108,6 +108,16 @@ Simulation simulate(
     int num_chunks,
     bool zbv);
 
+/// Where the schedule's messages between two stages arrive in another
+/// order than they are sent ("" when they never do): the first pair and
+/// message that differ. The engine posts receives in its actions' order, and
+/// NCCL matches a pair's messages by order, not by tag (NOTE [Pipeline
+/// p2p]); every generated schedule passes (test_pipeline).
+std::string p2p_order_mismatch(
+    const std::vector<std::vector<Action>>& schedule,
+    int num_chunks,
+    bool zbv);
+
 /// One action's span in the last step (milliseconds from its start).
 struct TimelineEvent {
   Action action;

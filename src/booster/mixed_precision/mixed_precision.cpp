@@ -21,11 +21,31 @@ void AutocastModel::post_forward() noexcept {
   guard_.reset();
 }
 
+void MixedPrecision::bind_device(at::DeviceType device) {
+  if (!device_) {
+    device_ = device;
+  }
+  TORCH_CHECK(
+      *device_ == device,
+      "mixed_precision '",
+      name(),
+      "' was built for ",
+      c10::DeviceTypeName(*device_, /*lower_case=*/true),
+      " but the Booster runs on ",
+      c10::DeviceTypeName(device, /*lower_case=*/true),
+      ": build it for that device, or leave its device unset");
+  TORCH_CHECK(
+      name() != "fp16" || device == at::kCUDA,
+      "mixed_precision 'fp16' needs a CUDA device: CPU LibTorch cannot "
+      "multiply fp16 matrices; use mixed_precision 'bf16' on CPU");
+}
+
 void BF16MixedPrecision::configure(
     std::shared_ptr<interface::ModelWrapper>& model,
     std::shared_ptr<interface::OptimizerWrapper>& /*optimizer*/) {
   if (model) {
-    model = std::make_shared<AutocastModel>(model, device_, at::kBFloat16);
+    TORCH_INTERNAL_ASSERT(device_, "bf16: bind_device before configure");
+    model = std::make_shared<AutocastModel>(model, *device_, at::kBFloat16);
   }
 }
 
@@ -61,14 +81,15 @@ void TorchAMPOptimizer::clip_grad_by_value(double clip_value) {
 
 FP16TorchMixedPrecision::FP16TorchMixedPrecision(
     amp::GradScalerOptions options,
-    at::DeviceType device)
-    : options_(options), device_(device) {}
+    std::optional<at::DeviceType> device)
+    : MixedPrecision(device), options_(options) {}
 
 void FP16TorchMixedPrecision::configure(
     std::shared_ptr<interface::ModelWrapper>& model,
     std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
   if (model) {
-    model = std::make_shared<AutocastModel>(model, device_, at::kHalf);
+    TORCH_INTERNAL_ASSERT(device_, "fp16: bind_device before configure");
+    model = std::make_shared<AutocastModel>(model, *device_, at::kHalf);
   }
   if (optimizer) {
     optimizer = std::make_shared<TorchAMPOptimizer>(
@@ -82,16 +103,15 @@ std::shared_ptr<MixedPrecision> make_mixed_precision(
   if (name.empty() || name == "fp32" || name == "no") {
     return nullptr;
   }
+  std::shared_ptr<MixedPrecision> out;
   if (name == "bf16") {
-    return std::make_shared<BF16MixedPrecision>(device);
+    out = std::make_shared<BF16MixedPrecision>();
+  } else if (name == "fp16") {
+    out = std::make_shared<FP16TorchMixedPrecision>();
   }
-  if (name == "fp16") {
-    TORCH_CHECK(
-        device == at::kCUDA,
-        "mixed_precision 'fp16' needs a CUDA device: CPU LibTorch cannot "
-        "multiply fp16 matrices; use mixed_precision 'bf16' on CPU");
-    return std::make_shared<FP16TorchMixedPrecision>(
-        amp::GradScalerOptions(), device);
+  if (out) {
+    out->bind_device(device);
+    return out;
   }
   TORCH_CHECK(
       false,

@@ -3,7 +3,7 @@
 #include "../../zero/gemini/chunk_plan.h"
 #include "plugin_options.h"
 
-#include <torch/cuda.h>
+#include <colossalai/initialize.h>
 
 #include <set>
 
@@ -17,7 +17,7 @@ TorchFSDPPluginOptions engine_options(const GeminiPluginOptions& o) {
   const auto dtype =
       detail::parse_precision(o.precision(), "GeminiPlugin", "precision");
   TORCH_CHECK(
-      dtype != at::kHalf || torch::cuda::is_available(),
+      dtype != at::kHalf || current_device().is_cuda(),
       "GeminiPlugin: precision 'fp16' needs a CUDA device (CPU LibTorch "
       "cannot multiply fp16 matrices); use precision 'bf16' or 'fp32'");
   TORCH_CHECK(

@@ -276,6 +276,13 @@ HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
       ": zero_stage must be 0, 1 or 2, got ",
       options_.zero_stage());
   dtype_ = detail::parse_precision(options_.precision(), kName, "precision");
+  TORCH_CHECK(
+      !options_.enable_jit_fused(),
+      kName,
+      ": enable_jit_fused(true) is not supported: LibTorch has no TorchScript "
+      "fusion of bias, dropout and residual add, so they run as separate ATen "
+      "kernels (enable_all_optimization turns on the optimizations that "
+      "exist: fused normalization and flash attention)");
   detail::parse_precision(
       options_.communication_dtype(), kName, "communication_dtype", true);
   TORCH_CHECK(
@@ -432,6 +439,8 @@ void HybridParallelPlugin::configure(
   }
 
   shardformer::ShardConfig cfg;
+  // enable_all_optimization: every optimization that exists here (the JIT
+  // fusion does not).
   const bool all = options_.enable_all_optimization();
   cfg.tensor_parallel_process_group(
          options_.tp_size() > 1 ? tp_group_ : nullptr)
@@ -442,7 +451,7 @@ void HybridParallelPlugin::configure(
       .sequence_parallelism_mode(sp_mode_.empty() ? "split_gather" : sp_mode_)
       .enable_flash_attention(all || options_.enable_flash_attention())
       .enable_fused_normalization(all || options_.enable_fused_normalization())
-      .enable_jit_fused(all || options_.enable_jit_fused())
+      .enable_jit_fused(false)
       .parallel_output(options_.parallel_output())
       .make_vocab_size_divisible_by(options_.make_vocab_size_divisible_by())
       .gradient_checkpointing_ratio(options_.gradient_checkpointing_ratio());
@@ -726,7 +735,9 @@ std::set<std::string> HybridParallelPlugin::setup_pipeline(
     st->stage_source.push_back(mesh_->ravel(coord));
   }
   st->to_writer = std::make_shared<pipeline::PipelineP2PCommunication>(
-      distributed::world_group(), /*enable_metadata_cache=*/false);
+      distributed::world_group(),
+      /*enable_metadata_cache=*/false,
+      /*one_way=*/true);
   auto p2p = std::make_shared<pipeline::PipelineP2PCommunication>(
       pp_group_, options_.enable_metadata_cache());
   schedule_ = std::make_shared<pipeline::PipelineSchedule>(

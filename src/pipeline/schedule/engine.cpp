@@ -64,8 +64,16 @@ PipelineOutput PipelineSchedule::forward_backward_step(
   TORCH_INTERNAL_ASSERT(
       static_cast<int>(chunk_params.size()) == sm_->num_model_chunks());
   if (cached_m_ != m) {
-    actions_ =
-        generate(style_, sm_->num_stages(), sm_->num_model_chunks(), m)[stage];
+    auto all = generate(style_, sm_->num_stages(), sm_->num_model_chunks(), m);
+    const std::string mismatch =
+        p2p_order_mismatch(all, sm_->num_model_chunks(), sm_->use_zbv());
+    TORCH_INTERNAL_ASSERT(
+        mismatch.empty(),
+        "pipeline schedule '",
+        style_,
+        "' receives out of send order: ",
+        mismatch);
+    actions_ = std::move(all[stage]);
     cached_m_ = m;
   }
 
@@ -132,10 +140,15 @@ PipelineOutput PipelineSchedule::forward_backward_step(
   for (size_t i = 0; i < actions_.size(); ++i) {
     const Action& a = actions_[i];
     // Post the next action's receive now, so it arrives while this one
-    // computes (its shape must be known: the metadata cache).
+    // computes (its shape must be known: the metadata cache). Receives are
+    // posted in action order, which is the senders' order (NOTE [Pipeline
+    // p2p]): this action's own goes first.
     if (overlap_ && i + 1 < actions_.size() && !posted.count(i + 1)) {
       int src = -1;
       StreamKey key;
+      if (!posted.count(i) && source(a, &src, &key)) {
+        posted.emplace(i, p2p_->post_recv(src, key, a.micro_batch));
+      }
       if (source(actions_[i + 1], &src, &key) && p2p_->can_post_early(key)) {
         posted.emplace(
             i + 1, p2p_->post_recv(src, key, actions_[i + 1].micro_batch));

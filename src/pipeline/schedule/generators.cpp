@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <deque>
+#include <map>
+#include <tuple>
 #include <sstream>
 
 namespace colossalai {
@@ -262,6 +264,61 @@ std::vector<std::vector<Action>> zero_bubble_v(int p, int m) {
         "zero_bubble_v: the generator is stuck");
   }
   return out;
+}
+
+std::string p2p_order_mismatch(
+    const std::vector<std::vector<Action>>& schedule,
+    int chunks,
+    bool zbv) {
+  const int p = static_cast<int>(schedule.size());
+  const int vstages = p * chunks;
+  auto owner = [&](int v) {
+    return zbv ? (v < p ? v : 2 * p - 1 - v) : v % p;
+  };
+  // Per ordered pair of stages, the messages in the sender's order and in
+  // the receiver's: (receiving virtual stage, gradient?, micro-batch).
+  using Msg = std::tuple<int, bool, int>;
+  std::map<std::pair<int, int>, std::vector<Msg>> sent, received;
+  for (int s = 0; s < p; ++s) {
+    for (const auto& a : schedule[s]) {
+      const int v = virtual_stage_index(s, a.chunk, p, zbv);
+      const int mb = a.micro_batch;
+      if (a.kind == ActionKind::kForward) {
+        if (v > 0 && owner(v - 1) != s) {
+          received[{owner(v - 1), s}].emplace_back(v, false, mb);
+        }
+        if (v < vstages - 1 && owner(v + 1) != s) {
+          sent[{s, owner(v + 1)}].emplace_back(v + 1, false, mb);
+        }
+      } else if (a.kind != ActionKind::kBackwardWeight) {
+        if (v < vstages - 1 && owner(v + 1) != s) {
+          received[{owner(v + 1), s}].emplace_back(v, true, mb);
+        }
+        if (v > 0 && owner(v - 1) != s) {
+          sent[{s, owner(v - 1)}].emplace_back(v - 1, true, mb);
+        }
+      }
+    }
+  }
+  auto name = [](const Msg& m) {
+    return std::string(std::get<1>(m) ? "gradient into" : "activations into") +
+        " virtual stage " + std::to_string(std::get<0>(m)) + " (micro-batch " +
+        std::to_string(std::get<2>(m)) + ")";
+  };
+  for (const auto& [pair, out] : sent) {
+    const auto& in = received[pair];
+    for (size_t i = 0; i < std::max(out.size(), in.size()); ++i) {
+      if (i >= out.size() || i >= in.size() || out[i] != in[i]) {
+        std::ostringstream msg;
+        msg << "stage " << pair.first << " -> stage " << pair.second
+            << ", message " << i << ": sent "
+            << (i < out.size() ? name(out[i]) : "nothing") << ", received "
+            << (i < in.size() ? name(in[i]) : "nothing");
+        return msg.str();
+      }
+    }
+  }
+  return "";
 }
 
 std::vector<std::vector<Action>> generate(

@@ -3,6 +3,7 @@
 #include <colossalai/lazy/lazy_init.h>
 
 #include "../gemini/chunk_plan.h"
+#include "../../utils/host_memory.h"
 
 #include <colossalai/initialize.h>
 #include <colossalai/nn/hookable_module.h>
@@ -184,8 +185,9 @@ void build_unit(
       u.full = flat32;
       u.shard_data = flat32;
     } else {
-      u.shard_data = u.layout.my_shard(flat32).clone().to(
-          u.offloaded ? at::Device(at::kCPU) : st.device);
+      auto shard = u.layout.my_shard(flat32).clone();
+      u.shard_data =
+          u.offloaded ? utils::offload_to_host(shard) : shard.to(st.device);
       u.full = flat32.to(st.param_dtype, false, /*copy=*/true);
     }
   } else if (u.aliased) {
@@ -197,9 +199,10 @@ void build_unit(
         at::TensorOptions(st.device).dtype(st.param_dtype));
     auto src = shard32.to(st.param_dtype);
     all_gather_flat(u.full, src, u.layout, st.shard_group.get()).wait();
-    u.shard_data = shard32.to(u.offloaded ? at::Device(at::kCPU) : st.device);
+    u.shard_data =
+        u.offloaded ? utils::offload_to_host(shard32) : shard32.to(st.device);
   }
-  u.shard_grad = at::zeros({u.layout.shard}, u.shard_data.options());
+  u.shard_grad = utils::zeros_like_pinned(u.shard_data);
 
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < u.params.size(); ++i) {

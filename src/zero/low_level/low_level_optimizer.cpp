@@ -3,6 +3,7 @@
 #include "../../checkpoint_io/optimizer_state.h"
 #include "../../distributed/grad_bucketer.h"
 #include "../common/flat_params.h"
+#include "../../utils/host_memory.h"
 
 namespace colossalai {
 namespace zero {
@@ -115,10 +116,11 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
       b.shard_data = b.layout.my_shard(flat32);
     } else {
       b.working = flat32.to(first.scalar_type());
-      b.shard_data = b.layout.my_shard(flat32).clone().to(
-          o.cpu_offload() ? at::Device(at::kCPU) : first.device());
+      auto shard = b.layout.my_shard(flat32).clone();
+      b.shard_data = o.cpu_offload() ? utils::offload_to_host(shard)
+                                     : shard.to(first.device());
     }
-    b.shard_grad = at::zeros_like(b.shard_data);
+    b.shard_grad = utils::zeros_like_pinned(b.shard_data);
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < b.params.size(); ++i) {
       auto& p = b.params[i];

@@ -10,17 +10,16 @@ namespace mixed_precision {
 /// gradients stay fp32. No loss scaling (bf16 has fp32's exponent range).
 class BF16MixedPrecision : public MixedPrecision {
  public:
-  explicit BF16MixedPrecision(at::DeviceType device = at::kCPU)
-      : device_(device) {}
+  /// `device`: unset follows the Booster's device.
+  explicit BF16MixedPrecision(
+      std::optional<at::DeviceType> device = std::nullopt)
+      : MixedPrecision(device) {}
   std::string name() const override {
     return "bf16";
   }
   void configure(
       std::shared_ptr<interface::ModelWrapper>& model,
       std::shared_ptr<interface::OptimizerWrapper>& optimizer) override;
-
- private:
-  at::DeviceType device_;
 };
 
 } // namespace mixed_precision

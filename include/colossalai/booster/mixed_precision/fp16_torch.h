@@ -38,11 +38,19 @@ class TorchAMPOptimizer : public interface::OptimizerWrapper {
 /// ColossalAI's "fp16" mixed precision: fp16 autocast + dynamic loss scaling
 /// (init_scale 2^16, growth_factor 2, backoff_factor 0.5, growth_interval
 /// 2000). Needs CUDA: CPU LibTorch cannot multiply fp16 matrices.
+///
+/// Example (the scaler's options, as `FP16TorchMixedPrecision(init_scale=...)`):
+/// \code
+///   auto fp16 = std::make_shared<FP16TorchMixedPrecision>(
+///       amp::GradScalerOptions().init_scale(1024).growth_interval(100));
+///   Booster booster(BoosterOptions().plugin(plugin).mixed_precision(fp16));
+/// \endcode
 class FP16TorchMixedPrecision : public MixedPrecision {
  public:
+  /// `device`: unset follows the Booster's device (which must be CUDA).
   explicit FP16TorchMixedPrecision(
       amp::GradScalerOptions options = {},
-      at::DeviceType device = at::kCUDA);
+      std::optional<at::DeviceType> device = std::nullopt);
   std::string name() const override {
     return "fp16";
   }
@@ -52,7 +60,6 @@ class FP16TorchMixedPrecision : public MixedPrecision {
 
  private:
   amp::GradScalerOptions options_;
-  at::DeviceType device_;
 };
 
 } // namespace mixed_precision

@@ -18,10 +18,25 @@ class MixedPrecision {
  public:
   virtual ~MixedPrecision() = default;
   virtual std::string name() const = 0;
+  /// The device type whose autocast it drives: the one it was built with,
+  /// else the Booster's (`bind_device`).
+  std::optional<at::DeviceType> device_type() const {
+    return device_;
+  }
+  /// Adopts the Booster's device type when none was given; a policy built
+  /// for another device type is an error naming both (autocast on the wrong
+  /// device would silently change nothing).
+  void bind_device(at::DeviceType device);
   /// Wraps the boosted model and optimizer (either may be null).
   virtual void configure(
       std::shared_ptr<interface::ModelWrapper>& model,
       std::shared_ptr<interface::OptimizerWrapper>& optimizer) = 0;
+
+ protected:
+  explicit MixedPrecision(std::optional<at::DeviceType> device)
+      : device_(device) {}
+  // Set by the constructor or bind_device, before configure.
+  std::optional<at::DeviceType> device_;
 };
 
 /// Runs the model's forward under autocast to `dtype` on `device`.

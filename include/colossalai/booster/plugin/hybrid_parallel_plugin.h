@@ -50,7 +50,8 @@ struct HybridParallelPluginOptions {
   TORCH_ARG(std::string, precision) = "fp16";
   /// 0: DDP over the data-parallel group; 1, 2: ZeRO-1/2 over it.
   TORCH_ARG(int, zero_stage) = 0;
-  /// Turns on fused normalization, flash attention and JIT fusion.
+  /// Turns on fused normalization and flash attention (not the JIT fusion,
+  /// which LibTorch lacks).
   TORCH_ARG(bool, enable_all_optimization) = false;
   /// Accepted: LibTorch's LayerNorm is one fused ATen kernel already.
   TORCH_ARG(bool, enable_fused_normalization) = false;
@@ -60,7 +61,8 @@ struct HybridParallelPluginOptions {
   /// the tensor-parallel layout); 1.13 has no fused kernel (matmul +
   /// softmax).
   TORCH_ARG(bool, enable_flash_attention) = false;
-  /// Accepted with no effect (there is no TorchScript fusion here).
+  /// Refused when true: LibTorch has no TorchScript fusion of bias, dropout
+  /// and residual add.
   TORCH_ARG(bool, enable_jit_fused) = false;
   TORCH_ARG(bool, enable_sequence_parallelism) = false;
   /// "split_gather" or "ring" (the sequence split over the tensor group

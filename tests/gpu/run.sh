@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one command, for a machine with an NVIDIA
+# GPU (the suite's CPU runs skip these parts and say so):
+#   1. builds against the CUDA LibTorch of the pinned PyPI wheel
+#      (scripts/setup.sh --torch pip, into build-pip/);
+#   2. test_cuda: device selection, CUDA tensors over Gloo (two ranks on one
+#      GPU), NCCL at world size 1 (and a dead peer as a DistributedError
+#      with two GPUs), every data-parallel plugin on CUDA in fp32, fp16 and
+#      bf16, HybridAdam's CUDA path;
+#   3. the whole suite with CUDA tensors (COLOSSALAI_DEVICE=cuda: every
+#      rank on a GPU, Gloo over CUDA tensors between ranks);
+#   4. the Fashion-MNIST main job on the GPU (NCCL, one rank);
+#   5. bench/gpu: GPT-2-medium bf16 tokens/s and MFU per plugin against
+#      PyTorch eager DDP and FSDP2 from the same wheel.
+# Logs and a summary go to bench/results/<date>-gpu/ (--out-dir DIR).
+#
+#   tests/gpu/run.sh [--out-dir DIR] [--skip-suite] [--skip-bench]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+out_dir=""
+suite=1
+bench=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out-dir) out_dir="$2"; shift ;;
+    --skip-suite) suite=0 ;;
+    --skip-bench) bench=0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "tests/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+out_dir=${out_dir:-bench/results/$(date +%F)-gpu}
+mkdir -p "$out_dir"
+summary="$out_dir/gpu-tests.md"
+say() { printf '[gpu] %s\n' "$*"; }
+
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "tests/gpu/run.sh: no NVIDIA GPU visible (nvidia-smi -L fails)" >&2
+  exit 1
+fi
+./scripts/setup.sh --torch pip || { echo "tests/gpu/run.sh: set-up failed" >&2; exit 1; }
+.venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || {
+  echo "tests/gpu/run.sh: the wheel's torch sees no GPU (driver too old for its CUDA?)" >&2
+  exit 1
+}
+
+{
+  echo "# GPU run, $(date -u +%F)"
+  echo
+  nvidia-smi -L | sed 's/^/    /'
+  .venv/bin/python -c 'import torch; print(f"    torch {torch.__version__}, CUDA {torch.version.cuda}")'
+  echo
+  echo "| part | result | log |"
+  echo "|---|---|---|"
+} > "$summary"
+status=0
+record() { # name, exit code, log
+  local r=pass
+  [ "$2" -ne 0 ] && { r="FAIL (exit $2)"; status=1; }
+  echo "| $1 | $r | $(basename "$3") |" >> "$summary"
+  say "$1: $r"
+}
+
+say "test_cuda"
+./build-pip/tests/test_cuda > "$out_dir/test_cuda.log" 2>&1
+record "test_cuda (GPU-only tests)" $? "$out_dir/test_cuda.log"
+
+if [ "$suite" = 1 ]; then
+  say "the suite with CUDA tensors"
+  COLOSSALAI_DEVICE=cuda ctest --test-dir build-pip --output-on-failure -j4 \
+    > "$out_dir/suite-cuda.log" 2>&1
+  record "suite, COLOSSALAI_DEVICE=cuda" $? "$out_dir/suite-cuda.log"
+fi
+
+say "Fashion-MNIST on the GPU"
+COLOSSALAI_DEVICE=cuda ./build-pip/examples/train_fashion_mnist --nproc 1 --plugin none \
+  > "$out_dir/fashion_mnist.log" 2>&1
+record "Fashion-MNIST main job (one rank, CUDA)" $? "$out_dir/fashion_mnist.log"
+
+if [ "$bench" = 1 ]; then
+  say "bench/gpu"
+  PYTHON=.venv/bin/python BUILD_DIR=build-pip bench/gpu/run.sh --out-dir "$out_dir" \
+    > "$out_dir/bench-gpu.log" 2>&1
+  record "bench/gpu (report.md)" $? "$out_dir/bench-gpu.log"
+fi
+cat "$summary"
+exit $status

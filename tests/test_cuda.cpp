@@ -1,0 +1,361 @@
+// What needs a GPU: device selection, CUDA tensors over Gloo (several ranks
+// on one GPU), NCCL at world size 1 and its failures as exceptions, every
+// data-parallel plugin on CUDA against one process, fp16 with dynamic loss
+// scaling and bf16, HybridAdam's CUDA path. Without a CUDA device each test
+// skips and says why; tests/gpu/run.sh runs them where there is one.
+//
+// Tolerances: fp32 runs compare with one process on the same GPU by the
+// bound test_strategies justifies (|w - ref| <= 1e-5 + 1e-4 |ref|: SGD is
+// linear in the gradient, only the rounding of the batch sum differs). fp16
+// and bf16 runs compare with fp32 one-process training: a few steps of SGD
+// at lr 0.1 move weights by ~1e-2, and 16-bit autocast changes each matmul
+// by its rounding (2^-8 relative for bf16), so the weights agree to 2e-2
+// absolute, while a lost rank or a wrong average moves them by the update
+// itself.
+
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/mixed_precision/fp16_torch.h>
+#include <colossalai/booster/plugin/gemini_plugin.h>
+#include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/error.h>
+#include <colossalai/initialize.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
+#include <colossalai/zero/fully_sharded.h>
+
+#include <harness/multiprocess.h>
+#include <zoo/gpt.h>
+
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <optional>
+
+namespace cb = colossalai::booster;
+namespace cd = colossalai::distributed;
+namespace cz = colossalai::zero;
+namespace zoo = colossalai::zoo;
+using colossalai::testing::MultiProcessOptions;
+using colossalai::testing::run_distributed;
+
+namespace {
+
+int cuda_devices() {
+  return torch::cuda::is_available()
+      ? static_cast<int>(torch::cuda::device_count())
+      : 0;
+}
+
+#define SKIP_WITHOUT_CUDA(n)                                           \
+  if (cuda_devices() < (n)) {                                          \
+    GTEST_SKIP() << "needs " << (n) << " CUDA device(s); this process " \
+                 << "sees " << cuda_devices();                         \
+  }
+
+MultiProcessOptions on_cuda(const std::string& backend = "gloo") {
+  MultiProcessOptions o;
+  o.backend = backend;
+  o.device = "cuda";
+  return o;
+}
+
+constexpr int kMicro = 2;
+constexpr int kSteps = 3;
+
+zoo::GPTConfig tiny() {
+  return zoo::GPTConfig::tiny_test();
+}
+
+std::pair<at::Tensor, at::Tensor> global_batch(int step, int world) {
+  return zoo::random_tokens(kMicro * world, tiny(), 1000 + step);
+}
+
+// Weights after kSteps of SGD under `plugin` (null: this process alone
+// with the global batch) and the Booster's `mixed_precision`, gathered
+// where sharded, in fp32 on the host.
+std::vector<at::Tensor> train(
+    std::shared_ptr<cb::plugin::Plugin> plugin,
+    const std::string& booster_precision,
+    int rank,
+    int world) {
+  torch::manual_seed(42);
+  zoo::GPT model(tiny());
+  auto opt = std::make_shared<torch::optim::SGD>(
+      model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const bool alone = plugin == nullptr;
+  cb::Booster booster(
+      cb::BoosterOptions().plugin(plugin).mixed_precision(booster_precision));
+  auto boosted = booster.boost(model, opt);
+  for (int step = 0; step < kSteps; ++step) {
+    auto b = global_batch(step, world);
+    // CPU batches: the Booster moves the model's inputs to its device.
+    auto x = alone ? b.first : b.first.narrow(0, kMicro * rank, kMicro);
+    auto y = alone ? b.second : b.second.narrow(0, kMicro * rank, kMicro);
+    boosted.optimizer->zero_grad();
+    booster.backward(
+        zoo::gpt_loss(boosted.model(x), y.to(colossalai::current_device())),
+        *boosted.optimizer);
+    boosted.optimizer->step();
+  }
+  std::vector<at::Tensor> out;
+  auto* f = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
+      *boosted.model.wrapper());
+  std::optional<cz::FullyShardedModel::FullParams> guard;
+  if (f != nullptr) {
+    guard.emplace(f->summon_full_params());
+  }
+  for (const auto& p : model->parameters()) {
+    out.push_back(p.detach().to(at::kCPU, at::kFloat, false, true));
+  }
+  return out;
+}
+
+double max_diff(
+    const std::vector<at::Tensor>& a,
+    const std::vector<at::Tensor>& b) {
+  double d = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return d;
+}
+
+struct Named {
+  std::string name;
+  std::function<std::shared_ptr<cb::plugin::Plugin>(const std::string&)> make;
+};
+
+std::vector<Named> plugins() {
+  using P = std::shared_ptr<cb::plugin::Plugin>;
+  return {
+      {"ddp",
+       [](const std::string&) -> P {
+         return std::make_shared<cb::plugin::TorchDDPPlugin>();
+       }},
+      {"zero1",
+       [](const std::string& p) -> P {
+         return std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+             cb::plugin::LowLevelZeroPluginOptions().stage(1).precision(p));
+       }},
+      {"zero2_cpu_offload",
+       [](const std::string& p) -> P {
+         return std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+             cb::plugin::LowLevelZeroPluginOptions()
+                 .stage(2)
+                 .precision(p)
+                 .cpu_offload(true));
+       }},
+      {"fsdp",
+       [](const std::string&) -> P {
+         return std::make_shared<cb::plugin::TorchFSDPPlugin>();
+       }},
+      {"gemini",
+       [](const std::string& p) -> P {
+         return std::make_shared<cb::plugin::GeminiPlugin>(
+             cb::plugin::GeminiPluginOptions().precision(p));
+       }},
+      // Half the fp32 shards on the (pinned) host: gradients on two devices.
+      {"gemini_half_offload",
+       [](const std::string& p) -> P {
+         return std::make_shared<cb::plugin::GeminiPlugin>(
+             cb::plugin::GeminiPluginOptions().precision(p).offload_optim_frac(
+                 0.5));
+       }},
+  };
+}
+
+} // namespace
+
+TEST(Cuda, LaunchMakesTheLocalRanksDeviceCurrent) {
+  SKIP_WITHOUT_CUDA(1);
+  run_distributed(
+      2,
+      [](int rank, int) {
+        const auto d = colossalai::current_device();
+        ASSERT_TRUE(d.is_cuda());
+        EXPECT_EQ(d.index(), rank % cuda_devices());
+        // The current device is set: a plain CUDA tensor lands there.
+        EXPECT_EQ(at::empty({1}, at::kCUDA).device().index(), d.index());
+      },
+      on_cuda());
+}
+
+TEST(Cuda, GlooCarriesCudaTensors) {
+  SKIP_WITHOUT_CUDA(1);
+  run_distributed(
+      2,
+      [](int rank, int world) {
+        auto g = cd::world_group();
+        const auto dev = colossalai::current_device();
+        auto t = at::full({5}, rank + 1.0, at::TensorOptions(dev));
+        cd::all_reduce(t, *g).wait();
+        EXPECT_TRUE(t.is_cuda());
+        EXPECT_TRUE(at::equal(t.cpu(), at::full({5}, 3.0)));
+        auto h = at::full({4}, rank + 1.0, at::TensorOptions(dev).dtype(at::kBFloat16));
+        cd::all_reduce(h, *g, cd::ReduceOp::kAvg).wait();
+        EXPECT_TRUE(at::equal(h.cpu().to(at::kFloat), at::full({4}, 1.5)));
+        auto whole = at::empty({2 * world}, at::TensorOptions(dev));
+        cd::all_gather(whole, at::full({2}, double(rank), at::TensorOptions(dev)), *g)
+            .wait();
+        EXPECT_TRUE(at::equal(whole.cpu(), torch::tensor({0.f, 0.f, 1.f, 1.f})));
+        auto mine = at::empty({2}, at::TensorOptions(dev));
+        cd::reduce_scatter(mine, at::arange(4, at::TensorOptions(dev).dtype(at::kFloat)), *g)
+            .wait();
+        EXPECT_TRUE(at::equal(
+            mine.cpu(), (at::arange(4).to(at::kFloat) * 2).narrow(0, 2 * rank, 2)));
+        auto b = at::full({3}, rank == 1 ? 7.0 : 0.0, at::TensorOptions(dev));
+        cd::broadcast(b, 1, *g).wait();
+        EXPECT_TRUE(at::equal(b.cpu(), at::full({3}, 7.0)));
+        auto hop = cd::ring_exchange(at::full({3}, double(rank), at::TensorOptions(dev)), *g, 5);
+        hop.arrived.wait();
+        hop.sent.wait();
+        EXPECT_TRUE(at::equal(hop.received.cpu(), at::full({3}, double(1 - rank))));
+        EXPECT_TRUE(hop.received.is_cuda());
+      },
+      on_cuda());
+}
+
+TEST(Cuda, NcclAtWorldSizeOneAndItsFailuresAreCatchable) {
+  SKIP_WITHOUT_CUDA(1);
+  run_distributed(
+      1,
+      [](int, int) {
+        auto g = cd::world_group();
+        EXPECT_EQ(g->backend_type(), cd::BackendType::kNccl);
+        auto t = at::ones({8}, at::TensorOptions(colossalai::current_device()));
+        cd::all_reduce(t, *g).wait();
+        cd::barrier(*g).wait();
+        EXPECT_TRUE(at::equal(t.cpu(), at::ones({8})));
+        // launch chose blocking waits and communicator aborts over the
+        // watchdog's process teardown (NOTE [NCCL failures are exceptions]).
+        EXPECT_STREQ(std::getenv("TORCH_NCCL_BLOCKING_WAIT"), "1");
+        EXPECT_STREQ(std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING"), "2");
+      },
+      on_cuda("nccl"));
+}
+
+TEST(Cuda, NcclPeerThatExitsIsADistributedError) {
+  SKIP_WITHOUT_CUDA(2);
+  MultiProcessOptions o = on_cuda("nccl");
+  o.collective_timeout_seconds = 20;
+  o.final_barrier = false;
+  auto results = colossalai::testing::run_processes(
+      2,
+      [](int rank, int) {
+        auto g = cd::world_group();
+        auto t = at::ones({8}, at::TensorOptions(colossalai::current_device()));
+        cd::all_reduce(t, *g).wait();
+        if (rank == 1) {
+          std::_Exit(0); // gone without a word
+        }
+        std::string error;
+        try {
+          cd::all_reduce(t, *g).wait();
+        } catch (const cd::DistributedError& e) {
+          error = e.what();
+        }
+        EXPECT_NE(error.find("all_reduce"), std::string::npos) << error;
+      },
+      o);
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_EQ(results[0].exit_code, 0) << results[0].output;
+  EXPECT_FALSE(results[0].timed_out) << results[0].output;
+}
+
+TEST(Cuda, EveryPluginMatchesOneProcessInFp32) {
+  SKIP_WITHOUT_CUDA(1);
+  run_distributed(
+      2,
+      [](int rank, int world) {
+        auto ref = train(nullptr, "fp32", rank, world);
+        for (const auto& p : plugins()) {
+          auto got = train(p.make("fp32"), "fp32", rank, world);
+          for (size_t i = 0; i < got.size(); ++i) {
+            EXPECT_TRUE(at::allclose(got[i], ref[i], 1e-4, 1e-5))
+                << p.name << ": parameter " << i << " differs by "
+                << (got[i] - ref[i]).abs().max().item<double>();
+          }
+        }
+      },
+      on_cuda());
+}
+
+TEST(Cuda, EveryPluginTrainsInFp16AndBf16) {
+  SKIP_WITHOUT_CUDA(1);
+  run_distributed(
+      2,
+      [](int rank, int world) {
+        auto ref = train(nullptr, "fp32", rank, world);
+        for (const std::string precision : {"fp16", "bf16"}) {
+          // One process under the Booster's own mixed precision.
+          EXPECT_LE(max_diff(train(nullptr, precision, rank, world), ref), 2e-2)
+              << "one process, " << precision;
+          for (const auto& p : plugins()) {
+            // DDP and FSDP take the Booster's precision, ZeRO and Gemini
+            // their own.
+            const bool own = p.name != "ddp" && p.name != "fsdp";
+            auto got = train(
+                p.make(own ? precision : "fp32"),
+                own ? "" : precision,
+                rank,
+                world);
+            EXPECT_LE(max_diff(got, ref), 2e-2) << p.name << ", " << precision;
+          }
+        }
+      },
+      on_cuda());
+}
+
+TEST(Cuda, Fp16LossScalerSkipsAnOverflowingStepAndBacksOff) {
+  SKIP_WITHOUT_CUDA(1);
+  run_distributed(
+      1,
+      [](int, int) {
+        namespace mp = cb::mixed_precision;
+        auto fp16 = std::make_shared<mp::FP16TorchMixedPrecision>(
+            colossalai::amp::GradScalerOptions().init_scale(1e30));
+        cb::Booster booster(cb::BoosterOptions().mixed_precision(fp16));
+        torch::manual_seed(0);
+        torch::nn::Linear model(8, 8);
+        auto opt = std::make_shared<torch::optim::SGD>(
+            model->parameters(), torch::optim::SGDOptions(0.1));
+        auto boosted = booster.boost(model, opt);
+        const auto before = model->weight.detach().clone();
+        auto x = at::randn({4, 8}).to(colossalai::current_device());
+        boosted.optimizer->zero_grad();
+        booster.backward(boosted.model(x).pow(2).mean(), *boosted.optimizer);
+        boosted.optimizer->step();
+        auto* amp = dynamic_cast<mp::TorchAMPOptimizer*>(boosted.optimizer.get());
+        ASSERT_NE(amp, nullptr);
+        EXPECT_TRUE(amp->last_step_skipped()); // 1e30 overflows fp16
+        EXPECT_TRUE(at::equal(model->weight.detach(), before));
+        EXPECT_LT(amp->scaler().get_scale(), 1e30);
+      },
+      on_cuda());
+}
+
+TEST(Cuda, HybridAdamOnCudaEqualsAdamW) {
+  SKIP_WITHOUT_CUDA(1);
+  torch::manual_seed(0);
+  auto a = at::randn({1000}, at::kCUDA).requires_grad_();
+  auto b = a.detach().clone().requires_grad_();
+  colossalai::nn::optimizer::HybridAdam mine(
+      std::vector<at::Tensor>{a},
+      colossalai::nn::optimizer::HybridAdamOptions(1e-2).weight_decay(0.01));
+  torch::optim::AdamW ref(
+      std::vector<at::Tensor>{b},
+      torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  for (int step = 0; step < 5; ++step) {
+    auto g = at::randn({1000}, at::kCUDA);
+    a.mutable_grad() = g.clone();
+    b.mutable_grad() = g.clone();
+    mine.step();
+    ref.step();
+  }
+  // The same formula in fp32; only the order of operations differs.
+  EXPECT_TRUE(at::allclose(a.detach().cpu(), b.detach().cpu(), 1e-5, 1e-6));
+}
