@@ -233,8 +233,7 @@ TEST(Booster, TakesMixedPrecisionObjects) {
   auto bf16 = std::make_shared<mp::BF16MixedPrecision>();
   cb::Booster booster(cb::BoosterOptions().mixed_precision(bf16));
   EXPECT_EQ(booster.options().mixed_precision(), "bf16");
-  auto [m, opt, crit, dl, sched] =
-      booster.boost(torch::nn::Linear(2, 2));
+  auto [m, opt, crit, dl, sched] = booster.boost(torch::nn::Linear(2, 2));
   EXPECT_EQ(m(torch::ones({1, 2})).scalar_type(), at::kBFloat16);
   EXPECT_EQ(bf16->device_type(), std::optional<at::DeviceType>(at::kCPU));
   // Built for another device: named, not silently a no-op.

@@ -26,6 +26,7 @@
 #include <colossalai/zero/fully_sharded.h>
 
 #include <harness/multiprocess.h>
+#include <harness/zoo_util.h>
 #include <zoo/gpt.h>
 
 #include <gtest/gtest.h>
@@ -39,6 +40,7 @@ namespace cb = colossalai::booster;
 namespace cd = colossalai::distributed;
 namespace cz = colossalai::zero;
 namespace zoo = colossalai::zoo;
+using colossalai::testing::max_abs_diff;
 using colossalai::testing::MultiProcessOptions;
 using colossalai::testing::run_distributed;
 
@@ -50,10 +52,10 @@ int cuda_devices() {
       : 0;
 }
 
-#define SKIP_WITHOUT_CUDA(n)                                           \
-  if (cuda_devices() < (n)) {                                          \
+#define SKIP_WITHOUT_CUDA(n)                                            \
+  if (cuda_devices() < (n)) {                                           \
     GTEST_SKIP() << "needs " << (n) << " CUDA device(s); this process " \
-                 << "sees " << cuda_devices();                         \
+                 << "sees " << cuda_devices();                          \
   }
 
 MultiProcessOptions on_cuda(const std::string& backend = "gloo") {
@@ -84,8 +86,7 @@ std::vector<at::Tensor> train(
     int world) {
   torch::manual_seed(42);
   zoo::GPT model(tiny());
-  auto opt = std::make_shared<torch::optim::SGD>(
-      model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto opt = colossalai::testing::make_optimizer(model->parameters(), true);
   const bool alone = plugin == nullptr;
   cb::Booster booster(
       cb::BoosterOptions().plugin(plugin).mixed_precision(booster_precision));
@@ -112,16 +113,6 @@ std::vector<at::Tensor> train(
     out.push_back(p.detach().to(at::kCPU, at::kFloat, false, true));
   }
   return out;
-}
-
-double max_diff(
-    const std::vector<at::Tensor>& a,
-    const std::vector<at::Tensor>& b) {
-  double d = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
-  }
-  return d;
 }
 
 struct Named {
@@ -195,25 +186,32 @@ TEST(Cuda, GlooCarriesCudaTensors) {
         cd::all_reduce(t, *g).wait();
         EXPECT_TRUE(t.is_cuda());
         EXPECT_TRUE(at::equal(t.cpu(), at::full({5}, 3.0)));
-        auto h = at::full({4}, rank + 1.0, at::TensorOptions(dev).dtype(at::kBFloat16));
+        auto h = at::full(
+            {4}, rank + 1.0, at::TensorOptions(dev).dtype(at::kBFloat16));
         cd::all_reduce(h, *g, cd::ReduceOp::kAvg).wait();
         EXPECT_TRUE(at::equal(h.cpu().to(at::kFloat), at::full({4}, 1.5)));
         auto whole = at::empty({2 * world}, at::TensorOptions(dev));
-        cd::all_gather(whole, at::full({2}, double(rank), at::TensorOptions(dev)), *g)
+        cd::all_gather(
+            whole, at::full({2}, double(rank), at::TensorOptions(dev)), *g)
             .wait();
-        EXPECT_TRUE(at::equal(whole.cpu(), torch::tensor({0.f, 0.f, 1.f, 1.f})));
+        EXPECT_TRUE(
+            at::equal(whole.cpu(), torch::tensor({0.f, 0.f, 1.f, 1.f})));
         auto mine = at::empty({2}, at::TensorOptions(dev));
-        cd::reduce_scatter(mine, at::arange(4, at::TensorOptions(dev).dtype(at::kFloat)), *g)
+        cd::reduce_scatter(
+            mine, at::arange(4, at::TensorOptions(dev).dtype(at::kFloat)), *g)
             .wait();
         EXPECT_TRUE(at::equal(
-            mine.cpu(), (at::arange(4).to(at::kFloat) * 2).narrow(0, 2 * rank, 2)));
+            mine.cpu(),
+            (at::arange(4).to(at::kFloat) * 2).narrow(0, 2 * rank, 2)));
         auto b = at::full({3}, rank == 1 ? 7.0 : 0.0, at::TensorOptions(dev));
         cd::broadcast(b, 1, *g).wait();
         EXPECT_TRUE(at::equal(b.cpu(), at::full({3}, 7.0)));
-        auto hop = cd::ring_exchange(at::full({3}, double(rank), at::TensorOptions(dev)), *g, 5);
+        auto hop = cd::ring_exchange(
+            at::full({3}, double(rank), at::TensorOptions(dev)), *g, 5);
         hop.arrived.wait();
         hop.sent.wait();
-        EXPECT_TRUE(at::equal(hop.received.cpu(), at::full({3}, double(1 - rank))));
+        EXPECT_TRUE(
+            at::equal(hop.received.cpu(), at::full({3}, double(1 - rank))));
         EXPECT_TRUE(hop.received.is_cuda());
       },
       on_cuda());
@@ -292,7 +290,8 @@ TEST(Cuda, EveryPluginTrainsInFp16AndBf16) {
         auto ref = train(nullptr, "fp32", rank, world);
         for (const std::string precision : {"fp16", "bf16"}) {
           // One process under the Booster's own mixed precision.
-          EXPECT_LE(max_diff(train(nullptr, precision, rank, world), ref), 2e-2)
+          EXPECT_LE(
+              max_abs_diff(train(nullptr, precision, rank, world), ref), 2e-2)
               << "one process, " << precision;
           for (const auto& p : plugins()) {
             // DDP and FSDP take the Booster's precision, ZeRO and Gemini
@@ -303,7 +302,8 @@ TEST(Cuda, EveryPluginTrainsInFp16AndBf16) {
                 own ? "" : precision,
                 rank,
                 world);
-            EXPECT_LE(max_diff(got, ref), 2e-2) << p.name << ", " << precision;
+            EXPECT_LE(max_abs_diff(got, ref), 2e-2)
+                << p.name << ", " << precision;
           }
         }
       },
@@ -329,7 +329,8 @@ TEST(Cuda, Fp16LossScalerSkipsAnOverflowingStepAndBacksOff) {
         boosted.optimizer->zero_grad();
         booster.backward(boosted.model(x).pow(2).mean(), *boosted.optimizer);
         boosted.optimizer->step();
-        auto* amp = dynamic_cast<mp::TorchAMPOptimizer*>(boosted.optimizer.get());
+        auto* amp =
+            dynamic_cast<mp::TorchAMPOptimizer*>(boosted.optimizer.get());
         ASSERT_NE(amp, nullptr);
         EXPECT_TRUE(amp->last_step_skipped()); // 1e30 overflows fp16
         EXPECT_TRUE(at::equal(model->weight.detach(), before));

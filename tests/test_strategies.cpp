@@ -29,6 +29,7 @@
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
 
 #include <harness/multiprocess.h>
+#include <harness/zoo_util.h>
 #include <zoo/gpt.h>
 
 #include <gtest/gtest.h>
@@ -37,6 +38,7 @@
 namespace cb = colossalai::booster;
 namespace cz = colossalai::zero;
 namespace zoo = colossalai::zoo;
+using colossalai::testing::max_abs_diff;
 using colossalai::testing::run_distributed;
 
 namespace {
@@ -181,16 +183,6 @@ std::vector<at::Tensor> reference(bool sgd, int world) {
   return model->parameters();
 }
 
-double max_diff(
-    const std::vector<at::Tensor>& a,
-    const std::vector<at::Tensor>& b) {
-  double d = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
-  }
-  return d;
-}
-
 void every_strategy(int rank, int world) {
   for (bool sgd : {true, false}) {
     const std::string opt = sgd ? "SGD" : "AdamW";
@@ -224,7 +216,7 @@ void every_strategy(int rank, int world) {
       // Families differ by rounding alone: for SGD by the bound above; for
       // AdamW by at most twice the largest update, lr (1 - b1) / sqrt(1 -
       // b2) = 3.2 lr per step, the most rounding can do to an update.
-      EXPECT_LE(max_diff(got, ddp), sgd ? 1e-5 : 2 * kSteps * 3.2e-3)
+      EXPECT_LE(max_abs_diff(got, ddp), sgd ? 1e-5 : 2 * kSteps * 3.2e-3)
           << s.name << ", " << opt;
     }
   }

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <optional>
 
 // NOTE [Gloo replacements]
 // Gloo in LibTorch 1.13 has no reduce-scatter, no flat all-gather and no bf16
@@ -82,30 +83,35 @@ void record(Op op, CollectivePath path) {
   g_path[op].store(static_cast<int>(path), std::memory_order_relaxed);
 }
 
-// NOTE [Gloo over CUDA tensors]
-// Gloo moves host memory. A CUDA tensor on a Gloo group (several ranks
-// sharing one GPU, or a job without NCCL) travels through a pinned host
-// copy: taken when the call starts, written back in wait(). Every host path
-// below (shared memory, the replacements) then serves CUDA tensors too.
-bool staged(const ProcessGroup& g, const at::Tensor& t) {
-  return gloo(g) && t.defined() && t.is_cuda();
+// NOTE [Tensors the backend does not carry]
+// Gloo moves host memory, NCCL device memory. A tensor on the other side -
+// a CUDA tensor on a Gloo group (several ranks sharing one GPU), a host
+// tensor on an NCCL group (offloaded optimizer states, gathered for a
+// checkpoint) - travels through a copy on the backend's side: taken when
+// the call starts, written back in wait(). Host copies are pinned. Every
+// path below (shared memory, the replacements) then serves both.
+bool foreign(const ProcessGroup& g, const at::Tensor& t) {
+  return t.defined() && (gloo(g) ? t.is_cuda() : !t.is_cuda());
 }
 
-// The host side of `t` (itself when it is not on a GPU).
-at::Tensor host_side(const at::Tensor& t, bool copy) {
-  if (!t.defined() || !t.is_cuda()) {
+// `t` itself when the backend carries it, else a copy it carries (holding
+// `t`'s values when `copy`).
+at::Tensor carried(const ProcessGroup& g, const at::Tensor& t, bool copy) {
+  if (!foreign(g, t)) {
     return t;
   }
-  auto h = at::empty(
-      t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  auto c = at::empty(
+      t.sizes(),
+      gloo(g) ? t.options().device(at::kCPU).pinned_memory(true)
+              : t.options().device(g.device()));
   if (copy) {
-    h.copy_(t);
+    c.copy_(t);
   }
-  return h;
+  return c;
 }
 
-// Waits for `inner`, then copies each host side back to its CUDA tensor
-// (an undefined one: a send buffer, only kept alive until then).
+// Waits for `inner`, then writes each copy back to its original (an
+// undefined original: a copy only kept alive until then).
 Work staged_work(
     Work inner,
     std::vector<std::pair<at::Tensor, at::Tensor>> back,
@@ -116,14 +122,31 @@ Work staged_work(
       compat::WorkPtr(),
       [w, back]() mutable {
         w->wait();
-        for (auto& [device, host] : back) {
-          if (device.defined() && device.is_cuda()) {
-            device.copy_(host);
+        for (auto& [original, copy] : back) {
+          if (original.defined() && !original.is_same(copy)) {
+            original.copy_(copy);
           }
         }
       },
       op,
       g);
+}
+
+// An out-of-place collective `call(output, input)` on carried copies, when
+// either tensor needs one; nullopt when neither does.
+template <class F>
+std::optional<Work> via_carried(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const ProcessGroup& g,
+    const char* op,
+    F&& call) {
+  if (!foreign(g, output) && !foreign(g, input)) {
+    return std::nullopt;
+  }
+  auto o = carried(g, output, false);
+  auto i = carried(g, input, true);
+  return staged_work(call(o, i), {{output, o}, {at::Tensor(), i}}, op, g);
 }
 
 // Whether Gloo's own flat all-gather / reduce-scatter may be tried: unknown
@@ -419,7 +442,8 @@ c10::optional<Work> reduce_scatter_native(
   ::c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(op);
   auto launch = [&] {
-    return compat::reduce_scatter_single(detail::backend(group), dst, src, opts);
+    return compat::reduce_scatter_single(
+        detail::backend(group), dst, src, opts);
   };
   auto w = gloo(group) ? try_gloo_native(kReduceScatter, launch) : launch();
   if (!w) {
@@ -530,9 +554,10 @@ std::pair<int64_t, int64_t> shard_range(int64_t numel, int world, int rank) {
 
 Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
   check_dense(tensor, "all_reduce", "input");
-  if (staged(group, tensor)) {
-    auto h = host_side(tensor, true);
-    return staged_work(all_reduce(h, group, op), {{tensor, h}}, "all_reduce", group);
+  if (foreign(group, tensor)) {
+    auto c = carried(group, tensor, true);
+    return staged_work(
+        all_reduce(c, group, op), {{tensor, c}}, "all_reduce", group);
   }
   count(tensor, group);
   if (group.size() == 1) {
@@ -578,10 +603,10 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
 
 Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
   check_dense(tensor, "broadcast", "input");
-  if (staged(group, tensor)) {
-    auto h = host_side(tensor, group.rank() == src);
+  if (foreign(group, tensor)) {
+    auto c = carried(group, tensor, group.rank() == src);
     return staged_work(
-        broadcast(h, src, group), {{tensor, h}}, "broadcast", group);
+        broadcast(c, src, group), {{tensor, c}}, "broadcast", group);
   }
   TORCH_CHECK(
       src >= 0 && src < group.size(),
@@ -609,11 +634,15 @@ Work all_gather(
     const ProcessGroup& group) {
   check_dense(output, "all_gather", "output");
   check_dense(input, "all_gather", "input");
-  if (staged(group, output) || staged(group, input)) {
-    auto o = host_side(output, false);
-    auto i = host_side(input, true);
-    return staged_work(
-        all_gather(o, i, group), {{output, o}, {at::Tensor(), i}}, "all_gather", group);
+  if (auto w = via_carried(
+          output,
+          input,
+          group,
+          "all_gather",
+          [&](at::Tensor& o, const at::Tensor& i) {
+            return all_gather(o, i, group);
+          })) {
+    return std::move(*w);
   }
   TORCH_CHECK(
       output.scalar_type() == input.scalar_type(),
@@ -694,11 +723,15 @@ Work gather(
     int root,
     const ProcessGroup& group) {
   check_dense(input, "gather", "input");
-  if (staged(group, output) || staged(group, input)) {
-    auto o = host_side(output, false);
-    auto i = host_side(input, true);
-    return staged_work(
-        gather(o, i, root, group), {{output, o}, {at::Tensor(), i}}, "gather", group);
+  if (auto w = via_carried(
+          output,
+          input,
+          group,
+          "gather",
+          [&](at::Tensor& o, const at::Tensor& i) {
+            return gather(o, i, root, group);
+          })) {
+    return std::move(*w);
   }
   TORCH_CHECK(
       root >= 0 && root < group.size(),
@@ -748,14 +781,15 @@ Work reduce_scatter(
     ReduceOp op) {
   check_dense(output, "reduce_scatter", "output");
   check_dense(input, "reduce_scatter", "input");
-  if (staged(group, output) || staged(group, input)) {
-    auto o = host_side(output, false);
-    auto i = host_side(input, true);
-    return staged_work(
-        reduce_scatter(o, i, group, op),
-        {{output, o}, {at::Tensor(), i}},
-        "reduce_scatter",
-        group);
+  if (auto w = via_carried(
+          output,
+          input,
+          group,
+          "reduce_scatter",
+          [&](at::Tensor& o, const at::Tensor& i) {
+            return reduce_scatter(o, i, group, op);
+          })) {
+    return std::move(*w);
   }
   TORCH_CHECK(
       output.scalar_type() == input.scalar_type(),
@@ -840,8 +874,9 @@ int64_t reduce_scatter_workspace_bytes(
   }
   const int64_t m = shard_sizes(numel, n)[0];
   const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
-  if (gloo(group) && (g_gloo_native[kReduceScatter].load() != Native::kYes ||
-                      !gloo_reduces(dtype))) {
+  if (gloo(group) &&
+      (g_gloo_native[kReduceScatter].load() != Native::kYes ||
+       !gloo_reduces(dtype))) {
     return m * n * elt; // the all-to-all's receive buffer (see above)
   }
   return m * n == numel ? 0 : (m * n + m) * elt; // padded input and output
@@ -855,14 +890,15 @@ Work all_to_all(
     std::vector<int64_t> input_splits) {
   check_dense(output, "all_to_all", "output");
   check_dense(input, "all_to_all", "input");
-  if (staged(group, output) || staged(group, input)) {
-    auto o = host_side(output, false);
-    auto i = host_side(input, true);
-    return staged_work(
-        all_to_all(o, i, group, output_splits, input_splits),
-        {{output, o}, {at::Tensor(), i}},
-        "all_to_all",
-        group);
+  if (auto w = via_carried(
+          output,
+          input,
+          group,
+          "all_to_all",
+          [&](at::Tensor& o, const at::Tensor& i) {
+            return all_to_all(o, i, group, output_splits, input_splits);
+          })) {
+    return std::move(*w);
   }
   TORCH_CHECK(
       output.scalar_type() == input.scalar_type(),
@@ -908,10 +944,10 @@ Work send(
     const ProcessGroup& group,
     int tag) {
   check_dense(tensor, "send", "input");
-  if (staged(group, tensor)) {
-    auto h = host_side(tensor, true);
+  if (foreign(group, tensor)) {
+    auto c = carried(group, tensor, true);
     return staged_work(
-        send(h, dst, group, tag), {{at::Tensor(), h}}, "send", group);
+        send(c, dst, group, tag), {{at::Tensor(), c}}, "send", group);
   }
   TORCH_CHECK(
       dst >= 0 && dst < group.size() && dst != group.rank(),
@@ -928,9 +964,9 @@ Work send(
 
 Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag) {
   check_dense(tensor, "recv", "output");
-  if (staged(group, tensor)) {
-    auto h = host_side(tensor, false);
-    return staged_work(recv(h, src, group, tag), {{tensor, h}}, "recv", group);
+  if (foreign(group, tensor)) {
+    auto c = carried(group, tensor, false);
+    return staged_work(recv(c, src, group, tag), {{tensor, c}}, "recv", group);
   }
   TORCH_CHECK(
       src >= 0 && src < group.size() && src != group.rank(),

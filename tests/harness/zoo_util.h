@@ -10,6 +10,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <string>
@@ -27,6 +28,17 @@ inline std::shared_ptr<torch::optim::Optimizer> make_optimizer(
   }
   return std::make_shared<torch::optim::AdamW>(
       params, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+}
+
+/// The largest elementwise difference between two lists of tensors.
+inline double max_abs_diff(
+    const std::vector<at::Tensor>& a,
+    const std::vector<at::Tensor>& b) {
+  double d = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return d;
 }
 
 /// Whole tensors of a (possibly tensor-split) model, by name; parameters

@@ -58,13 +58,13 @@ struct BoosterOptions {
   /// "fp16", "bf16", "fp32" or "" (none). Applied by the Booster unless the
   /// plugin controls precision.
   TORCH_ARG(std::string, mixed_precision) = "";
+
  public:
   /// A configured policy (`FP16TorchMixedPrecision` with its scaler options,
   /// `BF16MixedPrecision`), as the specification's Booster also takes; sets
   /// `mixed_precision()` to its name. A plugin that applies its own
   /// precision refuses it (its options carry the scaler's).
-  BoosterOptions& mixed_precision(
-      MixedPrecisionPtr policy) {
+  BoosterOptions& mixed_precision(MixedPrecisionPtr policy) {
     mixed_precision_ = policy ? policy->name() : "";
     mixed_precision_policy_ = std::move(policy);
     return *this;

@@ -34,17 +34,12 @@ at::Tensor gather_whole(
     const sl::ShardSpec& spec,
     const distributed::ProcessGroupPtr& tp) {
   const int n = tp->size();
-  // On the group's device: offloaded states live on the host, and NCCL
-  // takes no host tensors.
-  auto local = t.detach().contiguous().to(tp->device());
+  auto local = t.detach().contiguous();
   at::Tensor out;
   if (tp->rank() == 0) {
     out = at::empty({n * local.numel()}, local.options());
   }
   distributed::gather(out, local.view({-1}), 0, *tp).wait();
-  if (tp->rank() == 0) {
-    out = out.to(t.device());
-  }
   if (tp->rank() != 0) {
     return at::Tensor();
   }

@@ -8,8 +8,8 @@
 #include <algorithm>
 #include <deque>
 #include <map>
-#include <tuple>
 #include <sstream>
+#include <tuple>
 
 namespace colossalai {
 namespace pipeline {
@@ -272,9 +272,7 @@ std::string p2p_order_mismatch(
     bool zbv) {
   const int p = static_cast<int>(schedule.size());
   const int vstages = p * chunks;
-  auto owner = [&](int v) {
-    return zbv ? (v < p ? v : 2 * p - 1 - v) : v % p;
-  };
+  auto owner = [&](int v) { return zbv ? (v < p ? v : 2 * p - 1 - v) : v % p; };
   // Per ordered pair of stages, the messages in the sender's order and in
   // the receiver's: (receiving virtual stage, gradient?, micro-batch).
   using Msg = std::tuple<int, bool, int>;

@@ -333,19 +333,13 @@ void ShardedOptimizer::stream_full_states(const StateSink& sink) {
         }
       }
       at::Tensor full;
+      if (root) {
+        full = at::empty({layout.padded()}, local.options());
+      }
       if (group_ != nullptr && group_->size() > 1) {
-        // On the group's device: offloaded states live on the host, and
-        // NCCL takes no host tensors.
-        local = local.to(group_->device());
-        if (root) {
-          full = at::empty({layout.padded()}, local.options());
-        }
         distributed::gather(full, local, kRoot, *group_).wait();
-        if (root) {
-          full = full.to(item.value().device());
-        }
       } else {
-        full = local.clone();
+        full.copy_(local);
       }
       if (!root) {
         continue;
