@@ -43,6 +43,22 @@ namespace cbench = colossalai::bench;
 
 namespace {
 
+// `s` inside a JSON string: quotes and backslashes escaped.
+std::string json_text(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+    }
+    out += c;
+  }
+  return out;
+}
+
+} // namespace
+
+namespace {
+
 struct Args {
   int nproc = 2;
   int64_t min_bytes = 4096;
@@ -392,8 +408,10 @@ int run_rank(const Args& a) {
        << ", \"quick\": " << (a.quick ? "true" : "false")
        << ", \"backend\": \"gloo\", \"threads_per_rank\": 1"
        << ", \"shared_memory\": "
-       << (g.backend_handle().shm != nullptr ? "true" : "false")
-       << ", \"time\": \"per operation, slowest rank, over blocks\"},"
+       << (g.transport().name == "shared memory" ? "true" : "false")
+       << ", \"transport\": \"" << g.transport().name
+       << "\", \"transport_reason\": \"" << json_text(g.transport().reason)
+       << "\", \"time\": \"per operation, slowest rank, over blocks\"},"
        << "\n  \"machine\": " << cbench::machine_json()
        << ",\n  \"peak_rss_bytes_per_rank\": [";
   for (int r = 0; r < n; ++r)

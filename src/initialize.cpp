@@ -6,6 +6,7 @@
 #include <colossalai/utils/env.h>
 
 #include "distributed/runtime.h"
+#include "distributed/shm_channel.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
@@ -123,6 +124,16 @@ void launch(const LaunchOptions& o) {
   staging->host = o.host();
   staging->shm_collectives = o.shm_collectives() &&
       utils::env_int("COLOSSALAI_SHM_COLLECTIVES").value_or(1) != 0;
+  {
+    int64_t mb = o.shm_budget_mb();
+    if (mb < 0) {
+      mb = utils::env_int("COLOSSALAI_SHM_BUDGET_MB").value_or(-1);
+    }
+    staging->shm_budget =
+        mb >= 0 ? mb << 20 : dd::ShmChannel::default_budget_bytes();
+  }
+  staging->log_transports =
+      utils::env_int("COLOSSALAI_LOG_TRANSPORTS").value_or(1) != 0;
   staging->backend =
       nccl ? distributed::BackendType::kNccl : distributed::BackendType::kGloo;
   if (on_cuda) {
@@ -235,6 +246,8 @@ void launch(const LaunchOptions& o) {
   rt.host = staging->host;
   rt.backend = staging->backend;
   rt.shm_collectives = staging->shm_collectives;
+  rt.shm_budget = staging->shm_budget;
+  rt.log_transports = staging->log_transports;
   rt.device = staging->device;
   rt.store = staging->store;
   rt.gloo_device = staging->gloo_device;

@@ -4,6 +4,7 @@
 // Inputs are small integers, so sums are exact in every dtype and results
 // are compared exactly; averages are compared with the dtype's rounding.
 
+#include <colossalai/cluster/process_group_mesh.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/utils/compat.h>
@@ -19,6 +20,7 @@
 #include <optional>
 #include <thread>
 
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 namespace cd = colossalai::distributed;
@@ -130,11 +132,13 @@ bool shm_usable() {
   return ::access("/dev/shm", W_OK) == 0;
 }
 
+// The segment is an anonymous memory file (NOTE [Segments that cannot
+// outlive their job]).
 bool maps_shared_segment() {
   std::ifstream maps("/proc/self/maps");
   std::string line;
   while (std::getline(maps, line)) {
-    if (line.find("/dev/shm/colossalai.") != std::string::npos) {
+    if (line.find("/memfd:colossalai.shm") != std::string::npos) {
       return true;
     }
   }
@@ -147,8 +151,8 @@ bool maps_shared_segment() {
 // slot; broadcast too), several in flight at once, uneven shards, outputs that
 // alias their inputs, 16-bit and integer dtypes. Integer-valued inputs make
 // every sum exact, so results are compared exactly; a sum of random floats must
-// have the same bits on every rank. The segment is mapped, and already unlinked
-// from /dev/shm.
+// have the same bits on every rank. The segment is mapped, and has no name in
+// /dev/shm.
 TEST(Collectives, SharedMemoryLargeOperationsInFlight) {
   if (!shm_usable()) {
     GTEST_SKIP() << "no writable /dev/shm";
@@ -549,8 +553,8 @@ TEST(Collectives, PathsSayWhatRan) {
         auto check = [&](const char* op, const std::string& what) {
           const auto path = cd::collective_path(op);
           if (rank == 0) {
-            std::cout << "[ path     ] " << what << " over Gloo: "
-                      << cd::to_string(path) << std::endl;
+            std::cout << "[ path     ] " << what
+                      << " over Gloo: " << cd::to_string(path) << std::endl;
           }
           EXPECT_NE(path, cd::CollectivePath::kSharedMemory) << what;
           EXPECT_NE(path, cd::CollectivePath::kNone) << what;
@@ -596,4 +600,204 @@ TEST(Collectives, PathsSayWhatRan) {
         cd::CollectivePath::kSharedMemory);
   });
   EXPECT_THROW(cd::collective_path("scatter"), c10::Error);
+}
+
+// Each group says which transport it took and why, the same on every
+// member: shared memory on one host (within the budget), Gloo when shared
+// memory is off or the budget is spent (the line on stderr says so), local
+// for a group of one. COLOSSALAI_SHM_BUDGET_MB=12 on 2 ranks: the world's
+// segment (8 MiB + a page) fits, a second group's shrinks to the ~4 MiB
+// left, a third gets Gloo; every group's results are right.
+TEST(Collectives, EachGroupSaysWhichTransportAndWhy) {
+  auto sum_is_right = [](const cd::ProcessGroup& g, int world) {
+    auto t = at::full({int64_t(3) << 20}, static_cast<double>(g.rank() + 1));
+    cd::all_reduce(t, g).wait();
+    EXPECT_TRUE(t.eq(world * (world + 1) / 2).all().item<bool>()) << g.name();
+  };
+  run_distributed(2, [&](int rank, int world) {
+    auto g = cd::world_group();
+    EXPECT_EQ(g->transport().name, "shared memory");
+    EXPECT_NE(
+        g->transport().reason.find("all 2 members run on this host"),
+        std::string::npos)
+        << g->transport().reason;
+    EXPECT_GE(g->transport().segment_bytes, int64_t(8) << 20);
+    auto alone = cd::new_group({rank}, "alone");
+    EXPECT_EQ(alone->transport().name, "local");
+    sum_is_right(*g, world);
+  });
+  colossalai::testing::MultiProcessOptions off;
+  off.shm_collectives = false;
+  run_distributed(
+      2,
+      [&](int, int world) {
+        auto g = cd::world_group();
+        EXPECT_EQ(g->transport().name, "gloo");
+        EXPECT_NE(
+            g->transport().reason.find("shm_collectives"), std::string::npos);
+        EXPECT_EQ(g->transport().segment_bytes, 0);
+        sum_is_right(*g, world);
+      },
+      off);
+  colossalai::testing::MultiProcessOptions tight;
+  tight.env[-1]["COLOSSALAI_SHM_BUDGET_MB"] = "12";
+  auto results = colossalai::testing::run_processes(
+      2,
+      [&](int, int world) {
+        auto first = cd::world_group();
+        auto second = cd::new_group({0, 1}, "second");
+        auto third = cd::new_group({0, 1}, "third");
+        EXPECT_EQ(first->transport().name, "shared memory");
+        EXPECT_EQ(second->transport().name, "shared memory");
+        EXPECT_LT(second->transport().segment_bytes, int64_t(4) << 20);
+        EXPECT_GE(second->transport().segment_bytes, int64_t(1) << 20);
+        EXPECT_EQ(third->transport().name, "gloo");
+        EXPECT_NE(
+            third->transport().reason.find("budget is spent"),
+            std::string::npos)
+            << third->transport().reason;
+        for (const auto* g : {first.get(), second.get(), third.get()}) {
+          sum_is_right(*g, world);
+        }
+      },
+      tight);
+  if (!results.empty()) {
+    for (const auto& r : results) {
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+    }
+    EXPECT_NE(
+        results[0].output.find("colossalai: group 'third' [0,1]: gloo (the "
+                               "shared-memory budget is spent"),
+        std::string::npos)
+        << results[0].output;
+    EXPECT_EQ(results[1].output.find("group 'third'"), std::string::npos)
+        << "one line per group, from its first member";
+  }
+}
+
+// NOTE [One order per group]: a barrier completes only after every earlier
+// collective of the group - those through the segment and those it runs on
+// Gloo (gather, all-to-all, a bool reduction) - so their handles report
+// completion without a wait; is_completed() turns true by itself for work
+// through the segment. The same holds on Gloo alone (c10d's barrier).
+TEST(Collectives, BarrierOrdersEarlierCollectivesOfTheGroup) {
+  for (bool shm : {true, false}) {
+    SCOPED_TRACE(shm ? "shared memory" : "Gloo alone");
+    colossalai::testing::MultiProcessOptions o;
+    o.shm_collectives = shm;
+    run_distributed(
+        3,
+        [](int rank, int world) {
+          auto g = cd::world_group();
+          auto big = at::full({int64_t(4) << 20}, static_cast<double>(rank));
+          auto w_big = cd::all_reduce(big, *g);
+          auto piece = at::full({1000}, static_cast<double>(rank));
+          auto gathered = at::empty({1000 * world});
+          auto w_gather = cd::gather(gathered, piece, 0, *g);
+          auto blocks = at::full({world * 10}, static_cast<double>(rank));
+          auto swapped = at::empty({world * 10});
+          auto w_a2a = cd::all_to_all(swapped, blocks, *g);
+          cd::barrier(*g).wait();
+          EXPECT_TRUE(w_big.is_completed());
+          EXPECT_TRUE(w_gather.is_completed());
+          EXPECT_TRUE(w_a2a.is_completed());
+          w_big.wait();
+          w_gather.wait();
+          w_a2a.wait();
+          EXPECT_TRUE(big.eq(world * (world - 1) / 2).all().item<bool>());
+          for (int r = 0; r < world; ++r) {
+            EXPECT_TRUE(swapped.narrow(0, 10 * r, 10).eq(r).all().item<bool>());
+            if (rank == 0) {
+              EXPECT_TRUE(
+                  gathered.narrow(0, 1000 * r, 1000).eq(r).all().item<bool>());
+            }
+          }
+          // Completion shows without wait().
+          auto more = at::ones({int64_t(1) << 20});
+          auto w = cd::all_reduce(more, *g);
+          const auto deadline =
+              std::chrono::steady_clock::now() + std::chrono::seconds(20);
+          while (!w.is_completed() &&
+                 std::chrono::steady_clock::now() < deadline) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+          EXPECT_TRUE(w.is_completed());
+          w.wait();
+          EXPECT_TRUE(more.eq(world).all().item<bool>());
+        },
+        o);
+  }
+}
+
+namespace {
+
+const char* kSmallShm = "COLOSSALAI_TEST_SMALL_SHM";
+
+} // namespace
+
+// Under Docker's default /dev/shm of 64 MiB (a tmpfs mounted in a private
+// mount namespace; needs root), every group of a 2 x 2 mesh and four more
+// world groups - 96 MiB of segments in each process, 112 MiB on the host -
+// still take shared memory, since segments are anonymous memory files that
+// /dev/shm's size does not bound, and all their results are right.
+TEST(Collectives, HybridMeshUnderDockersDefaultDevShm) {
+  if (std::getenv(kSmallShm) == nullptr) {
+    if (::geteuid() != 0 ||
+        std::system("unshare --mount --propagation private true "
+                    ">/dev/null 2>&1") != 0) {
+      GTEST_SKIP() << "needs root and unshare(1) for a private /dev/shm";
+    }
+    const std::string self = std::filesystem::read_symlink("/proc/self/exe");
+    const std::string cmd = std::string("unshare --mount --propagation ") +
+        "private sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && " +
+        kSmallShm + "=1 exec \"" + self +
+        "\" --gtest_filter=Collectives.HybridMeshUnderDockersDefaultDevShm' " +
+        "2>&1";
+    FILE* p = ::popen(cmd.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string out;
+    char buf[4096];
+    while (size_t n = std::fread(buf, 1, sizeof(buf), p)) {
+      out.append(buf, n);
+    }
+    const int status = ::pclose(p);
+    EXPECT_EQ(status, 0) << out;
+    EXPECT_NE(out.find("[  PASSED  ] 1 test"), std::string::npos) << out;
+    std::cout << out;
+    return;
+  }
+  struct statvfs fs {};
+  ASSERT_EQ(::statvfs("/dev/shm", &fs), 0);
+  ASSERT_EQ(fs.f_blocks * fs.f_frsize, uint64_t(64) << 20);
+  run_distributed(4, [](int rank, int world) {
+    colossalai::cluster::ProcessGroupMesh mesh({2, 2});
+    std::vector<cd::ProcessGroupPtr> groups = {
+        cd::world_group(),
+        mesh.get_group_along_axis(0),
+        mesh.get_group_along_axis(1)};
+    for (int i = 0; i < 4; ++i) {
+      groups.push_back(
+          cd::new_group({0, 1, 2, 3}, "extra" + std::to_string(i)));
+    }
+    int64_t mapped = 0;
+    for (const auto& g : groups) {
+      EXPECT_EQ(g->transport().name, "shared memory")
+          << g->name() << ": " << g->transport().reason;
+      mapped += g->transport().segment_bytes;
+      auto t = at::full({int64_t(1) << 20}, static_cast<double>(rank + 1));
+      cd::all_reduce(t, *g).wait();
+      double want = 0;
+      for (int r : g->ranks()) {
+        want += r + 1;
+      }
+      EXPECT_TRUE(t.eq(want).all().item<bool>()) << g->name();
+      auto shard = at::empty({(int64_t(1) << 20) / g->size()});
+      cd::reduce_scatter(shard, t, *g).wait();
+      EXPECT_TRUE(shard.eq(want * g->size()).all().item<bool>()) << g->name();
+    }
+    EXPECT_GT(mapped, int64_t(64) << 20);
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+      ADD_FAILURE() << "in /dev/shm: " << e.path();
+    }
+  });
 }

@@ -3,6 +3,7 @@
 // The c10d side of ProcessGroup and Work (internal).
 
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/error.h>
 
 #include "../utils/compat_c10d.h"
 #include "shm_channel.h"
@@ -15,15 +16,17 @@ namespace colossalai {
 namespace distributed {
 namespace detail {
 
-struct BackendHandle {
-  compat::BackendPtr backend;
-  // Set when every member runs on this host (NOTE [Shared-memory
-  // collectives]); null otherwise.
+// How a group communicates, fixed when it is created: its c10d backend,
+// and, when the collectives go through shared memory, the channel that
+// also orders every collective of the group (NOTE [One order per group]).
+struct Transport {
+  compat::BackendPtr backend; // null for a group of one
   std::shared_ptr<ShmChannel> shm;
+  TransportInfo info;
 };
 
 inline compat::Backend& backend(const ProcessGroup& group) {
-  return *group.backend_handle().backend;
+  return *group.transport_handle().backend;
 }
 
 } // namespace detail
@@ -31,6 +34,9 @@ inline compat::Backend& backend(const ProcessGroup& group) {
 struct Work::State {
   compat::WorkPtr work;
   std::function<void()> finish;
+  // Whether the operation is done, when `work` cannot say (it is null, or
+  // `finish` still has network parts to wait for); null: ask `work`.
+  std::function<bool()> ready;
   std::string op;
   const ProcessGroup* group = nullptr;
   // Keeps the group (and its connections) alive while the work is in flight.
@@ -40,12 +46,38 @@ struct Work::State {
 namespace detail {
 
 /// A Work on `group` that waits for `work` (may be null) and then runs
-/// `finish` (may be null) exactly once.
+/// `finish` (may be null) exactly once; `ready` answers is_completed() when
+/// `work` alone cannot.
 Work make_work(
     compat::WorkPtr work,
     std::function<void()> finish,
     std::string op,
-    const ProcessGroup& group);
+    const ProcessGroup& group,
+    std::function<bool()> ready = nullptr);
+
+/// The DistributedError for `op` on `group` failing with `cause`.
+DistributedError failure(
+    const ProcessGroup& group,
+    const std::string& op,
+    const std::exception& cause);
+
+/// Posts an operation on the group's c10d backend: `post()`'s failure (Gloo
+/// starts sends and receives at once and throws on a closed connection)
+/// becomes the DistributedError a wait() would give. "Unsupported" errors
+/// pass unchanged: callers take a replacement for them.
+template <class F>
+compat::WorkPtr post(const ProcessGroup& group, const std::string& op, F&& f) {
+  try {
+    return f();
+  } catch (const DistributedError&) {
+    throw;
+  } catch (const std::exception& e) {
+    if (compat::is_unsupported(e)) {
+      throw;
+    }
+    throw failure(group, op, e);
+  }
+}
 
 } // namespace detail
 } // namespace distributed

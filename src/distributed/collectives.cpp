@@ -50,14 +50,38 @@ bool gloo(const ProcessGroup& g) {
   return g.backend_type() == BackendType::kGloo;
 }
 
-// The group's shared-memory channel when `t` can use it (NOTE [Shared-memory
+// NOTE [One order per group]
+// A group's transport is chosen once, when it is created. On a
+// shared-memory group every collective runs on the channel's thread in call
+// order: the segment's own operations, a barrier (one phase of the
+// segment), and the ones the segment does not carry (gather, all-to-all, a
+// reduction of a dtype it cannot sum), which that thread runs on Gloo and
+// waits for before it takes the next. So a barrier orders all earlier
+// collectives of the group, as c10d's do, and a failure breaks the group
+// for every later one. Sends and receives go straight to Gloo, unordered
+// with collectives, as in c10d (Gloo starts them at once): a pipeline's
+// receive posted early must not wait behind a collective.
+
+// The group's channel when its collectives must queue on it; null without
+// one, and on the channel's own thread (where a queued operation runs on
+// the backend).
+detail::ShmChannel* channel_of(const ProcessGroup& g) {
+  auto* c = g.transport_handle().shm.get();
+  return c != nullptr && !c->on_channel_thread() ? c : nullptr;
+}
+
+// The group's channel when it carries `t` itself (NOTE [Shared-memory
 // collectives]), else null.
 detail::ShmChannel* shm(
     const ProcessGroup& g,
     const at::Tensor& t,
     bool reduces) {
-  auto* channel = g.backend_handle().shm.get();
+  auto* channel = channel_of(g);
   return channel && detail::ShmChannel::carries(t, reduces) ? channel : nullptr;
+}
+
+bool ready(const std::shared_future<void>& f) {
+  return f.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
 }
 
 Work shm_work(
@@ -65,7 +89,32 @@ Work shm_work(
     const char* op,
     const ProcessGroup& g) {
   return detail::make_work(
-      compat::WorkPtr(), [done]() { done.get(); }, op, g);
+      compat::WorkPtr(),
+      [done]() { done.get(); },
+      op,
+      g,
+      [done]() { return ready(done); });
+}
+
+// Runs `run` (which starts the operation on the backend) at its turn in
+// the group's order, and waits for it there (NOTE [One order per group]).
+Work in_order(
+    detail::ShmChannel* channel,
+    const char* op,
+    const ProcessGroup& g,
+    std::function<Work()> run) {
+  return shm_work(
+      channel->run_in_order([run = std::move(run)] { run().wait(); }), op, g);
+}
+
+// The channel an operation the segment does not carry queues on.
+detail::ShmChannel* queue_for(
+    const ProcessGroup& g,
+    const at::Tensor& t,
+    bool reduces) {
+  auto* channel = channel_of(g);
+  return channel && !detail::ShmChannel::carries(t, reduces) ? channel
+                                                             : nullptr;
 }
 
 // A bf16 tensor on a Gloo group travels as opaque 16-bit words where only
@@ -129,7 +178,8 @@ Work staged_work(
         }
       },
       op,
-      g);
+      g,
+      [w]() { return w->is_completed(); });
 }
 
 // An out-of-place collective `call(output, input)` on carried copies, when
@@ -328,7 +378,13 @@ Work reduce_scatter_p2p(
     std::vector<at::Tensor> ts{t};
     const int tag = kReduceScatterTag + static_cast<int>(c);
     return detail::make_work(
-        is_send ? backend.send(ts, peer, tag) : backend.recv(ts, peer, tag),
+        detail::post(
+            group,
+            "reduce_scatter",
+            [&] {
+              return is_send ? backend.send(ts, peer, tag)
+                             : backend.recv(ts, peer, tag);
+            }),
         nullptr,
         "reduce_scatter",
         group);
@@ -404,7 +460,17 @@ Work reduce_scatter_p2p(
         blocks.done();
       },
       "reduce_scatter",
-      group);
+      group,
+      [sent, arrived]() {
+        for (const auto* works : {sent.get(), arrived.get()}) {
+          for (const auto& w : *works) {
+            if (!w.is_completed()) {
+              return false;
+            }
+          }
+        }
+        return true;
+      });
 }
 
 std::vector<int64_t> shard_sizes(int64_t numel, int world) {
@@ -442,8 +508,10 @@ c10::optional<Work> reduce_scatter_native(
   ::c10d::ReduceScatterOptions opts;
   opts.reduceOp = to_c10d(op);
   auto launch = [&] {
-    return compat::reduce_scatter_single(
-        detail::backend(group), dst, src, opts);
+    return detail::post(group, "reduce_scatter", [&] {
+      return compat::reduce_scatter_single(
+          detail::backend(group), dst, src, opts);
+    });
   };
   auto w = gloo(group) ? try_gloo_native(kReduceScatter, launch) : launch();
   if (!w) {
@@ -462,7 +530,9 @@ c10::optional<Work> reduce_scatter_native(
     };
   }
   return detail::make_work(
-      std::move(w), std::move(finish), "reduce_scatter", group);
+      w, std::move(finish), "reduce_scatter", group, [w]() {
+        return w->isCompleted();
+      });
 }
 
 } // namespace
@@ -507,10 +577,12 @@ Work detail::make_work(
     compat::WorkPtr work,
     std::function<void()> finish,
     std::string op,
-    const ProcessGroup& group) {
+    const ProcessGroup& group,
+    std::function<bool()> ready) {
   auto st = std::make_unique<Work::State>();
   st->work = std::move(work);
   st->finish = std::move(finish);
+  st->ready = std::move(ready);
   st->op = std::move(op);
   st->group = &group;
   st->keep = group.weak_from_this().lock();
@@ -533,16 +605,28 @@ void Work::wait() {
   } catch (const DistributedError&) {
     throw;
   } catch (const std::exception& e) {
-    throw DistributedError(
-        st->group->describe() + ": " + st->op + " failed (timeout " +
-        std::to_string(st->group->timeout().count()) +
-        " ms; did a peer exit?): " + error_text(e));
+    throw detail::failure(*st->group, st->op, e);
   }
 }
 
+DistributedError detail::failure(
+    const ProcessGroup& group,
+    const std::string& op,
+    const std::exception& cause) {
+  return DistributedError(
+      group.describe() + ": " + op + " failed (timeout " +
+      std::to_string(group.timeout().count()) +
+      " ms; did a peer exit?): " + error_text(cause));
+}
+
 bool Work::is_completed() const {
-  return !state_ ||
-      (state_->work && !state_->finish && state_->work->isCompleted());
+  if (!state_) {
+    return true;
+  }
+  if (state_->ready) {
+    return state_->ready();
+  }
+  return state_->work && !state_->finish && state_->work->isCompleted();
 }
 
 std::pair<int64_t, int64_t> shard_range(int64_t numel, int world, int rank) {
@@ -558,6 +642,13 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
     auto c = carried(group, tensor, true);
     return staged_work(
         all_reduce(c, group, op), {{tensor, c}}, "all_reduce", group);
+  }
+  if (auto* channel = queue_for(group, tensor, /*reduces=*/true)) {
+    auto t = tensor;
+    return in_order(
+        channel, "all_reduce", group, [t, g = &group, op]() mutable {
+          return all_reduce(t, *g, op);
+        });
   }
   count(tensor, group);
   if (group.size() == 1) {
@@ -591,14 +682,17 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
   std::vector<at::Tensor> ts{tensor};
   ::c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
-  auto w = detail::backend(group).allreduce(ts, opts);
+  auto w = detail::post(group, "all_reduce", [&] {
+    return detail::backend(group).allreduce(ts, opts);
+  });
   std::function<void()> finish;
   if (op == ReduceOp::kAvg) {
     int n = group.size();
     finish = [tensor, n]() mutable { tensor.div_(n); };
   }
-  return detail::make_work(
-      std::move(w), std::move(finish), "all_reduce", group);
+  return detail::make_work(w, std::move(finish), "all_reduce", group, [w]() {
+    return w->isCompleted();
+  });
 }
 
 Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
@@ -614,6 +708,13 @@ Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
       src,
       " outside group of ",
       group.size());
+  if (auto* channel = queue_for(group, tensor, /*reduces=*/false)) {
+    auto t = tensor;
+    return in_order(
+        channel, "broadcast", group, [t, src, g = &group]() mutable {
+          return broadcast(t, src, *g);
+        });
+  }
   count(tensor, group);
   if (group.size() == 1) {
     return Work();
@@ -625,7 +726,13 @@ Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
   ::c10d::BroadcastOptions opts;
   opts.rootRank = src;
   return detail::make_work(
-      detail::backend(group).broadcast(ts, opts), nullptr, "broadcast", group);
+      detail::post(
+          group,
+          "broadcast",
+          [&] { return detail::backend(group).broadcast(ts, opts); }),
+      nullptr,
+      "broadcast",
+      group);
 }
 
 Work all_gather(
@@ -662,6 +769,13 @@ Work all_gather(
       output.numel(),
       ", got ",
       input.numel());
+  if (auto* channel = queue_for(group, input, /*reduces=*/false)) {
+    auto o = output;
+    return in_order(
+        channel, "all_gather", group, [o, input, g = &group]() mutable {
+          return all_gather(o, input, *g);
+        });
+  }
   count(input, group);
   auto out = output.view({-1});
   if (n == 1) {
@@ -680,7 +794,9 @@ Work all_gather(
     auto o = raw(out, group);
     auto i = raw(input.view({-1}), group);
     auto launch = [&] {
-      return compat::all_gather_single(detail::backend(group), o, i);
+      return detail::post(group, "all_gather", [&] {
+        return compat::all_gather_single(detail::backend(group), o, i);
+      });
     };
     auto w = gloo(group) ? try_gloo_native(kAllGather, launch) : launch();
     if (w) {
@@ -701,7 +817,9 @@ Work all_gather(
     outs[0].push_back(raw(buffer.slice(0, r * m, (r + 1) * m), group));
   }
   std::vector<at::Tensor> ins{raw(in, group)};
-  auto w = detail::backend(group).allgather(outs, ins);
+  auto w = detail::post(group, "all_gather", [&] {
+    return detail::backend(group).allgather(outs, ins);
+  });
   std::function<void()> finish;
   if (!even) {
     finish = [out, buffer, sizes, m, n]() mutable {
@@ -713,8 +831,9 @@ Work all_gather(
       }
     };
   }
-  return detail::make_work(
-      std::move(w), std::move(finish), "all_gather", group);
+  return detail::make_work(w, std::move(finish), "all_gather", group, [w]() {
+    return w->isCompleted();
+  });
 }
 
 Work gather(
@@ -753,6 +872,13 @@ Work gather(
         " elements of ",
         input.scalar_type());
   }
+  if (auto* channel = channel_of(group)) {
+    auto o = output;
+    return in_order(
+        channel, "gather", group, [o, input, root, g = &group]() mutable {
+          return gather(o, input, root, *g);
+        });
+  }
   count(input, group);
   if (n == 1) {
     output.view({-1}).copy_(input.view({-1}));
@@ -771,7 +897,13 @@ Work gather(
   ::c10d::GatherOptions opts;
   opts.rootRank = root;
   return detail::make_work(
-      detail::backend(group).gather(outs, ins, opts), nullptr, "gather", group);
+      detail::post(
+          group,
+          "gather",
+          [&] { return detail::backend(group).gather(outs, ins, opts); }),
+      nullptr,
+      "gather",
+      group);
 }
 
 Work reduce_scatter(
@@ -810,6 +942,13 @@ Work reduce_scatter(
       input.numel(),
       ", got an output of ",
       output.numel());
+  if (auto* channel = queue_for(group, input, /*reduces=*/true)) {
+    auto o = output;
+    return in_order(
+        channel, "reduce_scatter", group, [o, input, op, g = &group]() mutable {
+          return reduce_scatter(o, input, *g, op);
+        });
+  }
   count(input, group);
   auto in = input.view({-1});
   auto out = output.view({-1});
@@ -849,16 +988,19 @@ Work reduce_scatter(
   std::vector<int64_t> out_splits(n, mine), in_splits = sizes;
   auto o = raw(blocks.tensor, group);
   auto i = raw(in, group);
-  auto w = compat::all_to_all_single(
-      detail::backend(group), o, i, out_splits, in_splits);
+  auto w = detail::post(group, "reduce_scatter", [&] {
+    return compat::all_to_all_single(
+        detail::backend(group), o, i, out_splits, in_splits);
+  });
   return detail::make_work(
-      std::move(w),
+      w,
       [out, blocks, n, op]() mutable {
         local_reduce(out, blocks.tensor, n, op);
         blocks.done();
       },
       "reduce_scatter",
-      group);
+      group,
+      [w]() { return w->isCompleted(); });
 }
 
 int64_t reduce_scatter_workspace_bytes(
@@ -869,7 +1011,7 @@ int64_t reduce_scatter_workspace_bytes(
   if (n == 1) {
     return 0;
   }
-  if (group.backend_handle().shm) {
+  if (group.transport_handle().shm) {
     return 0; // reduced straight from the shared segment into the output
   }
   const int64_t m = shard_sizes(numel, n)[0];
@@ -923,6 +1065,16 @@ Work all_to_all(
         n,
         " when no splits are given");
   }
+  if (auto* channel = channel_of(group)) {
+    auto o = output;
+    return in_order(
+        channel,
+        "all_to_all",
+        group,
+        [o, input, output_splits, input_splits, g = &group]() mutable {
+          return all_to_all(o, input, *g, output_splits, input_splits);
+        });
+  }
   count(input, group);
   if (n == 1) {
     output.copy_(input);
@@ -931,8 +1083,13 @@ Work all_to_all(
   auto o = raw(output, group);
   auto i = raw(input, group);
   return detail::make_work(
-      compat::all_to_all_single(
-          detail::backend(group), o, i, output_splits, input_splits),
+      detail::post(
+          group,
+          "all_to_all",
+          [&] {
+            return compat::all_to_all_single(
+                detail::backend(group), o, i, output_splits, input_splits);
+          }),
       nullptr,
       "all_to_all",
       group);
@@ -955,10 +1112,12 @@ Work send(
       dst);
   count(tensor, group);
   std::vector<at::Tensor> ts{raw(tensor, group)};
+  const std::string op = "send to " + std::to_string(dst);
   return detail::make_work(
-      detail::backend(group).send(ts, dst, tag),
+      detail::post(
+          group, op, [&] { return detail::backend(group).send(ts, dst, tag); }),
       nullptr,
-      "send to " + std::to_string(dst),
+      op,
       group);
 }
 
@@ -973,10 +1132,12 @@ Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag) {
       "recv: bad source rank ",
       src);
   std::vector<at::Tensor> ts{raw(tensor, group)};
+  const std::string op = "recv from " + std::to_string(src);
   return detail::make_work(
-      detail::backend(group).recv(ts, src, tag),
+      detail::post(
+          group, op, [&] { return detail::backend(group).recv(ts, src, tag); }),
       nullptr,
-      "recv from " + std::to_string(src),
+      op,
       group);
 }
 
@@ -984,13 +1145,22 @@ Work barrier(const ProcessGroup& group) {
   if (group.size() == 1) {
     return Work();
   }
+  if (auto* channel = channel_of(group)) {
+    return shm_work(channel->barrier(), "barrier", group);
+  }
   ::c10d::BarrierOptions opts;
   if (!gloo(group) && group.device().is_cuda()) {
     // NCCL's barrier reduces a tensor on a device it would otherwise guess.
     opts.device_ids = {group.device().index()};
   }
   return detail::make_work(
-      detail::backend(group).barrier(opts), nullptr, "barrier", group);
+      detail::post(
+          group,
+          "barrier",
+          [&] { return detail::backend(group).barrier(opts); }),
+      nullptr,
+      "barrier",
+      group);
 }
 
 std::vector<std::string> all_gather_bytes(

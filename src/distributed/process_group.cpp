@@ -11,20 +11,21 @@
 #endif
 
 #include <algorithm>
+#include <iostream>
 #include <sstream>
 
 namespace colossalai {
 namespace distributed {
 
 ProcessGroup::ProcessGroup(
-    std::shared_ptr<detail::BackendHandle> backend,
+    std::shared_ptr<detail::Transport> transport,
     BackendType type,
     std::vector<int> ranks,
     int global_rank,
     std::string name,
     std::chrono::milliseconds timeout,
     c10::Device device)
-    : backend_(std::move(backend)),
+    : transport_(std::move(transport)),
       type_(type),
       ranks_(std::move(ranks)),
       name_(std::move(name)),
@@ -36,6 +37,10 @@ ProcessGroup::ProcessGroup(
 }
 
 ProcessGroup::~ProcessGroup() = default;
+
+const TransportInfo& ProcessGroup::transport() const {
+  return transport_->info;
+}
 
 std::string ProcessGroup::describe() const {
   std::ostringstream os;
@@ -116,22 +121,46 @@ ProcessGroupPtr create_group(
         name + "' failed (did every member join within " +
         std::to_string(rt.timeout.count()) + " ms?): " + error_text(e));
   }
-  std::shared_ptr<ShmChannel> shm;
-  if (rt.shm_collectives && rt.backend == BackendType::kGloo &&
-      group_size > 1) {
+  auto transport = std::make_shared<Transport>();
+  transport->backend = std::move(backend);
+  TransportInfo& info = transport->info;
+  if (group_size == 1) {
+    info = {"local", "a group of one: every operation is a local copy", 0};
+  } else if (rt.backend == BackendType::kNccl) {
+    info = {"nccl", "the launch chose NCCL", 0};
+  } else if (!rt.shm_collectives) {
+    info = {
+        "gloo",
+        "shared memory is off (LaunchOptions::shm_collectives, "
+        "COLOSSALAI_SHM_COLLECTIVES)",
+        0};
+  } else {
+    std::string why;
     try {
-      shm = ShmChannel::open(*store, group_rank, group_size, rt.timeout);
+      transport->shm = ShmChannel::open(
+          *store, group_rank, group_size, rt.timeout, rt.shm_budget, &why);
     } catch (const std::exception& e) {
       throw DistributedError(
           "rank " + std::to_string(rt.rank) + ": setting up shared memory " +
-          "for process group '" + name + "' failed (did every member " +
-          "join within " + std::to_string(rt.timeout.count()) +
-          " ms?): " + error_text(e));
+          "for process group '" + name + "' failed: " + error_text(e));
     }
+    info = {
+        transport->shm ? "shared memory" : "gloo",
+        why,
+        transport->shm ? transport->shm->bytes() : 0};
+  }
+  // One line per group, from its first member (NOTE [Shared-memory budget]).
+  if (group_rank == 0 && group_size > 1 && rt.log_transports) {
+    std::ostringstream line;
+    line << "colossalai: group '" << name << "' [";
+    for (size_t i = 0; i < global_ranks.size(); ++i) {
+      line << (i ? "," : "") << global_ranks[i];
+    }
+    line << "]: " << info.name << " (" << info.reason << ")\n";
+    std::cerr << line.str() << std::flush;
   }
   return std::make_shared<ProcessGroup>(
-      std::make_shared<detail::BackendHandle>(
-          detail::BackendHandle{std::move(backend), std::move(shm)}),
+      std::move(transport),
       rt.backend,
       global_ranks,
       rt.rank,

@@ -23,6 +23,8 @@ struct Runtime {
   int world_size = 1;
   BackendType backend = BackendType::kGloo;
   bool shm_collectives = false; // LaunchOptions::shm_collectives
+  int64_t shm_budget = 0;       // bytes of segments per process
+  bool log_transports = true;   // COLOSSALAI_LOG_TRANSPORTS
   std::chrono::milliseconds timeout{0};
   std::string host;
   c10::Device device{c10::kCPU};

@@ -32,13 +32,26 @@ class ShmChannel {
  public:
   /// Collective over the members of a group (each calls it with its group
   /// rank): returns a channel when every member runs on this host and could
-  /// map the segment, else nullptr on every member (they agree through
-  /// `store`). Throws when a member does not arrive within `timeout`.
+  /// map a segment within its budget (`budget_bytes` of segments per
+  /// process), else nullptr on every member (they agree through `store`).
+  /// `*why` says which, for the group's TransportInfo. Throws when a member
+  /// does not arrive within `timeout`.
   static std::shared_ptr<ShmChannel> open(
       ::c10d::Store& store,
       int rank,
       int size,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      int64_t budget_bytes,
+      std::string* why);
+  /// Bytes of segments this process maps now (all its channels).
+  static int64_t mapped_bytes();
+  /// The default budget of segments per process (NOTE [Shared-memory
+  /// budget]).
+  static int64_t default_budget_bytes();
+  /// The segment's size.
+  int64_t bytes() const {
+    return static_cast<int64_t>(bytes_);
+  }
   ~ShmChannel();
   ShmChannel(const ShmChannel&) = delete;
   ShmChannel& operator=(const ShmChannel&) = delete;
@@ -61,6 +74,16 @@ class ShmChannel {
       at::Tensor in,
       std::vector<int64_t> sizes);
   std::shared_future<void> broadcast(at::Tensor t, int src);
+  /// Ready when every member has reached it, after all earlier operations.
+  std::shared_future<void> barrier();
+  /// Runs `fn` on the channel's thread at its turn: an operation the segment
+  /// does not carry, kept in the group's one order (NOTE [One order per
+  /// group]). `fn` runs it on the backend and waits for it.
+  std::shared_future<void> run_in_order(std::function<void()> fn);
+  /// True on the channel's own thread (where run_in_order's functions run).
+  bool on_channel_thread() const {
+    return std::this_thread::get_id() == thread_.get_id();
+  }
 
  private:
   struct Flag;

@@ -15,6 +15,7 @@ namespace {
 struct Target {
   std::string name; // empty: no fault injection
   long hit = 1;
+  int signal = SIGKILL;
 };
 
 const Target& target() {
@@ -25,6 +26,13 @@ const Target& target() {
       return t;
     }
     t.name = v;
+    auto at = t.name.find('@');
+    if (at != std::string::npos) {
+      t.signal = t.name.compare(at + 1, std::string::npos, "TERM") == 0
+          ? SIGTERM
+          : SIGKILL;
+      t.name.resize(at);
+    }
     auto hash = t.name.find('#');
     if (hash != std::string::npos) {
       t.hit = std::strtol(t.name.c_str() + hash + 1, nullptr, 10);
@@ -44,7 +52,7 @@ void fault_point(const char* name) {
   }
   static std::atomic<long> hits{0};
   if (++hits == t.hit) {
-    ::kill(::getpid(), SIGKILL);
+    ::kill(::getpid(), t.signal);
     ::pause();
   }
 }

@@ -7,8 +7,9 @@
 // step with fault_point("name"). When the environment variable
 // COLOSSALAI_FAULT_POINT is "name" or "name#k", the process kills itself with
 // SIGKILL the first (or k-th) time it reaches that point, exactly as a power
-// cut or an OOM kill would stop it: no destructor, no flush. Unset, a fault
-// point costs one cached comparison.
+// cut or an OOM kill would stop it: no destructor, no flush. A suffix "@TERM"
+// ("name#k@TERM") sends SIGTERM instead, as a launcher tearing a job down
+// does. Unset, a fault point costs one cached comparison.
 
 namespace colossalai {
 namespace utils {

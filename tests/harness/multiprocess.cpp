@@ -155,6 +155,13 @@ std::vector<RankResult> run_processes(
       ::setenv("COLOSSALAI_TEST_PORT", std::to_string(port).c_str(), 1);
       ::setenv(
           "COLOSSALAI_TEST_INVOCATION", std::to_string(invocation).c_str(), 1);
+      for (int key : {-1, r}) {
+        if (o.env.count(key)) {
+          for (const auto& [name, value] : o.env.at(key)) {
+            ::setenv(name.c_str(), value.c_str(), 1);
+          }
+        }
+      }
       ::execl(
           "/proc/self/exe",
           "/proc/self/exe",

@@ -9,6 +9,7 @@
 // reports each failing rank with the tail of its output.
 
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,9 @@ struct MultiProcessOptions {
   /// Ranks whose body succeeded meet in a barrier before exiting, so none
   /// tears down connections a slower peer still uses.
   bool final_barrier = true;
+  /// Extra environment of the ranks: `env[r]` for rank r, `env[-1]` for
+  /// every rank (e.g. a fault point, NOTE [Fault points]).
+  std::map<int, std::map<std::string, std::string>> env;
 };
 
 using RankFn = std::function<void(int rank, int world)>;

@@ -14,8 +14,29 @@ namespace distributed {
 enum class BackendType { kGloo, kNccl };
 
 namespace detail {
-struct BackendHandle; // the c10d backend (src/distributed/backend.h)
+struct Transport; // the c10d backend and shared memory
+                  // (src/distributed/backend.h)
 } // namespace detail
+
+/// Which transport carries a group's operations, chosen once when the group
+/// is created, and why. Every member gets the same choice.
+///
+/// Example:
+/// \code
+///   auto g = colossalai::distributed::new_group({0, 1}, "tp");
+///   std::cout << g->name() << ": " << g->transport().name << " ("
+///             << g->transport().reason << ")\n";
+///   // tp: shared memory (all 2 members run on this host; 8 MiB segment)
+/// \endcode
+struct TransportInfo {
+  /// "shared memory" (collectives through a segment, sends and receives
+  /// through Gloo), "gloo", "nccl", or "local" (a group of one).
+  std::string name;
+  /// Why this one, e.g. "its members run on more than one host".
+  std::string reason;
+  /// Size of the shared-memory segment, 0 without one.
+  int64_t segment_bytes = 0;
+};
 
 /// A set of processes that communicate together, with the c10d backend that
 /// carries their collectives (Gloo for CPU tensors, NCCL for CUDA tensors).
@@ -25,7 +46,7 @@ struct BackendHandle; // the c10d backend (src/distributed/backend.h)
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
   ProcessGroup(
-      std::shared_ptr<detail::BackendHandle> backend,
+      std::shared_ptr<detail::Transport> transport,
       BackendType type,
       std::vector<int> ranks,
       int global_rank,
@@ -62,9 +83,11 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   c10::Device device() const {
     return device_;
   }
-  /// The c10d backend (opaque outside the library).
-  const detail::BackendHandle& backend_handle() const {
-    return *backend_;
+  /// Which transport carries this group's operations, and why.
+  const TransportInfo& transport() const;
+  /// The c10d backend and shared-memory channel (opaque outside the library).
+  const detail::Transport& transport_handle() const {
+    return *transport_;
   }
   /// "rank 3 (group 'dp' rank 1 of 2)": used in every error message.
   std::string describe() const;
@@ -78,7 +101,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   }
 
  private:
-  std::shared_ptr<detail::BackendHandle> backend_;
+  std::shared_ptr<detail::Transport> transport_;
   BackendType type_;
   std::vector<int> ranks_;
   int rank_;
