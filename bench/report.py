@@ -443,6 +443,12 @@ class Report:
                      "[Shared-memory collectives]); the other operations and "
                      "every c10d column go through Gloo's sockets. "
                      "`COLOSSALAI_SHM_COLLECTIVES=0` times ours on Gloo alone.", "")
+        for n in ns:
+            c = runs[n]["config"]
+            if "transport" in c:
+                self.add(f"- {n} ranks: the group's transport is "
+                         f"{c['transport']} ({c.get('transport_reason', '')})")
+        self.add("")
         self.add("Time of one operation (the slowest rank's), median over "
                  "alternating blocks; algbw = size / time, busbw = algbw x bus "
                  "factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, "

@@ -11,6 +11,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
+#include <colossalai/launcher.h>
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
@@ -614,8 +615,7 @@ TEST(DistributedFaults, KilledDuringSharedMemorySetupLeavesNothing) {
         const auto at = r.output.find("SETUP_ERROR_AFTER ");
         ASSERT_NE(at, std::string::npos) << r.output;
         seconds.push_back(std::stod(r.output.substr(at + 18)));
-        std::cout << r.output.substr(at, r.output.find('\n', at) - at)
-                  << "\n";
+        std::cout << r.output.substr(at, r.output.find('\n', at) - at) << "\n";
         EXPECT_LT(seconds.back(), 10.0) << r.output;
       }
       EXPECT_EQ(shm_entries(), before);
@@ -628,4 +628,34 @@ TEST(DistributedFaults, KilledDuringSharedMemorySetupLeavesNothing) {
               << seconds[seconds.size() / 2] << " s, max " << seconds.back()
               << " s\n";
   }
+}
+
+// The launcher's own teardown: under `colossalai run` with 3 ranks, rank 0
+// is SIGKILLed while it serves a group's segment; the launcher then stops
+// the other two with SIGTERM, wherever they are in the setup. Nothing is
+// left in /dev/shm, and the launcher reports the failure.
+TEST(DistributedFaults, LauncherTeardownDuringSharedMemorySetupLeavesNothing) {
+  if (std::getenv("COLOSSALAI_TEST_TEARDOWN") != nullptr) {
+    colossalai::launch_from_env(
+        colossalai::LaunchOptions().backend("gloo").timeout(
+            std::chrono::seconds(20)));
+    colossalai::distributed::new_group({0, 1, 2}, "late");
+    ADD_FAILURE() << "a group was made without rank 0";
+    return;
+  }
+  const auto before = shm_entries();
+  ::setenv("COLOSSALAI_TEST_TEARDOWN", "1", 1);
+  ::setenv("COLOSSALAI_FAULT_POINT", "shm:serving#2", 1);
+  colossalai::launcher::RunOptions o;
+  o.nproc_per_node = 3;
+  o.master_port = colossalai::testing::free_port();
+  o.program = {
+      std::filesystem::read_symlink("/proc/self/exe").string(),
+      "--gtest_filter=DistributedFaults."
+      "LauncherTeardownDuringSharedMemorySetupLeavesNothing"};
+  const int rc = colossalai::launcher::run(o);
+  ::unsetenv("COLOSSALAI_TEST_TEARDOWN");
+  ::unsetenv("COLOSSALAI_FAULT_POINT");
+  EXPECT_NE(rc, 0);
+  EXPECT_EQ(shm_entries(), before);
 }
