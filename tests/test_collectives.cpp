@@ -801,3 +801,61 @@ TEST(Collectives, HybridMeshUnderDockersDefaultDevShm) {
     }
   });
 }
+
+// all_to_all through the segment: blocks many slots long, uneven and of
+// rows of 3 elements (rank r sends rank q (q + 1) * 100003 + 7 r rows of
+// value 10 r + q), then splits that disagree between a sender and its
+// receiver: every rank raises a DistributedError naming the pair, none
+// waits for the others, and the group's next collective fails with it.
+TEST(Collectives, SharedMemoryAllToAllManyRoundsAndMismatchedSplits) {
+  run_distributed(3, [](int rank, int world) {
+    auto g = cd::world_group();
+    auto rows = [](int from, int to) {
+      return int64_t(to + 1) * 100003 + 7 * from;
+    };
+    std::vector<int64_t> in_splits(world), out_splits(world);
+    int64_t in_rows = 0, out_rows = 0;
+    for (int q = 0; q < world; ++q) {
+      in_splits[q] = rows(rank, q);
+      out_splits[q] = rows(q, rank);
+      in_rows += in_splits[q];
+      out_rows += out_splits[q];
+    }
+    auto in = at::empty({in_rows, 3});
+    int64_t at = 0;
+    for (int q = 0; q < world; ++q) {
+      in.narrow(0, at, in_splits[q]).fill_(10 * rank + q);
+      at += in_splits[q];
+    }
+    auto out = at::full({out_rows, 3}, -1.0);
+    cd::all_to_all(out, in, *g, out_splits, in_splits).wait();
+    at = 0;
+    for (int q = 0; q < world; ++q) {
+      EXPECT_TRUE(
+          out.narrow(0, at, out_splits[q]).eq(10 * q + rank).all().item<bool>())
+          << "block from rank " << q;
+      at += out_splits[q];
+    }
+    // Rank 1 expects one row too many from rank 0 (on a group of its own:
+    // the error breaks the group for every later collective).
+    auto broken = cd::new_group({0, 1, 2}, "broken");
+    std::vector<int64_t> wrong = {2, 2, 2};
+    auto small_in = at::zeros({6});
+    auto small_out = at::zeros({rank == 1 ? 7 : 6});
+    if (rank == 1) {
+      wrong[0] = 3;
+    }
+    try {
+      cd::all_to_all(small_out, small_in, *broken, wrong, {2, 2, 2}).wait();
+      ADD_FAILURE() << "mismatched splits went through";
+    } catch (const cd::DistributedError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(
+          msg.find("group rank 0 sends 8 bytes to group rank 1, which expects "
+                   "12"),
+          std::string::npos)
+          << msg;
+    }
+    EXPECT_THROW(cd::barrier(*broken).wait(), cd::DistributedError);
+  });
+}

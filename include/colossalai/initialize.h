@@ -37,13 +37,13 @@ struct LaunchOptions {
   TORCH_ARG(std::string, device) = "auto";
   /// Limit for the rendezvous and for every collective.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
-  /// All-reduce, reduce-scatter, all-gather, broadcast and barrier of a Gloo
-  /// group whose members all run on this host go through a segment of shared
-  /// memory instead of TCP sockets (a group that cannot map one stays on Gloo;
-  /// `ProcessGroup::transport()` and one line on stderr per group say which
-  /// and why, COLOSSALAI_LOG_TRANSPORTS=0 silences the lines). False, or
-  /// COLOSSALAI_SHM_COLLECTIVES=0 in the environment, keeps every collective
-  /// on Gloo.
+  /// All-reduce, reduce-scatter, all-gather, broadcast, all-to-all and
+  /// barrier of a Gloo group whose members all run on this host go through a
+  /// segment of shared memory instead of TCP sockets (a group that cannot map
+  /// one stays on Gloo; `ProcessGroup::transport()` and one line on stderr
+  /// per group say which and why, COLOSSALAI_LOG_TRANSPORTS=0 silences the
+  /// lines). False, or COLOSSALAI_SHM_COLLECTIVES=0 in the environment, keeps
+  /// every collective on Gloo.
   TORCH_ARG(bool, shm_collectives) = true;
   /// MiB of shared-memory segments each process may map over all its groups;
   /// segments shrink to fit, and a group that no longer fits stays on Gloo.

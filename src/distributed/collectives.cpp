@@ -54,8 +54,8 @@ bool gloo(const ProcessGroup& g) {
 // A group's transport is chosen once, when it is created. On a
 // shared-memory group every collective runs on the channel's thread in call
 // order: the segment's own operations, a barrier (one phase of the
-// segment), and the ones the segment does not carry (gather, all-to-all, a
-// reduction of a dtype it cannot sum), which that thread runs on Gloo and
+// segment), and the ones the segment does not carry (gather, a reduction
+// of a dtype it cannot sum), which that thread runs on Gloo and
 // waits for before it takes the next. So a barrier orders all earlier
 // collectives of the group, as c10d's do, and a failure breaks the group
 // for every later one. Sends and receives go straight to Gloo, unordered
@@ -1064,6 +1064,49 @@ Work all_to_all(
         ") must divide by the group size ",
         n,
         " when no splits are given");
+  }
+  if (auto* channel = shm(group, input, /*reduces=*/false)) {
+    // Splits count rows of dim 0; the segment moves bytes.
+    auto bytes = [n](const at::Tensor& t, const std::vector<int64_t>& splits) {
+      const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
+      const int64_t row = rows > 0 ? t.numel() / rows * t.element_size() : 0;
+      std::vector<int64_t> b(n, rows / n * row);
+      if (!splits.empty()) {
+        int64_t total = 0;
+        for (int q = 0; q < n; ++q) {
+          b[q] = splits[q] * row;
+          total += splits[q];
+        }
+        TORCH_CHECK(
+            total == rows,
+            "all_to_all: splits sum to ",
+            total,
+            " rows, the tensor has ",
+            rows);
+      }
+      return b;
+    };
+    if (output_splits.empty()) {
+      TORCH_CHECK(
+          output.dim() > 0 && output.size(0) % n == 0,
+          "all_to_all: output dim 0 must divide by the group size ",
+          n,
+          " when no splits are given");
+    }
+    auto send_bytes = bytes(input, input_splits);
+    auto recv_bytes = bytes(output, output_splits);
+    TORCH_CHECK(
+        send_bytes[group.rank()] == recv_bytes[group.rank()],
+        "all_to_all: this rank sends itself ",
+        send_bytes[group.rank()],
+        " bytes but expects ",
+        recv_bytes[group.rank()]);
+    count(input, group);
+    return shm_work(
+        channel->all_to_all(
+            output, input, std::move(send_bytes), std::move(recv_bytes)),
+        "all_to_all",
+        group);
   }
   if (auto* channel = channel_of(group)) {
     auto o = output;

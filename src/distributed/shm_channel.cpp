@@ -39,8 +39,9 @@
 // threads take CPU from the ranks' compute (a 16 MB all-reduce on two
 // ranks takes about 18 ms on an idle 2-core machine). When every member of
 // a Gloo group runs on one host, the group maps one shared segment and its
-// bandwidth collectives (all-reduce, reduce-scatter, all-gather, broadcast) run
-// through it instead, as MPI and oneCCL do on a node:
+// collectives (all-reduce, reduce-scatter, all-gather, broadcast,
+// all-to-all, barrier) run through it instead, as MPI and oneCCL do on a
+// node:
 //  * each rank owns one slot in each of two buffers; an operation goes in
 //    slot-sized pieces, alternating buffers, so a rank can fill the next
 //    piece while slower ranks still read the previous one;
@@ -61,8 +62,8 @@
 // The segment has no name, so nothing is left behind whatever way the
 // processes end (NOTE [Segments that cannot outlive their job]). Barriers
 // are one phase of the segment. Sends and receives stay on Gloo, unordered
-// with collectives as in c10d; gathers and all-to-all run on Gloo in the
-// group's one order (NOTE [One order per group]).
+// with collectives as in c10d; gathers run on Gloo in the group's one
+// order (NOTE [One order per group]).
 
 namespace colossalai {
 namespace distributed {
@@ -755,7 +756,7 @@ std::shared_future<void> ShmChannel::enqueue(std::function<void()> fn) {
     try {
       fn();
     } catch (const std::exception& e) {
-      broken_ = e.what();
+      broken_ = error_text(e);
       throw;
     }
   });
@@ -996,6 +997,101 @@ void ShmChannel::run_broadcast(const at::Tensor& t, int src) {
     signal();
     read_done_[b] = phase_;
   }
+}
+
+// All-to-all in rounds: each slot holds one piece per destination rank;
+// round k moves bytes [k * piece, (k + 1) * piece) of every block. Ranks
+// know only their own blocks' lengths, so a first phase shares them: the
+// longest block sets the number of rounds.
+void ShmChannel::run_all_to_all(
+    const at::Tensor& out,
+    const at::Tensor& in,
+    const std::vector<int64_t>& send_bytes,
+    const std::vector<int64_t>& recv_bytes) {
+  const int64_t piece = slot_bytes_ / size_ / 64 * 64;
+  TORCH_INTERNAL_ASSERT(piece > 0);
+  const auto send_at = offsets_of(send_bytes);
+  const auto recv_at = offsets_of(recv_bytes);
+  auto* src = static_cast<uint8_t*>(in.data_ptr());
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  // Every rank's lengths: the longest block sets the number of rounds, and
+  // every rank checks every pair, so all fail alike when a sender and its
+  // receiver disagree (none is left waiting for the others).
+  int64_t longest = 0;
+  {
+    const int b = take_buffer();
+    const size_t row = size_ * sizeof(int64_t);
+    std::memcpy(slot(b, rank_), send_bytes.data(), row);
+    std::memcpy(slot(b, rank_) + row, recv_bytes.data(), row);
+    signal();
+    wait_all(phase_);
+    std::vector<int64_t> sends(size_ * size_), recvs(size_ * size_);
+    for (int q = 0; q < size_; ++q) {
+      std::memcpy(&sends[q * size_], slot(b, q), row);
+      std::memcpy(&recvs[q * size_], slot(b, q) + row, row);
+    }
+    signal();
+    read_done_[b] = phase_;
+    for (int from = 0; from < size_; ++from) {
+      for (int to = 0; to < size_; ++to) {
+        const int64_t sent = sends[from * size_ + to];
+        const int64_t expected = recvs[to * size_ + from];
+        TORCH_CHECK(
+            sent == expected,
+            "all_to_all: group rank ",
+            from,
+            " sends ",
+            sent,
+            " bytes to group rank ",
+            to,
+            ", which expects ",
+            expected,
+            " (input_splits and output_splits disagree)");
+        longest = from != to ? std::max(longest, sent) : longest;
+      }
+    }
+  }
+  if (recv_bytes[rank_] > 0) {
+    std::memmove(dst + recv_at[rank_], src + send_at[rank_], recv_bytes[rank_]);
+  }
+  for (int64_t at = 0; at < longest; at += piece) {
+    const int b = take_buffer();
+    uint8_t* mine = slot(b, rank_);
+    for (int q = 0; q < size_; ++q) {
+      const int64_t len = clamp_len(send_bytes[q], at, piece);
+      if (q != rank_ && len > 0) {
+        std::memcpy(mine + q * piece, src + send_at[q] + at, len);
+      }
+    }
+    signal();
+    wait_all(phase_);
+    for (int q = 0; q < size_; ++q) {
+      const int64_t len = clamp_len(recv_bytes[q], at, piece);
+      if (q != rank_ && len > 0) {
+        std::memcpy(dst + recv_at[q] + at, slot(b, q) + rank_ * piece, len);
+      }
+    }
+    signal();
+    read_done_[b] = phase_;
+  }
+}
+
+std::shared_future<void> ShmChannel::all_to_all(
+    at::Tensor out,
+    at::Tensor in,
+    std::vector<int64_t> send_bytes,
+    std::vector<int64_t> recv_bytes) {
+  TORCH_INTERNAL_ASSERT(
+      static_cast<int>(send_bytes.size()) == size_ &&
+      static_cast<int>(recv_bytes.size()) == size_ &&
+      send_bytes[rank_] == recv_bytes[rank_]);
+  return enqueue([this,
+                  out = std::move(out),
+                  in = std::move(in),
+                  send_bytes = std::move(send_bytes),
+                  recv_bytes = std::move(recv_bytes)] {
+    run_all_to_all(out, in, send_bytes, recv_bytes);
+  });
 }
 
 std::shared_future<void> ShmChannel::all_reduce(at::Tensor t, ReduceOp op) {

@@ -74,6 +74,14 @@ class ShmChannel {
       at::Tensor in,
       std::vector<int64_t> sizes);
   std::shared_future<void> broadcast(at::Tensor t, int src);
+  /// Rank r's `send_bytes[q]` bytes (consecutive in `in`) go to rank q,
+  /// landing at q's `recv_bytes[r]` bytes (consecutive in `out`, rank
+  /// order).
+  std::shared_future<void> all_to_all(
+      at::Tensor out,
+      at::Tensor in,
+      std::vector<int64_t> send_bytes,
+      std::vector<int64_t> recv_bytes);
   /// Ready when every member has reached it, after all earlier operations.
   std::shared_future<void> barrier();
   /// Runs `fn` on the channel's thread at its turn: an operation the segment
@@ -119,6 +127,11 @@ class ShmChannel {
       const at::Tensor& in,
       const std::vector<int64_t>& sizes);
   void run_broadcast(const at::Tensor& t, int src);
+  void run_all_to_all(
+      const at::Tensor& out,
+      const at::Tensor& in,
+      const std::vector<int64_t>& send_bytes,
+      const std::vector<int64_t>& recv_bytes);
 
   void* base_;
   size_t bytes_;

@@ -12,9 +12,14 @@
 /// a bandwidth-optimal replacement is used; see NOTE [Gloo replacements] and
 /// `collective_path`.
 /// When every member of a Gloo group runs on one host, its all-reduce,
-/// reduce-scatter, all-gather and broadcast of CPU tensors go through shared
-/// memory instead of sockets (`LaunchOptions::shm_collectives`; NOTE
-/// [Shared-memory collectives]).
+/// reduce-scatter, all-gather, broadcast, all-to-all and barrier of CPU
+/// tensors go through shared memory instead of sockets
+/// (`LaunchOptions::shm_collectives`; NOTE [Shared-memory collectives]);
+/// `ProcessGroup::transport()` says which transport a group took. A group's
+/// collectives complete in call order, and a barrier completes after all of
+/// them, as in c10d; sends and receives are not ordered with collectives.
+/// A failure found while an operation is being started (a peer already
+/// gone) is the same `DistributedError` that `wait()` would throw.
 ///
 /// Example:
 /// \code
