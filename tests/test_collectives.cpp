@@ -743,9 +743,10 @@ const char* kSmallShm = "COLOSSALAI_TEST_SMALL_SHM";
 TEST(Collectives, HybridMeshUnderDockersDefaultDevShm) {
   if (std::getenv(kSmallShm) == nullptr) {
     if (::geteuid() != 0 ||
-        std::system("unshare --mount --propagation private true "
-                    ">/dev/null 2>&1") != 0) {
-      GTEST_SKIP() << "needs root and unshare(1) for a private /dev/shm";
+        std::system("unshare --mount --propagation private sh -c 'mount -t "
+                    "tmpfs -o size=64m tmpfs /dev/shm' >/dev/null 2>&1") != 0) {
+      GTEST_SKIP() << "needs root, unshare(1) and mount(8) for a private "
+                      "/dev/shm";
     }
     const std::string self = std::filesystem::read_symlink("/proc/self/exe");
     const std::string cmd = std::string("unshare --mount --propagation ") +

@@ -20,7 +20,7 @@ namespace detail {
 // and, when the collectives go through shared memory, the channel that
 // also orders every collective of the group (NOTE [One order per group]).
 struct Transport {
-  compat::BackendPtr backend; // null for a group of one
+  compat::BackendPtr backend;
   std::shared_ptr<ShmChannel> shm;
   TransportInfo info;
 };

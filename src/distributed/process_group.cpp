@@ -149,7 +149,7 @@ ProcessGroupPtr create_group(
         why,
         transport->shm ? transport->shm->bytes() : 0};
   }
-  // One line per group, from its first member (NOTE [Shared-memory budget]).
+  // One line per group, from its first member, so a degraded group shows.
   if (group_rank == 0 && group_size > 1 && rt.log_transports) {
     std::ostringstream line;
     line << "colossalai: group '" << name << "' [";
