@@ -1176,6 +1176,52 @@ int64_t ShmChannel::default_budget_bytes() {
   return 0;
 }
 
+// open() never makes a channel here, so nothing below is ever reached.
+ShmChannel::~ShmChannel() = default;
+
+bool ShmChannel::carries(const at::Tensor&, bool) {
+  return false;
+}
+
+namespace {
+std::shared_future<void> unreachable() {
+  TORCH_INTERNAL_ASSERT(false, "no shared-memory channel exists here");
+}
+} // namespace
+
+std::shared_future<void> ShmChannel::all_reduce(at::Tensor, ReduceOp) {
+  return unreachable();
+}
+std::shared_future<void> ShmChannel::reduce_scatter(
+    at::Tensor,
+    at::Tensor,
+    std::vector<int64_t>,
+    ReduceOp) {
+  return unreachable();
+}
+std::shared_future<void> ShmChannel::all_gather(
+    at::Tensor,
+    at::Tensor,
+    std::vector<int64_t>) {
+  return unreachable();
+}
+std::shared_future<void> ShmChannel::broadcast(at::Tensor, int) {
+  return unreachable();
+}
+std::shared_future<void> ShmChannel::all_to_all(
+    at::Tensor,
+    at::Tensor,
+    std::vector<int64_t>,
+    std::vector<int64_t>) {
+  return unreachable();
+}
+std::shared_future<void> ShmChannel::barrier() {
+  return unreachable();
+}
+std::shared_future<void> ShmChannel::run_in_order(std::function<void()>) {
+  return unreachable();
+}
+
 } // namespace detail
 } // namespace distributed
 } // namespace colossalai
