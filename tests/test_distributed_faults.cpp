@@ -1,7 +1,11 @@
 // Distributed runs under faults: a master that accepts and never answers, a
 // rank 0 started alone and a taken port end within the timeout with an error
-// naming rank, master and phase; a rank killed during any plugin's step makes
-// the survivors raise a DistributedError (never die of SIGPIPE, never hang).
+// naming rank, master and phase; a rank killed during any plugin's step, at
+// a random moment of pipeline or ring-attention point-to-point traffic, or
+// at any step of a group's shared-memory setup (directly or by the
+// launcher's teardown) makes the survivors raise a DistributedError (never
+// another exception, never die of SIGPIPE, never hang) and leaves nothing
+// in /dev/shm.
 
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
@@ -375,10 +379,6 @@ std::set<std::string> shm_entries() {
   }
   return names;
 }
-
-} // namespace
-
-namespace {
 
 using HPO = cb::plugin::HybridParallelPluginOptions;
 

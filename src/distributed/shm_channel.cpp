@@ -448,10 +448,6 @@ std::string mib(int64_t bytes) {
 
 } // namespace
 
-int64_t ShmChannel::mapped_bytes() {
-  return g_mapped.load();
-}
-
 namespace {
 
 // A number from the first line of `path` (cgroup files: "max" is none).
@@ -1166,10 +1162,6 @@ std::shared_ptr<ShmChannel> ShmChannel::open(
     std::string* why) {
   *why = "shared-memory collectives are built only on Linux";
   return nullptr;
-}
-
-int64_t ShmChannel::mapped_bytes() {
-  return 0;
 }
 
 int64_t ShmChannel::default_budget_bytes() {

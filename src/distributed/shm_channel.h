@@ -43,8 +43,6 @@ class ShmChannel {
       std::chrono::milliseconds timeout,
       int64_t budget_bytes,
       std::string* why);
-  /// Bytes of segments this process maps now (all its channels).
-  static int64_t mapped_bytes();
   /// The default budget of segments per process (NOTE [Shared-memory
   /// budget]).
   static int64_t default_budget_bytes();
