@@ -770,37 +770,45 @@ TEST(Collectives, HybridMeshUnderDockersDefaultDevShm) {
   struct statvfs fs {};
   ASSERT_EQ(::statvfs("/dev/shm", &fs), 0);
   ASSERT_EQ(fs.f_blocks * fs.f_frsize, uint64_t(64) << 20);
-  run_distributed(4, [](int rank, int world) {
-    colossalai::cluster::ProcessGroupMesh mesh({2, 2});
-    std::vector<cd::ProcessGroupPtr> groups = {
-        cd::world_group(),
-        mesh.get_group_along_axis(0),
-        mesh.get_group_along_axis(1)};
-    for (int i = 0; i < 4; ++i) {
-      groups.push_back(
-          cd::new_group({0, 1, 2, 3}, "extra" + std::to_string(i)));
-    }
-    int64_t mapped = 0;
-    for (const auto& g : groups) {
-      EXPECT_EQ(g->transport().name, "shared memory")
-          << g->name() << ": " << g->transport().reason;
-      mapped += g->transport().segment_bytes;
-      auto t = at::full({int64_t(1) << 20}, static_cast<double>(rank + 1));
-      cd::all_reduce(t, *g).wait();
-      double want = 0;
-      for (int r : g->ranks()) {
-        want += r + 1;
-      }
-      EXPECT_TRUE(t.eq(want).all().item<bool>()) << g->name();
-      auto shard = at::empty({(int64_t(1) << 20) / g->size()});
-      cd::reduce_scatter(shard, t, *g).wait();
-      EXPECT_TRUE(shard.eq(want * g->size()).all().item<bool>()) << g->name();
-    }
-    EXPECT_GT(mapped, int64_t(64) << 20);
-    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
-      ADD_FAILURE() << "in /dev/shm: " << e.path();
-    }
-  });
+  // The default budget depends on the machine's free memory; this test
+  // is about /dev/shm, so it states the budget.
+  colossalai::testing::MultiProcessOptions o;
+  o.env[-1]["COLOSSALAI_SHM_BUDGET_MB"] = "256";
+  run_distributed(
+      4,
+      [](int rank, int world) {
+        colossalai::cluster::ProcessGroupMesh mesh({2, 2});
+        std::vector<cd::ProcessGroupPtr> groups = {
+            cd::world_group(),
+            mesh.get_group_along_axis(0),
+            mesh.get_group_along_axis(1)};
+        for (int i = 0; i < 4; ++i) {
+          groups.push_back(
+              cd::new_group({0, 1, 2, 3}, "extra" + std::to_string(i)));
+        }
+        int64_t mapped = 0;
+        for (const auto& g : groups) {
+          EXPECT_EQ(g->transport().name, "shared memory")
+              << g->name() << ": " << g->transport().reason;
+          mapped += g->transport().segment_bytes;
+          auto t = at::full({int64_t(1) << 20}, static_cast<double>(rank + 1));
+          cd::all_reduce(t, *g).wait();
+          double want = 0;
+          for (int r : g->ranks()) {
+            want += r + 1;
+          }
+          EXPECT_TRUE(t.eq(want).all().item<bool>()) << g->name();
+          auto shard = at::empty({(int64_t(1) << 20) / g->size()});
+          cd::reduce_scatter(shard, t, *g).wait();
+          EXPECT_TRUE(shard.eq(want * g->size()).all().item<bool>())
+              << g->name();
+        }
+        EXPECT_GT(mapped, int64_t(64) << 20);
+        for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+          ADD_FAILURE() << "in /dev/shm: " << e.path();
+        }
+      },
+      o);
 }
 
 // all_to_all through the segment: blocks many slots long, uneven and of
