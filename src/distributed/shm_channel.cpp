@@ -442,7 +442,11 @@ std::string await_key(
 std::string mib(int64_t bytes) {
   std::ostringstream os;
   os.precision(3);
-  os << static_cast<double>(bytes) / (1 << 20) << " MiB";
+  if (bytes < (1 << 20)) {
+    os << static_cast<double>(bytes) / 1024 << " KiB";
+  } else {
+    os << static_cast<double>(bytes) / (1 << 20) << " MiB";
+  }
   return os.str();
 }
 
@@ -515,8 +519,8 @@ std::shared_ptr<ShmChannel> ShmChannel::open(
           me + "\n" + std::to_string(::getpid()) + "\n" +
           std::to_string(left)));
   std::vector<int> pids(size);
-  int64_t smallest = left;
-  int poorest = rank;
+  int64_t smallest = INT64_MAX;
+  int poorest = 0; // the first member with the least left: the same on all
   for (int q = 0; q < size; ++q) {
     const auto v =
         split_lines(string_of(store.get("shm/id/" + std::to_string(q))));
@@ -540,12 +544,10 @@ std::shared_ptr<ShmChannel> ShmChannel::open(
   }
   if (slot < kMinSlot) {
     std::ostringstream os;
-    os << "the shared-memory budget is spent (group rank " << poorest << " has "
-       << mib(smallest) << " left of "
-       << (poorest == rank ? mib(budget_bytes) : std::string("its budget"))
-       << "; a segment needs " << mib(fixed + 2 * size * kMinSlot)
-       << "; LaunchOptions::shm_budget_mb or COLOSSALAI_SHM_BUDGET_MB raise "
-          "it)";
+    os << "the shared-memory budget is spent: group rank " << poorest << " has "
+       << mib(smallest) << " left, a segment needs "
+       << mib(fixed + 2 * size * kMinSlot)
+       << " (raise LaunchOptions::shm_budget_mb or COLOSSALAI_SHM_BUDGET_MB)";
     *why = os.str();
     return nullptr;
   }
