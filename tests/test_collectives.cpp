@@ -10,6 +10,7 @@
 #include <colossalai/utils/compat.h>
 
 #include <harness/multiprocess.h>
+#include <harness/test_util.h>
 
 #include <gtest/gtest.h>
 
@@ -127,9 +128,9 @@ TEST(Collectives, TwoAndThreeRanksOverGlooAlone) {
 
 namespace {
 
-// Without a writable /dev/shm groups fall back to Gloo (and say so).
+// Without memfd_create groups stay on Gloo (and say so).
 bool shm_usable() {
-  return ::access("/dev/shm", W_OK) == 0;
+  return colossalai::testing::anonymous_shared_memory();
 }
 
 // The segment is an anonymous memory file (NOTE [Segments that cannot
@@ -155,7 +156,7 @@ bool maps_shared_segment() {
 // /dev/shm.
 TEST(Collectives, SharedMemoryLargeOperationsInFlight) {
   if (!shm_usable()) {
-    GTEST_SKIP() << "no writable /dev/shm";
+    GTEST_SKIP() << "no memfd_create here";
   }
   for (int world : {2, 3}) {
     run_distributed(world, [](int rank, int world) {
@@ -249,7 +250,7 @@ TEST(Collectives, SharedMemoryLargeOperationsInFlight) {
 // second or so (the dead process is polled), absence at the group timeout.
 TEST(Collectives, SharedMemoryPeerThatDiesOrNeverComes) {
   if (!shm_usable()) {
-    GTEST_SKIP() << "no writable /dev/shm";
+    GTEST_SKIP() << "no memfd_create here";
   }
   colossalai::testing::MultiProcessOptions o;
   o.final_barrier = false;
@@ -609,6 +610,9 @@ TEST(Collectives, PathsSayWhatRan) {
 // segment (8 MiB + a page) fits, a second group's shrinks to the ~4 MiB
 // left, a third gets Gloo; every group's results are right.
 TEST(Collectives, EachGroupSaysWhichTransportAndWhy) {
+  if (!shm_usable()) {
+    GTEST_SKIP() << "no memfd_create here";
+  }
   auto sum_is_right = [](const cd::ProcessGroup& g, int world) {
     auto t = at::full({int64_t(3) << 20}, static_cast<double>(g.rank() + 1));
     cd::all_reduce(t, g).wait();
@@ -682,6 +686,9 @@ TEST(Collectives, EachGroupSaysWhichTransportAndWhy) {
 // through the segment. The same holds on Gloo alone (c10d's barrier).
 TEST(Collectives, BarrierOrdersEarlierCollectivesOfTheGroup) {
   for (bool shm : {true, false}) {
+    if (shm && !shm_usable()) {
+      continue; // the Gloo half still runs
+    }
     SCOPED_TRACE(shm ? "shared memory" : "Gloo alone");
     colossalai::testing::MultiProcessOptions o;
     o.shm_collectives = shm;
@@ -742,11 +749,11 @@ const char* kSmallShm = "COLOSSALAI_TEST_SMALL_SHM";
 // /dev/shm's size does not bound, and all their results are right.
 TEST(Collectives, HybridMeshUnderDockersDefaultDevShm) {
   if (std::getenv(kSmallShm) == nullptr) {
-    if (::geteuid() != 0 ||
+    if (!shm_usable() || ::geteuid() != 0 ||
         std::system("unshare --mount --propagation private sh -c 'mount -t "
                     "tmpfs -o size=64m tmpfs /dev/shm' >/dev/null 2>&1") != 0) {
-      GTEST_SKIP() << "needs root, unshare(1) and mount(8) for a private "
-                      "/dev/shm";
+      GTEST_SKIP() << "needs memfd_create, root, unshare(1) and mount(8) for "
+                      "a private /dev/shm";
     }
     const std::string self = std::filesystem::read_symlink("/proc/self/exe");
     const std::string cmd = std::string("unshare --mount --propagation ") +
@@ -817,6 +824,9 @@ TEST(Collectives, HybridMeshUnderDockersDefaultDevShm) {
 // receiver: every rank raises a DistributedError naming the pair, none
 // waits for the others, and the group's next collective fails with it.
 TEST(Collectives, SharedMemoryAllToAllManyRoundsAndMismatchedSplits) {
+  if (!shm_usable()) {
+    GTEST_SKIP() << "no memfd_create here";
+  }
   run_distributed(3, [](int rank, int world) {
     auto g = cd::world_group();
     auto rows = [](int from, int to) {

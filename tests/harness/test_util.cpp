@@ -2,6 +2,7 @@
 
 #include <colossalai/distributed/error.h>
 
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -87,6 +88,15 @@ int64_t peak_rss_bytes() {
 
 int64_t rss_bytes() {
   return status_bytes("VmRSS:");
+}
+
+bool anonymous_shared_memory() {
+  const int fd = ::memfd_create("colossalai.probe", MFD_CLOEXEC);
+  if (fd < 0) {
+    return false;
+  }
+  ::close(fd);
+  return true;
 }
 
 } // namespace testing

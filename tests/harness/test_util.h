@@ -35,6 +35,11 @@ constexpr const char* kPython = COLOSSALAI_TEST_PYTHON;
 /// Whether kPython exists and imports torch.
 bool python_has_torch();
 
+/// Whether this process can make an anonymous shared memory file
+/// (memfd_create), which shared-memory collectives need; where it cannot,
+/// groups stay on Gloo and say so.
+bool anonymous_shared_memory();
+
 /// This process's peak resident set size (VmHWM), in bytes.
 int64_t peak_rss_bytes();
 /// This process's resident set size now (VmRSS), in bytes: the baseline
