@@ -33,9 +33,11 @@ inline compat::Backend& backend(const ProcessGroup& group) {
 
 struct Work::State {
   compat::WorkPtr work;
+  // Runs after `work`: local post-processing when `work` is set; the
+  // operation itself (waits on other Works) when it is null.
   std::function<void()> finish;
-  // Whether the operation is done, when `work` cannot say (it is null, or
-  // `finish` still has network parts to wait for); null: ask `work`.
+  // Whether the operation is done when `work` is null; null: ask `work`
+  // (or, without one, done unless `finish` is pending).
   std::function<bool()> ready;
   std::string op;
   const ProcessGroup* group = nullptr;
@@ -46,8 +48,9 @@ struct Work::State {
 namespace detail {
 
 /// A Work on `group` that waits for `work` (may be null) and then runs
-/// `finish` (may be null) exactly once; `ready` answers is_completed() when
-/// `work` alone cannot.
+/// `finish` (may be null) exactly once. With `work` set, `finish` must be
+/// local (is_completed() asks `work`); without, `ready` answers
+/// is_completed().
 Work make_work(
     compat::WorkPtr work,
     std::function<void()> finish,

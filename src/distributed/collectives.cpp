@@ -529,10 +529,7 @@ c10::optional<Work> reduce_scatter_native(
       }
     };
   }
-  return detail::make_work(
-      w, std::move(finish), "reduce_scatter", group, [w]() {
-        return w->isCompleted();
-      });
+  return detail::make_work(w, std::move(finish), "reduce_scatter", group);
 }
 
 } // namespace
@@ -626,7 +623,8 @@ bool Work::is_completed() const {
   if (state_->ready) {
     return state_->ready();
   }
-  return state_->work && !state_->finish && state_->work->isCompleted();
+  // A finish after a backend work is local: the network part is that work.
+  return state_->work ? state_->work->isCompleted() : !state_->finish;
 }
 
 std::pair<int64_t, int64_t> shard_range(int64_t numel, int world, int rank) {
@@ -690,9 +688,7 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
     int n = group.size();
     finish = [tensor, n]() mutable { tensor.div_(n); };
   }
-  return detail::make_work(w, std::move(finish), "all_reduce", group, [w]() {
-    return w->isCompleted();
-  });
+  return detail::make_work(w, std::move(finish), "all_reduce", group);
 }
 
 Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
@@ -831,9 +827,7 @@ Work all_gather(
       }
     };
   }
-  return detail::make_work(w, std::move(finish), "all_gather", group, [w]() {
-    return w->isCompleted();
-  });
+  return detail::make_work(w, std::move(finish), "all_gather", group);
 }
 
 Work gather(
@@ -999,8 +993,7 @@ Work reduce_scatter(
         blocks.done();
       },
       "reduce_scatter",
-      group,
-      [w]() { return w->isCompleted(); });
+      group);
 }
 
 int64_t reduce_scatter_workspace_bytes(
