@@ -14,19 +14,35 @@
 #      PyTorch eager DDP and FSDP2 from the same wheel.
 # Logs and a summary go to bench/results/<date>-gpu/ (--out-dir DIR).
 #
+# --python PY builds instead against the torch already installed for PY (a
+# machine with no network: no set-up, no pip) into build-gpu/; headers the
+# build needs (GTest, CLI11, nlohmann-json, zlib) are then looked up in
+# CMAKE_PREFIX_PATH as usual. --stage-timeout S stops any one part after S
+# seconds (the summary says so) so that a time-boxed run still reports;
+# --jobs N runs N suites at once; --exclude RE leaves out ctest's matches.
+#
 #   tests/gpu/run.sh [--out-dir DIR] [--skip-suite] [--skip-bench]
+#                    [--python PY] [--stage-timeout S] [--jobs N] [--exclude RE]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 out_dir=""
 suite=1
 bench=1
+python=""
+stage_timeout=0
+jobs=4
+exclude=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out-dir) out_dir="$2"; shift ;;
     --skip-suite) suite=0 ;;
     --skip-bench) bench=0 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --python) python="$2"; shift ;;
+    --stage-timeout) stage_timeout="$2"; shift ;;
+    --jobs) jobs="$2"; shift ;;
+    --exclude) exclude=(-E "$2"); shift ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "tests/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -40,9 +56,37 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "tests/gpu/run.sh: no NVIDIA GPU visible (nvidia-smi -L fails)" >&2
   exit 1
 fi
-./scripts/setup.sh --torch pip || { echo "tests/gpu/run.sh: set-up failed" >&2; exit 1; }
-.venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || {
-  echo "tests/gpu/run.sh: the wheel's torch sees no GPU (driver too old for its CUDA?)" >&2
+# Each part runs under `limited` (coreutils timeout when --stage-timeout is set).
+limited() {
+  if [ "$stage_timeout" -gt 0 ]; then timeout -k 10 "$stage_timeout" "$@"; else "$@"; fi
+}
+if [ -z "$python" ]; then
+  ./scripts/setup.sh --torch pip || { echo "tests/gpu/run.sh: set-up failed" >&2; exit 1; }
+  python=.venv/bin/python
+  build=build-pip
+else
+  build=build-gpu
+  prefix=$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)') || {
+    echo "tests/gpu/run.sh: $python has no torch" >&2; exit 1; }
+  arch=$("$python" -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(f"{m}.{n}")')
+  # The wheel's CMake package needs nvcc; CUDA's default place need not be on PATH.
+  command -v nvcc >/dev/null || [ ! -x /usr/local/cuda/bin/nvcc ] || export PATH="$PATH:/usr/local/cuda/bin"
+  generator=()
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  say "configuring $build against $prefix (CUDA arch $arch)"
+  if ! TORCH_CUDA_ARCH_LIST=$arch cmake -S . -B "$build" "${generator[@]}" \
+      -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+      -DCOLOSSALAI_PYTHON="$(command -v "$python")" >"$out_dir/build.log" 2>&1; then
+    tail -40 "$out_dir/build.log" >&2; exit 1
+  fi
+  say "building $build ($(nproc) jobs)"
+  if ! limited cmake --build "$build" -j "$(nproc)" >>"$out_dir/build.log" 2>&1; then
+    grep -m20 -E "error|Error" "$out_dir/build.log" >&2 || tail -40 "$out_dir/build.log" >&2
+    exit 1
+  fi
+fi
+"$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || {
+  echo "tests/gpu/run.sh: $python's torch sees no GPU (driver too old for its CUDA?)" >&2
   exit 1
 }
 
@@ -50,7 +94,7 @@ fi
   echo "# GPU run, $(date -u +%F)"
   echo
   nvidia-smi -L | sed 's/^/    /'
-  .venv/bin/python -c 'import torch; print(f"    torch {torch.__version__}, CUDA {torch.version.cuda}")'
+  "$python" -c 'import torch; print(f"    torch {torch.__version__}, CUDA {torch.version.cuda}")'
   echo
   echo "| part | result | log |"
   echo "|---|---|---|"
@@ -59,29 +103,30 @@ status=0
 record() { # name, exit code, log
   local r=pass
   [ "$2" -ne 0 ] && { r="FAIL (exit $2)"; status=1; }
+  [ "$2" -eq 124 ] && r="stopped after ${stage_timeout} s (--stage-timeout)"
   echo "| $1 | $r | $(basename "$3") |" >> "$summary"
   say "$1: $r"
 }
 
 say "test_cuda"
-./build-pip/tests/test_cuda > "$out_dir/test_cuda.log" 2>&1
+limited "./$build/tests/test_cuda" > "$out_dir/test_cuda.log" 2>&1
 record "test_cuda (GPU-only tests)" $? "$out_dir/test_cuda.log"
 
 if [ "$suite" = 1 ]; then
   say "the suite with CUDA tensors"
-  COLOSSALAI_DEVICE=cuda ctest --test-dir build-pip --output-on-failure -j4 \
+  COLOSSALAI_DEVICE=cuda limited ctest --test-dir "$build" --output-on-failure -j "$jobs" "${exclude[@]}" \
     > "$out_dir/suite-cuda.log" 2>&1
   record "suite, COLOSSALAI_DEVICE=cuda" $? "$out_dir/suite-cuda.log"
 fi
 
 say "Fashion-MNIST on the GPU"
-COLOSSALAI_DEVICE=cuda ./build-pip/examples/train_fashion_mnist --nproc 1 --plugin none \
+COLOSSALAI_DEVICE=cuda limited "./$build/examples/train_fashion_mnist" --nproc 1 --plugin none \
   > "$out_dir/fashion_mnist.log" 2>&1
 record "Fashion-MNIST main job (one rank, CUDA)" $? "$out_dir/fashion_mnist.log"
 
 if [ "$bench" = 1 ]; then
   say "bench/gpu"
-  PYTHON=.venv/bin/python BUILD_DIR=build-pip bench/gpu/run.sh --out-dir "$out_dir" \
+  PYTHON=$python BUILD_DIR=$build limited bench/gpu/run.sh --out-dir "$out_dir" \
     > "$out_dir/bench-gpu.log" 2>&1
   record "bench/gpu (report.md)" $? "$out_dir/bench-gpu.log"
 fi
