@@ -14,6 +14,7 @@
 #include <colossalai/distributed/error.h>
 
 #include <harness/multiprocess.h>
+#include <harness/test_util.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -90,9 +91,10 @@ void expect_close(
     const std::string& what) {
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_TRUE(at::allclose(got[i], want[i], 1e-4, 1e-5))
+    const auto g = colossalai::testing::host(got[i]);
+    EXPECT_TRUE(at::allclose(g, want[i], 1e-4, 1e-5))
         << what << ": parameter " << i << " differs by "
-        << (got[i] - want[i]).abs().max().item<double>();
+        << (g - want[i]).abs().max().item<double>();
   }
 }
 

@@ -205,8 +205,10 @@ at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets) {
   const int64_t v = logits.size(2);
   // Cross-entropy in fp32 even for half-precision logits: log-softmax over
   // a large vocabulary loses too much precision in fp16.
+  // The targets follow the logits to their device (a CPU batch, a GPU model).
   return torch::nn::functional::cross_entropy(
-      logits.reshape({-1, v}).to(torch::kFloat), targets.reshape({-1}));
+      logits.reshape({-1, v}).to(torch::kFloat),
+      targets.reshape({-1}).to(logits.device()));
 }
 
 std::pair<at::Tensor, at::Tensor> random_tokens(

@@ -83,7 +83,7 @@ class Block(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.h))
-            future = torch.ones(t, t, dtype=torch.bool).triu(1)
+            future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
             y = att.masked_fill(future, float("-inf")).softmax(-1) @ v
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, d))
 
@@ -113,7 +113,7 @@ class GPT(nn.Module):
                     m.bias.zero_()
 
     def forward(self, idx):
-        pos = torch.arange(idx.shape[1])
+        pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for b in self.blocks:
             x = b(x)

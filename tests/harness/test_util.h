@@ -2,10 +2,14 @@
 
 // Small helpers shared by the tests.
 
+#include <ATen/Functions.h>
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace colossalai {
 namespace testing {
@@ -46,6 +50,27 @@ int64_t peak_rss_bytes();
 /// memory bounds measure above (a CUDA-linked LibTorch starts ~200 MB
 /// higher).
 int64_t rss_bytes();
+
+/// `t` on the host: what a rank computed on its device (COLOSSALAI_DEVICE=
+/// cuda) compares with a reference computed on the CPU.
+inline at::Tensor host(const at::Tensor& t) {
+  return t.defined() && !t.is_cpu() ? t.cpu() : t;
+}
+inline std::vector<at::Tensor> host(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) {
+    out.push_back(host(t));
+  }
+  return out;
+}
+
+/// Mean squared error whose target follows the output to its device, as the
+/// boosted criterion's does: a test's CPU batch against a boosted model's
+/// output on the rank's device.
+inline at::Tensor mse_loss(const at::Tensor& out, const at::Tensor& target) {
+  return at::mse_loss(out, target.to(out.device()));
+}
 
 } // namespace testing
 } // namespace colossalai

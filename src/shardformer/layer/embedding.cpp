@@ -303,6 +303,10 @@ at::Tensor vocab_parallel_cross_entropy(
       logits.sizes(),
       " and ",
       target.sizes());
+  // The target follows the logits to their device, as the boosted
+  // criterion's does (a CPU data loader feeding a GPU model).
+  const at::Tensor target_here =
+      target.device() == logits.device() ? target : target.to(logits.device());
   if (group == nullptr) {
     TORCH_CHECK(
         vocab_size > 0 && vocab_size <= logits.size(1),
@@ -313,7 +317,7 @@ at::Tensor vocab_parallel_cross_entropy(
         " columns");
     return at::cross_entropy_loss(
         logits.narrow(1, 0, vocab_size).to(at::kFloat),
-        target,
+        target_here,
         {},
         at::Reduction::Mean,
         ignore_index);
@@ -327,7 +331,7 @@ at::Tensor vocab_parallel_cross_entropy(
       logits.size(1) * g->size(),
       " columns of the sharded logits");
   return VocabParallelCrossEntropy::apply(
-      logits, target, g, vocab_size, ignore_index);
+      logits, target_here, g, vocab_size, ignore_index);
 }
 
 } // namespace layer
