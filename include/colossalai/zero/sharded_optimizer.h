@@ -14,6 +14,9 @@
 #include <vector>
 
 namespace colossalai {
+namespace placement {
+class PlacementTable;
+} // namespace placement
 namespace zero {
 
 namespace detail {
@@ -71,22 +74,12 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// Full optimizer states by parameter id on rank 0 of the shard group
   /// (empty elsewhere); collective.
   std::map<int64_t, checkpoint_io::StateDict> full_states();
-  /// Tensor parallelism beside the shards (HybridParallelPlugin): every
-  /// parameter is split or replicated over `group` too. The global norm
-  /// then sums every tensor rank's shards, counting `replicated` parameters
-  /// once; `partial_grads` (replicated parameters used on sequence chunks)
-  /// have their gradients summed over `group` at the start of step.
-  void set_model_parallel(
-      distributed::ProcessGroupPtr group,
-      const std::vector<at::Tensor>& replicated,
-      const std::vector<at::Tensor>& partial_grads);
-  /// Pipeline stages beside the shards: each stage holds other parameters,
-  /// so the global norm and the overflow decision combine every stage;
-  /// `not_counted` (a copy another stage counts: the tied embedding on the
-  /// last stage) stays out of this stage's norm.
-  void set_pipeline_parallel(
-      distributed::ProcessGroupPtr group,
-      const std::vector<at::Tensor>& not_counted);
+  /// Where the parameters live beside the shards (HybridParallelPlugin's
+  /// tensor axis and pipeline, NOTE [Placement table]): partial gradients
+  /// are summed over their axis at the start of step, the global norm
+  /// counts each parameter once over the mesh, and the overflow decision
+  /// combines every axis and stage.
+  void set_placement(std::shared_ptr<const placement::PlacementTable> table);
 
   /// Keeps this rank's piece of a full state (from any world size or
   /// plugin).
@@ -133,11 +126,7 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
 
   ShardedOptimizerOptions options_;
   std::unique_ptr<amp::DynamicLossScaler> scaler_;
-  distributed::ProcessGroupPtr mp_group_;
-  std::vector<const void*> mp_replicated_; // sorted TensorImpl addresses
-  std::vector<const void*> mp_partial_;
-  distributed::ProcessGroupPtr pp_group_;
-  std::vector<const void*> pp_not_counted_;
+  std::shared_ptr<const placement::PlacementTable> placement_;
   bool partials_summed_ = false;
   std::vector<detail::FlatParams*> groups_;
   distributed::ProcessGroupPtr group_;

@@ -3,6 +3,8 @@
 #include "../../checkpoint_io/optimizer_state.h"
 #include "flat_params.h"
 
+#include <colossalai/placement/gradients.h>
+
 #include <algorithm>
 #include <unordered_map>
 #include <unordered_set>
@@ -113,9 +115,10 @@ bool ShardedOptimizer::overflow() {
     flag = flag.to(group_->device());
     distributed::all_reduce(flag, *group_, distributed::ReduceOp::kMax).wait();
   }
-  // Tensor ranks hold different shards too: all of them skip together.
-  for (const auto& g : {mp_group_, pp_group_}) {
-    if (g != nullptr && g->size() > 1) {
+  // Tensor ranks and stages hold other parameters: all of them skip
+  // together.
+  if (placement_ != nullptr) {
+    for (const auto* g : placement_->reduction_groups()) {
       flag = flag.to(g->device());
       distributed::all_reduce(flag, *g, distributed::ReduceOp::kMax).wait();
     }
@@ -123,93 +126,53 @@ bool ShardedOptimizer::overflow() {
   return flag.item<float>() > 0;
 }
 
-namespace {
-
-std::vector<const void*> sorted_impls(const std::vector<at::Tensor>& ts) {
-  std::vector<const void*> out;
-  for (const auto& t : ts) {
-    out.push_back(t.unsafeGetTensorImpl());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
+void ShardedOptimizer::set_placement(
+    std::shared_ptr<const placement::PlacementTable> table) {
+  placement_ = std::move(table);
 }
 
-bool contains(const std::vector<const void*>& sorted, const at::Tensor& t) {
-  return std::binary_search(
-      sorted.begin(), sorted.end(), t.unsafeGetTensorImpl());
+namespace {
+
+// The parameters and the gradients of this rank's pieces of them, in flat
+// order (pieces of no elements left out).
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> pieces_of(
+    const std::vector<detail::FlatParams*>& groups) {
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> out;
+  for (auto* g : groups) {
+    for (size_t i = 0; i < g->params.size(); ++i) {
+      if (g->pieces[i].numel() > 0) {
+        out.first.push_back(g->params[i]);
+        out.second.push_back(g->pieces[i].mutable_grad());
+      }
+    }
+  }
+  return out;
 }
 
 } // namespace
 
-void ShardedOptimizer::set_model_parallel(
-    distributed::ProcessGroupPtr group,
-    const std::vector<at::Tensor>& replicated,
-    const std::vector<at::Tensor>& partial_grads) {
-  mp_group_ = std::move(group);
-  mp_replicated_ = sorted_impls(replicated);
-  mp_partial_ = sorted_impls(partial_grads);
-}
-
-void ShardedOptimizer::set_pipeline_parallel(
-    distributed::ProcessGroupPtr group,
-    const std::vector<at::Tensor>& not_counted) {
-  pp_group_ = std::move(group);
-  pp_not_counted_ = sorted_impls(not_counted);
-}
-
 void ShardedOptimizer::sum_partial_grads() {
-  if (mp_group_ == nullptr || mp_group_->size() == 1 || mp_partial_.empty() ||
-      partials_summed_) {
+  if (placement_ == nullptr || !placement_->has_partial() || partials_summed_) {
     return;
   }
   partials_summed_ = true; // once per step, whoever asks first
   // Every tensor rank has the same flat layout, so the pieces line up.
-  std::vector<at::Tensor> grads;
-  for (auto* g : groups_) {
-    for (size_t i = 0; i < g->params.size(); ++i) {
-      if (g->pieces[i].numel() > 0 && contains(mp_partial_, g->params[i])) {
-        grads.push_back(g->pieces[i].mutable_grad());
-      }
-    }
-  }
-  if (grads.empty()) {
-    return;
-  }
-  auto flat = at::cat(grads).to(mp_group_->device());
-  distributed::all_reduce(flat, *mp_group_).wait();
-  int64_t offset = 0;
-  for (auto& g : grads) {
-    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
-    offset += g.numel();
-  }
+  auto pieces = pieces_of(groups_);
+  placement::sum_partial_grads(*placement_, pieces.first, pieces.second);
 }
 
 double ShardedOptimizer::global_norm(double norm_type) {
   // Shards are disjoint: the global norm combines every rank's partials.
-  std::vector<at::Tensor> grads;
-  const bool tp = mp_group_ != nullptr && mp_group_->size() > 1;
-  const bool pp = pp_group_ != nullptr && pp_group_->size() > 1;
-  if (!tp && !pp) {
+  if (placement_ == nullptr || placement_->reduction_groups().empty()) {
+    std::vector<at::Tensor> grads;
     for (auto* g : groups_) {
       grads.push_back(g->shard_grad);
     }
     return interface::total_norm(grads, norm_type, group_.get());
   }
-  // Split parameters: every tensor rank's share; replicated ones: once.
-  // Every stage its own parameters; a tied copy: on one stage.
-  const bool first = !tp || mp_group_->rank() == 0;
-  for (auto* g : groups_) {
-    for (size_t i = 0; i < g->params.size(); ++i) {
-      if ((first || !contains(mp_replicated_, g->params[i])) &&
-          !contains(pp_not_counted_, g->params[i])) {
-        grads.push_back(g->pieces[i].grad());
-      }
-    }
-  }
-  return interface::total_norm(
-      grads,
-      norm_type,
-      {group_.get(), tp ? mp_group_.get() : nullptr, pp_group_.get()});
+  auto pieces = pieces_of(groups_);
+  return placement::global_grad_norm(
+      *placement_, pieces.first, pieces.second, norm_type, group_.get());
 }
 
 void ShardedOptimizer::step() {

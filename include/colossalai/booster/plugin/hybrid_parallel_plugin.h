@@ -1,6 +1,7 @@
 #pragma once
 
 #include <colossalai/booster/plugin/dp_plugin_base.h>
+#include <colossalai/placement/placement.h>
 #include <colossalai/shardformer/policy.h>
 
 #include <torch/arg.h>
@@ -249,6 +250,11 @@ class HybridParallelPlugin : public DPPluginBase {
   const shardformer::ShardInfo& shard_info() const {
     return info_;
   }
+  /// Where each parameter this rank holds lives over the tensor axis
+  /// ("tp") and the pipeline, after `boost` (NOTE [Placement table]).
+  const std::shared_ptr<const placement::PlacementTable>& placement() const {
+    return placement_;
+  }
 
  private:
   // Splits the model over the stages: keeps this rank's layers (their
@@ -264,6 +270,7 @@ class HybridParallelPlugin : public DPPluginBase {
   int sp_size_ = 1;
   distributed::ProcessGroupPtr tp_group_, sp_group_, mixed_dp_group_, pp_group_;
   shardformer::ShardInfo info_;
+  std::shared_ptr<const placement::PlacementTable> placement_;
   std::shared_ptr<void> state_; // shared with the checkpoint IO
   // Pipelines: the stage split, the schedule and the parameters both the
   // first and the last stage hold (their group, when they are two ranks).

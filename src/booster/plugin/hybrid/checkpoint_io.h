@@ -12,11 +12,18 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace colossalai {
 namespace booster {
 namespace plugin {
+
+// The optimizer's parameters' names (`name_of`: by tensor identity), by
+// group; an error for a parameter the model does not have.
+std::vector<std::vector<std::string>> optimizer_param_names(
+    interface::OptimizerWrapper& optimizer,
+    const std::unordered_map<const void*, std::string>& name_of);
 
 // What the plugin learned at boost, shared with its checkpoint IO.
 struct HybridState {

@@ -1,11 +1,11 @@
-#include "hybrid_checkpoint_io.h"
+#include "checkpoint_io.h"
 
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/lazy/lazy_init.h>
 #include <colossalai/shardformer/layer/parallel_module.h>
 
-#include "../../checkpoint_io/mapped_reads.h"
-#include "../../checkpoint_io/optimizer_state.h"
+#include "../../../checkpoint_io/mapped_reads.h"
+#include "../../../checkpoint_io/optimizer_state.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -486,6 +486,26 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
 std::shared_ptr<checkpoint_io::StateAccess> hybrid_state_access(
     std::shared_ptr<HybridState> state) {
   return std::make_shared<HybridStateAccess>(std::move(state));
+}
+
+std::vector<std::vector<std::string>> optimizer_param_names(
+    interface::OptimizerWrapper& optimizer,
+    const std::unordered_map<const void*, std::string>& name_of) {
+  std::vector<std::vector<std::string>> out;
+  for (auto& g : optimizer.param_groups()) {
+    out.emplace_back();
+    for (auto& p : g.params()) {
+      auto it = name_of.find(p.unsafeGetTensorImpl());
+      TORCH_CHECK(
+          it != name_of.end(),
+          "HybridParallelPlugin",
+          ": the optimizer holds a parameter (shape ",
+          p.sizes(),
+          ") that is not in the boosted model");
+      out.back().push_back(it->second);
+    }
+  }
+  return out;
 }
 
 } // namespace plugin

@@ -1,0 +1,39 @@
+#pragma once
+
+#include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
+
+#include <string>
+
+namespace colossalai {
+namespace booster {
+namespace plugin {
+namespace detail {
+
+/// What HybridParallelPlugin's options resolve to, once checked.
+struct HybridLayout {
+  at::ScalarType dtype = at::kFloat;
+  /// The sequence-parallel mode ("" when off).
+  std::string sp_mode;
+  /// Ranks a sequence is split over (the tensor group's size under
+  /// split_gather and ring).
+  int sp_size = 1;
+  /// The mesh's own sp axis (1 when sequences split over the tensor group).
+  int sp_axis_size = 1;
+  int dp_size = 1;
+};
+
+/// split_gather and ring split the sequence over the tensor group.
+inline bool sp_on_tensor_group(const std::string& sp_mode) {
+  return sp_mode == "split_gather" || sp_mode == "ring";
+}
+
+/// Checks every option against the others and the world size; an error
+/// names the option and what to set instead.
+HybridLayout check_hybrid_options(
+    const HybridParallelPluginOptions& o,
+    int world);
+
+} // namespace detail
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai

@@ -1,0 +1,350 @@
+// HybridParallelPlugin's pipeline: the stage split of a model, the
+// micro-batches of a step and the schedule that runs them
+// (NOTE [Hybrid pipeline]).
+
+#include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_model.h>
+#include <colossalai/initialize.h>
+#include <colossalai/lazy/lazy_init.h>
+#include <colossalai/pipeline/schedule.h>
+#include <colossalai/placement/gradients.h>
+#include <colossalai/zero/low_level_optimizer.h>
+
+#include "checkpoint_io.h"
+#include "pipeline_guard.h"
+
+#include <algorithm>
+#include <set>
+#include <unordered_set>
+
+namespace colossalai {
+namespace booster {
+namespace plugin {
+
+namespace {
+
+constexpr const char* kName = "HybridParallelPlugin";
+
+} // namespace
+
+std::set<std::string> HybridParallelPlugin::setup_pipeline(
+    torch::nn::Module& module,
+    interface::OptimizerWrapper& optimizer) {
+  const int pp = options_.pp_size();
+  const int64_t layers = policy_->num_pipeline_layers(module);
+  TORCH_CHECK(
+      layers > 0,
+      kName,
+      ": pp_size ",
+      pp,
+      " needs a policy that splits the model into stages, and ",
+      policy_->name(),
+      " does not; pass a custom_policy that overrides num_pipeline_layers, "
+      "held_layers and stage_forward");
+  const bool zbv = options_.pp_style() == "zbv";
+  stage_manager_ = std::make_shared<pipeline::PipelineStageManager>(
+      pp_group_, options_.num_model_chunks(), zbv);
+  const auto per_stage = stage_manager_->distribute_layers(
+      layers, options_.num_layers_per_stage());
+  auto modules = module.named_modules();
+  std::set<std::string> held;
+  chunk_layers_.clear();
+  chunk_params_.assign(options_.num_model_chunks(), {});
+  // The parameters (full name, tensor) of the layers a chunk holds.
+  auto params_of = [&](const shardformer::StageLayers& layers) {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& name : policy_->held_layers(module, layers)) {
+      auto* m = modules.find(name);
+      TORCH_CHECK(
+          m != nullptr,
+          kName,
+          ": ",
+          policy_->name(),
+          ".held_layers names a module '",
+          name,
+          "' that the model does not have");
+      for (const auto& p : (*m)->named_parameters(true)) {
+        out.emplace_back(name + "." + p.key(), p.value());
+      }
+    }
+    return out;
+  };
+  for (int c = 0; c < options_.num_model_chunks(); ++c) {
+    chunk_layers_.push_back(stage_manager_->stage_layers(c, per_stage));
+    std::set<std::string> mine;
+    for (const auto& p : params_of(chunk_layers_[c])) {
+      held.insert(p.first);
+      if (mine.insert(p.first).second) {
+        chunk_params_[c].push_back(p.second);
+      }
+    }
+  }
+  auto named = module.named_parameters(true);
+  shared_params_.clear();
+  for (const auto& name : policy_->shared_params(module)) {
+    auto* p = named.find(name);
+    TORCH_CHECK(
+        p != nullptr,
+        kName,
+        ": ",
+        policy_->name(),
+        ".shared_params names '",
+        name,
+        "' that the model does not have");
+    if (held.count(name)) {
+      shared_params_.push_back(*p);
+    }
+  }
+  // A lazy model materialises here, keeping this stage's parameters only:
+  // the others are computed one at a time (the random stream must advance
+  // as in eager construction) and dropped at once, so a stage never holds
+  // another stage's layers.
+  if (lazy::is_lazy(module)) {
+    lazy::materialize(
+        module, [&](const std::string& name, const at::Tensor& full) {
+          return held.count(name) || !named.contains(name)
+              ? full
+              : at::empty({0}, full.options());
+        });
+    module.to(current_device());
+  }
+  // Checkpoints number the optimizer's parameters as it holds them now,
+  // before the release.
+  auto st = std::static_pointer_cast<HybridState>(state_);
+  {
+    std::unordered_map<const void*, std::string> name_of;
+    for (const auto& item : named) {
+      name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    }
+    st->global_id.clear();
+    st->global_groups.clear();
+    st->global_name.clear();
+    int64_t id = 0;
+    for (const auto& group : optimizer_param_names(optimizer, name_of)) {
+      st->global_groups.emplace_back();
+      for (const auto& name : group) {
+        if (held.count(name)) {
+          st->global_id.push_back(id);
+        }
+        st->global_name.push_back(name);
+        st->global_groups.back().push_back(id++);
+      }
+    }
+  }
+  // Release what other stages hold (ColossalAI's shardformer does the
+  // same): storage freed, no gradient, out of the optimizer.
+  std::unordered_set<const void*> released;
+  {
+    at::NoGradGuard no_grad;
+    for (auto& item : named) {
+      if (!held.count(item.key())) {
+        auto& p = item.value();
+        released.insert(p.unsafeGetTensorImpl());
+        p.set_data(at::empty({0}, p.options()));
+        p.requires_grad_(false);
+      }
+    }
+  }
+  for (auto& g : optimizer.param_groups()) {
+    auto& ps = g.params();
+    ps.erase(
+        std::remove_if(
+            ps.begin(),
+            ps.end(),
+            [&](const at::Tensor& p) {
+              return released.count(p.unsafeGetTensorImpl()) > 0;
+            }),
+        ps.end());
+  }
+  // Checkpoints: which stage writes each parameter and buffer, and who
+  // sends it.
+  st->stage = stage_manager_->stage();
+  st->held = held;
+  st->owner.clear();
+  for (int s = pp - 1; s >= 0; --s) {
+    for (int c = 0; c < options_.num_model_chunks(); ++c) {
+      const auto layers = stage_manager_->stage_layers_of(s, c, per_stage);
+      for (const auto& name : policy_->held_layers(module, layers)) {
+        for (const auto& b : (*modules.find(name))->named_buffers(true)) {
+          st->owner[name + "." + b.key()] = s; // the lowest stage wins
+        }
+      }
+      for (const auto& p : params_of(layers)) {
+        st->owner[p.first] = s;
+      }
+    }
+  }
+  for (const auto& item : named) {
+    TORCH_CHECK(
+        st->owner.count(item.key()),
+        kName,
+        ": no pipeline stage holds parameter '",
+        item.key(),
+        "' (",
+        policy_->name(),
+        ".held_layers leaves it out)");
+  }
+  std::vector<int> coord(mesh_->shape().size(), 0);
+  const int pp_axis = options_.dp_outside() ? 1 : 0;
+  st->stage_source.clear();
+  for (int s = 0; s < pp; ++s) {
+    coord[pp_axis] = s;
+    st->stage_source.push_back(mesh_->ravel(coord));
+  }
+  st->to_writer = std::make_shared<pipeline::PipelineP2PCommunication>(
+      distributed::world_group(),
+      /*enable_metadata_cache=*/false,
+      /*one_way=*/true);
+  auto p2p = std::make_shared<pipeline::PipelineP2PCommunication>(
+      pp_group_, options_.enable_metadata_cache());
+  schedule_ = std::make_shared<pipeline::PipelineSchedule>(
+      stage_manager_, p2p, options_.pp_style(), options_.overlap_p2p());
+  return held;
+}
+
+void HybridParallelPlugin::sync_shared_grads() {
+  if (shared_group_ == nullptr || shared_params_.empty()) {
+    return;
+  }
+  std::vector<at::Tensor> grads;
+  for (auto& p : shared_params_) {
+    if (!p.grad().defined()) {
+      p.mutable_grad() = at::zeros_like(p);
+    }
+    grads.push_back(p.mutable_grad());
+  }
+  placement::sum_flat(grads, *shared_group_);
+}
+
+pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
+    const pipeline::DataIterator& data_iter,
+    interface::ModelWrapper& model,
+    const pipeline::PipelineCriterion& criterion,
+    interface::OptimizerWrapper* optimizer,
+    bool return_loss,
+    bool return_outputs) {
+  TORCH_CHECK(
+      schedule_ != nullptr,
+      kName,
+      ".execute_pipeline needs a model boosted with pp_size > 1");
+  auto* guard = interface::find_wrapper<detail::PipelineGuardModel>(model);
+  TORCH_CHECK(
+      guard != nullptr, kName, ".execute_pipeline: pass the boosted model");
+  auto* zero = dynamic_cast<zero::LowLevelZeroOptimizer*>(optimizer);
+  TORCH_CHECK(
+      options_.zero_stage() == 0 || zero != nullptr,
+      kName,
+      ".execute_pipeline: pass the boosted optimizer (ZeRO reduces the "
+      "gradients into its buckets)");
+  auto batch = data_iter();
+  TORCH_CHECK(
+      !batch.empty() && batch[0].defined() && batch[0].dim() >= 1,
+      kName,
+      ".execute_pipeline: data_iter gave an empty batch");
+  const int64_t n = batch[0].size(0);
+  for (const auto& t : batch) {
+    TORCH_CHECK(
+        t.defined() && t.dim() >= 1 && t.size(0) == n,
+        kName,
+        ".execute_pipeline: every tensor of the batch must have ",
+        n,
+        " samples along dim 0");
+  }
+  int64_t m = options_.num_microbatches(), size = options_.microbatch_size();
+  if (m > 0 && size > 0) {
+    TORCH_CHECK(
+        m * size == n,
+        kName,
+        ": num_microbatches ",
+        m,
+        " x microbatch_size ",
+        size,
+        " != the batch's ",
+        n,
+        " samples");
+  } else if (m > 0) {
+    TORCH_CHECK(
+        n % m == 0,
+        kName,
+        ": a batch of ",
+        n,
+        " samples does not divide into num_microbatches ",
+        m);
+    size = n / m;
+  } else {
+    TORCH_CHECK(
+        n % size == 0,
+        kName,
+        ": a batch of ",
+        n,
+        " samples does not divide into micro-batches of microbatch_size ",
+        size);
+    m = n / size;
+  }
+  TORCH_CHECK(
+      options_.pp_style() != "interleaved" || m % options_.pp_size() == 0,
+      kName,
+      ": pp_style 'interleaved' needs num_microbatches (",
+      m,
+      ") to be a multiple of pp_size (",
+      options_.pp_size(),
+      ")");
+  const auto device = current_device();
+  std::vector<pipeline::Batch> micro(m);
+  for (int64_t i = 0; i < m; ++i) {
+    for (const auto& t : batch) {
+      micro[i].push_back(
+          guard->prepare_input(t.narrow(0, i * size, size).to(device)));
+    }
+  }
+
+  // Data-parallel synchronisation once per step, after every micro-batch.
+  auto* ddp = interface::find_wrapper<TorchDDPModel>(model);
+  const bool sync = ddp != nullptr ? ddp->require_sync()
+      : zero != nullptr            ? zero->require_sync()
+                                   : true;
+  auto set_sync = [&](bool on) {
+    if (ddp != nullptr) {
+      ddp->set_require_sync(on);
+    }
+    if (zero != nullptr) {
+      zero->set_require_sync(on);
+    }
+  };
+  set_sync(false);
+  NoSyncGuard restore([&]() { set_sync(sync); });
+  auto module = model.unwrap();
+  auto forward = [&](int chunk,
+                     const pipeline::Batch& mb,
+                     const at::Tensor& hidden) {
+    detail::PipelineGuardModel::Scope scope(*guard);
+    return policy_->stage_forward(*module, chunk_layers_[chunk], mb, hidden);
+  };
+  auto scale = [optimizer](const at::Tensor& loss) {
+    return optimizer != nullptr ? optimizer->scale_loss(loss) : loss;
+  };
+  auto out = schedule_->forward_backward_step(
+      micro,
+      forward,
+      chunk_params_,
+      criterion,
+      scale,
+      return_loss,
+      return_outputs);
+  if (!sync) {
+    return out; // no_sync: gradients accumulate until a synchronised step
+  }
+  set_sync(true);
+  sync_shared_grads();
+  if (ddp != nullptr) {
+    ddp->sync_gradients();
+  }
+  if (zero != nullptr) {
+    zero->sync_gradients();
+  }
+  return out;
+}
+
+} // namespace plugin
+} // namespace booster
+} // namespace colossalai

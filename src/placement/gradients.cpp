@@ -1,0 +1,92 @@
+#include <colossalai/placement/gradients.h>
+
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/interface/optimizer.h>
+
+#include <ATen/ATen.h>
+
+namespace colossalai {
+namespace placement {
+
+void sum_flat(
+    const std::vector<at::Tensor>& tensors,
+    const distributed::ProcessGroup& group) {
+  if (tensors.empty()) {
+    return;
+  }
+  std::vector<at::Tensor> parts;
+  parts.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    parts.push_back(t.reshape({-1}));
+  }
+  auto flat = at::cat(parts).to(group.device());
+  distributed::all_reduce(flat, group).wait();
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    // The handles share the caller's tensors: the sums land there.
+    at::Tensor out = t;
+    out.copy_(flat.narrow(0, offset, t.numel()).view_as(t));
+    offset += t.numel();
+  }
+}
+
+void sum_partial_grads(
+    const PlacementTable& table,
+    const std::vector<at::Tensor>& params,
+    const std::vector<at::Tensor>& grads) {
+  TORCH_CHECK(
+      params.size() == grads.size(),
+      "sum_partial_grads: ",
+      params.size(),
+      " parameters but ",
+      grads.size(),
+      " gradients");
+  if (!table.has_partial()) {
+    return;
+  }
+  for (const auto& axis : table.axes()) {
+    if (axis.second->size() == 1) {
+      continue;
+    }
+    std::vector<at::Tensor> mine;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto* p = table.find(params[i]);
+      if (p != nullptr && p->on(axis.first).is_partial() &&
+          grads[i].defined() && grads[i].numel() > 0) {
+        mine.push_back(grads[i]);
+      }
+    }
+    sum_flat(mine, *axis.second);
+  }
+}
+
+double global_grad_norm(
+    const PlacementTable& table,
+    const std::vector<at::Tensor>& params,
+    const std::vector<at::Tensor>& grads,
+    double norm_type,
+    const distributed::ProcessGroup* pieces) {
+  TORCH_CHECK(
+      params.size() == grads.size(),
+      "global_grad_norm: ",
+      params.size(),
+      " parameters but ",
+      grads.size(),
+      " gradients");
+  std::vector<at::Tensor> counted;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (table.counts_once(params[i])) {
+      counted.push_back(grads[i]);
+    }
+  }
+  // `pieces` first, even when null: the partials are then combined in
+  // double precision whatever the mesh (interface::total_norm).
+  std::vector<const distributed::ProcessGroup*> groups{pieces};
+  for (const auto* g : table.reduction_groups()) {
+    groups.push_back(g);
+  }
+  return interface::total_norm(counted, norm_type, groups);
+}
+
+} // namespace placement
+} // namespace colossalai
