@@ -13,6 +13,8 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 
+#include "../src/distributed/grad_bucketer.h"
+
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 
@@ -131,6 +133,38 @@ void train_ddp_matches(
 }
 
 } // namespace
+
+// The one bucket planner (DDP in bytes with a small first bucket per dtype
+// and device; ZeRO in elements over every parameter alike).
+TEST(TorchDDP, OneBucketPlannerForDdpAndZero) {
+  const std::vector<at::Tensor> params{
+      at::zeros({4}), // 16 bytes
+      at::zeros({8}, at::kBFloat16), // 16 bytes
+      at::zeros({300}), // 1200 bytes
+      at::zeros({2}), // 8 bytes
+      at::zeros({10})}; // 40 bytes
+  colossalai::distributed::BucketPlanOptions ddp;
+  ddp.cap = 1024;
+  ddp.first_cap = 32;
+  // Reverse order: fp32 4 (40 bytes) fills the first fp32 bucket past its
+  // 32, so 3 opens the next; 2 (1200 bytes) overflows that and has one
+  // alone; 0 would pass 1024 with it; bf16 1 has a bucket of its own kind.
+  using Plan = std::vector<std::vector<size_t>>;
+  EXPECT_EQ(
+      colossalai::distributed::plan_buckets(params, ddp),
+      (Plan{{4}, {3}, {2}, {1}, {0}}));
+  ddp.first_cap = -1;
+  EXPECT_EQ(
+      colossalai::distributed::plan_buckets(params, ddp),
+      (Plan{{4, 3}, {2}, {1}, {0}}));
+  colossalai::distributed::BucketPlanOptions zero;
+  zero.cap = 14;
+  zero.bytes = false;
+  zero.by_dtype_and_device = false;
+  EXPECT_EQ(
+      colossalai::distributed::plan_buckets(params, zero),
+      (Plan{{4, 3}, {2}, {1, 0}}));
+}
 
 TEST(TorchDDP, MatchesSingleProcessTwoRanks) {
   run_distributed(

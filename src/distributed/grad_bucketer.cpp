@@ -4,8 +4,52 @@
 
 #include <torch/csrc/autograd/engine.h>
 
+#include <map>
+#include <tuple>
+
 namespace colossalai {
 namespace distributed {
+
+std::vector<std::vector<size_t>> plan_buckets(
+    const std::vector<at::Tensor>& params,
+    const BucketPlanOptions& options) {
+  TORCH_CHECK(options.cap >= 0, "plan_buckets: cap must be >= 0");
+  struct Open {
+    size_t bucket;
+    int64_t filled = 0;
+  };
+  using Kind = std::tuple<int, int, int>; // dtype, device type, index
+  std::map<Kind, Open> open;
+  std::map<Kind, int> closed;
+  std::vector<std::vector<size_t>> buckets;
+  for (size_t k = params.size(); k-- > 0;) {
+    const auto& p = params[k];
+    const Kind kind = options.by_dtype_and_device
+        ? Kind{static_cast<int>(p.scalar_type()),
+               static_cast<int>(p.device().type()),
+               p.device().index()}
+        : Kind{0, 0, 0};
+    const int64_t size =
+        options.bytes ? p.numel() * p.element_size() : p.numel();
+    const int64_t cap = closed[kind] == 0 && options.first_cap >= 0
+        ? options.first_cap
+        : options.cap;
+    auto it = open.find(kind);
+    if (it != open.end() && it->second.filled > 0 &&
+        it->second.filled + size > cap) {
+      closed[kind]++;
+      open.erase(it);
+      it = open.end();
+    }
+    if (it == open.end()) {
+      it = open.emplace(kind, Open{buckets.size()}).first;
+      buckets.emplace_back();
+    }
+    buckets[it->second.bucket].push_back(k);
+    it->second.filled += size;
+  }
+  return buckets;
+}
 
 GradBucketer::GradBucketer(
     size_t num_params,

@@ -34,6 +34,30 @@
 namespace colossalai {
 namespace distributed {
 
+/// How `plan_buckets` fills buckets.
+struct BucketPlanOptions {
+  /// A bucket closes when the next parameter would take it past `cap`
+  /// (a parameter larger than `cap` gets a bucket of its own; 0: one
+  /// parameter per bucket).
+  int64_t cap = 25 << 20;
+  /// The first bucket's cap, smaller so the first collective starts early
+  /// (torch's DDP: 1 MiB); -1: `cap`.
+  int64_t first_cap = -1;
+  /// `cap` counts bytes (DDP), else elements (ZeRO).
+  bool bytes = true;
+  /// Buckets hold one dtype and device each (each kind has its own first
+  /// bucket).
+  bool by_dtype_and_device = true;
+};
+
+/// The one bucket planner of the data-parallel strategies (DDP, ZeRO;
+/// FSDP's and Gemini's units are their buckets): parameter indices in
+/// reverse registration order, which approximates the order backward
+/// produces their gradients, so the first bucket fills first.
+std::vector<std::vector<size_t>> plan_buckets(
+    const std::vector<at::Tensor>& params,
+    const BucketPlanOptions& options);
+
 struct GradBucketerOptions {
   /// Launch a bucket's collective from the gradient hook that completed it.
   bool overlap = true;

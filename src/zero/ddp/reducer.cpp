@@ -31,45 +31,19 @@ Reducer::Reducer(
 }
 
 std::vector<std::vector<size_t>> Reducer::plan_buckets() {
-  // Reverse registration order approximates the order in which backward
-  // produces gradients, so the first bucket fills first. Buckets hold one
-  // dtype and device each.
-  struct Open {
-    size_t bucket;
-    int64_t bytes = 0;
-  };
-  using Key = std::tuple<int, int, int>; // dtype, device type, index
-  std::map<Key, Open> open;
-  std::map<Key, int> closed;
-  std::vector<std::vector<size_t>> buckets;
-  std::vector<int64_t> numels;
+  // Buckets hold one dtype and device each; the first of each kind is
+  // smaller, so its all-reduce starts early.
+  distributed::BucketPlanOptions po;
+  po.cap = options_.bucket_bytes;
+  po.first_cap = options_.first_bucket_bytes;
+  auto buckets = distributed::plan_buckets(params_, po);
+  std::vector<int64_t> numels(buckets.size(), 0);
   slots_.resize(params_.size());
-  for (size_t k = params_.size(); k-- > 0;) {
-    const auto& p = params_[k];
-    Key key{
-        static_cast<int>(p.scalar_type()),
-        static_cast<int>(p.device().type()),
-        p.device().index()};
-    const int64_t bytes = p.numel() * p.element_size();
-    auto it = open.find(key);
-    const int64_t cap =
-        closed[key] == 0 ? options_.first_bucket_bytes : options_.bucket_bytes;
-    if (it != open.end() && it->second.bytes > 0 &&
-        it->second.bytes + bytes > cap) {
-      closed[key]++;
-      open.erase(it);
-      it = open.end();
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    for (size_t k : buckets[b]) {
+      slots_[k] = Slot{b, numels[b], params_[k].numel()};
+      numels[b] += params_[k].numel();
     }
-    if (it == open.end()) {
-      it = open.emplace(key, Open{buckets.size()}).first;
-      buckets.emplace_back();
-      numels.push_back(0);
-    }
-    const size_t b = it->second.bucket;
-    slots_[k] = Slot{b, numels[b], p.numel()};
-    numels[b] += p.numel();
-    buckets[b].push_back(k);
-    it->second.bytes += bytes;
   }
   for (size_t b = 0; b < buckets.size(); ++b) {
     buffers_.push_back(

@@ -60,19 +60,12 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     TORCH_CHECK(
         optimizer.state().empty(),
         "LowLevelZeroPlugin: boost the optimizer before its first step");
-    // Buckets in reverse order (backward produces late layers first).
-    const int64_t cap = std::max<int64_t>(1, o.reduce_bucket_size());
-    std::vector<std::vector<size_t>> plan;
-    int64_t filled = 0;
-    for (size_t k = working.size(); k-- > 0;) {
-      const int64_t numel = working[k].numel();
-      if (plan.empty() || (filled > 0 && filled + numel > cap)) {
-        plan.emplace_back();
-        filled = 0;
-      }
-      plan.back().push_back(k);
-      filled += numel;
-    }
+    // Buckets of reduce_bucket_size elements in reverse order.
+    distributed::BucketPlanOptions po;
+    po.cap = std::max<int64_t>(1, o.reduce_bucket_size());
+    po.bytes = false;
+    po.by_dtype_and_device = false;
+    auto plan = distributed::plan_buckets(working, po);
     where.resize(working.size());
     buckets.resize(plan.size());
     for (size_t b = 0; b < plan.size(); ++b) {
