@@ -1,6 +1,7 @@
 #include <colossalai/booster/plugin/gemini_plugin.h>
 
 #include "../../zero/gemini/chunk_plan.h"
+#include "fully_sharded_parts.h"
 #include "plugin_options.h"
 
 #include <colossalai/initialize.h>
@@ -13,7 +14,7 @@ namespace plugin {
 
 namespace {
 
-TorchFSDPPluginOptions engine_options(const GeminiPluginOptions& o) {
+zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
   const auto dtype =
       detail::parse_precision(o.precision(), "GeminiPlugin", "precision");
   TORCH_CHECK(
@@ -83,7 +84,7 @@ TorchFSDPPluginOptions engine_options(const GeminiPluginOptions& o) {
       o.norm_type() == 2.0,
       "GeminiPlugin: only norm_type 2.0 is supported, got ",
       o.norm_type());
-  TorchFSDPPluginOptions e;
+  zero::FullyShardedOptions e;
   e.param_dtype(dtype).reduce_dtype(dtype);
   e.cpu_offload_fraction(o.offload_optim_frac());
   e.keep_gathered_fraction(1.0 - o.shard_param_frac());
@@ -107,7 +108,13 @@ TorchFSDPPluginOptions engine_options(const GeminiPluginOptions& o) {
 } // namespace
 
 GeminiPlugin::GeminiPlugin(GeminiPluginOptions options)
-    : TorchFSDPPlugin(engine_options(options)), gemini_(std::move(options)) {}
+    : gemini_(std::move(options)), engine_(engine_options(gemini_)) {
+  engine_.process_group(dp_group_);
+}
+
+std::shared_ptr<checkpoint_io::CheckpointIO> GeminiPlugin::get_checkpoint_io() {
+  return detail::fully_sharded_checkpoint_io(dp_group_, name());
+}
 
 void GeminiPlugin::configure(
     std::shared_ptr<interface::ModelWrapper>& model,
@@ -132,10 +139,11 @@ void GeminiPlugin::configure(
     chunk_size = std::max<int64_t>(found.chunk_size, 1);
     keep_gathered = found.keep_gathered;
   }
-  options_.chunk_size(chunk_size);
+  auto engine = engine_; // this model's chunks
+  engine.chunk_size(chunk_size);
   // A model below min_chunk_size is one chunk kept gathered on every rank,
   // its gradients all-reduced (ColossalAI's keep_gathered).
-  options_.sharding_strategy(
+  engine.sharding_strategy(
       keep_gathered ? zero::ShardingStrategy::kNoShard
                     : zero::ShardingStrategy::kFullShard);
   zero::ShardedOptimizerOptions oo;
@@ -143,7 +151,7 @@ void GeminiPlugin::configure(
   if (gemini_.precision() == "fp16") {
     oo.loss_scaler(detail::loss_scaler_options(gemini_));
   }
-  shard(model, optimizer, oo);
+  detail::shard_fully(model, optimizer, engine, oo);
 }
 
 } // namespace plugin

@@ -1,6 +1,7 @@
 #pragma once
 
-#include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+#include <colossalai/booster/plugin/dp_plugin_base.h>
+#include <colossalai/zero/fully_sharded.h>
 
 #include <string>
 
@@ -112,22 +113,38 @@ struct GeminiPluginOptions {
 ///           .placement_policy("auto")
 ///           .device_memory_capacity(int64_t(8) << 30));
 /// \endcode
-class GeminiPlugin : public TorchFSDPPlugin {
+class GeminiPlugin : public DPPluginBase {
  public:
   explicit GeminiPlugin(GeminiPluginOptions options = {});
 
   std::string name() const override {
     return "GeminiPlugin";
   }
+  std::vector<std::string> supported_devices() const override {
+    return {"cpu", "cuda"};
+  }
   std::vector<std::string> supported_precisions() const override {
     return {"fp16", "bf16", "fp32"};
+  }
+  bool control_precision() const override {
+    return true;
   }
   std::string precision() const override {
     return gemini_.precision();
   }
+  bool control_device() const override {
+    return true;
+  }
   bool support_no_sync() const override {
     return false;
   }
+  bool shards_lazy_models() const override {
+    return true;
+  }
+  bool control_checkpoint_io() const override {
+    return true;
+  }
+  std::shared_ptr<checkpoint_io::CheckpointIO> get_checkpoint_io() override;
   void configure(
       std::shared_ptr<interface::ModelWrapper>& model,
       std::shared_ptr<interface::OptimizerWrapper>& optimizer) override;
@@ -137,6 +154,8 @@ class GeminiPlugin : public TorchFSDPPlugin {
 
  private:
   GeminiPluginOptions gemini_;
+  // What Gemini asks of FSDP's engine: chunks as units, their placement.
+  zero::FullyShardedOptions engine_;
 };
 
 } // namespace plugin

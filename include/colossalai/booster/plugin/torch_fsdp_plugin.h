@@ -81,13 +81,7 @@ class TorchFSDPPlugin : public DPPluginBase {
     return options_;
   }
 
- protected:
-  /// Wraps `model` (and `optimizer`) with these options.
-  void shard(
-      std::shared_ptr<interface::ModelWrapper>& model,
-      std::shared_ptr<interface::OptimizerWrapper>& optimizer,
-      const zero::ShardedOptimizerOptions& optimizer_options);
-
+ private:
   TorchFSDPPluginOptions options_;
 };
 
