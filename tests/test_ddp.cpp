@@ -13,7 +13,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 
-#include "../src/distributed/grad_bucketer.h"
+#include <src/distributed/grad_bucketer.h>
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>

@@ -7,9 +7,9 @@
 #include <src/zero/gemini/chunk_plan.h>
 
 #include <colossalai/booster/booster.h>
-#include <colossalai/initialize.h>
 #include <colossalai/booster/plugin/gemini_plugin.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
+#include <colossalai/initialize.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/zero/fully_sharded.h>
 

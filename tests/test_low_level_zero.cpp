@@ -6,10 +6,10 @@
 // averaged), and Adam's update is otherwise identical arithmetic on slices.
 
 #include <colossalai/booster/booster.h>
-#include <colossalai/initialize.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/initialize.h>
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>

@@ -9,13 +9,13 @@
 // tolerance (checked by breaking the division).
 
 #include <colossalai/booster/booster.h>
-#include <colossalai/initialize.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/initialize.h>
 #include <colossalai/utils/compat.h>
 
 #include <harness/multiprocess.h>
