@@ -10,13 +10,13 @@
 #   3. the whole suite with CUDA tensors (COLOSSALAI_DEVICE=cuda: every
 #      rank on a GPU, Gloo over CUDA tensors between ranks);
 #   4. the Fashion-MNIST main job on the GPU (NCCL, one rank);
-#   5. bench/gpu: GPT-2-medium bf16 tokens/s and MFU per plugin against
-#      PyTorch eager DDP and FSDP2 from the same wheel.
+#   5. bench/gpu: GPT-2-medium bf16 step time, tokens/s and MFU against
+#      the same step in PyTorch eager from the same wheel.
 # Logs and a summary go to bench/results/<date>-gpu/ (--out-dir DIR).
 #
 # --python PY builds instead against the torch already installed for PY (a
 # machine with no network: no set-up, no pip) into build-gpu/; headers the
-# build needs (GTest, CLI11, nlohmann-json, zlib) are then looked up in
+# build needs (Gloo, GTest, CLI11, nlohmann-json, zlib) are looked up in
 # CMAKE_PREFIX_PATH as usual. --stage-timeout S stops any one part after S
 # seconds (the summary says so) so that a time-boxed run still reports;
 # --jobs N runs N suites at once; --exclude RE leaves out ctest's matches.
@@ -42,7 +42,7 @@ while [ $# -gt 0 ]; do
     --stage-timeout) stage_timeout="$2"; shift ;;
     --jobs) jobs="$2"; shift ;;
     --exclude) exclude=(-E "$2"); shift ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "tests/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
