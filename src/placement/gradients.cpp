@@ -51,8 +51,13 @@ void sum_partial_grads(
     std::vector<at::Tensor> mine;
     for (size_t i = 0; i < params.size(); ++i) {
       const auto* p = table.find(params[i]);
-      if (p != nullptr && p->on(axis.first).is_partial() &&
-          grads[i].defined() && grads[i].numel() > 0) {
+      if (p == nullptr || !p->on(axis.first).is_partial()) {
+        continue;
+      }
+      // Every rank of the axis sums the same list: a missing one is a bug.
+      TORCH_INTERNAL_ASSERT(
+          grads[i].defined(), "partial gradient of '", p->name, "' missing");
+      if (grads[i].numel() > 0) {
         mine.push_back(grads[i]);
       }
     }

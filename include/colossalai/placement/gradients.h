@@ -20,7 +20,8 @@ void sum_flat(
 /// Sums over each axis the gradients that are Partial over it, in one
 /// all-reduce of their concatenation per axis. `grads[i]` is (the part this
 /// rank steps of) `params[i]`'s gradient, laid out alike on every rank of
-/// the axis; undefined or empty ones are skipped. Collective over every
+/// the axis (a partial one must be defined; empty ones are skipped).
+/// Collective over every
 /// axis holding a partial gradient.
 void sum_partial_grads(
     const PlacementTable& table,

@@ -7,6 +7,19 @@ namespace booster {
 namespace plugin {
 namespace detail {
 
+namespace {
+
+std::vector<at::Tensor> grads_of(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> grads;
+  grads.reserve(params.size());
+  for (const auto& p : params) {
+    grads.push_back(p.grad());
+  }
+  return grads;
+}
+
+} // namespace
+
 HybridParallelNaiveOptimizer::HybridParallelNaiveOptimizer(
     std::shared_ptr<torch::optim::Optimizer> optim,
     std::shared_ptr<const placement::PlacementTable> table,
@@ -38,11 +51,7 @@ double HybridParallelNaiveOptimizer::clip_grad_by_norm(
   TORCH_CHECK(norm_type > 0, "clip_grad_by_norm: norm_type must be positive");
   sum_partial_grads();
   const auto params = parameters();
-  std::vector<at::Tensor> grads;
-  grads.reserve(params.size());
-  for (const auto& p : params) {
-    grads.push_back(p.grad());
-  }
+  const auto grads = grads_of(params);
   const double norm =
       placement::global_grad_norm(*table_, params, grads, norm_type);
   // Same rule and epsilon as torch.nn.utils.clip_grad_norm_.
@@ -59,23 +68,7 @@ void HybridParallelNaiveOptimizer::sum_partial_grads() {
   }
   summed_ = true; // once per step, whoever asks first
   const auto params = parameters();
-  std::vector<at::Tensor> grads;
-  grads.reserve(params.size());
-  for (const auto& p : params) {
-    const auto* where = table_->find(p);
-    bool partial = false;
-    if (where != nullptr) {
-      for (const auto& axis : where->axes) {
-        partial = partial || axis.second.is_partial();
-      }
-    }
-    TORCH_INTERNAL_ASSERT(
-        !partial || p.grad().defined(),
-        "partial gradient of '",
-        where == nullptr ? std::string() : where->name,
-        "' missing");
-    grads.push_back(p.grad());
-  }
+  const auto grads = grads_of(params);
   placement::sum_partial_grads(*table_, params, grads);
 }
 
