@@ -377,7 +377,8 @@ TEST(CheckpointIO, DDPRankZeroWritesEveryRankLoadsAndResumes) {
         auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * s + rank);
         auto x = at::randn({8, 16}, gen), y = at::randn({8, 4}, gen);
         b.optimizer->zero_grad();
-        booster.backward(torch::mse_loss(b.model(x), y), *b.optimizer);
+        booster.backward(
+            colossalai::testing::mse_loss(b.model(x), y), *b.optimizer);
         b.optimizer->step();
       };
       if (!resume) {

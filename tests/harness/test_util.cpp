@@ -1,6 +1,9 @@
 #include "test_util.h"
 
 #include <colossalai/distributed/error.h>
+#include <colossalai/initialize.h>
+
+#include <ATen/Context.h>
 
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -97,6 +100,14 @@ bool anonymous_shared_memory() {
   }
   ::close(fd);
   return true;
+}
+
+void deterministic_on_gpu() {
+  if (colossalai::current_device().is_cpu()) {
+    return;
+  }
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
 }
 
 } // namespace testing

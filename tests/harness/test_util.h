@@ -72,5 +72,41 @@ inline at::Tensor mse_loss(const at::Tensor& out, const at::Tensor& target) {
   return at::mse_loss(out, target.to(out.device()));
 }
 
+/// Whether weights that AdamW (learning rate `lr`, ColossalAI's betas)
+/// stepped `steps` times are the same in two runs that step some chunk's
+/// AdamW on different tiers (a placement that offloads the optimizer), given
+/// `bitwise`: whether the caller expects bit-identical weights (both runs on
+/// the CPU, or on one tier). On the CPU the tiers are bit-identical. On a
+/// GPU they are not: LibTorch's CUDA kernels divide by a scalar as a
+/// multiplication by its reciprocal (tests/gpu/adamw_host_vs_device.py
+/// measures it), so AdamW's denominator differs in the last bits, and an
+/// element whose gradient is rounding noise (a key bias: its exact gradient
+/// is zero) may then take the opposite update in the next step. Each update
+/// is at most lr (1 - b1) / sqrt(1 - b2) = 3.2 lr, so two runs differ by at
+/// most twice that a step. `max_diff` reports the largest difference.
+inline bool same_across_tiers(
+    const at::Tensor& got,
+    const at::Tensor& want,
+    int steps,
+    double lr,
+    bool bitwise,
+    double* max_diff = nullptr) {
+  const auto a = host(got), b = host(want);
+  if (max_diff != nullptr) {
+    *max_diff = (a - b).abs().max().item<double>();
+  }
+  if (bitwise) {
+    return at::equal(a, b);
+  }
+  return at::allclose(a, b, 0.0, 2 * steps * 3.2 * lr);
+}
+
+/// Makes a GPU run repeat bit for bit, for tests that compare runs bitwise:
+/// LibTorch's deterministic algorithms (strict: its memory-efficient
+/// attention backward otherwise splits keys and adds with atomics) and the
+/// cuBLAS workspace setting they need, set before this process's first
+/// matrix product. Does nothing on the CPU.
+void deterministic_on_gpu();
+
 } // namespace testing
 } // namespace colossalai
