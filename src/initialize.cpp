@@ -11,11 +11,17 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
+#include <netdb.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <atomic>
 #include <future>
 #include <iostream>
+#include <memory>
 #include <thread>
 
 namespace colossalai {
@@ -33,6 +39,48 @@ namespace {
 
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+// Waits (until `deadline`) for something to listen at host:port, probing
+// every 10 ms. c10d's TCPStore client sleeps a whole second after each
+// refused connection, and workers usually start before rank 0 listens: that
+// second was most of a short job's start. The probe connects and closes at
+// once, as any client leaving does. Returns early on any other failure: the
+// store's client then reports it.
+void wait_for_listener(
+    const std::string& host,
+    int port,
+    std::chrono::steady_clock::time_point deadline) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(
+          host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
+    return;
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> owner(
+      found, &::freeaddrinfo);
+  for (;;) {
+    for (auto* a = found; a != nullptr; a = a->ai_next) {
+      const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, 0);
+      if (fd < 0) {
+        return;
+      }
+      const int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
+      const int err = errno;
+      ::close(fd);
+      if (rc == 0) {
+        return;
+      }
+      if (err != ECONNREFUSED) {
+        return; // unreachable, or slow to answer: not ours to judge
+      }
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 } // namespace
@@ -161,6 +209,12 @@ void launch(const LaunchOptions& o) {
       }
       c10::intrusive_ptr<::c10d::TCPStore> store;
       try {
+        if (o.rank() != 0) {
+          wait_for_listener(
+              o.host(),
+              o.port(),
+              std::chrono::steady_clock::now() + o.timeout());
+        }
         store = compat::make_tcp_store(
             o.host(),
             static_cast<std::uint16_t>(o.port()),

@@ -362,7 +362,8 @@ TEST(CheckpointIO, AsyncSaveSnapshotsAndReportsErrorsLater) {
 TEST(CheckpointIO, DDPRankZeroWritesEveryRankLoadsAndResumes) {
   colossalai::testing::run_distributed(2, [](int rank, int world) {
     auto dir = fs::temp_directory_path() /
-        ("colossalai_ddp_ckpt_" + std::to_string(::getppid()));
+        ("colossalai_ddp_ckpt_" +
+         std::to_string(colossalai::testing::test_process()));
     const int n = 3, m = 2;
     auto run = [&](bool resume, bool shard) {
       const auto model_path =

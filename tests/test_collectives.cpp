@@ -293,8 +293,8 @@ TEST(Collectives, SharedMemoryPeerThatDiesOrNeverComes) {
       [](int rank, int) {
         auto group = cd::world_group();
         auto t = at::ones({1000});
-        const std::string gave_up =
-            "/tmp/colossalai-test-late." + std::to_string(::getppid());
+        const std::string gave_up = "/tmp/colossalai-test-late." +
+            std::to_string(colossalai::testing::test_process());
         if (rank == 1) {
           const auto deadline =
               std::chrono::steady_clock::now() + std::chrono::seconds(60);

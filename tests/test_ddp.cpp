@@ -21,6 +21,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
+
 #include <unistd.h>
 
 namespace cb = colossalai::booster;
@@ -135,8 +137,9 @@ void train_ddp_matches(
 } // namespace
 
 // The one bucket planner (DDP in bytes with a small first bucket per dtype
-// and device; ZeRO in elements over every parameter alike).
-TEST(TorchDDP, OneBucketPlannerForDdpAndZero) {
+// and device; ZeRO in elements over every parameter alike; FSDP and Gemini
+// by unit).
+TEST(TorchDDP, OneBucketPlanner) {
   const std::vector<at::Tensor> params{
       at::zeros({4}), // 16 bytes
       at::zeros({8}, at::kBFloat16), // 16 bytes
@@ -164,6 +167,14 @@ TEST(TorchDDP, OneBucketPlannerForDdpAndZero) {
   EXPECT_EQ(
       colossalai::distributed::plan_buckets(params, zero),
       (Plan{{4, 3}, {2}, {1, 0}}));
+  // FSDP / Gemini: one bucket per unit, whatever the sizes and dtypes.
+  colossalai::distributed::BucketPlanOptions units;
+  units.cap = std::numeric_limits<int64_t>::max();
+  units.by_dtype_and_device = false;
+  units.groups = {0, 0, 1, 1, 1};
+  EXPECT_EQ(
+      colossalai::distributed::plan_buckets(params, units),
+      (Plan{{4, 3, 2}, {1, 0}}));
 }
 
 TEST(TorchDDP, MatchesSingleProcessTwoRanks) {

@@ -449,7 +449,8 @@ TEST(DistributedFaults, KilledPeerDuringPointToPointRaisesDistributedError) {
           s.world,
           [&](int rank, int) {
             const std::string stamp = "/tmp/colossalai-test-kill." +
-                std::to_string(::getppid()) + "." + std::to_string(rep);
+                std::to_string(colossalai::testing::test_process()) + "." +
+                std::to_string(rep);
             auto plugin =
                 std::make_shared<cb::plugin::HybridParallelPlugin>(s.options);
             cb::Booster booster(cb::BoosterOptions().plugin(plugin));
@@ -546,7 +547,8 @@ TEST(DistributedFaults, KilledPeerDuringPointToPointRaisesDistributedError) {
         }
       }
       std::filesystem::remove(
-          "/tmp/colossalai-test-kill." + std::to_string(::getpid()) + "." +
+          "/tmp/colossalai-test-kill." +
+          std::to_string(colossalai::testing::test_process()) + "." +
           std::to_string(rep));
     }
   }

@@ -215,7 +215,7 @@ TEST(GeminiPlugin, CheckpointLoadsInOneProcessWithoutAPlugin) {
         .string();
   };
   run_distributed(2, [&](int rank, int) {
-    const auto dir = scratch(::getppid());
+    const auto dir = scratch(colossalai::testing::test_process());
     auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(chunked(4000));
     cb::Booster booster(cb::BoosterOptions().plugin(plugin));
     torch::manual_seed(0);
@@ -245,7 +245,7 @@ TEST(GeminiPlugin, CheckpointLoadsInOneProcessWithoutAPlugin) {
   if (::testing::Test::HasFailure() || std::getenv("COLOSSALAI_TEST_CHILD")) {
     return;
   }
-  const auto dir = scratch(::getpid());
+  const auto dir = scratch(colossalai::testing::test_process());
   zoo::GPT plain(tiny());
   cb::Booster booster;
   auto boosted = booster.boost(plain);
@@ -675,7 +675,7 @@ TEST(GeminiPlugin, OneProcessCheckpointLoadsUnderEveryPlacement) {
         m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   };
   if (std::getenv("COLOSSALAI_TEST_CHILD") == nullptr) {
-    const auto dir = scratch(::getpid());
+    const auto dir = scratch(colossalai::testing::test_process());
     torch::manual_seed(0);
     zoo::GPT model(cfg);
     cb::Booster booster;
@@ -695,7 +695,7 @@ TEST(GeminiPlugin, OneProcessCheckpointLoadsUnderEveryPlacement) {
         ck::SaveOptimizerOptions().shard(true).size_per_shard(1));
   }
   run_distributed(2, [&](int rank, int) {
-    const auto dir = scratch(::getppid());
+    const auto dir = scratch(colossalai::testing::test_process());
     auto x = batch.first.narrow(0, 2 * rank, 2);
     auto y = batch.second.narrow(0, 2 * rank, 2);
     // The reference: the checkpoint in one process, then one step on the
@@ -760,7 +760,7 @@ TEST(GeminiPlugin, OneProcessCheckpointLoadsUnderEveryPlacement) {
     }
   });
   if (std::getenv("COLOSSALAI_TEST_CHILD") == nullptr) {
-    std::filesystem::remove_all(scratch(::getpid()));
+    std::filesystem::remove_all(scratch(colossalai::testing::test_process()));
   }
 }
 

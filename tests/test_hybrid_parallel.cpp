@@ -291,7 +291,7 @@ using colossalai::testing::scratch;
 // same weights.
 TEST(HybridParallel, CheckpointFromTp2LoadsAtTp1Tp4AndUnderDdp) {
   run_distributed(4, [](int rank, int) {
-    const auto dir = scratch(::getppid(), "ckpt");
+    const auto dir = scratch(colossalai::testing::test_process(), "ckpt");
     std::map<std::string, at::Tensor> saved;
     {
       auto plugin = std::make_shared<HybridParallelPlugin>(
@@ -376,7 +376,7 @@ TEST(HybridParallel, CheckpointFromTp2LoadsAtTp1Tp4AndUnderDdp) {
 // way, the column-parallel ones (strided) and the small ones copied.
 TEST(HybridParallel, WideCheckpointLoadsIntoTensorParallelShards) {
   run_distributed(2, [](int, int) {
-    const auto dir = scratch(::getppid(), "wide");
+    const auto dir = scratch(colossalai::testing::test_process(), "wide");
     const auto config = zoo::GPT2Config::tiny_test().n_embd(128).n_head(4);
     // A fresh tp 2 model drawn from `seed` and boosted, handed to `body`.
     auto with_tp2 = [&](int seed, auto&& body) {
@@ -410,7 +410,7 @@ TEST(HybridParallel, WideCheckpointLoadsIntoTensorParallelShards) {
 
 TEST(HybridParallel, OptimizerStatesResumeAtAnotherTpSize) {
   run_distributed(4, [](int, int) {
-    const auto dir = scratch(::getppid(), "optim");
+    const auto dir = scratch(colossalai::testing::test_process(), "optim");
     auto run = [&](int tp, int stage, bool save, bool load) {
       auto plugin = std::make_shared<HybridParallelPlugin>(
           HPO().precision("fp32").tp_size(tp).zero_stage(stage));

@@ -394,7 +394,8 @@ std::pair<at::Tensor, at::Tensor> batch12(int step, int rank, int world) {
 }
 
 std::string ckpt_dir() {
-  return "/tmp/colossalai_zero_ckpt_" + std::to_string(::getppid());
+  return "/tmp/colossalai_zero_ckpt_" +
+      std::to_string(colossalai::testing::test_process());
 }
 
 template <class Plugin>

@@ -434,7 +434,7 @@ TEST(Pipeline, StagesHoldOnlyTheirLayersAndCacheMetadata) {
 TEST(Pipeline, CheckpointFromPp2Tp2LoadsAtPp4Pp1AndInAPlainModel) {
   run_distributed(4, [](int rank, int) {
     namespace cio = colossalai::checkpoint_io;
-    const auto dir = scratch(::getppid(), "pp_ckpt");
+    const auto dir = scratch(colossalai::testing::test_process(), "pp_ckpt");
     auto gpt2 = [](int seed) {
       torch::manual_seed(seed);
       return zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test().n_layer(8));
@@ -530,7 +530,7 @@ TEST(Pipeline, TrainingResumesFromCheckpointsAtOtherLayouts) {
   run_distributed(4, [](int, int) {
     namespace cio = colossalai::checkpoint_io;
     namespace fs = std::filesystem;
-    const auto dir = scratch(::getppid(), "pp_resume");
+    const auto dir = scratch(colossalai::testing::test_process(), "pp_resume");
     auto gpt2 = [](int seed) {
       torch::manual_seed(seed);
       return zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test().n_layer(8));

@@ -518,7 +518,8 @@ namespace {
 
 std::string scratch(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() /
-      ("colossalai_fsdp_" + std::to_string(getppid()) + "_" + name);
+      ("colossalai_fsdp_" +
+       std::to_string(colossalai::testing::test_process()) + "_" + name);
   return dir.string();
 }
 

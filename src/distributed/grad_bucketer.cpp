@@ -14,21 +14,27 @@ std::vector<std::vector<size_t>> plan_buckets(
     const std::vector<at::Tensor>& params,
     const BucketPlanOptions& options) {
   TORCH_CHECK(options.cap >= 0, "plan_buckets: cap must be >= 0");
+  TORCH_INTERNAL_ASSERT(
+      options.groups.empty() || options.groups.size() == params.size(),
+      "plan_buckets: one group per parameter");
   struct Open {
     size_t bucket;
     int64_t filled = 0;
   };
-  using Kind = std::tuple<int, int, int>; // dtype, device type, index
+  // dtype, device type, device index, group
+  using Kind = std::tuple<int, int, int, int64_t>;
   std::map<Kind, Open> open;
   std::map<Kind, int> closed;
   std::vector<std::vector<size_t>> buckets;
   for (size_t k = params.size(); k-- > 0;) {
     const auto& p = params[k];
+    const int64_t group = options.groups.empty() ? 0 : options.groups[k];
     const Kind kind = options.by_dtype_and_device
         ? Kind{static_cast<int>(p.scalar_type()),
                static_cast<int>(p.device().type()),
-               p.device().index()}
-        : Kind{0, 0, 0};
+               p.device().index(),
+               group}
+        : Kind{0, 0, 0, group};
     const int64_t size =
         options.bytes ? p.numel() * p.element_size() : p.numel();
     const int64_t cap = closed[kind] == 0 && options.first_cap >= 0

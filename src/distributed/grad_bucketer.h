@@ -48,12 +48,17 @@ struct BucketPlanOptions {
   /// Buckets hold one dtype and device each (each kind has its own first
   /// bucket).
   bool by_dtype_and_device = true;
+  /// Optional, one per parameter: parameters of different groups never
+  /// share a bucket. FSDP and Gemini pass each parameter's unit (chunk)
+  /// with an unbounded cap: a unit is reduce-scattered as one flat buffer,
+  /// so it is one bucket.
+  std::vector<int64_t> groups;
 };
 
-/// The one bucket planner of the data-parallel strategies (DDP, ZeRO;
-/// FSDP's and Gemini's units are their buckets): parameter indices in
-/// reverse registration order, which approximates the order backward
-/// produces their gradients, so the first bucket fills first.
+/// The one bucket planner of the data-parallel strategies (DDP, ZeRO, FSDP,
+/// Gemini): parameter indices in reverse registration order, which
+/// approximates the order backward produces their gradients, so the first
+/// bucket fills first.
 std::vector<std::vector<size_t>> plan_buckets(
     const std::vector<at::Tensor>& params,
     const BucketPlanOptions& options);

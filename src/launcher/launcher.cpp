@@ -1,6 +1,10 @@
+// run(): the local ranks under one supervisor (signals, output, failures),
+// and the helpers to start a program under itself.
+
 #include <colossalai/launcher.h>
 
-#include <CLI/CLI.hpp>
+#include "launcher_internal.h"
+
 #include <colossalai/utils/env.h>
 
 #include <c10/util/Exception.h>
@@ -27,10 +31,21 @@
 #include <string>
 #include <vector>
 
-extern char** environ;
-
 namespace colossalai {
 namespace launcher {
+
+using detail::close_rank_fds;
+using detail::kForwarded;
+using detail::kHandled;
+using detail::kNumHandled;
+using detail::LineState;
+using detail::Rank;
+using detail::set_cloexec;
+using detail::signal_group;
+using detail::spawn;
+using detail::Stream;
+using detail::validate;
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -38,35 +53,6 @@ using Clock = std::chrono::steady_clock;
 // Once every rank has exited, output still held open by their leftover
 // descendants is read for this long at most, so such a daemon cannot hang us.
 constexpr auto kDrainTimeout = std::chrono::seconds(1);
-
-void validate(const RunOptions& o) {
-  TORCH_CHECK(
-      o.nproc_per_node >= 1,
-      "--nproc_per_node must be >= 1, got ",
-      o.nproc_per_node);
-  TORCH_CHECK(o.nnodes >= 1, "--nnodes must be >= 1, got ", o.nnodes);
-  TORCH_CHECK(
-      o.node_rank >= 0 && o.node_rank < o.nnodes,
-      "--node_rank must be in [0, --nnodes=",
-      o.nnodes,
-      "), got ",
-      o.node_rank);
-  TORCH_CHECK(
-      o.master_port >= 1 && o.master_port <= 65535,
-      "--master_port must be in [1, 65535], got ",
-      o.master_port);
-  TORCH_CHECK(!o.master_addr.empty(), "--master_addr must not be empty");
-  TORCH_CHECK(
-      o.kill_grace_seconds >= 0,
-      "--kill_grace_seconds must be >= 0, got ",
-      o.kill_grace_seconds);
-  TORCH_CHECK(
-      static_cast<long long>(o.nnodes) * o.nproc_per_node <= INT_MAX,
-      "--nnodes * --nproc_per_node is too large");
-  TORCH_CHECK(
-      !o.program.empty() && !o.program[0].empty(),
-      "no program given (usage: colossalai run [options] PROGRAM [ARGS...])");
-}
 
 // Writes everything, waiting out EINTR and a full non-blocking descriptor.
 // Returns false when the descriptor is gone (e.g. EPIPE).
@@ -94,10 +80,6 @@ void say(const std::string& msg) {
   write_all(STDERR_FILENO, line.data(), line.size());
 }
 
-void set_cloexec(int fd) {
-  ::fcntl(fd, F_SETFD, ::fcntl(fd, F_GETFD) | FD_CLOEXEC);
-}
-
 // The signal handler only wakes the poll loop through this pipe; forwarding
 // happens there, outside signal context.
 std::atomic<int> g_wake_fd{-1};
@@ -111,13 +93,6 @@ void on_signal(int sig) {
   }
   errno = saved;
 }
-
-// SIGCHLD wakes the loop; SIGPIPE is ignored so a closed stdout does not kill
-// us and orphan the ranks. A forwarded signal that is ignored on entry (as
-// under nohup) stays ignored, here and in the ranks.
-constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP};
-constexpr int kHandled[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE};
-constexpr int kNumHandled = sizeof(kHandled) / sizeof(kHandled[0]);
 
 // Installs our handlers and the wake pipe for the duration of run().
 class SignalScope {
@@ -164,22 +139,6 @@ class SignalScope {
   struct sigaction old_[kNumHandled];
 };
 
-enum class LineState { kStart, kAfterCR, kMiddle };
-
-struct Stream {
-  int fd = -1;
-  int dest = STDOUT_FILENO;
-  LineState state = LineState::kStart;
-};
-
-struct Rank {
-  int rank = 0;
-  pid_t pid = -1;
-  bool running = false;
-  Stream out, err;
-  int log_fd = -1;
-};
-
 // Inserts `prefix` before the first character of every line. '\r' ends a line
 // too, so progress bars keep their prefix; "\r\n" counts as one line end.
 std::string add_prefixes(
@@ -210,136 +169,6 @@ std::string add_prefixes(
     }
   }
   return out;
-}
-
-std::vector<std::string> child_env(const RunOptions& o, int local_rank) {
-  std::vector<std::pair<std::string, std::string>> vars = {
-      {"RANK", std::to_string(o.node_rank * o.nproc_per_node + local_rank)},
-      {"WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
-      {"LOCAL_RANK", std::to_string(local_rank)},
-      {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
-      {"GROUP_RANK", std::to_string(o.node_rank)},
-      {"MASTER_ADDR", o.master_addr},
-      {"MASTER_PORT", std::to_string(o.master_port)},
-  };
-  // Like torchrun: N ranks each using every core would oversubscribe.
-  if (!utils::env_str("OMP_NUM_THREADS")) {
-    vars.emplace_back("OMP_NUM_THREADS", "1");
-  }
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string entry(*e);
-    std::string name = entry.substr(0, entry.find('='));
-    bool replaced = std::any_of(vars.begin(), vars.end(), [&](const auto& v) {
-      return v.first == name;
-    });
-    if (!replaced) {
-      env.push_back(std::move(entry));
-    }
-  }
-  for (const auto& v : vars) {
-    env.push_back(v.first + "=" + v.second);
-  }
-  return env;
-}
-
-std::vector<char*> c_strings(std::vector<std::string>& strings) {
-  std::vector<char*> out;
-  for (auto& s : strings) {
-    out.push_back(&s[0]);
-  }
-  out.push_back(nullptr);
-  return out;
-}
-
-// Forks one rank into its own process group with stdout/stderr on fresh
-// pipes. Everything the child needs is prepared before fork(): after it, only
-// async-signal-safe calls are allowed in a multithreaded process.
-void spawn(const RunOptions& o, int local_rank, Rank& r) {
-  std::vector<std::string> env = child_env(o, local_rank);
-  std::vector<std::string> args = o.program;
-  std::vector<char*> envp = c_strings(env);
-  std::vector<char*> argv = c_strings(args);
-  std::string exec_error = "colossalai run: cannot execute " + o.program[0];
-
-  int out[2], err[2];
-  TORCH_CHECK(::pipe(out) == 0, "cannot create a pipe: ", std::strerror(errno));
-  if (::pipe(err) != 0) {
-    int e = errno;
-    ::close(out[0]);
-    ::close(out[1]);
-    TORCH_CHECK(false, "cannot create a pipe: ", std::strerror(e));
-  }
-  for (int fd : {out[0], out[1], err[0], err[1]}) {
-    set_cloexec(fd);
-  }
-  int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-
-  // Blocked across fork() so the child cannot run our handler (which would
-  // write into our wake pipe) before it restores the defaults.
-  sigset_t all, old;
-  sigfillset(&all);
-  ::pthread_sigmask(SIG_BLOCK, &all, &old);
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    for (int sig : kHandled) {
-      struct sigaction cur;
-      ::sigaction(sig, nullptr, &cur);
-      if (sig == SIGPIPE || cur.sa_handler != SIG_IGN) {
-        ::signal(sig, SIG_DFL);
-      }
-    }
-    ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
-    ::setpgid(0, 0);
-    if (null_fd >= 0) {
-      ::dup2(null_fd, STDIN_FILENO);
-    }
-    ::dup2(out[1], STDOUT_FILENO);
-    ::dup2(err[1], STDERR_FILENO);
-    environ = envp.data();
-    ::execvp(argv[0], argv.data());
-    const char* why = std::strerror(errno);
-    (void)!::write(STDERR_FILENO, exec_error.data(), exec_error.size());
-    (void)!::write(STDERR_FILENO, ": ", 2);
-    (void)!::write(STDERR_FILENO, why, std::strlen(why));
-    (void)!::write(STDERR_FILENO, "\n", 1);
-    ::_exit(127);
-  }
-  int fork_errno = errno;
-  ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
-  ::close(out[1]);
-  ::close(err[1]);
-  if (null_fd >= 0) {
-    ::close(null_fd);
-  }
-  if (pid < 0) {
-    ::close(out[0]);
-    ::close(err[0]);
-    TORCH_CHECK(false, "fork failed: ", std::strerror(fork_errno));
-  }
-  // Also set here, so a signal sent right away reaches the group.
-  ::setpgid(pid, pid);
-  r.pid = pid;
-  r.running = true;
-  r.out.fd = out[0];
-  r.out.dest = STDOUT_FILENO;
-  r.err.fd = err[0];
-  r.err.dest = STDERR_FILENO;
-}
-
-void signal_group(const Rank& r, int sig) {
-  if (r.pid > 0) {
-    ::kill(-r.pid, sig);
-  }
-}
-
-void close_rank_fds(Rank& r) {
-  for (int* fd : {&r.out.fd, &r.err.fd, &r.log_fd}) {
-    if (*fd >= 0) {
-      ::close(*fd);
-      *fd = -1;
-    }
-  }
 }
 
 std::string signal_name(int sig) {
@@ -537,102 +366,6 @@ class Supervisor {
 std::atomic<bool> g_in_run{false};
 
 } // namespace
-
-namespace {
-
-// The options of `colossalai run`, bound to `o`. torchrun's grammar:
-// launcher options, then PROGRAM and its own arguments, untouched
-// (prefix_command stops at the first argument that is not ours).
-std::unique_ptr<CLI::App> run_app(RunOptions& o) {
-  auto app = std::make_unique<CLI::App>(
-      "Starts N local ranks of PROGRAM with torchrun's environment (RANK,\n"
-      "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
-      "MASTER_PORT). When a rank fails, the others are stopped and its exit\n"
-      "code is returned (128 + signal when it was killed by a signal).",
-      "colossalai run");
-  app->footer(
-      "PROGRAM and its ARGS follow the options (after '--' when PROGRAM\n"
-      "starts with '-'); options also take the form --opt=value.");
-  app->set_help_flag("-h,--help", "show this help");
-  // "--nproc-per-node" is accepted for "--nproc_per_node", as in torchrun.
-  app->add_option(
-         "--nproc_per_node,--nproc-per-node",
-         o.nproc_per_node,
-         "ranks on this node")
-      ->required();
-  app->add_option("--nnodes", o.nnodes, "number of nodes")
-      ->capture_default_str();
-  app->add_option(
-         "--node_rank,--node-rank", o.node_rank, "this node's index in [0, M)")
-      ->capture_default_str();
-  app->add_option("--master_addr,--master-addr", o.master_addr, "rank 0's host")
-      ->capture_default_str();
-  app->add_option("--master_port,--master-port", o.master_port, "rank 0's port")
-      ->capture_default_str();
-  app->add_option(
-      "--log_dir,--log-dir",
-      o.log_dir,
-      "also write rank r's output to DIR/rank_<r>.log");
-  app->add_flag_function(
-         "--no_prefix,--no-prefix",
-         [&o](int64_t) { o.prefix_output = false; },
-         "do not prefix output lines with \"[rank r] \"")
-      ->disable_flag_override();
-  app->add_option(
-         "--kill_grace_seconds,--kill-grace-seconds",
-         o.kill_grace_seconds,
-         "after a failure, seconds between SIGTERM and SIGKILL")
-      ->capture_default_str();
-  app->prefix_command();
-  return app;
-}
-
-} // namespace
-
-std::string run_usage() {
-  RunOptions o;
-  return run_app(o)->help();
-}
-
-RunOptions parse_run_args(const std::vector<std::string>& args) {
-  RunOptions o;
-  for (const auto& a : args) {
-    if (a == "--") {
-      break;
-    }
-    // CLI11 would take the next argument as the value of "--opt=".
-    TORCH_CHECK(
-        !(a.size() > 3 && a.compare(0, 2, "--") == 0 && a.back() == '='),
-        a.substr(0, a.size() - 1),
-        " needs a value (got '",
-        a,
-        "')");
-  }
-  auto app = run_app(o);
-  try {
-    std::vector<std::string> reversed(args.rbegin(), args.rend());
-    app->parse(reversed);
-  } catch (const CLI::CallForHelp&) {
-    o.help = true;
-    return o;
-  } catch (const CLI::ParseError& e) {
-    TORCH_CHECK(false, e.what());
-  }
-  auto rest = app->remaining();
-  if (!rest.empty() && rest.front() == "--") {
-    rest.erase(rest.begin()); // what follows is the program, dashes or not
-  } else if (
-      !rest.empty() && rest.front().size() > 1 && rest.front()[0] == '-') {
-    TORCH_CHECK(
-        false,
-        "unknown option '",
-        rest.front().substr(0, rest.front().find('=')),
-        "'");
-  }
-  o.program = std::move(rest);
-  validate(o);
-  return o;
-}
 
 int run(const RunOptions& options) {
   validate(options);

@@ -2,11 +2,13 @@
 
 // Runs a test body on N real processes (GoogleTest, spawn mode).
 //
-// The parent re-executes this test binary N times with a filter selecting the
-// current test; each child joins a process group through colossalai::launch
-// on a free port and runs the body for its rank. The parent collects exit
-// codes and output, kills every rank when one hangs past the deadline, and
-// reports each failing rank with the tail of its output.
+// The parent starts this test binary N times with a filter selecting the
+// current test (forked from a zygote that has LibTorch initialised, NOTE
+// [Rank zygote] in multiprocess.cpp); each child joins a process group
+// through colossalai::launch on a free port and runs the body for its rank.
+// The parent collects exit codes and output, kills every rank when one hangs
+// past the deadline, and reports each failing rank with the tail of its
+// output.
 
 #include <functional>
 #include <map>
@@ -61,6 +63,11 @@ void run_distributed(
 
 /// A free TCP port on the loopback interface.
 int free_port();
+
+/// The test program's process id, the same in its ranks (which are not its
+/// children when they come from the zygote): names the files a test and its
+/// ranks share.
+int test_process();
 
 } // namespace testing
 } // namespace colossalai

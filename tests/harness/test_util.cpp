@@ -1,4 +1,5 @@
 #include "test_util.h"
+#include "multiprocess.h"
 
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
@@ -46,7 +47,7 @@ std::string scratch(int parent, const std::string& what) {
 
 void remove_scratch(const std::string& what) {
   if (std::getenv("COLOSSALAI_TEST_CHILD") == nullptr) {
-    std::filesystem::remove_all(scratch(::getpid(), what));
+    std::filesystem::remove_all(scratch(test_process(), what));
   }
 }
 

@@ -23,8 +23,8 @@ std::string error_of(const std::function<void()>& fn);
 std::string temp_dir(const std::string& prefix);
 
 /// The ranks' shared scratch directory of a multi-process test, named after
-/// `what` and the parent test process (the ranks are its children: pass
-/// getppid() there); `remove_scratch` in the parent removes it.
+/// `what` and the test program (pass test_process() there);
+/// `remove_scratch` in the test program removes it.
 std::string scratch(int parent, const std::string& what);
 void remove_scratch(const std::string& what);
 

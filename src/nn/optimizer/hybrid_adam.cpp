@@ -2,94 +2,17 @@
 
 #include <colossalai/utils/compat.h>
 
-#include "cpu_adam_kernel.h"
-#include "state_offload.h"
+#include "hybrid_adam_internal.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <c10/util/ScopeExit.h>
-#include <torch/optim/serialize.h>
 
-#include <algorithm>
-#include <array>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <future>
 #include <string>
-#include <unordered_map>
 
 namespace colossalai {
 namespace nn {
 namespace optimizer {
-
-// ------------------------------------------------------------- options ---
-
-HybridAdamOptions::HybridAdamOptions(double lr) : lr_(lr) {}
-
-bool operator==(const HybridAdamOptions& lhs, const HybridAdamOptions& rhs) {
-  return lhs.lr() == rhs.lr() &&
-      lhs.bias_correction() == rhs.bias_correction() &&
-      lhs.betas() == rhs.betas() && lhs.eps() == rhs.eps() &&
-      lhs.weight_decay() == rhs.weight_decay() &&
-      lhs.adamw_mode() == rhs.adamw_mode() &&
-      lhs.nvme_offload_fraction() == rhs.nvme_offload_fraction() &&
-      lhs.nvme_offload_dir() == rhs.nvme_offload_dir();
-}
-
-void HybridAdamOptions::serialize(
-    torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(lr);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(bias_correction);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(betas);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(eps);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(weight_decay);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(adamw_mode);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(nvme_offload_fraction);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(nvme_offload_dir);
-}
-
-void HybridAdamOptions::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, lr);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, bias_correction);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(betas_t, betas);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, eps);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, weight_decay);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(bool, adamw_mode);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(double, nvme_offload_fraction);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(std::string, nvme_offload_dir);
-}
-
-double HybridAdamOptions::get_lr() const {
-  return lr();
-}
-
-void HybridAdamOptions::set_lr(const double lr) {
-  this->lr(lr);
-}
-
-bool operator==(
-    const HybridAdamParamState& lhs,
-    const HybridAdamParamState& rhs) {
-  auto same = [](const torch::Tensor& a, const torch::Tensor& b) {
-    return a.defined() == b.defined() && (!a.defined() || torch::equal(a, b));
-  };
-  return lhs.step() == rhs.step() && same(lhs.exp_avg(), rhs.exp_avg()) &&
-      same(lhs.exp_avg_sq(), rhs.exp_avg_sq());
-}
-
-void HybridAdamParamState::serialize(
-    torch::serialize::OutputArchive& archive) const {
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(step);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg);
-  _TORCH_OPTIM_SERIALIZE_TORCH_ARG(exp_avg_sq);
-}
-
-void HybridAdamParamState::serialize(torch::serialize::InputArchive& archive) {
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(int64_t, step);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg);
-  _TORCH_OPTIM_DESERIALIZE_TORCH_ARG(torch::Tensor, exp_avg_sq);
-}
 
 // ------------------------------------------------------------ internals ---
 
@@ -144,287 +67,7 @@ detail::AdamScalars make_scalars(const HybridAdamOptions& o, int64_t step) {
   return s;
 }
 
-// A parameter's offload bookkeeping.
-struct Record {
-  bool offload = false;
-  int64_t numel = 0;
-  std::string exp_avg_path;
-  std::string exp_avg_sq_path;
-  // The files hold the current states.
-  bool on_disk = false;
-};
-
-struct CpuItem {
-  torch::Tensor param;   // contiguous fp32: the parameter or a copy of it
-  torch::Tensor target;  // the parameter, when `param` is a copy
-  torch::Tensor grad;    // contiguous
-  torch::Tensor working; // undefined: none
-  HybridAdamParamState* state = nullptr;
-  Record* record = nullptr;
-  detail::AdamScalars scalars;
-};
-
-// A state tensor as the kernel needs it: contiguous fp32 on the CPU.
-torch::Tensor as_kernel_state(const torch::Tensor& t, int64_t numel) {
-  TORCH_CHECK(
-      t.numel() == numel,
-      "HybridAdam: a state has ",
-      t.numel(),
-      " elements, its parameter ",
-      numel);
-  if (t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous()) {
-    return t;
-  }
-  return t.to(at::kCPU, at::kFloat).contiguous();
-}
-
-void run_cpu_item(const CpuItem& it, float* exp_avg, float* exp_avg_sq) {
-  detail::AdamBuffers b;
-  b.param = it.param.data_ptr<float>();
-  b.grad = it.grad.data_ptr();
-  b.grad_dtype = it.grad.scalar_type();
-  b.exp_avg = exp_avg;
-  b.exp_avg_sq = exp_avg_sq;
-  if (it.working.defined()) {
-    b.copy = it.working.data_ptr();
-    b.copy_dtype = it.working.scalar_type();
-  }
-  b.numel = it.param.numel();
-  detail::adam_update(b, it.scalars);
-  if (it.target.defined()) {
-    it.target.copy_(it.param.view(it.target.sizes()));
-  }
-}
-
-#ifdef COLOSSALAI_WITH_CUDA
-struct DeviceItem {
-  torch::Tensor param;
-  torch::Tensor grad; // fp32
-  torch::Tensor working;
-  HybridAdamParamState* state = nullptr;
-  detail::AdamScalars scalars;
-};
-
-// GPU parameters: the same arithmetic as the CPU kernel as multi-tensor
-// (_foreach) ATen ops, with per-parameter constants as scalar lists.
-void device_update(std::vector<DeviceItem>& items) {
-  if (items.empty()) {
-    return;
-  }
-  std::vector<torch::Tensor> ps, gs, ms, vs;
-  std::vector<at::Scalar> b1, omb1, b2, omb2, eps, sbc2, step, decay;
-  for (auto& it : items) {
-    if (it.scalars.l2 != 0.f) {
-      it.grad = it.grad.add(it.param, it.scalars.l2);
-    }
-    ps.push_back(it.param);
-    gs.push_back(it.grad);
-    ms.push_back(it.state->exp_avg());
-    vs.push_back(it.state->exp_avg_sq());
-    b1.emplace_back(it.scalars.beta1);
-    omb1.emplace_back(it.scalars.one_minus_beta1);
-    b2.emplace_back(it.scalars.beta2);
-    omb2.emplace_back(it.scalars.one_minus_beta2);
-    eps.emplace_back(it.scalars.eps);
-    sbc2.emplace_back(it.scalars.sqrt_bias_correction2);
-    step.emplace_back(it.scalars.neg_step_size);
-    decay.emplace_back(it.scalars.decay);
-  }
-  at::_foreach_mul_(ps, decay);
-  at::_foreach_mul_(ms, b1);
-  at::_foreach_add_(ms, at::_foreach_mul(gs, omb1));
-  at::_foreach_mul_(vs, b2);
-  at::_foreach_addcmul_(vs, gs, gs, omb2);
-  auto denom = at::_foreach_sqrt(vs);
-  at::_foreach_div_(denom, sbc2);
-  at::_foreach_add_(denom, eps);
-  at::_foreach_addcdiv_(ps, ms, denom, step);
-  for (auto& it : items) {
-    if (it.working.defined()) {
-      it.working.view(-1).copy_(it.param.reshape(-1));
-    }
-  }
-}
-#endif
-
 } // namespace
-
-struct HybridAdam::Impl {
-  std::unordered_map<const c10::TensorImpl*, torch::Tensor> working;
-
-  double fraction = 0;
-  std::string dir; // this optimizer's own subdirectory
-  int64_t offloaded_numel = 0;
-  int64_t next_file = 0;
-  std::unordered_map<const c10::TensorImpl*, Record> records;
-  std::unique_ptr<detail::SerialWorker> worker;
-  // Three buffers: the parameter being updated, the next one being read,
-  // the previous one being written back.
-  std::array<torch::Tensor, 3> slot_exp_avg;
-  std::array<torch::Tensor, 3> slot_exp_avg_sq;
-
-  ~Impl() {
-    worker.reset(); // finishes pending writes before the files go
-    if (!dir.empty()) {
-      std::error_code ec;
-      std::filesystem::remove_all(dir, ec);
-    }
-  }
-
-  // Decides, once per parameter, whether its states live in files: the
-  // first parameters that fit in the offload share, as ColossalAI does.
-  Record& record_for(const torch::Tensor& p, int64_t total_numel) {
-    auto [it, inserted] = records.try_emplace(p.unsafeGetTensorImpl());
-    Record& r = it->second;
-    if (inserted) {
-      r.numel = p.numel();
-      const auto budget =
-          static_cast<int64_t>(static_cast<double>(total_numel) * fraction);
-      if (fraction > 0 && p.is_cpu() && offloaded_numel + r.numel <= budget) {
-        r.offload = true;
-        offloaded_numel += r.numel;
-        const auto stem =
-            (std::filesystem::path(dir) / std::to_string(next_file++)).string();
-        r.exp_avg_path = stem + ".exp_avg.bin";
-        r.exp_avg_sq_path = stem + ".exp_avg_sq.bin";
-      }
-    }
-    return r;
-  }
-
-  void run_offloaded(std::vector<CpuItem>& items, std::vector<CpuItem>& rest);
-};
-
-// Streams the offloaded parameters' states through the three slots while
-// `rest` (the in-memory parameters) is updated during the first reads.
-void HybridAdam::Impl::run_offloaded(
-    std::vector<CpuItem>& items,
-    std::vector<CpuItem>& rest) {
-  const size_t n = items.size();
-  if (n == 0) {
-    for (auto& it : rest) {
-      run_cpu_item(
-          it,
-          it.state->exp_avg().data_ptr<float>(),
-          it.state->exp_avg_sq().data_ptr<float>());
-    }
-    return;
-  }
-  if (!worker) {
-    worker = std::make_unique<detail::SerialWorker>();
-  }
-  int64_t max_numel = 0;
-  for (auto& it : items) {
-    max_numel = std::max(max_numel, it.record->numel);
-  }
-  for (size_t k = 0; k < 3; ++k) {
-    if (!slot_exp_avg[k].defined() || slot_exp_avg[k].numel() < max_numel) {
-      // Jobs still queued hold their own reference to an old buffer.
-      slot_exp_avg[k] = at::empty({max_numel}, at::kFloat);
-      slot_exp_avg_sq[k] = at::empty({max_numel}, at::kFloat);
-    }
-  }
-
-  struct Buffers {
-    torch::Tensor exp_avg;
-    torch::Tensor exp_avg_sq;
-    bool from_state = false; // the state's own in-memory tensors
-  };
-  std::vector<Buffers> bufs(n);
-  std::vector<std::future<void>> loads(n);
-  std::vector<std::future<void>> writes;
-  writes.reserve(n);
-  // Jobs only hold copies, but a step must not return (or unwind) while
-  // its jobs still run: the next one would race with them.
-  auto drain = c10::make_scope_exit([&] {
-    for (auto& f : loads) {
-      if (f.valid()) {
-        f.wait();
-      }
-    }
-    for (auto& f : writes) {
-      if (f.valid()) {
-        f.wait();
-      }
-    }
-  });
-
-  auto submit_load = [&](size_t j) {
-    const CpuItem& it = items[j];
-    const Record& r = *it.record;
-    if (it.state->exp_avg().defined() && it.state->exp_avg_sq().defined()) {
-      // Loaded or fetched into memory since the last step: use as is, then
-      // write out and release.
-      bufs[j] = {
-          as_kernel_state(it.state->exp_avg(), r.numel),
-          as_kernel_state(it.state->exp_avg_sq(), r.numel),
-          true};
-      return;
-    }
-    const size_t k = j % 3;
-    auto m = slot_exp_avg[k].narrow(0, 0, r.numel);
-    auto v = slot_exp_avg_sq[k].narrow(0, 0, r.numel);
-    bufs[j] = {m, v, false};
-    const size_t bytes = static_cast<size_t>(r.numel) * sizeof(float);
-    if (r.on_disk) {
-      loads[j] = worker->submit(
-          [m, v, bytes, pm = r.exp_avg_path, pv = r.exp_avg_sq_path] {
-            detail::read_state_file(pm, m.data_ptr(), bytes);
-            detail::read_state_file(pv, v.data_ptr(), bytes);
-          });
-    } else {
-      loads[j] = worker->submit([m, v, bytes] {
-        std::memset(m.data_ptr(), 0, bytes);
-        std::memset(v.data_ptr(), 0, bytes);
-      });
-    }
-  };
-
-  submit_load(0);
-  if (n > 1) {
-    submit_load(1);
-  }
-  for (auto& it : rest) {
-    run_cpu_item(
-        it,
-        it.state->exp_avg().data_ptr<float>(),
-        it.state->exp_avg_sq().data_ptr<float>());
-  }
-  for (size_t j = 0; j < n; ++j) {
-    if (loads[j].valid()) {
-      loads[j].get();
-    }
-    run_cpu_item(
-        items[j],
-        bufs[j].exp_avg.data_ptr<float>(),
-        bufs[j].exp_avg_sq.data_ptr<float>());
-    const Record& r = *items[j].record;
-    const size_t bytes = static_cast<size_t>(r.numel) * sizeof(float);
-    // Submitted before the read that reuses this slot (j + 3), so the
-    // worker's order keeps the two apart.
-    writes.push_back(worker->submit([m = bufs[j].exp_avg,
-                                     v = bufs[j].exp_avg_sq,
-                                     bytes,
-                                     pm = r.exp_avg_path,
-                                     pv = r.exp_avg_sq_path] {
-      detail::write_state_file(pm, m.data_ptr(), bytes);
-      detail::write_state_file(pv, v.data_ptr(), bytes);
-    }));
-    if (j + 2 < n) {
-      submit_load(j + 2);
-    }
-  }
-  for (auto& f : writes) {
-    f.get();
-  }
-  for (size_t j = 0; j < n; ++j) {
-    items[j].record->on_disk = true;
-    if (bufs[j].from_state) {
-      items[j].state->exp_avg(torch::Tensor());
-      items[j].state->exp_avg_sq(torch::Tensor());
-    }
-  }
-}
 
 // ------------------------------------------------------------ optimizer ---
 
@@ -519,10 +162,10 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
     }
   }
 
-  std::vector<CpuItem> resident;
-  std::vector<CpuItem> offloaded;
+  std::vector<detail::CpuItem> resident;
+  std::vector<detail::CpuItem> offloaded;
 #ifdef COLOSSALAI_WITH_CUDA
-  std::vector<DeviceItem> device_items;
+  std::vector<detail::DeviceItem> device_items;
 #endif
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     auto& group = param_groups_[gi];
@@ -570,7 +213,8 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
           "; this build updates CPU parameters only");
 #endif
 
-      Record* record = on_cpu ? &impl_->record_for(p, total_numel) : nullptr;
+      detail::Record* record =
+          on_cpu ? &impl_->record_for(p, total_numel) : nullptr;
       const bool offload = record != nullptr && record->offload;
       const auto key = compat::optimizer_state_key<
           std::remove_reference_t<decltype(state_)>>(p);
@@ -598,7 +242,7 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
 
 #ifdef COLOSSALAI_WITH_CUDA
       if (!on_cpu) {
-        DeviceItem it;
+        detail::DeviceItem it;
         it.param = p;
         it.grad = grad.to(at::kFloat);
         it.working = working;
@@ -608,7 +252,7 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
         continue;
       }
 #endif
-      CpuItem it;
+      detail::CpuItem it;
       if (p.is_contiguous()) {
         it.param = p;
       } else {
@@ -623,82 +267,18 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
       if (offload) {
         offloaded.push_back(std::move(it));
       } else {
-        state.exp_avg(as_kernel_state(state.exp_avg(), p.numel()));
-        state.exp_avg_sq(as_kernel_state(state.exp_avg_sq(), p.numel()));
+        state.exp_avg(detail::as_kernel_state(state.exp_avg(), p.numel()));
+        state.exp_avg_sq(
+            detail::as_kernel_state(state.exp_avg_sq(), p.numel()));
         resident.push_back(std::move(it));
       }
     }
   }
   impl_->run_offloaded(offloaded, resident);
 #ifdef COLOSSALAI_WITH_CUDA
-  device_update(device_items);
+  detail::device_update(device_items);
 #endif
   return loss;
-}
-
-namespace {
-
-// Reads offloaded states that are only on disk into their param states;
-// returns those it filled.
-std::vector<HybridAdamParamState*> fetch_states(
-    const std::vector<torch::optim::OptimizerParamGroup>& groups,
-    decltype(std::declval<torch::optim::Optimizer&>().state())& state,
-    const std::unordered_map<const c10::TensorImpl*, Record>& records) {
-  std::vector<HybridAdamParamState*> filled;
-  for (const auto& group : groups) {
-    for (const auto& p : group.params()) {
-      auto r = records.find(p.unsafeGetTensorImpl());
-      if (r == records.end() || !r->second.offload || !r->second.on_disk) {
-        continue;
-      }
-      auto s = state.find(
-          compat::optimizer_state_key<std::remove_reference_t<decltype(state)>>(
-              p));
-      if (s == state.end()) {
-        continue;
-      }
-      auto& st = static_cast<HybridAdamParamState&>(*s->second);
-      if (st.exp_avg().defined()) {
-        continue;
-      }
-      const size_t bytes = static_cast<size_t>(p.numel()) * sizeof(float);
-      auto m = at::empty(p.sizes(), at::kFloat);
-      auto v = at::empty(p.sizes(), at::kFloat);
-      detail::read_state_file(r->second.exp_avg_path, m.data_ptr(), bytes);
-      detail::read_state_file(r->second.exp_avg_sq_path, v.data_ptr(), bytes);
-      st.exp_avg(m);
-      st.exp_avg_sq(v);
-      filled.push_back(&st);
-    }
-  }
-  return filled;
-}
-
-} // namespace
-
-void HybridAdam::save(torch::serialize::OutputArchive& archive) const {
-  // The archive gets the offloaded states too; they are read for the
-  // duration of the save and dropped again (the files stay current).
-  auto& self = const_cast<HybridAdam&>(*this);
-  auto filled = fetch_states(param_groups_, self.state_, impl_->records);
-  auto release = c10::make_scope_exit([&] {
-    for (auto* st : filled) {
-      st->exp_avg(torch::Tensor());
-      st->exp_avg_sq(torch::Tensor());
-    }
-  });
-  torch::optim::serialize<HybridAdamParamState, HybridAdamOptions>(
-      archive, *this);
-}
-
-void HybridAdam::load(torch::serialize::InputArchive& archive) {
-  // Loaded states are in memory; the next step writes offloaded ones out.
-  torch::optim::serialize<HybridAdamParamState, HybridAdamOptions>(
-      archive, *this);
-}
-
-void HybridAdam::fetch_offloaded_states() {
-  fetch_states(param_groups_, state_, impl_->records);
 }
 
 void HybridAdam::set_working_copy(

@@ -13,6 +13,7 @@
 #include <torch/nn/module.h>
 
 #include <exception>
+#include <limits>
 #include <map>
 #include <regex>
 #include <set>
@@ -446,17 +447,26 @@ FullyShardedModel::FullyShardedModel(
     } else {
       build_unit(st, u);
     }
-    std::vector<size_t> bucket;
+  }
+  // One bucket per unit (its flat gradient is reduce-scattered at once),
+  // from the planner every data-parallel strategy shares.
+  std::vector<at::Tensor> trainable;
+  distributed::BucketPlanOptions plan;
+  plan.cap = std::numeric_limits<int64_t>::max();
+  plan.by_dtype_and_device = false;
+  for (size_t k = 0; k < st.units.size(); ++k) {
+    const auto& u = st.units[k];
     for (size_t i = 0; i < u.params.size(); ++i) {
       if (u.params[i].requires_grad()) {
-        bucket.push_back(st.grad_params.size());
         st.grad_params.emplace_back(k, i);
+        trainable.push_back(u.params[i]);
+        plan.groups.push_back(static_cast<int64_t>(k));
       }
     }
-    if (!bucket.empty()) {
-      st.bucket_unit.push_back(k);
-      st.buckets.push_back(std::move(bucket));
-    }
+  }
+  st.buckets = distributed::plan_buckets(trainable, plan);
+  for (const auto& bucket : st.buckets) {
+    st.bucket_unit.push_back(st.grad_params[bucket.front()].first);
   }
   for (size_t k = 1; k < st.scopes.size(); ++k) {
     dynamic_cast<nn::HookableModule*>(st.scopes[k].module)

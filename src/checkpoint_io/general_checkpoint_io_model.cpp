@@ -1,0 +1,378 @@
+// GeneralCheckpointIO: saving and loading models (safetensors or .bin,
+// unsharded or sharded), and copying a state dict into a module.
+
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/safetensors.h>
+#include <colossalai/checkpoint_io/torch_bin.h>
+#include <colossalai/lazy/lazy_init.h>
+
+#include "general_checkpoint_io_internal.h"
+#include "io_utils.h"
+#include "mapped_reads.h"
+#include "sharded_commit.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace colossalai {
+namespace checkpoint_io {
+
+namespace {
+
+constexpr const char* kSafetensorsName = "model.safetensors";
+constexpr const char* kBinName = "pytorch_model.bin";
+
+void write_tensors(
+    const std::string& path,
+    const StateDict& state,
+    bool safetensors) {
+  if (safetensors) {
+    safetensors::save_file(path, state, {{"format", "pt"}});
+  } else {
+    save_bin(path, state);
+  }
+}
+
+// The format is told by the content, not the name: an 8-byte length
+// followed by '{' is safetensors, a zip archive (or a legacy pickle, refused
+// with its own message) is a .bin.
+StateDict read_tensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "cannot open '", path, "'");
+  unsigned char head[9] = {0};
+  in.read(reinterpret_cast<char*>(head), sizeof(head));
+  const auto got = in.gcount();
+  TORCH_CHECK(
+      got > 0,
+      "'",
+      path,
+      "' is empty: a model checkpoint (.bin zip archive or safetensors) was "
+      "expected");
+  const bool safetensors_like = got == 9 && head[8] == '{';
+  // (A safetensors header length may start with any byte, 0x80 included.)
+  if ((got >= 2 && head[0] == 'P' && head[1] == 'K') ||
+      (head[0] == 0x80 && !safetensors_like)) {
+    return load_bin(path);
+  }
+  const auto ends_with = [&](const char* ext) {
+    const std::string e(ext);
+    return path.size() >= e.size() &&
+        path.compare(path.size() - e.size(), e.size(), e) == 0;
+  };
+  TORCH_CHECK(
+      safetensors_like || ends_with(".safetensors"),
+      "'",
+      path,
+      "' is neither a PyTorch .bin checkpoint (a zip archive from torch.save)"
+      " nor a safetensors file; ",
+      ends_with(".bin") || ends_with(".pt") || ends_with(".pth")
+          ? "its name says .bin, but it does not start like a zip archive"
+          : "it starts with neither a zip signature nor a safetensors header");
+  return safetensors::load_file(path);
+}
+
+bool same_kind(at::ScalarType a, at::ScalarType b) {
+  return (at::isFloatingType(a) && at::isFloatingType(b)) || a == b;
+}
+
+std::string list(const std::vector<std::string>& names) {
+  std::ostringstream os;
+  for (size_t i = 0; i < names.size() && i < 8; ++i) {
+    os << (i ? ", " : "") << names[i];
+  }
+  if (names.size() > 8) {
+    os << ", ... (" << names.size() << " in all)";
+  }
+  return os.str();
+}
+
+// Strict loading: every key of the module must have been loaded.
+void check_missing(
+    torch::nn::Module& module,
+    const std::set<std::string>& seen,
+    const std::string& file) {
+  std::vector<std::string> missing;
+  for (const auto& item : model_state_dict(module)) {
+    if (!seen.count(item.key())) {
+      missing.push_back(item.key());
+    }
+  }
+  TORCH_CHECK(
+      missing.empty(),
+      "load_model: '",
+      file,
+      "' lacks keys the model has (strict): ",
+      list(missing));
+}
+
+// Model tensors into a commit's shard files as they arrive.
+class ModelShards {
+ public:
+  ModelShards(detail::ShardedCommit& commit, bool safetensors)
+      : commit_(commit), safetensors_(safetensors) {}
+  void add(const std::string& k, const at::Tensor& t) {
+    const int64_t bytes = detail::nbytes(t);
+    if (commit_.full(bytes)) {
+      flush();
+    }
+    shard_.insert(k, detail::compact(t));
+    commit_.add(k, bytes);
+  }
+  void finish() {
+    if (commit_.pending()) {
+      flush();
+    }
+  }
+
+ private:
+  void flush() {
+    write_tensors(commit_.seal(), shard_, safetensors_);
+    shard_ = StateDict();
+  }
+  detail::ShardedCommit& commit_;
+  bool safetensors_;
+  StateDict shard_;
+};
+
+} // namespace
+
+StateDict model_state_dict(torch::nn::Module& module) {
+  StateDict state;
+  for (const auto& item : module.named_parameters(true)) {
+    state.insert(item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(true)) {
+    if (item.value().defined()) {
+      state.insert(item.key(), item.value());
+    }
+  }
+  return state;
+}
+
+void load_model_state(
+    torch::nn::Module& module,
+    const StateDict& state,
+    const std::string& file,
+    std::set<std::string>* seen,
+    bool strict_unexpected,
+    const TensorLoader& loader) {
+  auto targets = model_state_dict(module);
+  std::vector<std::string> unexpected;
+  at::NoGradGuard no_grad;
+  for (const auto& item : state) {
+    if (loader && loader(item.key(), item.value(), file)) {
+      if (seen) {
+        seen->insert(item.key());
+      }
+      continue;
+    }
+    auto* target = targets.find(item.key());
+    if (target == nullptr) {
+      unexpected.push_back(item.key());
+      continue;
+    }
+    const auto& src = item.value();
+    TORCH_CHECK(
+        src.sizes() == target->sizes(),
+        "load_model: '",
+        file,
+        "': key '",
+        item.key(),
+        "' has shape ",
+        src.sizes(),
+        " but the model's tensor has shape ",
+        target->sizes());
+    TORCH_CHECK(
+        same_kind(src.scalar_type(), target->scalar_type()),
+        "load_model: '",
+        file,
+        "': key '",
+        item.key(),
+        "' has dtype ",
+        src.scalar_type(),
+        " but the model's tensor has dtype ",
+        target->scalar_type());
+    // lazy: no random init first; else a view into a mapped file is read
+    // straight into the target
+    if (!lazy::assign_lazy(*target, src) &&
+        !detail::read_mapped_into(*target, src)) {
+      detail::populate(src);
+      target->copy_(src);
+    }
+    if (seen) {
+      seen->insert(item.key());
+    }
+  }
+  TORCH_CHECK(
+      !strict_unexpected || unexpected.empty(),
+      "load_model: '",
+      file,
+      "' has keys the model does not (strict): ",
+      list(unexpected));
+}
+
+void GeneralCheckpointIO::save_unsharded_model(
+    interface::ModelWrapper& model,
+    const std::string& checkpoint,
+    const SaveModelOptions& o) {
+  // One file: the writer collects the whole state (owned copies for a
+  // background save); other ranks only take part in the collectives.
+  const bool async = o.use_async();
+  const bool writer = is_writer();
+  StateDict state;
+  stream_model_state(model, [&](const std::string& k, const at::Tensor& t) {
+    if (writer) {
+      state.insert(k, async ? snapshot(t) : t.detach());
+    }
+  });
+  if (!writer) {
+    return;
+  }
+  const bool st = o.use_safetensors();
+  run_maybe_async(async, [state, checkpoint, st]() {
+    detail::atomic_write_file(checkpoint, [&](const std::string& tmp) {
+      write_tensors(tmp, state, st);
+    });
+  });
+}
+
+void GeneralCheckpointIO::save_sharded_model(
+    interface::ModelWrapper& model,
+    const std::string& checkpoint,
+    const SaveModelOptions& o) {
+  const bool st = o.use_safetensors();
+  const std::string weights =
+      detail::add_prefix(st ? kSafetensorsName : kBinName, o.prefix());
+  const int64_t max_bytes = o.size_per_shard() * 1024 * 1024;
+  const bool writer = is_writer();
+  if (num_parts() > 1 && !o.use_async()) {
+    save_in_parts(
+        checkpoint,
+        weights + ".index.json",
+        weights,
+        max_bytes,
+        [&](detail::ShardedCommit* part, std::string& error) {
+          std::unique_ptr<ModelShards> shards;
+          if (part != nullptr) {
+            shards = std::make_unique<ModelShards>(*part, st);
+          }
+          stream_model_part(
+              model, [&](const std::string& k, const at::Tensor& t) {
+                detail::guarded(error, [&] {
+                  if (shards) {
+                    shards->add(k, t);
+                  }
+                });
+              });
+          detail::guarded(error, [&] {
+            if (shards) {
+              shards->finish();
+            }
+          });
+        },
+        [&](detail::ShardedCommit& commit) {
+          commit.commit(detail::Index(), weights);
+        });
+    return;
+  }
+  // Writes the shards of whatever `feed` hands over and commits them.
+  auto write = [=](const std::function<void(const TensorSink&)>& feed) {
+    detail::ShardedCommit commit(
+        checkpoint, weights + ".index.json", weights, max_bytes);
+    ModelShards shards(commit, st);
+    feed([&](const std::string& k, const at::Tensor& t) { shards.add(k, t); });
+    shards.finish();
+    commit.commit(detail::Index(), weights);
+  };
+  if (!o.use_async()) {
+    if (writer) {
+      write([&](const TensorSink& sink) { stream_model_state(model, sink); });
+    } else {
+      stream_model_state(model, [](const std::string&, const at::Tensor&) {});
+    }
+    return;
+  }
+  // A background save needs an owned copy of everything anyway (and goes
+  // through the one writer, in parts or not).
+  StateDict state;
+  stream_model_state(model, [&](const std::string& k, const at::Tensor& t) {
+    if (writer) {
+      state.insert(k, snapshot(t));
+    }
+  });
+  if (writer) {
+    run_maybe_async(true, [state, write]() {
+      write([&](const TensorSink& sink) {
+        for (const auto& item : state) {
+          sink(item.key(), item.value());
+        }
+      });
+    });
+  }
+}
+
+void GeneralCheckpointIO::load_unsharded_model(
+    interface::ModelWrapper& model,
+    const std::string& checkpoint,
+    bool strict) {
+  auto state = read_tensors(checkpoint);
+  std::set<std::string> seen;
+  load_model_state(
+      *model.unwrap(), state, checkpoint, &seen, strict, tensor_loader_);
+  if (strict) {
+    check_missing(*model.unwrap(), seen, checkpoint);
+  }
+}
+
+void GeneralCheckpointIO::load_sharded_model(
+    interface::ModelWrapper& model,
+    const std::string& index_file,
+    bool strict) {
+  auto index = detail::read_index(index_file);
+  auto dir = std::filesystem::path(index_file).parent_path().string();
+  std::vector<std::string> files;
+  std::set<std::string> expected;
+  for (const auto& kv : index.weight_map) {
+    expected.insert(kv.first);
+    if (std::find(files.begin(), files.end(), kv.second) == files.end()) {
+      files.push_back(kv.second);
+    }
+  }
+  std::set<std::string> seen;
+  for (const auto& f : files) {
+    auto path = detail::join(dir, f);
+    TORCH_CHECK(
+        detail::exists(path),
+        "load_model: shard '",
+        path,
+        "' named by index '",
+        index_file,
+        "' is missing");
+    load_model_state(
+        *model.unwrap(),
+        read_tensors(path),
+        path,
+        &seen,
+        strict,
+        tensor_loader_);
+  }
+  for (const auto& key : expected) {
+    TORCH_CHECK(
+        seen.count(key) || !strict,
+        "load_model: index '",
+        index_file,
+        "' lists key '",
+        key,
+        "' that its shard does not hold");
+  }
+  if (strict) {
+    check_missing(*model.unwrap(), seen, index_file);
+  }
+}
+
+} // namespace checkpoint_io
+} // namespace colossalai
