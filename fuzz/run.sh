@@ -44,7 +44,7 @@ extra_link=()
 case "$target" in
   safetensors)
     sources=("$repo/fuzz/safetensors_fuzz.cpp" "$repo/src/checkpoint_io/safetensors.cpp" "$repo/src/checkpoint_io/mapped_reads.cpp")
-    headers=("$repo/include/colossalai/checkpoint_io/safetensors.h")
+    headers=("$repo/include/colossalai/checkpoint_io/safetensors.h" "$repo/src/checkpoint_io/safetensors_internal.h")
     flags=(-max_len=4096 -dict="$repo/fuzz/safetensors.dict")
     ;;
   zip)
@@ -55,8 +55,11 @@ case "$target" in
     ;;
   pickle)
     sources=("$repo/fuzz/pickle_fuzz.cpp" "$repo/src/checkpoint_io/torch_bin.cpp"
+             "$repo/src/checkpoint_io/torch_bin_unpickler.cpp"
+             "$repo/src/checkpoint_io/torch_bin_rebuild.cpp"
              "$repo/src/checkpoint_io/optimizer_state.cpp")
-    headers=("$repo/src/checkpoint_io/pickle_reader.h" "$repo/src/checkpoint_io/optimizer_state.h")
+    headers=("$repo/src/checkpoint_io/pickle_reader.h" "$repo/src/checkpoint_io/torch_bin_unpickler.h"
+             "$repo/src/checkpoint_io/optimizer_state.h")
     lib="${COLOSSALAI_LIB:-$repo/build/libcolossalai.a}"
     [[ -f "$lib" ]] || { echo "fuzz/run.sh pickle: build the library first ($lib)" >&2; exit 2; }
     extra_link=("$lib" -lgomp -lpthread)

@@ -1,18 +1,13 @@
+// The safetensors header: the dtype table, and parsing and validating the
+// header's JSON (entries, duplicate keys, nesting, byte ranges tiling data).
+
 #include <colossalai/checkpoint_io/safetensors.h>
 
-#include "mapped_reads.h"
+#include "safetensors_internal.h"
 
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
-
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <limits>
 #include <sstream>
 #include <unordered_set>
@@ -27,7 +22,7 @@ namespace checkpoint_io {
 namespace safetensors {
 namespace {
 
-using Json = nlohmann::ordered_json;
+using detail::Json;
 
 constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
@@ -54,15 +49,6 @@ constexpr DtypeName kDtypes[] = {
     {"U8", at::kByte},
     {"BOOL", at::kBool},
 };
-
-const char* dtype_name(at::ScalarType dtype) {
-  for (const auto& d : kDtypes) {
-    if (d.dtype == dtype) {
-      return d.name;
-    }
-  }
-  return nullptr;
-}
 
 bool parse_dtype(const std::string& name, at::ScalarType* dtype) {
   for (const auto& d : kDtypes) {
@@ -264,102 +250,20 @@ Json parse_json(
   }
 }
 
-/// Writes whole buffers to a file descriptor, gathering small ones so that a
-/// state dict of many small tensors costs few system calls.
-class FileWriter {
- public:
-  explicit FileWriter(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    TORCH_CHECK(
-        fd_ >= 0,
-        "cannot open '",
-        path,
-        "' for writing: ",
-        std::strerror(errno));
-    buffer_.reserve(kBufferBytes);
-  }
-  FileWriter(const FileWriter&) = delete;
-  FileWriter& operator=(const FileWriter&) = delete;
-  ~FileWriter() {
-    if (fd_ >= 0) {
-      ::close(fd_);
+} // namespace
+
+namespace detail {
+
+const char* dtype_name(at::ScalarType dtype) {
+  for (const auto& d : kDtypes) {
+    if (d.dtype == dtype) {
+      return d.name;
     }
   }
-
-  void write(const void* data, size_t n) {
-    if (n >= kDirectBytes) {
-      flush();
-      write_all(data, n);
-      return;
-    }
-    if (buffer_.size() + n > kBufferBytes) {
-      flush();
-    }
-    const char* p = static_cast<const char*>(data);
-    buffer_.insert(buffer_.end(), p, p + n);
-  }
-
-  void close() {
-    flush();
-    int fd = fd_;
-    fd_ = -1;
-    TORCH_CHECK(
-        ::close(fd) == 0, "cannot write '", path_, "': ", std::strerror(errno));
-  }
-
- private:
-  static constexpr size_t kBufferBytes = 4 << 20;
-  static constexpr size_t kDirectBytes = 1 << 20;
-
-  void flush() {
-    if (!buffer_.empty()) {
-      write_all(buffer_.data(), buffer_.size());
-      buffer_.clear();
-    }
-  }
-
-  void write_all(const void* data, size_t n) {
-    const char* p = static_cast<const char*>(data);
-    while (n > 0) {
-      // Linux caps one write at just under 2 GiB.
-      ssize_t r = ::write(fd_, p, std::min<size_t>(n, size_t(1) << 30));
-      if (r < 0 && errno == EINTR) {
-        continue;
-      }
-      TORCH_CHECK(
-          r > 0,
-          "cannot write '",
-          path_,
-          "': ",
-          r < 0 ? std::strerror(errno) : "no progress");
-      p += r;
-      n -= static_cast<size_t>(r);
-    }
-  }
-
-  std::string path_;
-  int fd_ = -1;
-  std::vector<char> buffer_;
-};
-
-/// Strided, CPU, resolved bits and contiguous: a tensor whose bytes can be
-/// written straight from data_ptr (no copy when `t` already is one).
-at::Tensor writable(const at::Tensor& t) {
-  at::Tensor out = t;
-  if (out.layout() != at::kStrided) {
-    out = out.to_dense();
-  }
-  if (!out.is_cpu()) {
-    out = out.cpu();
-  }
-  out = out.resolve_neg();
-  if (!out.is_contiguous()) {
-    out = out.contiguous();
-  }
-  return out;
+  return nullptr;
 }
 
-} // namespace
+} // namespace detail
 
 Header parse_header(const uint8_t* data, size_t size, const std::string& file) {
   TORCH_CHECK(
@@ -474,192 +378,6 @@ Header parse_header(const uint8_t* data, size_t size, const std::string& file) {
       " bytes but its tensors cover ",
       cursor);
   return header;
-}
-
-void save_file(
-    const std::string& path,
-    const StateDict& tensors,
-    const std::map<std::string, std::string>& metadata) {
-  Json header = Json::object();
-  if (!metadata.empty()) {
-    Json meta = Json::object();
-    for (const auto& kv : metadata) {
-      meta[kv.first] = kv.second;
-    }
-    header["__metadata__"] = std::move(meta);
-  }
-  int64_t offset = 0;
-  for (const auto& item : tensors) {
-    const std::string& name = item.key();
-    const at::Tensor& t = item.value();
-    TORCH_CHECK(
-        name != "__metadata__",
-        "cannot save to '",
-        path,
-        "': \"__metadata__\" is reserved and cannot name a tensor");
-    TORCH_CHECK(
-        t.defined(),
-        "cannot save to '",
-        path,
-        "': tensor '",
-        name,
-        "' is undefined");
-    const char* dtype = dtype_name(t.scalar_type());
-    TORCH_CHECK(
-        dtype != nullptr,
-        "cannot save to '",
-        path,
-        "': tensor '",
-        name,
-        "' has dtype ",
-        t.scalar_type(),
-        ", which safetensors files here do not hold (F64 F32 F16 BF16 I64 I32 "
-        "I16 I8 U8 BOOL)");
-    const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
-    Json entry = Json::object();
-    entry["dtype"] = dtype;
-    entry["shape"] = t.sizes().vec();
-    entry["data_offsets"] = Json::array({offset, offset + nbytes});
-    header[name] = std::move(entry);
-    offset += nbytes;
-  }
-
-  std::string text;
-  try {
-    text = header.dump(-1, ' ', false, Json::error_handler_t::strict);
-  } catch (const Json::exception& e) {
-    TORCH_CHECK(
-        false,
-        "cannot save to '",
-        path,
-        "': a tensor name or metadata string is not valid UTF-8 (",
-        e.what(),
-        ")");
-  }
-  // Pad so that the data starts on a cache line (8 + N a multiple of 64;
-  // the format asks for 8): then a tensor whose bytes are a multiple of 64
-  // never sits just past its parameter's page offset, where the kernel's
-  // copy of a load is slow (NOTE [Copies just past their source]).
-  text.append((64 - (8 + text.size()) % 64) % 64, ' ');
-  const uint64_t n = text.size();
-  char length[8];
-  for (int i = 0; i < 8; ++i) {
-    length[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  }
-
-  FileWriter out(path);
-  out.write(length, sizeof(length));
-  out.write(text.data(), text.size());
-  for (const auto& item : tensors) {
-    if (item.value().numel() == 0) {
-      continue;
-    }
-    // One tensor at a time, so device tensors are staged on the host singly.
-    at::Tensor t = writable(item.value());
-    out.write(t.data_ptr(), t.numel() * t.element_size());
-  }
-  out.close();
-}
-
-std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "cannot open '", path, "': ", std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    TORCH_CHECK(false, "cannot open '", path, "': ", std::strerror(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    TORCH_CHECK(false, "cannot open '", path, "': not a regular file");
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
-  if (size < 8) {
-    ::close(fd);
-    TORCH_CHECK(
-        false,
-        "safetensors file '",
-        path,
-        "' is truncated: ",
-        size,
-        " bytes, less than the 8-byte header length");
-  }
-  // Private and writable: tensors may be modified in place (copy on write)
-  // without touching the file.
-  void* base =
-      ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-  int err = errno;
-  if (base == MAP_FAILED) {
-    ::close(fd);
-  }
-  TORCH_CHECK(
-      base != MAP_FAILED, "cannot map '", path, "': ", std::strerror(err));
-  // Loads read through the descriptor (NOTE [Loads read into the
-  // parameters]); it is closed with the mapping.
-  checkpoint_io::detail::register_mapping(base, size, fd);
-
-  std::shared_ptr<MappedFile> file(new MappedFile());
-  file->path_ = path;
-  file->base_ = base;
-  file->size_ = size;
-  file->header_ = parse_header(static_cast<const uint8_t*>(base), size, path);
-  for (size_t i = 0; i < file->header_.tensors.size(); ++i) {
-    file->index_.emplace(file->header_.tensors[i].name, i);
-  }
-  file->self_ = file;
-  return file;
-}
-
-MappedFile::~MappedFile() {
-  if (base_ != nullptr) {
-    checkpoint_io::detail::unregister_mapping(base_);
-    ::munmap(base_, size_);
-  }
-}
-
-bool MappedFile::contains(const std::string& name) const {
-  return index_.count(name) != 0;
-}
-
-at::Tensor MappedFile::tensor(const std::string& name) {
-  auto it = index_.find(name);
-  TORCH_CHECK(
-      it != index_.end(),
-      "safetensors file '",
-      path_,
-      "' has no tensor '",
-      name,
-      "'");
-  const TensorInfo& info = header_.tensors[it->second];
-  uint8_t* data =
-      static_cast<uint8_t*>(base_) + header_.data_offset + info.begin;
-  const auto options = at::TensorOptions().dtype(info.dtype);
-  const size_t item = c10::elementSize(info.dtype);
-  if (reinterpret_cast<uintptr_t>(data) % item != 0) {
-    // Only writers that do not pad the header get here; kernels may assume
-    // element-aligned data, so these tensors are copied instead of viewed.
-    at::Tensor copy = at::empty(info.shape, options);
-    std::memcpy(
-        copy.data_ptr(), data, static_cast<size_t>(info.end - info.begin));
-    return copy;
-  }
-  std::shared_ptr<MappedFile> keep = self_.lock();
-  return at::from_blob(
-      data, info.shape, [keep](void*) {}, options);
-}
-
-StateDict MappedFile::tensors() {
-  StateDict out;
-  out.reserve(header_.tensors.size());
-  for (const TensorInfo& info : header_.tensors) {
-    out.insert(info.name, tensor(info.name));
-  }
-  return out;
-}
-
-StateDict load_file(const std::string& path) {
-  return MappedFile::open(path)->tensors();
 }
 
 } // namespace safetensors
