@@ -67,6 +67,55 @@ TEST(Placement, BadRecordsNameTheParameterAndTheAxis) {
     EXPECT_EQ(table.at(w).name, "fc.weight");
     EXPECT_EQ(table.size(), 1u);
     EXPECT_FALSE(table.has_partial());
+    msg = error_of([&] { table.add(at::zeros({4}), {"fc.weight"}); });
+    EXPECT_NE(
+        msg.find("two parameters are named 'fc.weight'"), std::string::npos)
+        << msg;
+    msg = error_of([&] {
+      table.add(
+          at::zeros({5, 3}),
+          {"lm_head.weight",
+           {{"tp", pl::Placement::shard(0).with_padding(8)}}});
+    });
+    EXPECT_NE(msg.find("global_shape"), std::string::npos) << msg;
+    EXPECT_NE(
+        error_of([] {
+          pl::Placement::shard(0).with_padding(8).with_sections(3);
+        }).find("sections"),
+        std::string::npos);
+  });
+}
+
+// What checkpoint IO reads: the whole tensor's shape (an even split's from
+// the axis's size; a padded split's as given) and the split's layout, by
+// name, in the order of the record.
+TEST(Placement, RecordsWholeShapesAndSplitLayoutsByName) {
+  run_distributed(2, [](int, int) {
+    pl::PlacementTable table;
+    table.add_axis("tp", cd::world_group());
+    auto qkv = at::zeros({6, 4}), head = at::zeros({4, 4}), b = at::zeros({4});
+    table.add(
+        qkv,
+        {"attn.c_attn.weight",
+         {{"tp", pl::Placement::shard(0).with_sections(3)}}});
+    pl::ParamPlacement padded{
+        "lm_head.weight", {{"tp", pl::Placement::shard(0).with_padding(8)}}};
+    padded.global_shape = {7, 4}; // 7 rows, padded to 8, 4 a rank
+    table.add(head, padded);
+    table.add(b, {"ln.bias"});
+    EXPECT_EQ(
+        table.find("attn.c_attn.weight")->global_shape,
+        (std::vector<int64_t>{12, 4}));
+    EXPECT_EQ(table.find("attn.c_attn.weight")->on("tp").sections, 3);
+    EXPECT_EQ(
+        table.find("lm_head.weight")->global_shape,
+        (std::vector<int64_t>{7, 4}));
+    EXPECT_EQ(table.find("lm_head.weight")->on("tp").padded, 8);
+    EXPECT_EQ(table.find("ln.bias")->global_shape, (std::vector<int64_t>{4}));
+    EXPECT_EQ(table.find("nope"), nullptr);
+    ASSERT_EQ(table.entries().size(), 3u);
+    EXPECT_EQ(table.entries()[0]->name, "attn.c_attn.weight");
+    EXPECT_EQ(table.entries()[2]->name, "ln.bias");
   });
 }
 

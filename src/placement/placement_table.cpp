@@ -17,13 +17,38 @@ namespace placement {
 // reads them. The data-parallel axes stay out of the table: data-parallel
 // engines (DDP, ZeRO, FSDP) average gradients over them before the
 // optimizer runs, and ZeRO's disjoint pieces are combined by the caller
-// (global_grad_norm's `pieces`).
+// (global_grad_norm's `pieces`). With each split's layout (sections,
+// padding) and the whole tensor's shape, the same record tells checkpoint
+// IO who writes which slice and how a whole tensor is cut at load, at any
+// mesh (HybridParallelPlugin's, src/booster/plugin/hybrid/checkpoint_io.cpp).
 
 Placement Placement::shard(int64_t dim) {
   TORCH_CHECK(dim >= 0, "Placement::shard: dim must be >= 0, got ", dim);
   Placement p;
   p.kind = Kind::kShard;
   p.dim = dim;
+  return p;
+}
+
+Placement Placement::with_sections(int64_t n) const {
+  TORCH_CHECK(
+      is_shard() && n >= 1 && (n == 1 || padded == 0),
+      "Placement::with_sections: sections (",
+      n,
+      ") need a shard without padding");
+  Placement p = *this;
+  p.sections = n;
+  return p;
+}
+
+Placement Placement::with_padding(int64_t size) const {
+  TORCH_CHECK(
+      is_shard() && size >= 0 && (size == 0 || sections == 1),
+      "Placement::with_padding: padding (",
+      size,
+      ") needs a shard without sections");
+  Placement p = *this;
+  p.padded = size;
   return p;
 }
 
@@ -109,10 +134,48 @@ void PlacementTable::add(const at::Tensor& param, ParamPlacement placement) {
   if (pipeline_ != nullptr && placement.stage < 0) {
     placement.stage = stage_;
   }
-  const bool fresh =
-      by_impl_.emplace(param.unsafeGetTensorImpl(), std::move(placement))
-          .second;
-  TORCH_CHECK(fresh, "PlacementTable::add: a parameter is recorded twice");
+  if (placement.global_shape.empty()) {
+    // An even split: the local size times the axis's ranks.
+    placement.global_shape = param.sizes().vec();
+    for (const auto& axis : placement.axes) {
+      TORCH_CHECK(
+          !axis.second.is_shard() || axis.second.padded == 0,
+          "PlacementTable::add: parameter '",
+          placement.name,
+          "' is split with padding: give its global_shape");
+      if (axis.second.is_shard()) {
+        placement.global_shape[axis.second.dim] *= group(axis.first)->size();
+      }
+    }
+  }
+  TORCH_CHECK(
+      static_cast<int64_t>(placement.global_shape.size()) == param.dim(),
+      "PlacementTable::add: parameter '",
+      placement.name,
+      "' has ",
+      param.dim(),
+      " dims but a global shape of ",
+      placement.global_shape.size());
+  TORCH_CHECK(
+      !by_impl_.count(param.unsafeGetTensorImpl()),
+      "PlacementTable::add: a parameter is recorded twice");
+  TORCH_CHECK(
+      placement.name.empty() || !by_name_.count(placement.name),
+      "PlacementTable::add: two parameters are named '",
+      placement.name,
+      "'");
+  auto it =
+      by_impl_.emplace(param.unsafeGetTensorImpl(), std::move(placement)).first;
+  // Elements of an unordered_map keep their address as it grows.
+  if (!it->second.name.empty()) {
+    by_name_.emplace(it->second.name, &it->second);
+  }
+  entries_.push_back(&it->second);
+}
+
+const ParamPlacement* PlacementTable::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : it->second;
 }
 
 const ParamPlacement* PlacementTable::find(const at::Tensor& param) const {

@@ -46,11 +46,23 @@ struct Placement {
   bool is_partial() const {
     return kind == Kind::kPartial;
   }
+  /// A split of `n` equal sections along `dim` (a fused q, k, v
+  /// projection: 3), each split separately: rank r holds its chunk of each,
+  /// in order.
+  Placement with_sections(int64_t n) const;
+  /// Zero rows appended along `dim` up to `size` before the split
+  /// (vocabulary padding): the whole tensor is the unpadded one.
+  Placement with_padding(int64_t size) const;
+
   /// "Replicate()", "Shard(0)", "Partial()" (DTensor's spelling).
   std::string str() const;
 
   Kind kind = Kind::kReplicate;
   int64_t dim = -1;
+  /// For a shard: equal sections split separately (1: the plain split).
+  int64_t sections = 1;
+  /// For a shard: the padded size along `dim` before the split (0: none).
+  int64_t padded = 0;
 };
 
 /// Where one parameter lives.
@@ -59,6 +71,9 @@ struct ParamPlacement {
   std::string name;
   /// By mesh axis name; an axis not named here: Replicate.
   std::map<std::string, Placement> axes;
+  /// The whole tensor's shape (what a checkpoint holds); left empty, the
+  /// table fills it in from the local shape (a padded split must give it).
+  std::vector<int64_t> global_shape;
   /// The pipeline stage holding this copy (-1: no pipeline).
   int stage = -1;
   /// For a weight tied across stages (an embedding and the LM head): the
@@ -95,6 +110,12 @@ class PlacementTable {
 
   /// Where `param` lives, or null when the table does not hold it.
   const ParamPlacement* find(const at::Tensor& param) const;
+  /// Where the parameter named `name` lives, or null.
+  const ParamPlacement* find(const std::string& name) const;
+  /// Every parameter's placement, in the order they were added.
+  const std::vector<const ParamPlacement*>& entries() const {
+    return entries_;
+  }
   /// Where `param` lives; an error naming it when the table does not.
   const ParamPlacement& at(const at::Tensor& param) const;
   size_t size() const {
@@ -137,6 +158,8 @@ class PlacementTable {
   distributed::ProcessGroupPtr pipeline_;
   int stage_ = -1;
   std::unordered_map<const void*, ParamPlacement> by_impl_;
+  std::unordered_map<std::string, const ParamPlacement*> by_name_;
+  std::vector<const ParamPlacement*> entries_;
   bool partial_ = false;
 };
 

@@ -146,12 +146,11 @@ void HybridParallelPlugin::configure(
   }
   auto st = std::static_pointer_cast<HybridState>(state_);
   policy_ = shardformer::resolve_policy(*module, options_.custom_policy());
-  st->info = shardformer::shard_model(*module, cfg, policy_);
+  info_ = shardformer::shard_model(*module, cfg, policy_);
   if (lazy_model && options_.pp_size() == 1) {
     lazy::materialize(*module);
     module->to(device);
   }
-  info_ = st->info;
   st->tp = options_.tp_size() > 1 ? tp_group_ : nullptr;
   // Pipelines: keep this stage's layers, release the rest.
   std::set<std::string> held;
@@ -186,7 +185,12 @@ void HybridParallelPlugin::configure(
     if (options_.tp_size() > 1) {
       auto spec = info_.specs.find(item.key());
       if (spec != info_.specs.end() && spec->second.is_split()) {
-        where.axes["tp"] = placement::Placement::shard(spec->second.dim);
+        const auto& s = spec->second;
+        where.axes["tp"] =
+            placement::Placement::shard(s.dim)
+                .with_sections(s.sections)
+                .with_padding(s.padded_size != s.full_size ? s.padded_size : 0);
+        where.global_shape = full_shape(item.value(), s);
       } else if (info_.partial_grad_params.count(item.key())) {
         where.axes["tp"] = placement::Placement::partial();
       }
@@ -206,17 +210,13 @@ void HybridParallelPlugin::configure(
         n,
         "' that the model does not have");
   }
+  st->table = table;
   const auto names = optimizer_param_names(*optimizer, name_of);
   for (size_t k = 0; k < names.size(); ++k) {
     const auto& params = optimizer->param_groups()[k].params();
     for (size_t i = 0; i < params.size(); ++i) {
-      const auto& p = params[i];
-      auto spec_it = info_.specs.find(names[k][i]);
-      auto spec =
-          spec_it == info_.specs.end() ? sl::ShardSpec() : spec_it->second;
-      st->spec_by_id.push_back(spec);
-      st->local_shape_by_id.push_back(p.sizes().vec());
-      st->full_shape_by_id.push_back(full_shape(p, spec));
+      st->name_by_id.push_back(names[k][i]);
+      st->local_shape_by_id.push_back(params[i].sizes().vec());
     }
   }
 

@@ -27,6 +27,20 @@ bool tp_active(const HybridState& s) {
   return s.tp != nullptr && s.tp->size() > 1;
 }
 
+// How parameter `name` is split over the tensor axis, read from the
+// placement table (NOTE [Placement table]); not split when the table does
+// not split it (buffers, replicated and partial parameters).
+sl::ShardSpec tp_spec(const HybridState& s, const std::string& name) {
+  const auto* where = tp_active(s) ? s.table->find(name) : nullptr;
+  if (where == nullptr || !where->on("tp").is_shard()) {
+    return sl::ShardSpec::replicated();
+  }
+  const auto& p = where->on("tp");
+  auto spec = sl::ShardSpec::split(p.dim, where->global_shape[p.dim], s.tp)
+                  .with_sections(p.sections);
+  return p.padded > 0 ? spec.with_padding(p.padded) : spec;
+}
+
 // Whole tensor of a tensor-split local `t` on tensor rank 0 (undefined
 // elsewhere): one gather, so no other rank holds it whole.
 at::Tensor gather_whole(
@@ -173,14 +187,15 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
     auto named = module->named_parameters(true);
     auto targets = std::make_shared<
         std::map<std::string, std::pair<at::Tensor, sl::ShardSpec>>>();
-    for (const auto& kv : state_->info.specs) {
-      if (!kv.second.is_split() || !tp_active(*state_) ||
-          (state_->pipelined && !state_->held.count(kv.first))) {
+    // The table holds what this rank holds (under pipelines: its stage's).
+    for (const auto* where : state_->table->entries()) {
+      auto spec = tp_spec(*state_, where->name);
+      if (!spec.is_split()) {
         continue;
       }
-      auto* p = named.find(kv.first);
-      TORCH_INTERNAL_ASSERT(p != nullptr, "no parameter ", kv.first);
-      targets->emplace(kv.first, std::make_pair(*p, kv.second));
+      auto* p = named.find(where->name);
+      TORCH_INTERNAL_ASSERT(p != nullptr, "no parameter ", where->name);
+      targets->emplace(where->name, std::make_pair(*p, spec));
     }
     auto state = state_;
     auto names = std::make_shared<std::set<std::string>>();
@@ -378,11 +393,13 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
       id = it - g.begin();
     }
     checkpoint_io::StateDict mine = state;
-    if (tp_active(*state_) && id >= 0 &&
-        id < static_cast<int64_t>(state_->spec_by_id.size()) &&
-        state_->spec_by_id[id].is_split()) {
-      const auto& spec = state_->spec_by_id[id];
-      const auto& full = state_->full_shape_by_id[id];
+    const auto spec =
+        id >= 0 && id < static_cast<int64_t>(state_->name_by_id.size())
+        ? tp_spec(*state_, state_->name_by_id[id])
+        : sl::ShardSpec::replicated();
+    if (spec.is_split()) {
+      const auto& full =
+          state_->table->find(state_->name_by_id[id])->global_shape;
       mine = checkpoint_io::StateDict();
       for (const auto& item : state) {
         const auto& t = item.value();
@@ -405,10 +422,8 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   // The whole tensor of parameter or buffer `name` (gathered over the
   // tensor group when split: defined on tensor rank 0 only).
   at::Tensor whole_tensor(const std::string& name, const at::Tensor& t) {
-    auto it = state_->info.specs.find(name);
-    return it != state_->info.specs.end() && tp_active(*state_)
-        ? gather_whole(t, it->second, state_->tp)
-        : t.detach();
+    const auto spec = tp_spec(*state_, name);
+    return spec.is_split() ? gather_whole(t, spec, state_->tp) : t.detach();
   }
 
   // The tensors this stage writes (under pipelines, those it owns; else
@@ -442,11 +457,11 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
           return; // a tied parameter: its first stage writes it
         }
       }
-      if (!tp_active(s) || !s.spec_by_id.at(id).is_split()) {
+      const auto spec = tp_spec(s, s.name_by_id.at(id));
+      if (!spec.is_split()) {
         sink(out_id, state);
         return;
       }
-      const auto& spec = s.spec_by_id.at(id);
       const auto& local = s.local_shape_by_id.at(id);
       checkpoint_io::StateDict whole;
       for (const auto& item : state) {

@@ -5,6 +5,7 @@
 
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/pipeline/p2p.h>
+#include <colossalai/placement/placement.h>
 #include <colossalai/shardformer/policy.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
@@ -27,12 +28,13 @@ std::vector<std::vector<std::string>> optimizer_param_names(
 
 // What the plugin learned at boost, shared with its checkpoint IO.
 struct HybridState {
-  shardformer::ShardInfo info;
+  // Where each held parameter lives: how it is split over "tp" and its
+  // whole shape (NOTE [Placement table]).
+  std::shared_ptr<const placement::PlacementTable> table;
   distributed::ProcessGroupPtr tp;
-  // By (this rank's) optimizer parameter id: the split, the local and the
-  // full shape.
-  std::vector<shardformer::layer::ShardSpec> spec_by_id;
-  std::vector<std::vector<int64_t>> local_shape_by_id, full_shape_by_id;
+  // By (this rank's) optimizer parameter id: its name and local shape.
+  std::vector<std::string> name_by_id;
+  std::vector<std::vector<int64_t>> local_shape_by_id;
   std::weak_ptr<zero::LowLevelZeroOptimizer> zero;
 
   // Pipelines.
