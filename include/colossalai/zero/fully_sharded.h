@@ -76,7 +76,7 @@ enum class BackwardPrefetch {
 /// How a unit's state is placed between the device and the host tier
 /// (Gemini's placement policies, NOTE [Gemini placement]).
 enum class PlacementPolicy {
-  /// Fixed at construction by cpu_offload_fraction (fp32 shards, gradient
+  /// Fixed at construction by offload_optim_fraction (fp32 shards, gradient
   /// shards, optimizer states) and offload_param_fraction.
   kStatic,
   /// Every unit's fp32 shard, gradient shard and optimizer states live in
@@ -88,8 +88,23 @@ enum class PlacementPolicy {
   kAuto,
 };
 
+/// Gemini's placement of the units (NOTE [Gemini placement]); TorchFSDP
+/// uses the defaults (every unit on the device, resharded after use) and
+/// FullyShardedOptions::cpu_offload.
 struct PlacementOptions {
   TORCH_ARG(PlacementPolicy, policy) = PlacementPolicy::kStatic;
+  /// Static: share of the units' bytes, first units first, whose shards
+  /// and gradient shards (and so optimizer states) live in host memory:
+  /// units are offloaded in order until the offloaded bytes reach this
+  /// share (Gemini's offload_optim_frac; FullyShardedOptions::cpu_offload
+  /// is 1.0). On a CPU-only build both tiers are host memory;
+  /// memory_stats() still reports what is placed in the host tier.
+  TORCH_ARG(double, offload_optim_fraction) = 0.0;
+  /// Share of the units' bytes, last units first, whose parameters stay
+  /// gathered between uses (Gemini's shard_param_frac = 1 - this): they are
+  /// gathered once and refreshed after each step instead of before every
+  /// forward and backward; gradients and optimizer states stay sharded.
+  TORCH_ARG(double, keep_gathered_fraction) = 0.0;
   /// Static: of the units whose fp32 shards are in the host tier, this share
   /// (first units first) keeps no device copy of its parameter shard, so
   /// each gather reads the host; the others keep one, refreshed after each
@@ -162,18 +177,8 @@ struct FullyShardedOptions {
   /// no device copy of the parameter shards: each gather reads the host
   /// (PyTorch's CPUOffload(offload_params=True)).
   TORCH_ARG(bool, cpu_offload) = false;
-  /// Share of the units' bytes, first units first, whose shards and
-  /// gradient shards (and so optimizer states) live in host memory: units
-  /// are offloaded in order until the offloaded bytes reach this share
-  /// (Gemini's static placement, offload_optim_frac). cpu_offload(true) is
-  /// 1.0. On a CPU-only build both tiers are host memory; memory_stats()
-  /// still reports what is placed in the host tier.
-  TORCH_ARG(double, cpu_offload_fraction) = 0.0;
-  /// Share of the units' bytes, last units first, whose parameters stay
-  /// gathered between uses (Gemini's shard_param_frac = 1 - this): they are
-  /// gathered once and refreshed after each step instead of before every
-  /// forward and backward; gradients and optimizer states stay sharded.
-  TORCH_ARG(double, keep_gathered_fraction) = 0.0;
+  /// Gemini's tiers (what TorchFSDPPlugin leaves at their defaults): where
+  /// each unit's state lives and which units stay gathered.
   TORCH_ARG(PlacementOptions, placement) = {};
   /// Modules whose parameters (their sub-modules' included) are neither
   /// sharded nor synchronized, as in PyTorch.
@@ -209,7 +214,7 @@ struct FullyShardedMemoryStats {
   /// Device copies of host-tier shards in param_dtype (placement).
   int64_t param_shards = 0;
   /// Of `shards` and `gradients`: the bytes placed in the host tier
-  /// (cpu_offload, cpu_offload_fraction). Not part of total().
+  /// (cpu_offload, placement().offload_optim_fraction()). Not part of total().
   int64_t offloaded = 0;
   int64_t total() const {
     return gathered_params + shards + gradients + optimizer_states +

@@ -86,11 +86,11 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
       o.norm_type());
   zero::FullyShardedOptions e;
   e.param_dtype(dtype).reduce_dtype(dtype);
-  e.cpu_offload_fraction(o.offload_optim_frac());
-  e.keep_gathered_fraction(1.0 - o.shard_param_frac());
   zero::PlacementOptions po;
   po.policy(
         autop ? zero::PlacementPolicy::kAuto : zero::PlacementPolicy::kStatic)
+      .offload_optim_fraction(o.offload_optim_frac())
+      .keep_gathered_fraction(1.0 - o.shard_param_frac())
       .offload_param_fraction(o.offload_param_frac())
       .device_capacity(o.device_memory_capacity())
       .warmup_non_model_data_ratio(o.warmup_non_model_data_ratio())

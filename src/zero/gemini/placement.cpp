@@ -64,17 +64,17 @@ Placement::Placement(detail::FsdpState& state, PlacementOptions options)
 void Placement::assign_tiers() {
   const bool autop = o_.policy() == PlacementPolicy::kAuto;
   const double optim_fraction =
-      st_.o.cpu_offload() || autop ? 1.0 : st_.o.cpu_offload_fraction();
-  check_fraction(optim_fraction, "cpu_offload_fraction");
+      st_.o.cpu_offload() || autop ? 1.0 : o_.offload_optim_fraction();
+  check_fraction(optim_fraction, "offload_optim_fraction");
   // PyTorch's CPU offload keeps the parameters on the host too.
   const double param_fraction =
       st_.o.cpu_offload() ? 1.0 : o_.offload_param_fraction();
   TORCH_CHECK(
       param_fraction == 0.0 || (!autop && optim_fraction == 1.0),
       "FSDP: offload_param_fraction needs static placement with every "
-      "unit's fp32 shard in the host tier (cpu_offload_fraction 1): a unit "
+      "unit's fp32 shard in the host tier (offload_optim_fraction 1): a unit "
       "whose fp32 shard is on the device gathers from it");
-  const double keep_fraction = st_.o.keep_gathered_fraction();
+  const double keep_fraction = o_.keep_gathered_fraction();
   check_fraction(keep_fraction, "keep_gathered_fraction");
 
   auto& units = st_.units;

@@ -4,7 +4,7 @@
 // Every unit (a Gemini chunk) has state in two tiers, the device (where it
 // computes) and the host:
 //  - its fp32 shard, gradient shard and optimizer states: the device, or the
-//    host when the unit is offloaded (static: cpu_offload_fraction; auto:
+//    host when the unit is offloaded (static: offload_optim_fraction; auto:
 //    every unit, as ColossalAI's auto policy does);
 //  - for an offloaded unit, a device copy of its shard in param_dtype (the
 //    parameter shard), which the all-gather reads. Static placement keeps it
