@@ -116,6 +116,10 @@ TEST(Placement, RecordsWholeShapesAndSplitLayoutsByName) {
     ASSERT_EQ(table.entries().size(), 3u);
     EXPECT_EQ(table.entries()[0]->name, "attn.c_attn.weight");
     EXPECT_EQ(table.entries()[2]->name, "ln.bias");
+    const auto copy = table; // a copy answers from its own records
+    table = pl::PlacementTable();
+    EXPECT_EQ(copy.find("lm_head.weight")->on("tp").padded, 8);
+    EXPECT_EQ(copy.entries()[1], copy.find(head));
   });
 }
 

@@ -164,18 +164,26 @@ void PlacementTable::add(const at::Tensor& param, ParamPlacement placement) {
       "PlacementTable::add: two parameters are named '",
       placement.name,
       "'");
-  auto it =
-      by_impl_.emplace(param.unsafeGetTensorImpl(), std::move(placement)).first;
-  // Elements of an unordered_map keep their address as it grows.
-  if (!it->second.name.empty()) {
-    by_name_.emplace(it->second.name, &it->second);
+  const void* key = param.unsafeGetTensorImpl();
+  if (!placement.name.empty()) {
+    by_name_.emplace(placement.name, key);
   }
-  entries_.push_back(&it->second);
+  order_.push_back(key);
+  by_impl_.emplace(key, std::move(placement));
 }
 
 const ParamPlacement* PlacementTable::find(const std::string& name) const {
   auto it = by_name_.find(name);
-  return it == by_name_.end() ? nullptr : it->second;
+  return it == by_name_.end() ? nullptr : &by_impl_.at(it->second);
+}
+
+std::vector<const ParamPlacement*> PlacementTable::entries() const {
+  std::vector<const ParamPlacement*> out;
+  out.reserve(order_.size());
+  for (const void* key : order_) {
+    out.push_back(&by_impl_.at(key));
+  }
+  return out;
 }
 
 const ParamPlacement* PlacementTable::find(const at::Tensor& param) const {

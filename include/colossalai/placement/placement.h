@@ -113,9 +113,7 @@ class PlacementTable {
   /// Where the parameter named `name` lives, or null.
   const ParamPlacement* find(const std::string& name) const;
   /// Every parameter's placement, in the order they were added.
-  const std::vector<const ParamPlacement*>& entries() const {
-    return entries_;
-  }
+  std::vector<const ParamPlacement*> entries() const;
   /// Where `param` lives; an error naming it when the table does not.
   const ParamPlacement& at(const at::Tensor& param) const;
   size_t size() const {
@@ -158,8 +156,9 @@ class PlacementTable {
   distributed::ProcessGroupPtr pipeline_;
   int stage_ = -1;
   std::unordered_map<const void*, ParamPlacement> by_impl_;
-  std::unordered_map<std::string, const ParamPlacement*> by_name_;
-  std::vector<const ParamPlacement*> entries_;
+  // Keys of by_impl_ (not pointers into it: a copied table stays valid).
+  std::unordered_map<std::string, const void*> by_name_;
+  std::vector<const void*> order_;
   bool partial_ = false;
 };
 
