@@ -107,14 +107,16 @@ struct ArmChildCheck {
 // A rank used to be this binary executed again, and each paid LibTorch's
 // static initialisation: about 0.35 s of CPU (its kernel registrations; the
 // dynamic loader's share is 15 ms), for each of the suite's several hundred
-// ranks. Before main, while the process is still single-threaded and has
-// run nothing of a test, the harness forks a zygote. run_processes asks it
-// for each rank over a socket; the rank, forked from the zygote, takes the
-// environment, working directory, output file and test filter it was sent
-// and goes on into main as an executed child would. The zygote reports each
-// rank's pid and exit status (the ranks are its children) and exits with the
-// test program. COLOSSALAI_TEST_ZYGOTE=0, or a process that already has
-// threads, keeps fork and exec.
+// ranks. Before main, while the process has run nothing of a test and has
+// no threads but OpenBLAS's (which it stops around fork), the harness forks
+// a zygote. run_processes asks it for each rank over a socket; the rank,
+// forked from the zygote, takes the environment, working directory, output
+// file and test filter it was sent and goes on into main as an executed
+// child would. The zygote reports each rank's pid and exit status (the
+// ranks are its children, so their getppid() is the zygote: files a test
+// shares with its ranks are named after test_process()) and exits with the
+// test program. COLOSSALAI_TEST_ZYGOTE=0, or any other thread at start,
+// keeps fork and exec.
 
 int g_argc = 0;
 char** g_argv = nullptr;
