@@ -370,8 +370,10 @@ TEST(GeminiPlugin, GradientsAccumulateOverSeveralBackwards) {
 TEST(GeminiPlugin, StaticPlacementOffloadsTheStatedShareAndChangesNothing) {
   // offload_optim_frac 0, 0.5 and 1: the host tier holds no chunk, the first
   // chunks up to half of the bytes (the last one may pass it), or all; the
-  // weights after two AdamW steps are identical (placement moves state, it
-  // does not change arithmetic).
+  // weights after two AdamW steps are identical on the CPU (placement moves
+  // state, it does not change arithmetic). On a GPU, AdamW on the host
+  // rounds differently from the device's: there they agree within its
+  // update bound (testing::same_across_tiers), the weaker check.
   run_distributed(2, [](int rank, int) {
     colossalai::testing::deterministic_on_gpu(); // runs compare bitwise
     std::vector<std::vector<at::Tensor>> results;
