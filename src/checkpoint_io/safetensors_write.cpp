@@ -3,6 +3,7 @@
 
 #include <colossalai/checkpoint_io/safetensors.h>
 
+#include "../utils/fd_io.h"
 #include "safetensors_internal.h"
 
 #include <c10/util/Exception.h>
@@ -78,22 +79,8 @@ class FileWriter {
   }
 
   void write_all(const void* data, size_t n) {
-    const char* p = static_cast<const char*>(data);
-    while (n > 0) {
-      // Linux caps one write at just under 2 GiB.
-      ssize_t r = ::write(fd_, p, std::min<size_t>(n, size_t(1) << 30));
-      if (r < 0 && errno == EINTR) {
-        continue;
-      }
-      TORCH_CHECK(
-          r > 0,
-          "cannot write '",
-          path_,
-          "': ",
-          r < 0 ? std::strerror(errno) : "no progress");
-      p += r;
-      n -= static_cast<size_t>(r);
-    }
+    const int err = utils::write_fully(fd_, data, n);
+    TORCH_CHECK(err == 0, "cannot write '", path_, "': ", std::strerror(err));
   }
 
   std::string path_;

@@ -1,5 +1,6 @@
 #include <colossalai/checkpoint_io/torch_bin.h>
 
+#include "../utils/fd_io.h"
 #include "pickle_reader.h"
 #include "torch_bin_unpickler.h"
 #include "zip_records.h"
@@ -59,19 +60,8 @@ class FileSink {
   /// Always reports `n` bytes written: after a failure the rest is dropped,
   /// and the zip writer never sees an error it would throw from a destructor.
   size_t write(const void* data, size_t n) {
-    const char* p = static_cast<const char*>(data);
-    size_t left = n;
-    while (error_ == 0 && left > 0) {
-      ssize_t r = ::write(fd_, p, std::min<size_t>(left, size_t(1) << 30));
-      if (r < 0 && errno == EINTR) {
-        continue;
-      }
-      if (r <= 0) {
-        error_ = r < 0 ? errno : EIO;
-        break;
-      }
-      p += r;
-      left -= static_cast<size_t>(r);
+    if (error_ == 0) {
+      error_ = utils::write_fully(fd_, data, n);
     }
     return n;
   }

@@ -1,4 +1,5 @@
 #include "state_offload.h"
+#include "../../utils/fd_io.h"
 
 #include <c10/util/Exception.h>
 
@@ -95,24 +96,10 @@ void write_state_file(const std::string& path, const void* data, size_t bytes) {
       path,
       "' for writing: ",
       std::strerror(errno));
-  const char* p = static_cast<const char*>(data);
-  size_t done = 0;
-  while (done < bytes) {
-    const ssize_t n = ::pwrite(fd, p + done, bytes - done, done);
-    if (n < 0 && errno == EINTR) {
-      continue;
-    }
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      TORCH_CHECK(
-          false,
-          "HybridAdam: writing '",
-          path,
-          "' failed: ",
-          n < 0 ? std::strerror(err) : "no progress");
-    }
-    done += static_cast<size_t>(n);
+  if (const int err = utils::write_fully(fd, data, bytes)) {
+    ::close(fd);
+    TORCH_CHECK(
+        false, "HybridAdam: writing '", path, "' failed: ", std::strerror(err));
   }
   TORCH_CHECK(
       ::close(fd) == 0,
