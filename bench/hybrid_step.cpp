@@ -33,8 +33,8 @@
 #include <colossalai/colossalai.h>
 #include <colossalai/utils/compat.h>
 
-#include <zoo/gpt2.h>
-#include <zoo/llama.h>
+#include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -49,7 +49,7 @@
 
 namespace cb = colossalai::booster;
 namespace cd = colossalai::distributed;
-namespace zoo = colossalai::zoo;
+namespace models = colossalai::models;
 using cb::plugin::HybridParallelPlugin;
 using HPO = cb::plugin::HybridParallelPluginOptions;
 
@@ -94,49 +94,49 @@ template <class Model>
 Model make_model();
 
 template <>
-zoo::GPT2LMHeadModel make_model<zoo::GPT2LMHeadModel>() {
-  return zoo::GPT2LMHeadModel(zoo::GPT2Config::small_cpu());
+models::GPT2LMHeadModel make_model<models::GPT2LMHeadModel>() {
+  return models::GPT2LMHeadModel(models::GPT2Config::small_cpu());
 }
 
 template <>
-zoo::LlamaForCausalLM make_model<zoo::LlamaForCausalLM>() {
-  return zoo::LlamaForCausalLM(zoo::LlamaConfig::small_cpu());
+models::LlamaForCausalLM make_model<models::LlamaForCausalLM>() {
+  return models::LlamaForCausalLM(models::LlamaConfig::small_cpu());
 }
 
 // Whether tensor parallelism of size tp can split the model's heads.
 template <class Model>
 bool splits_heads(int tp);
 template <>
-bool splits_heads<zoo::GPT2LMHeadModel>(int tp) {
-  return zoo::GPT2Config::small_cpu().n_head() % tp == 0;
+bool splits_heads<models::GPT2LMHeadModel>(int tp) {
+  return models::GPT2Config::small_cpu().n_head() % tp == 0;
 }
 template <>
-bool splits_heads<zoo::LlamaForCausalLM>(int tp) {
-  return zoo::LlamaConfig::small_cpu().num_key_value_heads() % tp == 0;
+bool splits_heads<models::LlamaForCausalLM>(int tp) {
+  return models::LlamaConfig::small_cpu().num_key_value_heads() % tp == 0;
 }
 
-int64_t vocab_of(const zoo::GPT2LMHeadModel& m) {
+int64_t vocab_of(const models::GPT2LMHeadModel& m) {
   return m->config().vocab_size();
 }
-int64_t vocab_of(const zoo::LlamaForCausalLM& m) {
+int64_t vocab_of(const models::LlamaForCausalLM& m) {
   return m->config().vocab_size();
 }
-int64_t width_of(const zoo::GPT2LMHeadModel& m) {
+int64_t width_of(const models::GPT2LMHeadModel& m) {
   return m->config().n_embd();
 }
-int64_t width_of(const zoo::LlamaForCausalLM& m) {
+int64_t width_of(const models::LlamaForCausalLM& m) {
   return m->config().hidden_size();
 }
-int64_t layers_of(const zoo::GPT2LMHeadModel& m) {
+int64_t layers_of(const models::GPT2LMHeadModel& m) {
   return m->config().n_layer();
 }
-int64_t layers_of(const zoo::LlamaForCausalLM& m) {
+int64_t layers_of(const models::LlamaForCausalLM& m) {
   return m->config().num_hidden_layers();
 }
-int64_t seq_of(const zoo::GPT2LMHeadModel& m) {
+int64_t seq_of(const models::GPT2LMHeadModel& m) {
   return m->config().n_positions();
 }
-int64_t seq_of(const zoo::LlamaForCausalLM& m) {
+int64_t seq_of(const models::LlamaForCausalLM& m) {
   return m->config().max_position_embeddings();
 }
 
@@ -359,9 +359,9 @@ int run_rank(const Options& o) {
   std::map<std::string, std::vector<Result>> results;
   for (const auto& m : split(o.models)) {
     if (m == "gpt2") {
-      results[m] = run_model<zoo::GPT2LMHeadModel>(o, world);
+      results[m] = run_model<models::GPT2LMHeadModel>(o, world);
     } else if (m == "llama") {
-      results[m] = run_model<zoo::LlamaForCausalLM>(o, world);
+      results[m] = run_model<models::LlamaForCausalLM>(o, world);
     } else {
       TORCH_CHECK(false, "unknown model '", m, "' (gpt2, llama)");
     }

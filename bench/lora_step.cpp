@@ -9,8 +9,8 @@
 
 #include <colossalai/booster/booster.h>
 #include <colossalai/lora/lora_model.h>
+#include <colossalai/models/gpt2.h>
 #include <zoo/gpt.h>
-#include <zoo/gpt2.h>
 
 #include "bench_util.h"
 
@@ -31,6 +31,7 @@ namespace {
 namespace cb = colossalai::booster;
 namespace cl = colossalai::lora;
 namespace zoo = colossalai::zoo;
+namespace models = colossalai::models;
 using colossalai::bench::stats_json;
 using colossalai::bench::tensor_bytes;
 
@@ -151,7 +152,7 @@ int main(int argc, char** argv) {
     torch::manual_seed(1);
     setups.push_back(make(
         "GPT-2 (width 256, 4 blocks)",
-        zoo::GPT2LMHeadModel(zoo::GPT2Config::small_cpu()),
+        models::GPT2LMHeadModel(models::GPT2Config::small_cpu()),
         lora,
         gpt2_lora,
         gpt2_loss));

@@ -38,7 +38,7 @@
 #include <colossalai/pipeline/schedule.h>
 #include <colossalai/utils/compat.h>
 
-#include <zoo/gpt2.h>
+#include <colossalai/models/gpt2.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -59,7 +59,7 @@ namespace cb = colossalai::booster;
 namespace cd = colossalai::distributed;
 namespace cp = colossalai::pipeline;
 namespace sf = colossalai::shardformer;
-namespace zoo = colossalai::zoo;
+namespace models = colossalai::models;
 using cb::plugin::HybridParallelPlugin;
 using HPO = cb::plugin::HybridParallelPluginOptions;
 
@@ -118,7 +118,7 @@ Probe g_probe;
 // GPT2Policy with clocks: when each chunk forward starts and ends, and when
 // autograd reaches its output in each backward pass (BI and W both start
 // there).
-class TimedGPT2Policy : public zoo::GPT2Policy {
+class TimedGPT2Policy : public models::GPT2Policy {
  public:
   std::string name() const override {
     return "TimedGPT2Policy";
@@ -131,7 +131,7 @@ class TimedGPT2Policy : public zoo::GPT2Policy {
     const size_t index = g_probe.fwd_call.size();
     g_probe.fwd_call.push_back(now_ms());
     at::Tensor out =
-        zoo::GPT2Policy::stage_forward(model, layers, micro_batch, hidden);
+        models::GPT2Policy::stage_forward(model, layers, micro_batch, hidden);
     g_probe.fwd_ret.push_back(now_ms());
     g_probe.backward_start.emplace_back();
     if (out.requires_grad()) {
@@ -261,8 +261,8 @@ struct Setup {
   int chunks = 1, m = 0;
   std::shared_ptr<HybridParallelPlugin> plugin;
   std::unique_ptr<cb::Booster> booster;
-  zoo::GPT2LMHeadModel model{nullptr};
-  cb::Boosted<zoo::GPT2LMHeadModel, std::nullptr_t, std::nullptr_t> boosted;
+  models::GPT2LMHeadModel model{nullptr};
+  cb::Boosted<models::GPT2LMHeadModel, std::nullptr_t, std::nullptr_t> boosted;
   std::vector<double> ms; // this rank's step times
   int64_t activation = 0; // peak heap in use minus before, this rank
   StageStep last;
@@ -294,7 +294,7 @@ int run_rank(const Options& o) {
   colossalai::launch_from_env();
   at::set_num_threads(1);
   const int rank = cd::get_rank(), world = cd::get_world_size();
-  const auto cfg = zoo::GPT2Config::small_cpu().n_layer(o.layers);
+  const auto cfg = models::GPT2Config::small_cpu().n_layer(o.layers);
   const int64_t seq = cfg.n_positions(), vocab = cfg.vocab_size();
 
   std::vector<std::unique_ptr<Setup>> setups;
@@ -331,7 +331,7 @@ int run_rank(const Options& o) {
       s->booster =
           std::make_unique<cb::Booster>(cb::BoosterOptions().plugin(s->plugin));
       torch::manual_seed(0);
-      s->model = zoo::GPT2LMHeadModel(cfg);
+      s->model = models::GPT2LMHeadModel(cfg);
       auto opt = std::make_shared<torch::optim::AdamW>(
           s->model->parameters(),
           torch::optim::AdamWOptions(3e-4).weight_decay(0.01));

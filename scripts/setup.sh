@@ -9,6 +9,10 @@
 #                                   pin in scripts/requirements-torch.txt),
 #                                   installed into ./.venv, built in
 #                                   ./build-pip
+#   --tests                         also the test suite's Python references:
+#                                   ./.venv with that torch and transformers,
+#                                   peft, safetensors (scripts/requirements-
+#                                   hf.txt); implied by --torch pip
 #
 # The wheels are kept in ${XDG_CACHE_HOME:-~/.cache}/colossalai-cpp/wheels,
 # outside the tree: a second set-up on the same machine downloads nothing.
@@ -16,12 +20,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 torch_source=system
+tests=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --torch) torch_source=${2:-}; shift 2 || true ;;
     --torch=*) torch_source=${1#--torch=}; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown option '$1' (--torch system|pip)" >&2; exit 2 ;;
+    --tests) tests=1; shift ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown option '$1' (--torch system|pip, --tests)" >&2; exit 2 ;;
   esac
 done
 case "$torch_source" in
@@ -56,7 +62,8 @@ packages=(
   clang python3-torch
   dataset-fashion-mnist python3-matplotlib iproute2
 )
-[ "$torch_source" = pip ] && packages+=(python3-venv)
+[ "$torch_source" = pip ] && tests=1
+[ $tests -eq 1 ] && packages+=(python3-venv)
 install_missing "${packages[@]}"
 # The fuzz targets' sanitizer runtime is versioned like clang itself (14 on
 # Debian 12, 19 on Debian 13).
@@ -64,7 +71,30 @@ clang_major=$(clang --version | sed -n 's/.*clang version \([0-9][0-9]*\).*/\1/p
   head -n 1)
 install_missing "libclang-rt-${clang_major}-dev"
 
+# The venv: PyPI's torch (LibTorch 2.x for --torch pip; the hf tests'
+# transformers runs on it whichever LibTorch the C++ build uses) and the
+# Hugging Face references. Pinned wheels, downloaded once into the cache.
+python=/usr/bin/python3
+wheels="${XDG_CACHE_HOME:-$HOME/.cache}/colossalai-cpp/wheels"
+install_venv() {
+  local reqs=(-r scripts/requirements-torch.txt -r scripts/requirements-hf.txt)
+  mkdir -p "$wheels"
+  [ -x .venv/bin/python ] || "$python" -m venv .venv
+  if ! .venv/bin/pip install -q --disable-pip-version-check --no-index \
+      --find-links "$wheels" "${reqs[@]}" 2>/dev/null; then
+    echo "== downloading the pinned wheels into $wheels"
+    .venv/bin/pip download -q --disable-pip-version-check \
+      --only-binary=:all: -d "$wheels" "${reqs[@]}"
+    .venv/bin/pip install -q --disable-pip-version-check --no-index \
+      --find-links "$wheels" "${reqs[@]}"
+  fi
+}
+
 if [ "$torch_source" = system ]; then
+  if [ $tests -eq 1 ]; then
+    echo "== the test references' Python in ./.venv"
+    install_venv
+  fi
   echo "== configuring and building (Release, Debian's LibTorch) in ./build"
   cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
   cmake --build build -j "$(nproc)"
@@ -82,19 +112,7 @@ if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
   echo "  (./scripts/setup.sh without --torch pip)." >&2
   exit 1
 fi
-python=/usr/bin/python3
-wheels="${XDG_CACHE_HOME:-$HOME/.cache}/colossalai-cpp/wheels"
-requirements=scripts/requirements-torch.txt
-mkdir -p "$wheels"
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-if ! .venv/bin/pip install -q --disable-pip-version-check --no-index \
-    --find-links "$wheels" -r "$requirements" 2>/dev/null; then
-  echo "== downloading the pinned wheels into $wheels"
-  .venv/bin/pip download -q --disable-pip-version-check \
-    --only-binary=:all: -d "$wheels" -r "$requirements"
-  .venv/bin/pip install -q --disable-pip-version-check --no-index \
-    --find-links "$wheels" -r "$requirements"
-fi
+install_venv
 prefix=$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
 echo "== configuring and building (Release, LibTorch $(.venv/bin/python -c 'import torch; print(torch.__version__)' 2>/dev/null) from PyPI) in ./build-pip"
 cmake -S . -B build-pip -DCMAKE_BUILD_TYPE=Release \

@@ -17,10 +17,10 @@
 #include <colossalai/initialize.h>
 #include <colossalai/launcher.h>
 
+#include <colossalai/models/gpt2.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 #include <zoo/gpt.h>
-#include <zoo/gpt2.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -43,6 +43,7 @@
 
 namespace cb = colossalai::booster;
 namespace zoo = colossalai::zoo;
+namespace models = colossalai::models;
 using colossalai::testing::error_of;
 
 namespace {
@@ -455,7 +456,8 @@ TEST(DistributedFaults, KilledPeerDuringPointToPointRaisesDistributedError) {
                 std::make_shared<cb::plugin::HybridParallelPlugin>(s.options);
             cb::Booster booster(cb::BoosterOptions().plugin(plugin));
             torch::manual_seed(0);
-            zoo::GPT2LMHeadModel model(zoo::GPT2Config::tiny_test().n_layer(4));
+            models::GPT2LMHeadModel model(
+                models::GPT2Config::tiny_test().n_layer(4));
             auto optimizer = std::make_shared<torch::optim::AdamW>(
                 model->parameters(), torch::optim::AdamWOptions(1e-3));
             auto boosted = booster.boost(model, optimizer);

@@ -7,13 +7,13 @@
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
 #include <colossalai/shardformer/policy.h>
 #include <colossalai/utils/compat.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 #include <harness/zoo_util.h>
-#include <zoo/gpt2.h>
-#include <zoo/llama.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -25,7 +25,7 @@
 namespace cb = colossalai::booster;
 namespace cd = colossalai::distributed;
 namespace sf = colossalai::shardformer;
-namespace zoo = colossalai::zoo;
+namespace models = colossalai::models;
 using cb::plugin::HybridParallelPlugin;
 using HPO = cb::plugin::HybridParallelPluginOptions;
 using colossalai::testing::run_distributed;
@@ -169,10 +169,10 @@ std::pair<at::Tensor, at::Tensor> batch(int step, int64_t vocab) {
 template <class Model>
 Model make(bool) {
   torch::manual_seed(7);
-  if constexpr (std::is_same_v<Model, zoo::GPT2LMHeadModel>) {
-    return zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test());
+  if constexpr (std::is_same_v<Model, models::GPT2LMHeadModel>) {
+    return models::GPT2LMHeadModel(models::GPT2Config::tiny_test());
   } else {
-    return zoo::LlamaForCausalLM(zoo::LlamaConfig::tiny_test());
+    return models::LlamaForCausalLM(models::LlamaConfig::tiny_test());
   }
 }
 
@@ -200,7 +200,7 @@ std::pair<std::vector<double>, std::map<std::string, at::Tensor>> reference(
 
 template <class Model>
 void check_setups(int world, bool sgd) {
-  constexpr bool llama = std::is_same_v<Model, zoo::LlamaForCausalLM>;
+  constexpr bool llama = std::is_same_v<Model, models::LlamaForCausalLM>;
   const auto ref = reference<Model>(sgd);
   for (const auto& s : setups(world, llama)) {
     SCOPED_TRACE(s.name + (sgd ? ", SGD" : ", AdamW"));
@@ -247,26 +247,26 @@ void check_setups(int world, bool sgd) {
 
 TEST(HybridParallel, Gpt2MatchesOneProcessOnTwoRanks) {
   run_distributed(2, [](int, int world) {
-    check_setups<zoo::GPT2LMHeadModel>(world, true);
+    check_setups<models::GPT2LMHeadModel>(world, true);
   });
 }
 
 TEST(HybridParallel, Gpt2MatchesOneProcessOnFourRanks) {
   run_distributed(4, [](int, int world) {
-    check_setups<zoo::GPT2LMHeadModel>(world, true);
-    check_setups<zoo::GPT2LMHeadModel>(world, false);
+    check_setups<models::GPT2LMHeadModel>(world, true);
+    check_setups<models::GPT2LMHeadModel>(world, false);
   });
 }
 
 TEST(HybridParallel, LlamaMatchesOneProcessOnFourRanks) {
   run_distributed(4, [](int, int world) {
-    check_setups<zoo::LlamaForCausalLM>(world, true);
-    check_setups<zoo::LlamaForCausalLM>(world, false);
+    check_setups<models::LlamaForCausalLM>(world, true);
+    check_setups<models::LlamaForCausalLM>(world, false);
   });
 }
 
 TEST(HybridParallel, WholeModelIsAPlainHuggingFaceLayout) {
-  zoo::GPT2LMHeadModel gpt2(zoo::GPT2Config::tiny_test());
+  models::GPT2LMHeadModel gpt2(models::GPT2Config::tiny_test());
   auto p = gpt2->named_parameters();
   ASSERT_TRUE(p.contains("transformer.h.0.attn.c_attn.weight"));
   EXPECT_EQ(
@@ -274,7 +274,7 @@ TEST(HybridParallel, WholeModelIsAPlainHuggingFaceLayout) {
       at::IntArrayRef({32, 96})); // Conv1D: [in, out]
   EXPECT_EQ(p["transformer.wte.weight"].sizes(), at::IntArrayRef({100, 32}));
   EXPECT_FALSE(p.contains("lm_head.weight")); // tied to wte
-  zoo::LlamaForCausalLM llama(zoo::LlamaConfig::tiny_test());
+  models::LlamaForCausalLM llama(models::LlamaConfig::tiny_test());
   auto q = llama->named_parameters();
   EXPECT_EQ(
       q["model.layers.1.self_attn.k_proj.weight"].sizes(),
@@ -297,7 +297,7 @@ TEST(HybridParallel, CheckpointFromTp2LoadsAtTp1Tp4AndUnderDdp) {
       auto plugin = std::make_shared<HybridParallelPlugin>(
           HPO().precision("fp32").tp_size(2).zero_stage(1));
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-      auto model = make<zoo::GPT2LMHeadModel>(true);
+      auto model = make<models::GPT2LMHeadModel>(true);
       auto boosted = booster.boost(model, make_opt(model->parameters(), false));
       auto b = batch(0, 100);
       auto loss = model->loss(boosted.model(b.first), b.second);
@@ -327,7 +327,7 @@ TEST(HybridParallel, CheckpointFromTp2LoadsAtTp1Tp4AndUnderDdp) {
     {
       // tp 1: a plain model, no plugin.
       torch::manual_seed(99 + rank);
-      zoo::GPT2LMHeadModel plain(zoo::GPT2Config::tiny_test());
+      models::GPT2LMHeadModel plain(models::GPT2Config::tiny_test());
       colossalai::checkpoint_io::GeneralCheckpointIO io;
       colossalai::interface::ModelWrapper wrapped(plain.ptr());
       io.load_model(wrapped, dir + "/model.safetensors");
@@ -338,7 +338,7 @@ TEST(HybridParallel, CheckpointFromTp2LoadsAtTp1Tp4AndUnderDdp) {
           HPO().precision("fp32").tp_size(4).zero_stage(2));
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
       torch::manual_seed(5);
-      zoo::GPT2LMHeadModel m(zoo::GPT2Config::tiny_test());
+      models::GPT2LMHeadModel m(models::GPT2Config::tiny_test());
       auto boosted = booster.boost(m, make_opt(m->parameters(), false));
       // Streamed: each rank cuts its shards from the file's whole tensors;
       // nothing crosses the tensor group (no rank holds the whole model).
@@ -358,7 +358,7 @@ TEST(HybridParallel, CheckpointFromTp2LoadsAtTp1Tp4AndUnderDdp) {
       cb::Booster booster(cb::BoosterOptions().plugin(
           std::make_shared<cb::plugin::TorchDDPPlugin>()));
       torch::manual_seed(6);
-      zoo::GPT2LMHeadModel m(zoo::GPT2Config::tiny_test());
+      models::GPT2LMHeadModel m(models::GPT2Config::tiny_test());
       auto boosted = booster.boost(m, make_opt(m->parameters(), false));
       booster.load_model(boosted.model, dir + "/model.safetensors");
       expect_equal(whole_weights(*m, sf::ShardInfo()), "DDP");
@@ -377,14 +377,14 @@ TEST(HybridParallel, CheckpointFromTp2LoadsAtTp1Tp4AndUnderDdp) {
 TEST(HybridParallel, WideCheckpointLoadsIntoTensorParallelShards) {
   run_distributed(2, [](int, int) {
     const auto dir = scratch(colossalai::testing::test_process(), "wide");
-    const auto config = zoo::GPT2Config::tiny_test().n_embd(128).n_head(4);
+    const auto config = models::GPT2Config::tiny_test().n_embd(128).n_head(4);
     // A fresh tp 2 model drawn from `seed` and boosted, handed to `body`.
     auto with_tp2 = [&](int seed, auto&& body) {
       auto plugin = std::make_shared<HybridParallelPlugin>(
           HPO().precision("fp32").tp_size(2));
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
       torch::manual_seed(seed);
-      zoo::GPT2LMHeadModel m(config);
+      models::GPT2LMHeadModel m(config);
       auto boosted = booster.boost(m, make_opt(m->parameters(), false));
       body(booster, boosted.model, m, *plugin);
     };
@@ -415,7 +415,7 @@ TEST(HybridParallel, OptimizerStatesResumeAtAnotherTpSize) {
       auto plugin = std::make_shared<HybridParallelPlugin>(
           HPO().precision("fp32").tp_size(tp).zero_stage(stage));
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-      auto model = make<zoo::GPT2LMHeadModel>(false);
+      auto model = make<models::GPT2LMHeadModel>(false);
       auto boosted = booster.boost(model, make_opt(model->parameters(), false));
       const int dp = plugin->dp_size();
       const int64_t micro = kGlobalBatch / dp;
@@ -464,13 +464,13 @@ TEST(HybridParallel, OptimizerStatesResumeAtAnotherTpSize) {
 // as in PyTorch). Stage 2 refuses no_sync by name.
 TEST(HybridParallel, NoSyncAccumulatesLikeOneBigBatch) {
   run_distributed(4, [](int, int) {
-    const auto ref = reference<zoo::GPT2LMHeadModel>(true);
+    const auto ref = reference<models::GPT2LMHeadModel>(true);
     for (int stage : {0, 1}) {
       SCOPED_TRACE("zero_stage " + std::to_string(stage));
       auto plugin = std::make_shared<HybridParallelPlugin>(
           HPO().precision("fp32").tp_size(2).zero_stage(stage));
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-      auto model = make<zoo::GPT2LMHeadModel>(true);
+      auto model = make<models::GPT2LMHeadModel>(true);
       auto boosted = booster.boost(model, make_opt(model->parameters(), true));
       const int64_t micro = kGlobalBatch / plugin->dp_size() / 2;
       for (int step = 0; step < kSteps; ++step) {
@@ -507,7 +507,7 @@ TEST(HybridParallel, NoSyncAccumulatesLikeOneBigBatch) {
     auto plugin = std::make_shared<HybridParallelPlugin>(
         HPO().precision("fp32").tp_size(2).zero_stage(2));
     cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    auto model = make<zoo::GPT2LMHeadModel>(true);
+    auto model = make<models::GPT2LMHeadModel>(true);
     auto boosted = booster.boost(model, make_opt(model->parameters(), true));
     EXPECT_NE(
         colossalai::testing::error_of([&]() {
@@ -529,10 +529,10 @@ TEST(HybridParallel, NoSyncAccumulatesLikeOneBigBatch) {
 TEST(HybridParallel, GradientCheckpointingReplaysDropoutAndSavesMemory) {
   auto run = [](double ratio, int64_t* activation_bytes) {
     torch::manual_seed(3);
-    zoo::GPT2LMHeadModel model(zoo::GPT2Config::small_cpu()
-                                   .embd_pdrop(0.1)
-                                   .attn_pdrop(0.1)
-                                   .resid_pdrop(0.1));
+    models::GPT2LMHeadModel model(models::GPT2Config::small_cpu()
+                                      .embd_pdrop(0.1)
+                                      .attn_pdrop(0.1)
+                                      .resid_pdrop(0.1));
     sf::shard_model(
         *model, sf::ShardConfig().gradient_checkpointing_ratio(ratio));
     auto gen = at::detail::createCPUGenerator(11);
@@ -566,7 +566,7 @@ TEST(HybridParallel, GradientCheckpointingReplaysDropoutAndSavesMemory) {
   EXPECT_LT(half, stored);
   EXPECT_NE(
       colossalai::testing::error_of([]() {
-        zoo::GPT2LMHeadModel m(zoo::GPT2Config::tiny_test());
+        models::GPT2LMHeadModel m(models::GPT2Config::tiny_test());
         sf::shard_model(*m, sf::ShardConfig().gradient_checkpointing_ratio(2));
       }).find("gradient_checkpointing_ratio"),
       std::string::npos);
@@ -591,7 +591,7 @@ void check_megatron_bytes() {
   const auto& c = model->config();
   auto b = batch(0, c.vocab_size());
   int64_t width = 0, layers = 0;
-  if constexpr (std::is_same_v<Model, zoo::GPT2LMHeadModel>) {
+  if constexpr (std::is_same_v<Model, models::GPT2LMHeadModel>) {
     width = c.n_embd();
     layers = c.n_layer();
   } else {
@@ -610,8 +610,8 @@ void check_megatron_bytes() {
 
 TEST(HybridParallel, TensorParallelBytesEqualMegatronsCount) {
   run_distributed(2, [](int, int) {
-    check_megatron_bytes<zoo::GPT2LMHeadModel>();
-    check_megatron_bytes<zoo::LlamaForCausalLM>();
+    check_megatron_bytes<models::GPT2LMHeadModel>();
+    check_megatron_bytes<models::LlamaForCausalLM>();
   });
 }
 
@@ -663,7 +663,7 @@ TEST(HybridParallel, InvalidOptionsNameTheOption) {
         HPO().precision("fp32").tp_size(4));
     cb::Booster booster(cb::BoosterOptions().plugin(plugin));
     torch::manual_seed(1);
-    zoo::GPT2LMHeadModel m(zoo::GPT2Config::tiny_test().n_head(2));
+    models::GPT2LMHeadModel m(models::GPT2Config::tiny_test().n_head(2));
     auto err =
         error_of([&]() { booster.boost(m, make_opt(m->parameters(), true)); });
     EXPECT_NE(err.find("n_head"), std::string::npos) << err;

@@ -7,10 +7,10 @@
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
+#include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
 #include <colossalai/utils/compat.h>
 #include <harness/test_util.h>
-#include <zoo/gpt2.h>
-#include <zoo/llama.h>
 
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
@@ -27,7 +27,7 @@
 namespace {
 
 namespace fs = std::filesystem;
-namespace zoo = colossalai::zoo;
+namespace models = colossalai::models;
 namespace st = colossalai::checkpoint_io::safetensors;
 using colossalai::checkpoint_io::StateDict;
 
@@ -254,10 +254,10 @@ TEST(InteropPython, HuggingFaceLayoutCheckpointsGiveTheReferenceLogits) {
     ASSERT_EQ(got.sizes(), want.sizes()) << name;
     EXPECT_LE((got - want).abs().max().item<double>(), 1e-4) << name;
   };
-  zoo::GPT2LMHeadModel gpt2(zoo::GPT2Config::tiny_test());
+  models::GPT2LMHeadModel gpt2(models::GPT2Config::tiny_test());
   check(
       gpt2.ptr(), [&] { return gpt2->forward(ids); }, "gpt2");
-  zoo::LlamaForCausalLM llama(zoo::LlamaConfig::tiny_test());
+  models::LlamaForCausalLM llama(models::LlamaConfig::tiny_test());
   check(
       llama.ptr(), [&] { return llama->forward(ids); }, "llama");
 }

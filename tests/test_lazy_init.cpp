@@ -7,11 +7,11 @@
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/lazy/lazy_init.h>
+#include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 #include <zoo/gpt.h>
-#include <zoo/gpt2.h>
-#include <zoo/llama.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -22,6 +22,7 @@
 namespace {
 
 namespace zoo = colossalai::zoo;
+namespace models = colossalai::models;
 namespace lz = colossalai::lazy;
 
 template <class Make>
@@ -58,9 +59,10 @@ void expect_equal_to_eager(const Make& make) {
 TEST(LazyInit, MaterializeEqualsEagerConstruction) {
   expect_equal_to_eager([] { return zoo::GPT(zoo::GPTConfig::tiny_test()); });
   expect_equal_to_eager(
-      [] { return zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test()); });
-  expect_equal_to_eager(
-      [] { return zoo::LlamaForCausalLM(zoo::LlamaConfig::tiny_test()); });
+      [] { return models::GPT2LMHeadModel(models::GPT2Config::tiny_test()); });
+  expect_equal_to_eager([] {
+    return models::LlamaForCausalLM(models::LlamaConfig::tiny_test());
+  });
   expect_equal_to_eager([] {
     return torch::nn::Sequential(
         torch::nn::Linear(8, 16),
@@ -166,7 +168,7 @@ TEST(LazyInit, LoadIntoALazyModelEqualsEagerLoad) {
   namespace cio = colossalai::checkpoint_io;
   const auto dir = colossalai::testing::temp_dir("lazy_load");
   torch::manual_seed(1);
-  zoo::GPT2LMHeadModel source(zoo::GPT2Config::tiny_test());
+  models::GPT2LMHeadModel source(models::GPT2Config::tiny_test());
   cio::GeneralCheckpointIO io;
   colossalai::interface::ModelWrapper src(source.ptr());
   io.save_model(
@@ -178,10 +180,10 @@ TEST(LazyInit, LoadIntoALazyModelEqualsEagerLoad) {
       dir + "/sharded",
       cio::SaveModelOptions().shard(true).size_per_shard(1));
   for (const auto* path : {"/model.safetensors", "/sharded"}) {
-    zoo::GPT2LMHeadModel model{nullptr};
+    models::GPT2LMHeadModel model{nullptr};
     {
       lz::LazyInitContext ctx;
-      model = zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test());
+      model = models::GPT2LMHeadModel(models::GPT2Config::tiny_test());
     }
     colossalai::interface::ModelWrapper w(model.ptr());
     io.load_model(w, dir + path);
@@ -263,12 +265,12 @@ TEST(LazyInit, HybridParallelShardsALazyModelAsItMaterialises) {
     using HPO = cb::plugin::HybridParallelPluginOptions;
     auto run = [&](bool lazy, const HPO& options) {
       torch::manual_seed(6);
-      zoo::GPT2LMHeadModel model{nullptr};
+      models::GPT2LMHeadModel model{nullptr};
       if (lazy) {
         lz::LazyInitContext ctx;
-        model = zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test());
+        model = models::GPT2LMHeadModel(models::GPT2Config::tiny_test());
       } else {
-        model = zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test());
+        model = models::GPT2LMHeadModel(models::GPT2Config::tiny_test());
       }
       auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(options);
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
@@ -318,7 +320,8 @@ TEST(LazyInit, HybridParallelShardsALazyModelAsItMaterialises) {
       }
       int64_t whole = 0;
       for (const auto& p :
-           zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test())->parameters()) {
+           models::GPT2LMHeadModel(models::GPT2Config::tiny_test())
+               ->parameters()) {
         whole += p.numel();
       }
       EXPECT_LT(held, whole) << "rank " << rank << " holds the whole model";
@@ -339,7 +342,7 @@ TEST(LazyInit, HybridParallelShardsALazyModelAsItMaterialises) {
 // model, and building a chunk gathers it whole (twice under Gloo, whose
 // all-gather stages through a flat buffer).
 TEST(LazyInit, ShardingPluginsBuildAModelLargerThanEachRanksBudget) {
-  const auto config = zoo::GPT2Config()
+  const auto config = models::GPT2Config()
                           .vocab_size(8192)
                           .n_positions(256)
                           .n_embd(1024)
@@ -356,7 +359,7 @@ TEST(LazyInit, ShardingPluginsBuildAModelLargerThanEachRanksBudget) {
              return std::make_shared<cb::plugin::TorchFSDPPlugin>(
                  cb::plugin::TorchFSDPPluginOptions().auto_wrap_policy(
                      colossalai::zero::module_type_wrap_policy<
-                         zoo::GPT2BlockImpl>()));
+                         models::GPT2BlockImpl>()));
            }},
           {"Gemini",
            [] {
@@ -378,7 +381,7 @@ TEST(LazyInit, ShardingPluginsBuildAModelLargerThanEachRanksBudget) {
     int64_t whole = 0;
     {
       lz::LazyInitContext ctx;
-      for (const auto& p : zoo::GPT2LMHeadModel(config)->parameters()) {
+      for (const auto& p : models::GPT2LMHeadModel(config)->parameters()) {
         whole += p.numel() * 4;
       }
     }
@@ -387,10 +390,10 @@ TEST(LazyInit, ShardingPluginsBuildAModelLargerThanEachRanksBudget) {
       // process group (a CUDA-linked LibTorch alone adds ~200 MB).
       const int64_t baseline = colossalai::testing::rss_bytes();
       torch::manual_seed(5);
-      zoo::GPT2LMHeadModel model{nullptr};
+      models::GPT2LMHeadModel model{nullptr};
       {
         lz::LazyInitContext ctx;
-        model = zoo::GPT2LMHeadModel(config);
+        model = models::GPT2LMHeadModel(config);
       }
       cb::Booster booster(cb::BoosterOptions().plugin(named.second()));
       auto opt = std::make_shared<torch::optim::SGD>(

@@ -10,10 +10,10 @@
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/lora/lora_model.h>
+#include <colossalai/models/gpt2.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 #include <zoo/gpt.h>
-#include <zoo/gpt2.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -31,15 +31,16 @@ namespace cb = colossalai::booster;
 namespace cl = colossalai::lora;
 namespace cio = colossalai::checkpoint_io;
 namespace zoo = colossalai::zoo;
+namespace models = colossalai::models;
 namespace fs = std::filesystem;
 using colossalai::testing::error_of;
 using colossalai::testing::remove_scratch;
 using colossalai::testing::run_distributed;
 using colossalai::testing::scratch;
 
-zoo::GPT2LMHeadModel gpt2(int seed) {
+models::GPT2LMHeadModel gpt2(int seed) {
   torch::manual_seed(seed);
-  return zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test().n_layer(2));
+  return models::GPT2LMHeadModel(models::GPT2Config::tiny_test().n_layer(2));
 }
 
 zoo::GPT gpt(int seed) {

@@ -8,12 +8,12 @@
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
 #include <colossalai/pipeline/schedule.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 #include <harness/zoo_util.h>
-#include <zoo/gpt2.h>
-#include <zoo/llama.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -27,7 +27,7 @@ namespace cb = colossalai::booster;
 namespace cd = colossalai::distributed;
 namespace cp = colossalai::pipeline;
 namespace sf = colossalai::shardformer;
-namespace zoo = colossalai::zoo;
+namespace models = colossalai::models;
 using cb::plugin::HybridParallelPlugin;
 using HPO = cb::plugin::HybridParallelPluginOptions;
 using colossalai::testing::remove_scratch;
@@ -223,11 +223,11 @@ std::pair<at::Tensor, at::Tensor> batch(int step, int64_t vocab) {
 template <class Model>
 Model make() {
   torch::manual_seed(11);
-  if constexpr (std::is_same_v<Model, zoo::GPT2LMHeadModel>) {
-    return zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test().n_layer(8));
+  if constexpr (std::is_same_v<Model, models::GPT2LMHeadModel>) {
+    return models::GPT2LMHeadModel(models::GPT2Config::tiny_test().n_layer(8));
   } else {
-    return zoo::LlamaForCausalLM(
-        zoo::LlamaConfig::tiny_test().num_hidden_layers(8));
+    return models::LlamaForCausalLM(
+        models::LlamaConfig::tiny_test().num_hidden_layers(8));
   }
 }
 
@@ -306,20 +306,20 @@ void check_setups(int world, bool sgd) {
 
 TEST(Pipeline, Gpt2MatchesOneProcessOnTwoRanks) {
   run_distributed(2, [](int, int world) {
-    check_setups<zoo::GPT2LMHeadModel>(world, true);
-    check_setups<zoo::GPT2LMHeadModel>(world, false);
+    check_setups<models::GPT2LMHeadModel>(world, true);
+    check_setups<models::GPT2LMHeadModel>(world, false);
   });
 }
 
 TEST(Pipeline, Gpt2MatchesOneProcessOnFourRanks) {
   run_distributed(4, [](int, int world) {
-    check_setups<zoo::GPT2LMHeadModel>(world, true);
+    check_setups<models::GPT2LMHeadModel>(world, true);
   });
 }
 
 TEST(Pipeline, LlamaMatchesOneProcessOnFourRanks) {
   run_distributed(4, [](int, int world) {
-    check_setups<zoo::LlamaForCausalLM>(world, false);
+    check_setups<models::LlamaForCausalLM>(world, false);
   });
 }
 
@@ -353,7 +353,7 @@ TEST(Pipeline, MisuseNamesTheOption) {
 
     auto plugin = std::make_shared<HybridParallelPlugin>(base().pp_size(2));
     cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    auto model = make<zoo::GPT2LMHeadModel>();
+    auto model = make<models::GPT2LMHeadModel>();
     auto boosted = booster.boost(
         model, colossalai::testing::make_optimizer(model->parameters(), true));
     auto ids = at::randint(100, {6, kSeq});
@@ -379,7 +379,7 @@ TEST(Pipeline, MisuseNamesTheOption) {
     // A non-pipeline plugin.
     auto ddp = std::make_shared<cb::plugin::TorchDDPPlugin>();
     cb::Booster other(cb::BoosterOptions().plugin(ddp));
-    auto m2 = make<zoo::GPT2LMHeadModel>();
+    auto m2 = make<models::GPT2LMHeadModel>();
     auto b2 = other.boost(
         m2, colossalai::testing::make_optimizer(m2->parameters(), true));
     expect_error(
@@ -400,7 +400,7 @@ TEST(Pipeline, StagesHoldOnlyTheirLayersAndCacheMetadata) {
   run_distributed(2, [](int rank, int) {
     auto plugin = std::make_shared<HybridParallelPlugin>(base().pp_size(2));
     cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    auto model = make<zoo::GPT2LMHeadModel>();
+    auto model = make<models::GPT2LMHeadModel>();
     int64_t whole = 0;
     for (const auto& p : model->parameters()) {
       whole += p.numel();
@@ -437,9 +437,10 @@ TEST(Pipeline, CheckpointFromPp2Tp2LoadsAtPp4Pp1AndInAPlainModel) {
     const auto dir = scratch(colossalai::testing::test_process(), "pp_ckpt");
     auto gpt2 = [](int seed) {
       torch::manual_seed(seed);
-      return zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test().n_layer(8));
+      return models::GPT2LMHeadModel(
+          models::GPT2Config::tiny_test().n_layer(8));
     };
-    auto criterion = [](zoo::GPT2LMHeadModel& m) {
+    auto criterion = [](models::GPT2LMHeadModel& m) {
       return [&m](const at::Tensor& logits, const cp::Batch& mb) {
         return m->loss(logits, mb[1]);
       };
@@ -533,7 +534,8 @@ TEST(Pipeline, TrainingResumesFromCheckpointsAtOtherLayouts) {
     const auto dir = scratch(colossalai::testing::test_process(), "pp_resume");
     auto gpt2 = [](int seed) {
       torch::manual_seed(seed);
-      return zoo::GPT2LMHeadModel(zoo::GPT2Config::tiny_test().n_layer(8));
+      return models::GPT2LMHeadModel(
+          models::GPT2Config::tiny_test().n_layer(8));
     };
     auto expect_after = [&](int steps) {
       return colossalai::testing::train_one_process(

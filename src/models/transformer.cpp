@@ -1,4 +1,4 @@
-#include <zoo/transformer.h>
+#include <colossalai/models/transformer.h>
 
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
@@ -11,7 +11,7 @@
 #include <limits>
 
 namespace colossalai {
-namespace zoo {
+namespace models {
 
 namespace cdf = distributed::functional;
 namespace sl = shardformer::layer;
@@ -100,11 +100,16 @@ at::Tensor attention(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
-    shardformer::layer::DropoutImpl* dropout) {
+    shardformer::layer::DropoutImpl* dropout,
+    const at::Tensor& mask) {
   const bool drops = dropout != nullptr && dropout->is_training() &&
       dropout->options.p() > 0.0;
   if (!drops) {
     // LibTorch's kernel on 2.x, the explicit path on 1.13.
+    if (mask.defined()) {
+      return compat::scaled_dot_product_attention(
+          q, k, v, mask, /*is_causal=*/false);
+    }
     return compat::scaled_dot_product_attention(
         q, k, v, /*mask=*/c10::nullopt, /*is_causal=*/true);
   }
@@ -113,10 +118,46 @@ at::Tensor attention(
   const int64_t t = q.size(2);
   auto att = at::matmul(q, k.transpose(-2, -1)) *
       (1.0 / std::sqrt(static_cast<double>(q.size(3))));
-  auto future = at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
+  auto hidden = mask.defined()
+      ? mask.logical_not()
+      : at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
   att = at::softmax(
-      att.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+      att.masked_fill(hidden, -std::numeric_limits<double>::infinity()), -1);
   return at::matmul(dropout->forward(att), v);
+}
+
+at::Tensor attention_keep_mask(
+    const at::Tensor& attention_mask,
+    int64_t t,
+    int64_t window,
+    const at::Device& device) {
+  const bool windowed = window > 0 && window < t;
+  if (!attention_mask.defined() && !windowed) {
+    return at::Tensor();
+  }
+  auto opts = at::TensorOptions().device(device);
+  auto i = at::arange(t, opts.dtype(at::kLong)).unsqueeze(1);
+  auto j = at::arange(t, opts.dtype(at::kLong)).unsqueeze(0);
+  auto keep = j.le(i); // [T, T]
+  if (windowed) {
+    keep = keep.logical_and((i - j).lt(window));
+  }
+  keep = keep.view({1, 1, t, t});
+  if (attention_mask.defined()) {
+    TORCH_CHECK(
+        attention_mask.dim() == 2 && attention_mask.size(1) == t,
+        "attention_mask must be [B, T] with T the sequence length (",
+        t,
+        "), got ",
+        attention_mask.sizes());
+    auto real =
+        attention_mask.to(device).ne(0).view({attention_mask.size(0), 1, 1, t});
+    keep = keep.logical_and(real);
+    // A query with no key to see (left padding): every key, so softmax
+    // stays finite.
+    keep = keep.logical_or(keep.any(-1, /*keepdim=*/true).logical_not());
+  }
+  return keep;
 }
 
 at::Tensor to_head_shards(
@@ -181,10 +222,16 @@ at::Tensor sequence_attention(
     const at::Tensor& k,
     const at::Tensor& v,
     const ParallelState& st,
-    shardformer::layer::DropoutImpl* dropout) {
+    shardformer::layer::DropoutImpl* dropout,
+    const at::Tensor& mask) {
   if (st.sp_mode != "ring_attn") {
-    return attention(q, k, v, dropout);
+    return attention(q, k, v, dropout, mask);
   }
+  TORCH_CHECK(
+      !mask.defined(),
+      "ring_attn sequence parallelism is causal only: an attention_mask "
+      "(padding) or a sliding window needs another sequence_parallelism_mode "
+      "(split_gather, all_to_all) or none");
   TORCH_CHECK(
       dropout == nullptr,
       "ring_attn sequence parallelism has no attention dropout: set the "
@@ -198,5 +245,5 @@ at::Tensor sequence_attention(
       st.sp);
 }
 
-} // namespace zoo
+} // namespace models
 } // namespace colossalai

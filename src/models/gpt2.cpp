@@ -1,4 +1,4 @@
-#include <zoo/gpt2.h>
+#include <colossalai/models/gpt2.h>
 
 #include <colossalai/distributed/functional.h>
 
@@ -7,7 +7,7 @@
 #include <cmath>
 
 namespace colossalai {
-namespace zoo {
+namespace models {
 
 namespace cdf = distributed::functional;
 namespace sl = shardformer::layer;
@@ -94,7 +94,9 @@ GPT2AttentionImpl::GPT2AttentionImpl(
   init_zero(c_proj->bias);
 }
 
-at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x) {
+at::Tensor GPT2AttentionImpl::forward(
+    const at::Tensor& x,
+    const at::Tensor& mask) {
   auto qkv = c_attn(x); // [B, T, 3 C / tp]: the whole sequence
   const int64_t b = qkv.size(0);
   int64_t t = qkv.size(1);
@@ -111,9 +113,9 @@ at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x) {
   auto k = parts.select(2, 1).transpose(1, 2);
   auto v = parts.select(2, 2).transpose(1, 2);
   const bool drop = attn_dropout->options.p() > 0 && is_training();
-  auto y =
-      sequence_attention(q, k, v, *state_, drop ? attn_dropout.get() : nullptr)
-          .transpose(1, 2); // [B, T, H, D]
+  auto y = sequence_attention(
+               q, k, v, *state_, drop ? attn_dropout.get() : nullptr, mask)
+               .transpose(1, 2); // [B, T, H, D]
   if (ulysses) {
     y = to_sequence_shards(y, state_->sp);
   }
@@ -122,8 +124,10 @@ at::Tensor GPT2AttentionImpl::forward(const at::Tensor& x) {
 }
 
 GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& c) {
-  c_fc = register_module("c_fc", conv1d_col(c.n_embd(), 4 * c.n_embd(), 1));
-  c_proj = register_module("c_proj", conv1d_row(4 * c.n_embd(), c.n_embd()));
+  c_fc =
+      register_module("c_fc", conv1d_col(c.n_embd(), c.resolved_n_inner(), 1));
+  c_proj =
+      register_module("c_proj", conv1d_row(c.resolved_n_inner(), c.n_embd()));
   dropout = register_module(
       "dropout", sl::Dropout(sl::DropoutOptions(c.resid_pdrop())));
   init_normal(c_fc->weight, c.initializer_range());
@@ -144,9 +148,9 @@ GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& c, const ParallelState* state) {
   mlp = register_module("mlp", GPT2MLP(c));
 }
 
-at::Tensor GPT2BlockImpl::forward(const at::Tensor& x) {
+at::Tensor GPT2BlockImpl::forward(const at::Tensor& x, const at::Tensor& mask) {
   auto scope = forward_scope();
-  auto h = x + attn(ln_1(x));
+  auto h = x + attn(ln_1(x), mask);
   return scope.exit(h + mlp(ln_2(h)));
 }
 
@@ -169,26 +173,47 @@ GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& c, const ParallelState* state)
   init_normal(wpe->weight, c.initializer_range());
 }
 
-at::Tensor GPT2ModelImpl::forward(const at::Tensor& ids) {
-  return forward_stage(shardformer::StageLayers(), ids, at::Tensor());
+at::Tensor GPT2ModelImpl::forward(
+    const at::Tensor& ids,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  return forward_stage(
+      shardformer::StageLayers(),
+      ids,
+      at::Tensor(),
+      attention_mask,
+      position_ids);
 }
 
 at::Tensor GPT2ModelImpl::forward_stage(
     const shardformer::StageLayers& layers,
     const at::Tensor& ids,
-    const at::Tensor& hidden) {
+    const at::Tensor& hidden,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
   const auto& st = *state_;
   const int64_t n = static_cast<int64_t>(h->size());
+  TORCH_CHECK(
+      ids.dim() == 2 && ids.size(1) <= config_.n_positions(),
+      "GPT2Model: ids must be [B, T] with T <= n_positions (",
+      config_.n_positions(),
+      "), got ",
+      ids.sizes());
+  TORCH_CHECK(
+      !position_ids.defined() || position_ids.sizes() == ids.sizes(),
+      "GPT2Model: position_ids must be [B, T] like ids ",
+      ids.sizes(),
+      ", got ",
+      position_ids.sizes());
+  const auto mask = attention_keep_mask(
+      attention_mask, ids.size(1), /*sliding_window=*/0, ids.device());
   at::Tensor x = hidden;
   if (layers.first) {
-    TORCH_CHECK(
-        ids.dim() == 2 && ids.size(1) <= config_.n_positions(),
-        "GPT2Model: ids must be [B, T] with T <= n_positions (",
-        config_.n_positions(),
-        "), got ",
-        ids.sizes());
     at::Tensor tokens = ids, pos;
     std::tie(tokens, pos) = sequence_chunk(ids, st);
+    if (position_ids.defined()) {
+      pos = sequence_chunk(position_ids, st).first;
+    }
     x = drop(wte(tokens) + wpe(pos));
     if (st.sp_mode == "split_gather") {
       x = cdf::split_along_dim(x, 1, st.tp);
@@ -203,7 +228,7 @@ at::Tensor GPT2ModelImpl::forward_stage(
         i,
         n,
         *block,
-        [block](const at::Tensor& y) { return block->forward(y); },
+        [block, mask](const at::Tensor& y) { return block->forward(y, mask); },
         x);
   }
   return layers.last ? gather_sequence(ln_f(x), st) : x;
@@ -214,15 +239,26 @@ GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config)
   transformer = register_module("transformer", GPT2Model(config, &state_));
 }
 
-at::Tensor GPT2LMHeadModelImpl::forward(const at::Tensor& ids) {
-  return forward_stage(shardformer::StageLayers(), ids, at::Tensor());
+at::Tensor GPT2LMHeadModelImpl::forward(
+    const at::Tensor& ids,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  return forward_stage(
+      shardformer::StageLayers(),
+      ids,
+      at::Tensor(),
+      attention_mask,
+      position_ids);
 }
 
 at::Tensor GPT2LMHeadModelImpl::forward_stage(
     const shardformer::StageLayers& layers,
     const at::Tensor& ids,
-    const at::Tensor& hidden) {
-  auto x = transformer->forward_stage(layers, ids, hidden);
+    const at::Tensor& hidden,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  auto x = transformer->forward_stage(
+      layers, ids, hidden, attention_mask, position_ids);
   if (!layers.last) {
     return x;
   }
@@ -365,5 +401,5 @@ at::Tensor GPT2Policy::stage_forward(
   return m.forward_stage(layers, micro_batch[0], hidden);
 }
 
-} // namespace zoo
+} // namespace models
 } // namespace colossalai

@@ -1,9 +1,11 @@
-#include <zoo/llama.h>
+#include <colossalai/models/llama.h>
 
 #include <colossalai/distributed/functional.h>
 
+#include <cmath>
+
 namespace colossalai {
-namespace zoo {
+namespace models {
 
 namespace cdf = distributed::functional;
 namespace sl = shardformer::layer;
@@ -32,22 +34,28 @@ LlamaConfig LlamaConfig::small_cpu() {
 
 namespace {
 
-sl::Linear1D_Col col(int64_t in, int64_t out, double std) {
-  sl::Linear1D_Col m(sl::Linear1DOptions(in, out).bias(false));
+sl::Linear1D_Col col(int64_t in, int64_t out, double std, bool bias) {
+  sl::Linear1D_Col m(sl::Linear1DOptions(in, out).bias(bias));
   torch::NoGradGuard no_grad;
   m->weight.normal_(0.0, std);
+  if (bias) {
+    m->bias.zero_();
+  }
   return m;
 }
 
-sl::Linear1D_Row row(int64_t in, int64_t out, double std) {
-  sl::Linear1D_Row m(sl::Linear1DOptions(in, out).bias(false));
+sl::Linear1D_Row row(int64_t in, int64_t out, double std, bool bias) {
+  sl::Linear1D_Row m(sl::Linear1DOptions(in, out).bias(bias));
   torch::NoGradGuard no_grad;
   m->weight.normal_(0.0, std);
+  if (bias) {
+    m->bias.zero_();
+  }
   return m;
 }
 
-sl::RMSNorm rms_norm(const LlamaConfig& c) {
-  return sl::RMSNorm(sl::RMSNormOptions(c.hidden_size()).eps(c.rms_norm_eps()));
+sl::RMSNorm rms_norm(int64_t width, const LlamaConfig& c) {
+  return sl::RMSNorm(sl::RMSNormOptions(width).eps(c.rms_norm_eps()));
 }
 
 // Hugging Face's rotate_half: (x1, x2) -> (-x2, x1) over the last dim.
@@ -56,19 +64,50 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-halves[1], halves[0]}, -1);
 }
 
-// x [B, H, T, D] rotated by the angles of `positions` [T].
+// The rotary inverse frequencies [d / 2], fp32 as transformers computes
+// them, with the config's scaling applied.
+at::Tensor rope_inv_freq(const LlamaConfig& c, int64_t d) {
+  auto inv_freq = at::pow(
+                      c.rope_theta(),
+                      at::arange(0, d, 2, at::kLong).to(at::kFloat) /
+                          static_cast<double>(d))
+                      .reciprocal();
+  const auto& rs = c.rope_scaling();
+  if (rs.rope_type() == "linear") {
+    return inv_freq / rs.factor();
+  }
+  if (rs.rope_type() != "llama3") {
+    return inv_freq;
+  }
+  // Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the
+  // band between interpolated.
+  const double old_len =
+      static_cast<double>(rs.original_max_position_embeddings());
+  const double low_wavelen = old_len / rs.low_freq_factor();
+  const double high_wavelen = old_len / rs.high_freq_factor();
+  auto wavelen = 2.0 * M_PI / inv_freq;
+  auto scaled =
+      at::where(wavelen > low_wavelen, inv_freq / rs.factor(), inv_freq);
+  auto smooth = (old_len / wavelen - rs.low_freq_factor()) /
+      (rs.high_freq_factor() - rs.low_freq_factor());
+  auto smoothed = (1 - smooth) * scaled / rs.factor() + smooth * scaled;
+  auto medium = (wavelen < high_wavelen)
+                    .logical_not()
+                    .logical_and((wavelen > low_wavelen).logical_not());
+  return at::where(medium, smoothed, scaled);
+}
+
+// x [B, H, T, D] rotated by the angles of `positions` ([T] or [B, T]).
 at::Tensor apply_rope(
     const at::Tensor& x,
     const at::Tensor& positions,
-    double theta) {
-  const int64_t d = x.size(-1);
-  auto inv_freq = at::pow(
-                      theta,
-                      at::arange(0, d, 2, x.options().dtype(at::kFloat)) /
-                          static_cast<double>(d))
-                      .reciprocal();
-  auto freqs = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
-  auto emb = at::cat({freqs, freqs}, -1); // [T, D]
+    const at::Tensor& inv_freq) {
+  auto freqs = positions.to(at::kFloat).unsqueeze(-1) *
+      inv_freq.to(positions.device());    // [.., T, D / 2]
+  auto emb = at::cat({freqs, freqs}, -1); // [.., T, D]
+  if (emb.dim() == 3) {
+    emb = emb.unsqueeze(1); // [B, 1, T, D]
+  }
   auto cos = emb.cos().to(x.scalar_type());
   auto sin = emb.sin().to(x.scalar_type());
   return x * cos + rotate_half(x) * sin;
@@ -94,27 +133,44 @@ LlamaAttentionImpl::LlamaAttentionImpl(
     : config_(c), state_(state) {
   const int64_t h = c.num_attention_heads(), kv = c.num_key_value_heads();
   TORCH_CHECK(
-      c.hidden_size() % h == 0 && h % kv == 0,
+      h > 0 && kv > 0 && h % kv == 0,
+      "LlamaConfig: num_attention_heads (",
+      h,
+      ") must be divisible by num_key_value_heads (",
+      kv,
+      ")");
+  TORCH_CHECK(
+      c.head_dim() > 0 || c.hidden_size() % h == 0,
       "LlamaConfig: hidden_size (",
       c.hidden_size(),
       ") must be divisible by num_attention_heads (",
       h,
-      "), which must be divisible by num_key_value_heads (",
-      kv,
-      ")");
-  const int64_t d = c.hidden_size() / h;
+      ") unless head_dim is given");
+  const int64_t d = c.resolved_head_dim();
+  TORCH_CHECK(d % 2 == 0, "LlamaConfig: head_dim must be even, got ", d);
   const double std = c.initializer_range();
-  q_proj = register_module("q_proj", col(c.hidden_size(), h * d, std));
-  k_proj = register_module("k_proj", col(c.hidden_size(), kv * d, std));
-  v_proj = register_module("v_proj", col(c.hidden_size(), kv * d, std));
-  o_proj = register_module("o_proj", row(h * d, c.hidden_size(), std));
+  const bool qkv_bias = c.attention_bias() || c.qkv_bias();
+  q_proj =
+      register_module("q_proj", col(c.hidden_size(), h * d, std, qkv_bias));
+  k_proj =
+      register_module("k_proj", col(c.hidden_size(), kv * d, std, qkv_bias));
+  v_proj =
+      register_module("v_proj", col(c.hidden_size(), kv * d, std, qkv_bias));
+  o_proj = register_module(
+      "o_proj", row(h * d, c.hidden_size(), std, c.attention_bias()));
+  if (c.qk_norm()) {
+    q_norm = register_module("q_norm", rms_norm(d, c));
+    k_norm = register_module("k_norm", rms_norm(d, c));
+  }
+  inv_freq_ = rope_inv_freq(c, d);
 }
 
 at::Tensor LlamaAttentionImpl::forward(
     const at::Tensor& x,
-    const at::Tensor& positions) {
+    const at::Tensor& positions,
+    const at::Tensor& mask) {
   const auto& st = *state_;
-  const int64_t d = config_.hidden_size() / config_.num_attention_heads();
+  const int64_t d = config_.resolved_head_dim();
   const int64_t b = x.size(0);
   // One shared input for q, k and v: one gradient sum over tp, not three.
   auto xin = q_proj->prepare_input(x);
@@ -123,12 +179,14 @@ at::Tensor LlamaAttentionImpl::forward(
   q = q.view({b, t, -1, d});
   auto k = k_proj->forward_prepared(xin).view({b, t, -1, d});
   auto v = v_proj->forward_prepared(xin).view({b, t, -1, d});
+  if (q_norm) {
+    q = q_norm(q);
+    k = k_norm(k);
+  }
   // Rotary angles: the sequence here is `positions` unless split_gather
-  // gathered it whole.
-  auto pos = st.sp_mode == "split_gather" ? at::arange(t, positions.options())
-                                          : positions;
-  q = apply_rope(q.transpose(1, 2), pos, config_.rope_theta()).transpose(1, 2);
-  k = apply_rope(k.transpose(1, 2), pos, config_.rope_theta()).transpose(1, 2);
+  // gathered it whole (the model then passes the whole sequence's).
+  q = apply_rope(q.transpose(1, 2), positions, inv_freq_).transpose(1, 2);
+  k = apply_rope(k.transpose(1, 2), positions, inv_freq_).transpose(1, 2);
   if (st.sp_mode == "all_to_all") {
     q = to_head_shards(q, st.sp);
     k = to_head_shards(k, st.sp);
@@ -140,7 +198,8 @@ at::Tensor LlamaAttentionImpl::forward(
                repeat_kv(k.transpose(1, 2), n_rep),
                repeat_kv(v.transpose(1, 2), n_rep),
                st,
-               nullptr)
+               nullptr,
+               mask)
                .transpose(1, 2); // [B, T, H, D]
   if (st.sp_mode == "all_to_all") {
     y = to_sequence_shards(y, st.sp);
@@ -150,12 +209,13 @@ at::Tensor LlamaAttentionImpl::forward(
 
 LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c) {
   const double std = c.initializer_range();
+  const bool bias = c.mlp_bias();
   gate_proj = register_module(
-      "gate_proj", col(c.hidden_size(), c.intermediate_size(), std));
+      "gate_proj", col(c.hidden_size(), c.intermediate_size(), std, bias));
   up_proj = register_module(
-      "up_proj", col(c.hidden_size(), c.intermediate_size(), std));
+      "up_proj", col(c.hidden_size(), c.intermediate_size(), std, bias));
   down_proj = register_module(
-      "down_proj", row(c.intermediate_size(), c.hidden_size(), std));
+      "down_proj", row(c.intermediate_size(), c.hidden_size(), std, bias));
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
@@ -170,16 +230,18 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(
     const ParallelState* state) {
   self_attn = register_module("self_attn", LlamaAttention(c, state));
   mlp = register_module("mlp", LlamaMLP(c));
-  input_layernorm = register_module("input_layernorm", rms_norm(c));
+  input_layernorm =
+      register_module("input_layernorm", rms_norm(c.hidden_size(), c));
   post_attention_layernorm =
-      register_module("post_attention_layernorm", rms_norm(c));
+      register_module("post_attention_layernorm", rms_norm(c.hidden_size(), c));
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(
     const at::Tensor& x,
-    const at::Tensor& positions) {
+    const at::Tensor& positions,
+    const at::Tensor& mask) {
   auto scope = forward_scope();
-  auto h = x + self_attn->forward(input_layernorm(x), positions);
+  auto h = x + self_attn->forward(input_layernorm(x), positions, mask);
   return scope.exit(h + mlp(post_attention_layernorm(h)));
 }
 
@@ -193,28 +255,54 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, const ParallelState* state)
   for (int64_t i = 0; i < c.num_hidden_layers(); ++i) {
     layers->push_back(LlamaDecoderLayer(c, state));
   }
-  norm = register_module("norm", rms_norm(c));
+  norm = register_module("norm", rms_norm(c.hidden_size(), c));
   torch::NoGradGuard no_grad;
   embed_tokens->weight.normal_(0.0, c.initializer_range());
 }
 
-at::Tensor LlamaModelImpl::forward(const at::Tensor& ids) {
-  return forward_stage(shardformer::StageLayers(), ids, at::Tensor());
+at::Tensor LlamaModelImpl::forward(
+    const at::Tensor& ids,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  return forward_stage(
+      shardformer::StageLayers(),
+      ids,
+      at::Tensor(),
+      attention_mask,
+      position_ids);
 }
 
 at::Tensor LlamaModelImpl::forward_stage(
     const shardformer::StageLayers& stage,
     const at::Tensor& ids,
-    const at::Tensor& hidden) {
+    const at::Tensor& hidden,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
   TORCH_CHECK(
-      ids.dim() == 2 && ids.size(1) <= config_.max_position_embeddings(),
-      "LlamaModel: ids must be [B, T] with T <= max_position_embeddings (",
-      config_.max_position_embeddings(),
-      "), got ",
-      ids.sizes());
+      ids.dim() == 2, "LlamaModel: ids must be [B, T], got ", ids.sizes());
+  TORCH_CHECK(
+      !position_ids.defined() || position_ids.sizes() == ids.sizes(),
+      "LlamaModel: position_ids must be [B, T] like ids ",
+      ids.sizes(),
+      ", got ",
+      position_ids.sizes());
   const auto& st = *state_;
+  const int64_t t = ids.size(1);
   at::Tensor tokens = ids, pos;
   std::tie(tokens, pos) = sequence_chunk(ids, st);
+  if (position_ids.defined()) {
+    pos = st.sequence_on_sp() ? sequence_chunk(position_ids, st).first
+                              : position_ids;
+  }
+  // Under split_gather attention sees the whole sequence: its positions.
+  at::Tensor rope_pos = st.sp_mode == "split_gather"
+      ? (position_ids.defined() ? position_ids
+                                : at::arange(t, ids.options().dtype(at::kLong)))
+      : pos;
+  // Attention always sees the whole sequence except under ring_attn (which
+  // refuses a mask).
+  const auto mask = attention_keep_mask(
+      attention_mask, t, config_.sliding_window(), ids.device());
   at::Tensor x = hidden;
   if (stage.first) {
     x = embed_tokens(tokens);
@@ -232,7 +320,9 @@ at::Tensor LlamaModelImpl::forward_stage(
         i,
         n,
         *layer,
-        [layer, pos](const at::Tensor& y) { return layer->forward(y, pos); },
+        [layer, rope_pos, mask](const at::Tensor& y) {
+          return layer->forward(y, rope_pos, mask);
+        },
         x);
   }
   return stage.last ? gather_sequence(norm(x), st) : x;
@@ -240,24 +330,48 @@ at::Tensor LlamaModelImpl::forward_stage(
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
   model = register_module("model", LlamaModel(c, &state_));
-  lm_head = register_module(
-      "lm_head",
-      sl::VocabParallelLMHead1D(
-          sl::Embedding1DOptions(c.vocab_size(), c.hidden_size())));
-  torch::NoGradGuard no_grad;
-  lm_head->weight.normal_(0.0, c.initializer_range());
+  if (!c.tie_word_embeddings()) {
+    lm_head = register_module(
+        "lm_head",
+        sl::VocabParallelLMHead1D(
+            sl::Embedding1DOptions(c.vocab_size(), c.hidden_size())));
+    torch::NoGradGuard no_grad;
+    lm_head->weight.normal_(0.0, c.initializer_range());
+  }
 }
 
-at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& ids) {
-  return lm_head(model(ids));
+at::Tensor LlamaForCausalLMImpl::forward(
+    const at::Tensor& ids,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  return forward_stage(
+      shardformer::StageLayers(),
+      ids,
+      at::Tensor(),
+      attention_mask,
+      position_ids);
 }
 
 at::Tensor LlamaForCausalLMImpl::forward_stage(
     const shardformer::StageLayers& layers,
     const at::Tensor& ids,
-    const at::Tensor& hidden) {
-  auto x = model->forward_stage(layers, ids, hidden);
-  return layers.last ? lm_head(x) : x;
+    const at::Tensor& hidden,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  auto x =
+      model->forward_stage(layers, ids, hidden, attention_mask, position_ids);
+  if (!layers.last) {
+    return x;
+  }
+  if (lm_head) {
+    return lm_head(x);
+  }
+  return sl::lm_head_logits(
+      x,
+      model->embed_tokens->weight,
+      state_.tp,
+      /*gather_output=*/!state_.parallel_output,
+      config_.vocab_size());
 }
 
 at::Tensor LlamaForCausalLMImpl::loss(
@@ -291,10 +405,12 @@ shardformer::ShardInfo LlamaPolicy::shard(
   lm.embed_tokens->options.make_vocab_size_divisible_by(
       cfg.make_vocab_size_divisible_by());
   lm.embed_tokens->shard_(tp);
-  m->lm_head->options.make_vocab_size_divisible_by(
-      cfg.make_vocab_size_divisible_by());
-  m->lm_head->options.gather_output(!cfg.parallel_output());
-  m->lm_head->shard_(tp);
+  if (m->lm_head) {
+    m->lm_head->options.make_vocab_size_divisible_by(
+        cfg.make_vocab_size_divisible_by());
+    m->lm_head->options.gather_output(!cfg.parallel_output());
+    m->lm_head->shard_(tp);
+  }
   shardformer::ShardInfo info;
   for (size_t i = 0; i < lm.layers->size(); ++i) {
     auto* layer = lm.layers[i]->as<LlamaDecoderLayerImpl>();
@@ -313,10 +429,23 @@ shardformer::ShardInfo LlamaPolicy::shard(
       row->options.seq_parallel(split_gather).ring(mode == "ring");
       row->shard_(tp);
     }
+    const auto p = "model.layers." + std::to_string(i) + ".";
     if (split_gather) {
-      const auto p = "model.layers." + std::to_string(i) + ".";
       info.partial_grad_params.insert(p + "input_layernorm.weight");
       info.partial_grad_params.insert(p + "post_attention_layernorm.weight");
+    }
+    // Row layers add their bias after the sum: its gradient is partial
+    // only where each rank holds part of the sequence.
+    if (split_gather && a.o_proj->bias.defined()) {
+      info.partial_grad_params.insert(p + "self_attn.o_proj.bias");
+    }
+    if (split_gather && mlp.down_proj->bias.defined()) {
+      info.partial_grad_params.insert(p + "mlp.down_proj.bias");
+    }
+    // Qwen3's per-head norms see this rank's heads only.
+    if (a.q_norm && (tp != nullptr && tp->size() > 1)) {
+      info.partial_grad_params.insert(p + "self_attn.q_norm.weight");
+      info.partial_grad_params.insert(p + "self_attn.k_norm.weight");
     }
   }
   if (split_gather) {
@@ -353,9 +482,23 @@ std::vector<std::string> LlamaPolicy::held_layers(
   }
   if (layers.last) {
     names.push_back("model.norm");
-    names.push_back("lm_head");
+    if (as_llama(model).config().tie_word_embeddings()) {
+      if (!layers.first) {
+        names.push_back("model.embed_tokens"); // the tied head
+      }
+    } else {
+      names.push_back("lm_head");
+    }
   }
   return names;
+}
+
+std::vector<std::string> LlamaPolicy::shared_params(
+    const torch::nn::Module& model) const {
+  if (as_llama(model).config().tie_word_embeddings()) {
+    return {"model.embed_tokens.weight"};
+  }
+  return {};
 }
 
 at::Tensor LlamaPolicy::stage_forward(
@@ -370,5 +513,5 @@ at::Tensor LlamaPolicy::stage_forward(
   return m.forward_stage(layers, micro_batch[0], hidden);
 }
 
-} // namespace zoo
+} // namespace models
 } // namespace colossalai

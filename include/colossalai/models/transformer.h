@@ -1,6 +1,6 @@
 #pragma once
 
-/// Pieces the zoo's Hugging Face-layout transformers (GPT-2, LLaMA) share:
+/// Pieces the Hugging Face-layout transformers (GPT-2, LLaMA) share:
 /// causal attention with or without the fused kernel, the Ulysses head
 /// exchange, and the runtime parallel state a policy leaves in a model.
 
@@ -16,7 +16,7 @@
 #include <string>
 
 namespace colossalai {
-namespace zoo {
+namespace models {
 
 /// What a model's forward needs to know after sharding (set by its policy;
 /// the defaults are a whole model on one process).
@@ -79,12 +79,29 @@ at::Tensor causal_lm_loss(
 /// Causal softmax attention of q [B, H, T, D] and k, v [B, H, T, D] ->
 /// [B, H, T, D], through compat::scaled_dot_product_attention (LibTorch's
 /// kernel on 2.x) unless `dropout` (may be null) is active: then matmul,
-/// mask, softmax and `dropout` on the probabilities.
+/// mask, softmax and `dropout` on the probabilities. `mask` (optional, from
+/// `attention_keep_mask`) replaces the causal mask: true where a query may
+/// see a key.
 at::Tensor attention(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
-    shardformer::layer::DropoutImpl* dropout);
+    shardformer::layer::DropoutImpl* dropout,
+    const at::Tensor& mask = at::Tensor());
+
+/// The boolean [B, 1, T, T] mask of which keys each query of a whole
+/// sequence of length `t` sees: causal, within `sliding_window` positions
+/// (query i sees key j when i - j < window; <= 0: no window, Mistral's
+/// convention) and not padding (`attention_mask` [B, T], Hugging Face's:
+/// 1 for a real token, 0 for padding). A query left with no key (left
+/// padding) sees every key, as transformers' SDPA path does, so its output
+/// is finite; its value means nothing. Undefined when nothing beyond
+/// causality is masked (the fused causal kernel then runs).
+at::Tensor attention_keep_mask(
+    const at::Tensor& attention_mask,
+    int64_t t,
+    int64_t sliding_window,
+    const at::Device& device);
 
 /// Ulysses: [B, T / sp, H, D] sequence-sharded -> [B, T, H / sp, D]
 /// head-sharded over `sp` (and `to_sequence_shards` back).
@@ -117,13 +134,15 @@ at::Tensor gather_sequence(const at::Tensor& x, const ParallelState& state);
 
 /// Causal attention of this rank's q, k, v [B, H, T_local, D] under
 /// `state`: ring attention over sp for ring_attn (attention dropout must be
-/// off there), else `attention` over the local sequence.
+/// off there, and no `mask`: the ring is causal only), else `attention`
+/// over the local sequence.
 at::Tensor sequence_attention(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
     const ParallelState& state,
-    shardformer::layer::DropoutImpl* dropout);
+    shardformer::layer::DropoutImpl* dropout,
+    const at::Tensor& mask = at::Tensor());
 
-} // namespace zoo
+} // namespace models
 } // namespace colossalai

@@ -11,18 +11,18 @@
 /// Example:
 /// \code
 ///   torch::manual_seed(0);
-///   colossalai::zoo::GPT2LMHeadModel model(
-///       colossalai::zoo::GPT2Config::tiny_test());
+///   colossalai::models::GPT2LMHeadModel model(
+///       colossalai::models::GPT2Config::tiny_test());
 ///   auto logits = model->forward(ids);               // [B, T, vocab]
 ///   auto loss = model->loss(logits, targets);        // next-token targets
 /// \endcode
 
+#include <colossalai/models/transformer.h>
 #include <colossalai/nn/hookable_module.h>
 #include <colossalai/shardformer/layer/embedding.h>
 #include <colossalai/shardformer/layer/linear.h>
 #include <colossalai/shardformer/layer/normalization.h>
 #include <colossalai/shardformer/policy.h>
-#include <zoo/transformer.h>
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -31,8 +31,10 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include <string>
+
 namespace colossalai {
-namespace zoo {
+namespace models {
 
 /// Hugging Face's GPT2Config fields (defaults: gpt2 small).
 struct GPT2Config {
@@ -53,13 +55,26 @@ struct GPT2Config {
   TORCH_ARG(double, attn_pdrop) = 0.1;
   TORCH_ARG(double, resid_pdrop) = 0.1;
   TORCH_ARG(double, initializer_range) = 0.02;
+  /// Width of the MLP; 0: 4 x n_embd.
+  TORCH_ARG(int64_t, n_inner) = 0;
+  /// The config.json this config was read from (from_pretrained), so
+  /// save_pretrained keeps the fields not modelled here; empty: none.
+  TORCH_ARG(std::string, source_json) = "";
+
+ public:
+  int64_t resolved_n_inner() const {
+    return n_inner_ > 0 ? n_inner_ : 4 * n_embd_;
+  }
 };
 
 class GPT2AttentionImpl : public torch::nn::Module {
  public:
   GPT2AttentionImpl(const GPT2Config& config, const ParallelState* state);
-  /// x: [B, T_local, C] -> [B, T_local, C].
-  at::Tensor forward(const at::Tensor& x);
+  /// x: [B, T_local, C] -> [B, T_local, C]; `mask` from
+  /// attention_keep_mask (undefined: causal).
+  at::Tensor forward(
+      const at::Tensor& x,
+      const at::Tensor& mask = at::Tensor());
 
   shardformer::layer::Linear1D_Col c_attn{nullptr}; ///< fused q, k, v
   shardformer::layer::Linear1D_Row c_proj{nullptr};
@@ -89,7 +104,9 @@ class GPT2BlockImpl : public torch::nn::Module,
                       public colossalai::nn::HookableModule {
  public:
   GPT2BlockImpl(const GPT2Config& config, const ParallelState* state);
-  at::Tensor forward(const at::Tensor& x);
+  at::Tensor forward(
+      const at::Tensor& x,
+      const at::Tensor& mask = at::Tensor());
 
   torch::nn::LayerNorm ln_1{nullptr};
   GPT2Attention attn{nullptr};
@@ -102,14 +119,20 @@ class GPT2ModelImpl : public torch::nn::Module {
  public:
   GPT2ModelImpl(const GPT2Config& config, const ParallelState* state);
   /// ids [B, T] -> final hidden states [B, T, C] (after ln_f), whole
-  /// sequence on every rank.
-  at::Tensor forward(const at::Tensor& ids);
+  /// sequence on every rank; `attention_mask` [B, T] (1: a real token) and
+  /// `position_ids` [B, T] (default 0 .. T - 1) as transformers takes them.
+  at::Tensor forward(
+      const at::Tensor& ids,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor());
   /// A pipeline stage's part: embeddings of `ids` (first) or `hidden`,
   /// blocks [layers.begin, layers.end), then ln_f (last).
   at::Tensor forward_stage(
       const shardformer::StageLayers& layers,
       const at::Tensor& ids,
-      const at::Tensor& hidden);
+      const at::Tensor& hidden,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor());
 
   shardformer::layer::VocabParallelEmbedding1D wte{nullptr};
   torch::nn::Embedding wpe{nullptr};
@@ -128,13 +151,19 @@ class GPT2LMHeadModelImpl : public torch::nn::Module,
  public:
   explicit GPT2LMHeadModelImpl(const GPT2Config& config = GPT2Config());
   /// ids [B, T] int64 -> logits [B, T, vocab] (with tensor parallelism and
-  /// parallel_output: this rank's [B, T, V_pad / tp] vocabulary columns).
-  at::Tensor forward(const at::Tensor& ids);
+  /// parallel_output: this rank's [B, T, V_pad / tp] vocabulary columns);
+  /// `attention_mask` and `position_ids` as GPT2Model::forward.
+  at::Tensor forward(
+      const at::Tensor& ids,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor());
   /// A pipeline stage's part of `forward` (the last stage adds the head).
   at::Tensor forward_stage(
       const shardformer::StageLayers& layers,
       const at::Tensor& ids,
-      const at::Tensor& hidden);
+      const at::Tensor& hidden,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor());
   /// Mean cross entropy of `forward`'s logits against next-token targets
   /// [B, T] (aligned with the logits), sharded logits included.
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
@@ -184,5 +213,5 @@ class GPT2Policy : public shardformer::Policy {
       const at::Tensor& hidden) const override;
 };
 
-} // namespace zoo
+} // namespace models
 } // namespace colossalai

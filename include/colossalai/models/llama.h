@@ -1,0 +1,253 @@
+#pragma once
+
+/// LLaMA with Hugging Face's layout (`LlamaForCausalLM`), written with the
+/// tensor-parallel layers: RMSNorm, rotary position embeddings (with
+/// Llama 3's and linear `rope_scaling`), SwiGLU MLP, grouped-query attention,
+/// an untied or tied LM head. The same class is Mistral (a sliding attention
+/// window), Qwen2 (q, k, v biases) and Qwen3 (RMSNorm of each head's q and
+/// k), whose Hugging Face layouts differ from LLaMA's only there
+/// (`LlamaConfig::model_type`). Built whole it is a plain model with Hugging
+/// Face's parameter names (`model.layers.{i}.self_attn.q_proj.weight`, ...);
+/// `LlamaPolicy` shards it in place.
+///
+/// Example:
+/// \code
+///   colossalai::models::LlamaForCausalLM model(
+///       colossalai::models::LlamaConfig::tiny_test());
+///   auto loss = model->loss(model->forward(ids), targets);
+///   // Padding (1: a real token) and explicit positions, as transformers:
+///   auto logits = model->forward(ids, attention_mask, position_ids);
+/// \endcode
+
+#include <colossalai/models/transformer.h>
+#include <colossalai/nn/hookable_module.h>
+#include <colossalai/shardformer/layer/embedding.h>
+#include <colossalai/shardformer/layer/linear.h>
+#include <colossalai/shardformer/layer/normalization.h>
+#include <colossalai/shardformer/policy.h>
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/pimpl.h>
+
+#include <string>
+
+namespace colossalai {
+namespace models {
+
+/// How the rotary frequencies are scaled (Hugging Face's `rope_scaling`, or
+/// `rope_parameters` in transformers 5): "default" (none), "linear"
+/// (positions divided by `factor`) or "llama3" (Llama 3.1's smooth
+/// per-frequency scaling). Other types are refused when a config is read.
+struct RopeScaling {
+  TORCH_ARG(std::string, rope_type) = "default";
+  TORCH_ARG(double, factor) = 1.0;
+  TORCH_ARG(double, low_freq_factor) = 1.0;
+  TORCH_ARG(double, high_freq_factor) = 4.0;
+  TORCH_ARG(int64_t, original_max_position_embeddings) = 8192;
+};
+
+/// Hugging Face's LlamaConfig fields (defaults: LLaMA-7B), with those of
+/// Mistral, Qwen2 and Qwen3 that change the computation.
+struct LlamaConfig {
+  /// vocab 100, width 32, MLP 64, 2 layers, 8 heads over 4 key/value heads,
+  /// 32 positions.
+  static LlamaConfig tiny_test();
+  /// About gpt-small-cpu's size: vocab 4096, width 256, MLP 688, 4 layers,
+  /// 4 heads over 2 key/value heads, 128 positions.
+  static LlamaConfig small_cpu();
+
+  /// "llama", "mistral", "qwen2" or "qwen3": what save_pretrained writes as
+  /// `model_type` and `architectures`.
+  TORCH_ARG(std::string, model_type) = "llama";
+  TORCH_ARG(int64_t, vocab_size) = 32000;
+  TORCH_ARG(int64_t, hidden_size) = 4096;
+  TORCH_ARG(int64_t, intermediate_size) = 11008;
+  TORCH_ARG(int64_t, num_hidden_layers) = 32;
+  TORCH_ARG(int64_t, num_attention_heads) = 32;
+  TORCH_ARG(int64_t, num_key_value_heads) = 32;
+  /// Width of one head; 0: hidden_size / num_attention_heads.
+  TORCH_ARG(int64_t, head_dim) = 0;
+  TORCH_ARG(int64_t, max_position_embeddings) = 2048;
+  TORCH_ARG(double, rms_norm_eps) = 1e-6;
+  TORCH_ARG(double, rope_theta) = 10000.0;
+  TORCH_ARG(RopeScaling, rope_scaling) = RopeScaling();
+  TORCH_ARG(double, initializer_range) = 0.02;
+  /// The LM head is the token embedding (Llama 3.2 1B / 3B, small Qwens).
+  TORCH_ARG(bool, tie_word_embeddings) = false;
+  /// Biases on q, k, v and o (LLaMA's `attention_bias`).
+  TORCH_ARG(bool, attention_bias) = false;
+  /// Biases on q, k and v only (Qwen2).
+  TORCH_ARG(bool, qkv_bias) = false;
+  /// Biases on gate, up and down (LLaMA's `mlp_bias`).
+  TORCH_ARG(bool, mlp_bias) = false;
+  /// RMSNorm over each head's q and k before the rotation (Qwen3).
+  TORCH_ARG(bool, qk_norm) = false;
+  /// Each query sees the last `sliding_window` keys (Mistral); 0: all.
+  TORCH_ARG(int64_t, sliding_window) = 0;
+  /// The config.json this config was read from (from_pretrained), so
+  /// save_pretrained keeps the fields not modelled here; empty: none.
+  TORCH_ARG(std::string, source_json) = "";
+
+ public:
+  /// head_dim, or hidden_size / num_attention_heads when it is 0.
+  int64_t resolved_head_dim() const {
+    return head_dim_ > 0 ? head_dim_ : hidden_size_ / num_attention_heads_;
+  }
+};
+
+class LlamaAttentionImpl : public torch::nn::Module {
+ public:
+  LlamaAttentionImpl(const LlamaConfig& config, const ParallelState* state);
+  /// x [B, T_local, C], positions [T_local] or [B, T_local], `mask` from
+  /// attention_keep_mask (undefined: causal) -> [B, T_local, C].
+  at::Tensor forward(
+      const at::Tensor& x,
+      const at::Tensor& positions,
+      const at::Tensor& mask = at::Tensor());
+
+  shardformer::layer::Linear1D_Col q_proj{nullptr}, k_proj{nullptr},
+      v_proj{nullptr};
+  shardformer::layer::Linear1D_Row o_proj{nullptr};
+  /// Qwen3's per-head norms (null otherwise).
+  shardformer::layer::RMSNorm q_norm{nullptr}, k_norm{nullptr};
+
+ private:
+  LlamaConfig config_;
+  const ParallelState* state_;
+  at::Tensor inv_freq_; ///< [head_dim / 2] fp32, scaled
+};
+TORCH_MODULE(LlamaAttention);
+
+class LlamaMLPImpl : public torch::nn::Module {
+ public:
+  explicit LlamaMLPImpl(const LlamaConfig& config);
+  /// down(silu(gate(x)) * up(x)).
+  at::Tensor forward(const at::Tensor& x);
+
+  shardformer::layer::Linear1D_Col gate_proj{nullptr}, up_proj{nullptr};
+  shardformer::layer::Linear1D_Row down_proj{nullptr};
+};
+TORCH_MODULE(LlamaMLP);
+
+class LlamaDecoderLayerImpl : public torch::nn::Module,
+                              public colossalai::nn::HookableModule {
+ public:
+  LlamaDecoderLayerImpl(const LlamaConfig& config, const ParallelState* state);
+  at::Tensor forward(
+      const at::Tensor& x,
+      const at::Tensor& positions,
+      const at::Tensor& mask = at::Tensor());
+
+  LlamaAttention self_attn{nullptr};
+  LlamaMLP mlp{nullptr};
+  shardformer::layer::RMSNorm input_layernorm{nullptr};
+  shardformer::layer::RMSNorm post_attention_layernorm{nullptr};
+};
+TORCH_MODULE(LlamaDecoderLayer);
+
+class LlamaModelImpl : public torch::nn::Module {
+ public:
+  LlamaModelImpl(const LlamaConfig& config, const ParallelState* state);
+  /// ids [B, T] -> normalised hidden states [B, T, C], whole sequence;
+  /// `attention_mask` [B, T] (1: a real token) and `position_ids` [B, T]
+  /// (default 0 .. T - 1) as transformers takes them.
+  at::Tensor forward(
+      const at::Tensor& ids,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor());
+  /// A pipeline stage's part: embeddings (first) or `hidden`, layers
+  /// [layers.begin, layers.end) (positions from `ids`), then norm (last).
+  at::Tensor forward_stage(
+      const shardformer::StageLayers& layers,
+      const at::Tensor& ids,
+      const at::Tensor& hidden,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor());
+
+  shardformer::layer::VocabParallelEmbedding1D embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  shardformer::layer::RMSNorm norm{nullptr};
+
+ private:
+  LlamaConfig config_;
+  const ParallelState* state_;
+};
+TORCH_MODULE(LlamaModel);
+
+class LlamaForCausalLMImpl : public torch::nn::Module,
+                             public shardformer::ShardableModel {
+ public:
+  explicit LlamaForCausalLMImpl(const LlamaConfig& config = LlamaConfig());
+  /// ids [B, T] int64 -> logits [B, T, vocab] (this rank's vocabulary
+  /// columns under tensor parallelism with parallel_output);
+  /// `attention_mask` and `position_ids` as LlamaModel::forward.
+  at::Tensor forward(
+      const at::Tensor& ids,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor());
+  /// A pipeline stage's part of `forward` (the last stage adds lm_head).
+  at::Tensor forward_stage(
+      const shardformer::StageLayers& layers,
+      const at::Tensor& ids,
+      const at::Tensor& hidden,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor());
+  /// Mean cross entropy against next-token targets [B, T] (-100: ignored,
+  /// as transformers' labels).
+  at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
+
+  const LlamaConfig& config() const {
+    return config_;
+  }
+  ParallelState& parallel_state() {
+    return state_;
+  }
+  std::shared_ptr<shardformer::Policy> default_policy() const override;
+
+  LlamaModel model{nullptr};
+  /// Null with tie_word_embeddings: the head is model.embed_tokens.
+  shardformer::layer::VocabParallelLMHead1D lm_head{nullptr};
+
+ private:
+  LlamaConfig config_;
+  ParallelState state_;
+};
+TORCH_MODULE(LlamaForCausalLM);
+/// Mistral, Qwen2 and Qwen3 are LlamaForCausalLM with their config
+/// (`LlamaConfig::model_type` and the fields it sets).
+using MistralForCausalLM = LlamaForCausalLM;
+using Qwen2ForCausalLM = LlamaForCausalLM;
+using Qwen3ForCausalLM = LlamaForCausalLM;
+
+/// Shards a LlamaForCausalLM: embed_tokens and lm_head vocabulary-parallel,
+/// q/k/v/gate/up column-parallel, o/down row-parallel, query and key/value
+/// heads split over the tensor group (tp must divide num_key_value_heads);
+/// sequence parallelism as GPT2Policy.
+class LlamaPolicy : public shardformer::Policy {
+ public:
+  std::string name() const override {
+    return "LlamaPolicy";
+  }
+  shardformer::ShardInfo shard(
+      torch::nn::Module& model,
+      const shardformer::ShardConfig& config) override;
+  int64_t num_pipeline_layers(const torch::nn::Module& model) const override;
+  /// embed_tokens on the first stage, norm and lm_head on the last (tied:
+  /// embed_tokens there too).
+  std::vector<std::string> held_layers(
+      const torch::nn::Module& model,
+      const shardformer::StageLayers& layers) const override;
+  /// model.embed_tokens.weight when the head is tied to it.
+  std::vector<std::string> shared_params(
+      const torch::nn::Module& model) const override;
+  at::Tensor stage_forward(
+      torch::nn::Module& model,
+      const shardformer::StageLayers& layers,
+      const std::vector<at::Tensor>& micro_batch,
+      const at::Tensor& hidden) const override;
+};
+
+} // namespace models
+} // namespace colossalai

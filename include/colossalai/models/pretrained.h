@@ -1,0 +1,108 @@
+#pragma once
+
+/// Hugging Face model directories: `from_pretrained` reads what
+/// transformers' `save_pretrained` writes (`config.json` plus
+/// `model.safetensors`, a sharded `model.safetensors.index.json`, or
+/// `pytorch_model.bin` / its index) into a model of this library, and
+/// `save_pretrained` writes a directory transformers' `from_pretrained`
+/// reads. Parameter names are Hugging Face's: a GPT-2 checkpoint of a bare
+/// `GPT2Model` (no `transformer.` prefix) loads as well, a tied head's
+/// `lm_head.weight` is accepted and not written, and old checkpoints'
+/// buffers (GPT-2's `attn.bias`, LLaMA's `rotary_emb.inv_freq`) are skipped.
+///
+/// Families: `GPT2LMHeadModel` (model_type gpt2) and `LlamaForCausalLM`
+/// (llama, mistral, qwen2, qwen3). A config this library cannot compute
+/// exactly (another activation, rope type or attention variant) is refused
+/// naming the field, rather than loaded into a model that would give other
+/// logits.
+///
+/// A model built whole loads and saves here; a boosted model is loaded by
+/// building it from the directory's config, boosting, and
+/// `booster.load_model(model, dir)` (each rank reads only what it holds),
+/// and saved as a Hugging Face directory with
+/// `booster.save_model(model, dir, SaveModelOptions().shard(true)
+/// .use_safetensors(true))` plus `save_pretrained_config(config, dir)`.
+///
+/// Example:
+/// \code
+///   namespace models = colossalai::models;
+///   auto model = models::from_pretrained<models::LlamaForCausalLM>("llama");
+///   auto logits = model->forward(ids, attention_mask);
+///   models::save_pretrained(model, "llama-tuned");
+/// \endcode
+
+#include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <string>
+
+namespace colossalai {
+namespace models {
+
+struct FromPretrainedOptions {
+  /// The parameters' dtype; nullopt: config.json's `dtype` (`torch_dtype`
+  /// before transformers 5), float32 where it names none.
+  TORCH_ARG(c10::optional<at::ScalarType>, dtype) = c10::nullopt;
+  /// Every parameter must be in the checkpoint and every checkpoint tensor
+  /// must be a parameter (skipped buffers aside); false: missing ones keep
+  /// their initial values and unknown ones are ignored.
+  TORCH_ARG(bool, strict) = true;
+};
+
+struct SavePretrainedOptions {
+  /// safetensors files; false: `pytorch_model.bin` (torch.save's format).
+  TORCH_ARG(bool, safe_serialization) = true;
+  /// Largest file in bytes: a larger model is written as numbered shards
+  /// plus an index (transformers' default is 5 GB).
+  TORCH_ARG(int64_t, max_shard_size) = int64_t(5) << 30;
+};
+
+/// The `model_type` of `dir`'s config.json ("gpt2", "llama", ...).
+std::string pretrained_model_type(const std::string& dir);
+
+/// A family's config from the text of a config.json (Hugging Face's field
+/// names); the text is kept in `source_json`, so save_pretrained writes the
+/// fields the struct does not model (token ids, ...) back unchanged.
+GPT2Config gpt2_config_from_json(const std::string& json);
+LlamaConfig llama_config_from_json(const std::string& json);
+/// config.json's text for a config: `source_json` with the modelled fields
+/// written over it.
+std::string config_to_json(const GPT2Config& config);
+std::string config_to_json(const LlamaConfig& config);
+
+/// Builds the model `dir`'s config.json describes and loads its weights.
+template <class M>
+M from_pretrained(
+    const std::string& dir,
+    const FromPretrainedOptions& options = FromPretrainedOptions());
+template <>
+GPT2LMHeadModel from_pretrained<GPT2LMHeadModel>(
+    const std::string& dir,
+    const FromPretrainedOptions& options);
+template <>
+LlamaForCausalLM from_pretrained<LlamaForCausalLM>(
+    const std::string& dir,
+    const FromPretrainedOptions& options);
+
+/// Writes config.json and the weights of a model held whole by this process
+/// (unboosted, or under a plugin that keeps it whole such as TorchDDP).
+void save_pretrained(
+    GPT2LMHeadModel& model,
+    const std::string& dir,
+    const SavePretrainedOptions& options = SavePretrainedOptions());
+void save_pretrained(
+    LlamaForCausalLM& model,
+    const std::string& dir,
+    const SavePretrainedOptions& options = SavePretrainedOptions());
+
+/// Writes only `dir`/config.json (beside weights a booster saved).
+void save_pretrained_config(const GPT2Config& config, const std::string& dir);
+void save_pretrained_config(const LlamaConfig& config, const std::string& dir);
+
+} // namespace models
+} // namespace colossalai

@@ -1,0 +1,51 @@
+#pragma once
+
+// What the families' from_pretrained / save_pretrained share: reading a
+// Hugging Face directory's weights into a module under renamed keys, and
+// writing a module's tensors as one file or shards plus an index.
+
+#include <colossalai/models/pretrained.h>
+
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <string>
+
+namespace colossalai {
+namespace models {
+namespace detail {
+
+/// config.json's text (throws naming the directory when absent).
+std::string read_config_json(const std::string& dir);
+
+/// The dtype config.json names (`dtype`, or `torch_dtype`), float32 when it
+/// names none or "auto".
+at::ScalarType config_dtype(const std::string& json);
+
+/// Maps a checkpoint key to the module's name; "" skips the tensor.
+using KeyMap = std::function<std::string(const std::string&)>;
+
+/// Copies every tensor of `dir`'s weights (model.safetensors, the sharded
+/// safetensors index, pytorch_model.bin or its index) into `module` under
+/// `map`'s names, converting dtypes. With `strict`: unknown keys and module
+/// tensors left unread are errors naming them.
+void load_pretrained_weights(
+    torch::nn::Module& module,
+    const std::string& dir,
+    const KeyMap& map,
+    bool strict);
+
+/// Writes `module`'s parameters and buffers (Hugging Face names) into
+/// `dir` as transformers does, and `config_json` as config.json.
+void save_pretrained_module(
+    torch::nn::Module& module,
+    const std::string& config_json,
+    const std::string& dir,
+    const SavePretrainedOptions& options);
+
+/// Writes `dir`/config.json (creating `dir`), through a temporary file.
+void write_config_json(const std::string& dir, const std::string& json);
+
+} // namespace detail
+} // namespace models
+} // namespace colossalai

@@ -1,0 +1,172 @@
+"""transformers' side of tests/test_hf_models.cpp.
+
+    hf_models.py make DIR        one directory per case, written by
+                                 transformers' save_pretrained, with
+                                 reference.safetensors beside config.json
+    hf_models.py check DIR OURS [DIR OURS ...]
+                                 loads each OURS (our save_pretrained of case
+                                 DIR) with transformers and compares its
+                                 logits on DIR's inputs with DIR's reference;
+                                 prints the largest difference, exit 1 when
+                                 any is above the bound
+
+Small configs with random weights (no download). Each case's reference holds
+ids [2, T], attention_mask (row 1 right-padded), position_ids (0 .. T - 1
+shifted by 3), and transformers' outputs: logits without a mask, with the
+mask, with the position ids, the loss of labels = ids and every parameter's
+gradient of that loss ("grad.<name>").
+"""
+
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB, T, B = 100, 24, 2
+
+
+def cases():
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,  # not hidden_size / heads (6)
+        max_position_embeddings=64,
+    )
+    return {
+        # Saved as one model.safetensors.
+        "gpt2": (GPT2LMHeadModel, GPT2Config(
+            vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+            embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0,
+            bos_token_id=0, eos_token_id=0), {}),
+        # A bare GPT2Model (no "transformer." prefix) in pytorch_model.bin.
+        "gpt2_bare_bin": (GPT2LMHeadModel, GPT2Config(
+            vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+            n_inner=48, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0,
+            bos_token_id=0, eos_token_id=0),
+            {"bare": True, "safe_serialization": False}),
+        # GQA, explicit head_dim, Llama 3.1's rope scaling (T beyond the
+        # original context), sharded safetensors.
+        "llama3": (LlamaForCausalLM, LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}),
+            {"max_shard_size": "20KB"}),
+        # Tied head (Llama 3.2 1B / 3B), linear rope scaling, biases.
+        "llama_tied": (LlamaForCausalLM, LlamaConfig(
+            **common, tie_word_embeddings=True, attention_bias=True,
+            mlp_bias=True, rope_parameters={
+                "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+            {}),
+        # A sliding window shorter than the sequence.
+        "mistral": (MistralForCausalLM, MistralConfig(
+            **common, sliding_window=8), {}),
+        # q, k, v biases, tied head.
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(
+            **common, tie_word_embeddings=True), {}),
+        # Per-head q and k norms.
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common), {}),
+    }
+
+
+def randomize(model, g):
+    # transformers' init (std 0.02) leaves logits near zero, which would hide
+    # most errors: larger weights, norms near one.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln_" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0)
+                        + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+
+
+def inputs(g):
+    ids = torch.randint(0, VOCAB, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, T - 5:] = 0
+    pos = torch.arange(T).unsqueeze(0).expand(B, T) + 3
+    return ids, mask, pos
+
+
+def outputs(model, ids, mask, pos):
+    with torch.no_grad():
+        ref = {
+            "logits": model(input_ids=ids).logits,
+            "logits_masked": model(input_ids=ids, attention_mask=mask).logits,
+            "logits_pos": model(input_ids=ids, position_ids=pos).logits,
+        }
+    model.zero_grad()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    ref["loss"] = out.loss.detach().reshape(1)
+    for name, p in model.named_parameters():
+        ref["grad." + name] = p.grad.detach().clone()
+    return {k: v.contiguous() for k, v in ref.items()}
+
+
+def make(root):
+    g = torch.Generator().manual_seed(1234)
+    for name, (cls, config, how) in cases().items():
+        torch.manual_seed(0)
+        config._attn_implementation = "sdpa"
+        model = cls(config).eval()
+        randomize(model, g)
+        d = os.path.join(root, name)
+        kwargs = {"safe_serialization": how.get("safe_serialization", True)}
+        if "max_shard_size" in how:
+            kwargs["max_shard_size"] = how["max_shard_size"]
+        # transformers 5 writes safetensors only; torch.save's layout for
+        # the .bin case.
+        if not kwargs["safe_serialization"]:
+            target = model.transformer if how.get("bare") else model
+            target.config.save_pretrained(d)
+            torch.save(target.state_dict(), os.path.join(d, "pytorch_model.bin"))
+        else:
+            model.save_pretrained(d, **kwargs)
+        ids, mask, pos = inputs(g)
+        ref = outputs(model, ids, mask, pos)
+        ref.update({"ids": ids, "attention_mask": mask, "position_ids": pos})
+        save_file(ref, os.path.join(d, "reference.safetensors"))
+    print("transformers", transformers.__version__, "torch", torch.__version__)
+
+
+def check(case_dir, ours):
+    ref = load_file(os.path.join(case_dir, "reference.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(ours, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        logits = model(input_ids=ref["ids"]).logits
+    diff = (logits - ref["logits"]).abs().max().item()
+    scale = max(1.0, ref["logits"].abs().max().item())
+    print(f"{type(model).__name__} {os.path.basename(case_dir)}: "
+          f"max |logits - reference| = {diff:.3g} (scale {scale:.3g})")
+    return 0 if diff <= 1e-5 * scale else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "make":
+        make(sys.argv[2])
+    elif len(sys.argv) >= 4 and len(sys.argv) % 2 == 0 and sys.argv[1] == "check":
+        pairs = zip(sys.argv[2::2], sys.argv[3::2])
+        sys.exit(max(check(case, ours) for case, ours in list(pairs)))
+    else:
+        sys.exit(__doc__)

@@ -1,0 +1,444 @@
+// Hugging Face model families against transformers itself (ctest label
+// `hf`): directories written by transformers' save_pretrained load through
+// from_pretrained and give transformers' logits (with and without padding
+// masks and position ids), loss and gradients; what save_pretrained writes,
+// transformers loads and computes the same logits from; a loaded LLaMA
+// trains under tensor, sequence and pipeline parallelism as in one process.
+// The references come from tests/python/hf_models.py, run with the Python of
+// the test set-up (transformers, pinned in scripts/requirements-hf.txt).
+
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/safetensors.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/models/pretrained.h>
+#include <colossalai/pipeline/schedule.h>
+#include <colossalai/pipeline/stage_manager.h>
+#include <harness/multiprocess.h>
+#include <harness/test_util.h>
+#include <harness/zoo_util.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace cb = colossalai::booster;
+namespace cd = colossalai::distributed;
+namespace cp = colossalai::pipeline;
+namespace models = colossalai::models;
+namespace st = colossalai::checkpoint_io::safetensors;
+namespace fs = std::filesystem;
+using HPO = cb::plugin::HybridParallelPluginOptions;
+using colossalai::testing::run_distributed;
+
+namespace {
+
+const char* const kHfPython = COLOSSALAI_TEST_HF_PYTHON;
+
+const std::vector<std::string> kCases = {
+    "gpt2",
+    "gpt2_bare_bin",
+    "llama3",
+    "llama_tied",
+    "mistral",
+    "qwen2",
+    "qwen3"};
+
+std::string quote(const std::string& s) {
+  return "'" + s + "'";
+}
+
+fs::path script() {
+  return fs::path(__FILE__).parent_path() / "python" / "hf_models.py";
+}
+
+// The cases' directories, made once per test program (in its first test;
+// ranks only read them).
+fs::path fixtures() {
+  static const fs::path dir = [] {
+    fs::path d = colossalai::testing::scratch(
+        colossalai::testing::test_process(), "hf_models");
+    if (std::getenv("COLOSSALAI_TEST_RANK") != nullptr ||
+        fs::exists(d / "done")) {
+      return d;
+    }
+    const auto r = colossalai::testing::run_shell(
+        std::string(kHfPython) + " " + quote(script().string()) + " make " +
+        quote(d.string()));
+    if (r.first != 0) {
+      ADD_FAILURE() << "tests/python/hf_models.py make failed (" << kHfPython
+                    << "; the test set-up installs transformers: "
+                       "./scripts/setup.sh --tests):\n"
+                    << r.second;
+      return d;
+    }
+    std::ofstream(d / "done") << r.second;
+    return d;
+  }();
+  return dir;
+}
+
+// A fresh directory, removed at the end of the test.
+struct ScratchDir {
+  ScratchDir() : path(colossalai::testing::temp_dir("hf_models")) {}
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string path;
+};
+
+class HfModels : public ::testing::Test {
+ protected:
+  static void TearDownTestSuite() {
+    if (std::getenv("COLOSSALAI_TEST_RANK") == nullptr) {
+      colossalai::testing::remove_scratch("hf_models");
+    }
+  }
+};
+
+colossalai::checkpoint_io::StateDict reference(const std::string& name) {
+  return st::load_file((fixtures() / name / "reference.safetensors").string());
+}
+
+bool is_gpt2(const std::string& name) {
+  return name.rfind("gpt2", 0) == 0;
+}
+
+// Logits bound. Both sides run the same fp32 operations in other orders
+// (BLAS blocking, SDPA's kernel against transformers' call of the same op,
+// rotary tables computed alike): a few ulps (6e-8 relative) per reduction of
+// 32-64 terms, through 2 blocks, on logits of magnitude up to ~10 here.
+// 2e-5 relative to the largest logit is about 300 ulps: room for another
+// CPU's summation order, far below any wrong formula (a missed mask, rope
+// scale or bias moves logits by O(0.1)).
+double logits_tol(const at::Tensor& ref) {
+  return 2e-5 * std::max(1.0, ref.abs().max().item<double>());
+}
+
+// Gradients: the loss is a mean over 46 tokens, the gradient of each weight
+// a sum over them; the same rounding argument relative to each tensor's
+// largest entry, plus an absolute floor for tensors whose exact gradient is
+// (near) zero.
+double grad_tol(const at::Tensor& ref) {
+  return 1e-4 * ref.abs().max().item<double>() + 1e-7;
+}
+
+template <class M>
+void check_against_transformers(const std::string& name) {
+  SCOPED_TRACE(name);
+  auto model = models::from_pretrained<M>((fixtures() / name).string());
+  model->eval();
+  auto ref = reference(name);
+  const auto ids = ref["ids"];
+  const auto mask = ref["attention_mask"];
+  {
+    torch::NoGradGuard no_grad;
+    at::Tensor logits = model->forward(ids);
+    ASSERT_EQ(logits.sizes(), ref["logits"].sizes());
+    const double diff = (logits - ref["logits"]).abs().max().item<double>();
+    std::cout << name << ": max |logits - transformers'| = " << diff
+              << " (bound " << logits_tol(ref["logits"]) << ")\n";
+    EXPECT_LE(diff, logits_tol(ref["logits"]));
+    // Padding: compared where the token is real (a padded query's output
+    // means nothing).
+    at::Tensor masked = model->forward(ids, mask);
+    auto real = mask.to(at::kBool).unsqueeze(-1).expand_as(masked);
+    EXPECT_LE(
+        (masked - ref["logits_masked"])
+            .masked_select(real)
+            .abs()
+            .max()
+            .item<double>(),
+        logits_tol(ref["logits_masked"]));
+    at::Tensor shifted = model->forward(ids, at::Tensor(), ref["position_ids"]);
+    EXPECT_LE(
+        (shifted - ref["logits_pos"]).abs().max().item<double>(),
+        logits_tol(ref["logits_pos"]));
+  }
+  // transformers' loss of labels = ids: next-token targets, the last
+  // position ignored.
+  auto targets = at::cat(
+      {ids.narrow(1, 1, ids.size(1) - 1),
+       at::full({ids.size(0), 1}, -100, ids.options())},
+      1);
+  model->zero_grad();
+  at::Tensor loss = model->loss(model->forward(ids), targets);
+  EXPECT_NEAR(loss.item<double>(), ref["loss"].item<double>(), 1e-5);
+  loss.backward();
+  int compared = 0;
+  double worst = 0; // largest gradient error as a share of its bound
+  for (const auto& kv : model->named_parameters()) {
+    const auto key = "grad." + kv.key();
+    ASSERT_TRUE(ref.contains(key)) << key;
+    const at::Tensor want = ref[key];
+    const at::Tensor grad = kv.value().grad();
+    ASSERT_TRUE(grad.defined()) << kv.key();
+    const double err = (grad - want).abs().max().item<double>();
+    EXPECT_LE(err, grad_tol(want)) << kv.key();
+    worst = std::max(worst, err / grad_tol(want));
+    ++compared;
+  }
+  std::cout << name << ": loss " << loss.item<double>() << " vs "
+            << ref["loss"].item<double>() << ", gradients within " << worst
+            << " of their bounds\n";
+  EXPECT_EQ(compared, static_cast<int>(model->parameters().size()));
+}
+
+TEST_F(HfModels, LogitsLossAndGradientsMatchTransformers) {
+  for (const auto& name : kCases) {
+    if (is_gpt2(name)) {
+      check_against_transformers<models::GPT2LMHeadModel>(name);
+    } else {
+      check_against_transformers<models::LlamaForCausalLM>(name);
+    }
+  }
+}
+
+TEST_F(HfModels, ConfigsReadTheFamilysFields) {
+  const auto read = [](const std::string& name) {
+    std::ifstream in(fixtures() / name / "config.json");
+    std::stringstream s;
+    s << in.rdbuf();
+    return models::llama_config_from_json(s.str());
+  };
+  auto llama3 = read("llama3");
+  EXPECT_EQ(llama3.rope_scaling().rope_type(), "llama3");
+  EXPECT_EQ(llama3.rope_scaling().factor(), 8.0);
+  EXPECT_EQ(llama3.rope_scaling().original_max_position_embeddings(), 16);
+  EXPECT_EQ(llama3.rope_theta(), 500000.0);
+  EXPECT_EQ(llama3.resolved_head_dim(), 8);
+  EXPECT_EQ(llama3.num_key_value_heads(), 4);
+  EXPECT_TRUE(read("llama_tied").tie_word_embeddings());
+  EXPECT_EQ(read("mistral").sliding_window(), 8);
+  EXPECT_TRUE(read("qwen2").qkv_bias());
+  EXPECT_TRUE(read("qwen3").qk_norm());
+  EXPECT_EQ(
+      models::pretrained_model_type((fixtures() / "qwen3").string()), "qwen3");
+}
+
+TEST_F(HfModels, SavePretrainedLoadsInTransformers) {
+  ScratchDir out;
+  std::string pairs; // (case, ours) for one transformers process
+  for (const auto& name : kCases) {
+    SCOPED_TRACE(name);
+    const auto src = (fixtures() / name).string();
+    const auto dst = (fs::path(out.path) / name).string();
+    if (is_gpt2(name)) {
+      auto model = models::from_pretrained<models::GPT2LMHeadModel>(src);
+      models::save_pretrained(
+          model,
+          dst,
+          models::SavePretrainedOptions().safe_serialization(
+              name != "gpt2_bare_bin"));
+    } else {
+      auto model = models::from_pretrained<models::LlamaForCausalLM>(src);
+      // Shards and an index for one of them.
+      models::save_pretrained(
+          model,
+          dst,
+          models::SavePretrainedOptions().max_shard_size(
+              name == "llama3" ? 20000 : int64_t(1) << 30));
+    }
+    if (name == "llama3") {
+      EXPECT_TRUE(fs::exists(fs::path(dst) / "model.safetensors.index.json"));
+    }
+    if (name == "llama_tied") {
+      // The tied head is not written, as transformers does.
+      auto file = st::MappedFile::open(dst + "/model.safetensors");
+      EXPECT_FALSE(file->contains("lm_head.weight"));
+    }
+    pairs += " " + quote(src) + " " + quote(dst);
+    // And it reads back here, unchanged.
+    if (!is_gpt2(name)) {
+      auto again = models::from_pretrained<models::LlamaForCausalLM>(dst);
+      auto orig = models::from_pretrained<models::LlamaForCausalLM>(src);
+      auto a = again->named_parameters(), b = orig->named_parameters();
+      for (const auto& kv : b) {
+        EXPECT_TRUE(at::equal(a[kv.key()], kv.value())) << kv.key();
+      }
+    }
+  }
+  const auto r = colossalai::testing::run_shell(
+      std::string(kHfPython) + " " + quote(script().string()) + " check" +
+      pairs);
+  EXPECT_EQ(r.first, 0) << r.second;
+  std::cout << r.second;
+}
+
+TEST_F(HfModels, BadDirectoriesAndConfigsNameTheProblem) {
+  using colossalai::testing::error_of;
+  ScratchDir dir;
+  const auto d = fs::path(dir.path);
+  auto write = [&](const std::string& text) {
+    std::ofstream(d / "config.json") << text;
+  };
+  EXPECT_NE(
+      error_of([&] {
+        models::from_pretrained<models::LlamaForCausalLM>(d.string());
+      }).find("has no config.json"),
+      std::string::npos);
+  write(
+      R"({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4}})");
+  EXPECT_NE(
+      error_of([&] {
+        models::from_pretrained<models::LlamaForCausalLM>(d.string());
+      }).find("rope type 'yarn'"),
+      std::string::npos);
+  write(R"({"model_type": "gpt2", "activation_function": "relu"})");
+  EXPECT_NE(
+      error_of([&] {
+        models::from_pretrained<models::GPT2LMHeadModel>(d.string());
+      }).find("activation_function 'relu'"),
+      std::string::npos);
+  write(R"({"model_type": "bert"})");
+  EXPECT_NE(
+      error_of([&] {
+        models::from_pretrained<models::LlamaForCausalLM>(d.string());
+      }).find("model_type 'bert'"),
+      std::string::npos);
+  // A config and no weights.
+  write(R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2})");
+  EXPECT_NE(
+      error_of([&] {
+        models::from_pretrained<models::LlamaForCausalLM>(d.string());
+      }).find("has no weights"),
+      std::string::npos);
+  // Weights missing a tensor; then one of another shape.
+  models::LlamaForCausalLM small(models::llama_config_from_json(
+      R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+          "intermediate_size": 8, "num_hidden_layers": 1,
+          "num_attention_heads": 2})"));
+  auto state = colossalai::checkpoint_io::model_state_dict(*small);
+  state.erase("model.norm.weight");
+  st::save_file((d / "model.safetensors").string(), state);
+  const auto missing = error_of(
+      [&] { models::from_pretrained<models::LlamaForCausalLM>(d.string()); });
+  EXPECT_NE(
+      missing.find("lacks tensors the model needs: model.norm.weight"),
+      std::string::npos)
+      << missing;
+  EXPECT_NO_THROW(models::from_pretrained<models::LlamaForCausalLM>(
+      d.string(), models::FromPretrainedOptions().strict(false)));
+  state.insert("model.norm.weight", at::ones({9}));
+  st::save_file((d / "model.safetensors").string(), state);
+  EXPECT_NE(
+      error_of([&] {
+        models::from_pretrained<models::LlamaForCausalLM>(d.string());
+      }).find("'model.norm.weight' has shape [9]"),
+      std::string::npos);
+}
+
+// A transformers-written LLaMA (GQA, explicit head_dim, Llama 3.1 rope)
+// trained under HybridParallel equals one process training it: fp32, SGD,
+// the bound of test_hybrid_parallel (rounding of split reductions, 2e-5).
+constexpr int kSteps = 2;
+constexpr int kGlobalBatch = 4;
+constexpr int64_t kSeq = 16;
+
+std::pair<at::Tensor, at::Tensor> batch(int step) {
+  auto gen = at::detail::createCPUGenerator(900 + step);
+  auto tokens = at::randint(100, {kGlobalBatch, kSeq + 1}, gen);
+  return {
+      tokens.narrow(1, 0, kSeq).contiguous(),
+      tokens.narrow(1, 1, kSeq).contiguous()};
+}
+
+models::LlamaForCausalLM load_llama3() {
+  return models::from_pretrained<models::LlamaForCausalLM>(
+      (fixtures() / "llama3").string());
+}
+
+void check_hybrid(const std::string& what, const HPO& options) {
+  SCOPED_TRACE(what);
+  const auto ref = colossalai::testing::train_one_process(
+      load_llama3(), kSteps, /*sgd=*/true, 0.0, batch);
+  auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(options);
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  auto model = load_llama3();
+  auto boosted = booster.boost(
+      model, colossalai::testing::make_optimizer(model->parameters(), true));
+  const bool pipelined = options.pp_size() > 1;
+  const int dp = plugin->dp_size();
+  const int64_t local = kGlobalBatch / dp;
+  std::vector<double> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto b = batch(step);
+    auto x = b.first.narrow(0, local * plugin->dp_rank(), local);
+    auto y = b.second.narrow(0, local * plugin->dp_rank(), local);
+    boosted.optimizer->zero_grad();
+    at::Tensor loss;
+    if (pipelined) {
+      auto out = booster.execute_pipeline(
+          [&] {
+            return cp::Batch{x, y};
+          },
+          boosted.model,
+          [&](const at::Tensor& logits, const cp::Batch& mb) {
+            return model->loss(logits, mb[1]);
+          },
+          boosted.optimizer.get());
+      loss = out.loss.defined() ? out.loss : at::zeros({});
+    } else {
+      loss = model->loss(boosted.model(x), y);
+      booster.backward(loss, *boosted.optimizer);
+    }
+    boosted.optimizer->step();
+    const bool last = !pipelined || plugin->stage_manager()->holds_last_stage();
+    at::Tensor l = loss.detach().to(at::kFloat).reshape({1}).clone();
+    cd::all_reduce(l, *plugin->dp_group()).wait();
+    if (last) {
+      EXPECT_NEAR(l.item<double>() / dp, ref.first[step], 1e-5)
+          << "step " << step;
+    }
+  }
+  auto got = colossalai::testing::whole_weights(*model, plugin->shard_info());
+  EXPECT_GT(got.size(), 0u);
+  for (const auto& kv : got) {
+    ASSERT_TRUE(ref.second.count(kv.first)) << kv.first;
+    EXPECT_LE(
+        (kv.second - ref.second.at(kv.first)).abs().max().item<double>(), 2e-5)
+        << kv.first;
+  }
+}
+
+TEST_F(HfModels, LoadedLlamaTrainsUnderTpPpAndSpAsOneProcess) {
+  fixtures();
+  run_distributed(2, [](int, int) {
+    auto base = [] { return HPO().precision("fp32"); };
+    check_hybrid("tp2", base().tp_size(2));
+    check_hybrid(
+        "tp2_split_gather",
+        base()
+            .tp_size(2)
+            .enable_sequence_parallelism(true)
+            .sequence_parallelism_mode("split_gather"));
+    check_hybrid(
+        "sp2_all_to_all",
+        base()
+            .sp_size(2)
+            .enable_sequence_parallelism(true)
+            .sequence_parallelism_mode("all_to_all"));
+    check_hybrid("pp2", base().pp_size(2).num_microbatches(2));
+  });
+}
+
+TEST_F(HfModels, LoadedLlamaTrainsUnderTp2Pp2AsOneProcess) {
+  fixtures();
+  run_distributed(4, [](int, int) {
+    check_hybrid(
+        "tp2_pp2",
+        HPO().precision("fp32").tp_size(2).pp_size(2).num_microbatches(2));
+  });
+}
+
+} // namespace
