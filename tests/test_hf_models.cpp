@@ -11,7 +11,10 @@
 #include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
+#include <colossalai/data/distributed_sampler.h>
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/interface/model.h>
+#include <colossalai/lora/lora_model.h>
 #include <colossalai/models/pretrained.h>
 #include <colossalai/pipeline/schedule.h>
 #include <colossalai/pipeline/stage_manager.h>
@@ -336,6 +339,120 @@ TEST_F(HfModels, BadDirectoriesAndConfigsNameTheProblem) {
         models::from_pretrained<models::LlamaForCausalLM>(d.string());
       }).find("'model.norm.weight' has shape [9]"),
       std::string::npos);
+}
+
+// LoRA adapters cross between PEFT and this library on a transformers
+// LLaMA: a PEFT-saved adapter loads through enable_lora(pretrained_dir) and
+// gives PEFT's logits; save_lora_as_pretrained's adapter loads in
+// PeftModel.from_pretrained and gives ours. Bound: as logits_tol (the same
+// fp32 operations; the adapter adds a rank-4 matmul per projection).
+TEST_F(HfModels, LoraAdaptersRoundTripWithPeft) {
+  const auto base = (fixtures() / "llama3").string();
+  ScratchDir dir;
+  const auto peft_dir = dir.path + "/peft";
+  auto r = colossalai::testing::run_shell(
+      std::string(kHfPython) + " " + quote(script().string()) + " peft_make " +
+      quote(base) + " " + quote(peft_dir));
+  ASSERT_EQ(r.first, 0) << r.second;
+  const auto ids = reference("llama3")["ids"];
+  {
+    auto model = models::from_pretrained<models::LlamaForCausalLM>(base);
+    cb::Booster booster;
+    auto lora = booster.enable_lora(model, peft_dir);
+    EXPECT_EQ(lora->config().task_type(), "CAUSAL_LM");
+    EXPECT_EQ(lora->config().lora_alpha(), 16);
+    model->eval();
+    torch::NoGradGuard no_grad;
+    at::Tensor logits = model->forward(ids);
+    const auto want = st::load_file(peft_dir + "/logits.safetensors")["logits"];
+    EXPECT_LE((logits - want).abs().max().item<double>(), logits_tol(want));
+  }
+  // Ours, saved, read by PEFT.
+  auto model = models::from_pretrained<models::LlamaForCausalLM>(base);
+  cb::Booster booster;
+  auto lora = booster.enable_lora(
+      model,
+      "",
+      colossalai::lora::LoraConfig()
+          .r(4)
+          .lora_alpha(8)
+          .target_modules({"q_proj", "k_proj", "o_proj"})
+          .task_type("CAUSAL_LM")
+          .init_lora_weights("none"));
+  // A strict load of the base checkpoint into the adapted model: the
+  // adapters keep their values.
+  const auto before =
+      lora->model()
+          ->named_parameters()["model.layers.0.self_attn.q_proj.lora_B.weight"]
+          .clone();
+  colossalai::interface::ModelWrapper wrapped(model.ptr());
+  colossalai::checkpoint_io::GeneralCheckpointIO io;
+  EXPECT_NO_THROW(io.load_model(
+      wrapped, base + "/model.safetensors.index.json", /*strict=*/true));
+  EXPECT_TRUE(at::equal(
+      before,
+      model->named_parameters()
+          ["model.layers.0.self_attn.q_proj.lora_B.weight"]));
+  const auto adapter = dir.path + "/ours";
+  lora->save_pretrained(adapter, /*use_safetensors=*/true);
+  std::ifstream config_file(adapter + "/adapter_config.json");
+  std::stringstream config;
+  config << config_file.rdbuf();
+  EXPECT_NE(config.str().find("\"lora_alpha\": 8,"), std::string::npos)
+      << config.str();
+  EXPECT_NE(
+      config.str().find("\"task_type\": \"CAUSAL_LM\""), std::string::npos);
+  model->eval();
+  {
+    torch::NoGradGuard no_grad;
+    st::save_file(
+        dir.path + "/ours.safetensors", {{"logits", model->forward(ids)}});
+  }
+  r = colossalai::testing::run_shell(
+      std::string(kHfPython) + " " + quote(script().string()) + " peft_check " +
+      quote(base) + " " + quote(adapter) + " " +
+      quote(dir.path + "/ours.safetensors"));
+  EXPECT_EQ(r.first, 0) << r.second;
+  std::cout << r.second;
+}
+
+// prepare_dataloader's sampler draws Python's order for the same seed and
+// epoch (torch.utils.data.DistributedSampler, which ColossalAI's
+// prepare_dataloader uses; LibTorch's CPU generator and randperm are
+// PyTorch's), so C++ and Python runs see the same batches.
+TEST_F(HfModels, SamplerOrderEqualsPythons) {
+  const auto r = colossalai::testing::run_shell(
+      std::string(kHfPython) + " " + quote(script().string()) + " sampler");
+  ASSERT_EQ(r.first, 0) << r.second;
+  std::istringstream lines(r.second);
+  std::string line;
+  int checked = 0;
+  while (std::getline(lines, line)) {
+    std::istringstream in(line);
+    size_t size, replicas, rank, seed;
+    int shuffle, drop_last;
+    int64_t epoch;
+    std::string colon;
+    if (!(in >> size >> replicas >> rank >> shuffle >> seed >> epoch >>
+          drop_last >> colon)) {
+      continue; // not an order line
+    }
+    std::vector<size_t> want;
+    for (size_t i; in >> i;) {
+      want.push_back(i);
+    }
+    colossalai::data::DistributedSampler sampler(
+        size,
+        static_cast<int>(replicas),
+        static_cast<int>(rank),
+        shuffle != 0,
+        seed,
+        drop_last != 0);
+    sampler.set_epoch(epoch);
+    EXPECT_EQ(sampler.indices(), want) << line;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 3 + 3 + 3 + 4);
 }
 
 // A transformers-written LLaMA (GQA, explicit head_dim, Llama 3.1 rope)

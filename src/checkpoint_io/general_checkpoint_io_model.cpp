@@ -90,14 +90,28 @@ std::string list(const std::vector<std::string>& names) {
   return os.str();
 }
 
-// Strict loading: every key of the module must have been loaded.
+// A LoRA adapter's tensor (PEFT's names): a base model's checkpoint has
+// none, and loads strictly into the model with adapters enabled, which keep
+// their values.
+bool is_lora_adapter_key(const std::string& key) {
+  for (const char* part :
+       {".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B"}) {
+    if (key.find(part) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Strict loading: every key of the module must have been loaded (adapters
+// aside).
 void check_missing(
     torch::nn::Module& module,
     const std::set<std::string>& seen,
     const std::string& file) {
   std::vector<std::string> missing;
   for (const auto& item : model_state_dict(module)) {
-    if (!seen.count(item.key())) {
+    if (!seen.count(item.key()) && !is_lora_adapter_key(item.key())) {
       missing.push_back(item.key());
     }
   }

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <regex>
 
 namespace colossalai {
@@ -48,12 +49,19 @@ std::string LoraConfig::to_json() const {
   // PEFT's LoraConfig fields; those it has and we do not use keep their
   // defaults, so PEFT reads the file as written by its save_pretrained.
   j["peft_type"] = "LORA";
-  j["task_type"] = nullptr;
+  j["task_type"] = task_type().empty() ? nlohmann::json(nullptr)
+                                       : nlohmann::json(task_type());
   j["base_model_name_or_path"] = nullptr;
   j["revision"] = nullptr;
   j["inference_mode"] = true;
   j["r"] = r();
-  j["lora_alpha"] = lora_alpha();
+  // An int where it is one, as PEFT writes its (int) lora_alpha.
+  const double alpha = lora_alpha();
+  if (alpha == std::floor(alpha) && std::abs(alpha) < 1e15) {
+    j["lora_alpha"] = static_cast<int64_t>(alpha);
+  } else {
+    j["lora_alpha"] = alpha;
+  }
   j["lora_dropout"] = lora_dropout();
   if (!target_modules_regex().empty()) {
     j["target_modules"] = target_modules_regex();
@@ -114,6 +122,9 @@ LoraConfig LoraConfig::from_json(
       c.target_modules_regex(t.get<std::string>());
     } else {
       c.target_modules(t.get<std::vector<std::string>>());
+    }
+    if (j.contains("task_type") && j.at("task_type").is_string()) {
+      c.task_type(j.at("task_type").get<std::string>());
     }
     if (j.contains("bias")) {
       c.bias(j.at("bias").get<std::string>());

@@ -9,6 +9,13 @@
                                  logits on DIR's inputs with DIR's reference;
                                  prints the largest difference, exit 1 when
                                  any is above the bound
+    hf_models.py sampler         torch's DistributedSampler orders
+    hf_models.py peft_make DIR OUT
+                                 a PEFT adapter on case DIR's model saved in
+                                 OUT, with its logits (OUT/logits.safetensors)
+    hf_models.py peft_check DIR ADAPTER OURS
+                                 PEFT loads ADAPTER (ours) on case DIR's model;
+                                 its logits against OURS' "logits"
 
 Small configs with random weights (no download). Each case's reference holds
 ids [2, T], attention_mask (row 1 right-padded), position_ids (0 .. T - 1
@@ -162,11 +169,69 @@ def check(case_dir, ours):
     return 0 if diff <= 1e-5 * scale else 1
 
 
+def peft_make(case_dir, out):
+    """A PEFT adapter (random A and B, so it changes the output) on the case's
+    model, saved by PEFT, and the adapted logits."""
+    from peft import LoraConfig, get_peft_model
+
+    ref = load_file(os.path.join(case_dir, "reference.safetensors"))
+    base = AutoModelForCausalLM.from_pretrained(case_dir, attn_implementation="sdpa")
+    torch.manual_seed(5)
+    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                        task_type="CAUSAL_LM", init_lora_weights=False)
+    model = get_peft_model(base, config).eval()
+    model.save_pretrained(out)
+    with torch.no_grad():
+        logits = model(input_ids=ref["ids"]).logits
+    save_file({"logits": logits.contiguous()}, os.path.join(out, "logits.safetensors"))
+
+
+def peft_check(case_dir, adapter, ours):
+    """Loads OUR adapter with PEFT on the case's model: its logits against
+    ours (OURS, a safetensors file with "logits") on the case's ids."""
+    from peft import PeftModel
+
+    ref = load_file(os.path.join(case_dir, "reference.safetensors"))
+    base = AutoModelForCausalLM.from_pretrained(case_dir, attn_implementation="sdpa")
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        logits = model(input_ids=ref["ids"]).logits
+    want = load_file(ours)["logits"]
+    diff = (logits - want).abs().max().item()
+    scale = max(1.0, want.abs().max().item())
+    print(f"PEFT {type(model.base_model).__name__} on {os.path.basename(case_dir)}: "
+          f"max |logits - ours| = {diff:.3g} (scale {scale:.3g})")
+    return 0 if diff <= 2e-5 * scale else 1
+
+
+def sampler_orders():
+    """torch.utils.data.DistributedSampler's index order (ColossalAI's
+    prepare_dataloader samples through it), one line per setting:
+    size replicas rank shuffle seed epoch drop_last: indices."""
+    from torch.utils.data import DistributedSampler
+
+    for size, replicas, shuffle, drop_last, epoch in [
+            (10, 3, True, False, 0), (10, 3, True, True, 2),
+            (10, 3, False, False, 0), (1000, 4, True, False, 7)]:
+        for rank in range(replicas):
+            s = DistributedSampler(range(size), num_replicas=replicas, rank=rank,
+                                   shuffle=shuffle, seed=1024, drop_last=drop_last)
+            s.set_epoch(epoch)
+            print(size, replicas, rank, int(shuffle), 1024, epoch, int(drop_last),
+                  ":", " ".join(str(i) for i in s))
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "make":
         make(sys.argv[2])
     elif len(sys.argv) >= 4 and len(sys.argv) % 2 == 0 and sys.argv[1] == "check":
         pairs = zip(sys.argv[2::2], sys.argv[3::2])
         sys.exit(max(check(case, ours) for case, ours in list(pairs)))
+    elif len(sys.argv) == 2 and sys.argv[1] == "sampler":
+        sampler_orders()
+    elif len(sys.argv) == 4 and sys.argv[1] == "peft_make":
+        peft_make(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 5 and sys.argv[1] == "peft_check":
+        sys.exit(peft_check(sys.argv[2], sys.argv[3], sys.argv[4]))
     else:
         sys.exit(__doc__)

@@ -316,7 +316,9 @@ class Booster {
   }
   /// Loads weights saved by save_model (or by Python / Hugging Face tools):
   /// a file, a sharded directory or its index file. With `strict`, missing
-  /// and unexpected keys are errors.
+  /// and unexpected keys are errors, except LoRA adapters' tensors: a base
+  /// model's checkpoint loads strictly after `enable_lora`, the adapters
+  /// keeping their values.
   template <class M>
   void load_model(
       BoostedModel<M>& model,

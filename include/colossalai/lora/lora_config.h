@@ -49,6 +49,9 @@ struct LoraConfig {
   /// The adapted weights are stored [in, out] (Hugging Face GPT-2's
   /// Conv1D). Set when saving if any adapted layer stores them so.
   TORCH_ARG(bool, fan_in_fan_out) = false;
+  /// PEFT's task type ("CAUSAL_LM", "SEQ_CLS", ...; empty: none), which
+  /// picks the PeftModel class PEFT's from_pretrained builds.
+  TORCH_ARG(std::string, task_type) = "";
 
  public:
   /// adapter_config.json's text (PEFT's fields).
