@@ -270,6 +270,29 @@ void save_pretrained_module(
   cd::write_index(cd::join(dir, base + ".index.json"), index);
 }
 
+nlohmann::json parse_json(const std::string& text) {
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, "config.json is not valid JSON: ", e.what());
+  }
+}
+
+std::string with_dtype(const std::string& config_json, torch::nn::Module& m) {
+  auto j = parse_json(config_json);
+  at::ScalarType t = at::kFloat;
+  for (const auto& p : m.parameters()) {
+    t = p.scalar_type();
+    break;
+  }
+  j["dtype"] = t == at::kBFloat16 ? "bfloat16"
+      : t == at::kHalf            ? "float16"
+      : t == at::kDouble          ? "float64"
+                                  : "float32";
+  j.erase("torch_dtype");
+  return j.dump(2) + "\n";
+}
+
 } // namespace detail
 
 std::string pretrained_model_type(const std::string& dir) {

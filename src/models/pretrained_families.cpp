@@ -21,64 +21,11 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }
 
 json parse(const std::string& text) {
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {
-    TORCH_CHECK(false, "config.json is not valid JSON: ", e.what());
-  }
+  return detail::parse_json(text);
 }
 
-template <class T>
-T get_or(const json& j, const char* key, T fallback) {
-  if (!j.contains(key) || j[key].is_null()) {
-    return fallback;
-  }
-  try {
-    return j[key].get<T>();
-  } catch (const json::exception&) {
-    TORCH_CHECK(
-        false, "config.json: '", key, "' has the wrong type: ", j[key].dump());
-  }
-}
-
-// A field that changes the computation in a way this library does not
-// implement: refused unless it holds the value we compute.
-template <class T>
-void require(const json& j, const char* key, T expected, const char* family) {
-  if (!j.contains(key) || j[key].is_null()) {
-    return;
-  }
-  TORCH_CHECK(
-      j[key] == json(expected),
-      family,
-      " config.json: ",
-      key,
-      " = ",
-      j[key].dump(),
-      " is not supported (only ",
-      json(expected).dump(),
-      ")");
-}
-
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16:
-      return "bfloat16";
-    case at::kHalf:
-      return "float16";
-    case at::kDouble:
-      return "float64";
-    default:
-      return "float32";
-  }
-}
-
-at::ScalarType param_dtype(torch::nn::Module& m) {
-  for (const auto& p : m.parameters()) {
-    return p.scalar_type();
-  }
-  return at::kFloat;
-}
+using detail::get_or;
+using detail::require;
 
 json base_json(const std::string& source) {
   return source.empty() ? json::object() : parse(source);
@@ -317,17 +264,10 @@ LlamaForCausalLM from_pretrained<LlamaForCausalLM>(
   return model;
 }
 
-namespace {
-
 template <class Config>
 std::string with_dtype(const Config& config, torch::nn::Module& m) {
-  auto j = parse(config_to_json(config));
-  j["dtype"] = dtype_name(param_dtype(m));
-  j.erase("torch_dtype");
-  return j.dump(2) + "\n";
+  return detail::with_dtype(config_to_json(config), m);
 }
-
-} // namespace
 
 void save_pretrained(
     GPT2LMHeadModel& model,

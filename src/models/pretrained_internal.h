@@ -6,6 +6,7 @@
 
 #include <colossalai/models/pretrained.h>
 
+#include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 
 #include <functional>
@@ -45,6 +46,52 @@ void save_pretrained_module(
 
 /// Writes `dir`/config.json (creating `dir`), through a temporary file.
 void write_config_json(const std::string& dir, const std::string& json);
+
+/// config.json's text parsed (an error says it is not JSON).
+nlohmann::json parse_json(const std::string& text);
+
+/// `j[key]` as T; `fallback` when absent or null (a wrong type is an error
+/// naming the key).
+template <class T>
+T get_or(const nlohmann::json& j, const char* key, T fallback) {
+  if (!j.contains(key) || j[key].is_null()) {
+    return fallback;
+  }
+  try {
+    return j[key].get<T>();
+  } catch (const nlohmann::json::exception&) {
+    TORCH_CHECK(
+        false, "config.json: '", key, "' has the wrong type: ", j[key].dump());
+  }
+}
+
+/// A field that changes the computation in a way this library does not
+/// implement: refused (naming `family` and the field) unless absent, null or
+/// `expected`.
+template <class T>
+void require(
+    const nlohmann::json& j,
+    const char* key,
+    T expected,
+    const char* family) {
+  if (!j.contains(key) || j[key].is_null()) {
+    return;
+  }
+  TORCH_CHECK(
+      j[key] == nlohmann::json(expected),
+      family,
+      " config.json: ",
+      key,
+      " = ",
+      j[key].dump(),
+      " is not supported (only ",
+      nlohmann::json(expected).dump(),
+      ")");
+}
+
+/// `config_json` with "dtype" set to the module's parameter dtype, as
+/// transformers writes it.
+std::string with_dtype(const std::string& config_json, torch::nn::Module& m);
 
 } // namespace detail
 } // namespace models
