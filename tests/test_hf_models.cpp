@@ -31,6 +31,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <type_traits>
 
 namespace cb = colossalai::booster;
 namespace cd = colossalai::distributed;
@@ -52,7 +53,11 @@ const std::vector<std::string> kCases = {
     "llama_tied",
     "mistral",
     "qwen2",
-    "qwen3"};
+    "qwen3",
+    "opt",
+    "opt_post_ln",
+    "bloom",
+    "bert"};
 
 std::string quote(const std::string& s) {
   return "'" + s + "'";
@@ -111,8 +116,42 @@ colossalai::checkpoint_io::StateDict reference(const std::string& name) {
   return st::load_file((fixtures() / name / "reference.safetensors").string());
 }
 
-bool is_gpt2(const std::string& name) {
-  return name.rfind("gpt2", 0) == 0;
+template <class M>
+struct Family {
+  using type = M;
+};
+
+// Calls f(Family<the case's model class>()).
+template <class F>
+void with_family(const std::string& name, F&& f) {
+  auto starts = [&](const char* p) { return name.rfind(p, 0) == 0; };
+  if (starts("gpt2")) {
+    f(Family<models::GPT2LMHeadModel>());
+  } else if (starts("opt")) {
+    f(Family<models::OPTForCausalLM>());
+  } else if (starts("bloom")) {
+    f(Family<models::BloomForCausalLM>());
+  } else if (starts("bert")) {
+    f(Family<models::BertForMaskedLM>());
+  } else {
+    f(Family<models::LlamaForCausalLM>());
+  }
+}
+
+template <class M>
+constexpr bool kMaskedLM = std::is_same_v<M, models::BertForMaskedLM>;
+template <class M>
+constexpr bool kHasPositions = !std::is_same_v<M, models::BloomForCausalLM>;
+
+template <class M>
+at::Tensor forward_at(M& model, const at::Tensor& ids, const at::Tensor& pos) {
+  if constexpr (kMaskedLM<M>) {
+    return model->forward(ids, at::Tensor(), at::Tensor(), pos);
+  } else if constexpr (kHasPositions<M>) {
+    return model->forward(ids, at::Tensor(), pos);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "ALiBi takes no positions");
+  }
 }
 
 // Logits bound. Both sides run the same fp32 operations in other orders
@@ -161,17 +200,23 @@ void check_against_transformers(const std::string& name) {
             .max()
             .item<double>(),
         logits_tol(ref["logits_masked"]));
-    at::Tensor shifted = model->forward(ids, at::Tensor(), ref["position_ids"]);
-    EXPECT_LE(
-        (shifted - ref["logits_pos"]).abs().max().item<double>(),
-        logits_tol(ref["logits_pos"]));
+    if constexpr (kHasPositions<M>) {
+      at::Tensor shifted = forward_at(model, ids, ref["position_ids"]);
+      EXPECT_LE(
+          (shifted - ref["logits_pos"]).abs().max().item<double>(),
+          logits_tol(ref["logits_pos"]));
+    }
   }
-  // transformers' loss of labels = ids: next-token targets, the last
-  // position ignored.
-  auto targets = at::cat(
-      {ids.narrow(1, 1, ids.size(1) - 1),
-       at::full({ids.size(0), 1}, -100, ids.options())},
-      1);
+  // transformers' loss of its labels: a causal LM shifts them (next-token
+  // targets, the last position ignored), the masked LM takes them as they
+  // are.
+  const at::Tensor labels = ref["labels"];
+  at::Tensor targets = kMaskedLM<M>
+      ? labels
+      : at::cat(
+            {labels.narrow(1, 1, labels.size(1) - 1),
+             at::full({labels.size(0), 1}, -100, labels.options())},
+            1);
   model->zero_grad();
   at::Tensor loss = model->loss(model->forward(ids), targets);
   EXPECT_NEAR(loss.item<double>(), ref["loss"].item<double>(), 1e-5);
@@ -197,11 +242,9 @@ void check_against_transformers(const std::string& name) {
 
 TEST_F(HfModels, LogitsLossAndGradientsMatchTransformers) {
   for (const auto& name : kCases) {
-    if (is_gpt2(name)) {
-      check_against_transformers<models::GPT2LMHeadModel>(name);
-    } else {
-      check_against_transformers<models::LlamaForCausalLM>(name);
-    }
+    with_family(name, [&](auto family) {
+      check_against_transformers<typename decltype(family)::type>(name);
+    });
   }
 }
 
@@ -234,22 +277,23 @@ TEST_F(HfModels, SavePretrainedLoadsInTransformers) {
     SCOPED_TRACE(name);
     const auto src = (fixtures() / name).string();
     const auto dst = (fs::path(out.path) / name).string();
-    if (is_gpt2(name)) {
-      auto model = models::from_pretrained<models::GPT2LMHeadModel>(src);
+    with_family(name, [&](auto family) {
+      using M = typename decltype(family)::type;
+      auto model = models::from_pretrained<M>(src);
+      // Shards and an index for one case, torch.save's format for another.
       models::save_pretrained(
           model,
           dst,
-          models::SavePretrainedOptions().safe_serialization(
-              name != "gpt2_bare_bin"));
-    } else {
-      auto model = models::from_pretrained<models::LlamaForCausalLM>(src);
-      // Shards and an index for one of them.
-      models::save_pretrained(
-          model,
-          dst,
-          models::SavePretrainedOptions().max_shard_size(
-              name == "llama3" ? 20000 : int64_t(1) << 30));
-    }
+          models::SavePretrainedOptions()
+              .safe_serialization(name != "gpt2_bare_bin")
+              .max_shard_size(name == "llama3" ? 20000 : int64_t(1) << 30));
+      // And it reads back here, unchanged.
+      auto again = models::from_pretrained<M>(dst);
+      auto a = again->named_parameters();
+      for (const auto& kv : model->named_parameters()) {
+        EXPECT_TRUE(at::equal(a[kv.key()], kv.value())) << kv.key();
+      }
+    });
     if (name == "llama3") {
       EXPECT_TRUE(fs::exists(fs::path(dst) / "model.safetensors.index.json"));
     }
@@ -259,15 +303,6 @@ TEST_F(HfModels, SavePretrainedLoadsInTransformers) {
       EXPECT_FALSE(file->contains("lm_head.weight"));
     }
     pairs += " " + quote(src) + " " + quote(dst);
-    // And it reads back here, unchanged.
-    if (!is_gpt2(name)) {
-      auto again = models::from_pretrained<models::LlamaForCausalLM>(dst);
-      auto orig = models::from_pretrained<models::LlamaForCausalLM>(src);
-      auto a = again->named_parameters(), b = orig->named_parameters();
-      for (const auto& kv : b) {
-        EXPECT_TRUE(at::equal(a[kv.key()], kv.value())) << kv.key();
-      }
-    }
   }
   const auto r = colossalai::testing::run_shell(
       std::string(kHfPython) + " " + quote(script().string()) + " check" +
@@ -455,9 +490,9 @@ TEST_F(HfModels, SamplerOrderEqualsPythons) {
   EXPECT_EQ(checked, 3 + 3 + 3 + 4);
 }
 
-// A transformers-written LLaMA (GQA, explicit head_dim, Llama 3.1 rope)
-// trained under HybridParallel equals one process training it: fp32, SGD,
-// the bound of test_hybrid_parallel (rounding of split reductions, 2e-5).
+// Each family, loaded from its transformers-written directory and trained
+// under HybridParallel, equals one process training it: fp32, SGD, the
+// bound of test_hybrid_parallel (rounding of split reductions, 2e-5).
 constexpr int kSteps = 2;
 constexpr int kGlobalBatch = 4;
 constexpr int64_t kSeq = 16;
@@ -470,18 +505,18 @@ std::pair<at::Tensor, at::Tensor> batch(int step) {
       tokens.narrow(1, 1, kSeq).contiguous()};
 }
 
-models::LlamaForCausalLM load_llama3() {
-  return models::from_pretrained<models::LlamaForCausalLM>(
-      (fixtures() / "llama3").string());
-}
-
-void check_hybrid(const std::string& what, const HPO& options) {
-  SCOPED_TRACE(what);
+template <class M>
+void check_hybrid(
+    const std::string& name,
+    const std::string& what,
+    const HPO& options) {
+  SCOPED_TRACE(name + " " + what);
+  const auto dir = (fixtures() / name).string();
   const auto ref = colossalai::testing::train_one_process(
-      load_llama3(), kSteps, /*sgd=*/true, 0.0, batch);
+      models::from_pretrained<M>(dir), kSteps, /*sgd=*/true, 0.0, batch);
   auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(options);
   cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-  auto model = load_llama3();
+  auto model = models::from_pretrained<M>(dir);
   auto boosted = booster.boost(
       model, colossalai::testing::make_optimizer(model->parameters(), true));
   const bool pipelined = options.pp_size() > 1;
@@ -514,7 +549,7 @@ void check_hybrid(const std::string& what, const HPO& options) {
     at::Tensor l = loss.detach().to(at::kFloat).reshape({1}).clone();
     cd::all_reduce(l, *plugin->dp_group()).wait();
     if (last) {
-      EXPECT_NEAR(l.item<double>() / dp, ref.first[step], 1e-5)
+      EXPECT_NEAR(l.template item<double>() / dp, ref.first[step], 1e-5)
           << "step " << step;
     }
   }
@@ -522,37 +557,48 @@ void check_hybrid(const std::string& what, const HPO& options) {
   EXPECT_GT(got.size(), 0u);
   for (const auto& kv : got) {
     ASSERT_TRUE(ref.second.count(kv.first)) << kv.first;
-    EXPECT_LE(
-        (kv.second - ref.second.at(kv.first)).abs().max().item<double>(), 2e-5)
-        << kv.first;
+    const at::Tensor diff = kv.second - ref.second.at(kv.first);
+    EXPECT_LE(diff.abs().max().item<double>(), 2e-5) << kv.first;
   }
 }
 
-TEST_F(HfModels, LoadedLlamaTrainsUnderTpPpAndSpAsOneProcess) {
+// tp 2, split_gather over it, and pp 2 for every family; the LLaMA
+// variants also all_to_all (Ulysses) over sp 2.
+TEST_F(HfModels, LoadedModelsTrainUnderTpSpAndPpAsOneProcess) {
   fixtures();
   run_distributed(2, [](int, int) {
     auto base = [] { return HPO().precision("fp32"); };
-    check_hybrid("tp2", base().tp_size(2));
-    check_hybrid(
-        "tp2_split_gather",
-        base()
-            .tp_size(2)
-            .enable_sequence_parallelism(true)
-            .sequence_parallelism_mode("split_gather"));
-    check_hybrid(
-        "sp2_all_to_all",
-        base()
-            .sp_size(2)
-            .enable_sequence_parallelism(true)
-            .sequence_parallelism_mode("all_to_all"));
-    check_hybrid("pp2", base().pp_size(2).num_microbatches(2));
+    for (const auto& name : kCases) {
+      with_family(name, [&](auto family) {
+        using M = typename decltype(family)::type;
+        check_hybrid<M>(name, "tp2", base().tp_size(2));
+        check_hybrid<M>(
+            name,
+            "tp2_split_gather",
+            base()
+                .tp_size(2)
+                .enable_sequence_parallelism(true)
+                .sequence_parallelism_mode("split_gather"));
+        check_hybrid<M>(name, "pp2", base().pp_size(2).num_microbatches(2));
+        if constexpr (std::is_same_v<M, models::LlamaForCausalLM>) {
+          check_hybrid<M>(
+              name,
+              "sp2_all_to_all",
+              base()
+                  .sp_size(2)
+                  .enable_sequence_parallelism(true)
+                  .sequence_parallelism_mode("all_to_all"));
+        }
+      });
+    }
   });
 }
 
 TEST_F(HfModels, LoadedLlamaTrainsUnderTp2Pp2AsOneProcess) {
   fixtures();
   run_distributed(4, [](int, int) {
-    check_hybrid(
+    check_hybrid<models::LlamaForCausalLM>(
+        "llama3",
         "tp2_pp2",
         HPO().precision("fp32").tp_size(2).pp_size(2).num_microbatches(2));
   });

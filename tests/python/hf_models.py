@@ -19,9 +19,11 @@
 
 Small configs with random weights (no download). Each case's reference holds
 ids [2, T], attention_mask (row 1 right-padded), position_ids (0 .. T - 1
-shifted by 3), and transformers' outputs: logits without a mask, with the
-mask, with the position ids, the loss of labels = ids and every parameter's
-gradient of that loss ("grad.<name>").
+shifted by 3), labels (ids for causal LMs, which shift them inside; every
+third token for the masked LM, -100 elsewhere), and transformers' outputs:
+logits without a mask, with the mask, with the position ids (not Bloom's:
+ALiBi has none), the loss of the labels and every parameter's gradient of
+that loss ("grad.<name>").
 """
 
 import os
@@ -33,12 +35,19 @@ from safetensors.torch import load_file, save_file
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    BertConfig,
+    BertForMaskedLM,
+    BloomConfig,
+    BloomForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -92,7 +101,40 @@ def cases():
             **common, tie_word_embeddings=True), {}),
         # Per-head q and k norms.
         "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common), {}),
+        # Learned positions with OPT's offset, pre-LN, a projected
+        # embedding (opt-350m's shape, post-LN) in the second.
+        "opt": (OPTForCausalLM, OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64, dropout=0.0,
+            attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+            pad_token_id=1), {}),
+        "opt_post_ln": (OPTForCausalLM, OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64, dropout=0.0,
+            attention_dropout=0.0, do_layer_norm_before=False,
+            word_embed_proj_dim=16, bos_token_id=0, eos_token_id=0,
+            pad_token_id=1), {}),
+        # ALiBi.
+        "bloom": (BloomForCausalLM, BloomConfig(
+            vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+            hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0,
+            eos_token_id=0, pad_token_id=1), {}),
+        # An encoder with a masked-LM head: bidirectional, padding masks.
+        "bert": (BertForMaskedLM, BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+            num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, pad_token_id=0), {}),
     }
+
+
+def attn_for(case):
+    # transformers has no SDPA path for Bloom (ALiBi).
+    return "eager" if case.startswith("bloom") else "sdpa"
+
+
+def is_encoder(model):
+    return isinstance(model, BertForMaskedLM)
 
 
 def randomize(model, g):
@@ -120,10 +162,17 @@ def outputs(model, ids, mask, pos):
         ref = {
             "logits": model(input_ids=ids).logits,
             "logits_masked": model(input_ids=ids, attention_mask=mask).logits,
-            "logits_pos": model(input_ids=ids, position_ids=pos).logits,
         }
+        if not isinstance(model, BloomForCausalLM):  # ALiBi: no positions
+            ref["logits_pos"] = model(input_ids=ids, position_ids=pos).logits
+    # Causal LMs shift labels = ids inside; the masked LM predicts every
+    # third token.
+    labels = ids.clone()
+    if is_encoder(model):
+        labels[:, torch.arange(T) % 3 != 0] = -100
+    ref["labels"] = labels
     model.zero_grad()
-    out = model(input_ids=ids, labels=ids)
+    out = model(input_ids=ids, labels=labels)
     out.loss.backward()
     ref["loss"] = out.loss.detach().reshape(1)
     for name, p in model.named_parameters():
@@ -135,7 +184,7 @@ def make(root):
     g = torch.Generator().manual_seed(1234)
     for name, (cls, config, how) in cases().items():
         torch.manual_seed(0)
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = attn_for(name)
         model = cls(config).eval()
         randomize(model, g)
         d = os.path.join(root, name)
@@ -159,7 +208,9 @@ def make(root):
 
 def check(case_dir, ours):
     ref = load_file(os.path.join(case_dir, "reference.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(ours, attn_implementation="sdpa").eval()
+    auto = AutoModelForMaskedLM if "bert" in os.path.basename(case_dir) else AutoModelForCausalLM
+    model = auto.from_pretrained(
+        ours, attn_implementation=attn_for(os.path.basename(case_dir))).eval()
     with torch.no_grad():
         logits = model(input_ids=ref["ids"]).logits
     diff = (logits - ref["logits"]).abs().max().item()

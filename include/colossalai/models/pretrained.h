@@ -10,11 +10,13 @@
 /// `lm_head.weight` is accepted and not written, and old checkpoints'
 /// buffers (GPT-2's `attn.bias`, LLaMA's `rotary_emb.inv_freq`) are skipped.
 ///
-/// Families: `GPT2LMHeadModel` (model_type gpt2) and `LlamaForCausalLM`
-/// (llama, mistral, qwen2, qwen3). A config this library cannot compute
-/// exactly (another activation, rope type or attention variant) is refused
-/// naming the field, rather than loaded into a model that would give other
-/// logits.
+/// Families: `GPT2LMHeadModel` (model_type gpt2), `LlamaForCausalLM`
+/// (llama, mistral, qwen2, qwen3), `OPTForCausalLM` (opt),
+/// `BloomForCausalLM` (bloom) and `BertForMaskedLM` (bert); each family's
+/// header declares its functions (GPT-2's and LLaMA's are here). A config this
+/// library cannot compute exactly (another activation, rope type or attention
+/// variant) is refused naming the field, rather than loaded into a model that
+/// would give other logits.
 ///
 /// A model built whole loads and saves here; a boosted model is loaded by
 /// building it from the directory's config, boosting, and
@@ -31,8 +33,11 @@
 ///   models::save_pretrained(model, "llama-tuned");
 /// \endcode
 
+#include <colossalai/models/bert.h>
+#include <colossalai/models/bloom.h>
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
+#include <colossalai/models/opt.h>
 #include <colossalai/models/pretrained_io.h>
 
 #include <string>

@@ -1,0 +1,524 @@
+#include <colossalai/models/opt.h>
+
+#include <colossalai/distributed/functional.h>
+
+#include <torch/nn/init.h>
+
+namespace colossalai {
+namespace models {
+
+namespace cdf = distributed::functional;
+namespace sl = shardformer::layer;
+
+OPTConfig OPTConfig::tiny_test() {
+  return OPTConfig()
+      .vocab_size(100)
+      .hidden_size(32)
+      .ffn_dim(64)
+      .num_hidden_layers(2)
+      .num_attention_heads(4)
+      .max_position_embeddings(32)
+      .dropout(0)
+      .attention_dropout(0);
+}
+
+OPTConfig OPTConfig::small_cpu() {
+  return OPTConfig()
+      .vocab_size(4096)
+      .hidden_size(256)
+      .ffn_dim(1024)
+      .num_hidden_layers(4)
+      .num_attention_heads(4)
+      .max_position_embeddings(128)
+      .dropout(0)
+      .attention_dropout(0);
+}
+
+namespace {
+
+// OPT's learned positions: position p reads row p + 2 of embed_positions
+// (fairseq kept rows 0 and 1 for its padding index).
+constexpr int64_t kPositionOffset = 2;
+
+// Hugging Face's initialisation (OPTPreTrainedModel with init_std):
+// N(0, init_std) for linear weights and embeddings, zero biases, LayerNorm
+// weights one and biases zero (LibTorch's default).
+void init_normal(at::Tensor& w, double std) {
+  torch::NoGradGuard no_grad;
+  w.normal_(0.0, std);
+}
+
+void init_zero(at::Tensor& b) {
+  if (b.defined()) {
+    torch::NoGradGuard no_grad;
+    b.zero_();
+  }
+}
+
+sl::Linear1D_Col col(int64_t in, int64_t out, const OPTConfig& c) {
+  sl::Linear1D_Col m(sl::Linear1DOptions(in, out).bias(c.enable_bias()));
+  init_normal(m->weight, c.init_std());
+  init_zero(m->bias);
+  return m;
+}
+
+sl::Linear1D_Row row(int64_t in, int64_t out, const OPTConfig& c) {
+  sl::Linear1D_Row m(sl::Linear1DOptions(in, out).bias(c.enable_bias()));
+  init_normal(m->weight, c.init_std());
+  init_zero(m->bias);
+  return m;
+}
+
+torch::nn::Linear projection(int64_t in, int64_t out, const OPTConfig& c) {
+  torch::nn::Linear m(torch::nn::LinearOptions(in, out).bias(false));
+  init_normal(m->weight, c.init_std());
+  return m;
+}
+
+// nn.LayerNorm(hidden_size, elementwise_affine=...) with its default eps.
+torch::nn::LayerNorm layer_norm(const OPTConfig& c) {
+  return torch::nn::LayerNorm(
+      torch::nn::LayerNormOptions({c.hidden_size()})
+          .eps(1e-5)
+          .elementwise_affine(c.layer_norm_elementwise_affine()));
+}
+
+} // namespace
+
+OPTAttentionImpl::OPTAttentionImpl(
+    const OPTConfig& c,
+    const ParallelState* state)
+    : head_dim_(
+          c.num_attention_heads() > 0
+              ? c.hidden_size() / c.num_attention_heads()
+              : 0),
+      state_(state) {
+  TORCH_CHECK(
+      c.num_attention_heads() > 0 &&
+          c.hidden_size() % c.num_attention_heads() == 0,
+      "OPTConfig: hidden_size (",
+      c.hidden_size(),
+      ") must be divisible by num_attention_heads (",
+      c.num_attention_heads(),
+      ")");
+  const int64_t e = c.hidden_size();
+  // Hugging Face's registration order (k, v, q, out).
+  k_proj = register_module("k_proj", col(e, e, c));
+  v_proj = register_module("v_proj", col(e, e, c));
+  q_proj = register_module("q_proj", col(e, e, c));
+  out_proj = register_module("out_proj", row(e, e, c));
+  dropout = register_module(
+      "dropout", sl::Dropout(sl::DropoutOptions(c.attention_dropout())));
+}
+
+at::Tensor OPTAttentionImpl::forward(
+    const at::Tensor& x,
+    const at::Tensor& mask) {
+  // One shared input for q, k and v: one gradient sum over tp, not three.
+  auto xin = q_proj->prepare_input(x);
+  auto q = q_proj->forward_prepared(xin);
+  const int64_t b = q.size(0);
+  const int64_t t = q.size(1); // whole sequence under split_gather
+  // Heads per rank: num_heads / tp (the column layers' output features).
+  q = q.view({b, t, -1, head_dim_}).transpose(1, 2);
+  auto k =
+      k_proj->forward_prepared(xin).view({b, t, -1, head_dim_}).transpose(1, 2);
+  auto v =
+      v_proj->forward_prepared(xin).view({b, t, -1, head_dim_}).transpose(1, 2);
+  // Hugging Face scales q by head_dim^-0.5 before q k^T; attention() scales
+  // the product: the same softmax.
+  const bool drop = dropout->options.p() > 0 && is_training();
+  auto y =
+      sequence_attention(q, k, v, *state_, drop ? dropout.get() : nullptr, mask)
+          .transpose(1, 2); // [B, T, H, D]
+  return out_proj(y.reshape({b, y.size(1), -1}));
+}
+
+OPTDecoderLayerImpl::OPTDecoderLayerImpl(
+    const OPTConfig& c,
+    const ParallelState* state)
+    : pre_ln_(c.do_layer_norm_before()),
+      gelu_(c.activation_function() == "gelu") {
+  TORCH_CHECK(
+      c.activation_function() == "relu" || c.activation_function() == "gelu",
+      "OPTConfig: activation_function '",
+      c.activation_function(),
+      "' is not supported (relu, gelu)");
+  self_attn = register_module("self_attn", OPTAttention(c, state));
+  self_attn_layer_norm = register_module("self_attn_layer_norm", layer_norm(c));
+  fc1 = register_module("fc1", col(c.hidden_size(), c.ffn_dim(), c));
+  fc2 = register_module("fc2", row(c.ffn_dim(), c.hidden_size(), c));
+  final_layer_norm = register_module("final_layer_norm", layer_norm(c));
+  dropout =
+      register_module("dropout", sl::Dropout(sl::DropoutOptions(c.dropout())));
+}
+
+at::Tensor OPTDecoderLayerImpl::forward(
+    const at::Tensor& x,
+    const at::Tensor& mask) {
+  auto scope = forward_scope();
+  // Attention: LayerNorm before (125m, 1.3b, ...) or after (350m).
+  auto h = x +
+      dropout(self_attn->forward(pre_ln_ ? self_attn_layer_norm(x) : x, mask));
+  if (!pre_ln_) {
+    h = self_attn_layer_norm(h);
+  }
+  // MLP.
+  auto m = fc1(pre_ln_ ? final_layer_norm(h) : h);
+  m = gelu_ ? at::gelu(m) : at::relu(m);
+  h = h + dropout(fc2(m));
+  if (!pre_ln_) {
+    h = final_layer_norm(h);
+  }
+  return scope.exit(h);
+}
+
+OPTDecoderImpl::OPTDecoderImpl(const OPTConfig& c, const ParallelState* state)
+    : config_(c), state_(state) {
+  TORCH_CHECK(
+      c.max_position_embeddings() > 0,
+      "OPTConfig: max_position_embeddings must be positive, got ",
+      c.max_position_embeddings());
+  const int64_t word_dim = c.resolved_word_embed_proj_dim();
+  embed_tokens = register_module(
+      "embed_tokens",
+      sl::VocabParallelEmbedding1D(
+          sl::Embedding1DOptions(c.vocab_size(), word_dim)));
+  embed_positions = register_module(
+      "embed_positions",
+      torch::nn::Embedding(
+          c.max_position_embeddings() + kPositionOffset, c.hidden_size()));
+  if (c.has_projections()) {
+    project_out = register_module(
+        "project_out", projection(c.hidden_size(), word_dim, c));
+    project_in =
+        register_module("project_in", projection(word_dim, c.hidden_size(), c));
+  }
+  if (c.do_layer_norm_before()) {
+    final_layer_norm = register_module("final_layer_norm", layer_norm(c));
+  }
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_hidden_layers(); ++i) {
+    layers->push_back(OPTDecoderLayer(c, state));
+  }
+  init_normal(embed_tokens->weight, c.init_std());
+  init_normal(embed_positions->weight, c.init_std());
+  if (c.pad_token_id() >= 0 && c.pad_token_id() < c.vocab_size()) {
+    torch::NoGradGuard no_grad;
+    embed_tokens->weight[c.pad_token_id()].zero_(); // padding_idx's row
+  }
+}
+
+at::Tensor OPTDecoderImpl::forward(
+    const at::Tensor& ids,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  return forward_stage(
+      shardformer::StageLayers(),
+      ids,
+      at::Tensor(),
+      attention_mask,
+      position_ids);
+}
+
+at::Tensor OPTDecoderImpl::forward_stage(
+    const shardformer::StageLayers& stage,
+    const at::Tensor& ids,
+    const at::Tensor& hidden,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  TORCH_CHECK(
+      ids.dim() == 2, "OPTDecoder: ids must be [B, T], got ", ids.sizes());
+  TORCH_CHECK(
+      !position_ids.defined() || position_ids.sizes() == ids.sizes(),
+      "OPTDecoder: position_ids must be [B, T] like ids ",
+      ids.sizes(),
+      ", got ",
+      position_ids.sizes());
+  TORCH_CHECK(
+      !attention_mask.defined() || attention_mask.sizes() == ids.sizes(),
+      "OPTDecoder: attention_mask must be [B, T] like ids ",
+      ids.sizes(),
+      ", got ",
+      attention_mask.sizes());
+  const auto& st = *state_;
+  const int64_t t = ids.size(1);
+  const auto mask = attention_keep_mask(
+      attention_mask, t, /*sliding_window=*/0, ids.device());
+  at::Tensor x = hidden;
+  if (stage.first) {
+    // Positions as transformers: given, else from the padding mask (padding
+    // does not advance them; a padding token's is -1), else 0 .. T - 1.
+    TORCH_CHECK(
+        position_ids.defined() || t <= config_.max_position_embeddings(),
+        "OPTDecoder: the sequence (",
+        t,
+        " tokens) is longer than max_position_embeddings (",
+        config_.max_position_embeddings(),
+        ")");
+    at::Tensor pos;
+    if (position_ids.defined()) {
+      pos = position_ids.to(ids.device(), at::kLong);
+    } else if (attention_mask.defined()) {
+      auto real = attention_mask.to(ids.device()).ne(0).to(at::kLong);
+      pos = at::cumsum(real, 1) * real - 1;
+    } else {
+      pos = at::arange(t, ids.options().dtype(at::kLong));
+    }
+    auto tokens = embed_tokens(ids);
+    const int64_t pad = config_.pad_token_id();
+    if (pad >= 0 && at::GradMode::is_enabled() &&
+        embed_tokens->weight.requires_grad()) {
+      // nn.Embedding's padding_idx: the padding token's lookups give its row
+      // no gradient.
+      tokens = at::where(ids.eq(pad).unsqueeze(-1), tokens.detach(), tokens);
+    }
+    if (project_in) {
+      tokens = project_in(tokens);
+    }
+    x = tokens + embed_positions(pos + kPositionOffset);
+    if (st.sp_mode == "split_gather") {
+      x = cdf::split_along_dim(x, 1, st.tp);
+    }
+  }
+  TORCH_CHECK(x.defined(), "OPTDecoder: a later stage needs hidden states");
+  const int64_t n = static_cast<int64_t>(layers->size());
+  const int64_t end = stage.end < 0 ? n : stage.end;
+  for (int64_t i = stage.begin; i < end; ++i) {
+    auto* layer = (*layers)[i]->as<OPTDecoderLayerImpl>();
+    x = run_block(
+        st,
+        i,
+        n,
+        *layer,
+        [layer, mask](const at::Tensor& y) { return layer->forward(y, mask); },
+        x);
+  }
+  if (!stage.last) {
+    return x;
+  }
+  if (final_layer_norm) {
+    x = final_layer_norm(x);
+  }
+  x = gather_sequence(x, st);
+  return project_out ? project_out(x) : x;
+}
+
+OPTModelImpl::OPTModelImpl(const OPTConfig& c, const ParallelState* state) {
+  decoder = register_module("decoder", OPTDecoder(c, state));
+}
+
+at::Tensor OPTModelImpl::forward(
+    const at::Tensor& ids,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  return decoder->forward(ids, attention_mask, position_ids);
+}
+
+OPTForCausalLMImpl::OPTForCausalLMImpl(const OPTConfig& c) : config_(c) {
+  model = register_module("model", OPTModel(c, &state_));
+}
+
+at::Tensor OPTForCausalLMImpl::forward(
+    const at::Tensor& ids,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  return forward_stage(
+      shardformer::StageLayers(),
+      ids,
+      at::Tensor(),
+      attention_mask,
+      position_ids);
+}
+
+at::Tensor OPTForCausalLMImpl::forward_stage(
+    const shardformer::StageLayers& layers,
+    const at::Tensor& ids,
+    const at::Tensor& hidden,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  auto& decoder = *model->decoder;
+  auto x =
+      decoder.forward_stage(layers, ids, hidden, attention_mask, position_ids);
+  if (!layers.last) {
+    return x;
+  }
+  return sl::lm_head_logits(
+      x,
+      decoder.embed_tokens->weight,
+      state_.tp,
+      /*gather_output=*/!state_.parallel_output,
+      config_.vocab_size());
+}
+
+at::Tensor OPTForCausalLMImpl::loss(
+    const at::Tensor& logits,
+    const at::Tensor& targets) const {
+  return causal_lm_loss(logits, targets, state_, config_.vocab_size());
+}
+
+std::shared_ptr<shardformer::Policy> OPTForCausalLMImpl::default_policy()
+    const {
+  return std::make_shared<OPTPolicy>();
+}
+
+namespace {
+
+void set_dropout(
+    sl::Dropout& d,
+    const distributed::ProcessGroupPtr& g,
+    bool sharded) {
+  d->options.process_group(g).sharded_input(sharded);
+  d->reset();
+}
+
+// A LayerNorm's weight and bias (when it has them) under `name`.
+void insert_layer_norm(
+    std::set<std::string>& out,
+    const torch::nn::LayerNorm& ln,
+    const std::string& name) {
+  if (ln->weight.defined()) {
+    out.insert(name + ".weight");
+  }
+  if (ln->bias.defined()) {
+    out.insert(name + ".bias");
+  }
+}
+
+} // namespace
+
+shardformer::ShardInfo OPTPolicy::shard(
+    torch::nn::Module& model,
+    const shardformer::ShardConfig& cfg) {
+  auto* m = dynamic_cast<OPTForCausalLMImpl*>(&model);
+  TORCH_CHECK(m != nullptr, "OPTPolicy: the model is not an OPTForCausalLM");
+  const auto tp = cfg.tensor_parallel_process_group();
+  const auto mode = cfg.sp_mode();
+  TORCH_CHECK(
+      mode.empty() || mode == "split_gather" || mode == "ring",
+      "OPTPolicy: sequence_parallelism_mode '",
+      mode,
+      "' is not supported; OPTPolicy supports split_gather and ring");
+  auto& st = m->parallel_state();
+  configure_parallel_state(
+      st,
+      cfg,
+      m->config().num_attention_heads(),
+      "OPTPolicy",
+      "num_attention_heads");
+
+  auto& d = *m->model->decoder;
+  d.embed_tokens->options.make_vocab_size_divisible_by(
+      cfg.make_vocab_size_divisible_by());
+  d.embed_tokens->shard_(tp);
+  // "ring" is split_gather with ring-overlapped matmuls in the layers.
+  const bool split_gather = mode == "split_gather" || mode == "ring";
+  // Activations between layers: sequence chunks over tp under split_gather.
+  const auto act_group = split_gather ? tp : st.sp;
+  shardformer::ShardInfo info;
+  for (size_t i = 0; i < d.layers->size(); ++i) {
+    auto* layer = d.layers[i]->as<OPTDecoderLayerImpl>();
+    auto& a = *layer->self_attn;
+    for (auto* col :
+         {a.q_proj.get(), a.k_proj.get(), a.v_proj.get(), layer->fc1.get()}) {
+      col->options.seq_parallel(split_gather).ring(mode == "ring");
+      col->shard_(tp);
+    }
+    for (auto* row : {a.out_proj.get(), layer->fc2.get()}) {
+      row->options.seq_parallel(split_gather).ring(mode == "ring");
+      row->shard_(tp);
+    }
+    set_dropout(a.dropout, tp, true); // heads are split
+    set_dropout(layer->dropout, act_group, act_group != nullptr);
+    if (split_gather) {
+      const auto p = "model.decoder.layers." + std::to_string(i) + ".";
+      insert_layer_norm(
+          info.partial_grad_params,
+          layer->self_attn_layer_norm,
+          p + "self_attn_layer_norm");
+      insert_layer_norm(
+          info.partial_grad_params,
+          layer->final_layer_norm,
+          p + "final_layer_norm");
+      // Row layers add their bias after the sum: its gradient is partial
+      // where each rank holds part of the sequence.
+      if (a.out_proj->bias.defined()) {
+        info.partial_grad_params.insert(p + "self_attn.out_proj.bias");
+      }
+      if (layer->fc2->bias.defined()) {
+        info.partial_grad_params.insert(p + "fc2.bias");
+      }
+    }
+  }
+  if (split_gather && d.final_layer_norm) {
+    insert_layer_norm(
+        info.partial_grad_params,
+        d.final_layer_norm,
+        "model.decoder.final_layer_norm");
+  }
+  return info;
+}
+
+namespace {
+
+const OPTForCausalLMImpl& as_opt(const torch::nn::Module& model) {
+  const auto* m = dynamic_cast<const OPTForCausalLMImpl*>(&model);
+  TORCH_CHECK(m != nullptr, "OPTPolicy: the model is not an OPTForCausalLM");
+  return *m;
+}
+
+} // namespace
+
+int64_t OPTPolicy::num_pipeline_layers(const torch::nn::Module& model) const {
+  return as_opt(model).config().num_hidden_layers();
+}
+
+std::vector<std::string> OPTPolicy::held_layers(
+    const torch::nn::Module& model,
+    const shardformer::StageLayers& layers) const {
+  const auto& c = as_opt(model).config();
+  const int64_t n = c.num_hidden_layers();
+  std::vector<std::string> names;
+  if (layers.first) {
+    names = {"model.decoder.embed_tokens", "model.decoder.embed_positions"};
+    if (c.has_projections()) {
+      names.push_back("model.decoder.project_in");
+    }
+  }
+  const int64_t end = layers.end < 0 ? n : layers.end;
+  for (int64_t i = layers.begin; i < end; ++i) {
+    names.push_back("model.decoder.layers." + std::to_string(i));
+  }
+  if (layers.last) {
+    if (c.do_layer_norm_before()) {
+      names.push_back("model.decoder.final_layer_norm");
+    }
+    if (c.has_projections()) {
+      names.push_back("model.decoder.project_out");
+    }
+    if (!layers.first) {
+      names.push_back("model.decoder.embed_tokens"); // the tied head
+    }
+  }
+  return names;
+}
+
+std::vector<std::string> OPTPolicy::shared_params(
+    const torch::nn::Module&) const {
+  return {"model.decoder.embed_tokens.weight"};
+}
+
+at::Tensor OPTPolicy::stage_forward(
+    torch::nn::Module& model,
+    const shardformer::StageLayers& layers,
+    const std::vector<at::Tensor>& micro_batch,
+    const at::Tensor& hidden) const {
+  auto& m = const_cast<OPTForCausalLMImpl&>(as_opt(model));
+  TORCH_CHECK(
+      !micro_batch.empty(),
+      "OPTPolicy: the micro-batch must start with the input ids");
+  return m.forward_stage(layers, micro_batch[0], hidden);
+}
+
+} // namespace models
+} // namespace colossalai
