@@ -373,24 +373,17 @@ at::Tensor BertModelImpl::forward_stage(
       key_mask(attention_mask, ids.size(0), ids.size(1), ids.device());
   at::Tensor x = hidden;
   if (layers.first) {
-    x = embeddings(ids, token_type_ids, position_ids);
-    if (st.sp_mode == "split_gather") {
-      x = cdf::split_along_dim(x, 1, st.tp);
-    }
+    x = split_sequence(embeddings(ids, token_type_ids, position_ids), st);
   }
   TORCH_CHECK(x.defined(), "BertModel: a later stage needs hidden states");
-  const int64_t n = static_cast<int64_t>(encoder->layer->size());
-  const int64_t end = layers.end < 0 ? n : layers.end;
-  for (int64_t i = layers.begin; i < end; ++i) {
-    auto* block = encoder->layer[i]->as<BertLayerImpl>();
-    x = run_block(
-        st,
-        i,
-        n,
-        *block,
-        [block, mask](const at::Tensor& y) { return block->forward(y, mask); },
-        x);
-  }
+  x = run_stage_blocks<BertLayerImpl>(
+      st,
+      layers,
+      *encoder->layer,
+      x,
+      [mask](BertLayerImpl& block, const at::Tensor& y) {
+        return block.forward(y, mask);
+      });
   return layers.last ? gather_sequence(x, st) : x;
 }
 
@@ -493,23 +486,11 @@ std::shared_ptr<shardformer::Policy> BertForMaskedLMImpl::default_policy()
   return std::make_shared<BertPolicy>();
 }
 
-namespace {
-
-void set_dropout(
-    sl::Dropout& d,
-    const distributed::ProcessGroupPtr& g,
-    bool sharded) {
-  d->options.process_group(g).sharded_input(sharded);
-  d->reset();
-}
-
-} // namespace
-
 shardformer::ShardInfo BertPolicy::shard(
     torch::nn::Module& model,
     const shardformer::ShardConfig& cfg) {
-  auto* m = dynamic_cast<BertForMaskedLMImpl*>(&model);
-  TORCH_CHECK(m != nullptr, "BertPolicy: the model is not a BertForMaskedLM");
+  auto& m = policy_model<BertForMaskedLMImpl>(
+      model, "BertPolicy", "a BertForMaskedLM");
   const auto tp = cfg.tensor_parallel_process_group();
   const auto mode = cfg.sp_mode();
   TORCH_CHECK(
@@ -517,78 +498,64 @@ shardformer::ShardInfo BertPolicy::shard(
       "BertPolicy: sequence_parallelism_mode '",
       mode,
       "' is not supported for BERT (split_gather, ring)");
-  auto& st = m->parallel_state();
+  auto& st = m.parallel_state();
   configure_parallel_state(
       st,
       cfg,
-      m->config().num_attention_heads(),
+      m.config().num_attention_heads(),
       "BertPolicy",
       "num_attention_heads");
 
-  auto& emb = *m->bert->embeddings;
-  emb.word_embeddings->options.make_vocab_size_divisible_by(
-      cfg.make_vocab_size_divisible_by());
-  emb.word_embeddings->shard_(tp);
+  auto& emb = *m.bert->embeddings;
+  shard_vocab_parallel(*emb.word_embeddings, cfg);
   shardformer::ShardInfo info;
   // The decoder's bias goes with the decoder's (word_embeddings') rows:
   // padded like them (zeros) and split over tp.
   const auto bias_spec =
-      sl::ShardSpec::split(0, m->config().vocab_size(), tp)
+      sl::ShardSpec::split(0, m.config().vocab_size(), tp)
           .with_padding(emb.word_embeddings->padded_num_embeddings());
-  sl::detail::shard_param_(m->cls->predictions->bias, bias_spec);
+  sl::detail::shard_param_(m.cls->predictions->bias, bias_spec);
   info.specs["cls.predictions.bias"] = bias_spec;
 
-  // "ring" is split_gather with ring-overlapped matmuls in the layers.
-  const bool split_gather = mode == "split_gather" || mode == "ring";
+  const bool split_gather = split_gather_mode(mode);
   // Activations between the row and the next column layer: sequence chunks
   // over tp under split_gather, replicated otherwise.
   const auto act_group = split_gather ? tp : nullptr;
   set_dropout(emb.dropout, nullptr, false); // before the split: replicated
-  auto& layers = *m->bert->encoder->layer;
+  auto& layers = *m.bert->encoder->layer;
   for (size_t i = 0; i < layers.size(); ++i) {
     auto* blk = layers[i]->as<BertLayerImpl>();
     auto& self = *blk->attention->self;
     auto& self_out = *blk->attention->output;
     auto& out = *blk->output;
-    for (auto* c :
-         {self.query.get(),
-          self.key.get(),
-          self.value.get(),
-          blk->intermediate->dense.get()}) {
-      c->options.seq_parallel(split_gather).ring(mode == "ring");
-      c->shard_(tp);
-    }
-    for (auto* r : {self_out.dense.get(), out.dense.get()}) {
-      r->options.seq_parallel(split_gather).ring(mode == "ring");
-      r->shard_(tp);
-    }
+    shard_linears(
+        {self.query.get(),
+         self.key.get(),
+         self.value.get(),
+         blk->intermediate->dense.get()},
+        {self_out.dense.get(), out.dense.get()},
+        tp,
+        mode);
     set_dropout(self.dropout, tp, true); // heads are split
     set_dropout(self_out.dropout, act_group, act_group != nullptr);
     set_dropout(out.dropout, act_group, act_group != nullptr);
     if (split_gather) {
       // Used on this rank's sequence chunk only: partial gradients.
-      const auto p = "bert.encoder.layer." + std::to_string(i) + ".";
-      for (const char* n :
-           {"attention.output.dense.bias",
-            "attention.output.LayerNorm.weight",
-            "attention.output.LayerNorm.bias",
-            "output.dense.bias",
-            "output.LayerNorm.weight",
-            "output.LayerNorm.bias"}) {
-        info.partial_grad_params.insert(p + n);
-      }
+      add_partial_grads(
+          info,
+          "bert.encoder.layer." + std::to_string(i) + ".",
+          {"attention.output.dense.bias",
+           "attention.output.LayerNorm.weight",
+           "attention.output.LayerNorm.bias",
+           "output.dense.bias",
+           "output.LayerNorm.weight",
+           "output.LayerNorm.bias"});
     }
   }
   return info;
 }
 
 namespace {
-
-const BertForMaskedLMImpl& as_bert(const torch::nn::Module& model) {
-  const auto* m = dynamic_cast<const BertForMaskedLMImpl*>(&model);
-  TORCH_CHECK(m != nullptr, "BertPolicy: the model is not a BertForMaskedLM");
-  return *m;
-}
 
 // micro_batch[i] when present and defined, checked to be [B, T] like ids.
 at::Tensor optional_input(
@@ -615,21 +582,21 @@ at::Tensor optional_input(
 } // namespace
 
 int64_t BertPolicy::num_pipeline_layers(const torch::nn::Module& model) const {
-  return as_bert(model).config().num_hidden_layers();
+  return policy_model<BertForMaskedLMImpl>(
+             model, "BertPolicy", "a BertForMaskedLM")
+      .config()
+      .num_hidden_layers();
 }
 
 std::vector<std::string> BertPolicy::held_layers(
     const torch::nn::Module& model,
     const shardformer::StageLayers& layers) const {
-  const int64_t n = as_bert(model).config().num_hidden_layers();
+  const int64_t n = BertPolicy::num_pipeline_layers(model);
   std::vector<std::string> names;
   if (layers.first) {
     names.push_back("bert.embeddings");
   }
-  const int64_t end = layers.end < 0 ? n : layers.end;
-  for (int64_t i = layers.begin; i < end; ++i) {
-    names.push_back("bert.encoder.layer." + std::to_string(i));
-  }
+  append_stage_blocks(names, layers, n, "bert.encoder.layer.");
   if (layers.last) {
     names.push_back("cls");
     if (!layers.first) {
@@ -649,7 +616,8 @@ at::Tensor BertPolicy::stage_forward(
     const shardformer::StageLayers& layers,
     const std::vector<at::Tensor>& micro_batch,
     const at::Tensor& hidden) const {
-  auto& m = const_cast<BertForMaskedLMImpl&>(as_bert(model));
+  auto& m = policy_model<BertForMaskedLMImpl>(
+      model, "BertPolicy", "a BertForMaskedLM");
   TORCH_CHECK(
       !micro_batch.empty() && micro_batch[0].defined(),
       "BertPolicy: the micro-batch must start with the input ids");

@@ -1,7 +1,5 @@
 #include <colossalai/models/bloom.h>
 
-#include <colossalai/distributed/functional.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -9,7 +7,6 @@
 namespace colossalai {
 namespace models {
 
-namespace cdf = distributed::functional;
 namespace sl = shardformer::layer;
 
 BloomConfig BloomConfig::tiny_test() {
@@ -269,26 +266,17 @@ at::Tensor BloomModelImpl::forward_stage(
       alibi_bias(attention_mask, t, config_.n_head(), st, ids.device());
   at::Tensor x = hidden;
   if (layers.first) {
-    x = word_embeddings_layernorm(word_embeddings(ids));
-    if (st.sp_mode == "split_gather") {
-      x = cdf::split_along_dim(x, 1, st.tp);
-    }
+    x = split_sequence(word_embeddings_layernorm(word_embeddings(ids)), st);
   }
   TORCH_CHECK(x.defined(), "BloomModel: a later stage needs hidden states");
-  const int64_t n = static_cast<int64_t>(h->size());
-  const int64_t end = layers.end < 0 ? n : layers.end;
-  for (int64_t i = layers.begin; i < end; ++i) {
-    auto* block = (*h)[i]->as<BloomBlockImpl>();
-    x = run_block(
-        st,
-        i,
-        n,
-        *block,
-        [block, alibi, mask](const at::Tensor& y) {
-          return block->forward(y, alibi, mask);
-        },
-        x);
-  }
+  x = run_stage_blocks<BloomBlockImpl>(
+      st,
+      layers,
+      *h,
+      x,
+      [alibi, mask](BloomBlockImpl& block, const at::Tensor& y) {
+        return block.forward(y, alibi, mask);
+      });
   return layers.last ? gather_sequence(ln_f(x), st) : x;
 }
 
@@ -332,23 +320,11 @@ std::shared_ptr<shardformer::Policy> BloomForCausalLMImpl::default_policy()
   return std::make_shared<BloomPolicy>();
 }
 
-namespace {
-
-void set_dropout(
-    sl::Dropout& d,
-    const distributed::ProcessGroupPtr& g,
-    bool sharded) {
-  d->options.process_group(g).sharded_input(sharded);
-  d->reset();
-}
-
-} // namespace
-
 shardformer::ShardInfo BloomPolicy::shard(
     torch::nn::Module& model,
     const shardformer::ShardConfig& cfg) {
-  auto* m = dynamic_cast<BloomForCausalLMImpl*>(&model);
-  TORCH_CHECK(m != nullptr, "BloomPolicy: the model is not a BloomForCausalLM");
+  auto& m = policy_model<BloomForCausalLMImpl>(
+      model, "BloomPolicy", "a BloomForCausalLM");
   const auto tp = cfg.tensor_parallel_process_group();
   const auto mode = cfg.sp_mode();
   // ALiBi positions and the mask are built for the whole sequence, which
@@ -358,16 +334,13 @@ shardformer::ShardInfo BloomPolicy::shard(
       "BloomPolicy: sequence_parallelism_mode '",
       mode,
       "' is not supported; BloomPolicy supports split_gather and ring");
-  auto& st = m->parallel_state();
+  auto& st = m.parallel_state();
   configure_parallel_state(
-      st, cfg, m->config().n_head(), "BloomPolicy", "n_head");
+      st, cfg, m.config().n_head(), "BloomPolicy", "n_head");
 
-  auto& t = *m->transformer;
-  t.word_embeddings->options.make_vocab_size_divisible_by(
-      cfg.make_vocab_size_divisible_by());
-  t.word_embeddings->shard_(tp);
-  // "ring" is split_gather with ring-overlapped matmuls in the layers.
-  const bool split_gather = mode == "split_gather" || mode == "ring";
+  auto& t = *m.transformer;
+  shard_vocab_parallel(*t.word_embeddings, cfg);
+  const bool split_gather = split_gather_mode(mode);
   // Activations between blocks: sequence chunks under split_gather.
   const auto act_group = split_gather ? tp : st.sp;
   shardformer::ShardInfo info;
@@ -376,66 +349,51 @@ shardformer::ShardInfo BloomPolicy::shard(
     auto& a = *blk->self_attention;
     auto& mlp = *blk->mlp;
     // One section: the fused q, k, v are interleaved per head.
-    for (auto* col : {a.query_key_value.get(), mlp.dense_h_to_4h.get()}) {
-      col->options.seq_parallel(split_gather).ring(mode == "ring");
-      col->shard_(tp);
-    }
-    for (auto* row : {a.dense.get(), mlp.dense_4h_to_h.get()}) {
-      row->options.seq_parallel(split_gather).ring(mode == "ring");
-      row->shard_(tp);
-    }
+    shard_linears(
+        {a.query_key_value.get(), mlp.dense_h_to_4h.get()},
+        {a.dense.get(), mlp.dense_4h_to_h.get()},
+        tp,
+        mode);
     set_dropout(a.attention_dropout, tp, true); // heads are split
     set_dropout(a.hidden_dropout, act_group, act_group != nullptr);
     set_dropout(mlp.hidden_dropout, act_group, act_group != nullptr);
     if (split_gather) {
-      const auto p = "transformer.h." + std::to_string(i) + ".";
-      for (const char* n :
-           {"input_layernorm.weight",
-            "input_layernorm.bias",
-            "post_attention_layernorm.weight",
-            "post_attention_layernorm.bias",
-            "self_attention.dense.bias",
-            "mlp.dense_4h_to_h.bias"}) {
-        info.partial_grad_params.insert(p + n);
-      }
+      add_partial_grads(
+          info,
+          "transformer.h." + std::to_string(i) + ".",
+          {"input_layernorm.weight",
+           "input_layernorm.bias",
+           "post_attention_layernorm.weight",
+           "post_attention_layernorm.bias",
+           "self_attention.dense.bias",
+           "mlp.dense_4h_to_h.bias"});
     }
   }
   // word_embeddings_layernorm runs on the whole sequence, before the split:
   // its gradient is whole on every rank.
   if (split_gather) {
-    info.partial_grad_params.insert("transformer.ln_f.weight");
-    info.partial_grad_params.insert("transformer.ln_f.bias");
+    add_partial_grads(info, "transformer.ln_f.", {"weight", "bias"});
   }
   return info;
 }
 
-namespace {
-
-const BloomForCausalLMImpl& as_bloom(const torch::nn::Module& model) {
-  const auto* m = dynamic_cast<const BloomForCausalLMImpl*>(&model);
-  TORCH_CHECK(m != nullptr, "BloomPolicy: the model is not a BloomForCausalLM");
-  return *m;
-}
-
-} // namespace
-
 int64_t BloomPolicy::num_pipeline_layers(const torch::nn::Module& model) const {
-  return as_bloom(model).config().n_layer();
+  return policy_model<BloomForCausalLMImpl>(
+             model, "BloomPolicy", "a BloomForCausalLM")
+      .config()
+      .n_layer();
 }
 
 std::vector<std::string> BloomPolicy::held_layers(
     const torch::nn::Module& model,
     const shardformer::StageLayers& layers) const {
-  const int64_t n = as_bloom(model).config().n_layer();
+  const int64_t n = BloomPolicy::num_pipeline_layers(model);
   std::vector<std::string> names;
   if (layers.first) {
     names = {
         "transformer.word_embeddings", "transformer.word_embeddings_layernorm"};
   }
-  const int64_t end = layers.end < 0 ? n : layers.end;
-  for (int64_t i = layers.begin; i < end; ++i) {
-    names.push_back("transformer.h." + std::to_string(i));
-  }
+  append_stage_blocks(names, layers, n, "transformer.h.");
   if (layers.last) {
     names.push_back("transformer.ln_f");
     if (!layers.first) {
@@ -455,11 +413,8 @@ at::Tensor BloomPolicy::stage_forward(
     const shardformer::StageLayers& layers,
     const std::vector<at::Tensor>& micro_batch,
     const at::Tensor& hidden) const {
-  auto& m = const_cast<BloomForCausalLMImpl&>(as_bloom(model));
-  TORCH_CHECK(
-      !micro_batch.empty(),
-      "BloomPolicy: the micro-batch must start with the input ids");
-  return m.forward_stage(layers, micro_batch[0], hidden);
+  return causal_lm_stage_forward<BloomForCausalLMImpl>(
+      model, layers, micro_batch, hidden, "BloomPolicy", "a BloomForCausalLM");
 }
 
 } // namespace models

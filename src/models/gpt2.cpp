@@ -192,7 +192,6 @@ at::Tensor GPT2ModelImpl::forward_stage(
     const at::Tensor& attention_mask,
     const at::Tensor& position_ids) {
   const auto& st = *state_;
-  const int64_t n = static_cast<int64_t>(h->size());
   TORCH_CHECK(
       ids.dim() == 2 && ids.size(1) <= config_.n_positions(),
       "GPT2Model: ids must be [B, T] with T <= n_positions (",
@@ -214,23 +213,13 @@ at::Tensor GPT2ModelImpl::forward_stage(
     if (position_ids.defined()) {
       pos = sequence_chunk(position_ids, st).first;
     }
-    x = drop(wte(tokens) + wpe(pos));
-    if (st.sp_mode == "split_gather") {
-      x = cdf::split_along_dim(x, 1, st.tp);
-    }
+    x = split_sequence(drop(wte(tokens) + wpe(pos)), st);
   }
   TORCH_CHECK(x.defined(), "GPT2Model: a later stage needs hidden states");
-  const int64_t end = layers.end < 0 ? n : layers.end;
-  for (int64_t i = layers.begin; i < end; ++i) {
-    auto* block = (*h)[i]->as<GPT2BlockImpl>();
-    x = run_block(
-        st,
-        i,
-        n,
-        *block,
-        [block, mask](const at::Tensor& y) { return block->forward(y, mask); },
-        x);
-  }
+  x = run_stage_blocks<GPT2BlockImpl>(
+      st, layers, *h, x, [mask](GPT2BlockImpl& block, const at::Tensor& y) {
+        return block.forward(y, mask);
+      });
   return layers.last ? gather_sequence(ln_f(x), st) : x;
 }
 
@@ -281,35 +270,20 @@ std::shared_ptr<shardformer::Policy> GPT2LMHeadModelImpl::default_policy()
   return std::make_shared<GPT2Policy>();
 }
 
-namespace {
-
-void set_dropout(
-    sl::Dropout& d,
-    const distributed::ProcessGroupPtr& g,
-    bool sharded) {
-  d->options.process_group(g).sharded_input(sharded);
-  d->reset();
-}
-
-} // namespace
-
 shardformer::ShardInfo GPT2Policy::shard(
     torch::nn::Module& model,
     const shardformer::ShardConfig& cfg) {
-  auto* m = dynamic_cast<GPT2LMHeadModelImpl*>(&model);
-  TORCH_CHECK(m != nullptr, "GPT2Policy: the model is not a GPT2LMHeadModel");
+  auto& m = policy_model<GPT2LMHeadModelImpl>(
+      model, "GPT2Policy", "a GPT2LMHeadModel");
   const auto tp = cfg.tensor_parallel_process_group();
   const auto mode = cfg.sp_mode();
-  auto& st = m->parallel_state();
+  auto& st = m.parallel_state();
   configure_parallel_state(
-      st, cfg, m->config().n_head(), "GPT2Policy", "n_head");
+      st, cfg, m.config().n_head(), "GPT2Policy", "n_head");
 
-  auto& t = *m->transformer;
-  t.wte->options.make_vocab_size_divisible_by(
-      cfg.make_vocab_size_divisible_by());
-  t.wte->shard_(tp);
-  // "ring" is split_gather with ring-overlapped matmuls in the layers.
-  const bool split_gather = mode == "split_gather" || mode == "ring";
+  auto& t = *m.transformer;
+  shard_vocab_parallel(*t.wte, cfg);
+  const bool split_gather = split_gather_mode(mode);
   // Activations between blocks: sequence chunks under either sp mode.
   const auto act_group = split_gather ? tp : st.sp;
   set_dropout(t.drop, nullptr, false);
@@ -318,63 +292,48 @@ shardformer::ShardInfo GPT2Policy::shard(
     auto* blk = t.h[i]->as<GPT2BlockImpl>();
     auto& a = *blk->attn;
     auto& mlp = *blk->mlp;
-    for (auto* col : {a.c_attn.get(), mlp.c_fc.get()}) {
-      col->options.seq_parallel(split_gather).ring(mode == "ring");
-      col->shard_(tp);
-    }
-    for (auto* row : {a.c_proj.get(), mlp.c_proj.get()}) {
-      row->options.seq_parallel(split_gather).ring(mode == "ring");
-      row->shard_(tp);
-    }
+    shard_linears(
+        {a.c_attn.get(), mlp.c_fc.get()},
+        {a.c_proj.get(), mlp.c_proj.get()},
+        tp,
+        mode);
     set_dropout(a.attn_dropout, tp, true); // heads are split
     set_dropout(a.resid_dropout, act_group, act_group != nullptr);
     set_dropout(mlp.dropout, act_group, act_group != nullptr);
     if (split_gather) {
-      const auto p = "transformer.h." + std::to_string(i) + ".";
-      for (const char* n :
-           {"ln_1.weight",
-            "ln_1.bias",
-            "ln_2.weight",
-            "ln_2.bias",
-            "attn.c_proj.bias",
-            "mlp.c_proj.bias"}) {
-        info.partial_grad_params.insert(p + n);
-      }
+      add_partial_grads(
+          info,
+          "transformer.h." + std::to_string(i) + ".",
+          {"ln_1.weight",
+           "ln_1.bias",
+           "ln_2.weight",
+           "ln_2.bias",
+           "attn.c_proj.bias",
+           "mlp.c_proj.bias"});
     }
   }
   if (split_gather) {
-    info.partial_grad_params.insert("transformer.ln_f.weight");
-    info.partial_grad_params.insert("transformer.ln_f.bias");
+    add_partial_grads(info, "transformer.ln_f.", {"weight", "bias"});
   }
   return info;
 }
 
-namespace {
-
-const GPT2LMHeadModelImpl& as_gpt2(const torch::nn::Module& model) {
-  const auto* m = dynamic_cast<const GPT2LMHeadModelImpl*>(&model);
-  TORCH_CHECK(m != nullptr, "GPT2Policy: the model is not a GPT2LMHeadModel");
-  return *m;
-}
-
-} // namespace
-
 int64_t GPT2Policy::num_pipeline_layers(const torch::nn::Module& model) const {
-  return as_gpt2(model).config().n_layer();
+  return policy_model<GPT2LMHeadModelImpl>(
+             model, "GPT2Policy", "a GPT2LMHeadModel")
+      .config()
+      .n_layer();
 }
 
 std::vector<std::string> GPT2Policy::held_layers(
     const torch::nn::Module& model,
     const shardformer::StageLayers& layers) const {
-  const int64_t n = as_gpt2(model).config().n_layer();
+  const int64_t n = GPT2Policy::num_pipeline_layers(model);
   std::vector<std::string> names;
   if (layers.first) {
     names = {"transformer.wte", "transformer.wpe", "transformer.drop"};
   }
-  const int64_t end = layers.end < 0 ? n : layers.end;
-  for (int64_t i = layers.begin; i < end; ++i) {
-    names.push_back("transformer.h." + std::to_string(i));
-  }
+  append_stage_blocks(names, layers, n, "transformer.h.");
   if (layers.last) {
     names.push_back("transformer.ln_f");
     if (!layers.first) {
@@ -394,11 +353,8 @@ at::Tensor GPT2Policy::stage_forward(
     const shardformer::StageLayers& layers,
     const std::vector<at::Tensor>& micro_batch,
     const at::Tensor& hidden) const {
-  auto& m = const_cast<GPT2LMHeadModelImpl&>(as_gpt2(model));
-  TORCH_CHECK(
-      !micro_batch.empty(),
-      "GPT2Policy: the micro-batch must start with the input ids");
-  return m.forward_stage(layers, micro_batch[0], hidden);
+  return causal_lm_stage_forward<GPT2LMHeadModelImpl>(
+      model, layers, micro_batch, hidden, "GPT2Policy", "a GPT2LMHeadModel");
 }
 
 } // namespace models

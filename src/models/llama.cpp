@@ -1,13 +1,10 @@
 #include <colossalai/models/llama.h>
 
-#include <colossalai/distributed/functional.h>
-
 #include <cmath>
 
 namespace colossalai {
 namespace models {
 
-namespace cdf = distributed::functional;
 namespace sl = shardformer::layer;
 
 LlamaConfig LlamaConfig::tiny_test() {
@@ -305,26 +302,17 @@ at::Tensor LlamaModelImpl::forward_stage(
       attention_mask, t, config_.sliding_window(), ids.device());
   at::Tensor x = hidden;
   if (stage.first) {
-    x = embed_tokens(tokens);
-    if (st.sp_mode == "split_gather") {
-      x = cdf::split_along_dim(x, 1, st.tp);
-    }
+    x = split_sequence(embed_tokens(tokens), st);
   }
   TORCH_CHECK(x.defined(), "LlamaModel: a later stage needs hidden states");
-  const int64_t n = static_cast<int64_t>(layers->size());
-  const int64_t end = stage.end < 0 ? n : stage.end;
-  for (int64_t i = stage.begin; i < end; ++i) {
-    auto* layer = (*layers)[i]->as<LlamaDecoderLayerImpl>();
-    x = run_block(
-        st,
-        i,
-        n,
-        *layer,
-        [layer, rope_pos, mask](const at::Tensor& y) {
-          return layer->forward(y, rope_pos, mask);
-        },
-        x);
-  }
+  x = run_stage_blocks<LlamaDecoderLayerImpl>(
+      st,
+      stage,
+      *layers,
+      x,
+      [rope_pos, mask](LlamaDecoderLayerImpl& layer, const at::Tensor& y) {
+        return layer.forward(y, rope_pos, mask);
+      });
   return stage.last ? gather_sequence(norm(x), st) : x;
 }
 
@@ -388,64 +376,57 @@ std::shared_ptr<shardformer::Policy> LlamaForCausalLMImpl::default_policy()
 shardformer::ShardInfo LlamaPolicy::shard(
     torch::nn::Module& module,
     const shardformer::ShardConfig& cfg) {
-  auto* m = dynamic_cast<LlamaForCausalLMImpl*>(&module);
-  TORCH_CHECK(m != nullptr, "LlamaPolicy: the model is not a LlamaForCausalLM");
+  auto& m = policy_model<LlamaForCausalLMImpl>(
+      module, "LlamaPolicy", "a LlamaForCausalLM");
   const auto tp = cfg.tensor_parallel_process_group();
   const auto mode = cfg.sp_mode();
   configure_parallel_state(
-      m->parallel_state(),
+      m.parallel_state(),
       cfg,
-      m->config().num_key_value_heads(),
+      m.config().num_key_value_heads(),
       "LlamaPolicy",
       "num_key_value_heads");
 
-  // "ring" is split_gather with ring-overlapped matmuls in the layers.
-  const bool split_gather = mode == "split_gather" || mode == "ring";
-  auto& lm = *m->model;
-  lm.embed_tokens->options.make_vocab_size_divisible_by(
-      cfg.make_vocab_size_divisible_by());
-  lm.embed_tokens->shard_(tp);
-  if (m->lm_head) {
-    m->lm_head->options.make_vocab_size_divisible_by(
-        cfg.make_vocab_size_divisible_by());
-    m->lm_head->options.gather_output(!cfg.parallel_output());
-    m->lm_head->shard_(tp);
+  const bool split_gather = split_gather_mode(mode);
+  auto& lm = *m.model;
+  shard_vocab_parallel(*lm.embed_tokens, cfg);
+  if (m.lm_head) {
+    m.lm_head->options.gather_output(!cfg.parallel_output());
+    shard_vocab_parallel(*m.lm_head, cfg);
   }
   shardformer::ShardInfo info;
   for (size_t i = 0; i < lm.layers->size(); ++i) {
     auto* layer = lm.layers[i]->as<LlamaDecoderLayerImpl>();
     auto& a = *layer->self_attn;
     auto& mlp = *layer->mlp;
-    for (auto* col :
-         {a.q_proj.get(),
-          a.k_proj.get(),
-          a.v_proj.get(),
-          mlp.gate_proj.get(),
-          mlp.up_proj.get()}) {
-      col->options.seq_parallel(split_gather).ring(mode == "ring");
-      col->shard_(tp);
-    }
-    for (auto* row : {a.o_proj.get(), mlp.down_proj.get()}) {
-      row->options.seq_parallel(split_gather).ring(mode == "ring");
-      row->shard_(tp);
-    }
+    shard_linears(
+        {a.q_proj.get(),
+         a.k_proj.get(),
+         a.v_proj.get(),
+         mlp.gate_proj.get(),
+         mlp.up_proj.get()},
+        {a.o_proj.get(), mlp.down_proj.get()},
+        tp,
+        mode);
     const auto p = "model.layers." + std::to_string(i) + ".";
     if (split_gather) {
-      info.partial_grad_params.insert(p + "input_layernorm.weight");
-      info.partial_grad_params.insert(p + "post_attention_layernorm.weight");
+      add_partial_grads(
+          info,
+          p,
+          {"input_layernorm.weight", "post_attention_layernorm.weight"});
     }
     // Row layers add their bias after the sum: its gradient is partial
     // only where each rank holds part of the sequence.
     if (split_gather && a.o_proj->bias.defined()) {
-      info.partial_grad_params.insert(p + "self_attn.o_proj.bias");
+      add_partial_grads(info, p, {"self_attn.o_proj.bias"});
     }
     if (split_gather && mlp.down_proj->bias.defined()) {
-      info.partial_grad_params.insert(p + "mlp.down_proj.bias");
+      add_partial_grads(info, p, {"mlp.down_proj.bias"});
     }
     // Qwen3's per-head norms see this rank's heads only.
     if (a.q_norm && (tp != nullptr && tp->size() > 1)) {
-      info.partial_grad_params.insert(p + "self_attn.q_norm.weight");
-      info.partial_grad_params.insert(p + "self_attn.k_norm.weight");
+      add_partial_grads(
+          info, p, {"self_attn.q_norm.weight", "self_attn.k_norm.weight"});
     }
   }
   if (split_gather) {
@@ -454,35 +435,27 @@ shardformer::ShardInfo LlamaPolicy::shard(
   return info;
 }
 
-namespace {
-
-const LlamaForCausalLMImpl& as_llama(const torch::nn::Module& model) {
-  const auto* m = dynamic_cast<const LlamaForCausalLMImpl*>(&model);
-  TORCH_CHECK(m != nullptr, "LlamaPolicy: the model is not a LlamaForCausalLM");
-  return *m;
-}
-
-} // namespace
-
 int64_t LlamaPolicy::num_pipeline_layers(const torch::nn::Module& model) const {
-  return as_llama(model).config().num_hidden_layers();
+  return policy_model<LlamaForCausalLMImpl>(
+             model, "LlamaPolicy", "a LlamaForCausalLM")
+      .config()
+      .num_hidden_layers();
 }
 
 std::vector<std::string> LlamaPolicy::held_layers(
     const torch::nn::Module& model,
     const shardformer::StageLayers& layers) const {
-  const int64_t n = as_llama(model).config().num_hidden_layers();
+  const auto& c = policy_model<LlamaForCausalLMImpl>(
+                      model, "LlamaPolicy", "a LlamaForCausalLM")
+                      .config();
   std::vector<std::string> names;
   if (layers.first) {
     names.push_back("model.embed_tokens");
   }
-  const int64_t end = layers.end < 0 ? n : layers.end;
-  for (int64_t i = layers.begin; i < end; ++i) {
-    names.push_back("model.layers." + std::to_string(i));
-  }
+  append_stage_blocks(names, layers, c.num_hidden_layers(), "model.layers.");
   if (layers.last) {
     names.push_back("model.norm");
-    if (as_llama(model).config().tie_word_embeddings()) {
+    if (c.tie_word_embeddings()) {
       if (!layers.first) {
         names.push_back("model.embed_tokens"); // the tied head
       }
@@ -495,7 +468,10 @@ std::vector<std::string> LlamaPolicy::held_layers(
 
 std::vector<std::string> LlamaPolicy::shared_params(
     const torch::nn::Module& model) const {
-  if (as_llama(model).config().tie_word_embeddings()) {
+  if (policy_model<LlamaForCausalLMImpl>(
+          model, "LlamaPolicy", "a LlamaForCausalLM")
+          .config()
+          .tie_word_embeddings()) {
     return {"model.embed_tokens.weight"};
   }
   return {};
@@ -506,11 +482,8 @@ at::Tensor LlamaPolicy::stage_forward(
     const shardformer::StageLayers& layers,
     const std::vector<at::Tensor>& micro_batch,
     const at::Tensor& hidden) const {
-  auto& m = const_cast<LlamaForCausalLMImpl&>(as_llama(model));
-  TORCH_CHECK(
-      !micro_batch.empty(),
-      "LlamaPolicy: the micro-batch must start with the input ids");
-  return m.forward_stage(layers, micro_batch[0], hidden);
+  return causal_lm_stage_forward<LlamaForCausalLMImpl>(
+      model, layers, micro_batch, hidden, "LlamaPolicy", "a LlamaForCausalLM");
 }
 
 } // namespace models

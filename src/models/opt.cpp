@@ -1,13 +1,10 @@
 #include <colossalai/models/opt.h>
 
-#include <colossalai/distributed/functional.h>
-
 #include <torch/nn/init.h>
 
 namespace colossalai {
 namespace models {
 
-namespace cdf = distributed::functional;
 namespace sl = shardformer::layer;
 
 OPTConfig OPTConfig::tiny_test() {
@@ -276,24 +273,17 @@ at::Tensor OPTDecoderImpl::forward_stage(
     if (project_in) {
       tokens = project_in(tokens);
     }
-    x = tokens + embed_positions(pos + kPositionOffset);
-    if (st.sp_mode == "split_gather") {
-      x = cdf::split_along_dim(x, 1, st.tp);
-    }
+    x = split_sequence(tokens + embed_positions(pos + kPositionOffset), st);
   }
   TORCH_CHECK(x.defined(), "OPTDecoder: a later stage needs hidden states");
-  const int64_t n = static_cast<int64_t>(layers->size());
-  const int64_t end = stage.end < 0 ? n : stage.end;
-  for (int64_t i = stage.begin; i < end; ++i) {
-    auto* layer = (*layers)[i]->as<OPTDecoderLayerImpl>();
-    x = run_block(
-        st,
-        i,
-        n,
-        *layer,
-        [layer, mask](const at::Tensor& y) { return layer->forward(y, mask); },
-        x);
-  }
+  x = run_stage_blocks<OPTDecoderLayerImpl>(
+      st,
+      stage,
+      *layers,
+      x,
+      [mask](OPTDecoderLayerImpl& layer, const at::Tensor& y) {
+        return layer.forward(y, mask);
+      });
   if (!stage.last) {
     return x;
   }
@@ -364,14 +354,6 @@ std::shared_ptr<shardformer::Policy> OPTForCausalLMImpl::default_policy()
 
 namespace {
 
-void set_dropout(
-    sl::Dropout& d,
-    const distributed::ProcessGroupPtr& g,
-    bool sharded) {
-  d->options.process_group(g).sharded_input(sharded);
-  d->reset();
-}
-
 // A LayerNorm's weight and bias (when it has them) under `name`.
 void insert_layer_norm(
     std::set<std::string>& out,
@@ -390,8 +372,8 @@ void insert_layer_norm(
 shardformer::ShardInfo OPTPolicy::shard(
     torch::nn::Module& model,
     const shardformer::ShardConfig& cfg) {
-  auto* m = dynamic_cast<OPTForCausalLMImpl*>(&model);
-  TORCH_CHECK(m != nullptr, "OPTPolicy: the model is not an OPTForCausalLM");
+  auto& m =
+      policy_model<OPTForCausalLMImpl>(model, "OPTPolicy", "an OPTForCausalLM");
   const auto tp = cfg.tensor_parallel_process_group();
   const auto mode = cfg.sp_mode();
   TORCH_CHECK(
@@ -399,35 +381,28 @@ shardformer::ShardInfo OPTPolicy::shard(
       "OPTPolicy: sequence_parallelism_mode '",
       mode,
       "' is not supported; OPTPolicy supports split_gather and ring");
-  auto& st = m->parallel_state();
+  auto& st = m.parallel_state();
   configure_parallel_state(
       st,
       cfg,
-      m->config().num_attention_heads(),
+      m.config().num_attention_heads(),
       "OPTPolicy",
       "num_attention_heads");
 
-  auto& d = *m->model->decoder;
-  d.embed_tokens->options.make_vocab_size_divisible_by(
-      cfg.make_vocab_size_divisible_by());
-  d.embed_tokens->shard_(tp);
-  // "ring" is split_gather with ring-overlapped matmuls in the layers.
-  const bool split_gather = mode == "split_gather" || mode == "ring";
+  auto& d = *m.model->decoder;
+  shard_vocab_parallel(*d.embed_tokens, cfg);
+  const bool split_gather = split_gather_mode(mode);
   // Activations between layers: sequence chunks over tp under split_gather.
   const auto act_group = split_gather ? tp : st.sp;
   shardformer::ShardInfo info;
   for (size_t i = 0; i < d.layers->size(); ++i) {
     auto* layer = d.layers[i]->as<OPTDecoderLayerImpl>();
     auto& a = *layer->self_attn;
-    for (auto* col :
-         {a.q_proj.get(), a.k_proj.get(), a.v_proj.get(), layer->fc1.get()}) {
-      col->options.seq_parallel(split_gather).ring(mode == "ring");
-      col->shard_(tp);
-    }
-    for (auto* row : {a.out_proj.get(), layer->fc2.get()}) {
-      row->options.seq_parallel(split_gather).ring(mode == "ring");
-      row->shard_(tp);
-    }
+    shard_linears(
+        {a.q_proj.get(), a.k_proj.get(), a.v_proj.get(), layer->fc1.get()},
+        {a.out_proj.get(), layer->fc2.get()},
+        tp,
+        mode);
     set_dropout(a.dropout, tp, true); // heads are split
     set_dropout(layer->dropout, act_group, act_group != nullptr);
     if (split_gather) {
@@ -443,10 +418,10 @@ shardformer::ShardInfo OPTPolicy::shard(
       // Row layers add their bias after the sum: its gradient is partial
       // where each rank holds part of the sequence.
       if (a.out_proj->bias.defined()) {
-        info.partial_grad_params.insert(p + "self_attn.out_proj.bias");
+        add_partial_grads(info, p, {"self_attn.out_proj.bias"});
       }
       if (layer->fc2->bias.defined()) {
-        info.partial_grad_params.insert(p + "fc2.bias");
+        add_partial_grads(info, p, {"fc2.bias"});
       }
     }
   }
@@ -459,25 +434,19 @@ shardformer::ShardInfo OPTPolicy::shard(
   return info;
 }
 
-namespace {
-
-const OPTForCausalLMImpl& as_opt(const torch::nn::Module& model) {
-  const auto* m = dynamic_cast<const OPTForCausalLMImpl*>(&model);
-  TORCH_CHECK(m != nullptr, "OPTPolicy: the model is not an OPTForCausalLM");
-  return *m;
-}
-
-} // namespace
-
 int64_t OPTPolicy::num_pipeline_layers(const torch::nn::Module& model) const {
-  return as_opt(model).config().num_hidden_layers();
+  return policy_model<OPTForCausalLMImpl>(
+             model, "OPTPolicy", "an OPTForCausalLM")
+      .config()
+      .num_hidden_layers();
 }
 
 std::vector<std::string> OPTPolicy::held_layers(
     const torch::nn::Module& model,
     const shardformer::StageLayers& layers) const {
-  const auto& c = as_opt(model).config();
-  const int64_t n = c.num_hidden_layers();
+  const auto& c =
+      policy_model<OPTForCausalLMImpl>(model, "OPTPolicy", "an OPTForCausalLM")
+          .config();
   std::vector<std::string> names;
   if (layers.first) {
     names = {"model.decoder.embed_tokens", "model.decoder.embed_positions"};
@@ -485,10 +454,8 @@ std::vector<std::string> OPTPolicy::held_layers(
       names.push_back("model.decoder.project_in");
     }
   }
-  const int64_t end = layers.end < 0 ? n : layers.end;
-  for (int64_t i = layers.begin; i < end; ++i) {
-    names.push_back("model.decoder.layers." + std::to_string(i));
-  }
+  append_stage_blocks(
+      names, layers, c.num_hidden_layers(), "model.decoder.layers.");
   if (layers.last) {
     if (c.do_layer_norm_before()) {
       names.push_back("model.decoder.final_layer_norm");
@@ -513,11 +480,8 @@ at::Tensor OPTPolicy::stage_forward(
     const shardformer::StageLayers& layers,
     const std::vector<at::Tensor>& micro_batch,
     const at::Tensor& hidden) const {
-  auto& m = const_cast<OPTForCausalLMImpl&>(as_opt(model));
-  TORCH_CHECK(
-      !micro_batch.empty(),
-      "OPTPolicy: the micro-batch must start with the input ids");
-  return m.forward_stage(layers, micro_batch[0], hidden);
+  return causal_lm_stage_forward<OPTForCausalLMImpl>(
+      model, layers, micro_batch, hidden, "OPTPolicy", "an OPTForCausalLM");
 }
 
 } // namespace models

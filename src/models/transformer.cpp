@@ -200,6 +200,10 @@ bool sequence_split_output(const ParallelState& st) {
   return st.sequence_on_sp() && st.parallel_output && st.sp_size() > 1;
 }
 
+at::Tensor split_sequence(const at::Tensor& x, const ParallelState& st) {
+  return st.sp_mode == "split_gather" ? cdf::split_along_dim(x, 1, st.tp) : x;
+}
+
 at::Tensor gather_sequence(const at::Tensor& x, const ParallelState& st) {
   if (st.sp_mode == "split_gather") {
     return cdf::gather_along_dim(x, 1, st.tp);
@@ -243,6 +247,55 @@ at::Tensor sequence_attention(
       v,
       sl::zigzag_positions(q.size(2) * st.sp_size(), st.sp_size()),
       st.sp);
+}
+
+bool split_gather_mode(const std::string& sp_mode) {
+  return sp_mode == "split_gather" || sp_mode == "ring";
+}
+
+void shard_linears(
+    std::initializer_list<sl::Linear1D_ColImpl*> cols,
+    std::initializer_list<sl::Linear1D_RowImpl*> rows,
+    const distributed::ProcessGroupPtr& tp,
+    const std::string& sp_mode) {
+  const bool seq_parallel = split_gather_mode(sp_mode);
+  const bool ring = sp_mode == "ring";
+  for (auto* col : cols) {
+    col->options.seq_parallel(seq_parallel).ring(ring);
+    col->shard_(tp);
+  }
+  for (auto* row : rows) {
+    row->options.seq_parallel(seq_parallel).ring(ring);
+    row->shard_(tp);
+  }
+}
+
+void set_dropout(
+    sl::Dropout& d,
+    const distributed::ProcessGroupPtr& group,
+    bool sharded) {
+  d->options.process_group(group).sharded_input(sharded);
+  d->reset();
+}
+
+void add_partial_grads(
+    shardformer::ShardInfo& info,
+    const std::string& prefix,
+    std::initializer_list<const char*> names) {
+  for (const char* n : names) {
+    info.partial_grad_params.insert(prefix + n);
+  }
+}
+
+void append_stage_blocks(
+    std::vector<std::string>& names,
+    const shardformer::StageLayers& layers,
+    int64_t num_blocks,
+    const std::string& prefix) {
+  const int64_t end = layers.end < 0 ? num_blocks : layers.end;
+  for (int64_t i = layers.begin; i < end; ++i) {
+    names.push_back(prefix + std::to_string(i));
+  }
 }
 
 } // namespace models

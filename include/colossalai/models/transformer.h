@@ -1,19 +1,26 @@
 #pragma once
 
-/// Pieces the Hugging Face-layout transformers (GPT-2, LLaMA) share:
-/// causal attention with or without the fused kernel, the Ulysses head
-/// exchange, and the runtime parallel state a policy leaves in a model.
+/// Pieces the Hugging Face-layout transformers (GPT-2, LLaMA, OPT, BLOOM,
+/// BERT) share: causal attention with or without the fused kernel, the
+/// Ulysses head exchange, the runtime parallel state a policy leaves in a
+/// model, and the steps every family's policy takes to shard it.
 
 #include <colossalai/distributed/process_group.h>
+#include <colossalai/shardformer/layer/linear.h>
 #include <colossalai/shardformer/layer/normalization.h>
+#include <colossalai/shardformer/policy.h>
 #include <colossalai/shardformer/shard_config.h>
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
 
+#include <cstdint>
 #include <functional>
-
+#include <initializer_list>
 #include <string>
+#include <vector>
 
 namespace colossalai {
 namespace models {
@@ -65,6 +72,32 @@ at::Tensor run_block(
     torch::nn::Module& block,
     const std::function<at::Tensor(const at::Tensor&)>& fn,
     const at::Tensor& x);
+
+/// Runs a pipeline stage's blocks of `blocks` (each a `Block`): [begin,
+/// end) of `layers`, end -1 meaning all, each through `run_block` (block i
+/// of all of them) as `fn(block, x)`. Every family's forward_stage loops
+/// over its blocks this way.
+template <class Block, class Fn>
+at::Tensor run_stage_blocks(
+    const ParallelState& state,
+    const shardformer::StageLayers& layers,
+    torch::nn::ModuleListImpl& blocks,
+    at::Tensor x,
+    const Fn& fn) {
+  const auto n = static_cast<int64_t>(blocks.size());
+  const int64_t end = layers.end < 0 ? n : layers.end;
+  for (int64_t i = layers.begin; i < end; ++i) {
+    auto* block = blocks[i]->as<Block>();
+    x = run_block(
+        state,
+        i,
+        n,
+        *block,
+        [block, fn](const at::Tensor& y) { return fn(*block, y); },
+        x);
+  }
+  return x;
+}
 
 /// Mean next-token cross entropy of a causal LM's logits [B, T, V or
 /// V_pad / tp] against targets [B, T]: vocabulary-parallel where `state`
@@ -125,6 +158,11 @@ std::pair<at::Tensor, at::Tensor> sequence_chunk(
 /// targets and reports the whole sequence's loss).
 bool sequence_split_output(const ParallelState& state);
 
+/// The embeddings' output [B, T, C] as the blocks take it: this rank's
+/// sequence chunk over tp under split_gather (`gather_sequence` undoes
+/// it), `x` itself otherwise.
+at::Tensor split_sequence(const at::Tensor& x, const ParallelState& state);
+
 /// The final hidden states [B, T, C] from this rank's share: gathered over
 /// tp (split_gather); left split over sp when `sequence_split_output`, else
 /// gathered over sp (back in token order, the gradient scaled by sp since
@@ -143,6 +181,105 @@ at::Tensor sequence_attention(
     const ParallelState& state,
     shardformer::layer::DropoutImpl* dropout,
     const at::Tensor& mask = at::Tensor());
+
+// What every family's policy does the same way. Kept here, once, so that
+// the families differ only where their models do.
+
+/// The model a policy was given, as the class it shards: a policy handed
+/// another model fails with "<policy>: the model is not <expected>"
+/// (`expected` with its article: "a GPT2LMHeadModel", "an OPTForCausalLM").
+template <class T>
+T& policy_model(
+    torch::nn::Module& model,
+    const char* policy,
+    const char* expected) {
+  auto* m = dynamic_cast<T*>(&model);
+  TORCH_CHECK(m != nullptr, policy, ": the model is not ", expected);
+  return *m;
+}
+
+/// `policy_model` for the const queries (num_pipeline_layers, held_layers,
+/// shared_params).
+template <class T>
+const T& policy_model(
+    const torch::nn::Module& model,
+    const char* policy,
+    const char* expected) {
+  const auto* m = dynamic_cast<const T*>(&model);
+  TORCH_CHECK(m != nullptr, policy, ": the model is not ", expected);
+  return *m;
+}
+
+/// Whether a ShardConfig's sp_mode splits the sequence between blocks over
+/// the tensor group: split_gather, and ring (split_gather with
+/// ring-overlapped matmuls in the layers).
+bool split_gather_mode(const std::string& sp_mode);
+
+/// Shards a vocabulary-parallel embedding or LM head (anything with
+/// Embedding1DOptions and shard_) over the config's tensor group, its
+/// vocabulary padded to make_vocab_size_divisible_by, as every family's
+/// embedding is.
+template <class Layer>
+void shard_vocab_parallel(Layer& layer, const shardformer::ShardConfig& cfg) {
+  layer.options.make_vocab_size_divisible_by(
+      cfg.make_vocab_size_divisible_by());
+  layer.shard_(cfg.tensor_parallel_process_group());
+}
+
+/// Shards a block's column-parallel layers, then its row-parallel ones, in
+/// the order given, over `tp`, with sequence parallelism in the layers when
+/// `sp_mode` is split_gather or ring (ring also overlaps their matmuls):
+/// every family's blocks shard their linears this way.
+void shard_linears(
+    std::initializer_list<shardformer::layer::Linear1D_ColImpl*> cols,
+    std::initializer_list<shardformer::layer::Linear1D_RowImpl*> rows,
+    const distributed::ProcessGroupPtr& tp,
+    const std::string& sp_mode);
+
+/// Points `d` at `group` (null: none), its input `sharded` over it (each
+/// rank its own mask) or replicated (the same mask), and resets it so its
+/// random stream follows that layout.
+void set_dropout(
+    shardformer::layer::Dropout& d,
+    const distributed::ProcessGroupPtr& group,
+    bool sharded);
+
+/// Marks `prefix` + each of `names` as a partial-gradient parameter (used on
+/// this rank's sequence chunk only, its gradient summed over tp).
+void add_partial_grads(
+    shardformer::ShardInfo& info,
+    const std::string& prefix,
+    std::initializer_list<const char*> names);
+
+/// Appends `prefix` + i for the blocks i a pipeline stage holds: [begin,
+/// end) of `layers`, end -1 meaning all `num_blocks` (held_layers' middle
+/// part in every family).
+void append_stage_blocks(
+    std::vector<std::string>& names,
+    const shardformer::StageLayers& layers,
+    int64_t num_blocks,
+    const std::string& prefix);
+
+/// Policy::stage_forward of a causal LM `T` whose micro-batch is {ids, ...}:
+/// `T::forward_stage(layers, ids, hidden)` on micro_batch[0], after the
+/// checks that `model` is a `T` (see `policy_model`) and that the
+/// micro-batch is not empty ("<policy>: the micro-batch must start with the
+/// input ids").
+template <class T>
+at::Tensor causal_lm_stage_forward(
+    torch::nn::Module& model,
+    const shardformer::StageLayers& layers,
+    const std::vector<at::Tensor>& micro_batch,
+    const at::Tensor& hidden,
+    const char* policy,
+    const char* expected) {
+  auto& m = policy_model<T>(model, policy, expected);
+  TORCH_CHECK(
+      !micro_batch.empty(),
+      policy,
+      ": the micro-batch must start with the input ids");
+  return m.forward_stage(layers, micro_batch[0], hidden);
+}
 
 } // namespace models
 } // namespace colossalai
