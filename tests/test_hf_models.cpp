@@ -14,6 +14,7 @@
 #include <colossalai/data/distributed_sampler.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/interface/model.h>
+#include <colossalai/lazy/lazy_init.h>
 #include <colossalai/lora/lora_model.h>
 #include <colossalai/models/pretrained.h>
 #include <colossalai/pipeline/schedule.h>
@@ -562,8 +563,9 @@ void check_hybrid(
   }
 }
 
-// tp 2, split_gather over it, and pp 2 for every family; the LLaMA
-// variants also all_to_all (Ulysses) over sp 2.
+// tp 2, split_gather over it, and pp 2 for every family; GPT-2 and the
+// LLaMA variants also all_to_all (Ulysses) over sp 2 (OPT, Bloom and BERT's
+// policies refuse it, as ring_attn).
 TEST_F(HfModels, LoadedModelsTrainUnderTpSpAndPpAsOneProcess) {
   fixtures();
   run_distributed(2, [](int, int) {
@@ -580,7 +582,9 @@ TEST_F(HfModels, LoadedModelsTrainUnderTpSpAndPpAsOneProcess) {
                 .enable_sequence_parallelism(true)
                 .sequence_parallelism_mode("split_gather"));
         check_hybrid<M>(name, "pp2", base().pp_size(2).num_microbatches(2));
-        if constexpr (std::is_same_v<M, models::LlamaForCausalLM>) {
+        if constexpr (
+            std::is_same_v<M, models::LlamaForCausalLM> ||
+            std::is_same_v<M, models::GPT2LMHeadModel>) {
           check_hybrid<M>(
               name,
               "sp2_all_to_all",
@@ -590,6 +594,40 @@ TEST_F(HfModels, LoadedModelsTrainUnderTpSpAndPpAsOneProcess) {
                   .sequence_parallelism_mode("all_to_all"));
         }
       });
+    }
+  });
+}
+
+// A model too large for one rank: built lazily from the directory's config,
+// boosted (each rank materialises only its tensor-parallel slices and
+// pipeline stage), then loaded from the transformers directory by the
+// booster, which cuts each rank's slices out of the mapped files. The
+// weights equal from_pretrained's, bit for bit.
+TEST_F(HfModels, BoostedLazyModelLoadsATransformersDirectory) {
+  fixtures();
+  run_distributed(4, [](int, int) {
+    const auto dir = (fixtures() / "llama_tied").string();
+    const auto ref = colossalai::testing::whole_weights(
+        *models::from_pretrained<models::LlamaForCausalLM>(dir),
+        colossalai::shardformer::ShardInfo());
+    auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(
+        HPO().precision("fp32").tp_size(2).pp_size(2).num_microbatches(2));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    models::LlamaForCausalLM model{nullptr};
+    {
+      colossalai::lazy::LazyInitContext lazy;
+      model = models::LlamaForCausalLM(
+          models::llama_config_from_json(models::pretrained_config_json(dir)));
+    }
+    auto boosted = booster.boost(
+        model, colossalai::testing::make_optimizer(model->parameters(), true));
+    booster.load_model(boosted.model, dir);
+    auto got = colossalai::testing::whole_weights(*model, plugin->shard_info());
+    EXPECT_GT(got.size(), 0u);
+    EXPECT_LT(got.size(), ref.size()); // a stage holds part of the model
+    for (const auto& kv : got) {
+      ASSERT_TRUE(ref.count(kv.first)) << kv.first;
+      EXPECT_TRUE(at::equal(kv.second, ref.at(kv.first))) << kv.first;
     }
   });
 }

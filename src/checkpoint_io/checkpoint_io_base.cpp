@@ -35,13 +35,25 @@ std::string find_index(
   return found.empty() ? "" : found.front();
 }
 
-// A directory holding exactly one checkpoint file (no index), or "".
-// Hidden files (temporaries of a killed save, journals) do not count.
+// The checkpoint file of a directory without an index, or "": Hugging
+// Face's model.safetensors or pytorch_model.bin (a transformers directory
+// also holds config.json and more), else its one file of a checkpoint
+// format. Hidden files (temporaries of a killed save, journals) do not
+// count.
 std::string single_file(const std::string& dir) {
+  for (const char* name : {"model.safetensors", "pytorch_model.bin"}) {
+    const auto path = std::filesystem::path(dir) / name;
+    if (std::filesystem::is_regular_file(path)) {
+      return path.string();
+    }
+  }
   std::vector<std::string> files;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const auto ext = e.path().extension().string();
     if (e.is_regular_file() &&
-        !detail::is_hidden(e.path().filename().string())) {
+        !detail::is_hidden(e.path().filename().string()) &&
+        (ext == ".safetensors" || ext == ".bin" || ext == ".pt" ||
+         ext == ".pth")) {
       files.push_back(e.path().string());
     }
   }
@@ -196,8 +208,9 @@ void CheckpointIO::load_model(
         !file.empty(),
         "load_model: directory '",
         path,
-        "' has no index file (*model*.index.json) and not exactly "
-        "one checkpoint file");
+        "' has no index file (*model*.index.json), no model.safetensors or "
+        "pytorch_model.bin, and not exactly one .safetensors / .bin / .pt "
+        "file");
     load_unsharded_model(model, file, strict);
   } else if (
       path.size() > 11 && path.substr(path.size() - 11) == ".index.json") {

@@ -295,6 +295,10 @@ std::string with_dtype(const std::string& config_json, torch::nn::Module& m) {
 
 } // namespace detail
 
+std::string pretrained_config_json(const std::string& dir) {
+  return detail::read_config_json(dir);
+}
+
 std::string pretrained_model_type(const std::string& dir) {
   const auto j = nlohmann::json::parse(detail::read_config_json(dir));
   TORCH_CHECK(

@@ -14,7 +14,7 @@
 /// `lora_embedding_A` / `lora_embedding_B` for an embedding), in one of two
 /// ways:
 ///  - colossalai's layers (`shardformer::layer::Linear1D_Col / Row`, which
-///    the zoo's GPT-2 and LLaMA use) take an output adapter: the adapter
+///    the models of colossalai::models use) take an output adapter: the adapter
 ///    path s * B (A dropout(x)) runs beside the frozen matmul, so the backward
 ///    computes no gradient of the frozen weight, and lora_dropout works;
 ///  - `torch::nn::Linear` and `torch::nn::Embedding` (whose forward reads

@@ -34,6 +34,9 @@ struct SavePretrainedOptions {
 
 /// The `model_type` of `dir`'s config.json ("gpt2", "llama", ...).
 std::string pretrained_model_type(const std::string& dir);
+/// The text of `dir`'s config.json, for a family's `*_config_from_json`
+/// (to build a model to boost before loading `dir` with the booster).
+std::string pretrained_config_json(const std::string& dir);
 
 /// Builds the model `dir`'s config.json describes and loads its weights.
 template <class M>

@@ -12,7 +12,7 @@
 /// Linear1D_Row, the embeddings, the LM head) over the tensor group, without
 /// sequence parallelism. A model whose forward must change with the
 /// configuration (attention heads per rank, sequence parallelism) provides
-/// its own policy, as the zoo's GPT-2 and LLaMA do, or the user passes one
+/// its own policy, as colossalai::models' families do, or the user passes one
 /// as HybridParallelPlugin's `custom_policy`.
 ///
 /// Example (a custom model: an MLP built from the parallel layers):
@@ -109,7 +109,7 @@ class Policy {
       const at::Tensor& hidden) const;
 };
 
-/// A model that knows its policy (the zoo's GPT-2 and LLaMA): the plugin
+/// A model that knows its policy (colossalai::models' families): the plugin
 /// uses it unless the user passes a custom_policy.
 class ShardableModel {
  public:

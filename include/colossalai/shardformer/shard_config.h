@@ -45,7 +45,7 @@ struct ShardConfig {
   TORCH_ARG(bool, enable_sequence_parallelism) = false;
   /// "split_gather" or "all_to_all".
   TORCH_ARG(std::string, sequence_parallelism_mode) = "split_gather";
-  /// Accepted with no effect: the zoo's models use
+  /// Accepted with no effect: colossalai::models (Bloom's ALiBi aside) use
   /// at::scaled_dot_product_attention on 2.x whenever attention dropout is
   /// off (HybridParallelPluginOptions::enable_flash_attention).
   TORCH_ARG(bool, enable_flash_attention) = false;

@@ -56,7 +56,7 @@ struct HybridParallelPluginOptions {
   TORCH_ARG(bool, enable_all_optimization) = false;
   /// Accepted: LibTorch's LayerNorm is one fused ATen kernel already.
   TORCH_ARG(bool, enable_fused_normalization) = false;
-  /// Accepted with no effect: the zoo's attention runs through
+  /// Accepted with no effect: the models' attention runs through
   /// at::scaled_dot_product_attention on LibTorch 2.x whenever attention
   /// dropout is off (dropout needs the probabilities, for masks that follow
   /// the tensor-parallel layout); 1.13 has no fused kernel (matmul +
@@ -101,7 +101,7 @@ struct HybridParallelPluginOptions {
   TORCH_ARG(std::shared_ptr<shardformer::Policy>, custom_policy) = nullptr;
   /// Share of blocks that recompute their activations in backward
   /// (ColossalAI's GradientCheckpointConfig: the first int(ratio x blocks)
-  /// blocks), in [0, 1]; the zoo's models honour it, custom models read it
+  /// blocks), in [0, 1]; colossalai::models honour it, custom models read it
   /// from ShardConfig.
   TORCH_ARG(double, gradient_checkpointing_ratio) = 0.0;
   TORCH_ARG(int64_t, make_vocab_size_divisible_by) = 64;
@@ -150,7 +150,7 @@ struct HybridParallelPluginOptions {
 ///       HybridParallelPluginOptions().tp_size(2).zero_stage(1)
 ///           .precision("bf16"));
 ///   Booster booster(BoosterOptions().plugin(plugin));
-///   zoo::GPT2LMHeadModel model(zoo::GPT2Config::small_cpu());
+///   auto model = models::from_pretrained<models::LlamaForCausalLM>(dir);
 ///   auto boosted = booster.boost(model, optimizer);
 ///   auto loss = model->loss(boosted.model(ids), targets);
 ///   // With pp_size(2).num_microbatches(4): one step on every rank
