@@ -69,9 +69,14 @@ fs::path script() {
 }
 
 // The cases' directories, made once per test program (in its first test;
-// ranks only read them).
+// ranks only read them), or COLOSSALAI_HF_FIXTURES: directories made
+// before by `hf_models.py make` (a machine without transformers; the tests
+// that call Python then fail).
 fs::path fixtures() {
   static const fs::path dir = [] {
+    if (const char* made = std::getenv("COLOSSALAI_HF_FIXTURES")) {
+      return fs::path(made);
+    }
     fs::path d = colossalai::testing::scratch(
         colossalai::testing::test_process(), "hf_models");
     if (std::getenv("COLOSSALAI_TEST_RANK") != nullptr ||
@@ -107,7 +112,8 @@ struct ScratchDir {
 class HfModels : public ::testing::Test {
  protected:
   static void TearDownTestSuite() {
-    if (std::getenv("COLOSSALAI_TEST_RANK") == nullptr) {
+    if (std::getenv("COLOSSALAI_TEST_RANK") == nullptr &&
+        std::getenv("COLOSSALAI_HF_FIXTURES") == nullptr) {
       colossalai::testing::remove_scratch("hf_models");
     }
   }
