@@ -27,6 +27,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -316,6 +317,41 @@ TEST_F(HfModels, SavePretrainedLoadsInTransformers) {
       pairs);
   EXPECT_EQ(r.first, 0) << r.second;
   std::cout << r.second;
+}
+
+// A save over an earlier one in another layout (shards, one file, the
+// other format) leaves only the new weights: transformers would read a stale
+// model.safetensors before new shards.
+TEST_F(HfModels, SavePretrainedReplacesAnEarlierLayout) {
+  ScratchDir out;
+  auto model = models::from_pretrained<models::LlamaForCausalLM>(
+      (fixtures() / "llama_tied").string());
+  auto weights = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(out.path)) {
+      const auto name = e.path().filename().string();
+      if (name != "config.json") {
+        names.push_back(name);
+      }
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  models::save_pretrained(
+      model, out.path, models::SavePretrainedOptions().max_shard_size(20000));
+  EXPECT_GT(weights().size(), 2u);
+  models::save_pretrained(model, out.path);
+  EXPECT_EQ(weights(), std::vector<std::string>{"model.safetensors"});
+  models::save_pretrained(
+      model,
+      out.path,
+      models::SavePretrainedOptions().safe_serialization(false));
+  EXPECT_EQ(weights(), std::vector<std::string>{"pytorch_model.bin"});
+  auto again = models::from_pretrained<models::LlamaForCausalLM>(out.path);
+  auto a = again->named_parameters();
+  for (const auto& kv : model->named_parameters()) {
+    EXPECT_TRUE(at::equal(a[kv.key()], kv.value())) << kv.key();
+  }
 }
 
 TEST_F(HfModels, BadDirectoriesAndConfigsNameTheProblem) {

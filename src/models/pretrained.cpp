@@ -8,8 +8,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <sys/stat.h>
@@ -37,7 +39,7 @@ std::string read_config_json(const std::string& dir) {
 }
 
 at::ScalarType config_dtype(const std::string& text) {
-  const auto j = json::parse(text);
+  const auto j = parse_json(text);
   std::string name;
   for (const char* key : {"dtype", "torch_dtype"}) {
     if (j.contains(key) && j[key].is_string()) {
@@ -214,6 +216,30 @@ void write_config_json(const std::string& dir, const std::string& text) {
       [&](const std::string& tmp) { cd::write_bytes(tmp, bytes); });
 }
 
+namespace {
+
+// Weights an earlier save_pretrained left in `dir` in another layout (one
+// file, shards, the other format): transformers and from_pretrained would
+// read a stale model.safetensors before new shards, so they go once the new
+// files are in place.
+void remove_stale_weights(
+    const std::string& dir,
+    const std::set<std::string>& written) {
+  static const std::regex weights(
+      "(model|pytorch_model)(-[0-9]{5}-of-[0-9]{5})?\\.(safetensors|bin)"
+      "(\\.index\\.json)?");
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const auto name = e.path().filename().string();
+    if (e.is_regular_file() && std::regex_match(name, weights) &&
+        !written.count(name)) {
+      std::error_code ec;
+      std::filesystem::remove(e.path(), ec);
+    }
+  }
+}
+
+} // namespace
+
 void save_pretrained_module(
     torch::nn::Module& module,
     const std::string& config_json,
@@ -253,21 +279,29 @@ void save_pretrained_module(
       }
     });
   };
+  std::set<std::string> written;
   if (shards.size() == 1) {
     write(cd::join(dir, base), shards[0]);
-    return;
-  }
-  cd::Index index;
-  index.total_size = total;
-  const int n = static_cast<int>(shards.size());
-  for (int i = 0; i < n; ++i) {
-    const auto name = cd::shard_name(base, i + 1, n);
-    write(cd::join(dir, name), shards[i]);
-    for (const auto& kv : shards[i]) {
-      index.weight_map.emplace_back(kv.key(), name);
+    written.insert(base);
+  } else {
+    cd::Index index;
+    index.total_size = total;
+    const int n = static_cast<int>(shards.size());
+    for (int i = 0; i < n; ++i) {
+      const auto name = cd::shard_name(base, i + 1, n);
+      write(cd::join(dir, name), shards[i]);
+      written.insert(name);
+      for (const auto& kv : shards[i]) {
+        index.weight_map.emplace_back(kv.key(), name);
+      }
     }
+    // Last: the index publishes the shards.
+    cd::atomic_write_file(
+        cd::join(dir, base + ".index.json"),
+        [&](const std::string& tmp) { cd::write_index(tmp, index); });
+    written.insert(base + ".index.json");
   }
-  cd::write_index(cd::join(dir, base + ".index.json"), index);
+  remove_stale_weights(dir, written);
 }
 
 nlohmann::json parse_json(const std::string& text) {
