@@ -121,7 +121,7 @@ std::vector<std::string> BertPolicy::held_layers(
   if (layers.last) {
     names.push_back("cls");
     if (!layers.first) {
-      names.push_back("bert.embeddings.word_embeddings"); // the tied decoder
+      names.emplace_back("bert.embeddings.word_embeddings"); // the tied decoder
     }
   }
   return names;
