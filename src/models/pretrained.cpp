@@ -102,11 +102,6 @@ std::vector<std::string> weight_files(const std::string& dir) {
       "pytorch_model.bin.index.json");
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-      s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 std::string list_some(const std::vector<std::string>& names) {
   std::string out;
   for (size_t i = 0; i < names.size() && i < 5; ++i) {

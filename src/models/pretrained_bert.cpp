@@ -11,18 +11,12 @@ namespace models {
 
 namespace {
 
+using detail::ends_with;
+using detail::starts_with;
+
 using json = nlohmann::json;
 using detail::get_or;
 using detail::require;
-
-bool starts_with(const std::string& s, const std::string& prefix) {
-  return s.compare(0, prefix.size(), prefix) == 0;
-}
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-      s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 // `s` with `suffix` (which it ends with) replaced by `by`.
 std::string replace_suffix(

@@ -11,14 +11,8 @@ using json = nlohmann::json;
 
 namespace {
 
-bool starts_with(const std::string& s, const std::string& prefix) {
-  return s.compare(0, prefix.size(), prefix) == 0;
-}
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-      s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
+using detail::ends_with;
+using detail::starts_with;
 
 json parse(const std::string& text) {
   return detail::parse_json(text);

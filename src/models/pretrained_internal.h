@@ -47,6 +47,15 @@ void save_pretrained_module(
 /// Writes `dir`/config.json (creating `dir`), through a temporary file.
 void write_config_json(const std::string& dir, const std::string& json);
 
+inline bool starts_with(const std::string& s, const std::string& prefix) {
+  return s.compare(0, prefix.size(), prefix) == 0;
+}
+
+inline bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+      s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 /// config.json's text parsed (an error says it is not JSON).
 nlohmann::json parse_json(const std::string& text);
 

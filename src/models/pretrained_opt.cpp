@@ -13,9 +13,8 @@ using json = nlohmann::json;
 
 namespace {
 
-bool starts_with(const std::string& s, const std::string& prefix) {
-  return s.compare(0, prefix.size(), prefix) == 0;
-}
+using detail::ends_with;
+using detail::starts_with;
 
 using detail::get_or;
 using detail::require;
