@@ -1,0 +1,311 @@
+#include <colossalai/quantization/bnb.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace colossalai {
+namespace quantization {
+
+void BnbQuantizationConfig::validate() const {
+  TORCH_CHECK(
+      load_in_4bit() != load_in_8bit(),
+      "BnbQuantizationConfig: set exactly one of load_in_4bit and "
+      "load_in_8bit (got load_in_4bit=",
+      load_in_4bit(),
+      ", load_in_8bit=",
+      load_in_8bit(),
+      ")");
+  TORCH_CHECK(
+      bnb_4bit_quant_type() == "fp4" || bnb_4bit_quant_type() == "nf4",
+      "BnbQuantizationConfig: bnb_4bit_quant_type must be 'fp4' or 'nf4', "
+      "got '",
+      bnb_4bit_quant_type(),
+      "'");
+  TORCH_CHECK(
+      at::isFloatingType(bnb_4bit_compute_dtype()),
+      "BnbQuantizationConfig: bnb_4bit_compute_dtype must be a floating "
+      "dtype, got ",
+      bnb_4bit_compute_dtype());
+  TORCH_CHECK(
+      llm_int8_threshold() > 0,
+      "BnbQuantizationConfig: llm_int8_threshold must be positive, got ",
+      llm_int8_threshold());
+}
+
+at::Tensor code_4bit(const std::string& quant_type) {
+  // bitsandbytes' tables (its published values, as fp32).
+  static const std::vector<float> nf4 = {
+      -1.0f,
+      -0.6961928009986877f,
+      -0.5250730514526367f,
+      -0.39491748809814453f,
+      -0.28444138169288635f,
+      -0.18477343022823334f,
+      -0.09105003625154495f,
+      0.0f,
+      0.07958029955625534f,
+      0.16093020141124725f,
+      0.24611230194568634f,
+      0.33791524171829224f,
+      0.44070982933044434f,
+      0.5626170039176941f,
+      0.7229568362236023f,
+      1.0f};
+  // FP4 (1 sign, 2 exponent, 1 mantissa bits), normalised by its largest
+  // magnitude in fp32 as bitsandbytes' get_4bit_type does.
+  static const std::vector<float> fp4 = [] {
+    std::vector<float> v = {
+        0.0f,
+        0.0625f,
+        8.0f,
+        12.0f,
+        4.0f,
+        6.0f,
+        2.0f,
+        3.0f,
+        0.0f,
+        -0.0625f,
+        -8.0f,
+        -12.0f,
+        -4.0f,
+        -6.0f,
+        -2.0f,
+        -3.0f};
+    for (auto& x : v) {
+      x /= 12.0f;
+    }
+    return v;
+  }();
+  TORCH_CHECK(
+      quant_type == "nf4" || quant_type == "fp4",
+      "quantize_4bit: quant_type must be 'nf4' or 'fp4', got '",
+      quant_type,
+      "'");
+  const auto& v = quant_type == "nf4" ? nf4 : fp4;
+  return at::tensor(v, at::kFloat);
+}
+
+namespace {
+
+// torch.linspace(start, end, steps, dtype=float32) as PyTorch 2.x's CPU
+// kernel computes it (an fp32 step, each value one fused multiply-add
+// rounded once, the second half counted back from `end`), so the map is the
+// same whichever LibTorch this runs on (1.13's linspace rounds otherwise).
+// The products of an fp32 step and a small count are exact in double, so
+// the double sum rounded to float is that multiply-add.
+at::Tensor linspace_f32(double start, double end, int64_t steps) {
+  const float s = static_cast<float>(start), e = static_cast<float>(end);
+  const float step = (e - s) / static_cast<float>(steps - 1);
+  std::vector<float> v(steps);
+  const int64_t halfway = steps / 2;
+  for (int64_t i = 0; i < steps; ++i) {
+    v[i] = i < halfway
+        ? static_cast<float>(double(step) * double(i) + double(s))
+        : static_cast<float>(double(e) - double(step) * double(steps - i - 1));
+  }
+  return at::tensor(v, at::kFloat);
+}
+
+} // namespace
+
+at::Tensor create_dynamic_map(
+    bool is_signed,
+    int64_t max_exponent_bits,
+    int64_t total_bits) {
+  // bitsandbytes' construction, step for step in fp32: for each exponent,
+  // the midpoints of a linear fraction grid in [0.1, 1], scaled by a power
+  // of ten, then 0 and 1, padded to 256 and sorted.
+  std::vector<float> data;
+  const int64_t non_sign_bits = total_bits - 1;
+  const int64_t additional =
+      (int64_t(1) << (non_sign_bits - max_exponent_bits)) - 1;
+  auto add = [&](int64_t items, int64_t i) {
+    auto bounds = linspace_f32(0.1, 1.0, items);
+    auto means =
+        (bounds.narrow(0, 0, items - 1) + bounds.narrow(0, 1, items - 1)) / 2.0;
+    const double scale =
+        std::pow(10.0, static_cast<double>(-(max_exponent_bits - 1) + i));
+    auto pos = (means * scale).contiguous();
+    const float* p = pos.data_ptr<float>();
+    data.insert(data.end(), p, p + pos.numel());
+    if (is_signed) {
+      auto neg = (means * -scale).contiguous();
+      const float* n = neg.data_ptr<float>();
+      data.insert(data.end(), n, n + neg.numel());
+    }
+  };
+  int64_t i = 0;
+  for (; i < max_exponent_bits; ++i) {
+    const int64_t items = is_signed
+        ? (int64_t(1) << (i + non_sign_bits - max_exponent_bits)) + 1
+        : (int64_t(1) << (i + non_sign_bits - max_exponent_bits + 1)) + 1;
+    add(items, i);
+  }
+  if (additional > 0) {
+    add(additional + 1, i - 1);
+  }
+  data.push_back(0.0f);
+  data.push_back(1.0f);
+  TORCH_CHECK(
+      static_cast<int64_t>(data.size()) == (int64_t(1) << total_bits),
+      "create_dynamic_map: ",
+      data.size(),
+      " values for ",
+      total_bits,
+      " bits");
+  while (data.size() < 256) {
+    data.push_back(0.0f);
+  }
+  std::sort(data.begin(), data.end());
+  return at::tensor(data, at::kFloat);
+}
+
+namespace {
+
+// Per block of `blocksize` (the last one may be shorter): absmax and the
+// values scaled into [-1, 1], as bitsandbytes' CPU path computes them
+// (times the reciprocal for whole blocks, divided for the rest).
+std::pair<at::Tensor, at::Tensor> scale_blocks(
+    const at::Tensor& a,
+    int64_t blocksize) {
+  TORCH_CHECK(blocksize > 0, "blocksize must be positive, got ", blocksize);
+  auto flat = a.reshape(-1).to(at::kFloat);
+  const int64_t n = flat.numel();
+  const int64_t rem = n % blocksize, full = n - rem;
+  auto com = flat.narrow(0, 0, full).reshape({full / blocksize, blocksize});
+  auto absmax = std::get<0>(com.abs().max(-1));
+  auto scaled =
+      at::clamp(com * (1.0 / absmax.clamp_min(1e-38)).view({-1, 1}), -1, 1)
+          .reshape(-1);
+  if (rem > 0) {
+    auto tail = flat.narrow(0, full, rem);
+    auto am = tail.abs().max().clamp_min(1e-38);
+    absmax = at::cat({absmax, am.unsqueeze(0)});
+    scaled = at::cat({scaled, at::clamp(tail / am, -1, 1)});
+  }
+  return {absmax, scaled};
+}
+
+at::Tensor scale_back(
+    const at::Tensor& values,
+    const at::Tensor& absmax,
+    int64_t blocksize,
+    int64_t n) {
+  const int64_t rem = n % blocksize, full = n - rem;
+  auto v = values.narrow(0, 0, n);
+  auto out = at::empty({n}, v.options());
+  out.narrow(0, 0, full)
+      .copy_((v.narrow(0, 0, full).view({-1, blocksize}) *
+              absmax.narrow(0, 0, full / blocksize).view({-1, 1}))
+                 .reshape(-1));
+  if (rem > 0) {
+    out.narrow(0, full, rem)
+        .copy_(v.narrow(0, full, rem) * absmax[full / blocksize]);
+  }
+  return out;
+}
+
+} // namespace
+
+std::pair<at::Tensor, at::Tensor> quantize_blockwise(
+    const at::Tensor& a,
+    const at::Tensor& code,
+    int64_t blocksize) {
+  at::Tensor absmax, scaled;
+  std::tie(absmax, scaled) = scale_blocks(a, blocksize);
+  auto c = code.to(at::kFloat);
+  auto bounds =
+      (c.narrow(0, 0, c.numel() - 1) + c.narrow(0, 1, c.numel() - 1)) / 2;
+  auto q = at::bucketize(scaled, bounds, /*out_int32=*/true).to(at::kByte);
+  return {q.reshape(a.sizes()), absmax};
+}
+
+at::Tensor dequantize_blockwise(
+    const at::Tensor& q,
+    const at::Tensor& absmax,
+    const at::Tensor& code,
+    int64_t blocksize) {
+  auto values =
+      code.to(at::kFloat).index_select(0, q.reshape(-1).to(at::kLong));
+  return scale_back(values, absmax, blocksize, q.numel()).reshape(q.sizes());
+}
+
+std::pair<at::Tensor, QuantState4bit> quantize_4bit(
+    const at::Tensor& a,
+    int64_t blocksize,
+    const std::string& quant_type,
+    bool compress_statistics) {
+  TORCH_CHECK(
+      at::isFloatingType(a.scalar_type()),
+      "quantize_4bit: a floating tensor is expected, got ",
+      a.scalar_type());
+  QuantState4bit st;
+  st.code = code_4bit(quant_type);
+  st.quant_type = quant_type;
+  st.blocksize = blocksize;
+  st.shape = a.sizes().vec();
+  st.dtype = a.scalar_type();
+  at::Tensor absmax, scaled;
+  std::tie(absmax, scaled) = scale_blocks(a, blocksize);
+  if (scaled.numel() % 2 != 0) {
+    scaled = at::cat({scaled, at::zeros({1}, scaled.options())});
+  }
+  // The code sorted: midpoints between neighbours; FP4's indices map back
+  // through the sort order.
+  // A stable sort: FP4's two zeros keep their order, as in bitsandbytes.
+  at::Tensor sorted, order;
+  std::tie(sorted, order) =
+      at::sort(st.code, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  auto bounds = (sorted.narrow(0, 0, 15) + sorted.narrow(0, 1, 15)) / 2;
+  auto q = at::bucketize(scaled, bounds, /*out_int32=*/true).to(at::kLong);
+  if (quant_type != "nf4") {
+    q = order.index_select(0, q);
+  }
+  auto q8 = q.to(at::kByte);
+  auto pairs = q8.view({-1, 2});
+  auto packed =
+      at::bitwise_or(
+          at::bitwise_left_shift(pairs.select(1, 0), 4), pairs.select(1, 1))
+          .unsqueeze(1)
+          .contiguous();
+  if (compress_statistics) {
+    st.nested = true;
+    st.offset = absmax.mean();
+    st.state2_code = create_dynamic_map(true);
+    std::tie(st.absmax, st.state2_absmax) = quantize_blockwise(
+        absmax - st.offset, st.state2_code, st.state2_blocksize);
+  } else {
+    st.absmax = absmax;
+  }
+  return {packed, st};
+}
+
+at::Tensor dequantize_4bit(const at::Tensor& packed, const QuantState4bit& st) {
+  int64_t n = 1;
+  for (auto s : st.shape) {
+    n *= s;
+  }
+  auto bytes = packed.reshape(-1).to(at::kInt);
+  auto idx =
+      at::stack(
+          {at::bitwise_right_shift(bytes, 4), at::bitwise_and(bytes, 15)}, 1)
+          .reshape(-1)
+          .narrow(0, 0, n)
+          .to(at::kLong);
+  auto values = st.code.to(at::kFloat).index_select(0, idx);
+  at::Tensor absmax = st.absmax;
+  if (st.nested) {
+    absmax =
+        dequantize_blockwise(
+            st.absmax, st.state2_absmax, st.state2_code, st.state2_blocksize) +
+        st.offset;
+  }
+  return scale_back(values, absmax, st.blocksize, n)
+      .reshape(st.shape)
+      .to(st.dtype);
+}
+
+} // namespace quantization
+} // namespace colossalai
