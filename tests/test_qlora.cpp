@@ -148,6 +148,16 @@ TEST(Qlora, ConfigErrorsNameTheField) {
         q::quantize_4bit(at::ones({4}), 64, "int4");
       }).find("quant_type"),
       std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        q::quantize_4bit(at::ones({0}), 64, "nf4");
+      }).find("empty"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        q::quantize_4bit(at::ones({8}), 0, "nf4");
+      }).find("blocksize"),
+      std::string::npos);
 }
 
 } // namespace

@@ -171,6 +171,7 @@ std::pair<at::Tensor, at::Tensor> scale_blocks(
     const at::Tensor& a,
     int64_t blocksize) {
   TORCH_CHECK(blocksize > 0, "blocksize must be positive, got ", blocksize);
+  TORCH_CHECK(a.numel() > 0, "cannot quantize an empty tensor");
   auto flat = a.reshape(-1).to(at::kFloat);
   const int64_t n = flat.numel();
   const int64_t rem = n % blocksize, full = n - rem;
