@@ -6,7 +6,8 @@ results folder.
 Reads whatever is there (collectives_n*.json, ddp_step_*.json,
 torch_ddp_step_*.json, zero_step_n*.json, hybrid_adam.json,
 checkpoint_io.json, gemini_budget.json, hybrid_step_n*.json,
-pipeline_step_n*.json, run.json) and skips the sections it has no data for.
+pipeline_step_n*.json, lora_step.json, qlora.json, run.json) and skips the
+sections it has no data for.
 Plots need matplotlib (Debian: python3-matplotlib); without it the report has
 tables only.
 """
@@ -904,6 +905,48 @@ class Report:
         self.table(["model", "training", "trainable params", "grads MB",
                     "optimizer states MB", "step ms"], rows)
 
+    def qlora(self):
+        path = os.path.join(self.dir, "qlora.json")
+        if not os.path.exists(path):
+            return
+        d = load(path)
+        self.add("## QLoRA: quantized base, LoRA adapters", "")
+        self.add(f"One process, {d['threads']} thread(s), a LLaMA-shaped model "
+                 f"(vocab {d['vocab']}, width {d['hidden']}, MLP "
+                 f"{d['intermediate']}, {d['layers']} layers, {d['heads']} "
+                 f"heads), LoRA r {d['r']} on q/k/v/o/gate/up/down, adapters "
+                 "injected before the base is quantized (the LM head stays "
+                 "in full precision). Bytes per quantized base parameter "
+                 "(fp32: 4, bf16: 2): *formula* counts the codes, the "
+                 "absmax per block of 64 (fp32, or 8-bit with double "
+                 "quantization: + fp32 per 256 blocks + an offset), the int8 "
+                 "row scales, and each layer's code tables (16 fp32 = 64 B; "
+                 "double quant + 256 fp32 = 1 KiB); *asymptotic* leaves the "
+                 "tables out (0.5 + 4/64, 0.5 + 1/64 + 4/(64 * 256), "
+                 "1 + 4/in).", "")
+        self.table(["format", "layers", "params", "bytes / param",
+                    "formula", "asymptotic", "fp32 / it", "bf16 / it"],
+                   [[m["name"], m["layers"], f"{m['params']:,}",
+                     f"{m['bytes_per_param']:.4f}",
+                     f"{m['formula_bytes_per_param']:.4f}",
+                     f"{m['asymptotic_bytes_per_param']:.4f}",
+                     f"{4 / m['bytes_per_param']:.2f}x",
+                     f"{2 / m['bytes_per_param']:.2f}x"] for m in d["memory"]])
+        self.add(f"Forward (no graph) and training step (forward, backward, "
+                 f"AdamW on the adapters) on {d['batch']} x {d['seq']} "
+                 f"tokens; setups alternate inside one run ({d['rounds']} "
+                 f"rounds of {d['steps']}), median (p10-p90), ratios to the "
+                 "fp32 base.", "")
+        self.table(["base", "trainable", "model MB", "forward ms",
+                    "vs fp32", "step ms", "vs fp32"],
+                   [[r["name"], f"{r['trainable']:,}",
+                     f"{r['model_bytes'] / 1e6:.1f}", ms(r["forward_ms"]),
+                     f"{r['forward_vs_fp32']:.2f}x", ms(r["step_ms"]),
+                     f"{r['step_vs_fp32']:.2f}x"] for r in d["setups"]])
+        self.table(["dequantize 4096 x 4096", "ms", "GB/s output"],
+                   [[k["name"], f"{k['ms']['median']:.2f}",
+                     f"{k['gb_per_s']:.2f}"] for k in d["dequantize"]])
+
     def write(self):
         self.header()
         self.steps()
@@ -916,6 +959,7 @@ class Report:
         self.hybrid_step()
         self.pipeline_step()
         self.lora_step()
+        self.qlora()
         self.add("## Reproduce", "",
                  "```sh",
                  "bench/run            # full suite; bench/run --quick for a short one",

@@ -1,21 +1,47 @@
-// QLoRA's quantizers against bitsandbytes itself (ctest label `qlora`):
-// the same tensors quantized here and by bitsandbytes.functional on the CPU
-// (tests/python/bnb_reference.py, run with the Python of the test set-up).
+// QLoRA (ctest label `qlora`) against bitsandbytes, transformers and PEFT
+// themselves, run with the Python of the test set-up: the quantizers on the
+// same tensors (tests/python/bnb_reference.py), quantized layers against
+// bitsandbytes' and quantized models with adapters against transformers +
+// bitsandbytes + PEFT (tests/python/qlora_reference.py); QLoRA training
+// under the plugins against one process, checkpoints, and misuse.
 
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/gemini_plugin.h>
+#include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
+#include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
+#include <colossalai/lora/lora_model.h>
+#include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
+#include <colossalai/models/pretrained.h>
 #include <colossalai/quantization/bnb.h>
+#include <colossalai/quantization/quantize_model.h>
+#include <colossalai/quantization/quantized_weight.h>
+#include <colossalai/shardformer/layer/linear.h>
+#include <harness/multiprocess.h>
 #include <harness/test_util.h>
+#include <zoo/gpt.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <string>
 
 namespace q = colossalai::quantization;
 namespace st = colossalai::checkpoint_io::safetensors;
+namespace cb = colossalai::booster;
+namespace cl = colossalai::lora;
+namespace cio = colossalai::checkpoint_io;
+namespace models = colossalai::models;
+namespace sl = colossalai::shardformer::layer;
 namespace fs = std::filesystem;
+using colossalai::testing::error_of;
 
 namespace {
 
@@ -158,6 +184,530 @@ TEST(Qlora, ConfigErrorsNameTheField) {
         q::quantize_4bit(at::ones({8}), 0, "nf4");
       }).find("blocksize"),
       std::string::npos);
+}
+
+// ---------------------------------------------------------------------------
+// Quantized layers against bitsandbytes' Linear8bitLt / Linear4bit.
+
+fs::path python_dir() {
+  return fs::path(__FILE__).parent_path() / "python";
+}
+
+void run_python(const std::string& args) {
+  const auto r = colossalai::testing::run_shell(
+      std::string(kHfPython) + " '" +
+      (python_dir() / "qlora_reference.py").string() + "' " + args);
+  ASSERT_EQ(r.first, 0) << "qlora_reference.py " << args
+                        << " failed (the test set-up installs transformers, "
+                           "peft and bitsandbytes: ./scripts/setup.sh "
+                           "--tests):\n"
+                        << r.second;
+}
+
+// Layer shapes with a bias; inputs with activations past LLM.int8's
+// threshold (6) in two columns, so its outlier path runs.
+std::map<std::string, std::map<std::string, at::Tensor>> layer_cases() {
+  torch::manual_seed(21);
+  std::map<std::string, std::map<std::string, at::Tensor>> c;
+  for (auto shape : {std::make_pair(48, 64), std::make_pair(96, 128)}) {
+    const auto name =
+        std::to_string(shape.first) + "x" + std::to_string(shape.second);
+    auto x = at::randn({3, 5, shape.second});
+    x.index_put_({1, 2, 3}, 9.0);
+    x.index_put_({2, 0, shape.second - 7}, -7.5);
+    c[name] = {
+        {"w", at::randn({shape.first, shape.second}) * 0.1},
+        {"b", at::randn({shape.first}) * 0.1},
+        {"x", x},
+        {"g", at::randn({3, 5, shape.first})}};
+  }
+  return c;
+}
+
+cio::StateDict layer_reference() {
+  static const auto ref = [] {
+    Scratch dir;
+    cio::StateDict in;
+    for (const auto& c : layer_cases()) {
+      for (const auto& t : c.second) {
+        in.insert(t.first + "." + c.first, t.second);
+      }
+    }
+    st::save_file(dir.path + "/in.safetensors", in);
+    run_python(
+        "layers '" + dir.path + "/in.safetensors' '" + dir.path +
+        "/out.safetensors'");
+    return st::load_file(dir.path + "/out.safetensors");
+  }();
+  return ref;
+}
+
+// A Linear1D layer holding `w`, `b`, quantized as `config` says.
+sl::Linear1D_Col quantized_layer(
+    const at::Tensor& w,
+    const at::Tensor& b,
+    const q::BnbQuantizationConfig& config) {
+  sl::Linear1D_Col layer(sl::Linear1DOptions(w.size(1), w.size(0)));
+  {
+    at::NoGradGuard no_grad;
+    layer->weight.copy_(w);
+    layer->bias.copy_(b);
+  }
+  layer->bias.requires_grad_(false);
+  layer->quantize_(config);
+  return layer;
+}
+
+double max_abs(const at::Tensor& t) {
+  return t.abs().max().item<double>();
+}
+
+// LLM.int8: the weight's int8 rows and scales bit for bit. The outputs: the
+// int8 product is exact in both (integers below 2^24 in fp32), so they
+// differ only in the fp32 rounding of the outlier columns' addmm and of the
+// bias (added after it here, inside it there): a few ulps of the output.
+// The input's gradient is the dequantized weight's product.
+TEST(Qlora, Int8LayersEqualBitsandbytes) {
+  auto ref = layer_reference();
+  for (const auto& c : layer_cases()) {
+    SCOPED_TRACE(c.first);
+    const auto& t = c.second;
+    auto rows = q::int8_vectorwise_quant(t.at("w"));
+    ASSERT_TRUE(ref.contains("cb." + c.first));
+    EXPECT_TRUE(at::equal(rows.data, ref["cb." + c.first]));
+    EXPECT_TRUE(at::equal(rows.stats, ref["scb." + c.first]));
+    auto layer = quantized_layer(
+        t.at("w"), t.at("b"), q::BnbQuantizationConfig().load_in_8bit(true));
+    EXPECT_EQ(layer->weight.scalar_type(), at::kChar);
+    EXPECT_FALSE(layer->weight.requires_grad());
+    auto x = t.at("x").clone().requires_grad_(true);
+    auto y = layer(x);
+    (y * t.at("g")).sum().backward();
+    const auto want = ref["y.int8." + c.first];
+    const double scale = std::max(1.0, max_abs(want));
+    EXPECT_LE(max_abs(y - want), 1e-5 * scale);
+    EXPECT_LE(
+        max_abs(x.grad() - ref["dx.int8." + c.first]),
+        1e-5 * std::max(1.0, max_abs(ref["dx.int8." + c.first])));
+    // The outliers mattered: without them the output moves.
+    auto plain = q::int8_linear(
+        t.at("x"), rows.data, rows.stats, t.at("b"), /*threshold=*/0.0);
+    EXPECT_GT(max_abs(plain.detach() - want), 1e-3 * scale);
+  }
+}
+
+// 4-bit: the dequantized weight equals bitsandbytes' bit for bit (above),
+// so outputs differ only by fp32 matmul rounding (two BLAS libraries, the
+// bias added separately): bound 1e-5 of the output's scale, as
+// test_hf_models' logits. In bf16 compute both round x and W to bf16 alike
+// and multiply in bf16: within a few bf16 ulps (2^-8 relative).
+TEST(Qlora, FourBitLayersEqualBitsandbytes) {
+  auto ref = layer_reference();
+  struct Kind {
+    std::string name;
+    q::BnbQuantizationConfig config;
+    double rel;
+  };
+  const auto nf4 = q::BnbQuantizationConfig()
+                       .load_in_4bit(true)
+                       .bnb_4bit_quant_type("nf4")
+                       .bnb_4bit_use_double_quant(true);
+  const std::vector<Kind> kinds = {
+      {"nf4", nf4, 1e-5},
+      {"fp4",
+       q::BnbQuantizationConfig().load_in_4bit(true).bnb_4bit_quant_type("fp4"),
+       1e-5},
+      {"nf4bf16",
+       q::BnbQuantizationConfig(nf4).bnb_4bit_compute_dtype(at::kBFloat16),
+       2e-2}};
+  for (const auto& c : layer_cases()) {
+    for (const auto& k : kinds) {
+      SCOPED_TRACE(c.first + " " + k.name);
+      const auto& t = c.second;
+      auto layer = quantized_layer(t.at("w"), t.at("b"), k.config);
+      EXPECT_EQ(layer->weight.scalar_type(), at::kByte);
+      auto x = t.at("x").clone().requires_grad_(true);
+      auto y = layer(x);
+      EXPECT_EQ(y.scalar_type(), at::kFloat);
+      (y * t.at("g")).sum().backward();
+      const auto want = ref["y." + k.name + "." + c.first];
+      const auto dwant = ref["dx." + k.name + "." + c.first];
+      ASSERT_TRUE(want.defined());
+      EXPECT_LE(max_abs(y - want), k.rel * std::max(1.0, max_abs(want)));
+      EXPECT_LE(
+          max_abs(x.grad() - dwant), k.rel * std::max(1.0, max_abs(dwant)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Quantized models with PEFT adapters against transformers + bitsandbytes +
+// PEFT.
+
+const fs::path& model_fixtures() {
+  static const fs::path root = [] {
+    const auto dir = fs::path(colossalai::testing::temp_dir("qlora-models"));
+    run_python("models '" + dir.string() + "'");
+    return dir;
+  }();
+  return root;
+}
+
+template <class M>
+at::Tensor adapted_logits(
+    const std::string& name,
+    const c10::optional<q::BnbQuantizationConfig>& config) {
+  const auto dir = model_fixtures() / name;
+  auto model = models::from_pretrained<M>(dir.string());
+  model->eval();
+  cb::Booster booster;
+  auto lora = booster.enable_lora(
+      model,
+      (dir / "adapter").string(),
+      std::nullopt,
+      config ? std::optional<q::BnbQuantizationConfig>(*config) : std::nullopt,
+      config.has_value());
+  lora->refresh();
+  at::NoGradGuard no_grad;
+  auto ref = st::load_file((dir / "reference.safetensors").string());
+  return model->forward(ref["ids"]);
+}
+
+// The quantized bases are the same bits on both sides (layers above), so
+// 4-bit logits differ by fp32 rounding as test_hf_models' (1e-5 of their
+// scale, 2e-5 with the adapter's extra terms). LLM.int8 quantizes every
+// activation row to int8: an fp32 rounding difference upstream can move an
+// activation across a rounding midpoint, one int8 step (its row's absmax /
+// 127) times a weight column, about 1e-3 of the logits here per flip; the
+// bound 1e-2 of the scale allows a few; what int8 quantization itself moves
+// them by is printed, and must be ten times our difference.
+TEST(Qlora, QuantizedModelsWithAdaptersMatchTransformersAndPeft) {
+  const auto nf4 = q::BnbQuantizationConfig()
+                       .load_in_4bit(true)
+                       .bnb_4bit_quant_type("nf4")
+                       .bnb_4bit_use_double_quant(true)
+                       .bnb_4bit_compute_dtype(at::kFloat);
+  const auto int8 = q::BnbQuantizationConfig().load_in_8bit(true);
+  for (const std::string name : {"llama", "gpt2"}) {
+    SCOPED_TRACE(name);
+    auto ref = st::load_file(
+        (model_fixtures() / name / "reference.safetensors").string());
+    auto run = [&](const c10::optional<q::BnbQuantizationConfig>& c) {
+      return name == "llama" ? adapted_logits<models::LlamaForCausalLM>(name, c)
+                             : adapted_logits<models::GPT2LMHeadModel>(name, c);
+    };
+    const double scale = std::max(1.0, max_abs(ref["logits.full"]));
+    struct Case {
+      std::string kind;
+      c10::optional<q::BnbQuantizationConfig> config;
+      double rel;
+    };
+    for (const auto& c : std::vector<Case>{
+             {"full", c10::nullopt, 2e-5},
+             {"nf4", nf4, 2e-5},
+             {"int8", int8, 1e-2}}) {
+      const auto logits = run(c.config);
+      const auto want = ref["logits." + c.kind];
+      ASSERT_EQ(logits.sizes(), want.sizes());
+      const double diff = max_abs(logits - want);
+      const double moved = max_abs(want - ref["logits.full"]);
+      std::cout << name << " " << c.kind
+                << ": max |logits - transformers + peft| = " << diff
+                << " (bound " << c.rel * scale
+                << "; quantization moves them by " << moved << ")\n";
+      EXPECT_LE(diff, c.rel * scale);
+      if (c.config) {
+        EXPECT_GT(moved, 10 * diff)
+            << "quantization moves the logits far more than we differ";
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Training, checkpoints, misuse.
+
+models::GPT2LMHeadModel gpt2(int seed) {
+  torch::manual_seed(seed);
+  return models::GPT2LMHeadModel(models::GPT2Config::tiny_test().n_layer(2));
+}
+
+at::Tensor tokens(int seed, int64_t batch) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  return at::randint(100, {batch, 9}, gen);
+}
+
+cl::LoraConfig lora_config() {
+  return cl::LoraConfig()
+      .r(4)
+      .lora_alpha(8)
+      .target_modules({"c_attn", "c_proj"})
+      .init_lora_weights("gaussian");
+}
+
+q::BnbQuantizationConfig nf4_fp32() {
+  return q::BnbQuantizationConfig()
+      .load_in_4bit(true)
+      .bnb_4bit_quant_type("nf4")
+      .bnb_4bit_use_double_quant(true)
+      .bnb_4bit_compute_dtype(at::kFloat);
+}
+
+std::map<std::string, at::Tensor> params_of(torch::nn::Module& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : m.named_parameters()) {
+    out[item.key()] = colossalai::testing::host(item.value().detach()).clone();
+  }
+  return out;
+}
+
+// QLoRA data-parallel training equals one process training the same
+// adapters on the whole batch (3 SGD-momentum steps), for 4-bit and 8-bit
+// bases: bound as test_lora's (fp32 gradient sums in another order; both
+// sides run the same quantized forward). The stored base never changes and
+// the optimizer holds only adapters.
+TEST(Qlora, TrainsUnderDdpZeroAndHybridLikeOneProcess) {
+  constexpr int kSteps = 3;
+  constexpr double kAtol = 2e-5;
+  auto batch = [](int step) {
+    auto t = tokens(300 + step, 8);
+    return std::make_pair(
+        t.narrow(1, 0, 8).contiguous(), t.narrow(1, 1, 8).contiguous());
+  };
+  for (const auto& qc :
+       {nf4_fp32(), q::BnbQuantizationConfig().load_in_8bit(true)}) {
+    SCOPED_TRACE(qc.load_in_4bit() ? "4-bit" : "8-bit");
+    std::map<std::string, at::Tensor> want;
+    {
+      auto model = gpt2(6);
+      cl::LoraModel lora(model.ptr(), lora_config());
+      q::quantize_model(*model, qc);
+      torch::optim::SGD opt(
+          lora.trainable_parameters(),
+          torch::optim::SGDOptions(0.1).momentum(0.9));
+      for (int step = 0; step < kSteps; ++step) {
+        auto b = batch(step);
+        opt.zero_grad();
+        model->loss(model->forward(b.first), b.second).backward();
+        opt.step();
+      }
+      want = params_of(*model);
+    }
+    colossalai::testing::run_distributed(2, [&](int rank, int world) {
+      std::vector<std::pair<std::string, std::shared_ptr<cb::plugin::Plugin>>>
+          plugins{
+              {"TorchDDP", std::make_shared<cb::plugin::TorchDDPPlugin>()},
+              {"ZeRO-2",
+               std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+                   cb::plugin::LowLevelZeroPluginOptions().stage(2).precision(
+                       "fp32"))},
+              {"Hybrid dp2 ZeRO-1",
+               std::make_shared<cb::plugin::HybridParallelPlugin>(
+                   cb::plugin::HybridParallelPluginOptions()
+                       .zero_stage(1)
+                       .precision("fp32"))}};
+      for (auto& [name, plugin] : plugins) {
+        SCOPED_TRACE(name);
+        cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+        auto model = gpt2(6);
+        booster.enable_lora(model, "", lora_config(), qc, true);
+        auto opt = std::make_shared<torch::optim::SGD>(
+            model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        auto boosted = booster.boost(model, opt);
+        const int64_t local = 8 / world;
+        for (int step = 0; step < kSteps; ++step) {
+          auto b = batch(step);
+          auto x = b.first.narrow(0, rank * local, local);
+          auto y = b.second.narrow(0, rank * local, local);
+          boosted.optimizer->zero_grad();
+          booster.backward(
+              model->loss(boosted.model(x), y), *boosted.optimizer);
+          boosted.optimizer->step();
+        }
+        size_t held = 0;
+        for (const auto& g : opt->param_groups()) {
+          held += g.params().size();
+        }
+        EXPECT_LE(held, 2u * 6u); // adapters only
+        for (const auto& item : params_of(*model)) {
+          const auto& w = want.at(item.first);
+          ASSERT_EQ(item.second.scalar_type(), w.scalar_type()) << item.first;
+          if (item.first.find("lora_") == std::string::npos) {
+            EXPECT_TRUE(at::equal(item.second, w))
+                << item.first << " is frozen but moved";
+          } else {
+            EXPECT_LE(max_abs(item.second - w), kAtol) << item.first;
+          }
+        }
+      }
+    });
+  }
+}
+
+// The base is quantized from its full-precision checkpoint at load (the
+// same bits as quantizing the loaded weights), the quantized base refuses
+// to be saved, and adapters saved in PEFT's layout reload onto a freshly
+// quantized base with the same outputs, bit for bit.
+TEST(Qlora, CheckpointsQuantizeAtLoadAndAdaptersRoundTrip) {
+  Scratch dir;
+  const auto base_file = dir.path + "/base.safetensors";
+  {
+    auto base = gpt2(8);
+    st::save_file(base_file, cio::model_state_dict(*base));
+  }
+  auto ids = tokens(9, 2);
+  cb::Booster booster;
+  auto model = gpt2(99); // other weights, replaced by the load
+  booster.enable_lora(model, "", lora_config(), nf4_fp32(), true);
+  auto boosted = booster.boost(model);
+  booster.load_model(boosted.model, base_file);
+  {
+    auto direct = gpt2(8);
+    cl::LoraModel lora(direct.ptr(), lora_config());
+    q::quantize_model(*direct, nf4_fp32());
+    const auto got = params_of(*model), want = params_of(*direct);
+    for (const auto& kv : want) {
+      if (kv.first.find("lora_") == std::string::npos) {
+        EXPECT_TRUE(at::equal(got.at(kv.first), kv.second)) << kv.first;
+      }
+    }
+    auto layer = [](torch::nn::Module& m) {
+      return std::dynamic_pointer_cast<sl::Linear1D_ColImpl>(
+          m.named_modules()["transformer.h.0.attn.c_attn"]);
+    };
+    ASSERT_NE(layer(*model), nullptr);
+    ASSERT_NE(layer(*model)->quantized, nullptr);
+    EXPECT_TRUE(at::equal(
+        layer(*model)->quantized->state_4bit().absmax,
+        layer(*direct)->quantized->state_4bit().absmax));
+  }
+  // A wrong shape is named.
+  {
+    cio::StateDict bad;
+    bad.insert("transformer.h.0.attn.c_attn.weight", at::zeros({3, 3}));
+    st::save_file(dir.path + "/bad.safetensors", bad);
+    const auto e = error_of([&] {
+      booster.load_model(boosted.model, dir.path + "/bad.safetensors", false);
+    });
+    EXPECT_NE(e.find("quantized"), std::string::npos) << e;
+  }
+  // The quantized base is not saved.
+  const auto e =
+      error_of([&] { booster.save_model(boosted.model, dir.path + "/x.bin"); });
+  EXPECT_NE(e.find("save_lora_as_pretrained"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(dir.path + "/x.bin"));
+  // Adapters out in PEFT's layout, back onto a new quantized base.
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : model->parameters()) {
+      if (p.requires_grad()) {
+        p.add_(0.01); // trained adapters, not the init
+      }
+    }
+  }
+  booster.save_lora_as_pretrained(boosted.model, dir.path + "/adapter", true);
+  EXPECT_TRUE(fs::exists(dir.path + "/adapter/adapter_config.json"));
+  EXPECT_TRUE(fs::exists(dir.path + "/adapter/adapter_model.safetensors"));
+  model->eval();
+  at::Tensor want;
+  {
+    at::NoGradGuard no_grad;
+    want = boosted.model(ids);
+  }
+  cb::Booster booster2;
+  auto again = gpt2(8);
+  auto lora2 = booster2.enable_lora(
+      again, dir.path + "/adapter", std::nullopt, nf4_fp32(), true);
+  again->eval();
+  lora2->refresh();
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(at::equal(again->forward(ids), want));
+}
+
+TEST(Qlora, MisuseNamesTheProblem) {
+  auto has = [](const std::function<void()>& f, const std::string& what) {
+    const auto e = error_of(f);
+    EXPECT_NE(e.find(what), std::string::npos) << "got: " << e;
+  };
+  colossalai::testing::run_distributed(1, [&](int, int) {
+    has(
+        [] {
+          cb::Booster booster(cb::BoosterOptions().plugin(
+              std::make_shared<cb::plugin::GeminiPlugin>(
+                  cb::plugin::GeminiPluginOptions().precision("fp32"))));
+          auto m = gpt2(1);
+          booster.enable_lora(m, "", lora_config(), nf4_fp32(), true);
+        },
+        "does not support LoRA or QLoRA");
+  });
+  has(
+      [] {
+        cb::Booster booster;
+        auto m = gpt2(1);
+        booster.enable_lora(m, "", lora_config(), nf4_fp32(), false);
+      },
+      "quantize is false");
+  has(
+      [] {
+        cb::Booster booster;
+        auto m = gpt2(1);
+        booster.enable_lora(
+            m,
+            "",
+            lora_config(),
+            q::BnbQuantizationConfig().load_in_4bit(true).load_in_8bit(true),
+            true);
+      },
+      "exactly one of load_in_4bit");
+  has(
+      [] {
+        // torch::nn::Linear layers: nothing QLoRA can quantize.
+        torch::manual_seed(1);
+        colossalai::zoo::GPT m(colossalai::zoo::GPTConfig::tiny_test());
+        q::quantize_model(*m, nf4_fp32());
+      },
+      "nothing to quantize");
+  has(
+      [] {
+        auto m = gpt2(1);
+        cl::LoraModel lora(m.ptr(), lora_config());
+        q::quantize_model(*m, nf4_fp32());
+        lora.merge();
+      },
+      "quantized");
+  has(
+      [] {
+        auto m = gpt2(1);
+        q::quantize_model(*m, nf4_fp32());
+        q::quantize_model(*m, nf4_fp32());
+      },
+      "nothing to quantize");
+}
+
+// Memory: what a quantized base holds per parameter, against the formula
+// (bench_qlora reports it on a larger model).
+TEST(Qlora, BytesPerParameterFollowTheFormula) {
+  auto m = gpt2(1);
+  q::quantize_model(
+      *m,
+      q::BnbQuantizationConfig().load_in_4bit(true).bnb_4bit_quant_type("nf4"));
+  const auto f = q::quantized_footprint(*m);
+  EXPECT_GT(f.params, 0);
+  EXPECT_EQ(f.data_bytes, f.params / 2);
+  // absmax: one fp32 per block of 64, plus the 16-entry code per layer.
+  const int64_t layers = 4 * 2; // c_attn, c_proj, c_fc, mlp c_proj per block
+  EXPECT_EQ(f.state_bytes, f.params / 64 * 4 + layers * 16 * 4);
+  // Embeddings and norms stay: the model's float parameters are untouched.
+  EXPECT_TRUE(
+      m->named_parameters()["transformer.wte.weight"].is_floating_point());
+  // The layer moves and casts with its stored dtype kept.
+  m->to(at::kBFloat16);
+  EXPECT_EQ(
+      m->named_parameters()["transformer.h.0.attn.c_attn.weight"].scalar_type(),
+      at::kByte);
+  EXPECT_EQ(
+      m->named_parameters()["transformer.h.0.attn.c_attn.bias"].scalar_type(),
+      at::kBFloat16);
 }
 
 } // namespace

@@ -5,6 +5,7 @@
 #include <colossalai/initialize.h>
 #include <colossalai/lazy/lazy_init.h>
 #include <colossalai/lora/lora_model.h>
+#include <colossalai/quantization/quantize_model.h>
 
 #include "../utils/host_memory.h"
 
@@ -226,14 +227,32 @@ Booster::boost_parts(
 std::shared_ptr<lora::LoraModel> Booster::enable_lora_module(
     std::shared_ptr<torch::nn::Module> model,
     const std::string& pretrained_dir,
-    const std::optional<lora::LoraConfig>& lora_config) {
+    const std::optional<lora::LoraConfig>& lora_config,
+    const std::optional<quantization::BnbQuantizationConfig>& bnb_config,
+    bool quantize) {
   TORCH_CHECK(model != nullptr, "Booster.enable_lora: the model is null");
   TORCH_CHECK(
       plugin_ == nullptr || plugin_->support_lora(),
       "Booster.enable_lora: ",
       plugin_ ? plugin_->name() : std::string(),
-      " does not support LoRA (no plugin, TorchDDPPlugin, LowLevelZeroPlugin "
-      "and HybridParallelPlugin with tp_size 1 and pp_size 1 do)");
+      " does not support LoRA",
+      quantize ? " or QLoRA" : "",
+      " (no plugin, TorchDDPPlugin, LowLevelZeroPlugin and "
+      "HybridParallelPlugin with tp_size 1 and pp_size 1 do)");
+  TORCH_CHECK(
+      quantize || !bnb_config.has_value(),
+      "Booster.enable_lora: a bnb_quantization_config is given but quantize "
+      "is false; pass quantize=true to quantize the base (QLoRA)");
+  // ColossalAI's default for quantize without a config.
+  const auto qconfig =
+      bnb_config.value_or(quantization::BnbQuantizationConfig()
+                              .load_in_4bit(true)
+                              .bnb_4bit_quant_type("nf4")
+                              .bnb_4bit_use_double_quant(true)
+                              .bnb_4bit_compute_dtype(at::kBFloat16));
+  if (quantize) {
+    qconfig.validate(); // before anything changes
+  }
   TORCH_CHECK(
       !boosted_.count(model.get()),
       "Booster.enable_lora: the model is boosted already; enable LoRA "
@@ -254,6 +273,10 @@ std::shared_ptr<lora::LoraModel> Booster::enable_lora_module(
         "Booster.enable_lora: with pretrained_dir the adapter's own "
         "adapter_config.json applies; pass no lora_config");
     lora = lora::LoraModel::from_pretrained(model, pretrained_dir);
+  }
+  if (quantize) {
+    // After the adapters: they take the base's full-precision dtype.
+    quantization::quantize_model(*model, qconfig);
   }
   lora_[model.get()] = lora;
   return lora;

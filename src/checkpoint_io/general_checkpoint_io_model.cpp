@@ -5,6 +5,7 @@
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/lazy/lazy_init.h>
+#include <colossalai/shardformer/layer/linear.h>
 
 #include "general_checkpoint_io_internal.h"
 #include "io_utils.h"
@@ -175,9 +176,20 @@ void load_model_state(
     bool strict_unexpected,
     const TensorLoader& loader) {
   auto targets = model_state_dict(module);
+  // QLoRA: full-precision weights are quantized into the quantized layers.
+  const auto quantized = shardformer::layer::quantized_weight_loaders(module);
   std::vector<std::string> unexpected;
   at::NoGradGuard no_grad;
   for (const auto& item : state) {
+    auto q = quantized.find(item.key());
+    if (q != quantized.end()) {
+      detail::populate(item.value());
+      q->second(item.value());
+      if (seen) {
+        seen->insert(item.key());
+      }
+      continue;
+    }
     if (loader && loader(item.key(), item.value(), file)) {
       if (seen) {
         seen->insert(item.key());

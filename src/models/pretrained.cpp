@@ -5,6 +5,7 @@
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
+#include <colossalai/quantization/quantize_model.h>
 
 #include <nlohmann/json.hpp>
 
@@ -244,6 +245,11 @@ void save_pretrained_module(
       options.max_shard_size() > 0,
       "save_pretrained: max_shard_size must be positive, got ",
       options.max_shard_size());
+  TORCH_CHECK(
+      !colossalai::quantization::has_quantized_weights(module),
+      "save_pretrained: the model's base weights are quantized (QLoRA); save "
+      "the adapters (LoraModel::save_pretrained) and keep the full-precision "
+      "directory the base was loaded from");
   write_config_json(dir, config_json);
   // Host copies, in the module's order; the weights are read once.
   cio::StateDict state;

@@ -1,6 +1,8 @@
 #include <colossalai/quantization/bnb.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -216,7 +218,7 @@ std::pair<at::Tensor, at::Tensor> quantize_blockwise(
     int64_t blocksize) {
   at::Tensor absmax, scaled;
   std::tie(absmax, scaled) = scale_blocks(a, blocksize);
-  auto c = code.to(at::kFloat);
+  auto c = code.to(a.device(), at::kFloat);
   auto bounds =
       (c.narrow(0, 0, c.numel() - 1) + c.narrow(0, 1, c.numel() - 1)) / 2;
   auto q = at::bucketize(scaled, bounds, /*out_int32=*/true).to(at::kByte);
@@ -228,8 +230,8 @@ at::Tensor dequantize_blockwise(
     const at::Tensor& absmax,
     const at::Tensor& code,
     int64_t blocksize) {
-  auto values =
-      code.to(at::kFloat).index_select(0, q.reshape(-1).to(at::kLong));
+  auto values = code.to(q.device(), at::kFloat)
+                    .index_select(0, q.reshape(-1).to(at::kLong));
   return scale_back(values, absmax, blocksize, q.numel()).reshape(q.sizes());
 }
 
@@ -243,7 +245,7 @@ std::pair<at::Tensor, QuantState4bit> quantize_4bit(
       "quantize_4bit: a floating tensor is expected, got ",
       a.scalar_type());
   QuantState4bit st;
-  st.code = code_4bit(quant_type);
+  st.code = code_4bit(quant_type).to(a.device());
   st.quant_type = quant_type;
   st.blocksize = blocksize;
   st.shape = a.sizes().vec();
@@ -274,7 +276,7 @@ std::pair<at::Tensor, QuantState4bit> quantize_4bit(
   if (compress_statistics) {
     st.nested = true;
     st.offset = absmax.mean();
-    st.state2_code = create_dynamic_map(true);
+    st.state2_code = create_dynamic_map(true).to(a.device());
     std::tie(st.absmax, st.state2_absmax) = quantize_blockwise(
         absmax - st.offset, st.state2_code, st.state2_blocksize);
   } else {
@@ -283,11 +285,95 @@ std::pair<at::Tensor, QuantState4bit> quantize_4bit(
   return {packed, st};
 }
 
+namespace {
+
+// The per-block scale as fp32 (the nested absmax dequantized).
+at::Tensor block_absmax(const QuantState4bit& st) {
+  if (!st.nested) {
+    return st.absmax.to(at::kFloat);
+  }
+  return dequantize_blockwise(
+             st.absmax, st.state2_absmax, st.state2_code, st.state2_blocksize) +
+      st.offset;
+}
+
+// One pass over the packed bytes on the CPU: each value is its code times
+// its block's absmax in fp32, rounded once to T (what the ATen path below
+// computes, without its int64 index tensors).
+template <typename T>
+void dequantize_4bit_cpu(
+    const uint8_t* packed,
+    const float* absmax,
+    const float* code,
+    int64_t blocksize,
+    int64_t n,
+    T* out) {
+  const int64_t blocks = (n + blocksize - 1) / blocksize;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float am = absmax[b];
+      const int64_t end = std::min(n, (b + 1) * blocksize);
+      int64_t i = b * blocksize;
+      if (i % 2 != 0) { // an odd blocksize: this block starts mid-byte
+        out[i] = static_cast<T>(code[packed[i / 2] & 15] * am);
+        ++i;
+      }
+      for (; i + 1 < end; i += 2) {
+        const uint8_t byte = packed[i / 2];
+        out[i] = static_cast<T>(code[byte >> 4] * am);
+        out[i + 1] = static_cast<T>(code[byte & 15] * am);
+      }
+      if (i < end) {
+        out[i] = static_cast<T>(code[packed[i / 2] >> 4] * am);
+      }
+    }
+  });
+}
+
+} // namespace
+
 at::Tensor dequantize_4bit(const at::Tensor& packed, const QuantState4bit& st) {
+  return dequantize_4bit(packed, st, st.dtype);
+}
+
+at::Tensor dequantize_4bit(
+    const at::Tensor& packed,
+    const QuantState4bit& st,
+    at::ScalarType dtype) {
+  TORCH_CHECK(
+      packed.scalar_type() == at::kByte,
+      "dequantize_4bit: packed data must be uint8, got ",
+      packed.scalar_type());
   int64_t n = 1;
   for (auto s : st.shape) {
     n *= s;
   }
+  TORCH_CHECK(
+      packed.numel() == (n + 1) / 2,
+      "dequantize_4bit: ",
+      packed.numel(),
+      " packed bytes for a tensor of ",
+      n,
+      " values");
+  const auto device = packed.device();
+  auto absmax = block_absmax(st).to(device).contiguous();
+  auto code = st.code.to(device, at::kFloat).contiguous();
+  if (device.is_cpu()) {
+    auto bytes = packed.contiguous();
+    auto out = at::empty(st.shape, at::TensorOptions().dtype(dtype));
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kBFloat16, at::kHalf, dtype, "dequantize_4bit", [&] {
+          dequantize_4bit_cpu<scalar_t>(
+              bytes.data_ptr<uint8_t>(),
+              absmax.data_ptr<float>(),
+              code.data_ptr<float>(),
+              st.blocksize,
+              n,
+              out.data_ptr<scalar_t>());
+        });
+    return out;
+  }
+  // Elsewhere (CUDA): the same arithmetic as ATen kernels on the device.
   auto bytes = packed.reshape(-1).to(at::kInt);
   auto idx =
       at::stack(
@@ -295,17 +381,93 @@ at::Tensor dequantize_4bit(const at::Tensor& packed, const QuantState4bit& st) {
           .reshape(-1)
           .narrow(0, 0, n)
           .to(at::kLong);
-  auto values = st.code.to(at::kFloat).index_select(0, idx);
-  at::Tensor absmax = st.absmax;
-  if (st.nested) {
-    absmax =
-        dequantize_blockwise(
-            st.absmax, st.state2_absmax, st.state2_code, st.state2_blocksize) +
-        st.offset;
-  }
+  auto values = code.index_select(0, idx);
   return scale_back(values, absmax, st.blocksize, n)
       .reshape(st.shape)
-      .to(st.dtype);
+      .to(dtype);
+}
+
+Int8Rows int8_vectorwise_quant(const at::Tensor& a, double threshold) {
+  TORCH_CHECK(
+      a.dim() == 2 && at::isFloatingType(a.scalar_type()),
+      "int8_vectorwise_quant: a 2-d floating tensor is expected, got ",
+      a.scalar_type(),
+      " of shape ",
+      a.sizes());
+  // Read in fp16 as bitsandbytes casts (the products below are fp32).
+  auto h = a.to(at::kHalf).to(at::kFloat);
+  Int8Rows r;
+  if (threshold > 0) {
+    auto outliers = h.abs().ge(threshold);
+    r.outlier_cols = outliers.any(0).nonzero().reshape(-1);
+    h = h.masked_fill(outliers, 0.0);
+  } else {
+    r.outlier_cols = at::empty({0}, a.options().dtype(at::kLong));
+  }
+  r.stats = std::get<0>(h.abs().max(1));
+  // Python's 127.0 / t is t.reciprocal() * 127 (two roundings). An
+  // all-zero row quantizes to zeros (127 / 0 would make NaN).
+  auto scale = at::where(
+      r.stats.gt(0), r.stats.reciprocal() * 127.0, at::zeros_like(r.stats));
+  r.data = at::round(h * scale.unsqueeze(-1)).to(at::kChar);
+  if (r.outlier_cols.numel() > 0) {
+    r.data.index_fill_(1, r.outlier_cols, 0);
+  }
+  return r;
+}
+
+at::Tensor int8_vectorwise_dequant(
+    const at::Tensor& q,
+    const at::Tensor& stats) {
+  // bitsandbytes multiplies by its fp32 reciprocal of 127.
+  return q.to(at::kFloat) * stats.view({-1, 1}) * 7.874015718698502e-3;
+}
+
+at::Tensor int8_linear(
+    const at::Tensor& x,
+    const at::Tensor& cb,
+    const at::Tensor& scb,
+    const at::Tensor& bias,
+    double threshold) {
+  TORCH_CHECK(
+      cb.scalar_type() == at::kChar && cb.dim() == 2,
+      "int8_linear: the weight must be 2-d int8, got ",
+      cb.scalar_type(),
+      " of shape ",
+      cb.sizes());
+  TORCH_CHECK(
+      x.size(-1) == cb.size(1),
+      "int8_linear: the input has ",
+      x.size(-1),
+      " features, the weight ",
+      cb.size(1));
+  auto a = x.reshape({-1, x.size(-1)});
+  auto rows = int8_vectorwise_quant(a, threshold);
+  // The int8 product in fp32, as bitsandbytes' CPU fallback: every partial
+  // sum is an integer, exact while in_features * 127^2 < 2^24 (beyond, a
+  // rounding of fp32 accumulation).
+  auto acc =
+      at::matmul(rows.data.to(at::kFloat), cb.to(at::kFloat).t()).to(at::kInt);
+  auto out = acc *
+      (rows.stats.unsqueeze(-1) * scb.to(at::kFloat).unsqueeze(0)) *
+      6.200124e-05;
+  if (bias.defined()) {
+    out = out + bias.to(at::kFloat);
+  }
+  out = out.to(x.scalar_type());
+  if (rows.outlier_cols.numel() > 0) {
+    // Outlier columns in the input's precision, with their weight columns
+    // dequantized.
+    auto sub_a = a.index_select(1, rows.outlier_cols);
+    auto sub_b =
+        int8_vectorwise_dequant(cb.index_select(1, rows.outlier_cols), scb)
+            .to(x.scalar_type())
+            .t();
+    out = out.addmm(sub_a, sub_b);
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = cb.size(0);
+  return out.reshape(shape);
 }
 
 } // namespace quantization

@@ -26,6 +26,7 @@
 #include <colossalai/interface/model.h>
 #include <colossalai/interface/optimizer.h>
 #include <colossalai/lora/lora_config.h>
+#include <colossalai/quantization/bnb.h>
 
 #include <torch/arg.h>
 #include <torch/nn/pimpl.h>
@@ -221,21 +222,40 @@ class Booster {
   /// forward and leaves the frozen parameters out of the optimizer (build
   /// it from `model->parameters()` or only the trainable ones). The plugin
   /// must support LoRA (none, TorchDDP, LowLevelZero, HybridParallel at
-  /// tp_size 1). See NOTE [LoRA in C++].
+  /// tp_size 1 and pp_size 1). See NOTE [LoRA in C++].
+  ///
+  /// QLoRA: with `quantize`, the frozen base's linear layers are then
+  /// quantized in place as `bnb_quantization_config` says (none: NF4 with
+  /// double quantization, computed in bf16, ColossalAI's default); the
+  /// model must be built from colossalai's Linear1D layers (the models of
+  /// colossalai::models are). The base cannot be saved afterwards: save the
+  /// adapters, and load the full-precision checkpoint into a quantized
+  /// model, which quantizes it. See NOTE [QLoRA in C++].
   /// \code
   ///   auto lora = booster.enable_lora(
   ///       model, "", lora::LoraConfig().r(8).target_modules({"c_attn"}));
   ///   auto boosted = booster.boost(model, optimizer);
   ///   // ... train ...
   ///   booster.save_lora_as_pretrained(boosted.model, "adapter");
+  ///   // QLoRA: the same, with a 4-bit base
+  ///   booster.enable_lora(model, "", lora_config,
+  ///       quantization::BnbQuantizationConfig().load_in_4bit(true)
+  ///           .bnb_4bit_quant_type("nf4"), /*quantize=*/true);
   /// \endcode
   template <class M>
   std::shared_ptr<lora::LoraModel> enable_lora(
       M& model,
       const std::string& pretrained_dir = "",
-      const std::optional<lora::LoraConfig>& lora_config = std::nullopt) {
+      const std::optional<lora::LoraConfig>& lora_config = std::nullopt,
+      const std::optional<quantization::BnbQuantizationConfig>&
+          bnb_quantization_config = std::nullopt,
+      bool quantize = false) {
     return enable_lora_module(
-        detail::as_module(model), pretrained_dir, lora_config);
+        detail::as_module(model),
+        pretrained_dir,
+        lora_config,
+        bnb_quantization_config,
+        quantize);
   }
   /// Writes the adapter as PEFT's `save_pretrained` does
   /// (adapter_config.json and adapter_model.safetensors or .bin) from
@@ -365,7 +385,9 @@ class Booster {
   std::shared_ptr<lora::LoraModel> enable_lora_module(
       std::shared_ptr<torch::nn::Module> model,
       const std::string& pretrained_dir,
-      const std::optional<lora::LoraConfig>& lora_config);
+      const std::optional<lora::LoraConfig>& lora_config,
+      const std::optional<quantization::BnbQuantizationConfig>& bnb_config,
+      bool quantize);
 
   BoosterOptions options_;
   // Models given LoRA adapters, and models boosted, by identity.

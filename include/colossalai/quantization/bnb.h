@@ -106,10 +106,17 @@ std::pair<at::Tensor, QuantState4bit> quantize_4bit(
     const std::string& quant_type = "fp4",
     bool compress_statistics = false);
 
-/// The dequantized tensor (state.shape, state.dtype).
+/// The dequantized tensor (state.shape, state.dtype). On the CPU one
+/// parallel pass over the packed bytes; on other devices ATen kernels.
 at::Tensor dequantize_4bit(
     const at::Tensor& packed,
     const QuantState4bit& state);
+/// The same in `dtype` (each value formed in fp32 and rounded once, as
+/// bitsandbytes dequantizes into the compute dtype).
+at::Tensor dequantize_4bit(
+    const at::Tensor& packed,
+    const QuantState4bit& state,
+    at::ScalarType dtype);
 
 /// Blockwise 8-bit quantization with `code` (sorted, 256 values): uint8 of
 /// `a`'s shape and fp32 absmax per block (nearest code; see above).
@@ -123,6 +130,32 @@ at::Tensor dequantize_blockwise(
     const at::Tensor& absmax,
     const at::Tensor& code,
     int64_t blocksize);
+
+/// LLM.int8's row-wise quantization (bitsandbytes' int8_vectorwise_quant)
+/// of a 2-d tensor, read in fp16 as bitsandbytes casts it.
+struct Int8Rows {
+  at::Tensor data;         ///< int8, a's shape: round(a * 127 / stats)
+  at::Tensor stats;        ///< fp32 [rows]: each row's absmax
+  at::Tensor outlier_cols; ///< int64: columns holding an outlier
+};
+/// With `threshold` > 0, elements with |a| >= threshold are outliers: left
+/// out of the row absmax, and their whole columns are zero in `data`.
+Int8Rows int8_vectorwise_quant(const at::Tensor& a, double threshold = 0.0);
+/// fp32 values of int8 rows: q * stats / 127.
+at::Tensor int8_vectorwise_dequant(
+    const at::Tensor& q,
+    const at::Tensor& stats);
+/// LLM.int8 (bitsandbytes' MatMul8bitLt forward): x [..., in] times the
+/// int8 weight (`cb` [out, in], row absmax `scb` [out]) transposed, plus
+/// `bias` (may be undefined), in x's dtype. x's rows are quantized to int8
+/// except the columns holding a value of magnitude >= `threshold` (0: none),
+/// which multiply the dequantized weight columns in x's precision.
+at::Tensor int8_linear(
+    const at::Tensor& x,
+    const at::Tensor& cb,
+    const at::Tensor& scb,
+    const at::Tensor& bias,
+    double threshold);
 
 } // namespace quantization
 } // namespace colossalai

@@ -1,5 +1,6 @@
 #include <colossalai/distributed/functional.h>
 #include <colossalai/initialize.h>
+#include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/shardformer/layer/linear.h>
 
 #include "ring_linear.h"
@@ -85,9 +86,109 @@ at::Tensor apply_linear(
     const at::Tensor& x,
     const at::Tensor& w,
     const at::Tensor& b,
-    const Linear1DOptions& o) {
+    const Linear1DOptions& o,
+    const quantization::QuantizedWeight* quantized) {
+  if (quantized != nullptr) {
+    auto y = quantized->linear(x, w);
+    return b.defined() ? y + b : y;
+  }
   // A transposed view: at::linear multiplies by w.t() without a copy.
   return at::linear(x, o.conv1d_layout() ? w.t() : w, b);
+}
+
+// The quantized weight's layout as the layer stores it (conv1d: [in, out]).
+std::vector<int64_t> stored_shape(
+    const quantization::QuantizedWeight& q,
+    const Linear1DOptions& o) {
+  auto s = q.shape();
+  if (o.conv1d_layout()) {
+    std::swap(s[0], s[1]);
+  }
+  return s;
+}
+
+// Quantizes `full` (the layer's layout) into `weight` and `quantized`.
+void quantize_into(
+    at::Tensor& weight,
+    std::shared_ptr<quantization::QuantizedWeight>& quantized,
+    const at::Tensor& full,
+    const Linear1DOptions& o,
+    const quantization::BnbQuantizationConfig& config) {
+  at::NoGradGuard no_grad;
+  auto oi = o.conv1d_layout() ? full.t() : full; // bitsandbytes: [out, in]
+  auto q = quantization::QuantizedWeight::quantize(
+      oi.to(weight.device()).contiguous(), config);
+  // Frozen first: set_data refuses integer data on a tensor needing grad.
+  weight.set_requires_grad(false);
+  weight.set_data(q.first);
+  quantized = std::move(q.second);
+}
+
+void quantize_layer(
+    at::Tensor& weight,
+    std::shared_ptr<quantization::QuantizedWeight>& quantized,
+    const Linear1DOptions& o,
+    const distributed::ProcessGroupPtr& group,
+    const quantization::BnbQuantizationConfig& config,
+    const char* layer) {
+  TORCH_CHECK(
+      quantized == nullptr,
+      layer,
+      ".quantize_: the weight is quantized already");
+  TORCH_CHECK(
+      detail::group_size(group) == 1 && !(o.seq_parallel() && o.ring()),
+      layer,
+      ".quantize_: a tensor-parallel layer cannot be quantized (QLoRA runs "
+      "at tp_size 1)");
+  quantize_into(weight, quantized, weight.detach(), o, config);
+}
+
+// Module::to, except that a quantized weight keeps its dtype.
+void layer_to(
+    torch::nn::Module& m,
+    at::Tensor& weight,
+    quantization::QuantizedWeight* quantized,
+    c10::optional<at::Device> device,
+    c10::optional<at::ScalarType> dtype,
+    bool non_blocking) {
+  if (quantized == nullptr) { // Module's own (a qualified, non-virtual call)
+    if (device && dtype) {
+      m.torch::nn::Module::to(*device, *dtype, non_blocking);
+    } else if (device) {
+      m.torch::nn::Module::to(*device, non_blocking);
+    } else {
+      m.torch::nn::Module::to(*dtype, non_blocking);
+    }
+    return;
+  }
+  for (const auto& child : m.children()) {
+    if (device && dtype) {
+      child->to(*device, *dtype, non_blocking);
+    } else if (device) {
+      child->to(*device, non_blocking);
+    } else {
+      child->to(*dtype, non_blocking);
+    }
+  }
+  auto convert = [&](at::Tensor& t, bool keep_dtype) {
+    at::TensorOptions opts = t.options();
+    if (device) {
+      opts = opts.device(*device);
+    }
+    if (dtype && !keep_dtype) {
+      opts = opts.dtype(*dtype);
+    }
+    t.set_data(t.to(opts, non_blocking));
+  };
+  for (auto& p : m.named_parameters(/*recurse=*/false)) {
+    convert(p.value(), p.value().is_same(weight));
+  }
+  for (auto& b : m.named_buffers(/*recurse=*/false)) {
+    convert(b.value(), false);
+  }
+  if (device) {
+    quantized->to(*device);
+  }
 }
 
 // The weight as [in, out] (a view either way).
@@ -152,6 +253,15 @@ std::map<std::string, ShardSpec> Linear1D_ColImpl::shard_specs() const {
 void Linear1D_ColImpl::shard_(const distributed::ProcessGroupPtr& g) {
   check_unsharded(group, "Linear1D_Col");
   TORCH_CHECK(
+      quantized == nullptr || detail::group_size(g) == 1,
+      "Linear1D_Col.shard_: the weight is quantized (QLoRA); quantized "
+      "layers are not tensor-parallel (tp_size 1)");
+  if (quantized != nullptr) { // one rank: the stored data stays whole
+    group = g;
+    options.process_group(g);
+    return;
+  }
+  TORCH_CHECK(
       options.fused_sections() == 1 || !options.gather_output(),
       "Linear1D_Col: gather_output with fused sections would interleave the "
       "sections by rank; gather each section instead");
@@ -186,7 +296,7 @@ at::Tensor Linear1D_ColImpl::forward_prepared(const at::Tensor& prepared) {
         prepared, weight_io(weight, options), options.seq_dim(), group);
     y = bias.defined() ? y + bias : y;
   } else {
-    y = apply_linear(prepared, weight, bias, options);
+    y = apply_linear(prepared, weight, bias, options, quantized.get());
   }
   if (output_adapter) {
     y = y + output_adapter(prepared);
@@ -196,6 +306,26 @@ at::Tensor Linear1D_ColImpl::forward_prepared(const at::Tensor& prepared) {
 
 at::Tensor Linear1D_ColImpl::forward(const at::Tensor& input) {
   return forward_prepared(prepare_input(input));
+}
+
+void Linear1D_ColImpl::quantize_(
+    const quantization::BnbQuantizationConfig& config) {
+  quantize_layer(weight, quantized, options, group, config, "Linear1D_Col");
+}
+
+void Linear1D_ColImpl::to(
+    torch::Device device,
+    torch::Dtype dtype,
+    bool non_blocking) {
+  layer_to(*this, weight, quantized.get(), device, dtype, non_blocking);
+}
+
+void Linear1D_ColImpl::to(torch::Dtype dtype, bool non_blocking) {
+  layer_to(*this, weight, quantized.get(), c10::nullopt, dtype, non_blocking);
+}
+
+void Linear1D_ColImpl::to(torch::Device device, bool non_blocking) {
+  layer_to(*this, weight, quantized.get(), device, c10::nullopt, non_blocking);
 }
 
 std::shared_ptr<Linear1D_ColImpl> Linear1D_ColImpl::from_full(
@@ -255,6 +385,15 @@ std::map<std::string, ShardSpec> Linear1D_RowImpl::shard_specs() const {
 
 void Linear1D_RowImpl::shard_(const distributed::ProcessGroupPtr& g) {
   check_unsharded(group, "Linear1D_Row");
+  TORCH_CHECK(
+      quantized == nullptr || detail::group_size(g) == 1,
+      "Linear1D_Row.shard_: the weight is quantized (QLoRA); quantized "
+      "layers are not tensor-parallel (tp_size 1)");
+  if (quantized != nullptr) { // one rank: the stored data stays whole
+    group = g;
+    options.process_group(g);
+    return;
+  }
   detail::check_divisible(
       g, options.in_features(), "Linear1D_Row", "in_features");
   group = g;
@@ -265,7 +404,8 @@ void Linear1D_RowImpl::shard_(const distributed::ProcessGroupPtr& g) {
 at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
   auto x =
       options.parallel_input() ? input : cdf::split_along_dim(input, -1, group);
-  const int64_t local_in = weight.size(in_dim(options));
+  const int64_t local_in =
+      quantized ? quantized->shape()[1] : weight.size(in_dim(options));
   TORCH_CHECK(
       x.size(-1) == local_in,
       "Linear1D_Row: the input's last dimension is ",
@@ -281,7 +421,8 @@ at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
     y = detail::ring_matmul_reduce_scatter(
         x, weight_io(weight, options), options.seq_dim(), group);
   } else {
-    auto partial = apply_linear(x, weight, at::Tensor(), options);
+    auto partial =
+        apply_linear(x, weight, at::Tensor(), options, quantized.get());
     y = options.seq_parallel()
         ? cdf::reduce_scatter_along_dim(partial, options.seq_dim(), group)
         : cdf::reduce_from_group(partial, group);
@@ -291,6 +432,26 @@ at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
   }
   // The bias is replicated: added once, after the sum.
   return bias.defined() ? y + bias : y;
+}
+
+void Linear1D_RowImpl::quantize_(
+    const quantization::BnbQuantizationConfig& config) {
+  quantize_layer(weight, quantized, options, group, config, "Linear1D_Row");
+}
+
+void Linear1D_RowImpl::to(
+    torch::Device device,
+    torch::Dtype dtype,
+    bool non_blocking) {
+  layer_to(*this, weight, quantized.get(), device, dtype, non_blocking);
+}
+
+void Linear1D_RowImpl::to(torch::Dtype dtype, bool non_blocking) {
+  layer_to(*this, weight, quantized.get(), c10::nullopt, dtype, non_blocking);
+}
+
+void Linear1D_RowImpl::to(torch::Device device, bool non_blocking) {
+  layer_to(*this, weight, quantized.get(), device, c10::nullopt, non_blocking);
 }
 
 std::shared_ptr<Linear1D_RowImpl> Linear1D_RowImpl::from_full(
@@ -319,6 +480,60 @@ std::shared_ptr<Linear1D_RowImpl> Linear1D_RowImpl::from_full(
   }
   m->shard_(group);
   return m;
+}
+
+namespace {
+
+template <class L>
+bool add_loader(
+    std::map<std::string, std::function<void(const at::Tensor&)>>& out,
+    const std::string& name,
+    const std::shared_ptr<torch::nn::Module>& m,
+    const char* layer) {
+  auto l = std::dynamic_pointer_cast<L>(m);
+  if (l == nullptr || l->quantized == nullptr) {
+    return l != nullptr;
+  }
+  const std::string key = name.empty() ? "weight" : name + ".weight";
+  out.emplace(key, [l, key, layer](const at::Tensor& full) {
+    const auto want = stored_shape(*l->quantized, l->options);
+    TORCH_CHECK(
+        full.sizes() == at::IntArrayRef(want),
+        "load_model: key '",
+        key,
+        "' has shape ",
+        full.sizes(),
+        " but the quantized ",
+        layer,
+        " holds a weight of shape ",
+        at::IntArrayRef(want));
+    TORCH_CHECK(
+        at::isFloatingType(full.scalar_type()),
+        "load_model: key '",
+        key,
+        "' has dtype ",
+        full.scalar_type(),
+        "; a quantized layer loads a floating (full-precision) weight");
+    const auto config = l->quantized->config();
+    const auto dtype = l->quantized->dtype();
+    quantize_into(l->weight, l->quantized, full.to(dtype), l->options, config);
+  });
+  return true;
+}
+
+} // namespace
+
+std::map<std::string, std::function<void(const at::Tensor&)>>
+quantized_weight_loaders(torch::nn::Module& root) {
+  std::map<std::string, std::function<void(const at::Tensor&)>> out;
+  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+    if (!add_loader<Linear1D_ColImpl>(
+            out, item.key(), item.value(), "Linear1D_Col")) {
+      add_loader<Linear1D_RowImpl>(
+          out, item.key(), item.value(), "Linear1D_Row");
+    }
+  }
+  return out;
 }
 
 } // namespace layer

@@ -25,7 +25,16 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
 namespace colossalai {
+namespace quantization {
+struct BnbQuantizationConfig;
+class QuantizedWeight;
+} // namespace quantization
 namespace shardformer {
 namespace layer {
 
@@ -94,6 +103,16 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
   void shard_(const distributed::ProcessGroupPtr& group) override;
   std::map<std::string, ShardSpec> shard_specs() const override;
 
+  /// QLoRA: quantizes the frozen weight in place as bitsandbytes does
+  /// (NOTE [QLoRA in C++]); `weight` then holds the stored data, without
+  /// gradient. Not on a tensor-parallel layer.
+  void quantize_(const quantization::BnbQuantizationConfig& config);
+  /// A quantized weight keeps its stored dtype; the rest converts.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false)
+      override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+
   /// This rank's shard of `full` (weights copied). With `fused` > 1 the
   /// output features are that many equal sections (a fused q, k, v
   /// projection: `fused` 3) and each section is split over the group, so
@@ -118,6 +137,8 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
   at::Tensor weight; ///< [out / tp, in] ([in, out / tp] in conv1d_layout)
   at::Tensor bias;   ///< [out / tp], undefined without bias
   distributed::ProcessGroupPtr group;
+  /// The quantized weight's state (null: full precision).
+  std::shared_ptr<quantization::QuantizedWeight> quantized;
 };
 TORCH_MODULE(Linear1D_Col);
 
@@ -136,6 +157,16 @@ class Linear1D_RowImpl : public torch::nn::Cloneable<Linear1D_RowImpl>,
   void shard_(const distributed::ProcessGroupPtr& group) override;
   std::map<std::string, ShardSpec> shard_specs() const override;
 
+  /// QLoRA: quantizes the frozen weight in place as bitsandbytes does
+  /// (NOTE [QLoRA in C++]); `weight` then holds the stored data, without
+  /// gradient. Not on a tensor-parallel layer.
+  void quantize_(const quantization::BnbQuantizationConfig& config);
+  /// A quantized weight keeps its stored dtype; the rest converts.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false)
+      override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+
   static std::shared_ptr<Linear1D_RowImpl> from_full(
       const torch::nn::LinearImpl& full,
       const distributed::ProcessGroupPtr& group,
@@ -151,8 +182,17 @@ class Linear1D_RowImpl : public torch::nn::Cloneable<Linear1D_RowImpl>,
   at::Tensor weight; ///< [out, in / tp] ([in / tp, out] in conv1d_layout)
   at::Tensor bias;   ///< [out], replicated
   distributed::ProcessGroupPtr group;
+  /// The quantized weight's state (null: full precision).
+  std::shared_ptr<quantization::QuantizedWeight> quantized;
 };
 TORCH_MODULE(Linear1D_Row);
+
+/// QLoRA: the quantized linear layers under `root` by their weights'
+/// dotted names ("layers.0.q_proj.weight"), each with a function that
+/// quantizes a full-precision weight (in the layer's layout) into the layer,
+/// as a checkpoint's full weights load into a quantized base.
+std::map<std::string, std::function<void(const at::Tensor&)>>
+quantized_weight_loaders(torch::nn::Module& root);
 
 namespace detail {
 /// Checks that `n` splits over `g` (null: one rank); `what` names the size
