@@ -344,13 +344,15 @@ TEST(Qlora, FourBitLayersEqualBitsandbytes) {
 // Quantized models with PEFT adapters against transformers + bitsandbytes +
 // PEFT.
 
-const fs::path& model_fixtures() {
-  static const fs::path root = [] {
-    const auto dir = fs::path(colossalai::testing::temp_dir("qlora-models"));
-    run_python("models '" + dir.string() + "'");
-    return dir;
+// Written once per test program, removed at its exit.
+fs::path model_fixtures() {
+  static const Scratch dir;
+  static const bool made = [] {
+    run_python("models '" + dir.path + "'");
+    return true;
   }();
-  return root;
+  (void)made;
+  return fs::path(dir.path);
 }
 
 template <class M>
