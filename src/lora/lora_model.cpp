@@ -1,6 +1,7 @@
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/lora/lora_model.h>
+#include <colossalai/quantization/quantize_model.h>
 #include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/shardformer/layer/linear.h>
 
@@ -124,17 +125,6 @@ std::shared_ptr<torch::nn::Module> weight_holder(const at::Tensor& w) {
   return m;
 }
 
-// The quantized weight's state of a Linear1D layer (QLoRA), or null.
-const quantization::QuantizedWeight* quantized_of(const torch::nn::Module* m) {
-  if (auto* col = dynamic_cast<const sl::Linear1D_ColImpl*>(m)) {
-    return col->quantized.get();
-  }
-  if (auto* row = dynamic_cast<const sl::Linear1D_RowImpl*>(m)) {
-    return row->quantized.get();
-  }
-  return nullptr;
-}
-
 } // namespace
 
 LoraModel::LoraModel(
@@ -227,7 +217,7 @@ LoraModel::LoraModel(
     const at::Tensor weight = m->named_parameters(false)["weight"];
     layer->base = weight;
     // A quantized base (QLoRA): the adapters in its full-precision dtype.
-    const auto* quantized = quantized_of(m);
+    const auto* quantized = quantization::quantized_weight_of(*m);
     const auto opts = weight.options().requires_grad(false).dtype(
         quantized ? quantized->dtype() : weight.scalar_type());
     layer->A = at::empty({config_.r(), in}, opts);
@@ -379,7 +369,7 @@ void LoraModel::merge() {
   TORCH_CHECK(!merged_, "LoRA: the adapters are merged already");
   for (const auto& l : layers_) {
     TORCH_CHECK(
-        quantized_of(l->module) == nullptr,
+        quantization::quantized_weight_of(*l->module) == nullptr,
         "LoRA: cannot merge into '",
         l->path,
         "', whose base weight is quantized (QLoRA); merge into the "

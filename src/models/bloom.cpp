@@ -301,12 +301,8 @@ at::Tensor BloomForCausalLMImpl::forward_stage(
   if (!layers.last) {
     return x;
   }
-  return sl::lm_head_logits(
-      x,
-      transformer->word_embeddings->weight,
-      state_.tp,
-      /*gather_output=*/!state_.parallel_output,
-      config_.vocab_size());
+  return tied_lm_head_logits(
+      x, transformer->word_embeddings->weight, state_, config_.vocab_size());
 }
 
 at::Tensor BloomForCausalLMImpl::loss(

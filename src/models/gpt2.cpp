@@ -198,12 +198,7 @@ at::Tensor GPT2ModelImpl::forward_stage(
       config_.n_positions(),
       "), got ",
       ids.sizes());
-  TORCH_CHECK(
-      !position_ids.defined() || position_ids.sizes() == ids.sizes(),
-      "GPT2Model: position_ids must be [B, T] like ids ",
-      ids.sizes(),
-      ", got ",
-      position_ids.sizes());
+  check_position_ids(ids, position_ids, "GPT2Model");
   const auto mask = attention_keep_mask(
       attention_mask, ids.size(1), /*sliding_window=*/0, ids.device());
   at::Tensor x = hidden;
@@ -251,12 +246,8 @@ at::Tensor GPT2LMHeadModelImpl::forward_stage(
   if (!layers.last) {
     return x;
   }
-  return sl::lm_head_logits(
-      x,
-      transformer->wte->weight,
-      state_.tp,
-      /*gather_output=*/!state_.parallel_output,
-      config_.vocab_size());
+  return tied_lm_head_logits(
+      x, transformer->wte->weight, state_, config_.vocab_size());
 }
 
 at::Tensor GPT2LMHeadModelImpl::loss(

@@ -277,12 +277,7 @@ at::Tensor LlamaModelImpl::forward_stage(
     const at::Tensor& position_ids) {
   TORCH_CHECK(
       ids.dim() == 2, "LlamaModel: ids must be [B, T], got ", ids.sizes());
-  TORCH_CHECK(
-      !position_ids.defined() || position_ids.sizes() == ids.sizes(),
-      "LlamaModel: position_ids must be [B, T] like ids ",
-      ids.sizes(),
-      ", got ",
-      position_ids.sizes());
+  check_position_ids(ids, position_ids, "LlamaModel");
   const auto& st = *state_;
   const int64_t t = ids.size(1);
   at::Tensor tokens = ids, pos;
@@ -354,12 +349,8 @@ at::Tensor LlamaForCausalLMImpl::forward_stage(
   if (lm_head) {
     return lm_head(x);
   }
-  return sl::lm_head_logits(
-      x,
-      model->embed_tokens->weight,
-      state_.tp,
-      /*gather_output=*/!state_.parallel_output,
-      config_.vocab_size());
+  return tied_lm_head_logits(
+      x, model->embed_tokens->weight, state_, config_.vocab_size());
 }
 
 at::Tensor LlamaForCausalLMImpl::loss(

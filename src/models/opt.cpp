@@ -226,12 +226,7 @@ at::Tensor OPTDecoderImpl::forward_stage(
     const at::Tensor& position_ids) {
   TORCH_CHECK(
       ids.dim() == 2, "OPTDecoder: ids must be [B, T], got ", ids.sizes());
-  TORCH_CHECK(
-      !position_ids.defined() || position_ids.sizes() == ids.sizes(),
-      "OPTDecoder: position_ids must be [B, T] like ids ",
-      ids.sizes(),
-      ", got ",
-      position_ids.sizes());
+  check_position_ids(ids, position_ids, "OPTDecoder");
   TORCH_CHECK(
       !attention_mask.defined() || attention_mask.sizes() == ids.sizes(),
       "OPTDecoder: attention_mask must be [B, T] like ids ",
@@ -333,12 +328,8 @@ at::Tensor OPTForCausalLMImpl::forward_stage(
   if (!layers.last) {
     return x;
   }
-  return sl::lm_head_logits(
-      x,
-      decoder.embed_tokens->weight,
-      state_.tp,
-      /*gather_output=*/!state_.parallel_output,
-      config_.vocab_size());
+  return tied_lm_head_logits(
+      x, decoder.embed_tokens->weight, state_, config_.vocab_size());
 }
 
 at::Tensor OPTForCausalLMImpl::loss(

@@ -134,21 +134,15 @@ BertForMaskedLM from_pretrained<BertForMaskedLM>(
     const std::string& dir,
     const FromPretrainedOptions& options) {
   const auto text = detail::read_config_json(dir);
-  BertForMaskedLM model(bert_config_from_json(text));
-  model->to(options.dtype().value_or(detail::config_dtype(text)));
-  detail::load_pretrained_weights(*model, dir, bert_key, options.strict());
-  return model;
+  return detail::load_pretrained_model<BertForMaskedLM>(
+      dir, text, bert_config_from_json(text), options, bert_key);
 }
 
 void save_pretrained(
     BertForMaskedLM& model,
     const std::string& dir,
     const SavePretrainedOptions& options) {
-  detail::save_pretrained_module(
-      *model,
-      detail::with_dtype(config_to_json(model->config()), *model),
-      dir,
-      options);
+  detail::save_pretrained_model(model, dir, options);
 }
 
 void save_pretrained_config(const BertConfig& config, const std::string& dir) {

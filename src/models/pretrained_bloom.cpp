@@ -104,11 +104,11 @@ BloomForCausalLM from_pretrained<BloomForCausalLM>(
     const std::string& dir,
     const FromPretrainedOptions& options) {
   const auto text = detail::read_config_json(dir);
-  BloomForCausalLM model(bloom_config_from_json(text));
-  model->to(options.dtype().value_or(detail::config_dtype(text)));
-  detail::load_pretrained_weights(
-      *model,
+  return detail::load_pretrained_model<BloomForCausalLM>(
       dir,
+      text,
+      bloom_config_from_json(text),
+      options,
       [](const std::string& key) -> std::string {
         if (key == "lm_head.weight") {
           return ""; // the tied head
@@ -117,20 +117,14 @@ BloomForCausalLM from_pretrained<BloomForCausalLM>(
           return key;
         }
         return "transformer." + key; // a bare BloomModel's checkpoint
-      },
-      options.strict());
-  return model;
+      });
 }
 
 void save_pretrained(
     BloomForCausalLM& model,
     const std::string& dir,
     const SavePretrainedOptions& options) {
-  detail::save_pretrained_module(
-      *model,
-      detail::with_dtype(config_to_json(model->config()), *model),
-      dir,
-      options);
+  detail::save_pretrained_model(model, dir, options);
 }
 
 void save_pretrained_config(const BloomConfig& config, const std::string& dir) {

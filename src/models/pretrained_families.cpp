@@ -214,11 +214,11 @@ GPT2LMHeadModel from_pretrained<GPT2LMHeadModel>(
     const std::string& dir,
     const FromPretrainedOptions& options) {
   const auto text = detail::read_config_json(dir);
-  GPT2LMHeadModel model(gpt2_config_from_json(text));
-  model->to(options.dtype().value_or(detail::config_dtype(text)));
-  detail::load_pretrained_weights(
-      *model,
+  return detail::load_pretrained_model<GPT2LMHeadModel>(
       dir,
+      text,
+      gpt2_config_from_json(text),
+      options,
       [](const std::string& key) -> std::string {
         // The tied head, and the causal-mask buffers of old checkpoints.
         if (starts_with(key, "lm_head.") || ends_with(key, ".attn.bias") ||
@@ -227,9 +227,7 @@ GPT2LMHeadModel from_pretrained<GPT2LMHeadModel>(
         }
         // A bare GPT2Model's checkpoint has no prefix.
         return starts_with(key, "transformer.") ? key : "transformer." + key;
-      },
-      options.strict());
-  return model;
+      });
 }
 
 template <>
@@ -238,12 +236,12 @@ LlamaForCausalLM from_pretrained<LlamaForCausalLM>(
     const FromPretrainedOptions& options) {
   const auto text = detail::read_config_json(dir);
   const auto config = llama_config_from_json(text);
-  LlamaForCausalLM model(config);
-  model->to(options.dtype().value_or(detail::config_dtype(text)));
   const bool tied = config.tie_word_embeddings();
-  detail::load_pretrained_weights(
-      *model,
+  return detail::load_pretrained_model<LlamaForCausalLM>(
       dir,
+      text,
+      config,
+      options,
       [tied](const std::string& key) -> std::string {
         if (ends_with(key, "rotary_emb.inv_freq") ||
             (tied && key == "lm_head.weight")) {
@@ -253,30 +251,21 @@ LlamaForCausalLM from_pretrained<LlamaForCausalLM>(
           return key;
         }
         return "model." + key; // a bare LlamaModel's checkpoint
-      },
-      options.strict());
-  return model;
-}
-
-template <class Config>
-std::string with_dtype(const Config& config, torch::nn::Module& m) {
-  return detail::with_dtype(config_to_json(config), m);
+      });
 }
 
 void save_pretrained(
     GPT2LMHeadModel& model,
     const std::string& dir,
     const SavePretrainedOptions& options) {
-  detail::save_pretrained_module(
-      *model, with_dtype(model->config(), *model), dir, options);
+  detail::save_pretrained_model(model, dir, options);
 }
 
 void save_pretrained(
     LlamaForCausalLM& model,
     const std::string& dir,
     const SavePretrainedOptions& options) {
-  detail::save_pretrained_module(
-      *model, with_dtype(model->config(), *model), dir, options);
+  detail::save_pretrained_model(model, dir, options);
 }
 
 void save_pretrained_config(const GPT2Config& config, const std::string& dir) {

@@ -102,6 +102,36 @@ void require(
 /// transformers writes it.
 std::string with_dtype(const std::string& config_json, torch::nn::Module& m);
 
+/// from_pretrained's steps: a model of `config`, in the dtype `options` or
+/// config.json (`config_text`) ask for, holding `dir`'s weights under
+/// `map`'s names.
+template <class M, class Config>
+M load_pretrained_model(
+    const std::string& dir,
+    const std::string& config_text,
+    const Config& config,
+    const FromPretrainedOptions& options,
+    const KeyMap& map) {
+  M model(config);
+  model->to(options.dtype().value_or(config_dtype(config_text)));
+  load_pretrained_weights(*model, dir, map, options.strict());
+  return model;
+}
+
+/// save_pretrained's steps: config.json (with the model's dtype) and the
+/// weights. `config_to_json` of the model's config is found by its type.
+template <class M>
+void save_pretrained_model(
+    M& model,
+    const std::string& dir,
+    const SavePretrainedOptions& options) {
+  save_pretrained_module(
+      *model,
+      with_dtype(config_to_json(model->config()), *model),
+      dir,
+      options);
+}
+
 } // namespace detail
 } // namespace models
 } // namespace colossalai

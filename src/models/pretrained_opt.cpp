@@ -108,11 +108,11 @@ OPTForCausalLM from_pretrained<OPTForCausalLM>(
     const std::string& dir,
     const FromPretrainedOptions& options) {
   const auto text = detail::read_config_json(dir);
-  OPTForCausalLM model(opt_config_from_json(text));
-  model->to(options.dtype().value_or(detail::config_dtype(text)));
-  detail::load_pretrained_weights(
-      *model,
+  return detail::load_pretrained_model<OPTForCausalLM>(
       dir,
+      text,
+      opt_config_from_json(text),
+      options,
       [](const std::string& key) -> std::string {
         if (key == "lm_head.weight") {
           return ""; // the tied head: model.decoder.embed_tokens.weight
@@ -121,20 +121,14 @@ OPTForCausalLM from_pretrained<OPTForCausalLM>(
           return "model." + key; // a bare OPTModel's checkpoint
         }
         return key;
-      },
-      options.strict());
-  return model;
+      });
 }
 
 void save_pretrained(
     OPTForCausalLM& model,
     const std::string& dir,
     const SavePretrainedOptions& options) {
-  detail::save_pretrained_module(
-      *model,
-      detail::with_dtype(config_to_json(model->config()), *model),
-      dir,
-      options);
+  detail::save_pretrained_model(model, dir, options);
 }
 
 void save_pretrained_config(const OPTConfig& config, const std::string& dir) {

@@ -72,6 +72,32 @@ at::Tensor run_block(
   return fn(x);
 }
 
+void check_position_ids(
+    const at::Tensor& ids,
+    const at::Tensor& position_ids,
+    const char* who) {
+  TORCH_CHECK(
+      !position_ids.defined() || position_ids.sizes() == ids.sizes(),
+      who,
+      ": position_ids must be [B, T] like ids ",
+      ids.sizes(),
+      ", got ",
+      position_ids.sizes());
+}
+
+at::Tensor tied_lm_head_logits(
+    const at::Tensor& x,
+    const at::Tensor& weight,
+    const ParallelState& state,
+    int64_t vocab_size) {
+  return shardformer::layer::lm_head_logits(
+      x,
+      weight,
+      state.tp,
+      /*gather_output=*/!state.parallel_output,
+      vocab_size);
+}
+
 at::Tensor causal_lm_loss(
     const at::Tensor& logits,
     const at::Tensor& targets,

@@ -84,12 +84,23 @@ std::vector<std::string> quantize_model(
   return done;
 }
 
+const QuantizedWeight* quantized_weight_of(const torch::nn::Module& m) {
+  if (auto* col = dynamic_cast<const sl::Linear1D_ColImpl*>(&m)) {
+    return col->quantized.get();
+  }
+  if (auto* row = dynamic_cast<const sl::Linear1D_RowImpl*>(&m)) {
+    return row->quantized.get();
+  }
+  return nullptr;
+}
+
 bool has_quantized_weights(torch::nn::Module& model) {
-  bool any = false;
-  for_each_linear(model, [&](const std::string&, auto&, auto&, auto& q) {
-    any = any || q != nullptr;
-  });
-  return any;
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    if (quantized_weight_of(*m) != nullptr) {
+      return true;
+    }
+  }
+  return false;
 }
 
 QuantizedFootprint quantized_footprint(torch::nn::Module& model) {

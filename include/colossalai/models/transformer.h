@@ -99,6 +99,21 @@ at::Tensor run_stage_blocks(
   return x;
 }
 
+/// Checks `position_ids`: undefined, or [B, T] like `ids`; `who` names
+/// the model in the error.
+void check_position_ids(
+    const at::Tensor& ids,
+    const at::Tensor& position_ids,
+    const char* who);
+
+/// Logits of an LM head tied to the token embedding `weight`: [B, T, V],
+/// or this rank's vocabulary shard when `state` keeps the output parallel.
+at::Tensor tied_lm_head_logits(
+    const at::Tensor& x,
+    const at::Tensor& weight,
+    const ParallelState& state,
+    int64_t vocab_size);
+
 /// Mean next-token cross entropy of a causal LM's logits [B, T, V or
 /// V_pad / tp] against targets [B, T]: vocabulary-parallel where `state`
 /// leaves the logits split over tp; over this rank's tokens where it leaves

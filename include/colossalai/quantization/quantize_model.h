@@ -33,6 +33,12 @@ std::vector<std::string> quantize_model(
     torch::nn::Module& model,
     const BnbQuantizationConfig& config);
 
+class QuantizedWeight;
+
+/// The quantized weight of a Linear1D_Col / Linear1D_Row module (QLoRA),
+/// or null (another module, or a full-precision one).
+const QuantizedWeight* quantized_weight_of(const torch::nn::Module& module);
+
 /// Whether `model` has quantized layers.
 bool has_quantized_weights(torch::nn::Module& model);
 
