@@ -60,7 +60,7 @@ packages=(
   libtorch-dev libgloo-dev libopenblas0-pthread
   libgtest-dev zlib1g-dev nlohmann-json3-dev libcli11-dev
   clang python3-torch
-  dataset-fashion-mnist python3-matplotlib iproute2
+  dataset-fashion-mnist python3-matplotlib iproute2 fortunes
 )
 [ "$torch_source" = pip ] && tests=1
 [ $tests -eq 1 ] && packages+=(python3-venv)

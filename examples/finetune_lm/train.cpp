@@ -1,0 +1,825 @@
+// Fine-tunes a causal language model on a text corpus with the Booster.
+//
+//   finetune_lm [--model DIR | --config gpt2-tiny|llama-tiny] [--data PATH]
+//               [--plugin none|ddp|zero1|zero2|fsdp|gemini|hybrid]
+//               [--tp N] [--pp N] [--sp N] [--zero N] [--lora R] [--qlora]
+//               [--precision fp32|bf16|fp16] [--steps N] [--seq-len T]
+//               [--batch-size B] [--lr X] [--warmup N] [--schedule S]
+//               [--checkpoint DIR] [--save-every N] [--resume] [--out DIR]
+//
+// --model reads a directory transformers wrote (GPT-2 or the LLaMA family,
+// with its tokenizer.json or vocab.json + merges.txt); without it a small
+// model of --config is built and a byte-level BPE is trained on the corpus.
+// The default corpus is Debian's fortunes. Started directly it launches
+// --nproc ranks of itself (as `colossalai run` would). At the end: the loss
+// curve (out/loss.png), a table, sampled continuations of --prompt, and the
+// model (out/model) or adapter (out/adapter) that transformers / PEFT load.
+
+#include <colossalai/colossalai.h>
+#include <colossalai/lora/lora_model.h>
+#include <colossalai/models/pretrained.h>
+#include <colossalai/models/tokenizer.h>
+#include <colossalai/nn/lr_scheduler/cosine.h>
+#include <colossalai/quantization/quantize_model.h>
+
+#include "plot.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <sstream>
+#include <thread>
+
+namespace cb = colossalai::booster;
+namespace cd = colossalai::distributed;
+namespace models = colossalai::models;
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* const kFortunes = "/usr/share/games/fortunes";
+
+struct Args {
+  int nproc = 2;
+  std::string model_dir, config = "gpt2-tiny", data = kFortunes;
+  std::string plugin = "ddp";
+  int tp = 1, pp = 1, sp = 1, zero = 0;
+  int lora = 0;
+  bool qlora = false;
+  std::string precision = "fp32";
+  int64_t steps = 100, seq_len = 64, batch_size = 8, vocab_size = 1024;
+  double lr = 1e-3;
+  int64_t warmup = 10;
+  std::string schedule = "cosine";
+  std::string checkpoint = "checkpoints/finetune_lm";
+  int64_t save_every = 0, stop_after = 0;
+  bool resume = false;
+  std::string out = "finetune_lm_out";
+  std::string prompt = "The";
+  int samples = 3;
+  uint64_t seed = 42;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  CLI::App app(
+      "Fine-tunes a causal language model on a text corpus through the "
+      "Booster.",
+      "finetune_lm");
+  app.add_option("--nproc", a.nproc, "ranks to start")->capture_default_str();
+  app.add_option("--model", a.model_dir, "a transformers model directory");
+  app.add_option("--config", a.config, "the model to build without --model")
+      ->check(CLI::IsMember({"gpt2-tiny", "llama-tiny"}))
+      ->capture_default_str();
+  app.add_option("--data", a.data, "a text file, or a directory of them")
+      ->capture_default_str();
+  app.add_option("--plugin", a.plugin, "parallel strategy")
+      ->check(CLI::IsMember(
+          {"none", "ddp", "zero1", "zero2", "fsdp", "gemini", "hybrid"}))
+      ->capture_default_str();
+  app.add_option("--tp", a.tp, "hybrid: tensor-parallel size")
+      ->capture_default_str();
+  app.add_option("--pp", a.pp, "hybrid: pipeline stages")
+      ->capture_default_str();
+  app.add_option("--sp", a.sp, "hybrid: sequence-parallel size (all_to_all)")
+      ->capture_default_str();
+  app.add_option("--zero", a.zero, "hybrid: ZeRO stage (0, 1, 2)")
+      ->capture_default_str();
+  app.add_option("--lora", a.lora, "LoRA rank (0: full fine-tuning)")
+      ->capture_default_str();
+  app.add_flag("--qlora", a.qlora, "LoRA on a 4-bit NF4 base (--lora R)");
+  app.add_option("--precision", a.precision, "fp16 needs CUDA")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+  app.add_option("--steps", a.steps, "optimizer steps in all")
+      ->capture_default_str();
+  app.add_option("--seq-len", a.seq_len, "tokens per sequence")
+      ->capture_default_str();
+  app.add_option("--batch-size", a.batch_size, "sequences per step, global")
+      ->capture_default_str();
+  app.add_option(
+         "--vocab-size", a.vocab_size, "the trained tokenizer's (no --model)")
+      ->capture_default_str();
+  app.add_option("--lr", a.lr, "AdamW peak learning rate")
+      ->capture_default_str();
+  app.add_option("--warmup", a.warmup, "linear warm-up steps")
+      ->capture_default_str();
+  app.add_option("--schedule", a.schedule, "learning-rate schedule")
+      ->check(CLI::IsMember({"cosine", "constant"}))
+      ->capture_default_str();
+  app.add_option("--checkpoint", a.checkpoint, "checkpoint directory")
+      ->capture_default_str();
+  app.add_option("--save-every", a.save_every, "checkpoint every N steps")
+      ->capture_default_str();
+  app.add_flag("--resume", a.resume, "continue from --checkpoint");
+  app.add_option(
+         "--stop-after",
+         a.stop_after,
+         "stop at this step (the schedule still spans --steps)")
+      ->capture_default_str();
+  app.add_option("--out", a.out, "plot, losses, samples, model")
+      ->capture_default_str();
+  app.add_option("--prompt", a.prompt, "sampled at the end")
+      ->capture_default_str();
+  app.add_option("--samples", a.samples, "continuations to sample")
+      ->capture_default_str();
+  app.add_option("--seed", a.seed, "random seed")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
+  }
+  TORCH_CHECK(a.nproc >= 1, "--nproc must be >= 1, got ", a.nproc);
+  TORCH_CHECK(a.steps >= 1, "--steps must be >= 1, got ", a.steps);
+  TORCH_CHECK(a.seq_len >= 2, "--seq-len must be >= 2, got ", a.seq_len);
+  TORCH_CHECK(a.batch_size >= 1, "--batch-size must be >= 1");
+  TORCH_CHECK(a.lora >= 0, "--lora must be >= 0, got ", a.lora);
+  TORCH_CHECK(
+      !a.qlora || a.lora > 0,
+      "--qlora trains LoRA adapters on a quantized base: give --lora R");
+  TORCH_CHECK(
+      a.plugin == "hybrid" || (a.tp == 1 && a.pp == 1 && a.sp == 1),
+      "--tp, --pp and --sp need --plugin hybrid (got --plugin ",
+      a.plugin,
+      ")");
+  TORCH_CHECK(
+      a.plugin == "hybrid" || a.zero == 0,
+      "--zero sets the hybrid plugin's ZeRO stage; for ZeRO alone use "
+      "--plugin zero1 or zero2");
+  TORCH_CHECK(
+      a.tp >= 1 && a.pp >= 1 && a.sp >= 1, "--tp, --pp and --sp must be >= 1");
+  TORCH_CHECK(
+      a.zero >= 0 && a.zero <= 2, "--zero must be 0, 1 or 2, got ", a.zero);
+  TORCH_CHECK(
+      a.plugin != "none" || a.nproc == 1,
+      "--plugin none trains in one process: use --nproc 1");
+  TORCH_CHECK(
+      a.nproc % (a.tp * a.pp * a.sp) == 0,
+      "--nproc ",
+      a.nproc,
+      " is not a multiple of tp x pp x sp = ",
+      a.tp * a.pp * a.sp);
+  TORCH_CHECK(
+      a.lora == 0 ||
+          (a.plugin != "fsdp" && a.plugin != "gemini" && a.tp == 1 &&
+           a.pp == 1),
+      "--lora works with --plugin none, ddp, zero1, zero2 and hybrid at "
+      "--tp 1 --pp 1");
+  TORCH_CHECK(
+      a.save_every >= 0, "--save-every must be >= 0, got ", a.save_every);
+  TORCH_CHECK(
+      a.model_dir.empty() || fs::exists(fs::path(a.model_dir) / "config.json"),
+      "--model '",
+      a.model_dir,
+      "' has no config.json (a directory transformers' save_pretrained "
+      "wrote)");
+  TORCH_CHECK(
+      fs::exists(a.data),
+      "--data '",
+      a.data,
+      "' does not exist",
+      a.data == kFortunes
+          ? " (Debian's fortunes: ./scripts/setup.sh installs them)"
+          : "");
+  return a;
+}
+
+// Every fortune (the files are fortunes separated by lines holding "%"),
+// or a text file's paragraphs, as documents.
+std::vector<std::string> read_corpus(const std::string& path) {
+  std::vector<fs::path> files;
+  if (fs::is_directory(path)) {
+    for (const auto& e : fs::directory_iterator(path)) {
+      // fortune's index (.dat) and UTF-8 links (.u8) are not text.
+      if (e.is_regular_file() && e.path().extension().empty()) {
+        files.push_back(e.path());
+      }
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  std::vector<std::string> docs;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    TORCH_CHECK(in, "cannot read '", f.string(), "'");
+    std::string line, doc;
+    auto flush = [&] {
+      if (doc.find_first_not_of(" \n\t") != std::string::npos) {
+        docs.push_back(doc);
+      }
+      doc.clear();
+    };
+    while (std::getline(in, line)) {
+      if (line == "%" || line.empty()) {
+        flush();
+      } else {
+        doc += line + "\n";
+      }
+    }
+    flush();
+  }
+  TORCH_CHECK(!docs.empty(), "--data '", path, "' holds no text");
+  return docs;
+}
+
+// The corpus as sequences of seq_len + 1 tokens (documents joined by the
+// end-of-text token), cut end to end.
+at::Tensor make_sequences(
+    const std::vector<std::string>& docs,
+    const models::Tokenizer& tok,
+    int64_t seq_len) {
+  std::vector<int64_t> ids;
+  for (const auto& d : docs) {
+    auto t = tok.encode(d);
+    ids.insert(ids.end(), t.begin(), t.end());
+    if (tok.eos_token_id() >= 0) {
+      ids.push_back(tok.eos_token_id());
+    }
+  }
+  const int64_t n = static_cast<int64_t>(ids.size()) / (seq_len + 1);
+  TORCH_CHECK(
+      n >= 1,
+      "the corpus has ",
+      ids.size(),
+      " tokens, fewer than one sequence of --seq-len + 1");
+  return at::tensor(ids, at::kLong)
+      .narrow(0, 0, n * (seq_len + 1))
+      .view({n, seq_len + 1});
+}
+
+std::string hms(double s) {
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  char buf[32];
+  std::snprintf(
+      buf,
+      sizeof buf,
+      "%lld:%02lld:%02lld",
+      static_cast<long long>(t / 3600),
+      static_cast<long long>(t / 60 % 60),
+      static_cast<long long>(t % 60));
+  return buf;
+}
+
+void progress(
+    int64_t step,
+    int64_t steps,
+    double loss,
+    double tok_per_s,
+    double eta_s) {
+  const int width = 30;
+  const int filled =
+      static_cast<int>(width * step / std::max<int64_t>(steps, 1));
+  std::printf(
+      "\rstep %lld/%lld [%s%s] loss %.4f | %.0f tok/s | ETA %s   ",
+      static_cast<long long>(step),
+      static_cast<long long>(steps),
+      std::string(filled, '#').c_str(),
+      std::string(width - filled, '.').c_str(),
+      loss,
+      tok_per_s,
+      hms(eta_s).c_str());
+  std::fflush(stdout);
+}
+
+// The plugin and the precision left to the Booster (DDP's autocast).
+std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
+    const Args& a) {
+  using namespace cb::plugin;
+  if (a.plugin == "none") {
+    return {nullptr, a.precision};
+  }
+  if (a.plugin == "ddp") {
+    return {std::make_shared<TorchDDPPlugin>(), a.precision};
+  }
+  if (a.plugin == "zero1" || a.plugin == "zero2") {
+    return {
+        std::make_shared<LowLevelZeroPlugin>(
+            LowLevelZeroPluginOptions()
+                .stage(a.plugin == "zero1" ? 1 : 2)
+                .precision(a.precision)),
+        ""};
+  }
+  if (a.plugin == "fsdp") {
+    TORCH_CHECK(
+        a.precision != "fp16" || at::hasCUDA(),
+        "--plugin fsdp --precision fp16 needs CUDA");
+    return {
+        std::make_shared<TorchFSDPPlugin>(TorchFSDPPluginOptions().param_dtype(
+            a.precision == "bf16"       ? at::kBFloat16
+                : a.precision == "fp16" ? at::kHalf
+                                        : at::kFloat)),
+        ""};
+  }
+  if (a.plugin == "gemini") {
+    return {
+        std::make_shared<GeminiPlugin>(
+            GeminiPluginOptions().precision(a.precision)),
+        ""};
+  }
+  auto o = HybridParallelPluginOptions()
+               .tp_size(a.tp)
+               .pp_size(a.pp)
+               .zero_stage(a.zero)
+               .precision(a.precision);
+  if (a.pp > 1) {
+    o.num_microbatches(a.pp);
+  }
+  if (a.sp > 1) {
+    o.sp_size(a.sp).enable_sequence_parallelism(true).sequence_parallelism_mode(
+        "all_to_all");
+  }
+  return {std::make_shared<HybridParallelPlugin>(o), ""};
+}
+
+// The trained tokenizer's end-of-text id in config.json, as transformers
+// reads it (its defaults are GPT-2's and LLaMA's own vocabularies').
+std::string token_ids_json(int64_t eos) {
+  return "{\"bos_token_id\": " + std::to_string(eos) +
+      ", \"eos_token_id\": " + std::to_string(eos) + "}";
+}
+
+models::GPT2Config tiny_gpt2(int64_t vocab, int64_t seq_len, int64_t eos) {
+  return models::GPT2Config()
+      .source_json(token_ids_json(eos))
+      .vocab_size(vocab)
+      .n_positions(std::max<int64_t>(256, seq_len))
+      .n_embd(128)
+      .n_layer(4)
+      .n_head(4)
+      .embd_pdrop(0)
+      .attn_pdrop(0)
+      .resid_pdrop(0);
+}
+
+models::LlamaConfig tiny_llama(int64_t vocab, int64_t seq_len, int64_t eos) {
+  return models::LlamaConfig()
+      .source_json(token_ids_json(eos))
+      .vocab_size(vocab)
+      .hidden_size(128)
+      .intermediate_size(352)
+      .num_hidden_layers(4)
+      .num_attention_heads(4)
+      .num_key_value_heads(2)
+      .max_position_embeddings(std::max<int64_t>(256, seq_len));
+}
+
+// A fresh model: the --model directory's weights, or --config's under the
+// seed.
+template <class M>
+M build_model(const Args& a, const models::Tokenizer& tok) {
+  torch::manual_seed(a.seed);
+  if (!a.model_dir.empty()) {
+    return models::from_pretrained<M>(a.model_dir);
+  }
+  if constexpr (std::is_same_v<M, models::GPT2LMHeadModel>) {
+    return M(tiny_gpt2(tok.vocab_size(), a.seq_len, tok.eos_token_id()));
+  } else {
+    return M(tiny_llama(tok.vocab_size(), a.seq_len, tok.eos_token_id()));
+  }
+}
+
+colossalai::quantization::BnbQuantizationConfig qlora_config() {
+  return colossalai::quantization::BnbQuantizationConfig()
+      .load_in_4bit(true)
+      .bnb_4bit_quant_type("nf4")
+      .bnb_4bit_use_double_quant(true)
+      .bnb_4bit_compute_dtype(at::kFloat);
+}
+
+colossalai::lora::LoraConfig lora_config(const Args& a, bool gpt2) {
+  auto targets = gpt2 ? std::vector<std::string>{"c_attn", "c_proj", "c_fc"}
+                      : std::vector<std::string>{
+                            "q_proj",
+                            "k_proj",
+                            "v_proj",
+                            "o_proj",
+                            "gate_proj",
+                            "up_proj",
+                            "down_proj"};
+  return colossalai::lora::LoraConfig()
+      .r(a.lora)
+      .lora_alpha(2 * a.lora)
+      .target_modules(targets)
+      .task_type("CAUSAL_LM");
+}
+
+// Top-k sampling of continuations of `prompt`, one process, no gradients.
+template <class M>
+std::vector<std::string> sample(
+    M& model,
+    const models::Tokenizer& tok,
+    const std::string& prompt,
+    int n,
+    int64_t max_new,
+    int64_t context,
+    uint64_t seed) {
+  at::NoGradGuard no_grad;
+  model->eval();
+  auto gen = at::detail::createCPUGenerator(seed);
+  std::vector<std::string> out;
+  for (int i = 0; i < n; ++i) {
+    auto ids = tok.encode(prompt);
+    const size_t start = ids.size();
+    for (int64_t t = 0; t < max_new; ++t) {
+      const int64_t from =
+          std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - context);
+      auto x =
+          at::tensor(
+              std::vector<int64_t>(ids.begin() + from, ids.end()), at::kLong)
+              .unsqueeze(0);
+      at::Tensor logits =
+          model->forward(x).select(1, -1).squeeze(0).to(at::kFloat);
+      // Padded vocabulary rows are not tokens; temperature 0.8, top 40.
+      logits =
+          logits.narrow(0, 0, std::min(logits.size(0), tok.vocab_size())) / 0.8;
+      at::Tensor values, indices;
+      std::tie(values, indices) =
+          logits.topk(std::min<int64_t>(40, logits.size(0)));
+      const at::Tensor drawn =
+          at::multinomial(at::softmax(values, 0), 1, false, gen);
+      const int64_t pick = indices[drawn.item<int64_t>()].item<int64_t>();
+      if (pick == tok.eos_token_id()) {
+        break;
+      }
+      ids.push_back(pick);
+    }
+    out.push_back(
+        prompt +
+        tok.decode(std::vector<int64_t>(ids.begin() + start, ids.end())));
+  }
+  return out;
+}
+
+template <class M>
+int train(const Args& a) {
+  const bool distributed = a.plugin != "none";
+  if (distributed) {
+    colossalai::launch_from_env();
+  }
+  const int rank = distributed ? cd::get_rank() : 0;
+  const int world = distributed ? cd::get_world_size() : 1;
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  at::set_num_threads(std::max(1, cores / world));
+  const bool gpt2 = std::is_same_v<M, models::GPT2LMHeadModel>;
+
+  // The tokenizer: the model's own, or one trained on the corpus (every
+  // rank trains the same one: deterministic).
+  const auto docs = read_corpus(a.data);
+  const auto tok = a.model_dir.empty()
+      ? [&] {
+          std::string text;
+          for (const auto& d : docs) {
+            if (text.size() > (2u << 20)) {
+              break; // enough text for a small vocabulary
+            }
+            text += d;
+          }
+          return models::Tokenizer::train(text, a.vocab_size);
+        }()
+      : models::Tokenizer::from_pretrained(a.model_dir);
+  const auto data = make_sequences(docs, tok, a.seq_len);
+
+  auto [plugin, booster_precision] = make_plugin(a);
+  cb::Booster booster(
+      cb::BoosterOptions().plugin(plugin).mixed_precision(booster_precision));
+  M model = build_model<M>(a, tok);
+  const auto config = model->config();
+  fs::create_directories(a.out);
+  std::shared_ptr<colossalai::lora::LoraModel> lora;
+  if (a.lora > 0) {
+    if (a.model_dir.empty() && rank == 0) {
+      // The base the adapter belongs to, for PEFT.
+      models::save_pretrained(model, a.out + "/base");
+      tok.save_pretrained(a.out + "/base");
+    }
+    const std::string adapter = a.checkpoint + "/adapter";
+    const bool from_ckpt = a.resume && fs::exists(adapter);
+    lora = booster.enable_lora(
+        model,
+        from_ckpt ? adapter : "",
+        from_ckpt
+            ? std::nullopt
+            : std::optional<colossalai::lora::LoraConfig>(lora_config(a, gpt2)),
+        a.qlora ? std::optional(qlora_config()) : std::nullopt,
+        a.qlora);
+  }
+  auto optimizer = std::make_shared<torch::optim::AdamW>(
+      model->parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
+  auto boosted = booster.boost(model, optimizer);
+
+  const int dp_rank = plugin ? plugin->dp_rank() : 0;
+  const int dp = plugin ? plugin->dp_size() : 1;
+  TORCH_CHECK(
+      a.batch_size % dp == 0,
+      "--batch-size ",
+      a.batch_size,
+      " must split over the ",
+      dp,
+      " data-parallel ranks");
+  const int64_t local = a.batch_size / dp;
+  TORCH_CHECK(
+      a.pp == 1 || local % a.pp == 0,
+      "with --pp ",
+      a.pp,
+      " each data-parallel rank's batch (",
+      local,
+      ") must split into ",
+      a.pp,
+      " micro-batches");
+  namespace ls = colossalai::nn::lr_scheduler;
+  std::unique_ptr<ls::LRScheduler> scheduler;
+  if (a.schedule == "cosine") {
+    scheduler = std::make_unique<ls::CosineAnnealingWarmupLR>(
+        *optimizer,
+        ls::CosineAnnealingWarmupLROptions(a.steps)
+            .warmup_steps(std::min(a.warmup, a.steps))
+            .eta_min(0.1 * a.lr));
+  }
+
+  int64_t first = 0;
+  const std::string state_file = a.checkpoint + "/trainer_state.json";
+  if (a.resume) {
+    std::ifstream in(state_file);
+    TORCH_CHECK(
+        in,
+        "--resume: no checkpoint in '",
+        a.checkpoint,
+        "' (",
+        state_file,
+        " is missing)");
+    first = nlohmann::json::parse(in).at("step").get<int64_t>();
+    if (lora == nullptr) {
+      booster.load_model(boosted.model, a.checkpoint + "/model");
+    }
+    booster.load_optimizer(*boosted.optimizer, a.checkpoint + "/optimizer.bin");
+    if (scheduler) {
+      booster.load_lr_scheduler(*scheduler, a.checkpoint + "/scheduler.pt");
+    }
+  }
+  auto save_checkpoint = [&](int64_t step) {
+    if (lora) {
+      booster.save_lora_as_pretrained(
+          boosted.model, a.checkpoint + "/adapter", true);
+    } else {
+      booster.save_model(
+          boosted.model,
+          a.checkpoint + "/model",
+          colossalai::checkpoint_io::SaveModelOptions()
+              .shard(true)
+              .use_safetensors(true));
+    }
+    booster.save_optimizer(*boosted.optimizer, a.checkpoint + "/optimizer.bin");
+    if (scheduler) {
+      booster.save_lr_scheduler(*scheduler, a.checkpoint + "/scheduler.pt");
+    }
+    if (distributed) {
+      cd::barrier(*cd::world_group()).wait();
+    }
+    if (rank == 0) { // last: the state publishes the checkpoint
+      std::ofstream(state_file + ".tmp") << nlohmann::json{{"step", step}};
+      fs::rename(state_file + ".tmp", state_file);
+    }
+  };
+
+  // The same sequences for a step on every run (resume included): a fixed
+  // permutation, consumed in order.
+  const int64_t n = data.size(0);
+  const auto order =
+      at::randperm(n, at::detail::createCPUGenerator(a.seed), at::kLong);
+  const auto order_at = order.accessor<int64_t, 1>();
+  if (rank == 0) {
+    std::printf(
+        "finetune_lm: %s (%lld parameters, %lld trainable), %zu documents, "
+        "%lld sequences of %lld tokens; %d rank(s), plugin %s%s, %s\n",
+        a.model_dir.empty() ? a.config.c_str() : a.model_dir.c_str(),
+        static_cast<long long>([&] {
+          int64_t c = 0;
+          for (const auto& p : model->parameters()) {
+            c += p.numel();
+          }
+          return c;
+        }()),
+        static_cast<long long>([&] {
+          int64_t c = 0;
+          for (const auto& p : model->parameters()) {
+            c += p.requires_grad() ? p.numel() : 0;
+          }
+          return c;
+        }()),
+        docs.size(),
+        static_cast<long long>(n),
+        static_cast<long long>(a.seq_len),
+        world,
+        a.plugin.c_str(),
+        a.plugin == "hybrid"
+            ? (" (tp " + std::to_string(a.tp) + ", pp " + std::to_string(a.pp) +
+               ", sp " + std::to_string(a.sp) + ", zero " +
+               std::to_string(a.zero) + ")")
+                  .c_str()
+            : "",
+        a.lora ? (a.qlora ? "QLoRA" : "LoRA") : "full fine-tuning");
+    if (first > 0) {
+      std::printf(
+          "resumed from '%s' after step %lld\n",
+          a.checkpoint.c_str(),
+          static_cast<long long>(first));
+    }
+  }
+
+  std::vector<double> steps_x, losses;
+  std::ofstream csv;
+  if (rank == 0) {
+    csv.open(a.out + "/losses.csv");
+    csv << "step,loss,lr\n";
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  double tokens = 0;
+  for (int64_t step = first; step < a.steps; ++step) {
+    std::vector<int64_t> pick(local);
+    for (int64_t i = 0; i < local; ++i) {
+      pick[i] = order_at[(step * a.batch_size + dp_rank * local + i) % n];
+    }
+    auto batch = data.index_select(0, at::tensor(pick, at::kLong));
+    auto x = batch.narrow(1, 0, a.seq_len).contiguous();
+    auto y = batch.narrow(1, 1, a.seq_len).contiguous();
+    torch::manual_seed(a.seed + 1000 + step); // dropout, resume or not
+    boosted.optimizer->zero_grad();
+    at::Tensor loss;
+    if (a.pp > 1) {
+      auto out = booster.execute_pipeline(
+          [&] {
+            return colossalai::pipeline::Batch{x, y};
+          },
+          boosted.model,
+          [&](const at::Tensor& logits, const colossalai::pipeline::Batch& mb) {
+            return model->loss(logits, mb[1]);
+          },
+          boosted.optimizer.get());
+      loss = out.loss;
+    } else {
+      loss = model->loss(boosted.model(x), y);
+      booster.backward(loss, *boosted.optimizer);
+    }
+    boosted.optimizer->step();
+    const double lr = optimizer->param_groups()[0].options().get_lr();
+    if (scheduler) {
+      scheduler->step();
+    }
+    // The step's loss over the ranks that hold one (every rank, or the
+    // last pipeline stage), averaged.
+    auto sum = at::zeros({2}, at::kDouble);
+    if (loss.defined()) {
+      sum[0] = loss.detach().to(at::kCPU, at::kDouble).item<double>();
+      sum[1] = 1;
+    }
+    if (distributed) {
+      cd::all_reduce(sum, *cd::world_group()).wait();
+    }
+    const double l = sum[0].item<double>() / sum[1].item<double>();
+    tokens += static_cast<double>(a.batch_size * a.seq_len);
+    if (rank == 0) {
+      steps_x.push_back(static_cast<double>(step + 1));
+      losses.push_back(l);
+      csv << step + 1 << "," << l << "," << lr << "\n" << std::flush;
+      const double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+              .count();
+      const double done = static_cast<double>(step + 1 - first);
+      progress(
+          step + 1,
+          a.steps,
+          l,
+          tokens / s,
+          s / done * static_cast<double>(a.steps - step - 1));
+    }
+    if (a.save_every > 0 && (step + 1) % a.save_every == 0) {
+      save_checkpoint(step + 1);
+    }
+    if (step + 1 == a.stop_after) {
+      break;
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+          .count();
+
+  // The result as transformers / PEFT load it.
+  const std::string result = a.out + (lora ? "/adapter" : "/model");
+  if (lora) {
+    booster.save_lora_as_pretrained(boosted.model, result, true);
+  } else {
+    booster.save_model(
+        boosted.model,
+        result,
+        colossalai::checkpoint_io::SaveModelOptions()
+            .shard(true)
+            .use_safetensors(true));
+  }
+  if (distributed) {
+    cd::barrier(*cd::world_group()).wait();
+  }
+  if (rank != 0) {
+    return 0;
+  }
+  std::printf("\n");
+  if (!lora) {
+    models::save_pretrained_config(config, result);
+  }
+  tok.save_pretrained(result);
+
+  if (!losses.empty()) {
+    finetune_lm::write_line_plot(
+        a.out + "/loss.png",
+        "finetune_lm: training loss",
+        "step",
+        "loss",
+        {{"loss", steps_x, losses}});
+  }
+  auto mean = [](const std::vector<double>& v, size_t from, size_t to) {
+    to = std::min(to, v.size());
+    from = std::min(from, to);
+    return to > from ? std::accumulate(v.begin() + from, v.begin() + to, 0.0) /
+            static_cast<double>(to - from)
+                     : 0.0;
+  };
+  const size_t k = std::max<size_t>(1, losses.size() / 10);
+  std::printf(
+      "\n| steps | loss (first %zu) | loss (last %zu) | tokens/s | time |\n"
+      "|---|---|---|---|---|\n| %lld-%lld | %.4f | %.4f | %.0f | %s |\n\n",
+      k,
+      k,
+      static_cast<long long>(first + 1),
+      static_cast<long long>(a.steps),
+      mean(losses, 0, k),
+      mean(losses, losses.size() - std::min(k, losses.size()), losses.size()),
+      tokens / std::max(seconds, 1e-9),
+      hms(seconds).c_str());
+  std::printf(
+      "loss curve: %s/loss.png; losses: %s/losses.csv\n",
+      a.out.c_str(),
+      a.out.c_str());
+  std::printf(
+      "saved: %s (%s)\n",
+      result.c_str(),
+      lora ? "PEFT adapter" : "transformers model");
+
+  // Samples from the saved result, in this process.
+  if (a.samples > 0) {
+    M fresh =
+        lora ? build_model<M>(a, tok) : models::from_pretrained<M>(result);
+    if (lora) {
+      auto l =
+          colossalai::lora::LoraModel::from_pretrained(fresh.ptr(), result);
+      if (a.qlora) {
+        colossalai::quantization::quantize_model(*fresh, qlora_config());
+      }
+      l->refresh();
+    }
+    std::printf("\nsamples of \"%s\":\n", a.prompt.c_str());
+    for (const auto& s :
+         sample(fresh, tok, a.prompt, a.samples, 40, a.seq_len, a.seed)) {
+      std::printf("--- %s\n", s.c_str());
+    }
+  }
+  return 0;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Args a = parse(argc, argv);
+    if (a.plugin != "none" && !colossalai::launcher::launched_by_launcher()) {
+      return colossalai::launcher::run_self(a.nproc, argc, argv);
+    }
+    const std::string type = a.model_dir.empty()
+        ? (a.config == "gpt2-tiny" ? "gpt2" : "llama")
+        : models::pretrained_model_type(a.model_dir);
+    if (type == "gpt2") {
+      return train<models::GPT2LMHeadModel>(a);
+    }
+    TORCH_CHECK(
+        type == "llama" || type == "mistral" || type == "qwen2" ||
+            type == "qwen3",
+        "finetune_lm trains GPT-2 and the LLaMA family (llama, mistral, "
+        "qwen2, qwen3); '",
+        a.model_dir,
+        "' holds a ",
+        type);
+    return train<models::LlamaForCausalLM>(a);
+  } catch (const std::exception& e) {
+    std::cerr << "\nerror: " << cd::error_text(e) << std::endl;
+    return 1;
+  }
+}

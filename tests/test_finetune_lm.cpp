@@ -1,0 +1,172 @@
+// examples/finetune_lm end to end (ctest label `example`): short runs on 2
+// ranks under HybridParallel tp 2 (through `colossalai run`) and ZeRO-2
+// whose loss falls and which write their plot and a model transformers
+// reads; a run resumed from its checkpoint equals the straight run; bad
+// options are named.
+
+#include <harness/test_util.h>
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+#ifdef COLOSSALAI_FINETUNE_LM
+
+const char* const kBin = COLOSSALAI_FINETUNE_LM;
+const char* const kCli = COLOSSALAI_CLI;
+
+// One of Debian's fortune files (./scripts/setup.sh installs them): a real
+// text, small enough for a few seconds of training.
+std::string corpus() {
+  const std::string f = "/usr/share/games/fortunes/computers";
+  return fs::exists(f) ? f : "";
+}
+
+struct Scratch {
+  Scratch() : path(colossalai::testing::temp_dir("finetune")) {}
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string path;
+};
+
+// The losses.csv a run wrote: (step, loss) rows.
+std::vector<std::pair<int, double>> losses(const std::string& out) {
+  std::ifstream in(out + "/losses.csv");
+  std::string line;
+  std::getline(in, line); // header
+  std::vector<std::pair<int, double>> rows;
+  while (std::getline(in, line)) {
+    std::istringstream s(line);
+    int step = 0;
+    double loss = 0;
+    char comma = 0;
+    s >> step >> comma >> loss;
+    rows.emplace_back(step, loss);
+  }
+  return rows;
+}
+
+double mean(
+    const std::vector<std::pair<int, double>>& v,
+    size_t from,
+    size_t to) {
+  double s = 0;
+  for (size_t i = from; i < to; ++i) {
+    s += v[i].second;
+  }
+  return s / static_cast<double>(to - from);
+}
+
+std::pair<int, std::string> run(const std::string& args) {
+  return colossalai::testing::run_shell(
+      std::string(kBin) + " --data '" + corpus() + "' " + args + " 2>&1");
+}
+
+// The loss of the last 5 of 30 steps is clearly below the first 5's: a
+// model that learns nothing stays near ln(512) = 6.24 (steps differ by
+// about 0.1), one that learns drops by about 0.6 here; the plot is
+// a PNG; the saved directory has its config, weights and tokenizer.
+void expect_trains(
+    const std::pair<int, std::string>& r,
+    const std::string& out) {
+  ASSERT_EQ(r.first, 0) << r.second;
+  const auto l = losses(out);
+  ASSERT_EQ(l.size(), 30u) << r.second;
+  EXPECT_LT(mean(l, 25, 30), mean(l, 0, 5) - 0.3) << r.second;
+  std::ifstream png(out + "/loss.png", std::ios::binary);
+  char sig[8] = {};
+  png.read(sig, 8);
+  EXPECT_EQ(std::string(sig + 1, 3), "PNG");
+  EXPECT_TRUE(fs::exists(out + "/model/config.json"));
+  EXPECT_TRUE(
+      fs::exists(out + "/model/model.safetensors.index.json") ||
+      fs::exists(out + "/model/model.safetensors"));
+  EXPECT_TRUE(fs::exists(out + "/model/vocab.json"));
+  EXPECT_NE(r.second.find("samples of"), std::string::npos) << r.second;
+}
+
+const char* const kSmall =
+    " --steps 30 --seq-len 32 --batch-size 8 --vocab-size 512 --lr 3e-3"
+    " --warmup 3 --samples 1 ";
+
+TEST(FinetuneLm, HybridTp2ThroughTheLauncherLossFalls) {
+  if (corpus().empty()) {
+    GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
+  }
+  Scratch dir;
+  const auto r = colossalai::testing::run_shell(
+      std::string(kCli) + " run --nproc_per_node 2 " + kBin + " --data '" +
+      corpus() + "' --plugin hybrid --tp 2" + kSmall + "--out " + dir.path +
+      "/out --checkpoint " + dir.path + "/ckpt 2>&1");
+  expect_trains(r, dir.path + "/out");
+}
+
+TEST(FinetuneLm, Zero2LossFallsAndResumeEqualsTheStraightRun) {
+  if (corpus().empty()) {
+    GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
+  }
+  Scratch dir;
+  const std::string common = std::string(" --nproc 2 --plugin zero2") + kSmall +
+      "--config llama-tiny ";
+  const auto straight =
+      run(common + "--out " + dir.path + "/a --checkpoint " + dir.path + "/ca");
+  expect_trains(straight, dir.path + "/a");
+  // 12 steps with a checkpoint at 12, then the rest from it.
+  const auto part =
+      run(" --nproc 2 --plugin zero2 --steps 30 --seq-len 32 --batch-size 8 "
+          "--vocab-size 512 --lr 3e-3 --warmup 3 --samples 0 --config "
+          "llama-tiny --save-every 12 --out " +
+          dir.path + "/b --checkpoint " + dir.path + "/cb --stop-after 12");
+  ASSERT_EQ(part.first, 0) << part.second;
+  const auto resumed =
+      run(common + "--resume --out " + dir.path + "/c --checkpoint " +
+          dir.path + "/cb");
+  ASSERT_EQ(resumed.first, 0) << resumed.second;
+  const auto a = losses(dir.path + "/a"), c = losses(dir.path + "/c");
+  ASSERT_EQ(c.size(), 18u) << resumed.second;
+  // The same steps on the same data from the same saved state: the same
+  // arithmetic, bit for bit.
+  for (size_t i = 0; i < c.size(); ++i) {
+    EXPECT_EQ(c[i].first, a[12 + i].first);
+    EXPECT_EQ(c[i].second, a[12 + i].second) << "step " << c[i].first;
+  }
+}
+
+TEST(FinetuneLm, BadOptionsAreNamed) {
+  auto has = [](const std::string& args, const std::string& what) {
+    const auto r = colossalai::testing::run_shell(
+        std::string(kBin) + " " + args + " 2>&1");
+    EXPECT_NE(r.first, 0) << args;
+    EXPECT_NE(r.second.find(what), std::string::npos)
+        << args << "\ngot: " << r.second;
+  };
+  has("--plugin ddp --tp 2", "need --plugin hybrid");
+  has("--qlora", "give --lora R");
+  has("--plugin gemini --lora 8", "--lora works with");
+  has("--plugin hybrid --nproc 3 --tp 2", "not a multiple of tp x pp x sp");
+  has("--model /nonexistent", "has no config.json");
+  has("--data /nonexistent/corpus.txt", "does not exist");
+  has("--plugin none --nproc 2", "--plugin none trains in one process");
+  has("--plugin tensor", "--plugin");
+}
+
+#else
+
+TEST(FinetuneLm, NeedsTheExamples) {
+  GTEST_SKIP() << "configured with COLOSSALAI_BUILD_EXAMPLES=OFF";
+}
+
+#endif
+
+} // namespace

@@ -1,0 +1,240 @@
+// The byte-level BPE tokenizer (ctest label `hf`) against transformers and
+// `tokenizers`, run with the Python of the test set-up
+// (tests/python/tokenizer_reference.py): ids equal transformers' GPT-2
+// tokenizer's for a `tokenizers`-trained vocabulary read from tokenizer.json
+// and from vocab.json + merges.txt, decode inverts encode, a vocabulary we
+// train and save loads in transformers' AutoTokenizer with the same ids, and
+// errors name the file.
+
+// harness/test_util.h's inline helpers use ATen's operators.
+#include <ATen/ATen.h>
+
+#include <colossalai/models/tokenizer.h>
+#include <harness/test_util.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace models = colossalai::models;
+namespace fs = std::filesystem;
+using colossalai::testing::error_of;
+
+namespace {
+
+const char* const kHfPython = COLOSSALAI_TEST_HF_PYTHON;
+
+struct Scratch {
+  Scratch() : path(colossalai::testing::temp_dir("tokenizer")) {}
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string path;
+};
+
+std::string quote(const std::string& s) {
+  return "'" + s + "'";
+}
+
+fs::path script() {
+  return fs::path(__FILE__).parent_path() / "python" / "tokenizer_reference.py";
+}
+
+struct Case {
+  std::string text;
+  std::vector<int64_t> ids;
+};
+
+std::vector<Case> read_cases(const std::string& file) {
+  std::ifstream in(file);
+  const auto j = nlohmann::json::parse(in);
+  std::vector<Case> cases;
+  for (const auto& c : j) {
+    cases.push_back(
+        {c["text"].get<std::string>(), c["ids"].get<std::vector<int64_t>>()});
+  }
+  return cases;
+}
+
+std::string show(const std::vector<int64_t>& ids) {
+  return nlohmann::json(ids).dump();
+}
+
+// A `tokenizers`-trained vocabulary, saved both ways, and transformers'
+// ids for the cases; made once per test program.
+class Tokenizer : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new Scratch;
+    const auto r = colossalai::testing::run_shell(
+        std::string(kHfPython) + " " + quote(script().string()) + " make " +
+        quote(dir_->path + "/ref"));
+    ASSERT_EQ(r.first, 0) << "tokenizer_reference.py make failed (the test "
+                             "set-up installs transformers: "
+                             "./scripts/setup.sh --tests):\n"
+                          << r.second;
+    // vocab.json + merges.txt alone.
+    fs::create_directories(dir_->path + "/files");
+    for (const char* name : {"vocab.json", "merges.txt"}) {
+      fs::copy_file(
+          fs::path(dir_->path) / "ref" / name,
+          fs::path(dir_->path) / "files" / name);
+    }
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static std::string ref() {
+    return dir_->path + "/ref";
+  }
+  static std::string files() {
+    return dir_->path + "/files";
+  }
+  static std::vector<Case> cases() {
+    return read_cases(ref() + "/cases.json");
+  }
+  static Scratch* dir_;
+};
+
+Scratch* Tokenizer::dir_ = nullptr;
+
+TEST_F(Tokenizer, IdsEqualTransformersFromTokenizerJson) {
+  const auto tok = models::Tokenizer::from_pretrained(ref());
+  const auto all = cases();
+  ASSERT_GE(all.size(), 12u);
+  for (const auto& c : all) {
+    EXPECT_EQ(tok.encode(c.text), c.ids)
+        << nlohmann::json(c.text).dump() << ": ours "
+        << show(tok.encode(c.text)) << ", transformers " << show(c.ids);
+  }
+  EXPECT_EQ(tok.vocab_size(), 600);
+  EXPECT_EQ(tok.eos_token_id(), tok.token_to_id("<|endoftext|>"));
+  EXPECT_GE(tok.eos_token_id(), 0);
+}
+
+TEST_F(Tokenizer, IdsEqualTransformersFromVocabAndMerges) {
+  const auto tok = models::Tokenizer::from_pretrained(files());
+  for (const auto& c : cases()) {
+    EXPECT_EQ(tok.encode(c.text), c.ids)
+        << nlohmann::json(c.text).dump() << ": ours "
+        << show(tok.encode(c.text)) << ", transformers " << show(c.ids);
+  }
+  EXPECT_EQ(tok.vocab_size(), 600);
+  EXPECT_GE(tok.eos_token_id(), 0);
+}
+
+TEST_F(Tokenizer, DecodeInvertsEncode) {
+  for (const auto& dir : {ref(), files()}) {
+    const auto tok = models::Tokenizer::from_pretrained(dir);
+    for (const auto& c : cases()) {
+      EXPECT_EQ(tok.decode(tok.encode(c.text)), c.text)
+          << dir << ": " << nlohmann::json(c.text).dump();
+    }
+  }
+  const auto tok = models::Tokenizer::from_pretrained(ref());
+  EXPECT_NE(error_of([&] { tok.decode({tok.vocab_size()}); }), "");
+}
+
+// train + save_pretrained: transformers' AutoTokenizer loads the files and
+// encodes every case as our encode does.
+TEST_F(Tokenizer, TrainedAndSavedLoadsInTransformers) {
+  std::string text;
+  for (const auto& c : cases()) {
+    text += c.text + "\n";
+  }
+  text +=
+      "The quick brown fox jumps over the lazy dog. Don't it's we'll "
+      "they're 1234567890 café naïve résumé 日本語 한국어   spaces\t\ttabs";
+  const auto tok = models::Tokenizer::train(text, 400);
+  EXPECT_LE(tok.vocab_size(), 400);
+  EXPECT_EQ(tok.eos_token_id(), tok.vocab_size() - 1);
+  EXPECT_EQ(tok.id_to_token(tok.eos_token_id()), "<|endoftext|>");
+  Scratch out;
+  const auto dir = out.path + "/trained";
+  tok.save_pretrained(dir);
+  for (const char* name :
+       {"vocab.json", "merges.txt", "tokenizer_config.json"}) {
+    EXPECT_TRUE(fs::exists(fs::path(dir) / name)) << name;
+  }
+  {
+    std::ifstream merges(dir + "/merges.txt");
+    std::string first;
+    std::getline(merges, first);
+    EXPECT_EQ(first, "#version: 0.2");
+  }
+  // Same training, same vocabulary; reloading gives the same ids.
+  const auto again = models::Tokenizer::train(text, 400);
+  const auto reloaded = models::Tokenizer::from_pretrained(dir);
+  nlohmann::json ours = nlohmann::json::array();
+  auto all = cases();
+  all.push_back({text, {}});
+  for (const auto& c : all) {
+    const auto ids = tok.encode(c.text);
+    EXPECT_EQ(again.encode(c.text), ids);
+    EXPECT_EQ(reloaded.encode(c.text), ids);
+    EXPECT_EQ(tok.decode(ids), c.text);
+    ours.push_back({{"text", c.text}, {"ids", ids}});
+  }
+  {
+    std::ofstream f(out.path + "/ours.json");
+    f << ours.dump();
+  }
+  const auto r = colossalai::testing::run_shell(
+      std::string(kHfPython) + " " + quote(script().string()) + " check " +
+      quote(dir) + " " + quote(out.path + "/ours.json"));
+  EXPECT_EQ(r.first, 0) << r.second;
+  std::cout << r.second;
+}
+
+TEST_F(Tokenizer, ErrorsNameTheFile) {
+  Scratch out;
+  const auto missing = out.path + "/no_such_dir";
+  auto e = error_of([&] { models::Tokenizer::from_pretrained(missing); });
+  EXPECT_NE(e.find(missing), std::string::npos) << e;
+
+  const auto empty = out.path + "/empty";
+  fs::create_directories(empty);
+  e = error_of([&] { models::Tokenizer::from_pretrained(empty); });
+  EXPECT_NE(e.find(empty), std::string::npos) << e;
+  EXPECT_NE(e.find("tokenizer.json"), std::string::npos) << e;
+
+  // A WordPiece model is not byte-level BPE.
+  const auto wordpiece = out.path + "/wordpiece";
+  fs::create_directories(wordpiece);
+  {
+    std::ifstream in(ref() + "/tokenizer.json");
+    auto j = nlohmann::json::parse(in);
+    j["model"]["type"] = "WordPiece";
+    std::ofstream(wordpiece + "/tokenizer.json") << j.dump();
+  }
+  e = error_of([&] { models::Tokenizer::from_pretrained(wordpiece); });
+  EXPECT_NE(e.find(wordpiece + "/tokenizer.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("WordPiece"), std::string::npos) << e;
+  EXPECT_NE(e.find("not byte-level BPE"), std::string::npos) << e;
+
+  // Malformed JSON, and vocab.json without merges.txt.
+  const auto broken = out.path + "/broken";
+  fs::create_directories(broken);
+  std::ofstream(broken + "/tokenizer.json") << "{\"model\": ";
+  e = error_of([&] { models::Tokenizer::from_pretrained(broken); });
+  EXPECT_NE(e.find(broken + "/tokenizer.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("malformed"), std::string::npos) << e;
+  const auto half = out.path + "/half";
+  fs::create_directories(half);
+  fs::copy_file(files() + "/vocab.json", half + "/vocab.json");
+  e = error_of([&] { models::Tokenizer::from_pretrained(half); });
+  EXPECT_NE(e.find(half + "/merges.txt"), std::string::npos) << e;
+  EXPECT_NE(e.find("missing"), std::string::npos) << e;
+
+  EXPECT_NE(error_of([] { models::Tokenizer::train("abc", 100); }), "");
+}
+
+} // namespace
