@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -110,6 +111,20 @@ TEST(FinetuneLm, HybridTp2ThroughTheLauncherLossFalls) {
       corpus() + "' --plugin hybrid --tp 2" + kSmall + "--out " + dir.path +
       "/out --checkpoint " + dir.path + "/ckpt 2>&1");
   expect_trains(r, dir.path + "/out");
+  // transformers reads what the boosted run saved: weights, config,
+  // tokenizer; its loss on a training sequence is near the run's last.
+  const auto py = colossalai::testing::run_shell(
+      std::string(COLOSSALAI_TEST_HF_PYTHON) +
+      " -c \"import sys; from transformers import AutoModelForCausalLM, "
+      "AutoTokenizer; d = sys.argv[1]; m = AutoModelForCausalLM."
+      "from_pretrained(d); t = AutoTokenizer.from_pretrained(d); "
+      "ids = t(open(sys.argv[2]).read()[:4000], return_tensors='pt')"
+      ".input_ids[:, :33]; print(float(m(input_ids=ids, labels=ids).loss))\" '" +
+      dir.path + "/out/model' '" + corpus() + "' 2>&1");
+  ASSERT_EQ(py.first, 0) << py.second;
+  const double loss = std::stod(
+      py.second.substr(py.second.rfind('\n', py.second.size() - 2) + 1));
+  EXPECT_LT(loss, std::log(512.0)) << py.second;
 }
 
 TEST(FinetuneLm, Zero2LossFallsAndResumeEqualsTheStraightRun) {
