@@ -4,6 +4,7 @@
 // reads; a run resumed from its checkpoint equals the straight run; bad
 // options are named.
 
+#include <harness/multiprocess.h>
 #include <harness/test_util.h>
 
 #include <gtest/gtest.h>
@@ -107,9 +108,12 @@ TEST(FinetuneLm, HybridTp2ThroughTheLauncherLossFalls) {
   }
   Scratch dir;
   const auto r = colossalai::testing::run_shell(
-      std::string(kCli) + " run --nproc_per_node 2 " + kBin + " --data '" +
-      corpus() + "' --plugin hybrid --tp 2" + kSmall + "--out " + dir.path +
-      "/out --checkpoint " + dir.path + "/ckpt 2>&1");
+      std::string(kCli) +
+      // A free port: 29500, the launcher's default, may be another test's.
+      " run --nproc_per_node 2 --master_port " +
+      std::to_string(colossalai::testing::free_port()) + " " + kBin +
+      " --data '" + corpus() + "' --plugin hybrid --tp 2" + kSmall + "--out " +
+      dir.path + "/out --checkpoint " + dir.path + "/ckpt 2>&1");
   expect_trains(r, dir.path + "/out");
   // transformers reads what the boosted run saved: weights, config,
   // tokenizer; its loss on a training sequence is near the run's last.
