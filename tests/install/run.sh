@@ -18,5 +18,7 @@ cmake -S "$here" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$work/prefix" "$@" >/dev/null
 cmake --build "$work/build" >/dev/null
 "$python" "$here/../python/hf_models.py" make "$work/hf" >/dev/null 2>&1
-"$work/prefix/bin/colossalai" run --nproc_per_node 4 \
+# A free port: 29500, the launcher's default, may be another test's.
+port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$work/prefix/bin/colossalai" run --nproc_per_node 4 --master_port "$port" \
   "$work/build/train_llama" "$work/hf/llama3"
