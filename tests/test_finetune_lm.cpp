@@ -1,8 +1,10 @@
 // examples/finetune_lm end to end (ctest label `example`): short runs on 2
 // ranks under HybridParallel tp 2 (through `colossalai run`) and ZeRO-2
 // whose loss falls and which write their plot and a model transformers
-// reads; a run resumed from its checkpoint equals the straight run; bad
-// options are named.
+// reads; a LLaMA directory whose only tokenizer is a SentencePiece
+// tokenizer.model fine-tunes and saves a tokenizer transformers reads with
+// the same ids; a run resumed from its checkpoint equals the straight run;
+// bad options are named.
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
@@ -94,7 +96,9 @@ void expect_trains(
   EXPECT_TRUE(
       fs::exists(out + "/model/model.safetensors.index.json") ||
       fs::exists(out + "/model/model.safetensors"));
-  EXPECT_TRUE(fs::exists(out + "/model/vocab.json"));
+  EXPECT_TRUE(
+      fs::exists(out + "/model/vocab.json") ||
+      fs::exists(out + "/model/tokenizer.json"));
   EXPECT_NE(r.second.find("samples of"), std::string::npos) << r.second;
 }
 
@@ -160,6 +164,43 @@ TEST(FinetuneLm, Zero2LossFallsAndResumeEqualsTheStraightRun) {
     EXPECT_EQ(c[i].first, a[12 + i].first);
     EXPECT_EQ(c[i].second, a[12 + i].second) << "step " << c[i].first;
   }
+}
+
+// A LLaMA directory transformers wrote whose tokenizer is a SentencePiece
+// tokenizer.model only (as many LLaMA / Mistral checkpoints): it trains,
+// and the saved model's tokenizer gives transformers' ids (bos first) for
+// the corpus, as the source directory's does.
+TEST(FinetuneLm, SentencePieceLlamaDirectoryTrains) {
+  if (corpus().empty()) {
+    GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
+  }
+  Scratch dir;
+  const std::string script =
+      (fs::path(__FILE__).parent_path() / "python" / "tokenizer_reference.py")
+          .string();
+  const std::string py = COLOSSALAI_TEST_HF_PYTHON;
+  const auto made = colossalai::testing::run_shell(
+      py + " '" + script + "' llama-dir '" + dir.path + "/llama' '" + corpus() +
+      "' 2>&1");
+  ASSERT_EQ(made.first, 0) << made.second;
+  ASSERT_FALSE(fs::exists(dir.path + "/llama/tokenizer.json"));
+  const auto r =
+      run(std::string(" --nproc 2 --plugin zero2") + kSmall + "--model '" +
+          dir.path + "/llama' --out " + dir.path + "/out --checkpoint " +
+          dir.path + "/ckpt");
+  expect_trains(r, dir.path + "/out");
+  EXPECT_TRUE(fs::exists(dir.path + "/out/model/tokenizer.model"));
+  const auto same = colossalai::testing::run_shell(
+      py +
+      " -c \"import sys; from transformers import AutoTokenizer; "
+      "a = AutoTokenizer.from_pretrained(sys.argv[1]); "
+      "b = AutoTokenizer.from_pretrained(sys.argv[2]); "
+      "text = open(sys.argv[3]).read()[:20000]; "
+      "x, y = a(text).input_ids, b(text).input_ids; "
+      "print(len(x), x[:3]); sys.exit(0 if x == y and x[0] == 1 else 1)\" '" +
+      dir.path + "/llama' '" + dir.path + "/out/model' '" + corpus() +
+      "' 2>&1");
+  EXPECT_EQ(same.first, 0) << same.second;
 }
 
 TEST(FinetuneLm, BadOptionsAreNamed) {

@@ -1,10 +1,15 @@
-// The byte-level BPE tokenizer (ctest label `hf`) against transformers and
-// `tokenizers`, run with the Python of the test set-up
-// (tests/python/tokenizer_reference.py): ids equal transformers' GPT-2
-// tokenizer's for a `tokenizers`-trained vocabulary read from tokenizer.json
-// and from vocab.json + merges.txt, decode inverts encode, a vocabulary we
-// train and save loads in transformers' AutoTokenizer with the same ids, and
-// errors name the file.
+// The tokenizer (ctest label `hf`) against transformers and `tokenizers`,
+// run with the Python of the test set-up (tests/python/tokenizer_reference.py):
+//  - byte-level BPE: ids equal transformers' GPT-2 tokenizer's for a
+//    `tokenizers`-trained vocabulary read from tokenizer.json and from
+//    vocab.json + merges.txt, decode inverts encode, a vocabulary we train
+//    and save loads in transformers' AutoTokenizer with the same ids;
+//  - SentencePiece BPE: for models `sentencepiece` trains, read from
+//    tokenizer.model under LlamaTokenizer's options and from three
+//    tokenizer.json layouts, ids with and without special tokens and
+//    decode equal transformers'; what we save loads in AutoTokenizer with
+//    the same ids;
+//  - errors name the file and the problem.
 
 // harness/test_util.h's inline helpers use ATen's operators.
 #include <ATen/ATen.h>
@@ -218,7 +223,7 @@ TEST_F(Tokenizer, ErrorsNameTheFile) {
   e = error_of([&] { models::Tokenizer::from_pretrained(wordpiece); });
   EXPECT_NE(e.find(wordpiece + "/tokenizer.json"), std::string::npos) << e;
   EXPECT_NE(e.find("WordPiece"), std::string::npos) << e;
-  EXPECT_NE(e.find("not byte-level BPE"), std::string::npos) << e;
+  EXPECT_NE(e.find("not supported"), std::string::npos) << e;
 
   // Malformed JSON, and vocab.json without merges.txt.
   const auto broken = out.path + "/broken";
@@ -235,6 +240,182 @@ TEST_F(Tokenizer, ErrorsNameTheFile) {
   EXPECT_NE(e.find("missing"), std::string::npos) << e;
 
   EXPECT_NE(error_of([] { models::Tokenizer::train("abc", 100); }), "");
+}
+
+// ---------------------------------------------------------------------------
+// SentencePiece BPE.
+
+struct SpCase {
+  std::string text;
+  std::vector<int64_t> ids, ids_special;
+  std::string decoded;
+};
+
+std::vector<SpCase> read_sp_cases(const std::string& dir) {
+  std::ifstream in(dir + "/cases.json");
+  const auto j = nlohmann::json::parse(in);
+  std::vector<SpCase> cases;
+  for (const auto& c : j) {
+    cases.push_back(
+        {c["text"].get<std::string>(),
+         c["ids"].get<std::vector<int64_t>>(),
+         c["ids_special"].get<std::vector<int64_t>>(),
+         c["decoded"].get<std::string>()});
+  }
+  return cases;
+}
+
+class SentencePiece : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new Scratch;
+    const auto r = colossalai::testing::run_shell(
+        std::string(kHfPython) + " " + quote(script().string()) +
+        " make-sentencepiece " + quote(dir_->path));
+    ASSERT_EQ(r.first, 0) << "tokenizer_reference.py make-sentencepiece "
+                             "failed (the test set-up installs "
+                             "sentencepiece and transformers: "
+                             "./scripts/setup.sh --tests):\n"
+                          << r.second;
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static std::string at(const std::string& variant) {
+    return dir_->path + "/" + variant;
+  }
+  // Our ids (without and with special tokens) and decode against the
+  // cases transformers wrote in `dir`.
+  static void expect_equal(
+      const models::Tokenizer& tok,
+      const std::string& dir) {
+    const auto cases = read_sp_cases(dir);
+    ASSERT_GE(cases.size(), 30u);
+    for (const auto& c : cases) {
+      const auto what = dir + ": " + nlohmann::json(c.text).dump();
+      EXPECT_EQ(tok.encode(c.text), c.ids)
+          << what << ": ours " << show(tok.encode(c.text)) << ", transformers "
+          << show(c.ids);
+      EXPECT_EQ(tok.encode(c.text, true), c.ids_special)
+          << what << " with special tokens: ours "
+          << show(tok.encode(c.text, true)) << ", transformers "
+          << show(c.ids_special);
+      EXPECT_EQ(tok.decode(c.ids_special), c.decoded) << what;
+    }
+  }
+  static Scratch* dir_;
+};
+
+Scratch* SentencePiece::dir_ = nullptr;
+
+const char* const kSentencePieceVariants[] = {
+    "model",
+    "model_bos",
+    "model_legacy",
+    "model_no_prefix",
+    "model_no_bytes",
+    "json",
+    "json_legacy",
+    "json_split",
+    "json_llama2"};
+
+TEST_F(SentencePiece, IdsAndDecodeEqualTransformers) {
+  for (const char* variant : kSentencePieceVariants) {
+    SCOPED_TRACE(variant);
+    expect_equal(models::Tokenizer::from_pretrained(at(variant)), at(variant));
+  }
+  // The cases reach byte fallback, the added tokens and the bos / eos
+  // template (not vacuous).
+  const auto tok = models::Tokenizer::from_pretrained(at("model_bos"));
+  const auto rare = tok.encode("\U0001F680");
+  ASSERT_EQ(rare.size(), 5u); // "▁" and four "<0xXX>" pieces
+  EXPECT_EQ(tok.id_to_token(rare[1]), "<0xF0>");
+  EXPECT_EQ(tok.bos_token_id(), tok.token_to_id("<s>"));
+  EXPECT_EQ(tok.eos_token_id(), tok.token_to_id("</s>"));
+  EXPECT_EQ(tok.encode("a", true).front(), tok.bos_token_id());
+  EXPECT_EQ(tok.encode("a", true).back(), tok.eos_token_id());
+  EXPECT_EQ(
+      tok.encode("<tool>"), std::vector<int64_t>{tok.token_to_id("<tool>")});
+  EXPECT_EQ(
+      tok.decode(tok.encode("caf\u00e9 \U0001F680 x")),
+      "caf\u00e9 \U0001F680 x");
+}
+
+// What we save (tokenizer.json, tokenizer_config.json, tokenizer.model)
+// loads in our reader and in transformers' AutoTokenizer with the same ids.
+TEST_F(SentencePiece, SavedLoadsInTransformers) {
+  Scratch out;
+  for (const char* variant :
+       {"model_bos",
+        "model_legacy",
+        "json_legacy",
+        "json_split",
+        "json_llama2"}) {
+    SCOPED_TRACE(variant);
+    const auto tok = models::Tokenizer::from_pretrained(at(variant));
+    const auto dir = out.path + "/" + variant;
+    tok.save_pretrained(dir);
+    EXPECT_TRUE(fs::exists(dir + "/tokenizer.json"));
+    EXPECT_EQ(
+        fs::exists(dir + "/tokenizer.model"),
+        std::string(variant).rfind("model", 0) == 0);
+    const auto reloaded = models::Tokenizer::from_pretrained(dir);
+    expect_equal(reloaded, at(variant));
+    nlohmann::json ours = nlohmann::json::array();
+    for (const auto& c : read_sp_cases(at(variant))) {
+      ours.push_back(
+          {{"text", c.text},
+           {"ids", tok.encode(c.text)},
+           {"ids_special", tok.encode(c.text, true)}});
+    }
+    std::ofstream(dir + "/ours.json") << ours.dump();
+    const auto r = colossalai::testing::run_shell(
+        std::string(kHfPython) + " " + quote(script().string()) + " check " +
+        quote(dir) + " " + quote(dir + "/ours.json"));
+    EXPECT_EQ(r.first, 0) << r.second;
+    std::cout << variant << ": " << r.second;
+  }
+}
+
+TEST_F(SentencePiece, ErrorsNameTheFileAndTheProblem) {
+  Scratch out;
+  // A Unigram model (T5-style) is refused by name.
+  const auto unigram = at("unigram") + "/tokenizer.model";
+  auto e = error_of([&] { models::Tokenizer::from_pretrained(at("unigram")); });
+  EXPECT_NE(e.find(unigram), std::string::npos) << e;
+  EXPECT_NE(e.find("UNIGRAM"), std::string::npos) << e;
+
+  // A truncated tokenizer.model, and a text file in its place.
+  const auto cut = out.path + "/cut";
+  fs::create_directories(cut);
+  {
+    std::ifstream in(at("model") + "/tokenizer.model", std::ios::binary);
+    std::string data((std::istreambuf_iterator<char>(in)), {});
+    std::ofstream(cut + "/tokenizer.model", std::ios::binary)
+        << data.substr(0, data.size() / 2 + 3);
+  }
+  e = error_of([&] { models::Tokenizer::from_pretrained(cut); });
+  EXPECT_NE(e.find(cut + "/tokenizer.model"), std::string::npos) << e;
+  EXPECT_NE(e.find("not a SentencePiece model"), std::string::npos) << e;
+  const auto text = out.path + "/text";
+  fs::create_directories(text);
+  std::ofstream(text + "/tokenizer.model") << "IQ== 0\nIg== 1\n";
+  e = error_of([&] { models::Tokenizer::from_pretrained(text); });
+  EXPECT_NE(e.find("not a SentencePiece model"), std::string::npos) << e;
+
+  // A normalizer we do not compute is named, not ignored.
+  const auto nfkc = out.path + "/nfkc";
+  fs::create_directories(nfkc);
+  {
+    std::ifstream in(at("json_legacy") + "/tokenizer.json");
+    auto j = nlohmann::json::parse(in);
+    j["normalizer"]["normalizers"].push_back({{"type", "NFKC"}});
+    std::ofstream(nfkc + "/tokenizer.json") << j.dump();
+  }
+  e = error_of([&] { models::Tokenizer::from_pretrained(nfkc); });
+  EXPECT_NE(e.find(nfkc + "/tokenizer.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("NFKC"), std::string::npos) << e;
 }
 
 } // namespace

@@ -8,7 +8,8 @@
 //               [--checkpoint DIR] [--save-every N] [--resume] [--out DIR]
 //
 // --model reads a directory transformers wrote (GPT-2 or the LLaMA family,
-// with its tokenizer.json or vocab.json + merges.txt); without it a small
+// with its tokenizer.json, vocab.json + merges.txt or SentencePiece
+// tokenizer.model); without it a small
 // model of --config is built and a byte-level BPE is trained on the corpus.
 // The default corpus is Debian's fortunes. Started directly it launches
 // --nproc ranks of itself (as `colossalai run` would). At the end: the loss
@@ -233,17 +234,19 @@ std::vector<std::string> read_corpus(const std::string& path) {
   return docs;
 }
 
-// The corpus as sequences of seq_len + 1 tokens (documents joined by the
-// end-of-text token), cut end to end.
+// The corpus as sequences of seq_len + 1 tokens, cut end to end: each
+// document with the tokens its tokenizer adds (LLaMA's bos), and an
+// end-of-text token after it unless the tokenizer added one.
 at::Tensor make_sequences(
     const std::vector<std::string>& docs,
     const models::Tokenizer& tok,
     int64_t seq_len) {
   std::vector<int64_t> ids;
   for (const auto& d : docs) {
-    auto t = tok.encode(d);
+    auto t = tok.encode(d, /*add_special_tokens=*/true);
     ids.insert(ids.end(), t.begin(), t.end());
-    if (tok.eos_token_id() >= 0) {
+    if (tok.eos_token_id() >= 0 &&
+        (t.empty() || t.back() != tok.eos_token_id())) {
       ids.push_back(tok.eos_token_id());
     }
   }
@@ -429,8 +432,14 @@ std::vector<std::string> sample(
   auto gen = at::detail::createCPUGenerator(seed);
   std::vector<std::string> out;
   for (int i = 0; i < n; ++i) {
-    auto ids = tok.encode(prompt);
-    const size_t start = ids.size();
+    // The prompt after the tokens the tokenizer puts first (LLaMA's bos),
+    // without an end-of-text after it: the text to continue.
+    auto ids = tok.encode(prompt, /*add_special_tokens=*/true);
+    if (ids.size() > 1 && ids.back() == tok.eos_token_id()) {
+      ids.pop_back();
+    }
+    const size_t lead =
+        ids.size() - std::min(ids.size(), tok.encode(prompt).size());
     for (int64_t t = 0; t < max_new; ++t) {
       const int64_t from =
           std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - context);
@@ -454,9 +463,10 @@ std::vector<std::string> sample(
       }
       ids.push_back(pick);
     }
+    // Prompt and continuation decoded together (SentencePiece's decoder
+    // drops a leading space).
     out.push_back(
-        prompt +
-        tok.decode(std::vector<int64_t>(ids.begin() + start, ids.end())));
+        tok.decode(std::vector<int64_t>(ids.begin() + lead, ids.end())));
   }
   return out;
 }

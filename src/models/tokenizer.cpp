@@ -3,7 +3,7 @@
 
 #include <colossalai/models/tokenizer.h>
 
-#include <nlohmann/json.hpp>
+#include "tokenizer_internal.h"
 
 #include <algorithm>
 #include <array>
@@ -17,11 +17,7 @@
 
 namespace colossalai {
 namespace models {
-namespace {
-
-namespace fs = std::filesystem;
-using json = nlohmann::json;
-using ordered_json = nlohmann::ordered_json;
+namespace tokenizer_detail {
 
 const char* const kEndOfText = "<|endoftext|>";
 
@@ -363,13 +359,6 @@ Cls classify(uint32_t cp) {
   return Cls::kOther;
 }
 
-// One code point of the text: its value (0xFFFFFFFF for a byte that is not
-// valid UTF-8, kept as a byte of class "other"), where its bytes start.
-struct CodePoints {
-  std::vector<uint32_t> cp;
-  std::vector<size_t> at; // byte offsets, one more than cp (the end)
-};
-
 CodePoints decode_utf8(const std::string& s) {
   CodePoints out;
   size_t i = 0;
@@ -665,7 +654,9 @@ std::string merge_key(const std::string& a, const std::string& b) {
   return key;
 }
 
-} // namespace
+} // namespace tokenizer_detail
+
+using namespace tokenizer_detail;
 
 // ---------------------------------------------------------------------------
 
@@ -713,10 +704,22 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
         "no such directory (a tokenizer's tokenizer.json or "
         "vocab.json + merges.txt)");
   }
+  // tokenizer_config.json: the special tokens and their added-token
+  // entries, model_max_length; for tokenizer.model, LlamaTokenizer's
+  // options. Without it, the defaults of GPT2Tokenizer / LlamaTokenizer.
+  const auto config_file = root / "tokenizer_config.json";
+  json config = json::object();
+  if (fs::exists(config_file)) {
+    config = read_json(config_file);
+    if (!config.is_object()) {
+      fail(config_file, "malformed: not an object");
+    }
+  }
   Tokenizer tok;
   const auto tokenizer_json = root / "tokenizer.json";
   const auto vocab_json = root / "vocab.json";
   const auto merges_txt = root / "merges.txt";
+  const auto tokenizer_model = root / "tokenizer.model";
   if (fs::exists(tokenizer_json)) {
     const auto j = read_json(tokenizer_json);
     const auto& f = tokenizer_json;
@@ -728,7 +731,10 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
         ? model["type"].get<std::string>()
         : (model.contains("merges") ? "BPE" : "");
     if (type != "BPE") {
-      fail(f, "model type \"" + type + "\" is not byte-level BPE");
+      fail(
+          f,
+          "model type \"" + type +
+              "\" is not supported (BPE: byte-level or SentencePiece-style)");
     }
     for (const char* key :
          {"continuing_subword_prefix", "end_of_word_suffix"}) {
@@ -741,10 +747,10 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
                 "byte-level BPE)");
       }
     }
-    if (model.value("byte_fallback", false)) {
-      fail(f, "model.byte_fallback is not byte-level BPE");
-    }
-    if (j.contains("normalizer") && !j["normalizer"].is_null()) {
+    const bool sentencepiece = Reader::is_sentencepiece_json(j);
+    if (sentencepiece) {
+      Reader::sentencepiece_pipeline(tok, j, f);
+    } else if (j.contains("normalizer") && !j["normalizer"].is_null()) {
       fail(
           f,
           "a normalizer (" + j["normalizer"].value("type", std::string("?")) +
@@ -752,7 +758,7 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
     }
     // Pre-tokenizer: ByteLevel, or a Sequence of a Split (GPT-2's or
     // Bloom's regex, isolated) and a ByteLevel without its regex.
-    const json pre = j.value("pre_tokenizer", json());
+    const json pre = sentencepiece ? json() : j.value("pre_tokenizer", json());
     auto byte_level = [](const json& p) {
       return p.is_object() && p.value("type", std::string()) == "ByteLevel";
     };
@@ -786,12 +792,13 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
                 "\" is not supported (GPT-2's or Bloom's regex, isolated)");
       }
       tok.split_ = regex == kGpt2Pattern ? Split::kGpt2 : Split::kBloom;
-    } else {
+    } else if (!sentencepiece) {
       fail(
           f,
           "pre_tokenizer " +
               (pre.is_null() ? std::string("null") : pre.dump()) +
-              " is not byte-level (ByteLevel)");
+              " is not supported (ByteLevel, or Metaspace for "
+              "SentencePiece-style files)");
     }
     if (!model.contains("vocab") || !model["vocab"].is_object()) {
       fail(f, "malformed: model.vocab is not an object of token -> id");
@@ -873,6 +880,7 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
         tok.added_.push_back(a);
       }
     }
+    Reader::post_processor(tok, j.value("post_processor", json()), f);
   } else if (fs::exists(vocab_json) || fs::exists(merges_txt)) {
     if (!fs::exists(vocab_json)) {
       fail(vocab_json, "missing (merges.txt needs it)");
@@ -918,19 +926,21 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
       }
       tok.add_merge(a, b);
     }
+  } else if (fs::exists(tokenizer_model)) {
+    tok = Reader::sentencepiece_model(tokenizer_model, config);
   } else {
-    fail(root, "has no tokenizer.json nor vocab.json + merges.txt");
+    fail(
+        root,
+        "has no tokenizer.json, vocab.json + merges.txt nor "
+        "tokenizer.model");
   }
-
-  // tokenizer_config.json: the special tokens and their added-token
-  // entries, model_max_length. Without it, GPT2Tokenizer's defaults.
-  const auto config_file = root / "tokenizer_config.json";
-  json config = json::object();
-  if (fs::exists(config_file)) {
-    config = read_json(config_file);
-    if (!config.is_object()) {
-      fail(config_file, "malformed: not an object");
-    }
+  // transformers' LlamaTokenizer keeps a tokenizer.json's vocabulary,
+  // merges, added tokens and post-processor but builds the rest itself.
+  const auto tokenizer_class = config.value("tokenizer_class", std::string());
+  if (fs::exists(tokenizer_json) &&
+      (tokenizer_class == "LlamaTokenizer" ||
+       tokenizer_class == "LlamaTokenizerFast")) {
+    Reader::llama_pipeline(tok, config);
   }
   if (config.contains("added_tokens_decoder") &&
       config["added_tokens_decoder"].is_object()) {
@@ -941,13 +951,14 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
       }
     }
   }
-  auto special = [&](const char* key) {
+  const bool sp = tok.kind_ == Kind::kSentencePiece;
+  auto special = [&](const char* key, const char* sentencepiece) {
     return config.contains(key) ? token_content(config[key])
-                                : std::string(kEndOfText);
+                                : std::string(sp ? sentencepiece : kEndOfText);
   };
-  tok.eos_token_ = special("eos_token");
-  tok.bos_token_ = special("bos_token");
-  tok.unk_token_ = special("unk_token");
+  tok.eos_token_ = special("eos_token", "</s>");
+  tok.bos_token_ = special("bos_token", "<s>");
+  tok.unk_token_ = special("unk_token", "<unk>");
   for (const auto& s :
        {tok.eos_token_,
         tok.bos_token_,
@@ -1042,8 +1053,7 @@ Tokenizer Tokenizer::train(const std::string& text, int64_t vocab_size) {
   return tok;
 }
 
-// One word (its raw bytes) through BPE: the lowest-ranked adjacent pair is
-// merged, every occurrence left to right, until no pair has a rank.
+// One word (its raw bytes) through byte-level BPE.
 void Tokenizer::bpe(const std::string& word, std::vector<int64_t>& out) const {
   auto symbols = byte_chars(word);
   if (ignore_merges_) {
@@ -1057,6 +1067,20 @@ void Tokenizer::bpe(const std::string& word, std::vector<int64_t>& out) const {
       return;
     }
   }
+  merge_symbols(symbols);
+  for (const auto& s : symbols) {
+    const auto it = vocab_.find(s);
+    if (it != vocab_.end()) {
+      out.push_back(it->second);
+    } else if (unk_id_ >= 0) {
+      out.push_back(unk_id_); // `tokenizers` drops it without an unk token
+    }
+  }
+}
+
+// The lowest-ranked adjacent pair is merged, every occurrence left to
+// right, until no pair has a rank.
+void Tokenizer::merge_symbols(std::vector<std::string>& symbols) const {
   while (symbols.size() > 1) {
     int64_t best = -1;
     for (size_t k = 0; k + 1 < symbols.size(); ++k) {
@@ -1081,19 +1105,17 @@ void Tokenizer::bpe(const std::string& word, std::vector<int64_t>& out) const {
     }
     symbols = std::move(next);
   }
-  for (const auto& s : symbols) {
-    const auto it = vocab_.find(s);
-    if (it != vocab_.end()) {
-      out.push_back(it->second);
-    } else if (unk_id_ >= 0) {
-      out.push_back(unk_id_); // `tokenizers` drops it without an unk token
-    }
-  }
 }
 
-void Tokenizer::encode_plain(const std::string& text, std::vector<int64_t>& out)
-    const {
+void Tokenizer::encode_plain(
+    const std::string& text,
+    bool at_start,
+    std::vector<int64_t>& out) const {
   if (text.empty()) {
+    return;
+  }
+  if (kind_ == Kind::kSentencePiece) {
+    encode_sentencepiece(text, at_start, out);
     return;
   }
   if (split_ == Split::kNone) {
@@ -1107,91 +1129,109 @@ void Tokenizer::encode_plain(const std::string& text, std::vector<int64_t>& out)
   }
 }
 
-std::vector<int64_t> Tokenizer::encode(const std::string& text) const {
-  // The text's pieces: plain text (id -1) or an added token. As
-  // `tokenizers`, the tokens that skip normalization are split off first,
-  // then the others (with no normalizer the order only matters where they
-  // overlap); the longest match at the leftmost position wins.
-  struct Piece {
-    size_t begin, end;
-    int64_t id;
-  };
-  std::vector<Piece> pieces{{0, text.size(), -1}};
-  for (const bool normalized : {false, true}) {
-    std::vector<const AddedToken*> candidates;
-    for (const auto& t : added_) {
-      if (t.normalized == normalized) {
-        candidates.push_back(&t);
+// The pieces of text[begin, end): plain text (id -1) or an added token of
+// `normalized` kind, matched as its (normalized) content; the longest match
+// at the leftmost position wins.
+std::vector<Tokenizer::Span> Tokenizer::split_added(
+    const std::string& text,
+    bool normalized) const {
+  std::vector<std::pair<std::string, const AddedToken*>> candidates;
+  for (const auto& t : added_) {
+    if (t.normalized == normalized) {
+      candidates.emplace_back(
+          normalized ? normalize(t.content) : t.content, &t);
+    }
+  }
+  std::vector<Span> out;
+  size_t at = 0; // start of the plain text not yet emitted
+  size_t pos = 0;
+  while (pos < text.size() && !candidates.empty()) {
+    const std::pair<std::string, const AddedToken*>* hit = nullptr;
+    for (const auto& c : candidates) {
+      if (c.first.size() <= text.size() - pos &&
+          text.compare(pos, c.first.size(), c.first) == 0 &&
+          (hit == nullptr || c.first.size() > hit->first.size())) {
+        hit = &c;
       }
     }
-    if (candidates.empty()) {
+    if (hit == nullptr) {
+      ++pos;
       continue;
     }
-    std::vector<Piece> next;
-    for (const auto& p : pieces) {
-      if (p.id >= 0) {
-        next.push_back(p);
-        continue;
+    size_t begin = pos, end = pos + hit->first.size();
+    // lstrip / rstrip: the token takes the whitespace beside it.
+    if (hit->second->lstrip) {
+      const auto left = decode_utf8(text.substr(at, begin - at));
+      size_t k = left.cp.size();
+      while (k > 0 && left.cp[k - 1] != 0xFFFFFFFFu &&
+             is_white(left.cp[k - 1])) {
+        --k;
       }
-      size_t at = p.begin; // start of the plain text not yet emitted
-      size_t pos = p.begin;
-      while (pos < p.end) {
-        const AddedToken* hit = nullptr;
-        for (const auto* t : candidates) {
-          if (t->content.size() <= p.end - pos &&
-              text.compare(pos, t->content.size(), t->content) == 0 &&
-              (hit == nullptr || t->content.size() > hit->content.size())) {
-            hit = t;
-          }
-        }
-        if (hit == nullptr) {
-          ++pos;
-          continue;
-        }
-        size_t begin = pos, end = pos + hit->content.size();
-        // lstrip / rstrip: the token takes the whitespace beside it.
-        if (hit->lstrip) {
-          const auto left = decode_utf8(text.substr(at, begin - at));
-          size_t k = left.cp.size();
-          while (k > 0 && left.cp[k - 1] != 0xFFFFFFFFu &&
-                 is_white(left.cp[k - 1])) {
-            --k;
-          }
-          begin = at + left.at[k];
-        }
-        if (hit->rstrip) {
-          const auto right = decode_utf8(text.substr(end, p.end - end));
-          size_t k = 0;
-          while (k < right.cp.size() && right.cp[k] != 0xFFFFFFFFu &&
-                 is_white(right.cp[k])) {
-            ++k;
-          }
-          end += right.at[k];
-        }
-        if (at < begin) {
-          next.push_back({at, begin, -1});
-        }
-        next.push_back({begin, end, hit->id});
-        at = pos = end;
-      }
-      if (at < p.end) {
-        next.push_back({at, p.end, -1});
-      }
+      begin = at + left.at[k];
     }
-    pieces = std::move(next);
+    if (hit->second->rstrip) {
+      const auto right = decode_utf8(text.substr(end));
+      size_t k = 0;
+      while (k < right.cp.size() && right.cp[k] != 0xFFFFFFFFu &&
+             is_white(right.cp[k])) {
+        ++k;
+      }
+      end += right.at[k];
+    }
+    if (at < begin) {
+      out.push_back({at, begin, -1});
+    }
+    out.push_back({begin, end, hit->second->id});
+    at = pos = end;
   }
+  if (at < text.size()) {
+    out.push_back({at, text.size(), -1});
+  }
+  return out;
+}
+
+std::vector<int64_t> Tokenizer::encode(const std::string& text) const {
+  // As `tokenizers`: the added tokens that skip normalization are split off
+  // the raw text; each plain piece is normalized (SentencePiece's legacy
+  // Prepend / Replace; nothing for byte-level) and the other added tokens,
+  // normalized the same way, are split off that; what is left is
+  // pre-tokenized and merged.
   std::vector<int64_t> ids;
-  for (const auto& p : pieces) {
+  for (const auto& p : split_added(text, false)) {
     if (p.id >= 0) {
       ids.push_back(p.id);
-    } else {
-      encode_plain(text.substr(p.begin, p.end - p.begin), ids);
+      continue;
+    }
+    const auto piece = normalize(text.substr(p.begin, p.end - p.begin));
+    for (const auto& q : split_added(piece, true)) {
+      if (q.id >= 0) {
+        ids.push_back(q.id);
+      } else {
+        encode_plain(
+            piece.substr(q.begin, q.end - q.begin),
+            p.begin == 0 && q.begin == 0,
+            ids);
+      }
     }
   }
   return ids;
 }
 
+std::vector<int64_t> Tokenizer::encode(
+    const std::string& text,
+    bool add_special_tokens) const {
+  auto ids = encode(text);
+  if (add_special_tokens) {
+    ids.insert(ids.begin(), prefix_ids_.begin(), prefix_ids_.end());
+    ids.insert(ids.end(), suffix_ids_.begin(), suffix_ids_.end());
+  }
+  return ids;
+}
+
 std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
+  if (kind_ == Kind::kSentencePiece) {
+    return decode_sentencepiece(ids);
+  }
   const auto& bm = byte_map();
   std::string out;
   for (const int64_t id : ids) {
@@ -1221,6 +1261,10 @@ int64_t Tokenizer::vocab_size() const {
 int64_t Tokenizer::eos_token_id() const {
   int64_t id = eos_token_.empty() ? -1 : token_to_id(eos_token_);
   return id >= 0 ? id : token_to_id(kEndOfText);
+}
+
+int64_t Tokenizer::bos_token_id() const {
+  return bos_token_.empty() ? -1 : token_to_id(bos_token_);
 }
 
 int64_t Tokenizer::token_to_id(const std::string& token) const {
@@ -1253,6 +1297,10 @@ void Tokenizer::save_pretrained(const std::string& dir) const {
   if (ec) {
     fail(root, "cannot be created: " + ec.message());
   }
+  if (kind_ == Kind::kSentencePiece) {
+    save_sentencepiece(dir);
+    return;
+  }
   // vocab.json by id, added tokens included (transformers finds their ids
   // there).
   ordered_json vocab = ordered_json::object();
@@ -1268,9 +1316,29 @@ void Tokenizer::save_pretrained(const std::string& dir) const {
   }
   write_whole(root / "merges.txt", merges);
 
+  write_config(dir, "GPT2Tokenizer", {{"add_prefix_space", false}});
+}
+
+std::vector<const Tokenizer::AddedToken*> Tokenizer::added_by_id() const {
+  std::vector<const AddedToken*> sorted;
+  for (const auto& t : added_) {
+    sorted.push_back(&t);
+  }
+  std::sort(sorted.begin(), sorted.end(), [](const auto* x, const auto* y) {
+    return x->id < y->id;
+  });
+  return sorted;
+}
+
+void Tokenizer::write_config(
+    const std::string& dir,
+    const std::string& tokenizer_class,
+    const std::vector<std::pair<std::string, bool>>& flags) const {
   ordered_json config = ordered_json::object();
-  config["tokenizer_class"] = "GPT2Tokenizer";
-  config["add_prefix_space"] = false;
+  config["tokenizer_class"] = tokenizer_class;
+  for (const auto& [name, value] : flags) {
+    config[name] = value;
+  }
   auto special = [&](const std::string& s) {
     return s.empty() || token_to_id(s) < 0 ? ordered_json(nullptr)
                                            : ordered_json(s);
@@ -1280,14 +1348,7 @@ void Tokenizer::save_pretrained(const std::string& dir) const {
   config["unk_token"] = special(unk_token_);
   config["model_max_length"] = model_max_length_;
   ordered_json added = ordered_json::object();
-  std::vector<const AddedToken*> sorted;
-  for (const auto& t : added_) {
-    sorted.push_back(&t);
-  }
-  std::sort(sorted.begin(), sorted.end(), [](const auto* x, const auto* y) {
-    return x->id < y->id;
-  });
-  for (const auto* t : sorted) {
+  for (const auto* t : added_by_id()) {
     added[std::to_string(t->id)] = {
         {"content", t->content},
         {"lstrip", t->lstrip},
@@ -1298,7 +1359,8 @@ void Tokenizer::save_pretrained(const std::string& dir) const {
   }
   config["added_tokens_decoder"] = added;
   write_whole(
-      root / "tokenizer_config.json", config.dump(2, ' ', false) + "\n");
+      fs::path(dir) / "tokenizer_config.json",
+      config.dump(2, ' ', false) + "\n");
 }
 
 } // namespace models

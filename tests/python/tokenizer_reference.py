@@ -1,7 +1,9 @@
 """transformers' / tokenizers' side of tests/test_tokenizer.cpp.
 
     tokenizer_reference.py make DIR
+    tokenizer_reference.py make-sentencepiece DIR
     tokenizer_reference.py check DIR CASES_JSON
+    tokenizer_reference.py llama-dir DIR CORPUS
 
 make: trains a `tokenizers` ByteLevelBPETokenizer (vocab 600) on a built-in
 mixed text and saves it in DIR twice: tokenizer.json, and vocab.json +
@@ -9,11 +11,39 @@ merges.txt; writes DIR/cases.json, a list of {"text", "ids"} with the ids
 transformers' GPT-2 tokenizer (loaded from vocab.json + merges.txt) gives,
 checked against the same tokenizer loaded from tokenizer.json.
 
+make-sentencepiece: trains SentencePiece BPE models (`sentencepiece`, with
+and without byte fallback, with a user-defined and a control symbol) on the
+same text and writes one directory per way transformers reads them, each
+with its cases.json ({"text", "ids", "ids_special", "decoded"}: ids without
+and with special tokens, decode of the latter):
+  model            tokenizer.model (LlamaTokenizer's defaults)
+  model_bos        ... add_bos_token / add_eos_token
+  model_legacy     ... legacy=true (a "▁" before each piece of text)
+  model_no_prefix  ... add_prefix_space=false
+  model_no_bytes   a model trained without byte fallback (unknown code
+                   points are dropped, as transformers does)
+  json             tokenizer.json as transformers saves model_bos
+  json_legacy      a tokenizer.json of the older LLaMA layout: normalizer
+                   Prepend("▁") + Replace(" ", "▁"), no pre-tokenizer,
+                   unk_token, bos only
+  json_split       Metaspace split=true, prepend "always", unk_token
+  json_llama2      json_legacy's tokenizer.json with tokenizer_class
+                   LlamaTokenizer, as LLaMA 2 ships: transformers then
+                   ignores the file's normalizer / pre-tokenizer / decoder
+                   and builds LlamaTokenizer's (here legacy=false)
+  unigram          a Unigram tokenizer.model (refused by the C++ side)
+
+llama-dir: a LLaMA directory as transformers writes one, with a
+SentencePiece BPE (vocab 512, byte fallback) trained on CORPUS as its only
+tokenizer file (tokenizer.model, add_bos_token) and a small random
+LlamaForCausalLM (seeded) for it.
+
 check: loads the tokenizer the C++ side saved in DIR with AutoTokenizer and
-compares its ids with CASES_JSON's (the C++ encode); prints each mismatch
-and exits 1 if any.
+compares its ids with CASES_JSON's (the C++ encode; "ids_special" too where
+given); prints each mismatch and exits 1 if any.
 """
 
+import io
 import json
 import os
 import shutil
@@ -94,6 +124,179 @@ def make(d):
         json.dump(cases, f, ensure_ascii=False, indent=1)
 
 
+SENTENCEPIECE_CASES = CASES + [
+    "<s>hello",
+    "hi <s> there",
+    "<s>",
+    "</s> after",
+    "a<tool>b <tool> c",
+    "x <ctrl>y",
+    "\u2581already marked",
+    " leading space",
+    "trailing  ",
+    "rare: \u0444\u044b\u0432 \u2603 \U0001F680 \u00e9\u00e8",
+    "The quick brown fox. The the THE.",
+]
+
+
+def train_sentencepiece(model_type, byte_fallback):
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TRAIN_TEXT.splitlines() * 3),
+        model_writer=out,
+        model_type=model_type,
+        vocab_size=500,
+        byte_fallback=byte_fallback,
+        character_coverage=0.98,  # some code points only by byte fallback
+        user_defined_symbols=["<tool>"],
+        control_symbols=["<ctrl>"],
+        hard_vocab_limit=False,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return out.getvalue()
+
+
+def write_cases(tok, d):
+    cases = []
+    for text in SENTENCEPIECE_CASES:
+        ids_special = tok(text)["input_ids"]
+        cases.append(
+            {
+                "text": text,
+                "ids": tok(text, add_special_tokens=False)["input_ids"],
+                "ids_special": ids_special,
+                "decoded": tok.decode(ids_special),
+            }
+        )
+    with open(os.path.join(d, "cases.json"), "w", encoding="utf-8") as f:
+        json.dump(cases, f, ensure_ascii=False, indent=1)
+    return cases
+
+
+def make_sentencepiece(d):
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    os.makedirs(d, exist_ok=True)
+    with_bytes = train_sentencepiece("bpe", True)
+    without_bytes = train_sentencepiece("bpe", False)
+
+    def model_dir(name, data, config):
+        path = os.path.join(d, name)
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "tokenizer.model"), "wb") as f:
+            f.write(data)
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "LlamaTokenizer", **config}, f)
+        tok = AutoTokenizer.from_pretrained(path)
+        write_cases(tok, path)
+        return tok
+
+    model_dir("model", with_bytes, {})
+    bos = model_dir("model_bos", with_bytes, {"add_bos_token": True, "add_eos_token": True})
+    model_dir("model_legacy", with_bytes, {"legacy": True})
+    model_dir("model_no_prefix", with_bytes, {"add_prefix_space": False})
+    model_dir("model_no_bytes", without_bytes, {})
+
+    # tokenizer.json as transformers writes it (the tokenizer.model beside
+    # it removed: the C++ side must read the JSON).
+    path = os.path.join(d, "json")
+    bos.save_pretrained(path)
+    if os.path.exists(os.path.join(path, "tokenizer.model")):
+        os.remove(os.path.join(path, "tokenizer.model"))
+    write_cases(AutoTokenizer.from_pretrained(path), path)
+
+    # The same vocabulary and merges in other tokenizer.json layouts.
+    spec = json.loads(bos.backend_tokenizer.to_str())["model"]
+    vocab, merges = spec["vocab"], [tuple(m) for m in spec["merges"]]
+
+    def json_dir(name, tokenizer):
+        path = os.path.join(d, name)
+        os.makedirs(path, exist_ok=True)
+        ref = PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        )
+        ref.save_pretrained(path)
+        auto = AutoTokenizer.from_pretrained(path)
+        cases = write_cases(ref, path)
+        for c in cases:
+            got = auto(c["text"])["input_ids"]
+            if got != c["ids_special"]:
+                sys.exit(f"{name}: AutoTokenizer and the tokenizer.json disagree on {c['text']!r}: {got} vs {c['ids_special']}")
+
+    legacy = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    legacy.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    legacy.pre_tokenizer = None
+    legacy.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    legacy.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    legacy.add_special_tokens(["<unk>", "<s>", "</s>", "<ctrl>"])
+    legacy.add_tokens(["<tool>"])
+    json_dir("json_legacy", legacy)
+
+    path = os.path.join(d, "json_llama2")
+    os.makedirs(path, exist_ok=True)
+    shutil.copy(os.path.join(d, "json_legacy", "tokenizer.json"), path)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_bos_token": True}, f)
+    write_cases(AutoTokenizer.from_pretrained(path), path)
+
+    split = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=False))
+    split.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    split.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    split.add_special_tokens(["<unk>", "<s>", "</s>", "<ctrl>"])
+    split.add_tokens(["<tool>"])
+    json_dir("json_split", split)
+
+    path = os.path.join(d, "unigram")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "tokenizer.model"), "wb") as f:
+        f.write(train_sentencepiece("unigram", True))
+
+
+def llama_dir(d, corpus):
+    import sentencepiece as spm
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    os.makedirs(d, exist_ok=True)
+    with open(corpus, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f.read().splitlines() if line.strip() and line != "%"]
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=out,
+        model_type="bpe",
+        vocab_size=512,
+        byte_fallback=True,
+        num_threads=1,
+        minloglevel=2,
+    )
+    with open(os.path.join(d, "tokenizer.model"), "wb") as f:
+        f.write(out.getvalue())
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": True}, f)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(d)
+
+
 def check(d, cases_json):
     tok = AutoTokenizer.from_pretrained(d)
     with open(cases_json, encoding="utf-8") as f:
@@ -104,6 +307,12 @@ def check(d, cases_json):
         if ids != case["ids"]:
             bad += 1
             print(f"mismatch for {case['text']!r}: transformers {ids}, ours {case['ids']}")
+        if "ids_special" in case and tok(case["text"])["input_ids"] != case["ids_special"]:
+            bad += 1
+            print(
+                f"mismatch with special tokens for {case['text']!r}: transformers "
+                f"{tok(case['text'])['input_ids']}, ours {case['ids_special']}"
+            )
     print(f"{len(cases) - bad}/{len(cases)} cases agree ({type(tok).__name__}, {len(tok)} tokens)")
     sys.exit(1 if bad else 0)
 
@@ -111,6 +320,10 @@ def check(d, cases_json):
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "make":
         make(sys.argv[2])
+    elif len(sys.argv) == 4 and sys.argv[1] == "llama-dir":
+        llama_dir(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 3 and sys.argv[1] == "make-sentencepiece":
+        make_sentencepiece(sys.argv[2])
     elif len(sys.argv) == 4 and sys.argv[1] == "check":
         check(sys.argv[2], sys.argv[3])
     else:
