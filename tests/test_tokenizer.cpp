@@ -245,6 +245,7 @@ TEST_F(Tokenizer, ErrorsNameTheFile) {
 // ---------------------------------------------------------------------------
 // SentencePiece BPE.
 
+// Cases of tokenizer_reference.py's make-split / make-sentencepiece.
 struct SpCase {
   std::string text;
   std::vector<int64_t> ids, ids_special;
@@ -263,6 +264,46 @@ std::vector<SpCase> read_sp_cases(const std::string& dir) {
          c["decoded"].get<std::string>()});
   }
   return cases;
+}
+
+// Our ids (without and with special tokens) and decode against the cases
+// transformers wrote in `dir`.
+void expect_equal(const models::Tokenizer& tok, const std::string& dir) {
+  const auto cases = read_sp_cases(dir);
+  ASSERT_GE(cases.size(), 29u);
+  for (const auto& c : cases) {
+    const auto what = dir + ": " + nlohmann::json(c.text).dump();
+    EXPECT_EQ(tok.encode(c.text), c.ids)
+        << what << ": ours " << show(tok.encode(c.text)) << ", transformers "
+        << show(c.ids);
+    EXPECT_EQ(tok.encode(c.text, true), c.ids_special)
+        << what << " with special tokens: ours "
+        << show(tok.encode(c.text, true)) << ", transformers "
+        << show(c.ids_special);
+    EXPECT_EQ(tok.decode(c.ids_special), c.decoded) << what;
+  }
+}
+
+// LLaMA 3's and Qwen 2's pre-tokenizer regex (byte-level BPE).
+TEST(TokenizerSplit, Llama3AndQwen2EqualTransformers) {
+  Scratch dir;
+  const auto r = colossalai::testing::run_shell(
+      std::string(kHfPython) + " " + quote(script().string()) + " make-split " +
+      quote(dir.path));
+  ASSERT_EQ(r.first, 0) << r.second;
+  for (const char* variant : {"llama3", "qwen2"}) {
+    SCOPED_TRACE(variant);
+    const auto path = dir.path + "/" + variant;
+    const auto tok = models::Tokenizer::from_pretrained(path);
+    expect_equal(tok, path);
+  }
+  // LLaMA 3 groups digits by three, Qwen 2 one by one; bos from the template.
+  const auto llama3 = models::Tokenizer::from_pretrained(dir.path + "/llama3");
+  const auto qwen2 = models::Tokenizer::from_pretrained(dir.path + "/qwen2");
+  EXPECT_LT(llama3.encode("1234567").size(), qwen2.encode("1234567").size());
+  EXPECT_EQ(
+      llama3.encode("x", true).front(),
+      llama3.token_to_id("<|begin_of_text|>"));
 }
 
 class SentencePiece : public ::testing::Test {
@@ -284,25 +325,6 @@ class SentencePiece : public ::testing::Test {
   }
   static std::string at(const std::string& variant) {
     return dir_->path + "/" + variant;
-  }
-  // Our ids (without and with special tokens) and decode against the
-  // cases transformers wrote in `dir`.
-  static void expect_equal(
-      const models::Tokenizer& tok,
-      const std::string& dir) {
-    const auto cases = read_sp_cases(dir);
-    ASSERT_GE(cases.size(), 30u);
-    for (const auto& c : cases) {
-      const auto what = dir + ": " + nlohmann::json(c.text).dump();
-      EXPECT_EQ(tok.encode(c.text), c.ids)
-          << what << ": ours " << show(tok.encode(c.text)) << ", transformers "
-          << show(c.ids);
-      EXPECT_EQ(tok.encode(c.text, true), c.ids_special)
-          << what << " with special tokens: ours "
-          << show(tok.encode(c.text, true)) << ", transformers "
-          << show(c.ids_special);
-      EXPECT_EQ(tok.decode(c.ids_special), c.decoded) << what;
-    }
   }
   static Scratch* dir_;
 };

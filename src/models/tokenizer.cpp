@@ -513,6 +513,93 @@ Spans split_gpt2(const std::string& text) {
   return out;
 }
 
+// LLaMA 3's Split regex (max_digits 3; Qwen 2's with 1), by hand,
+// leftmost alternative first as the backtracking regex does:
+// (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
+//  ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+Spans split_llama3(const std::string& text, size_t max_digits) {
+  const auto u = decode_utf8(text);
+  const size_t n = u.cp.size();
+  std::vector<Cls> cls(n);
+  for (size_t i = 0; i < n; ++i) {
+    cls[i] = u.cp[i] == 0xFFFFFFFFu ? Cls::kOther : classify(u.cp[i]);
+  }
+  auto newline = [&](size_t k) { return u.cp[k] == '\r' || u.cp[k] == '\n'; };
+  // (?i): ASCII letters in either case, and U+017F (long s), which
+  // Unicode case folding makes an "s".
+  auto fold = [&](size_t k) -> uint32_t {
+    const uint32_t c = k < n ? u.cp[k] : 0;
+    return c == 0x17F ? 's' : (c < 0x80 ? (c | 0x20) : c);
+  };
+  Spans out;
+  size_t i = 0;
+  while (i < n) {
+    size_t end = i;
+    if (u.cp[i] == '\'' && i + 1 < n) {
+      const uint32_t c1 = fold(i + 1), c2 = fold(i + 2);
+      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
+        end = i + 2;
+      } else if (
+          (c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') ||
+          (c1 == 'l' && c2 == 'l')) {
+        end = i + 3;
+      }
+    }
+    if (end == i) {
+      // [^\r\n\p{L}\p{N}]?\p{L}+: one character of another kind (a
+      // space, a mark, punctuation) may lead the letters.
+      const size_t start = cls[i] != Cls::kLetter && cls[i] != Cls::kNumber &&
+              !newline(i) && i + 1 < n && cls[i + 1] == Cls::kLetter
+          ? i + 1
+          : i;
+      if (cls[start] == Cls::kLetter) {
+        end = start;
+        while (end < n && cls[end] == Cls::kLetter) {
+          ++end;
+        }
+      }
+    }
+    if (end == i && cls[i] == Cls::kNumber) {
+      while (end < n && end - i < max_digits && cls[end] == Cls::kNumber) {
+        ++end;
+      }
+    }
+    if (end == i) {
+      //  ?[^\s\p{L}\p{N}]+[\r\n]*
+      const size_t start =
+          u.cp[i] == ' ' && i + 1 < n && cls[i + 1] == Cls::kOther ? i + 1 : i;
+      if (cls[start] == Cls::kOther) {
+        end = start;
+        while (end < n && cls[end] == Cls::kOther) {
+          ++end;
+        }
+        while (end < n && newline(end)) {
+          ++end;
+        }
+      }
+    }
+    if (end == i) {
+      // Whitespace. \s*[\r\n]+ ends after the run's last line break;
+      // without one, \s+(?!\S) leaves the last character of a run before
+      // a non-space to the next word, and \s+ takes a single one.
+      size_t k = i;
+      size_t last_break = n;
+      while (k < n && cls[k] == Cls::kSpace) {
+        if (newline(k)) {
+          last_break = k;
+        }
+        ++k;
+      }
+      end = last_break < n         ? last_break + 1
+          : (k == n || k - i == 1) ? k
+                                   : k - 1;
+    }
+    out.emplace_back(u.at[i], u.at[end]);
+    i = end;
+  }
+  return out;
+}
+
 // Bloom's Split pre-tokenizer, regex ` ?[^(\s|[.,!?…。，、।۔،])]+` with
 // behaviour "isolated": the matches and the gaps between them. The class
 // is Oniguruma's reading: not whitespace nor any of ( | . , ! ? … 。 ， 、 । ۔
@@ -579,6 +666,14 @@ Spans split_bloom(const std::string& text) {
 // pattern in some files).
 const char* const kGpt2Pattern =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|"
+    "\\s+(?!\\S)|\\s+";
+const char* const kLlama3Pattern =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+    "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+    "\\s+(?!\\S)|\\s+";
+const char* const kQwen2Pattern =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+    "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
     "\\s+(?!\\S)|\\s+";
 const char* const kBloomPattern =
     " ?[^(\\s|[.,!?\xE2\x80\xA6\xE3\x80\x82\xEF\xBC\x8C\xE3\x80\x81"
@@ -785,13 +880,18 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
           : std::string();
       if (split.value("behavior", std::string()) != "Isolated" ||
           split.value("invert", false) ||
-          (regex != kGpt2Pattern && regex != kBloomPattern)) {
+          (regex != kGpt2Pattern && regex != kBloomPattern &&
+           regex != kLlama3Pattern && regex != kQwen2Pattern)) {
         fail(
             f,
             "pre_tokenizer Split \"" + regex +
-                "\" is not supported (GPT-2's or Bloom's regex, isolated)");
+                "\" is not supported (GPT-2's, LLaMA 3's, Qwen 2's or "
+                "Bloom's regex, isolated)");
       }
-      tok.split_ = regex == kGpt2Pattern ? Split::kGpt2 : Split::kBloom;
+      tok.split_ = regex == kGpt2Pattern ? Split::kGpt2
+          : regex == kLlama3Pattern      ? Split::kLlama3
+          : regex == kQwen2Pattern       ? Split::kQwen2
+                                         : Split::kBloom;
     } else if (!sentencepiece) {
       fail(
           f,
@@ -1122,8 +1222,10 @@ void Tokenizer::encode_plain(
     bpe(text, out);
     return;
   }
-  const auto spans =
-      split_ == Split::kGpt2 ? split_gpt2(text) : split_bloom(text);
+  const auto spans = split_ == Split::kGpt2 ? split_gpt2(text)
+      : split_ == Split::kLlama3            ? split_llama3(text, 3)
+      : split_ == Split::kQwen2             ? split_llama3(text, 1)
+                                            : split_bloom(text);
   for (const auto& s : spans) {
     bpe(text.substr(s.first, s.second - s.first), out);
   }

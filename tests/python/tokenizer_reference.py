@@ -1,6 +1,7 @@
 """transformers' / tokenizers' side of tests/test_tokenizer.cpp.
 
     tokenizer_reference.py make DIR
+    tokenizer_reference.py make-split DIR
     tokenizer_reference.py make-sentencepiece DIR
     tokenizer_reference.py check DIR CASES_JSON
     tokenizer_reference.py llama-dir DIR CORPUS
@@ -10,6 +11,11 @@ mixed text and saves it in DIR twice: tokenizer.json, and vocab.json +
 merges.txt; writes DIR/cases.json, a list of {"text", "ids"} with the ids
 transformers' GPT-2 tokenizer (loaded from vocab.json + merges.txt) gives,
 checked against the same tokenizer loaded from tokenizer.json.
+
+make-split: byte-level BPEs with LLaMA 3's and Qwen 2's Split regex (and
+ByteLevel without its own), trained by `tokenizers` on the same text, in
+DIR/llama3 (ignore_merges, a "<|begin_of_text|>" template) and DIR/qwen2,
+each with its cases.json as make-sentencepiece writes them.
 
 make-sentencepiece: trains SentencePiece BPE models (`sentencepiece`, with
 and without byte fallback, with a user-defined and a control symbol) on the
@@ -176,6 +182,82 @@ def write_cases(tok, d):
     return cases
 
 
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+
+SPLIT_CASES = CASES + [
+    "1234567 89 12 3",
+    "Hello\n\n  world\n",
+    "'S 'LL 'Re 'VE 'm 'D 'x",
+    "x\r\ny\r\n\r\n z",
+    "\u017f'\u017f '\u017f",
+    "  \n  \n x  ",
+    "!!!\n\nabc ...\n",
+    "e\u0301a a\u0301b \u0301",
+    "\tab \u00a0nbsp \u3000ideographic",
+    "<|begin_of_text|>hi<|end_of_text|>",
+]
+
+
+def make_split(d):
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors, trainers
+    from tokenizers.models import BPE
+
+    for name, pattern, ignore_merges in (("llama3", LLAMA3_PATTERN, True), ("qwen2", QWEN2_PATTERN, False)):
+        path = os.path.join(d, name)
+        os.makedirs(path, exist_ok=True)
+        tok = Tokenizer(BPE(ignore_merges=ignore_merges))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+        specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+        tok.train_from_iterator(
+            [TRAIN_TEXT] * 3,
+            trainers.BpeTrainer(
+                vocab_size=700,
+                special_tokens=specials,
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                show_progress=False,
+            ),
+        )
+        bos = tok.token_to_id(specials[0])
+        tok.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single=f"{specials[0]} $A" if name == "llama3" else "$A",
+                    pair=f"{specials[0]} $A {specials[0]} $B" if name == "llama3" else "$A $B",
+                    special_tokens=[(specials[0], bos)],
+                ),
+            ]
+        )
+        ref = PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1]
+        )
+        ref.save_pretrained(path)
+        auto = AutoTokenizer.from_pretrained(path)
+        cases = []
+        for text in SPLIT_CASES:
+            ids_special = auto(text)["input_ids"]
+            cases.append(
+                {
+                    "text": text,
+                    "ids": auto(text, add_special_tokens=False)["input_ids"],
+                    "ids_special": ids_special,
+                    "decoded": auto.decode(ids_special),
+                }
+            )
+        with open(os.path.join(path, "cases.json"), "w", encoding="utf-8") as f:
+            json.dump(cases, f, ensure_ascii=False, indent=1)
+
+
 def make_sentencepiece(d):
     from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import BPE
@@ -322,6 +404,8 @@ if __name__ == "__main__":
         make(sys.argv[2])
     elif len(sys.argv) == 4 and sys.argv[1] == "llama-dir":
         llama_dir(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 3 and sys.argv[1] == "make-split":
+        make_split(sys.argv[2])
     elif len(sys.argv) == 3 and sys.argv[1] == "make-sentencepiece":
         make_sentencepiece(sys.argv[2])
     elif len(sys.argv) == 4 and sys.argv[1] == "check":

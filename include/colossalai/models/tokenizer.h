@@ -128,7 +128,7 @@ class Tokenizer {
   Tokenizer() = default;
 
   enum class Kind { kByteLevel, kSentencePiece };
-  enum class Split { kGpt2, kBloom, kNone };
+  enum class Split { kGpt2, kLlama3, kQwen2, kBloom, kNone };
   enum class Prepend { kNever, kFirst, kAlways };
   struct AddedToken {
     std::string content;
