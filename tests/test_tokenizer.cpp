@@ -284,7 +284,29 @@ void expect_equal(const models::Tokenizer& tok, const std::string& dir) {
   }
 }
 
-// LLaMA 3's and Qwen 2's pre-tokenizer regex (byte-level BPE).
+// transformers' AutoTokenizer loads what we saved in `saved` and gives our
+// ids (with and without special tokens) for the texts of `cases_dir`.
+void expect_transformers_agree(
+    const models::Tokenizer& tok,
+    const std::string& saved,
+    const std::string& cases_dir) {
+  nlohmann::json ours = nlohmann::json::array();
+  for (const auto& c : read_sp_cases(cases_dir)) {
+    ours.push_back(
+        {{"text", c.text},
+         {"ids", tok.encode(c.text)},
+         {"ids_special", tok.encode(c.text, true)}});
+  }
+  std::ofstream(saved + "/ours.json") << ours.dump();
+  const auto r = colossalai::testing::run_shell(
+      std::string(kHfPython) + " " + quote(script().string()) + " check " +
+      quote(saved) + " " + quote(saved + "/ours.json"));
+  EXPECT_EQ(r.first, 0) << r.second;
+  std::cout << saved << ": " << r.second;
+}
+
+// LLaMA 3's and Qwen 2's pre-tokenizer regex (byte-level BPE; Qwen 2's
+// with NFC).
 TEST(TokenizerSplit, Llama3AndQwen2EqualTransformers) {
   Scratch dir;
   const auto r = colossalai::testing::run_shell(
@@ -296,6 +318,13 @@ TEST(TokenizerSplit, Llama3AndQwen2EqualTransformers) {
     const auto path = dir.path + "/" + variant;
     const auto tok = models::Tokenizer::from_pretrained(path);
     expect_equal(tok, path);
+    // Saved (tokenizer.json: the regex, NFC, the template), reloaded by us
+    // and by transformers.
+    const auto saved = dir.path + "/saved_" + variant;
+    tok.save_pretrained(saved);
+    EXPECT_TRUE(fs::exists(saved + "/tokenizer.json"));
+    expect_equal(models::Tokenizer::from_pretrained(saved), path);
+    expect_transformers_agree(tok, saved, path);
   }
   // LLaMA 3 groups digits by three, Qwen 2 one by one; bos from the template.
   const auto llama3 = models::Tokenizer::from_pretrained(dir.path + "/llama3");
@@ -384,19 +413,7 @@ TEST_F(SentencePiece, SavedLoadsInTransformers) {
         std::string(variant).rfind("model", 0) == 0);
     const auto reloaded = models::Tokenizer::from_pretrained(dir);
     expect_equal(reloaded, at(variant));
-    nlohmann::json ours = nlohmann::json::array();
-    for (const auto& c : read_sp_cases(at(variant))) {
-      ours.push_back(
-          {{"text", c.text},
-           {"ids", tok.encode(c.text)},
-           {"ids_special", tok.encode(c.text, true)}});
-    }
-    std::ofstream(dir + "/ours.json") << ours.dump();
-    const auto r = colossalai::testing::run_shell(
-        std::string(kHfPython) + " " + quote(script().string()) + " check " +
-        quote(dir) + " " + quote(dir + "/ours.json"));
-    EXPECT_EQ(r.first, 0) << r.second;
-    std::cout << variant << ": " << r.second;
+    expect_transformers_agree(tok, dir, at(variant));
   }
 }
 

@@ -461,15 +461,21 @@ std::vector<std::string> byte_chars(const std::string& bytes) {
 
 using Spans = std::vector<std::pair<size_t, size_t>>;
 
+// Each code point's class (a byte that is not UTF-8: other).
+std::vector<Cls> classes(const CodePoints& u) {
+  std::vector<Cls> cls(u.cp.size());
+  for (size_t i = 0; i < cls.size(); ++i) {
+    cls[i] = u.cp[i] == 0xFFFFFFFFu ? Cls::kOther : classify(u.cp[i]);
+  }
+  return cls;
+}
+
 // 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 // by hand, leftmost alternative first as the backtracking regex does.
 Spans split_gpt2(const std::string& text) {
   const auto u = decode_utf8(text);
   const size_t n = u.cp.size();
-  std::vector<Cls> cls(n);
-  for (size_t i = 0; i < n; ++i) {
-    cls[i] = u.cp[i] == 0xFFFFFFFFu ? Cls::kOther : classify(u.cp[i]);
-  }
+  const auto cls = classes(u);
   Spans out;
   size_t i = 0;
   while (i < n) {
@@ -520,10 +526,7 @@ Spans split_gpt2(const std::string& text) {
 Spans split_llama3(const std::string& text, size_t max_digits) {
   const auto u = decode_utf8(text);
   const size_t n = u.cp.size();
-  std::vector<Cls> cls(n);
-  for (size_t i = 0; i < n; ++i) {
-    cls[i] = u.cp[i] == 0xFFFFFFFFu ? Cls::kOther : classify(u.cp[i]);
-  }
+  const auto cls = classes(u);
   auto newline = [&](size_t k) { return u.cp[k] == '\r' || u.cp[k] == '\n'; };
   // (?i): ASCII letters in either case, and U+017F (long s), which
   // Unicode case folding makes an "s".
@@ -843,13 +846,9 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
       }
     }
     const bool sentencepiece = Reader::is_sentencepiece_json(j);
+    Reader::normalizer(tok, j, f);
     if (sentencepiece) {
       Reader::sentencepiece_pipeline(tok, j, f);
-    } else if (j.contains("normalizer") && !j["normalizer"].is_null()) {
-      fail(
-          f,
-          "a normalizer (" + j["normalizer"].value("type", std::string("?")) +
-              ") is not supported (byte-level BPE has none)");
     }
     // Pre-tokenizer: ByteLevel, or a Sequence of a Split (GPT-2's or
     // Bloom's regex, isolated) and a ByteLevel without its regex.
@@ -1390,79 +1389,6 @@ const std::string& Tokenizer::id_to_token(int64_t id) const {
         std::to_string(tokens_.size()) + " ids)");
   }
   return tokens_[id];
-}
-
-void Tokenizer::save_pretrained(const std::string& dir) const {
-  const fs::path root(dir);
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  if (ec) {
-    fail(root, "cannot be created: " + ec.message());
-  }
-  if (kind_ == Kind::kSentencePiece) {
-    save_sentencepiece(dir);
-    return;
-  }
-  // vocab.json by id, added tokens included (transformers finds their ids
-  // there).
-  ordered_json vocab = ordered_json::object();
-  for (size_t id = 0; id < tokens_.size(); ++id) {
-    if (!tokens_[id].empty()) {
-      vocab[tokens_[id]] = static_cast<int64_t>(id);
-    }
-  }
-  write_whole(root / "vocab.json", vocab.dump(-1, ' ', false) + "\n");
-  std::string merges = "#version: 0.2\n";
-  for (const auto& m : merges_) {
-    merges += m.first + " " + m.second + "\n";
-  }
-  write_whole(root / "merges.txt", merges);
-
-  write_config(dir, "GPT2Tokenizer", {{"add_prefix_space", false}});
-}
-
-std::vector<const Tokenizer::AddedToken*> Tokenizer::added_by_id() const {
-  std::vector<const AddedToken*> sorted;
-  for (const auto& t : added_) {
-    sorted.push_back(&t);
-  }
-  std::sort(sorted.begin(), sorted.end(), [](const auto* x, const auto* y) {
-    return x->id < y->id;
-  });
-  return sorted;
-}
-
-void Tokenizer::write_config(
-    const std::string& dir,
-    const std::string& tokenizer_class,
-    const std::vector<std::pair<std::string, bool>>& flags) const {
-  ordered_json config = ordered_json::object();
-  config["tokenizer_class"] = tokenizer_class;
-  for (const auto& [name, value] : flags) {
-    config[name] = value;
-  }
-  auto special = [&](const std::string& s) {
-    return s.empty() || token_to_id(s) < 0 ? ordered_json(nullptr)
-                                           : ordered_json(s);
-  };
-  config["eos_token"] = special(eos_token_);
-  config["bos_token"] = special(bos_token_);
-  config["unk_token"] = special(unk_token_);
-  config["model_max_length"] = model_max_length_;
-  ordered_json added = ordered_json::object();
-  for (const auto* t : added_by_id()) {
-    added[std::to_string(t->id)] = {
-        {"content", t->content},
-        {"lstrip", t->lstrip},
-        {"normalized", t->normalized},
-        {"rstrip", t->rstrip},
-        {"single_word", false},
-        {"special", t->special}};
-  }
-  config["added_tokens_decoder"] = added;
-  write_whole(
-      fs::path(dir) / "tokenizer_config.json",
-      config.dump(2, ' ', false) + "\n");
 }
 
 } // namespace models

@@ -34,6 +34,16 @@ void write_whole(const fs::path& file, const std::string& text);
 /// AddedToken object ({"content": ...}); "" for null / absent.
 std::string token_content(const json& j);
 
+/// The Split pre-tokenizer regexes we compute, as tokenizer.json spells
+/// them.
+extern const char* const kGpt2Pattern;
+extern const char* const kLlama3Pattern;
+extern const char* const kQwen2Pattern;
+extern const char* const kBloomPattern;
+
+/// U+2581, SentencePiece's space.
+extern const char* const kSpace;
+
 /// The key of the merge (a, b) in Tokenizer::merge_of_.
 std::string merge_key(const std::string& a, const std::string& b);
 
@@ -46,6 +56,10 @@ struct CodePoints {
 CodePoints decode_utf8(const std::string& s);
 void append_utf8(std::string& out, uint32_t cp);
 
+/// Unicode NFC as `tokenizers`' NFC normalizer (src/models/unicode_nfc.cpp);
+/// bytes that are not UTF-8 are kept.
+std::string nfc(const std::string& text);
+
 /// White_Space as `tokenizers`' regexes read \s.
 bool is_white(uint32_t cp);
 
@@ -55,7 +69,9 @@ struct Reader {
   /// Whether tokenizer.json `j` is SentencePiece-style: byte fallback, a
   /// Metaspace pre-tokenizer or a Prepend / Replace normalizer.
   static bool is_sentencepiece_json(const json& j);
-  /// Its normalizer, pre-tokenizer, decoder and BPE flags into `tok`.
+  /// tokenizer.json's normalizer: NFC, SentencePiece's Prepend / Replace.
+  static void normalizer(Tokenizer& tok, const json& j, const fs::path& file);
+  /// Its pre-tokenizer, decoder and BPE flags into `tok`.
   static void sentencepiece_pipeline(
       Tokenizer& tok,
       const json& j,

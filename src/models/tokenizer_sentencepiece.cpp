@@ -37,9 +37,9 @@
 namespace colossalai {
 namespace models {
 namespace tokenizer_detail {
-namespace {
-
 const char* const kSpace = "\xE2\x96\x81"; // U+2581 LOWER ONE EIGHTH BLOCK
+
+namespace {
 
 std::string replace_all(
     std::string s,
@@ -287,19 +287,14 @@ bool Reader::is_sentencepiece_json(const json& j) {
   return false;
 }
 
-void Reader::sentencepiece_pipeline(
-    Tokenizer& tok,
-    const json& j,
-    const fs::path& f) {
-  tok.kind_ = Tokenizer::Kind::kSentencePiece;
-  const auto& model = j["model"];
-  tok.byte_fallback_ = model.value("byte_fallback", false);
-  tok.fuse_unk_ = model.value("fuse_unk", false);
-
+void Reader::normalizer(Tokenizer& tok, const json& j, const fs::path& f) {
   for (const auto& n :
        components(j.value("normalizer", json()), "normalizers")) {
     const auto type = n.value("type", std::string());
-    if (type == "Prepend" && n.value("prepend", std::string()) == kSpace) {
+    if (type == "NFC") {
+      tok.nfc_ = true;
+    } else if (
+        type == "Prepend" && n.value("prepend", std::string()) == kSpace) {
       tok.normalizer_prepend_ = true;
     } else if (
         type == "Replace" && string_pattern(n) == " " &&
@@ -309,11 +304,21 @@ void Reader::sentencepiece_pipeline(
       fail(
           f,
           "normalizer " + n.dump() +
-              " is not supported (SentencePiece-style files: none, or "
+              " is not supported (NFC; for SentencePiece-style files "
               "Prepend(\"\xE2\x96\x81\") and Replace(\" \", "
               "\"\xE2\x96\x81\"))");
     }
   }
+}
+
+void Reader::sentencepiece_pipeline(
+    Tokenizer& tok,
+    const json& j,
+    const fs::path& f) {
+  tok.kind_ = Tokenizer::Kind::kSentencePiece;
+  const auto& model = j["model"];
+  tok.byte_fallback_ = model.value("byte_fallback", false);
+  tok.fuse_unk_ = model.value("fuse_unk", false);
 
   const json pre = j.value("pre_tokenizer", json());
   if (!pre.is_null()) {
@@ -431,7 +436,7 @@ void Reader::post_processor(Tokenizer& tok, const json& p, const fs::path& f) {
 void Reader::llama_pipeline(Tokenizer& tok, const json& config) {
   tok.kind_ = Tokenizer::Kind::kSentencePiece;
   tok.llama_pipeline_ = true;
-  tok.normalizer_prepend_ = tok.normalizer_replace_ = false;
+  tok.nfc_ = tok.normalizer_prepend_ = tok.normalizer_replace_ = false;
   tok.byte_fallback_ = true;
   tok.fuse_unk_ = true;
   tok.unk_id_ = -1;
@@ -596,10 +601,11 @@ void Tokenizer::encode_sentencepiece(
 }
 
 std::string Tokenizer::normalize(const std::string& text) const {
-  if (text.empty() || kind_ != Kind::kSentencePiece) {
-    return text;
+  std::string s = nfc_ ? nfc(text) : text;
+  if (s.empty() || kind_ != Kind::kSentencePiece) {
+    return s;
   }
-  std::string s = normalizer_prepend_ ? kSpace + text : text;
+  s = normalizer_prepend_ ? kSpace + s : s;
   return normalizer_replace_ ? replace_all(std::move(s), " ", kSpace) : s;
 }
 
@@ -626,151 +632,6 @@ std::string Tokenizer::decode_sentencepiece(
     ++strip;
   }
   return out.erase(0, strip);
-}
-
-void Tokenizer::save_sentencepiece(const std::string& dir) const {
-  const fs::path root(dir);
-  ordered_json j = ordered_json::object();
-  j["version"] = "1.0";
-  j["truncation"] = nullptr;
-  j["padding"] = nullptr;
-  ordered_json added = ordered_json::array();
-  for (const auto* t : added_by_id()) {
-    added.push_back(
-        {{"id", t->id},
-         {"content", t->content},
-         {"single_word", false},
-         {"lstrip", t->lstrip},
-         {"rstrip", t->rstrip},
-         {"normalized", t->normalized},
-         {"special", t->special}});
-  }
-  j["added_tokens"] = added;
-
-  ordered_json normalizers = ordered_json::array();
-  if (normalizer_prepend_) {
-    normalizers.push_back({{"type", "Prepend"}, {"prepend", kSpace}});
-  }
-  if (normalizer_replace_) {
-    normalizers.push_back(
-        {{"type", "Replace"},
-         {"pattern", {{"String", " "}}},
-         {"content", kSpace}});
-  }
-  j["normalizer"] = normalizers.empty()
-      ? ordered_json(nullptr)
-      : ordered_json{{"type", "Sequence"}, {"normalizers", normalizers}};
-  j["pre_tokenizer"] = !metaspace_
-      ? ordered_json(nullptr)
-      : ordered_json{
-            {"type", "Metaspace"},
-            {"replacement", kSpace},
-            {"prepend_scheme",
-             prepend_ == Prepend::kAlways      ? "always"
-                 : prepend_ == Prepend::kFirst ? "first"
-                                               : "never"},
-            {"split", metaspace_split_}};
-
-  // TemplateProcessing of the tokens around a sequence (and, as
-  // transformers writes it, around each of a pair).
-  ordered_json single = ordered_json::array(), pair = ordered_json::array();
-  ordered_json specials = ordered_json::object();
-  auto special = [&](int64_t id, int type_id) {
-    const auto& name = id_to_token(id);
-    specials[name] = {
-        {"id", name},
-        {"ids", ordered_json::array({id})},
-        {"tokens", ordered_json::array({name})}};
-    return ordered_json{{"SpecialToken", {{"id", name}, {"type_id", type_id}}}};
-  };
-  auto sequence = [](const char* name, int type_id) {
-    return ordered_json{{"Sequence", {{"id", name}, {"type_id", type_id}}}};
-  };
-  for (const auto id : prefix_ids_) {
-    single.push_back(special(id, 0));
-  }
-  single.push_back(sequence("A", 0));
-  for (const auto id : suffix_ids_) {
-    single.push_back(special(id, 0));
-  }
-  for (int part = 0; part < 2; ++part) {
-    for (const auto id : prefix_ids_) {
-      pair.push_back(special(id, part));
-    }
-    pair.push_back(sequence(part == 0 ? "A" : "B", part));
-    for (const auto id : suffix_ids_) {
-      pair.push_back(special(id, part));
-    }
-  }
-  j["post_processor"] = {
-      {"type", "TemplateProcessing"},
-      {"single", single},
-      {"pair", pair},
-      {"special_tokens", specials}};
-
-  ordered_json decoders = ordered_json::array();
-  if (decode_replace_) {
-    decoders.push_back(
-        {{"type", "Replace"},
-         {"pattern", {{"String", kSpace}}},
-         {"content", " "}});
-  }
-  if (decode_byte_fallback_) {
-    decoders.push_back({{"type", "ByteFallback"}});
-  }
-  decoders.push_back({{"type", "Fuse"}});
-  if (decode_strip_ > 0) {
-    decoders.push_back(
-        {{"type", "Strip"},
-         {"content", " "},
-         {"start", decode_strip_},
-         {"stop", 0}});
-  }
-  j["decoder"] = {{"type", "Sequence"}, {"decoders", decoders}};
-
-  ordered_json vocab = ordered_json::object();
-  for (size_t id = 0; id < tokens_.size(); ++id) {
-    if (!tokens_[id].empty() && vocab_.count(tokens_[id])) {
-      vocab[tokens_[id]] = static_cast<int64_t>(id);
-    }
-  }
-  ordered_json merges = ordered_json::array();
-  for (const auto& m : merges_) {
-    merges.push_back({m.first, m.second});
-  }
-  j["model"] = {
-      {"type", "BPE"},
-      {"dropout", nullptr},
-      {"unk_token",
-       unk_id_ >= 0 ? ordered_json(tokens_[unk_id_]) : ordered_json(nullptr)},
-      {"continuing_subword_prefix", nullptr},
-      {"end_of_word_suffix", nullptr},
-      {"fuse_unk", fuse_unk_},
-      {"byte_fallback", byte_fallback_},
-      {"ignore_merges", ignore_merges_},
-      {"vocab", vocab},
-      {"merges", merges}};
-  write_whole(root / "tokenizer.json", j.dump(1, ' ', false) + "\n");
-  if (!sentencepiece_model_.empty()) {
-    write_whole(root / "tokenizer.model", sentencepiece_model_);
-  }
-
-  // LlamaTokenizer rebuilds its pipeline from its options (legacy,
-  // add_prefix_space) and ignores tokenizer.json's; another pipeline is
-  // kept as written by the generic class.
-  if (llama_pipeline_) {
-    write_config(
-        dir,
-        "LlamaTokenizer",
-        {{"legacy", prepend_ == Prepend::kAlways},
-         {"add_prefix_space", prepend_ != Prepend::kNever},
-         {"clean_up_tokenization_spaces", false}});
-  } else {
-    write_config(
-        dir,
-        "PreTrainedTokenizerFast",
-        {{"clean_up_tokenization_spaces", false}});
-  }
 }
 
 } // namespace models

@@ -14,8 +14,9 @@ checked against the same tokenizer loaded from tokenizer.json.
 
 make-split: byte-level BPEs with LLaMA 3's and Qwen 2's Split regex (and
 ByteLevel without its own), trained by `tokenizers` on the same text, in
-DIR/llama3 (ignore_merges, a "<|begin_of_text|>" template) and DIR/qwen2,
-each with its cases.json as make-sentencepiece writes them.
+DIR/llama3 (ignore_merges, a "<|begin_of_text|>" template) and DIR/qwen2
+(an NFC normalizer, as Qwen 2's), each with its cases.json as
+make-sentencepiece writes them.
 
 make-sentencepiece: trains SentencePiece BPE models (`sentencepiece`, with
 and without byte fallback, with a user-defined and a control symbol) on the
@@ -165,9 +166,9 @@ def train_sentencepiece(model_type, byte_fallback):
     return out.getvalue()
 
 
-def write_cases(tok, d):
+def write_cases(tok, d, texts=None):
     cases = []
-    for text in SENTENCEPIECE_CASES:
+    for text in texts or SENTENCEPIECE_CASES:
         ids_special = tok(text)["input_ids"]
         cases.append(
             {
@@ -199,11 +200,13 @@ SPLIT_CASES = CASES + [
     "e\u0301a a\u0301b \u0301",
     "\tab \u00a0nbsp \u3000ideographic",
     "<|begin_of_text|>hi<|end_of_text|>",
+    "\u212b \u1100\u1161\u11a8 \u0958 \u1e0b\u0323 \u0344 \uf900",
+    "Cafe\u0301 cafe\u0301 CAFE\u0301",
 ]
 
 
 def make_split(d):
-    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
     from tokenizers.models import BPE
 
     for name, pattern, ignore_merges in (("llama3", LLAMA3_PATTERN, True), ("qwen2", QWEN2_PATTERN, False)):
@@ -217,6 +220,8 @@ def make_split(d):
             ]
         )
         tok.decoder = decoders.ByteLevel()
+        if name == "qwen2":
+            tok.normalizer = normalizers.NFC()
         specials = ["<|begin_of_text|>", "<|end_of_text|>"]
         tok.train_from_iterator(
             [TRAIN_TEXT] * 3,
@@ -242,20 +247,7 @@ def make_split(d):
             tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1]
         )
         ref.save_pretrained(path)
-        auto = AutoTokenizer.from_pretrained(path)
-        cases = []
-        for text in SPLIT_CASES:
-            ids_special = auto(text)["input_ids"]
-            cases.append(
-                {
-                    "text": text,
-                    "ids": auto(text, add_special_tokens=False)["input_ids"],
-                    "ids_special": ids_special,
-                    "decoded": auto.decode(ids_special),
-                }
-            )
-        with open(os.path.join(path, "cases.json"), "w", encoding="utf-8") as f:
-            json.dump(cases, f, ensure_ascii=False, indent=1)
+        write_cases(AutoTokenizer.from_pretrained(path), path, SPLIT_CASES)
 
 
 def make_sentencepiece(d):

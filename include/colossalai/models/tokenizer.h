@@ -2,8 +2,10 @@
 
 /// Hugging Face's tokenizers in plain C++ (no LibTorch): the same ids as
 /// transformers' tokenizer for the same files and text.
-///  - Byte-level BPE (GPT-2, OPT, Bloom...; transformers' GPT2Tokenizer,
-///    `tokenizers`' ByteLevel BPE with add_prefix_space=False).
+///  - Byte-level BPE (GPT-2, OPT, Bloom, LLaMA 3, Qwen 2...: transformers'
+///    GPT2Tokenizer, `tokenizers`' ByteLevel BPE with add_prefix_space=False,
+///    with GPT-2's, LLaMA 3's, Qwen 2's or Bloom's split regex and an
+///    optional Unicode NFC normalizer).
 ///  - SentencePiece BPE (LLaMA 1/2, Mistral, ...: transformers'
 ///    LlamaTokenizer): from a SentencePiece `tokenizer.model`, read by our
 ///    own reader of its protobuf (no libsentencepiece), or from the
@@ -24,10 +26,11 @@ struct Reader;
 
 /// Text to ids and back.
 ///
-/// Byte-level BPE: GPT-2's pre-tokenization (contractions, letter / number /
-/// other runs with one leading space, whitespace runs), each word's UTF-8
-/// bytes mapped to GPT-2's printable characters (bytes_to_unicode) and
-/// merged by the merges' ranks.
+/// Byte-level BPE: the text split into words by the file's regex (GPT-2's:
+/// contractions, letter / number / other runs with one leading space,
+/// whitespace runs; LLaMA 3's: digits in threes, line breaks apart; ...),
+/// computed by hand, each word's UTF-8 bytes mapped to GPT-2's printable
+/// characters (bytes_to_unicode) and merged by the merges' ranks.
 ///
 /// SentencePiece BPE (as transformers converts it, NOTE [SentencePiece] in
 /// src/models/tokenizer_sentencepiece.cpp): spaces become "▁", a "▁" is
@@ -56,7 +59,8 @@ struct Reader;
 class Tokenizer {
  public:
   /// A model directory's tokenizer, in transformers' order of preference:
-  /// tokenizer.json (a "BPE" model, byte-level as GPT-2 / OPT / Bloom, or
+  /// tokenizer.json (a "BPE" model, byte-level as GPT-2 / OPT / Bloom /
+  /// LLaMA 3 / Qwen 2 (its NFC normalizer included), or
   /// SentencePiece-style with a Metaspace pre-tokenizer or the legacy
   /// Prepend / Replace normalizer and byte fallback, as LLaMA / Mistral);
   /// vocab.json + merges.txt; a SentencePiece tokenizer.model of model type
@@ -178,7 +182,7 @@ class Tokenizer {
       bool at_start,
       std::vector<int64_t>& out) const;
   std::string decode_sentencepiece(const std::vector<int64_t>& ids) const;
-  void save_sentencepiece(const std::string& dir) const;
+  void save_tokenizer_json(const std::string& dir) const;
 
   std::unordered_map<std::string, int64_t> vocab_;
   std::vector<std::string> tokens_; // by id; "" for an unused id
@@ -196,6 +200,7 @@ class Tokenizer {
   std::vector<int64_t> prefix_ids_, suffix_ids_;
   // SentencePiece: the legacy normalizer (Prepend "▁", Replace " " -> "▁"),
   // the Metaspace pre-tokenizer, the decoder, the BPE model's flags.
+  bool nfc_ = false; // a Unicode NFC normalizer (Qwen 2)
   bool normalizer_prepend_ = false;
   bool normalizer_replace_ = false;
   bool metaspace_ = false;
