@@ -2,7 +2,8 @@
 //
 //   finetune_lm [--model DIR | --config gpt2-tiny|llama-tiny] [--data PATH]
 //               [--plugin none|ddp|zero1|zero2|fsdp|gemini|hybrid]
-//               [--tp N] [--pp N] [--sp N] [--zero N] [--lora R] [--qlora]
+//               [--tp N] [--pp N] [--sp N] [--sp-mode M] [--zero N]
+//               [--lora R] [--qlora]
 //               [--precision fp32|bf16|fp16] [--steps N] [--seq-len T]
 //               [--batch-size B] [--lr X] [--warmup N] [--schedule S]
 //               [--checkpoint DIR] [--save-every N] [--resume] [--out DIR]
@@ -55,6 +56,7 @@ struct Args {
   std::string model_dir, config = "gpt2-tiny", data = kFortunes;
   std::string plugin = "ddp";
   int tp = 1, pp = 1, sp = 1, zero = 0;
+  std::string sp_mode = "all_to_all";
   int lora = 0;
   bool qlora = false;
   std::string precision = "fp32";
@@ -92,7 +94,14 @@ Args parse(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--pp", a.pp, "hybrid: pipeline stages")
       ->capture_default_str();
-  app.add_option("--sp", a.sp, "hybrid: sequence-parallel size (all_to_all)")
+  app.add_option(
+         "--sp", a.sp, "hybrid: sequence-parallel size (all_to_all, ring_attn)")
+      ->capture_default_str();
+  app.add_option(
+         "--sp-mode",
+         a.sp_mode,
+         "hybrid: all_to_all or ring_attn (over --sp ranks), split_gather or "
+         "ring (over the --tp group)")
       ->capture_default_str();
   app.add_option("--zero", a.zero, "hybrid: ZeRO stage (0, 1, 2)")
       ->capture_default_str();
@@ -161,6 +170,18 @@ Args parse(int argc, char** argv) {
       a.tp >= 1 && a.pp >= 1 && a.sp >= 1, "--tp, --pp and --sp must be >= 1");
   TORCH_CHECK(
       a.zero >= 0 && a.zero <= 2, "--zero must be 0, 1 or 2, got ", a.zero);
+  const bool over_tp = a.sp_mode == "split_gather" || a.sp_mode == "ring";
+  TORCH_CHECK(
+      over_tp || a.sp_mode == "all_to_all" || a.sp_mode == "ring_attn",
+      "--sp-mode must be all_to_all, ring_attn, split_gather or ring, got '",
+      a.sp_mode,
+      "'");
+  TORCH_CHECK(
+      !over_tp || (a.sp == 1 && a.tp > 1),
+      "--sp-mode ",
+      a.sp_mode,
+      " splits the sequence over the tensor-parallel group: give --tp > 1 "
+      "and leave --sp at 1");
   TORCH_CHECK(
       a.plugin != "none" || a.nproc == 1,
       "--plugin none trains in one process: use --nproc 1");
@@ -340,7 +361,9 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
   }
   if (a.sp > 1) {
     o.sp_size(a.sp).enable_sequence_parallelism(true).sequence_parallelism_mode(
-        "all_to_all");
+        a.sp_mode);
+  } else if (a.sp_mode == "split_gather" || a.sp_mode == "ring") {
+    o.enable_sequence_parallelism(true).sequence_parallelism_mode(a.sp_mode);
   }
   return {std::make_shared<HybridParallelPlugin>(o), ""};
 }
@@ -634,7 +657,7 @@ int train(const Args& a) {
         a.plugin.c_str(),
         a.plugin == "hybrid"
             ? (" (tp " + std::to_string(a.tp) + ", pp " + std::to_string(a.pp) +
-               ", sp " + std::to_string(a.sp) + ", zero " +
+               ", sp " + std::to_string(a.sp) + " " + a.sp_mode + ", zero " +
                std::to_string(a.zero) + ")")
                   .c_str()
             : "",
