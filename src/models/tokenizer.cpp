@@ -1,5 +1,5 @@
-// Byte-level BPE as Hugging Face's GPT-2 tokenizer; see
-// include/colossalai/models/tokenizer.h.
+// models::Tokenizer: reading a directory, byte-level BPE, encode / decode;
+// see include/colossalai/models/tokenizer.h.
 
 #include <colossalai/models/tokenizer.h>
 
@@ -799,8 +799,8 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
   if (!fs::is_directory(root)) {
     fail(
         root,
-        "no such directory (a tokenizer's tokenizer.json or "
-        "vocab.json + merges.txt)");
+        "no such directory (a tokenizer's tokenizer.json, "
+        "vocab.json + merges.txt or tokenizer.model)");
   }
   // tokenizer_config.json: the special tokens and their added-token
   // entries, model_max_length; for tokenizer.model, LlamaTokenizer's
@@ -850,8 +850,9 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
     if (sentencepiece) {
       Reader::sentencepiece_pipeline(tok, j, f);
     }
-    // Pre-tokenizer: ByteLevel, or a Sequence of a Split (GPT-2's or
-    // Bloom's regex, isolated) and a ByteLevel without its regex.
+    // Byte-level pre-tokenizer: ByteLevel, or a Sequence of a Split (GPT-2's,
+    // LLaMA 3's, Qwen 2's or Bloom's regex, isolated) and a ByteLevel
+    // without its regex.
     const json pre = sentencepiece ? json() : j.value("pre_tokenizer", json());
     auto byte_level = [](const json& p) {
       return p.is_object() && p.value("type", std::string()) == "ByteLevel";

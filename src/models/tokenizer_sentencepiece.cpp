@@ -22,6 +22,11 @@
 //    user-defined pieces non-special ones, matched before all this.
 //  - Decoder: "▁" -> " ", "<0xXX>" runs -> bytes, one leading space
 //    dropped.
+//  - When tokenizer_config.json names LlamaTokenizer, transformers builds
+//    this pipeline over a tokenizer.json's vocabulary, merges, added tokens
+//    and post-processor too, and ignores the file's normalizer,
+//    pre-tokenizer and decoder (LLaMA 2 ships a tokenizer.json with the
+//    older Prepend / Replace normalizer and that class): so do we.
 // Reading the protobuf ourselves instead of linking libsentencepiece keeps
 // the tokenizer free of a second protobuf runtime: Debian's
 // libsentencepiece.so.0 exports the protobuf-lite it carries, and

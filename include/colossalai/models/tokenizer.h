@@ -120,12 +120,14 @@ class Tokenizer {
 
   /// Writes the tokenizer so that transformers'
   /// AutoTokenizer.from_pretrained(dir) loads it with the same ids:
-  /// byte-level BPE as vocab.json + merges.txt (GPT-2's layout) and
-  /// tokenizer_config.json (tokenizer_class "GPT2Tokenizer", the eos / bos /
-  /// unk tokens, model_max_length, the added tokens); SentencePiece BPE as
-  /// tokenizer.json (the whole pipeline), tokenizer_config.json and, when
-  /// read from one, a copy of tokenizer.model. Each file is written whole
-  /// (a temporary file renamed over it). Creates `dir`.
+  /// GPT-2's pipeline (what `train` makes) as vocab.json + merges.txt
+  /// (GPT-2's layout) and tokenizer_config.json (tokenizer_class
+  /// "GPT2Tokenizer", the eos / bos / unk tokens, model_max_length, the
+  /// added tokens); any other (SentencePiece, LLaMA 3's or Qwen 2's regex,
+  /// NFC, a template) as tokenizer.json (the whole pipeline),
+  /// tokenizer_config.json and, when read from one, a copy of
+  /// tokenizer.model. Each file is written whole (a temporary file renamed
+  /// over it). Creates `dir`.
   void save_pretrained(const std::string& dir) const;
 
  private:
