@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <queue>
 #include <sstream>
 #include <stdexcept>
 #include <tuple>
@@ -1178,33 +1179,71 @@ void Tokenizer::bpe(const std::string& word, std::vector<int64_t>& out) const {
   }
 }
 
-// The lowest-ranked adjacent pair is merged, every occurrence left to
-// right, until no pair has a rank.
+// The lowest-ranked adjacent pair is merged (the leftmost of equal rank),
+// until no pair has a rank.
 void Tokenizer::merge_symbols(std::vector<std::string>& symbols) const {
-  while (symbols.size() > 1) {
-    int64_t best = -1;
-    for (size_t k = 0; k + 1 < symbols.size(); ++k) {
-      const auto it = merge_of_.find(merge_key(symbols[k], symbols[k + 1]));
-      if (it != merge_of_.end() && (best < 0 || it->second.rank < best)) {
-        best = it->second.rank;
-      }
-    }
-    if (best < 0) {
-      break;
-    }
-    const auto& [a, b] = merges_[best];
-    std::vector<std::string> next;
-    next.reserve(symbols.size());
-    for (size_t k = 0; k < symbols.size(); ++k) {
-      if (k + 1 < symbols.size() && symbols[k] == a && symbols[k + 1] == b) {
-        next.push_back(a + b);
-        ++k;
-      } else {
-        next.push_back(std::move(symbols[k]));
-      }
-    }
-    symbols = std::move(next);
+  const size_t n = symbols.size();
+  if (n < 2) {
+    return;
   }
+  // The symbols as a linked list; candidate pairs in a heap by (rank,
+  // position), as `tokenizers` merges a word: O(n log n) where rescanning
+  // the word after each merge is quadratic (a SentencePiece text is one
+  // word).
+  constexpr size_t kNone = static_cast<size_t>(-1);
+  std::vector<size_t> prev(n), next(n);
+  std::vector<uint32_t> version(n, 0);
+  for (size_t k = 0; k < n; ++k) {
+    prev[k] = k == 0 ? kNone : k - 1;
+    next[k] = k + 1 == n ? kNone : k + 1;
+  }
+  struct Candidate {
+    int64_t rank;
+    size_t left, right;
+    uint32_t left_version, right_version;
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : left > o.left;
+    }
+  };
+  std::
+      priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>>
+          heap;
+  auto offer = [&](size_t left, size_t right) {
+    if (left == kNone || right == kNone) {
+      return;
+    }
+    const auto it = merge_of_.find(merge_key(symbols[left], symbols[right]));
+    if (it != merge_of_.end()) {
+      heap.push({it->second.rank, left, right, version[left], version[right]});
+    }
+  };
+  for (size_t k = 0; k + 1 < n; ++k) {
+    offer(k, k + 1);
+  }
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    // Stale: a side merged since (or merged away).
+    if (next[c.left] != c.right || version[c.left] != c.left_version ||
+        version[c.right] != c.right_version) {
+      continue;
+    }
+    symbols[c.left] += symbols[c.right];
+    ++version[c.left];
+    ++version[c.right]; // merged away
+    next[c.left] = next[c.right];
+    if (next[c.right] != kNone) {
+      prev[next[c.right]] = c.left;
+    }
+    next[c.right] = kNone;
+    offer(prev[c.left], c.left);
+    offer(c.left, next[c.left]);
+  }
+  std::vector<std::string> merged;
+  for (size_t k = 0; k != kNone; k = next[k]) {
+    merged.push_back(std::move(symbols[k]));
+  }
+  symbols = std::move(merged);
 }
 
 void Tokenizer::encode_plain(
