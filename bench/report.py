@@ -6,8 +6,8 @@ results folder.
 Reads whatever is there (collectives_n*.json, ddp_step_*.json,
 torch_ddp_step_*.json, zero_step_n*.json, hybrid_adam.json,
 checkpoint_io.json, gemini_budget.json, hybrid_step_n*.json,
-pipeline_step_n*.json, lora_step.json, qlora.json, run.json) and skips the
-sections it has no data for.
+pipeline_step_n*.json, lora_step.json, qlora.json, tokenizer.json,
+run.json) and skips the sections it has no data for.
 Plots need matplotlib (Debian: python3-matplotlib); without it the report has
 tables only.
 """
@@ -55,6 +55,10 @@ def fmt_bytes(b):
 
 def ms(s):
     return f"{s['median']:.0f} ({s['p10']:.0f}-{s['p90']:.0f})"
+
+
+def seconds(s):
+    return f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})"
 
 
 def zero_formula(setup, psi, n, given=None):
@@ -947,6 +951,31 @@ class Report:
                    [[k["name"], f"{k['ms']['median']:.2f}",
                      f"{k['gb_per_s']:.2f}"] for k in d["dequantize"]])
 
+    def tokenizer(self):
+        path = os.path.join(self.dir, "tokenizer.json")
+        if not os.path.exists(path):
+            return
+        d = load(path)
+        self.add("## Tokenizers: models::Tokenizer vs transformers", "")
+        self.add(f"Encode of {d['corpus_bytes']:,} bytes of Debian's fortunes "
+                 "as one text (no special tokens), one thread each, by four "
+                 "tokenizers the Python libraries trained on it and "
+                 "transformers saved: GPT-2's byte-level pipeline, LLaMA 3's "
+                 "and Qwen 2's split regex (Qwen 2 with NFC), and a "
+                 "SentencePiece BPE read from tokenizer.model. Ours and "
+                 "transformers' `tokenizers` backend alternate round by round "
+                 f"({d['rounds']} rounds); seconds are medians (p10-p90), the "
+                 "ratio is the median of the per-round ratios; *equal* "
+                 "compares the ids (count and hash).", "")
+        self.table(["tokenizer", "vocab", "ids", "equal", "ours s",
+                    "transformers s", "ours MB/s", "transformers / ours"],
+                   [[t["name"], f"{t['vocab']:,}", f"{t['ids']:,}",
+                     "yes" if t["ids_equal"] else "NO",
+                     seconds(t["ours_s"]), seconds(t["transformers_s"]),
+                     f"{d['corpus_bytes'] / 1e6 / t['ours_s']['median']:.2f}",
+                     f"{t['transformers_over_ours']['median']:.2f}x"]
+                    for t in d["tokenizers"]])
+
     def write(self):
         self.header()
         self.steps()
@@ -960,6 +989,7 @@ class Report:
         self.pipeline_step()
         self.lora_step()
         self.qlora()
+        self.tokenizer()
         self.add("## Reproduce", "",
                  "```sh",
                  "bench/run            # full suite; bench/run --quick for a short one",

@@ -744,13 +744,8 @@ std::string token_content(const json& j) {
   return "";
 }
 
-std::string merge_key(const std::string& a, const std::string& b) {
-  std::string key;
-  key.reserve(a.size() + b.size() + 1);
-  key += a;
-  key += '\xff'; // never in UTF-8
-  key += b;
-  return key;
+uint64_t pair_key(int64_t a, int64_t b) {
+  return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b);
 }
 
 } // namespace tokenizer_detail
@@ -768,9 +763,8 @@ void Tokenizer::add_token(const std::string& token, int64_t id) {
 }
 
 void Tokenizer::add_merge(const std::string& a, const std::string& b) {
-  const auto it = vocab_.find(a + b);
-  merge_of_[merge_key(a, b)] =
-      Merge{static_cast<int64_t>(merges_.size()), it->second};
+  merge_of_[pair_key(vocab_.at(a), vocab_.at(b))] =
+      Merge{static_cast<int64_t>(merges_.size()), vocab_.at(a + b)};
   merges_.emplace_back(a, b);
 }
 
@@ -1156,11 +1150,11 @@ Tokenizer Tokenizer::train(const std::string& text, int64_t vocab_size) {
 
 // One word (its raw bytes) through byte-level BPE.
 void Tokenizer::bpe(const std::string& word, std::vector<int64_t>& out) const {
-  auto symbols = byte_chars(word);
+  const auto& bm = byte_map();
   if (ignore_merges_) {
     std::string whole;
-    for (const auto& s : symbols) {
-      whole += s;
+    for (const char c : word) {
+      whole += bm.to_char[static_cast<unsigned char>(c)];
     }
     const auto it = vocab_.find(whole);
     if (it != vocab_.end()) {
@@ -1168,11 +1162,16 @@ void Tokenizer::bpe(const std::string& word, std::vector<int64_t>& out) const {
       return;
     }
   }
-  merge_symbols(symbols);
-  for (const auto& s : symbols) {
-    const auto it = vocab_.find(s);
-    if (it != vocab_.end()) {
-      out.push_back(it->second);
+  std::vector<int64_t> ids;
+  ids.reserve(word.size());
+  for (const char c : word) {
+    const auto it = vocab_.find(bm.to_char[static_cast<unsigned char>(c)]);
+    ids.push_back(it != vocab_.end() ? it->second : -1);
+  }
+  merge_symbols(ids);
+  for (const int64_t id : ids) {
+    if (id >= 0) {
+      out.push_back(id);
     } else if (unk_id_ >= 0) {
       out.push_back(unk_id_); // `tokenizers` drops it without an unk token
     }
@@ -1180,16 +1179,16 @@ void Tokenizer::bpe(const std::string& word, std::vector<int64_t>& out) const {
 }
 
 // The lowest-ranked adjacent pair is merged (the leftmost of equal rank),
-// until no pair has a rank.
-void Tokenizer::merge_symbols(std::vector<std::string>& symbols) const {
-  const size_t n = symbols.size();
+// until no pair has a rank. Symbols are ids (-1: not in the vocabulary,
+// merges with nothing). The symbols are a linked list and the candidate
+// pairs a heap by (rank, position), as `tokenizers` merges a word:
+// O(n log n) where rescanning the word after each merge is quadratic (a
+// SentencePiece text is one word).
+void Tokenizer::merge_symbols(std::vector<int64_t>& ids) const {
+  const size_t n = ids.size();
   if (n < 2) {
     return;
   }
-  // The symbols as a linked list; candidate pairs in a heap by (rank,
-  // position), as `tokenizers` merges a word: O(n log n) where rescanning
-  // the word after each merge is quadratic (a SentencePiece text is one
-  // word).
   constexpr size_t kNone = static_cast<size_t>(-1);
   std::vector<size_t> prev(n), next(n);
   std::vector<uint32_t> version(n, 0);
@@ -1205,14 +1204,12 @@ void Tokenizer::merge_symbols(std::vector<std::string>& symbols) const {
       return rank != o.rank ? rank > o.rank : left > o.left;
     }
   };
-  std::
-      priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>>
-          heap;
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
   auto offer = [&](size_t left, size_t right) {
-    if (left == kNone || right == kNone) {
+    if (left == kNone || right == kNone || ids[left] < 0 || ids[right] < 0) {
       return;
     }
-    const auto it = merge_of_.find(merge_key(symbols[left], symbols[right]));
+    const auto it = merge_of_.find(pair_key(ids[left], ids[right]));
     if (it != merge_of_.end()) {
       heap.push({it->second.rank, left, right, version[left], version[right]});
     }
@@ -1228,7 +1225,7 @@ void Tokenizer::merge_symbols(std::vector<std::string>& symbols) const {
         version[c.right] != c.right_version) {
       continue;
     }
-    symbols[c.left] += symbols[c.right];
+    ids[c.left] = merge_of_.at(pair_key(ids[c.left], ids[c.right])).id;
     ++version[c.left];
     ++version[c.right]; // merged away
     next[c.left] = next[c.right];
@@ -1239,11 +1236,11 @@ void Tokenizer::merge_symbols(std::vector<std::string>& symbols) const {
     offer(prev[c.left], c.left);
     offer(c.left, next[c.left]);
   }
-  std::vector<std::string> merged;
+  size_t out = 0;
   for (size_t k = 0; k != kNone; k = next[k]) {
-    merged.push_back(std::move(symbols[k]));
+    ids[out++] = ids[k];
   }
-  symbols = std::move(merged);
+  ids.resize(out);
 }
 
 void Tokenizer::encode_plain(

@@ -44,8 +44,8 @@ extern const char* const kBloomPattern;
 /// U+2581, SentencePiece's space.
 extern const char* const kSpace;
 
-/// The key of the merge (a, b) in Tokenizer::merge_of_.
-std::string merge_key(const std::string& a, const std::string& b);
+/// The key of the merge of ids (a, b) in Tokenizer::merge_of_.
+uint64_t pair_key(int64_t a, int64_t b);
 
 /// The code points of a text: each one's value (0xFFFFFFFF for a byte that
 /// is not valid UTF-8, kept as a byte), and where its bytes start.

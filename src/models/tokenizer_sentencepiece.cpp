@@ -46,15 +46,22 @@ const char* const kSpace = "\xE2\x96\x81"; // U+2581 LOWER ONE EIGHTH BLOCK
 
 namespace {
 
+// One pass (replacing in place would move the tail at each match).
 std::string replace_all(
-    std::string s,
+    const std::string& s,
     const std::string& from,
     const std::string& to) {
-  for (size_t at = s.find(from); at != std::string::npos;
-       at = s.find(from, at + to.size())) {
-    s.replace(at, from.size(), to);
+  std::string out;
+  out.reserve(s.size() + s.size() / 4);
+  size_t at = 0;
+  for (size_t hit = s.find(from); hit != std::string::npos;
+       hit = s.find(from, at)) {
+    out.append(s, at, hit - at);
+    out += to;
+    at = hit + from.size();
   }
-  return s;
+  out.append(s, at, std::string::npos);
+  return out;
 }
 
 std::string byte_piece(unsigned char b) {
@@ -536,39 +543,35 @@ void Tokenizer::sentencepiece_bpe(
     const std::string& word,
     std::vector<int64_t>& out) const {
   const auto u = decode_utf8(word);
-  std::vector<std::string> symbols;
-  symbols.reserve(u.cp.size());
+  std::vector<int64_t> ids; // -1: unknown (becomes the unk token)
+  ids.reserve(u.cp.size());
   for (size_t k = 0; k < u.cp.size(); ++k) {
-    auto ch = word.substr(u.at[k], u.at[k + 1] - u.at[k]);
-    if (vocab_.count(ch)) {
-      symbols.push_back(std::move(ch));
+    const auto ch = word.substr(u.at[k], u.at[k + 1] - u.at[k]);
+    const auto it = vocab_.find(ch);
+    if (it != vocab_.end()) {
+      ids.push_back(it->second);
       continue;
     }
-    std::vector<std::string> bytes;
+    const size_t before = ids.size();
     for (const char c : byte_fallback_ ? ch : std::string()) {
-      auto b = byte_piece(static_cast<unsigned char>(c));
-      if (!vocab_.count(b)) {
-        bytes.clear();
+      const auto b = vocab_.find(byte_piece(static_cast<unsigned char>(c)));
+      if (b == vocab_.end()) {
+        ids.resize(before);
         break;
       }
-      bytes.push_back(std::move(b));
+      ids.push_back(b->second);
     }
-    if (bytes.empty()) {
-      if (unk_id_ >= 0) {
-        symbols.push_back(std::move(ch)); // becomes unk
-      } // else dropped before merging, as `tokenizers` does
-    } else {
-      symbols.insert(symbols.end(), bytes.begin(), bytes.end());
-    }
+    if (ids.size() == before && unk_id_ >= 0) {
+      ids.push_back(-1);
+    } // else dropped before merging, as `tokenizers` does
   }
-  merge_symbols(symbols);
+  merge_symbols(ids);
   bool last_unknown = false;
-  for (const auto& s : symbols) {
-    const auto it = vocab_.find(s);
-    if (it != vocab_.end()) {
-      out.push_back(it->second);
+  for (const int64_t id : ids) {
+    if (id >= 0) {
+      out.push_back(id);
       last_unknown = false;
-    } else { // only kept above with an unk token
+    } else {
       if (!(fuse_unk_ && last_unknown)) {
         out.push_back(unk_id_);
       }

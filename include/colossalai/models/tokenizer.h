@@ -158,7 +158,7 @@ class Tokenizer {
   void add_merge(const std::string& a, const std::string& b);
   void add_special(const std::string& content, bool special = true);
   void bpe(const std::string& word, std::vector<int64_t>& out) const;
-  void merge_symbols(std::vector<std::string>& symbols) const;
+  void merge_symbols(std::vector<int64_t>& ids) const;
   std::vector<Span> split_added(const std::string& text, bool normalized) const;
   std::string normalize(const std::string& text) const;
   void encode_plain(
@@ -189,7 +189,7 @@ class Tokenizer {
   std::unordered_map<std::string, int64_t> vocab_;
   std::vector<std::string> tokens_; // by id; "" for an unused id
   std::vector<std::pair<std::string, std::string>> merges_; // by rank
-  std::unordered_map<std::string, Merge> merge_of_; // "a\xff" "b" -> merge
+  std::unordered_map<uint64_t, Merge> merge_of_; // (id a, id b) -> merge
   std::vector<AddedToken> added_;
   std::unordered_map<int64_t, size_t> added_of_id_;
   Kind kind_ = Kind::kByteLevel;
