@@ -175,7 +175,8 @@ int main(int argc, char** argv) {
          static_cast<int64_t>(ids.size()),
          fnv(ids)});
     rows.back().vocab = rows.back().tok.vocab_size();
-    dirs += " " + quote(dir);
+    dirs += ' ';
+    dirs += quote(dir);
   }
 
   for (int r = 0; r < rounds; ++r) {
