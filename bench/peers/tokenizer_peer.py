@@ -15,8 +15,9 @@ deterministic) and saved as transformers loads them, each in WORK/<name>:
 encode: for each DIR, loads the tokenizer with AutoTokenizer, encodes
 CORPUS once to warm up, then once timed through the `tokenizers` backend
 (encode of one string, no special tokens, as bench_tokenizer times ours);
-prints one JSON line {dir: {"seconds", "ids", "fnv"}} (fnv: FNV-1a 64 of
-the ids as little-endian int64, to compare with ours).
+prints one JSON line {"versions": {...}, "results": {dir: {"seconds", "ids",
+"fnv"}}} (fnv: FNV-1a 64 of the ids as little-endian int64, to compare with
+ours).
 """
 
 import io
@@ -117,7 +118,11 @@ def encode(corpus, dirs):
         ids = backend.encode(text, add_special_tokens=False).ids
         seconds = time.perf_counter() - t0
         result[d] = {"seconds": seconds, "ids": len(ids), "fnv": str(fnv(ids))}
-    print(json.dumps(result))
+    import tokenizers
+    import transformers
+
+    versions = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+    print(json.dumps({"versions": versions, "results": result}))
 
 
 if __name__ == "__main__":
