@@ -966,7 +966,11 @@ class Report:
                  "transformers' `tokenizers` backend alternate round by round "
                  f"({d['rounds']} rounds); seconds are medians (p10-p90), the "
                  "ratio is the median of the per-round ratios; *equal* "
-                 "compares the ids (count and hash).", "")
+                 "compares the ids (count and hash). Peer: transformers "
+                 f"{d['peer'].get('transformers', '?')}, tokenizers "
+                 f"{d['peer'].get('tokenizers', '?')}. Ours makes ids only; "
+                 "`tokenizers` also tracks offsets, and would spread a batch "
+                 "of texts over threads.", "")
         self.table(["tokenizer", "vocab", "ids", "equal", "ours s",
                     "transformers s", "ours MB/s", "transformers / ours"],
                    [[t["name"], f"{t['vocab']:,}", f"{t['ids']:,}",

@@ -179,6 +179,7 @@ int main(int argc, char** argv) {
     dirs += quote(dir);
   }
 
+  nlohmann::json versions;
   for (int r = 0; r < rounds; ++r) {
     for (auto& row : rows) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -191,8 +192,9 @@ int main(int argc, char** argv) {
     const auto j = nlohmann::json::parse(run(
         "TOKENIZERS_PARALLELISM=false " + quote(python) + " " + quote(peer) +
         " encode " + quote(corpus_file) + dirs + " 2>/dev/null"));
+    versions = j.at("versions");
     for (auto& row : rows) {
-      const auto& p = j.at(work + "/" + row.name);
+      const auto& p = j.at("results").at(work + "/" + row.name);
       row.theirs.push_back(p.at("seconds").get<double>());
       row.ratio.push_back(row.theirs.back() / row.ours.back());
       row.equal = row.equal && p.at("ids").get<int64_t>() == row.ids &&
@@ -210,6 +212,7 @@ int main(int argc, char** argv) {
       "ours MB/s | transformers / ours |\n|---|---|---|---|---|---|---|---|\n");
   std::ostringstream js;
   js << "{\n  \"machine\": " << colossalai::bench::machine_json()
+     << ",\n  \"peer\": " << versions.dump()
      << ",\n  \"corpus_bytes\": " << text.size()
      << ",\n  \"rounds\": " << rounds << ",\n  \"tokenizers\": [";
   for (size_t k = 0; k < rows.size(); ++k) {
