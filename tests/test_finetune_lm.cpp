@@ -2,9 +2,9 @@
 // ranks under HybridParallel tp 2 (through `colossalai run`) and ZeRO-2
 // whose loss falls and which write their plot and a model transformers
 // reads; a LLaMA directory whose only tokenizer is a SentencePiece
-// tokenizer.model fine-tunes and saves a tokenizer transformers reads with
-// the same ids; a run resumed from its checkpoint equals the straight run;
-// bad options are named.
+// tokenizer.model, and a Qwen 2 directory (NFC, its split regex), fine-tune
+// and save a tokenizer transformers reads with the same ids; a run resumed
+// from its checkpoint equals the straight run; bad options are named.
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
@@ -166,11 +166,15 @@ TEST(FinetuneLm, Zero2LossFallsAndResumeEqualsTheStraightRun) {
   }
 }
 
-// A LLaMA directory transformers wrote whose tokenizer is a SentencePiece
-// tokenizer.model only (as many LLaMA / Mistral checkpoints): it trains,
-// and the saved model's tokenizer gives transformers' ids (bos first) for
-// the corpus, as the source directory's does.
-TEST(FinetuneLm, SentencePieceLlamaDirectoryTrains) {
+// A directory tokenizer_reference.py's `maker` writes (a transformers
+// model and tokenizer) fine-tuned with `args`: it trains, and transformers
+// reads the saved model's tokenizer with the source's ids for the corpus
+// (`first` the first id, -1: any).
+void expect_transformers_dir_trains(
+    const std::string& maker,
+    const std::string& args,
+    const std::string& tokenizer_file,
+    int first) {
   if (corpus().empty()) {
     GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
   }
@@ -180,27 +184,40 @@ TEST(FinetuneLm, SentencePieceLlamaDirectoryTrains) {
           .string();
   const std::string py = COLOSSALAI_TEST_HF_PYTHON;
   const auto made = colossalai::testing::run_shell(
-      py + " '" + script + "' llama-dir '" + dir.path + "/llama' '" + corpus() +
-      "' 2>&1");
+      py + " '" + script + "' " + maker + " '" + dir.path + "/src' '" +
+      corpus() + "' 2>&1");
   ASSERT_EQ(made.first, 0) << made.second;
-  ASSERT_FALSE(fs::exists(dir.path + "/llama/tokenizer.json"));
   const auto r =
-      run(std::string(" --nproc 2 --plugin zero2") + kSmall + "--model '" +
-          dir.path + "/llama' --out " + dir.path + "/out --checkpoint " +
-          dir.path + "/ckpt");
+      run(args + kSmall + "--model '" + dir.path + "/src' --out " + dir.path +
+          "/out --checkpoint " + dir.path + "/ckpt");
   expect_trains(r, dir.path + "/out");
-  EXPECT_TRUE(fs::exists(dir.path + "/out/model/tokenizer.model"));
+  EXPECT_TRUE(fs::exists(dir.path + "/out/model/" + tokenizer_file));
   const auto same = colossalai::testing::run_shell(
       py +
       " -c \"import sys; from transformers import AutoTokenizer; "
       "a = AutoTokenizer.from_pretrained(sys.argv[1]); "
       "b = AutoTokenizer.from_pretrained(sys.argv[2]); "
-      "text = open(sys.argv[3]).read()[:20000]; "
-      "x, y = a(text).input_ids, b(text).input_ids; "
-      "print(len(x), x[:3]); sys.exit(0 if x == y and x[0] == 1 else 1)\" '" +
-      dir.path + "/llama' '" + dir.path + "/out/model' '" + corpus() +
-      "' 2>&1");
+      "text = open(sys.argv[3]).read()[:20000] + ' Cafe\u0301'; "
+      "x, y = a(text).input_ids, b(text).input_ids; first = int(sys.argv[4]); "
+      "print(len(x), x[:3]); "
+      "sys.exit(0 if x == y and first in (-1, x[0]) else 1)\" '" +
+      dir.path + "/src' '" + dir.path + "/out/model' '" + corpus() + "' " +
+      std::to_string(first) + " 2>&1");
   EXPECT_EQ(same.first, 0) << same.second;
+}
+
+// A LLaMA directory whose tokenizer is a SentencePiece tokenizer.model only
+// (as many LLaMA / Mistral checkpoints), under ZeRO-2: bos first.
+TEST(FinetuneLm, SentencePieceLlamaDirectoryTrains) {
+  expect_transformers_dir_trains(
+      "llama-dir", " --nproc 2 --plugin zero2", "tokenizer.model", 1);
+}
+
+// A Qwen 2 directory (tokenizer.json with NFC and Qwen 2's split regex,
+// tied embeddings) under HybridParallel tp 2.
+TEST(FinetuneLm, Qwen2DirectoryTrainsWithTensorParallelism) {
+  expect_transformers_dir_trains(
+      "qwen2-dir", " --nproc 2 --plugin hybrid --tp 2", "tokenizer.json", -1);
 }
 
 TEST(FinetuneLm, BadOptionsAreNamed) {

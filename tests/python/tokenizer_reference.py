@@ -5,6 +5,7 @@
     tokenizer_reference.py make-sentencepiece DIR
     tokenizer_reference.py check DIR CASES_JSON
     tokenizer_reference.py llama-dir DIR CORPUS
+    tokenizer_reference.py qwen2-dir DIR CORPUS
 
 make: trains a `tokenizers` ByteLevelBPETokenizer (vocab 600) on a built-in
 mixed text and saves it in DIR twice: tokenizer.json, and vocab.json +
@@ -44,6 +45,11 @@ llama-dir: a LLaMA directory as transformers writes one, with a
 SentencePiece BPE (vocab 512, byte fallback) trained on CORPUS as its only
 tokenizer file (tokenizer.model, add_bos_token) and a small random
 LlamaForCausalLM (seeded) for it.
+
+qwen2-dir: a Qwen 2 directory: a byte-level BPE (vocab 512) with Qwen 2's
+pipeline (NFC, its split regex) trained on CORPUS by `tokenizers`, saved by
+transformers as tokenizer.json, and a small random Qwen2ForCausalLM with
+tied embeddings.
 
 check: loads the tokenizer the C++ side saved in DIR with AutoTokenizer and
 compares its ids with CASES_JSON's (the C++ encode; "ids_special" too where
@@ -371,6 +377,49 @@ def llama_dir(d, corpus):
     LlamaForCausalLM(config).save_pretrained(d)
 
 
+def qwen2_dir(d, corpus):
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with open(corpus, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    tok = Tokenizer(BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        [text],
+        trainers.BpeTrainer(
+            vocab_size=512,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(d)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(d)
+
+
 def check(d, cases_json):
     tok = AutoTokenizer.from_pretrained(d)
     with open(cases_json, encoding="utf-8") as f:
@@ -396,6 +445,8 @@ if __name__ == "__main__":
         make(sys.argv[2])
     elif len(sys.argv) == 4 and sys.argv[1] == "llama-dir":
         llama_dir(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 4 and sys.argv[1] == "qwen2-dir":
+        qwen2_dir(sys.argv[2], sys.argv[3])
     elif len(sys.argv) == 3 and sys.argv[1] == "make-split":
         make_split(sys.argv[2])
     elif len(sys.argv) == 3 and sys.argv[1] == "make-sentencepiece":
