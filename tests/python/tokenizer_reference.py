@@ -211,33 +211,52 @@ SPLIT_CASES = CASES + [
 ]
 
 
-def make_split(d):
-    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
+def split_bpe(pattern, nfc, texts, vocab_size, specials, ignore_merges=False):
+    """A byte-level BPE with a Split regex (and NFC), trained on `texts`."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
     from tokenizers.models import BPE
+
+    tok = Tokenizer(BPE(ignore_merges=ignore_merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    return tok
+
+
+# The small random models of llama-dir and qwen2-dir.
+TINY_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def make_split(d):
+    from tokenizers import processors
 
     for name, pattern, ignore_merges in (("llama3", LLAMA3_PATTERN, True), ("qwen2", QWEN2_PATTERN, False)):
         path = os.path.join(d, name)
         os.makedirs(path, exist_ok=True)
-        tok = Tokenizer(BPE(ignore_merges=ignore_merges))
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        tok.decoder = decoders.ByteLevel()
-        if name == "qwen2":
-            tok.normalizer = normalizers.NFC()
         specials = ["<|begin_of_text|>", "<|end_of_text|>"]
-        tok.train_from_iterator(
-            [TRAIN_TEXT] * 3,
-            trainers.BpeTrainer(
-                vocab_size=700,
-                special_tokens=specials,
-                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                show_progress=False,
-            ),
-        )
+        tok = split_bpe(pattern, name == "qwen2", [TRAIN_TEXT] * 3, 700, specials, ignore_merges)
         bos = tok.token_to_id(specials[0])
         tok.post_processor = processors.Sequence(
             [
@@ -363,59 +382,21 @@ def llama_dir(d, corpus):
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": True}, f)
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = LlamaConfig(vocab_size=512, bos_token_id=1, eos_token_id=2, **TINY_MODEL)
     LlamaForCausalLM(config).save_pretrained(d)
 
 
 def qwen2_dir(d, corpus):
     import torch
-    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
-    from tokenizers.models import BPE
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     with open(corpus, encoding="utf-8", errors="replace") as f:
         text = f.read()
-    tok = Tokenizer(BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        [text],
-        trainers.BpeTrainer(
-            vocab_size=512,
-            special_tokens=["<|endoftext|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
+    tok = split_bpe(QWEN2_PATTERN, True, [text], 512, ["<|endoftext|>"])
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(d)
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=0,
+        vocab_size=tok.get_vocab_size(), tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, **TINY_MODEL
     )
     Qwen2ForCausalLM(config).save_pretrained(d)
 
