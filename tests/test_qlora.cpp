@@ -684,6 +684,30 @@ TEST(Qlora, MisuseNamesTheProblem) {
         q::quantize_model(*m, nf4_fp32());
       },
       "nothing to quantize");
+  {
+    // A QLoRA call that fails leaves the model as it was: no adapters, and
+    // a later call works.
+    cb::Booster booster;
+    auto m = gpt2(1);
+    const auto before = params_of(*m);
+    has(
+        [&] {
+          booster.enable_lora(
+              m,
+              "",
+              lora_config(),
+              nf4_fp32().skip_modules({"transformer", "lm_head"}),
+              true);
+        },
+        "nothing to quantize");
+    const auto after = params_of(*m);
+    EXPECT_EQ(after.size(), before.size());
+    for (const auto& [name, p] : after) {
+      EXPECT_EQ(name.find("lora"), std::string::npos) << name;
+    }
+    EXPECT_NO_THROW(
+        booster.enable_lora(m, "", lora_config(), nf4_fp32(), true));
+  }
 }
 
 // Memory: what a quantized base holds per parameter, against the formula

@@ -251,7 +251,8 @@ std::shared_ptr<lora::LoraModel> Booster::enable_lora_module(
                               .bnb_4bit_use_double_quant(true)
                               .bnb_4bit_compute_dtype(at::kBFloat16));
   if (quantize) {
-    qconfig.validate(); // before anything changes
+    // Before anything changes: a failed call leaves the model as it was.
+    quantization::quantizable_modules(*model, qconfig);
   }
   TORCH_CHECK(
       !boosted_.count(model.get()),

@@ -44,7 +44,7 @@ void for_each_linear(torch::nn::Module& model, F&& f) {
 
 } // namespace
 
-std::vector<std::string> quantize_model(
+std::vector<std::string> quantizable_modules(
     torch::nn::Module& model,
     const BnbQuantizationConfig& config) {
   config.validate();
@@ -55,7 +55,7 @@ std::vector<std::string> quantize_model(
   for (const auto& k : config.keep_in_fp32_modules()) {
     skip.push_back(k);
   }
-  std::vector<std::string> done;
+  std::vector<std::string> names;
   int64_t linears = 0;
   for_each_linear(
       model, [&](const std::string& name, auto& layer, auto&, auto& q) {
@@ -63,10 +63,10 @@ std::vector<std::string> quantize_model(
         if (q != nullptr || named_by(name, skip)) {
           return;
         }
-        layer.quantize_(config);
-        done.push_back(name);
+        layer.check_quantizable();
+        names.push_back(name);
       });
-  if (done.empty()) {
+  if (names.empty()) {
     std::ostringstream keys;
     for (size_t i = 0; i < skip.size(); ++i) {
       keys << (i ? ", " : "") << "'" << skip[i] << "'";
@@ -81,7 +81,24 @@ std::vector<std::string> quantize_model(
                     : std::string(" (build it from colossalai::models or "
                                   "shardformer layers)"));
   }
-  return done;
+  return names;
+}
+
+std::vector<std::string> quantize_model(
+    torch::nn::Module& model,
+    const BnbQuantizationConfig& config) {
+  // Every layer checked before the first changes.
+  const auto names = quantizable_modules(model, config);
+  size_t next = 0;
+  for_each_linear(
+      model, [&](const std::string& name, auto& layer, auto&, auto&) {
+        if (next < names.size() && names[next] == name) {
+          layer.quantize_(config);
+          ++next;
+        }
+      });
+  TORCH_INTERNAL_ASSERT(next == names.size());
+  return names;
 }
 
 const QuantizedWeight* quantized_weight_of(const torch::nn::Module& m) {

@@ -28,8 +28,17 @@ namespace quantization {
 /// dotted name, its last components, or a module containing it). Empty
 /// skip_modules: the output layer "lm_head" stays in full precision, as
 /// transformers keeps it. Returns the quantized layers' names in model
-/// order; an error if the config is invalid or nothing is left to quantize.
+/// order; an error if the config is invalid, nothing is left to quantize or
+/// a layer cannot be (tensor-parallel), with every layer checked before the
+/// first changes.
 std::vector<std::string> quantize_model(
+    torch::nn::Module& model,
+    const BnbQuantizationConfig& config);
+
+/// The layers quantize_model would quantize, with its errors (an invalid
+/// config, nothing to quantize, a tensor-parallel layer) and nothing
+/// changed: enable_lora checks this before it injects the adapters.
+std::vector<std::string> quantizable_modules(
     torch::nn::Module& model,
     const BnbQuantizationConfig& config);
 

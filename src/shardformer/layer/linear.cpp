@@ -124,12 +124,10 @@ void quantize_into(
   quantized = std::move(q.second);
 }
 
-void quantize_layer(
-    at::Tensor& weight,
-    std::shared_ptr<quantization::QuantizedWeight>& quantized,
+void check_quantizable_layer(
+    const std::shared_ptr<quantization::QuantizedWeight>& quantized,
     const Linear1DOptions& o,
     const distributed::ProcessGroupPtr& group,
-    const quantization::BnbQuantizationConfig& config,
     const char* layer) {
   TORCH_CHECK(
       quantized == nullptr,
@@ -140,6 +138,16 @@ void quantize_layer(
       layer,
       ".quantize_: a tensor-parallel layer cannot be quantized (QLoRA runs "
       "at tp_size 1)");
+}
+
+void quantize_layer(
+    at::Tensor& weight,
+    std::shared_ptr<quantization::QuantizedWeight>& quantized,
+    const Linear1DOptions& o,
+    const distributed::ProcessGroupPtr& group,
+    const quantization::BnbQuantizationConfig& config,
+    const char* layer) {
+  check_quantizable_layer(quantized, o, group, layer);
   quantize_into(weight, quantized, weight.detach(), o, config);
 }
 
@@ -313,6 +321,10 @@ void Linear1D_ColImpl::quantize_(
   quantize_layer(weight, quantized, options, group, config, "Linear1D_Col");
 }
 
+void Linear1D_ColImpl::check_quantizable() const {
+  check_quantizable_layer(quantized, options, group, "Linear1D_Col");
+}
+
 void Linear1D_ColImpl::to(
     torch::Device device,
     torch::Dtype dtype,
@@ -437,6 +449,10 @@ at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
 void Linear1D_RowImpl::quantize_(
     const quantization::BnbQuantizationConfig& config) {
   quantize_layer(weight, quantized, options, group, config, "Linear1D_Row");
+}
+
+void Linear1D_RowImpl::check_quantizable() const {
+  check_quantizable_layer(quantized, options, group, "Linear1D_Row");
 }
 
 void Linear1D_RowImpl::to(

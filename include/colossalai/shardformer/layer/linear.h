@@ -107,6 +107,9 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
   /// (NOTE [QLoRA in C++]); `weight` then holds the stored data, without
   /// gradient. Not on a tensor-parallel layer.
   void quantize_(const quantization::BnbQuantizationConfig& config);
+  /// Throws what quantize_ would (quantized already, tensor-parallel),
+  /// changing nothing.
+  void check_quantizable() const;
   /// A quantized weight keeps its stored dtype; the rest converts.
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false)
       override;
@@ -161,6 +164,9 @@ class Linear1D_RowImpl : public torch::nn::Cloneable<Linear1D_RowImpl>,
   /// (NOTE [QLoRA in C++]); `weight` then holds the stored data, without
   /// gradient. Not on a tensor-parallel layer.
   void quantize_(const quantization::BnbQuantizationConfig& config);
+  /// Throws what quantize_ would (quantized already, tensor-parallel),
+  /// changing nothing.
+  void check_quantizable() const;
   /// A quantized weight keeps its stored dtype; the rest converts.
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false)
       override;
