@@ -5,7 +5,8 @@
 #   fuzz/run.sh [TARGET] [SECONDS] [-- LIBFUZZER_FLAGS...]
 #
 # TARGET: safetensors (the header parser, default), zip (the zip directory
-# reader of .bin checkpoints) or pickle (the hardened
+# reader of .bin checkpoints), tokenizer (the SentencePiece tokenizer.model
+# reader and the NFC normalizer) or pickle (the hardened
 # unpickler and the optimizer-state path; links the library built in
 # $COLOSSALAI_LIB, default build/libcolossalai.a, for what it does not
 # compile instrumented). SECONDS: default 20. Needs clang and libFuzzer
@@ -53,6 +54,14 @@ case "$target" in
     headers=("$repo/src/checkpoint_io/zip_records.h" "$repo/src/checkpoint_io/mapped_reads.h")
     flags=(-max_len=8192)
     ;;
+  tokenizer)
+    sources=("$repo/fuzz/tokenizer_fuzz.cpp" "$repo/src/models/tokenizer.cpp"
+             "$repo/src/models/tokenizer_sentencepiece.cpp"
+             "$repo/src/models/tokenizer_save.cpp" "$repo/src/models/unicode_nfc.cpp")
+    headers=("$repo/include/colossalai/models/tokenizer.h" "$repo/src/models/tokenizer_internal.h"
+             "$repo/src/models/unicode_nfc_tables.h")
+    flags=(-max_len=8192)
+    ;;
   pickle)
     sources=("$repo/fuzz/pickle_fuzz.cpp" "$repo/src/checkpoint_io/torch_bin.cpp"
              "$repo/src/checkpoint_io/torch_bin_unpickler.cpp"
@@ -67,7 +76,7 @@ case "$target" in
     flags=(-max_len=8192 -dict="$repo/fuzz/pickle.dict")
     ;;
   *)
-    echo "fuzz/run.sh: unknown target '$target' (safetensors, zip, pickle)" >&2
+    echo "fuzz/run.sh: unknown target '$target' (safetensors, zip, tokenizer, pickle)" >&2
     exit 2
     ;;
 esac
