@@ -1067,6 +1067,8 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
     const double m = config["model_max_length"].get<double>();
     tok.model_max_length_ = m >= 9.2e18 ? INT64_MAX : static_cast<int64_t>(m);
   }
+  tok.words_at_spaces_ =
+      tok.kind_ == Kind::kSentencePiece && tok.pieces_start_at_spaces();
   return tok;
 }
 
@@ -1262,8 +1264,17 @@ void Tokenizer::encode_plain(
       : split_ == Split::kLlama3            ? split_llama3(text, 3)
       : split_ == Split::kQwen2             ? split_llama3(text, 1)
                                             : split_bloom(text);
-  for (const auto& s : spans) {
-    bpe(text.substr(s.first, s.second - s.first), out);
+  // Each distinct word through BPE once per call.
+  std::unordered_map<std::string, std::vector<int64_t>> cache;
+  for (const auto& sp : spans) {
+    auto key = text.substr(sp.first, sp.second - sp.first);
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+      std::vector<int64_t> ids;
+      bpe(key, ids);
+      it = cache.emplace(std::move(key), std::move(ids)).first;
+    }
+    out.insert(out.end(), it->second.begin(), it->second.end());
   }
 }
 

@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <unordered_map>
 
 namespace colossalai {
 namespace models {
@@ -591,21 +592,56 @@ void Tokenizer::encode_sentencepiece(
        (prepend_ == Prepend::kFirst && at_start))) {
     s = kSpace + s;
   }
-  if (!(metaspace_ && metaspace_split_)) {
-    sentencepiece_bpe(s, out);
+  // Each distinct word through BPE once per call.
+  std::unordered_map<std::string, std::vector<int64_t>> cache;
+  auto word = [&](size_t begin, size_t end) {
+    auto key = s.substr(begin, end - begin);
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+      std::vector<int64_t> ids;
+      sentencepiece_bpe(key, ids);
+      it = cache.emplace(std::move(key), std::move(ids)).first;
+    }
+    out.insert(out.end(), it->second.begin(), it->second.end());
+  };
+  // Words: with split=true one at each "▁" (merged with the text after
+  // it). Without, the text is one word for `tokenizers`; where no piece
+  // has a "▁" after another character (words_at_spaces_), no merge
+  // crosses the start of a run of "▁", so the words between them give the
+  // same ids, faster.
+  if (!metaspace_ || !(metaspace_split_ || words_at_spaces_)) {
+    word(0, s.size());
     return;
   }
-  // split=true: a word starts at each "▁" (merged with the text after it).
   const size_t n = std::strlen(kSpace);
   size_t begin = 0;
   for (size_t at = s.find(kSpace, n); at != std::string::npos;
        at = s.find(kSpace, at + n)) {
-    if (at > begin) {
-      sentencepiece_bpe(s.substr(begin, at - begin), out);
+    const bool run_start = at < n || s.compare(at - n, n, kSpace) != 0;
+    if (at > begin && (metaspace_split_ || run_start)) {
+      word(begin, at);
+      begin = at;
     }
-    begin = at;
   }
-  sentencepiece_bpe(s.substr(begin), out);
+  word(begin, s.size());
+}
+
+bool Tokenizer::pieces_start_at_spaces() const {
+  if (!vocab_.count(kSpace)) {
+    return false; // an unknown "▁" would fuse with an unknown before it
+  }
+  const size_t n = std::strlen(kSpace);
+  for (const auto& kv : vocab_) {
+    const auto& p = kv.first;
+    size_t lead = 0;
+    while (p.compare(lead, n, kSpace) == 0) {
+      lead += n;
+    }
+    if (p.find(kSpace, lead) != std::string::npos) {
+      return false;
+    }
+  }
+  return true;
 }
 
 std::string Tokenizer::normalize(const std::string& text) const {

@@ -149,15 +149,22 @@ SENTENCEPIECE_CASES = CASES + [
     "trailing  ",
     "rare: \u0444\u044b\u0432 \u2603 \U0001F680 \u00e9\u00e8",
     "The quick brown fox. The the THE.",
+    "def f():\n    return x\n        if y:   z",
 ]
 
 
+INDENTED = ["    return x", "        if y:", "            z = 1", "    def f(a, b):", "  -  item"]
+
+
 def train_sentencepiece(model_type, byte_fallback):
+    """With byte fallback, whitespace-only pieces ("▁▁", as LLaMA has); without,
+    pieces across spaces (split_by_whitespace=false: "▁" inside a piece)."""
     import sentencepiece as spm
 
     out = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(TRAIN_TEXT.splitlines() * 3),
+        # Indented lines, for pieces of spaces.
+        sentence_iterator=iter(TRAIN_TEXT.splitlines() * 3 + INDENTED * 20),
         model_writer=out,
         model_type=model_type,
         vocab_size=500,
@@ -165,6 +172,9 @@ def train_sentencepiece(model_type, byte_fallback):
         character_coverage=0.98,  # some code points only by byte fallback
         user_defined_symbols=["<tool>"],
         control_symbols=["<ctrl>"],
+        allow_whitespace_only_pieces=byte_fallback,
+        remove_extra_whitespaces=False,
+        split_by_whitespace=byte_fallback,
         hard_vocab_limit=False,
         num_threads=1,
         minloglevel=2,

@@ -184,6 +184,8 @@ class Tokenizer {
       bool at_start,
       std::vector<int64_t>& out) const;
   std::string decode_sentencepiece(const std::vector<int64_t>& ids) const;
+  // Whether no piece has a "▁" after another character (and "▁" is one).
+  bool pieces_start_at_spaces() const;
   void save_tokenizer_json(const std::string& dir) const;
 
   std::unordered_map<std::string, int64_t> vocab_;
@@ -214,6 +216,7 @@ class Tokenizer {
   bool byte_fallback_ = false;
   bool fuse_unk_ = false;
   bool llama_pipeline_ = false;     // transformers' LlamaTokenizer's
+  bool words_at_spaces_ = false;    // pieces_start_at_spaces(), at load
   std::string sentencepiece_model_; // tokenizer.model's bytes, if read
 };
 
