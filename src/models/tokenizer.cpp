@@ -1264,17 +1264,12 @@ void Tokenizer::encode_plain(
       : split_ == Split::kLlama3            ? split_llama3(text, 3)
       : split_ == Split::kQwen2             ? split_llama3(text, 1)
                                             : split_bloom(text);
-  // Each distinct word through BPE once per call.
-  std::unordered_map<std::string, std::vector<int64_t>> cache;
+  WordCache cache;
+  const auto merge = [this](const std::string& w, std::vector<int64_t>& ids) {
+    bpe(w, ids);
+  };
   for (const auto& sp : spans) {
-    auto key = text.substr(sp.first, sp.second - sp.first);
-    auto it = cache.find(key);
-    if (it == cache.end()) {
-      std::vector<int64_t> ids;
-      bpe(key, ids);
-      it = cache.emplace(std::move(key), std::move(ids)).first;
-    }
-    out.insert(out.end(), it->second.begin(), it->second.end());
+    cache.append(text.substr(sp.first, sp.second - sp.first), merge, out);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace colossalai {
@@ -59,6 +60,27 @@ void append_utf8(std::string& out, uint32_t cp);
 /// Unicode NFC as `tokenizers`' NFC normalizer (src/models/unicode_nfc.cpp);
 /// bytes that are not UTF-8 are kept.
 std::string nfc(const std::string& text);
+
+/// The ids of the words of one encode call, each distinct word computed
+/// once (a text repeats its words).
+class WordCache {
+ public:
+  /// Appends the ids of `word` to `out`, from `bpe(word, ids)` the first
+  /// time.
+  template <class Bpe>
+  void append(std::string word, const Bpe& bpe, std::vector<int64_t>& out) {
+    auto it = ids_.find(word);
+    if (it == ids_.end()) {
+      std::vector<int64_t> ids;
+      bpe(word, ids);
+      it = ids_.emplace(std::move(word), std::move(ids)).first;
+    }
+    out.insert(out.end(), it->second.begin(), it->second.end());
+  }
+
+ private:
+  std::unordered_map<std::string, std::vector<int64_t>> ids_;
+};
 
 /// White_Space as `tokenizers`' regexes read \s.
 bool is_white(uint32_t cp);

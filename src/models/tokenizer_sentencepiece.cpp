@@ -592,17 +592,12 @@ void Tokenizer::encode_sentencepiece(
        (prepend_ == Prepend::kFirst && at_start))) {
     s = kSpace + s;
   }
-  // Each distinct word through BPE once per call.
-  std::unordered_map<std::string, std::vector<int64_t>> cache;
+  WordCache cache;
+  const auto merge = [this](const std::string& w, std::vector<int64_t>& ids) {
+    sentencepiece_bpe(w, ids);
+  };
   auto word = [&](size_t begin, size_t end) {
-    auto key = s.substr(begin, end - begin);
-    auto it = cache.find(key);
-    if (it == cache.end()) {
-      std::vector<int64_t> ids;
-      sentencepiece_bpe(key, ids);
-      it = cache.emplace(std::move(key), std::move(ids)).first;
-    }
-    out.insert(out.end(), it->second.begin(), it->second.end());
+    cache.append(s.substr(begin, end - begin), merge, out);
   };
   // Words: with split=true one at each "▁" (merged with the text after
   // it). Without, the text is one word for `tokenizers`; where no piece
