@@ -1269,7 +1269,12 @@ void Tokenizer::encode_plain(
     bpe(w, ids);
   };
   for (const auto& sp : spans) {
-    cache.append(text.substr(sp.first, sp.second - sp.first), merge, out);
+    auto word = text.substr(sp.first, sp.second - sp.first);
+    if (ignore_merges_) {
+      bpe(word, out); // a vocabulary lookup first: cheaper than the cache
+    } else {
+      cache.append(std::move(word), merge, out);
+    }
   }
 }
 
