@@ -604,7 +604,8 @@ void Tokenizer::encode_sentencepiece(
   // has a "▁" after another character (words_at_spaces_), no merge
   // crosses the start of a run of "▁", so the words between them give the
   // same ids, faster.
-  if (!metaspace_ || !(metaspace_split_ || words_at_spaces_)) {
+  const bool at_each = metaspace_ && metaspace_split_;
+  if (!at_each && !words_at_spaces_) {
     word(0, s.size());
     return;
   }
@@ -613,7 +614,7 @@ void Tokenizer::encode_sentencepiece(
   for (size_t at = s.find(kSpace, n); at != std::string::npos;
        at = s.find(kSpace, at + n)) {
     const bool run_start = at < n || s.compare(at - n, n, kSpace) != 0;
-    if (at > begin && (metaspace_split_ || run_start)) {
+    if (at > begin && (at_each || run_start)) {
       word(begin, at);
       begin = at;
     }
