@@ -35,13 +35,8 @@ std::string corpus() {
   return fs::exists(f) ? f : "";
 }
 
-struct Scratch {
-  Scratch() : path(colossalai::testing::temp_dir("finetune")) {}
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string path;
+struct Scratch : colossalai::testing::ScratchDir {
+  Scratch() : ScratchDir("finetune") {}
 };
 
 // The losses.csv a run wrote: (step, loss) rows.

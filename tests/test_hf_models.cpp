@@ -101,13 +101,8 @@ fs::path fixtures() {
 }
 
 // A fresh directory, removed at the end of the test.
-struct ScratchDir {
-  ScratchDir() : path(colossalai::testing::temp_dir("hf_models")) {}
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string path;
+struct HfScratch : colossalai::testing::ScratchDir {
+  HfScratch() : ScratchDir("hf_models") {}
 };
 
 class HfModels : public ::testing::Test {
@@ -279,7 +274,7 @@ TEST_F(HfModels, ConfigsReadTheFamilysFields) {
 }
 
 TEST_F(HfModels, SavePretrainedLoadsInTransformers) {
-  ScratchDir out;
+  HfScratch out;
   std::string pairs; // (case, ours) for one transformers process
   for (const auto& name : kCases) {
     SCOPED_TRACE(name);
@@ -323,7 +318,7 @@ TEST_F(HfModels, SavePretrainedLoadsInTransformers) {
 // other format) leaves only the new weights: transformers would read a stale
 // model.safetensors before new shards.
 TEST_F(HfModels, SavePretrainedReplacesAnEarlierLayout) {
-  ScratchDir out;
+  HfScratch out;
   auto model = models::from_pretrained<models::LlamaForCausalLM>(
       (fixtures() / "llama_tied").string());
   auto weights = [&] {
@@ -356,7 +351,7 @@ TEST_F(HfModels, SavePretrainedReplacesAnEarlierLayout) {
 
 TEST_F(HfModels, BadDirectoriesAndConfigsNameTheProblem) {
   using colossalai::testing::error_of;
-  ScratchDir dir;
+  HfScratch dir;
   const auto d = fs::path(dir.path);
   auto write = [&](const std::string& text) {
     std::ofstream(d / "config.json") << text;
@@ -426,7 +421,7 @@ TEST_F(HfModels, BadDirectoriesAndConfigsNameTheProblem) {
 // fp32 operations; the adapter adds a rank-4 matmul per projection).
 TEST_F(HfModels, LoraAdaptersRoundTripWithPeft) {
   const auto base = (fixtures() / "llama3").string();
-  ScratchDir dir;
+  HfScratch dir;
   const auto peft_dir = dir.path + "/peft";
   auto r = colossalai::testing::run_shell(
       std::string(kHfPython) + " " + quote(script().string()) + " peft_make " +

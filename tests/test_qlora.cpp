@@ -47,13 +47,8 @@ namespace {
 
 const char* const kHfPython = COLOSSALAI_TEST_HF_PYTHON;
 
-struct Scratch {
-  Scratch() : path(colossalai::testing::temp_dir("qlora")) {}
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string path;
+struct Scratch : colossalai::testing::ScratchDir {
+  Scratch() : ScratchDir("qlora") {}
 };
 
 // Weight-like tensors: whole blocks, a short last block and an odd count

@@ -35,13 +35,8 @@ namespace {
 
 const char* const kHfPython = COLOSSALAI_TEST_HF_PYTHON;
 
-struct Scratch {
-  Scratch() : path(colossalai::testing::temp_dir("tokenizer")) {}
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string path;
+struct Scratch : colossalai::testing::ScratchDir {
+  Scratch() : ScratchDir("tokenizer") {}
 };
 
 std::string quote(const std::string& s) {

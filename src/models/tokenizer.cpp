@@ -471,6 +471,38 @@ std::vector<Cls> classes(const CodePoints& u) {
   return cls;
 }
 
+// The end of 's|'t|'re|'ve|'m|'ll|'d at code point i, or i. `fold` maps a
+// code point to the letter it matches (itself; ASCII lower case for (?i)).
+template <class Fold>
+size_t contraction_end(const CodePoints& u, size_t i, const Fold& fold) {
+  const size_t n = u.cp.size();
+  if (u.cp[i] != '\'' || i + 1 >= n) {
+    return i;
+  }
+  const uint32_t c1 = fold(u.cp[i + 1]);
+  const uint32_t c2 = i + 2 < n ? fold(u.cp[i + 2]) : 0;
+  if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
+    return i + 2;
+  }
+  if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') ||
+      (c1 == 'l' && c2 == 'l')) {
+    return i + 3;
+  }
+  return i;
+}
+
+// The end of \s+(?!\S)|\s+ at the whitespace starting at i: a run before a
+// non-space leaves its last character to the next word; a single space
+// before one is a word.
+size_t whitespace_end(const std::vector<Cls>& cls, size_t i) {
+  const size_t n = cls.size();
+  size_t k = i;
+  while (k < n && cls[k] == Cls::kSpace) {
+    ++k;
+  }
+  return (k == n || k - i == 1) ? k : k - 1;
+}
+
 // 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 // by hand, leftmost alternative first as the backtracking regex does.
 Spans split_gpt2(const std::string& text) {
@@ -480,18 +512,7 @@ Spans split_gpt2(const std::string& text) {
   Spans out;
   size_t i = 0;
   while (i < n) {
-    size_t end = i;
-    if (u.cp[i] == '\'' && i + 1 < n) {
-      const uint32_t c1 = u.cp[i + 1];
-      const uint32_t c2 = i + 2 < n ? u.cp[i + 2] : 0;
-      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
-        end = i + 2;
-      } else if (
-          (c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') ||
-          (c1 == 'l' && c2 == 'l')) {
-        end = i + 3;
-      }
-    }
+    size_t end = contraction_end(u, i, [](uint32_t c) { return c; });
     if (end == i) {
       // ` ?X+` for X = letters, numbers, other: the class after an optional
       // leading space picks the alternative.
@@ -505,13 +526,7 @@ Spans split_gpt2(const std::string& text) {
           ++end;
         }
       } else {
-        // \s+(?!\S): a run of whitespace before a non-space leaves its last
-        // character to the next word; \s+: a single space before one.
-        size_t k = i;
-        while (k < n && cls[k] == Cls::kSpace) {
-          ++k;
-        }
-        end = (k == n || k - i == 1) ? k : k - 1;
+        end = whitespace_end(cls, i);
       }
     }
     out.emplace_back(u.at[i], u.at[end]);
@@ -531,24 +546,13 @@ Spans split_llama3(const std::string& text, size_t max_digits) {
   auto newline = [&](size_t k) { return u.cp[k] == '\r' || u.cp[k] == '\n'; };
   // (?i): ASCII letters in either case, and U+017F (long s), which
   // Unicode case folding makes an "s".
-  auto fold = [&](size_t k) -> uint32_t {
-    const uint32_t c = k < n ? u.cp[k] : 0;
+  const auto fold = [](uint32_t c) -> uint32_t {
     return c == 0x17F ? 's' : (c < 0x80 ? (c | 0x20) : c);
   };
   Spans out;
   size_t i = 0;
   while (i < n) {
-    size_t end = i;
-    if (u.cp[i] == '\'' && i + 1 < n) {
-      const uint32_t c1 = fold(i + 1), c2 = fold(i + 2);
-      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') {
-        end = i + 2;
-      } else if (
-          (c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') ||
-          (c1 == 'l' && c2 == 'l')) {
-        end = i + 3;
-      }
-    }
+    size_t end = contraction_end(u, i, fold);
     if (end == i) {
       // [^\r\n\p{L}\p{N}]?\p{L}+: one character of another kind (a
       // space, a mark, punctuation) may lead the letters.
@@ -583,20 +587,15 @@ Spans split_llama3(const std::string& text, size_t max_digits) {
       }
     }
     if (end == i) {
-      // Whitespace. \s*[\r\n]+ ends after the run's last line break;
-      // without one, \s+(?!\S) leaves the last character of a run before
-      // a non-space to the next word, and \s+ takes a single one.
-      size_t k = i;
+      // Whitespace: \s*[\r\n]+ ends after the run's last line break;
+      // without one, as GPT-2's.
       size_t last_break = n;
-      while (k < n && cls[k] == Cls::kSpace) {
+      for (size_t k = i; k < n && cls[k] == Cls::kSpace; ++k) {
         if (newline(k)) {
           last_break = k;
         }
-        ++k;
       }
-      end = last_break < n         ? last_break + 1
-          : (k == n || k - i == 1) ? k
-                                   : k - 1;
+      end = last_break < n ? last_break + 1 : whitespace_end(cls, i);
     }
     out.emplace_back(u.at[i], u.at[end]);
     i = end;

@@ -39,6 +39,11 @@ std::string temp_dir(const std::string& prefix) {
   return dir.string();
 }
 
+ScratchDir::~ScratchDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+}
+
 std::string scratch(int parent, const std::string& what) {
   return (std::filesystem::temp_directory_path() /
           ("colossalai_" + what + "_" + std::to_string(parent)))

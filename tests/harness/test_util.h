@@ -22,6 +22,15 @@ std::string error_of(const std::function<void()>& fn);
 /// `prefix`, this process and the time.
 std::string temp_dir(const std::string& prefix);
 
+/// temp_dir(prefix), removed with its contents when this goes out of scope.
+struct ScratchDir {
+  explicit ScratchDir(const std::string& prefix) : path(temp_dir(prefix)) {}
+  ~ScratchDir();
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  std::string path;
+};
+
 /// The ranks' shared scratch directory of a multi-process test, named after
 /// `what` and the test program (pass test_process() there);
 /// `remove_scratch` in the test program removes it.
