@@ -74,29 +74,8 @@ fs::path script() {
 // before by `hf_models.py make` (a machine without transformers; the tests
 // that call Python then fail).
 fs::path fixtures() {
-  static const fs::path dir = [] {
-    if (const char* made = std::getenv("COLOSSALAI_HF_FIXTURES")) {
-      return fs::path(made);
-    }
-    fs::path d = colossalai::testing::scratch(
-        colossalai::testing::test_process(), "hf_models");
-    if (std::getenv("COLOSSALAI_TEST_RANK") != nullptr ||
-        fs::exists(d / "done")) {
-      return d;
-    }
-    const auto r = colossalai::testing::run_shell(
-        std::string(kHfPython) + " " + quote(script().string()) + " make " +
-        quote(d.string()));
-    if (r.first != 0) {
-      ADD_FAILURE() << "tests/python/hf_models.py make failed (" << kHfPython
-                    << "; the test set-up installs transformers: "
-                       "./scripts/setup.sh --tests):\n"
-                    << r.second;
-      return d;
-    }
-    std::ofstream(d / "done") << r.second;
-    return d;
-  }();
+  static const fs::path dir = colossalai::testing::python_fixtures(
+      kHfPython, script().string(), "hf_models", "COLOSSALAI_HF_FIXTURES");
   return dir;
 }
 

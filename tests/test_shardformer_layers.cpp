@@ -12,6 +12,7 @@
 
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
+#include <colossalai/nn/loss.h>
 #include <colossalai/shardformer/layer/embedding.h>
 #include <colossalai/shardformer/layer/linear.h>
 #include <colossalai/shardformer/layer/normalization.h>
@@ -349,6 +350,37 @@ TEST(ParallelLayers, VocabParallelHeadAndCrossEntropy) {
         [&] { sl::vocab_parallel_cross_entropy(logits, target, g, 1000); });
     EXPECT_NE(msg.find("vocab_size"), std::string::npos) << msg;
     (void)rank;
+  });
+}
+
+TEST(ParallelLayers, TokenMeanCarriesTheCountWithTheSums) {
+  // Rank r holds r + 1 tokens of per-token loss x * w (w a shared weight):
+  // the value is the mean over all tokens, and the gradient averaged over
+  // the ranks (as DDP and the sp reduction do) is that mean's gradient,
+  // not the mean of the ranks' means. Sums are exact integers; the division
+  // by the count rounds once in float (2^-24 relative), the gradient's
+  // scale once more and the average once more: 1e-6 relative.
+  at_tp_2_and_4([](int rank, int world) {
+    auto g = cd::world_group();
+    auto w = torch::full({}, 2.0).requires_grad_();
+    auto x = ints({rank + 1}, 90 + rank);
+    auto loss = colossalai::nn::token_mean(
+        (x * w).sum(), torch::tensor(rank + 1), g);
+    loss.backward();
+    double sum = 0, count = 0;
+    for (int r = 0; r < world; ++r) {
+      sum += ints({r + 1}, 90 + r).sum().item<double>();
+      count += r + 1;
+    }
+    const double mean = sum / count;
+    EXPECT_NEAR(loss.item<double>(), 2.0 * mean, 1e-6 * std::abs(mean) + 1e-6);
+    auto grad = w.grad().clone();
+    cd::all_reduce(grad, *g).wait();
+    EXPECT_NEAR(grad.item<double>() / world, mean, 1e-6 * std::abs(mean) + 1e-6);
+    // Nothing counted anywhere: zero, not NaN.
+    auto none = colossalai::nn::token_mean(
+        (x * w).sum() * 0, torch::tensor(0), g);
+    EXPECT_EQ(none.item<double>(), 0.0);
   });
 }
 

@@ -197,14 +197,12 @@ at::Tensor BertEmbeddingsImpl::forward(
     const at::Tensor& token_type_ids,
     const at::Tensor& position_ids) {
   const int64_t t = ids.size(1);
-  auto words = word_embeddings(ids);
-  const int64_t pad = config_.pad_token_id();
-  if (pad >= 0 && torch::GradMode::is_enabled() &&
-      word_embeddings->weight.requires_grad()) {
-    // nn.Embedding's padding_idx: the padding token's lookups give its row
-    // no gradient (the tied decoder still does).
-    words = at::where(ids.eq(pad).unsqueeze(-1), words.detach(), words);
-  }
+  // The tied decoder still gives the padding row a gradient.
+  auto words = without_padding_grad(
+      word_embeddings(ids),
+      ids,
+      config_.pad_token_id(),
+      word_embeddings->weight);
   // Hugging Face's order: (words + token types) + positions.
   auto x = token_type_ids.defined()
       ? words + token_type_embeddings(token_type_ids)

@@ -76,31 +76,6 @@ shardformer::ShardInfo BertPolicy::shard(
   return info;
 }
 
-namespace {
-
-// micro_batch[i] when present and defined, checked to be [B, T] like ids.
-at::Tensor optional_input(
-    const std::vector<at::Tensor>& micro_batch,
-    size_t i,
-    const char* what) {
-  if (micro_batch.size() <= i || !micro_batch[i].defined()) {
-    return at::Tensor();
-  }
-  const auto& x = micro_batch[i];
-  TORCH_CHECK(
-      x.sizes() == micro_batch[0].sizes(),
-      "BertPolicy: micro-batch tensor ",
-      i,
-      " (",
-      what,
-      ") must be [B, T] like the ids ",
-      micro_batch[0].sizes(),
-      ", got ",
-      x.sizes());
-  return x;
-}
-
-} // namespace
 
 int64_t BertPolicy::num_pipeline_layers(const torch::nn::Module& model) const {
   return policy_model<BertForMaskedLMImpl>(
@@ -147,8 +122,8 @@ at::Tensor BertPolicy::stage_forward(
       layers,
       micro_batch[0],
       hidden,
-      optional_input(micro_batch, 2, "attention_mask"),
-      optional_input(micro_batch, 3, "token_type_ids"));
+      micro_batch_input(micro_batch, 2),
+      micro_batch_input(micro_batch, 3));
 }
 
 } // namespace models

@@ -171,6 +171,15 @@ at::Tensor BloomAttentionImpl::forward(
   auto hidden = mask.defined()
       ? mask.logical_not()
       : at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
+  if (mask.defined()) {
+    // A query with no key (left padding) attends to every key alike, as
+    // transformers' eager Bloom computes it: its scores plus the mask's
+    // float minimum are all that minimum, while autograd still passes the
+    // scores their gradient through the sum.
+    auto none = mask.any(-1, /*keepdim=*/true).logical_not();
+    hidden = hidden.logical_and(none.logical_not());
+    scores = at::where(none, scores - scores.detach(), scores);
+  }
   // Softmax in float32, cast back to the activations' dtype.
   auto probs =
       at::softmax(
@@ -409,7 +418,7 @@ at::Tensor BloomPolicy::stage_forward(
     const shardformer::StageLayers& layers,
     const std::vector<at::Tensor>& micro_batch,
     const at::Tensor& hidden) const {
-  return causal_lm_stage_forward<BloomForCausalLMImpl>(
+  return causal_lm_stage_forward<BloomForCausalLMImpl, /*kPositions=*/false>(
       model, layers, micro_batch, hidden, "BloomPolicy", "a BloomForCausalLM");
 }
 

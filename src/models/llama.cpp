@@ -244,6 +244,13 @@ at::Tensor LlamaDecoderLayerImpl::forward(
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, const ParallelState* state)
     : config_(c), state_(state) {
+  TORCH_CHECK(
+      c.pad_token_id() < c.vocab_size(),
+      "LlamaConfig: pad_token_id (",
+      c.pad_token_id(),
+      ") must be below vocab_size (",
+      c.vocab_size(),
+      ")");
   embed_tokens = register_module(
       "embed_tokens",
       sl::VocabParallelEmbedding1D(
@@ -255,6 +262,9 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, const ParallelState* state)
   norm = register_module("norm", rms_norm(c.hidden_size(), c));
   torch::NoGradGuard no_grad;
   embed_tokens->weight.normal_(0.0, c.initializer_range());
+  if (c.pad_token_id() >= 0) {
+    embed_tokens->weight[c.pad_token_id()].zero_(); // padding_idx's row
+  }
 }
 
 at::Tensor LlamaModelImpl::forward(
@@ -297,7 +307,13 @@ at::Tensor LlamaModelImpl::forward_stage(
       attention_mask, t, config_.sliding_window(), ids.device());
   at::Tensor x = hidden;
   if (stage.first) {
-    x = split_sequence(embed_tokens(tokens), st);
+    x = split_sequence(
+        without_padding_grad(
+            embed_tokens(tokens),
+            tokens,
+            config_.pad_token_id(),
+            embed_tokens->weight),
+        st);
   }
   TORCH_CHECK(x.defined(), "LlamaModel: a later stage needs hidden states");
   x = run_stage_blocks<LlamaDecoderLayerImpl>(

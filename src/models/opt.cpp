@@ -257,14 +257,11 @@ at::Tensor OPTDecoderImpl::forward_stage(
     } else {
       pos = at::arange(t, ids.options().dtype(at::kLong));
     }
-    auto tokens = embed_tokens(ids);
-    const int64_t pad = config_.pad_token_id();
-    if (pad >= 0 && at::GradMode::is_enabled() &&
-        embed_tokens->weight.requires_grad()) {
-      // nn.Embedding's padding_idx: the padding token's lookups give its row
-      // no gradient.
-      tokens = at::where(ids.eq(pad).unsqueeze(-1), tokens.detach(), tokens);
-    }
+    auto tokens = without_padding_grad(
+        embed_tokens(ids),
+        ids,
+        config_.pad_token_id(),
+        embed_tokens->weight);
     if (project_in) {
       tokens = project_in(tokens);
     }

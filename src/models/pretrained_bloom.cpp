@@ -72,6 +72,7 @@ BloomConfig bloom_config_from_json(const std::string& text) {
           j,
           "apply_residual_connection_post_layernorm",
           c.apply_residual_connection_post_layernorm()))
+      .pad_token_id(get_or<int64_t>(j, "pad_token_id", -1))
       .source_json(text);
   return c;
 }
@@ -96,6 +97,8 @@ std::string config_to_json(const BloomConfig& c) {
   j["apply_residual_connection_post_layernorm"] =
       c.apply_residual_connection_post_layernorm();
   j["tie_word_embeddings"] = true;
+  j["pad_token_id"] =
+      c.pad_token_id() >= 0 ? json(c.pad_token_id()) : json(nullptr);
   return j.dump(2) + "\n";
 }
 

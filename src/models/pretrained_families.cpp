@@ -59,6 +59,7 @@ GPT2Config gpt2_config_from_json(const std::string& text) {
       .resid_pdrop(get_or<double>(j, "resid_pdrop", c.resid_pdrop()))
       .initializer_range(
           get_or<double>(j, "initializer_range", c.initializer_range()))
+      .pad_token_id(get_or<int64_t>(j, "pad_token_id", -1))
       .source_json(text);
   return c;
 }
@@ -80,6 +81,8 @@ std::string config_to_json(const GPT2Config& c) {
   j["initializer_range"] = c.initializer_range();
   j["activation_function"] = "gelu_new";
   j["tie_word_embeddings"] = true;
+  j["pad_token_id"] =
+      c.pad_token_id() >= 0 ? json(c.pad_token_id()) : json(nullptr);
   return j.dump(2) + "\n";
 }
 
@@ -124,6 +127,8 @@ LlamaConfig llama_config_from_json(const std::string& text) {
       .qkv_bias(type == "qwen2")
       .qk_norm(type == "qwen3")
       .source_json(text);
+  // pad_token_id: absent or null is none, LlamaConfig's default.
+  c.pad_token_id(get_or<int64_t>(j, "pad_token_id", -1));
   // Rotary parameters: transformers 5's rope_parameters, or rope_theta and
   // rope_scaling before it.
   json rope = json::object();
@@ -181,6 +186,8 @@ std::string config_to_json(const LlamaConfig& c) {
   j["rms_norm_eps"] = c.rms_norm_eps();
   j["initializer_range"] = c.initializer_range();
   j["tie_word_embeddings"] = c.tie_word_embeddings();
+  j["pad_token_id"] =
+      c.pad_token_id() >= 0 ? json(c.pad_token_id()) : json(nullptr);
   j["hidden_act"] = "silu";
   if (type == "llama") {
     j["attention_bias"] = c.attention_bias();

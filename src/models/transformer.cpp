@@ -3,6 +3,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
 #include <colossalai/nn/checkpoint.h>
+#include <colossalai/nn/loss.h>
 #include <colossalai/shardformer/layer/embedding.h>
 #include <colossalai/shardformer/layer/ring_attention.h>
 #include <colossalai/utils/compat.h>
@@ -108,21 +109,90 @@ at::Tensor causal_lm_loss(
   // Logits split along the sequence: this rank's targets, the same split as
   // the ids.
   const at::Tensor t = seq_split ? sequence_chunk(targets, st).first : targets;
-  auto local = shardformer::layer::vocab_parallel_cross_entropy(
-      logits.flatten(0, 1), t.flatten(), sharded ? st.tp : nullptr, vocab_size);
   if (!seq_split) {
-    return local;
+    return shardformer::layer::vocab_parallel_cross_entropy(
+        logits.flatten(0, 1), t.flatten(), sharded ? st.tp : nullptr,
+        vocab_size);
   }
-  // Every chunk has as many tokens, so the sequence's mean is the mean of
-  // the chunk means: that is the value. The gradient stays the chunk's own:
-  // the dp x sp average of the ranks' gradients is then the whole loss's.
-  at::Tensor whole = local.detach().to(at::kFloat).reshape({1}).clone();
-  distributed::all_reduce(whole, *st.sp).wait();
-  whole = (whole / st.sp_size()).reshape({}).to(local.scalar_type());
-  return local + (whole - local.detach());
+  // The chunks hold different numbers of counted tokens (the shifted
+  // labels' last position, padding): the sum and the count travel over sp
+  // (NOTE [Token-mean losses]), so the value is the whole sequence's token
+  // mean and the sp-averaged gradient is its gradient.
+  auto sum = shardformer::layer::vocab_parallel_cross_entropy(
+      logits.flatten(0, 1),
+      t.flatten(),
+      sharded ? st.tp : nullptr,
+      vocab_size,
+      /*ignore_index=*/-100,
+      at::Reduction::Sum);
+  return nn::token_mean(sum, t.ne(-100).sum(), st.sp);
 }
 
-at::Tensor attention(
+at::Tensor without_padding_grad(
+    const at::Tensor& rows,
+    const at::Tensor& ids,
+    int64_t pad,
+    const at::Tensor& weight) {
+  if (pad < 0 || !at::GradMode::is_enabled() || !weight.requires_grad()) {
+    return rows;
+  }
+  return at::where(ids.eq(pad).unsqueeze(-1), rows.detach(), rows);
+}
+
+at::Tensor micro_batch_input(
+    const std::vector<at::Tensor>& micro_batch,
+    size_t i) {
+  return micro_batch.size() > i ? micro_batch[i] : at::Tensor();
+}
+
+int64_t LMPolicy::loss_items(const std::vector<at::Tensor>& micro_batch) const {
+  if (micro_batch.size() < 2 || !micro_batch[1].defined()) {
+    return -1;
+  }
+  return micro_batch[1].ne(-100).sum().item<int64_t>();
+}
+
+void LMPolicy::check_micro_batch(
+    const std::vector<at::Tensor>& micro_batch) const {
+  const auto names = micro_batch_inputs();
+  std::string takes;
+  for (const auto& n : names) {
+    takes += (takes.empty() ? "" : ", ") + n;
+  }
+  TORCH_CHECK(
+      !micro_batch.empty() && micro_batch[0].defined(),
+      name(),
+      ": the micro-batch must start with the input ids");
+  TORCH_CHECK(
+      micro_batch.size() <= names.size(),
+      name(),
+      ": a pipeline micro-batch holds {",
+      takes,
+      "}, got ",
+      micro_batch.size(),
+      " tensors: tensor ",
+      names.size(),
+      " would not reach the model");
+  for (size_t i = 2; i < micro_batch.size(); ++i) {
+    const auto& x = micro_batch[i];
+    TORCH_CHECK(
+        !x.defined() || x.sizes() == micro_batch[0].sizes(),
+        name(),
+        ": micro-batch tensor ",
+        i,
+        " (",
+        names[i],
+        ") must be [B, T] like the ids ",
+        micro_batch[0].sizes(),
+        ", got ",
+        x.sizes());
+  }
+}
+
+namespace {
+
+// `attention` for a mask in which every query sees at least one key.
+at::Tensor attention_of_seen(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
@@ -152,6 +222,26 @@ at::Tensor attention(
   return at::matmul(dropout->forward(att), v);
 }
 
+} // namespace
+
+at::Tensor attention(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    shardformer::layer::DropoutImpl* dropout,
+    const at::Tensor& mask) {
+  if (!mask.defined()) {
+    return attention_of_seen(q, k, v, dropout, mask);
+  }
+  // A query that may see no key (left padding) gets a zero output and no
+  // gradient, as PyTorch's SDPA (>= 2.5) gives transformers. It attends to
+  // every key here, so that softmax stays finite on every LibTorch, and is
+  // zeroed after (no host sync to ask whether there is one).
+  auto none = mask.any(-1, /*keepdim=*/true).logical_not();
+  return attention_of_seen(q, k, v, dropout, mask.logical_or(none))
+      .masked_fill(none, 0.0);
+}
+
 at::Tensor attention_keep_mask(
     const at::Tensor& attention_mask,
     int64_t t,
@@ -178,10 +268,7 @@ at::Tensor attention_keep_mask(
         attention_mask.sizes());
     auto real =
         attention_mask.to(device).ne(0).view({attention_mask.size(0), 1, 1, t});
-    keep = keep.logical_and(real);
-    // A query with no key to see (left padding): every key, so softmax
-    // stays finite.
-    keep = keep.logical_or(keep.any(-1, /*keepdim=*/true).logical_not());
+    keep = keep.logical_and(real); // left padding: rows with no key
   }
   return keep;
 }

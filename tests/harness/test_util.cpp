@@ -5,6 +5,7 @@
 #include <colossalai/initialize.h>
 
 #include <ATen/Context.h>
+#include <gtest/gtest.h>
 
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -69,6 +70,37 @@ std::pair<int, std::string> run_shell(const std::string& command) {
   }
   const int status = ::pclose(pipe);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+std::string python_fixtures(
+    const std::string& python,
+    const std::string& script,
+    const std::string& what,
+    const char* env) {
+  if (const char* made = std::getenv(env)) {
+    return made;
+  }
+  const std::string d = scratch(test_process(), what);
+  const std::string done = d + "/done";
+  if (std::getenv("COLOSSALAI_TEST_RANK") != nullptr ||
+      access(done.c_str(), F_OK) == 0) {
+    return d;
+  }
+  const auto r =
+      run_shell(python + " '" + script + "' make '" + d + "'");
+  if (r.first != 0) {
+    ADD_FAILURE() << script << " make failed (" << python
+                  << "; ./scripts/setup.sh --tests installs the Python "
+                     "references):\n"
+                  << r.second;
+    return d;
+  }
+  std::FILE* f = std::fopen(done.c_str(), "w");
+  if (f != nullptr) {
+    std::fputs(r.second.c_str(), f);
+    std::fclose(f);
+  }
+  return d;
 }
 
 bool python_has_torch() {

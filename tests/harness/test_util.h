@@ -41,6 +41,17 @@ void remove_scratch(const std::string& what);
 /// (stdout and stderr).
 std::pair<int, std::string> run_shell(const std::string& command);
 
+/// References a Python script makes for a test program: the directory
+/// named by the environment variable `env` when it is set (made before by
+/// `python script make DIR`), else scratch(`what`), made once per test
+/// program by that command (the ranks only read it). A failing script is a
+/// test failure that shows its output. `remove_scratch(what)` removes it.
+std::string python_fixtures(
+    const std::string& python,
+    const std::string& script,
+    const std::string& what,
+    const char* env);
+
 /// The Python whose torch matches the linked LibTorch, which interop tests
 /// run: Debian's (python3-torch) for Debian's LibTorch, the venv's for the
 /// PyPI build (CMake's COLOSSALAI_PYTHON).

@@ -314,7 +314,7 @@ TORCH_MODULE(BertForMaskedLM);
 /// encoder layers evenly; every stage's micro-batch is
 /// {ids, labels, attention_mask, token_type_ids} (the last two optional;
 /// the second, the criterion's labels, is not read by the forward).
-class BertPolicy : public shardformer::Policy {
+class BertPolicy : public LMPolicy {
  public:
   std::string name() const override {
     return "BertPolicy";
@@ -338,6 +338,9 @@ class BertPolicy : public shardformer::Policy {
       const shardformer::StageLayers& layers,
       const std::vector<at::Tensor>& micro_batch,
       const at::Tensor& hidden) const override;
+  std::vector<std::string> micro_batch_inputs() const override {
+    return {"input_ids", "labels", "attention_mask", "token_type_ids"};
+  }
 };
 
 /// A BertConfig from the text of a config.json (model_type bert); the text

@@ -68,6 +68,11 @@ struct BloomConfig {
   TORCH_ARG(double, initializer_range) = 0.02;
   /// The residuals are the layer norms' outputs, not their inputs.
   TORCH_ARG(bool, apply_residual_connection_post_layernorm) = false;
+  /// The padding token as config.json names it (-1: null, transformers'
+  /// default). BLOOM's token embedding has no padding_idx, so it changes
+  /// nothing in the computation; it is read and written for the tools that
+  /// use it.
+  TORCH_ARG(int64_t, pad_token_id) = -1;
   /// The config.json this config was read from (from_pretrained), so
   /// save_pretrained keeps the fields not modelled here; empty: none.
   TORCH_ARG(std::string, source_json) = "";
@@ -219,7 +224,7 @@ TORCH_MODULE(BloomForCausalLM);
 /// split_gather (and ring) sequence parallelism splits the sequence between
 /// blocks over the tensor group, after word_embeddings_layernorm; all_to_all
 /// and ring_attn are refused. Blocks split evenly over pipeline stages.
-class BloomPolicy : public shardformer::Policy {
+class BloomPolicy : public LMPolicy {
  public:
   std::string name() const override {
     return "BloomPolicy";
@@ -241,6 +246,10 @@ class BloomPolicy : public shardformer::Policy {
       const shardformer::StageLayers& layers,
       const std::vector<at::Tensor>& micro_batch,
       const at::Tensor& hidden) const override;
+  /// ALiBi: no position ids.
+  std::vector<std::string> micro_batch_inputs() const override {
+    return {"input_ids", "labels", "attention_mask"};
+  }
 };
 
 /// BloomConfig from the text of a config.json (model_type "bloom"; Hugging

@@ -57,6 +57,11 @@ struct GPT2Config {
   TORCH_ARG(double, initializer_range) = 0.02;
   /// Width of the MLP; 0: 4 x n_embd.
   TORCH_ARG(int64_t, n_inner) = 0;
+  /// The padding token as config.json names it (-1: null, transformers'
+  /// default). GPT-2's token embedding has no padding_idx, so it changes
+  /// nothing in the computation; it is read and written for the tools that
+  /// use it.
+  TORCH_ARG(int64_t, pad_token_id) = -1;
   /// The config.json this config was read from (from_pretrained), so
   /// save_pretrained keeps the fields not modelled here; empty: none.
   TORCH_ARG(std::string, source_json) = "";
@@ -190,7 +195,7 @@ TORCH_MODULE(GPT2LMHeadModel);
 /// parallelism splits the sequence between blocks over the tensor group,
 /// all_to_all splits it over the sp group and exchanges heads around
 /// attention. Blocks split evenly over pipeline stages.
-class GPT2Policy : public shardformer::Policy {
+class GPT2Policy : public LMPolicy {
  public:
   std::string name() const override {
     return "GPT2Policy";

@@ -86,6 +86,10 @@ struct LlamaConfig {
   TORCH_ARG(bool, qk_norm) = false;
   /// Each query sees the last `sliding_window` keys (Mistral); 0: all.
   TORCH_ARG(int64_t, sliding_window) = 0;
+  /// The padding token (transformers' `padding_idx` of embed_tokens): its
+  /// row starts at zero and its lookups give the row no gradient; -1 (a
+  /// null `pad_token_id`, LlamaConfig's default): none.
+  TORCH_ARG(int64_t, pad_token_id) = -1;
   /// The config.json this config was read from (from_pretrained), so
   /// save_pretrained keeps the fields not modelled here; empty: none.
   TORCH_ARG(std::string, source_json) = "";
@@ -225,7 +229,7 @@ using Qwen3ForCausalLM = LlamaForCausalLM;
 /// q/k/v/gate/up column-parallel, o/down row-parallel, query and key/value
 /// heads split over the tensor group (tp must divide num_key_value_heads);
 /// sequence parallelism as GPT2Policy.
-class LlamaPolicy : public shardformer::Policy {
+class LlamaPolicy : public LMPolicy {
  public:
   std::string name() const override {
     return "LlamaPolicy";

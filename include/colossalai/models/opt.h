@@ -241,7 +241,7 @@ TORCH_MODULE(OPTForCausalLM);
 /// parallelism: split_gather and ring (over the tensor group), as
 /// GPT2Policy; all_to_all and ring_attn are refused. Layers split evenly
 /// over pipeline stages.
-class OPTPolicy : public shardformer::Policy {
+class OPTPolicy : public LMPolicy {
  public:
   std::string name() const override {
     return "OPTPolicy";

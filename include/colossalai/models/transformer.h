@@ -106,6 +106,16 @@ void check_position_ids(
     const at::Tensor& position_ids,
     const char* who);
 
+/// nn.Embedding's padding_idx on a lookup `rows` = embedding(`ids`) of
+/// `weight`: the lookups of token `pad` give its row no gradient (none when
+/// `pad` < 0, or when no gradient is being recorded for `weight`). The row
+/// still gets one elsewhere (a tied LM head), as in transformers.
+at::Tensor without_padding_grad(
+    const at::Tensor& rows,
+    const at::Tensor& ids,
+    int64_t pad,
+    const at::Tensor& weight);
+
 /// Logits of an LM head tied to the token embedding `weight`: [B, T, V],
 /// or this rank's vocabulary shard when `state` keeps the output parallel.
 at::Tensor tied_lm_head_logits(
@@ -115,9 +125,12 @@ at::Tensor tied_lm_head_logits(
     int64_t vocab_size);
 
 /// Mean next-token cross entropy of a causal LM's logits [B, T, V or
-/// V_pad / tp] against targets [B, T]: vocabulary-parallel where `state`
-/// leaves the logits split over tp; over this rank's tokens where it leaves
-/// them split over sp (the value is the whole sequence's loss).
+/// V_pad / tp] against targets [B, T] over the targets other than -100:
+/// vocabulary-parallel where `state` leaves the logits split over tp; over
+/// this rank's tokens where it leaves them split over sp, the sum and the
+/// count reduced over sp (`nn::token_mean`), so that the value is the whole
+/// sequence's token mean and the sp-averaged gradient its gradient, however
+/// the counted tokens fall on the ranks.
 at::Tensor causal_lm_loss(
     const at::Tensor& logits,
     const at::Tensor& targets,
@@ -129,7 +142,8 @@ at::Tensor causal_lm_loss(
 /// kernel on 2.x) unless `dropout` (may be null) is active: then matmul,
 /// mask, softmax and `dropout` on the probabilities. `mask` (optional, from
 /// `attention_keep_mask`) replaces the causal mask: true where a query may
-/// see a key.
+/// see a key. A query that may see no key (left padding) gets a zero
+/// output, as transformers' SDPA attention on PyTorch >= 2.5.
 at::Tensor attention(
     const at::Tensor& q,
     const at::Tensor& k,
@@ -142,8 +156,7 @@ at::Tensor attention(
 /// (query i sees key j when i - j < window; <= 0: no window, Mistral's
 /// convention) and not padding (`attention_mask` [B, T], Hugging Face's:
 /// 1 for a real token, 0 for padding). A query left with no key (left
-/// padding) sees every key, as transformers' SDPA path does, so its output
-/// is finite; its value means nothing. Undefined when nothing beyond
+/// padding) keeps none (see `attention`). Undefined when nothing beyond
 /// causality is masked (the fused causal kernel then runs).
 at::Tensor attention_keep_mask(
     const at::Tensor& attention_mask,
@@ -170,7 +183,7 @@ std::pair<at::Tensor, at::Tensor> sequence_chunk(
 /// Whether the model's output stays split along the sequence over sp
 /// (all_to_all, ring_attn with parallel_output): the LM head and the loss
 /// then run on this rank's tokens only (`causal_lm_loss` takes the matching
-/// targets and reports the whole sequence's loss).
+/// targets and reports the whole sequence's token mean).
 bool sequence_split_output(const ParallelState& state);
 
 /// The embeddings' output [B, T, C] as the blocks take it: this rank's
@@ -275,12 +288,40 @@ void append_stage_blocks(
     int64_t num_blocks,
     const std::string& prefix);
 
-/// Policy::stage_forward of a causal LM `T` whose micro-batch is {ids, ...}:
-/// `T::forward_stage(layers, ids, hidden)` on micro_batch[0], after the
-/// checks that `model` is a `T` (see `policy_model`) and that the
-/// micro-batch is not empty ("<policy>: the micro-batch must start with the
-/// input ids").
-template <class T>
+/// micro_batch[i] when present and defined, undefined when absent (its
+/// shape is LMPolicy::check_micro_batch's).
+at::Tensor micro_batch_input(
+    const std::vector<at::Tensor>& micro_batch,
+    size_t i);
+
+/// The policy of colossalai::models' language models, whose pipeline
+/// micro-batch is {ids, labels, ...} and whose `loss` is the mean over the
+/// labels other than -100: a pipeline step weighs each micro-batch's loss
+/// by that count (NOTE [Token-mean losses]).
+class LMPolicy : public shardformer::Policy {
+ public:
+  int64_t loss_items(
+      const std::vector<at::Tensor>& micro_batch) const override;
+  /// Refuses more tensors than `micro_batch_inputs` names, each by name,
+  /// and inputs after the labels that are not [B, T] like the ids.
+  void check_micro_batch(
+      const std::vector<at::Tensor>& micro_batch) const override;
+  /// What the micro-batch holds, in order: {input_ids, labels,
+  /// attention_mask, position_ids} (a causal LM's; the last two optional).
+  virtual std::vector<std::string> micro_batch_inputs() const {
+    return {"input_ids", "labels", "attention_mask", "position_ids"};
+  }
+};
+
+/// Policy::stage_forward of a causal LM `T` whose micro-batch is {ids,
+/// labels, attention_mask, position_ids} (the last two optional; a family
+/// without position ids, `kPositions` false, takes three; the plugin has
+/// checked it with LMPolicy::check_micro_batch):
+/// `T::forward_stage(layers, ids, hidden, attention_mask[, position_ids])`
+/// on every stage, after the checks that `model` is a `T` (see
+/// `policy_model`) and that the micro-batch starts with the ids ("<policy>:
+/// the micro-batch must start with the input ids").
+template <class T, bool kPositions = true>
 at::Tensor causal_lm_stage_forward(
     torch::nn::Module& model,
     const shardformer::StageLayers& layers,
@@ -290,10 +331,17 @@ at::Tensor causal_lm_stage_forward(
     const char* expected) {
   auto& m = policy_model<T>(model, policy, expected);
   TORCH_CHECK(
-      !micro_batch.empty(),
+      !micro_batch.empty() && micro_batch[0].defined(),
       policy,
       ": the micro-batch must start with the input ids");
-  return m.forward_stage(layers, micro_batch[0], hidden);
+  // [1] is the criterion's labels: not an input of the forward.
+  const auto mask = micro_batch_input(micro_batch, 2);
+  if constexpr (kPositions) {
+    return m.forward_stage(
+        layers, micro_batch[0], hidden, mask, micro_batch_input(micro_batch, 3));
+  } else {
+    return m.forward_stage(layers, micro_batch[0], hidden, mask);
+  }
 }
 
 } // namespace models

@@ -31,7 +31,8 @@
 /// the micro-batch (first virtual stage) or the previous stage's output, and
 /// sends its own output on (the last virtual stage applies the criterion
 /// and divides the loss by the number of micro-batches, as ColossalAI
-/// does); a backward receives the output's gradient and sends the input's
+/// does, or weighs it by its share of the batch's tokens: NOTE [Token-mean
+/// losses]); a backward receives the output's gradient and sends the input's
 /// back. Transfers are asynchronous (NOTE [Pipeline p2p]); with
 /// `overlap_p2p` the receive of the next action is posted before the
 /// current action computes.
@@ -142,7 +143,9 @@ class PipelineSchedule {
 
   /// Runs forward and backward of every micro-batch in this stage's order.
   /// `chunk_params[c]`: chunk c's trainable parameters (weight passes);
-  /// `scale_loss`: the loss the backward starts from (loss scaling).
+  /// `scale_loss`: the loss the backward starts from (loss scaling);
+  /// `loss_weights[i]`: micro-batch i's loss is multiplied by it (empty:
+  /// 1 / num_microbatches each), so the step's loss is their weighted sum.
   PipelineOutput forward_backward_step(
       const std::vector<std::vector<at::Tensor>>& micro_batches,
       const StageForward& forward,
@@ -150,7 +153,8 @@ class PipelineSchedule {
       const PipelineCriterion& criterion,
       const std::function<at::Tensor(const at::Tensor&)>& scale_loss,
       bool return_loss,
-      bool return_outputs);
+      bool return_outputs,
+      const std::vector<double>& loss_weights = {});
 
   /// This stage's actions in the last step, with their times.
   const std::vector<TimelineEvent>& timeline() const {

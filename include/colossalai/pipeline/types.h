@@ -22,9 +22,10 @@ using PipelineCriterion =
     std::function<at::Tensor(const at::Tensor& outputs, const Batch& batch)>;
 
 /// What a step returns (ColossalAI's {'loss', 'outputs'}): the loss
-/// averaged over the micro-batches, on the rank that holds the last virtual
-/// stage (undefined elsewhere), and with `return_outputs` that stage's
-/// outputs concatenated along dim 0.
+/// averaged over the micro-batches (weighted by their counted tokens when
+/// the policy counts them: Policy::loss_items), on the rank that holds the
+/// last virtual stage (undefined elsewhere), and with `return_outputs` that
+/// stage's outputs concatenated along dim 0.
 struct PipelineOutput {
   at::Tensor loss;
   at::Tensor outputs;

@@ -107,6 +107,22 @@ class Policy {
       const StageLayers& layers,
       const std::vector<at::Tensor>& micro_batch,
       const at::Tensor& hidden) const;
+  /// How many items (tokens) the criterion's mean loss of `micro_batch`
+  /// runs over: a pipeline step weighs micro-batch i's loss by n_i / sum n,
+  /// so the step's loss is the mean over the whole batch's items, as one
+  /// process computes it (NOTE [Token-mean losses]). -1 (the base): not
+  /// known, every micro-batch weighs 1 / num_microbatches (ColossalAI's
+  /// rule, right for a criterion that averages over samples).
+  virtual int64_t loss_items(const std::vector<at::Tensor>& micro_batch) const {
+    return -1;
+  }
+  /// Refuses a micro-batch that `stage_forward` cannot take whole (a tensor
+  /// it would drop, a wrong shape). Called on every rank before a pipeline
+  /// step, so such a batch fails on all of them at once rather than on the
+  /// first stage while the others wait for its activations. The base takes
+  /// anything.
+  virtual void check_micro_batch(
+      const std::vector<at::Tensor>& micro_batch) const {}
 };
 
 /// A model that knows its policy (colossalai::models' families): the plugin

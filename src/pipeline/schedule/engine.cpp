@@ -56,9 +56,12 @@ PipelineOutput PipelineSchedule::forward_backward_step(
     const PipelineCriterion& criterion,
     const std::function<at::Tensor(const at::Tensor&)>& scale_loss,
     bool return_loss,
-    bool return_outputs) {
+    bool return_outputs,
+    const std::vector<double>& loss_weights) {
   const int m = static_cast<int>(micro_batches.size());
   TORCH_CHECK(m >= 1, "pipeline: no micro-batches");
+  TORCH_INTERNAL_ASSERT(
+      loss_weights.empty() || static_cast<int>(loss_weights.size()) == m);
   const int stage = sm_->stage();
   const int vstages = sm_->num_virtual_stages();
   TORCH_INTERNAL_ASSERT(
@@ -185,7 +188,8 @@ PipelineOutput PipelineSchedule::forward_backward_step(
             " (micro-batch ",
             mb,
             ")");
-        loss = loss.reshape({}) / m;
+        loss = loss_weights.empty() ? loss.reshape({}) / m
+                                    : loss.reshape({}) * loss_weights[mb];
         if (return_loss) {
           auto l = loss.detach().to(at::kFloat);
           loss_sum = loss_sum.defined() ? loss_sum + l : l;

@@ -239,7 +239,8 @@ struct VocabParallelCrossEntropy
       const at::Tensor& target,
       const distributed::ProcessGroupPtr& g,
       int64_t vocab_size,
-      int64_t ignore_index) {
+      int64_t ignore_index,
+      int64_t reduction) {
     const int64_t cols = logits.size(1);
     const int64_t start = cols * g->rank();
     auto x = logits.to(at::kFloat).clone();
@@ -263,7 +264,9 @@ struct VocabParallelCrossEntropy
     auto sum = e.sum(1);
     distributed::all_reduce(sum, *g).wait();
     auto per_row = (sum.log() - picked).masked_fill(~valid, 0);
-    const double n = std::max<int64_t>(1, valid.sum().item<int64_t>());
+    const double n = reduction == at::Reduction::Sum
+        ? 1.0
+        : std::max<int64_t>(1, valid.sum().item<int64_t>());
     e.div_(sum.unsqueeze(1)); // softmax over this rank's columns
     ctx->save_for_backward({e, local, mine, valid});
     ctx->saved_data["n"] = n;
@@ -283,7 +286,12 @@ struct VocabParallelCrossEntropy
     const auto dtype =
         static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
     return {
-        grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        grad.to(dtype),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor()};
   }
 };
 
@@ -294,7 +302,11 @@ at::Tensor vocab_parallel_cross_entropy(
     const at::Tensor& target,
     const distributed::ProcessGroupPtr& group,
     int64_t vocab_size,
-    int64_t ignore_index) {
+    int64_t ignore_index,
+    at::Reduction::Reduction reduction) {
+  TORCH_CHECK(
+      reduction == at::Reduction::Mean || reduction == at::Reduction::Sum,
+      "vocab_parallel_cross_entropy: reduction must be Mean or Sum");
   TORCH_CHECK(
       logits.dim() == 2 && target.dim() == 1 &&
           logits.size(0) == target.size(0),
@@ -319,7 +331,7 @@ at::Tensor vocab_parallel_cross_entropy(
         logits.narrow(1, 0, vocab_size).to(at::kFloat),
         target_here,
         {},
-        at::Reduction::Mean,
+        reduction,
         ignore_index);
   }
   const auto& g = group;
@@ -331,7 +343,7 @@ at::Tensor vocab_parallel_cross_entropy(
       logits.size(1) * g->size(),
       " columns of the sharded logits");
   return VocabParallelCrossEntropy::apply(
-      logits, target_here, g, vocab_size, ignore_index);
+      logits, target_here, g, vocab_size, ignore_index, reduction);
 }
 
 } // namespace layer

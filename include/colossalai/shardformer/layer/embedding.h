@@ -24,6 +24,7 @@
 #include <colossalai/distributed/process_group.h>
 #include <colossalai/shardformer/layer/parallel_module.h>
 
+#include <ATen/core/Reduction.h>
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/modules/embedding.h>
@@ -151,12 +152,15 @@ at::Tensor lm_head_logits(
 /// vocab_parallel_cross_entropy). Columns at or beyond `vocab_size` (the
 /// padding) are excluded; targets equal to `ignore_index` count for
 /// nothing. Its gradient is softmax - one_hot on each rank's columns.
+/// `reduction` Sum gives the sum over the counted targets instead of their
+/// mean (0 when none counts).
 at::Tensor vocab_parallel_cross_entropy(
     const at::Tensor& logits,
     const at::Tensor& target,
     const distributed::ProcessGroupPtr& group,
     int64_t vocab_size,
-    int64_t ignore_index = -100);
+    int64_t ignore_index = -100,
+    at::Reduction::Reduction reduction = at::Reduction::Mean);
 
 } // namespace layer
 } // namespace shardformer

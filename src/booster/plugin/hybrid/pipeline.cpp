@@ -291,11 +291,33 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
       ")");
   const auto device = current_device();
   std::vector<pipeline::Batch> micro(m);
+  // Each micro-batch's share of the batch's loss items (tokens), counted
+  // where the batch is, before it moves (NOTE [Token-mean losses]).
+  std::vector<double> weights;
+  int64_t items = 0;
   for (int64_t i = 0; i < m; ++i) {
+    pipeline::Batch slice;
     for (const auto& t : batch) {
-      micro[i].push_back(
-          guard->prepare_input(t.narrow(0, i * size, size).to(device)));
+      slice.push_back(t.narrow(0, i * size, size));
     }
+    policy_->check_micro_batch(slice); // on every rank, before any transfer
+    const int64_t n_i = policy_->loss_items(slice);
+    if (n_i >= 0 && (i == 0 || !weights.empty())) {
+      weights.push_back(static_cast<double>(n_i));
+      items += n_i;
+    } else {
+      weights.clear();
+    }
+    for (const auto& t : slice) {
+      micro[i].push_back(guard->prepare_input(t.to(device)));
+    }
+  }
+  if (items > 0) {
+    for (auto& w : weights) {
+      w /= static_cast<double>(items);
+    }
+  } else {
+    weights.clear(); // nothing counted: equal weights (a zero loss)
   }
 
   // Data-parallel synchronisation once per step, after every micro-batch.
@@ -330,7 +352,8 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
       criterion,
       scale,
       return_loss,
-      return_outputs);
+      return_outputs,
+      weights);
   if (!sync) {
     return out; // no_sync: gradients accumulate until a synchronised step
   }
