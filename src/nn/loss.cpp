@@ -29,14 +29,14 @@ at::Tensor token_mean(
   if (size > 1) {
     distributed::all_reduce(both, *group).wait();
   }
-  const double total = both[1].item<double>();
-  if (total <= 0) {
-    // No token anywhere: zero, with a zero gradient that still reaches every
-    // parameter the sum depends on (hooks fire as for any other step).
-    return sum.reshape({}) * 0.0;
-  }
-  const auto local = sum.reshape({}) * (static_cast<double>(size) / total);
-  const auto value = (both[0] / total).to(sum.scalar_type());
+  // No host sync: a count of zero anywhere means every sum is zero too, so
+  // dividing by max(count, 1) gives 0 with a zero gradient.
+  // At least float: a bf16 scale of size / total would keep 3 digits.
+  const auto dtype = at::promote_types(sum.scalar_type(), at::kFloat);
+  const auto total = both[1].clamp_min(1.0);
+  const auto local =
+      sum.reshape({}).to(dtype) * (static_cast<double>(size) / total).to(dtype);
+  const auto value = (both[0] / total).to(dtype);
   return local + (value - local.detach());
 }
 

@@ -40,7 +40,8 @@ namespace nn {
 /// rank's `sum` (a scalar that may require grad) and `count` (a scalar
 /// number of tokens, any dtype). Value: sum(sums) / sum(counts) (0 when no
 /// rank has a token); gradient: d sum x group size / sum(counts). A null
-/// group or a group of one rank gives sum / count.
+/// group or a group of one rank gives sum / count. The result is at least
+/// float32. No host synchronisation beyond the all-reduce.
 at::Tensor token_mean(
     const at::Tensor& sum,
     const at::Tensor& count,
