@@ -15,8 +15,10 @@ every parameter after the steps ("final.<name>"). Cases:
     shifted     no padding: only the shifted labels' last position is ignored
     left_pad    rows left-padded to 16, 11, 7 and 13 real tokens, with the mask
     right_pad   the same lengths right-padded, with the mask
-    pad_ids     the pad token (pad_token_id 0) in the padded positions, no
-                mask, their labels -100 (the padding row's gradient)
+    pad_ids     the pad token (pad_token_id 0) in the left-padded positions,
+                no mask, their labels -100: the real tokens see the padding,
+                whose embedding row gets no gradient where transformers
+                gives it a padding_idx
 """
 
 import os
@@ -90,7 +92,7 @@ def batch(case, g):
     mask = torch.ones(B, T, dtype=torch.long)
     if case != "shifted":
         for r, n in enumerate(LENGTHS):
-            if case == "left_pad":
+            if case in ("left_pad", "pad_ids"):
                 mask[r, :T - n] = 0
             else:
                 mask[r, n:] = 0
