@@ -295,7 +295,11 @@ TEST(Qlora, Int8LayersEqualBitsandbytes) {
 // so outputs differ only by fp32 matmul rounding (two BLAS libraries, the
 // bias added separately): bound 1e-5 of the output's scale, as
 // test_hf_models' logits. In bf16 compute both round x and W to bf16 alike
-// and multiply in bf16: within a few bf16 ulps (2^-8 relative).
+// and multiply in bf16; how a CPU's bf16 matmul rounds its partial sums
+// differs between LibTorch builds and CPUs (measured: 2.3% of the largest
+// input gradient, 5 bf16 ulps, on an AMD EPYC with LibTorch 1.13): bound
+// 4e-2, 10 ulps (2^-8 relative each). The fp32 kinds above check the
+// quantization itself to 1e-5.
 TEST(Qlora, FourBitLayersEqualBitsandbytes) {
   auto ref = layer_reference();
   struct Kind {
@@ -314,7 +318,7 @@ TEST(Qlora, FourBitLayersEqualBitsandbytes) {
        1e-5},
       {"nf4bf16",
        q::BnbQuantizationConfig(nf4).bnb_4bit_compute_dtype(at::kBFloat16),
-       2e-2}};
+       4e-2}};
   for (const auto& c : layer_cases()) {
     for (const auto& k : kinds) {
       SCOPED_TRACE(c.first + " " + k.name);
