@@ -36,10 +36,11 @@
 /// Example:
 /// \code
 ///   torch::manual_seed(0);
-///   zoo::GPT model{nullptr};
+///   namespace cm = colossalai::models;
+///   cm::GPT2LMHeadModel model{nullptr};
 ///   {
 ///     colossalai::lazy::LazyInitContext ctx;
-///     model = zoo::GPT(zoo::GPTConfig::gpt2_medium()); // no weights yet
+///     model = cm::GPT2LMHeadModel(cm::GPT2Config()); // no weights yet
 ///   }
 ///   colossalai::lazy::materialize(*model); // == eager under seed 0
 ///   // or: booster.boost(model, optimizer) materialises it

@@ -19,8 +19,8 @@
 ///    unit owns) and is gathered around the boosted model's forward;
 ///  - finer units are modules chosen by `auto_wrap_policy` that derive from
 ///    `colossalai::nn::HookableModule` and open a `ForwardScope` in their
-///    forward (the zoo's GPT blocks do). Choosing a module that does not is
-///    an error at boost time.
+///    forward (the blocks of `colossalai::models` do). Choosing a module that
+///    does not is an error at boost time.
 /// The output of every non-root unit carries a gradient hook: when backward
 /// reaches it, the unit is re-gathered (and, with backward prefetch, the next
 /// unit in backward order starts gathering). When all of a unit's gradients
@@ -145,7 +145,8 @@ struct PlacementStats {
 using AutoWrapPolicy = std::function<
     bool(const std::string& name, torch::nn::Module& module, int64_t numel)>;
 
-/// Every module of type `T` (e.g. `zoo::BlockImpl`) becomes a unit.
+/// Every module of type `T` (e.g. `colossalai::models::GPT2BlockImpl`)
+/// becomes a unit.
 template <class T>
 AutoWrapPolicy module_type_wrap_policy() {
   return [](const std::string&, torch::nn::Module& m, int64_t) {

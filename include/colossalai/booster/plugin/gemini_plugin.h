@@ -88,9 +88,9 @@ struct GeminiPluginOptions {
 /// the FSDP engine (FullyShardedOptions::chunk_size), so clipping, loss
 /// scaling and checkpoints (full tensors, loadable at any world
 /// size and under every plugin) are FSDP's. Chunks gather per module that
-/// opens a ForwardScope (colossalai::nn::HookableModule, e.g. the zoo's GPT
-/// blocks); the rest of the model's parameters are gathered for the whole
-/// forward.
+/// opens a ForwardScope (colossalai::nn::HookableModule, e.g. the blocks of
+/// colossalai::models); the rest of the model's parameters are gathered for
+/// the whole forward.
 ///
 /// Placement (NOTE [Gemini placement]): "static" places chunks by the
 /// fractions; "auto" keeps model states on the host and caches parameter

@@ -17,7 +17,8 @@ using TorchFSDPPluginOptions = zero::FullyShardedOptions;
 /// parameters are gathered just before it computes. See NOTE [FSDP units] for
 /// how units are declared in C++ (the whole model by default; finer units
 /// from `auto_wrap_policy` over modules that derive from
-/// `colossalai::nn::HookableModule`, such as the zoo's GPT blocks).
+/// `colossalai::nn::HookableModule`, such as the GPT-2 blocks of
+/// `colossalai::models`).
 ///
 /// Checkpoints hold full tensors (rank 0 writes; sharded files are the
 /// size-limited Hugging Face layout), so they load at any world size and
@@ -30,9 +31,10 @@ using TorchFSDPPluginOptions = zero::FullyShardedOptions;
 /// Example:
 /// \code
 ///   namespace cz = colossalai::zero;
+///   using colossalai::models::GPT2BlockImpl;
 ///   auto plugin = std::make_shared<TorchFSDPPlugin>(
 ///       TorchFSDPPluginOptions()
-///           .auto_wrap_policy(cz::module_type_wrap_policy<zoo::BlockImpl>())
+///           .auto_wrap_policy(cz::module_type_wrap_policy<GPT2BlockImpl>())
 ///           .param_dtype(at::kBFloat16)
 ///           .reduce_dtype(at::kFloat));
 ///   Booster booster(BoosterOptions().plugin(plugin));
