@@ -71,6 +71,11 @@ class LazyInitContext {
   LazyInitContext(const LazyInitContext&) = delete;
   LazyInitContext& operator=(const LazyInitContext&) = delete;
 
+  /// Forgets what this context recorded: its tensors stay meta tensors
+  /// (shapes and dtypes) but are no longer lazy, and the recording's memory
+  /// is freed with them. For a module built only to read its shapes.
+  void discard();
+
  private:
   std::shared_ptr<Recording> recording_;
 };
