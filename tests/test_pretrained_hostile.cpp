@@ -397,6 +397,12 @@ TEST(PretrainedHostile, EveryFamilyLoadsItsOwnDirectory) {
   models::LlamaForCausalLM llama(models::LlamaConfig::tiny_test());
   models::save_pretrained(llama, dir.path);
   check(llama, models::from_pretrained<models::LlamaForCausalLM>(dir.path));
+  // Llama 3.1's rotary scaling (computed with ops LibTorch 1.13 has no meta
+  // kernel for).
+  models::LlamaForCausalLM llama3(models::LlamaConfig::tiny_test().rope_scaling(
+      models::RopeScaling().rope_type("llama3").factor(8.0)));
+  models::save_pretrained(llama3, dir.path);
+  check(llama3, models::from_pretrained<models::LlamaForCausalLM>(dir.path));
   models::OPTForCausalLM opt(models::OPTConfig::tiny_test());
   models::save_pretrained(opt, dir.path);
   check(opt, models::from_pretrained<models::OPTForCausalLM>(dir.path));

@@ -46,6 +46,7 @@
 /// \endcode
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <functional>
 #include <memory>
@@ -78,6 +79,18 @@ class LazyInitContext {
 
  private:
   std::shared_ptr<Recording> recording_;
+};
+
+/// RAII: operations in its scope run eagerly even inside a LazyInitContext
+/// (neither recorded nor on meta tensors). For what a constructor derives
+/// from its config and keeps outside its parameters and buffers (LLaMA's
+/// rotary frequencies): materialize would not fill it.
+class EagerGuard {
+ public:
+  EagerGuard() : guard_(c10::DispatchKey::DeferredInit) {}
+
+ private:
+  c10::impl::ExcludeDispatchKeyGuard guard_;
 };
 
 /// Whether `t` was created in a LazyInitContext and not materialised yet.
