@@ -5,6 +5,7 @@
 // the file and the field (or tensor), quickly and without allocating what
 // the config describes; none kills or hangs the process.
 
+#include <colossalai/booster/booster.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/state_dict.h>
@@ -499,6 +500,19 @@ TEST(PretrainedHostile, ShardsAreReadAsTheIndexNamesThem) {
   auto loaded = models::from_pretrained<models::LlamaForCausalLM>(dir.path);
   EXPECT_TRUE(at::equal(
       loaded->named_parameters()[norm], at::full_like(state[norm], 2.0)));
+  // The booster reads the directory the same way.
+  {
+    models::LlamaForCausalLM boosted_model(config);
+    colossalai::booster::Booster booster;
+    auto boosted = booster.boost(
+        boosted_model,
+        std::make_shared<torch::optim::SGD>(
+            boosted_model->parameters(), torch::optim::SGDOptions(0.1)));
+    booster.load_model(boosted.model, dir.path);
+    EXPECT_TRUE(at::equal(
+        boosted_model->named_parameters()[norm],
+        at::full_like(state[norm], 2.0)));
+  }
   // A key the index names in a shard that lacks it.
   write_index(", \"model.extra.weight\": \"b.safetensors\"");
   EXPECT_HAS(
