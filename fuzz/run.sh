@@ -6,10 +6,12 @@
 #
 # TARGET: safetensors (the header parser, default), zip (the zip directory
 # reader of .bin checkpoints), tokenizer (the SentencePiece tokenizer.model
-# reader and the NFC normalizer) or pickle (the hardened
+# reader and the NFC normalizer), pickle (the hardened
 # unpickler and the optimizer-state path; links the library built in
 # $COLOSSALAI_LIB, default build/libcolossalai.a, for what it does not
-# compile instrumented). SECONDS: default 20. Needs clang and libFuzzer
+# compile instrumented) or config (every family's config.json reader; links
+# $COLOSSALAI_MODELS_LIB, default build/libcolossalai_models.a, and
+# $COLOSSALAI_LIB). SECONDS: default 20. Needs clang and libFuzzer
 # (Debian: clang, libclang-rt-N-dev) and LibTorch: under /usr, or where
 # TORCH_INCLUDE / TORCH_LIBDIR say. The binary and
 # any crash inputs go to $FUZZ_BUILD_DIR (default build/fuzz). Exits non-zero
@@ -42,6 +44,7 @@ fi
 mkdir -p "$out"
 
 extra_link=()
+includes=()
 case "$target" in
   safetensors)
     sources=("$repo/fuzz/safetensors_fuzz.cpp" "$repo/src/checkpoint_io/safetensors.cpp" "$repo/src/checkpoint_io/mapped_reads.cpp")
@@ -75,15 +78,31 @@ case "$target" in
     headers+=("$lib")
     flags=(-max_len=8192 -dict="$repo/fuzz/pickle.dict")
     ;;
+  config)
+    sources=("$repo/fuzz/config_fuzz.cpp" "$repo/src/models/config_fields.cpp"
+             "$repo/src/models/pretrained_families.cpp" "$repo/src/models/pretrained_opt.cpp"
+             "$repo/src/models/pretrained_bloom.cpp" "$repo/src/models/pretrained_bert.cpp")
+    headers=("$repo/src/models/config_fields.h" "$repo/src/models/pretrained_internal.h"
+             "$repo/src/utils/bounded_json.h")
+    lib="${COLOSSALAI_LIB:-$repo/build/libcolossalai.a}"
+    models_lib="${COLOSSALAI_MODELS_LIB:-$repo/build/libcolossalai_models.a}"
+    for l in "$models_lib" "$lib"; do
+      [[ -f "$l" ]] || { echo "fuzz/run.sh config: build the libraries first ($l)" >&2; exit 2; }
+    done
+    extra_link=("$models_lib" "$lib" -lz -lgomp -lpthread)
+    headers+=("$models_lib" "$lib")
+    includes=(-I"$repo/src")
+    flags=(-max_len=4096)
+    ;;
   *)
-    echo "fuzz/run.sh: unknown target '$target' (safetensors, zip, tokenizer, pickle)" >&2
+    echo "fuzz/run.sh: unknown target '$target' (safetensors, zip, tokenizer, pickle, config)" >&2
     exit 2
     ;;
 esac
 binary="$out/${target}_fuzz"
 compile=("$cxx" -std="$std" -O1 -g -fno-omit-frame-pointer
   -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
-  -I"$repo/include" -I"$torch_include" -I"$torch_include/torch/csrc/api/include"
+  -I"$repo/include" "${includes[@]}" -I"$torch_include" -I"$torch_include/torch/csrc/api/include"
   "${sources[@]}" -o "$binary"
   "${extra_link[@]}" "${link_flags[@]}" -ltorch -ltorch_cpu -lc10)
 rebuild=0

@@ -345,19 +345,19 @@ TEST_F(HfModels, BadDirectoriesAndConfigsNameTheProblem) {
   EXPECT_NE(
       error_of([&] {
         models::from_pretrained<models::LlamaForCausalLM>(d.string());
-      }).find("rope type 'yarn'"),
+      }).find("field 'rope_scaling.rope_type' is \"yarn\""),
       std::string::npos);
   write(R"({"model_type": "gpt2", "activation_function": "relu"})");
   EXPECT_NE(
       error_of([&] {
         models::from_pretrained<models::GPT2LMHeadModel>(d.string());
-      }).find("activation_function 'relu'"),
+      }).find("field 'activation_function' is \"relu\""),
       std::string::npos);
   write(R"({"model_type": "bert"})");
   EXPECT_NE(
       error_of([&] {
         models::from_pretrained<models::LlamaForCausalLM>(d.string());
-      }).find("model_type 'bert'"),
+      }).find("field 'model_type' is \"bert\""),
       std::string::npos);
   // A config and no weights.
   write(R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 8,

@@ -94,6 +94,25 @@ TEST(LazyInit, BoostMaterializesAndTrains) {
   EXPECT_FALSE(at::equal(boosted.model(ids), eager->forward(ids)));
 }
 
+// What a constructor keeps outside its parameters and buffers is real
+// (LLaMA's rotary frequencies, Llama 3 scaling included): a materialised
+// LLaMA gives the eager one's logits.
+TEST(LazyInit, MaterializedLlamaForwardsAsEager) {
+  const auto config = models::LlamaConfig::tiny_test().rope_scaling(
+      models::RopeScaling().rope_type("llama3").factor(8.0));
+  torch::manual_seed(3);
+  models::LlamaForCausalLM eager(config);
+  torch::manual_seed(3);
+  models::LlamaForCausalLM lazy{nullptr};
+  {
+    lz::LazyInitContext ctx;
+    lazy = models::LlamaForCausalLM(config);
+  }
+  lz::materialize(*lazy);
+  const auto ids = at::randint(config.vocab_size(), {2, 8});
+  EXPECT_TRUE(at::equal(lazy->forward(ids), eager->forward(ids)));
+}
+
 // No parameter memory while lazy: a model of 406 M parameters (1.6 GB in
 // fp32) is built within a few MB.
 TEST(LazyInit, LazyModelsHoldNoParameterMemory) {

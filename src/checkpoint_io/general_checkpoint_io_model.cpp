@@ -14,9 +14,12 @@
 
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 
 namespace colossalai {
@@ -42,11 +45,10 @@ void write_tensors(
 // followed by '{' is safetensors, a zip archive (or a legacy pickle, refused
 // with its own message) is a .bin.
 StateDict read_tensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "cannot open '", path, "'");
+  const int fd = detail::open_regular(path); // never blocks on a FIFO
   unsigned char head[9] = {0};
-  in.read(reinterpret_cast<char*>(head), sizeof(head));
-  const auto got = in.gcount();
+  const ssize_t got = ::pread(fd, head, sizeof(head), 0);
+  ::close(fd);
   TORCH_CHECK(
       got > 0,
       "'",
@@ -362,11 +364,13 @@ void GeneralCheckpointIO::load_sharded_model(
   auto dir = std::filesystem::path(index_file).parent_path().string();
   std::vector<std::string> files;
   std::set<std::string> expected;
+  std::map<std::string, std::set<std::string>> keys_of; // shard -> its keys
   for (const auto& kv : index.weight_map) {
     expected.insert(kv.first);
     if (std::find(files.begin(), files.end(), kv.second) == files.end()) {
       files.push_back(kv.second);
     }
+    keys_of[kv.second].insert(kv.first);
   }
   std::set<std::string> seen;
   for (const auto& f : files) {
@@ -378,13 +382,16 @@ void GeneralCheckpointIO::load_sharded_model(
         "' named by index '",
         index_file,
         "' is missing");
+    // A tensor comes from the shard the index names for it, whatever
+    // another shard also holds.
+    StateDict state;
+    for (const auto& kv : read_tensors(path)) {
+      if (keys_of[f].count(kv.key())) {
+        state.insert(kv.key(), kv.value());
+      }
+    }
     load_model_state(
-        *model.unwrap(),
-        read_tensors(path),
-        path,
-        &seen,
-        strict,
-        tensor_loader_);
+        *model.unwrap(), state, path, &seen, strict, tensor_loader_);
   }
   for (const auto& key : expected) {
     TORCH_CHECK(

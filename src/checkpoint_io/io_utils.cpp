@@ -1,5 +1,6 @@
 #include "io_utils.h"
 
+#include "../utils/bounded_json.h"
 #include "../utils/fault_point.h"
 
 #include <c10/util/Exception.h>
@@ -143,14 +144,64 @@ int64_t nbytes(const at::Tensor& t) {
   return t.numel() * static_cast<int64_t>(t.element_size());
 }
 
-std::vector<char> read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  TORCH_CHECK(in.good(), "cannot open '", path, "': ", std::strerror(errno));
-  std::vector<char> bytes(static_cast<size_t>(in.tellg()));
-  in.seekg(0);
-  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  TORCH_CHECK(in.good() || bytes.empty(), "cannot read '", path, "'");
-  return bytes;
+int open_regular(const std::string& path, int64_t* size) {
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a
+  // writer, before any check could refuse it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "cannot open '", path, "': ", std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    TORCH_CHECK(false, "cannot open '", path, "': not a regular file");
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  if (size != nullptr) {
+    *size = static_cast<int64_t>(st.st_size);
+  }
+  return fd;
+}
+
+std::vector<char> read_bytes(
+    const std::string& path,
+    int64_t max_bytes,
+    const char* what) {
+  int64_t size = 0;
+  const int fd = open_regular(path, &size);
+  struct Closer {
+    int fd;
+    ~Closer() {
+      ::close(fd);
+    }
+  } closer{fd};
+  auto too_large = [&](int64_t bytes) {
+    TORCH_CHECK(
+        bytes <= max_bytes,
+        "'",
+        path,
+        "' has ",
+        bytes,
+        " bytes or more, above the ",
+        max_bytes,
+        "-byte limit of a ",
+        what);
+  };
+  too_large(size);
+  // Read to the end, not to the size seen: the file may have grown since.
+  std::vector<char> bytes;
+  bytes.reserve(static_cast<size_t>(size));
+  char chunk[1 << 16];
+  while (true) {
+    const ssize_t got = ::read(fd, chunk, sizeof(chunk));
+    if (got < 0 && errno == EINTR) {
+      continue;
+    }
+    TORCH_CHECK(got >= 0, "cannot read '", path, "': ", std::strerror(errno));
+    if (got == 0) {
+      return bytes;
+    }
+    too_large(static_cast<int64_t>(bytes.size()) + got);
+    bytes.insert(bytes.end(), chunk, chunk + got);
+  }
 }
 
 void write_bytes(const std::string& path, const std::vector<char>& bytes) {
@@ -176,35 +227,67 @@ void write_index(const std::string& path, const Index& index) {
 }
 
 Index read_index(const std::string& path) {
-  auto bytes = read_bytes(path);
+  const auto bytes = read_bytes(path, kMaxJsonFileBytes, "checkpoint index");
+  const auto j = utils::parse_bounded_json<nlohmann::ordered_json>(
+      std::string(bytes.begin(), bytes.end()), "index '" + path + "'");
+  auto field = [&](const nlohmann::ordered_json& parent,
+                   const char* key) -> const nlohmann::ordered_json& {
+    TORCH_CHECK(
+        parent.contains(key) && parent[key].is_object(),
+        "index '",
+        path,
+        "': field '",
+        key,
+        "' must be an object",
+        parent.contains(key) ? ", got " + utils::json_excerpt(parent[key])
+                             : std::string(" (it is missing)"));
+    return parent[key];
+  };
+  TORCH_CHECK(j.is_object(), "index '", path, "' is not a JSON object");
   Index index;
-  try {
-    auto j = nlohmann::ordered_json::parse(bytes.begin(), bytes.end());
-    const auto& meta = j.at("metadata");
-    for (auto it = meta.begin(); it != meta.end(); ++it) {
-      if (it.key() == "total_size") {
-        index.total_size = it.value().get<int64_t>();
-      } else if (it.value().is_string()) {
-        index.metadata[it.key()] = it.value().get<std::string>();
-      }
-    }
-    const auto& map = j.at("weight_map");
-    for (auto it = map.begin(); it != map.end(); ++it) {
-      auto file = it.value().get<std::string>();
+  // metadata is optional (transformers reads only weight_map).
+  static const nlohmann::ordered_json kNone = nlohmann::ordered_json::object();
+  const auto& meta = j.contains("metadata") ? field(j, "metadata") : kNone;
+  for (auto it = meta.begin(); it != meta.end(); ++it) {
+    if (it.key() == "total_size") {
+      // transformers writes an integer; some tools a float of one.
+      const auto& v = it.value();
+      const double size = v.is_number() ? v.get<double>() : -1;
       TORCH_CHECK(
-          file.find('/') == std::string::npos && file != "..",
+          size >= 0 && size < 9e18,
           "index '",
           path,
-          "': shard file '",
-          file,
-          "' for key '",
-          it.key(),
-          "' must be a plain file name");
-      index.weight_map.emplace_back(it.key(), file);
+          "': field 'metadata.total_size' must be a non-negative number of "
+          "bytes, got ",
+          utils::json_excerpt(v));
+      index.total_size =
+          v.is_number_float() ? static_cast<int64_t>(size) : v.get<int64_t>();
+    } else if (it.value().is_string()) {
+      index.metadata[it.key()] = it.value().get<std::string>();
     }
-  } catch (const nlohmann::json::exception& e) {
+  }
+  const auto& map = field(j, "weight_map");
+  for (auto it = map.begin(); it != map.end(); ++it) {
     TORCH_CHECK(
-        false, "index file '", path, "' is not a valid index: ", e.what());
+        it.value().is_string(),
+        "index '",
+        path,
+        "': weight_map entry '",
+        it.key(),
+        "' must be a file name, got ",
+        utils::json_excerpt(it.value()));
+    auto file = it.value().get<std::string>();
+    TORCH_CHECK(
+        !file.empty() && file.find('/') == std::string::npos && file != "." &&
+            file != "..",
+        "index '",
+        path,
+        "': shard file '",
+        file,
+        "' for key '",
+        it.key(),
+        "' must be a plain file name");
+    index.weight_map.emplace_back(it.key(), file);
   }
   return index;
 }

@@ -43,7 +43,23 @@ std::string shard_name(const std::string& name, int index, int total);
 
 int64_t nbytes(const at::Tensor& t);
 
-std::vector<char> read_bytes(const std::string& path);
+/// Opens `path` for reading when it is a regular file; anything else (a
+/// FIFO, a device such as /dev/zero, a directory) is refused naming it,
+/// without blocking: a FIFO is opened non-blocking and checked before any
+/// read. Returns the descriptor (blocking again, close-on-exec); `size`, when
+/// given, receives the file's size.
+int open_regular(const std::string& path, int64_t* size = nullptr);
+
+/// The bytes of the regular file `path`; a file above `max_bytes` is refused
+/// naming it and both sizes (`what` says what the file is for the message).
+std::vector<char> read_bytes(
+    const std::string& path,
+    int64_t max_bytes = INT64_MAX,
+    const char* what = "file");
+/// Most bytes a JSON file read from a user (config.json, an index, an
+/// adapter config) may have: far above any real one, it keeps a file linked
+/// to something huge from being read whole.
+constexpr int64_t kMaxJsonFileBytes = int64_t(64) << 20;
 void write_bytes(const std::string& path, const std::vector<char>& bytes);
 
 /// Hugging Face / ColossalAI index: {"metadata": {...}, "weight_map": {...}}.

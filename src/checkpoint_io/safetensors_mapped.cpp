@@ -3,6 +3,7 @@
 
 #include <colossalai/checkpoint_io/safetensors.h>
 
+#include "io_utils.h"
 #include "mapped_reads.h"
 
 #include <c10/util/Exception.h>
@@ -20,19 +21,9 @@ namespace checkpoint_io {
 namespace safetensors {
 
 std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "cannot open '", path, "': ", std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    TORCH_CHECK(false, "cannot open '", path, "': ", std::strerror(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    TORCH_CHECK(false, "cannot open '", path, "': not a regular file");
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
+  int64_t file_size = 0;
+  const int fd = checkpoint_io::detail::open_regular(path, &file_size);
+  const size_t size = static_cast<size_t>(file_size);
   if (size < 8) {
     ::close(fd);
     TORCH_CHECK(

@@ -1,6 +1,7 @@
 #include <colossalai/checkpoint_io/torch_bin.h>
 
 #include "../utils/fd_io.h"
+#include "io_utils.h"
 #include "pickle_reader.h"
 #include "torch_bin_unpickler.h"
 #include "zip_records.h"
@@ -219,14 +220,10 @@ auto naming_file(const std::string& path, Fn&& fn) -> decltype(fn()) {
 /// Checks `path` starts like a torch.save zip archive, with a message that
 /// says what it is instead.
 void check_zip(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "cannot open '", path, "': ", errno_message(errno));
-  struct stat st {};
-  const bool is_file = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  const int fd = detail::open_regular(path);
   char magic[4] = {0, 0, 0, 0};
-  const ssize_t got = is_file ? ::pread(fd, magic, sizeof(magic), 0) : 0;
+  const ssize_t got = ::pread(fd, magic, sizeof(magic), 0);
   ::close(fd);
-  TORCH_CHECK(is_file, "cannot open '", path, "': not a regular file");
   TORCH_CHECK(got > 0, "'", path, "' is empty, not a .bin checkpoint");
   TORCH_CHECK(
       !(got >= 2 && static_cast<uint8_t>(magic[0]) == 0x80),

@@ -51,7 +51,8 @@ constexpr uint32_t kEocd = 0x06054b50, kEocd64 = 0x06064b50,
 } // namespace
 
 std::shared_ptr<ZipRecords> ZipRecords::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking: a FIFO is refused below rather than waited on.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     return nullptr;
   }

@@ -195,6 +195,16 @@ LazyInitContext::~LazyInitContext() {
   current_owner = nullptr;
 }
 
+void LazyInitContext::discard() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    for (auto it = registry().begin(); it != registry().end();) {
+      it = it->second == recording_ ? registry().erase(it) : std::next(it);
+    }
+  }
+  recording_->ops.clear();
+}
+
 bool is_lazy(const at::Tensor& t) {
   return recording_of(t) != nullptr;
 }

@@ -73,14 +73,15 @@ sl::Linear1D_Row conv1d_row(int64_t in, int64_t out) {
 GPT2AttentionImpl::GPT2AttentionImpl(
     const GPT2Config& c,
     const ParallelState* state)
-    : n_head_(c.n_head()), head_dim_(c.n_embd() / c.n_head()), state_(state) {
+    : n_head_(c.n_head()), head_dim_(0), state_(state) {
   TORCH_CHECK(
-      c.n_embd() % c.n_head() == 0,
+      c.n_head() > 0 && c.n_embd() % c.n_head() == 0,
       "GPT2Config: n_embd (",
       c.n_embd(),
       ") must be divisible by n_head (",
       c.n_head(),
       ")");
+  head_dim_ = c.n_embd() / c.n_head();
   c_attn = register_module("c_attn", conv1d_col(c.n_embd(), 3 * c.n_embd(), 3));
   c_proj = register_module("c_proj", conv1d_row(c.n_embd(), c.n_embd()));
   attn_dropout = register_module(

@@ -1,5 +1,7 @@
 #include <colossalai/models/llama.h>
 
+#include <colossalai/lazy/lazy_init.h>
+
 #include <cmath>
 
 namespace colossalai {
@@ -159,6 +161,9 @@ LlamaAttentionImpl::LlamaAttentionImpl(
     q_norm = register_module("q_norm", rms_norm(d, c));
     k_norm = register_module("k_norm", rms_norm(d, c));
   }
+  // Real even in a LazyInitContext: materialize fills only parameters and
+  // buffers (and LibTorch 1.13 has no meta kernel for at::where).
+  lazy::EagerGuard eager;
   inv_freq_ = rope_inv_freq(c, d);
 }
 

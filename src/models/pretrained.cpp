@@ -1,6 +1,7 @@
 #include "models/pretrained_internal.h"
 
 #include "checkpoint_io/io_utils.h"
+#include "utils/bounded_json.h"
 
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
@@ -10,11 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
-#include <fstream>
-#include <map>
 #include <regex>
 #include <set>
-#include <sstream>
 #include <sys/stat.h>
 
 namespace colossalai {
@@ -27,179 +25,44 @@ using json = nlohmann::json;
 
 std::string read_config_json(const std::string& dir) {
   const auto path = cd::join(dir, "config.json");
-  std::ifstream in(path);
   TORCH_CHECK(
-      in.good(),
+      cd::exists(path),
       "from_pretrained: ",
       dir,
       " has no config.json (a directory written by transformers' "
       "save_pretrained is expected)");
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
+  const auto bytes = cd::read_bytes(path, cd::kMaxJsonFileBytes, "config.json");
+  return std::string(bytes.begin(), bytes.end());
+}
+
+void rethrow_naming_config(const std::string& dir, const c10::Error& e) {
+  static const std::string kFile = "config.json";
+  const auto& msg = e.msg();
+  const auto path = cd::join(dir, kFile);
+  if (starts_with(msg, kFile)) {
+    TORCH_CHECK(false, "from_pretrained: ", path, msg.substr(kFile.size()));
+  }
+  TORCH_CHECK(false, "from_pretrained: ", path, ": ", msg);
 }
 
 at::ScalarType config_dtype(const std::string& text) {
-  const auto j = parse_json(text);
-  std::string name;
-  for (const char* key : {"dtype", "torch_dtype"}) {
-    if (j.contains(key) && j[key].is_string()) {
-      name = j[key].get<std::string>();
-      break;
-    }
+  const ConfigFields f(text);
+  // transformers 5 writes dtype, earlier versions torch_dtype.
+  const char* key = f.has("dtype") ? "dtype" : "torch_dtype";
+  const auto name = f.string(key, "float32");
+  if (name != "auto" && name != "float32" && name != "bfloat16" &&
+      name != "float16" && name != "float64") {
+    f.fail(
+        key,
+        "is " + utils::json_excerpt(json(name)) +
+            ", not a floating-point dtype this library loads (float32, "
+            "bfloat16, float16, float64); pass "
+            "FromPretrainedOptions().dtype(...)");
   }
-  if (name.empty() || name == "auto" || name == "float32") {
-    return at::kFloat;
-  }
-  if (name == "bfloat16") {
-    return at::kBFloat16;
-  }
-  if (name == "float16") {
-    return at::kHalf;
-  }
-  if (name == "float64") {
-    return at::kDouble;
-  }
-  TORCH_CHECK(
-      false,
-      "from_pretrained: config.json's dtype '",
-      name,
-      "' is not a floating-point dtype this library loads (float32, "
-      "bfloat16, float16, float64); pass FromPretrainedOptions().dtype(...)");
-}
-
-namespace {
-
-// The weight files of `dir`, in transformers' order of preference.
-std::vector<std::string> weight_files(const std::string& dir) {
-  const std::vector<std::pair<std::string, bool>> candidates = {
-      {"model.safetensors", false},
-      {"model.safetensors.index.json", true},
-      {"pytorch_model.bin", false},
-      {"pytorch_model.bin.index.json", true}};
-  for (const auto& c : candidates) {
-    const auto path = cd::join(dir, c.first);
-    if (!cd::exists(path)) {
-      continue;
-    }
-    if (!c.second) {
-      return {path};
-    }
-    std::vector<std::string> files;
-    std::set<std::string> seen;
-    for (const auto& kv : cd::read_index(path).weight_map) {
-      if (seen.insert(kv.second).second) {
-        files.push_back(cd::join(dir, kv.second));
-      }
-    }
-    return files;
-  }
-  TORCH_CHECK(
-      false,
-      "from_pretrained: ",
-      dir,
-      " has no weights: expected model.safetensors, "
-      "model.safetensors.index.json, pytorch_model.bin or "
-      "pytorch_model.bin.index.json");
-}
-
-std::string list_some(const std::vector<std::string>& names) {
-  std::string out;
-  for (size_t i = 0; i < names.size() && i < 5; ++i) {
-    out += (i ? ", " : "") + names[i];
-  }
-  if (names.size() > 5) {
-    out += ", ... (" + std::to_string(names.size()) + " in all)";
-  }
-  return out;
-}
-
-} // namespace
-
-void load_pretrained_weights(
-    torch::nn::Module& module,
-    const std::string& dir,
-    const KeyMap& map,
-    bool strict) {
-  std::map<std::string, at::Tensor> targets;
-  for (const auto& kv : module.named_parameters(/*recurse=*/true)) {
-    targets[kv.key()] = kv.value();
-  }
-  for (const auto& kv : module.named_buffers(/*recurse=*/true)) {
-    targets[kv.key()] = kv.value();
-  }
-  std::set<std::string> loaded;
-  std::vector<std::string> unexpected;
-  torch::NoGradGuard no_grad;
-  for (const auto& file : weight_files(dir)) {
-    TORCH_CHECK(
-        cd::exists(file),
-        "from_pretrained: ",
-        file,
-        " is named by the index but missing");
-    const auto state = ends_with(file, ".safetensors")
-        ? cio::safetensors::load_file(file)
-        : cio::load_bin(file);
-    for (const auto& kv : state) {
-      const auto name = map(kv.key());
-      if (name.empty()) {
-        continue;
-      }
-      auto it = targets.find(name);
-      if (it == targets.end()) {
-        unexpected.push_back(kv.key());
-        continue;
-      }
-      auto& dst = it->second;
-      const auto& src = kv.value();
-      TORCH_CHECK(
-          dst.sizes() == src.sizes(),
-          "from_pretrained: ",
-          file,
-          ": '",
-          kv.key(),
-          "' has shape ",
-          src.sizes(),
-          " but the model built from config.json expects ",
-          dst.sizes());
-      TORCH_CHECK(
-          at::isFloatingType(src.scalar_type()) ==
-              at::isFloatingType(dst.scalar_type()),
-          "from_pretrained: ",
-          file,
-          ": '",
-          kv.key(),
-          "' is ",
-          src.scalar_type(),
-          ", the model's tensor ",
-          dst.scalar_type());
-      dst.copy_(src);
-      loaded.insert(name);
-    }
-  }
-  if (!strict) {
-    return;
-  }
-  TORCH_CHECK(
-      unexpected.empty(),
-      "from_pretrained: ",
-      dir,
-      " holds tensors the model does not have: ",
-      list_some(unexpected),
-      " (FromPretrainedOptions().strict(false) ignores them)");
-  std::vector<std::string> missing;
-  for (const auto& kv : targets) {
-    if (!loaded.count(kv.first)) {
-      missing.push_back(kv.first);
-    }
-  }
-  TORCH_CHECK(
-      missing.empty(),
-      "from_pretrained: ",
-      dir,
-      " lacks tensors the model needs: ",
-      list_some(missing),
-      " (FromPretrainedOptions().strict(false) keeps their initial values)");
+  return name == "bfloat16" ? at::kBFloat16
+      : name == "float16"   ? at::kHalf
+      : name == "float64"   ? at::kDouble
+                            : at::kFloat;
 }
 
 void write_config_json(const std::string& dir, const std::string& text) {
@@ -305,16 +168,14 @@ void save_pretrained_module(
   remove_stale_weights(dir, written);
 }
 
-nlohmann::json parse_json(const std::string& text) {
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {
-    TORCH_CHECK(false, "config.json is not valid JSON: ", e.what());
-  }
+nlohmann::json source_fields(const std::string& source_json) {
+  return source_json.empty()
+      ? json::object()
+      : utils::parse_bounded_json<json>(source_json, "config.json");
 }
 
 std::string with_dtype(const std::string& config_json, torch::nn::Module& m) {
-  auto j = parse_json(config_json);
+  auto j = source_fields(config_json);
   at::ScalarType t = at::kFloat;
   for (const auto& p : m.parameters()) {
     t = p.scalar_type();
@@ -335,13 +196,16 @@ std::string pretrained_config_json(const std::string& dir) {
 }
 
 std::string pretrained_model_type(const std::string& dir) {
-  const auto j = nlohmann::json::parse(detail::read_config_json(dir));
-  TORCH_CHECK(
-      j.contains("model_type") && j["model_type"].is_string(),
-      "from_pretrained: ",
-      dir,
-      "/config.json has no model_type");
-  return j["model_type"].get<std::string>();
+  const auto text = detail::read_config_json(dir);
+  try {
+    const detail::ConfigFields f(text);
+    if (!f.has("model_type")) {
+      f.fail("model_type", "is missing");
+    }
+    return f.string("model_type", "");
+  } catch (const c10::Error& e) {
+    detail::rethrow_naming_config(dir, e);
+  }
 }
 
 } // namespace models

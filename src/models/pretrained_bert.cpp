@@ -15,8 +15,6 @@ using detail::ends_with;
 using detail::starts_with;
 
 using json = nlohmann::json;
-using detail::get_or;
-using detail::require;
 
 // `s` with `suffix` (which it ends with) replaced by `by`.
 std::string replace_suffix(
@@ -58,57 +56,47 @@ std::string bert_key(const std::string& key) {
 } // namespace
 
 BertConfig bert_config_from_json(const std::string& text) {
-  const auto j = detail::parse_json(text);
-  const auto type = get_or<std::string>(j, "model_type", "bert");
-  TORCH_CHECK(
-      type == "bert",
-      "BertConfig: config.json's model_type is '",
-      type,
-      "', not bert");
-  const auto act = get_or<std::string>(j, "hidden_act", "gelu");
-  TORCH_CHECK(
-      act == "gelu" || act == "gelu_new" || act == "gelu_pytorch_tanh",
-      "BERT config.json: hidden_act '",
-      act,
-      "' is not supported (gelu, gelu_new, gelu_pytorch_tanh)");
-  require(j, "position_embedding_type", std::string("absolute"), "BERT");
-  require(j, "is_decoder", false, "BERT");
-  require(j, "add_cross_attention", false, "BERT");
-  require(j, "tie_word_embeddings", true, "BERT");
+  const detail::ConfigFields f(text);
+  f.one_of("model_type", "bert", {"bert"}, "BertForMaskedLM");
+  const auto act = f.one_of(
+      "hidden_act", "gelu", {"gelu", "gelu_new", "gelu_pytorch_tanh"}, "BERT");
+  f.require("position_embedding_type", "absolute", "BERT");
+  f.require("is_decoder", false, "BERT");
+  f.require("add_cross_attention", false, "BERT");
+  f.require("tie_word_embeddings", true, "BERT");
   BertConfig c;
-  c.vocab_size(get_or<int64_t>(j, "vocab_size", c.vocab_size()))
-      .hidden_size(get_or<int64_t>(j, "hidden_size", c.hidden_size()))
-      .num_hidden_layers(
-          get_or<int64_t>(j, "num_hidden_layers", c.num_hidden_layers()))
+  c.vocab_size(f.size("vocab_size", c.vocab_size()))
+      .hidden_size(f.size("hidden_size", c.hidden_size()))
+      .num_hidden_layers(f.size("num_hidden_layers", c.num_hidden_layers()))
       .num_attention_heads(
-          get_or<int64_t>(j, "num_attention_heads", c.num_attention_heads()))
-      .intermediate_size(
-          get_or<int64_t>(j, "intermediate_size", c.intermediate_size()))
+          f.size("num_attention_heads", c.num_attention_heads()))
+      .intermediate_size(f.size("intermediate_size", c.intermediate_size()))
       .hidden_act(act)
       .hidden_dropout_prob(
-          get_or<double>(j, "hidden_dropout_prob", c.hidden_dropout_prob()))
-      .attention_probs_dropout_prob(get_or<double>(
-          j, "attention_probs_dropout_prob", c.attention_probs_dropout_prob()))
-      .max_position_embeddings(get_or<int64_t>(
-          j, "max_position_embeddings", c.max_position_embeddings()))
-      .type_vocab_size(
-          get_or<int64_t>(j, "type_vocab_size", c.type_vocab_size()))
+          f.probability("hidden_dropout_prob", c.hidden_dropout_prob()))
+      .attention_probs_dropout_prob(f.probability(
+          "attention_probs_dropout_prob", c.attention_probs_dropout_prob()))
+      .max_position_embeddings(
+          f.size("max_position_embeddings", c.max_position_embeddings()))
+      .type_vocab_size(f.size("type_vocab_size", c.type_vocab_size()))
       .initializer_range(
-          get_or<double>(j, "initializer_range", c.initializer_range()))
-      .layer_norm_eps(get_or<double>(j, "layer_norm_eps", c.layer_norm_eps()))
+          f.non_negative("initializer_range", c.initializer_range()))
+      .layer_norm_eps(f.positive("layer_norm_eps", c.layer_norm_eps()))
+      // Absent: BertConfig's default (0); null: none.
+      .pad_token_id(detail::token_id_or_none(
+          f, "pad_token_id", c.pad_token_id(), c.vocab_size()))
       .source_json(text);
-  // pad_token_id: absent is BertConfig's default (0), null is none.
-  if (j.contains("pad_token_id")) {
-    c.pad_token_id(
-        j["pad_token_id"].is_null() ? -1
-                                    : get_or<int64_t>(j, "pad_token_id", 0));
-  }
+  detail::check_divisible(
+      f,
+      "hidden_size",
+      c.hidden_size(),
+      "num_attention_heads",
+      c.num_attention_heads());
   return c;
 }
 
 std::string config_to_json(const BertConfig& c) {
-  auto j = c.source_json().empty() ? json::object()
-                                   : detail::parse_json(c.source_json());
+  auto j = detail::source_fields(c.source_json());
   j["model_type"] = "bert";
   j["architectures"] = {"BertForMaskedLM"};
   j["vocab_size"] = c.vocab_size();
@@ -133,9 +121,14 @@ template <>
 BertForMaskedLM from_pretrained<BertForMaskedLM>(
     const std::string& dir,
     const FromPretrainedOptions& options) {
-  const auto text = detail::read_config_json(dir);
+  const auto config =
+      detail::read_pretrained_config(dir, bert_config_from_json);
   return detail::load_pretrained_model<BertForMaskedLM>(
-      dir, text, bert_config_from_json(text), options, bert_key);
+      dir,
+      config,
+      {config.num_hidden_layers(), "num_hidden_layers"},
+      options,
+      bert_key);
 }
 
 void save_pretrained(

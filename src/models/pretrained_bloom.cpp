@@ -16,69 +16,67 @@ namespace {
 using detail::ends_with;
 using detail::starts_with;
 
-using detail::get_or;
-using detail::require;
-
-json base_json(const std::string& source) {
-  return source.empty() ? json::object() : detail::parse_json(source);
-}
-
-// `j[key]`, else `j[alias]`, else `fallback`.
-int64_t get_aliased(
-    const json& j,
+// The size `key` gives, else its other name `alias`, else `fallback`; `used`
+// receives the field read, for messages.
+int64_t aliased_size(
+    const detail::ConfigFields& f,
     const char* key,
     const char* alias,
-    int64_t fallback) {
-  return get_or<int64_t>(j, key, get_or<int64_t>(j, alias, fallback));
+    int64_t fallback,
+    const char** used) {
+  *used = f.has(key) || !f.has(alias) ? key : alias;
+  return f.size(*used, fallback);
 }
 
 } // namespace
 
 BloomConfig bloom_config_from_json(const std::string& text) {
-  const auto j = detail::parse_json(text);
-  const auto type = get_or<std::string>(j, "model_type", "bloom");
-  TORCH_CHECK(
-      type == "bloom",
-      "BloomConfig: config.json's model_type is '",
-      type,
-      "', not bloom");
+  const detail::ConfigFields f(text);
+  f.one_of("model_type", "bloom", {"bloom"}, "BloomForCausalLM");
   // slow_but_exact sums the Megatron slices of dense and dense_4h_to_h
   // without their biases: another computation.
-  const auto pretraining_tp = get_or<int64_t>(j, "pretraining_tp", 1);
-  TORCH_CHECK(
-      pretraining_tp <= 1 || !get_or<bool>(j, "slow_but_exact", false),
-      "Bloom config.json: slow_but_exact = true with pretraining_tp = ",
-      pretraining_tp,
-      " is not supported (only slow_but_exact = false or pretraining_tp = "
-      "1)");
-  require(j, "tie_word_embeddings", true, "Bloom");
+  const auto pretraining_tp = f.size("pretraining_tp", 1);
+  if (f.boolean("slow_but_exact", false) && pretraining_tp > 1) {
+    f.fail(
+        "slow_but_exact",
+        "= true with pretraining_tp = " + std::to_string(pretraining_tp) +
+            " is not supported by Bloom (only slow_but_exact = false or "
+            "pretraining_tp = 1)");
+  }
+  f.require("tie_word_embeddings", true, "Bloom");
   BloomConfig c;
   // transformers' BloomConfig: n_embed, when given, overrides hidden_size;
   // num_hidden_layers and num_attention_heads are n_layer's and n_head's
   // other names.
-  c.vocab_size(get_or<int64_t>(j, "vocab_size", c.vocab_size()))
-      .hidden_size(get_or<int64_t>(
-          j, "n_embed", get_or<int64_t>(j, "hidden_size", c.hidden_size())))
-      .n_layer(get_aliased(j, "n_layer", "num_hidden_layers", c.n_layer()))
-      .n_head(get_aliased(j, "n_head", "num_attention_heads", c.n_head()))
+  const char* width = nullptr;
+  const char* layers = nullptr;
+  const char* heads = nullptr;
+  c.vocab_size(f.size("vocab_size", c.vocab_size()))
+      .hidden_size(
+          aliased_size(f, "n_embed", "hidden_size", c.hidden_size(), &width))
+      .n_layer(
+          aliased_size(f, "n_layer", "num_hidden_layers", c.n_layer(), &layers))
+      .n_head(
+          aliased_size(f, "n_head", "num_attention_heads", c.n_head(), &heads))
       .layer_norm_epsilon(
-          get_or<double>(j, "layer_norm_epsilon", c.layer_norm_epsilon()))
-      .hidden_dropout(get_or<double>(j, "hidden_dropout", c.hidden_dropout()))
+          f.positive("layer_norm_epsilon", c.layer_norm_epsilon()))
+      .hidden_dropout(f.probability("hidden_dropout", c.hidden_dropout()))
       .attention_dropout(
-          get_or<double>(j, "attention_dropout", c.attention_dropout()))
+          f.probability("attention_dropout", c.attention_dropout()))
       .initializer_range(
-          get_or<double>(j, "initializer_range", c.initializer_range()))
-      .apply_residual_connection_post_layernorm(get_or<bool>(
-          j,
+          f.non_negative("initializer_range", c.initializer_range()))
+      .apply_residual_connection_post_layernorm(f.boolean(
           "apply_residual_connection_post_layernorm",
           c.apply_residual_connection_post_layernorm()))
-      .pad_token_id(get_or<int64_t>(j, "pad_token_id", -1))
+      .pad_token_id(
+          detail::token_id_or_none(f, "pad_token_id", -1, c.vocab_size()))
       .source_json(text);
+  detail::check_divisible(f, width, c.hidden_size(), heads, c.n_head());
   return c;
 }
 
 std::string config_to_json(const BloomConfig& c) {
-  auto j = base_json(c.source_json());
+  auto j = detail::source_fields(c.source_json());
   // The aliases would shadow (n_embed) or contradict the fields written.
   for (const char* alias :
        {"n_embed", "num_hidden_layers", "num_attention_heads"}) {
@@ -106,11 +104,12 @@ template <>
 BloomForCausalLM from_pretrained<BloomForCausalLM>(
     const std::string& dir,
     const FromPretrainedOptions& options) {
-  const auto text = detail::read_config_json(dir);
+  const auto config =
+      detail::read_pretrained_config(dir, bloom_config_from_json);
   return detail::load_pretrained_model<BloomForCausalLM>(
       dir,
-      text,
-      bloom_config_from_json(text),
+      config,
+      {config.n_layer(), "n_layer"},
       options,
       [](const std::string& key) -> std::string {
         if (key == "lm_head.weight") {

@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <string>
+
 namespace colossalai {
 namespace models {
 
@@ -14,58 +16,43 @@ namespace {
 using detail::ends_with;
 using detail::starts_with;
 
-json parse(const std::string& text) {
-  return detail::parse_json(text);
-}
-
-using detail::get_or;
-using detail::require;
-
-json base_json(const std::string& source) {
-  return source.empty() ? json::object() : parse(source);
-}
-
 } // namespace
 
 GPT2Config gpt2_config_from_json(const std::string& text) {
-  const auto j = parse(text);
-  const auto type = get_or<std::string>(j, "model_type", "gpt2");
-  TORCH_CHECK(
-      type == "gpt2",
-      "GPT2Config: config.json's model_type is '",
-      type,
-      "', not gpt2");
-  const auto act = get_or<std::string>(j, "activation_function", "gelu_new");
-  TORCH_CHECK(
-      act == "gelu_new" || act == "gelu_pytorch_tanh",
-      "GPT-2 config.json: activation_function '",
-      act,
-      "' is not supported (gelu_new, gelu_pytorch_tanh)");
-  require(j, "scale_attn_weights", true, "GPT-2");
-  require(j, "scale_attn_by_inverse_layer_idx", false, "GPT-2");
-  require(j, "add_cross_attention", false, "GPT-2");
-  require(j, "tie_word_embeddings", true, "GPT-2");
+  const detail::ConfigFields f(text);
+  f.one_of("model_type", "gpt2", {"gpt2"}, "GPT2LMHeadModel");
+  f.one_of(
+      "activation_function",
+      "gelu_new",
+      {"gelu_new", "gelu_pytorch_tanh"},
+      "GPT-2");
+  f.require("scale_attn_weights", true, "GPT-2");
+  f.require("scale_attn_by_inverse_layer_idx", false, "GPT-2");
+  f.require("add_cross_attention", false, "GPT-2");
+  f.require("tie_word_embeddings", true, "GPT-2");
   GPT2Config c;
-  c.vocab_size(get_or<int64_t>(j, "vocab_size", c.vocab_size()))
-      .n_positions(get_or<int64_t>(j, "n_positions", c.n_positions()))
-      .n_embd(get_or<int64_t>(j, "n_embd", c.n_embd()))
-      .n_layer(get_or<int64_t>(j, "n_layer", c.n_layer()))
-      .n_head(get_or<int64_t>(j, "n_head", c.n_head()))
-      .n_inner(get_or<int64_t>(j, "n_inner", 0))
+  c.vocab_size(f.size("vocab_size", c.vocab_size()))
+      .n_positions(f.size("n_positions", c.n_positions()))
+      .n_embd(f.size("n_embd", c.n_embd()))
+      .n_layer(f.size("n_layer", c.n_layer()))
+      .n_head(f.size("n_head", c.n_head()))
+      .n_inner(f.size("n_inner", 0)) // null: 4 x n_embd
       .layer_norm_epsilon(
-          get_or<double>(j, "layer_norm_epsilon", c.layer_norm_epsilon()))
-      .embd_pdrop(get_or<double>(j, "embd_pdrop", c.embd_pdrop()))
-      .attn_pdrop(get_or<double>(j, "attn_pdrop", c.attn_pdrop()))
-      .resid_pdrop(get_or<double>(j, "resid_pdrop", c.resid_pdrop()))
+          f.positive("layer_norm_epsilon", c.layer_norm_epsilon()))
+      .embd_pdrop(f.probability("embd_pdrop", c.embd_pdrop()))
+      .attn_pdrop(f.probability("attn_pdrop", c.attn_pdrop()))
+      .resid_pdrop(f.probability("resid_pdrop", c.resid_pdrop()))
       .initializer_range(
-          get_or<double>(j, "initializer_range", c.initializer_range()))
-      .pad_token_id(get_or<int64_t>(j, "pad_token_id", -1))
+          f.non_negative("initializer_range", c.initializer_range()))
+      .pad_token_id(
+          detail::token_id_or_none(f, "pad_token_id", -1, c.vocab_size()))
       .source_json(text);
+  detail::check_divisible(f, "n_embd", c.n_embd(), "n_head", c.n_head());
   return c;
 }
 
 std::string config_to_json(const GPT2Config& c) {
-  auto j = base_json(c.source_json());
+  auto j = detail::source_fields(c.source_json());
   j["model_type"] = "gpt2";
   j["architectures"] = {"GPT2LMHeadModel"};
   j["vocab_size"] = c.vocab_size();
@@ -87,87 +74,93 @@ std::string config_to_json(const GPT2Config& c) {
 }
 
 LlamaConfig llama_config_from_json(const std::string& text) {
-  const auto j = parse(text);
-  const auto type = get_or<std::string>(j, "model_type", "llama");
-  TORCH_CHECK(
-      type == "llama" || type == "mistral" || type == "qwen2" ||
-          type == "qwen3",
-      "LlamaConfig: config.json's model_type '",
-      type,
-      "' is not one LlamaForCausalLM computes (llama, mistral, qwen2, "
-      "qwen3)");
-  const auto act = get_or<std::string>(j, "hidden_act", "silu");
-  TORCH_CHECK(
-      act == "silu",
-      type,
-      " config.json: hidden_act '",
-      act,
-      "' is not supported (silu)");
+  const detail::ConfigFields f(text);
+  const auto type = f.one_of(
+      "model_type",
+      "llama",
+      {"llama", "mistral", "qwen2", "qwen3"},
+      "LlamaForCausalLM");
+  f.one_of("hidden_act", "silu", {"silu"}, type.c_str());
   LlamaConfig c;
   c.model_type(type)
-      .vocab_size(get_or<int64_t>(j, "vocab_size", c.vocab_size()))
-      .hidden_size(get_or<int64_t>(j, "hidden_size", c.hidden_size()))
-      .intermediate_size(
-          get_or<int64_t>(j, "intermediate_size", c.intermediate_size()))
-      .num_hidden_layers(
-          get_or<int64_t>(j, "num_hidden_layers", c.num_hidden_layers()))
+      .vocab_size(f.size("vocab_size", c.vocab_size()))
+      .hidden_size(f.size("hidden_size", c.hidden_size()))
+      .intermediate_size(f.size("intermediate_size", c.intermediate_size()))
+      .num_hidden_layers(f.size("num_hidden_layers", c.num_hidden_layers()))
       .num_attention_heads(
-          get_or<int64_t>(j, "num_attention_heads", c.num_attention_heads()));
-  c.num_key_value_heads(
-       get_or<int64_t>(j, "num_key_value_heads", c.num_attention_heads()))
-      .head_dim(get_or<int64_t>(j, "head_dim", 0))
-      .max_position_embeddings(get_or<int64_t>(
-          j, "max_position_embeddings", c.max_position_embeddings()))
-      .rms_norm_eps(get_or<double>(j, "rms_norm_eps", c.rms_norm_eps()))
+          f.size("num_attention_heads", c.num_attention_heads()));
+  c.num_key_value_heads(f.size("num_key_value_heads", c.num_attention_heads()))
+      .head_dim(f.size("head_dim", 0)) // null: hidden / heads
+      .max_position_embeddings(
+          f.size("max_position_embeddings", c.max_position_embeddings()))
+      .rms_norm_eps(f.positive("rms_norm_eps", c.rms_norm_eps()))
       .initializer_range(
-          get_or<double>(j, "initializer_range", c.initializer_range()))
-      .tie_word_embeddings(get_or<bool>(j, "tie_word_embeddings", false))
-      .attention_bias(get_or<bool>(j, "attention_bias", false))
-      .mlp_bias(get_or<bool>(j, "mlp_bias", false))
+          f.non_negative("initializer_range", c.initializer_range()))
+      .tie_word_embeddings(f.boolean("tie_word_embeddings", false))
+      .attention_bias(f.boolean("attention_bias", false))
+      .mlp_bias(f.boolean("mlp_bias", false))
       .qkv_bias(type == "qwen2")
       .qk_norm(type == "qwen3")
       .source_json(text);
   // pad_token_id: absent or null is none, LlamaConfig's default.
-  c.pad_token_id(get_or<int64_t>(j, "pad_token_id", -1));
+  c.pad_token_id(
+      detail::token_id_or_none(f, "pad_token_id", -1, c.vocab_size()));
+  detail::check_divisible(
+      f,
+      "num_attention_heads",
+      c.num_attention_heads(),
+      "num_key_value_heads",
+      c.num_key_value_heads());
+  if (!f.has("head_dim")) {
+    detail::check_divisible(
+        f,
+        "hidden_size",
+        c.hidden_size(),
+        "num_attention_heads",
+        c.num_attention_heads());
+  }
+  if (c.resolved_head_dim() % 2 != 0) {
+    f.fail(
+        f.has("head_dim") ? "head_dim" : "hidden_size",
+        "gives heads of " + std::to_string(c.resolved_head_dim()) +
+            " dimensions; rotary embeddings need an even number");
+  }
   // Rotary parameters: transformers 5's rope_parameters, or rope_theta and
   // rope_scaling before it.
-  json rope = json::object();
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
-    rope = j["rope_parameters"];
-  } else if (j.contains("rope_scaling") && j["rope_scaling"].is_object()) {
-    rope = j["rope_scaling"];
-  }
-  c.rope_theta(get_or<double>(
-      rope, "rope_theta", get_or<double>(j, "rope_theta", c.rope_theta())));
-  const auto rope_type = get_or<std::string>(
-      rope, "rope_type", get_or<std::string>(rope, "type", "default"));
-  TORCH_CHECK(
-      rope_type == "default" || rope_type == "linear" || rope_type == "llama3",
-      type,
-      " config.json: rope type '",
-      rope_type,
-      "' is not supported (default, linear, llama3)");
+  const auto rope =
+      f.object(f.has("rope_parameters") ? "rope_parameters" : "rope_scaling");
+  c.rope_theta(
+      rope.positive("rope_theta", f.positive("rope_theta", c.rope_theta())));
+  const char* type_key = rope.has("rope_type") ? "rope_type" : "type";
+  const auto rope_type = rope.one_of(
+      type_key, "default", {"default", "linear", "llama3"}, type.c_str());
   RopeScaling rs;
   rs.rope_type(rope_type)
-      .factor(get_or<double>(rope, "factor", 1.0))
-      .low_freq_factor(get_or<double>(rope, "low_freq_factor", 1.0))
-      .high_freq_factor(get_or<double>(rope, "high_freq_factor", 4.0))
+      .factor(rope.positive("factor", 1.0))
+      .low_freq_factor(rope.positive("low_freq_factor", 1.0))
+      .high_freq_factor(rope.positive("high_freq_factor", 4.0))
       .original_max_position_embeddings(
-          get_or<int64_t>(rope, "original_max_position_embeddings", 8192));
+          rope.size("original_max_position_embeddings", 8192));
+  if (rope_type == "llama3" && rs.low_freq_factor() >= rs.high_freq_factor()) {
+    rope.fail(
+        "low_freq_factor",
+        "(" + json(rs.low_freq_factor()).dump() +
+            ") must be below high_freq_factor (" +
+            json(rs.high_freq_factor()).dump() + ")");
+  }
   c.rope_scaling(rs);
   if (type == "mistral") {
-    c.sliding_window(get_or<int64_t>(j, "sliding_window", 0));
+    c.sliding_window(f.count("sliding_window", 0)); // null, 0: none
   } else if (type == "qwen2" || type == "qwen3") {
-    TORCH_CHECK(
-        !get_or<bool>(j, "use_sliding_window", false),
-        type,
-        " config.json: use_sliding_window = true is not supported");
+    if (f.boolean("use_sliding_window", false)) {
+      f.fail("use_sliding_window", "= true is not supported by " + type);
+    }
   }
   return c;
 }
 
 std::string config_to_json(const LlamaConfig& c) {
-  auto j = base_json(c.source_json());
+  auto j = detail::source_fields(c.source_json());
   const auto& type = c.model_type();
   const char* arch = type == "mistral" ? "MistralForCausalLM"
       : type == "qwen2"                ? "Qwen2ForCausalLM"
@@ -220,11 +213,12 @@ template <>
 GPT2LMHeadModel from_pretrained<GPT2LMHeadModel>(
     const std::string& dir,
     const FromPretrainedOptions& options) {
-  const auto text = detail::read_config_json(dir);
+  const auto config =
+      detail::read_pretrained_config(dir, gpt2_config_from_json);
   return detail::load_pretrained_model<GPT2LMHeadModel>(
       dir,
-      text,
-      gpt2_config_from_json(text),
+      config,
+      {config.n_layer(), "n_layer"},
       options,
       [](const std::string& key) -> std::string {
         // The tied head, and the causal-mask buffers of old checkpoints.
@@ -241,13 +235,13 @@ template <>
 LlamaForCausalLM from_pretrained<LlamaForCausalLM>(
     const std::string& dir,
     const FromPretrainedOptions& options) {
-  const auto text = detail::read_config_json(dir);
-  const auto config = llama_config_from_json(text);
+  const auto config =
+      detail::read_pretrained_config(dir, llama_config_from_json);
   const bool tied = config.tie_word_embeddings();
   return detail::load_pretrained_model<LlamaForCausalLM>(
       dir,
-      text,
       config,
+      {config.num_hidden_layers(), "num_hidden_layers"},
       options,
       [tied](const std::string& key) -> std::string {
         if (ends_with(key, "rotary_emb.inv_freq") ||

@@ -16,70 +16,55 @@ namespace {
 using detail::ends_with;
 using detail::starts_with;
 
-using detail::get_or;
-using detail::require;
-
-json base_json(const std::string& source) {
-  return source.empty() ? json::object() : detail::parse_json(source);
-}
-
 } // namespace
 
 OPTConfig opt_config_from_json(const std::string& text) {
-  const auto j = detail::parse_json(text);
-  const auto type = get_or<std::string>(j, "model_type", "opt");
-  TORCH_CHECK(
-      type == "opt",
-      "OPTConfig: config.json's model_type is '",
-      type,
-      "', not opt");
-  const auto act = get_or<std::string>(j, "activation_function", "relu");
-  TORCH_CHECK(
-      act == "relu" || act == "gelu",
-      "OPT config.json: activation_function '",
-      act,
-      "' is not supported (relu, gelu)");
+  const detail::ConfigFields f(text);
+  f.one_of("model_type", "opt", {"opt"}, "OPTForCausalLM");
+  const auto act =
+      f.one_of("activation_function", "relu", {"relu", "gelu"}, "OPT");
   // Checkpoints fine-tuned before transformers 4.20.1 without the final
   // LayerNorm.
-  require(j, "_remove_final_layer_norm", false, "OPT");
+  f.require("_remove_final_layer_norm", false, "OPT");
   // Layers skipped at random in training: not implemented.
-  require(j, "layerdrop", 0.0, "OPT");
-  require(j, "tie_word_embeddings", true, "OPT");
+  f.require("layerdrop", 0.0, "OPT");
+  f.require("tie_word_embeddings", true, "OPT");
   OPTConfig c;
-  c.vocab_size(get_or<int64_t>(j, "vocab_size", c.vocab_size()))
-      .hidden_size(get_or<int64_t>(j, "hidden_size", c.hidden_size()))
-      .ffn_dim(get_or<int64_t>(j, "ffn_dim", c.ffn_dim()))
-      .num_hidden_layers(
-          get_or<int64_t>(j, "num_hidden_layers", c.num_hidden_layers()))
+  c.vocab_size(f.size("vocab_size", c.vocab_size()))
+      .hidden_size(f.size("hidden_size", c.hidden_size()))
+      .ffn_dim(f.size("ffn_dim", c.ffn_dim()))
+      .num_hidden_layers(f.size("num_hidden_layers", c.num_hidden_layers()))
       .num_attention_heads(
-          get_or<int64_t>(j, "num_attention_heads", c.num_attention_heads()))
-      .max_position_embeddings(get_or<int64_t>(
-          j, "max_position_embeddings", c.max_position_embeddings()));
+          f.size("num_attention_heads", c.num_attention_heads()))
+      .max_position_embeddings(
+          f.size("max_position_embeddings", c.max_position_embeddings()));
   // null (transformers' None): hidden_size.
-  c.word_embed_proj_dim(get_or<int64_t>(j, "word_embed_proj_dim", 0))
+  c.word_embed_proj_dim(f.size("word_embed_proj_dim", 0))
       .do_layer_norm_before(
-          get_or<bool>(j, "do_layer_norm_before", c.do_layer_norm_before()))
-      .enable_bias(get_or<bool>(j, "enable_bias", c.enable_bias()))
-      .layer_norm_elementwise_affine(get_or<bool>(
-          j,
-          "layer_norm_elementwise_affine",
-          c.layer_norm_elementwise_affine()))
-      .dropout(get_or<double>(j, "dropout", c.dropout()))
+          f.boolean("do_layer_norm_before", c.do_layer_norm_before()))
+      .enable_bias(f.boolean("enable_bias", c.enable_bias()))
+      .layer_norm_elementwise_affine(f.boolean(
+          "layer_norm_elementwise_affine", c.layer_norm_elementwise_affine()))
+      .dropout(f.probability("dropout", c.dropout()))
       .attention_dropout(
-          get_or<double>(j, "attention_dropout", c.attention_dropout()))
+          f.probability("attention_dropout", c.attention_dropout()))
       .activation_function(act)
-      .init_std(get_or<double>(j, "init_std", c.init_std()))
+      .init_std(f.non_negative("init_std", c.init_std()))
       // Absent: transformers' default (1); null: no padding index.
-      .pad_token_id(
-          j.contains("pad_token_id") && j["pad_token_id"].is_null()
-              ? -1
-              : get_or<int64_t>(j, "pad_token_id", c.pad_token_id()))
+      .pad_token_id(detail::token_id_or_none(
+          f, "pad_token_id", c.pad_token_id(), c.vocab_size()))
       .source_json(text);
+  detail::check_divisible(
+      f,
+      "hidden_size",
+      c.hidden_size(),
+      "num_attention_heads",
+      c.num_attention_heads());
   return c;
 }
 
 std::string config_to_json(const OPTConfig& c) {
-  auto j = base_json(c.source_json());
+  auto j = detail::source_fields(c.source_json());
   j["model_type"] = "opt";
   j["architectures"] = {"OPTForCausalLM"};
   j["vocab_size"] = c.vocab_size();
@@ -107,11 +92,11 @@ template <>
 OPTForCausalLM from_pretrained<OPTForCausalLM>(
     const std::string& dir,
     const FromPretrainedOptions& options) {
-  const auto text = detail::read_config_json(dir);
+  const auto config = detail::read_pretrained_config(dir, opt_config_from_json);
   return detail::load_pretrained_model<OPTForCausalLM>(
       dir,
-      text,
-      opt_config_from_json(text),
+      config,
+      {config.num_hidden_layers(), "num_hidden_layers"},
       options,
       [](const std::string& key) -> std::string {
         if (key == "lm_head.weight") {

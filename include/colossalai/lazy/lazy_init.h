@@ -47,6 +47,7 @@
 /// \endcode
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <functional>
 #include <memory>
@@ -72,8 +73,25 @@ class LazyInitContext {
   LazyInitContext(const LazyInitContext&) = delete;
   LazyInitContext& operator=(const LazyInitContext&) = delete;
 
+  /// Forgets what this context recorded: its tensors stay meta tensors
+  /// (shapes and dtypes) but are no longer lazy, and the recording's memory
+  /// is freed with them. For a module built only to read its shapes.
+  void discard();
+
  private:
   std::shared_ptr<Recording> recording_;
+};
+
+/// RAII: operations in its scope run eagerly even inside a LazyInitContext
+/// (neither recorded nor on meta tensors). For what a constructor derives
+/// from its config and keeps outside its parameters and buffers (LLaMA's
+/// rotary frequencies): materialize would not fill it.
+class EagerGuard {
+ public:
+  EagerGuard() : guard_(c10::DispatchKey::DeferredInit) {}
+
+ private:
+  c10::impl::ExcludeDispatchKeyGuard guard_;
 };
 
 /// Whether `t` was created in a LazyInitContext and not materialised yet.

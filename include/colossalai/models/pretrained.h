@@ -18,6 +18,16 @@
 /// variant) is refused naming the field, rather than loaded into a model that
 /// would give other logits.
 ///
+/// Directories from elsewhere are read defensively: config.json's fields are
+/// checked for type and range before use (an error names the file and the
+/// field: `config.json: field 'n_head' must be a positive integer, got 0`),
+/// JSON files are read only when they are regular files of at most 64 MiB
+/// nested at most 64 levels, and every tensor's shape is compared with the
+/// weight files' headers before the model is allocated (its shapes come from
+/// a lazy build), so a config far larger than its weights is refused
+/// without allocating it. A sharded checkpoint's tensor is taken from the
+/// shard its index names.
+///
 /// A model built whole loads and saves here; a boosted model is loaded by
 /// building it from the directory's config, boosting, and
 /// `booster.load_model(model, dir)` (each rank reads only what it holds),
