@@ -13,6 +13,7 @@
 ///    fallback).
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -22,6 +23,7 @@ namespace colossalai {
 namespace models {
 namespace tokenizer_detail {
 struct Reader;
+struct AddedTokenMatchers;
 } // namespace tokenizer_detail
 
 /// Text to ids and back.
@@ -156,7 +158,11 @@ class Tokenizer {
 
   void add_token(const std::string& token, int64_t id);
   void add_merge(const std::string& a, const std::string& b);
+  void add_merge(int64_t a, int64_t b, int64_t merged);
   void add_special(const std::string& content, bool special = true);
+  void push_added(AddedToken token);
+  // After loading: the added-token matchers and words_at_spaces_.
+  void finish();
   void bpe(const std::string& word, std::vector<int64_t>& out) const;
   void merge_symbols(std::vector<int64_t>& ids) const;
   std::vector<Span> split_added(const std::string& text, bool normalized) const;
@@ -190,10 +196,14 @@ class Tokenizer {
 
   std::unordered_map<std::string, int64_t> vocab_;
   std::vector<std::string> tokens_; // by id; "" for an unused id
-  std::vector<std::pair<std::string, std::string>> merges_; // by rank
+  std::vector<std::pair<int64_t, int64_t>> merges_; // by rank: the ids
   std::unordered_map<uint64_t, Merge> merge_of_; // (id a, id b) -> merge
   std::vector<AddedToken> added_;
   std::unordered_map<int64_t, size_t> added_of_id_;
+  std::unordered_map<std::string, size_t> added_of_content_; // the first
+  // Leftmost-longest matching of added_ (raw and normalized contents),
+  // built by finish().
+  std::shared_ptr<const tokenizer_detail::AddedTokenMatchers> matchers_;
   Kind kind_ = Kind::kByteLevel;
   Split split_ = Split::kGpt2;
   bool ignore_merges_ = false;
