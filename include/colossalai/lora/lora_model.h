@@ -102,6 +102,11 @@ class LoraModel {
   struct Layer; // internal
 
  private:
+  // The layers `config` adapts in `model`, checked (kinds, groups, dropout,
+  // r against each layer's size), before anything is allocated.
+  static std::vector<std::shared_ptr<Layer>> plan(
+      torch::nn::Module& model,
+      const LoraConfig& config);
   // Installs the adapter paths and recomputes reparametrised weights.
   void attach();
 
