@@ -284,7 +284,9 @@ LoraModel::LoraModel(
     trainable.insert(l->A.unsafeGetTensorImpl());
     trainable.insert(l->B.unsafeGetTensorImpl());
     if (config_.bias() == "lora_only") {
-      auto* b = l->module->named_parameters(false).find("bias");
+      // find() points into the dict: keep it alive.
+      const auto params = l->module->named_parameters(false);
+      const auto* b = params.find("bias");
       if (b != nullptr && b->defined()) {
         trainable.insert(b->unsafeGetTensorImpl());
       }
@@ -517,7 +519,8 @@ cio::StateDict LoraModel::adapter_state_dict() const {
     }
   } else if (config_.bias() == "lora_only") {
     for (const auto& l : layers_) {
-      auto* b = l->module->named_parameters(false).find("bias");
+      const auto params = l->module->named_parameters(false);
+      const auto* b = params.find("bias");
       if (b != nullptr && b->defined()) {
         add(l->path + ".bias", *b);
       }
