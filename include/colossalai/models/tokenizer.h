@@ -71,7 +71,13 @@ class Tokenizer {
   /// add_bos_token / add_eos_token / legacy / add_prefix_space. Errors
   /// (std::runtime_error) name the file and what is wrong (missing,
   /// malformed, a model type / normalizer / pre-tokenizer that is not
-  /// supported).
+  /// supported) and, for a field, its path ("field 'model.vocab' ...").
+  /// What hostile files cannot do: only regular files are read (a FIFO or a
+  /// device is refused, never waited on), tokenizer files up to 256 MiB and
+  /// JSON configs up to 64 MiB; JSON nested over 128 levels is refused
+  /// before parsing (as `tokenizers`); every id is below the number of
+  /// tokens the file lists (vocabulary and added tokens); a value quoted in
+  /// an error is cut short.
   static Tokenizer from_pretrained(const std::string& dir);
 
   /// Trains a byte-level BPE of `vocab_size` entries (256 byte tokens, id =
@@ -83,7 +89,9 @@ class Tokenizer {
   static Tokenizer train(const std::string& text, int64_t vocab_size);
 
   /// The ids of `text` (any bytes; invalid UTF-8 bytes are kept as bytes),
-  /// without special tokens (transformers' add_special_tokens=False).
+  /// without special tokens (transformers' add_special_tokens=False). Time
+  /// O(n log n) in the text's length whatever it holds (runs of one
+  /// character, added tokens that strip whitespace).
   std::vector<int64_t> encode(const std::string& text) const;
 
   /// With `add_special_tokens`, the ids with the tokens the tokenizer's
