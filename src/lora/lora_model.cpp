@@ -19,6 +19,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <unordered_set>
 
 namespace colossalai {
 namespace lora {
@@ -62,19 +63,33 @@ constexpr const char* kBinName = "adapter_model.bin";
 // model stays far below this.
 constexpr uint64_t kMaxConfigBytes = uint64_t(16) << 20;
 
-// PEFT's matching of a name list: a module named exactly so or ending in
-// "." + the name. (A string is a regular expression for the whole name:
+// The names PEFT's list form matches `name` by: the name itself and each
+// dotted suffix ("h.0.attn.c_attn": "0.attn.c_attn", "attn.c_attn",
+// "c_attn"). Looked up in a set, a list costs a lookup per suffix, not per
+// entry. (A string is a regular expression for the whole name:
 // detail::ModuleRegex.)
-bool matches(const std::string& name, const std::vector<std::string>& names) {
-  for (const auto& t : names) {
-    if (name == t ||
-        (name.size() > t.size() &&
-         name.compare(name.size() - t.size() - 1, t.size() + 1, "." + t) ==
-             0)) {
+std::vector<std::string> suffixes(const std::string& name) {
+  std::vector<std::string> out{name};
+  for (size_t dot = name.find('.'); dot != std::string::npos;
+       dot = name.find('.', dot + 1)) {
+    out.push_back(name.substr(dot + 1));
+  }
+  return out;
+}
+
+using NameSet = std::unordered_set<std::string>;
+
+bool matches(const std::string& name, const NameSet& names) {
+  for (const auto& s : suffixes(name)) {
+    if (names.count(s)) {
       return true;
     }
   }
   return false;
+}
+
+NameSet name_set(const std::vector<std::string>& names) {
+  return NameSet(names.begin(), names.end());
 }
 
 std::string describe(const LoraConfig& c) {
@@ -82,11 +97,11 @@ std::string describe(const LoraConfig& c) {
     return "target_modules_regex '" + utils::excerpt(c.target_modules_regex()) +
         "'";
   }
-  std::string out = "target_modules [";
-  for (size_t i = 0; i < c.target_modules().size(); ++i) {
+  std::string out;
+  for (size_t i = 0; i < c.target_modules().size() && out.size() < 200; ++i) {
     out += (i ? ", " : "") + c.target_modules()[i];
   }
-  return out + "]";
+  return "target_modules [" + utils::excerpt(out, 200) + "]";
 }
 
 // PEFT's initialisation (LoraLayer.reset_lora_parameters).
@@ -141,11 +156,11 @@ std::vector<std::shared_ptr<LoraModel::Layer>> LoraModel::plan(
   if (!config.target_modules_regex().empty()) {
     regex.emplace(config.target_modules_regex()); // validate() compiled it
   }
+  const auto targets = name_set(config.target_modules());
   std::vector<std::shared_ptr<Layer>> layers;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     const auto& name = item.key();
-    if (regex ? !regex->fullmatch(name)
-              : !matches(name, config.target_modules())) {
+    if (regex ? !regex->fullmatch(name) : !matches(name, targets)) {
       continue;
     }
     auto* m = item.value().get();
@@ -292,28 +307,25 @@ LoraModel::LoraModel(
       }
     }
   }
-  std::vector<std::string> unmatched = config_.modules_to_save();
+  const auto to_save = name_set(config_.modules_to_save());
+  auto unmatched = to_save;
   for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
-    if (!config_.modules_to_save().empty() &&
-        matches(item.key(), config_.modules_to_save())) {
+    if (matches(item.key(), to_save)) {
       for (const auto& p : item.value()->parameters()) {
         trainable.insert(p.unsafeGetTensorImpl());
       }
-      unmatched.erase(
-          std::remove_if(
-              unmatched.begin(),
-              unmatched.end(),
-              [&](const std::string& t) {
-                return matches(item.key(), {t});
-              }),
-          unmatched.end());
+      for (const auto& s : suffixes(item.key())) {
+        unmatched.erase(s);
+      }
     }
   }
-  TORCH_CHECK(
-      unmatched.empty(),
-      "LoRA: modules_to_save entry '",
-      unmatched.empty() ? "" : unmatched.front(),
-      "' matches no module of the model");
+  for (const auto& t : config_.modules_to_save()) {
+    TORCH_CHECK(
+        !unmatched.count(t),
+        "LoRA: modules_to_save entry '",
+        utils::excerpt(t),
+        "' matches no module of the model");
+  }
   for (auto& item : model_->named_parameters()) {
     const bool bias_all =
         config_.bias() == "all" && item.key().find("bias") != std::string::npos;
@@ -527,8 +539,9 @@ cio::StateDict LoraModel::adapter_state_dict() const {
     }
   }
   if (!config_.modules_to_save().empty()) {
+    const auto to_save = name_set(config_.modules_to_save());
     for (const auto& item : model_->named_modules("", false)) {
-      if (matches(item.key(), config_.modules_to_save())) {
+      if (matches(item.key(), to_save)) {
         for (const auto& p : item.value()->named_parameters()) {
           add(item.key() + "." + p.key(), p.value());
         }
