@@ -6,12 +6,14 @@
 #
 # TARGET: safetensors (the header parser, default), zip (the zip directory
 # reader of .bin checkpoints), tokenizer (the SentencePiece tokenizer.model
-# reader and the NFC normalizer), pickle (the hardened
-# unpickler and the optimizer-state path; links the library built in
-# $COLOSSALAI_LIB, default build/libcolossalai.a, for what it does not
-# compile instrumented) or config (every family's config.json reader; links
-# $COLOSSALAI_MODELS_LIB, default build/libcolossalai_models.a, and
-# $COLOSSALAI_LIB). SECONDS: default 20. Needs clang and libFuzzer
+# reader and the NFC normalizer), tokenizer_json (tokenizer.json and
+# tokenizer_config.json), pickle (the hardened unpickler and the
+# optimizer-state path), adapter_config (LoRA's adapter_config.json and
+# target_modules matching) or config (every family's config.json reader);
+# the last three link the library built in $COLOSSALAI_LIB, default
+# build/libcolossalai.a, for what they do not compile instrumented, config
+# also $COLOSSALAI_MODELS_LIB, default build/libcolossalai_models.a.
+# SECONDS: default 20. Needs clang and libFuzzer
 # (Debian: clang, libclang-rt-N-dev) and LibTorch: under /usr, or where
 # TORCH_INCLUDE / TORCH_LIBDIR say. The binary and
 # any crash inputs go to $FUZZ_BUILD_DIR (default build/fuzz). Exits non-zero
@@ -45,6 +47,14 @@ mkdir -p "$out"
 
 extra_link=()
 includes=()
+# The tokenizer's sources (no LibTorch), for both tokenizer targets.
+tokenizer_sources=("$repo/src/models/tokenizer.cpp" "$repo/src/models/tokenizer_files.cpp"
+  "$repo/src/models/tokenizer_json.cpp" "$repo/src/models/tokenizer_literals.cpp"
+  "$repo/src/models/tokenizer_sentencepiece.cpp" "$repo/src/models/tokenizer_save.cpp"
+  "$repo/src/models/unicode_nfc.cpp" "$repo/src/utils/bounded_read.cpp")
+tokenizer_headers=("$repo/include/colossalai/models/tokenizer.h" "$repo/src/models/tokenizer_internal.h"
+  "$repo/src/models/tokenizer_literals.h" "$repo/src/models/unicode_nfc_tables.h"
+  "$repo/src/utils/bounded_read.h")
 case "$target" in
   safetensors)
     sources=("$repo/fuzz/safetensors_fuzz.cpp" "$repo/src/checkpoint_io/safetensors.cpp" "$repo/src/checkpoint_io/mapped_reads.cpp")
@@ -58,12 +68,26 @@ case "$target" in
     flags=(-max_len=8192)
     ;;
   tokenizer)
-    sources=("$repo/fuzz/tokenizer_fuzz.cpp" "$repo/src/models/tokenizer.cpp"
-             "$repo/src/models/tokenizer_sentencepiece.cpp"
-             "$repo/src/models/tokenizer_save.cpp" "$repo/src/models/unicode_nfc.cpp")
-    headers=("$repo/include/colossalai/models/tokenizer.h" "$repo/src/models/tokenizer_internal.h"
-             "$repo/src/models/unicode_nfc_tables.h")
+    sources=("$repo/fuzz/tokenizer_fuzz.cpp" "${tokenizer_sources[@]}")
+    headers=("${tokenizer_headers[@]}")
     flags=(-max_len=8192)
+    ;;
+  tokenizer_json)
+    sources=("$repo/fuzz/tokenizer_json_fuzz.cpp" "${tokenizer_sources[@]}")
+    headers=("${tokenizer_headers[@]}")
+    flags=(-max_len=16384 -dict="$repo/fuzz/tokenizer_json.dict")
+    ;;
+  adapter_config)
+    sources=("$repo/fuzz/adapter_config_fuzz.cpp" "$repo/src/lora/lora_config.cpp"
+             "$repo/src/lora/lora_model.cpp" "$repo/src/lora/module_regex.cpp"
+             "$repo/src/utils/bounded_read.cpp")
+    headers=("$repo/include/colossalai/lora/lora_config.h" "$repo/include/colossalai/lora/lora_model.h"
+             "$repo/src/lora/module_regex.h" "$repo/src/utils/bounded_read.h")
+    lib="${COLOSSALAI_LIB:-$repo/build/libcolossalai.a}"
+    [[ -f "$lib" ]] || { echo "fuzz/run.sh adapter_config: build the library first ($lib)" >&2; exit 2; }
+    extra_link=("$lib" -lgomp -lpthread -lz)
+    headers+=("$lib")
+    flags=(-max_len=8192 -dict="$repo/fuzz/adapter_config.dict")
     ;;
   pickle)
     sources=("$repo/fuzz/pickle_fuzz.cpp" "$repo/src/checkpoint_io/torch_bin.cpp"
@@ -95,7 +119,7 @@ case "$target" in
     flags=(-max_len=4096)
     ;;
   *)
-    echo "fuzz/run.sh: unknown target '$target' (safetensors, zip, tokenizer, pickle, config)" >&2
+    echo "fuzz/run.sh: unknown target '$target' (safetensors, zip, tokenizer, tokenizer_json, pickle, adapter_config, config)" >&2
     exit 2
     ;;
 esac

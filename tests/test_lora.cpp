@@ -11,6 +11,7 @@
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/lora/lora_model.h>
 #include <colossalai/models/gpt2.h>
+#include <harness/deadline.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 #include <zoo/gpt.h>
@@ -22,7 +23,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace {
@@ -333,6 +337,206 @@ TEST(Lora, MisuseNamesTheProblem) {
       "adapter_config.json");
   has([] { cl::LoraConfig::from_json("{\"peft_type\": \"IA3\"}", "x.json"); },
       "only LORA");
+}
+
+// ---------------------------------------------------------------------------
+// Hostile adapter files: every field checked by name, regexes matched with
+// bounded work, r checked against the layers and the weights file before
+// anything is allocated, only regular files read. Hang-prone cases run in a
+// forked child with a deadline.
+
+using colossalai::testing::run_with_deadline;
+
+// An adapter directory: `config` as adapter_config.json, and the weights
+// of a real adapter of r 4 on gpt2()'s c_attn / c_proj.
+struct AdapterDir : colossalai::testing::ScratchDir {
+  explicit AdapterDir(const nlohmann::json& config) : ScratchDir("lora_bad") {
+    auto model = gpt2(1);
+    cl::LoraModel(model.ptr(), gpt2_config()).save_pretrained(path, true);
+    std::ofstream(path + "/adapter_config.json") << config.dump();
+  }
+};
+
+nlohmann::json peft_config() {
+  return {
+      {"peft_type", "LORA"},
+      {"r", 4},
+      {"lora_alpha", 8},
+      {"target_modules", {"c_attn", "c_proj"}}};
+}
+
+// The error of loading `dir` onto gpt2(), in a child with a deadline.
+std::string load_error(const std::string& dir, double max_seconds = 5) {
+  auto model = gpt2(1); // built here: the child only loads
+  const auto o = run_with_deadline(30, [&] {
+    cl::LoraModel::from_pretrained(model.ptr(), dir);
+  });
+  EXPECT_TRUE(o.threw) << o.describe();
+  EXPECT_LT(o.seconds, max_seconds) << o.describe();
+  EXPECT_LT(o.error.size(), 1500u) << "a value dumped whole: " << o.error;
+  return o.error;
+}
+
+TEST(LoraHostile, AdapterConfigFieldsAreCheckedByName) {
+  struct Bad {
+    std::function<void(nlohmann::json&)> edit;
+    std::string want;
+  };
+  const std::vector<Bad> bad = {
+      {[](auto& j) { j["r"] = "8"; }, "field 'r' must be an integer > 0"},
+      {[](auto& j) { j["r"] = 2.5; }, "field 'r'"},
+      {[](auto& j) { j["r"] = -3; }, "field 'r'"},
+      {[](auto& j) { j["r"] = 0; }, "field 'r'"},
+      {[](auto& j) { j["r"] = 18446744073709551615ull; }, "field 'r'"},
+      {[](auto& j) { j["lora_alpha"] = "x"; }, "field 'lora_alpha'"},
+      {[](auto& j) { j["lora_dropout"] = 1.5; }, "lora_dropout"},
+      {[](auto& j) { j["target_modules"] = 5; }, "field 'target_modules'"},
+      {[](auto& j) { j["target_modules"] = {1}; }, "field 'target_modules'"},
+      {[](auto& j) { j.erase("target_modules"); }, "'target_modules' is missing"},
+      {[](auto& j) { j["bias"] = 3; }, "field 'bias'"},
+      {[](auto& j) { j["use_rslora"] = "yes"; }, "field 'use_rslora'"},
+      {[](auto& j) { j["modules_to_save"] = "lm_head"; },
+       "field 'modules_to_save'"},
+      {[](auto& j) { j["init_lora_weights"] = 3; },
+       "field 'init_lora_weights'"},
+      {[](auto& j) { j["rank_pattern"] = {1}; }, "field 'rank_pattern'"},
+      {[](auto& j) { j["peft_type"] = 7; }, "field 'peft_type'"},
+      {[](auto& j) { j["use_dora"] = "no"; }, "field 'use_dora'"},
+  };
+  for (const auto& b : bad) {
+    auto j = peft_config();
+    b.edit(j);
+    SCOPED_TRACE(j.dump());
+    const auto e =
+        error_of([&] { cl::LoraConfig::from_json(j.dump(), "a/adapter_config.json"); });
+    EXPECT_NE(e.find("a/adapter_config.json"), std::string::npos) << e;
+    EXPECT_NE(e.find(b.want), std::string::npos) << e;
+  }
+  // 1e5 nested arrays: refused before parsing (no recursion over them).
+  const std::string deep = "{\"r\": " + std::string(100000, '[') +
+      std::string(100000, ']') + "}";
+  const auto o = run_with_deadline(
+      30, [&] { cl::LoraConfig::from_json(deep, "a/adapter_config.json"); });
+  ASSERT_TRUE(o.threw) << o.describe();
+  EXPECT_NE(o.error.find("128 levels deep"), std::string::npos) << o.error;
+  EXPECT_LT(o.error.size(), 1000u);
+}
+
+TEST(LoraHostile, TargetModuleRegexesRunWithBoundedWork) {
+  // PEFT's string form: re.fullmatch on each dotted name.
+  auto names = [](const cl::LoraConfig& config) {
+    auto model = gpt2(1);
+    return cl::LoraModel(model.ptr(), config).adapted_modules();
+  };
+  const auto listed = names(gpt2_config());
+  EXPECT_EQ(listed.size(), 6u);
+  EXPECT_EQ(
+      names(gpt2_config().target_modules_regex(R"(.*\.(c_attn|c_proj))")),
+      listed);
+  EXPECT_EQ(
+      names(gpt2_config().target_modules_regex(
+          R"(^(?!.*mlp).*\.c_(attn|proj)$)")),
+      (std::vector<std::string>{
+          "transformer.h.0.attn.c_attn",
+          "transformer.h.0.attn.c_proj",
+          "transformer.h.1.attn.c_attn",
+          "transformer.h.1.attn.c_proj"}));
+  EXPECT_EQ(
+      names(gpt2_config().target_modules_regex(R"((?i).*H\.1\.MLP\.C_PROJ)")),
+      (std::vector<std::string>{"transformer.h.1.mlp.c_proj"}));
+
+  // Each hostile pattern, from a file: refused by name, or matched in
+  // bounded time (a backtracking matcher takes minutes on the second).
+  struct Case {
+    std::string pattern, want;
+  };
+  const std::vector<Case> cases = {
+      {std::string(30000, '(') + "c_attn" + std::string(30000, ')'),
+       "more than 4096"},
+      {std::string(1000, '(') + "c_attn" + std::string(1000, ')'),
+       "groups nested more than 64 deep"},
+      {"(.*.*)*c_attnX", "matches no module"},
+      {"((a*)*)*(.*.*.*)*(b|b?)*c_attnX", "matches no module"},
+      {"(x{1000}){1000}", "more than 20000 steps"},
+      {"(c_attn)\\1", "backreferences"},
+      {"(?<=a+)c_attn", "fixed-width"},
+      {"c_attn(", "missing )"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.want);
+    auto j = peft_config();
+    j["target_modules"] = c.pattern;
+    AdapterDir dir(j);
+    const auto e = load_error(dir.path, 2.0);
+    EXPECT_NE(e.find(c.want), std::string::npos) << e;
+    EXPECT_NE(e.find("target_modules"), std::string::npos) << e;
+  }
+}
+
+TEST(LoraHostile, RankIsCheckedBeforeAnythingIsAllocated) {
+  // r 1e7 would allocate 1e7 x (32 + 96) floats per c_attn (5 GB for the
+  // model): the layer's size bounds it.
+  auto e = error_of([] {
+    cl::LoraModel(gpt2(1).ptr(), gpt2_config().r(10000000));
+  });
+  EXPECT_NE(e.find("r 10000000"), std::string::npos) << e;
+  EXPECT_NE(e.find("transformer.h.0.attn.c_attn"), std::string::npos) << e;
+  EXPECT_NE(e.find("min(in, out) = 32"), std::string::npos) << e;
+  // From a file: the same, and an r the layers allow but the weights file
+  // does not hold, refused from its header before the adapters exist.
+  auto j = peft_config();
+  j["r"] = 10000000;
+  {
+    AdapterDir dir(j);
+    e = load_error(dir.path);
+    EXPECT_NE(e.find("r 10000000"), std::string::npos) << e;
+  }
+  j["r"] = 16;
+  AdapterDir dir(j);
+  e = load_error(dir.path);
+  EXPECT_NE(e.find(dir.path + "/adapter_model.safetensors"), std::string::npos)
+      << e;
+  EXPECT_NE(
+      e.find("'base_model.model.transformer.h.0.attn.c_attn.lora_A.weight' "
+             "has shape [4, 32]"),
+      std::string::npos)
+      << e;
+  EXPECT_NE(e.find("(r 16)"), std::string::npos) << e;
+  EXPECT_NE(e.find("[16, 32]"), std::string::npos) << e;
+  // lora_alpha must be finite.
+  e = error_of([] {
+    cl::LoraModel(
+        gpt2(1).ptr(),
+        gpt2_config().lora_alpha(std::numeric_limits<double>::infinity()));
+  });
+  EXPECT_NE(e.find("lora_alpha must be finite"), std::string::npos) << e;
+}
+
+TEST(LoraHostile, OnlyRegularFilesAreRead) {
+  for (const char* name :
+       {"adapter_config.json", "adapter_model.safetensors"}) {
+    SCOPED_TRACE(name);
+    AdapterDir dir(peft_config());
+    const auto file = dir.path + "/" + name;
+    fs::remove(file);
+    // A FIFO no one writes: open() alone would block.
+    ASSERT_EQ(::mkfifo(file.c_str(), 0600), 0);
+    auto e = load_error(dir.path);
+    EXPECT_NE(e.find(file), std::string::npos) << e;
+    EXPECT_NE(e.find("is a FIFO, not a regular file"), std::string::npos) << e;
+    fs::remove(file);
+    fs::create_symlink("/dev/zero", file);
+    e = load_error(dir.path);
+    EXPECT_NE(e.find("a character device"), std::string::npos) << e;
+  }
+  // A config larger than any PEFT writes is not read whole.
+  AdapterDir dir(peft_config());
+  {
+    std::ofstream big(dir.path + "/adapter_config.json");
+    big << "{\"r\": 4, \"x\": \"" << std::string(17 << 20, 'x') << "\"}";
+  }
+  const auto e = load_error(dir.path);
+  EXPECT_NE(e.find("more than the 16.0 MiB"), std::string::npos) << e;
 }
 
 } // namespace

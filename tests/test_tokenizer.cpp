@@ -9,16 +9,23 @@
 //    tokenizer.json layouts, ids with and without special tokens and
 //    decode equal transformers'; what we save loads in AutoTokenizer with
 //    the same ids;
-//  - errors name the file and the problem.
+//  - errors name the file and the problem;
+//  - hostile files and texts (TokenizerHostile, no Python): deep JSON,
+//    wrong types, ids beyond the file, FIFOs and devices, long runs of one
+//    character, refused with the file and the field, or encoded in linear
+//    time, each in a forked child with a deadline.
 
 // harness/test_util.h's inline helpers use ATen's operators.
 #include <ATen/ATen.h>
 
 #include <colossalai/models/tokenizer.h>
+#include <harness/deadline.h>
 #include <harness/test_util.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -450,6 +457,449 @@ TEST_F(SentencePiece, ErrorsNameTheFileAndTheProblem) {
   e = error_of([&] { models::Tokenizer::from_pretrained(nfkc); });
   EXPECT_NE(e.find(nfkc + "/tokenizer.json"), std::string::npos) << e;
   EXPECT_NE(e.find("NFKC"), std::string::npos) << e;
+}
+
+// ---------------------------------------------------------------------------
+// Hostile files and texts.
+
+using colossalai::testing::run_with_deadline;
+
+// GPT-2's bytes_to_unicode: the vocabulary's character of each byte.
+std::string byte_char(int b) {
+  const bool printable =
+      (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+  int cp = b;
+  if (!printable) {
+    cp = 256;
+    for (int k = 0; k < b; ++k) {
+      const bool p =
+          (k >= 0x21 && k <= 0x7E) || (k >= 0xA1 && k <= 0xAC) || k >= 0xAE;
+      cp += p ? 0 : 1;
+    }
+  }
+  std::string out;
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return out;
+}
+
+// A byte-level BPE tokenizer.json: the 256 byte tokens (ids 0..255), "aa"
+// (256) from the merge "a a", and an added token "<mask>" (257) that strips
+// the whitespace on both sides.
+nlohmann::json byte_level_json() {
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; ++b) {
+    vocab[byte_char(b)] = b;
+  }
+  vocab["aa"] = 256;
+  return {
+      {"model",
+       {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"a a"}}}},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}}},
+      {"added_tokens",
+       {{{"id", 257},
+         {"content", "<mask>"},
+         {"special", true},
+         {"lstrip", true},
+         {"rstrip", true}}}},
+  };
+}
+
+struct TokenizerDir : Scratch {
+  // Writes `name` with `text`; the directory's path.
+  const std::string& with(const std::string& name, const std::string& text) {
+    std::ofstream(path + "/" + name, std::ios::binary) << text;
+    return path;
+  }
+};
+
+// What loading `dir` (and encoding `text`) does, in a child with a deadline.
+colossalai::testing::ChildOutcome load(
+    const std::string& dir,
+    const std::string& text = "",
+    double seconds = 20) {
+  return run_with_deadline(seconds, [&] {
+    const auto tok = models::Tokenizer::from_pretrained(dir);
+    tok.encode(text, true);
+  });
+}
+
+// Refused quickly, naming `file` and each of `what`.
+void expect_refused(
+    const colossalai::testing::ChildOutcome& o,
+    const std::string& file,
+    const std::vector<std::string>& what) {
+  ASSERT_TRUE(o.threw) << o.describe();
+  EXPECT_NE(o.error.find(file), std::string::npos) << o.error;
+  for (const auto& w : what) {
+    EXPECT_NE(o.error.find(w), std::string::npos) << w << " in: " << o.error;
+  }
+  EXPECT_LT(o.error.size(), 1000u) << "a value dumped whole: " << o.error;
+  EXPECT_LT(o.seconds, 5.0);
+}
+
+std::string nested(size_t depth) {
+  return std::string(depth, '[') + std::string(depth, ']');
+}
+
+// The Split regexes `tokenizers` files spell (LLaMA 3's, Qwen 2's, Bloom's).
+const char* const kLlama3Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+const char* const kQwen2Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+const char* const kBloomRegex =
+    " ?[^(\\s|[.,!?\xE2\x80\xA6\xE3\x80\x82\xEF\xBC\x8C\xE3\x80\x81"
+    "\xE0\xA5\xA4\xDB\x94\xD8\x8C])]+";
+
+// A SentencePiece-style tokenizer.json (Metaspace, byte fallback): "▁"
+// runs merge pairwise.
+nlohmann::json sentencepiece_json() {
+  const std::string sp = "\xE2\x96\x81";
+  nlohmann::json vocab = {
+      {"<unk>", 0}, {"<s>", 1}, {sp, 2}, {"a", 3}, {sp + "a", 4},
+      {sp + sp, 5}};
+  for (int b = 0; b < 256; ++b) {
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "<0x%02X>", b);
+    vocab[buf] = 6 + b;
+  }
+  return {
+      {"model",
+       {{"type", "BPE"},
+        {"vocab", vocab},
+        {"merges", {sp + " a", sp + " " + sp}},
+        {"byte_fallback", true},
+        {"unk_token", "<unk>"}}},
+      {"pre_tokenizer",
+       {{"type", "Metaspace"},
+        {"replacement", sp},
+        {"prepend_scheme", "first"},
+        {"split", false}}},
+      {"decoder",
+       {{"type", "Metaspace"},
+        {"replacement", sp},
+        {"prepend_scheme", "first"},
+        {"split", false}}},
+      {"added_tokens",
+       {{{"id", 1}, {"content", "<s>"}, {"special", true}},
+        {{"id", 0}, {"content", "<unk>"}, {"special", true}}}},
+  };
+}
+
+TEST(TokenizerHostile, DeepJsonIsRefusedNotWalked) {
+  for (const char* field : {"normalizer", "pre_tokenizer", "post_processor"}) {
+    SCOPED_TRACE(field);
+    TokenizerDir dir;
+    auto text = byte_level_json().dump();
+    text.insert(
+        1, std::string("\"") + field + "\": " + nested(100000) + ", ");
+    const auto o = load(dir.with("tokenizer.json", text));
+    expect_refused(o, dir.path + "/tokenizer.json", {"128 levels deep"});
+  }
+  // In tokenizer_config.json too.
+  TokenizerDir dir;
+  dir.with("tokenizer.json", byte_level_json().dump());
+  dir.with("tokenizer_config.json", "{\"eos_token\": " + nested(100000) + "}");
+  expect_refused(
+      load(dir.path), dir.path + "/tokenizer_config.json", {"levels deep"});
+  // Shallow enough to parse, but not a normalizer: named, cut short.
+  auto j = byte_level_json();
+  j["normalizer"] = nlohmann::json::parse(nested(100));
+  dir.with("tokenizer.json", j.dump());
+  dir.with("tokenizer_config.json", "{}");
+  expect_refused(
+      load(dir.path), dir.path + "/tokenizer.json", {"normalizer", "..."});
+}
+
+TEST(TokenizerHostile, NestedSequencesAreFlattened) {
+  // Sequence(Sequence(Sequence(NFC))): `tokenizers` reads it as NFC.
+  auto j = byte_level_json();
+  nlohmann::json n = {{"type", "NFC"}};
+  for (int k = 0; k < 3; ++k) {
+    n = {{"type", "Sequence"}, {"normalizers", {n}}};
+  }
+  j["normalizer"] = n;
+  j["pre_tokenizer"] = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       {{{"type", "Sequence"},
+         {"pretokenizers",
+          {{{"type", "ByteLevel"}, {"add_prefix_space", false}}}}}}}};
+  TokenizerDir dir;
+  const auto tok =
+      models::Tokenizer::from_pretrained(dir.with("tokenizer.json", j.dump()));
+  // NFC: e + combining acute is one code point, two bytes.
+  EXPECT_EQ(tok.encode("e\xCC\x81").size(), 2u);
+  EXPECT_EQ(tok.encode("aa"), (std::vector<int64_t>{256}));
+}
+
+TEST(TokenizerHostile, WrongTypesNameTheFileAndTheField) {
+  struct Bad {
+    std::function<void(nlohmann::json&)> edit;
+    std::string field;
+  };
+  const std::vector<Bad> bad = {
+      {[](auto& j) { j["model"]["vocab"] = {1, 2}; }, "'model.vocab'"},
+      {[](auto& j) { j["model"]["type"] = 5; }, "'model.type'"},
+      {[](auto& j) { j["model"]["merges"] = {{"x", 1}}; }, "'model.merges'"},
+      {[](auto& j) { j["model"]["merges"] = {7}; }, "'model.merges[0]'"},
+      {[](auto& j) { j["model"]["ignore_merges"] = "no"; },
+       "'model.ignore_merges'"},
+      {[](auto& j) { j["added_tokens"][0]["lstrip"] = "yes"; },
+       "'added_tokens[0].lstrip'"},
+      {[](auto& j) { j["added_tokens"][0]["content"] = 3; },
+       "'added_tokens[0].content'"},
+      {[](auto& j) { j["added_tokens"] = "x"; }, "'added_tokens'"},
+      {[](auto& j) { j["pre_tokenizer"]["type"] = 7; },
+       "'pre_tokenizer.type'"},
+      {[](auto& j) { j["pre_tokenizer"]["use_regex"] = 1; },
+       "'pre_tokenizer.use_regex'"},
+      {[](auto& j) {
+         j["normalizer"] = {{"type", "Sequence"}, {"normalizers", "NFC"}};
+       },
+       "'normalizer.normalizers'"},
+      {[](auto& j) {
+         j["post_processor"] = {
+             {"type", "TemplateProcessing"},
+             {"single", {{{"SpecialToken", {{"id", "<mask>"}}}}}},
+             {"special_tokens", {{"<mask>", {{"ids", {"x"}}}}}}};
+       },
+       "'post_processor.special_tokens.<mask>.ids[0]'"},
+  };
+  for (const auto& b : bad) {
+    SCOPED_TRACE(b.field);
+    auto j = byte_level_json();
+    b.edit(j);
+    TokenizerDir dir;
+    expect_refused(
+        load(dir.with("tokenizer.json", j.dump())),
+        dir.path + "/tokenizer.json",
+        {"field " + b.field});
+  }
+  // tokenizer_config.json's fields.
+  for (const auto& [config, field] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"{\"eos_token\": 5}", "'eos_token'"},
+           {"{\"tokenizer_class\": []}", "'tokenizer_class'"},
+           {"{\"model_max_length\": \"big\"}", "'model_max_length'"},
+           {"{\"added_tokens_decoder\": {\"257\": {\"content\": \"<mask>\", "
+            "\"special\": 1}}}",
+            "'added_tokens_decoder.257.special'"}}) {
+    SCOPED_TRACE(config);
+    TokenizerDir dir;
+    dir.with("tokenizer.json", byte_level_json().dump());
+    expect_refused(
+        load(dir.with("tokenizer_config.json", config)),
+        dir.path + "/tokenizer_config.json",
+        {"field " + field});
+  }
+}
+
+TEST(TokenizerHostile, IdsAreBoundedByTheFile) {
+  // One id of 1e8 in a small vocabulary: refused, not a table of 1e8.
+  auto j = byte_level_json();
+  j["model"]["vocab"]["aa"] = 100000000;
+  TokenizerDir dir;
+  expect_refused(
+      load(dir.with("tokenizer.json", j.dump())),
+      dir.path + "/tokenizer.json",
+      {"'model.vocab'", "100000000", "from 0 to 257"});
+  j = byte_level_json();
+  j["added_tokens"][0]["id"] = 100000000;
+  expect_refused(
+      load(dir.with("tokenizer.json", j.dump())),
+      dir.path + "/tokenizer.json",
+      {"'added_tokens[0].id'", "100000000"});
+  j = byte_level_json();
+  j["post_processor"] = {
+      {"type", "BertProcessing"},
+      {"cls", {"<mask>", 100000000}},
+      {"sep", {"<mask>", 257}}};
+  expect_refused(
+      load(dir.with("tokenizer.json", j.dump())),
+      dir.path + "/tokenizer.json",
+      {"'post_processor.cls[1]'"});
+  // vocab.json + merges.txt.
+  TokenizerDir files;
+  files.with("merges.txt", "#version: 0.2\n");
+  expect_refused(
+      load(files.with("vocab.json", "{\"a\": 0, \"b\": 99999999}")),
+      files.path + "/vocab.json",
+      {"99999999"});
+  // Added tokens beyond the vocabulary (LLaMA 3, Qwen 2) are fine.
+  j = byte_level_json();
+  j["added_tokens"].push_back(
+      {{"id", 258}, {"content", "<x>"}, {"special", true}});
+  const auto tok =
+      models::Tokenizer::from_pretrained(dir.with("tokenizer.json", j.dump()));
+  EXPECT_EQ(tok.vocab_size(), 259);
+  EXPECT_EQ(tok.encode("<x><mask>"), (std::vector<int64_t>{258, 257}));
+}
+
+TEST(TokenizerHostile, OnlyRegularFilesAreRead) {
+  for (const char* name :
+       {"tokenizer.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "tokenizer_config.json"}) {
+    SCOPED_TRACE(name);
+    TokenizerDir dir;
+    const std::string n = name;
+    if (n == "vocab.json" || n == "merges.txt") {
+      dir.with(n == "vocab.json" ? "merges.txt" : "vocab.json", "{}");
+    } else if (n == "tokenizer_config.json") {
+      dir.with("tokenizer.json", byte_level_json().dump());
+    }
+    // A FIFO no one writes: open() alone would block.
+    const auto fifo = dir.path + "/" + n;
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+    expect_refused(load(dir.path), fifo, {"a FIFO, not a regular file"});
+    // A device that never ends.
+    fs::remove(fifo);
+    fs::create_symlink("/dev/zero", fifo);
+    expect_refused(load(dir.path), fifo, {"a character device"});
+  }
+}
+
+// Tokenizer work is linear in the text: 200 KB of one character through
+// each pipeline, and an added token with lstrip / rstrip among them (each
+// match used to decode the rest of the text: minutes).
+TEST(TokenizerHostile, LongRunsOfOneCharacterEncodeInLinearTime) {
+  constexpr size_t kRun = 200000;
+  struct Run {
+    std::string name, text;
+    bool round_trip; // decode(encode(text)) == text under a byte-level BPE
+  };
+  std::vector<Run> runs;
+  // One character; combining marks of falling class (NFC reorders each
+  // pair: a run sorted by swapping neighbours is quadratic).
+  for (const char* c :
+       {"a", " ", "\n", "'", "1", "\xC3\xA9", "\xCC\x81\xCC\x96"}) {
+    std::string t;
+    while (t.size() < kRun) {
+      t += c;
+    }
+    runs.push_back({nlohmann::json(c).dump(), t, std::string(c) != "\xCC\x81\xCC\x96"});
+  }
+  std::string masks, spaced;
+  while (masks.size() < kRun) {
+    masks += "<mask>";
+    spaced += " <mask> ";
+  }
+  runs.push_back({"<mask>...", masks, false});
+  runs.push_back({" <mask> ...", spaced, false});
+  runs.push_back(
+      {"spaces then <mask>", std::string(kRun, ' ') + "<mask>", false});
+  runs.push_back(
+      {"<mask> then spaces", "<mask>" + std::string(kRun, ' '), false});
+
+  // Each pre-tokenizer, and an added token made of the run's character.
+  std::vector<std::pair<std::string, nlohmann::json>> files;
+  files.emplace_back("GPT-2's regex", byte_level_json());
+  for (const auto& [name, regex] : std::vector<std::pair<std::string, std::string>>{
+           {"LLaMA 3's regex", kLlama3Regex},
+           {"Qwen 2's regex", kQwen2Regex},
+           {"Bloom's regex", kBloomRegex}}) {
+    auto j = byte_level_json();
+    j["pre_tokenizer"] = {
+        {"type", "Sequence"},
+        {"pretokenizers",
+         {{{"type", "Split"},
+           {"pattern", {{"Regex", regex}}},
+           {"behavior", "Isolated"},
+           {"invert", false}},
+          {{"type", "ByteLevel"},
+           {"add_prefix_space", false},
+           {"use_regex", false}}}}};
+    j["normalizer"] = {{"type", "NFC"}};
+    files.emplace_back(name, j);
+  }
+  for (const char* c : {"a", " "}) {
+    auto j = byte_level_json();
+    j["added_tokens"].push_back(
+        {{"id", static_cast<unsigned char>(c[0])},
+         {"content", c},
+         {"special", false},
+         {"normalized", false},
+         {"lstrip", true},
+         {"rstrip", true}});
+    files.emplace_back(std::string("added token '") + c + "'", j);
+  }
+  files.emplace_back("SentencePiece", sentencepiece_json());
+  double slowest = 0;
+  for (const auto& [kind, j] : files) {
+    TokenizerDir dir;
+    dir.with("tokenizer.json", j.dump());
+    const bool round_trip = kind.find("regex") != std::string::npos;
+    for (const auto& r : runs) {
+      SCOPED_TRACE(kind + ": " + r.name);
+      const auto o = run_with_deadline(20, [&] {
+        const auto tok = models::Tokenizer::from_pretrained(dir.path);
+        const auto ids = tok.encode(r.text);
+        if (round_trip && r.round_trip && tok.decode(ids) != r.text) {
+          throw std::runtime_error("decode(encode(x)) != x");
+        }
+      });
+      EXPECT_FALSE(o.threw || o.signal || o.timed_out) << o.describe();
+      EXPECT_LT(o.seconds, 1.0);
+      slowest = std::max(slowest, o.seconds);
+    }
+  }
+  std::cout << "slowest load + encode of 200 KB: " << slowest << " s\n";
+  // What the lstrip / rstrip token takes.
+  TokenizerDir dir;
+  const auto tok = models::Tokenizer::from_pretrained(
+      dir.with("tokenizer.json", byte_level_json().dump()));
+  EXPECT_EQ(tok.encode("a  <mask>  b"), (std::vector<int64_t>{97, 257, 98}));
+  EXPECT_EQ(
+      tok.encode(std::string(kRun, 'a')),
+      std::vector<int64_t>(kRun / 2, 256));
+}
+
+// A SentencePiece tokenizer.model (sentencepiece_model.proto's fields).
+std::string varint(uint64_t v) {
+  std::string out;
+  do {
+    out += static_cast<char>((v & 0x7F) | (v > 0x7F ? 0x80 : 0));
+    v >>= 7;
+  } while (v != 0);
+  return out;
+}
+std::string field(int number, const std::string& payload) {
+  return varint(static_cast<uint64_t>(number) << 3 | 2) +
+      varint(payload.size()) + payload;
+}
+std::string piece(const std::string& text, int type = 1) {
+  return field(1, field(1, text) + varint(3 << 3) + varint(type));
+}
+
+// Merges come from splitting each piece in two (generate_merges): one walk
+// per piece, where looking each split up was quadratic in its length.
+TEST(TokenizerHostile, LongSentencePiecePieceLoadsInLinearTime) {
+  std::string model = piece("<unk>", 2) + piece("<s>", 3) + piece("</s>", 3);
+  std::string run;
+  for (int k = 1; k <= 300; ++k) { // a, aa, ... : every split is a merge
+    run += 'a';
+    model += piece(run);
+  }
+  model += piece(std::string(200000, 'b')) + piece("b");
+  model += field(2, varint(3 << 3) + varint(2)); // trainer_spec: BPE
+  TokenizerDir dir;
+  dir.with("tokenizer.model", model);
+  const auto o = run_with_deadline(20, [&] {
+    const auto tok = models::Tokenizer::from_pretrained(dir.path);
+    // a^300 is one piece: merged from a^k + a^(300-k).
+    if (tok.encode(std::string(300, 'a')).size() != 1) {
+      throw std::runtime_error("a^300 is not one piece");
+    }
+  });
+  EXPECT_FALSE(o.threw || o.signal || o.timed_out) << o.describe();
+  EXPECT_LT(o.seconds, 1.0);
 }
 
 } // namespace

@@ -6,6 +6,8 @@
 #include <colossalai/shardformer/layer/linear.h>
 
 #include "../checkpoint_io/io_utils.h"
+#include "../utils/bounded_read.h"
+#include "module_regex.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/init.h>
@@ -14,8 +16,10 @@
 
 #include <cmath>
 #include <filesystem>
-#include <regex>
+#include <map>
+#include <optional>
 #include <set>
+#include <unordered_set>
 
 namespace colossalai {
 namespace lora {
@@ -35,6 +39,7 @@ struct LoraModel::Layer {
   // [dim, r].
   at::Tensor A, B;
   bool conv1d = false; // the weight is stored [in, out]
+  int64_t in = 0, out = 0; // A [r, in], B [out, r]
   double scaling = 1.0;
   double dropout = 0.0;
 
@@ -54,36 +59,49 @@ constexpr const char* kPrefix = "base_model.model.";
 constexpr const char* kConfigName = "adapter_config.json";
 constexpr const char* kSafetensorsName = "adapter_model.safetensors";
 constexpr const char* kBinName = "adapter_model.bin";
+// PEFT writes a few hundred bytes; a config listing every module of a large
+// model stays far below this.
+constexpr uint64_t kMaxConfigBytes = uint64_t(16) << 20;
 
-// PEFT's matching: a name list matches a module named exactly so or ending
-// in "." + the name; a string is a regular expression for the whole name.
-bool matches(
-    const std::string& name,
-    const std::vector<std::string>& names,
-    const std::string& regex) {
-  if (!regex.empty()) {
-    return std::regex_match(name, std::regex(regex));
+// The names PEFT's list form matches `name` by: the name itself and each
+// dotted suffix ("h.0.attn.c_attn": "0.attn.c_attn", "attn.c_attn",
+// "c_attn"). Looked up in a set, a list costs a lookup per suffix, not per
+// entry. (A string is a regular expression for the whole name:
+// detail::ModuleRegex.)
+std::vector<std::string> suffixes(const std::string& name) {
+  std::vector<std::string> out{name};
+  for (size_t dot = name.find('.'); dot != std::string::npos;
+       dot = name.find('.', dot + 1)) {
+    out.push_back(name.substr(dot + 1));
   }
-  for (const auto& t : names) {
-    if (name == t ||
-        (name.size() > t.size() &&
-         name.compare(name.size() - t.size() - 1, t.size() + 1, "." + t) ==
-             0)) {
+  return out;
+}
+
+using NameSet = std::unordered_set<std::string>;
+
+bool matches(const std::string& name, const NameSet& names) {
+  for (const auto& s : suffixes(name)) {
+    if (names.count(s)) {
       return true;
     }
   }
   return false;
 }
 
+NameSet name_set(const std::vector<std::string>& names) {
+  return NameSet(names.begin(), names.end());
+}
+
 std::string describe(const LoraConfig& c) {
   if (!c.target_modules_regex().empty()) {
-    return "target_modules_regex '" + c.target_modules_regex() + "'";
+    return "target_modules_regex '" + utils::excerpt(c.target_modules_regex()) +
+        "'";
   }
-  std::string out = "target_modules [";
-  for (size_t i = 0; i < c.target_modules().size(); ++i) {
+  std::string out;
+  for (size_t i = 0; i < c.target_modules().size() && out.size() < 200; ++i) {
     out += (i ? ", " : "") + c.target_modules()[i];
   }
-  return out + "]";
+  return "target_modules [" + utils::excerpt(out, 200) + "]";
 }
 
 // PEFT's initialisation (LoraLayer.reset_lora_parameters).
@@ -127,20 +145,22 @@ std::shared_ptr<torch::nn::Module> weight_holder(const at::Tensor& w) {
 
 } // namespace
 
-LoraModel::LoraModel(
-    std::shared_ptr<torch::nn::Module> model,
-    LoraConfig config)
-    : model_(std::move(model)), config_(std::move(config)) {
-  TORCH_CHECK(model_ != nullptr, "LoraModel: the model is null");
-  config_.validate();
-  const double scaling = config_.use_rslora()
-      ? config_.lora_alpha() / std::sqrt(static_cast<double>(config_.r()))
-      : config_.lora_alpha() / static_cast<double>(config_.r());
-  const auto modules = model_->named_modules("", /*include_self=*/false);
-  for (const auto& item : modules) {
+std::vector<std::shared_ptr<LoraModel::Layer>> LoraModel::plan(
+    torch::nn::Module& model,
+    const LoraConfig& config) {
+  config.validate();
+  const double scaling = config.use_rslora()
+      ? config.lora_alpha() / std::sqrt(static_cast<double>(config.r()))
+      : config.lora_alpha() / static_cast<double>(config.r());
+  std::optional<detail::ModuleRegex> regex;
+  if (!config.target_modules_regex().empty()) {
+    regex.emplace(config.target_modules_regex()); // validate() compiled it
+  }
+  const auto targets = name_set(config.target_modules());
+  std::vector<std::shared_ptr<Layer>> layers;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     const auto& name = item.key();
-    if (!matches(
-            name, config_.target_modules(), config_.target_modules_regex())) {
+    if (regex ? !regex->fullmatch(name) : !matches(name, targets)) {
       continue;
     }
     auto* m = item.value().get();
@@ -154,7 +174,7 @@ LoraModel::LoraModel(
     layer->path = name;
     layer->module = m;
     layer->scaling = scaling;
-    layer->dropout = config_.lora_dropout();
+    layer->dropout = config.lora_dropout();
     int64_t in = 0, out = 0;
     if (auto* lin = dynamic_cast<torch::nn::LinearImpl*>(m)) {
       layer->kind = Layer::Kind::kLinear;
@@ -198,14 +218,14 @@ LoraModel::LoraModel(
           "' (",
           m->name(),
           "), which ",
-          describe(config_),
+          describe(config),
           " selects: supported are torch::nn::Linear, torch::nn::Embedding "
           "and colossalai's Linear1D_Col / Linear1D_Row");
     }
     TORCH_CHECK(
-        layer->kind == Layer::Kind::kAdapter || config_.lora_dropout() == 0.0,
+        layer->kind == Layer::Kind::kAdapter || config.lora_dropout() == 0.0,
         "LoRA: lora_dropout ",
-        config_.lora_dropout(),
+        config.lora_dropout(),
         " needs a layer that runs the adapter path itself, but '",
         name,
         "' is a ",
@@ -213,6 +233,40 @@ LoraModel::LoraModel(
         ", adapted by reparametrising its weight (NOTE [LoRA in C++]); use "
         "lora_dropout(0), or build the model from colossalai's Linear1D "
         "layers");
+    // Checked before anything is allocated: A is [r, in], B [out, r].
+    TORCH_CHECK(
+        config.r() <= std::min(in, out),
+        "LoRA: r ",
+        config.r(),
+        " is above the rank of '",
+        name,
+        "' (",
+        in,
+        " -> ",
+        out,
+        "): B A has rank at most min(in, out) = ",
+        std::min(in, out),
+        ", so a larger r adds nothing but memory");
+    layer->in = in;
+    layer->out = out;
+    layers.push_back(layer);
+  }
+  TORCH_CHECK(
+      !layers.empty(),
+      "LoRA: ",
+      describe(config),
+      " matches no module of the model");
+  return layers;
+}
+
+LoraModel::LoraModel(
+    std::shared_ptr<torch::nn::Module> model,
+    LoraConfig config)
+    : model_(std::move(model)), config_(std::move(config)) {
+  TORCH_CHECK(model_ != nullptr, "LoraModel: the model is null");
+  layers_ = plan(*model_, config_);
+  for (const auto& layer : layers_) {
+    auto* m = layer->module;
     // A copy: named_parameters() returns a temporary dict.
     const at::Tensor weight = m->named_parameters(false)["weight"];
     layer->base = weight;
@@ -220,8 +274,8 @@ LoraModel::LoraModel(
     const auto* quantized = quantization::quantized_weight_of(*m);
     const auto opts = weight.options().requires_grad(false).dtype(
         quantized ? quantized->dtype() : weight.scalar_type());
-    layer->A = at::empty({config_.r(), in}, opts);
-    layer->B = at::empty({out, config_.r()}, opts);
+    layer->A = at::empty({config_.r(), layer->in}, opts);
+    layer->B = at::empty({layer->out, config_.r()}, opts);
     init_adapter(
         layer->A,
         layer->B,
@@ -237,14 +291,7 @@ LoraModel::LoraModel(
       m->register_module("lora_A", weight_holder(layer->A));
       m->register_module("lora_B", weight_holder(layer->B));
     }
-    layers_.push_back(layer);
   }
-  TORCH_CHECK(
-      !layers_.empty(),
-      "LoRA: ",
-      describe(config_),
-      " matches no module of the model");
-
   // Everything else is frozen, except the biases `bias` names and the
   // modules_to_save.
   std::set<const void*> trainable;
@@ -252,34 +299,33 @@ LoraModel::LoraModel(
     trainable.insert(l->A.unsafeGetTensorImpl());
     trainable.insert(l->B.unsafeGetTensorImpl());
     if (config_.bias() == "lora_only") {
-      auto* b = l->module->named_parameters(false).find("bias");
+      // find() points into the dict: keep it alive.
+      const auto params = l->module->named_parameters(false);
+      const auto* b = params.find("bias");
       if (b != nullptr && b->defined()) {
         trainable.insert(b->unsafeGetTensorImpl());
       }
     }
   }
-  std::vector<std::string> unmatched = config_.modules_to_save();
-  for (const auto& item : modules) {
-    if (!config_.modules_to_save().empty() &&
-        matches(item.key(), config_.modules_to_save(), "")) {
+  const auto to_save = name_set(config_.modules_to_save());
+  auto unmatched = to_save;
+  for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
+    if (matches(item.key(), to_save)) {
       for (const auto& p : item.value()->parameters()) {
         trainable.insert(p.unsafeGetTensorImpl());
       }
-      unmatched.erase(
-          std::remove_if(
-              unmatched.begin(),
-              unmatched.end(),
-              [&](const std::string& t) {
-                return matches(item.key(), {t}, "");
-              }),
-          unmatched.end());
+      for (const auto& s : suffixes(item.key())) {
+        unmatched.erase(s);
+      }
     }
   }
-  TORCH_CHECK(
-      unmatched.empty(),
-      "LoRA: modules_to_save entry '",
-      unmatched.empty() ? "" : unmatched.front(),
-      "' matches no module of the model");
+  for (const auto& t : config_.modules_to_save()) {
+    TORCH_CHECK(
+        !unmatched.count(t),
+        "LoRA: modules_to_save entry '",
+        utils::excerpt(t),
+        "' matches no module of the model");
+  }
   for (auto& item : model_->named_parameters()) {
     const bool bias_all =
         config_.bias() == "all" && item.key().find("bias") != std::string::npos;
@@ -310,6 +356,7 @@ void LoraModel::attach() {
 std::shared_ptr<LoraModel> LoraModel::from_pretrained(
     std::shared_ptr<torch::nn::Module> model,
     const std::string& dir) {
+  TORCH_CHECK(model != nullptr, "LoraModel: the model is null");
   const auto config_path = cio::detail::join(dir, kConfigName);
   TORCH_CHECK(
       cio::detail::exists(config_path),
@@ -318,10 +365,11 @@ std::shared_ptr<LoraModel> LoraModel::from_pretrained(
       "' has no ",
       kConfigName,
       " (not a PEFT adapter directory)");
-  const auto bytes = cio::detail::read_bytes(config_path);
-  auto config = LoraConfig::from_json(
-      std::string(bytes.begin(), bytes.end()), config_path);
-  auto lora = std::make_shared<LoraModel>(std::move(model), std::move(config));
+  std::string text;
+  const auto why =
+      utils::read_regular_file(config_path, kMaxConfigBytes, text);
+  TORCH_CHECK(why.empty(), "LoRA: '", config_path, "' ", why);
+  auto config = LoraConfig::from_json(text, config_path);
   const auto st = cio::detail::join(dir, kSafetensorsName);
   const auto bin = cio::detail::join(dir, kBinName);
   TORCH_CHECK(
@@ -333,9 +381,62 @@ std::shared_ptr<LoraModel> LoraModel::from_pretrained(
       " nor ",
       kBinName);
   const bool use_st = cio::detail::exists(st);
-  lora->load_adapter_state_dict(
-      use_st ? cio::safetensors::load_file(st) : cio::load_bin(bin),
-      use_st ? st : bin);
+  const auto& weights = use_st ? st : bin;
+  const auto not_regular = utils::regular_file_error(weights);
+  TORCH_CHECK(not_regular.empty(), "LoRA: '", weights, "' ", not_regular);
+  // The file's shapes against the config's before the adapters are
+  // allocated: a config's r does not allocate what its file does not hold.
+  cio::StateDict state;
+  std::shared_ptr<cio::safetensors::MappedFile> mapped;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  if (use_st) {
+    mapped = cio::safetensors::MappedFile::open(st);
+    for (const auto& t : mapped->header().tensors) {
+      shapes[t.name] = t.shape;
+    }
+  } else {
+    state = cio::load_bin(bin);
+    for (const auto& item : state) {
+      shapes[item.key()] = item.value().sizes().vec();
+    }
+  }
+  for (const auto& l : plan(*model, config)) {
+    const std::string p = kPrefix + l->path;
+    const auto names = l->is_embedding()
+        ? std::make_pair(p + ".lora_embedding_A", p + ".lora_embedding_B")
+        : std::make_pair(p + ".lora_A.weight", p + ".lora_B.weight");
+    const std::vector<int64_t> want_a{config.r(), l->in},
+        want_b{l->out, config.r()};
+    for (const auto& [name, want] :
+         {std::make_pair(names.first, want_a),
+          std::make_pair(names.second, want_b)}) {
+      const auto it = shapes.find(name);
+      TORCH_CHECK(
+          it != shapes.end(),
+          "LoRA: '",
+          weights,
+          "' lacks the adapter tensor '",
+          name,
+          "'");
+      TORCH_CHECK(
+          it->second == want,
+          "LoRA: '",
+          weights,
+          "': '",
+          name,
+          "' has shape ",
+          c10::IntArrayRef(it->second),
+          ", but ",
+          kConfigName,
+          " (r ",
+          config.r(),
+          ") and the model's layer make ",
+          c10::IntArrayRef(want),
+          " (another r or another base model?)");
+    }
+  }
+  auto lora = std::make_shared<LoraModel>(std::move(model), std::move(config));
+  lora->load_adapter_state_dict(use_st ? mapped->tensors() : state, weights);
   return lora;
 }
 
@@ -430,15 +531,17 @@ cio::StateDict LoraModel::adapter_state_dict() const {
     }
   } else if (config_.bias() == "lora_only") {
     for (const auto& l : layers_) {
-      auto* b = l->module->named_parameters(false).find("bias");
+      const auto params = l->module->named_parameters(false);
+      const auto* b = params.find("bias");
       if (b != nullptr && b->defined()) {
         add(l->path + ".bias", *b);
       }
     }
   }
   if (!config_.modules_to_save().empty()) {
+    const auto to_save = name_set(config_.modules_to_save());
     for (const auto& item : model_->named_modules("", false)) {
-      if (matches(item.key(), config_.modules_to_save(), "")) {
+      if (matches(item.key(), to_save)) {
         for (const auto& p : item.value()->named_parameters()) {
           add(item.key() + "." + p.key(), p.value());
         }

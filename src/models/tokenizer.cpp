@@ -4,15 +4,14 @@
 #include <colossalai/models/tokenizer.h>
 
 #include "tokenizer_internal.h"
+#include "tokenizer_literals.h"
 
 #include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <queue>
-#include <sstream>
 #include <stdexcept>
 #include <tuple>
 
@@ -360,46 +359,51 @@ Cls classify(uint32_t cp) {
   return Cls::kOther;
 }
 
+uint32_t code_point_at(const std::string& s, size_t i, size_t& len) {
+  const size_t n = s.size();
+  const auto b = static_cast<unsigned char>(s[i]);
+  len = 1;
+  if (b < 0x80) {
+    return b;
+  }
+  size_t need = 0;
+  uint32_t v = 0, min = 0;
+  if ((b & 0xE0) == 0xC0) {
+    need = 1, v = b & 0x1F, min = 0x80;
+  } else if ((b & 0xF0) == 0xE0) {
+    need = 2, v = b & 0x0F, min = 0x800;
+  } else if ((b & 0xF8) == 0xF0) {
+    need = 3, v = b & 0x07, min = 0x10000;
+  } else {
+    return 0xFFFFFFFFu;
+  }
+  for (size_t k = 1; k <= need; ++k) {
+    if (i + k >= n) {
+      return 0xFFFFFFFFu;
+    }
+    const auto c = static_cast<unsigned char>(s[i + k]);
+    if ((c & 0xC0) != 0x80) {
+      return 0xFFFFFFFFu;
+    }
+    v = (v << 6) | (c & 0x3F);
+  }
+  if (v < min || v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF)) {
+    return 0xFFFFFFFFu;
+  }
+  len = need + 1;
+  return v;
+}
+
 CodePoints decode_utf8(const std::string& s) {
   CodePoints out;
-  size_t i = 0;
-  const size_t n = s.size();
-  while (i < n) {
-    const auto b = static_cast<unsigned char>(s[i]);
-    uint32_t cp = 0xFFFFFFFFu;
-    size_t len = 1;
-    if (b < 0x80) {
-      cp = b;
-    } else {
-      size_t need = 0;
-      uint32_t v = 0, min = 0;
-      if ((b & 0xE0) == 0xC0) {
-        need = 1, v = b & 0x1F, min = 0x80;
-      } else if ((b & 0xF0) == 0xE0) {
-        need = 2, v = b & 0x0F, min = 0x800;
-      } else if ((b & 0xF8) == 0xF0) {
-        need = 3, v = b & 0x07, min = 0x10000;
-      }
-      bool ok = need > 0;
-      for (size_t k = 1; ok && k <= need; ++k) {
-        if (i + k >= n) {
-          ok = false;
-          break;
-        }
-        const auto c = static_cast<unsigned char>(s[i + k]);
-        ok = (c & 0xC0) == 0x80;
-        v = (v << 6) | (c & 0x3F);
-      }
-      if (ok && v >= min && v <= 0x10FFFF && !(v >= 0xD800 && v <= 0xDFFF)) {
-        cp = v;
-        len = need + 1;
-      }
-    }
-    out.cp.push_back(cp);
+  out.cp.reserve(s.size());
+  out.at.reserve(s.size() + 1);
+  size_t len = 0;
+  for (size_t i = 0; i < s.size(); i += len) {
+    out.cp.push_back(code_point_at(s, i, len));
     out.at.push_back(i);
-    i += len;
   }
-  out.at.push_back(n);
+  out.at.push_back(s.size());
   return out;
 }
 
@@ -686,63 +690,6 @@ bool is_white(uint32_t cp) {
   return classify(cp) == Cls::kSpace;
 }
 
-// ---------------------------------------------------------------------------
-// Files.
-
-[[noreturn]] void fail(const fs::path& file, const std::string& what) {
-  throw std::runtime_error("Tokenizer: " + file.string() + ": " + what);
-}
-
-std::string read_text(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) {
-    fail(file, "cannot be read");
-  }
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-json read_json(const fs::path& file) {
-  const auto text = read_text(file);
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {
-    fail(file, std::string("malformed JSON: ") + e.what());
-  }
-}
-
-void write_whole(const fs::path& file, const std::string& text) {
-  auto tmp = file;
-  tmp += ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) {
-      fail(tmp, "cannot be written");
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, file, ec);
-  if (ec) {
-    fs::remove(tmp, ec);
-    fail(file, "cannot be written");
-  }
-}
-
-// A special token's content in tokenizer_config.json: a string or an
-// AddedToken object ({"content": ...}); "" for null / absent.
-std::string token_content(const json& j) {
-  if (j.is_string()) {
-    return j.get<std::string>();
-  }
-  if (j.is_object() && j.contains("content") && j["content"].is_string()) {
-    return j["content"].get<std::string>();
-  }
-  return "";
-}
-
 uint64_t pair_key(int64_t a, int64_t b) {
   return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b);
 }
@@ -762,19 +709,24 @@ void Tokenizer::add_token(const std::string& token, int64_t id) {
 }
 
 void Tokenizer::add_merge(const std::string& a, const std::string& b) {
-  merge_of_[pair_key(vocab_.at(a), vocab_.at(b))] =
-      Merge{static_cast<int64_t>(merges_.size()), vocab_.at(a + b)};
+  add_merge(vocab_.at(a), vocab_.at(b), vocab_.at(a + b));
+}
+
+void Tokenizer::add_merge(int64_t a, int64_t b, int64_t merged) {
+  merge_of_[pair_key(a, b)] =
+      Merge{static_cast<int64_t>(merges_.size()), merged};
   merges_.emplace_back(a, b);
 }
 
+void Tokenizer::push_added(AddedToken token) {
+  added_of_id_[token.id] = added_.size();
+  added_of_content_.emplace(token.content, added_.size());
+  added_.push_back(std::move(token));
+}
+
 void Tokenizer::add_special(const std::string& content, bool special) {
-  if (content.empty()) {
+  if (content.empty() || added_of_content_.count(content)) {
     return;
-  }
-  for (const auto& t : added_) {
-    if (t.content == content) {
-      return;
-    }
   }
   const auto it = vocab_.find(content);
   if (it == vocab_.end()) {
@@ -784,8 +736,7 @@ void Tokenizer::add_special(const std::string& content, bool special) {
   t.content = content;
   t.id = it->second;
   t.special = special;
-  added_of_id_[t.id] = added_.size();
-  added_.push_back(t);
+  push_added(std::move(t));
 }
 
 Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
@@ -800,226 +751,25 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
   // entries, model_max_length; for tokenizer.model, LlamaTokenizer's
   // options. Without it, the defaults of GPT2Tokenizer / LlamaTokenizer.
   const auto config_file = root / "tokenizer_config.json";
-  json config = json::object();
+  json config_json = json::object();
   if (fs::exists(config_file)) {
-    config = read_json(config_file);
-    if (!config.is_object()) {
+    config_json = read_json(config_file, kMaxConfigFileBytes);
+    if (!config_json.is_object()) {
       fail(config_file, "malformed: not an object");
     }
   }
+  const Field config(config_json, "", config_file);
   Tokenizer tok;
   const auto tokenizer_json = root / "tokenizer.json";
   const auto vocab_json = root / "vocab.json";
   const auto merges_txt = root / "merges.txt";
   const auto tokenizer_model = root / "tokenizer.model";
+  // exists() follows links and is true for a FIFO too: the readers refuse
+  // what is not a regular file without opening it for long.
   if (fs::exists(tokenizer_json)) {
-    const auto j = read_json(tokenizer_json);
-    const auto& f = tokenizer_json;
-    if (!j.is_object() || !j.contains("model") || !j["model"].is_object()) {
-      fail(f, "malformed: no \"model\" object");
-    }
-    const auto& model = j["model"];
-    const std::string type = model.contains("type") && model["type"].is_string()
-        ? model["type"].get<std::string>()
-        : (model.contains("merges") ? "BPE" : "");
-    if (type != "BPE") {
-      fail(
-          f,
-          "model type \"" + type +
-              "\" is not supported (BPE: byte-level or SentencePiece-style)");
-    }
-    for (const char* key :
-         {"continuing_subword_prefix", "end_of_word_suffix"}) {
-      if (model.contains(key) && model[key].is_string() &&
-          !model[key].get<std::string>().empty()) {
-        fail(
-            f,
-            std::string("model.") + key +
-                " is not supported (not GPT-2's "
-                "byte-level BPE)");
-      }
-    }
-    const bool sentencepiece = Reader::is_sentencepiece_json(j);
-    Reader::normalizer(tok, j, f);
-    if (sentencepiece) {
-      Reader::sentencepiece_pipeline(tok, j, f);
-    }
-    // Byte-level pre-tokenizer: ByteLevel, or a Sequence of a Split (GPT-2's,
-    // LLaMA 3's, Qwen 2's or Bloom's regex, isolated) and a ByteLevel
-    // without its regex.
-    const json pre = sentencepiece ? json() : j.value("pre_tokenizer", json());
-    auto byte_level = [](const json& p) {
-      return p.is_object() && p.value("type", std::string()) == "ByteLevel";
-    };
-    auto check_byte_level = [&](const json& p) {
-      if (p.value("add_prefix_space", false)) {
-        fail(f, "ByteLevel add_prefix_space=true is not supported");
-      }
-    };
-    if (byte_level(pre)) {
-      check_byte_level(pre);
-      tok.split_ = pre.value("use_regex", true) ? Split::kGpt2 : Split::kNone;
-    } else if (
-        pre.is_object() && pre.value("type", std::string()) == "Sequence" &&
-        pre.contains("pretokenizers") && pre["pretokenizers"].is_array() &&
-        pre["pretokenizers"].size() == 2 &&
-        byte_level(pre["pretokenizers"][1]) &&
-        !pre["pretokenizers"][1].value("use_regex", true) &&
-        pre["pretokenizers"][0].value("type", std::string()) == "Split") {
-      check_byte_level(pre["pretokenizers"][1]);
-      const auto& split = pre["pretokenizers"][0];
-      const std::string regex =
-          split.contains("pattern") && split["pattern"].is_object()
-          ? split["pattern"].value("Regex", std::string())
-          : std::string();
-      if (split.value("behavior", std::string()) != "Isolated" ||
-          split.value("invert", false) ||
-          (regex != kGpt2Pattern && regex != kBloomPattern &&
-           regex != kLlama3Pattern && regex != kQwen2Pattern)) {
-        fail(
-            f,
-            "pre_tokenizer Split \"" + regex +
-                "\" is not supported (GPT-2's, LLaMA 3's, Qwen 2's or "
-                "Bloom's regex, isolated)");
-      }
-      tok.split_ = regex == kGpt2Pattern ? Split::kGpt2
-          : regex == kLlama3Pattern      ? Split::kLlama3
-          : regex == kQwen2Pattern       ? Split::kQwen2
-                                         : Split::kBloom;
-    } else if (!sentencepiece) {
-      fail(
-          f,
-          "pre_tokenizer " +
-              (pre.is_null() ? std::string("null") : pre.dump()) +
-              " is not supported (ByteLevel, or Metaspace for "
-              "SentencePiece-style files)");
-    }
-    if (!model.contains("vocab") || !model["vocab"].is_object()) {
-      fail(f, "malformed: model.vocab is not an object of token -> id");
-    }
-    for (const auto& kv : model["vocab"].items()) {
-      if (!kv.value().is_number_integer() || kv.value().get<int64_t>() < 0) {
-        fail(f, "malformed: model.vocab[\"" + kv.key() + "\"] is not an id");
-      }
-      tok.add_token(kv.key(), kv.value().get<int64_t>());
-    }
-    if (!model.contains("merges") || !model["merges"].is_array()) {
-      fail(f, "malformed: model.merges is not a list");
-    }
-    size_t index = 0;
-    for (const auto& m : model["merges"]) {
-      std::string a, b;
-      if (m.is_string()) {
-        const auto s = m.get<std::string>();
-        const auto sp = s.find(' ');
-        if (sp == std::string::npos ||
-            s.find(' ', sp + 1) != std::string::npos) {
-          fail(
-              f,
-              "malformed: model.merges[" + std::to_string(index) + "] \"" + s +
-                  "\" is not \"a b\"");
-        }
-        a = s.substr(0, sp);
-        b = s.substr(sp + 1);
-      } else if (
-          m.is_array() && m.size() == 2 && m[0].is_string() &&
-          m[1].is_string()) {
-        a = m[0].get<std::string>();
-        b = m[1].get<std::string>();
-      } else {
-        fail(
-            f,
-            "malformed: model.merges[" + std::to_string(index) +
-                "] is neither \"a b\" nor [a, b]");
-      }
-      if (!tok.vocab_.count(a) || !tok.vocab_.count(b) ||
-          !tok.vocab_.count(a + b)) {
-        fail(
-            f,
-            "malformed: model.merges[" + std::to_string(index) + "] (\"" + a +
-                "\", \"" + b +
-                "\") uses a token not in "
-                "model.vocab");
-      }
-      tok.add_merge(a, b);
-      ++index;
-    }
-    tok.ignore_merges_ = model.value("ignore_merges", false);
-    if (model.contains("unk_token") && model["unk_token"].is_string()) {
-      tok.unk_id_ = tok.token_to_id(model["unk_token"].get<std::string>());
-    }
-    if (j.contains("added_tokens") && j["added_tokens"].is_array()) {
-      for (const auto& t : j["added_tokens"]) {
-        if (!t.is_object() || !t.contains("id") || !t.contains("content") ||
-            !t["id"].is_number_integer() || !t["content"].is_string()) {
-          fail(f, "malformed: an added_tokens entry lacks id / content");
-        }
-        AddedToken a;
-        a.content = t["content"].get<std::string>();
-        a.id = t["id"].get<int64_t>();
-        a.special = t.value("special", false);
-        a.normalized = t.value("normalized", !a.special);
-        a.lstrip = t.value("lstrip", false);
-        a.rstrip = t.value("rstrip", false);
-        if (a.content.empty() || a.id < 0) {
-          continue;
-        }
-        if (static_cast<int64_t>(tok.tokens_.size()) <= a.id) {
-          tok.tokens_.resize(a.id + 1);
-        }
-        if (tok.tokens_[a.id].empty()) {
-          tok.tokens_[a.id] = a.content;
-        }
-        tok.added_of_id_[a.id] = tok.added_.size();
-        tok.added_.push_back(a);
-      }
-    }
-    Reader::post_processor(tok, j.value("post_processor", json()), f);
+    Reader::tokenizer_json(tok, tokenizer_json);
   } else if (fs::exists(vocab_json) || fs::exists(merges_txt)) {
-    if (!fs::exists(vocab_json)) {
-      fail(vocab_json, "missing (merges.txt needs it)");
-    }
-    if (!fs::exists(merges_txt)) {
-      fail(merges_txt, "missing (vocab.json needs it)");
-    }
-    const auto v = read_json(vocab_json);
-    if (!v.is_object()) {
-      fail(vocab_json, "malformed: not an object of token -> id");
-    }
-    for (const auto& kv : v.items()) {
-      if (!kv.value().is_number_integer() || kv.value().get<int64_t>() < 0) {
-        fail(vocab_json, "malformed: \"" + kv.key() + "\" has no id");
-      }
-      tok.add_token(kv.key(), kv.value().get<int64_t>());
-    }
-    std::istringstream lines(read_text(merges_txt));
-    std::string line;
-    size_t number = 0;
-    while (std::getline(lines, line)) {
-      ++number;
-      if (!line.empty() && line.back() == '\r') {
-        line.pop_back();
-      }
-      if (line.empty() || line.rfind("#version", 0) == 0) {
-        continue;
-      }
-      const auto sp = line.find(' ');
-      if (sp == std::string::npos ||
-          line.find(' ', sp + 1) != std::string::npos) {
-        fail(
-            merges_txt,
-            "malformed: line " + std::to_string(number) + " is not \"a b\"");
-      }
-      const auto a = line.substr(0, sp), b = line.substr(sp + 1);
-      if (!tok.vocab_.count(a) || !tok.vocab_.count(b) ||
-          !tok.vocab_.count(a + b)) {
-        fail(
-            merges_txt,
-            "malformed: line " + std::to_string(number) +
-                " uses a token not in vocab.json");
-      }
-      tok.add_merge(a, b);
-    }
+    Reader::vocab_and_merges(tok, vocab_json, merges_txt);
   } else if (fs::exists(tokenizer_model)) {
     tok = Reader::sentencepiece_model(tokenizer_model, config);
   } else {
@@ -1030,44 +780,14 @@ Tokenizer Tokenizer::from_pretrained(const std::string& dir) {
   }
   // transformers' LlamaTokenizer keeps a tokenizer.json's vocabulary,
   // merges, added tokens and post-processor but builds the rest itself.
-  const auto tokenizer_class = config.value("tokenizer_class", std::string());
-  if (fs::exists(tokenizer_json) &&
-      (tokenizer_class == "LlamaTokenizer" ||
-       tokenizer_class == "LlamaTokenizerFast")) {
-    Reader::llama_pipeline(tok, config);
-  }
-  if (config.contains("added_tokens_decoder") &&
-      config["added_tokens_decoder"].is_object()) {
-    for (const auto& kv : config["added_tokens_decoder"].items()) {
-      const auto content = token_content(kv.value());
-      if (!content.empty() && tok.vocab_.count(content)) {
-        tok.add_special(content, kv.value().value("special", true));
-      }
-    }
-  }
-  const bool sp = tok.kind_ == Kind::kSentencePiece;
-  auto special = [&](const char* key, const char* sentencepiece) {
-    return config.contains(key) ? token_content(config[key])
-                                : std::string(sp ? sentencepiece : kEndOfText);
-  };
-  tok.eos_token_ = special("eos_token", "</s>");
-  tok.bos_token_ = special("bos_token", "<s>");
-  tok.unk_token_ = special("unk_token", "<unk>");
-  for (const auto& s :
-       {tok.eos_token_,
-        tok.bos_token_,
-        tok.unk_token_,
-        config.contains("pad_token") ? token_content(config["pad_token"])
-                                     : std::string()}) {
-    tok.add_special(s);
-  }
-  if (config.contains("model_max_length") &&
-      config["model_max_length"].is_number()) {
-    const double m = config["model_max_length"].get<double>();
-    tok.model_max_length_ = m >= 9.2e18 ? INT64_MAX : static_cast<int64_t>(m);
-  }
-  tok.words_at_spaces_ =
-      tok.kind_ == Kind::kSentencePiece && tok.pieces_start_at_spaces();
+  const auto tokenizer_class = config["tokenizer_class"].str();
+  Reader::config(
+      tok,
+      config,
+      fs::exists(tokenizer_json) &&
+          (tokenizer_class == "LlamaTokenizer" ||
+           tokenizer_class == "LlamaTokenizerFast"));
+  tok.finish();
   return tok;
 }
 
@@ -1146,6 +866,7 @@ Tokenizer Tokenizer::train(const std::string& text, int64_t vocab_size) {
   tok.add_token(kEndOfText, eos);
   tok.eos_token_ = tok.bos_token_ = tok.unk_token_ = kEndOfText;
   tok.add_special(kEndOfText);
+  tok.finish();
   return tok;
 }
 
@@ -1277,38 +998,54 @@ void Tokenizer::encode_plain(
   }
 }
 
-// The pieces of text[begin, end): plain text (id -1) or an added token of
+namespace tokenizer_detail {
+
+// The added tokens' contents, raw and normalized, for leftmost-longest
+// matching (values: indices in Tokenizer::added_).
+struct AddedTokenMatchers {
+  LiteralMatcher raw, normalized;
+};
+
+} // namespace tokenizer_detail
+
+void Tokenizer::finish() {
+  auto m = std::make_shared<AddedTokenMatchers>();
+  for (size_t k = 0; k < added_.size(); ++k) {
+    const auto& t = added_[k];
+    if (t.normalized) {
+      m->normalized.add(normalize(t.content), static_cast<int64_t>(k));
+    } else {
+      m->raw.add(t.content, static_cast<int64_t>(k));
+    }
+  }
+  m->raw.build();
+  m->normalized.build();
+  matchers_ = std::move(m);
+  words_at_spaces_ = kind_ == Kind::kSentencePiece && pieces_start_at_spaces();
+}
+
+// The pieces of `text`: plain text (id -1) or an added token of
 // `normalized` kind, matched as its (normalized) content; the longest match
-// at the leftmost position wins.
+// at the leftmost position wins, as `tokenizers`. Linear in the text: the
+// matches come from one automaton pass, and what lstrip / rstrip take is
+// read once (it is never plain text afterwards).
 std::vector<Tokenizer::Span> Tokenizer::split_added(
     const std::string& text,
     bool normalized) const {
-  std::vector<std::pair<std::string, const AddedToken*>> candidates;
-  for (const auto& t : added_) {
-    if (t.normalized == normalized) {
-      candidates.emplace_back(
-          normalized ? normalize(t.content) : t.content, &t);
-    }
+  if (matchers_ == nullptr) {
+    throw std::logic_error("Tokenizer: used before finish()");
   }
+  const auto& matcher = normalized ? matchers_->normalized : matchers_->raw;
   std::vector<Span> out;
   size_t at = 0; // start of the plain text not yet emitted
-  size_t pos = 0;
-  while (pos < text.size() && !candidates.empty()) {
-    const std::pair<std::string, const AddedToken*>* hit = nullptr;
-    for (const auto& c : candidates) {
-      if (c.first.size() <= text.size() - pos &&
-          text.compare(pos, c.first.size(), c.first) == 0 &&
-          (hit == nullptr || c.first.size() > hit->first.size())) {
-        hit = &c;
-      }
+  for (const auto& m : matcher.starts(text)) {
+    if (m.begin < at) {
+      continue; // inside the previous token or what it stripped
     }
-    if (hit == nullptr) {
-      ++pos;
-      continue;
-    }
-    size_t begin = pos, end = pos + hit->first.size();
+    const auto& token = added_[static_cast<size_t>(m.value)];
+    size_t begin = m.begin, end = m.begin + m.length;
     // lstrip / rstrip: the token takes the whitespace beside it.
-    if (hit->second->lstrip) {
+    if (token.lstrip) {
       const auto left = decode_utf8(text.substr(at, begin - at));
       size_t k = left.cp.size();
       while (k > 0 && left.cp[k - 1] != 0xFFFFFFFFu &&
@@ -1317,20 +1054,20 @@ std::vector<Tokenizer::Span> Tokenizer::split_added(
       }
       begin = at + left.at[k];
     }
-    if (hit->second->rstrip) {
-      const auto right = decode_utf8(text.substr(end));
-      size_t k = 0;
-      while (k < right.cp.size() && right.cp[k] != 0xFFFFFFFFu &&
-             is_white(right.cp[k])) {
-        ++k;
+    if (token.rstrip) {
+      size_t len = 0;
+      for (uint32_t cp = 0; end < text.size(); end += len) {
+        cp = code_point_at(text, end, len);
+        if (cp == 0xFFFFFFFFu || !is_white(cp)) {
+          break;
+        }
       }
-      end += right.at[k];
     }
     if (at < begin) {
       out.push_back({at, begin, -1});
     }
-    out.push_back({begin, end, hit->second->id});
-    at = pos = end;
+    out.push_back({begin, end, token.id});
+    at = end;
   }
   if (at < text.size()) {
     out.push_back({at, text.size(), -1});

@@ -25,15 +25,71 @@ using ordered_json = nlohmann::ordered_json;
 /// Throws std::runtime_error("Tokenizer: FILE: WHAT").
 [[noreturn]] void fail(const fs::path& file, const std::string& what);
 
-std::string read_text(const fs::path& file);
-json read_json(const fs::path& file);
+/// The bounds of what the tokenizer reads (src/utils/bounded_read.h):
+/// tokenizer.json, vocab.json, merges.txt, tokenizer.model; the JSON
+/// configs beside them; JSON nesting (serde_json's, as `tokenizers`).
+constexpr uint64_t kMaxTokenizerFileBytes = uint64_t(256) << 20;
+constexpr uint64_t kMaxConfigFileBytes = uint64_t(64) << 20;
+constexpr size_t kMaxJsonDepth = 128;
+
+/// The bytes of a regular file of at most `max_bytes` (a FIFO, a device or
+/// a larger file fails naming it).
+std::string read_text(const fs::path& file, uint64_t max_bytes);
+/// A JSON file of at most `max_bytes`, nested at most kMaxJsonDepth deep.
+json read_json(const fs::path& file, uint64_t max_bytes);
+
+/// A JSON value of a file the tokenizer reads, with its path in the file
+/// ("model.vocab", "added_tokens[3].id") for errors: typed reads where
+/// absent or null gives the default and another type fails naming the file
+/// and the field ("Tokenizer: FILE: malformed: field 'model.type' must be a
+/// string, got 5"), never the JSON library's own message.
+class Field {
+ public:
+  Field(const json& j, std::string path, const fs::path& file)
+      : j_(&j), path_(std::move(path)), file_(&file) {}
+  /// The member `key` (null when absent or when this is not an object).
+  Field operator[](const std::string& key) const;
+  /// The element `i` (null when absent or when this is not an array).
+  Field operator[](size_t i) const;
+  const json& value() const {
+    return *j_;
+  }
+  const std::string& path() const {
+    return path_;
+  }
+  const fs::path& file() const {
+    return *file_;
+  }
+  bool is_null() const {
+    return j_->is_null();
+  }
+  bool is_object() const {
+    return j_->is_object();
+  }
+  std::string str(const std::string& def = "") const;
+  bool flag(bool def) const;
+  /// An integer in [min, max].
+  int64_t integer(int64_t def, int64_t min, int64_t max) const;
+  /// The elements of an array (none when null); fails on another type.
+  std::vector<Field> elements() const;
+  /// Fails: "malformed: field 'PATH' WHAT, got VALUE" (VALUE cut short).
+  [[noreturn]] void bad(const std::string& what) const;
+
+ private:
+  const json* j_;
+  std::string path_;
+  const fs::path* file_;
+};
+
+/// A JSON value for a message: at most 80 characters of it.
+std::string brief(const json& j);
 
 /// Writes `text` to a temporary file renamed over `file` (never half a file).
 void write_whole(const fs::path& file, const std::string& text);
 
 /// A special token's content in tokenizer_config.json: a string or an
 /// AddedToken object ({"content": ...}); "" for null / absent.
-std::string token_content(const json& j);
+std::string token_content(const Field& f);
 
 /// The Split pre-tokenizer regexes we compute, as tokenizer.json spells
 /// them.
@@ -42,11 +98,18 @@ extern const char* const kLlama3Pattern;
 extern const char* const kQwen2Pattern;
 extern const char* const kBloomPattern;
 
+/// GPT-2's end-of-text token, the byte-level default of the special tokens.
+extern const char* const kEndOfText;
+
 /// U+2581, SentencePiece's space.
 extern const char* const kSpace;
 
 /// The key of the merge of ids (a, b) in Tokenizer::merge_of_.
 uint64_t pair_key(int64_t a, int64_t b);
+
+/// The code point at byte `i` of `s` and, in `len`, its length in bytes
+/// (0xFFFFFFFF and 1 for a byte that is not valid UTF-8).
+uint32_t code_point_at(const std::string& s, size_t i, size_t& len);
 
 /// The code points of a text: each one's value (0xFFFFFFFF for a byte that
 /// is not valid UTF-8, kept as a byte), and where its bytes start.
@@ -85,33 +148,50 @@ class WordCache {
 /// White_Space as `tokenizers`' regexes read \s.
 bool is_white(uint32_t cp);
 
-/// Tokenizer's readers of SentencePiece files
-/// (src/models/tokenizer_sentencepiece.cpp), friends of the class.
+/// A tokenizer.json component as a list: the members of a "Sequence" of
+/// `key` (nested Sequences flattened), one component, or none (null).
+std::vector<Field> components(const Field& f, const char* key);
+
+/// Tokenizer's readers of its files, friends of the class: tokenizer.json,
+/// vocab.json + merges.txt and tokenizer_config.json
+/// (src/models/tokenizer_json.cpp); SentencePiece's pipelines and
+/// tokenizer.model (src/models/tokenizer_sentencepiece.cpp).
 struct Reader {
-  /// Whether tokenizer.json `j` is SentencePiece-style: byte fallback, a
+  /// tokenizer.json `file`: the model (vocabulary, merges), the added
+  /// tokens, the normalizer, pre-tokenizer, decoder and post-processor.
+  static void tokenizer_json(Tokenizer& tok, const fs::path& file);
+  /// GPT-2's vocab.json and merges.txt.
+  static void vocab_and_merges(
+      Tokenizer& tok,
+      const fs::path& vocab_json,
+      const fs::path& merges_txt);
+  /// tokenizer_config.json's special tokens, added_tokens_decoder,
+  /// model_max_length and, with `llama` (a tokenizer.json under the class
+  /// LlamaTokenizer), LlamaTokenizer's pipeline.
+  static void config(Tokenizer& tok, const Field& config, bool llama);
+
+  /// Whether tokenizer.json `root` is SentencePiece-style: byte fallback, a
   /// Metaspace pre-tokenizer or a Prepend / Replace normalizer.
-  static bool is_sentencepiece_json(const json& j);
+  static bool is_sentencepiece_json(const Field& root);
+  /// A byte-level pre-tokenizer: ByteLevel, or a Split (GPT-2's, LLaMA
+  /// 3's, Qwen 2's or Bloom's regex, isolated) then a ByteLevel without
+  /// its regex.
+  static void byte_level_pre_tokenizer(Tokenizer& tok, const Field& pre);
   /// tokenizer.json's normalizer: NFC, SentencePiece's Prepend / Replace.
-  static void normalizer(Tokenizer& tok, const json& j, const fs::path& file);
+  static void normalizer(Tokenizer& tok, const Field& root);
   /// Its pre-tokenizer, decoder and BPE flags into `tok`.
-  static void sentencepiece_pipeline(
-      Tokenizer& tok,
-      const json& j,
-      const fs::path& file);
+  static void sentencepiece_pipeline(Tokenizer& tok, const Field& root);
   /// tokenizer.json's post_processor: the ids around one sequence.
-  static void post_processor(
-      Tokenizer& tok,
-      const json& p,
-      const fs::path& file);
+  static void post_processor(Tokenizer& tok, const Field& p);
   /// transformers' LlamaTokenizer pipeline with tokenizer_config.json's
   /// `config` options: it replaces a tokenizer.json's normalizer,
   /// pre-tokenizer, decoder and BPE flags when the config names that class.
-  static void llama_pipeline(Tokenizer& tok, const json& config);
+  static void llama_pipeline(Tokenizer& tok, const Field& config);
   /// A SentencePiece tokenizer.model with tokenizer_config.json's `config`
   /// (an object, maybe empty), as transformers' LlamaTokenizer.
   static Tokenizer sentencepiece_model(
       const fs::path& file,
-      const json& config);
+      const Field& config);
 };
 
 } // namespace tokenizer_detail

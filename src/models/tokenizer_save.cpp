@@ -38,7 +38,7 @@ void Tokenizer::save_pretrained(const std::string& dir) const {
   write_whole(root / "vocab.json", vocab.dump(-1, ' ', false) + "\n");
   std::string merges = "#version: 0.2\n";
   for (const auto& m : merges_) {
-    merges += m.first + " " + m.second + "\n";
+    merges += tokens_[m.first] + " " + tokens_[m.second] + "\n";
   }
   write_whole(root / "merges.txt", merges);
 
@@ -228,7 +228,7 @@ void Tokenizer::save_tokenizer_json(const std::string& dir) const {
   }
   ordered_json merges = ordered_json::array();
   for (const auto& m : merges_) {
-    merges.push_back({m.first, m.second});
+    merges.push_back({tokens_[m.first], tokens_[m.second]});
   }
   j["model"] = {
       {"type", "BPE"},

@@ -34,6 +34,7 @@
 // symbols and crashes before main.
 
 #include "tokenizer_internal.h"
+#include "tokenizer_literals.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -258,41 +259,32 @@ const char* model_type_name(int t) {
   }
 }
 
-// A tokenizer.json component as a list: a "Sequence" of `key`, one
-// component, or none (null).
-std::vector<json> components(const json& j, const char* key) {
-  if (j.is_null()) {
-    return {};
-  }
-  if (j.value("type", std::string()) == "Sequence" && j.contains(key) &&
-      j[key].is_array()) {
-    return std::vector<json>(j[key].begin(), j[key].end());
-  }
-  return {j};
+// A Replace's pattern when it is a plain string ("\x01", no string, when
+// not).
+std::string string_pattern(const Field& replace) {
+  return replace["pattern"]["String"].str("\x01");
 }
 
-std::string string_pattern(const json& replace) {
-  return replace.contains("pattern") && replace["pattern"].is_object()
-      ? replace["pattern"].value("String", std::string("\x01"))
-      : std::string("\x01");
+// Metaspace's prepend scheme (older files: add_prefix_space).
+std::string prepend_scheme(const Field& metaspace) {
+  return metaspace.value().contains("prepend_scheme")
+      ? metaspace["prepend_scheme"].str()
+      : (metaspace["add_prefix_space"].flag(true) ? "always" : "never");
 }
 
 } // namespace
 
-bool Reader::is_sentencepiece_json(const json& j) {
-  if (j.contains("model") && j["model"].is_object() &&
-      j["model"].value("byte_fallback", false)) {
+bool Reader::is_sentencepiece_json(const Field& root) {
+  if (root["model"]["byte_fallback"].flag(false)) {
     return true;
   }
-  for (const auto& p :
-       components(j.value("pre_tokenizer", json()), "pretokenizers")) {
-    if (p.value("type", std::string()) == "Metaspace") {
+  for (const auto& p : components(root["pre_tokenizer"], "pretokenizers")) {
+    if (p["type"].str() == "Metaspace") {
       return true;
     }
   }
-  for (const auto& n :
-       components(j.value("normalizer", json()), "normalizers")) {
-    const auto type = n.value("type", std::string());
+  for (const auto& n : components(root["normalizer"], "normalizers")) {
+    const auto type = n["type"].str();
     if (type == "Prepend" || (type == "Replace" && string_pattern(n) == " ")) {
       return true;
     }
@@ -300,23 +292,21 @@ bool Reader::is_sentencepiece_json(const json& j) {
   return false;
 }
 
-void Reader::normalizer(Tokenizer& tok, const json& j, const fs::path& f) {
-  for (const auto& n :
-       components(j.value("normalizer", json()), "normalizers")) {
-    const auto type = n.value("type", std::string());
+void Reader::normalizer(Tokenizer& tok, const Field& root) {
+  for (const auto& n : components(root["normalizer"], "normalizers")) {
+    const auto type = n["type"].str();
     if (type == "NFC") {
       tok.nfc_ = true;
-    } else if (
-        type == "Prepend" && n.value("prepend", std::string()) == kSpace) {
+    } else if (type == "Prepend" && n["prepend"].str() == kSpace) {
       tok.normalizer_prepend_ = true;
     } else if (
         type == "Replace" && string_pattern(n) == " " &&
-        n.value("content", std::string()) == kSpace) {
+        n["content"].str() == kSpace) {
       tok.normalizer_replace_ = true;
     } else {
       fail(
-          f,
-          "normalizer " + n.dump() +
+          n.file(),
+          "normalizer " + brief(n.value()) +
               " is not supported (NFC; for SentencePiece-style files "
               "Prepend(\"\xE2\x96\x81\") and Replace(\" \", "
               "\"\xE2\x96\x81\"))");
@@ -324,29 +314,24 @@ void Reader::normalizer(Tokenizer& tok, const json& j, const fs::path& f) {
   }
 }
 
-void Reader::sentencepiece_pipeline(
-    Tokenizer& tok,
-    const json& j,
-    const fs::path& f) {
+void Reader::sentencepiece_pipeline(Tokenizer& tok, const Field& root) {
   tok.kind_ = Tokenizer::Kind::kSentencePiece;
-  const auto& model = j["model"];
-  tok.byte_fallback_ = model.value("byte_fallback", false);
-  tok.fuse_unk_ = model.value("fuse_unk", false);
+  const Field model = root["model"];
+  tok.byte_fallback_ = model["byte_fallback"].flag(false);
+  tok.fuse_unk_ = model["fuse_unk"].flag(false);
 
-  const json pre = j.value("pre_tokenizer", json());
+  const Field pre = root["pre_tokenizer"];
   if (!pre.is_null()) {
-    if (pre.value("type", std::string()) != "Metaspace" ||
-        pre.value("replacement", std::string(kSpace)) != kSpace) {
+    if (pre["type"].str() != "Metaspace" ||
+        pre["replacement"].str(kSpace) != kSpace) {
       fail(
-          f,
-          "pre_tokenizer " + pre.dump() +
+          pre.file(),
+          "pre_tokenizer " + brief(pre.value()) +
               " is not supported (SentencePiece-style files: none, or "
               "Metaspace with replacement \"\xE2\x96\x81\")");
     }
     tok.metaspace_ = true;
-    const auto scheme = pre.contains("prepend_scheme")
-        ? pre.value("prepend_scheme", std::string())
-        : (pre.value("add_prefix_space", true) ? "always" : "never");
+    const auto scheme = prepend_scheme(pre);
     if (scheme == "always") {
       tok.prepend_ = Tokenizer::Prepend::kAlways;
     } else if (scheme == "first") {
@@ -354,36 +339,32 @@ void Reader::sentencepiece_pipeline(
     } else if (scheme == "never") {
       tok.prepend_ = Tokenizer::Prepend::kNever;
     } else {
-      fail(f, "pre_tokenizer Metaspace prepend_scheme \"" + scheme + "\"");
+      pre["prepend_scheme"].bad("must be \"always\", \"first\" or \"never\"");
     }
-    tok.metaspace_split_ = pre.value("split", true);
+    tok.metaspace_split_ = pre["split"].flag(true);
   }
 
-  const json dec = j.value("decoder", json());
   tok.decode_replace_ = tok.decode_byte_fallback_ = false;
   tok.decode_strip_ = 0;
-  for (const auto& d : components(dec, "decoders")) {
-    const auto type = d.value("type", std::string());
+  for (const auto& d : components(root["decoder"], "decoders")) {
+    const auto type = d["type"].str();
     if (type == "Replace" && string_pattern(d) == kSpace &&
-        d.value("content", std::string()) == " ") {
+        d["content"].str() == " ") {
       tok.decode_replace_ = true;
     } else if (type == "ByteFallback") {
       tok.decode_byte_fallback_ = true;
     } else if (type == "Fuse") {
     } else if (
-        type == "Strip" && d.value("content", std::string()) == " " &&
-        d.value("stop", 0) == 0) {
-      tok.decode_strip_ = d.value("start", 0);
+        type == "Strip" && d["content"].str() == " " &&
+        d["stop"].integer(0, 0, 0) == 0) {
+      tok.decode_strip_ = static_cast<int>(d["start"].integer(0, 0, 1 << 20));
     } else if (type == "Metaspace") {
       tok.decode_replace_ = true;
-      const auto scheme = d.contains("prepend_scheme")
-          ? d.value("prepend_scheme", std::string())
-          : (d.value("add_prefix_space", true) ? "always" : "never");
-      tok.decode_strip_ = scheme == "never" ? 0 : 1;
+      tok.decode_strip_ = prepend_scheme(d) == "never" ? 0 : 1;
     } else {
       fail(
-          f,
-          "decoder " + d.dump() +
+          d.file(),
+          "decoder " + brief(d.value()) +
               " is not supported (SentencePiece-style files: Replace "
               "\"\xE2\x96\x81\" -> \" \", ByteFallback, Fuse, Strip, or "
               "Metaspace)");
@@ -391,62 +372,65 @@ void Reader::sentencepiece_pipeline(
   }
 }
 
-void Reader::post_processor(Tokenizer& tok, const json& p, const fs::path& f) {
+void Reader::post_processor(Tokenizer& tok, const Field& p) {
   if (p.is_null()) {
     return;
   }
-  const auto type = p.value("type", std::string());
-  auto special_id = [&](const json& pair, const char* what) {
-    if (!pair.is_array() || pair.size() != 2 || !pair[1].is_number_integer()) {
-      fail(f, std::string("malformed: post_processor.") + what);
+  const auto type = p["type"].str();
+  // An id of the vocabulary (NOTE [Token ids]).
+  const auto vocab_id = [&](const Field& id) {
+    const int64_t n = static_cast<int64_t>(tok.tokens_.size());
+    return id.integer(-1, 0, std::max<int64_t>(n - 1, 0));
+  };
+  auto special_id = [&](const Field& pair) {
+    if (!pair.value().is_array() || pair.value().size() != 2) {
+      pair.bad("must be [token, id]");
     }
-    return pair[1].get<int64_t>();
+    return vocab_id(pair[size_t{1}]);
   };
   if (type == "ByteLevel") {
     return; // offsets only
   } else if (type == "Sequence") {
-    for (const auto& q : p.value("processors", json::array())) {
-      post_processor(tok, q, f);
+    // Nesting is bounded by kMaxJsonDepth, so is this recursion.
+    for (const auto& q : p["processors"].elements()) {
+      post_processor(tok, q);
     }
   } else if (type == "BertProcessing" || type == "RobertaProcessing") {
-    tok.prefix_ids_ = {special_id(p.value("cls", json()), "cls")};
-    tok.suffix_ids_ = {special_id(p.value("sep", json()), "sep")};
+    tok.prefix_ids_ = {special_id(p["cls"])};
+    tok.suffix_ids_ = {special_id(p["sep"])};
   } else if (type == "TemplateProcessing") {
     tok.prefix_ids_.clear();
     tok.suffix_ids_.clear();
     bool seen_sequence = false;
-    for (const auto& item : p.value("single", json::array())) {
-      if (item.contains("Sequence")) {
+    const Field specials = p["special_tokens"];
+    for (const auto& item : p["single"].elements()) {
+      if (item.value().contains("Sequence")) {
         seen_sequence = true;
         continue;
       }
-      const auto name = item.contains("SpecialToken")
-          ? item["SpecialToken"].value("id", std::string())
-          : std::string();
-      const auto specials = p.value("special_tokens", json::object());
-      if (name.empty() || !specials.contains(name) ||
-          !specials[name].contains("ids") ||
-          !specials[name]["ids"].is_array()) {
+      const auto name = item["SpecialToken"]["id"].str();
+      const Field ids = specials[name]["ids"];
+      if (name.empty() || !ids.value().is_array()) {
         fail(
-            f,
-            "malformed: post_processor.single names \"" + name +
-                "\", which special_tokens lacks");
+            p.file(),
+            "malformed: post_processor.single names " + brief(json(name)) +
+                ", which post_processor.special_tokens lacks");
       }
       auto& to = seen_sequence ? tok.suffix_ids_ : tok.prefix_ids_;
-      for (const auto& id : specials[name]["ids"]) {
-        to.push_back(id.get<int64_t>());
+      for (const auto& id : ids.elements()) {
+        to.push_back(vocab_id(id));
       }
     }
   } else {
     fail(
-        f,
-        "post_processor " + type +
+        p.file(),
+        "post_processor " + brief(json(type)) +
             " is not supported (ByteLevel, TemplateProcessing, "
             "BertProcessing, RobertaProcessing or a Sequence of them)");
   }
 }
 
-void Reader::llama_pipeline(Tokenizer& tok, const json& config) {
+void Reader::llama_pipeline(Tokenizer& tok, const Field& config) {
   tok.kind_ = Tokenizer::Kind::kSentencePiece;
   tok.llama_pipeline_ = true;
   tok.nfc_ = tok.normalizer_prepend_ = tok.normalizer_replace_ = false;
@@ -455,21 +439,18 @@ void Reader::llama_pipeline(Tokenizer& tok, const json& config) {
   tok.unk_id_ = -1;
   tok.metaspace_ = true;
   tok.metaspace_split_ = false;
-  const json prefix_space = config.value("add_prefix_space", json());
-  const bool add_prefix_space =
-      prefix_space.is_boolean() ? prefix_space.get<bool>() : true;
-  const json legacy = config.value("legacy", json());
-  tok.prepend_ = !add_prefix_space                ? Tokenizer::Prepend::kNever
-      : legacy.is_boolean() && legacy.get<bool>() ? Tokenizer::Prepend::kAlways
-                                                  : Tokenizer::Prepend::kFirst;
+  const bool add_prefix_space = config["add_prefix_space"].flag(true);
+  tok.prepend_ = !add_prefix_space      ? Tokenizer::Prepend::kNever
+      : config["legacy"].flag(false) ? Tokenizer::Prepend::kAlways
+                                     : Tokenizer::Prepend::kFirst;
   tok.decode_replace_ = tok.decode_byte_fallback_ = true;
   tok.decode_strip_ = add_prefix_space ? 1 : 0;
 }
 
 Tokenizer Reader::sentencepiece_model(
     const fs::path& file,
-    const json& config) {
-  const auto data = read_text(file);
+    const Field& config) {
+  const auto data = read_text(file, kMaxTokenizerFileBytes);
   const auto m = parse_model(data, file);
   if (m.model_type != 2) {
     fail(
@@ -482,26 +463,46 @@ Tokenizer Reader::sentencepiece_model(
   Tokenizer tok;
   tok.kind_ = Tokenizer::Kind::kSentencePiece;
   tok.sentencepiece_model_ = data;
+  // The pieces, and tries of them forward and backward for the merges.
+  ByteTrie forward, backward;
   for (size_t id = 0; id < m.pieces.size(); ++id) {
     const auto& piece = m.pieces[id].piece;
     if (piece.empty() || tok.vocab_.count(piece)) {
       fail(
           file,
-          "malformed: piece " + std::to_string(id) + " (\"" + piece +
-              "\") is empty or repeated");
+          "malformed: piece " + std::to_string(id) + " (" +
+              brief(json(piece)) + ") is empty or repeated");
     }
     tok.add_token(piece, static_cast<int64_t>(id));
+    forward.add(piece.data(), piece.data() + piece.size(), id);
+    const std::string r(piece.rbegin(), piece.rend());
+    backward.add(r.data(), r.data() + r.size(), id);
   }
   // transformers' generate_merges: in piece order, each split of a piece
   // into two pieces, the shorter left part first (this loop's order is
-  // already the rank).
-  for (const auto& p : m.pieces) {
-    const auto u = decode_utf8(p.piece);
+  // already the rank). The pieces that begin and end a piece come from one
+  // walk down each trie: linear in the piece, where looking each split's
+  // halves up is quadratic.
+  std::vector<int64_t> prefix, suffix; // the piece of each byte length
+  for (size_t id = 0; id < m.pieces.size(); ++id) {
+    const auto& p = m.pieces[id].piece;
+    const size_t n = p.size();
+    prefix.assign(n + 1, -1);
+    suffix.assign(n + 1, -1);
+    for (int32_t f = ByteTrie::kRoot, b = ByteTrie::kRoot, k = 0;
+         k < static_cast<int32_t>(n) && (f >= 0 || b >= 0);
+         ++k) {
+      f = f >= 0 ? forward.child(f, static_cast<unsigned char>(p[k])) : -1;
+      b = b >= 0 ? backward.child(b, static_cast<unsigned char>(p[n - 1 - k]))
+                 : -1;
+      prefix[k + 1] = f >= 0 ? forward.value(f) : -1;
+      suffix[k + 1] = b >= 0 ? backward.value(b) : -1;
+    }
+    const auto u = decode_utf8(p);
     for (size_t k = 1; k < u.cp.size(); ++k) {
-      const auto left = p.piece.substr(0, u.at[k]);
-      const auto right = p.piece.substr(u.at[k]);
-      if (tok.vocab_.count(left) && tok.vocab_.count(right)) {
-        tok.add_merge(left, right);
+      const int64_t left = prefix[u.at[k]], right = suffix[n - u.at[k]];
+      if (left >= 0 && right >= 0) {
+        tok.add_merge(left, right, static_cast<int64_t>(id));
       }
     }
   }
@@ -515,22 +516,20 @@ Tokenizer Reader::sentencepiece_model(
       a.id = static_cast<int64_t>(id);
       a.special = type != SentencePieceModel::kUserDefined;
       a.normalized = false;
-      tok.added_of_id_[a.id] = tok.added_.size();
-      tok.added_.push_back(a);
+      tok.push_added(std::move(a));
     }
   }
   llama_pipeline(tok, config);
   auto special = [&](const char* key, const char* fallback) {
-    const auto s =
-        config.contains(key) ? token_content(config[key]) : std::string();
+    const auto s = token_content(config[key]);
     return s.empty() ? std::string(fallback) : s;
   };
   const auto bos = tok.token_to_id(special("bos_token", "<s>"));
   const auto eos = tok.token_to_id(special("eos_token", "</s>"));
-  if (config.value("add_bos_token", false) && bos >= 0) {
+  if (config["add_bos_token"].flag(false) && bos >= 0) {
     tok.prefix_ids_ = {bos};
   }
-  if (config.value("add_eos_token", false) && eos >= 0) {
+  if (config["add_eos_token"].flag(false) && eos >= 0) {
     tok.suffix_ids_ = {eos};
   }
   return tok;

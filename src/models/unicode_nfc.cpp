@@ -102,12 +102,24 @@ std::string nfc(const std::string& text) {
       decompose(u.cp[k], d);
     }
   }
-  // Canonical ordering: each run of non-starters sorted by class, stably.
-  for (size_t i = 1; i < d.size(); ++i) {
-    const uint8_t c = combining_class(d[i]);
-    for (size_t j = i; c != 0 && j > 0 && combining_class(d[j - 1]) > c; --j) {
-      std::swap(d[j - 1], d[j]);
+  // Canonical ordering: each run of non-starters sorted by class, stably
+  // (a merge sort: swapping neighbours is quadratic in a long run).
+  for (size_t i = 0; i < d.size();) {
+    if (combining_class(d[i]) == 0) {
+      ++i;
+      continue;
     }
+    size_t end = i + 1;
+    while (end < d.size() && combining_class(d[end]) != 0) {
+      ++end;
+    }
+    if (end - i > 1) {
+      std::stable_sort(
+          d.begin() + i, d.begin() + end, [](uint32_t a, uint32_t b) {
+            return combining_class(a) < combining_class(b);
+          });
+    }
+    i = end;
   }
   // Composition: each character with the last starter, unless a character
   // between them has a class as high (blocked).

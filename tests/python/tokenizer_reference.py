@@ -16,8 +16,9 @@ checked against the same tokenizer loaded from tokenizer.json.
 make-split: byte-level BPEs with LLaMA 3's and Qwen 2's Split regex (and
 ByteLevel without its own), trained by `tokenizers` on the same text, in
 DIR/llama3 (ignore_merges, a "<|begin_of_text|>" template) and DIR/qwen2
-(an NFC normalizer, as Qwen 2's), each with its cases.json as
-make-sentencepiece writes them.
+(an NFC normalizer, as Qwen 2's), each with added tokens that take the
+whitespace beside them ("<mask>" both sides, "[x]" after it, normalized)
+and its cases.json as make-sentencepiece writes them.
 
 make-sentencepiece: trains SentencePiece BPE models (`sentencepiece`, with
 and without byte fallback, with a user-defined and a control symbol) on the
@@ -218,6 +219,13 @@ SPLIT_CASES = CASES + [
     "<|begin_of_text|>hi<|end_of_text|>",
     "\u212b \u1100\u1161\u11a8 \u0958 \u1e0b\u0323 \u0344 \uf900",
     "Cafe\u0301 cafe\u0301 CAFE\u0301",
+    # Added tokens that take the whitespace beside them.
+    "a  <mask>  b",
+    "<mask><mask> <mask>\n\n<mask>",
+    "x [x]   y [x]\t\n[x]",
+    "  <mask>",
+    "<mask>  \n",
+    "<mask>" * 20 + " " * 30 + "[x]" * 5 + "\u3000 z",
 ]
 
 
@@ -260,13 +268,15 @@ TINY_MODEL = dict(
 
 
 def make_split(d):
-    from tokenizers import processors
+    from tokenizers import AddedToken, processors
 
     for name, pattern, ignore_merges in (("llama3", LLAMA3_PATTERN, True), ("qwen2", QWEN2_PATTERN, False)):
         path = os.path.join(d, name)
         os.makedirs(path, exist_ok=True)
         specials = ["<|begin_of_text|>", "<|end_of_text|>"]
         tok = split_bpe(pattern, name == "qwen2", [TRAIN_TEXT] * 3, 700, specials, ignore_merges)
+        tok.add_special_tokens([AddedToken("<mask>", lstrip=True, rstrip=True)])
+        tok.add_tokens([AddedToken("[x]", rstrip=True)])
         bos = tok.token_to_id(specials[0])
         tok.post_processor = processors.Sequence(
             [

@@ -22,7 +22,8 @@ namespace colossalai {
 namespace lora {
 
 struct LoraConfig {
-  /// The adapters' rank.
+  /// The adapters' rank: at most each adapted layer's min(in, out), since
+  /// B A has no higher rank (checked before anything is allocated).
   TORCH_ARG(int64_t, r) = 8;
   /// The adapter's output is scaled by lora_alpha / r (lora_alpha / sqrt(r)
   /// with use_rslora).
@@ -33,7 +34,11 @@ struct LoraConfig {
   /// an entry or ends with "." + an entry (PEFT's list form).
   TORCH_ARG(std::vector<std::string>, target_modules);
   /// Or a regular expression the whole dotted name must match (PEFT's
-  /// string form); used when not empty.
+  /// string form: Python's re.fullmatch); used when not empty. Python's
+  /// `re` syntax without backreferences, atomic groups, possessive
+  /// quantifiers, conditionals or verbose mode, at most 4096 characters and
+  /// 64 nested groups; matched in time linear in the name, whatever the
+  /// pattern (NOTE [Module regexes] in src/lora/module_regex.h).
   TORCH_ARG(std::string, target_modules_regex);
   /// Which biases train: "none", "all" or "lora_only" (those of adapted
   /// modules); they are saved with the adapter.
@@ -56,9 +61,11 @@ struct LoraConfig {
  public:
   /// adapter_config.json's text (PEFT's fields).
   std::string to_json() const;
-  /// Reads adapter_config.json's text; `file` names it in errors.
+  /// Reads adapter_config.json's text; errors name `file` and the field (a
+  /// value of the wrong type, out of range, JSON nested over 128 levels).
   static LoraConfig from_json(const std::string& text, const std::string& file);
-  /// Checks every field; errors name the field.
+  /// Checks every field (r > 0, lora_alpha finite, lora_dropout in [0, 1),
+  /// the names, the regex compiles); errors name the field.
   void validate() const;
 };
 

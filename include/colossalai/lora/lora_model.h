@@ -58,6 +58,10 @@ class LoraModel {
   /// Injects as the adapter directory `dir` says (adapter_config.json) and
   /// loads its weights (adapter_model.safetensors or adapter_model.bin), as
   /// PEFT's `PeftModel.from_pretrained(model, dir, is_trainable=True)`.
+  /// Only regular files are read (a FIFO or a device is refused, never
+  /// waited on), the config up to 16 MiB; the adapters' shapes from the
+  /// config and the model are compared with the weights file's before they
+  /// are allocated.
   static std::shared_ptr<LoraModel> from_pretrained(
       std::shared_ptr<torch::nn::Module> model,
       const std::string& dir);
@@ -102,6 +106,11 @@ class LoraModel {
   struct Layer; // internal
 
  private:
+  // The layers `config` adapts in `model`, checked (kinds, groups, dropout,
+  // r against each layer's size), before anything is allocated.
+  static std::vector<std::shared_ptr<Layer>> plan(
+      torch::nn::Module& model,
+      const LoraConfig& config);
   // Installs the adapter paths and recomputes reparametrised weights.
   void attach();
 

@@ -13,6 +13,7 @@
 ///    fallback).
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -22,6 +23,7 @@ namespace colossalai {
 namespace models {
 namespace tokenizer_detail {
 struct Reader;
+struct AddedTokenMatchers;
 } // namespace tokenizer_detail
 
 /// Text to ids and back.
@@ -69,7 +71,13 @@ class Tokenizer {
   /// add_bos_token / add_eos_token / legacy / add_prefix_space. Errors
   /// (std::runtime_error) name the file and what is wrong (missing,
   /// malformed, a model type / normalizer / pre-tokenizer that is not
-  /// supported).
+  /// supported) and, for a field, its path ("field 'model.vocab' ...").
+  /// What hostile files cannot do: only regular files are read (a FIFO or a
+  /// device is refused, never waited on), tokenizer files up to 256 MiB and
+  /// JSON configs up to 64 MiB; JSON nested over 128 levels is refused
+  /// before parsing (as `tokenizers`); every id is below the number of
+  /// tokens the file lists (vocabulary and added tokens); a value quoted in
+  /// an error is cut short.
   static Tokenizer from_pretrained(const std::string& dir);
 
   /// Trains a byte-level BPE of `vocab_size` entries (256 byte tokens, id =
@@ -81,7 +89,9 @@ class Tokenizer {
   static Tokenizer train(const std::string& text, int64_t vocab_size);
 
   /// The ids of `text` (any bytes; invalid UTF-8 bytes are kept as bytes),
-  /// without special tokens (transformers' add_special_tokens=False).
+  /// without special tokens (transformers' add_special_tokens=False). Time
+  /// O(n log n) in the text's length whatever it holds (runs of one
+  /// character, added tokens that strip whitespace).
   std::vector<int64_t> encode(const std::string& text) const;
 
   /// With `add_special_tokens`, the ids with the tokens the tokenizer's
@@ -156,7 +166,11 @@ class Tokenizer {
 
   void add_token(const std::string& token, int64_t id);
   void add_merge(const std::string& a, const std::string& b);
+  void add_merge(int64_t a, int64_t b, int64_t merged);
   void add_special(const std::string& content, bool special = true);
+  void push_added(AddedToken token);
+  // After loading: the added-token matchers and words_at_spaces_.
+  void finish();
   void bpe(const std::string& word, std::vector<int64_t>& out) const;
   void merge_symbols(std::vector<int64_t>& ids) const;
   std::vector<Span> split_added(const std::string& text, bool normalized) const;
@@ -190,10 +204,14 @@ class Tokenizer {
 
   std::unordered_map<std::string, int64_t> vocab_;
   std::vector<std::string> tokens_; // by id; "" for an unused id
-  std::vector<std::pair<std::string, std::string>> merges_; // by rank
+  std::vector<std::pair<int64_t, int64_t>> merges_; // by rank: the ids
   std::unordered_map<uint64_t, Merge> merge_of_; // (id a, id b) -> merge
   std::vector<AddedToken> added_;
   std::unordered_map<int64_t, size_t> added_of_id_;
+  std::unordered_map<std::string, size_t> added_of_content_; // the first
+  // Leftmost-longest matching of added_ (raw and normalized contents),
+  // built by finish().
+  std::shared_ptr<const tokenizer_detail::AddedTokenMatchers> matchers_;
   Kind kind_ = Kind::kByteLevel;
   Split split_ = Split::kGpt2;
   bool ignore_merges_ = false;
