@@ -101,7 +101,7 @@ int record(const std::function<int()>& main_body) {
   } catch (...) {
     const auto error = std::current_exception();
     record_exception(error);
-    std::cerr << describe(error).callstack << std::endl;
+    std::cerr << describe(error).message << std::endl;
     return 1;
   }
 }

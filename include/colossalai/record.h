@@ -32,8 +32,9 @@ namespace colossalai {
 
 /// Runs `main_body` and returns what it returns. An exception it throws is
 /// written to torchrun's error file (when TORCHELASTIC_ERROR_FILE is set),
-/// printed on stderr with its type, and turned into the return value 1 (the
-/// exit code of a Python worker that raised).
+/// printed on stderr as "<type>: <message>" (without c10::Error's backtrace,
+/// which the error file keeps), and turned into the return value 1 (the exit
+/// code of a Python worker that raised).
 int record(const std::function<int()>& main_body);
 
 /// Writes `error` to TORCHELASTIC_ERROR_FILE in the JSON torch's
