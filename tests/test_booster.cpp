@@ -5,6 +5,7 @@
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/mixed_precision/bf16.h>
 #include <colossalai/booster/mixed_precision/fp16_torch.h>
+#include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/data/distributed_sampler.h>
 #include <colossalai/distributed/collectives.h>
@@ -356,6 +357,48 @@ TEST(Booster, BadPrecisionAndPluginCombinationsAreClearErrors) {
       msg.find("Fp32OnlyPlugin does not support LoRA"), std::string::npos);
   msg = error_of([&] { plugin->get_checkpoint_io(); });
   EXPECT_NE(msg.find("checkpoint IO"), std::string::npos);
+  // No data parallelism: every rank takes the whole batch.
+  const cb::plugin::Plugin& base = *plugin;
+  EXPECT_EQ(base.dp_rank(), 0);
+  EXPECT_EQ(base.dp_size(), 1);
+}
+
+// Every plugin answers dp_rank() / dp_size() through the base class: the
+// data-parallel plugins their group's, HybridParallelPlugin its data-parallel
+// axis's (tensor ranks share one). LoRA under tp_size > 1 is refused naming
+// that setting.
+TEST(Booster, PluginsGiveTheirDataParallelRankAndSize) {
+  colossalai::testing::run_distributed(2, [](int rank, int world) {
+    std::shared_ptr<cb::plugin::Plugin> ddp =
+        std::make_shared<cb::plugin::TorchDDPPlugin>();
+    EXPECT_EQ(ddp->dp_rank(), rank);
+    EXPECT_EQ(ddp->dp_size(), world);
+    std::shared_ptr<cb::plugin::Plugin> dp2 =
+        std::make_shared<cb::plugin::HybridParallelPlugin>(
+            cb::plugin::HybridParallelPluginOptions().precision("fp32"));
+    EXPECT_EQ(dp2->dp_rank(), rank);
+    EXPECT_EQ(dp2->dp_size(), world);
+    std::shared_ptr<cb::plugin::Plugin> tp2 =
+        std::make_shared<cb::plugin::HybridParallelPlugin>(
+            cb::plugin::HybridParallelPluginOptions().tp_size(2).precision(
+                "fp32"));
+    EXPECT_EQ(tp2->dp_rank(), 0);
+    EXPECT_EQ(tp2->dp_size(), 1);
+
+    cb::Booster booster(cb::BoosterOptions().plugin(tp2));
+    torch::nn::Linear lin(2, 2);
+    const auto msg = error_of([&] {
+      booster.enable_lora(
+          lin, "", colossalai::lora::LoraConfig().r(1).target_modules({""}));
+    });
+    EXPECT_NE(
+        msg.find("HybridParallelPlugin does not support LoRA with tp_size 2 "
+                 "> 1"),
+        std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find("HybridParallelPlugin at tp_size 1"), std::string::npos)
+        << msg;
+  });
 }
 
 TEST(Booster, DDPPluginNeedsLaunch) {

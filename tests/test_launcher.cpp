@@ -1,7 +1,20 @@
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/initialize.h>
 #include <colossalai/launcher.h>
+#include <colossalai/record.h>
+#include <colossalai/utils/env.h>
+
+#include <src/distributed/tcp_store_client.h>
+
+#include <harness/multiprocess.h>
+#include <harness/test_util.h>
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
 
 #include <fcntl.h>
 #include <signal.h>
@@ -10,10 +23,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -396,4 +412,507 @@ TEST(Launcher, LaunchedByLauncher) {
     ScopedEnv r("SLURM_PROCID", "1");
     EXPECT_TRUE(colossalai::launcher::launched_by_launcher());
   }
+}
+
+// ---------------------------------------------------------------------------
+// launch_from_env under real launchers: torchrun (the pinned torch's), OpenMPI's
+// mpirun, and Slurm's variables.
+
+namespace {
+
+namespace cb = colossalai::booster;
+
+std::string self_exe() {
+  return fs::read_symlink("/proc/self/exe").string();
+}
+
+// One SGD step of a DDP-boosted Linear on this rank's batch must equal one
+// process stepping on the mean of every rank's loss; a world all-reduce of
+// rank + 1 must give the sum. Throws (TORCH_CHECK) otherwise.
+void check_ddp_step(int rank, int world) {
+  auto batch = [](int r) {
+    torch::manual_seed(100 + r);
+    auto x = torch::randn({2, 4});
+    return std::make_pair(x, torch::randn({2, 3}));
+  };
+  torch::manual_seed(0);
+  torch::nn::Linear model(4, 3);
+  torch::manual_seed(0);
+  torch::nn::Linear reference(4, 3);
+
+  auto plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  auto opt = std::make_shared<torch::optim::SGD>(
+      model->parameters(), torch::optim::SGDOptions(0.1));
+  auto boosted = booster.boost(model, opt);
+  const auto mine = batch(plugin->dp_rank());
+  boosted.optimizer->zero_grad();
+  booster.backward(
+      torch::mse_loss(boosted.model(mine.first), mine.second),
+      *boosted.optimizer);
+  boosted.optimizer->step();
+
+  torch::optim::SGD ref_opt(
+      reference->parameters(), torch::optim::SGDOptions(0.1));
+  auto loss = torch::zeros({});
+  for (int r = 0; r < world; ++r) {
+    const auto b = batch(r);
+    loss = loss + torch::mse_loss(reference(b.first), b.second) / world;
+  }
+  loss.backward();
+  ref_opt.step();
+  TORCH_CHECK(
+      torch::allclose(model->weight, reference->weight, 1e-5, 1e-6) &&
+          torch::allclose(model->bias, reference->bias, 1e-5, 1e-6),
+      "rank ",
+      rank,
+      ": the DDP step differs from one process's");
+
+  auto t = torch::full({1}, static_cast<float>(rank + 1));
+  colossalai::distributed::all_reduce(t, *colossalai::distributed::world_group())
+      .wait();
+  TORCH_CHECK(
+      t.item<float>() == world * (world + 1) / 2,
+      "rank ",
+      rank,
+      ": all-reduce gave ",
+      t.item<float>());
+}
+
+// What LaunchedRank.Body does as one rank of a launcher test:
+// COLOSSALAI_TEST_LAUNCHER names the launcher whose variables it expects,
+// COLOSSALAI_TEST_LAUNCHED "train" (a DDP step), "fail" (rank 1 throws) or
+// "uncaught" (rank 1 throws on a thread nobody catches on).
+int launched_rank(const std::string& launcher, const std::string& mode) {
+  const auto env = colossalai::utils::read_dist_env();
+  TORCH_CHECK(
+      env.source == launcher,
+      "expected ",
+      launcher,
+      "'s variables, found '",
+      env.source,
+      "'");
+  if (launcher == "torchrun") {
+    // The case under test: torchrun's agent already serves the store.
+    TORCH_CHECK(
+        colossalai::utils::agent_store_serves(
+            env.master_addr.value_or(""), env.master_port.value_or(0)),
+        "torchrun did not announce its agent store");
+  }
+  colossalai::launch_from_env(
+      colossalai::LaunchOptions().backend("gloo").timeout(
+          std::chrono::seconds(60)));
+  const int rank = colossalai::distributed::get_rank();
+  const int world = colossalai::distributed::get_world_size();
+  TORCH_CHECK(
+      rank == env.rank && world == env.world_size && env.local_rank == rank,
+      "rank ",
+      rank,
+      " of ",
+      world,
+      " (local rank ",
+      env.local_rank.value_or(-1),
+      ") does not match the launcher's");
+  if (mode == "fail" || mode == "uncaught") {
+    if (rank == 1 && mode == "fail") {
+      TORCH_CHECK(false, "planted failure on rank 1");
+    }
+    if (rank == 1) {
+      std::thread([] {
+        throw std::runtime_error("planted uncaught error on rank 1");
+      }).join();
+    }
+    // The launcher stops this rank when rank 1 fails.
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
+  check_ddp_step(rank, world);
+  std::cout << "rank " << rank << " of " << world << " (" << launcher
+            << "): DDP step and all-reduce match" << std::endl;
+  colossalai::destroy();
+  return 0;
+}
+
+// Runs this test program's LaunchedRank.Body under `launcher_command`, the
+// rank's mode and launcher in its environment: exit status and output.
+std::pair<int, std::string> run_launched(
+    const std::string& launcher_command,
+    const std::string& launcher,
+    const std::string& mode) {
+  return colossalai::testing::run_shell(
+      "COLOSSALAI_TEST_LAUNCHER=" + launcher +
+      " COLOSSALAI_TEST_LAUNCHED=" + mode + " OMP_NUM_THREADS=1 timeout 300 " +
+      launcher_command + " " + self_exe() +
+      " --gtest_filter=LaunchedRank.Body");
+}
+
+// torchrun's static rendezvous at a free port; `standalone`: its c10d
+// rendezvous on a port of its own choosing (--standalone).
+std::string torchrun_command(bool standalone = false) {
+  return std::string(COLOSSALAI_TEST_TORCHRUN) +
+      " --no-python --nproc_per_node 2 " +
+      (standalone ? std::string("--standalone")
+                  : "--master_port " +
+               std::to_string(colossalai::testing::free_port()));
+}
+
+// Both ranks of a "train" run said they matched.
+void expect_both_ranks_trained(
+    const std::string& output,
+    const std::string& launcher) {
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(
+        output.find(
+            "rank " + std::to_string(rank) + " of 2 (" + launcher +
+            "): DDP step and all-reduce match"),
+        std::string::npos)
+        << output;
+  }
+}
+
+// The part of torchrun's failure summary that names the root cause.
+std::string root_cause(const std::string& output) {
+  const auto at = output.find("Root Cause (first observed failure):");
+  return at == std::string::npos ? "" : output.substr(at);
+}
+
+} // namespace
+
+TEST(LaunchedRank, Body) {
+  const char* launcher = std::getenv("COLOSSALAI_TEST_LAUNCHER");
+  const char* mode = std::getenv("COLOSSALAI_TEST_LAUNCHED");
+  if (launcher == nullptr || mode == nullptr) {
+    GTEST_SKIP() << "runs only as a rank of the LaunchFromEnv tests";
+  }
+  const int rc =
+      colossalai::record([&] { return launched_rank(launcher, mode); });
+  if (rc != 0) {
+    std::fflush(nullptr);
+    std::_Exit(rc);
+  }
+}
+
+TEST(LaunchFromEnv, TorchrunTrainsTwoRanksOnItsAgentStore) {
+  if (::access(COLOSSALAI_TEST_TORCHRUN, X_OK) != 0) {
+    GTEST_SKIP() << "no " << COLOSSALAI_TEST_TORCHRUN
+                 << " (./scripts/setup.sh --tests installs the pinned torch)";
+  }
+  for (const bool standalone : {false, true}) {
+    SCOPED_TRACE(standalone ? "--standalone" : "--master_port");
+    const auto start = std::chrono::steady_clock::now();
+    const auto [rc, output] =
+        run_launched(torchrun_command(standalone), "torchrun", "train");
+    EXPECT_EQ(rc, 0) << output;
+    expect_both_ranks_trained(output, "torchrun");
+    std::cout << "torchrun " << (standalone ? "--standalone" : "--master_port")
+              << ", 2 ranks, start to exit with a DDP step: "
+              << seconds_since(start) << " s\n";
+  }
+}
+
+TEST(LaunchFromEnv, TorchrunReportsTheFailingRanksError) {
+  if (::access(COLOSSALAI_TEST_TORCHRUN, X_OK) != 0) {
+    GTEST_SKIP() << "no " << COLOSSALAI_TEST_TORCHRUN
+                 << " (./scripts/setup.sh --tests installs the pinned torch)";
+  }
+  struct Case {
+    const char* mode;
+    const char* exit;
+    const char* traceback;
+  };
+  // "fail": colossalai::record ends the rank with exit code 1 and the error
+  // in torchrun's error file; "uncaught": no record, launch's terminate
+  // handler writes the file, then the rank aborts.
+  for (const Case& c :
+       {Case{"fail", "exitcode  : 1 ", "c10::Error: planted failure on rank 1"},
+        Case{
+            "uncaught",
+            "(SIGABRT)",
+            "std::runtime_error: planted uncaught error on rank 1"}}) {
+    SCOPED_TRACE(c.mode);
+    const auto [rc, output] =
+        run_launched(torchrun_command(), "torchrun", c.mode);
+    EXPECT_NE(rc, 0) << output;
+    const std::string cause = root_cause(output);
+    EXPECT_NE(cause.find("rank      : 1"), std::string::npos) << output;
+    EXPECT_NE(cause.find(c.exit), std::string::npos) << output;
+    EXPECT_EQ(cause.find("error_file: <N/A>"), std::string::npos) << output;
+    EXPECT_NE(
+        cause.find(std::string("traceback : ") + c.traceback),
+        std::string::npos)
+        << output;
+  }
+}
+
+TEST(LaunchFromEnv, MpirunTrainsTwoRanks) {
+  if (colossalai::testing::run_shell("command -v mpirun").first != 0) {
+    GTEST_SKIP() << "no mpirun (Debian's openmpi-bin)";
+  }
+  // OpenMPI names no master: one host, so 127.0.0.1 and MASTER_PORT.
+  const std::string mpirun =
+      "env -u RANK -u WORLD_SIZE -u MASTER_ADDR mpirun --allow-run-as-root "
+      "--oversubscribe --bind-to none -np 2 -x COLOSSALAI_TEST_LAUNCHER "
+      "-x COLOSSALAI_TEST_LAUNCHED -x OMP_NUM_THREADS -x MASTER_PORT=" +
+      std::to_string(colossalai::testing::free_port());
+  const auto [rc, output] = run_launched(mpirun, "openmpi", "train");
+  EXPECT_EQ(rc, 0) << output;
+  expect_both_ranks_trained(output, "openmpi");
+}
+
+TEST(LaunchFromEnv, SlurmVariablesTrainTwoRanks) {
+  // What srun sets for two tasks on one node (no MASTER_ADDR either).
+  const std::string port = std::to_string(colossalai::testing::free_port());
+  std::string script;
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string r = std::to_string(rank);
+    script += "env -u RANK -u WORLD_SIZE -u MASTER_ADDR SLURM_PROCID=" + r +
+        " SLURM_LOCALID=" + r +
+        " SLURM_NTASKS=2 SLURM_NNODES=1 SLURM_STEP_NUM_NODES=1 MASTER_PORT=" +
+        port + " COLOSSALAI_TEST_LAUNCHER=slurm COLOSSALAI_TEST_LAUNCHED=train"
+        " OMP_NUM_THREADS=1 timeout 300 " + self_exe() +
+        " --gtest_filter=LaunchedRank.Body & p" + r + "=$!; ";
+  }
+  script += "wait $p0; a=$?; wait $p1; b=$?; exit $((a + b))";
+  const auto [rc, output] = colossalai::testing::run_shell(
+      "sh -c '" + script + "'");
+  EXPECT_EQ(rc, 0) << output;
+  expect_both_ranks_trained(output, "slurm");
+}
+
+// What read_dist_env makes of the launcher variables set now, and
+// launch_from_env's refusal of ranks on several hosts without MASTER_ADDR,
+// which must say `how` to pass it.
+void expect_ranks_and_refusal(
+    const std::string& source,
+    int rank,
+    int world,
+    int local_rank,
+    const std::string& how) {
+  const auto env = colossalai::utils::read_dist_env();
+  EXPECT_EQ(env.source, source);
+  EXPECT_EQ(env.rank, rank);
+  EXPECT_EQ(env.world_size, world);
+  EXPECT_EQ(env.local_rank, local_rank);
+  const auto msg =
+      colossalai::testing::error_of([] { colossalai::launch_from_env(); });
+  EXPECT_NE(msg.find("MASTER_ADDR is not set"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(how), std::string::npos) << msg;
+}
+
+TEST(LaunchFromEnv, ReadsOpenMpiAndSlurmVariables) {
+  ScopedEnv rank("RANK", nullptr);
+  ScopedEnv world("WORLD_SIZE", nullptr);
+  ScopedEnv addr("MASTER_ADDR", nullptr);
+  {
+    ScopedEnv r("OMPI_COMM_WORLD_RANK", "3");
+    ScopedEnv w("OMPI_COMM_WORLD_SIZE", "4");
+    ScopedEnv lr("OMPI_COMM_WORLD_LOCAL_RANK", "1");
+    ScopedEnv lw("OMPI_COMM_WORLD_LOCAL_SIZE", "2"); // two hosts
+    expect_ranks_and_refusal("openmpi", 3, 4, 1, "mpirun -x MASTER_ADDR=");
+    EXPECT_EQ(colossalai::utils::read_dist_env().local_world_size, 2);
+  }
+  {
+    ScopedEnv ompi("OMPI_COMM_WORLD_RANK", nullptr);
+    ScopedEnv r("SLURM_PROCID", "5");
+    ScopedEnv w("SLURM_NTASKS", "8");
+    ScopedEnv lr("SLURM_LOCALID", "1");
+    ScopedEnv n("SLURM_NNODES", "4");
+    ScopedEnv sn("SLURM_STEP_NUM_NODES", nullptr);
+    expect_ranks_and_refusal("slurm", 5, 8, 1, "scontrol show hostnames");
+    EXPECT_EQ(colossalai::utils::read_dist_env().num_nodes, 4);
+  }
+}
+
+TEST(LaunchFromEnv, RestartCountAndAgentStoreFromTorchrunsVariables) {
+  {
+    ScopedEnv count("TORCHELASTIC_RESTART_COUNT", nullptr);
+    EXPECT_EQ(colossalai::restart_count(), 0);
+  }
+  {
+    ScopedEnv count("TORCHELASTIC_RESTART_COUNT", "3");
+    EXPECT_EQ(colossalai::restart_count(), 3);
+  }
+  {
+    ScopedEnv count("TORCHELASTIC_RESTART_COUNT", "three");
+    const auto msg =
+        colossalai::testing::error_of([] { colossalai::restart_count(); });
+    EXPECT_NE(msg.find("TORCHELASTIC_RESTART_COUNT='three'"), std::string::npos)
+        << msg;
+  }
+  ScopedEnv addr("MASTER_ADDR", "127.0.0.1");
+  ScopedEnv port("MASTER_PORT", "1234");
+  using colossalai::utils::agent_store_serves;
+  {
+    ScopedEnv agent("TORCHELASTIC_USE_AGENT_STORE", "True");
+    EXPECT_TRUE(agent_store_serves("127.0.0.1", 1234));
+    // Only at the address the agent exported, as torch.distributed checks.
+    EXPECT_FALSE(agent_store_serves("localhost", 1234));
+    EXPECT_FALSE(agent_store_serves("127.0.0.1", 1235));
+  }
+  {
+    ScopedEnv agent("TORCHELASTIC_USE_AGENT_STORE", "False");
+    EXPECT_FALSE(agent_store_serves("127.0.0.1", 1234));
+  }
+}
+
+// torch's own TCPStore server (the pinned torch's, as torchrun's agent
+// serves it) at MASTER_ADDR:MASTER_PORT: our client speaks its protocol, keys
+// included (Python reads what C++ wrote), and rank 0 joins it only when
+// TORCHELASTIC_USE_AGENT_STORE says the agent serves it, else binds the port
+// and fails as it did under torchrun.
+TEST(LaunchFromEnv, JoinsTorchsStoreAsTorchrunsWorkersDo) {
+  const std::string python = COLOSSALAI_TEST_HF_PYTHON;
+  if (::access(python.c_str(), X_OK) != 0) {
+    GTEST_SKIP() << "no " << python
+                 << " (./scripts/setup.sh --tests installs the pinned torch)";
+  }
+  TempDir dir;
+  const fs::path script = dir.path() / "agent.py";
+  std::ofstream(script)
+      << "import sys, datetime\n"
+         "from torch.distributed import TCPStore\n"
+         "s = TCPStore('127.0.0.1', int(sys.argv[1]), None, True,\n"
+         "             timeout=datetime.timedelta(seconds=120),\n"
+         "             wait_for_workers=False)\n"
+         "s.set('from_python', 'hello')\n"
+         "s.wait(['stop'])\n"
+         "print('from_cpp=' + s.get('from_cpp').decode(), flush=True)\n";
+  const int port = colossalai::testing::free_port();
+  FILE* agent = ::popen(
+      (python + " " + script.string() + " " + std::to_string(port) + " 2>&1")
+          .c_str(),
+      "r");
+  ASSERT_NE(agent, nullptr);
+  using Client = colossalai::distributed::detail::TcpStoreClient;
+  std::unique_ptr<Client> client;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  while (!client && std::chrono::steady_clock::now() < deadline) {
+    try {
+      client = std::make_unique<Client>(
+          "127.0.0.1", port, std::chrono::seconds(30));
+    } catch (const c10::Error&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  ASSERT_TRUE(client) << "torch's TCPStore did not start";
+  auto bytes = [](const std::string& s) {
+    return std::vector<uint8_t>(s.begin(), s.end());
+  };
+  EXPECT_EQ(client->get("from_python"), bytes("hello"));
+  client->set("from_cpp", bytes("world"));
+  EXPECT_EQ(client->add("n", 2), 2);
+  EXPECT_EQ(client->add("n", 3), 5);
+  EXPECT_TRUE(client->check({"n", "from_python"}));
+  EXPECT_FALSE(client->check({"n", "missing"}));
+  EXPECT_EQ(client->compareSet("cs", {}, bytes("a")), bytes("a"));
+  EXPECT_EQ(client->compareSet("cs", bytes("a"), bytes("b")), bytes("b"));
+  EXPECT_EQ(client->compareSet("cs", bytes("x"), bytes("c")), bytes("b"));
+  const auto msg = colossalai::testing::error_of(
+      [&] { client->wait({"never"}, std::chrono::milliseconds(200)); });
+  EXPECT_NE(msg.find("waiting for keys [never]"), std::string::npos) << msg;
+  // init/ (our connect counted us, as Python's workers count themselves)
+  // and four keys: the connection is still in step after the cancel.
+  EXPECT_EQ(client->getNumKeys(), 5);
+  EXPECT_TRUE(client->deleteKey("cs"));
+  EXPECT_FALSE(client->deleteKey("cs"));
+
+  ScopedEnv rank("RANK", "0");
+  ScopedEnv world("WORLD_SIZE", "1");
+  ScopedEnv addr("MASTER_ADDR", "127.0.0.1");
+  ScopedEnv master_port("MASTER_PORT", std::to_string(port).c_str());
+  const auto options = colossalai::LaunchOptions().backend("gloo").timeout(
+      std::chrono::seconds(20));
+  {
+    ScopedEnv no_agent("TORCHELASTIC_USE_AGENT_STORE", nullptr);
+    const auto refused = colossalai::testing::error_of(
+        [&] { colossalai::launch_from_env(options); });
+    EXPECT_NE(
+        refused.find("cannot start the rendezvous store"), std::string::npos)
+        << refused;
+  }
+  {
+    ScopedEnv use_agent("TORCHELASTIC_USE_AGENT_STORE", "True");
+    colossalai::launch_from_env(options);
+    auto t = torch::ones({1});
+    colossalai::distributed::all_reduce(
+        t, *colossalai::distributed::world_group())
+        .wait();
+    EXPECT_EQ(t.item<float>(), 1.0f);
+    colossalai::destroy();
+  }
+
+  client->set("stop", bytes("1"));
+  std::string output;
+  char buf[4096];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof(buf), agent)) > 0) {
+    output.append(buf, n);
+  }
+  EXPECT_EQ(::pclose(agent), 0) << output;
+  EXPECT_NE(output.find("from_cpp=world"), std::string::npos) << output;
+}
+
+TEST(Record, WritesTorchsErrorFileAndReturnsOne) {
+  TempDir dir;
+  const fs::path file = dir.path() / "error.json";
+  ScopedEnv error_file("TORCHELASTIC_ERROR_FILE", file.c_str());
+  EXPECT_EQ(colossalai::record([] { return 7; }), 7);
+  EXPECT_FALSE(fs::exists(file));
+
+  const auto before = std::time(nullptr);
+  {
+    TempDir quiet;
+    CaptureFd err(2, quiet.path() / "stderr");
+    EXPECT_EQ(colossalai::record([]() -> int {
+                TORCH_CHECK(false, "bad option 'x'");
+                return 0;
+              }),
+              1);
+  }
+  const auto data = nlohmann::json::parse(read_file(file));
+  const auto& message = data.at("message");
+  EXPECT_EQ(message.at("message"), "c10::Error: bad option 'x'");
+  const std::string callstack = message.at("extraInfo").at("py_callstack");
+  EXPECT_EQ(callstack.rfind("c10::Error: bad option 'x'", 0), 0) << callstack;
+  const std::string timestamp = message.at("extraInfo").at("timestamp");
+  EXPECT_GE(std::stoll(timestamp), before);
+  EXPECT_LE(std::stoll(timestamp), std::time(nullptr));
+
+  {
+    TempDir quiet;
+    CaptureFd err(2, quiet.path() / "stderr");
+    EXPECT_EQ(colossalai::record([]() -> int {
+                throw std::out_of_range("index 9");
+              }),
+              1);
+    EXPECT_NE(
+        read_file(quiet.path() / "stderr").find("std::out_of_range: index 9"),
+        std::string::npos);
+  }
+  EXPECT_EQ(
+      nlohmann::json::parse(read_file(file))["message"]["message"],
+      "std::out_of_range: index 9");
+
+  // torch's own reader takes it as a worker's error.
+  const std::string python = COLOSSALAI_TEST_HF_PYTHON;
+  if (::access(python.c_str(), X_OK) == 0) {
+    const auto [rc, out] = colossalai::testing::run_shell(
+        python +
+        " -c 'import sys; from torch.distributed.elastic.multiprocessing."
+        "errors import ProcessFailure; f = ProcessFailure(local_rank=0, "
+        "pid=1, exitcode=1, error_file=sys.argv[1]); "
+        "print(f.message[\"message\"], f.timestamp > 0)' " +
+        file.string());
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_NE(out.find("std::out_of_range: index 9 True"), std::string::npos)
+        << out;
+  }
+
+  // Without torchrun's variable: nothing written, still 1.
+  fs::remove(file);
+  ScopedEnv no_file("TORCHELASTIC_ERROR_FILE", nullptr);
+  TempDir quiet;
+  CaptureFd err(2, quiet.path() / "stderr");
+  EXPECT_EQ(colossalai::record([]() -> int { throw 3; }), 1);
+  EXPECT_FALSE(fs::exists(file));
 }

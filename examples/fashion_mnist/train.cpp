@@ -309,7 +309,8 @@ int train(const Args& a) {
 } // namespace
 
 int main(int argc, char** argv) {
-  try {
+  // An error ends the process with 1, and under torchrun reaches its summary.
+  return colossalai::record([&] {
     Args a = parse(argc, argv);
     if (a.plugin != "none" && !colossalai::launcher::launched_by_launcher()) {
       // Fail once, here, rather than once per rank when the data is missing.
@@ -317,8 +318,5 @@ int main(int argc, char** argv) {
       return colossalai::launcher::run_self(a.nproc, argc, argv);
     }
     return train(a);
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << cd::error_text(e) << std::endl;
-    return 1;
-  }
+  });
 }

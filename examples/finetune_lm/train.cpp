@@ -831,7 +831,8 @@ int train(const Args& a) {
 } // namespace
 
 int main(int argc, char** argv) {
-  try {
+  // An error ends the process with 1, and under torchrun reaches its summary.
+  return colossalai::record([&] {
     Args a = parse(argc, argv);
     if (a.plugin != "none" && !colossalai::launcher::launched_by_launcher()) {
       return colossalai::launcher::run_self(a.nproc, argc, argv);
@@ -851,8 +852,5 @@ int main(int argc, char** argv) {
         "' holds a ",
         type);
     return train<models::LlamaForCausalLM>(a);
-  } catch (const std::exception& e) {
-    std::cerr << "\nerror: " << cd::error_text(e) << std::endl;
-    return 1;
-  }
+  });
 }

@@ -22,6 +22,7 @@
 #include <colossalai/nn/hookable_module.h>
 #include <colossalai/nn/lr_scheduler/all.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
+#include <colossalai/record.h>
 #include <colossalai/shardformer/layer/embedding.h>
 #include <colossalai/shardformer/layer/linear.h>
 #include <colossalai/shardformer/layer/normalization.h>

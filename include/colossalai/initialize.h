@@ -52,22 +52,41 @@ struct LaunchOptions {
   TORCH_ARG(int64_t, shm_budget_mb) = -1;
 };
 
-/// Joins the process group of `world_size` processes. The whole rendezvous
-/// ends within `timeout`: otherwise it throws `distributed::DistributedError`
-/// naming the rank, the master address and the phase it was stuck in (a
-/// master port held by something that never answers included). Sets SIGPIPE
-/// to be ignored, as Python does, so a peer that dies mid-collective gives
-/// every survivor a DistributedError instead of a silent death.
+/// Joins the process group of `world_size` processes. Rank 0 serves the
+/// rendezvous store at host:port, unless torchrun's agent serves it there
+/// (TORCHELASTIC_USE_AGENT_STORE=True with that MASTER_ADDR and MASTER_PORT):
+/// then every rank connects to the agent's, as torch.distributed does. The
+/// whole rendezvous ends within `timeout`: otherwise it throws
+/// `distributed::DistributedError` naming the rank, the master address and
+/// the phase it was stuck in (a master port held by something that never
+/// answers included). Sets SIGPIPE to be ignored, as Python does, so a peer
+/// that dies mid-collective gives every survivor a DistributedError instead
+/// of a silent death. Under torchrun (TORCHELASTIC_ERROR_FILE set), an
+/// exception that later escapes to std::terminate is written to torchrun's
+/// error file (`record_uncaught_exceptions`, colossalai/record.h).
 void launch(const LaunchOptions& options);
 
 /// Reads rank, world size, local rank and the master address from the
-/// environment that torchrun / `colossalai run` (RANK, WORLD_SIZE, LOCAL_RANK,
-/// MASTER_ADDR, MASTER_PORT), OpenMPI (OMPI_COMM_WORLD_RANK, _SIZE,
-/// _LOCAL_RANK) or Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) set;
-/// `base` supplies backend, timeout and defaults for the address. With none of
-/// these variables set, runs as one process (world size 1) on a free local
-/// port and says so in one line on stderr.
+/// environment the launcher set, and launches:
+///  - torchrun / `colossalai run`: RANK, WORLD_SIZE, LOCAL_RANK,
+///    MASTER_ADDR, MASTER_PORT (required beyond one process); torchrun's
+///    agent store is used where it serves (see `launch`);
+///  - OpenMPI's mpirun: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK;
+///  - Slurm's srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID.
+/// OpenMPI and Slurm give no rendezvous address: MASTER_ADDR and MASTER_PORT
+/// from the environment when set; otherwise, with every rank on one host
+/// (OMPI_COMM_WORLD_LOCAL_SIZE == _SIZE, or SLURM_NNODES 1), `base`'s host
+/// and port (127.0.0.1:29500 by default), and across hosts an error saying
+/// to export them. `base` supplies backend, timeout and those defaults. With
+/// none of these variables set, runs as one process (world size 1) on a free
+/// local port and says so in one line on stderr.
 void launch_from_env(LaunchOptions base = LaunchOptions());
+
+/// How many times torchrun has restarted the worker group
+/// (TORCHELASTIC_RESTART_COUNT; 0 on the first start and without torchrun).
+/// A job run with `torchrun --max-restarts N` resumes from its last
+/// checkpoint when this is above 0.
+int restart_count();
 
 /// Tears the runtime down (groups, store). Safe to call when not launched.
 void destroy();

@@ -231,14 +231,20 @@ std::shared_ptr<lora::LoraModel> Booster::enable_lora_module(
     const std::optional<quantization::BnbQuantizationConfig>& bnb_config,
     bool quantize) {
   TORCH_CHECK(model != nullptr, "Booster.enable_lora: the model is null");
-  TORCH_CHECK(
-      plugin_ == nullptr || plugin_->support_lora(),
-      "Booster.enable_lora: ",
-      plugin_ ? plugin_->name() : std::string(),
-      " does not support LoRA",
-      quantize ? " or QLoRA" : "",
-      " (no plugin, TorchDDPPlugin, LowLevelZeroPlugin and "
-      "HybridParallelPlugin with tp_size 1 and pp_size 1 do)");
+  if (plugin_ != nullptr && !plugin_->support_lora()) {
+    const std::string setting = plugin_->lora_refusal();
+    TORCH_CHECK(
+        false,
+        "Booster.enable_lora: ",
+        plugin_->name(),
+        " does not support LoRA",
+        quantize ? " or QLoRA" : "",
+        setting.empty() ? std::string(
+                              " (no plugin, TorchDDPPlugin, "
+                              "LowLevelZeroPlugin and HybridParallelPlugin "
+                              "at tp_size 1 and pp_size 1 do)")
+                        : " with " + setting);
+  }
   TORCH_CHECK(
       quantize || !bnb_config.has_value(),
       "Booster.enable_lora: a bnb_quantization_config is given but quantize "

@@ -59,10 +59,26 @@ DistEnv read_dist_env() {
     env.world_size = env_int("SLURM_NTASKS");
     env.local_rank = env_int("SLURM_LOCALID");
     env.local_world_size = env_int("SLURM_NTASKS_PER_NODE");
+    env.num_nodes = env_int("SLURM_STEP_NUM_NODES");
+    if (!env.num_nodes) {
+      env.num_nodes = env_int("SLURM_NNODES");
+    }
   }
   env.master_addr = env_str("MASTER_ADDR");
   env.master_port = env_int("MASTER_PORT");
+  env.restart_count = env_int("TORCHELASTIC_RESTART_COUNT").value_or(0);
   return env;
+}
+
+bool agent_store_serves(const std::string& host, int port) {
+  // Python compares the strings: "True" exactly, and the port as exported.
+  return env_str("TORCHELASTIC_USE_AGENT_STORE") == std::string("True") &&
+      env_str("MASTER_ADDR") == host &&
+      env_str("MASTER_PORT") == std::to_string(port);
+}
+
+std::optional<std::string> torchelastic_error_file() {
+  return env_str("TORCHELASTIC_ERROR_FILE");
 }
 
 } // namespace utils

@@ -94,6 +94,19 @@ std::shared_ptr<checkpoint_io::CheckpointIO> HybridParallelPlugin::
       hybrid_state_access(std::static_pointer_cast<HybridState>(state_)));
 }
 
+std::string HybridParallelPlugin::lora_refusal() const {
+  if (options_.tp_size() > 1) {
+    return "tp_size " + std::to_string(options_.tp_size()) +
+        " > 1 (LoRA adapters are not tensor-parallel; tp_size 1 trains them)";
+  }
+  if (options_.pp_size() > 1) {
+    return "pp_size " + std::to_string(options_.pp_size()) +
+        " > 1 (a pipeline stage's forward bypasses the refresh of "
+        "reparametrised layers; pp_size 1 trains them)";
+  }
+  return "";
+}
+
 void HybridParallelPlugin::configure(
     std::shared_ptr<interface::ModelWrapper>& model,
     std::shared_ptr<interface::OptimizerWrapper>& optimizer) {

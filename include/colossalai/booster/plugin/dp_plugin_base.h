@@ -21,10 +21,10 @@ class DPPluginBase : public Plugin {
   cluster::ProcessGroupMesh& pg_mesh() {
     return *mesh_;
   }
-  int dp_rank() const {
+  int dp_rank() const override {
     return dp_group_->rank();
   }
-  int dp_size() const {
+  int dp_size() const override {
     return dp_group_->size();
   }
   const distributed::ProcessGroupPtr& dp_group() const {

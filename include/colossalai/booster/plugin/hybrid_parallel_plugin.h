@@ -195,6 +195,7 @@ class HybridParallelPlugin : public DPPluginBase {
   bool support_lora() const override {
     return options_.tp_size() == 1 && options_.pp_size() == 1;
   }
+  std::string lora_refusal() const override;
   bool control_checkpoint_io() const override {
     return true;
   }

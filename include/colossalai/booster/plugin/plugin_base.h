@@ -62,9 +62,27 @@ class Plugin {
   }
   /// Whether the plugin moves the model to its device itself.
   virtual bool control_device() const = 0;
+  /// This rank's index among the data-parallel ranks and their number: what
+  /// picks each rank's share of the batch (`DistributedSampler(n, dp_size(),
+  /// dp_rank())`). Ranks of one tensor, pipeline or sequence group share a
+  /// data-parallel rank and so the same batch. A plugin without data
+  /// parallelism: rank 0 of 1 (every rank takes the whole batch).
+  virtual int dp_rank() const {
+    return 0;
+  }
+  virtual int dp_size() const {
+    return 1;
+  }
   virtual bool support_no_sync() const = 0;
   virtual bool support_lora() const {
     return false;
+  }
+  /// Which of this plugin's settings refuses LoRA when support_lora() is
+  /// false for a plugin that trains LoRA under other settings (e.g.
+  /// "tp_size 2 > 1 (...)"), for the refusal's message; "": the plugin never
+  /// trains LoRA.
+  virtual std::string lora_refusal() const {
+    return "";
   }
   /// Whether the plugin materialises a model built in a LazyInitContext
   /// itself, keeping only this rank's shard; otherwise boost materialises
