@@ -292,9 +292,12 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
   const auto device = current_device();
   std::vector<pipeline::Batch> micro(m);
   // Each micro-batch's share of the batch's loss items (tokens), counted
-  // where the batch is, before it moves (NOTE [Token-mean losses]).
+  // where the batch is, before it moves (NOTE [Token-mean losses]). None
+  // when the policy cannot count one of them or nothing is counted: equal
+  // weights.
   std::vector<double> weights;
-  int64_t items = 0;
+  bool counted = true;
+  double items = 0;
   for (int64_t i = 0; i < m; ++i) {
     pipeline::Batch slice;
     for (const auto& t : batch) {
@@ -302,22 +305,18 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
     }
     policy_->check_micro_batch(slice); // on every rank, before any transfer
     const int64_t n_i = policy_->loss_items(slice);
-    if (n_i >= 0 && (i == 0 || !weights.empty())) {
-      weights.push_back(static_cast<double>(n_i));
-      items += n_i;
-    } else {
-      weights.clear();
-    }
+    counted = counted && n_i >= 0;
+    weights.push_back(static_cast<double>(n_i));
+    items += static_cast<double>(n_i);
     for (const auto& t : slice) {
       micro[i].push_back(guard->prepare_input(t.to(device)));
     }
   }
-  if (items > 0) {
-    for (auto& w : weights) {
-      w /= static_cast<double>(items);
-    }
-  } else {
-    weights.clear(); // nothing counted: equal weights (a zero loss)
+  if (!counted || items <= 0) {
+    weights.clear();
+  }
+  for (auto& w : weights) {
+    w /= items;
   }
 
   // Data-parallel synchronisation once per step, after every micro-batch.
