@@ -444,11 +444,13 @@ namespace {
 // tests/golden/checkpoints/torch-<version>/ holds a checkpoint written by the
 // build against that LibTorch: the model of `known_net` in every format, and
 // its AdamW state after one step with `known_grad`, as one file and sharded.
-// Every build loads every version's files. Parameters are exact small
-// binary fractions, so they must load bit for bit; the optimizer's moments
-// come from one AdamW step, which the reading build recomputes: they must
-// agree to 1e-6 relative (the same formula in fp32; the versions may order
-// its few operations differently, a few ulps at most).
+// Every build loads every version's files. Buffers are exact small binary
+// fractions, so they must load bit for bit. Parameters and the optimizer's
+// moments come from one AdamW step, which the reading build recomputes:
+// they must agree to 1e-6 relative (the same formula in fp32, but LibTorch
+// versions order its few operations differently and 2.x picks its CPU
+// kernels by instruction set, AVX2 or AVX-512, which round a few ulps apart;
+// 1e-6 is about 8 ulps, far below any wrong tensor or misplaced byte).
 // To add a version: COLOSSALAI_WRITE_CHECKPOINT_GOLDEN=1 with that build.
 const fs::path kGoldenCheckpoints =
     fs::path(__FILE__).parent_path() / "golden" / "checkpoints";
@@ -535,7 +537,17 @@ TEST(CheckpointIO, LoadsCheckpointsOfOtherLibTorchVersions) {
       cb::Booster booster;
       auto b = booster.boost(net);
       booster.load_model(b.model, (dir / model).string());
-      expect_same_state(*want_net, *net);
+      auto got = ck::model_state_dict(*net);
+      const auto params = want_net->named_parameters(true);
+      for (const auto& item : ck::model_state_dict(*want_net)) {
+        ASSERT_NE(got.find(item.key()), nullptr) << item.key();
+        const auto& g = got[item.key()];
+        if (params.contains(item.key())) {
+          EXPECT_TRUE(at::allclose(g, item.value(), 1e-6, 0)) << item.key();
+        } else {
+          EXPECT_TRUE(at::equal(g, item.value())) << item.key();
+        }
+      }
     }
     for (const char* optim : {"optim.bin", "optim_sharded"}) {
       SCOPED_TRACE(version + "/" + optim);
