@@ -51,6 +51,7 @@ includes=()
 tokenizer_sources=("$repo/src/models/tokenizer.cpp" "$repo/src/models/tokenizer_files.cpp"
   "$repo/src/models/tokenizer_json.cpp" "$repo/src/models/tokenizer_literals.cpp"
   "$repo/src/models/tokenizer_sentencepiece.cpp" "$repo/src/models/tokenizer_save.cpp"
+  "$repo/src/models/tokenizer_unicode.cpp" "$repo/src/models/tokenizer_pretokenize.cpp"
   "$repo/src/models/unicode_nfc.cpp" "$repo/src/utils/bounded_read.cpp")
 tokenizer_headers=("$repo/include/colossalai/models/tokenizer.h" "$repo/src/models/tokenizer_internal.h"
   "$repo/src/models/tokenizer_literals.h" "$repo/src/models/unicode_nfc_tables.h"

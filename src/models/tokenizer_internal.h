@@ -7,11 +7,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace colossalai {
@@ -145,8 +148,32 @@ class WordCache {
   std::unordered_map<std::string, std::vector<int64_t>> ids_;
 };
 
+/// The classes of the pre-tokenization regexes (src/models/
+/// tokenizer_unicode.cpp): \p{L}, \p{N}, \s as `tokenizers` reads them.
+enum class Cls : uint8_t { kLetter, kNumber, kSpace, kOther };
+Cls classify(uint32_t cp);
+
 /// White_Space as `tokenizers`' regexes read \s.
 bool is_white(uint32_t cp);
+
+/// GPT-2's bytes_to_unicode (src/models/tokenizer_pretokenize.cpp): the
+/// printable bytes stand for themselves, the others for 256, 257, ...
+struct ByteMap {
+  std::array<std::string, 256> to_char;      // byte -> UTF-8 of its character
+  std::map<uint32_t, unsigned char> to_byte; // character -> byte
+  ByteMap();
+};
+const ByteMap& byte_map();
+
+/// Pre-tokenization: the byte ranges [first, second) of a text's words, as
+/// the regexes of `tokenizers`' pre-tokenizers split it (by hand, linear).
+using Spans = std::vector<std::pair<size_t, size_t>>;
+/// GPT-2's ByteLevel regex.
+Spans split_gpt2(const std::string& text);
+/// LLaMA 3's Split regex (`max_digits` 3; Qwen 2's: 1).
+Spans split_llama3(const std::string& text, size_t max_digits);
+/// Bloom's Split regex, behaviour "isolated".
+Spans split_bloom(const std::string& text);
 
 /// A tokenizer.json component as a list: the members of a "Sequence" of
 /// `key` (nested Sequences flattened), one component, or none (null).
