@@ -6,7 +6,8 @@
 // is summed, so the sanitizers see every byte a tensor claims. Any input must
 // be accepted or refused with c10::Error; anything else is a finding.
 
-#include "../src/checkpoint_io/optimizer_state.h"
+#include <colossalai/checkpoint_io/optimizer_state.h>
+
 #include "../src/checkpoint_io/pickle_reader.h"
 
 #include <ATen/Parallel.h>

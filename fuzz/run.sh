@@ -65,7 +65,7 @@ case "$target" in
   zip)
     sources=("$repo/fuzz/zip_fuzz.cpp" "$repo/src/checkpoint_io/zip_records.cpp"
              "$repo/src/checkpoint_io/mapped_reads.cpp")
-    headers=("$repo/src/checkpoint_io/zip_records.h" "$repo/src/checkpoint_io/mapped_reads.h")
+    headers=("$repo/src/checkpoint_io/zip_records.h" "$repo/include/colossalai/checkpoint_io/mapped_reads.h")
     flags=(-max_len=8192)
     ;;
   tokenizer)
@@ -96,7 +96,7 @@ case "$target" in
              "$repo/src/checkpoint_io/torch_bin_rebuild.cpp"
              "$repo/src/checkpoint_io/optimizer_state.cpp")
     headers=("$repo/src/checkpoint_io/pickle_reader.h" "$repo/src/checkpoint_io/torch_bin_unpickler.h"
-             "$repo/src/checkpoint_io/optimizer_state.h")
+             "$repo/include/colossalai/checkpoint_io/optimizer_state.h")
     lib="${COLOSSALAI_LIB:-$repo/build/libcolossalai.a}"
     [[ -f "$lib" ]] || { echo "fuzz/run.sh pickle: build the library first ($lib)" >&2; exit 2; }
     extra_link=("$lib" -lgomp -lpthread)

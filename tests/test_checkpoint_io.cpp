@@ -7,6 +7,7 @@
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/model_state_hooks.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/interface/model.h>
@@ -575,4 +576,61 @@ TEST(CheckpointIO, LoadsCheckpointsOfOtherLibTorchVersions) {
       }
     }
   }
+}
+
+TEST(CheckpointIO, FeaturesHandInHowTheirTensorsLoadAndSave) {
+  // NOTE [Model state hooks]: a feature above checkpoint IO says which keys
+  // a strict load may miss, which tensors it loads itself and which models
+  // cannot be saved; checkpoint IO knows none of them by name.
+  colossalai::testing::ScratchDir dir("colossalai_ckpt_hooks");
+  const std::string path = dir.path + "/model.safetensors";
+  auto src = trained_net(8, 0);
+  cb::Booster booster;
+  auto b = booster.boost(src);
+  booster.save_model(b.model, path, ck::SaveModelOptions().use_safetensors(true));
+
+  auto dst = trained_net(8, 1);
+  dst->register_parameter("hooks_test_adapter", torch::ones({3}));
+  auto bd = booster.boost(dst);
+  // Before the feature registers: a strict load misses its key.
+  auto e = error_of([&] { booster.load_model(bd.model, path); });
+  EXPECT_NE(e.find("hooks_test_adapter"), std::string::npos) << e;
+
+  at::Tensor taken;
+  ck::ModelStateHooks hooks;
+  hooks.optional_key = [](const std::string& key) {
+    return key == "hooks_test_adapter";
+  };
+  hooks.loaders = [&taken](torch::nn::Module& model) {
+    std::map<std::string, ck::ModelStateHooks::Loader> out;
+    if (model.named_parameters(true).contains("hooks_test_adapter")) {
+      out.emplace("fc2.bias", [&taken](const at::Tensor& v) {
+        taken = v.clone();
+      });
+    }
+    return out;
+  };
+  hooks.save_refusal = [](torch::nn::Module& model) {
+    return model.named_parameters(true).contains("hooks_test_adapter")
+        ? std::string("hooks_test_adapter models are not saved")
+        : std::string();
+  };
+  ck::register_model_state_hooks("hooks_test", std::move(hooks));
+
+  const auto before = dst->fc2->bias.clone();
+  booster.load_model(bd.model, path);
+  EXPECT_TRUE(at::equal(dst->fc1->weight, src->fc1->weight));
+  // fc2.bias went to the feature's loader, not into the model.
+  ASSERT_TRUE(taken.defined());
+  EXPECT_TRUE(at::equal(taken, src->fc2->bias));
+  EXPECT_TRUE(at::equal(dst->fc2->bias, before));
+  EXPECT_TRUE(at::equal(dst->named_parameters()["hooks_test_adapter"],
+                        torch::ones({3})));
+  e = error_of([&] {
+    booster.save_model(bd.model, dir.path + "/again.safetensors");
+  });
+  EXPECT_NE(e.find("hooks_test_adapter models are not saved"), std::string::npos)
+      << e;
+  // A model the feature has nothing to say about saves as before.
+  booster.save_model(b.model, dir.path + "/plain.safetensors");
 }

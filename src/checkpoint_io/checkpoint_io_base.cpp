@@ -1,8 +1,7 @@
 #include <colossalai/checkpoint_io/checkpoint_io_base.h>
+#include <colossalai/checkpoint_io/io_utils.h>
+#include <colossalai/checkpoint_io/model_state_hooks.h>
 #include <colossalai/nn/lr_scheduler/lr_scheduler.h>
-#include <colossalai/quantization/quantize_model.h>
-
-#include "io_utils.h"
 
 #include <torch/serialize/archive.h>
 
@@ -176,13 +175,13 @@ void CheckpointIO::save_model(
       options.gather_dtensor(),
       "save_model: gather_dtensor(false) is not supported: checkpoints always hold "
       "full tensors (so they load at any world size and under any plugin)");
-  // Every rank fails alike: the check reads only this rank's model.
-  TORCH_CHECK(
-      !quantization::has_quantized_weights(*model.unwrap()),
-      "save_model: the model's base weights are quantized (QLoRA: enable_lora "
-      "with quantize); a checkpoint holds full-precision weights. Save the "
-      "adapters with save_lora_as_pretrained; the base loads again from its "
-      "full-precision checkpoint and is quantized at load");
+  // Every rank fails alike: the check reads only this rank's model (QLoRA's
+  // refusal of a quantized base, NOTE [Model state hooks]).
+  for (const auto& h : detail::model_state_hooks()) {
+    const std::string why =
+        h.save_refusal ? h.save_refusal(*model.unwrap()) : std::string();
+    TORCH_CHECK(why.empty(), "save_model: ", why);
+  }
   // Every rank takes part (state may have to be gathered); only writers
   // write.
   if (options.shard()) {

@@ -2,9 +2,9 @@
 // default StateAccess and state hooks.
 
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/optimizer_state.h>
 
 #include "general_checkpoint_io_internal.h"
-#include "optimizer_state.h"
 #include "sharded_commit.h"
 
 #include <colossalai/distributed/error.h>

@@ -2,14 +2,13 @@
 // unsharded or sharded), and copying a state dict into a module.
 
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/io_utils.h>
+#include <colossalai/checkpoint_io/mapped_reads.h>
+#include <colossalai/checkpoint_io/model_state_hooks.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
-#include <colossalai/lazy/lazy_init.h>
-#include <colossalai/shardformer/layer/linear.h>
 
 #include "general_checkpoint_io_internal.h"
-#include "io_utils.h"
-#include "mapped_reads.h"
 #include "sharded_commit.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
@@ -93,28 +92,29 @@ std::string list(const std::vector<std::string>& names) {
   return os.str();
 }
 
-// A LoRA adapter's tensor (PEFT's names): a base model's checkpoint has
-// none, and loads strictly into the model with adapters enabled, which keep
-// their values.
-bool is_lora_adapter_key(const std::string& key) {
-  for (const char* part :
-       {".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B"}) {
-    if (key.find(part) != std::string::npos) {
+// A key a strict load may find missing (a feature's hook says so: LoRA's
+// adapters are not in a base model's checkpoint).
+bool optional_key(
+    const std::vector<ModelStateHooks>& hooks,
+    const std::string& key) {
+  for (const auto& h : hooks) {
+    if (h.optional_key && h.optional_key(key)) {
       return true;
     }
   }
   return false;
 }
 
-// Strict loading: every key of the module must have been loaded (adapters
-// aside).
+// Strict loading: every key of the module must have been loaded (keys a
+// feature makes optional aside).
 void check_missing(
     torch::nn::Module& module,
     const std::set<std::string>& seen,
     const std::string& file) {
+  const auto hooks = detail::model_state_hooks();
   std::vector<std::string> missing;
   for (const auto& item : model_state_dict(module)) {
-    if (!seen.count(item.key()) && !is_lora_adapter_key(item.key())) {
+    if (!seen.count(item.key()) && !optional_key(hooks, item.key())) {
       missing.push_back(item.key());
     }
   }
@@ -178,13 +178,28 @@ void load_model_state(
     bool strict_unexpected,
     const TensorLoader& loader) {
   auto targets = model_state_dict(module);
-  // QLoRA: full-precision weights are quantized into the quantized layers.
-  const auto quantized = shardformer::layer::quantized_weight_loaders(module);
+  // Tensors the features above take in their own way (QLoRA quantizes a
+  // full-precision weight into its layer; lazy init assigns).
+  const auto hooks = detail::model_state_hooks();
+  std::map<std::string, ModelStateHooks::Loader> own;
+  for (const auto& h : hooks) {
+    if (h.loaders) {
+      own.merge(h.loaders(module));
+    }
+  }
+  auto assigned = [&](const at::Tensor& target, const at::Tensor& value) {
+    for (const auto& h : hooks) {
+      if (h.assign && h.assign(target, value)) {
+        return true;
+      }
+    }
+    return false;
+  };
   std::vector<std::string> unexpected;
   at::NoGradGuard no_grad;
   for (const auto& item : state) {
-    auto q = quantized.find(item.key());
-    if (q != quantized.end()) {
+    auto q = own.find(item.key());
+    if (q != own.end()) {
       detail::populate(item.value());
       q->second(item.value());
       if (seen) {
@@ -226,7 +241,7 @@ void load_model_state(
         target->scalar_type());
     // lazy: no random init first; else a view into a mapped file is read
     // straight into the target
-    if (!lazy::assign_lazy(*target, src) &&
+    if (!assigned(*target, src) &&
         !detail::read_mapped_into(*target, src)) {
       detail::populate(src);
       target->copy_(src);

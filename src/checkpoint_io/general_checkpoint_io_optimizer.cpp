@@ -2,10 +2,10 @@
 // per-parameter shards plus param groups).
 
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/io_utils.h>
+#include <colossalai/checkpoint_io/optimizer_state.h>
 
 #include "general_checkpoint_io_internal.h"
-#include "io_utils.h"
-#include "optimizer_state.h"
 #include "pickle_reader.h"
 #include "sharded_commit.h"
 

@@ -1,4 +1,4 @@
-#include "io_utils.h"
+#include <colossalai/checkpoint_io/io_utils.h>
 
 #include "../utils/bounded_json.h"
 #include "../utils/fault_point.h"

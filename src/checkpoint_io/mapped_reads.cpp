@@ -1,4 +1,4 @@
-#include "mapped_reads.h"
+#include <colossalai/checkpoint_io/mapped_reads.h>
 
 #include <sys/mman.h>
 #include <unistd.h>

@@ -1,5 +1,4 @@
-#include "optimizer_state.h"
-
+#include <colossalai/checkpoint_io/optimizer_state.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/utils/compat.h>
 

@@ -1,10 +1,9 @@
 // Reading safetensors files: MappedFile maps a file and views (or, when
 // unaligned, copies) its tensors; load_file.
 
+#include <colossalai/checkpoint_io/io_utils.h>
+#include <colossalai/checkpoint_io/mapped_reads.h>
 #include <colossalai/checkpoint_io/safetensors.h>
-
-#include "io_utils.h"
-#include "mapped_reads.h"
 
 #include <c10/util/Exception.h>
 

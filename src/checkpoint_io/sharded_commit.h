@@ -3,7 +3,7 @@
 // Writes one sharded checkpoint (an index and the files it names) into a
 // directory that may hold other files (internal).
 
-#include "io_utils.h"
+#include <colossalai/checkpoint_io/io_utils.h>
 
 #include <set>
 #include <string>

@@ -1,7 +1,7 @@
+#include <colossalai/checkpoint_io/io_utils.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 
 #include "../utils/fd_io.h"
-#include "io_utils.h"
 #include "pickle_reader.h"
 #include "torch_bin_unpickler.h"
 #include "zip_records.h"

@@ -1,5 +1,6 @@
+#include <colossalai/checkpoint_io/mapped_reads.h>
+
 #include "zip_records.h"
-#include "mapped_reads.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,5 +1,7 @@
 #include <colossalai/lazy/lazy_init.h>
 
+#include <colossalai/checkpoint_io/model_state_hooks.h>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -178,6 +180,17 @@ std::shared_ptr<Recording> recording_of(const at::Tensor& t) {
 
 LazyInitContext::LazyInitContext() {
   TORCH_CHECK(current == nullptr, "LazyInitContext: contexts do not nest");
+  // Lazy init's part in checkpoints (NOTE [Model state hooks]): a lazy
+  // tensor takes a checkpoint's value as it is, without its random init.
+  static const bool registered = [] {
+    checkpoint_io::ModelStateHooks hooks;
+    hooks.assign = [](const at::Tensor& target, const at::Tensor& value) {
+      return assign_lazy(target, value);
+    };
+    checkpoint_io::register_model_state_hooks("lazy_init", std::move(hooks));
+    return true;
+  }();
+  (void)registered;
   recording_ = std::make_shared<Recording>();
   {
     auto gen = at::detail::getDefaultCPUGenerator();

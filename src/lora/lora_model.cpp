@@ -1,3 +1,5 @@
+#include <colossalai/checkpoint_io/io_utils.h>
+#include <colossalai/checkpoint_io/model_state_hooks.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/lora/lora_model.h>
@@ -5,7 +7,6 @@
 #include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/shardformer/layer/linear.h>
 
-#include "../checkpoint_io/io_utils.h"
 #include "../utils/bounded_read.h"
 #include "module_regex.h"
 
@@ -143,6 +144,29 @@ std::shared_ptr<torch::nn::Module> weight_holder(const at::Tensor& w) {
   return m;
 }
 
+// LoRA's part in checkpoints (NOTE [Model state hooks]): a base model's
+// checkpoint has no adapters (PEFT's names) and still loads strictly into
+// the model with adapters enabled, which keep their values.
+void register_checkpoint_hooks() {
+  static const bool registered = [] {
+    cio::ModelStateHooks hooks;
+    hooks.optional_key = [](const std::string& key) {
+      for (const char* part : {".lora_A.",
+                               ".lora_B.",
+                               ".lora_embedding_A",
+                               ".lora_embedding_B"}) {
+        if (key.find(part) != std::string::npos) {
+          return true;
+        }
+      }
+      return false;
+    };
+    cio::register_model_state_hooks("lora", std::move(hooks));
+    return true;
+  }();
+  (void)registered;
+}
+
 } // namespace
 
 std::vector<std::shared_ptr<LoraModel::Layer>> LoraModel::plan(
@@ -265,6 +289,7 @@ LoraModel::LoraModel(
     : model_(std::move(model)), config_(std::move(config)) {
   TORCH_CHECK(model_ != nullptr, "LoraModel: the model is null");
   layers_ = plan(*model_, config_);
+  register_checkpoint_hooks();
   for (const auto& layer : layers_) {
     auto* m = layer->module;
     // A copy: named_parameters() returns a temporary dict.

@@ -1,9 +1,9 @@
 #include "models/pretrained_internal.h"
 
-#include "checkpoint_io/io_utils.h"
 #include "utils/bounded_json.h"
 
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/io_utils.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/quantization/quantize_model.h>

@@ -3,8 +3,7 @@
 
 #include "models/pretrained_internal.h"
 
-#include "checkpoint_io/io_utils.h"
-
+#include <colossalai/checkpoint_io/io_utils.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/lazy/lazy_init.h>

@@ -1,5 +1,7 @@
+#include <colossalai/checkpoint_io/model_state_hooks.h>
 #include <colossalai/distributed/functional.h>
 #include <colossalai/initialize.h>
+#include <colossalai/quantization/quantize_model.h>
 #include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/shardformer/layer/linear.h>
 
@@ -107,6 +109,31 @@ std::vector<int64_t> stored_shape(
   return s;
 }
 
+// QLoRA's part in checkpoints (NOTE [Model state hooks]), registered when
+// the first layer is quantized: full-precision weights load into quantized
+// layers by quantizing them; a model with quantized layers is not saved.
+void register_qlora_checkpoint_hooks() {
+  static const bool registered = [] {
+    checkpoint_io::ModelStateHooks hooks;
+    hooks.loaders = [](torch::nn::Module& model) {
+      return quantized_weight_loaders(model);
+    };
+    hooks.save_refusal = [](torch::nn::Module& model) {
+      return quantization::has_quantized_weights(model)
+          ? std::string(
+                "the model's base weights are quantized (QLoRA: "
+                "enable_lora with quantize); a checkpoint holds "
+                "full-precision weights. Save the adapters with "
+                "save_lora_as_pretrained; the base loads again from its "
+                "full-precision checkpoint and is quantized at load")
+          : std::string();
+    };
+    checkpoint_io::register_model_state_hooks("qlora", std::move(hooks));
+    return true;
+  }();
+  (void)registered;
+}
+
 // Quantizes `full` (the layer's layout) into `weight` and `quantized`.
 void quantize_into(
     at::Tensor& weight,
@@ -116,6 +143,7 @@ void quantize_into(
     const quantization::BnbQuantizationConfig& config) {
   at::NoGradGuard no_grad;
   auto oi = o.conv1d_layout() ? full.t() : full; // bitsandbytes: [out, in]
+  register_qlora_checkpoint_hooks();
   auto q = quantization::QuantizedWeight::quantize(
       oi.to(weight.device()).contiguous(), config);
   // Frozen first: set_data refuses integer data on a tensor needing grad.

@@ -1,6 +1,6 @@
+#include <colossalai/checkpoint_io/optimizer_state.h>
 #include <colossalai/zero/sharded_optimizer.h>
 
-#include "../../checkpoint_io/optimizer_state.h"
 #include "flat_params.h"
 
 #include <colossalai/placement/gradients.h>

@@ -1,6 +1,6 @@
-#include "state.h"
+#include <colossalai/checkpoint_io/optimizer_state.h>
 
-#include "../../checkpoint_io/optimizer_state.h"
+#include "state.h"
 
 #include <unordered_map>
 

@@ -1,6 +1,6 @@
+#include <colossalai/checkpoint_io/optimizer_state.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
-#include "../../checkpoint_io/optimizer_state.h"
 #include "../../distributed/grad_bucketer.h"
 #include "../common/flat_params.h"
 #include "../../utils/host_memory.h"

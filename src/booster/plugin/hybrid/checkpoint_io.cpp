@@ -1,11 +1,10 @@
 #include "checkpoint_io.h"
 
+#include <colossalai/checkpoint_io/mapped_reads.h>
+#include <colossalai/checkpoint_io/optimizer_state.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/lazy/lazy_init.h>
 #include <colossalai/shardformer/layer/parallel_module.h>
-
-#include "../../../checkpoint_io/mapped_reads.h"
-#include "../../../checkpoint_io/optimizer_state.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 

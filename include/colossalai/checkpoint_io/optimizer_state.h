@@ -1,8 +1,10 @@
 #pragma once
 
-// torch::optim state <-> the PyTorch state_dict layout (internal):
-// state: {param_id: {"step": t, "exp_avg": t, ...}}, param_groups: [{"lr": ...,
-// "params": [ids]}], with ids numbering parameters across groups in order.
+/// torch::optim state <-> the PyTorch state_dict layout:
+/// state: {param_id: {"step": t, "exp_avg": t, ...}}, param_groups: [{"lr":
+/// ..., "params": [ids]}], ids numbering parameters across groups in order.
+/// For the optimizers and plugins that save and load through checkpoint IO
+/// (ZeRO, FSDP, hybrid); not part of the Booster API.
 
 #include <colossalai/checkpoint_io/state_dict.h>
 

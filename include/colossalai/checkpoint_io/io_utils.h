@@ -1,6 +1,9 @@
 #pragma once
 
-// File-system helpers shared by the checkpoint IO classes (internal).
+/// File helpers of checkpoint IO: atomic writes, Hugging Face indexes, reads
+/// of regular files with a bound. For what builds on checkpoint IO (plugins'
+/// checkpoint IO, LoRA adapters, models' from_pretrained); not part of the
+/// Booster API.
 
 #include <colossalai/checkpoint_io/state_dict.h>
 

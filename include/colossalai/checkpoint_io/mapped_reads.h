@@ -1,6 +1,8 @@
 #pragma once
 
-// Reading tensors out of memory-mapped checkpoint files fast (internal).
+/// Reading tensors out of memory-mapped checkpoint files fast. For what
+/// builds on checkpoint IO (plugins' checkpoint IO); not part of the Booster
+/// API.
 
 #include <ATen/ATen.h>
 
