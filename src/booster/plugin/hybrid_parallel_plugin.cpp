@@ -90,8 +90,7 @@ std::shared_ptr<checkpoint_io::CheckpointIO> HybridParallelPlugin::
     state_ = std::make_shared<HybridState>();
   }
   return std::make_shared<checkpoint_io::DistributedCheckpointIO>(
-      distributed::world_group(),
-      hybrid_state_access(std::static_pointer_cast<HybridState>(state_)));
+      distributed::world_group(), hybrid_state_access(state_));
 }
 
 std::string HybridParallelPlugin::lora_refusal() const {
@@ -119,8 +118,10 @@ void HybridParallelPlugin::configure(
       kName,
       ": one plugin boosts one model (make another plugin for another)");
   configured_ = true;
+  if (!state_) {
+    state_ = std::make_shared<HybridState>();
+  }
   auto module = model->unwrap();
-  const auto device = current_device();
   // Rank 0's whole model everywhere, so every tensor rank cuts its shard
   // from the same weights. A lazy model (NOTE [Lazy initialization]) is
   // materialised after sharding instead, each tensor rank cutting its shard
@@ -129,14 +130,29 @@ void HybridParallelPlugin::configure(
   // requires).
   const bool lazy_model = lazy::is_lazy(*module);
   if (!lazy_model) {
-    module->to(device);
+    module->to(current_device());
     std::vector<at::Tensor> state = module->parameters();
     for (const auto& b : module->buffers()) {
       state.push_back(b);
     }
     broadcast_coalesced(state, 0, *distributed::world_group());
   }
+  apply_tensor_parallel(*module, lazy_model);
+  std::set<std::string> held;
+  if (options_.pp_size() > 1) {
+    held = apply_pipeline(*module, *optimizer);
+    state_->pipelined = true;
+  }
+  if (dtype_ != at::kFloat && options_.zero_stage() > 0) {
+    module->to(dtype_);
+  }
+  build_placement(*module, held, *optimizer);
+  apply_data_parallel(model, optimizer);
+}
 
+void HybridParallelPlugin::apply_tensor_parallel(
+    torch::nn::Module& module,
+    bool lazy_model) {
   shardformer::ShardConfig cfg;
   // enable_all_optimization: every optimization that exists here (the JIT
   // fusion does not).
@@ -154,28 +170,19 @@ void HybridParallelPlugin::configure(
       .parallel_output(options_.parallel_output())
       .make_vocab_size_divisible_by(options_.make_vocab_size_divisible_by())
       .gradient_checkpointing_ratio(options_.gradient_checkpointing_ratio());
-  if (!state_) {
-    state_ = std::make_shared<HybridState>();
-  }
-  auto st = std::static_pointer_cast<HybridState>(state_);
-  policy_ = shardformer::resolve_policy(*module, options_.custom_policy());
-  info_ = shardformer::shard_model(*module, cfg, policy_);
+  policy_ = shardformer::resolve_policy(module, options_.custom_policy());
+  info_ = shardformer::shard_model(module, cfg, policy_);
   if (lazy_model && options_.pp_size() == 1) {
-    lazy::materialize(*module);
-    module->to(device);
+    lazy::materialize(module);
+    module.to(current_device());
   }
-  st->tp = options_.tp_size() > 1 ? tp_group_ : nullptr;
-  // Pipelines: keep this stage's layers, release the rest.
-  std::set<std::string> held;
-  if (options_.pp_size() > 1) {
-    held = setup_pipeline(*module, *optimizer);
-    st->pipelined = true;
-  }
-  if (dtype_ != at::kFloat && options_.zero_stage() > 0) {
-    module->to(dtype_);
-  }
+  state_->tp = options_.tp_size() > 1 ? tp_group_ : nullptr;
+}
 
-  // Where each held parameter lives (NOTE [Placement table]).
+void HybridParallelPlugin::build_placement(
+    torch::nn::Module& module,
+    const std::set<std::string>& held,
+    interface::OptimizerWrapper& optimizer) {
   auto table = std::make_shared<placement::PlacementTable>();
   if (options_.tp_size() > 1) {
     table->add_axis("tp", tp_group_);
@@ -188,7 +195,7 @@ void HybridParallelPlugin::configure(
     tied.insert(p.unsafeGetTensorImpl());
   }
   std::unordered_map<const void*, std::string> name_of;
-  for (const auto& item : module->named_parameters(true)) {
+  for (const auto& item : module.named_parameters(true)) {
     if (options_.pp_size() > 1 && !held.count(item.key())) {
       continue;
     }
@@ -217,28 +224,39 @@ void HybridParallelPlugin::configure(
   placement_ = table;
   for (const auto& n : info_.partial_grad_params) {
     TORCH_CHECK(
-        module->named_parameters(true).contains(n),
+        module.named_parameters(true).contains(n),
         kName,
         ": the policy names a partial-gradient parameter '",
         n,
         "' that the model does not have");
   }
-  st->table = table;
-  const auto names = optimizer_param_names(*optimizer, name_of);
+  state_->table = table;
+  const auto names = optimizer_param_names(optimizer, name_of);
   for (size_t k = 0; k < names.size(); ++k) {
-    const auto& params = optimizer->param_groups()[k].params();
+    const auto& params = optimizer.param_groups()[k].params();
     for (size_t i = 0; i < params.size(); ++i) {
-      st->name_by_id.push_back(names[k][i]);
-      st->local_shape_by_id.push_back(params[i].sizes().vec());
+      state_->name_by_id.push_back(names[k][i]);
+      state_->local_shape_by_id.push_back(params[i].sizes().vec());
     }
   }
+}
 
-  auto hybrid = std::make_shared<detail::CastInputModel>(
+void HybridParallelPlugin::apply_data_parallel(
+    std::shared_ptr<interface::ModelWrapper>& model,
+    std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
+  // A pipeline's model is called through execute_pipeline only.
+  auto guard_pipeline = [&] {
+    if (options_.pp_size() > 1) {
+      auto guard = std::make_shared<detail::PipelineGuardModel>(model);
+      guard_ = guard;
+      model = guard;
+    }
+  };
+  model = std::make_shared<detail::CastInputModel>(
       model, options_.zero_stage() > 0 ? dtype_ : at::kFloat);
-  model = hybrid;
   if (options_.zero_stage() == 0) {
     if (mixed_dp_group_->size() > 1) {
-      model = std::make_shared<TorchDDPModel>(
+      auto ddp = std::make_shared<TorchDDPModel>(
           model,
           mixed_dp_group_,
           TorchDDPPluginOptions()
@@ -247,17 +265,17 @@ void HybridParallelPlugin::configure(
               .find_unused_parameters(options_.find_unused_parameters())
               .gradient_as_bucket_view(options_.gradient_as_bucket_view())
               .static_graph(options_.static_graph()));
+      ddp_ = ddp;
+      model = ddp;
     }
     if (dtype_ == at::kBFloat16) {
       // Parameters and gradients stay fp32; matmuls run in bf16.
       model = std::make_shared<mixed_precision::AutocastModel>(
-          model, device.type(), at::kBFloat16);
+          model, current_device().type(), at::kBFloat16);
     }
     optimizer = std::make_shared<detail::HybridParallelNaiveOptimizer>(
-        optimizer->optimizer_ptr(), table, options_.max_norm());
-    if (options_.pp_size() > 1) {
-      model = std::make_shared<detail::PipelineGuardModel>(model);
-    }
+        optimizer->optimizer_ptr(), placement_, options_.max_norm());
+    guard_pipeline();
     return;
   }
   auto zo = detail::zero_optimizer_options(
@@ -268,12 +286,47 @@ void HybridParallelPlugin::configure(
       kName);
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), mixed_dp_group_, zo);
-  zero_opt->set_placement(table);
-  if (options_.pp_size() > 1) {
-    model = std::make_shared<detail::PipelineGuardModel>(model);
-  }
-  st->zero = zero_opt;
+  zero_opt->set_placement(placement_);
+  guard_pipeline();
+  state_->zero = zero_opt;
+  zero_ = zero_opt;
   optimizer = zero_opt;
+}
+
+namespace {
+
+// `handle` when it is `model` or one of the wrappers `model` wraps.
+template <class W>
+W* in_chain(interface::ModelWrapper& model, const std::weak_ptr<W>& handle) {
+  auto w = handle.lock();
+  for (interface::ModelWrapper* m = &model; w && m != nullptr;
+       m = m->inner().get()) {
+    if (m == w.get()) {
+      return w.get(); // alive while the caller's model holds it
+    }
+  }
+  return nullptr;
+}
+
+} // namespace
+
+detail::PipelineGuardModel* HybridParallelPlugin::boosted_guard(
+    interface::ModelWrapper& model) {
+  return in_chain(model, guard_);
+}
+
+TorchDDPModel* HybridParallelPlugin::boosted_ddp(
+    interface::ModelWrapper& model) {
+  return in_chain(model, ddp_);
+}
+
+zero::LowLevelZeroOptimizer* HybridParallelPlugin::boosted_zero(
+    interface::OptimizerWrapper* optimizer) {
+  auto z = zero_.lock();
+  return z != nullptr &&
+          static_cast<interface::OptimizerWrapper*>(z.get()) == optimizer
+      ? z.get()
+      : nullptr;
 }
 
 NoSyncGuard HybridParallelPlugin::no_sync(
@@ -285,12 +338,12 @@ NoSyncGuard HybridParallelPlugin::no_sync(
       ": no_sync needs zero_stage 0 or 1 (stage 2 keeps only gradient "
       "slices, so gradients cannot accumulate locally)");
   if (options_.zero_stage() == 1) {
-    auto* z = dynamic_cast<zero::LowLevelZeroOptimizer*>(optimizer);
+    auto* z = boosted_zero(optimizer);
     TORCH_CHECK(z != nullptr, kName, ".no_sync: pass the boosted optimizer");
     z->set_require_sync(false);
     return NoSyncGuard([z]() { z->set_require_sync(true); });
   }
-  auto* ddp = interface::find_wrapper<TorchDDPModel>(model);
+  auto* ddp = boosted_ddp(model);
   if (ddp == nullptr) {
     return NoSyncGuard(); // one data-parallel rank: nothing to defer
   }

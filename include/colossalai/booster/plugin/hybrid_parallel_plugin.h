@@ -6,6 +6,8 @@
 
 #include <torch/arg.h>
 
+#include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -14,8 +16,16 @@ namespace pipeline {
 class PipelineStageManager;
 class PipelineSchedule;
 } // namespace pipeline
+namespace zero {
+class LowLevelZeroOptimizer;
+} // namespace zero
 namespace booster {
 namespace plugin {
+struct HybridState; // what boost learned, shared with the checkpoint IO
+class TorchDDPModel;
+namespace detail {
+class PipelineGuardModel;
+} // namespace detail
 
 /// Options of HybridParallelPlugin, with ColossalAI's names and defaults.
 struct HybridParallelPluginOptions {
@@ -258,12 +268,34 @@ class HybridParallelPlugin : public DPPluginBase {
   }
 
  private:
+  // configure's steps, in order (each fills the members it names).
+  // Tensor (and sequence) parallelism: shards the layers as the policy
+  // says (info_, policy_); a lazy model without pipeline materialises here.
+  void apply_tensor_parallel(torch::nn::Module& module, bool lazy_model);
   // Splits the model over the stages: keeps this rank's layers (their
-  // parameter names are returned), releases the rest.
-  std::set<std::string> setup_pipeline(
+  // parameter names are returned), releases the rest (stage_manager_,
+  // schedule_, chunk_layers_, chunk_params_, shared_params_).
+  std::set<std::string> apply_pipeline(
       torch::nn::Module& module,
       interface::OptimizerWrapper& optimizer);
+  // Where each held parameter lives (placement_, NOTE [Placement table]),
+  // and the optimizer's parameters by id for checkpoints.
+  void build_placement(
+      torch::nn::Module& module,
+      const std::set<std::string>& held,
+      interface::OptimizerWrapper& optimizer);
+  // Data parallelism over dp x sp: DDP with bf16 autocast and the naive
+  // optimizer at zero_stage 0, LowLevelZero above (ddp_, zero_, guard_).
+  void apply_data_parallel(
+      std::shared_ptr<interface::ModelWrapper>& model,
+      std::shared_ptr<interface::OptimizerWrapper>& optimizer);
   void sync_shared_grads();
+  // The handles configure kept, when `model` / `optimizer` are the boosted
+  // ones (pointer comparisons, no type lookups on the step path); else null.
+  detail::PipelineGuardModel* boosted_guard(interface::ModelWrapper& model);
+  TorchDDPModel* boosted_ddp(interface::ModelWrapper& model);
+  zero::LowLevelZeroOptimizer* boosted_zero(
+      interface::OptimizerWrapper* optimizer);
 
   HybridParallelPluginOptions options_;
   at::ScalarType dtype_;
@@ -272,7 +304,11 @@ class HybridParallelPlugin : public DPPluginBase {
   distributed::ProcessGroupPtr tp_group_, sp_group_, mixed_dp_group_, pp_group_;
   shardformer::ShardInfo info_;
   std::shared_ptr<const placement::PlacementTable> placement_;
-  std::shared_ptr<void> state_; // shared with the checkpoint IO
+  std::shared_ptr<HybridState> state_; // shared with the checkpoint IO
+  // The wrappers configure built (null where it built none).
+  std::weak_ptr<detail::PipelineGuardModel> guard_;
+  std::weak_ptr<TorchDDPModel> ddp_;
+  std::weak_ptr<zero::LowLevelZeroOptimizer> zero_;
   // Pipelines: the stage split, the schedule and the parameters both the
   // first and the last stage hold (their group, when they are two ranks).
   std::shared_ptr<pipeline::PipelineStageManager> stage_manager_;

@@ -27,7 +27,7 @@ constexpr const char* kName = "HybridParallelPlugin";
 
 } // namespace
 
-std::set<std::string> HybridParallelPlugin::setup_pipeline(
+std::set<std::string> HybridParallelPlugin::apply_pipeline(
     torch::nn::Module& module,
     interface::OptimizerWrapper& optimizer) {
   const int pp = options_.pp_size();
@@ -110,7 +110,7 @@ std::set<std::string> HybridParallelPlugin::setup_pipeline(
   }
   // Checkpoints number the optimizer's parameters as it holds them now,
   // before the release.
-  auto st = std::static_pointer_cast<HybridState>(state_);
+  const auto& st = state_;
   {
     std::unordered_map<const void*, std::string> name_of;
     for (const auto& item : named) {
@@ -227,10 +227,10 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
       schedule_ != nullptr,
       kName,
       ".execute_pipeline needs a model boosted with pp_size > 1");
-  auto* guard = interface::find_wrapper<detail::PipelineGuardModel>(model);
+  auto* guard = boosted_guard(model);
   TORCH_CHECK(
       guard != nullptr, kName, ".execute_pipeline: pass the boosted model");
-  auto* zero = dynamic_cast<zero::LowLevelZeroOptimizer*>(optimizer);
+  auto* zero = boosted_zero(optimizer);
   TORCH_CHECK(
       options_.zero_stage() == 0 || zero != nullptr,
       kName,
@@ -320,7 +320,7 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
   }
 
   // Data-parallel synchronisation once per step, after every micro-batch.
-  auto* ddp = interface::find_wrapper<TorchDDPModel>(model);
+  auto* ddp = boosted_ddp(model);
   const bool sync = ddp != nullptr ? ddp->require_sync()
       : zero != nullptr            ? zero->require_sync()
                                    : true;
