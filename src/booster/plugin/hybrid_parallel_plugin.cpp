@@ -289,7 +289,6 @@ void HybridParallelPlugin::apply_data_parallel(
   zero_opt->set_placement(placement_);
   guard_pipeline();
   state_->zero = zero_opt;
-  zero_ = zero_opt;
   optimizer = zero_opt;
 }
 
@@ -311,18 +310,18 @@ W* in_chain(interface::ModelWrapper& model, const std::weak_ptr<W>& handle) {
 } // namespace
 
 detail::PipelineGuardModel* HybridParallelPlugin::boosted_guard(
-    interface::ModelWrapper& model) {
+    interface::ModelWrapper& model) const {
   return in_chain(model, guard_);
 }
 
 TorchDDPModel* HybridParallelPlugin::boosted_ddp(
-    interface::ModelWrapper& model) {
+    interface::ModelWrapper& model) const {
   return in_chain(model, ddp_);
 }
 
 zero::LowLevelZeroOptimizer* HybridParallelPlugin::boosted_zero(
-    interface::OptimizerWrapper* optimizer) {
-  auto z = zero_.lock();
+    interface::OptimizerWrapper* optimizer) const {
+  auto z = state_ != nullptr ? state_->zero.lock() : nullptr;
   return z != nullptr &&
           static_cast<interface::OptimizerWrapper*>(z.get()) == optimizer
       ? z.get()

@@ -285,17 +285,20 @@ class HybridParallelPlugin : public DPPluginBase {
       const std::set<std::string>& held,
       interface::OptimizerWrapper& optimizer);
   // Data parallelism over dp x sp: DDP with bf16 autocast and the naive
-  // optimizer at zero_stage 0, LowLevelZero above (ddp_, zero_, guard_).
+  // optimizer at zero_stage 0, LowLevelZero above (ddp_, guard_,
+  // state_->zero).
   void apply_data_parallel(
       std::shared_ptr<interface::ModelWrapper>& model,
       std::shared_ptr<interface::OptimizerWrapper>& optimizer);
   void sync_shared_grads();
   // The handles configure kept, when `model` / `optimizer` are the boosted
   // ones (pointer comparisons, no type lookups on the step path); else null.
-  detail::PipelineGuardModel* boosted_guard(interface::ModelWrapper& model);
-  TorchDDPModel* boosted_ddp(interface::ModelWrapper& model);
+  detail::PipelineGuardModel* boosted_guard(
+      interface::ModelWrapper& model) const;
+  TorchDDPModel* boosted_ddp(interface::ModelWrapper& model) const;
+  // The ZeRO optimizer is the one the checkpoint IO shares (state_->zero).
   zero::LowLevelZeroOptimizer* boosted_zero(
-      interface::OptimizerWrapper* optimizer);
+      interface::OptimizerWrapper* optimizer) const;
 
   HybridParallelPluginOptions options_;
   at::ScalarType dtype_;
@@ -308,7 +311,6 @@ class HybridParallelPlugin : public DPPluginBase {
   // The wrappers configure built (null where it built none).
   std::weak_ptr<detail::PipelineGuardModel> guard_;
   std::weak_ptr<TorchDDPModel> ddp_;
-  std::weak_ptr<zero::LowLevelZeroOptimizer> zero_;
   // Pipelines: the stage split, the schedule and the parameters both the
   // first and the last stage hold (their group, when they are two ranks).
   std::shared_ptr<pipeline::PipelineStageManager> stage_manager_;
