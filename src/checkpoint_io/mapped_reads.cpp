@@ -149,6 +149,41 @@ bool read_mapped_into(at::Tensor& dst, const at::Tensor& src) {
   return true;
 }
 
+void release_mapped(const at::Tensor& src) {
+  if (!src.defined() || !src.device().is_cpu() || !src.has_storage() ||
+      !src.is_contiguous() || src.nbytes() == 0) {
+    return;
+  }
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto at = reinterpret_cast<uintptr_t>(src.data_ptr());
+  const uintptr_t begin = (at + page - 1) & ~(page - 1);
+  const uintptr_t end = (at + static_cast<uintptr_t>(src.nbytes())) & ~(page - 1);
+  if (begin >= end) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_mappings_mu);
+  auto it = g_mappings.upper_bound(at);
+  if (it == g_mappings.begin()) {
+    return;
+  }
+  --it;
+  // Only pages of a registered file mapping: dropping those of anonymous
+  // memory would zero them.
+  if (end > it->first + it->second.size) {
+    return;
+  }
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+void read_into(at::Tensor& dst, const at::Tensor& src) {
+  if (read_mapped_into(dst, src)) {
+    return;
+  }
+  populate(src);
+  dst.copy_(src);
+  release_mapped(src);
+}
+
 } // namespace detail
 } // namespace checkpoint_io
 } // namespace colossalai

@@ -282,6 +282,23 @@ bool assign_lazy(const at::Tensor& t, const at::Tensor& value) {
   return true;
 }
 
+bool install_lazy(const at::Tensor& t, const at::Tensor& value) {
+  if (!is_lazy(t)) {
+    return false;
+  }
+  TORCH_CHECK(
+      value.sizes() == t.sizes() && value.device().is_cpu(),
+      "install_lazy: a CPU tensor of shape ",
+      t.sizes(),
+      " expected, got ",
+      value.sizes(),
+      " on ",
+      value.device());
+  t.unsafeGetTensorImpl()->shallow_copy_from(
+      value.detach().getIntrusivePtr());
+  return true;
+}
+
 void materialize(torch::nn::Module& module, const KeepFn& keep) {
   TORCH_CHECK(
       current == nullptr,

@@ -10,6 +10,8 @@
 
 #include "models/config_fields.h"
 
+#include <colossalai/lazy/lazy_init.h>
+
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
@@ -111,10 +113,16 @@ LoadPlan plan_pretrained_load(
     const KeyMap& map,
     bool strict);
 
-/// Copies `plan` into `module`'s tensors, converting dtypes; each view is
-/// dropped once copied, so a file's mapping goes when its last tensor is
-/// in.
-void copy_planned_weights(torch::nn::Module& module, LoadPlan&& plan);
+/// Fills `module`, built in a LazyInitContext, from `plan` in `dtype`: each
+/// planned tensor is allocated in `dtype` and read from its file (pread, or
+/// a copy through the mapping whose pages are then let go), the rest are
+/// materialised and cast, as `module->to(dtype)` would. Each view is
+/// dropped once read, so a file's mapping goes when its last tensor is in;
+/// the peak is the model in `dtype` plus about one tensor.
+void load_planned_weights(
+    torch::nn::Module& module,
+    LoadPlan&& plan,
+    at::ScalarType dtype);
 
 /// Writes `module`'s parameters and buffers (Hugging Face names) into
 /// `dir` as transformers does, and `config_json` as config.json.
@@ -173,9 +181,13 @@ M load_pretrained_model(
         map,
         options.strict());
   }
-  M model(config);
-  model->to(dtype);
-  copy_planned_weights(*model, std::move(plan));
+  // Built lazily, then filled in `dtype`: never whole in float32.
+  M model{nullptr};
+  {
+    lazy::LazyInitContext context;
+    model = M(config);
+  }
+  load_planned_weights(*model, std::move(plan), dtype);
   return model;
 }
 

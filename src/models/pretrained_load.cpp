@@ -4,6 +4,7 @@
 #include "models/pretrained_internal.h"
 
 #include <colossalai/checkpoint_io/io_utils.h>
+#include <colossalai/checkpoint_io/mapped_reads.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/lazy/lazy_init.h>
@@ -231,7 +232,10 @@ LoadPlan plan_pretrained_load(
   return plan;
 }
 
-void copy_planned_weights(torch::nn::Module& module, LoadPlan&& plan) {
+void load_planned_weights(
+    torch::nn::Module& module,
+    LoadPlan&& plan,
+    at::ScalarType dtype) {
   std::map<std::string, at::Tensor> targets;
   for (const auto& kv : module.named_parameters(/*recurse=*/true)) {
     targets[kv.key()] = kv.value();
@@ -246,9 +250,25 @@ void copy_planned_weights(torch::nn::Module& module, LoadPlan&& plan) {
         it != targets.end() && it->second.sizes() == kv.second.sizes(),
         "from_pretrained: the model differs from its lazy build at ",
         kv.first);
-    it->second.copy_(kv.second);
+    auto& target = it->second;
+    if (lazy::is_lazy(target)) {
+      auto value = at::empty(kv.second.sizes(), at::dtype(dtype));
+      cd::read_into(value, kv.second);
+      lazy::install_lazy(target, value);
+    } else {
+      // Made eagerly by the constructor, or the other name of a tied
+      // tensor already filled: cast below with the rest.
+      cd::read_into(target, kv.second);
+    }
     kv.second = at::Tensor();
   }
+  // What the files did not fill (buffers, or tensors strict(false) let
+  // lack): initialised as eager construction would, then cast. to() then
+  // casts what the constructor made eagerly and leaves the rest.
+  lazy::materialize(module, [dtype](const std::string&, const at::Tensor& t) {
+    return t.to(dtype);
+  });
+  module.to(dtype);
 }
 
 } // namespace detail

@@ -28,6 +28,22 @@ void unregister_mapping(const void* base);
 /// rely on in `dst`) when it does not apply, and the caller copies.
 bool read_mapped_into(at::Tensor& dst, const at::Tensor& src);
 
+/// Drops this process's pages of a registered mapping that lie wholly under
+/// `src`, once what was wanted of them is copied: they are file pages, so a
+/// later read faults them in again from the page cache, but until then a
+/// load does not hold the file in its resident set beside the copy (a model
+/// loaded from a mapped file would otherwise peak at twice its size). A
+/// no-op for a tensor outside the registered mappings. Only for views the
+/// caller alone holds: the mappings are private, so a page written through
+/// another view would lose the write.
+void release_mapped(const at::Tensor& src);
+
+/// Copies `src` (a CPU tensor, a view into a mapped checkpoint or not) into
+/// `dst` of the same shape, converting its dtype: with pread where
+/// read_mapped_into applies, else through the mapping, whose pages are
+/// released after (release_mapped: views the caller alone holds).
+void read_into(at::Tensor& dst, const at::Tensor& src);
+
 } // namespace detail
 } // namespace checkpoint_io
 } // namespace colossalai

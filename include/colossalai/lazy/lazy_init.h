@@ -123,5 +123,11 @@ bool transform_lazy(
 /// first; what the file lacks stays lazy for `materialize`.
 bool assign_lazy(const at::Tensor& t, const at::Tensor& value);
 
+/// Installs `value` itself (no copy; its dtype, which may differ from
+/// `t`'s) in place of the lazy tensor `t`; false when `t` is not lazy.
+/// from_pretrained fills tensors of the dtype it loads in this way, so a
+/// model is never whole in float32 first.
+bool install_lazy(const at::Tensor& t, const at::Tensor& value);
+
 } // namespace lazy
 } // namespace colossalai
