@@ -15,9 +15,9 @@ shardformer::ShardInfo BertPolicy::shard(
   const auto tp = cfg.tensor_parallel_process_group();
   const auto mode = cfg.sp_mode();
   TORCH_CHECK(
-      mode != "all_to_all" && mode != "ring_attn",
+      !shardformer::on_sp_group(mode),
       "BertPolicy: sequence_parallelism_mode '",
-      mode,
+      shardformer::to_string(mode),
       "' is not supported for BERT (split_gather, ring)");
   auto& st = m.parallel_state();
   configure_parallel_state(
@@ -38,7 +38,7 @@ shardformer::ShardInfo BertPolicy::shard(
   sl::detail::shard_param_(m.cls->predictions->bias, bias_spec);
   info.specs["cls.predictions.bias"] = bias_spec;
 
-  const bool split_gather = split_gather_mode(mode);
+  const bool split_gather = shardformer::on_tensor_group(mode);
   // Activations between the row and the next column layer: sequence chunks
   // over tp under split_gather, replicated otherwise.
   const auto act_group = split_gather ? tp : nullptr;

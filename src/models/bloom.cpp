@@ -335,9 +335,9 @@ shardformer::ShardInfo BloomPolicy::shard(
   // ALiBi positions and the mask are built for the whole sequence, which
   // attention sees under split_gather only.
   TORCH_CHECK(
-      mode.empty() || mode == "split_gather" || mode == "ring",
+      !shardformer::on_sp_group(mode),
       "BloomPolicy: sequence_parallelism_mode '",
-      mode,
+      shardformer::to_string(mode),
       "' is not supported; BloomPolicy supports split_gather and ring");
   auto& st = m.parallel_state();
   configure_parallel_state(
@@ -345,7 +345,7 @@ shardformer::ShardInfo BloomPolicy::shard(
 
   auto& t = *m.transformer;
   shard_vocab_parallel(*t.word_embeddings, cfg);
-  const bool split_gather = split_gather_mode(mode);
+  const bool split_gather = shardformer::on_tensor_group(mode);
   // Activations between blocks: sequence chunks under split_gather.
   const auto act_group = split_gather ? tp : st.sp;
   shardformer::ShardInfo info;

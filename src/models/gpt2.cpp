@@ -102,7 +102,8 @@ at::Tensor GPT2AttentionImpl::forward(
   const int64_t b = qkv.size(0);
   int64_t t = qkv.size(1);
   int64_t heads = n_head_ / state_->tp_size();
-  const bool ulysses = state_->sp_mode == "all_to_all";
+  const bool ulysses =
+      state_->sp_mode == shardformer::SequenceParallelMode::kAllToAll;
   auto parts = qkv.view({b, t, 3, heads, head_dim_});
   if (ulysses) {
     // Sequence chunks with every head -> the whole sequence, sp-th of heads.
@@ -275,7 +276,7 @@ shardformer::ShardInfo GPT2Policy::shard(
 
   auto& t = *m.transformer;
   shard_vocab_parallel(*t.wte, cfg);
-  const bool split_gather = split_gather_mode(mode);
+  const bool split_gather = shardformer::on_tensor_group(mode);
   // Activations between blocks: sequence chunks under either sp mode.
   const auto act_group = split_gather ? tp : st.sp;
   set_dropout(t.drop, nullptr, false);

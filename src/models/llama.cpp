@@ -189,7 +189,7 @@ at::Tensor LlamaAttentionImpl::forward(
   // gathered it whole (the model then passes the whole sequence's).
   q = apply_rope(q.transpose(1, 2), positions, inv_freq_).transpose(1, 2);
   k = apply_rope(k.transpose(1, 2), positions, inv_freq_).transpose(1, 2);
-  if (st.sp_mode == "all_to_all") {
+  if (st.sp_mode == shardformer::SequenceParallelMode::kAllToAll) {
     q = to_head_shards(q, st.sp);
     k = to_head_shards(k, st.sp);
     v = to_head_shards(v, st.sp);
@@ -203,7 +203,7 @@ at::Tensor LlamaAttentionImpl::forward(
                nullptr,
                mask)
                .transpose(1, 2); // [B, T, H, D]
-  if (st.sp_mode == "all_to_all") {
+  if (st.sp_mode == shardformer::SequenceParallelMode::kAllToAll) {
     y = to_sequence_shards(y, st.sp);
   }
   return o_proj(y.reshape({b, y.size(1), -1}));
@@ -302,7 +302,7 @@ at::Tensor LlamaModelImpl::forward_stage(
                               : position_ids;
   }
   // Under split_gather attention sees the whole sequence: its positions.
-  at::Tensor rope_pos = st.sp_mode == "split_gather"
+  at::Tensor rope_pos = st.sp_mode == shardformer::SequenceParallelMode::kSplitGather
       ? (position_ids.defined() ? position_ids
                                 : at::arange(t, ids.options().dtype(at::kLong)))
       : pos;
@@ -399,7 +399,7 @@ shardformer::ShardInfo LlamaPolicy::shard(
       "LlamaPolicy",
       "num_key_value_heads");
 
-  const bool split_gather = split_gather_mode(mode);
+  const bool split_gather = shardformer::on_tensor_group(mode);
   auto& lm = *m.model;
   shard_vocab_parallel(*lm.embed_tokens, cfg);
   if (m.lm_head) {

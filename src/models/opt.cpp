@@ -365,9 +365,9 @@ shardformer::ShardInfo OPTPolicy::shard(
   const auto tp = cfg.tensor_parallel_process_group();
   const auto mode = cfg.sp_mode();
   TORCH_CHECK(
-      mode.empty() || mode == "split_gather" || mode == "ring",
+      !shardformer::on_sp_group(mode),
       "OPTPolicy: sequence_parallelism_mode '",
-      mode,
+      shardformer::to_string(mode),
       "' is not supported; OPTPolicy supports split_gather and ring");
   auto& st = m.parallel_state();
   configure_parallel_state(
@@ -379,7 +379,7 @@ shardformer::ShardInfo OPTPolicy::shard(
 
   auto& d = *m.model->decoder;
   shard_vocab_parallel(*d.embed_tokens, cfg);
-  const bool split_gather = split_gather_mode(mode);
+  const bool split_gather = shardformer::on_tensor_group(mode);
   // Activations between layers: sequence chunks over tp under split_gather.
   const auto act_group = split_gather ? tp : st.sp;
   shardformer::ShardInfo info;

@@ -36,10 +36,13 @@ void configure_parallel_state(
       ")");
   st.tp = cfg.tensor_parallel_process_group();
   // The layers carry "ring"; the model's forward sees split_gather.
-  st.sp_mode = cfg.sp_mode() == "ring" ? "split_gather" : cfg.sp_mode();
+  st.sp_mode = cfg.sp_mode() == shardformer::SequenceParallelMode::kRing
+      ? shardformer::SequenceParallelMode::kSplitGather
+      : cfg.sp_mode();
   st.sp = st.sequence_on_sp() ? cfg.sequence_parallel_process_group() : nullptr;
   TORCH_CHECK(
-      st.sp_mode != "all_to_all" || (heads / tp_size) % st.sp_size() == 0,
+      st.sp_mode != shardformer::SequenceParallelMode::kAllToAll ||
+          (heads / tp_size) % st.sp_size() == 0,
       policy,
       ": all_to_all sequence parallelism needs the ",
       what,
@@ -293,7 +296,7 @@ std::pair<at::Tensor, at::Tensor> sequence_chunk(
     return {ids, at::arange(t, ids.options().dtype(at::kLong))};
   }
   const int n = st.sp_size(), r = st.sp == nullptr ? 0 : st.sp->rank();
-  if (st.sp_mode == "ring_attn") {
+  if (st.sp_mode == shardformer::SequenceParallelMode::kRingAttn) {
     auto pos = sl::zigzag_positions(t, n)[r].to(ids.device());
     return {ids.index_select(1, pos), pos};
   }
@@ -314,11 +317,13 @@ bool sequence_split_output(const ParallelState& st) {
 }
 
 at::Tensor split_sequence(const at::Tensor& x, const ParallelState& st) {
-  return st.sp_mode == "split_gather" ? cdf::split_along_dim(x, 1, st.tp) : x;
+  return st.sp_mode == shardformer::SequenceParallelMode::kSplitGather
+      ? cdf::split_along_dim(x, 1, st.tp)
+      : x;
 }
 
 at::Tensor gather_sequence(const at::Tensor& x, const ParallelState& st) {
-  if (st.sp_mode == "split_gather") {
+  if (st.sp_mode == shardformer::SequenceParallelMode::kSplitGather) {
     return cdf::gather_along_dim(x, 1, st.tp);
   }
   if (!st.sequence_on_sp() || sequence_split_output(st)) {
@@ -326,7 +331,8 @@ at::Tensor gather_sequence(const at::Tensor& x, const ParallelState& st) {
   }
   auto whole =
       cdf::gather_along_dim(cdf::scale_grad(x, st.sp_size()), 1, st.sp);
-  if (st.sp_mode == "ring_attn" && st.sp_size() > 1) {
+  if (st.sp_mode == shardformer::SequenceParallelMode::kRingAttn &&
+      st.sp_size() > 1) {
     // Gathered in rank order of the zigzag chunks: back to token order.
     auto order = sl::zigzag_positions(whole.size(1), st.sp_size()).flatten();
     whole = whole.index_select(1, at::argsort(order).to(x.device()));
@@ -341,7 +347,7 @@ at::Tensor sequence_attention(
     const ParallelState& st,
     shardformer::layer::DropoutImpl* dropout,
     const at::Tensor& mask) {
-  if (st.sp_mode != "ring_attn") {
+  if (st.sp_mode != shardformer::SequenceParallelMode::kRingAttn) {
     return attention(q, k, v, dropout, mask);
   }
   TORCH_CHECK(
@@ -362,17 +368,13 @@ at::Tensor sequence_attention(
       st.sp);
 }
 
-bool split_gather_mode(const std::string& sp_mode) {
-  return sp_mode == "split_gather" || sp_mode == "ring";
-}
-
 void shard_linears(
     std::initializer_list<sl::Linear1D_ColImpl*> cols,
     std::initializer_list<sl::Linear1D_RowImpl*> rows,
     const distributed::ProcessGroupPtr& tp,
-    const std::string& sp_mode) {
-  const bool seq_parallel = split_gather_mode(sp_mode);
-  const bool ring = sp_mode == "ring";
+    shardformer::SequenceParallelMode sp_mode) {
+  const bool seq_parallel = shardformer::on_tensor_group(sp_mode);
+  const bool ring = sp_mode == shardformer::SequenceParallelMode::kRing;
   for (auto* col : cols) {
     col->options.seq_parallel(seq_parallel).ring(ring);
     col->shard_(tp);

@@ -3,16 +3,49 @@
 namespace colossalai {
 namespace shardformer {
 
+SequenceParallelMode parse_sequence_parallel_mode(
+    const std::string& name,
+    const char* who) {
+  using M = SequenceParallelMode;
+  for (M m : {M::kSplitGather, M::kRing, M::kAllToAll, M::kRingAttn}) {
+    if (name == to_string(m)) {
+      return m;
+    }
+  }
+  TORCH_CHECK(
+      false,
+      who,
+      ": sequence_parallelism_mode must be 'split_gather', 'ring', "
+      "'all_to_all' or 'ring_attn', got '",
+      name,
+      "'");
+}
+
+const char* to_string(SequenceParallelMode mode) {
+  switch (mode) {
+    case SequenceParallelMode::kSplitGather:
+      return "split_gather";
+    case SequenceParallelMode::kRing:
+      return "ring";
+    case SequenceParallelMode::kAllToAll:
+      return "all_to_all";
+    case SequenceParallelMode::kRingAttn:
+      return "ring_attn";
+    case SequenceParallelMode::kNone:
+      break;
+  }
+  return "";
+}
+
 int ShardConfig::sp_size() const {
-  if (!enable_sequence_parallelism_) {
+  const auto mode = sp_mode();
+  if (mode == SequenceParallelMode::kNone) {
     return 1;
   }
   // all_to_all and ring_attn have their own axis; split_gather and ring
   // run on the tensor group.
-  const auto& g = sequence_parallelism_mode_ == "all_to_all" ||
-          sequence_parallelism_mode_ == "ring_attn"
-      ? sequence_parallel_process_group_
-      : tensor_parallel_process_group_;
+  const auto& g = on_sp_group(mode) ? sequence_parallel_process_group_
+                                    : tensor_parallel_process_group_;
   return g == nullptr ? 1 : g->size();
 }
 
@@ -93,15 +126,12 @@ ShardInfo shard_model(
     const ShardConfig& config,
     std::shared_ptr<Policy> policy) {
   policy = resolve_policy(model, std::move(policy));
-  const auto mode = config.sequence_parallelism_mode();
+  const auto mode = config.enable_sequence_parallelism()
+      ? parse_sequence_parallel_mode(
+            config.sequence_parallelism_mode(), "shard_model")
+      : SequenceParallelMode::kNone;
   TORCH_CHECK(
-      !config.enable_sequence_parallelism() || mode == "split_gather" ||
-          mode == "ring" || mode == "all_to_all" || mode == "ring_attn",
-      "shard_model: sequence_parallelism_mode '",
-      mode,
-      "' is not supported (split_gather, ring, all_to_all, ring_attn)");
-  TORCH_CHECK(
-      !(config.enable_sequence_parallelism() && mode == "all_to_all" &&
+      !(mode == SequenceParallelMode::kAllToAll &&
         config.sequence_parallel_process_group() == nullptr),
       "shard_model: all_to_all sequence parallelism needs "
       "sequence_parallel_process_group");

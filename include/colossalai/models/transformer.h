@@ -29,9 +29,11 @@ namespace models {
 /// the defaults are a whole model on one process).
 struct ParallelState {
   distributed::ProcessGroupPtr tp;
-  /// "", "split_gather" (over `tp`), or "all_to_all" / "ring_attn" (over
+  /// kNone, kSplitGather (over `tp`; ring's layers overlap their matmuls,
+  /// the model's forward sees split_gather), or kAllToAll / kRingAttn (over
   /// `sp`).
-  std::string sp_mode;
+  shardformer::SequenceParallelMode sp_mode =
+      shardformer::SequenceParallelMode::kNone;
   distributed::ProcessGroupPtr sp;
   bool parallel_output = true;
   /// Share of the blocks (the first ones) that recompute their activations
@@ -47,7 +49,7 @@ struct ParallelState {
   /// Whether the tokens are split over `sp` from the embeddings to the final
   /// norm (all_to_all, ring_attn).
   bool sequence_on_sp() const {
-    return sp_mode == "all_to_all" || sp_mode == "ring_attn";
+    return shardformer::on_sp_group(sp_mode);
   }
 };
 
@@ -238,11 +240,6 @@ const T& policy_model(
   return *m;
 }
 
-/// Whether a ShardConfig's sp_mode splits the sequence between blocks over
-/// the tensor group: split_gather, and ring (split_gather with
-/// ring-overlapped matmuls in the layers).
-bool split_gather_mode(const std::string& sp_mode);
-
 /// Shards a vocabulary-parallel embedding or LM head (anything with
 /// Embedding1DOptions and shard_) over the config's tensor group, its
 /// vocabulary padded to make_vocab_size_divisible_by, as every family's
@@ -262,7 +259,7 @@ void shard_linears(
     std::initializer_list<shardformer::layer::Linear1D_ColImpl*> cols,
     std::initializer_list<shardformer::layer::Linear1D_RowImpl*> rows,
     const distributed::ProcessGroupPtr& tp,
-    const std::string& sp_mode);
+    shardformer::SequenceParallelMode sp_mode);
 
 /// Points `d` at `group` (null: none), its input `sharded` over it (each
 /// rank its own mask) or replicated (the same mask), and resets it so its

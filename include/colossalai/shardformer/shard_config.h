@@ -21,6 +21,36 @@
 namespace colossalai {
 namespace shardformer {
 
+/// Sequence parallelism's modes, as ColossalAI names them in
+/// `sequence_parallelism_mode`; options keep Python's strings, code past
+/// the option checks compares these.
+enum class SequenceParallelMode {
+  kNone, ///< off
+  kSplitGather, ///< "split_gather": over the tensor group (Megatron's)
+  kRing, ///< "ring": split_gather with ring-overlapped matmuls
+  kAllToAll, ///< "all_to_all": Ulysses, on the sp group
+  kRingAttn, ///< "ring_attn": ring attention, on the sp group
+};
+
+/// The mode `name` names ("split_gather", "ring", "all_to_all",
+/// "ring_attn"); an error starting with `who` names the accepted ones.
+SequenceParallelMode parse_sequence_parallel_mode(
+    const std::string& name,
+    const char* who);
+/// The option string of a mode ("" for kNone).
+const char* to_string(SequenceParallelMode mode);
+/// Whether a mode splits the sequence over the tensor group (split_gather,
+/// ring) rather than over its own sp group (all_to_all, ring_attn).
+inline bool on_tensor_group(SequenceParallelMode mode) {
+  return mode == SequenceParallelMode::kSplitGather ||
+      mode == SequenceParallelMode::kRing;
+}
+/// Whether a mode has a group of its own (all_to_all, ring_attn).
+inline bool on_sp_group(SequenceParallelMode mode) {
+  return mode == SequenceParallelMode::kAllToAll ||
+      mode == SequenceParallelMode::kRingAttn;
+}
+
 struct ShardConfig {
   int tp_size() const {
     return tensor_parallel_process_group_ == nullptr
@@ -30,9 +60,13 @@ struct ShardConfig {
   /// The sequence-parallel size: the sp group's for all_to_all, the tensor
   /// group's for split_gather, 1 without sequence parallelism.
   int sp_size() const;
-  /// The mode when sequence parallelism is on, "" otherwise.
-  std::string sp_mode() const {
-    return enable_sequence_parallelism_ ? sequence_parallelism_mode_ : "";
+  /// The mode when sequence parallelism is on, kNone otherwise (an error
+  /// for a mode that does not exist).
+  SequenceParallelMode sp_mode() const {
+    return enable_sequence_parallelism_
+        ? parse_sequence_parallel_mode(
+              sequence_parallelism_mode_, "ShardConfig")
+        : SequenceParallelMode::kNone;
   }
 
   // TORCH_ARG leaves the access at private; keep the fields last.
@@ -43,7 +77,7 @@ struct ShardConfig {
   TORCH_ARG(distributed::ProcessGroupPtr, sequence_parallel_process_group) =
       nullptr;
   TORCH_ARG(bool, enable_sequence_parallelism) = false;
-  /// "split_gather" or "all_to_all".
+  /// "split_gather", "ring", "all_to_all" or "ring_attn".
   TORCH_ARG(std::string, sequence_parallelism_mode) = "split_gather";
   /// Accepted with no effect: colossalai::models (Bloom's ALiBi aside) use
   /// at::scaled_dot_product_attention on 2.x whenever attention dropout is

@@ -69,7 +69,7 @@ HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
   dp_group_ = mesh_->get_group_along_axis(dp_axis);
   mixed_dp_group_ = mesh_->get_group_along_axis({dp_axis, sp_axis});
   pp_group_ = mesh_->get_group_along_axis(pp_axis);
-  sp_group_ = detail::sp_on_tensor_group(sp_mode_) ? tp_group_ : sp_axis_group;
+  sp_group_ = shardformer::on_tensor_group(sp_mode_) ? tp_group_ : sp_axis_group;
   // Tied parameters of the first and last stage (two ranks unless the V
   // puts both on the first): their gradients are summed between the two.
   if (pp > 1 && options_.pp_style() != "zbv") {
@@ -160,10 +160,13 @@ void HybridParallelPlugin::apply_tensor_parallel(
   cfg.tensor_parallel_process_group(
          options_.tp_size() > 1 ? tp_group_ : nullptr)
       .sequence_parallel_process_group(
-          sp_mode_ == "all_to_all" || sp_mode_ == "ring_attn" ? sp_group_
-                                                              : nullptr)
-      .enable_sequence_parallelism(!sp_mode_.empty())
-      .sequence_parallelism_mode(sp_mode_.empty() ? "split_gather" : sp_mode_)
+          shardformer::on_sp_group(sp_mode_) ? sp_group_ : nullptr)
+      .enable_sequence_parallelism(
+          sp_mode_ != shardformer::SequenceParallelMode::kNone)
+      .sequence_parallelism_mode(
+          sp_mode_ == shardformer::SequenceParallelMode::kNone
+              ? "split_gather"
+              : shardformer::to_string(sp_mode_))
       .enable_flash_attention(all || options_.enable_flash_attention())
       .enable_fused_normalization(all || options_.enable_fused_normalization())
       .enable_jit_fused(false)

@@ -268,6 +268,26 @@ class HybridParallelPlugin : public DPPluginBase {
   }
 
  private:
+  // NOTE [Parallel steps]
+  // configure composes steps over the mesh's groups; each reads what the
+  // ones before it built:
+  //   apply_tensor_parallel  the policy shards layers in place -> info_
+  //   apply_pipeline         this stage's layers kept -> held names
+  //   build_placement        PlacementTable: each parameter's Placement
+  //                          per mesh axis, stage, tie owner
+  //   apply_data_parallel    DDP or ZeRO over dp x sp, reading the table
+  //                          (partial gradients, the global norm)
+  // The table is the one description later steps, the optimizers and the
+  // checkpoint IO read. Expert parallelism (MoE) would be one more step
+  // after tensor parallelism: apply_expert_parallel keeps this rank's
+  // experts (an "ep" axis carved from dp), records their weights as
+  // Shard(0) on "ep" in the table, and its layers route tokens with
+  // all_to_all over ep; checkpoint IO then gathers experts along "ep" as
+  // it does along "tp". What it would change here: apply_data_parallel
+  // takes one group (dp x sp) for every parameter, and an expert's
+  // gradient is reduced over the dp ranks holding the same expert, so the
+  // step would read each parameter's reduction group from the table.
+  //
   // configure's steps, in order (each fills the members it names).
   // Tensor (and sequence) parallelism: shards the layers as the policy
   // says (info_, policy_); a lazy model without pipeline materialises here.
@@ -302,7 +322,8 @@ class HybridParallelPlugin : public DPPluginBase {
 
   HybridParallelPluginOptions options_;
   at::ScalarType dtype_;
-  std::string sp_mode_;
+  shardformer::SequenceParallelMode sp_mode_ =
+      shardformer::SequenceParallelMode::kNone;
   int sp_size_ = 1;
   distributed::ProcessGroupPtr tp_group_, sp_group_, mixed_dp_group_, pp_group_;
   shardformer::ShardInfo info_;

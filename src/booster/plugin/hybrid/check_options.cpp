@@ -122,28 +122,22 @@ HybridLayout check_hybrid_options(
   int sp = 1;
   if (o.enable_sequence_parallelism()) {
     out.sp_mode = o.sequence_parallelism_mode().empty()
-        ? "all_to_all"
-        : o.sequence_parallelism_mode();
-    TORCH_CHECK(
-        out.sp_mode == "split_gather" || out.sp_mode == "all_to_all" ||
-            out.sp_mode == "ring" || out.sp_mode == "ring_attn",
-        kName,
-        ": sequence_parallelism_mode must be 'split_gather', 'ring', "
-        "'all_to_all' or 'ring_attn', got '",
-        out.sp_mode,
-        "'");
-    if (sp_on_tensor_group(out.sp_mode)) {
+        ? shardformer::SequenceParallelMode::kAllToAll
+        : shardformer::parse_sequence_parallel_mode(
+              o.sequence_parallelism_mode(), kName);
+    const char* mode = shardformer::to_string(out.sp_mode);
+    if (shardformer::on_tensor_group(out.sp_mode)) {
       TORCH_CHECK(
           tp > 1,
           kName,
           ": sequence_parallelism_mode '",
-          out.sp_mode,
+          mode,
           "' runs on the tensor group and needs tp_size > 1");
       TORCH_CHECK(
           o.sp_size() <= 1,
           kName,
           ": sp_size is set by tp_size under '",
-          out.sp_mode,
+          mode,
           "'; leave sp_size unset (got ",
           o.sp_size(),
           ")");
@@ -164,7 +158,7 @@ HybridLayout check_hybrid_options(
         ": sequence_parallelism_mode is set but "
         "enable_sequence_parallelism is false");
   }
-  out.sp_size = sp_on_tensor_group(out.sp_mode) ? tp : sp;
+  out.sp_size = shardformer::on_tensor_group(out.sp_mode) ? tp : sp;
   TORCH_CHECK(
       world % (tp * pp * sp) == 0,
       kName,

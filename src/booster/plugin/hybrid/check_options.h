@@ -12,8 +12,9 @@ namespace detail {
 /// What HybridParallelPlugin's options resolve to, once checked.
 struct HybridLayout {
   at::ScalarType dtype = at::kFloat;
-  /// The sequence-parallel mode ("" when off).
-  std::string sp_mode;
+  /// The sequence-parallel mode (kNone when off).
+  shardformer::SequenceParallelMode sp_mode =
+      shardformer::SequenceParallelMode::kNone;
   /// Ranks a sequence is split over (the tensor group's size under
   /// split_gather and ring).
   int sp_size = 1;
@@ -21,11 +22,6 @@ struct HybridLayout {
   int sp_axis_size = 1;
   int dp_size = 1;
 };
-
-/// split_gather and ring split the sequence over the tensor group.
-inline bool sp_on_tensor_group(const std::string& sp_mode) {
-  return sp_mode == "split_gather" || sp_mode == "ring";
-}
 
 /// Checks every option against the others and the world size; an error
 /// names the option and what to set instead.

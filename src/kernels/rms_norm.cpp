@@ -1,0 +1,204 @@
+// RMSNorm (NOTE [Kernels]): the reference path, and the fused algorithm as
+// an autograd Function that launches rms_norm.cu's kernels on a GPU and
+// runs the same algorithm in ATen on the CPU.
+
+#include <colossalai/kernels/rms_norm.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+#include "rms_norm_cuda.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace colossalai {
+namespace kernels {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+cuda::Dtype cuda_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return cuda::Dtype::kFloat;
+    case at::kHalf:
+      return cuda::Dtype::kHalf;
+    default:
+      TORCH_INTERNAL_ASSERT(t == at::kBFloat16, "rms_norm: no kernel for ", t);
+      return cuda::Dtype::kBFloat16;
+  }
+}
+
+void check_launch(cudaError_t e, const char* what) {
+  TORCH_CHECK(
+      e == cudaSuccess, "rms_norm: ", what, " failed: ", cudaGetErrorString(e));
+}
+#endif
+
+// The forward's output and the float32 statistic per row it saves.
+std::pair<at::Tensor, at::Tensor> fused_forward(
+    const at::Tensor& x,
+    const at::Tensor& weight,
+    double eps) {
+  const int64_t cols = x.size(-1);
+  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (x.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto y = at::empty_like(x);
+    auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+    if (rows > 0) {
+      check_launch(
+          cuda::rms_norm_forward(
+              cuda_dtype(x.scalar_type()),
+              x.data_ptr(),
+              weight.data_ptr(),
+              y.data_ptr(),
+              rstd.data_ptr<float>(),
+              rows,
+              cols,
+              static_cast<float>(eps),
+              c10::cuda::getCurrentCUDAStream().stream()),
+          "the forward kernel");
+    }
+    return {y, rstd};
+  }
+#endif
+  const auto xf = x.reshape({rows, cols}).to(at::kFloat);
+  auto rstd = at::rsqrt(xf.pow(2).mean(-1) + eps);
+  auto normed = (xf * rstd.unsqueeze(-1)).to(x.scalar_type());
+  return {(weight * normed).reshape(x.sizes()), rstd};
+}
+
+// dx and dweight from dy, the inputs and the saved statistic.
+std::pair<at::Tensor, at::Tensor> fused_backward(
+    const at::Tensor& dy,
+    const at::Tensor& x,
+    const at::Tensor& weight,
+    const at::Tensor& rstd) {
+  const int64_t cols = x.size(-1);
+  const int64_t rows = rstd.numel();
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (x.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto dx = at::empty_like(x);
+    auto dweight = at::empty_like(weight);
+    if (rows == 0) {
+      return {dx, dweight.zero_()};
+    }
+    auto partial = at::empty(
+        {cuda::rms_norm_weight_chunks(rows), cols},
+        x.options().dtype(at::kFloat));
+    check_launch(
+        cuda::rms_norm_backward(
+            cuda_dtype(x.scalar_type()),
+            dy.data_ptr(),
+            x.data_ptr(),
+            weight.data_ptr(),
+            rstd.data_ptr<float>(),
+            dx.data_ptr(),
+            partial.data_ptr<float>(),
+            dweight.data_ptr(),
+            rows,
+            cols,
+            c10::cuda::getCurrentCUDAStream().stream()),
+        "the backward kernels");
+    return {dx, dweight};
+  }
+#endif
+  const auto type = x.scalar_type();
+  const auto xf = x.reshape({rows, cols}).to(at::kFloat);
+  const auto dyr = dy.reshape({rows, cols});
+  const auto r = rstd.unsqueeze(-1);
+  // Rounded where the reference's ops round (results of dtype `type`).
+  const auto normed = (xf * r).to(type);
+  auto dweight = (dyr * normed).sum(0);
+  const auto dn = (dyr * weight).to(at::kFloat);
+  const auto dot = (dn * xf).sum(-1, true);
+  auto dx = (r * dn - r.pow(3) * xf * dot / static_cast<double>(cols))
+                .to(type)
+                .reshape(x.sizes());
+  return {dx, dweight};
+}
+
+struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& x,
+      const at::Tensor& weight,
+      double eps) {
+    auto out = fused_forward(x, weight, eps);
+    ctx->save_for_backward({x, weight, out.second});
+    return out.first;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto dy = grads[0].contiguous();
+    auto g = fused_backward(dy, saved[0], saved[1], saved[2]);
+    return {g.first, g.second, at::Tensor()};
+  }
+};
+
+} // namespace
+
+at::Tensor rms_norm_reference(
+    const at::Tensor& x,
+    const at::Tensor& weight,
+    double eps) {
+  auto xf = x.to(at::kFloat);
+  auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+bool rms_norm_fused_applies(const at::Tensor& x, const at::Tensor& weight) {
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  const auto t = x.scalar_type();
+  return x.defined() && weight.defined() && x.is_cuda() &&
+      weight.device() == x.device() && x.dim() >= 1 &&
+      weight.dim() == 1 && weight.size(0) == x.size(-1) &&
+      weight.scalar_type() == t &&
+      (t == at::kFloat || t == at::kHalf || t == at::kBFloat16);
+#else
+  (void)x;
+  (void)weight;
+  return false;
+#endif
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_fused_applies(x, weight)
+      ? detail::rms_norm_fused(x, weight, eps)
+      : rms_norm_reference(x, weight, eps);
+}
+
+namespace detail {
+
+at::Tensor rms_norm_fused(
+    const at::Tensor& x,
+    const at::Tensor& weight,
+    double eps) {
+  TORCH_CHECK(
+      x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1) &&
+          weight.scalar_type() == x.scalar_type(),
+      "rms_norm: weight must be one-dimensional of x's last size (",
+      x.dim() >= 1 ? x.size(-1) : 0,
+      ") and x's dtype (",
+      x.scalar_type(),
+      "), got shape ",
+      weight.sizes(),
+      " and ",
+      weight.scalar_type());
+  return RmsNormFunction::apply(x.contiguous(), weight.contiguous(), eps);
+}
+
+} // namespace detail
+
+} // namespace kernels
+} // namespace colossalai

@@ -1,0 +1,295 @@
+// RMSNorm's CUDA kernels: the forward (one block per row, the row's
+// statistic kept for the backward) and the backward (dx one block per row;
+// dweight summed over rows by column tiles, then over row blocks). Each
+// rounds where the reference's ATen ops round: the normalised value to the
+// input's dtype before the weight, dy * weight and dy * normalised to it.
+
+#include "rms_norm_cuda.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace colossalai {
+namespace kernels {
+namespace cuda {
+
+namespace {
+
+constexpr int kRowThreads = 256;
+constexpr int kTileCols = 32;
+constexpr int kTileRows = 8;
+
+__device__ __forceinline__ float to_float(float v) {
+  return v;
+}
+__device__ __forceinline__ float to_float(__half v) {
+  return __half2float(v);
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <class T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// What an ATen op whose result is T gives, read back as float.
+template <class T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// The sum over the block, in every thread. `shared` holds a float per warp.
+__device__ float block_sum(float v, float* shared) {
+  for (int o = 16; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) {
+    shared[warp] = v;
+  }
+  __syncthreads();
+  v = lane < static_cast<int>(blockDim.x / 32) ? shared[lane] : 0.f;
+  for (int o = 16; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  __syncthreads(); // `shared` is free for the next sum
+  return v;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kRowThreads) forward_kernel(
+    const T* __restrict__ x,
+    const T* __restrict__ weight,
+    T* __restrict__ y,
+    float* __restrict__ rstd,
+    int64_t cols,
+    float eps) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  T* yr = y + row * cols;
+  float squares = 0.f;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = to_float(xr[c]);
+    squares += v * v;
+  }
+  squares = block_sum(squares, shared);
+  const float r = rsqrtf(squares / static_cast<float>(cols) + eps);
+  if (threadIdx.x == 0) {
+    rstd[row] = r;
+  }
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float normed = round_to<T>(to_float(xr[c]) * r);
+    yr[c] = from_float<T>(to_float(weight[c]) * normed);
+  }
+}
+
+// dx = r * dn - r^3 * x * sum(dn * x) / cols, dn = round(dy * weight).
+template <class T>
+__global__ void __launch_bounds__(kRowThreads) input_grad_kernel(
+    const T* __restrict__ dy,
+    const T* __restrict__ x,
+    const T* __restrict__ weight,
+    const float* __restrict__ rstd,
+    T* __restrict__ dx,
+    int64_t cols) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x;
+  const T* dyr = dy + row * cols;
+  const T* xr = x + row * cols;
+  T* dxr = dx + row * cols;
+  const float r = rstd[row];
+  float dot = 0.f;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    dot += round_to<T>(to_float(dyr[c]) * to_float(weight[c])) * to_float(xr[c]);
+  }
+  dot = block_sum(dot, shared);
+  const float k = r * r * r * dot / static_cast<float>(cols);
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float dn = round_to<T>(to_float(dyr[c]) * to_float(weight[c]));
+    dxr[c] = from_float<T>(r * dn - k * to_float(xr[c]));
+  }
+}
+
+// partial[chunk][c] = sum over the chunk's rows of round(dy * normed): a
+// block of kTileCols consecutive columns (coalesced along a warp) and
+// kTileRows row lanes; gridDim.y chunks stride over the rows.
+template <class T>
+__global__ void weight_grad_kernel(
+    const T* __restrict__ dy,
+    const T* __restrict__ x,
+    const float* __restrict__ rstd,
+    float* __restrict__ partial,
+    int64_t rows,
+    int64_t cols) {
+  __shared__ float part[kTileRows][kTileCols + 1];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x;
+  float acc = 0.f;
+  if (c < cols) {
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * kTileRows + threadIdx.y;
+         r < rows;
+         r += static_cast<int64_t>(gridDim.y) * kTileRows) {
+      const int64_t i = r * cols + c;
+      const float normed = round_to<T>(to_float(x[i]) * rstd[r]);
+      acc += round_to<T>(to_float(dy[i]) * normed);
+    }
+  }
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float sum = 0.f;
+    for (int i = 0; i < kTileRows; ++i) {
+      sum += part[i][threadIdx.x];
+    }
+    partial[static_cast<int64_t>(blockIdx.y) * cols + c] = sum;
+  }
+}
+
+template <class T>
+__global__ void sum_chunks_kernel(
+    const float* __restrict__ partial,
+    int64_t chunks,
+    T* __restrict__ dweight,
+    int64_t cols) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) {
+    return;
+  }
+  float sum = 0.f;
+  for (int64_t i = 0; i < chunks; ++i) {
+    sum += partial[i * cols + c];
+  }
+  dweight[c] = from_float<T>(sum);
+}
+
+template <class T>
+cudaError_t forward(
+    const void* x,
+    const void* weight,
+    void* y,
+    float* rstd,
+    int64_t rows,
+    int64_t cols,
+    float eps,
+    cudaStream_t stream) {
+  forward_kernel<T><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
+      static_cast<const T*>(x),
+      static_cast<const T*>(weight),
+      static_cast<T*>(y),
+      rstd,
+      cols,
+      eps);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t backward(
+    const void* dy,
+    const void* x,
+    const void* weight,
+    const float* rstd,
+    void* dx,
+    float* partial,
+    void* dweight,
+    int64_t rows,
+    int64_t cols,
+    cudaStream_t stream) {
+  input_grad_kernel<T>
+      <<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
+          static_cast<const T*>(dy),
+          static_cast<const T*>(x),
+          static_cast<const T*>(weight),
+          rstd,
+          static_cast<T*>(dx),
+          cols);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return e;
+  }
+  const int64_t chunks = rms_norm_weight_chunks(rows);
+  const dim3 tiles(
+      static_cast<unsigned>((cols + kTileCols - 1) / kTileCols),
+      static_cast<unsigned>(chunks));
+  weight_grad_kernel<T><<<tiles, dim3(kTileCols, kTileRows), 0, stream>>>(
+      static_cast<const T*>(dy),
+      static_cast<const T*>(x),
+      rstd,
+      partial,
+      rows,
+      cols);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return e;
+  }
+  sum_chunks_kernel<T>
+      <<<static_cast<unsigned>((cols + 255) / 256), 256, 0, stream>>>(
+          partial, chunks, static_cast<T*>(dweight), cols);
+  return cudaGetLastError();
+}
+
+} // namespace
+
+cudaError_t rms_norm_forward(
+    Dtype dtype,
+    const void* x,
+    const void* weight,
+    void* y,
+    float* rstd,
+    int64_t rows,
+    int64_t cols,
+    float eps,
+    cudaStream_t stream) {
+  switch (dtype) {
+    case Dtype::kFloat:
+      return forward<float>(x, weight, y, rstd, rows, cols, eps, stream);
+    case Dtype::kHalf:
+      return forward<__half>(x, weight, y, rstd, rows, cols, eps, stream);
+    case Dtype::kBFloat16:
+      return forward<__nv_bfloat16>(
+          x, weight, y, rstd, rows, cols, eps, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t rms_norm_backward(
+    Dtype dtype,
+    const void* dy,
+    const void* x,
+    const void* weight,
+    const float* rstd,
+    void* dx,
+    float* partial,
+    void* dweight,
+    int64_t rows,
+    int64_t cols,
+    cudaStream_t stream) {
+  switch (dtype) {
+    case Dtype::kFloat:
+      return backward<float>(
+          dy, x, weight, rstd, dx, partial, dweight, rows, cols, stream);
+    case Dtype::kHalf:
+      return backward<__half>(
+          dy, x, weight, rstd, dx, partial, dweight, rows, cols, stream);
+    case Dtype::kBFloat16:
+      return backward<__nv_bfloat16>(
+          dy, x, weight, rstd, dx, partial, dweight, rows, cols, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+} // namespace cuda
+} // namespace kernels
+} // namespace colossalai

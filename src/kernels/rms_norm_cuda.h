@@ -1,0 +1,54 @@
+#pragma once
+
+// rms_norm's CUDA launchers (rms_norm.cu), over plain pointers: nvcc's
+// translation unit includes no ATen (NOTE [Kernels]). Each returns the
+// launch's error.
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace colossalai {
+namespace kernels {
+namespace cuda {
+
+enum class Dtype { kFloat, kHalf, kBFloat16 };
+
+/// y = weight * round(x * rstd), rstd = 1 / sqrt(mean(x^2) + eps) per row,
+/// saved in `rstd` (float32, one per row). Contiguous rows of `cols`.
+cudaError_t rms_norm_forward(
+    Dtype dtype,
+    const void* x,
+    const void* weight,
+    void* y,
+    float* rstd,
+    int64_t rows,
+    int64_t cols,
+    float eps,
+    cudaStream_t stream);
+
+/// Row blocks the weight gradient is summed in (the float32 scratch holds
+/// chunks x cols partial sums).
+inline int64_t rms_norm_weight_chunks(int64_t rows) {
+  const int64_t chunks = (rows + 63) / 64;
+  return chunks < 1 ? 1 : (chunks > 128 ? 128 : chunks);
+}
+
+/// dx, and dweight summed over rows through `partial` (float32,
+/// rms_norm_weight_chunks(rows) x cols).
+cudaError_t rms_norm_backward(
+    Dtype dtype,
+    const void* dy,
+    const void* x,
+    const void* weight,
+    const float* rstd,
+    void* dx,
+    float* partial,
+    void* dweight,
+    int64_t rows,
+    int64_t cols,
+    cudaStream_t stream);
+
+} // namespace cuda
+} // namespace kernels
+} // namespace colossalai
