@@ -50,7 +50,8 @@ includes=()
 # The tokenizer's sources (no LibTorch), for both tokenizer targets.
 tokenizer_sources=("$repo/src/models/tokenizer.cpp" "$repo/src/models/tokenizer_files.cpp"
   "$repo/src/models/tokenizer_json.cpp" "$repo/src/models/tokenizer_literals.cpp"
-  "$repo/src/models/tokenizer_sentencepiece.cpp" "$repo/src/models/tokenizer_save.cpp"
+  "$repo/src/models/tokenizer_sentencepiece.cpp" "$repo/src/models/tokenizer_sentencepiece_pipeline.cpp"
+  "$repo/src/models/tokenizer_sentencepiece_encode.cpp" "$repo/src/models/tokenizer_save.cpp"
   "$repo/src/models/tokenizer_unicode.cpp" "$repo/src/models/tokenizer_pretokenize.cpp"
   "$repo/src/models/unicode_nfc.cpp" "$repo/src/utils/bounded_read.cpp")
 tokenizer_headers=("$repo/include/colossalai/models/tokenizer.h" "$repo/src/models/tokenizer_internal.h"
@@ -80,10 +81,13 @@ case "$target" in
     ;;
   adapter_config)
     sources=("$repo/fuzz/adapter_config_fuzz.cpp" "$repo/src/lora/lora_config.cpp"
-             "$repo/src/lora/lora_model.cpp" "$repo/src/lora/module_regex.cpp"
-             "$repo/src/utils/bounded_read.cpp")
+             "$repo/src/lora/lora_model.cpp" "$repo/src/lora/lora_model_plan.cpp"
+             "$repo/src/lora/lora_model_io.cpp" "$repo/src/lora/module_regex.cpp"
+             "$repo/src/lora/module_regex_parse.cpp" "$repo/src/lora/module_regex_atoms.cpp"
+             "$repo/src/lora/module_regex_compile.cpp" "$repo/src/utils/bounded_read.cpp")
     headers=("$repo/include/colossalai/lora/lora_config.h" "$repo/include/colossalai/lora/lora_model.h"
-             "$repo/src/lora/module_regex.h" "$repo/src/utils/bounded_read.h")
+             "$repo/src/lora/lora_model_internal.h" "$repo/src/lora/module_regex.h"
+             "$repo/src/lora/module_regex_internal.h" "$repo/src/utils/bounded_read.h")
     lib="${COLOSSALAI_LIB:-$repo/build/libcolossalai.a}"
     [[ -f "$lib" ]] || { echo "fuzz/run.sh adapter_config: build the library first ($lib)" >&2; exit 2; }
     extra_link=("$lib" -lgomp -lpthread -lz)

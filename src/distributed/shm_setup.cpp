@@ -1,31 +1,28 @@
 #include "shm_channel.h"
 
-// Setting up a group's shared-memory segment (ShmChannel::open) and its
-// budget. See NOTE [Segments that cannot outlive their job].
+// Setting up a group's shared-memory segment (ShmChannel::open): the
+// members agree through the store, rank 0 makes the segment and hands it
+// over (shm_setup_memfd.cpp), each member maps it, within the per-process
+// budget (NOTE [Shared-memory budget]). See NOTE [Segments that cannot
+// outlive their job] in shm_setup_memfd.cpp.
 
 #if defined(__linux__)
 
 #include "../utils/fault_point.h"
 #include "shm_segment.h"
+#include "shm_setup_internal.h"
 
 #include <colossalai/distributed/error.h>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <climits>
-#include <cstddef>
-#include <cstring>
-#include <fstream>
-#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -34,55 +31,7 @@ namespace colossalai {
 namespace distributed {
 namespace detail {
 
-std::atomic<int64_t>& mapped_segment_bytes() {
-  static std::atomic<int64_t> bytes{0};
-  return bytes;
-}
-
-std::string read_line(const std::string& path) {
-  std::ifstream f(path);
-  std::string s;
-  std::getline(f, s);
-  return s;
-}
-
-bool process_state(int pid, char* state, uint64_t* start_time) {
-  const std::string s = read_line("/proc/" + std::to_string(pid) + "/stat");
-  const auto close = s.rfind(')');
-  if (close == std::string::npos) {
-    return false;
-  }
-  std::istringstream is(s.substr(close + 2));
-  std::string field;
-  is >> *state;
-  for (int i = 4; i < 22 && (is >> field); ++i) {
-  }
-  return static_cast<bool>(is >> *start_time);
-}
-
 namespace {
-
-std::string read_link(const char* path) {
-  char buf[256];
-  ssize_t n = ::readlink(path, buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
-}
-
-// Equal on two processes when they share the host, its boot, and the IPC,
-// PID and network namespaces (a peer's pid means the same process; ranks
-// in separate network namespaces are kept apart as separate hosts).
-std::string identity() {
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  const std::string boot = read_line("/proc/sys/kernel/random/boot_id");
-  const std::string ipc = read_link("/proc/self/ns/ipc");
-  const std::string pid = read_link("/proc/self/ns/pid");
-  const std::string net = read_link("/proc/self/ns/net");
-  if (boot.empty() || ipc.empty() || pid.empty() || net.empty()) {
-    return "unknown:" + std::to_string(::getpid()); // never shared
-  }
-  return std::string(host) + "|" + boot + "|" + ipc + "|" + pid + "|" + net;
-}
 
 std::vector<uint8_t> bytes_of(const std::string& s) {
   return std::vector<uint8_t>(s.begin(), s.end());
@@ -91,21 +40,6 @@ std::vector<uint8_t> bytes_of(const std::string& s) {
 std::string string_of(const std::vector<uint8_t>& v) {
   return std::string(v.begin(), v.end());
 }
-
-// NOTE [Segments that cannot outlive their job]
-// A named segment (shm_open in /dev/shm) outlives every process that dies
-// before unlinking it: a rank killed while a group sets up leaves 8-32 MiB
-// of memory behind until reboot. So the segment has no name: group
-// rank 0 makes an anonymous memory file (memfd_create), reserves its pages,
-// and hands the descriptor to each member over a Unix socket in the
-// abstract namespace (SCM_RIGHTS, as torch.multiprocessing shares tensors).
-// That socket has no file either and closes with its process; it answers
-// only the group's members (the peer's pid and uid, SO_PEERCRED). The
-// memory lives exactly as long as some member maps it, however the
-// processes end. It is also not bounded by the size of the /dev/shm mount
-// (64 MiB under Docker's default), only by the memory the processes may
-// use: segments are sized to a per-process budget (NOTE [Shared-memory
-// budget]).
 
 // A mapping unmapped on every way out of open(), until a channel owns it.
 struct Mapping {
@@ -130,122 +64,6 @@ struct Mapping {
   }
 };
 
-struct Fd {
-  int fd = -1;
-  explicit Fd(int f = -1) : fd(f) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd >= 0) {
-      ::close(fd);
-    }
-  }
-};
-
-std::string errno_text(const char* what) {
-  return std::string(what) + ": " + std::strerror(errno);
-}
-
-// The segment's memory file, its pages reserved (so a shortage gives an
-// error here, not a SIGBUS later), mapped.
-void* make_segment(size_t bytes, Fd* fd) {
-  fd->fd = ::memfd_create("colossalai.shm", MFD_CLOEXEC);
-  TORCH_CHECK(fd->fd >= 0, errno_text("memfd_create"));
-  TORCH_CHECK(
-      ::ftruncate(fd->fd, static_cast<off_t>(bytes)) == 0,
-      errno_text("ftruncate"));
-  if (int rc = ::posix_fallocate(fd->fd, 0, static_cast<off_t>(bytes))) {
-    TORCH_CHECK(
-        false,
-        "reserving ",
-        bytes >> 20,
-        " MiB of shared memory: ",
-        std::strerror(rc));
-  }
-  void* p =
-      ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd->fd, 0);
-  TORCH_CHECK(p != MAP_FAILED, errno_text("mmap"));
-  return p;
-}
-
-void* map_received(int fd, size_t bytes) {
-  struct stat st {};
-  TORCH_CHECK(
-      ::fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes,
-      "the received segment has an unexpected size");
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  TORCH_CHECK(p != MAP_FAILED, errno_text("mmap"));
-  return p;
-}
-
-// An address in the abstract namespace: no file, gone with its socket.
-socklen_t abstract_address(const std::string& name, sockaddr_un* addr) {
-  TORCH_INTERNAL_ASSERT(name.size() + 1 < sizeof(addr->sun_path));
-  std::memset(addr, 0, sizeof(*addr));
-  addr->sun_family = AF_UNIX;
-  std::memcpy(addr->sun_path + 1, name.data(), name.size());
-  return static_cast<socklen_t>(
-      offsetof(sockaddr_un, sun_path) + 1 + name.size());
-}
-
-// A one-byte message with room for one descriptor (SCM_RIGHTS).
-struct FdMessage {
-  char byte = 's';
-  iovec iov{&byte, 1};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  FdMessage() {
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof(control);
-  }
-  FdMessage(const FdMessage&) = delete; // points into itself
-  FdMessage& operator=(const FdMessage&) = delete;
-};
-
-void send_fd(int sock, int fd) {
-  FdMessage m;
-  auto& msg = m.msg;
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
-  TORCH_CHECK(
-      ::sendmsg(sock, &msg, MSG_NOSIGNAL) == 1,
-      errno_text("sending the segment"));
-}
-
-// Connects to `name` and receives the segment's descriptor (waits at most
-// `timeout` for it).
-int receive_fd(const std::string& name, std::chrono::milliseconds timeout) {
-  Fd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  TORCH_CHECK(sock.fd >= 0, errno_text("socket"));
-  timeval tv{};
-  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
-  tv.tv_usec = static_cast<suseconds_t>(timeout.count() % 1000 * 1000);
-  ::setsockopt(sock.fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  sockaddr_un addr{};
-  const socklen_t len = abstract_address(name, &addr);
-  TORCH_CHECK(
-      ::connect(sock.fd, reinterpret_cast<sockaddr*>(&addr), len) == 0,
-      errno_text("connecting to group rank 0 for the segment"));
-  FdMessage m;
-  auto& msg = m.msg;
-  const ssize_t n = ::recvmsg(sock.fd, &msg, MSG_CMSG_CLOEXEC);
-  TORCH_CHECK(
-      n == 1, n < 0 ? errno_text("receiving the segment") : "rank 0 hung up");
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  TORCH_CHECK(
-      c != nullptr && c->cmsg_level == SOL_SOCKET &&
-          c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int)),
-      "rank 0 sent no descriptor");
-  int fd = -1;
-  std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
-  return fd;
-}
-
 // Lines of a store value: identity, pid, budget.
 std::vector<std::string> split_lines(const std::string& s) {
   std::vector<std::string> out;
@@ -255,12 +73,6 @@ std::vector<std::string> split_lines(const std::string& s) {
     out.push_back(line);
   }
   return out;
-}
-
-bool process_alive(int pid) {
-  char state = 0;
-  uint64_t start = 0;
-  return process_state(pid, &state, &start) && state != 'Z' && state != 'X';
 }
 
 // The value of `key`, which group rank `q` (process `pid`) writes: fails as
@@ -316,47 +128,6 @@ std::string mib(int64_t bytes) {
 }
 
 } // namespace
-
-namespace {
-
-// A number from the first line of `path` (cgroup files: "max" is none).
-std::optional<int64_t> read_number(const std::string& path) {
-  const std::string s = read_line(path);
-  if (s.empty() || !std::isdigit(static_cast<unsigned char>(s[0]))) {
-    return std::nullopt;
-  }
-  return std::stoll(s);
-}
-
-} // namespace
-
-int64_t ShmChannel::default_budget_bytes() {
-  // MemAvailable, and what this process's cgroup (v2) still allows.
-  int64_t available = INT64_MAX;
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  int64_t kb = 0;
-  while (meminfo >> key >> kb) {
-    if (key == "MemAvailable:") {
-      available = kb * 1024;
-      break;
-    }
-    meminfo.ignore(INT_MAX, '\n');
-  }
-  const std::string cgroup = read_line("/proc/self/cgroup"); // "0::/path"
-  if (cgroup.rfind("0::", 0) == 0) {
-    const std::string dir = "/sys/fs/cgroup" + cgroup.substr(3);
-    auto limit = read_number(dir + "/memory.max");
-    auto used = read_number(dir + "/memory.current");
-    if (limit && used) {
-      available = std::min(available, std::max<int64_t>(*limit - *used, 0));
-    }
-  }
-  if (available == INT64_MAX) {
-    available = 4LL << 30; // unknown: as if 4 GiB were free
-  }
-  return std::min<int64_t>(available / 16, 256LL << 20);
-}
 
 // NOTE [Shared-memory budget]
 // Two buffers of one slot per rank: up to 2 MiB a slot (a piece then costs

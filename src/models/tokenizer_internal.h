@@ -181,8 +181,9 @@ std::vector<Field> components(const Field& f, const char* key);
 
 /// Tokenizer's readers of its files, friends of the class: tokenizer.json,
 /// vocab.json + merges.txt and tokenizer_config.json
-/// (src/models/tokenizer_json.cpp); SentencePiece's pipelines and
-/// tokenizer.model (src/models/tokenizer_sentencepiece.cpp).
+/// (src/models/tokenizer_json.cpp); SentencePiece's pipelines
+/// (src/models/tokenizer_sentencepiece_pipeline.cpp) and tokenizer.model
+/// (src/models/tokenizer_sentencepiece.cpp).
 struct Reader {
   /// tokenizer.json `file`: the model (vocabulary, merges), the added
   /// tokens, the normalizer, pre-tokenizer, decoder and post-processor.

@@ -187,7 +187,7 @@ class Tokenizer {
       const std::string& tokenizer_class,
       const std::vector<std::pair<std::string, bool>>& flags) const;
 
-  // SentencePiece BPE (src/models/tokenizer_sentencepiece.cpp).
+  // SentencePiece BPE (src/models/tokenizer_sentencepiece*.cpp).
   // The readers of tokenizer.json's SentencePiece-style pipeline and
   // post-processor, of tokenizer.model.
   friend struct tokenizer_detail::Reader;
