@@ -9,8 +9,10 @@
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/model_state_hooks.h>
 #include <colossalai/checkpoint_io/safetensors.h>
+#include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/interface/model.h>
+#include <colossalai/models/gpt2.h>
 #include <colossalai/nn/lr_scheduler/cosine.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/utils/compat.h>
@@ -576,6 +578,54 @@ TEST(CheckpointIO, LoadsCheckpointsOfOtherLibTorchVersions) {
       }
     }
   }
+}
+
+// A tied head is one tensor under two names in Python's state_dict()
+// (GPT-2's lm_head.weight is transformer.wte.weight): a .bin save writes
+// both, as torch.save does, one storage in the file; a strict load accepts
+// the second name when it holds the same values and refuses a checkpoint
+// trained untied; safetensors files hold it once, as transformers writes
+// them.
+TEST(CheckpointIO, TiedWeightsCrossAsPythonsStateDictHoldsThem) {
+  namespace models = colossalai::models;
+  colossalai::testing::ScratchDir dir("colossalai_ckpt_tied");
+  torch::manual_seed(0);
+  models::GPT2LMHeadModel src(models::GPT2Config::tiny_test());
+  cb::Booster booster;
+  auto b = booster.boost(src.ptr());
+  const std::string bin = dir.path + "/model.bin";
+  const std::string st = dir.path + "/model.safetensors";
+  booster.save_model(b.model, bin);
+  booster.save_model(b.model, st, ck::SaveModelOptions().use_safetensors(true));
+  const auto wte = src->transformer->wte->weight.detach();
+
+  auto saved = ck::load_bin(bin);
+  ASSERT_NE(saved.find("lm_head.weight"), nullptr);
+  EXPECT_TRUE(at::equal(saved["lm_head.weight"], wte));
+  EXPECT_EQ(
+      saved["lm_head.weight"].data_ptr(),
+      saved["transformer.wte.weight"].data_ptr()); // one storage
+  EXPECT_EQ(
+      ck::safetensors::load_file(st).find("lm_head.weight"), nullptr);
+
+  for (const auto& path : {bin, st}) {
+    torch::manual_seed(1);
+    models::GPT2LMHeadModel dst(models::GPT2Config::tiny_test());
+    auto bd = booster.boost(dst.ptr());
+    booster.load_model(bd.model, path); // strict
+    EXPECT_TRUE(at::equal(dst->transformer->wte->weight, wte)) << path;
+  }
+
+  // Trained untied: the two names differ.
+  saved["lm_head.weight"] = saved["lm_head.weight"] + 1;
+  const std::string untied = dir.path + "/untied.bin";
+  ck::save_bin(untied, saved);
+  models::GPT2LMHeadModel dst(models::GPT2Config::tiny_test());
+  auto bd = booster.boost(dst.ptr());
+  const auto e = error_of([&] { booster.load_model(bd.model, untied); });
+  EXPECT_NE(e.find("'lm_head.weight' is tied to 'transformer.wte.weight'"),
+            std::string::npos)
+      << e;
 }
 
 TEST(CheckpointIO, FeaturesHandInHowTheirTensorsLoadAndSave) {

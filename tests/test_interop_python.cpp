@@ -219,6 +219,74 @@ TEST(InteropPython, LoadsPythonModelAndOptimizerCheckpoints) {
   }
 }
 
+// The other way: optimizer checkpoints we write carry the param-group keys
+// PyTorch's optimizers read in their step (maximize, foreach, capturable,
+// differentiable, fused, ...), so Python trains on from them even when the
+// groups are installed verbatim, as ColossalAI's sharded and HybridParallel
+// loaders do; its third step equals ours. Tolerance as above: the same
+// update in another operation order.
+TEST(InteropPython, PythonTrainsOnFromOurOptimizerCheckpoints) {
+  if (!python_has_torch()) {
+    GTEST_SKIP() << "Python torch absent: install python3-torch";
+  }
+  ScratchDir scratch;
+  const auto dir = scratch.path;
+  const auto x = at::arange(8, at::kFloat).reshape({2, 4}) / 8;
+  const auto y = at::arange(6, at::kFloat).reshape({2, 3}) / 6 - 0.5;
+  using Make = std::function<std::shared_ptr<torch::optim::Optimizer>(
+      std::vector<at::Tensor>)>;
+  namespace o = torch::optim;
+  const std::vector<std::pair<std::string, Make>> cases = {
+      {"adamw",
+       [](auto p) {
+         return std::make_shared<o::AdamW>(
+             p, o::AdamWOptions(1e-2).weight_decay(0.05));
+       }},
+      {"adam",
+       [](auto p) {
+         return std::make_shared<o::Adam>(p, o::AdamOptions(1e-2));
+       }},
+      {"sgd",
+       [](auto p) {
+         return std::make_shared<o::SGD>(p, o::SGDOptions(0.1).momentum(0.9));
+       }},
+      {"rmsprop",
+       [](auto p) {
+         return std::make_shared<o::RMSprop>(p, o::RMSpropOptions(1e-2));
+       }},
+      {"adagrad",
+       [](auto p) {
+         return std::make_shared<o::Adagrad>(p, o::AdagradOptions(0.1));
+       }},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.first);
+    const auto file = [&](const std::string& kind) {
+      return (dir / (kind + "_" + c.first + ".bin")).string();
+    };
+    torch::manual_seed(0);
+    torch::nn::Linear model(4, 3);
+    auto optimizer = c.second(model->parameters());
+    colossalai::booster::Booster booster;
+    auto boosted = booster.boost(model.ptr(), optimizer);
+    auto step = [&] {
+      optimizer->zero_grad();
+      (model(x) - y).pow(2).mean().backward();
+      optimizer->step();
+    };
+    step();
+    step();
+    booster.save_model(boosted.model, file("model"));
+    booster.save_optimizer(*boosted.optimizer, file("optim"));
+    step();
+    booster.save_model(boosted.model, file("after"));
+  }
+  const auto result = colossalai::testing::run_shell(
+      std::string(kPython) + " " + quote(script_path().string()) + " groups " +
+      quote(dir.string()));
+  ASSERT_EQ(result.first, 0) << "interop.py groups failed:\n" << result.second;
+}
+
 // Hugging Face-layout checkpoints written by Python (names and shapes of
 // transformers' GPT2LMHeadModel and LlamaForCausalLM) load into the zoo's
 // models unchanged and give the logits of a plain PyTorch implementation

@@ -155,6 +155,35 @@ class ModelShards {
   StateDict shard_;
 };
 
+// A .bin save writes a tied tensor under each of its names, as Python's
+// torch.save(model.state_dict()) does (one storage in the file), so strict
+// loads there find every key; safetensors files hold it once, as
+// transformers writes them. Each alias follows its source into the same
+// shard.
+TensorSink with_tied_aliases(
+    torch::nn::Module& module,
+    bool safetensors,
+    TensorSink sink) {
+  if (safetensors) {
+    return sink;
+  }
+  std::multimap<std::string, std::string> aliases; // model key -> alias
+  for (const auto& kv : detail::tied_keys(module)) {
+    aliases.emplace(kv.second, kv.first);
+  }
+  if (aliases.empty()) {
+    return sink;
+  }
+  return [aliases = std::move(aliases), sink = std::move(sink)](
+             const std::string& k, const at::Tensor& t) {
+    sink(k, t);
+    const auto range = aliases.equal_range(k);
+    for (auto it = range.first; it != range.second; ++it) {
+      sink(it->second, t);
+    }
+  };
+}
+
 } // namespace
 
 StateDict model_state_dict(torch::nn::Module& module) {
@@ -195,6 +224,9 @@ void load_model_state(
     }
     return false;
   };
+  // Second names of tied tensors (GPT-2's lm_head.weight): Python's
+  // state_dict() holds them.
+  const auto tied = detail::tied_keys(module);
   std::vector<std::string> unexpected;
   at::NoGradGuard no_grad;
   for (const auto& item : state) {
@@ -215,7 +247,26 @@ void load_model_state(
     }
     auto* target = targets.find(item.key());
     if (target == nullptr) {
-      unexpected.push_back(item.key());
+      auto alias = tied.find(item.key());
+      if (alias == tied.end()) {
+        unexpected.push_back(item.key());
+        continue;
+      }
+      // Taken through its source; a checkpoint whose two names differ was
+      // trained untied and does not fit this model.
+      const at::Tensor* source = state.find(alias->second);
+      TORCH_CHECK(
+          source == nullptr ||
+              (source->sizes() == item.value().sizes() &&
+               at::equal(*source, item.value())),
+          "load_model: '",
+          file,
+          "': '",
+          item.key(),
+          "' is tied to '",
+          alias->second,
+          "' in this model, but the checkpoint holds other values under it "
+          "(a model trained with untied weights)");
       continue;
     }
     const auto& src = item.value();
@@ -266,16 +317,19 @@ void GeneralCheckpointIO::save_unsharded_model(
   // background save); other ranks only take part in the collectives.
   const bool async = o.use_async();
   const bool writer = is_writer();
+  const bool st = o.use_safetensors();
   StateDict state;
-  stream_model_state(model, [&](const std::string& k, const at::Tensor& t) {
-    if (writer) {
-      state.insert(k, async ? snapshot(t) : t.detach());
-    }
-  });
+  stream_model_state(
+      model,
+      with_tied_aliases(
+          *model.unwrap(), st, [&](const std::string& k, const at::Tensor& t) {
+            if (writer) {
+              state.insert(k, async ? snapshot(t) : t.detach());
+            }
+          }));
   if (!writer) {
     return;
   }
-  const bool st = o.use_safetensors();
   run_maybe_async(async, [state, checkpoint, st]() {
     detail::atomic_write_file(checkpoint, [&](const std::string& tmp) {
       write_tensors(tmp, state, st);
@@ -304,13 +358,17 @@ void GeneralCheckpointIO::save_sharded_model(
             shards = std::make_unique<ModelShards>(*part, st);
           }
           stream_model_part(
-              model, [&](const std::string& k, const at::Tensor& t) {
-                detail::guarded(error, [&] {
-                  if (shards) {
-                    shards->add(k, t);
-                  }
-                });
-              });
+              model,
+              with_tied_aliases(
+                  *model.unwrap(),
+                  st,
+                  [&](const std::string& k, const at::Tensor& t) {
+                    detail::guarded(error, [&] {
+                      if (shards) {
+                        shards->add(k, t);
+                      }
+                    });
+                  }));
           detail::guarded(error, [&] {
             if (shards) {
               shards->finish();
@@ -333,7 +391,9 @@ void GeneralCheckpointIO::save_sharded_model(
   };
   if (!o.use_async()) {
     if (writer) {
-      write([&](const TensorSink& sink) { stream_model_state(model, sink); });
+      write([&](const TensorSink& sink) {
+        stream_model_state(model, with_tied_aliases(*model.unwrap(), st, sink));
+      });
     } else {
       stream_model_state(model, [](const std::string&, const at::Tensor&) {});
     }
@@ -342,11 +402,14 @@ void GeneralCheckpointIO::save_sharded_model(
   // A background save needs an owned copy of everything anyway (and goes
   // through the one writer, in parts or not).
   StateDict state;
-  stream_model_state(model, [&](const std::string& k, const at::Tensor& t) {
-    if (writer) {
-      state.insert(k, snapshot(t));
-    }
-  });
+  stream_model_state(
+      model,
+      with_tied_aliases(
+          *model.unwrap(), st, [&](const std::string& k, const at::Tensor& t) {
+            if (writer) {
+              state.insert(k, snapshot(t));
+            }
+          }));
   if (writer) {
     run_maybe_async(true, [state, write]() {
       write([&](const TensorSink& sink) {

@@ -4,6 +4,7 @@
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/io_utils.h>
 #include <colossalai/checkpoint_io/optimizer_state.h>
+#include <colossalai/checkpoint_io/torch_bin.h>
 
 #include "general_checkpoint_io_internal.h"
 #include "pickle_reader.h"
@@ -74,7 +75,7 @@ class OptimizerShards {
  private:
   void flush() {
     detail::write_bytes(
-        commit_.seal(), torch::pickle_save(states_ivalue(shard_)));
+        commit_.seal(), pickle_archive(states_ivalue(shard_)));
     shard_.clear();
   }
   detail::ShardedCommit& commit_;
@@ -104,7 +105,7 @@ void GeneralCheckpointIO::save_unsharded_optimizer(
     c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
     d.insert("state", states_ivalue(states));
     d.insert("param_groups", groups);
-    auto bytes = torch::pickle_save(d);
+    auto bytes = pickle_archive(d);
     detail::atomic_write_file(checkpoint, [&](const std::string& tmp) {
       detail::write_bytes(tmp, bytes);
     });
@@ -123,7 +124,7 @@ void GeneralCheckpointIO::save_sharded_optimizer(
                           detail::ShardedCommit& commit,
                           const c10::impl::GenericList& groups) {
     detail::write_bytes(
-        commit.extra(group_name, "param_groups"), torch::pickle_save(groups));
+        commit.extra(group_name, "param_groups"), pickle_archive(groups));
     commit.commit(detail::Index(), "");
   };
   if (num_parts() > 1 && !o.use_async()) {

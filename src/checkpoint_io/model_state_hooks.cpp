@@ -36,6 +36,16 @@ void register_model_state_hooks(
 
 namespace detail {
 
+std::map<std::string, std::string> tied_keys(torch::nn::Module& model) {
+  std::map<std::string, std::string> out;
+  for (const auto& h : model_state_hooks()) {
+    if (h.tied_keys) {
+      out.merge(h.tied_keys(model));
+    }
+  }
+  return out;
+}
+
 std::vector<ModelStateHooks> model_state_hooks() {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);

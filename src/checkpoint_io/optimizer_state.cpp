@@ -113,6 +113,23 @@ void adam_group(c10::impl::GenericDict& d, const O& a) {
   d.insert("weight_decay", a.weight_decay());
 }
 
+// The keys PyTorch's optimizers keep in every param group beside their
+// hyperparameters, at their defaults (LibTorch has none of these options).
+// A loader that copies groups verbatim (ColossalAI's sharded and
+// HybridParallel loaders) hands them to torch's step, which reads them:
+// without them its next step fails (KeyError: 'differentiable').
+void torch_group_flags(
+    c10::impl::GenericDict& d,
+    std::initializer_list<const char*> falses,
+    std::initializer_list<const char*> nones) {
+  for (const char* k : falses) {
+    d.insert(k, false);
+  }
+  for (const char* k : nones) {
+    d.insert(k, c10::IValue());
+  }
+}
+
 void check_supported(Optimizer& o, bool fetch_offloaded = true) {
   auto* h = dynamic_cast<nn::optimizer::HybridAdam*>(&o);
   if (h != nullptr && fetch_offloaded) {
@@ -188,15 +205,23 @@ c10::impl::GenericList optimizer_param_groups(Optimizer& o) {
     } else if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&opts)) {
       adam_group(d, *a);
       d.insert("amsgrad", a->amsgrad());
+      torch_group_flags(
+          d, {"maximize", "capturable", "differentiable"}, {"foreach", "fused"});
+      d.insert("decoupled_weight_decay", true); // PyTorch >= 2.6 writes it
     } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&opts)) {
       adam_group(d, *a);
       d.insert("amsgrad", a->amsgrad());
+      torch_group_flags(
+          d,
+          {"maximize", "capturable", "differentiable", "decoupled_weight_decay"},
+          {"foreach", "fused"});
     } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&opts)) {
       d.insert("lr", s->lr());
       d.insert("momentum", s->momentum());
       d.insert("dampening", s->dampening());
       d.insert("weight_decay", s->weight_decay());
       d.insert("nesterov", s->nesterov());
+      torch_group_flags(d, {"maximize", "differentiable"}, {"foreach", "fused"});
     } else if (auto* r = dynamic_cast<torch::optim::RMSpropOptions*>(&opts)) {
       d.insert("lr", r->lr());
       d.insert("alpha", r->alpha());
@@ -204,14 +229,20 @@ c10::impl::GenericList optimizer_param_groups(Optimizer& o) {
       d.insert("weight_decay", r->weight_decay());
       d.insert("momentum", r->momentum());
       d.insert("centered", r->centered());
+      torch_group_flags(
+          d, {"capturable", "maximize", "differentiable"}, {"foreach"});
     } else if (auto* a = dynamic_cast<torch::optim::AdagradOptions*>(&opts)) {
       d.insert("lr", a->lr());
       d.insert("lr_decay", a->lr_decay());
       d.insert("weight_decay", a->weight_decay());
       d.insert("initial_accumulator_value", a->initial_accumulator_value());
       d.insert("eps", a->eps());
+      torch_group_flags(d, {"maximize", "differentiable"}, {"foreach", "fused"});
     }
-    c10::List<int64_t> ids;
+    // A list of any (not List[int], which LibTorch pickles as a call of
+    // torch.jit._pickle.build_intlist that Python's weights_only load
+    // refuses).
+    c10::impl::GenericList ids(c10::AnyType::get());
     for (size_t i = 0; i < g.params().size(); ++i) {
       ids.push_back(next_id++);
     }
@@ -330,6 +361,21 @@ class GroupReader {
     check(v.isBool() || v.isInt(), std::string("'") + key + "' is not a bool");
     return v.isBool() ? v.toBool() : v.toInt() != 0;
   }
+  bool has(const char* key) const {
+    return d_.find(c10::IValue(std::string(key))) != d_.end();
+  }
+  /// `key`'s flag, `fallback` when the group has none (another writer's
+  /// spelling: ColossalAI keeps HybridAdam's adamw_mode outside groups).
+  bool flag_or(const char* key, bool fallback) const {
+    return has(key) ? flag(key) : fallback;
+  }
+  /// PyTorch's flags this library cannot honour (maximize): a group that
+  /// sets one is refused rather than trained the other way.
+  void refuse_set(const char* key, const char* why) const {
+    if (has(key) && !at(key).isNone()) {
+      check(!flag(key), std::string("sets '") + key + "' (" + why + ")");
+    }
+  }
   std::tuple<double, double> betas() const {
     const auto& v = at("betas");
     std::vector<c10::IValue> items;
@@ -395,15 +441,20 @@ void load_param_groups(
         " parameters, the optimizer's has ",
         g.params().size());
     auto& opts = g.options();
+    d.refuse_set("maximize", "LibTorch's optimizers minimise only");
     if (auto* h = dynamic_cast<nn::optimizer::HybridAdamOptions*>(&opts)) {
       h->lr(d.num("lr")).betas(d.betas()).eps(d.num("eps"));
       h->weight_decay(d.num("weight_decay"));
-      h->bias_correction(d.flag("bias_correction"));
-      h->adamw_mode(d.flag("adamw_mode"));
+      h->bias_correction(d.flag_or("bias_correction", h->bias_correction()));
+      h->adamw_mode(d.flag_or("adamw_mode", h->adamw_mode()));
     } else if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&opts)) {
       a->lr(d.num("lr")).betas(d.betas()).eps(d.num("eps"));
       a->weight_decay(d.num("weight_decay")).amsgrad(d.flag("amsgrad"));
     } else if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&opts)) {
+      d.refuse_set(
+          "decoupled_weight_decay",
+          "Adam with decoupled weight decay is AdamW: load it into "
+          "torch::optim::AdamW");
       a->lr(d.num("lr")).betas(d.betas()).eps(d.num("eps"));
       a->weight_decay(d.num("weight_decay")).amsgrad(d.flag("amsgrad"));
     } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&opts)) {

@@ -271,6 +271,55 @@ Obj* read_root(
 
 } // namespace
 
+namespace {
+
+// `value` pickled without type tags (as Python's pickler writes it), with
+// the tensors it holds.
+struct Pickled {
+  std::vector<char> pickle;
+  std::unique_ptr<torch::jit::Pickler> pickler;
+};
+Pickled pickle_untagged(const c10::IValue& value) {
+  Pickled out;
+  auto* bytes = &out.pickle;
+  out.pickler = std::make_unique<torch::jit::Pickler>(
+      [bytes](const char* data, size_t n) {
+        bytes->insert(bytes->end(), data, data + n);
+      },
+      /*tensor_table=*/nullptr,
+      /*type_renamer=*/nullptr,
+      /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr,
+      /*tag_aggregates=*/false);
+  out.pickler->protocol();
+  out.pickler->pushIValue(value);
+  out.pickler->stop();
+  return out;
+}
+
+} // namespace
+
+std::vector<char> pickle_archive(const c10::IValue& value) {
+  const auto p = pickle_untagged(value);
+  std::vector<char> out;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer(
+        [&](const void* data, size_t n) {
+          const auto* c = static_cast<const char*>(data);
+          out.insert(out.end(), c, c + n);
+          return n;
+        });
+    torch::jit::writeArchiveAndTensors(
+        "data",
+        p.pickle.data(),
+        p.pickle.size(),
+        p.pickler->tensorData(),
+        writer);
+    writer.writeEndOfFile();
+  }
+  return out;
+}
+
 void save_bin(const std::string& path, const StateDict& tensors) {
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& item : tensors) {
@@ -284,19 +333,7 @@ void save_bin(const std::string& path, const StateDict& tensors) {
     dict.insert(item.key(), item.value());
   }
   // A plain dict (no LibTorch type tag), as Python's torch.save writes one.
-  std::vector<char> pickle;
-  torch::jit::Pickler pickler(
-      [&](const char* data, size_t n) {
-        pickle.insert(pickle.end(), data, data + n);
-      },
-      /*tensor_table=*/nullptr,
-      /*type_renamer=*/nullptr,
-      /*memoized_class_types=*/nullptr,
-      /*get_tensor_id=*/nullptr,
-      /*tag_aggregates=*/false);
-  pickler.protocol();
-  pickler.pushIValue(c10::IValue(dict));
-  pickler.stop();
+  const auto p = pickle_untagged(c10::IValue(dict));
 
   // Streamed to the file: the tensors' bytes are not gathered in memory.
   FileSink sink(path);
@@ -304,7 +341,11 @@ void save_bin(const std::string& path, const StateDict& tensors) {
     caffe2::serialize::PyTorchStreamWriter writer(
         [&](const void* data, size_t n) { return sink.write(data, n); });
     torch::jit::writeArchiveAndTensors(
-        "data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
+        "data",
+        p.pickle.data(),
+        p.pickle.size(),
+        p.pickler->tensorData(),
+        writer);
     writer.writeEndOfFile();
   }
   sink.close();

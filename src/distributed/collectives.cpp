@@ -446,6 +446,53 @@ Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag) {
       group);
 }
 
+namespace {
+constexpr int64_t kMaxSentDims = 16;
+} // namespace
+
+void send_tensor(
+    const at::Tensor& tensor,
+    int dst,
+    const ProcessGroup& group,
+    int tag) {
+  const auto t = tensor.detach().contiguous();
+  TORCH_CHECK(
+      t.dim() <= kMaxSentDims,
+      "send_tensor: at most ",
+      kMaxSentDims,
+      " dimensions, got ",
+      t.dim());
+  auto head = at::zeros({kMaxSentDims + 2}, at::kLong);
+  auto* p = head.data_ptr<int64_t>();
+  p[0] = static_cast<int64_t>(t.scalar_type());
+  p[1] = t.dim();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    p[2 + d] = t.size(d);
+  }
+  head = head.to(group.device());
+  send(head, dst, group, tag).wait();
+  send(t, dst, group, tag).wait();
+}
+
+at::Tensor recv_tensor(int src, const ProcessGroup& group, int tag) {
+  auto head = at::empty(
+      {kMaxSentDims + 2}, at::TensorOptions(at::kLong).device(group.device()));
+  recv(head, src, group, tag).wait();
+  head = head.cpu();
+  const auto* p = head.data_ptr<int64_t>();
+  TORCH_CHECK(
+      p[1] >= 0 && p[1] <= kMaxSentDims && p[0] >= 0 &&
+          p[0] < static_cast<int64_t>(at::ScalarType::NumOptions),
+      "recv_tensor: a corrupt header from rank ",
+      src);
+  auto t = at::empty(
+      std::vector<int64_t>(p + 2, p + 2 + p[1]),
+      at::TensorOptions(static_cast<at::ScalarType>(p[0]))
+          .device(group.device()));
+  recv(t, src, group, tag).wait();
+  return t;
+}
+
 Work barrier(const ProcessGroup& group) {
   if (group.size() == 1) {
     return Work();

@@ -291,6 +291,7 @@ at::Tensor BloomModelImpl::forward_stage(
 
 BloomForCausalLMImpl::BloomForCausalLMImpl(const BloomConfig& config)
     : config_(config) {
+  detail::register_tied_keys();
   transformer = register_module("transformer", BloomModel(config, &state_));
 }
 

@@ -298,6 +298,7 @@ at::Tensor OPTModelImpl::forward(
 }
 
 OPTForCausalLMImpl::OPTForCausalLMImpl(const OPTConfig& c) : config_(c) {
+  detail::register_tied_keys();
   model = register_module("model", OPTModel(c, &state_));
 }
 

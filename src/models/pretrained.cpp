@@ -4,8 +4,12 @@
 
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/io_utils.h>
+#include <colossalai/checkpoint_io/model_state_hooks.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
+#include <colossalai/models/bert.h>
+#include <colossalai/models/bloom.h>
+#include <colossalai/models/opt.h>
 #include <colossalai/quantization/quantize_model.h>
 
 #include <nlohmann/json.hpp>
@@ -22,6 +26,42 @@ namespace detail {
 namespace cio = checkpoint_io;
 namespace cd = checkpoint_io::detail;
 using json = nlohmann::json;
+
+void register_tied_keys() {
+  static const bool registered = [] {
+    cio::ModelStateHooks hooks;
+    // transformers' tie_weights(): the head's weight is the input
+    // embedding's (BERT's decoder bias is cls.predictions.bias too).
+    hooks.tied_keys =
+        [](torch::nn::Module& m) -> std::map<std::string, std::string> {
+      if (dynamic_cast<GPT2LMHeadModelImpl*>(&m) != nullptr) {
+        return {{"lm_head.weight", "transformer.wte.weight"}};
+      }
+      if (auto* l = dynamic_cast<LlamaForCausalLMImpl*>(&m)) {
+        if (l->config().tie_word_embeddings()) {
+          return {{"lm_head.weight", "model.embed_tokens.weight"}};
+        }
+        return {};
+      }
+      if (dynamic_cast<OPTForCausalLMImpl*>(&m) != nullptr) {
+        return {{"lm_head.weight", "model.decoder.embed_tokens.weight"}};
+      }
+      if (dynamic_cast<BloomForCausalLMImpl*>(&m) != nullptr) {
+        return {{"lm_head.weight", "transformer.word_embeddings.weight"}};
+      }
+      if (dynamic_cast<BertForMaskedLMImpl*>(&m) != nullptr) {
+        return {
+            {"cls.predictions.decoder.weight",
+             "bert.embeddings.word_embeddings.weight"},
+            {"cls.predictions.decoder.bias", "cls.predictions.bias"}};
+      }
+      return {};
+    };
+    cio::register_model_state_hooks("tied weights", std::move(hooks));
+    return true;
+  }();
+  (void)registered;
+}
 
 std::string read_config_json(const std::string& dir) {
   const auto path = cd::join(dir, "config.json");

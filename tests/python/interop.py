@@ -2,6 +2,7 @@
 
     interop.py check DIR
     interop.py optim DIR
+    interop.py groups DIR
 
 Reads DIR/cpp.safetensors with a minimal reader written from the format's
 spec and DIR/cpp.bin with torch.load, compares both with `expected()`, then
@@ -15,6 +16,14 @@ DIR/model_<name>.bin and DIR/optim_<name>.bin (torch.save of the model's and
 the optimizer's state_dict), DIR/expect_<name>.bin (the optimizer's state as
 flat tensors "<param id>.<key>") and DIR/after_<name>.bin (the model after a
 third step) for the C++ side to load, step and compare.
+
+`groups` takes what the C++ side wrote after two steps of each of AdamW,
+Adam, SGD, RMSprop and Adagrad on the same Linear(4, 3) (DIR/model_<name>.bin,
+DIR/optim_<name>.bin, DIR/after_<name>.bin: the model after its third step),
+checks that every param group holds at least the keys this torch's own
+optimizer writes, installs the groups verbatim (as ColossalAI's sharded and
+HybridParallel loaders do, no load_state_dict) and the states, takes the third
+step and compares it with the C++ one.
 """
 
 import collections
@@ -172,12 +181,52 @@ def optim(directory):
         torch.save(model.state_dict(), os.path.join(directory, f"after_{name}.bin"))
 
 
+def groups(directory):
+    # Other hyperparameters than the C++ side's: the checkpoint's must win.
+    makers = {
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1.0),
+        "adam": lambda p: torch.optim.Adam(p, lr=1.0),
+        "sgd": lambda p: torch.optim.SGD(p, lr=1.0),
+        "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1.0),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=1.0),
+    }
+    x, y = optim_batch()
+    for name, make in makers.items():
+        model = torch.nn.Linear(4, 3)
+        model.load_state_dict(torch.load(os.path.join(directory, f"model_{name}.bin")))
+        opt = make(model.parameters())
+        saved = torch.load(os.path.join(directory, f"optim_{name}.bin"))
+        own = set(opt.state_dict()["param_groups"][0])
+        for group in saved["param_groups"]:
+            missing = own - set(group)
+            assert not missing, f"{name}: param group lacks {sorted(missing)}"
+        params = [p for g in opt.param_groups for p in g["params"]]
+        installed = []
+        for old, new in zip(opt.param_groups, saved["param_groups"]):
+            group = dict(new)
+            group["params"] = old["params"]
+            installed.append(group)
+        opt.param_groups = installed
+        for pid, state in saved["state"].items():
+            opt.state[params[pid]] = dict(state)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        after = torch.load(os.path.join(directory, f"after_{name}.bin"))
+        for key, value in model.state_dict().items():
+            diff = (value - after[key]).abs().max().item()
+            assert torch.allclose(value, after[key], rtol=1e-5, atol=1e-6), (
+                f"{name}: {key} differs from the C++ step by {diff}")
+
+
 def main(argv):
-    if len(argv) != 3 or argv[1] not in ("check", "optim"):
+    if len(argv) != 3 or argv[1] not in ("check", "optim", "groups"):
         print(__doc__, file=sys.stderr)
         return 2
     if argv[1] == "optim":
         optim(argv[2])
+    elif argv[1] == "groups":
+        groups(argv[2])
     else:
         check(argv[2])
     print("interop.py: all checks passed")

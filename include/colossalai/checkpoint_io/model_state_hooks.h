@@ -12,6 +12,10 @@
 ///   which still loads strictly.
 /// - Lazy initialization (a LazyInitContext): a tensor with no data yet takes
 ///   the checkpoint's value without being initialised first.
+/// - colossalai::models' families (a model built): a tied head is one
+///   tensor under two names in Python's state_dict() (GPT-2's lm_head.weight
+///   is transformer.wte.weight); loads accept the second name when it holds
+///   the same values, and .bin saves write it, as torch.save does.
 /// Every model load and save asks each registered feature; a feature not in
 /// use has nothing to say about a model (no quantized layer, no adapter key,
 /// no lazy tensor), so registration is process-wide.
@@ -55,6 +59,10 @@ struct ModelStateHooks {
       assign;
   /// Why `model` cannot be saved as a checkpoint, or empty when it can.
   std::function<std::string(torch::nn::Module& model)> save_refusal;
+  /// Checkpoint keys under which Python holds a tensor `model` holds under
+  /// another key (tied weights), as alias -> the model's key.
+  std::function<std::map<std::string, std::string>(torch::nn::Module& model)>
+      tied_keys;
 };
 
 /// Registers the hooks of feature `name`, replacing any registered under
@@ -65,6 +73,8 @@ namespace detail {
 /// The registered hooks, in registration order (a copy: loads run while a
 /// feature may register).
 std::vector<ModelStateHooks> model_state_hooks();
+/// Every registered feature's tied keys of `model` (alias -> model key).
+std::map<std::string, std::string> tied_keys(torch::nn::Module& model);
 } // namespace detail
 
 } // namespace checkpoint_io

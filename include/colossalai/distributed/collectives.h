@@ -153,6 +153,19 @@ Work send(
     int tag = 0);
 Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag = 0);
 
+/// Point-to-point of a tensor whose dtype and shape the receiver does not
+/// know (at most 16 dimensions): a header, then the data, on `tag`.
+/// Blocking; for transfers outside a training step (checkpoint tensors
+/// going to their writer), not for activations (the pipeline's p2p caches
+/// the header).
+void send_tensor(
+    const at::Tensor& tensor,
+    int dst,
+    const ProcessGroup& group,
+    int tag = 0);
+/// What send_tensor sent, on the group's device.
+at::Tensor recv_tensor(int src, const ProcessGroup& group, int tag = 0);
+
 Work barrier(const ProcessGroup& group);
 
 /// Every rank's `bytes`, in group rank order (any lengths; blocking). For

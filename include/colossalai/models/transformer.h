@@ -341,5 +341,12 @@ at::Tensor causal_lm_stage_forward(
   }
 }
 
+namespace detail {
+/// Registers, once, the families' tied weights with checkpoint IO (the
+/// second names Python's state_dict() holds, NOTE [Model state hooks]);
+/// each family's constructor calls it.
+void register_tied_keys();
+} // namespace detail
+
 } // namespace models
 } // namespace colossalai

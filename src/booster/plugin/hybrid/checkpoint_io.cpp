@@ -66,15 +66,14 @@ at::Tensor gather_whole(
 // One parameter's optimizer state between ranks: a header {id, number of
 // keys} (id -1 ends a stream), the keys, then the tensors.
 void send_state(
-    pipeline::PipelineP2PCommunication& p2p,
+    const distributed::ProcessGroup& group,
     int dst,
     int64_t id,
     const StateDict& state) {
-  const auto dev = p2p.group()->device();
   auto head = at::empty({2}, at::kLong);
   head[0] = id;
   head[1] = static_cast<int64_t>(state.size());
-  p2p.send(head.to(dev), dst, {}, 0);
+  distributed::send_tensor(head, dst, group);
   if (state.size() > 0) {
     std::string keys;
     for (const auto& item : state) {
@@ -83,20 +82,19 @@ void send_state(
     }
     auto k = at::empty({static_cast<int64_t>(keys.size())}, at::kByte);
     std::memcpy(k.data_ptr(), keys.data(), keys.size());
-    p2p.send(k.to(dev), dst, {}, 0);
+    distributed::send_tensor(k, dst, group);
     for (const auto& item : state) {
-      p2p.send(item.value().detach().to(dev), dst, {}, 0);
+      distributed::send_tensor(item.value(), dst, group);
     }
   }
-  p2p.wait_sends();
 }
 
 bool recv_state(
-    pipeline::PipelineP2PCommunication& p2p,
+    const distributed::ProcessGroup& group,
     int src,
     int64_t& id,
     StateDict& state) {
-  auto head = p2p.post_recv(src, {}, 0).wait().cpu();
+  auto head = distributed::recv_tensor(src, group).cpu();
   id = head[0].item<int64_t>();
   const int64_t n = head[1].item<int64_t>();
   if (id < 0) {
@@ -106,7 +104,7 @@ bool recv_state(
   if (n == 0) {
     return true;
   }
-  auto k = p2p.post_recv(src, {}, 0).wait().cpu();
+  auto k = distributed::recv_tensor(src, group).cpu();
   const auto* p = static_cast<const char*>(k.data_ptr());
   std::vector<std::string> keys;
   for (int64_t i = 0, start = 0; i < k.numel(); ++i) {
@@ -118,7 +116,7 @@ bool recv_state(
   TORCH_INTERNAL_ASSERT(
       static_cast<int64_t>(keys.size()) == n, "corrupt optimizer state keys");
   for (const auto& key : keys) {
-    state.insert(key, p2p.post_recv(src, {}, 0).wait());
+    state.insert(key, distributed::recv_tensor(src, group));
   }
   return true;
 }
@@ -154,12 +152,11 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
       if (s.stage == owner) {
         whole = whole_tensor(name, item.value());
       }
+      const auto& world = *distributed::world_group();
       if (me == 0) {
-        sink(
-            name, src == 0 ? whole : s.to_writer->post_recv(src, {}, 0).wait());
+        sink(name, src == 0 ? whole : distributed::recv_tensor(src, world));
       } else if (me == src) {
-        s.to_writer->send(whole, 0, {}, 0);
-        s.to_writer->wait_sends();
+        distributed::send_tensor(whole, 0, world);
       }
     }
   }
@@ -272,17 +269,18 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
           if (me == 0) {
             sink(id, state);
           } else if (me == src) {
-            send_state(*s.to_writer, 0, id, state);
+            send_state(*distributed::world_group(), 0, id, state);
           }
         });
     if (me == src && me != 0) {
-      send_state(*s.to_writer, 0, -1, checkpoint_io::StateDict());
+      send_state(*distributed::world_group(), 0, -1, checkpoint_io::StateDict());
     }
     if (me == 0) {
       for (size_t stage = 1; stage < s.stage_source.size(); ++stage) {
         int64_t id = 0;
         checkpoint_io::StateDict state;
-        while (recv_state(*s.to_writer, s.stage_source[stage], id, state)) {
+        while (recv_state(
+            *distributed::world_group(), s.stage_source[stage], id, state)) {
           sink(id, state);
         }
       }
@@ -306,7 +304,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
     TORCH_INTERNAL_ASSERT(groups.size() == state_->global_groups.size());
     for (size_t i = 0; i < groups.size(); ++i) {
       auto d = groups.get(i).toGenericDict();
-      c10::List<int64_t> ids;
+      c10::impl::GenericList ids(c10::AnyType::get()); // see optimizer_state
       for (auto id : state_->global_groups[i]) {
         ids.push_back(id);
       }

@@ -4,7 +4,6 @@
 // Face-layout tensors at any tp / pp / dp size.
 
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
-#include <colossalai/pipeline/p2p.h>
 #include <colossalai/placement/placement.h>
 #include <colossalai/shardformer/policy.h>
 #include <colossalai/zero/low_level_optimizer.h>
@@ -48,7 +47,6 @@ struct HybridState {
   // Per stage, the global rank that writes its part or sends its tensors to
   // the writer (its tp / sp / dp rank 0).
   std::vector<int> stage_source;
-  std::shared_ptr<pipeline::PipelineP2PCommunication> to_writer;
   // Optimizer ids in checkpoints number the whole model's parameters, as
   // the optimizer held them before each stage released the others' (as
   // ColossalAI's param_info does): this stage's id -> checkpoint id, the

@@ -191,10 +191,6 @@ std::set<std::string> HybridParallelPlugin::apply_pipeline(
     coord[pp_axis] = s;
     st->stage_source.push_back(mesh_->ravel(coord));
   }
-  st->to_writer = std::make_shared<pipeline::PipelineP2PCommunication>(
-      distributed::world_group(),
-      /*enable_metadata_cache=*/false,
-      /*one_way=*/true);
   auto p2p = std::make_shared<pipeline::PipelineP2PCommunication>(
       pp_group_, options_.enable_metadata_cache());
   schedule_ = std::make_shared<pipeline::PipelineSchedule>(
