@@ -18,6 +18,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <unordered_map>
@@ -297,26 +298,26 @@ Pickled pickle_untagged(const c10::IValue& value) {
   return out;
 }
 
+// The zip archive torch.save writes: data.pkl and the tensors' records,
+// handed to `write` as they are made.
+void write_archive(
+    const Pickled& p,
+    std::function<size_t(const void*, size_t)> write) {
+  caffe2::serialize::PyTorchStreamWriter writer(std::move(write));
+  torch::jit::writeArchiveAndTensors(
+      "data", p.pickle.data(), p.pickle.size(), p.pickler->tensorData(), writer);
+  writer.writeEndOfFile();
+}
+
 } // namespace
 
 std::vector<char> pickle_archive(const c10::IValue& value) {
-  const auto p = pickle_untagged(value);
   std::vector<char> out;
-  {
-    caffe2::serialize::PyTorchStreamWriter writer(
-        [&](const void* data, size_t n) {
-          const auto* c = static_cast<const char*>(data);
-          out.insert(out.end(), c, c + n);
-          return n;
-        });
-    torch::jit::writeArchiveAndTensors(
-        "data",
-        p.pickle.data(),
-        p.pickle.size(),
-        p.pickler->tensorData(),
-        writer);
-    writer.writeEndOfFile();
-  }
+  write_archive(pickle_untagged(value), [&](const void* data, size_t n) {
+    const auto* c = static_cast<const char*>(data);
+    out.insert(out.end(), c, c + n);
+    return n;
+  });
   return out;
 }
 
@@ -337,17 +338,8 @@ void save_bin(const std::string& path, const StateDict& tensors) {
 
   // Streamed to the file: the tensors' bytes are not gathered in memory.
   FileSink sink(path);
-  {
-    caffe2::serialize::PyTorchStreamWriter writer(
-        [&](const void* data, size_t n) { return sink.write(data, n); });
-    torch::jit::writeArchiveAndTensors(
-        "data",
-        p.pickle.data(),
-        p.pickle.size(),
-        p.pickler->tensorData(),
-        writer);
-    writer.writeEndOfFile();
-  }
+  write_archive(
+      p, [&](const void* data, size_t n) { return sink.write(data, n); });
   sink.close();
 }
 
