@@ -267,6 +267,9 @@ void load_model_state(
           alias->second,
           "' in this model, but the checkpoint holds other values under it "
           "(a model trained with untied weights)");
+      if (seen) {
+        seen->insert(item.key()); // the index's key is accounted for
+      }
       continue;
     }
     const auto& src = item.value();
