@@ -240,6 +240,21 @@ cudaError_t backward(
   return cudaGetLastError();
 }
 
+// Calls `f` with a value of the element type `dtype` names (its type is
+// what `f` needs): the one switch over dtypes, for every launcher.
+template <class F>
+cudaError_t by_dtype(Dtype dtype, F&& f) {
+  switch (dtype) {
+    case Dtype::kFloat:
+      return f(float());
+    case Dtype::kHalf:
+      return f(__half());
+    case Dtype::kBFloat16:
+      return f(__nv_bfloat16());
+  }
+  return cudaErrorInvalidValue;
+}
+
 } // namespace
 
 cudaError_t rms_norm_forward(
@@ -252,16 +267,9 @@ cudaError_t rms_norm_forward(
     int64_t cols,
     float eps,
     cudaStream_t stream) {
-  switch (dtype) {
-    case Dtype::kFloat:
-      return forward<float>(x, weight, y, rstd, rows, cols, eps, stream);
-    case Dtype::kHalf:
-      return forward<__half>(x, weight, y, rstd, rows, cols, eps, stream);
-    case Dtype::kBFloat16:
-      return forward<__nv_bfloat16>(
-          x, weight, y, rstd, rows, cols, eps, stream);
-  }
-  return cudaErrorInvalidValue;
+  return by_dtype(dtype, [&](auto t) {
+    return forward<decltype(t)>(x, weight, y, rstd, rows, cols, eps, stream);
+  });
 }
 
 cudaError_t rms_norm_backward(
@@ -276,18 +284,10 @@ cudaError_t rms_norm_backward(
     int64_t rows,
     int64_t cols,
     cudaStream_t stream) {
-  switch (dtype) {
-    case Dtype::kFloat:
-      return backward<float>(
-          dy, x, weight, rstd, dx, partial, dweight, rows, cols, stream);
-    case Dtype::kHalf:
-      return backward<__half>(
-          dy, x, weight, rstd, dx, partial, dweight, rows, cols, stream);
-    case Dtype::kBFloat16:
-      return backward<__nv_bfloat16>(
-          dy, x, weight, rstd, dx, partial, dweight, rows, cols, stream);
-  }
-  return cudaErrorInvalidValue;
+  return by_dtype(dtype, [&](auto t) {
+    return backward<decltype(t)>(
+        dy, x, weight, rstd, dx, partial, dweight, rows, cols, stream);
+  });
 }
 
 } // namespace cuda
