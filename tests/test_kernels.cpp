@@ -3,7 +3,11 @@
 // GPU the CUDA kernels against the reference, forward and backward, in
 // every dtype they take.
 
+#include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/rms_norm.h>
+#include <colossalai/utils/compat.h>
+
+#include <zoo/gpt.h>
 #include <colossalai/shardformer/layer/normalization.h>
 
 #include <gtest/gtest.h>
@@ -149,6 +153,211 @@ TEST(Kernels, RmsNormCudaKernelsEqualTheReference) {
             << "max difference " << (g - r).abs().max().item<double>();
       }
     }
+  }
+}
+
+// ------------------------------------------ fused linear + cross-entropy ---
+
+struct CeGrads {
+  at::Tensor loss, dh, dw, db;
+};
+
+template <class F>
+CeGrads run_ce(
+    const F& f,
+    const at::Tensor& h0,
+    const at::Tensor& w0,
+    const at::Tensor& b0,
+    const at::Tensor& target) {
+  auto h = h0.detach().clone().requires_grad_(true);
+  auto w = w0.detach().clone().requires_grad_(true);
+  auto b = b0.defined() ? b0.detach().clone().requires_grad_(true) : at::Tensor();
+  auto loss = f(h, w, b.defined() ? c10::optional<at::Tensor>(b) : c10::nullopt, target);
+  // An upstream gradient other than one: the backward must scale by it.
+  (loss * 0.75).backward();
+  return {loss.detach(), h.grad(), w.grad(), b.defined() ? b.grad() : at::Tensor()};
+}
+
+// Targets in [0, vocab) with about a fifth set to `ignore`.
+at::Tensor targets_with_ignored(int64_t n, int64_t vocab, int64_t ignore) {
+  auto t = torch::randint(vocab, {n}, torch::kLong);
+  return t.masked_fill(torch::rand({n}) < 0.2, ignore);
+}
+
+double max_rel(const at::Tensor& got, const at::Tensor& want) {
+  const auto g = got.to(at::kDouble).cpu(), r = want.to(at::kDouble).cpu();
+  return ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item<double>();
+}
+
+// In float64 chunking only reorders exact sums: every chunk size, both
+// reductions, with and without bias, with ignored targets, agree with the
+// reference to float64 rounding (1e-12 of the largest value).
+TEST(Kernels, FusedLinearCrossEntropyEqualsTheReferenceInFloat64) {
+  torch::manual_seed(0);
+  const auto o = at::TensorOptions().dtype(at::kDouble);
+  const int64_t n = 37, hid = 16, vocab = 50;
+  const auto h = torch::randn({n, hid}, o), w = torch::randn({vocab, hid}, o) * 0.3;
+  const auto bias = torch::randn({vocab}, o);
+  for (const int64_t ignore : {-100, 3}) {
+    const auto t = targets_with_ignored(n, vocab, ignore);
+    for (const bool mean : {true, false}) {
+      for (const bool with_bias : {true, false}) {
+        for (const int64_t chunk : {1, 5, 37, 64, 0}) {
+          SCOPED_TRACE(
+              "ignore " + std::to_string(ignore) + " mean " + std::to_string(mean) +
+              " bias " + std::to_string(with_bias) + " chunk " + std::to_string(chunk));
+          const auto opts = kn::FusedLinearCrossEntropyOptions()
+                                .ignore_index(ignore)
+                                .chunk_size(chunk)
+                                .mean(mean);
+          const auto b = with_bias ? bias : at::Tensor();
+          const auto a = run_ce(
+              [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
+              h, w, b, t);
+          const auto r = run_ce(
+              [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
+              h, w, b, t);
+          EXPECT_EQ(a.loss.scalar_type(), at::kDouble);
+          EXPECT_LT(max_rel(a.loss, r.loss), 1e-12);
+          EXPECT_LT(max_rel(a.dh, r.dh), 1e-12);
+          EXPECT_LT(max_rel(a.dw, r.dw), 1e-12);
+          if (with_bias) {
+            EXPECT_LT(max_rel(a.db, r.db), 1e-12);
+          }
+        }
+      }
+    }
+  }
+}
+
+// float32: the same sums in another order, each element a sum of at most
+// n = 256 products: within n * 2^-24 (1.5e-5) of the largest value.
+TEST(Kernels, FusedLinearCrossEntropyEqualsTheReferenceInFloat32) {
+  torch::manual_seed(1);
+  const int64_t n = 256, hid = 32, vocab = 300;
+  const auto h = torch::randn({n, hid}), w = torch::randn({vocab, hid}) * 0.2;
+  const auto t = targets_with_ignored(n, vocab, -100);
+  const auto opts = kn::FusedLinearCrossEntropyOptions().chunk_size(48);
+  const auto a = run_ce(
+      [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
+      h, w, at::Tensor(), t);
+  const auto r = run_ce(
+      [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
+      h, w, at::Tensor(), t);
+  EXPECT_EQ(a.loss.scalar_type(), at::kFloat);
+  const double bound = n * std::pow(2.0, -24);
+  EXPECT_LT(max_rel(a.loss, r.loss), bound);
+  EXPECT_LT(max_rel(a.dh, r.dh), bound);
+  EXPECT_LT(max_rel(a.dw, r.dw), bound);
+}
+
+// Under bf16 autocast (as the booster's mixed precision runs it) the
+// matmuls take bf16 operands and the weight and hidden stay float32, as at::linear would
+// be cast. The loss agrees within one bf16 rounding of the logits (2^-8);
+// the gradients within a few bf16 roundings (2^-6): the weight's is
+// rounded to bf16 once per chunk instead of once.
+TEST(Kernels, FusedLinearCrossEntropyUnderBf16Autocast) {
+  torch::manual_seed(2);
+  const int64_t n = 192, hid = 64, vocab = 500;
+  const auto h = torch::randn({n, hid}), w = torch::randn({vocab, hid}) * 0.1;
+  const auto t = targets_with_ignored(n, vocab, -100);
+  const auto opts = kn::FusedLinearCrossEntropyOptions().chunk_size(64);
+  CeGrads a, r;
+  {
+    colossalai::compat::AutocastGuard cast(at::kCPU, at::kBFloat16);
+    a = run_ce(
+        [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
+        h, w, at::Tensor(), t);
+    r = run_ce(
+        [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
+        h, w, at::Tensor(), t);
+  }
+  EXPECT_EQ(a.dh.scalar_type(), at::kFloat);
+  EXPECT_EQ(a.dw.scalar_type(), at::kFloat);
+  EXPECT_LT(max_rel(a.loss, r.loss), std::pow(2.0, -8));
+  const auto norm_rel = [](const at::Tensor& g, const at::Tensor& want) {
+    return ((g - want).norm() / want.norm()).item<double>();
+  };
+  EXPECT_LT(norm_rel(a.dh, r.dh), std::pow(2.0, -6));
+  EXPECT_LT(norm_rel(a.dw, r.dw), std::pow(2.0, -6));
+}
+
+TEST(Kernels, FusedLinearCrossEntropyRefusesBadInput) {
+  const auto h = torch::randn({4, 8}), w = torch::randn({10, 8});
+  const auto t = torch::randint(10, {4}, torch::kLong);
+  EXPECT_THROW(kn::fused_linear_cross_entropy(h, torch::randn({10, 7}), {}, t), c10::Error);
+  EXPECT_THROW(kn::fused_linear_cross_entropy(h, w, torch::randn({9}), t), c10::Error);
+  EXPECT_THROW(kn::fused_linear_cross_entropy(h, w, {}, t.narrow(0, 0, 3)), c10::Error);
+  EXPECT_THROW(kn::fused_linear_cross_entropy(h, w, {}, t.to(at::kInt)), c10::Error);
+  EXPECT_THROW(kn::fused_linear_cross_entropy(h, w.to(at::kDouble), {}, t), c10::Error);
+  EXPECT_THROW(
+      kn::fused_linear_cross_entropy(
+          h, w, {}, t, kn::FusedLinearCrossEntropyOptions().chunk_size(-1)),
+      c10::Error);
+}
+
+// The zoo GPT's forward(idx, targets) is gpt_loss(forward(idx), targets)
+// through the fused op: loss and every parameter's gradient within float32
+// rounding of sums over the batch's tokens.
+TEST(Kernels, GptForwardWithTargetsIsItsLoss) {
+  namespace zoo = colossalai::zoo;
+  const auto cfg = zoo::GPTConfig::small_cpu();
+  torch::manual_seed(3);
+  zoo::GPT a(cfg);
+  zoo::GPT b(cfg);
+  torch::NoGradGuard ng;
+  for (size_t i = 0; i < a->parameters().size(); ++i) {
+    b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  auto [x, y] = zoo::random_tokens(4, cfg, 7);
+  at::Tensor la, lb;
+  {
+    at::AutoGradMode on(true);
+    la = a->forward(x, y);
+    la.backward();
+    lb = zoo::gpt_loss(b->forward(x), y);
+    lb.backward();
+  }
+  const double bound = 4 * cfg.block_size() * std::pow(2.0, -24) * 4;
+  EXPECT_LT(max_rel(la, lb), bound);
+  for (size_t i = 0; i < a->parameters().size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_LT(max_rel(a->parameters()[i].grad(), b->parameters()[i].grad()), bound);
+  }
+  EXPECT_THROW(a->forward(x, y.narrow(1, 0, 3)), c10::Error);
+}
+
+// On a GPU: fp32 and bf16 autocast against the reference on the device,
+// with the bounds of the CPU tests (bf16: cuBLAS may round the chunks'
+// logits differently from one large product, within a bf16 ulp).
+TEST(Kernels, FusedLinearCrossEntropyOnCudaEqualsTheReference) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  torch::manual_seed(4);
+  const auto o = at::TensorOptions().device(at::kCUDA);
+  const int64_t n = 4096, hid = 256, vocab = 8000;
+  const auto h = torch::randn({n, hid}, o), w = torch::randn({vocab, hid}, o) * 0.05;
+  const auto t = targets_with_ignored(n, vocab, -100).to(at::kCUDA);
+  const auto opts = kn::FusedLinearCrossEntropyOptions().chunk_size(1024);
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16 autocast" : "fp32");
+    c10::optional<colossalai::compat::AutocastGuard> cast;
+    if (bf16) {
+      cast.emplace(at::kCUDA, at::kBFloat16);
+    }
+    // fp32 matmuls on the GPU may use TF32 (LibTorch's default is off);
+    // the bound is float32's over the n tokens, or bf16's.
+    const auto a = run_ce(
+        [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
+        h, w, at::Tensor(), t);
+    const auto r = run_ce(
+        [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
+        h, w, at::Tensor(), t);
+    const double bound = bf16 ? std::pow(2.0, -6) : n * std::pow(2.0, -24);
+    EXPECT_LT(max_rel(a.loss, r.loss), bound);
+    EXPECT_LT(((a.dh - r.dh).norm() / r.dh.norm()).item<double>(), bound);
+    EXPECT_LT(((a.dw - r.dw).norm() / r.dw.norm()).item<double>(), bound);
   }
 }
 

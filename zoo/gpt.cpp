@@ -1,5 +1,6 @@
 #include <zoo/gpt.h>
 
+#include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/utils/compat.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -169,6 +170,33 @@ void GPTImpl::reset_parameters() {
 }
 
 at::Tensor GPTImpl::forward(const at::Tensor& idx) {
+  return linear(head, hidden_states(idx));
+}
+
+at::Tensor GPTImpl::forward(const at::Tensor& idx, const at::Tensor& targets) {
+  TORCH_CHECK(
+      targets.sizes() == idx.sizes(),
+      "GPT: targets ",
+      targets.sizes(),
+      " do not match idx ",
+      idx.sizes());
+  TORCH_CHECK(
+      head->weight.size(0) == config_.vocab_size(),
+      "GPT: forward(idx, targets) needs the whole vocabulary in the head (",
+      config_.vocab_size(),
+      " rows, this one holds ",
+      head->weight.size(0),
+      "); under tensor parallelism take the logits and gpt_loss");
+  const auto h = hidden_states(idx);
+  return kernels::fused_linear_cross_entropy(
+      h.reshape({-1, h.size(-1)}),
+      head->weight,
+      head->bias.defined() ? c10::optional<at::Tensor>(head->bias)
+                           : c10::nullopt,
+      targets.reshape({-1}));
+}
+
+at::Tensor GPTImpl::hidden_states(const at::Tensor& idx) {
   TORCH_CHECK(
       idx.dim() == 2, "GPT: expected idx of shape [B, T], got ", idx.sizes());
   TORCH_CHECK(
@@ -188,7 +216,7 @@ at::Tensor GPTImpl::forward(const at::Tensor& idx) {
   for (auto& block : *blocks) {
     x = block->as<BlockImpl>()->forward(x);
   }
-  return linear(head, lnf->forward(x));
+  return lnf->forward(x);
 }
 
 at::Tensor gpt_loss(const at::Tensor& logits, const at::Tensor& targets) {

@@ -116,6 +116,14 @@ class GPTImpl : public torch::nn::Module {
   /// idx: [B, T] int64 token ids with T <= block_size.
   /// Returns logits [B, T, vocab_size].
   at::Tensor forward(const at::Tensor& idx);
+  /// With targets ([B, T] int64, -100 ignored): the mean token
+  /// cross-entropy, as gpt_loss(forward(idx), targets), through
+  /// kernels::fused_linear_cross_entropy, so the [B * T, vocab] logits are
+  /// never held whole. The head must hold the whole vocabulary (not a
+  /// vocab-parallel shard).
+  at::Tensor forward(const at::Tensor& idx, const at::Tensor& targets);
+  /// The final LayerNorm's output [B, T, n_embd], before the head.
+  at::Tensor hidden_states(const at::Tensor& idx);
 
   /// Re-draws all weights: N(0, 0.02) for Linear and Embedding weights,
   /// zeros for biases, LayerNorm at (1, 0). Construction initialises the

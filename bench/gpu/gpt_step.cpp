@@ -1,24 +1,40 @@
 // Single-GPU training step of gpt2-medium-gpu (shared reference workload):
 // GPT-2 medium shape, bf16 autocast through the Booster, AdamW, micro-batch
-// 8 x 1024 tokens. Reports tokens/s and model FLOPs utilization against the
+// 8 x 1024 tokens; or (--model llama3.2-1b) a colossalai::models
+// LlamaForCausalLM of Llama 3.2 1B's shape, --seq tokens (2048). Reports tokens/s and model FLOPs utilization against the
 // bf16 matmul rate measured on the same device in the same run.
 //
 // Model FLOPs per token (the PaLM accounting, attention scores included):
 //   6 * (parameters without the embeddings) + 12 * n_layer * n_embd * T
 //
-//   bench_gpu_gpt_step [--device cuda|cpu] [--model gpt2-medium|gpt-small-cpu]
+//   bench_gpu_gpt_step [--device cuda|cpu]
+//                      [--model gpt2-medium|gpt-small-cpu|llama3.2-1b|
+//                               llama-small-cpu] [--seq N]
 //                      [--batch 8] [--steps 20] [--warmup 3]
 //                      [--matmul-n 8192] [--out FILE.json]
+//                      [--optimizer adamw|fused_adamw|hybrid_adam]
+//                      [--loss logits|fused] [--plugin none|zero1]
+//
+// --optimizer: LibTorch's AdamW (a loop of per-tensor ops), FusedAdamW
+// (at::_fused_adamw_, one pass) or HybridAdam (its device path).
+// --loss: gpt_loss over the whole [B*T, V] logits, or the model's
+// forward(idx, targets) through kernels::fused_linear_cross_entropy.
+// --plugin zero1: LowLevelZeroPlugin (stage 1, precision bf16) at world size
+// one: bf16 parameters, fp32 masters in the optimizer, no autocast (no cast
+// of every weight in every forward), as ColossalAI trains in bf16.
 //
 // Builds against a CPU LibTorch as well (for a smoke test with
 // --device cpu --model gpt-small-cpu); device memory statistics need CUDA.
 
 #include <colossalai/colossalai.h>
 
+#include <colossalai/models/llama.h>
+
 #include <zoo/gpt.h>
 
 #include "../bench_util.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -44,7 +60,11 @@ struct Args {
   int steps = 20;
   int warmup = 3;
   int64_t matmul_n = 8192;
+  int64_t seq = 0; // llama3.2-1b's sequence; 0: 2048
   std::string out;
+  std::string optimizer = "adamw";
+  std::string loss = "logits";
+  std::string plugin = "none";
 };
 
 Args parse(int argc, char** argv) {
@@ -67,9 +87,30 @@ Args parse(int argc, char** argv) {
       a.matmul_n = std::stoll(v);
     else if (k == "--out")
       a.out = v;
+    else if (k == "--optimizer")
+      a.optimizer = v;
+    else if (k == "--loss")
+      a.loss = v;
+    else if (k == "--plugin")
+      a.plugin = v;
+    else if (k == "--seq")
+      a.seq = std::stoll(v);
     else
       TORCH_CHECK(false, "unknown option ", k);
   }
+  TORCH_CHECK(
+      a.optimizer == "adamw" || a.optimizer == "fused_adamw" ||
+          a.optimizer == "hybrid_adam",
+      "--optimizer must be adamw, fused_adamw or hybrid_adam, got ",
+      a.optimizer);
+  TORCH_CHECK(
+      a.loss == "logits" || a.loss == "fused",
+      "--loss must be logits or fused, got ",
+      a.loss);
+  TORCH_CHECK(
+      a.plugin == "none" || a.plugin == "zero1",
+      "--plugin must be none or zero1, got ",
+      a.plugin);
   if (a.device.empty())
     a.device = torch::cuda::is_available() ? "cuda" : "cpu";
   TORCH_CHECK(
@@ -132,48 +173,55 @@ std::string device_name(const at::Device& dev) {
   return name;
 }
 
-int run(const Args& a) {
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(
+    const Args& a,
+    const std::vector<at::Tensor>& params) {
+  namespace copt = colossalai::nn::optimizer;
+  const auto adamw = torch::optim::AdamWOptions(3e-4)
+                         .betas({0.9, 0.999})
+                         .eps(1e-8)
+                         .weight_decay(0.01);
+  if (a.optimizer == "fused_adamw") {
+    return std::make_shared<copt::FusedAdamW>(params, adamw);
+  }
+  if (a.optimizer == "hybrid_adam") {
+    return std::make_shared<copt::HybridAdam>(
+        params, copt::HybridAdamOptions(3e-4).eps(1e-8).weight_decay(0.01));
+  }
+  return std::make_shared<torch::optim::AdamW>(params, adamw);
+}
+
+// Boosts `model` as --plugin says and times --steps training steps of
+// `loss_of(boosted)` after --warmup; returns each step's milliseconds.
+template <class M, class LossOf>
+std::vector<double> time_steps(
+    const Args& a,
+    M model,
+    const LossOf& loss_of,
+    double& last_loss) {
   const at::Device dev(a.device);
-  auto cfg = a.model == "gpt2-medium"
-      ? colossalai::zoo::GPTConfig::gpt2_medium()
-      : colossalai::zoo::GPTConfig::small_cpu();
-  TORCH_CHECK(
-      a.model == "gpt2-medium" || a.model == "gpt-small-cpu",
-      "--model must be gpt2-medium or gpt-small-cpu");
-  const int64_t t = cfg.block_size();
-  const int64_t n = dev.is_cuda() ? a.matmul_n : std::min<int64_t>(a.matmul_n, 1024);
-
-  std::fprintf(stderr, "measuring bf16 matmul rate (%lld^3)\n", (long long)n);
-  auto rates = matmul_rates(dev, n);
-  const double peak = cbench::median(rates);
-
-  std::fprintf(stderr, "building %s\n", a.model.c_str());
-  torch::manual_seed(0);
-  colossalai::zoo::GPT model(cfg);
-  model->to(dev);
-  auto optimizer = std::make_shared<torch::optim::AdamW>(
-      model->parameters(),
-      torch::optim::AdamWOptions(3e-4)
-          .betas({0.9, 0.999})
-          .eps(1e-8)
-          .weight_decay(0.01));
-  cb::Booster booster(
-      cb::BoosterOptions().device(a.device).mixed_precision("bf16"));
+  auto optimizer = make_optimizer(a, model->parameters());
+  auto booster_options = cb::BoosterOptions().device(a.device);
+  if (a.plugin == "zero1") {
+    // One process: launch_from_env without a launcher's variables.
+    colossalai::launch_from_env(colossalai::LaunchOptions().device(a.device));
+    booster_options.plugin(std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+        cb::plugin::LowLevelZeroPluginOptions().stage(1).precision("bf16")));
+  } else {
+    booster_options.mixed_precision("bf16");
+  }
+  cb::Booster booster(booster_options);
   auto boosted = booster.boost(model, optimizer);
-
-  auto batch = colossalai::zoo::random_tokens(a.batch, cfg, 100);
-  auto x = batch.first.to(dev), y = batch.second.to(dev);
-  double last_loss = 0;
   auto step = [&]() {
     sync(dev);
     auto t0 = std::chrono::steady_clock::now();
     boosted.optimizer->zero_grad();
-    auto loss = colossalai::zoo::gpt_loss(boosted.model(x), y);
+    auto loss = loss_of(boosted);
     booster.backward(loss, *boosted.optimizer);
     boosted.optimizer->step();
     sync(dev);
     double s = seconds_since(t0);
-    last_loss = loss.item<double>();
+    last_loss = loss.template item<double>();
     return s;
   };
   for (int i = 0; i < a.warmup; ++i)
@@ -184,23 +232,113 @@ int run(const Args& a) {
     if ((i + 1) % 5 == 0)
       std::fprintf(stderr, "step %d/%d: %.1f ms\n", i + 1, a.steps, times.back());
   }
+  return times;
+}
 
-  const int64_t params = cfg.num_parameters();
-  const int64_t embed = (cfg.vocab_size() + cfg.block_size()) * cfg.n_embd();
-  const double flops_per_token = 6.0 * (params - embed) +
-      12.0 * cfg.n_layer() * cfg.n_embd() * static_cast<double>(t);
+// Llama 3.2 1B's shape (GQA 32 / 8 heads, tied embeddings, vocab 128256),
+// without its RoPE scaling (the peer leaves it out too).
+colossalai::models::LlamaConfig llama_1b(int64_t seq) {
+  return colossalai::models::LlamaConfig()
+      .vocab_size(128256)
+      .hidden_size(2048)
+      .intermediate_size(8192)
+      .num_hidden_layers(16)
+      .num_attention_heads(32)
+      .num_key_value_heads(8)
+      .max_position_embeddings(seq)
+      .rms_norm_eps(1e-5)
+      .rope_theta(500000.0)
+      .tie_word_embeddings(true);
+}
+
+int run(const Args& a) {
+  const at::Device dev(a.device);
+  const bool llama = a.model == "llama3.2-1b" || a.model == "llama-small-cpu";
+  TORCH_CHECK(
+      a.model == "gpt2-medium" || a.model == "gpt-small-cpu" || llama,
+      "--model must be gpt2-medium, gpt-small-cpu, llama3.2-1b or llama-small-cpu");
+  TORCH_CHECK(
+      !llama || a.loss == "logits",
+      "--loss fused is for the GPT models; the Llama models take --loss logits");
+  const int64_t n = dev.is_cuda() ? a.matmul_n : std::min<int64_t>(a.matmul_n, 1024);
+
+  std::fprintf(stderr, "measuring bf16 matmul rate (%lld^3)\n", (long long)n);
+  auto rates = matmul_rates(dev, n);
+  const double peak = cbench::median(rates);
+
+  std::fprintf(stderr, "building %s\n", a.model.c_str());
+  torch::manual_seed(0);
+  double last_loss = 0;
+  std::vector<double> times;
+  int64_t t = 0;
+  int64_t params = 0;
+  double flops_per_token = 0;
+  if (llama) {
+    const bool small = a.model == "llama-small-cpu";
+    t = a.seq > 0 ? a.seq : small ? 128 : 2048;
+    const auto cfg = small
+        ? colossalai::models::LlamaConfig::small_cpu().max_position_embeddings(t)
+        : llama_1b(t);
+    colossalai::models::LlamaForCausalLM model(cfg);
+    model->to(dev);
+    for (const auto& p : model->parameters())
+      params += p.numel();
+    // Every parameter as a matmul's (the tied embedding is the head's
+    // product; its lookup is the only non-matmul use) plus the attention
+    // scores, PaLM's accounting.
+    flops_per_token = 6.0 * static_cast<double>(params) +
+        12.0 * cfg.num_hidden_layers() * cfg.hidden_size() * static_cast<double>(t);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100);
+    auto tokens = torch::randint(cfg.vocab_size(), {a.batch, t + 1}, gen, torch::kLong);
+    using torch::indexing::Slice;
+    auto x = tokens.index({Slice(), Slice(0, -1)}).contiguous().to(dev);
+    auto y = tokens.index({Slice(), Slice(1, torch::indexing::None)}).contiguous().to(dev);
+    times = time_steps(
+        a,
+        model,
+        [&](auto& boosted) { return boosted.model.unwrap()->loss(boosted.model(x), y); },
+        last_loss);
+  } else {
+    auto cfg = a.model == "gpt2-medium"
+        ? colossalai::zoo::GPTConfig::gpt2_medium()
+        : colossalai::zoo::GPTConfig::small_cpu();
+    t = cfg.block_size();
+    colossalai::zoo::GPT model(cfg);
+    model->to(dev);
+    params = cfg.num_parameters();
+    const int64_t embed = (cfg.vocab_size() + cfg.block_size()) * cfg.n_embd();
+    flops_per_token = 6.0 * (params - embed) +
+        12.0 * cfg.n_layer() * cfg.n_embd() * static_cast<double>(t);
+    auto batch = colossalai::zoo::random_tokens(a.batch, cfg, 100);
+    auto x = batch.first.to(dev), y = batch.second.to(dev);
+    times = time_steps(
+        a,
+        model,
+        [&](auto& boosted) {
+          return a.loss == "fused" ? boosted.model(x, y)
+                                   : colossalai::zoo::gpt_loss(boosted.model(x), y);
+        },
+        last_loss);
+  }
+
   const double step_ms = cbench::median(times);
   const double tokens_per_s = a.batch * t / (step_ms * 1e-3);
   const double mfu = tokens_per_s * flops_per_token / peak;
 
   std::ostringstream json;
   json << "{\n  \"benchmark\": \"gpu_gpt_step\",\n  \"implementation\": "
-       << "\"ours (C++, Booster bf16)\",\n  \"model\": \"" << a.model
+       << "\"ours (C++, Booster bf16, " << a.optimizer << ", loss "
+       << a.loss << ", plugin " << a.plugin << ")\",\n  \"optimizer_kind\": \""
+       << a.optimizer << "\",\n  \"plugin\": \"" << a.plugin
+       << "\",\n  \"loss_kind\": \"" << a.loss << "\",\n  \"model\": \"" << a.model
        << "\",\n  \"parameters\": " << params
        << ",\n  \"config\": {\"device\": \"" << a.device
        << "\", \"batch\": " << a.batch << ", \"seq_len\": " << t
-       << ", \"precision\": \"bf16 autocast, fp32 parameters\", \"optimizer\": "
-       << "\"AdamW(3e-4, wd 0.01)\", \"steps\": " << a.steps
+       << ", \"precision\": \""
+       << (a.plugin == "zero1" ? "bf16 parameters, fp32 masters"
+                               : "bf16 autocast, fp32 parameters")
+       << "\", \"optimizer\": "
+       << "\"" << a.optimizer << "(3e-4, wd 0.01)\", \"steps\": " << a.steps
        << ", \"warmup\": " << a.warmup << "},\n  \"machine\": "
        << cbench::machine_json() << ",\n  \"device_name\": \""
        << device_name(dev) << "\",\n  \"matmul\": {\"n\": " << n
@@ -216,14 +354,20 @@ int run(const Args& a) {
   if (!a.out.empty())
     std::ofstream(a.out) << json.str();
   std::printf(
-      "| %s | %s | step %.1f ms | %.0f tokens/s | MFU %.1f%% of %.1f TFLOP/s "
-      "bf16 matmul |\n",
+      "| %s | %s | %s | loss %s | plugin %s | step %.1f ms | %.0f tokens/s | "
+      "MFU %.1f%% of %.1f TFLOP/s bf16 matmul |\n",
       a.model.c_str(),
       a.device.c_str(),
+      a.optimizer.c_str(),
+      a.loss.c_str(),
+      a.plugin.c_str(),
       step_ms,
       tokens_per_s,
       100 * mfu,
       peak / 1e12);
+  if (a.plugin == "zero1") {
+    colossalai::destroy();
+  }
   return 0;
 }
 

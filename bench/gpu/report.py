@@ -1,11 +1,14 @@
-"""Writes report.md for a bench/gpu/run.sh results folder (ours_*.json,
-torch_*.json, torch_loop_*.json).
+"""Writes report.md for a bench/gpu/run.sh results folder: one row per
+variant (<variant>_<round>.json), the median over rounds of each run's
+median step with the spread of those medians, and the ratio to PyTorch
+eager's default step.
 
   python3 bench/gpu/report.py bench/results/<date>-gpu
 """
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -13,6 +16,8 @@ import sys
 def runs(folder, prefix):
     out = []
     for p in sorted(glob.glob(os.path.join(folder, f"{prefix}_[0-9]*.json"))):
+        if re.sub(r"_[0-9]+\.json$", "", os.path.basename(p)) != prefix:
+            continue
         with open(p) as f:
             out.append(json.load(f))
     return out
@@ -20,38 +25,55 @@ def runs(folder, prefix):
 
 def main():
     folder = sys.argv[1]
-    groups = [("ours (C++, Booster bf16)", runs(folder, "ours")),
-              ("PyTorch eager, AdamW default (foreach)", runs(folder, "torch")),
-              ("PyTorch eager, AdamW foreach off", runs(folder, "torch_loop"))]
+    order = ["ours", "ours_fused_adamw", "ours_fused", "ours_hybrid_adam",
+             "ours_zero1_bf16", "torch", "torch_fused", "torch_compile", "torch_loop",
+             "llama_ours", "llama_ours_fused_adamw", "llama_ours_zero1_bf16",
+             "llama_torch_fused"]
+    found = sorted({re.sub(r"_[0-9]+\.json$", "", os.path.basename(p))
+                    for p in glob.glob(os.path.join(folder, "*_[0-9]*.json"))},
+                   key=lambda n: (order.index(n) if n in order else len(order), n))
+    groups = [(n, runs(folder, n)) for n in found]
     groups = [(k, v) for k, v in groups if v]
     if not groups:
         sys.exit("no results in " + folder)
     first = groups[0][1][0]
-    ours_ms = statistics.median(r["step_ms"]["median"] for r in groups[0][1])
     lines = [f"# GPU benchmark report: {os.path.basename(os.path.normpath(folder))}", "",
              f"- Device: {first.get('device_name')}; host {first['machine']['cpu']}, "
              f"{first['machine']['cores']} cores; LibTorch {first['machine']['torch']}",
-             f"- Workload: {first['model']} ({first['parameters']:,} parameters), batch "
-             f"{first['config']['batch']} x {first['config']['seq_len']} tokens, "
-             f"{first['config']['precision']}, AdamW(3e-4, wd 0.01); "
-             f"{first['config']['steps']} timed steps after {first['config']['warmup']} "
-             f"warm-up steps per run; programs alternated run by run ({len(groups[0][1])} runs each)",
-             f"- Model FLOPs per token {first['flops_per_token'] / 1e9:.2f} GFLOP "
-             "(6 x non-embedding parameters + 12 x layers x width x sequence); MFU is "
-             "against the bf16 matmul rate each run measured on the device "
-             f"({first['matmul']['n']}^3 matmuls)", "",
-             "| implementation | step ms (median) | tokens/s | MFU | bf16 matmul TFLOP/s | "
-             "peak device GiB | step time vs ours |",
-             "|---|---|---|---|---|---|---|"]
-    for name, rs in groups:
-        step = statistics.median(r["step_ms"]["median"] for r in rs)
-        tps = statistics.median(r["tokens_per_s"] for r in rs)
-        mfu = statistics.median(r["mfu"] for r in rs)
-        mm = statistics.median(r["matmul"]["bf16_flops_median"] for r in rs)
-        mem = max(r.get("peak_device_bytes", -1) for r in rs)
-        lines.append(f"| {name} | {step:.1f} | {tps:,.0f} | {100 * mfu:.1f}% | "
-                     f"{mm / 1e12:.1f} | {mem / (1 << 30):.1f} | {step / ours_ms:.2f}x |"
-                     .replace("| -0.0 |", "| - |"))
+             "- Each variant's runs alternate with the others' run by run; a run times "
+             "its steps after warm-up steps and reports their median. MFU is model "
+             "FLOPs (6 x matmul parameters + 12 x layers x width x sequence per token) "
+             "against the bf16 matmul rate the run measured on the device (8192^3).", ""]
+    models = []
+    for _, rs in groups:
+        if rs[0]["model"] not in models:
+            models.append(rs[0]["model"])
+    for model in models:
+        rows = [(n, rs) for n, rs in groups if rs[0]["model"] == model]
+        names = [n for n, _ in rows]
+        base_name = next((n for n in names if n.endswith("torch")),
+                         next((n for n in names if n.endswith("torch_fused")), names[0]))
+        base = dict(rows)[base_name]
+        base_ms = statistics.median(r["step_ms"]["median"] for r in base)
+        c = rows[0][1][0]
+        lines += [f"## {model}: {c['parameters']:,} parameters, batch {c['config']['batch']} x "
+                  f"{c['config']['seq_len']} tokens, {c['config']['steps']} timed steps after "
+                  f"{c['config']['warmup']}, {c['flops_per_token'] / 1e9:.2f} GFLOP per token", "",
+                  "| variant | implementation | step ms (median of runs) | runs' medians, min-max | "
+                  f"tokens/s | MFU | bf16 matmul TFLOP/s | peak device GiB | step vs {base_name} |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, rs in rows:
+            meds = [r["step_ms"]["median"] for r in rs]
+            step = statistics.median(meds)
+            tps = statistics.median(r["tokens_per_s"] for r in rs)
+            mfu = statistics.median(r["mfu"] for r in rs)
+            mm = statistics.median(r["matmul"]["bf16_flops_median"] for r in rs)
+            mem = max(r.get("peak_device_bytes", -1) for r in rs)
+            lines.append(f"| {name} | {rs[0]['implementation']} | {step:.2f} | "
+                         f"{min(meds):.2f}-{max(meds):.2f} ({len(rs)}) | {tps:,.0f} | "
+                         f"{100 * mfu:.1f}% | {mm / 1e12:.1f} | {mem / (1 << 30):.2f} | "
+                         f"{step / base_ms:.3f}x |")
+        lines.append("")
     lines += ["", "Reproduce on a GPU machine with a PyTorch 2.x wheel: `bench/gpu/run.sh`.", ""]
     with open(os.path.join(folder, "report.md"), "w") as f:
         f.write("\n".join(lines))

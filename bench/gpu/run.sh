@@ -6,7 +6,19 @@
 # alternating the programs, and writes JSON + report.md into
 # bench/results/<date>-gpu/.
 #
-#   bench/gpu/run.sh [--out-dir DIR] [--batch 8] [--steps 20] [--pairs 2]
+#   bench/gpu/run.sh [--out-dir DIR] [--batch 8] [--steps 20] [--rounds 2]
+#                    [--llama-rounds N] [--compile]
+#
+# Each round runs, one after the other: ours with LibTorch's AdamW and the
+# whole logits (ours), with FusedAdamW (ours_fused_adamw), with FusedAdamW
+# and the fused linear + cross-entropy (ours_fused), the same with HybridAdam
+# (ours_hybrid_adam), and with LowLevelZero stage 1 in bf16 at world size one
+# (bf16 weights, fp32 masters, no autocast: ours_zero1_bf16); PyTorch eager
+# with its default AdamW (torch) and with AdamW(fused=True) (torch_fused).
+# --llama-rounds N adds N rounds of a Llama-3.2-1B-shaped model (batch
+# 4 x 2048): ours with AdamW, FusedAdamW, LowLevelZero bf16; transformers'
+# LlamaForCausalLM with AdamW(fused=True).
+# --compile adds one torch.compile run (fused AdamW) after the rounds.
 #
 # Environment: PYTHON (default python3) is the interpreter with the wheel;
 # BUILD_DIR (default build-gpu). Needs cmake, a C++17 compiler, zlib headers
@@ -21,13 +33,18 @@ out_dir=""
 batch=8
 steps=20
 pairs=2
+compile=0
+llama_rounds=0
+llama_steps=10
 while [ $# -gt 0 ]; do
   case "$1" in
     --out-dir) out_dir="$2"; shift ;;
     --batch) batch="$2"; shift ;;
     --steps) steps="$2"; shift ;;
-    --pairs) pairs="$2"; shift ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --pairs|--rounds) pairs="$2"; shift ;;
+    --compile) compile=1 ;;
+    --llama-rounds) llama_rounds="$2"; shift ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -91,18 +108,54 @@ export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
   >"$out_dir/nvidia-smi.csv" 2>/dev/null || true
 common=(--device cuda --model gpt2-medium --batch "$batch" --steps "$steps" --warmup 3)
+# name | program | its own options. Result files are <name>_<round>.json.
+variants=(
+  "ours|cpp|--optimizer adamw --loss logits"
+  "ours_fused_adamw|cpp|--optimizer fused_adamw --loss logits"
+  "ours_fused|cpp|--optimizer fused_adamw --loss fused"
+  "ours_hybrid_adam|cpp|--optimizer hybrid_adam --loss fused"
+  "ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
+  "torch|py|"
+  "torch_fused|py|--fused"
+)
+run_variant() { # name, program, options, round
+  local name=$1 prog=$2 opts=$3 i=$4
+  say "round $i/$pairs: $name $opts"
+  if [ "$prog" = cpp ]; then
+    # shellcheck disable=SC2086
+    "$BUILD_DIR/bench/bench_gpu_gpt_step" "${common[@]}" $opts --out "$out_dir/${name}_$i.json" \
+      >"$out_dir/${name}_$i.log" 2>&1
+  else
+    # shellcheck disable=SC2086
+    "$PY" bench/gpu/torch_gpt_step.py "${common[@]}" $opts --out "$out_dir/${name}_$i.json" \
+      >"$out_dir/${name}_$i.log" 2>&1
+  fi || { tail -20 "$out_dir/${name}_$i.log" >&2; return 1; }
+  tail -1 "$out_dir/${name}_$i.log"
+}
 for i in $(seq 1 "$pairs"); do
-  say "pair $i/$pairs: ours (C++)"
-  "$BUILD_DIR/bench/bench_gpu_gpt_step" "${common[@]}" --out "$out_dir/ours_$i.json" \
-    >"$out_dir/ours_$i.log" 2>&1 || { tail -20 "$out_dir/ours_$i.log" >&2; exit 1; }
-  tail -1 "$out_dir/ours_$i.log"
-  say "pair $i/$pairs: PyTorch eager, default AdamW"
-  "$PY" bench/gpu/torch_gpt_step.py "${common[@]}" --out "$out_dir/torch_$i.json" \
-    >"$out_dir/torch_$i.log" 2>&1 || { tail -20 "$out_dir/torch_$i.log" >&2; exit 1; }
-  say "pair $i/$pairs: PyTorch eager, AdamW foreach off (a per-tensor loop, as LibTorch's)"
-  "$PY" bench/gpu/torch_gpt_step.py "${common[@]}" --foreach off \
-    --out "$out_dir/torch_loop_$i.json" >"$out_dir/torch_loop_$i.log" 2>&1 ||
-    { tail -20 "$out_dir/torch_loop_$i.log" >&2; exit 1; }
+  for v in "${variants[@]}"; do
+    IFS='|' read -r name prog opts <<<"$v"
+    run_variant "$name" "$prog" "$opts" "$i" || exit 1
+  done
 done
+# Llama 3.2 1B's shape, batch 4 x 2048: ours against transformers'
+# LlamaForCausalLM (SDPA) with fused AdamW, both bf16 autocast.
+llama=(--model llama3.2-1b --batch 4 --steps "$llama_steps")
+llama_variants=(
+  "llama_ours|cpp|--optimizer adamw"
+  "llama_ours_fused_adamw|cpp|--optimizer fused_adamw"
+  "llama_ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw"
+  "llama_torch_fused|py|--fused"
+)
+for i in $(seq 1 "$llama_rounds"); do
+  for v in "${llama_variants[@]}"; do
+    IFS='|' read -r name prog opts <<<"$v"
+    run_variant "$name" "$prog" "${llama[*]} $opts" "$i" || exit 1
+  done
+done
+if [ "$compile" = 1 ]; then
+  # Once, after the rounds: compilation takes most of its run.
+  run_variant torch_compile py "--fused --compile" 1 || exit 1
+fi
 "$PY" bench/gpu/report.py "$out_dir"
 say "report: $out_dir/report.md"

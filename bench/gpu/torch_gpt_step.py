@@ -22,7 +22,33 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from torch_ddp_step import GPT, machine, stats  # noqa: E402
 
 MODELS = {"gpt2-medium": dict(vocab=50304, ctx=1024, d=1024, h=16, n=24),
-          "gpt-small-cpu": dict(vocab=4096, ctx=128, d=256, h=4, n=4)}
+          "gpt-small-cpu": dict(vocab=4096, ctx=128, d=256, h=4, n=4),
+          # transformers' LlamaForCausalLM (SDPA attention), as
+          # colossalai::models::LlamaForCausalLM on the C++ side.
+          "llama3.2-1b": dict(vocab=128256, ctx=2048, d=2048, h=32, kv=8, n=16,
+                              ffn=8192, eps=1e-5, theta=500000.0, tied=True),
+          "llama-small-cpu": dict(vocab=4096, ctx=128, d=256, h=4, kv=2, n=4,
+                                  ffn=688, eps=1e-6, theta=10000.0, tied=False)}
+
+
+def build(name, cfg, dev):
+    """The model and a function from ids to logits."""
+    if "ffn" not in cfg:
+        model = GPT(**cfg).to(dev)
+        return model, model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    rope = {"rope_type": "default", "rope_theta": cfg["theta"]}
+    # rope_theta for transformers 4, rope_parameters for 5.
+    c = LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["d"],
+                    intermediate_size=cfg["ffn"], num_hidden_layers=cfg["n"],
+                    num_attention_heads=cfg["h"], num_key_value_heads=cfg["kv"],
+                    max_position_embeddings=cfg["ctx"], rms_norm_eps=cfg["eps"],
+                    rope_theta=cfg["theta"], rope_parameters=rope,
+                    tie_word_embeddings=cfg["tied"])
+    c._attn_implementation = "sdpa"
+    with torch.device(dev):
+        model = LlamaForCausalLM(c)
+    return model, lambda x: model(input_ids=x, use_cache=False).logits
 
 
 def sync(dev):
@@ -58,19 +84,30 @@ def main():
     p.add_argument("--matmul-n", type=int, default=8192)
     p.add_argument("--foreach", default="auto", choices=["auto", "on", "off"],
                    help="AdamW's multi-tensor path (auto: PyTorch's default)")
+    p.add_argument("--fused", action="store_true",
+                   help="AdamW(fused=True): one fused kernel per step")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (compiled in the warm-up steps)")
+    p.add_argument("--seq", type=int, default=0,
+                   help="sequence length of the Llama models (0: their own)")
     p.add_argument("--out", default="")
     a = p.parse_args()
     dev = torch.device(a.device)
-    cfg = MODELS[a.model]
+    cfg = dict(MODELS[a.model])
+    if a.seq and "ffn" in cfg:
+        cfg["ctx"] = a.seq
     n = a.matmul_n if dev.type == "cuda" else min(a.matmul_n, 1024)
     rates = matmul_rates(dev, n)
     peak = statistics.median(rates)
 
     torch.manual_seed(0)
-    model = GPT(**cfg).to(dev)
+    model, forward = build(a.model, cfg, dev)
     foreach = None if a.foreach == "auto" else a.foreach == "on"
+    kind = "fused" if a.fused else f"foreach {a.foreach}"
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999),
-                            eps=1e-8, weight_decay=0.01, foreach=foreach)
+                            eps=1e-8, weight_decay=0.01,
+                            **({"fused": True} if a.fused else {"foreach": foreach}))
+    fwd = torch.compile(forward) if a.compile else forward
     g = torch.Generator().manual_seed(100)
     tokens = torch.randint(0, cfg["vocab"], (a.batch, cfg["ctx"] + 1), generator=g)
     x, y = tokens[:, :-1].contiguous().to(dev), tokens[:, 1:].contiguous().to(dev)
@@ -81,7 +118,7 @@ def main():
         t0 = time.perf_counter()
         opt.zero_grad()
         with torch.autocast(dev.type, dtype=torch.bfloat16):
-            logits = model(x)
+            logits = fwd(x)
         loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]).float(), y.reshape(-1))
         loss.backward()
         opt.step()
@@ -93,17 +130,21 @@ def main():
         step()
     times = [step() for _ in range(a.steps)]
     params = sum(p.numel() for p in model.parameters())
-    embed = (cfg["vocab"] + cfg["ctx"]) * cfg["d"]
-    flops_per_token = 6.0 * (params - embed) + 12.0 * cfg["n"] * cfg["d"] * cfg["ctx"]
+    if "ffn" in cfg:  # every parameter a matmul's (the tied head's product)
+        flops_per_token = 6.0 * params + 12.0 * cfg["n"] * cfg["d"] * cfg["ctx"]
+    else:
+        embed = (cfg["vocab"] + cfg["ctx"]) * cfg["d"]
+        flops_per_token = 6.0 * (params - embed) + 12.0 * cfg["n"] * cfg["d"] * cfg["ctx"]
     step_ms = statistics.median(times)
     tokens_per_s = a.batch * cfg["ctx"] / (step_ms * 1e-3)
     result = {
         "benchmark": "gpu_gpt_step",
-        "implementation": f"PyTorch {torch.__version__} eager (Python)",
+        "implementation": f"PyTorch {torch.__version__} "
+                          f"{'torch.compile' if a.compile else 'eager'} (Python), AdamW {kind}",
         "model": a.model, "parameters": params,
         "config": {"device": a.device, "batch": a.batch, "seq_len": cfg["ctx"],
                    "precision": "bf16 autocast, fp32 parameters",
-                   "optimizer": f"AdamW(3e-4, wd 0.01, foreach {a.foreach})",
+                   "optimizer": f"AdamW(3e-4, wd 0.01, {kind})",
                    "steps": a.steps, "warmup": a.warmup},
         "machine": machine(),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -21,6 +21,7 @@
 #include <colossalai/launcher.h>
 #include <colossalai/nn/hookable_module.h>
 #include <colossalai/nn/lr_scheduler/all.h>
+#include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/record.h>
 #include <colossalai/shardformer/layer/embedding.h>

@@ -77,6 +77,45 @@ int64_t device_memory_capacity(at::Device device) {
   return 0;
 }
 
+bool has_fused_adam(at::Device device) {
+  if (device.is_cuda()) {
+    return COLOSSALAI_TORCH_AT_LEAST(2, 1);
+  }
+  return device.is_cpu() && COLOSSALAI_TORCH_AT_LEAST(2, 4);
+}
+
+void fused_adam_(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList max_exp_avg_sqs,
+    at::TensorList state_steps,
+    double lr,
+    double beta1,
+    double beta2,
+    double weight_decay,
+    double eps,
+    bool amsgrad,
+    bool decoupled) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 1)
+  if (decoupled) {
+    at::_fused_adamw_(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+        lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false);
+  } else {
+    at::_fused_adam_(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+        lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false);
+  }
+#else
+  (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs;
+  (void)max_exp_avg_sqs, (void)state_steps, (void)lr, (void)beta1;
+  (void)beta2, (void)weight_decay, (void)eps, (void)amsgrad, (void)decoupled;
+  TORCH_INTERNAL_ASSERT(false, "fused_adam_: this LibTorch has no fused Adam");
+#endif
+}
+
 #if COLOSSALAI_TORCH_AT_LEAST(2, 4)
 c10::optional<at::ScalarType> autocast_dtype(at::DeviceType device) {
   if (!at::autocast::is_autocast_enabled(device)) {

@@ -19,10 +19,13 @@
 # build needs (Gloo, GTest, CLI11, nlohmann-json, zlib) are looked up in
 # CMAKE_PREFIX_PATH as usual. --stage-timeout S stops any one part after S
 # seconds (the summary says so) so that a time-boxed run still reports;
-# --jobs N runs N suites at once; --exclude RE leaves out ctest's matches.
+# --jobs N runs N suites at once; --exclude RE leaves out ctest's matches;
+# --tests RE builds (with --python) and runs only the test programs whose
+# names match RE (test_cuda always); --bench-args "ARGS" go to bench/gpu.
 #
 #   tests/gpu/run.sh [--out-dir DIR] [--skip-suite] [--skip-bench]
 #                    [--python PY] [--stage-timeout S] [--jobs N] [--exclude RE]
+#                    [--tests RE] [--bench-args "ARGS"]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -33,6 +36,8 @@ python=""
 stage_timeout=0
 jobs=4
 exclude=()
+tests_re=""
+bench_args=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out-dir) out_dir="$2"; shift ;;
@@ -42,7 +47,9 @@ while [ $# -gt 0 ]; do
     --stage-timeout) stage_timeout="$2"; shift ;;
     --jobs) jobs="$2"; shift ;;
     --exclude) exclude=(-E "$2"); shift ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --tests) tests_re="$2"; shift ;;
+    --bench-args) bench_args="$2"; shift ;;
+    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "tests/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -79,8 +86,14 @@ else
       -DCOLOSSALAI_PYTHON="$(command -v "$python")" >"$out_dir/build.log" 2>&1; then
     tail -40 "$out_dir/build.log" >&2; exit 1
   fi
-  say "building $build ($(nproc) jobs)"
-  if ! limited cmake --build "$build" -j "$(nproc)" >>"$out_dir/build.log" 2>&1; then
+  targets=()
+  if [ -n "$tests_re" ]; then
+    # shellcheck disable=SC2207
+    targets=(--target test_cuda train_fashion_mnist bench_gpu_gpt_step
+      $(ls tests/test_*.cpp | sed 's|.*/||; s|\.cpp$||' | grep -E "$tests_re"))
+  fi
+  say "building $build ($(nproc) jobs) ${targets[*]}"
+  if ! limited cmake --build "$build" -j "$(nproc)" "${targets[@]}" >>"$out_dir/build.log" 2>&1; then
     grep -m20 -E "error|Error" "$out_dir/build.log" >&2 || tail -40 "$out_dir/build.log" >&2
     exit 1
   fi
@@ -114,7 +127,10 @@ record "test_cuda (GPU-only tests)" $? "$out_dir/test_cuda.log"
 
 if [ "$suite" = 1 ]; then
   say "the suite with CUDA tensors"
-  COLOSSALAI_DEVICE=cuda limited ctest --test-dir "$build" --output-on-failure -j "$jobs" "${exclude[@]}" \
+  only=()
+  [ -n "$tests_re" ] && only=(-R "$tests_re")
+  COLOSSALAI_DEVICE=cuda limited ctest --test-dir "$build" --output-on-failure -j "$jobs" \
+    "${exclude[@]}" "${only[@]}" \
     > "$out_dir/suite-cuda.log" 2>&1
   record "suite, COLOSSALAI_DEVICE=cuda" $? "$out_dir/suite-cuda.log"
 fi
@@ -126,7 +142,8 @@ record "Fashion-MNIST main job (one rank, CUDA)" $? "$out_dir/fashion_mnist.log"
 
 if [ "$bench" = 1 ]; then
   say "bench/gpu"
-  PYTHON=$python BUILD_DIR=$build limited bench/gpu/run.sh --out-dir "$out_dir" \
+  # shellcheck disable=SC2086
+  PYTHON=$python BUILD_DIR=$build limited bench/gpu/run.sh --out-dir "$out_dir" $bench_args \
     > "$out_dir/bench-gpu.log" 2>&1
   record "bench/gpu (report.md)" $? "$out_dir/bench-gpu.log"
 fi

@@ -85,6 +85,32 @@ at::Tensor explicit_attention(
     const c10::optional<at::Tensor>& mask,
     bool is_causal);
 
+/// Whether LibTorch has the fused Adam/AdamW kernels (at::_fused_adam_,
+/// at::_fused_adamw_: one pass over parameter, gradient and moments) for
+/// `device`: CUDA from 2.1, the CPU from 2.4; never on 1.13.
+bool has_fused_adam(at::Device device);
+
+/// One fused Adam (`decoupled` false: L2 decay added to the gradient) or
+/// AdamW (`decoupled` true: the parameter scaled by 1 - lr * weight_decay)
+/// update over tensors of one device and dtype. `state_steps` are fp32
+/// tensors on that device holding each parameter's step count after this
+/// step (1 on the first); the kernel corrects the moments' bias with them.
+/// `max_exp_avg_sqs` is empty unless `amsgrad`. Requires has_fused_adam.
+void fused_adam_(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList max_exp_avg_sqs,
+    at::TensorList state_steps,
+    double lr,
+    double beta1,
+    double beta2,
+    double weight_decay,
+    double eps,
+    bool amsgrad,
+    bool decoupled);
+
 /// The dtype autocast casts to on `device` (CPU or CUDA) in this thread, or
 /// nullopt where autocast is off there.
 c10::optional<at::ScalarType> autocast_dtype(at::DeviceType device);

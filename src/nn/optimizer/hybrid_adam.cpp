@@ -248,6 +248,7 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
         it.working = working;
         it.state = &state;
         it.scalars = make_scalars(*options, state.step());
+        it.options = options;
         device_items.push_back(std::move(it));
         continue;
       }

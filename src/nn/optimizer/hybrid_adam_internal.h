@@ -52,10 +52,13 @@ struct DeviceItem {
   torch::Tensor working;
   HybridAdamParamState* state = nullptr;
   detail::AdamScalars scalars;
+  const HybridAdamOptions* options = nullptr; // the parameter's group's
 };
 
-// GPU parameters: the same arithmetic as the CPU kernel as multi-tensor
-// (_foreach) ATen ops, with per-parameter constants as scalar lists.
+// GPU parameters: LibTorch's fused Adam / AdamW kernel where it has one and
+// bias correction is on; otherwise the same arithmetic as the CPU kernel as
+// multi-tensor (_foreach) ATen ops, with per-parameter constants as scalar
+// lists.
 void device_update(std::vector<DeviceItem>& items);
 #endif
 

@@ -1,0 +1,67 @@
+#pragma once
+
+/// Fused linear + cross-entropy (NOTE [Kernels] in rms_norm.h): the loss of
+/// a language model's output projection, cross_entropy(hidden @ weight^T +
+/// bias, target), computed chunk by chunk over the tokens so that the
+/// [tokens x vocab] logits (and their float32 softmax) are never held
+/// whole: each chunk's logits live only while its loss and its gradients
+/// are taken. The gradients of hidden, weight and bias are computed in the
+/// forward and scaled by the incoming gradient in the backward (the loss is
+/// a graph's last node), as Liger-Kernel's and llm.c's fused classifiers do.
+///
+/// Numerics: the matmuls run in the compute dtype (autocast's on the
+/// hidden's device when autocast is on there, else the inputs' dtype), the
+/// log-sum-exp, softmax and loss in float32 (float64 for float64 inputs),
+/// the weight's gradient summed over chunks in that precision too. Against the reference (the same matmul, then
+/// cross-entropy in float32): float32 agrees within float32 rounding; in
+/// bf16 the weight gradient is rounded once per chunk instead of once.
+///
+/// Example:
+/// \code
+///   namespace k = colossalai::kernels;
+///   auto loss = k::fused_linear_cross_entropy(
+///       hidden.view({-1, c}), head->weight, {}, targets.view(-1),
+///       k::FusedLinearCrossEntropyOptions().ignore_index(-100));
+///   loss.backward();
+/// \endcode
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+
+namespace colossalai {
+namespace kernels {
+
+struct FusedLinearCrossEntropyOptions {
+  /// Targets equal to this contribute neither loss nor gradient.
+  TORCH_ARG(int64_t, ignore_index) = -100;
+  /// Tokens per chunk; 0 picks the largest power of two whose float32
+  /// logits stay within 256 MiB.
+  TORCH_ARG(int64_t, chunk_size) = 0;
+  /// true: the mean over the targets that are not ignored (PyTorch's
+  /// "mean", NaN when every target is ignored); false: their sum.
+  TORCH_ARG(bool, mean) = true;
+};
+
+/// hidden [N, H], weight [V, H], bias [V] (optional), target [N] int64.
+/// Returns the 0-dimensional loss, float32 (float64 for float64 inputs).
+at::Tensor fused_linear_cross_entropy(
+    const at::Tensor& hidden,
+    const at::Tensor& weight,
+    const c10::optional<at::Tensor>& bias,
+    const at::Tensor& target,
+    const FusedLinearCrossEntropyOptions& options = {});
+
+/// The reference: at::linear, then cross-entropy of the logits in float32
+/// (float64 for float64 inputs).
+at::Tensor linear_cross_entropy_reference(
+    const at::Tensor& hidden,
+    const at::Tensor& weight,
+    const c10::optional<at::Tensor>& bias,
+    const at::Tensor& target,
+    const FusedLinearCrossEntropyOptions& options = {});
+
+} // namespace kernels
+} // namespace colossalai

@@ -1,0 +1,47 @@
+#pragma once
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
+namespace colossalai {
+namespace nn {
+namespace optimizer {
+
+/// `torch::optim::AdamW` whose step runs LibTorch's fused multi-tensor kernel
+/// (`at::_fused_adamw_`, what Python's `AdamW(fused=True)` calls): one pass
+/// over parameter, gradient and both moments per step instead of the dozen
+/// per-tensor passes of LibTorch's loop. ColossalAI's `FusedAdam` with
+/// `adamw_mode=True` is this optimizer.
+///
+/// Options, state and checkpoints are AdamW's: a `FusedAdamW` saves and
+/// loads wherever a `torch::optim::AdamW` does (and Python's AdamW reads it).
+/// Parameters are stepped in buckets of one device and dtype; a bucket whose
+/// device LibTorch has no fused kernel for (the CPU before 2.4, any device on
+/// 1.13), or whose gradients are sparse or of another dtype, takes AdamW's
+/// own step. The fused kernel computes the bias corrections in fp32 where
+/// AdamW uses double, so the two agree within fp32 rounding, not bitwise.
+///
+/// Example:
+/// \code
+///   auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+///       model->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
+///   auto boosted = booster.boost(model, opt);
+/// \endcode
+class FusedAdamW : public torch::optim::AdamW {
+ public:
+  using torch::optim::AdamW::AdamW;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+/// `torch::optim::Adam` (L2 weight decay added to the gradient) stepped by
+/// `at::_fused_adam_`; otherwise as `FusedAdamW` (ColossalAI's `FusedAdam`
+/// with `adamw_mode=False`).
+class FusedAdam : public torch::optim::Adam {
+ public:
+  using torch::optim::Adam::Adam;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+} // namespace optimizer
+} // namespace nn
+} // namespace colossalai

@@ -1,0 +1,221 @@
+// Fused linear + cross-entropy (NOTE [Kernels]): chunked over the tokens,
+// gradients taken in the forward, so the [tokens x vocab] logits exist one
+// chunk at a time. ATen on every device: the chunking is the fusion.
+
+#include <colossalai/kernels/fused_linear_cross_entropy.h>
+
+#include <colossalai/utils/compat.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace colossalai {
+namespace kernels {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr int64_t kChunkLogitBytes = int64_t{256} << 20;
+
+int64_t chunk_tokens(int64_t requested, int64_t tokens, int64_t vocab) {
+  if (requested > 0) {
+    return std::max<int64_t>(1, std::min(requested, tokens));
+  }
+  int64_t c = 1;
+  while (c * 2 * vocab * 4 <= kChunkLogitBytes) {
+    c *= 2;
+  }
+  return std::max<int64_t>(1, std::min(c, tokens));
+}
+
+void check_inputs(
+    const at::Tensor& hidden,
+    const at::Tensor& weight,
+    const at::Tensor& bias,
+    const at::Tensor& target) {
+  TORCH_CHECK(
+      hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
+      "fused_linear_cross_entropy: expected hidden [N, H] and weight [V, H], "
+      "got ",
+      hidden.sizes(),
+      " and ",
+      weight.sizes());
+  TORCH_CHECK(
+      !bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)),
+      "fused_linear_cross_entropy: bias must be [V] = [",
+      weight.size(0),
+      "], got ",
+      bias.sizes());
+  TORCH_CHECK(
+      target.dim() == 1 && target.size(0) == hidden.size(0),
+      "fused_linear_cross_entropy: target must be [N] = [",
+      hidden.size(0),
+      "], got ",
+      target.sizes());
+  TORCH_CHECK(
+      target.scalar_type() == at::kLong,
+      "fused_linear_cross_entropy: target must be int64, got ",
+      target.scalar_type());
+  TORCH_CHECK(
+      weight.device() == hidden.device() &&
+          (!bias.defined() || bias.device() == hidden.device()),
+      "fused_linear_cross_entropy: hidden, weight and bias must be on one "
+      "device");
+}
+
+struct FusedLinearCrossEntropy
+    : public torch::autograd::Function<FusedLinearCrossEntropy> {
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& hidden,
+      const at::Tensor& weight,
+      const at::Tensor& bias_or_empty,
+      const at::Tensor& target,
+      int64_t ignore_index,
+      int64_t chunk_size,
+      bool mean) {
+    // Autocast's dtype where it is on (as at::linear would be cast), else
+    // the inputs' own, which must then agree (as at::linear requires).
+    const at::Tensor bias =
+        bias_or_empty.numel() > 0 ? bias_or_empty : at::Tensor();
+    const auto compute = compat::autocast_dtype(hidden.device().type())
+                             .value_or(hidden.scalar_type());
+    TORCH_CHECK(
+        compat::autocast_dtype(hidden.device().type()).has_value() ||
+            (weight.scalar_type() == hidden.scalar_type() &&
+             (!bias.defined() || bias.scalar_type() == hidden.scalar_type())),
+        "fused_linear_cross_entropy: hidden (",
+        hidden.scalar_type(),
+        ") and weight (",
+        weight.scalar_type(),
+        ") differ in dtype outside autocast");
+    const auto h = hidden.to(compute);
+    const auto w = weight.to(compute);
+    const auto b = bias.defined() ? bias.to(compute) : at::Tensor();
+    const int64_t n = h.size(0);
+    const int64_t vocab = w.size(0);
+    // Softmax and loss in float32 (float64 for float64 inputs).
+    const auto acc = at::promote_types(compute, at::kFloat);
+    const auto acc_opts = h.options().dtype(acc);
+
+    const auto tgt = target.to(h.device());
+    const auto valid = tgt.ne(ignore_index);
+    // The scale stays on the device: no synchronisation for the count.
+    const auto scale =
+        mean ? valid.sum().to(acc).reciprocal() : at::ones({}, acc_opts);
+
+    const bool need_h = hidden.requires_grad();
+    const bool need_w = weight.requires_grad();
+    const bool need_b = bias.defined() && bias.requires_grad();
+    auto loss = at::zeros({}, acc_opts);
+    auto gh = need_h ? at::empty({n, h.size(1)}, h.options()) : at::Tensor();
+    auto gw = need_w ? at::zeros({vocab, w.size(1)}, acc_opts) : at::Tensor();
+    auto gb = need_b ? at::zeros({vocab}, acc_opts) : at::Tensor();
+
+    const int64_t step = chunk_tokens(chunk_size, n, vocab);
+    for (int64_t s = 0; s < n; s += step) {
+      const int64_t c = std::min(step, n - s);
+      const auto hc = h.narrow(0, s, c);
+      const auto vc = valid.narrow(0, s, c);
+      const auto tc = tgt.narrow(0, s, c).masked_fill(vc.logical_not(), 0);
+      const auto logits =
+          b.defined() ? at::addmm(b, hc, w.t()) : at::mm(hc, w.t());
+      auto p = logits.to(acc); // may alias `logits`: unused below
+      const auto lse = at::logsumexp(p, 1);
+      const auto picked = p.gather(1, tc.unsqueeze(1)).squeeze(1);
+      const auto vf = vc.to(acc);
+      loss.add_(((lse - picked) * vf).sum());
+      // d(loss)/d(logits) = (softmax - one_hot(target)) * scale, rows of
+      // ignored targets zero; computed in place in the float32 buffer.
+      p.sub_(lse.unsqueeze(1)).exp_();
+      p.scatter_add_(1, tc.unsqueeze(1), at::full({c, 1}, -1.0, acc_opts));
+      p.mul_((vf * scale).unsqueeze(1));
+      if (need_b) {
+        gb.add_(p.sum(0));
+      }
+      if (need_h || need_w) {
+        const auto g = p.to(compute);
+        if (need_h) {
+          auto rows = gh.narrow(0, s, c);
+          at::mm_out(rows, g, w);
+        }
+        if (need_w) {
+          gw.add_(at::mm(g.t(), hc));
+        }
+      }
+    }
+    if (mean) {
+      loss.mul_(scale);
+    }
+    ctx->saved_data["gh"] = need_h ? gh.to(hidden.scalar_type()) : at::Tensor();
+    ctx->saved_data["gw"] = need_w ? gw.to(weight.scalar_type()) : at::Tensor();
+    ctx->saved_data["gb"] = need_b ? gb.to(bias.scalar_type()) : at::Tensor();
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& go = grads[0];
+    auto scaled = [&](const char* name) {
+      auto g = ctx->saved_data[name].toTensor();
+      // Out of place: a graph kept with retain_graph may run this again.
+      return g.defined() ? g * go.to(g.scalar_type()) : g;
+    };
+    return {
+        scaled("gh"),
+        scaled("gw"),
+        scaled("gb"),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor()};
+  }
+};
+
+} // namespace
+
+at::Tensor fused_linear_cross_entropy(
+    const at::Tensor& hidden,
+    const at::Tensor& weight,
+    const c10::optional<at::Tensor>& bias,
+    const at::Tensor& target,
+    const FusedLinearCrossEntropyOptions& options) {
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  check_inputs(hidden, weight, b, target);
+  TORCH_CHECK(
+      options.chunk_size() >= 0,
+      "fused_linear_cross_entropy: chunk_size must be >= 0 (0: automatic), "
+      "got ",
+      options.chunk_size());
+  // A Function's inputs must be defined: no bias is an empty tensor.
+  return FusedLinearCrossEntropy::apply(
+      hidden,
+      weight,
+      b.defined() ? b : at::empty({0}, hidden.options()),
+      target,
+      options.ignore_index(),
+      options.chunk_size(),
+      options.mean());
+}
+
+at::Tensor linear_cross_entropy_reference(
+    const at::Tensor& hidden,
+    const at::Tensor& weight,
+    const c10::optional<at::Tensor>& bias,
+    const at::Tensor& target,
+    const FusedLinearCrossEntropyOptions& options) {
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  check_inputs(hidden, weight, b, target);
+  const auto logits = at::linear(hidden, weight, b);
+  return at::cross_entropy_loss(
+      logits.to(at::promote_types(logits.scalar_type(), at::kFloat)),
+      target.to(hidden.device()),
+      {},
+      options.mean() ? at::Reduction::Mean : at::Reduction::Sum,
+      options.ignore_index(),
+      0.0);
+}
+
+} // namespace kernels
+} // namespace colossalai
