@@ -169,11 +169,10 @@ void GPTImpl::reset_parameters() {
   reset_own_parameters();
 }
 
-at::Tensor GPTImpl::forward(const at::Tensor& idx) {
-  return linear(head, hidden_states(idx));
-}
-
 at::Tensor GPTImpl::forward(const at::Tensor& idx, const at::Tensor& targets) {
+  if (!targets.defined()) {
+    return linear(head, hidden_states(idx));
+  }
   TORCH_CHECK(
       targets.sizes() == idx.sizes(),
       "GPT: targets ",

@@ -114,14 +114,16 @@ class GPTImpl : public torch::nn::Module {
   explicit GPTImpl(const GPTConfig& config = GPTConfig());
 
   /// idx: [B, T] int64 token ids with T <= block_size.
-  /// Returns logits [B, T, vocab_size].
-  at::Tensor forward(const at::Tensor& idx);
-  /// With targets ([B, T] int64, -100 ignored): the mean token
-  /// cross-entropy, as gpt_loss(forward(idx), targets), through
+  /// Returns logits [B, T, vocab_size]; with targets ([B, T] int64, -100
+  /// ignored) the mean token cross-entropy instead, as
+  /// gpt_loss(forward(idx), targets), through
   /// kernels::fused_linear_cross_entropy, so the [B * T, vocab] logits are
-  /// never held whole. The head must hold the whole vocabulary (not a
-  /// vocab-parallel shard).
-  at::Tensor forward(const at::Tensor& idx, const at::Tensor& targets);
+  /// never held whole (the head must hold the whole vocabulary, not a
+  /// vocab-parallel shard). One function with a default argument, not two
+  /// overloads: ModuleHolder's operator() needs a single `forward`.
+  at::Tensor forward(
+      const at::Tensor& idx,
+      const at::Tensor& targets = at::Tensor());
   /// The final LayerNorm's output [B, T, n_embd], before the head.
   at::Tensor hidden_states(const at::Tensor& idx);
 

@@ -11,8 +11,8 @@
 #
 # Each round runs, one after the other: ours with LibTorch's AdamW and the
 # whole logits (ours), with FusedAdamW (ours_fused_adamw), with FusedAdamW
-# and the fused linear + cross-entropy (ours_fused), the same with HybridAdam
-# (ours_hybrid_adam), and with LowLevelZero stage 1 in bf16 at world size one
+# and the fused linear + cross-entropy (ours_fused), and the same under
+# LowLevelZero stage 1 in bf16 at world size one
 # (bf16 weights, fp32 masters, no autocast: ours_zero1_bf16); PyTorch eager
 # with its default AdamW (torch) and with AdamW(fused=True) (torch_fused).
 # --llama-rounds N adds N rounds of a Llama-3.2-1B-shaped model (batch
@@ -113,7 +113,6 @@ variants=(
   "ours|cpp|--optimizer adamw --loss logits"
   "ours_fused_adamw|cpp|--optimizer fused_adamw --loss logits"
   "ours_fused|cpp|--optimizer fused_adamw --loss fused"
-  "ours_hybrid_adam|cpp|--optimizer hybrid_adam --loss fused"
   "ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
   "torch|py|"
   "torch_fused|py|--fused"

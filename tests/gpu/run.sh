@@ -23,7 +23,7 @@
 # --tests RE builds (with --python) and runs only the test programs whose
 # names match RE (test_cuda always); --bench-args "ARGS" go to bench/gpu.
 #
-#   tests/gpu/run.sh [--out-dir DIR] [--skip-suite] [--skip-bench]
+#   tests/gpu/run.sh [--out-dir DIR] [--skip-suite] [--skip-bench] [--skip-example]
 #                    [--python PY] [--stage-timeout S] [--jobs N] [--exclude RE]
 #                    [--tests RE] [--bench-args "ARGS"]
 set -uo pipefail
@@ -32,6 +32,7 @@ cd "$(dirname "$0")/../.."
 out_dir=""
 suite=1
 bench=1
+example=1
 python=""
 stage_timeout=0
 jobs=4
@@ -43,6 +44,7 @@ while [ $# -gt 0 ]; do
     --out-dir) out_dir="$2"; shift ;;
     --skip-suite) suite=0 ;;
     --skip-bench) bench=0 ;;
+    --skip-example) example=0 ;;
     --python) python="$2"; shift ;;
     --stage-timeout) stage_timeout="$2"; shift ;;
     --jobs) jobs="$2"; shift ;;
@@ -135,10 +137,12 @@ if [ "$suite" = 1 ]; then
   record "suite, COLOSSALAI_DEVICE=cuda" $? "$out_dir/suite-cuda.log"
 fi
 
-say "Fashion-MNIST on the GPU"
-COLOSSALAI_DEVICE=cuda limited "./$build/examples/train_fashion_mnist" --nproc 1 --plugin none \
-  > "$out_dir/fashion_mnist.log" 2>&1
-record "Fashion-MNIST main job (one rank, CUDA)" $? "$out_dir/fashion_mnist.log"
+if [ "$example" = 1 ]; then
+  say "Fashion-MNIST on the GPU"
+  COLOSSALAI_DEVICE=cuda limited "./$build/examples/train_fashion_mnist" --nproc 1 --plugin none \
+    > "$out_dir/fashion_mnist.log" 2>&1
+  record "Fashion-MNIST main job (one rank, CUDA)" $? "$out_dir/fashion_mnist.log"
+fi
 
 if [ "$bench" = 1 ]; then
   say "bench/gpu"
