@@ -9,6 +9,7 @@
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
+#include <colossalai/nn/lr_scheduler/all.h>
 #include <colossalai/utils/compat.h>
 #include <harness/test_util.h>
 
@@ -18,9 +19,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -328,6 +333,167 @@ TEST(InteropPython, HuggingFaceLayoutCheckpointsGiveTheReferenceLogits) {
   models::LlamaForCausalLM llama(models::LlamaConfig::tiny_test());
   check(
       llama.ptr(), [&] { return llama->forward(ids); }, "llama");
+}
+
+namespace sched = colossalai::nn::lr_scheduler;
+
+/// SGD with momentum on two groups at lr 0.1 and 0.03: sched_optimizer() in
+/// interop.py.
+std::unique_ptr<torch::optim::SGD> sched_optimizer() {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (double lr : {0.1, 0.03}) {
+    groups.emplace_back(
+        std::vector<at::Tensor>{at::zeros({2}).requires_grad_()},
+        std::make_unique<torch::optim::SGDOptions>(
+            torch::optim::SGDOptions(lr).momentum(0.9)));
+  }
+  return std::make_unique<torch::optim::SGD>(
+      groups, torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+
+struct SchedulerCase {
+  std::string name;
+  std::function<std::unique_ptr<sched::LRScheduler>(torch::optim::Optimizer&)>
+      make;
+  int64_t steps; // before the save
+};
+
+/// torch's own classes with the same options as SCHEDULERS in interop.py.
+/// Left out: LinearWarmupLR and PolynomialLR are ColossalAI's own (torch's
+/// PolynomialLR has another formula: no end_lr, total_iters), and the
+/// two-stage schedulers are ColossalAI classes torch does not have.
+std::vector<SchedulerCase> scheduler_cases() {
+  using Opt = torch::optim::Optimizer;
+  return {
+      {"StepLR",
+       [](Opt& o) {
+         return std::make_unique<sched::StepLR>(
+             o, sched::StepLROptions(50).step_size(3).gamma(0.5));
+       },
+       8},
+      {"MultiStepLR",
+       [](Opt& o) {
+         return std::make_unique<sched::MultiStepLR>(
+             o,
+             sched::MultiStepLROptions(50)
+                 .milestones({3, 8, 8, 12})
+                 .gamma(0.5));
+       },
+       7},
+      {"ExponentialLR",
+       [](Opt& o) {
+         return std::make_unique<sched::ExponentialLR>(
+             o, sched::ExponentialLROptions(50).gamma(0.9));
+       },
+       5},
+      {"CosineAnnealingLR",
+       [](Opt& o) {
+         return std::make_unique<sched::CosineAnnealingLR>(
+             o, sched::CosineAnnealingLROptions(20).eta_min(0.001));
+       },
+       6},
+      {"OneCycleLR",
+       [](Opt& o) {
+         return std::make_unique<sched::OneCycleLR>(
+             o, sched::OneCycleLROptions(20));
+       },
+       6},
+      {"LambdaLR",
+       [](Opt& o) {
+         return std::make_unique<sched::LambdaLR>(
+             o, sched::LambdaLROptions(50, [](int64_t e) {
+               return std::pow(0.97, static_cast<double>(e));
+             }));
+       },
+       5},
+      {"MultiplicativeLR",
+       [](Opt& o) {
+         return std::make_unique<sched::MultiplicativeLR>(
+             o, sched::MultiplicativeLROptions(50, [](int64_t e) {
+               return 0.9 + 0.002 * static_cast<double>(e);
+             }));
+       },
+       5},
+  };
+}
+
+/// The groups' learning rates, then their momenta: sched_step() in
+/// interop.py.
+std::vector<double> lrs_and_momenta(
+    torch::optim::Optimizer& optimizer,
+    const sched::LRScheduler& scheduler) {
+  std::vector<double> out = scheduler.get_last_lr();
+  for (auto& group : optimizer.param_groups()) {
+    out.push_back(
+        static_cast<torch::optim::SGDOptions&>(group.options()).momentum());
+  }
+  return out;
+}
+
+/// Relative 1e-12: the same double arithmetic on both sides, but Python's
+/// pow and cos may come from another libm than LibTorch's.
+void expect_values(const at::Tensor* want, const std::vector<double>& got) {
+  ASSERT_NE(want, nullptr) << "missing from Python's file";
+  const auto w = want->to(at::kDouble).contiguous();
+  ASSERT_EQ(w.numel(), static_cast<int64_t>(got.size()));
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double x = w.data_ptr<double>()[i];
+    EXPECT_LE(
+        std::abs(x - got[i]), 1e-12 * std::max(std::abs(x), std::abs(got[i])))
+        << "value " << i << ": Python " << x << ", C++ " << got[i];
+  }
+}
+
+// Scheduler files cross both ways: Python's torch scheduler loads what the
+// booster saved (torch.load, with weights_only=True from torch 2.4: 1.13's
+// restricted unpickler takes no floats) and its next step equals ours; we
+// load what torch.save(scheduler.state_dict()) wrote (MultiStepLR's
+// milestones are a collections.Counter there) and our next step equals
+// Python's.
+TEST(InteropPython, LRSchedulerFilesCrossBothWays) {
+  if (!python_has_torch()) {
+    GTEST_SKIP() << "Python torch absent: install python3-torch";
+  }
+  ScratchDir scratch;
+  const auto dir = scratch.path;
+  colossalai::booster::Booster booster;
+  std::map<std::string, std::vector<double>> ours;
+  for (const auto& c : scheduler_cases()) {
+    auto optimizer = sched_optimizer();
+    auto scheduler = c.make(*optimizer);
+    for (int64_t i = 0; i < c.steps; ++i) {
+      scheduler->step();
+    }
+    booster.save_lr_scheduler(
+        *scheduler, (dir / ("cpp_" + c.name + ".pt")).string());
+    scheduler->step();
+    ours[c.name] = lrs_and_momenta(*optimizer, *scheduler);
+  }
+  const auto result = colossalai::testing::run_shell(
+      std::string(kPython) + " " + quote(script_path().string()) + " sched " +
+      quote(dir.string()));
+  ASSERT_EQ(result.first, 0) << "interop.py sched failed:\n" << result.second;
+
+  const StateDict from_ours =
+      colossalai::checkpoint_io::load_bin((dir / "from_cpp_next.bin").string());
+  const StateDict pythons =
+      colossalai::checkpoint_io::load_bin((dir / "py_next.bin").string());
+  for (const auto& c : scheduler_cases()) {
+    SCOPED_TRACE(c.name);
+    {
+      SCOPED_TRACE("Python's step after loading our file");
+      expect_values(from_ours.find(c.name), ours[c.name]);
+    }
+    auto optimizer = sched_optimizer();
+    auto scheduler = c.make(*optimizer);
+    booster.load_lr_scheduler(
+        *scheduler, (dir / ("py_" + c.name + ".pt")).string());
+    EXPECT_EQ(scheduler->last_epoch(), c.steps);
+    scheduler->step();
+    SCOPED_TRACE("our step after loading Python's file");
+    expect_values(
+        pythons.find(c.name), lrs_and_momenta(*optimizer, *scheduler));
+  }
 }
 
 } // namespace

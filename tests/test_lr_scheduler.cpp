@@ -1,7 +1,14 @@
 // Learning-rate schedulers against values recorded from PyTorch /
-// ColossalAI (golden/gen_lr_scheduler_golden.py), and save/load resumption.
+// ColossalAI (golden/gen_lr_scheduler_golden.py), and save/load resumption
+// (LibTorch archives, and Python's state_dict() as a dict and as a file).
 
+#include <colossalai/booster/booster.h>
+#include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/nn/lr_scheduler/all.h>
+#include <harness/test_util.h>
+#include <src/checkpoint_io/pickle_reader.h>
+
+#include <caffe2/serialize/inline_container.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -10,6 +17,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -420,6 +429,72 @@ TEST_P(GoldenTest, ResumesFromArchiveFile) {
   std::remove(file.c_str());
 }
 
+// Runs `split` steps, hands the state to a fresh optimizer and scheduler
+// (as a state_dict(), or through the file save_lr_scheduler writes) and then
+// steps both to the end: the resumed one must equal the original bit for bit
+// (lr, get_last_lr, momentum, last_epoch) and the golden values.
+void resume_from_state_dict(
+    const Case& c,
+    int64_t split,
+    const std::string* file) {
+  auto original_optimizer = make_optimizer(c.opt);
+  auto original = c.make(*original_optimizer);
+  for (int64_t s = 1; s <= split; ++s) {
+    apply_tweak(c, *original_optimizer, s);
+    original->step();
+  }
+  auto optimizer = make_optimizer(c.opt);
+  auto scheduler = c.make(*optimizer);
+  if (file) {
+    colossalai::booster::Booster booster;
+    booster.save_lr_scheduler(*original, *file);
+    booster.load_lr_scheduler(*scheduler, *file);
+  } else {
+    scheduler->load_state_dict(original->state_dict());
+  }
+  const std::string where = std::string("state_dict ") + (file ? "file " : "") +
+      "resumed at " + std::to_string(split);
+  auto same = [&](int64_t s) {
+    const std::string what =
+        c.name + " " + where + " step " + std::to_string(s);
+    EXPECT_EQ(scheduler->last_epoch(), original->last_epoch()) << what;
+    EXPECT_EQ(scheduler->get_last_lr(), original->get_last_lr()) << what;
+    EXPECT_EQ(group_lrs(*optimizer), group_lrs(*original_optimizer)) << what;
+    if (c.momentum) {
+      EXPECT_EQ(momenta(*optimizer), momenta(*original_optimizer)) << what;
+    }
+    expect_at(c, *optimizer, *scheduler, s, where);
+  };
+  same(split);
+  for (int64_t s = split + 1; s <= c.steps; ++s) {
+    apply_tweak(c, *original_optimizer, s);
+    apply_tweak(c, *optimizer, s);
+    original->step();
+    scheduler->step();
+    same(s);
+  }
+}
+
+TEST_P(GoldenTest, ResumesFromStateDictAtEveryStep) {
+  const Case& c = GetParam();
+  for (int64_t split = 0; split <= c.steps; ++split) {
+    resume_from_state_dict(c, split, nullptr);
+    if (::testing::Test::HasFailure()) {
+      return;
+    }
+  }
+}
+
+// Early (inside the first stage of two-stage schedulers) and past the middle
+// (inside the second).
+TEST_P(GoldenTest, ResumesFromStateDictFile) {
+  const Case& c = GetParam();
+  colossalai::testing::ScratchDir dir("lr_scheduler_state_dict");
+  const std::string file = dir.path + "/" + c.name + ".pt";
+  resume_from_state_dict(c, 2, &file);
+  resume_from_state_dict(c, c.steps / 2 + 1, &file);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     LRScheduler,
     GoldenTest,
@@ -504,6 +579,428 @@ TEST(LRScheduler, LoadRejectsAnotherKind) {
     EXPECT_NE(std::string(e.what()).find("StepLR"), std::string::npos)
         << e.what();
   }
+}
+
+const c10::IValue& entry(
+    const c10::impl::GenericDict& d,
+    const std::string& key) {
+  auto it = d.find(c10::IValue(key));
+  TORCH_CHECK(it != d.end(), "no '", key, "' in the state dict");
+  return it->value();
+}
+
+std::vector<double> doubles(const c10::IValue& list) {
+  std::vector<double> out;
+  for (const auto& v : list.toListRef()) {
+    out.push_back(v.toDouble());
+  }
+  return out;
+}
+
+// The keys and types Python's schedulers hold.
+TEST(LRSchedulerStateDict, HasPythonsKeys) {
+  namespace s = sched;
+  auto optimizer = make_optimizer(Opt::kSgd);
+  s::CosineAnnealingLR cosine(
+      *optimizer, s::CosineAnnealingLROptions(25).eta_min(0.001));
+  cosine.step();
+  cosine.step();
+  auto d = cosine.state_dict();
+  EXPECT_EQ(entry(d, "last_epoch").toInt(), 2);
+  EXPECT_EQ(entry(d, "_step_count").toInt(), 3);
+  EXPECT_EQ(doubles(entry(d, "base_lrs")), golden::kInitialLrs);
+  EXPECT_EQ(doubles(entry(d, "_last_lr")), cosine.get_last_lr());
+  EXPECT_FALSE(entry(d, "_get_lr_called_within_step").toBool());
+  EXPECT_FALSE(entry(d, "verbose").toBool());
+  EXPECT_EQ(entry(d, "T_max").toInt(), 25);
+  EXPECT_EQ(entry(d, "eta_min").toDouble(), 0.001);
+  EXPECT_FALSE(d.contains("optimizer"));
+
+  auto multistep = s::MultiStepLR(
+                       *make_optimizer(Opt::kSgd),
+                       s::MultiStepLROptions(50).milestones({25, 10, 25}))
+                       .state_dict();
+  const auto milestones = entry(multistep, "milestones").toGenericDict();
+  ASSERT_EQ(milestones.size(), 2u);
+  EXPECT_EQ(milestones.at(c10::IValue(int64_t{10})).toInt(), 1);
+  EXPECT_EQ(milestones.at(c10::IValue(int64_t{25})).toInt(), 2);
+  EXPECT_EQ(entry(multistep, "gamma").toDouble(), 0.1);
+
+  auto step = s::StepLR(
+                  *make_optimizer(Opt::kSgd),
+                  s::StepLROptions(50).step_size(7).gamma(0.5))
+                  .state_dict();
+  EXPECT_EQ(entry(step, "step_size").toInt(), 7);
+  EXPECT_EQ(entry(step, "gamma").toDouble(), 0.5);
+
+  auto lambda = s::LambdaLR(
+                    *make_optimizer(Opt::kSgd),
+                    s::LambdaLROptions(10, [](int64_t) { return 1.0; }))
+                    .state_dict();
+  const auto lambdas = entry(lambda, "lr_lambdas").toListRef();
+  ASSERT_EQ(lambdas.size(), golden::kInitialLrs.size());
+  EXPECT_TRUE(lambdas[0].isNone());
+
+  auto poly = s::PolynomialLR(
+                  *make_optimizer(Opt::kSgd),
+                  s::PolynomialLROptions(40).end_lr(1e-4).power(2.0))
+                  .state_dict();
+  EXPECT_EQ(entry(poly, "total_steps").toInt(), 40);
+  EXPECT_EQ(entry(poly, "end_lr").toDouble(), 1e-4);
+  EXPECT_EQ(entry(poly, "power").toDouble(), 2.0);
+
+  auto linear = s::LinearWarmupLR(
+                    *make_optimizer(Opt::kSgd),
+                    s::LinearWarmupLROptions(40).warmup_steps(8))
+                    .state_dict();
+  EXPECT_EQ(entry(linear, "warmup_steps").toInt(), 8);
+  EXPECT_EQ(entry(linear, "total_steps").toInt(), 40);
+
+  auto adam = make_optimizer(Opt::kAdam);
+  auto one_cycle =
+      s::OneCycleLR(*adam, s::OneCycleLROptions(40).three_phase(true))
+          .state_dict();
+  EXPECT_EQ(entry(one_cycle, "total_steps").toInt(), 40);
+  EXPECT_EQ(entry(one_cycle, "_anneal_func_type").toStringRef(), "cos");
+  EXPECT_TRUE(entry(one_cycle, "cycle_momentum").toBool());
+  EXPECT_TRUE(entry(one_cycle, "use_beta1").toBool());
+  const auto phases = entry(one_cycle, "_schedule_phases").toListRef();
+  ASSERT_EQ(phases.size(), 3u);
+  const auto last = phases[2].toGenericDict();
+  EXPECT_EQ(entry(last, "end_step").toDouble(), 39.0);
+  EXPECT_EQ(entry(last, "start_lr").toStringRef(), "initial_lr");
+  EXPECT_EQ(entry(last, "end_lr").toStringRef(), "min_lr");
+  EXPECT_EQ(entry(last, "start_momentum").toStringRef(), "max_momentum");
+  EXPECT_EQ(entry(last, "end_momentum").toStringRef(), "max_momentum");
+  EXPECT_EQ(entry(phases[0].toGenericDict(), "end_step").toDouble(), 11.0);
+  EXPECT_FALSE(
+      entry(
+          s::OneCycleLR(*make_optimizer(Opt::kSgd), s::OneCycleLROptions(10))
+              .state_dict(),
+          "use_beta1")
+          .toBool());
+
+  // Two-stage: ColossalAI's TwoStageScheduler.state_dict, with the second
+  // stage's Python class name.
+  auto warm_opt = make_optimizer(Opt::kSgd);
+  s::CosineAnnealingWarmupLR warm(
+      *warm_opt, s::CosineAnnealingWarmupLROptions(20).warmup_steps(5));
+  for (int i = 0; i < 7; ++i) {
+    warm.step();
+  }
+  auto w = warm.state_dict();
+  EXPECT_EQ(entry(w, "warmup_epochs").toInt(), 5);
+  EXPECT_TRUE(entry(w, "finished").toBool());
+  EXPECT_EQ(
+      entry(w, "after_scheduler_type").toStringRef(), "CosineAnnealingLR");
+  const auto inner = entry(w, "after_scheduler_dict").toGenericDict();
+  EXPECT_EQ(entry(inner, "T_max").toInt(), 15);
+  EXPECT_EQ(entry(inner, "last_epoch").toInt(), 2);
+  EXPECT_FALSE(w.contains("after_scheduler"));
+
+  auto flat = s::FlatAnnealingWarmupLR(
+                  *make_optimizer(Opt::kSgd),
+                  s::FlatAnnealingWarmupLROptions(50).warmup_steps(6))
+                  .state_dict();
+  EXPECT_EQ(entry(flat, "warmup_epochs").toInt(), 6);
+  EXPECT_EQ(entry(flat, "delay_epochs").toInt(), 31); // int(44 * 0.72)
+  EXPECT_FALSE(entry(flat, "finished").toBool());
+  EXPECT_EQ(
+      entry(
+          s::FlatAnnealingLR(
+              *make_optimizer(Opt::kSgd), s::FlatAnnealingLROptions(40))
+              .state_dict(),
+          "delay_epochs")
+          .toInt(),
+      28);
+  EXPECT_EQ(
+      entry(
+          s::MultiStepWarmupLR(
+              *make_optimizer(Opt::kSgd),
+              s::MultiStepWarmupLROptions(50).warmup_steps(2).milestones({5}))
+              .state_dict(),
+          "after_scheduler_type")
+          .toStringRef(),
+      "MultiStepLR");
+  EXPECT_EQ(
+      entry(
+          s::PolynomialWarmupLR(
+              *make_optimizer(Opt::kSgd), s::PolynomialWarmupLROptions(50))
+              .state_dict(),
+          "after_scheduler_type")
+          .toStringRef(),
+      "PolynomialLR");
+}
+
+std::string load_error(
+    sched::LRScheduler& scheduler,
+    const c10::impl::GenericDict& state) {
+  return colossalai::testing::error_of(
+      [&] { scheduler.load_state_dict(state); });
+}
+
+void expect_has(const std::string& msg, const std::string& part) {
+  EXPECT_NE(msg.find(part), std::string::npos)
+      << "'" << part << "' not in: " << msg;
+}
+
+TEST(LRSchedulerStateDict, RefusesWhatItCannotApply) {
+  namespace s = sched;
+  auto optimizer = make_optimizer(Opt::kSgd);
+  s::StepLR step(*optimizer, s::StepLROptions(50).step_size(3));
+  for (int i = 0; i < 4; ++i) {
+    step.step();
+  }
+  const auto lrs = step.get_last_lr();
+
+  auto no_epoch = step.state_dict();
+  ASSERT_EQ(no_epoch.erase("last_epoch"), 1u);
+  auto msg = load_error(step, no_epoch);
+  expect_has(msg, "StepLR");
+  expect_has(msg, "'last_epoch'");
+
+  auto one_group = step.state_dict();
+  c10::impl::GenericList one(c10::AnyType::get());
+  one.push_back(c10::IValue(0.1));
+  one_group.insert_or_assign("base_lrs", one);
+  msg = load_error(step, one_group);
+  expect_has(msg, "StepLR");
+  expect_has(msg, "'base_lrs' has 1 entries");
+  expect_has(msg, "optimizer has 2");
+
+  auto not_numbers = step.state_dict();
+  not_numbers.insert_or_assign("_last_lr", c10::IValue("0.1"));
+  expect_has(load_error(step, not_numbers), "'_last_lr'");
+
+  auto warm_opt = make_optimizer(Opt::kSgd);
+  s::CosineAnnealingWarmupLR warm(
+      *warm_opt, s::CosineAnnealingWarmupLROptions(20).warmup_steps(5));
+  for (int i = 0; i < 7; ++i) {
+    warm.step();
+  }
+  auto cos_opt = make_optimizer(Opt::kSgd);
+  s::CosineAnnealingLR cosine(*cos_opt, s::CosineAnnealingLROptions(15));
+  msg = load_error(cosine, warm.state_dict());
+  expect_has(msg, "CosineAnnealingLR");
+  expect_has(msg, "two-stage scheduler's state");
+
+  auto other_opt = make_optimizer(Opt::kSgd);
+  s::CosineAnnealingWarmupLR other(
+      *other_opt, s::CosineAnnealingWarmupLROptions(20).warmup_steps(5));
+  auto wrong_type = warm.state_dict();
+  wrong_type.insert_or_assign("after_scheduler_type", "MultiStepLR");
+  msg = load_error(other, wrong_type);
+  expect_has(msg, "CosineAnnealingWarmupLR");
+  expect_has(msg, "MultiStepLR");
+  expect_has(msg, "CosineAnnealingLR");
+
+  auto no_finished = warm.state_dict();
+  ASSERT_EQ(no_finished.erase("finished"), 1u);
+  expect_has(load_error(other, no_finished), "'finished'");
+
+  auto bad_inner = warm.state_dict();
+  auto inner = bad_inner.at("after_scheduler_dict").toGenericDict().copy();
+  ASSERT_EQ(inner.erase("_last_lr"), 1u);
+  bad_inner.insert_or_assign("after_scheduler_dict", inner);
+  msg = load_error(other, bad_inner);
+  expect_has(msg, "after_scheduler_dict");
+  expect_has(msg, "'_last_lr'");
+
+  // A refused state changes nothing.
+  EXPECT_EQ(step.last_epoch(), 4);
+  EXPECT_EQ(step.get_last_lr(), lrs);
+  EXPECT_EQ(group_lrs(*optimizer), lrs);
+  EXPECT_EQ(other.last_epoch(), 0);
+  EXPECT_FALSE(other.finished());
+  EXPECT_EQ(other.after_scheduler().last_epoch(), 0);
+}
+
+// Python pickles an integral lr as an int; the keys Python adds (and the
+// options' copies) are ignored.
+TEST(LRSchedulerStateDict, TakesPythonsIntsAndIgnoresOtherKeys) {
+  std::vector<torch::Tensor> params{torch::zeros({2}, torch::requires_grad())};
+  torch::optim::SGD a(params, torch::optim::SGDOptions(1.0));
+  sched::StepLR step(a, sched::StepLROptions(10).step_size(2).gamma(0.5));
+  auto state = step.state_dict();
+  c10::impl::GenericList ints(c10::AnyType::get());
+  ints.push_back(c10::IValue(int64_t{2}));
+  state.insert_or_assign("base_lrs", ints);
+  state.insert_or_assign("_last_lr", ints);
+  state.insert_or_assign("last_epoch", int64_t{3});
+  state.insert_or_assign("_is_initial", false);
+  state.insert_or_assign("step_size", int64_t{100}); // not read
+  torch::optim::SGD b(params, torch::optim::SGDOptions(1.0));
+  sched::StepLR resumed(b, sched::StepLROptions(10).step_size(2).gamma(0.5));
+  resumed.load_state_dict(state);
+  EXPECT_EQ(resumed.last_epoch(), 3);
+  EXPECT_EQ(resumed.base_lrs(), std::vector<double>{2.0});
+  EXPECT_EQ(resumed.get_last_lr(), std::vector<double>{2.0});
+  EXPECT_EQ(group_lrs(b), std::vector<double>{2.0});
+  resumed.step(); // step 4: a multiple of step_size 2
+  EXPECT_EQ(resumed.get_last_lr(), std::vector<double>{1.0});
+}
+
+// Files of the old format (a LibTorch archive of `save`) still load; a file
+// that is neither refuses naming it.
+TEST(LRSchedulerStateDict, LoadsOldArchiveFilesAndNamesBadOnes) {
+  colossalai::testing::ScratchDir dir("lr_scheduler_files");
+  colossalai::booster::Booster booster;
+  auto original_optimizer = make_optimizer(Opt::kSgd);
+  sched::CosineAnnealingLR original(
+      *original_optimizer, sched::CosineAnnealingLROptions(20));
+  for (int i = 0; i < 7; ++i) {
+    original.step();
+  }
+  const std::string old_file = dir.path + "/old.pt";
+  {
+    torch::serialize::OutputArchive archive;
+    original.save(archive);
+    archive.save_to(old_file);
+  }
+  auto optimizer = make_optimizer(Opt::kSgd);
+  sched::CosineAnnealingLR resumed(
+      *optimizer, sched::CosineAnnealingLROptions(20));
+  booster.load_lr_scheduler(resumed, old_file);
+  EXPECT_EQ(resumed.last_epoch(), 7);
+  for (int i = 0; i < 5; ++i) {
+    original.step();
+    resumed.step();
+    EXPECT_EQ(resumed.get_last_lr(), original.get_last_lr());
+  }
+
+  const std::string garbage = dir.path + "/garbage.pt";
+  std::ofstream(garbage) << "not a checkpoint";
+  auto msg = colossalai::testing::error_of(
+      [&] { booster.load_lr_scheduler(resumed, garbage); });
+  expect_has(msg, "garbage.pt");
+
+  const std::string list = dir.path + "/list.pt";
+  {
+    c10::impl::GenericList values(c10::AnyType::get());
+    values.push_back(c10::IValue(1.0));
+    const auto bytes = colossalai::checkpoint_io::pickle_archive(values);
+    std::ofstream(list, std::ios::binary)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  msg = colossalai::testing::error_of(
+      [&] { booster.load_lr_scheduler(resumed, list); });
+  expect_has(msg, "list.pt");
+  expect_has(msg, "state_dict");
+
+  // A refusal of the scheduler names the file too.
+  const std::string warm_file = dir.path + "/warm.pt";
+  auto warm_optimizer = make_optimizer(Opt::kSgd);
+  sched::CosineAnnealingWarmupLR warm(
+      *warm_optimizer,
+      sched::CosineAnnealingWarmupLROptions(20).warmup_steps(5));
+  booster.save_lr_scheduler(warm, warm_file);
+  msg = colossalai::testing::error_of(
+      [&] { booster.load_lr_scheduler(resumed, warm_file); });
+  expect_has(msg, "warm.pt");
+  expect_has(msg, "two-stage");
+  EXPECT_EQ(resumed.last_epoch(), 12);
+}
+
+// The pickle opcodes (protocol 2) Python's torch.save writes for a state
+// dict, to make Python's files here without Python.
+struct PythonPickle {
+  std::string bytes = "\x80\x02"; // PROTO 2
+  void str(const std::string& s) {
+    bytes += 'X'; // BINUNICODE
+    for (int k = 0; k < 4; ++k) {
+      bytes += static_cast<char>((s.size() >> (8 * k)) & 0xff);
+    }
+    bytes += s;
+  }
+  void small_int(int v) {
+    bytes += 'K'; // BININT1
+    bytes += static_cast<char>(v);
+  }
+  void real(double v) {
+    bytes += 'G'; // BINFLOAT, big-endian
+    uint64_t u = 0;
+    std::memcpy(&u, &v, 8);
+    for (int k = 7; k >= 0; --k) {
+      bytes += static_cast<char>((u >> (8 * k)) & 0xff);
+    }
+  }
+  void reals(const std::vector<double>& vs) {
+    bytes += "]("; // EMPTY_LIST, MARK
+    for (double v : vs) {
+      real(v);
+    }
+    bytes += 'e'; // APPENDS
+  }
+  void save(const std::string& path) const {
+    caffe2::serialize::PyTorchStreamWriter writer(path);
+    writer.writeRecord("data.pkl", bytes.data(), bytes.size());
+    writer.writeEndOfFile();
+  }
+};
+
+// Python's MultiStepLR pickles its milestones as collections.Counter
+// (REDUCE of Counter on one dict); the reader takes the dict.
+TEST(LRSchedulerStateDict, LoadsPythonsMultiStepLRWithItsCounter) {
+  colossalai::testing::ScratchDir dir("lr_scheduler_counter");
+  PythonPickle p;
+  p.bytes += "}("; // EMPTY_DICT, MARK
+  p.str("milestones");
+  p.bytes += "ccollections\nCounter\n}("; // GLOBAL, EMPTY_DICT, MARK
+  p.small_int(3);
+  p.small_int(1);
+  p.small_int(8);
+  p.small_int(2);
+  p.bytes += "u\x85R"; // SETITEMS, TUPLE1, REDUCE
+  p.str("gamma");
+  p.real(0.5);
+  p.str("base_lrs");
+  p.reals(golden::kInitialLrs);
+  p.str("last_epoch");
+  p.small_int(7);
+  p.str("_step_count");
+  p.small_int(8);
+  p.str("_is_initial");
+  p.bytes += '\x89'; // NEWFALSE
+  p.str("_last_lr");
+  p.reals({0.05, 0.015});
+  p.bytes += "u."; // SETITEMS, STOP
+  const std::string file = dir.path + "/multistep.pt";
+  p.save(file);
+
+  const auto state =
+      colossalai::checkpoint_io::detail::load_pickle(file).toGenericDict();
+  const auto milestones = entry(state, "milestones").toGenericDict();
+  ASSERT_EQ(milestones.size(), 2u);
+  EXPECT_EQ(milestones.at(c10::IValue(int64_t{8})).toInt(), 2);
+
+  const auto options =
+      sched::MultiStepLROptions(50).milestones({3, 8, 8}).gamma(0.5);
+  auto original_optimizer = make_optimizer(Opt::kSgd);
+  sched::MultiStepLR original(*original_optimizer, options);
+  for (int i = 0; i < 7; ++i) {
+    original.step();
+  }
+  auto optimizer = make_optimizer(Opt::kSgd);
+  sched::MultiStepLR resumed(*optimizer, options);
+  colossalai::booster::Booster booster;
+  booster.load_lr_scheduler(resumed, file);
+  EXPECT_EQ(resumed.last_epoch(), 7);
+  EXPECT_EQ(resumed.get_last_lr(), original.get_last_lr());
+  for (int i = 0; i < 3; ++i) {
+    original.step();
+    resumed.step();
+    EXPECT_EQ(resumed.get_last_lr(), original.get_last_lr());
+    EXPECT_EQ(group_lrs(*optimizer), group_lrs(*original_optimizer));
+  }
+
+  // Counter() pickles with no arguments: an empty dict.
+  PythonPickle empty;
+  empty.bytes += "ccollections\nCounter\n)R."; // GLOBAL, EMPTY_TUPLE, REDUCE
+  empty.save(dir.path + "/empty.pt");
+  const auto none =
+      colossalai::checkpoint_io::detail::load_pickle(dir.path + "/empty.pt");
+  ASSERT_TRUE(none.isGenericDict());
+  EXPECT_EQ(none.toGenericDict().size(), 0u);
 }
 
 } // namespace

@@ -1,8 +1,12 @@
 #include <colossalai/checkpoint_io/checkpoint_io_base.h>
 #include <colossalai/checkpoint_io/io_utils.h>
 #include <colossalai/checkpoint_io/model_state_hooks.h>
+#include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/nn/lr_scheduler/lr_scheduler.h>
 
+#include "pickle_reader.h"
+
+#include <caffe2/serialize/inline_container.h>
 #include <torch/serialize/archive.h>
 
 #include <filesystem>
@@ -283,10 +287,11 @@ void CheckpointIO::save_lr_scheduler(
     const std::string& checkpoint) {
   synchronize();
   if (is_writer()) {
-    torch::serialize::OutputArchive archive;
-    scheduler.save(archive);
-    detail::atomic_write_file(
-        checkpoint, [&](const std::string& tmp) { archive.save_to(tmp); });
+    // What Python's torch.save(scheduler.state_dict()) writes.
+    const auto bytes = pickle_archive(scheduler.state_dict());
+    detail::atomic_write_file(checkpoint, [&](const std::string& tmp) {
+      detail::write_bytes(tmp, bytes);
+    });
   }
   sync_point();
 }
@@ -302,18 +307,52 @@ void CheckpointIO::load_lr_scheduler(
       "load_lr_scheduler: checkpoint file '",
       checkpoint,
       "' does not exist");
-  torch::serialize::InputArchive archive;
+  // Both formats are zip archives: the LibTorch archive that `save` wrote
+  // before scheduler files followed Python holds a TorchScript module's
+  // constants.pkl, a torch.save file does not.
+  bool libtorch_archive = false;
   try {
-    archive.load_from(path);
-  } catch (const c10::Error& e) {
+    caffe2::serialize::PyTorchStreamReader reader(path);
+    libtorch_archive = reader.hasRecord("constants.pkl");
+  } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
     TORCH_CHECK(
         false,
         "load_lr_scheduler: '",
         path,
         "' is not a scheduler checkpoint: ",
-        e.what_without_backtrace());
+        error != nullptr ? error->what_without_backtrace() : e.what());
   }
-  scheduler.load(archive);
+  if (libtorch_archive) {
+    torch::serialize::InputArchive archive;
+    try {
+      archive.load_from(path);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(
+          false,
+          "load_lr_scheduler: '",
+          path,
+          "' is not a scheduler checkpoint: ",
+          e.what_without_backtrace());
+    }
+    scheduler.load(archive);
+    return;
+  }
+  // Errors of the reader name the file.
+  const c10::IValue state = detail::load_pickle(path);
+  TORCH_CHECK(
+      state.isGenericDict(),
+      "load_lr_scheduler: '",
+      path,
+      "' holds a ",
+      state.tagKind(),
+      ", not a scheduler's state_dict()");
+  try {
+    scheduler.load_state_dict(state.toGenericDict());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(
+        false, "load_lr_scheduler: '", path, "': ", e.what_without_backtrace());
+  }
 }
 
 } // namespace checkpoint_io

@@ -65,6 +65,13 @@ Obj* Unpickler::call(
     check(args.empty(), "OrderedDict built from arguments");
     return make(Kind::Dict);
   }
+  if (name == "collections.Counter") {
+    // PyTorch's MultiStepLR keeps its milestones in a Counter, which pickles
+    // as Counter(dict): the dict is all it holds.
+    check(args.size() <= 1, "Counter built from several arguments");
+    return args.empty() ? make(Kind::Dict)
+                        : expect(args[0], Kind::Dict, "Counter");
+  }
   if (name == "torch._utils._rebuild_tensor_v2" ||
       name == "torch._utils._rebuild_tensor") {
     check(args.size() >= 4, name + " with too few arguments");

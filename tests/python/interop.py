@@ -3,6 +3,7 @@
     interop.py check DIR
     interop.py optim DIR
     interop.py groups DIR
+    interop.py sched DIR
 
 Reads DIR/cpp.safetensors with a minimal reader written from the format's
 spec and DIR/cpp.bin with torch.load, compares both with `expected()`, then
@@ -24,6 +25,15 @@ checks that every param group holds at least the keys this torch's own
 optimizer writes, installs the groups verbatim (as ColossalAI's sharded and
 HybridParallel loaders do, no load_state_dict) and the states, takes the third
 step and compares it with the C++ one.
+
+`sched` exchanges learning-rate scheduler files, the dicts of
+`scheduler.state_dict()`, for each of torch's schedulers in SCHEDULERS: it
+loads DIR/cpp_<name>.pt (the C++ scheduler after `steps` steps, as the C++
+booster saved it) with torch.load (weights_only=True from torch 2.4) into the
+same torch scheduler, steps once and writes the learning rates and momenta to
+DIR/from_cpp_next.bin; and it steps a fresh scheduler `steps` times, writes
+torch.save(scheduler.state_dict()) to DIR/py_<name>.pt and the values after
+one more step to DIR/py_next.bin, for the C++ side to compare.
 """
 
 import collections
@@ -31,6 +41,7 @@ import json
 import os
 import struct
 import sys
+import warnings
 
 import torch
 
@@ -219,14 +230,93 @@ def groups(directory):
                 f"{name}: {key} differs from the C++ step by {diff}")
 
 
+SCHED_LRS = (0.1, 0.03)  # the two parameter groups' learning rates
+
+# name: (the torch scheduler on an optimizer, steps before the save). Keep in
+# sync with scheduler_cases() in test_interop_python.cpp.
+SCHEDULERS = {
+    "StepLR": (lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5), 8),
+    "MultiStepLR": (
+        lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[3, 8, 8, 12], gamma=0.5),
+        7,
+    ),
+    "ExponentialLR": (lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9), 5),
+    "CosineAnnealingLR": (
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=20, eta_min=0.001),
+        6,
+    ),
+    "OneCycleLR": (
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=list(SCHED_LRS), total_steps=20),
+        6,
+    ),
+    "LambdaLR": (lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.97**e), 5),
+    "MultiplicativeLR": (
+        lambda o: torch.optim.lr_scheduler.MultiplicativeLR(o, lambda e: 0.9 + 0.002 * e),
+        5,
+    ),
+}
+
+
+def sched_optimizer():
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in SCHED_LRS]
+    groups = [{"params": [p], "lr": lr} for p, lr in zip(params, SCHED_LRS)]
+    return torch.optim.SGD(groups, lr=SCHED_LRS[0], momentum=0.9)
+
+
+def sched_step(opt, scheduler):
+    """One step; the learning rates and momenta it leaves, as one tensor."""
+    opt.step()  # no gradients: changes nothing, keeps torch from warning
+    scheduler.step()
+    values = list(scheduler.get_last_lr()) + [g["momentum"] for g in opt.param_groups]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def sched(directory):
+    warnings.simplefilter("ignore")
+    # weights_only=True where torch's restricted unpickler takes floats
+    # (torch 1.13's refuses BINFLOAT, its own state dicts' floats included).
+    restricted = hasattr(torch.serialization, "add_safe_globals")
+    load_args = {"weights_only": True} if restricted else {}
+    from_cpp, own = {}, {}
+    for name, (make, steps) in SCHEDULERS.items():
+        state = torch.load(os.path.join(directory, f"cpp_{name}.pt"), **load_args)
+        assert isinstance(state, dict), f"{name}: cpp file holds a {type(state).__name__}"
+        assert state["last_epoch"] == steps, f"{name}: last_epoch {state['last_epoch']}"
+        opt = sched_optimizer()
+        scheduler = make(opt)
+        scheduler.load_state_dict(state)
+        # Python restores the groups' lr with the optimizer's checkpoint;
+        # the recursive schedules go on from it.
+        for group, lr in zip(opt.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+        from_cpp[name] = sched_step(opt, scheduler)
+
+        opt = sched_optimizer()
+        scheduler = make(opt)
+        for _ in range(steps):
+            opt.step()
+            scheduler.step()
+        state = scheduler.state_dict()
+        # Before torch 2.1 OneCycleLR keeps its annealing function as a bound
+        # method, which pickles the scheduler and its optimizer; no reader
+        # that runs nothing takes that, and the C++ side does not read it.
+        state.pop("anneal_func", None)
+        torch.save(state, os.path.join(directory, f"py_{name}.pt"))
+        own[name] = sched_step(opt, scheduler)
+    torch.save(from_cpp, os.path.join(directory, "from_cpp_next.bin"))
+    torch.save(own, os.path.join(directory, "py_next.bin"))
+
+
 def main(argv):
-    if len(argv) != 3 or argv[1] not in ("check", "optim", "groups"):
+    if len(argv) != 3 or argv[1] not in ("check", "optim", "groups", "sched"):
         print(__doc__, file=sys.stderr)
         return 2
     if argv[1] == "optim":
         optim(argv[2])
     elif argv[1] == "groups":
         groups(argv[2])
+    elif argv[1] == "sched":
+        sched(argv[2])
     else:
         check(argv[2])
     print("interop.py: all checks passed")

@@ -149,6 +149,11 @@ FlatAnnealingWarmupLR::FlatAnnealingWarmupLR(
           cosine_after_flat_warmup(optimizer, options)),
       options_(options) {}
 
+void CosineAnnealingLR::state_dict_extra(c10::impl::GenericDict& state) const {
+  state.insert_or_assign("T_max", options_.total_steps());
+  state.insert_or_assign("eta_min", options_.eta_min());
+}
+
 } // namespace lr_scheduler
 } // namespace nn
 } // namespace colossalai

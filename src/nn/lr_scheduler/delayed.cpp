@@ -65,6 +65,63 @@ void TwoStageScheduler::load_state(torch::serialize::InputArchive& archive) {
   after_->load(after);
 }
 
+void TwoStageScheduler::state_dict_extra(c10::impl::GenericDict& state) const {
+  state.insert_or_assign("finished", finished_);
+  state.insert_or_assign("after_scheduler_type", after_->name());
+  state.insert_or_assign("after_scheduler_dict", after_->state_dict());
+}
+
+void TwoStageScheduler::load_state_dict_extra(
+    const c10::impl::GenericDict& state) {
+  const std::string who = name();
+  const bool finished = detail::bool_entry(
+      detail::require_entry(state, who, "finished"), who, "finished");
+  if (const c10::IValue* type =
+          detail::find_entry(state, "after_scheduler_type")) {
+    TORCH_CHECK(
+        type->isString(),
+        who,
+        ": 'after_scheduler_type' in the scheduler state is a ",
+        type->tagKind(),
+        ", not a class name");
+    TORCH_CHECK(
+        type->toStringRef() == after_->name(),
+        who,
+        ": the state's second stage is a ",
+        type->toStringRef(),
+        ", this scheduler's is a ",
+        after_->name());
+  }
+  const c10::IValue* after = detail::find_entry(state, "after_scheduler_dict");
+  if (after == nullptr) {
+    // ColossalAI warns and goes on; past the switch that would leave the
+    // second stage at its step 0.
+    TORCH_CHECK(
+        !finished,
+        who,
+        ": the state has finished=True but no 'after_scheduler_dict' (where "
+        "the second stage stands)");
+  } else {
+    TORCH_CHECK(
+        after->isGenericDict(),
+        who,
+        ": 'after_scheduler_dict' in the scheduler state is a ",
+        after->tagKind(),
+        ", not a dict");
+    // It changes nothing unless all of its checks pass.
+    try {
+      after_->load_state_dict(after->toGenericDict());
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(
+          false,
+          who,
+          ": in 'after_scheduler_dict': ",
+          e.what_without_backtrace());
+    }
+  }
+  finished_ = finished;
+}
+
 WarmupScheduler::WarmupScheduler(
     torch::optim::Optimizer& optimizer,
     int64_t warmup_epochs,
@@ -89,6 +146,11 @@ std::vector<double> WarmupScheduler::get_lr() {
   return lrs;
 }
 
+void WarmupScheduler::state_dict_extra(c10::impl::GenericDict& state) const {
+  state.insert_or_assign("warmup_epochs", warmup_epochs_);
+  TwoStageScheduler::state_dict_extra(state);
+}
+
 DelayerScheduler::DelayerScheduler(
     torch::optim::Optimizer& optimizer,
     int64_t delay_epochs,
@@ -105,6 +167,11 @@ std::vector<double> DelayerScheduler::get_lr() {
     return after_lr();
   }
   return base_lrs_;
+}
+
+void DelayerScheduler::state_dict_extra(c10::impl::GenericDict& state) const {
+  state.insert_or_assign("delay_epochs", delay_epochs_);
+  TwoStageScheduler::state_dict_extra(state);
 }
 
 WarmupDelayerScheduler::WarmupDelayerScheduler(
@@ -141,6 +208,13 @@ std::vector<double> WarmupDelayerScheduler::get_lr() {
         static_cast<double>(warmup_epochs_) * base);
   }
   return lrs;
+}
+
+void WarmupDelayerScheduler::state_dict_extra(
+    c10::impl::GenericDict& state) const {
+  state.insert_or_assign("warmup_epochs", warmup_epochs_);
+  state.insert_or_assign("delay_epochs", delay_epochs_);
+  TwoStageScheduler::state_dict_extra(state);
 }
 
 } // namespace lr_scheduler

@@ -23,6 +23,10 @@ std::vector<double> ExponentialLR::get_lr() {
   return lrs;
 }
 
+void ExponentialLR::state_dict_extra(c10::impl::GenericDict& state) const {
+  state.insert_or_assign("gamma", options_.gamma());
+}
+
 } // namespace lr_scheduler
 } // namespace nn
 } // namespace colossalai

@@ -64,6 +64,26 @@ std::vector<double> MultiplicativeLR::get_lr() {
   return lrs;
 }
 
+namespace {
+// Python saves None for a plain function (only callable objects' attributes
+// are saved); LambdaLR.load_state_dict needs the entry.
+c10::IValue no_lambdas(size_t num_groups) {
+  c10::impl::GenericList list(c10::AnyType::get());
+  for (size_t i = 0; i < num_groups; ++i) {
+    list.push_back(c10::IValue());
+  }
+  return list;
+}
+} // namespace
+
+void LambdaLR::state_dict_extra(c10::impl::GenericDict& state) const {
+  state.insert_or_assign("lr_lambdas", no_lambdas(num_groups()));
+}
+
+void MultiplicativeLR::state_dict_extra(c10::impl::GenericDict& state) const {
+  state.insert_or_assign("lr_lambdas", no_lambdas(num_groups()));
+}
+
 } // namespace lr_scheduler
 } // namespace nn
 } // namespace colossalai

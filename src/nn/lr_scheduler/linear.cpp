@@ -40,6 +40,11 @@ std::vector<double> LinearWarmupLR::get_lr() {
   return lrs;
 }
 
+void LinearWarmupLR::state_dict_extra(c10::impl::GenericDict& state) const {
+  state.insert_or_assign("warmup_steps", options_.warmup_steps());
+  state.insert_or_assign("total_steps", options_.total_steps());
+}
+
 } // namespace lr_scheduler
 } // namespace nn
 } // namespace colossalai

@@ -67,6 +67,17 @@ MultiStepWarmupLR::MultiStepWarmupLR(
           multistep_after_warmup(optimizer, options)),
       options_(options) {}
 
+void MultiStepLR::state_dict_extra(c10::impl::GenericDict& state) const {
+  // Python keeps a Counter {milestone: times listed}; a plain dict reads the
+  // same in its get_lr (and needs no global to unpickle).
+  c10::impl::GenericDict milestones(c10::IntType::get(), c10::AnyType::get());
+  for (const auto& [milestone, count] : counts_) {
+    milestones.insert(milestone, count);
+  }
+  state.insert_or_assign("milestones", milestones);
+  state.insert_or_assign("gamma", options_.gamma());
+}
+
 } // namespace lr_scheduler
 } // namespace nn
 } // namespace colossalai

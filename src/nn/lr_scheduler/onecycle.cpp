@@ -44,6 +44,13 @@ bool set_momentum(torch::optim::OptimizerOptions& options, double value) {
       set_beta1<torch::optim::AdamOptions>(options, value) ||
       set_beta1<torch::optim::AdamWOptions>(options, value);
 }
+
+// PyTorch's `use_beta1`: whether the optimizer's momentum is beta1, i.e.
+// whether set_momentum above writes `betas`.
+bool uses_beta1(const torch::optim::OptimizerOptions& options) {
+  return dynamic_cast<const torch::optim::AdamOptions*>(&options) != nullptr ||
+      dynamic_cast<const torch::optim::AdamWOptions*>(&options) != nullptr;
+}
 } // namespace
 
 OneCycleLR::OneCycleLR(
@@ -207,6 +214,69 @@ void OneCycleLR::load_state(torch::serialize::InputArchive& archive) {
       set_momentum(groups[i].options(), momenta[i]);
     }
     last_momenta_ = std::move(momenta);
+  }
+}
+
+void OneCycleLR::state_dict_extra(c10::impl::GenericDict& state) const {
+  // The group fields a phase interpolates between, by the names of the
+  // param-group entries Python keeps them in.
+  auto field = [](double Group::*member) -> std::string {
+    if (member == &Group::initial_lr) {
+      return "initial_lr";
+    }
+    if (member == &Group::max_lr) {
+      return "max_lr";
+    }
+    if (member == &Group::min_lr) {
+      return "min_lr";
+    }
+    if (member == &Group::max_momentum) {
+      return "max_momentum";
+    }
+    TORCH_INTERNAL_ASSERT(member == &Group::base_momentum);
+    return "base_momentum";
+  };
+  c10::impl::GenericList phases(c10::AnyType::get());
+  for (const Phase& phase : phases_) {
+    auto d = detail::new_state_dict();
+    d.insert("end_step", phase.end_step);
+    d.insert("start_lr", field(phase.start_lr));
+    d.insert("end_lr", field(phase.end_lr));
+    d.insert("start_momentum", field(phase.start_momentum));
+    d.insert("end_momentum", field(phase.end_momentum));
+    phases.push_back(d);
+  }
+  state.insert_or_assign("total_steps", options_.total_steps());
+  state.insert_or_assign("_schedule_phases", phases);
+  state.insert_or_assign("_anneal_func_type", options_.anneal_strategy());
+  state.insert_or_assign("cycle_momentum", options_.cycle_momentum());
+  state.insert_or_assign("use_beta1", uses_beta1(optimizer_.defaults()));
+}
+
+void OneCycleLR::load_state_dict_extra(const c10::impl::GenericDict& state) {
+  TORCH_CHECK(
+      last_epoch_ <= options_.total_steps(),
+      "OneCycleLR: the state is at step ",
+      last_epoch_,
+      ", past this scheduler's total_steps (",
+      options_.total_steps(),
+      ")");
+  // Python's groups carry initial_lr / max_lr / min_lr in the optimizer's
+  // checkpoint. Here they come from the constructor, which took max_lr from
+  // the groups' lr; when the state's base_lrs (initial_lr) say otherwise,
+  // e.g. because the optimizer's lr had been loaded before the scheduler was
+  // built, they follow from base_lrs (to within rounding of max_lr).
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    if (groups_[i].initial_lr != base_lrs_[i]) {
+      groups_[i].initial_lr = base_lrs_[i];
+      groups_[i].max_lr = base_lrs_[i] * options_.div_factor();
+      groups_[i].min_lr = base_lrs_[i] / options_.final_div_factor();
+    }
+  }
+  if (options_.cycle_momentum()) {
+    // get_lr writes the momentum of step last_epoch_ into the groups; the lr
+    // is closed-form, and the state's _last_lr is what the groups get.
+    get_lr();
   }
 }
 

@@ -68,6 +68,12 @@ PolynomialWarmupLR::PolynomialWarmupLR(
           poly_after_warmup(optimizer, options)),
       options_(options) {}
 
+void PolynomialLR::state_dict_extra(c10::impl::GenericDict& state) const {
+  state.insert_or_assign("total_steps", options_.total_steps());
+  state.insert_or_assign("end_lr", options_.end_lr());
+  state.insert_or_assign("power", options_.power());
+}
+
 } // namespace lr_scheduler
 } // namespace nn
 } // namespace colossalai

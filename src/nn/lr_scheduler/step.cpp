@@ -26,6 +26,11 @@ std::vector<double> StepLR::get_lr() {
   return lrs;
 }
 
+void StepLR::state_dict_extra(c10::impl::GenericDict& state) const {
+  state.insert_or_assign("step_size", options_.step_size());
+  state.insert_or_assign("gamma", options_.gamma());
+}
+
 } // namespace lr_scheduler
 } // namespace nn
 } // namespace colossalai

@@ -46,6 +46,7 @@ class CosineAnnealingLR final : public LRScheduler {
 
  protected:
   std::vector<double> get_lr() override;
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
 
  private:
   CosineAnnealingLROptions options_;

@@ -38,6 +38,16 @@ class TwoStageScheduler : public LRScheduler {
 
   void save_state(torch::serialize::OutputArchive& archive) const override;
   void load_state(torch::serialize::InputArchive& archive) override;
+  /// `finished`, and the second stage as `after_scheduler_type` (its
+  /// `name()`, Python's class name) and `after_scheduler_dict` (its
+  /// `state_dict()`), as ColossalAI's `TwoStageScheduler.state_dict` writes.
+  /// ColossalAI's own `last_epoch` stops at the switch while ours counts on;
+  /// either loads, as the second stage follows its own `last_epoch`.
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
+  void load_state_dict_extra(const c10::impl::GenericDict& state) override;
+  bool two_stage() const final {
+    return true;
+  }
 
   std::unique_ptr<LRScheduler> after_;
   bool finished_ = false;
@@ -67,6 +77,7 @@ class WarmupScheduler : public TwoStageScheduler {
 
  protected:
   std::vector<double> get_lr() final;
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
 
  private:
   int64_t warmup_epochs_;
@@ -95,6 +106,7 @@ class DelayerScheduler : public TwoStageScheduler {
 
  protected:
   std::vector<double> get_lr() final;
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
 
  private:
   int64_t delay_epochs_;
@@ -129,6 +141,7 @@ class WarmupDelayerScheduler : public TwoStageScheduler {
 
  protected:
   std::vector<double> get_lr() final;
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
 
  private:
   int64_t warmup_epochs_;

@@ -47,6 +47,7 @@ class LambdaLR final : public LRScheduler {
 
  protected:
   std::vector<double> get_lr() override;
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
 
  private:
   LambdaLROptions options_;
@@ -78,6 +79,7 @@ class MultiplicativeLR final : public LRScheduler {
 
  protected:
   std::vector<double> get_lr() override;
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
 
  private:
   MultiplicativeLROptions options_;

@@ -41,6 +41,7 @@ class LinearWarmupLR final : public LRScheduler {
 
  protected:
   std::vector<double> get_lr() override;
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
 
  private:
   LinearWarmupLROptions options_;

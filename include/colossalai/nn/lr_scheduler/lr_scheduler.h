@@ -1,5 +1,7 @@
 #pragma once
 
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
@@ -33,6 +35,11 @@ namespace lr_scheduler {
 /// writes the restored lr (and momentum, for `OneCycleLR`) into the groups.
 /// Instead of `last_epoch` constructor arguments (which in PyTorch need an
 /// `initial_lr` entry in each group), resume with `load`.
+///
+/// `state_dict` / `load_state_dict` give and take the same state as the dict
+/// Python's `scheduler.state_dict()` returns (the checkpoint files of
+/// `CheckpointIO::save_lr_scheduler` are that dict, pickled as `torch.save`
+/// writes it), so a schedule can move between Python and C++ either way.
 ///
 /// Example:
 /// \code
@@ -85,6 +92,41 @@ class LRScheduler {
   /// sets the optimizer's groups to the restored learning rates.
   void load(torch::serialize::InputArchive& archive);
 
+  /// The state as Python's `scheduler.state_dict()` holds it: a dict with
+  /// string keys of the attributes PyTorch's / ColossalAI's class of the same
+  /// name keeps (`last_epoch`, `base_lrs`, `_last_lr`, `_step_count`, ...,
+  /// then the class's own, e.g. `T_max` and `eta_min` for
+  /// `CosineAnnealingLR`). Two-stage schedulers hold their second stage's
+  /// dict under `after_scheduler_dict`, as ColossalAI's do. Lists hold no
+  /// LibTorch type tags, so `checkpoint_io::pickle_archive` writes a file
+  /// that Python's `torch.load(path, weights_only=True)` (PyTorch 2) reads
+  /// and `scheduler.load_state_dict` takes.
+  ///
+  /// Example:
+  /// \code
+  ///   namespace ck = colossalai::checkpoint_io;
+  ///   auto bytes = ck::pickle_archive(scheduler.state_dict());
+  ///   // Python: s.load_state_dict(torch.load(path, weights_only=True))
+  /// \endcode
+  c10::impl::GenericDict state_dict() const;
+  /// Restores a state given by `state_dict` or by Python's
+  /// `scheduler.state_dict()` (numbers may be ints or floats) into a
+  /// scheduler of the same kind and options, then sets the optimizer's groups
+  /// to the restored learning rates (and momenta, for `OneCycleLR`). Needs
+  /// `last_epoch`, `base_lrs` and `_last_lr` (one entry per parameter group)
+  /// and, for two-stage schedulers, `finished`; keys it does not model are
+  /// ignored, and so are the dict's copies of the options (`gamma`,
+  /// `T_max`, ...): those come from the constructor. Refuses, naming the
+  /// scheduler and the key, a state it cannot apply.
+  ///
+  /// Example:
+  /// \code
+  ///   resumed.load_state_dict(scheduler.state_dict());
+  ///   // A file of Python's torch.save(scheduler.state_dict(), "sched.pt"):
+  ///   booster.load_lr_scheduler(resumed, "sched.pt");
+  /// \endcode
+  void load_state_dict(const c10::impl::GenericDict& state);
+
  protected:
   /// The learning rates for step `last_epoch_`, one per group (PyTorch's
   /// chainable `get_lr`).
@@ -96,6 +138,19 @@ class LRScheduler {
   /// restored learning rates.
   virtual void save_state(torch::serialize::OutputArchive& archive) const {}
   virtual void load_state(torch::serialize::InputArchive& archive) {}
+
+  /// A subclass's entries of `state_dict`, under Python's attribute names.
+  virtual void state_dict_extra(c10::impl::GenericDict& state) const {}
+  /// Applies a subclass's part of `load_state_dict`. Runs after the common
+  /// fields (`last_epoch_`, `base_lrs_`, `last_lrs_`) took the state's
+  /// values and before the groups get the restored learning rates; if it
+  /// throws, the common fields are put back.
+  virtual void load_state_dict_extra(const c10::impl::GenericDict& state) {}
+  /// Whether this scheduler takes a two-stage scheduler's state (one with
+  /// `after_scheduler_dict`); the others refuse it.
+  virtual bool two_stage() const {
+    return false;
+  }
 
   /// The groups' current learning rates.
   std::vector<double> group_lrs() const;
@@ -136,6 +191,40 @@ int64_t read_int(
     torch::serialize::InputArchive& archive,
     const std::string& key);
 bool read_bool(torch::serialize::InputArchive& archive, const std::string& key);
+
+/// Helpers shared by the schedulers' `state_dict` / `load_state_dict`.
+/// An empty dict with string keys, as Python's state dicts have.
+c10::impl::GenericDict new_state_dict();
+/// A plain list of floats (no LibTorch type tag, which Python's
+/// weights_only load refuses).
+c10::IValue float_list(const std::vector<double>& values);
+/// The entry `key` of `state`, or nullptr.
+const c10::IValue* find_entry(
+    const c10::impl::GenericDict& state,
+    const std::string& key);
+/// The entry `key`; throws naming `who` and the key when it is missing.
+const c10::IValue& require_entry(
+    const c10::impl::GenericDict& state,
+    const std::string& who,
+    const std::string& key);
+/// Typed reads of an entry; throw naming `who`, the key and what it holds.
+int64_t int_entry(
+    const c10::IValue& value,
+    const std::string& who,
+    const std::string& key);
+bool bool_entry(
+    const c10::IValue& value,
+    const std::string& who,
+    const std::string& key);
+/// A float or an int (Python pickles an integral lr as an int).
+double number_entry(
+    const c10::IValue& value,
+    const std::string& who,
+    const std::string& key);
+std::vector<double> numbers_entry(
+    const c10::IValue& value,
+    const std::string& who,
+    const std::string& key);
 } // namespace detail
 
 } // namespace lr_scheduler

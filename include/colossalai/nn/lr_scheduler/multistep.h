@@ -45,6 +45,7 @@ class MultiStepLR final : public LRScheduler {
 
  protected:
   std::vector<double> get_lr() override;
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
 
  private:
   MultiStepLROptions options_;

@@ -60,6 +60,14 @@ class OneCycleLR final : public LRScheduler {
   std::vector<double> get_lr() override;
   void save_state(torch::serialize::OutputArchive& archive) const override;
   void load_state(torch::serialize::InputArchive& archive) override;
+  /// `total_steps`, `_schedule_phases`, `_anneal_func_type`,
+  /// `cycle_momentum` and `use_beta1`, as PyTorch's OneCycleLR holds them.
+  /// The groups' `initial_lr`, `max_lr`, ... live in Python's param groups,
+  /// not in its state dict; here they follow from the constructor (or, if
+  /// the state's `base_lrs` differ from it, from `base_lrs`).
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
+  /// Restores the momentum of the loaded step when `cycle_momentum`.
+  void load_state_dict_extra(const c10::impl::GenericDict& state) override;
 
  private:
   // What PyTorch keeps in each param group's dict.

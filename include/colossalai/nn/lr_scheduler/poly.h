@@ -42,6 +42,7 @@ class PolynomialLR final : public LRScheduler {
 
  protected:
   std::vector<double> get_lr() override;
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
 
  private:
   PolynomialLROptions options_;

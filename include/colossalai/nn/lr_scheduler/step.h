@@ -39,6 +39,7 @@ class StepLR final : public LRScheduler {
 
  protected:
   std::vector<double> get_lr() override;
+  void state_dict_extra(c10::impl::GenericDict& state) const override;
 
  private:
   StepLROptions options_;
