@@ -267,10 +267,17 @@ TEST(Kernels, FusedLinearCrossEntropyEqualsTheReferenceInFloat32) {
 }
 
 // Under bf16 autocast (as the booster's mixed precision runs it) the
-// matmuls take bf16 operands and the weight and hidden stay float32, as at::linear would
-// be cast. The loss agrees within one bf16 rounding of the logits (2^-8);
-// the gradients within a few bf16 roundings (2^-6): the weight's is
-// rounded to bf16 once per chunk instead of once.
+// matmuls take bf16 operands while hidden and weight stay float32, as
+// at::linear is cast. Both the fused op and the autocast reference are
+// compared with the exact function of the bf16-rounded inputs (float64):
+// the fused op must be about as accurate as the reference path on this
+// LibTorch, its error at most twice the reference's plus one bf16 rounding
+// (2^-8). Not against each other directly: LibTorch 1.13's CPU bf16 matmul
+// rounds differently from 2.x's, and the fused op's products are smaller
+// (chunks of 64 tokens), so the two paths can differ by more than either
+// differs from the exact value. Seen for the hidden's gradient, norm-wise:
+// on 1.13 fused 1.8%, reference 1.9% from exact, 2.1% from each other; on
+// 2.15 0.20%, 0.28% and 0.37%.
 TEST(Kernels, FusedLinearCrossEntropyUnderBf16Autocast) {
   torch::manual_seed(2);
   const int64_t n = 192, hid = 64, vocab = 500;
@@ -287,14 +294,27 @@ TEST(Kernels, FusedLinearCrossEntropyUnderBf16Autocast) {
         [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
         h, w, at::Tensor(), t);
   }
+  const auto exact = run_ce(
+      [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
+      h.to(at::kBFloat16).to(at::kDouble),
+      w.to(at::kBFloat16).to(at::kDouble),
+      at::Tensor(),
+      t);
   EXPECT_EQ(a.dh.scalar_type(), at::kFloat);
   EXPECT_EQ(a.dw.scalar_type(), at::kFloat);
-  EXPECT_LT(max_rel(a.loss, r.loss), std::pow(2.0, -8));
   const auto norm_rel = [](const at::Tensor& g, const at::Tensor& want) {
-    return ((g - want).norm() / want.norm()).item<double>();
+    const auto d = want.to(at::kDouble);
+    return ((g.to(at::kDouble) - d).norm() / d.norm()).item<double>();
   };
-  EXPECT_LT(norm_rel(a.dh, r.dh), std::pow(2.0, -6));
-  EXPECT_LT(norm_rel(a.dw, r.dw), std::pow(2.0, -6));
+  const double bf16 = std::pow(2.0, -8);
+  for (const auto& [what, got, ref, ex] :
+       {std::tuple{"loss", a.loss, r.loss, exact.loss},
+        {"d hidden", a.dh, r.dh, exact.dh},
+        {"d weight", a.dw, r.dw, exact.dw}}) {
+    const double e_fused = norm_rel(got, ex), e_ref = norm_rel(ref, ex);
+    EXPECT_LE(e_fused, 2 * e_ref + bf16)
+        << what << ": fused " << e_fused << ", autocast reference " << e_ref;
+  }
 }
 
 TEST(Kernels, FusedLinearCrossEntropyRefusesBadInput) {
