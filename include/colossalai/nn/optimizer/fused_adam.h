@@ -15,11 +15,12 @@ namespace optimizer {
 ///
 /// Options, state and checkpoints are AdamW's: a `FusedAdamW` saves and
 /// loads wherever a `torch::optim::AdamW` does (and Python's AdamW reads it).
-/// Parameters are stepped in buckets of one device and dtype; a bucket whose
-/// device LibTorch has no fused kernel for (the CPU before 2.4, any device on
-/// 1.13), or whose gradients are sparse or of another dtype, takes AdamW's
-/// own step. The fused kernel computes the bias corrections in fp32 where
-/// AdamW uses double, so the two agree within fp32 rounding, not bitwise.
+/// Parameters are stepped in one fused call per group, device and dtype.
+/// When any parameter cannot take the kernel (a device LibTorch has none for:
+/// the CPU before 2.4, any device on 1.13; a sparse, strided or other-dtype
+/// gradient), the whole step is AdamW's own. The fused kernel computes the
+/// bias corrections in fp32 where AdamW uses double, so the two agree within
+/// fp32 rounding, not bitwise.
 ///
 /// Example:
 /// \code
