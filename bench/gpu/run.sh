@@ -44,7 +44,7 @@ while [ $# -gt 0 ]; do
     --pairs|--rounds) pairs="$2"; shift ;;
     --compile) compile=1 ;;
     --llama-rounds) llama_rounds="$2"; shift ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
