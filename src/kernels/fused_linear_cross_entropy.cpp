@@ -80,10 +80,10 @@ struct FusedLinearCrossEntropy
     // the inputs' own, which must then agree (as at::linear requires).
     const at::Tensor bias =
         bias_or_empty.numel() > 0 ? bias_or_empty : at::Tensor();
-    const auto compute = compat::autocast_dtype(hidden.device().type())
-                             .value_or(hidden.scalar_type());
+    const auto autocast = compat::autocast_dtype(hidden.device().type());
+    const auto compute = autocast.value_or(hidden.scalar_type());
     TORCH_CHECK(
-        compat::autocast_dtype(hidden.device().type()).has_value() ||
+        autocast.has_value() ||
             (weight.scalar_type() == hidden.scalar_type() &&
              (!bias.defined() || bias.scalar_type() == hidden.scalar_type())),
         "fused_linear_cross_entropy: hidden (",
@@ -115,6 +115,8 @@ struct FusedLinearCrossEntropy
     auto gb = need_b ? at::zeros({vocab}, acc_opts) : at::Tensor();
 
     const int64_t step = chunk_tokens(chunk_size, n, vocab);
+    // The one-hot term of every chunk's gradient (a chunk's first c rows).
+    const auto minus_one = at::full({step, 1}, -1.0, acc_opts);
     for (int64_t s = 0; s < n; s += step) {
       const int64_t c = std::min(step, n - s);
       const auto hc = h.narrow(0, s, c);
@@ -130,7 +132,7 @@ struct FusedLinearCrossEntropy
       // d(loss)/d(logits) = (softmax - one_hot(target)) * scale, rows of
       // ignored targets zero; computed in place in the float32 buffer.
       p.sub_(lse.unsqueeze(1)).exp_();
-      p.scatter_add_(1, tc.unsqueeze(1), at::full({c, 1}, -1.0, acc_opts));
+      p.scatter_add_(1, tc.unsqueeze(1), minus_one.narrow(0, 0, c));
       p.mul_((vf * scale).unsqueeze(1));
       if (need_b) {
         gb.add_(p.sum(0));
