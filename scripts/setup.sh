@@ -15,6 +15,10 @@
 #                                   safetensors (scripts/requirements-
 #                                   hf.txt), and OpenMPI's mpirun (the
 #                                   launcher tests); implied by --torch pip
+#   --colossalai                    also Python ColossalAI, in its own
+#                                   ./.venv-colossalai (scripts/requirements-
+#                                   colossalai.txt: it pins an older torch),
+#                                   for `ctest -L colossalai`
 #
 # The wheels are kept in ${XDG_CACHE_HOME:-~/.cache}/colossalai-cpp/wheels,
 # outside the tree: a second set-up on the same machine downloads nothing.
@@ -23,13 +27,15 @@ cd "$(dirname "$0")/.."
 
 torch_source=system
 tests=0
+colossalai=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --torch) torch_source=${2:-}; shift 2 || true ;;
     --torch=*) torch_source=${1#--torch=}; shift ;;
     --tests) tests=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown option '$1' (--torch system|pip, --tests)" >&2; exit 2 ;;
+    --colossalai) colossalai=1; shift ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown option '$1' (--torch system|pip, --tests, --colossalai)" >&2; exit 2 ;;
   esac
 done
 case "$torch_source" in
@@ -66,6 +72,7 @@ packages=(
 )
 [ "$torch_source" = pip ] && tests=1
 [ $tests -eq 1 ] && packages+=(python3-venv openmpi-bin)
+[ $colossalai -eq 1 ] && packages+=(python3-venv)
 install_missing "${packages[@]}"
 # The fuzz targets' sanitizer runtime is versioned like clang itself (14 on
 # Debian 12, 19 on Debian 13).
@@ -91,6 +98,44 @@ install_venv() {
       --find-links "$wheels" "${reqs[@]}"
   fi
 }
+
+# ColossalAI's venv: the pinned wheels, then ColossalAI itself, which PyPI
+# has as a source archive only (built against the venv's setuptools and
+# torch, without its declared dependencies).
+install_colossalai_venv() {
+  local reqs=scripts/requirements-colossalai.txt binaries
+  local pin
+  if ! "$python" -c 'import sys; sys.exit(sys.version_info >= (3, 12))'; then
+    echo "setup.sh: --colossalai needs Python 3.11 or older (Debian 12's), not" >&2
+    echo "  $("$python" -V): ColossalAI 0.5.0 is a source archive built with the" >&2
+    echo "  venv's setuptools (newer venvs have none), and its torch 2.5.1 has no" >&2
+    echo "  wheels past Python 3.12." >&2
+    exit 1
+  fi
+  pin=$(grep -E '^colossalai==' "$reqs")
+  binaries=$(mktemp)
+  grep -v -E '^colossalai==' "$reqs" >"$binaries"
+  mkdir -p "$wheels"
+  [ -x .venv-colossalai/bin/python ] || "$python" -m venv .venv-colossalai
+  local pip=(.venv-colossalai/bin/pip -q --disable-pip-version-check)
+  if ! "${pip[@]}" install --no-index --find-links "$wheels" --no-deps \
+      -r "$binaries" 2>/dev/null; then
+    echo "== downloading ColossalAI's pinned wheels into $wheels"
+    "${pip[@]}" download --only-binary=:all: --no-deps -d "$wheels" -r "$binaries"
+    "${pip[@]}" install --no-index --find-links "$wheels" --no-deps -r "$binaries"
+  fi
+  rm -f "$binaries"
+  if ! .venv-colossalai/bin/python -c 'import colossalai' 2>/dev/null; then
+    "${pip[@]}" download --no-binary=:all: --no-deps -d "$wheels" "$pin" \
+      2>/dev/null || true
+    "${pip[@]}" install --no-index --find-links "$wheels" --no-deps \
+      --no-build-isolation "$pin"
+  fi
+}
+if [ $colossalai -eq 1 ]; then
+  echo "== Python ColossalAI in ./.venv-colossalai"
+  install_colossalai_venv
+fi
 
 if [ "$torch_source" = system ]; then
   if [ $tests -eq 1 ]; then

@@ -7,12 +7,15 @@
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/checkpoint_io/io_utils.h>
 #include <colossalai/checkpoint_io/model_state_hooks.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/checkpoint_io/torch_bin.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/interface/model.h>
 #include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
+#include <colossalai/models/pretrained.h>
 #include <colossalai/nn/lr_scheduler/cosine.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/utils/compat.h>
@@ -22,6 +25,7 @@
 #include <harness/test_util.h>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <signal.h>
@@ -683,4 +687,179 @@ TEST(CheckpointIO, FeaturesHandInHowTheirTensorsLoadAndSave) {
       << e;
   // A model the feature has nothing to say about saves as before.
   booster.save_model(b.model, dir.path + "/plain.safetensors");
+}
+
+namespace {
+
+// A copy of every tensor of `m`, to tell later whether a load touched it.
+ck::StateDict snapshot_state(torch::nn::Module& m) {
+  ck::StateDict out;
+  for (const auto& item : ck::model_state_dict(m)) {
+    out.insert(item.key(), item.value().detach().clone());
+  }
+  return out;
+}
+
+void expect_unchanged(torch::nn::Module& m, const ck::StateDict& before) {
+  for (const auto& item : ck::model_state_dict(m)) {
+    EXPECT_TRUE(at::equal(item.value(), before[item.key()])) << item.key();
+  }
+}
+
+// A sharded checkpoint written by hand: one file per group of keys, and the
+// index naming them.
+void write_sharded(
+    const std::string& dir,
+    const std::vector<ck::StateDict>& shards) {
+  fs::create_directories(dir);
+  ck::detail::Index index;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto name = "model-0000" + std::to_string(i + 1) + ".safetensors";
+    ck::safetensors::save_file(dir + "/" + name, shards[i]);
+    for (const auto& item : shards[i]) {
+      index.weight_map.emplace_back(item.key(), name);
+    }
+  }
+  ck::detail::write_index(dir + "/model.safetensors.index.json", index);
+}
+
+} // namespace
+
+// Every refusal of a load comes before the first tensor is copied, so a
+// refused load (strict or not) leaves the model as it was: unexpected and
+// missing keys, a misshapen tensor in the last key or the last shard, an
+// index naming a key its shard lacks, and a tied head trained untied whose
+// two names sit in different shards.
+TEST(CheckpointIO, RefusedLoadsLeaveTheModelUnchanged) {
+  colossalai::testing::ScratchDir dir("colossalai_ckpt_refused");
+  cb::Booster booster;
+  auto src = trained_net(64, 0);
+  const auto good = ck::model_state_dict(*src);
+  auto dst = trained_net(64, 5);
+  auto b = booster.boost(dst);
+  const auto before = snapshot_state(*dst);
+  auto refused = [&](const std::string& path, bool strict, const char* says) {
+    SCOPED_TRACE(path);
+    const auto e =
+        error_of([&] { booster.load_model(b.model, path, strict); });
+    EXPECT_NE(e.find(says), std::string::npos) << e;
+    expect_unchanged(*dst, before);
+  };
+  auto with = [&](const std::function<void(ck::StateDict&)>& edit) {
+    ck::StateDict s;
+    for (const auto& item : good) {
+      s.insert(item.key(), item.value().detach());
+    }
+    edit(s);
+    return s;
+  };
+  const std::string file = dir.path + "/m.safetensors";
+  ck::safetensors::save_file(
+      file, with([](ck::StateDict& s) { s.insert("extra.weight", at::ones(2)); }));
+  refused(file, true, "extra.weight");
+  ck::safetensors::save_file(
+      file, with([](ck::StateDict& s) { s.erase("fc2.bias"); }));
+  refused(file, true, "fc2.bias");
+  ck::safetensors::save_file(
+      file, with([](ck::StateDict& s) { s["fc2.bias"] = at::zeros({5}); }));
+  refused(file, false, "fc2.bias");
+
+  // Two shards: the first is right, the second is not.
+  auto split = [](const ck::StateDict& s) {
+    std::vector<ck::StateDict> shards(2);
+    for (const auto& item : s) {
+      shards[item.key().rfind("fc2", 0) == 0 ? 1 : 0].insert(
+          item.key(), item.value());
+    }
+    return shards;
+  };
+  write_sharded(
+      dir.path + "/shape",
+      split(with([](ck::StateDict& s) { s["fc2.weight"] = at::zeros({4, 3}); })));
+  refused(dir.path + "/shape", false, "fc2.weight");
+  write_sharded(
+      dir.path + "/extra",
+      split(with([](ck::StateDict& s) { s.insert("fc2.extra", at::ones(2)); })));
+  refused(dir.path + "/extra", true, "fc2.extra");
+  write_sharded(
+      dir.path + "/lacks", split(with([](ck::StateDict& s) {
+        s.erase("fc2.bias");
+      })));
+  refused(dir.path + "/lacks", true, "fc2.bias");
+  // The index names a key its shard does not hold.
+  auto shards = split(with([](ck::StateDict&) {}));
+  write_sharded(dir.path + "/unheld", shards);
+  shards[1].erase("fc2.bias");
+  ck::safetensors::save_file(
+      dir.path + "/unheld/model-00002.safetensors", shards[1]);
+  refused(dir.path + "/unheld", true, "fc2.bias");
+  // Loads that pass still load everything.
+  booster.load_model(b.model, dir.path + "/extra", false);
+  expect_same_state(*src, *dst);
+
+  // GPT-2's head trained untied, its second name in the second shard.
+  namespace models = colossalai::models;
+  torch::manual_seed(0);
+  models::GPT2LMHeadModel gsrc(models::GPT2Config::tiny_test());
+  torch::manual_seed(1);
+  models::GPT2LMHeadModel gdst(models::GPT2Config::tiny_test());
+  auto gb = booster.boost(gdst.ptr());
+  const auto gbefore = snapshot_state(*gdst);
+  std::vector<ck::StateDict> gshards(2);
+  for (const auto& item : ck::model_state_dict(*gsrc)) {
+    gshards[0].insert(item.key(), item.value().detach());
+  }
+  gshards[1].insert(
+      "lm_head.weight", gsrc->transformer->wte->weight.detach() + 1);
+  write_sharded(dir.path + "/untied", gshards);
+  const auto e = error_of([&] { booster.load_model(gb.model, dir.path + "/untied"); });
+  EXPECT_NE(e.find("'lm_head.weight' is tied to"), std::string::npos) << e;
+  expect_unchanged(*gdst, gbefore);
+}
+
+// A sharded save of a colossalai::models model writes config.json (and,
+// when the config knows its special tokens, generation_config.json) beside
+// the shards, as ColossalAI's sharded save does: the directory is a model
+// directory from_pretrained reads. Other modules get no config.
+TEST(CheckpointIO, ShardedSaveOfAFamilyModelIsAModelDirectory) {
+  namespace models = colossalai::models;
+  colossalai::testing::ScratchDir dir("colossalai_ckpt_config");
+  cb::Booster booster;
+  torch::manual_seed(0);
+  auto config = models::LlamaConfig::tiny_test().source_json(
+      R"({"bos_token_id": 1, "eos_token_id": 2, "transformers_version": "5.24.0"})");
+  models::LlamaForCausalLM src(config);
+  auto b = booster.boost(src.ptr());
+  const std::string out = dir.path + "/llama";
+  booster.save_model(
+      b.model, out, ck::SaveModelOptions().shard(true).use_safetensors(true));
+  ASSERT_TRUE(fs::exists(out + "/config.json"));
+  const auto j = nlohmann::json::parse(models::pretrained_config_json(out));
+  EXPECT_EQ(j.at("model_type"), "llama");
+  EXPECT_EQ(j.at("architectures")[0], "LlamaForCausalLM");
+  EXPECT_EQ(j.at("hidden_size"), config.hidden_size());
+  EXPECT_EQ(j.at("dtype"), "float32");
+  EXPECT_EQ(j.at("bos_token_id"), 1);
+  auto loaded = models::from_pretrained<models::LlamaForCausalLM>(out);
+  expect_same_state(*src, *loaded);
+  EXPECT_EQ(loaded->config().hidden_size(), config.hidden_size());
+  std::ifstream g(out + "/generation_config.json");
+  const std::string generation(std::istreambuf_iterator<char>(g), {});
+  EXPECT_NE(generation.find("\"_from_model_config\": true"), std::string::npos)
+      << generation;
+  EXPECT_NE(generation.find("\"bos_token_id\": 1"), std::string::npos)
+      << generation;
+  EXPECT_NE(generation.find("\"eos_token_id\": 2"), std::string::npos)
+      << generation;
+
+  // No special tokens known: no generation config; not a family: nothing.
+  models::LlamaForCausalLM plain(models::LlamaConfig::tiny_test());
+  auto pb = booster.boost(plain.ptr());
+  booster.save_model(pb.model, dir.path + "/plain", ck::SaveModelOptions().shard(true));
+  EXPECT_TRUE(fs::exists(dir.path + "/plain/config.json"));
+  EXPECT_FALSE(fs::exists(dir.path + "/plain/generation_config.json"));
+  auto net = trained_net();
+  auto nb = booster.boost(net);
+  booster.save_model(nb.model, dir.path + "/net", ck::SaveModelOptions().shard(true));
+  EXPECT_FALSE(fs::exists(dir.path + "/net/config.json"));
 }

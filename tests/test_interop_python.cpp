@@ -10,6 +10,7 @@
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
 #include <colossalai/nn/lr_scheduler/all.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/utils/compat.h>
 #include <harness/test_util.h>
 
@@ -285,6 +286,22 @@ TEST(InteropPython, PythonTrainsOnFromOurOptimizerCheckpoints) {
     booster.save_optimizer(*boosted.optimizer, file("optim"));
     step();
     booster.save_model(boosted.model, file("after"));
+  }
+  {
+    torch::manual_seed(0);
+    torch::nn::Linear model(4, 3);
+    auto optimizer = std::make_shared<colossalai::nn::optimizer::HybridAdam>(
+        model->parameters(),
+        colossalai::nn::optimizer::HybridAdamOptions(1e-2).weight_decay(0.05));
+    colossalai::booster::Booster booster;
+    auto boosted = booster.boost(model.ptr(), optimizer);
+    for (int s = 0; s < 2; ++s) {
+      optimizer->zero_grad();
+      (model(x) - y).pow(2).mean().backward();
+      optimizer->step();
+    }
+    booster.save_optimizer(
+        *boosted.optimizer, (dir / "optim_hybrid_adam.bin").string());
   }
   const auto result = colossalai::testing::run_shell(
       std::string(kPython) + " " + quote(script_path().string()) + " groups " +

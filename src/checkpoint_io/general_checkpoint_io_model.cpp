@@ -105,26 +105,146 @@ bool optional_key(
   return false;
 }
 
-// Strict loading: every key of the module must have been loaded (keys a
-// feature makes optional aside).
-void check_missing(
-    torch::nn::Module& module,
-    const std::set<std::string>& seen,
-    const std::string& file) {
-  const auto hooks = detail::model_state_hooks();
-  std::vector<std::string> missing;
-  for (const auto& item : model_state_dict(module)) {
-    if (!seen.count(item.key()) && !optional_key(hooks, item.key())) {
-      missing.push_back(item.key());
-    }
-  }
+void check_fits(
+    const std::string& file,
+    const std::string& key,
+    const at::Tensor& src,
+    const at::Tensor& target) {
   TORCH_CHECK(
-      missing.empty(),
+      src.sizes() == target.sizes(),
       "load_model: '",
       file,
-      "' lacks keys the model has (strict): ",
-      list(missing));
+      "': key '",
+      key,
+      "' has shape ",
+      src.sizes(),
+      " but the model's tensor has shape ",
+      target.sizes());
+  TORCH_CHECK(
+      same_kind(src.scalar_type(), target.scalar_type()),
+      "load_model: '",
+      file,
+      "': key '",
+      key,
+      "' has dtype ",
+      src.scalar_type(),
+      " but the model's tensor has dtype ",
+      target.scalar_type());
 }
+
+// Everything a model load refuses, found before it copies anything, so a
+// refused load leaves the model as it was: shapes and dtypes, a tied name
+// holding other values than its source (a model trained untied), and for
+// strict loads keys the model does not have and keys it has that the
+// checkpoint lacks. Files are added one by one (the shards of an index);
+// `finish` checks what needs all of them. With a plugin's loader (tensor
+// parallel slices, pipeline stages) shapes are the loader's to check as it
+// reads: its tensors are whole, the model's are slices.
+class LoadCheck {
+ public:
+  LoadCheck(torch::nn::Module& module, bool has_loader)
+      : targets_(model_state_dict(module)),
+        tied_(detail::tied_keys(module)),
+        has_loader_(has_loader) {
+    for (const auto& h : detail::model_state_hooks()) {
+      if (h.loaders) {
+        for (const auto& kv : h.loaders(module)) {
+          own_.insert(kv.first);
+        }
+      }
+    }
+    for (const auto& kv : tied_) {
+      tie_sources_.insert(kv.second);
+    }
+  }
+
+  void add(const StateDict& state, const std::string& file) {
+    for (const auto& item : state) {
+      const auto& key = item.key();
+      keys_.insert(key);
+      if (own_.count(key)) {
+        continue;
+      }
+      if (const auto* target = targets_.find(key)) {
+        if (!has_loader_) {
+          check_fits(file, key, item.value(), *target);
+        }
+        if (tie_sources_.count(key)) {
+          ties_.emplace(key, item.value());
+        }
+      } else if (tied_.count(key)) {
+        ties_.emplace(key, item.value());
+        tie_files_.emplace(key, file);
+      } else {
+        if (unexpected_.empty()) {
+          unexpected_file_ = file;
+        }
+        unexpected_.push_back(key);
+      }
+    }
+  }
+
+  /// `what` names the checkpoint (its file, or its index).
+  void finish(
+      const std::string& what,
+      bool strict_unexpected,
+      bool strict_missing) {
+    for (const auto& kv : tied_) {
+      const auto alias = ties_.find(kv.first);
+      const auto source = ties_.find(kv.second);
+      if (alias == ties_.end() || source == ties_.end()) {
+        continue;
+      }
+      TORCH_CHECK(
+          source->second.sizes() == alias->second.sizes() &&
+              at::equal(source->second, alias->second),
+          "load_model: '",
+          tie_files_.at(kv.first),
+          "': '",
+          kv.first,
+          "' is tied to '",
+          kv.second,
+          "' in this model, but the checkpoint holds other values under it "
+          "(a model trained with untied weights)");
+    }
+    TORCH_CHECK(
+        !strict_unexpected || unexpected_.empty(),
+        "load_model: '",
+        unexpected_file_,
+        "' has keys the model does not (strict): ",
+        list(unexpected_));
+    if (!strict_missing) {
+      return;
+    }
+    // Keys a feature makes optional aside (LoRA's adapters are not in a
+    // base model's checkpoint).
+    const auto hooks = detail::model_state_hooks();
+    std::vector<std::string> missing;
+    for (const auto& item : targets_) {
+      if (!keys_.count(item.key()) && !optional_key(hooks, item.key())) {
+        missing.push_back(item.key());
+      }
+    }
+    TORCH_CHECK(
+        missing.empty(),
+        "load_model: '",
+        what,
+        "' lacks keys the model has (strict): ",
+        list(missing));
+  }
+
+ private:
+  StateDict targets_;
+  std::map<std::string, std::string> tied_; // alias -> the model's key
+  std::set<std::string> tie_sources_;
+  std::set<std::string> own_;
+  bool has_loader_;
+  std::set<std::string> keys_;
+  std::map<std::string, at::Tensor> ties_; // both names' values
+  std::map<std::string, std::string> tie_files_;
+  std::vector<std::string> unexpected_;
+  std::string unexpected_file_;
+};
 
 // Model tensors into a commit's shard files as they arrive.
 class ModelShards {
@@ -184,6 +304,20 @@ TensorSink with_tied_aliases(
   };
 }
 
+// The model's config files (NOTE [Model state hooks]) beside a sharded
+// save's shards, before its index is committed: a directory whose index is
+// live has them.
+void write_config_files(
+    const std::string& dir,
+    const std::map<std::string, std::string>& files) {
+  for (const auto& kv : files) {
+    const std::vector<char> bytes(kv.second.begin(), kv.second.end());
+    detail::atomic_write_file(
+        detail::join(dir, kv.first),
+        [&](const std::string& tmp) { detail::write_bytes(tmp, bytes); });
+  }
+}
+
 } // namespace
 
 StateDict model_state_dict(torch::nn::Module& module) {
@@ -199,12 +333,14 @@ StateDict model_state_dict(torch::nn::Module& module) {
   return state;
 }
 
-void load_model_state(
+namespace {
+
+// Copies a checked `state` (LoadCheck) into the module's tensors.
+void copy_model_state(
     torch::nn::Module& module,
     const StateDict& state,
     const std::string& file,
     std::set<std::string>* seen,
-    bool strict_unexpected,
     const TensorLoader& loader) {
   auto targets = model_state_dict(module);
   // Tensors the features above take in their own way (QLoRA quantizes a
@@ -224,92 +360,58 @@ void load_model_state(
     }
     return false;
   };
-  // Second names of tied tensors (GPT-2's lm_head.weight): Python's
-  // state_dict() holds them.
-  const auto tied = detail::tied_keys(module);
-  std::vector<std::string> unexpected;
   at::NoGradGuard no_grad;
   for (const auto& item : state) {
-    auto q = own.find(item.key());
-    if (q != own.end()) {
-      detail::populate(item.value());
-      q->second(item.value());
-      if (seen) {
-        seen->insert(item.key());
-      }
-      continue;
-    }
-    if (loader && loader(item.key(), item.value(), file)) {
-      if (seen) {
-        seen->insert(item.key());
-      }
-      continue;
-    }
-    auto* target = targets.find(item.key());
-    if (target == nullptr) {
-      auto alias = tied.find(item.key());
-      if (alias == tied.end()) {
-        unexpected.push_back(item.key());
-        continue;
-      }
-      // Taken through its source; a checkpoint whose two names differ was
-      // trained untied and does not fit this model.
-      const at::Tensor* source = state.find(alias->second);
-      TORCH_CHECK(
-          source == nullptr ||
-              (source->sizes() == item.value().sizes() &&
-               at::equal(*source, item.value())),
-          "load_model: '",
-          file,
-          "': '",
-          item.key(),
-          "' is tied to '",
-          alias->second,
-          "' in this model, but the checkpoint holds other values under it "
-          "(a model trained with untied weights)");
-      if (seen) {
-        seen->insert(item.key()); // the index's key is accounted for
-      }
-      continue;
-    }
+    const auto& key = item.key();
     const auto& src = item.value();
-    TORCH_CHECK(
-        src.sizes() == target->sizes(),
-        "load_model: '",
-        file,
-        "': key '",
-        item.key(),
-        "' has shape ",
-        src.sizes(),
-        " but the model's tensor has shape ",
-        target->sizes());
-    TORCH_CHECK(
-        same_kind(src.scalar_type(), target->scalar_type()),
-        "load_model: '",
-        file,
-        "': key '",
-        item.key(),
-        "' has dtype ",
-        src.scalar_type(),
-        " but the model's tensor has dtype ",
-        target->scalar_type());
-    // lazy: no random init first; else a view into a mapped file is read
-    // straight into the target
-    if (!assigned(*target, src) &&
-        !detail::read_mapped_into(*target, src)) {
+    auto q = own.find(key);
+    auto* target = targets.find(key);
+    if (q != own.end()) {
       detail::populate(src);
-      target->copy_(src);
+      q->second(src);
+    } else if (loader && loader(key, src, file)) {
+      // the plugin's: a slice of the whole tensor, or another stage's
+    } else if (target != nullptr) {
+      // (checked already, unless a plugin's loader declined the key)
+      check_fits(file, key, src, *target);
+      // lazy: no random init first; else a view into a mapped file is read
+      // straight into the target
+      if (!assigned(*target, src) && !detail::read_mapped_into(*target, src)) {
+        detail::populate(src);
+        target->copy_(src);
+      }
+    } else {
+      // A second name of a tied tensor (GPT-2's lm_head.weight), taken
+      // through its source, or a key a non-strict load skips.
+      continue;
     }
     if (seen) {
-      seen->insert(item.key());
+      seen->insert(key);
     }
   }
-  TORCH_CHECK(
-      !strict_unexpected || unexpected.empty(),
-      "load_model: '",
-      file,
-      "' has keys the model does not (strict): ",
-      list(unexpected));
+}
+
+} // namespace
+
+void load_model_state(
+    torch::nn::Module& module,
+    const StateDict& state,
+    const std::string& file,
+    std::set<std::string>* seen,
+    bool strict_unexpected,
+    const TensorLoader& loader) {
+  LoadCheck check(module, loader != nullptr);
+  check.add(state, file);
+  check.finish(file, strict_unexpected, /*strict_missing=*/false);
+  copy_model_state(module, state, file, seen, loader);
+  if (seen) {
+    // The tied names are accounted for, as the index lists them.
+    for (const auto& kv : detail::tied_keys(module)) {
+      if (state.find(kv.first) != nullptr) {
+        seen->insert(kv.first);
+      }
+    }
+  }
 }
 
 void GeneralCheckpointIO::save_unsharded_model(
@@ -349,6 +451,8 @@ void GeneralCheckpointIO::save_sharded_model(
       detail::add_prefix(st ? kSafetensorsName : kBinName, o.prefix());
   const int64_t max_bytes = o.size_per_shard() * 1024 * 1024;
   const bool writer = is_writer();
+  const auto configs = writer ? detail::config_files(*model.unwrap())
+                              : std::map<std::string, std::string>();
   if (num_parts() > 1 && !o.use_async()) {
     save_in_parts(
         checkpoint,
@@ -379,6 +483,7 @@ void GeneralCheckpointIO::save_sharded_model(
           });
         },
         [&](detail::ShardedCommit& commit) {
+          write_config_files(checkpoint, configs);
           commit.commit(detail::Index(), weights);
         });
     return;
@@ -390,6 +495,7 @@ void GeneralCheckpointIO::save_sharded_model(
     ModelShards shards(commit, st);
     feed([&](const std::string& k, const at::Tensor& t) { shards.add(k, t); });
     shards.finish();
+    write_config_files(checkpoint, configs);
     commit.commit(detail::Index(), weights);
   };
   if (!o.use_async()) {
@@ -429,12 +535,10 @@ void GeneralCheckpointIO::load_unsharded_model(
     const std::string& checkpoint,
     bool strict) {
   auto state = read_tensors(checkpoint);
-  std::set<std::string> seen;
-  load_model_state(
-      *model.unwrap(), state, checkpoint, &seen, strict, tensor_loader_);
-  if (strict) {
-    check_missing(*model.unwrap(), seen, checkpoint);
-  }
+  LoadCheck check(*model.unwrap(), tensor_loader_ != nullptr);
+  check.add(state, checkpoint);
+  check.finish(checkpoint, strict, strict);
+  copy_model_state(*model.unwrap(), state, checkpoint, nullptr, tensor_loader_);
 }
 
 void GeneralCheckpointIO::load_sharded_model(
@@ -444,17 +548,17 @@ void GeneralCheckpointIO::load_sharded_model(
   auto index = detail::read_index(index_file);
   auto dir = std::filesystem::path(index_file).parent_path().string();
   std::vector<std::string> files;
-  std::set<std::string> expected;
   std::map<std::string, std::set<std::string>> keys_of; // shard -> its keys
   for (const auto& kv : index.weight_map) {
-    expected.insert(kv.first);
     if (std::find(files.begin(), files.end(), kv.second) == files.end()) {
       files.push_back(kv.second);
     }
     keys_of[kv.second].insert(kv.first);
   }
-  std::set<std::string> seen;
-  for (const auto& f : files) {
+  // Every shard is read (its header, not its data) and checked before
+  // anything is copied; a tensor comes from the shard the index names for
+  // it, whatever another shard also holds.
+  auto read_shard = [&](const std::string& f) {
     auto path = detail::join(dir, f);
     TORCH_CHECK(
         detail::exists(path),
@@ -463,28 +567,33 @@ void GeneralCheckpointIO::load_sharded_model(
         "' named by index '",
         index_file,
         "' is missing");
-    // A tensor comes from the shard the index names for it, whatever
-    // another shard also holds.
     StateDict state;
     for (const auto& kv : read_tensors(path)) {
       if (keys_of[f].count(kv.key())) {
         state.insert(kv.key(), kv.value());
       }
     }
-    load_model_state(
-        *model.unwrap(), state, path, &seen, strict, tensor_loader_);
+    return std::make_pair(path, state);
+  };
+  LoadCheck check(*model.unwrap(), tensor_loader_ != nullptr);
+  for (const auto& f : files) {
+    const auto shard = read_shard(f);
+    for (const auto& key : keys_of[f]) {
+      TORCH_CHECK(
+          shard.second.find(key) != nullptr || !strict,
+          "load_model: index '",
+          index_file,
+          "' lists key '",
+          key,
+          "' that its shard does not hold");
+    }
+    check.add(shard.second, shard.first);
   }
-  for (const auto& key : expected) {
-    TORCH_CHECK(
-        seen.count(key) || !strict,
-        "load_model: index '",
-        index_file,
-        "' lists key '",
-        key,
-        "' that its shard does not hold");
-  }
-  if (strict) {
-    check_missing(*model.unwrap(), seen, index_file);
+  check.finish(index_file, strict, strict);
+  for (const auto& f : files) {
+    const auto shard = read_shard(f);
+    copy_model_state(
+        *model.unwrap(), shard.second, shard.first, nullptr, tensor_loader_);
   }
 }
 

@@ -31,14 +31,21 @@ StateDict detached(const StateDict& state) {
   return out;
 }
 
-// Pickled {id: {name: tensor}}.
+// Pickled {id: {name: tensor}}; an int64 scalar `step` is HybridAdam's,
+// which ColossalAI keeps as a Python int (optimizer_state.cpp).
 c10::impl::GenericDict states_ivalue(
     const std::map<int64_t, StateDict>& states) {
   c10::impl::GenericDict d(c10::IntType::get(), c10::AnyType::get());
   for (const auto& kv : states) {
-    c10::Dict<std::string, at::Tensor> inner;
+    c10::impl::GenericDict inner(c10::StringType::get(), c10::AnyType::get());
     for (const auto& item : kv.second) {
-      inner.insert(item.key(), item.value());
+      const auto& t = item.value();
+      if (item.key() == "step" && t.dim() == 0 &&
+          t.scalar_type() == at::kLong) {
+        inner.insert(item.key(), t.item<int64_t>());
+      } else {
+        inner.insert(item.key(), t);
+      }
     }
     d.insert(kv.first, inner);
   }

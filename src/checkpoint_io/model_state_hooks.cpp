@@ -46,6 +46,16 @@ std::map<std::string, std::string> tied_keys(torch::nn::Module& model) {
   return out;
 }
 
+std::map<std::string, std::string> config_files(torch::nn::Module& model) {
+  std::map<std::string, std::string> out;
+  for (const auto& h : model_state_hooks()) {
+    if (h.config_files) {
+      out.merge(h.config_files(model));
+    }
+  }
+  return out;
+}
+
 std::vector<ModelStateHooks> model_state_hooks() {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);

@@ -26,9 +26,15 @@ std::vector<at::Tensor> all_params(Optimizer& o) {
   return out;
 }
 
-// Python stores `step` as a float32 scalar tensor.
+// PyTorch's optimizers store `step` as a float32 scalar tensor.
 at::Tensor step_tensor(int64_t step) {
   return at::scalar_tensor(static_cast<double>(step), at::kFloat);
+}
+
+// ColossalAI's HybridAdam stores it as a Python int: an int64 scalar here,
+// which the pickle writer turns into one (step_as_python_int).
+at::Tensor int_step_tensor(int64_t step) {
+  return at::scalar_tensor(step, at::kLong);
 }
 
 int64_t step_value(const StateDict& s, const std::string& file) {
@@ -95,8 +101,8 @@ std::string kind(Optimizer& o) {
 // Adam, AdamW and HybridAdam share their moments' and hyperparameters'
 // names but not a base class.
 template <class S>
-void adam_state(StateDict& s, const S& a) {
-  s.insert("step", step_tensor(a.step()));
+void adam_state(StateDict& s, const S& a, at::Tensor step) {
+  s.insert("step", std::move(step));
   s.insert("exp_avg", a.exp_avg());
   s.insert("exp_avg_sq", a.exp_avg_sq());
 }
@@ -160,14 +166,14 @@ std::map<int64_t, StateDict> optimizer_param_states(
     StateDict s;
     const auto& ps = *it->second;
     if (auto* h = as<nn::optimizer::HybridAdamParamState>(ps)) {
-      adam_state(s, *h);
+      adam_state(s, *h, int_step_tensor(h->step()));
     } else if (auto* a = as<torch::optim::AdamWParamState>(ps)) {
-      adam_state(s, *a);
+      adam_state(s, *a, step_tensor(a->step()));
       if (a->max_exp_avg_sq().defined()) {
         s.insert("max_exp_avg_sq", a->max_exp_avg_sq());
       }
     } else if (auto* a = as<torch::optim::AdamParamState>(ps)) {
-      adam_state(s, *a);
+      adam_state(s, *a, step_tensor(a->step()));
       if (a->max_exp_avg_sq().defined()) {
         s.insert("max_exp_avg_sq", a->max_exp_avg_sq());
       }

@@ -410,7 +410,7 @@ BertOnlyMLMHeadImpl::BertOnlyMLMHeadImpl(const BertConfig& c) {
 
 BertForMaskedLMImpl::BertForMaskedLMImpl(const BertConfig& config)
     : config_(config) {
-  detail::register_tied_keys();
+  detail::register_checkpoint_hooks();
   bert = register_module("bert", BertModel(config, &state_));
   cls = register_module("cls", BertOnlyMLMHead(config));
 }

@@ -291,7 +291,7 @@ at::Tensor BloomModelImpl::forward_stage(
 
 BloomForCausalLMImpl::BloomForCausalLMImpl(const BloomConfig& config)
     : config_(config) {
-  detail::register_tied_keys();
+  detail::register_checkpoint_hooks();
   transformer = register_module("transformer", BloomModel(config, &state_));
 }
 

@@ -222,7 +222,7 @@ at::Tensor GPT2ModelImpl::forward_stage(
 
 GPT2LMHeadModelImpl::GPT2LMHeadModelImpl(const GPT2Config& config)
     : config_(config) {
-  detail::register_tied_keys();
+  detail::register_checkpoint_hooks();
   transformer = register_module("transformer", GPT2Model(config, &state_));
 }
 

@@ -333,7 +333,7 @@ at::Tensor LlamaModelImpl::forward_stage(
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config_(c) {
-  detail::register_tied_keys();
+  detail::register_checkpoint_hooks();
   model = register_module("model", LlamaModel(c, &state_));
   if (!c.tie_word_embeddings()) {
     lm_head = register_module(

@@ -298,7 +298,7 @@ at::Tensor OPTModelImpl::forward(
 }
 
 OPTForCausalLMImpl::OPTForCausalLMImpl(const OPTConfig& c) : config_(c) {
-  detail::register_tied_keys();
+  detail::register_checkpoint_hooks();
   model = register_module("model", OPTModel(c, &state_));
 }
 

@@ -27,7 +27,37 @@ namespace cio = checkpoint_io;
 namespace cd = checkpoint_io::detail;
 using json = nlohmann::json;
 
-void register_tied_keys() {
+namespace {
+
+// transformers' GenerationConfig.from_model_config: the config's special
+// token ids that are set; empty when none is (nothing known to generate
+// with).
+std::string generation_config_json(const std::string& config_json) {
+  const auto config = json::parse(config_json);
+  json out = {{"_from_model_config", true}};
+  bool any = false;
+  for (const char* key :
+       {"bos_token_id", "eos_token_id", "pad_token_id",
+        "decoder_start_token_id"}) {
+    auto it = config.find(key);
+    if (it != config.end() && !it->is_null()) {
+      out[key] = *it;
+      any = true;
+    }
+  }
+  if (!any) {
+    return "";
+  }
+  auto version = config.find("transformers_version");
+  if (version != config.end()) {
+    out["transformers_version"] = *version;
+  }
+  return out.dump(2) + "\n";
+}
+
+} // namespace
+
+void register_checkpoint_hooks() {
   static const bool registered = [] {
     cio::ModelStateHooks hooks;
     // transformers' tie_weights(): the head's weight is the input
@@ -57,7 +87,35 @@ void register_tied_keys() {
       }
       return {};
     };
-    cio::register_model_state_hooks("tied weights", std::move(hooks));
+    // config.json as save_pretrained writes it, and generation_config.json
+    // for the causal families, as ColossalAI's sharded save writes them.
+    hooks.config_files =
+        [](torch::nn::Module& m) -> std::map<std::string, std::string> {
+      std::string config;
+      bool generates = true;
+      if (auto* g = dynamic_cast<GPT2LMHeadModelImpl*>(&m)) {
+        config = config_to_json(g->config());
+      } else if (auto* l = dynamic_cast<LlamaForCausalLMImpl*>(&m)) {
+        config = config_to_json(l->config());
+      } else if (auto* o = dynamic_cast<OPTForCausalLMImpl*>(&m)) {
+        config = config_to_json(o->config());
+      } else if (auto* b = dynamic_cast<BloomForCausalLMImpl*>(&m)) {
+        config = config_to_json(b->config());
+      } else if (auto* b = dynamic_cast<BertForMaskedLMImpl*>(&m)) {
+        config = config_to_json(b->config());
+        generates = false;
+      } else {
+        return {};
+      }
+      config = with_dtype(config, m);
+      std::map<std::string, std::string> out{{"config.json", config}};
+      const auto generation = generation_config_json(config);
+      if (generates && !generation.empty()) {
+        out.emplace("generation_config.json", generation);
+      }
+      return out;
+    };
+    cio::register_model_state_hooks("model families", std::move(hooks));
     return true;
   }();
   (void)registered;

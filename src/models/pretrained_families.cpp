@@ -203,9 +203,13 @@ std::string config_to_json(const LlamaConfig& c) {
     rope["original_max_position_embeddings"] =
         rs.original_max_position_embeddings();
   }
-  j.erase("rope_scaling");
-  j.erase("rope_theta");
   j["rope_parameters"] = rope;
+  // transformers before 5 (ColossalAI 0.5 pins 4.51) reads these instead,
+  // and takes rope_theta's default, silently, when it is absent; 5 and
+  // from_pretrained read rope_parameters first.
+  j["rope_theta"] = c.rope_theta();
+  rope.erase("rope_theta");
+  j["rope_scaling"] = rs.rope_type() == "default" ? json(nullptr) : rope;
   return j.dump(2) + "\n";
 }
 

@@ -24,7 +24,8 @@ DIR/optim_<name>.bin, DIR/after_<name>.bin: the model after its third step),
 checks that every param group holds at least the keys this torch's own
 optimizer writes, installs the groups verbatim (as ColossalAI's sharded and
 HybridParallel loaders do, no load_state_dict) and the states, takes the third
-step and compares it with the C++ one.
+step and compares it with the C++ one; and that HybridAdam's
+DIR/optim_hybrid_adam.bin holds `step` as a Python int, as ColossalAI does.
 
 `sched` exchanges learning-rate scheduler files, the dicts of
 `scheduler.state_dict()`, for each of torch's schedulers in SCHEDULERS: it
@@ -228,6 +229,18 @@ def groups(directory):
             diff = (value - after[key]).abs().max().item()
             assert torch.allclose(value, after[key], rtol=1e-5, atol=1e-6), (
                 f"{name}: {key} differs from the C++ step by {diff}")
+    # HybridAdam's step is a Python int, as ColossalAI's HybridAdam keeps it
+    # (its load_state_dict turns a tensor into one; torch's optimizers keep a
+    # float tensor). Two steps were taken.
+    saved = torch.load(os.path.join(directory, "optim_hybrid_adam.bin"))
+    assert saved["state"], "HybridAdam saved no state"
+    for pid, state in saved["state"].items():
+        assert type(state["step"]) is int and state["step"] == 2, (
+            f"HybridAdam state {pid}: step {state['step']!r}")
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}, sorted(state)
+    for group in saved["param_groups"]:
+        for key in ("lr", "betas", "eps", "weight_decay", "bias_correction"):
+            assert key in group, f"HybridAdam param group lacks {key}"
 
 
 SCHED_LRS = (0.1, 0.03)  # the two parameter groups' learning rates

@@ -326,7 +326,10 @@ class Booster {
       bool return_loss = true,
       bool return_outputs = false);
   /// Saves the model's weights: one file (safetensors or PyTorch .bin), or
-  /// with `shard` a directory of shards plus a Hugging Face index.
+  /// with `shard` a directory of shards plus a Hugging Face index; for a
+  /// colossalai::models model also its config.json (and
+  /// generation_config.json), as ColossalAI writes them, so transformers'
+  /// from_pretrained reads the directory.
   template <class M>
   void save_model(
       BoostedModel<M>& model,
@@ -338,7 +341,9 @@ class Booster {
   /// a file, a sharded directory or its index file. With `strict`, missing
   /// and unexpected keys are errors, except LoRA adapters' tensors: a base
   /// model's checkpoint loads strictly after `enable_lora`, the adapters
-  /// keeping their values.
+  /// keeping their values. A refused load (those keys, a shape or dtype
+  /// that does not fit, a tied weight trained untied) is refused before
+  /// anything is copied: the model keeps its values.
   template <class M>
   void load_model(
       BoostedModel<M>& model,

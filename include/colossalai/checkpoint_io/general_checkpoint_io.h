@@ -213,8 +213,10 @@ StateDict model_state_dict(torch::nn::Module& module);
 
 /// Copies `state` into the module's tensors. Shapes must match and dtypes
 /// must be of the same kind (floating point may convert to another floating
-/// point type). With `strict`, `state` must hold exactly the module's keys;
-/// `seen` collects the keys used, for checks across several shard files.
+/// point type). With `strict_unexpected`, every key of `state` must be the
+/// module's. Everything refused is refused before anything is copied, so a
+/// refused load leaves the module unchanged. `seen` collects the keys used,
+/// for checks across several shard files.
 /// `loader`, when set, is offered each key first (StateAccess::
 /// model_tensor_loader).
 void load_model_state(

@@ -15,7 +15,8 @@
 /// - colossalai::models' families (a model built): a tied head is one
 ///   tensor under two names in Python's state_dict() (GPT-2's lm_head.weight
 ///   is transformer.wte.weight); loads accept the second name when it holds
-///   the same values, and .bin saves write it, as torch.save does.
+///   the same values, and .bin saves write it, as torch.save does; a sharded
+///   save writes the model's config.json (and generation_config.json).
 /// Every model load and save asks each registered feature; a feature not in
 /// use has nothing to say about a model (no quantized layer, no adapter key,
 /// no lazy tensor), so registration is process-wide.
@@ -63,6 +64,11 @@ struct ModelStateHooks {
   /// another key (tied weights), as alias -> the model's key.
   std::function<std::map<std::string, std::string>(torch::nn::Module& model)>
       tied_keys;
+  /// Files a sharded save writes beside its shards, name -> contents (the
+  /// families: config.json and generation_config.json, as ColossalAI and
+  /// transformers write them, so the directory is a model directory).
+  std::function<std::map<std::string, std::string>(torch::nn::Module& model)>
+      config_files;
 };
 
 /// Registers the hooks of feature `name`, replacing any registered under
@@ -75,6 +81,8 @@ namespace detail {
 std::vector<ModelStateHooks> model_state_hooks();
 /// Every registered feature's tied keys of `model` (alias -> model key).
 std::map<std::string, std::string> tied_keys(torch::nn::Module& model);
+/// Every registered feature's config files of `model` (name -> contents).
+std::map<std::string, std::string> config_files(torch::nn::Module& model);
 } // namespace detail
 
 } // namespace checkpoint_io

@@ -342,10 +342,11 @@ at::Tensor causal_lm_stage_forward(
 }
 
 namespace detail {
-/// Registers, once, the families' tied weights with checkpoint IO (the
-/// second names Python's state_dict() holds, NOTE [Model state hooks]);
-/// each family's constructor calls it.
-void register_tied_keys();
+/// Registers, once, the families' hooks with checkpoint IO (NOTE [Model
+/// state hooks]): tied weights' second names, as Python's state_dict()
+/// holds them, and the config files a sharded save writes beside its
+/// shards; each family's constructor calls it.
+void register_checkpoint_hooks();
 } // namespace detail
 
 } // namespace models

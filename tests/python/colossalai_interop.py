@@ -1,0 +1,197 @@
+"""Checkpoints crossing between this library and Python ColossalAI.
+
+Runs in the ColossalAI venv (./scripts/setup.sh --colossalai), one process
+(world size 1, gloo, CPU), driven by test_interop_colossalai.cpp:
+
+  colossalai_interop.py base DIR
+      DIR/base: a small random LlamaForCausalLM (transformers' save_pretrained).
+  colossalai_interop.py train DIR PLUGIN...
+      For each PLUGIN: ColossalAI's Booster trains DIR/base two steps (AdamW,
+      CosineAnnealingWarmupLR), saves the model (sharded), the optimizer
+      (sharded) and the scheduler into DIR/py_PLUGIN/, takes a third step and
+      writes DIR/py_PLUGIN/next.safetensors: the weights after it, "__loss__"
+      (its loss, before the update) and "__lr__" (its learning rate).
+  colossalai_interop.py resume DIR PLUGIN=SRC...
+      For each pair: ColossalAI's Booster with PLUGIN loads DIR/SRC/ (written by
+      the C++ side, strictly), takes the third step and compares it with
+      DIR/SRC/next.safetensors; DIR/SRC/model must be a model directory that
+      transformers' from_pretrained reads.
+
+ColossalAI runs on CPU without a plugin, with TorchDDPPlugin and with
+HybridParallelPlugin at zero_stage 0 in fp32; LowLevelZeroPlugin, GeminiPlugin
+and HybridParallelPlugin's ZeRO stages assert that a device is present, and
+HybridAdam has no CPU kernel without CUDA ("No usable kernel found for
+CPUAdamLoader"), so they are not run here.
+"""
+
+import os
+import sys
+
+import torch
+
+PORT = os.environ.get("COLOSSALAI_INTEROP_PORT", "29631")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", PORT)
+for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                   ("LOCAL_WORLD_SIZE", "1")):
+    os.environ.setdefault(key, value)
+
+VOCAB = 128  # a multiple of 64: HybridParallelPlugin pads others, and its
+# sharded save then fails on CPU (AttributeError: _unpad_detach)
+LR = 1e-3
+WEIGHT_DECAY = 0.01
+TOTAL_STEPS = 10
+WARMUP_STEPS = 2
+# Tolerances (kept equal to test_interop_colossalai.cpp's, which says why).
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 1e-3 * LR
+
+
+def batch(step):
+    """Step `step`'s ids, [4, 16]; the C++ side builds the same."""
+    b = torch.arange(4).view(4, 1)
+    t = torch.arange(16).view(1, 16)
+    return (step * 131 + b * 17 + t * 7 + 3) % VOCAB
+
+
+def base(directory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(os.path.join(directory, "base"))
+
+
+def booster_for(plugin):
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
+
+    if plugin == "none":
+        return Booster()
+    if plugin == "ddp":
+        return Booster(plugin=TorchDDPPlugin())
+    if plugin == "hybrid":
+        return Booster(plugin=HybridParallelPlugin(tp_size=1, pp_size=1, precision="fp32"))
+    raise ValueError(f"unknown plugin {plugin}")
+
+
+def boosted(directory, plugin):
+    from colossalai.nn.lr_scheduler import CosineAnnealingWarmupLR
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(os.path.join(directory, "base"),
+                                             torch_dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    scheduler = CosineAnnealingWarmupLR(optimizer, total_steps=TOTAL_STEPS,
+                                        warmup_steps=WARMUP_STEPS)
+    booster = booster_for(plugin)
+    model, optimizer, _, _, scheduler = booster.boost(model, optimizer,
+                                                      lr_scheduler=scheduler)
+    return booster, model, optimizer, scheduler
+
+
+def step(booster, model, optimizer, scheduler, s):
+    """One training step; returns its loss and learning rate."""
+    ids = batch(s)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    if hasattr(optimizer, "backward"):
+        booster.backward(loss, optimizer)
+    else:  # no plugin: the optimizer is torch's own
+        loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return loss.detach(), lr
+
+
+def weights(model):
+    inner = model.unwrap() if hasattr(model, "unwrap") else model
+    return {k: v.detach().clone().contiguous() for k, v in inner.state_dict().items()}
+
+
+def train(directory, plugins):
+    from safetensors.torch import save_file
+
+    for i, plugin in enumerate(plugins):
+        booster, model, optimizer, scheduler = boosted(directory, plugin)
+        for s in range(2):
+            step(booster, model, optimizer, scheduler, s)
+        out = os.path.join(directory, f"py_{plugin}")
+        # Both formats of ColossalAI's sharded save, one per plugin.
+        booster.save_model(model, os.path.join(out, "model"), shard=True,
+                           use_safetensors=i % 2 == 0)
+        booster.save_optimizer(optimizer, os.path.join(out, "optim"), shard=True)
+        booster.save_lr_scheduler(scheduler, os.path.join(out, "sched.pt"))
+        loss, lr = step(booster, model, optimizer, scheduler, 2)
+        after = weights(model)
+        after["__loss__"] = loss.reshape(1).to(torch.float64)
+        after["__lr__"] = torch.tensor([lr], dtype=torch.float64)
+        save_file(after, os.path.join(out, "next.safetensors"))
+        print(f"train {plugin}: step 3 loss {loss.item():.8f} lr {lr:.3e}")
+
+
+def resume(directory, pairs):
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    for pair in pairs:
+        plugin, src = pair.split("=")
+        where = os.path.join(directory, src)
+        # Item 4 of the checkpoint format: the sharded model is a model
+        # directory (config.json beside the shards).
+        hf = LlamaForCausalLM.from_pretrained(os.path.join(where, "model"),
+                                              torch_dtype=torch.float32)
+        booster, model, optimizer, scheduler = boosted(directory, plugin)
+        booster.load_model(model, os.path.join(where, "model"), strict=True)
+        booster.load_optimizer(optimizer, os.path.join(where, "optim"))
+        booster.load_lr_scheduler(scheduler, os.path.join(where, "sched.pt"))
+        loaded = weights(model)
+        for k, v in hf.state_dict().items():
+            assert torch.equal(v, loaded[k]), f"{pair}: from_pretrained's {k} differs"
+        loss, lr = step(booster, model, optimizer, scheduler, 2)
+        want = load_file(os.path.join(where, "next.safetensors"))
+        want_loss = want.pop("__loss__").item()
+        want_lr = want.pop("__lr__").item()
+        assert abs(lr - want_lr) <= 1e-12 * want_lr, f"{pair}: lr {lr} vs {want_lr}"
+        assert abs(loss.item() - want_loss) <= LOSS_RTOL * abs(want_loss), (
+            f"{pair}: loss {loss.item()} vs {want_loss}")
+        after = weights(model)
+        assert set(after) == set(want), f"{pair}: keys {sorted(set(after) ^ set(want))}"
+        worst = max((after[k] - want[k]).abs().max().item() for k in want)
+        assert worst <= PARAM_ATOL, f"{pair}: weights differ by {worst}"
+        print(f"resume {pair}: loss {loss.item():.8f} vs {want_loss:.8f}, "
+              f"weights within {worst:.2e}")
+
+
+def main(argv):
+    if len(argv) < 3:
+        print(__doc__)
+        return 2
+    mode, directory = argv[1], argv[2]
+    if mode == "base":
+        base(directory)
+        return 0
+    import colossalai
+    from colossalai.accelerator.cpu_accelerator import CpuAccelerator
+
+    # ColossalAI 0.5.0's sharded optimizer load calls the accelerator's
+    # synchronize(), which its CPU accelerator refuses ("not supported for
+    # cpu accelerator"); on a CPU there is nothing to wait for.
+    CpuAccelerator.synchronize = lambda self, device=None: None
+    colossalai.launch_from_torch(backend="gloo")
+    if mode == "train":
+        train(directory, argv[3:])
+    elif mode == "resume":
+        resume(directory, argv[3:])
+    else:
+        print(__doc__)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
