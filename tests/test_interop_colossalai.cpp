@@ -31,16 +31,21 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/models/llama.h>
 #include <colossalai/models/pretrained.h>
-#include <colossalai/nn/lr_scheduler/cosine.h>
+#include <colossalai/nn/lr_scheduler/all.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
 #include <filesystem>
 #include <iomanip>
 #include <iostream>
@@ -291,5 +296,175 @@ TEST(InteropColossalAI, CheckpointsCrossBothWaysAndTrainingGoesOn) {
       }
     }
     fs::remove_all(dir());
+  }
+}
+
+namespace {
+
+/// SGD with momentum on two groups at lr 0.1 and 0.03:
+/// colossalai_interop.py's sched_optimizer().
+std::unique_ptr<torch::optim::SGD> sched_optimizer() {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (double lr : {0.1, 0.03}) {
+    groups.emplace_back(
+        std::vector<at::Tensor>{at::zeros({2}).requires_grad_()},
+        std::make_unique<torch::optim::SGDOptions>(
+            torch::optim::SGDOptions(lr).momentum(0.9)));
+  }
+  return std::make_unique<torch::optim::SGD>(
+      groups, torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+
+struct SchedulerCase {
+  std::string name;
+  std::function<std::unique_ptr<ls::LRScheduler>(torch::optim::Optimizer&)>
+      make;
+  int64_t steps; // before the save
+};
+
+template <class S, class O>
+std::function<std::unique_ptr<ls::LRScheduler>(torch::optim::Optimizer&)>
+make(O options) {
+  return [options](torch::optim::Optimizer& o) {
+    return std::make_unique<S>(o, options);
+  };
+}
+
+/// colossalai_interop.py's schedulers(): every scheduler of
+/// colossalai.nn.lr_scheduler, a warmup one both in and after its warmup.
+std::vector<SchedulerCase> scheduler_cases() {
+  return {
+      {"CosineAnnealingLR",
+       make<ls::CosineAnnealingLR>(ls::CosineAnnealingLROptions(20).eta_min(0.001)),
+       6},
+      {"CosineAnnealingWarmupLR.warmup",
+       make<ls::CosineAnnealingWarmupLR>(
+           ls::CosineAnnealingWarmupLROptions(20).warmup_steps(5).eta_min(0.001)),
+       3},
+      {"CosineAnnealingWarmupLR",
+       make<ls::CosineAnnealingWarmupLR>(
+           ls::CosineAnnealingWarmupLROptions(20).warmup_steps(5).eta_min(0.001)),
+       8},
+      {"FlatAnnealingLR",
+       make<ls::FlatAnnealingLR>(ls::FlatAnnealingLROptions(20).pct_start(0.5)),
+       12},
+      {"FlatAnnealingWarmupLR",
+       make<ls::FlatAnnealingWarmupLR>(ls::FlatAnnealingWarmupLROptions(20)
+                                           .warmup_steps(4)
+                                           .pct_start(0.5)
+                                           .eta_min(0.001)),
+       9},
+      {"LinearWarmupLR",
+       make<ls::LinearWarmupLR>(ls::LinearWarmupLROptions(20).warmup_steps(5)),
+       7},
+      {"MultiStepLR",
+       make<ls::MultiStepLR>(
+           ls::MultiStepLROptions(20).milestones({4, 9}).gamma(0.5)),
+       6},
+      {"MultiStepWarmupLR",
+       make<ls::MultiStepWarmupLR>(ls::MultiStepWarmupLROptions(20)
+                                       .warmup_steps(3)
+                                       .milestones({6, 11})
+                                       .gamma(0.5)),
+       8},
+      {"OneCycleLR", make<ls::OneCycleLR>(ls::OneCycleLROptions(20)), 7},
+      {"PolynomialLR",
+       make<ls::PolynomialLR>(
+           ls::PolynomialLROptions(20).end_lr(1e-4).power(2.0)),
+       5},
+      {"PolynomialWarmupLR",
+       make<ls::PolynomialWarmupLR>(ls::PolynomialWarmupLROptions(20)
+                                        .warmup_steps(4)
+                                        .end_lr(1e-4)
+                                        .power(2.0)),
+       6},
+      {"ExponentialLR",
+       make<ls::ExponentialLR>(ls::ExponentialLROptions(20).gamma(0.9)),
+       5},
+      {"StepLR",
+       make<ls::StepLR>(ls::StepLROptions(20).step_size(3).gamma(0.5)),
+       7},
+      {"LambdaLR",
+       make<ls::LambdaLR>(ls::LambdaLROptions(20, [](int64_t e) {
+         return std::pow(0.97, static_cast<double>(e));
+       })),
+       5},
+      {"MultiplicativeLR",
+       make<ls::MultiplicativeLR>(ls::MultiplicativeLROptions(20, [](int64_t e) {
+         return 0.9 + 0.002 * static_cast<double>(e);
+       })),
+       5},
+  };
+}
+
+/// The groups' learning rates, then their momenta (sched_step()).
+std::vector<double> lrs_and_momenta(
+    torch::optim::Optimizer& optimizer,
+    const ls::LRScheduler& scheduler) {
+  std::vector<double> out = scheduler.get_last_lr();
+  for (auto& group : optimizer.param_groups()) {
+    out.push_back(
+        static_cast<torch::optim::SGDOptions&>(group.options()).momentum());
+  }
+  return out;
+}
+
+/// Relative 1e-12: the same double arithmetic on both sides, but Python's
+/// pow and cos may come from another libm than LibTorch's.
+void expect_values(const at::Tensor* want, const std::vector<double>& got) {
+  ASSERT_NE(want, nullptr) << "missing from ColossalAI's file";
+  const auto w = want->to(at::kDouble).contiguous();
+  ASSERT_EQ(w.numel(), static_cast<int64_t>(got.size()));
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double x = w.data_ptr<double>()[i];
+    EXPECT_LE(
+        std::abs(x - got[i]), 1e-12 * std::max(std::abs(x), std::abs(got[i])))
+        << "value " << i << ": ColossalAI " << x << ", C++ " << got[i];
+  }
+}
+
+} // namespace
+
+// Every scheduler of colossalai.nn.lr_scheduler crosses both ways through
+// the booster's files: ColossalAI's scheduler loads what we saved and its
+// next step (learning rates and OneCycleLR's momenta) equals ours; we load
+// what ColossalAI's booster saved and our next step equals its own.
+TEST(InteropColossalAI, EverySchedulerCrossesBothWays) {
+  if (!have_colossalai()) {
+    GTEST_SKIP() << "the ColossalAI venv is absent (" << cai_python()
+                 << "): ./scripts/setup.sh --colossalai makes it";
+  }
+  colossalai::testing::ScratchDir scratch("colossalai_interop_sched");
+  const auto d = scratch.path;
+  cb::Booster booster;
+  std::map<std::string, std::vector<double>> ours;
+  for (const auto& c : scheduler_cases()) {
+    auto optimizer = sched_optimizer();
+    auto scheduler = c.make(*optimizer);
+    for (int64_t i = 0; i < c.steps; ++i) {
+      scheduler->step();
+    }
+    booster.save_lr_scheduler(*scheduler, d + "/cpp_" + c.name + ".pt");
+    scheduler->step();
+    ours[c.name] = lrs_and_momenta(*optimizer, *scheduler);
+  }
+  const auto r = run_script("sched '" + d + "'");
+  ASSERT_EQ(r.first, 0) << r.second;
+  const auto from_ours =
+      ck::safetensors::load_file(d + "/from_cpp_next.safetensors");
+  const auto theirs = ck::safetensors::load_file(d + "/py_next.safetensors");
+  for (const auto& c : scheduler_cases()) {
+    SCOPED_TRACE(c.name);
+    {
+      SCOPED_TRACE("ColossalAI's step after loading our file");
+      expect_values(from_ours.find(c.name), ours[c.name]);
+    }
+    auto optimizer = sched_optimizer();
+    auto scheduler = c.make(*optimizer);
+    booster.load_lr_scheduler(*scheduler, d + "/py_" + c.name + ".pt");
+    EXPECT_EQ(scheduler->last_epoch(), c.steps);
+    scheduler->step();
+    SCOPED_TRACE("our step after loading ColossalAI's file");
+    expect_values(theirs.find(c.name), lrs_and_momenta(*optimizer, *scheduler));
   }
 }

@@ -697,6 +697,21 @@ TEST(LRSchedulerStateDict, HasPythonsKeys) {
   EXPECT_EQ(entry(inner, "T_max").toInt(), 15);
   EXPECT_EQ(entry(inner, "last_epoch").toInt(), 2);
   EXPECT_FALSE(w.contains("after_scheduler"));
+  // ColossalAI's own last_epoch stops at the switch (its second stage
+  // counts on); ours reads back as the 7 steps taken, and a state that
+  // counted on (earlier files of this library) loads the same.
+  EXPECT_EQ(warm.last_epoch(), 7);
+  EXPECT_EQ(entry(w, "last_epoch").toInt(), 5);
+  EXPECT_EQ(entry(w, "_step_count").toInt(), 6);
+  for (int64_t saved : {5, 7}) {
+    auto state = w.copy();
+    state.insert_or_assign("last_epoch", saved);
+    auto o = make_optimizer(Opt::kSgd);
+    s::CosineAnnealingWarmupLR back(
+        *o, s::CosineAnnealingWarmupLROptions(20).warmup_steps(5));
+    back.load_state_dict(state);
+    EXPECT_EQ(back.last_epoch(), 7) << "saved last_epoch " << saved;
+  }
 
   auto flat = s::FlatAnnealingWarmupLR(
                   *make_optimizer(Opt::kSgd),

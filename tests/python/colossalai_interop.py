@@ -16,6 +16,10 @@ Runs in the ColossalAI venv (./scripts/setup.sh --colossalai), one process
       the C++ side, strictly), takes the third step and compares it with
       DIR/SRC/next.safetensors; DIR/SRC/model must be a model directory that
       transformers' from_pretrained reads.
+  colossalai_interop.py sched DIR
+      Every scheduler of colossalai.nn.lr_scheduler: ColossalAI loads the C++
+      side's DIR/cpp_<name>.pt and steps on; its own files go the other way
+      (sched()).
 
 ColossalAI runs on CPU without a plugin, with TorchDDPPlugin and with
 HybridParallelPlugin at zero_stage 0 in fp32; LowLevelZeroPlugin, GeminiPlugin
@@ -167,6 +171,117 @@ def resume(directory, pairs):
               f"weights within {worst:.2e}")
 
 
+SCHED_LRS = (0.1, 0.03)  # the two parameter groups' learning rates
+
+
+def schedulers():
+    """name: (ColossalAI's scheduler on an optimizer, steps before the save).
+    Keep in sync with scheduler_cases() in test_interop_colossalai.cpp."""
+    from colossalai.nn import lr_scheduler as ls
+
+    return {
+        "CosineAnnealingLR": (lambda o: ls.CosineAnnealingLR(o, 20, eta_min=0.001), 6),
+        "CosineAnnealingWarmupLR.warmup": (
+            lambda o: ls.CosineAnnealingWarmupLR(o, 20, warmup_steps=5, eta_min=0.001), 3),
+        "CosineAnnealingWarmupLR": (
+            lambda o: ls.CosineAnnealingWarmupLR(o, 20, warmup_steps=5, eta_min=0.001), 8),
+        "FlatAnnealingLR": (lambda o: ls.FlatAnnealingLR(o, 20, pct_start=0.5), 12),
+        "FlatAnnealingWarmupLR": (
+            lambda o: ls.FlatAnnealingWarmupLR(o, 20, warmup_steps=4, pct_start=0.5,
+                                               eta_min=0.001), 9),
+        "LinearWarmupLR": (lambda o: ls.LinearWarmupLR(o, 20, warmup_steps=5), 7),
+        "MultiStepLR": (lambda o: ls.MultiStepLR(o, 20, milestones=[4, 9], gamma=0.5), 6),
+        "MultiStepWarmupLR": (
+            lambda o: ls.MultiStepWarmupLR(o, 20, warmup_steps=3, milestones=[6, 11],
+                                           gamma=0.5), 8),
+        "OneCycleLR": (lambda o: ls.OneCycleLR(o, 20), 7),
+        "PolynomialLR": (lambda o: ls.PolynomialLR(o, 20, end_lr=1e-4, power=2.0), 5),
+        "PolynomialWarmupLR": (
+            lambda o: ls.PolynomialWarmupLR(o, 20, warmup_steps=4, end_lr=1e-4, power=2.0), 6),
+        "ExponentialLR": (lambda o: ls.ExponentialLR(o, 20, gamma=0.9), 5),
+        "StepLR": (lambda o: ls.StepLR(o, 20, step_size=3, gamma=0.5), 7),
+        "LambdaLR": (lambda o: ls.LambdaLR(o, 20, lr_lambda=lambda e: 0.97**e), 5),
+        "MultiplicativeLR": (
+            lambda o: ls.MultiplicativeLR(o, 20, lr_lambda=lambda e: 0.9 + 0.002 * e), 5),
+    }
+
+
+def sched_optimizer():
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in SCHED_LRS]
+    groups = [{"params": [p], "lr": lr} for p, lr in zip(params, SCHED_LRS)]
+    return torch.optim.SGD(groups, lr=SCHED_LRS[0], momentum=0.9)
+
+
+def sched_step(opt, scheduler):
+    """One step; the learning rates and momenta it leaves, as one tensor."""
+    opt.step()  # no gradients: changes nothing, keeps torch from warning
+    scheduler.step()
+    values = list(scheduler.get_last_lr()) + [g["momentum"] for g in opt.param_groups]
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def same_state(where, got, want):
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (
+            f"{where}: keys {sorted(set(got) ^ set(want))} differ")
+        for key in want:
+            same_state(f"{where}.{key}", got[key], want[key])
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), (
+            f"{where}: {got!r} vs {want!r}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            same_state(f"{where}[{i}]", g, w)
+    elif isinstance(want, float) and isinstance(got, (int, float)):
+        assert abs(got - want) <= 1e-12 * max(abs(got), abs(want)), (
+            f"{where}: {got!r} vs {want!r}")
+    elif callable(want):  # LambdaLR's functions are not in files
+        pass
+    else:
+        assert got == want, f"{where}: {got!r} vs {want!r}"
+
+
+def sched(directory):
+    """Writes DIR/py_<name>.pt (ColossalAI's scheduler after its steps, as
+    booster.save_lr_scheduler writes it) and DIR/py_next.safetensors (the
+    step after); loads the C++ side's DIR/cpp_<name>.pt into ColossalAI's
+    scheduler and writes its next step to DIR/from_cpp_next.safetensors."""
+    import warnings
+
+    from colossalai.booster import Booster
+    from safetensors.torch import save_file
+
+    warnings.simplefilter("ignore")
+    booster = Booster()
+    from_cpp, own = {}, {}
+    for name, (make, steps) in schedulers().items():
+        opt = sched_optimizer()
+        scheduler = make(opt)
+        booster.load_lr_scheduler(scheduler, os.path.join(directory, f"cpp_{name}.pt"))
+        # Strictly: the state equals the one ColossalAI's own scheduler has
+        # after the same steps (no key missing or extra, ColossalAI's
+        # last_epoch), numbers within 1e-12 relative.
+        reference = make(sched_optimizer())
+        for _ in range(steps):
+            reference.optimizer.step()
+            reference.step()
+        same_state(name, scheduler.state_dict(), reference.state_dict())
+        # Python restores the groups' lr with the optimizer's checkpoint;
+        # the recursive schedules go on from it.
+        for group, lr in zip(opt.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+        from_cpp[name] = sched_step(opt, scheduler)
+
+        opt = sched_optimizer()
+        scheduler = make(opt)
+        for _ in range(steps):
+            opt.step()
+            scheduler.step()
+        booster.save_lr_scheduler(scheduler, os.path.join(directory, f"py_{name}.pt"))
+        own[name] = sched_step(opt, scheduler)
+    save_file(from_cpp, os.path.join(directory, "from_cpp_next.safetensors"))
+    save_file(own, os.path.join(directory, "py_next.safetensors"))
+
+
 def main(argv):
     if len(argv) < 3:
         print(__doc__)
@@ -187,6 +302,8 @@ def main(argv):
         train(directory, argv[3:])
     elif mode == "resume":
         resume(directory, argv[3:])
+    elif mode == "sched":
+        sched(directory)
     else:
         print(__doc__)
         return 2

@@ -1,5 +1,7 @@
 #include <colossalai/nn/lr_scheduler/delayed.h>
 
+#include <algorithm>
+
 #include <c10/util/Exception.h>
 
 namespace colossalai {
@@ -120,6 +122,16 @@ void TwoStageScheduler::load_state_dict_extra(
     }
   }
   finished_ = finished;
+  // ColossalAI's last_epoch stopped at the switch; ours counts the second
+  // stage's steps too. (A state that counted on has last_epoch above the
+  // switch, or equal to it where both readings agree.)
+  if (finished_ && after != nullptr && last_epoch_ == switch_epoch()) {
+    last_epoch_ += after_->last_epoch();
+  }
+}
+
+int64_t TwoStageScheduler::python_last_epoch() const {
+  return finished_ ? std::min(last_epoch_, switch_epoch()) : last_epoch_;
 }
 
 WarmupScheduler::WarmupScheduler(

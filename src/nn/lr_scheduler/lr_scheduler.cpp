@@ -83,9 +83,9 @@ c10::impl::GenericDict LRScheduler::state_dict() const {
   // before the base constructor runs), then the base's.
   state_dict_extra(state);
   state.insert_or_assign("base_lrs", detail::float_list(base_lrs_));
-  state.insert_or_assign("last_epoch", last_epoch_);
+  state.insert_or_assign("last_epoch", python_last_epoch());
   // Python counts the initial step too.
-  state.insert_or_assign("_step_count", last_epoch_ + 1);
+  state.insert_or_assign("_step_count", python_last_epoch() + 1);
   state.insert_or_assign("verbose", false);
   state.insert_or_assign("_get_lr_called_within_step", false);
   state.insert_or_assign("_last_lr", detail::float_list(last_lrs_));

@@ -15,7 +15,9 @@ namespace lr_scheduler {
 ///
 /// The base learning rates are those `after_scheduler` recorded, i.e. the
 /// groups' lr before it was built (PyTorch keeps them in the groups'
-/// `initial_lr`). `last_epoch()` keeps counting through the second stage.
+/// `initial_lr`). `last_epoch()` keeps counting through the second stage;
+/// `state_dict()` holds the `last_epoch` ColossalAI's does, which stops at
+/// the switch (its second stage counts on).
 class TwoStageScheduler : public LRScheduler {
  public:
   void step() final;
@@ -41,10 +43,13 @@ class TwoStageScheduler : public LRScheduler {
   /// `finished`, and the second stage as `after_scheduler_type` (its
   /// `name()`, Python's class name) and `after_scheduler_dict` (its
   /// `state_dict()`), as ColossalAI's `TwoStageScheduler.state_dict` writes.
-  /// ColossalAI's own `last_epoch` stops at the switch while ours counts on;
-  /// either loads, as the second stage follows its own `last_epoch`.
   void state_dict_extra(c10::impl::GenericDict& state) const override;
+  /// Takes ColossalAI's `last_epoch` (stopped at the switch) and, from files
+  /// of earlier versions of this library, one that counted on.
   void load_state_dict_extra(const c10::impl::GenericDict& state) override;
+  int64_t python_last_epoch() const final;
+  /// The step at which the second stage starts.
+  virtual int64_t switch_epoch() const = 0;
   bool two_stage() const final {
     return true;
   }
@@ -78,6 +83,9 @@ class WarmupScheduler : public TwoStageScheduler {
  protected:
   std::vector<double> get_lr() final;
   void state_dict_extra(c10::impl::GenericDict& state) const override;
+  int64_t switch_epoch() const override {
+    return warmup_epochs_;
+  }
 
  private:
   int64_t warmup_epochs_;
@@ -107,6 +115,9 @@ class DelayerScheduler : public TwoStageScheduler {
  protected:
   std::vector<double> get_lr() final;
   void state_dict_extra(c10::impl::GenericDict& state) const override;
+  int64_t switch_epoch() const override {
+    return delay_epochs_;
+  }
 
  private:
   int64_t delay_epochs_;
@@ -142,6 +153,9 @@ class WarmupDelayerScheduler : public TwoStageScheduler {
  protected:
   std::vector<double> get_lr() final;
   void state_dict_extra(c10::impl::GenericDict& state) const override;
+  int64_t switch_epoch() const override {
+    return warmup_epochs_ + delay_epochs_;
+  }
 
  private:
   int64_t warmup_epochs_;

@@ -146,6 +146,12 @@ class LRScheduler {
   /// values and before the groups get the restored learning rates; if it
   /// throws, the common fields are put back.
   virtual void load_state_dict_extra(const c10::impl::GenericDict& state) {}
+  /// The `last_epoch` Python's scheduler holds at this point (`_step_count`
+  /// is one more): ours, except that ColossalAI's two-stage schedulers stop
+  /// counting when their second stage starts.
+  virtual int64_t python_last_epoch() const {
+    return last_epoch_;
+  }
   /// Whether this scheduler takes a two-stage scheduler's state (one with
   /// `after_scheduler_dict`); the others refuse it.
   virtual bool two_stage() const {
