@@ -13,7 +13,8 @@
 //   ColossalAI, TorchDDPPlugin     <-> LowLevelZeroPlugin stage 2
 //   ColossalAI, HybridParallel tp1 <-> HybridParallelPlugin tp 2
 // ColossalAI's ZeRO plugins, Gemini and HybridAdam do not run on a CPU (the
-// script says how each refuses), so they are not among them.
+// script says how each refuses), so they are not among them. Below: every
+// scheduler of colossalai.nn.lr_scheduler, and GPT-2's tied head.
 //
 // Bounds: the loss of the third step depends only on the loaded weights;
 // both sides compute it in fp32 through the same two blocks with sums in
@@ -29,6 +30,8 @@
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
+#include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
 #include <colossalai/models/pretrained.h>
 #include <colossalai/nn/lr_scheduler/all.h>
@@ -467,4 +470,35 @@ TEST(InteropColossalAI, EverySchedulerCrossesBothWays) {
     SCOPED_TRACE("our step after loading ColossalAI's file");
     expect_values(theirs.find(c.name), lrs_and_momenta(*optimizer, *scheduler));
   }
+}
+
+// GPT-2's tied head (lm_head.weight is transformer.wte.weight) crosses
+// strictly both ways through sharded .bin files, which hold it under both
+// names as Python's state_dict() does: we load ColossalAI's save strictly
+// and hold the weights transformers wrote, bit for bit; ColossalAI loads
+// ours strictly (no plugin, TorchDDPPlugin) and holds them too.
+TEST(InteropColossalAI, TiedHeadsCrossStrictly) {
+  if (!have_colossalai()) {
+    GTEST_SKIP() << "the ColossalAI venv is absent (" << cai_python()
+                 << "): ./scripts/setup.sh --colossalai makes it";
+  }
+  colossalai::testing::ScratchDir scratch("colossalai_interop_tied");
+  const auto d = scratch.path;
+  auto r = run_script("tied '" + d + "'");
+  ASSERT_EQ(r.first, 0) << r.second;
+  auto want = models::from_pretrained<models::GPT2LMHeadModel>(d + "/gpt2_base");
+  torch::manual_seed(1);
+  models::GPT2LMHeadModel model(want->config());
+  cb::Booster booster;
+  auto boosted = booster.boost(model);
+  booster.load_model(boosted.model, d + "/py_gpt2"); // strict
+  const auto got = ck::model_state_dict(*model);
+  for (const auto& item : ck::model_state_dict(*want)) {
+    ASSERT_NE(got.find(item.key()), nullptr) << item.key();
+    EXPECT_TRUE(at::equal(got[item.key()], item.value())) << item.key();
+  }
+  booster.save_model(
+      boosted.model, d + "/cpp_gpt2", ck::SaveModelOptions().shard(true));
+  r = run_script("tied_check '" + d + "'");
+  EXPECT_EQ(r.first, 0) << r.second;
 }

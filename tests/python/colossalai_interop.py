@@ -16,6 +16,8 @@ Runs in the ColossalAI venv (./scripts/setup.sh --colossalai), one process
       the C++ side, strictly), takes the third step and compares it with
       DIR/SRC/next.safetensors; DIR/SRC/model must be a model directory that
       transformers' from_pretrained reads.
+  colossalai_interop.py tied DIR / tied_check DIR
+      GPT-2's tied head through sharded .bin files both ways (tied()).
   colossalai_interop.py sched DIR
       Every scheduler of colossalai.nn.lr_scheduler: ColossalAI loads the C++
       side's DIR/cpp_<name>.pt and steps on; its own files go the other way
@@ -171,6 +173,45 @@ def resume(directory, pairs):
               f"weights within {worst:.2e}")
 
 
+def gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+
+
+def tied(directory, check):
+    """GPT-2's tied head through .bin files, which hold it under both names
+    as torch.save(model.state_dict()) does (ColossalAI cannot write a tied
+    model to safetensors: "Some tensors share memory"). Without `check`:
+    DIR/gpt2_base (save_pretrained) and DIR/py_gpt2 (ColossalAI's sharded
+    .bin save of it). With it: ColossalAI loads the C++ side's DIR/cpp_gpt2
+    strictly, without a plugin and under TorchDDPPlugin, and must hold
+    DIR/gpt2_base's weights."""
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import TorchDDPPlugin
+    from transformers import GPT2LMHeadModel
+
+    base = os.path.join(directory, "gpt2_base")
+    if not check:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(gpt2_config())
+        model.save_pretrained(base)
+        booster = Booster()
+        model, *_ = booster.boost(model)
+        booster.save_model(model, os.path.join(directory, "py_gpt2"), shard=True)
+        return
+    want = GPT2LMHeadModel.from_pretrained(base).state_dict()
+    for name, booster in (("none", Booster()), ("ddp", Booster(plugin=TorchDDPPlugin()))):
+        torch.manual_seed(1)
+        model, *_ = booster.boost(GPT2LMHeadModel(gpt2_config()))
+        booster.load_model(model, os.path.join(directory, "cpp_gpt2"), strict=True)
+        got = weights(model)
+        assert set(got) == set(want), sorted(set(got) ^ set(want))
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"{name}: {k} differs"
+        print(f"tied {name}: ColossalAI loaded our GPT-2 strictly, bit for bit")
+
+
 SCHED_LRS = (0.1, 0.03)  # the two parameter groups' learning rates
 
 
@@ -304,6 +345,8 @@ def main(argv):
         resume(directory, argv[3:])
     elif mode == "sched":
         sched(directory)
+    elif mode in ("tied", "tied_check"):
+        tied(directory, mode == "tied_check")
     else:
         print(__doc__)
         return 2
