@@ -13,12 +13,17 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
+#include <fcntl.h>
 #include <netdb.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include <atomic>
 #include <future>
@@ -38,6 +43,62 @@ std::string distributed::error_text(const std::exception& e) {
 }
 
 namespace {
+
+// A rank started by `colossalai run` gets SIGTERM when its launcher dies
+// (PR_SET_PDEATHSIG). Unless the program handles SIGTERM itself, this
+// handler says so when the parent it started under is gone, then dies of
+// the signal as it would have. The program asks for the same signal when
+// its own parent dies, so a wrapper between it and the launcher (a shell)
+// does not leave it running. Only async-signal-safe calls in the handler.
+// The message goes to the launcher's stderr (its console or log), which
+// the rank holds a copy of: its own stderr is a pipe nobody reads anymore.
+pid_t g_parent_pid = 0;
+int g_console_fd = STDERR_FILENO;
+char g_parent_gone[200] = {0};
+
+void on_term(int sig) {
+  if (g_parent_pid != 0 && ::getppid() != g_parent_pid) {
+    (void)!::write(g_console_fd, g_parent_gone, std::strlen(g_parent_gone));
+  }
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+void report_launcher_death(int rank) {
+  const auto launcher = utils::env_str("COLOSSALAI_LAUNCHER_PID");
+  if (!launcher) {
+    return;
+  }
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  g_parent_pid = ::getppid();
+  if (const auto fd = utils::env_str("COLOSSALAI_LAUNCHER_STDERR_FD")) {
+    const int n = std::atoi(fd->c_str());
+    if (n > STDERR_FILENO && ::fcntl(n, F_GETFD) != -1) {
+      ::fcntl(n, F_SETFD, FD_CLOEXEC); // not for the rank's own children
+      g_console_fd = n;
+    }
+  }
+  struct sigaction current {};
+  ::sigaction(SIGTERM, nullptr, &current);
+  if (current.sa_handler != SIG_DFL) {
+    return; // the program's own handling stands
+  }
+  std::snprintf(
+      g_parent_gone,
+      sizeof(g_parent_gone),
+      "colossalai: rank %d: the launcher (pid %s) is gone (this rank's "
+      "parent, pid %ld, exited); this rank stops\n",
+      rank,
+      launcher->c_str(),
+      static_cast<long>(g_parent_pid));
+  struct sigaction sa {};
+  sa.sa_handler = on_term;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  if (g_parent_pid == 1) {
+    ::raise(SIGTERM); // adopted by init: the parent went before prctl
+  }
+}
 
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
@@ -158,6 +219,7 @@ void launch(const LaunchOptions& o) {
   // (EPIPE, turned into a DistributedError) instead of a silent SIGPIPE
   // death, as Python does for every process.
   ::signal(SIGPIPE, SIG_IGN);
+  report_launcher_death(o.rank());
 
   // NOTE [Bounded rendezvous]
   // c10d's TCPStore client waits for the master's replies with no deadline (a

@@ -11,12 +11,18 @@
 
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace fs = std::filesystem;
@@ -159,6 +165,147 @@ TEST(FinetuneLm, Zero2LossFallsAndResumeEqualsTheStraightRun) {
     EXPECT_EQ(c[i].first, a[12 + i].first);
     EXPECT_EQ(c[i].second, a[12 + i].second) << "step " << c[i].first;
   }
+}
+
+// A rank killed (SIGKILL) mid-run under `colossalai run --max_restarts 1`:
+// the launcher restarts both ranks, --resume takes the newest complete
+// checkpoint, the job completes, and every loss after the restart equals
+// the uninterrupted run's for the same step, bit for bit. Then SIGTERM to
+// the launcher: a checkpoint at the step reached, exit 0, and the same
+// command line resumes from it to the same losses.
+TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
+  if (corpus().empty()) {
+    GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
+  }
+  Scratch dir;
+  const std::string common = std::string(" --plugin zero2") + kSmall +
+      "--config llama-tiny --save-every 6 --keep-last 2 ";
+  const auto straight = run(
+      " --nproc 2" + common + "--out " + dir.path + "/a --checkpoint " +
+      dir.path + "/ca");
+  ASSERT_EQ(straight.first, 0) << straight.second;
+  const auto want = losses(dir.path + "/a");
+  ASSERT_EQ(want.size(), 30u);
+
+  const std::string ckpt = dir.path + "/cb";
+  const auto started = colossalai::testing::run_shell(
+      "(COLOSSALAI_TEST_MARK='" + dir.path + "' '" + kCli +
+      "' run --nproc_per_node 2 --max_restarts 1 --master_port " +
+      std::to_string(colossalai::testing::free_port()) + " " + kBin +
+      " --data '" + corpus() + "'" + common + "--resume --out " + dir.path +
+      "/b --checkpoint " + ckpt + " > '" + dir.path + "/log' 2>&1; echo $? > '" +
+      dir.path + "/rc') > /dev/null 2>&1 & echo started");
+  ASSERT_EQ(started.first, 0) << started.second;
+  const auto since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t)
+        .count();
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  while (since(t0) < 300 && !fs::exists(ckpt + "/checkpoint-12")) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(fs::exists(ckpt + "/checkpoint-12"));
+  // Rank 1 of this job: its environment has the mark and RANK=1.
+  pid_t victim = -1;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    std::ifstream f(e.path() / "environ", std::ios::binary);
+    std::string env((std::istreambuf_iterator<char>(f)), {});
+    if (env.find("COLOSSALAI_TEST_MARK=" + dir.path + '\0') !=
+            std::string::npos &&
+        env.find(std::string("\0RANK=1\0")) != std::string::npos) {
+      victim = std::stoi(e.path().filename().string());
+    }
+  }
+  ASSERT_GT(victim, 0);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  const auto killed = std::chrono::steady_clock::now();
+  // Training again: the restarted run's first loss row.
+  double back = -1;
+  while (since(killed) < 300 && !fs::exists(dir.path + "/rc")) {
+    const auto l = losses(dir.path + "/b");
+    if (back < 0 && !l.empty() && l.front().first > 1) {
+      back = since(killed);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::ifstream rc(dir.path + "/rc");
+  int code = -1;
+  rc >> code;
+  std::ifstream log_in(dir.path + "/log");
+  const std::string log((std::istreambuf_iterator<char>(log_in)), {});
+  ASSERT_EQ(code, 0) << log;
+  EXPECT_NE(log.find("restarting the local ranks (restart 1 of 1)"), std::string::npos)
+      << log;
+  EXPECT_NE(log.find("resumed from '" + ckpt + "/checkpoint-"), std::string::npos)
+      << log;
+  const auto got = losses(dir.path + "/b");
+  ASSERT_FALSE(got.empty()) << log;
+  EXPECT_GE(got.front().first, 13) << log;
+  EXPECT_EQ(got.back().first, 30) << log;
+  for (const auto& row : got) {
+    EXPECT_EQ(row.second, want[row.first - 1].second) << "step " << row.first;
+  }
+  std::cout << "killed after checkpoint-12; training again (from step "
+            << got.front().first - 1 << ") " << back << " s after the kill\n";
+
+  // SIGTERM to the launcher (a pre-emption): the ranks finish their step,
+  // save it and exit 0; the same command line then goes on from there.
+  const std::string ck2 = dir.path + "/cc";
+  const std::string job = "COLOSSALAI_TEST_MARK='" + dir.path + "/cc' '" +
+      kCli + "' run --nproc_per_node 2 --master_port " +
+      std::to_string(colossalai::testing::free_port()) + " " + kBin +
+      " --data '" + corpus() + "'" + common + "--resume --out " + dir.path +
+      "/c --checkpoint " + ck2 + " > '" + dir.path + "/log2' 2>&1";
+  ASSERT_EQ(
+      colossalai::testing::run_shell(
+          "(" + job + "; echo $? > '" + dir.path + "/rc2') > /dev/null 2>&1 &")
+          .first,
+      0);
+  t0 = std::chrono::steady_clock::now();
+  while (since(t0) < 300 && !fs::exists(ck2 + "/checkpoint-6")) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  pid_t launcher = -1;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    std::ifstream f(e.path() / "environ", std::ios::binary);
+    std::string env((std::istreambuf_iterator<char>(f)), {});
+    std::ifstream c(e.path() / "cmdline", std::ios::binary);
+    std::string cmd((std::istreambuf_iterator<char>(c)), {});
+    if (env.find("COLOSSALAI_TEST_MARK=" + dir.path + "/cc" + '\0') !=
+            std::string::npos &&
+        cmd.rfind(std::string(kCli) + '\0', 0) == 0) {
+      launcher = std::stoi(e.path().filename().string());
+    }
+  }
+  ASSERT_GT(launcher, 0);
+  ASSERT_EQ(::kill(launcher, SIGTERM), 0);
+  const auto termed = std::chrono::steady_clock::now();
+  while (since(termed) < 120 && !fs::exists(dir.path + "/rc2")) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const double stop = since(termed);
+  std::ifstream rc2(dir.path + "/rc2");
+  code = -1;
+  rc2 >> code;
+  std::ifstream log2_in(dir.path + "/log2");
+  const std::string log2((std::istreambuf_iterator<char>(log2_in)), {});
+  ASSERT_EQ(code, 0) << log2;
+  const auto at = log2.find("SIGTERM: stopped after step ");
+  ASSERT_NE(at, std::string::npos) << log2;
+  const int stopped = std::stoi(log2.substr(at + 28));
+  EXPECT_TRUE(fs::exists(ck2 + "/checkpoint-" + std::to_string(stopped)));
+  EXPECT_LT(stop, 30.0) << log2;
+  const auto again = colossalai::testing::run_shell(job + "; cat '" + dir.path + "/log2'");
+  ASSERT_EQ(again.first, 0) << again.second;
+  const auto rest = losses(dir.path + "/c");
+  ASSERT_FALSE(rest.empty()) << again.second;
+  EXPECT_EQ(rest.front().first, stopped + 1) << again.second;
+  EXPECT_EQ(rest.back().first, 30);
+  for (const auto& row : rest) {
+    EXPECT_EQ(row.second, want[row.first - 1].second) << "step " << row.first;
+  }
+  std::cout << "SIGTERM after checkpoint-6: stopped after step " << stopped
+            << ", saved, exited in " << stop << " s; resumed to step 30\n";
 }
 
 // A directory tokenizer_reference.py's `maker` writes (a transformers

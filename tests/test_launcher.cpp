@@ -395,6 +395,57 @@ TEST(LauncherRun, LeftoverDescendantDoesNotHang) {
   }
 }
 
+TEST(LauncherRun, MaxRestartsRestartsTheLocalGroup) {
+  TempDir dir;
+  // Rank 1 fails in the first attempt while rank 0 waits; the restart, with
+  // TORCHELASTIC_RESTART_COUNT 1, succeeds.
+  RunOptions o =
+      sh(2,
+         "echo \"$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS\" >> "
+         "\"$0/runs_$RANK\"; "
+         "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then "
+         "  if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 60; fi");
+  o.program.push_back(dir.path().string());
+  o.max_restarts = 2;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(colossalai::launcher::run(o), 0);
+  EXPECT_LT(seconds_since(start), 30.0);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(
+        read_file(dir.path() / ("runs_" + std::to_string(r))), "0 2\n1 2\n");
+  }
+  // Out of restarts: the last failure's code, after 1 + 2 attempts.
+  RunOptions always = sh(1, "echo x >> \"$0/n\"; exit 4");
+  always.program.push_back(dir.path().string());
+  always.max_restarts = 2;
+  EXPECT_EQ(colossalai::launcher::run(always), 4);
+  EXPECT_EQ(read_file(dir.path() / "n"), "x\nx\nx\n");
+  EXPECT_NE(parse_error({"--nproc_per_node", "1", "--max_restarts", "-1", "prog"}).find("max_restarts"),
+            std::string::npos);
+  EXPECT_EQ(parse_run_args({"--nproc_per_node", "1", "--max-restarts", "3", "p"})
+                .max_restarts,
+            3);
+}
+
+TEST(LauncherRun, SignalledLauncherRestartsNothing) {
+  TempDir dir;
+  RunOptions o = sh(2, "echo x >> \"$0/started_$RANK\"; sleep 60");
+  o.program.push_back(dir.path().string());
+  o.max_restarts = 3;
+  auto start = std::chrono::steady_clock::now();
+  std::thread sender([&] {
+    while (seconds_since(start) < 20.0 &&
+           !(fs::exists(dir.path() / "started_0") &&
+             fs::exists(dir.path() / "started_1"))) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ::kill(::getpid(), SIGTERM);
+  });
+  EXPECT_EQ(colossalai::launcher::run(o), 128 + SIGTERM);
+  sender.join();
+  EXPECT_EQ(read_file(dir.path() / "started_0"), "x\n");
+}
+
 TEST(Launcher, LaunchedByLauncher) {
   ScopedEnv rank("RANK", nullptr);
   ScopedEnv ompi("OMPI_COMM_WORLD_RANK", nullptr);
@@ -485,8 +536,9 @@ void check_ddp_step(int rank, int world) {
 // "uncaught" (rank 1 throws on a thread nobody catches on).
 int launched_rank(const std::string& launcher, const std::string& mode) {
   const auto env = colossalai::utils::read_dist_env();
+  // `colossalai run` exports torchrun's variables.
   TORCH_CHECK(
-      env.source == launcher,
+      env.source == (launcher == "colossalai" ? "torchrun" : launcher),
       "expected ",
       launcher,
       "'s variables, found '",
@@ -513,6 +565,14 @@ int launched_rank(const std::string& launcher, const std::string& mode) {
       " (local rank ",
       env.local_rank.value_or(-1),
       ") does not match the launcher's");
+  if (mode == "sleep") { // until the launcher's death stops it
+    std::ofstream(
+        std::string(std::getenv("COLOSSALAI_TEST_DIR")) + "/pid_" +
+        std::to_string(rank))
+        << ::getpid() << "\n";
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    return 0;
+  }
   if (mode == "fail" || mode == "uncaught") {
     if (rank == 1 && mode == "fail") {
       TORCH_CHECK(false, "planted failure on rank 1");
@@ -915,4 +975,63 @@ TEST(Record, WritesTorchsErrorFileAndReturnsOne) {
   CaptureFd err(2, quiet.path() / "stderr");
   EXPECT_EQ(colossalai::record([]() -> int { throw 3; }), 1);
   EXPECT_FALSE(fs::exists(file));
+}
+
+namespace {
+
+// Whether `pid` is gone (or a zombie nobody reaped yet).
+bool gone(pid_t pid) {
+  if (::kill(pid, 0) != 0) {
+    return true;
+  }
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), {});
+  const auto close = text.rfind(')');
+  return close != std::string::npos && close + 2 < text.size() &&
+      text[close + 2] == 'Z';
+}
+
+} // namespace
+
+// The launcher killed with SIGKILL: its ranks stop at once (the kernel's
+// SIGTERM on their parent's death), and ranks that called colossalai::launch
+// say so on the launcher's stderr.
+TEST(LauncherRun, RanksDoNotOutliveAKilledLauncher) {
+  TempDir dir;
+  const auto d = dir.path().string();
+  const std::string cli = COLOSSALAI_CLI;
+  const auto started = colossalai::testing::run_shell(
+      "COLOSSALAI_TEST_LAUNCHER=colossalai COLOSSALAI_TEST_LAUNCHED=sleep "
+      "COLOSSALAI_TEST_DIR='" + d + "' OMP_NUM_THREADS=1 '" + cli +
+      "' run --nproc_per_node 2 --master_port " +
+      std::to_string(colossalai::testing::free_port()) + " " + self_exe() +
+      " --gtest_filter=LaunchedRank.Body > '" + d + "/console' 2>&1 & echo $!");
+  ASSERT_EQ(started.first, 0) << started.second;
+  const pid_t launcher = std::stoi(started.second);
+  auto start = std::chrono::steady_clock::now();
+  while (seconds_since(start) < 60.0 &&
+         !(fs::exists(dir.path() / "pid_0") && fs::exists(dir.path() / "pid_1"))) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100)); // pids written
+  const pid_t ranks[] = {
+      std::stoi(read_file(dir.path() / "pid_0")),
+      std::stoi(read_file(dir.path() / "pid_1"))};
+  ASSERT_EQ(::kill(launcher, SIGKILL), 0);
+  const auto killed = std::chrono::steady_clock::now();
+  while (seconds_since(killed) < 10.0 && !(gone(ranks[0]) && gone(ranks[1]))) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const double took = seconds_since(killed);
+  EXPECT_TRUE(gone(ranks[0]) && gone(ranks[1])) << "ranks outlived the launcher";
+  EXPECT_LT(took, 5.0);
+  std::cout << "ranks gone " << took << " s after the launcher's SIGKILL\n";
+  const auto console = read_file(dir.path() / "console");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(
+        console.find("rank " + std::to_string(r) + ": the launcher (pid " +
+                     std::to_string(launcher) + ") is gone"),
+        std::string::npos)
+        << console;
+  }
 }

@@ -22,7 +22,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -51,8 +50,9 @@ Args parse(int argc, char** argv) {
   Args a;
   CLI::App app(
       "Trains a small residual CNN on Fashion-MNIST through the Booster.\n"
-      "A checkpoint is saved in --checkpoint after every epoch; --resume\n"
-      "continues from it up to --epochs in all.",
+      "A checkpoint is saved in --checkpoint after every epoch (the newest\n"
+      "two are kept); --resume continues from the newest complete one up to\n"
+      "--epochs in all, or starts fresh when there is none.",
       "train_fashion_mnist");
   app.add_option("--nproc", a.nproc, "ranks to start")->capture_default_str();
   app.add_option("--plugin", a.plugin, "parallel strategy")
@@ -209,26 +209,25 @@ int train(const Args& a) {
   colossalai::nn::lr_scheduler::CosineAnnealingLR scheduler(
       *optimizer, static_cast<int64_t>(a.epochs * train_loader->num_batches()));
 
+  // NOTE [Training checkpoints]: a set per epoch, committed atomically; the
+  // newest complete one is where --resume starts (a fresh start without one).
   int first_epoch = 1;
-  const std::string state_file = a.checkpoint + "/trainer_state.txt";
   if (a.resume) {
-    std::ifstream in(state_file);
-    TORCH_CHECK(
-        in >> first_epoch,
-        "--resume: no checkpoint in '",
-        a.checkpoint,
-        "' (",
-        state_file,
-        " is missing)");
-    ++first_epoch;
-    booster.load_model(boosted.model, a.checkpoint + "/model.safetensors");
-    booster.load_optimizer(*boosted.optimizer, a.checkpoint + "/optimizer.bin");
-    booster.load_lr_scheduler(scheduler, a.checkpoint + "/lr_scheduler.pt");
+    const auto state = booster.resume_or_start(
+        a.checkpoint, boosted.model, boosted.optimizer.get(), &scheduler);
+    first_epoch = static_cast<int>(state.epoch()) + 1;
     if (rank == 0) {
-      std::printf(
-          "resumed from '%s' after epoch %d\n",
-          a.checkpoint.c_str(),
-          first_epoch - 1);
+      if (state.epoch() > 0) {
+        std::printf(
+            "resumed from '%s/checkpoint-%lld' after epoch %lld\n",
+            a.checkpoint.c_str(),
+            static_cast<long long>(state.step()),
+            static_cast<long long>(state.epoch()));
+      } else {
+        std::printf(
+            "no complete checkpoint under '%s': starting at epoch 1\n",
+            a.checkpoint.c_str());
+      }
     }
   }
 
@@ -289,15 +288,14 @@ int train(const Args& a) {
           s);
       std::fflush(stdout);
     }
-    booster.save_model(
+    booster.save_checkpoint(
+        a.checkpoint,
+        colossalai::booster::TrainingState()
+            .step(static_cast<int64_t>(epoch * steps))
+            .epoch(epoch),
         boosted.model,
-        a.checkpoint + "/model.safetensors",
-        colossalai::checkpoint_io::SaveModelOptions().use_safetensors(true));
-    booster.save_optimizer(*boosted.optimizer, a.checkpoint + "/optimizer.bin");
-    booster.save_lr_scheduler(scheduler, a.checkpoint + "/lr_scheduler.pt");
-    if (rank == 0) {
-      std::ofstream(state_file) << epoch << "\n";
-    }
+        boosted.optimizer.get(),
+        &scheduler);
   }
   if (rank == 0) {
     std::printf("checkpoint: %s\n", a.checkpoint.c_str());

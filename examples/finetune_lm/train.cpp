@@ -6,7 +6,8 @@
 //               [--lora R] [--qlora]
 //               [--precision fp32|bf16|fp16] [--steps N] [--seq-len T]
 //               [--batch-size B] [--lr X] [--warmup N] [--schedule S]
-//               [--checkpoint DIR] [--save-every N] [--resume] [--out DIR]
+//               [--checkpoint DIR] [--save-every N] [--keep-last K]
+//               [--resume] [--out DIR]
 //
 // --model reads a directory transformers wrote (GPT-2 or the LLaMA family,
 // with its tokenizer.json, vocab.json + merges.txt or SentencePiece
@@ -65,7 +66,7 @@ struct Args {
   int64_t warmup = 10;
   std::string schedule = "cosine";
   std::string checkpoint = "checkpoints/finetune_lm";
-  int64_t save_every = 0, stop_after = 0;
+  int64_t save_every = 0, stop_after = 0, keep_last = 2;
   bool resume = false;
   std::string out = "finetune_lm_out";
   std::string prompt = "The";
@@ -131,7 +132,15 @@ Args parse(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--save-every", a.save_every, "checkpoint every N steps")
       ->capture_default_str();
-  app.add_flag("--resume", a.resume, "continue from --checkpoint");
+  app.add_flag(
+      "--resume",
+      a.resume,
+      "continue from the newest complete checkpoint under --checkpoint, or "
+      "start fresh when there is none (the same command line serves the first "
+      "start and every restart)");
+  app.add_option(
+         "--keep-last", a.keep_last, "checkpoints kept under --checkpoint")
+      ->capture_default_str();
   app.add_option(
          "--stop-after",
          a.stop_after,
@@ -199,6 +208,7 @@ Args parse(int argc, char** argv) {
       "--tp 1 --pp 1");
   TORCH_CHECK(
       a.save_every >= 0, "--save-every must be >= 0, got ", a.save_every);
+  TORCH_CHECK(a.keep_last >= 1, "--keep-last must be >= 1, got ", a.keep_last);
   TORCH_CHECK(
       a.model_dir.empty() || fs::exists(fs::path(a.model_dir) / "config.json"),
       "--model '",
@@ -536,14 +546,11 @@ int train(const Args& a) {
       models::save_pretrained(model, a.out + "/base");
       tok.save_pretrained(a.out + "/base");
     }
-    const std::string adapter = a.checkpoint + "/adapter";
-    const bool from_ckpt = a.resume && fs::exists(adapter);
+    // A resume loads the adapters' values (resume_or_start).
     lora = booster.enable_lora(
         model,
-        from_ckpt ? adapter : "",
-        from_ckpt
-            ? std::nullopt
-            : std::optional<colossalai::lora::LoraConfig>(lora_config(a, gpt2)),
+        "",
+        lora_config(a, gpt2),
         a.qlora ? std::optional(qlora_config()) : std::nullopt,
         a.qlora);
   }
@@ -580,49 +587,34 @@ int train(const Args& a) {
             .eta_min(0.1 * a.lr));
   }
 
+  // NOTE [Training checkpoints]: one set per save under --checkpoint,
+  // committed atomically; --resume takes the newest complete one.
   int64_t first = 0;
-  const std::string state_file = a.checkpoint + "/trainer_state.json";
   if (a.resume) {
-    std::ifstream in(state_file);
+    first = booster
+                .resume_or_start(
+                    a.checkpoint,
+                    boosted.model,
+                    boosted.optimizer.get(),
+                    scheduler.get())
+                .step();
     TORCH_CHECK(
-        in,
-        "--resume: no checkpoint in '",
+        first <= a.steps,
+        "--resume: the newest checkpoint under '",
         a.checkpoint,
-        "' (",
-        state_file,
-        " is missing)");
-    first = nlohmann::json::parse(in).at("step").get<int64_t>();
-    if (lora == nullptr) {
-      booster.load_model(boosted.model, a.checkpoint + "/model");
-    }
-    booster.load_optimizer(*boosted.optimizer, a.checkpoint + "/optimizer.bin");
-    if (scheduler) {
-      booster.load_lr_scheduler(*scheduler, a.checkpoint + "/scheduler.pt");
-    }
+        "' is at step ",
+        first,
+        ", past --steps ",
+        a.steps);
   }
   auto save_checkpoint = [&](int64_t step) {
-    if (lora) {
-      booster.save_lora_as_pretrained(
-          boosted.model, a.checkpoint + "/adapter", true);
-    } else {
-      booster.save_model(
-          boosted.model,
-          a.checkpoint + "/model",
-          colossalai::checkpoint_io::SaveModelOptions()
-              .shard(true)
-              .use_safetensors(true));
-    }
-    booster.save_optimizer(*boosted.optimizer, a.checkpoint + "/optimizer.bin");
-    if (scheduler) {
-      booster.save_lr_scheduler(*scheduler, a.checkpoint + "/scheduler.pt");
-    }
-    if (distributed) {
-      cd::barrier(*cd::world_group()).wait();
-    }
-    if (rank == 0) { // last: the state publishes the checkpoint
-      std::ofstream(state_file + ".tmp") << nlohmann::json{{"step", step}};
-      fs::rename(state_file + ".tmp", state_file);
-    }
+    booster.save_checkpoint(
+        a.checkpoint,
+        cb::TrainingState().step(step),
+        boosted.model,
+        boosted.optimizer.get(),
+        scheduler.get(),
+        cb::TrainingCheckpointOptions().keep_last(a.keep_last));
   };
 
   // The same sequences for a step on every run (resume included): a fixed
@@ -664,9 +656,13 @@ int train(const Args& a) {
         a.lora ? (a.qlora ? "QLoRA" : "LoRA") : "full fine-tuning");
     if (first > 0) {
       std::printf(
-          "resumed from '%s' after step %lld\n",
+          "resumed from '%s/checkpoint-%lld'\n",
           a.checkpoint.c_str(),
           static_cast<long long>(first));
+    } else if (a.resume) {
+      std::printf(
+          "no complete checkpoint under '%s': starting at step 0\n",
+          a.checkpoint.c_str());
     }
   }
 
@@ -676,6 +672,7 @@ int train(const Args& a) {
     csv.open(a.out + "/losses.csv");
     csv << "step,loss,lr\n";
   }
+  cb::PreemptionGuard preemption;
   const auto t0 = std::chrono::steady_clock::now();
   double tokens = 0;
   for (int64_t step = first; step < a.steps; ++step) {
@@ -736,8 +733,27 @@ int train(const Args& a) {
           tokens / s,
           s / done * static_cast<double>(a.steps - step - 1));
     }
-    if (a.save_every > 0 && (step + 1) % a.save_every == 0) {
+    const bool saved = a.save_every > 0 && (step + 1) % a.save_every == 0;
+    if (saved) {
       save_checkpoint(step + 1);
+    }
+    // SIGTERM on any rank (a pre-emption, the launcher stopping the job or
+    // gone): all stop after this step with it saved, and a restart with
+    // --resume goes on from there.
+    if (preemption.requested()) {
+      if (!saved) {
+        save_checkpoint(step + 1);
+      }
+      if (rank == 0) {
+        std::printf(
+            "\nfinetune_lm: SIGTERM: stopped after step %lld, saved in "
+            "'%s/checkpoint-%lld'\n",
+            static_cast<long long>(step + 1),
+            a.checkpoint.c_str(),
+            static_cast<long long>(step + 1));
+        std::fflush(stdout);
+      }
+      return 0;
     }
     if (step + 1 == a.stop_after) {
       break;

@@ -12,6 +12,7 @@
 #include <colossalai/booster/plugin/torch_ddp_model.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+#include <colossalai/booster/preemption.h>
 #include <colossalai/cluster/process_group_mesh.h>
 #include <colossalai/data/dataloader.h>
 #include <colossalai/distributed/collectives.h>

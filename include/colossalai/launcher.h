@@ -28,6 +28,12 @@ struct RunOptions {
   std::string log_dir;
   /// Seconds to wait for the other ranks after SIGTERM before SIGKILL.
   int kill_grace_seconds = 5;
+  /// Times the local ranks are restarted, all together, after one fails
+  /// (torchrun's --max-restarts): each restart runs the program again with
+  /// TORCHELASTIC_RESTART_COUNT set to its number, so a program that resumes
+  /// from its newest checkpoint (Booster::resume_or_start) goes on from it.
+  /// A launcher stopped by a signal restarts nothing.
+  int max_restarts = 0;
   /// Program and its arguments.
   std::vector<std::string> program;
   /// Set by parse_run_args for -h/--help; the program is then optional.
@@ -44,11 +50,15 @@ std::string run_usage();
 RunOptions parse_run_args(const std::vector<std::string>& args);
 
 /// Spawns the local ranks with RANK, WORLD_SIZE, LOCAL_RANK,
-/// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT set, forwards
+/// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
+/// TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS set, forwards
 /// SIGINT/SIGTERM/SIGHUP to them, and waits. When any rank fails, the others
-/// are stopped (SIGTERM, then SIGKILL after the grace period). Returns 0 when
-/// all ranks succeed, else the first failure's exit code (128 + signal for a
-/// rank killed by a signal). Rank r's stdout and stderr go to ours (prefixed
+/// are stopped (SIGTERM, then SIGKILL after the grace period), and all are
+/// started again while `max_restarts` allows. Returns 0 when all ranks
+/// succeed, else the last failure's exit code (128 + signal for a rank
+/// killed by a signal). Ranks never outlive the launcher: however it dies,
+/// the kernel sends them SIGTERM (PR_SET_PDEATHSIG), and a rank that called
+/// colossalai::launch says that the launcher is gone. Rank r's stdout and stderr go to ours (prefixed
 /// when asked); stdin is /dev/null, since ranks run in their own process
 /// groups. POSIX only; one run() at a time per process.
 int run(const RunOptions& options);

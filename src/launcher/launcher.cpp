@@ -242,6 +242,11 @@ class Supervisor {
     return first_failure_;
   }
 
+  /// Whether the launcher itself was told to stop (a forwarded signal).
+  bool signalled() const {
+    return signalled_;
+  }
+
  private:
   static std::chrono::milliseconds until(
       Clock::time_point t,
@@ -261,6 +266,7 @@ class Supervisor {
             std::end(kForwarded)) {
           continue; // SIGCHLD: the next reap() handles it
         }
+        signalled_ = true;
         say("got signal " + std::to_string(sig) + " (" + signal_name(sig) +
             "), forwarding it to the ranks");
         for (const Rank& r : ranks_) {
@@ -357,6 +363,7 @@ class Supervisor {
   int wake_fd_;
   bool failed_ = false;
   bool killed_ = false;
+  bool signalled_ = false;
   int first_failure_ = 0;
   Clock::time_point kill_at_;
   bool stdout_ok_ = true;
@@ -386,46 +393,58 @@ int run(const RunOptions& options) {
         "': ",
         ec.message());
   }
-  std::vector<Rank> ranks(options.nproc_per_node);
-  for (int r = 0; r < options.nproc_per_node; ++r) {
-    ranks[r].rank = options.node_rank * options.nproc_per_node + r;
-  }
-
   // Handlers go in before the first fork so no signal slips past a rank.
   SignalScope signals;
-  try {
+  for (int restart = 0;; ++restart) {
+    std::vector<Rank> ranks(options.nproc_per_node);
     for (int r = 0; r < options.nproc_per_node; ++r) {
-      if (!options.log_dir.empty()) {
-        auto path = std::filesystem::path(options.log_dir) /
-            ("rank_" + std::to_string(ranks[r].rank) + ".log");
-        ranks[r].log_fd = ::open(
-            path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        TORCH_CHECK(
-            ranks[r].log_fd >= 0,
-            "--log_dir: cannot open '",
-            path.string(),
-            "': ",
-            std::strerror(errno));
-      }
-      spawn(options, r, ranks[r]);
+      ranks[r].rank = options.node_rank * options.nproc_per_node + r;
     }
-  } catch (...) {
-    // Do not leave the ranks that did start running unsupervised.
-    for (Rank& r : ranks) {
-      if (r.running) {
-        signal_group(r, SIGKILL);
-        ::waitpid(r.pid, nullptr, 0);
+    try {
+      for (int r = 0; r < options.nproc_per_node; ++r) {
+        if (!options.log_dir.empty()) {
+          auto path = std::filesystem::path(options.log_dir) /
+              ("rank_" + std::to_string(ranks[r].rank) + ".log");
+          // A restart's output follows the failed attempt's.
+          ranks[r].log_fd = ::open(
+              path.c_str(),
+              O_WRONLY | O_CREAT | O_CLOEXEC | (restart ? O_APPEND : O_TRUNC),
+              0644);
+          TORCH_CHECK(
+              ranks[r].log_fd >= 0,
+              "--log_dir: cannot open '",
+              path.string(),
+              "': ",
+              std::strerror(errno));
+        }
+        spawn(options, r, restart, ranks[r]);
       }
+    } catch (...) {
+      // Do not leave the ranks that did start running unsupervised.
+      for (Rank& r : ranks) {
+        if (r.running) {
+          signal_group(r, SIGKILL);
+          ::waitpid(r.pid, nullptr, 0);
+        }
+        close_rank_fds(r);
+      }
+      throw;
+    }
+    Supervisor supervisor(options, ranks, signals.read_fd());
+    const int rc = supervisor.wait();
+    for (Rank& r : ranks) {
       close_rank_fds(r);
     }
-    throw;
+    if (rc == 0 || supervisor.signalled() || restart >= options.max_restarts) {
+      if (rc != 0 && options.max_restarts > 0 && !supervisor.signalled()) {
+        say("no restarts left (--max_restarts " +
+            std::to_string(options.max_restarts) + ")");
+      }
+      return rc;
+    }
+    say("restarting the local ranks (restart " + std::to_string(restart + 1) +
+        " of " + std::to_string(options.max_restarts) + ")");
   }
-
-  int rc = Supervisor(options, ranks, signals.read_fd()).wait();
-  for (Rank& r : ranks) {
-    close_rank_fds(r);
-  }
-  return rc;
 }
 
 bool launched_by_launcher() {

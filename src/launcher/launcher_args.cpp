@@ -40,6 +40,8 @@ void validate(const RunOptions& o) {
       "--kill_grace_seconds must be >= 0, got ",
       o.kill_grace_seconds);
   TORCH_CHECK(
+      o.max_restarts >= 0, "--max_restarts must be >= 0, got ", o.max_restarts);
+  TORCH_CHECK(
       static_cast<long long>(o.nnodes) * o.nproc_per_node <= INT_MAX,
       "--nnodes * --nproc_per_node is too large");
   TORCH_CHECK(
@@ -95,6 +97,11 @@ std::unique_ptr<CLI::App> run_app(RunOptions& o) {
          "--kill_grace_seconds,--kill-grace-seconds",
          o.kill_grace_seconds,
          "after a failure, seconds between SIGTERM and SIGKILL")
+      ->capture_default_str();
+  app->add_option(
+         "--max_restarts,--max-restarts",
+         o.max_restarts,
+         "restart all local ranks up to N times after a failure")
       ->capture_default_str();
   app->prefix_command();
   return app;

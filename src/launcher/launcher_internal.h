@@ -41,7 +41,8 @@ void validate(const RunOptions& o);
 
 // launcher_spawn.cpp
 void set_cloexec(int fd);
-void spawn(const RunOptions& o, int local_rank, Rank& r);
+/// Starts local rank `local_rank` of attempt `restart` (0: the first).
+void spawn(const RunOptions& o, int local_rank, int restart, Rank& r);
 void signal_group(const Rank& r, int sig);
 void close_rank_fds(Rank& r);
 

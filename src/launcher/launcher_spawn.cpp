@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -31,7 +32,11 @@ void set_cloexec(int fd) {
 
 namespace {
 
-std::vector<std::string> child_env(const RunOptions& o, int local_rank) {
+std::vector<std::string> child_env(
+    const RunOptions& o,
+    int local_rank,
+    int restart,
+    int console_fd) {
   std::vector<std::pair<std::string, std::string>> vars = {
       {"RANK", std::to_string(o.node_rank * o.nproc_per_node + local_rank)},
       {"WORLD_SIZE", std::to_string(o.nnodes * o.nproc_per_node)},
@@ -40,6 +45,13 @@ std::vector<std::string> child_env(const RunOptions& o, int local_rank) {
       {"GROUP_RANK", std::to_string(o.node_rank)},
       {"MASTER_ADDR", o.master_addr},
       {"MASTER_PORT", std::to_string(o.master_port)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts)},
+      // The rank reports the launcher's death by it (colossalai::launch).
+      {"COLOSSALAI_LAUNCHER_PID", std::to_string(::getpid())},
+      // Where the rank can still write once the launcher, which reads its
+      // output, is gone: the launcher's own stderr.
+      {"COLOSSALAI_LAUNCHER_STDERR_FD", std::to_string(console_fd)},
   };
   // Like torchrun: N ranks each using every core would oversubscribe.
   if (!utils::env_str("OMP_NUM_THREADS")) {
@@ -76,8 +88,11 @@ std::vector<char*> c_strings(std::vector<std::string>& strings) {
 // Forks one rank into its own process group with stdout/stderr on fresh
 // pipes. Everything the child needs is prepared before fork(): after it, only
 // async-signal-safe calls are allowed in a multithreaded process.
-void spawn(const RunOptions& o, int local_rank, Rank& r) {
-  std::vector<std::string> env = child_env(o, local_rank);
+void spawn(const RunOptions& o, int local_rank, int restart, Rank& r) {
+  // A copy of our stderr the rank inherits (dup leaves it open across exec).
+  const int console = ::dup(STDERR_FILENO);
+  std::vector<std::string> env = child_env(o, local_rank, restart, console);
+  const pid_t launcher = ::getpid();
   std::vector<std::string> args = o.program;
   std::vector<char*> envp = c_strings(env);
   std::vector<char*> argv = c_strings(args);
@@ -110,6 +125,12 @@ void spawn(const RunOptions& o, int local_rank, Rank& r) {
         ::signal(sig, SIG_DFL);
       }
     }
+    // However the launcher dies (SIGKILL included), the rank gets SIGTERM;
+    // a launcher already gone before this line is seen by its new parent.
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != launcher) {
+      ::_exit(1);
+    }
     ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
     ::setpgid(0, 0);
     if (null_fd >= 0) {
@@ -128,6 +149,9 @@ void spawn(const RunOptions& o, int local_rank, Rank& r) {
   }
   int fork_errno = errno;
   ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  if (console >= 0) {
+    ::close(console);
+  }
   ::close(out[1]);
   ::close(err[1]);
   if (null_fd >= 0) {

@@ -22,6 +22,7 @@
 
 #include <colossalai/booster/mixed_precision/mixed_precision_base.h>
 #include <colossalai/booster/plugin/plugin_base.h>
+#include <colossalai/booster/training_checkpoint.h>
 #include <colossalai/checkpoint_io/checkpoint_io_base.h>
 #include <colossalai/interface/model.h>
 #include <colossalai/interface/optimizer.h>
@@ -364,6 +365,45 @@ class Booster {
   void load_lr_scheduler(
       nn::lr_scheduler::LRScheduler& scheduler,
       const std::string& checkpoint);
+  /// Saves a training checkpoint `DIR/checkpoint-<state.step>`: the model
+  /// (a LoRA model's adapters), the optimizer, the scheduler when given and
+  /// `state`, committed together or not at all, keeping the newest
+  /// `keep_last` (NOTE [Training checkpoints]). Every rank calls it.
+  template <class M>
+  void save_checkpoint(
+      const std::string& dir,
+      const TrainingState& state,
+      BoostedModel<M>& model,
+      interface::OptimizerWrapper* optimizer,
+      nn::lr_scheduler::LRScheduler* scheduler = nullptr,
+      const TrainingCheckpointOptions& options = {}) {
+    save_checkpoint(dir, state, *model.wrapper(), optimizer, scheduler, options);
+  }
+  void save_checkpoint(
+      const std::string& dir,
+      const TrainingState& state,
+      interface::ModelWrapper& model,
+      interface::OptimizerWrapper* optimizer,
+      nn::lr_scheduler::LRScheduler* scheduler = nullptr,
+      const TrainingCheckpointOptions& options = {});
+  /// Loads the newest complete checkpoint of `dir` that matches its
+  /// manifest (naming on stderr any newer one it skipped, and why) and
+  /// returns its state; with none (or no `dir`), returns the state of a
+  /// fresh start (step 0) and loads nothing. Every rank calls it; they load
+  /// the same set, at any world size and under any plugin.
+  template <class M>
+  TrainingState resume_or_start(
+      const std::string& dir,
+      BoostedModel<M>& model,
+      interface::OptimizerWrapper* optimizer,
+      nn::lr_scheduler::LRScheduler* scheduler = nullptr) {
+    return resume_or_start(dir, *model.wrapper(), optimizer, scheduler);
+  }
+  TrainingState resume_or_start(
+      const std::string& dir,
+      interface::ModelWrapper& model,
+      interface::OptimizerWrapper* optimizer,
+      nn::lr_scheduler::LRScheduler* scheduler = nullptr);
   /// The checkpoint IO in use (the plugin's, or the general one).
   checkpoint_io::CheckpointIO& checkpoint_io() {
     return *checkpoint_io_;
