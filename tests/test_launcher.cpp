@@ -138,6 +138,20 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
+// Sends this process SIGTERM once ranks 0 and 1 wrote `dir`/started_<rank>
+// (or after 20 s): the launcher under test then runs, handling it.
+std::thread sigterm_when_started(
+    const fs::path& dir,
+    std::chrono::steady_clock::time_point start) {
+  return std::thread([dir, start] {
+    while (seconds_since(start) < 20.0 &&
+           !(fs::exists(dir / "started_0") && fs::exists(dir / "started_1"))) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ::kill(::getpid(), SIGTERM);
+  });
+}
+
 } // namespace
 
 TEST(LauncherParse, SpaceAndEqualsForms) {
@@ -367,14 +381,7 @@ TEST(LauncherRun, ForwardsSigtermToTheRanks) {
   o.program.push_back(dir.path().string());
   auto start = std::chrono::steady_clock::now();
   // run() handles SIGTERM while it runs; send it once both ranks are up.
-  std::thread sender([&] {
-    while (seconds_since(start) < 20.0 &&
-           !(fs::exists(dir.path() / "started_0") &&
-             fs::exists(dir.path() / "started_1"))) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    ::kill(::getpid(), SIGTERM);
-  });
+  std::thread sender = sigterm_when_started(dir.path(), start);
   int rc = colossalai::launcher::run(o);
   sender.join();
   EXPECT_EQ(rc, 128 + SIGTERM);
@@ -433,14 +440,7 @@ TEST(LauncherRun, SignalledLauncherRestartsNothing) {
   o.program.push_back(dir.path().string());
   o.max_restarts = 3;
   auto start = std::chrono::steady_clock::now();
-  std::thread sender([&] {
-    while (seconds_since(start) < 20.0 &&
-           !(fs::exists(dir.path() / "started_0") &&
-             fs::exists(dir.path() / "started_1"))) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    ::kill(::getpid(), SIGTERM);
-  });
+  std::thread sender = sigterm_when_started(dir.path(), start);
   EXPECT_EQ(colossalai::launcher::run(o), 128 + SIGTERM);
   sender.join();
   EXPECT_EQ(read_file(dir.path() / "started_0"), "x\n");

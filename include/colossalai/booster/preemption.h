@@ -13,7 +13,7 @@
 ///   colossalai::booster::PreemptionGuard guard;
 ///   for (int64_t step = state.step(); step < steps; ++step) {
 ///     // ... the step ...
-///     if (guard.requested()) {
+///     if (guard.requested()) {  // once per step: every rank the same
 ///       booster.save_checkpoint("ckpt", TrainingState().step(step + 1), ...);
 ///       return 0;
 ///     }
