@@ -4,7 +4,8 @@
 // reads; a LLaMA directory whose only tokenizer is a SentencePiece
 // tokenizer.model, and a Qwen 2 directory (NFC, its split regex), fine-tune
 // and save a tokenizer transformers reads with the same ids; a run resumed
-// from its checkpoint equals the straight run; bad options are named.
+// from its checkpoint (full or LoRA) equals the straight run; a killed rank
+// restarts and a SIGTERM saves on the way out; bad options are named.
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
@@ -164,6 +165,39 @@ TEST(FinetuneLm, Zero2LossFallsAndResumeEqualsTheStraightRun) {
   for (size_t i = 0; i < c.size(); ++i) {
     EXPECT_EQ(c[i].first, a[12 + i].first);
     EXPECT_EQ(c[i].second, a[12 + i].second) << "step " << c[i].first;
+  }
+}
+
+// A LoRA run resumed from its checkpoint (the adapters, the optimizer and
+// the scheduler of checkpoint-6) equals the straight run from step 7 on.
+TEST(FinetuneLm, LoraResumeEqualsTheStraightRun) {
+  if (corpus().empty()) {
+    GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
+  }
+  Scratch dir;
+  const std::string common =
+      " --plugin none --nproc 1 --config llama-tiny --steps 12 --seq-len 32 "
+      "--batch-size 8 --vocab-size 512 --lr 3e-3 --warmup 3 --samples 0 "
+      "--lora 4 --save-every 6 ";
+  const auto straight = run(
+      common + "--out " + dir.path + "/a --checkpoint " + dir.path + "/ca");
+  ASSERT_EQ(straight.first, 0) << straight.second;
+  const auto part = run(
+      common + "--stop-after 6 --out " + dir.path + "/b --checkpoint " +
+      dir.path + "/cb");
+  ASSERT_EQ(part.first, 0) << part.second;
+  EXPECT_TRUE(fs::exists(dir.path + "/cb/checkpoint-6/adapter"));
+  const auto resumed = run(
+      common + "--resume --out " + dir.path + "/c --checkpoint " + dir.path +
+      "/cb");
+  ASSERT_EQ(resumed.first, 0) << resumed.second;
+  EXPECT_NE(resumed.second.find("checkpoint-6'"), std::string::npos)
+      << resumed.second;
+  const auto a = losses(dir.path + "/a"), c = losses(dir.path + "/c");
+  ASSERT_EQ(c.size(), 6u) << resumed.second;
+  for (size_t i = 0; i < c.size(); ++i) {
+    EXPECT_EQ(c[i].first, a[6 + i].first);
+    EXPECT_EQ(c[i].second, a[6 + i].second) << "step " << c[i].first;
   }
 }
 
