@@ -20,6 +20,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -201,6 +202,24 @@ TEST(FinetuneLm, LoraResumeEqualsTheStraightRun) {
   }
 }
 
+// The process of a job started with COLOSSALAI_TEST_MARK=`mark` (which its
+// launcher and ranks inherit) for which `is(environ, cmdline)` holds, or -1.
+pid_t job_process(
+    const std::string& mark,
+    const std::function<bool(const std::string&, const std::string&)>& is) {
+  const std::string tag = "COLOSSALAI_TEST_MARK=" + mark + '\0';
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    std::ifstream f(e.path() / "environ", std::ios::binary);
+    const std::string env((std::istreambuf_iterator<char>(f)), {});
+    std::ifstream c(e.path() / "cmdline", std::ios::binary);
+    const std::string cmd((std::istreambuf_iterator<char>(c)), {});
+    if (env.find(tag) != std::string::npos && is(env, cmd)) {
+      return std::stoi(e.path().filename().string());
+    }
+  }
+  return -1;
+}
+
 // A rank killed (SIGKILL) mid-run under `colossalai run --max_restarts 1`:
 // the launcher restarts both ranks, --resume takes the newest complete
 // checkpoint, the job completes, and every loss after the restart equals
@@ -239,17 +258,10 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ASSERT_TRUE(fs::exists(ckpt + "/checkpoint-12"));
-  // Rank 1 of this job: its environment has the mark and RANK=1.
-  pid_t victim = -1;
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    std::ifstream f(e.path() / "environ", std::ios::binary);
-    std::string env((std::istreambuf_iterator<char>(f)), {});
-    if (env.find("COLOSSALAI_TEST_MARK=" + dir.path + '\0') !=
-            std::string::npos &&
-        env.find(std::string("\0RANK=1\0")) != std::string::npos) {
-      victim = std::stoi(e.path().filename().string());
-    }
-  }
+  // Rank 1 of this job.
+  const pid_t victim = job_process(dir.path, [](const std::string& env, const std::string&) {
+    return env.find(std::string("\0RANK=1\0", 8)) != std::string::npos;
+  });
   ASSERT_GT(victim, 0);
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
   const auto killed = std::chrono::steady_clock::now();
@@ -299,18 +311,10 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
   while (since(t0) < 300 && !fs::exists(ck2 + "/checkpoint-6")) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  pid_t launcher = -1;
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    std::ifstream f(e.path() / "environ", std::ios::binary);
-    std::string env((std::istreambuf_iterator<char>(f)), {});
-    std::ifstream c(e.path() / "cmdline", std::ios::binary);
-    std::string cmd((std::istreambuf_iterator<char>(c)), {});
-    if (env.find("COLOSSALAI_TEST_MARK=" + dir.path + "/cc" + '\0') !=
-            std::string::npos &&
-        cmd.rfind(std::string(kCli) + '\0', 0) == 0) {
-      launcher = std::stoi(e.path().filename().string());
-    }
-  }
+  const pid_t launcher = job_process(
+      dir.path + "/cc", [](const std::string&, const std::string& cmd) {
+        return cmd.rfind(std::string(kCli) + '\0', 0) == 0;
+      });
   ASSERT_GT(launcher, 0);
   ASSERT_EQ(::kill(launcher, SIGTERM), 0);
   const auto termed = std::chrono::steady_clock::now();

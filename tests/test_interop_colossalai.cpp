@@ -36,6 +36,7 @@
 #include <colossalai/models/pretrained.h>
 #include <colossalai/nn/lr_scheduler/all.h>
 #include <harness/multiprocess.h>
+#include <harness/scheduler_exchange.h>
 #include <harness/test_util.h>
 
 #include <gtest/gtest.h>
@@ -67,6 +68,10 @@ namespace ck = colossalai::checkpoint_io;
 namespace fs = std::filesystem;
 namespace models = colossalai::models;
 namespace ls = colossalai::nn::lr_scheduler;
+using colossalai::testing::expect_values;
+using colossalai::testing::lrs_and_momenta;
+using colossalai::testing::sched_optimizer;
+using colossalai::testing::SchedulerCase;
 
 // Kept equal to tests/python/colossalai_interop.py's.
 constexpr int64_t kVocab = 128;
@@ -304,27 +309,6 @@ TEST(InteropColossalAI, CheckpointsCrossBothWaysAndTrainingGoesOn) {
 
 namespace {
 
-/// SGD with momentum on two groups at lr 0.1 and 0.03:
-/// colossalai_interop.py's sched_optimizer().
-std::unique_ptr<torch::optim::SGD> sched_optimizer() {
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  for (double lr : {0.1, 0.03}) {
-    groups.emplace_back(
-        std::vector<at::Tensor>{at::zeros({2}).requires_grad_()},
-        std::make_unique<torch::optim::SGDOptions>(
-            torch::optim::SGDOptions(lr).momentum(0.9)));
-  }
-  return std::make_unique<torch::optim::SGD>(
-      groups, torch::optim::SGDOptions(0.1).momentum(0.9));
-}
-
-struct SchedulerCase {
-  std::string name;
-  std::function<std::unique_ptr<ls::LRScheduler>(torch::optim::Optimizer&)>
-      make;
-  int64_t steps; // before the save
-};
-
 template <class S, class O>
 std::function<std::unique_ptr<ls::LRScheduler>(torch::optim::Optimizer&)>
 make(O options) {
@@ -400,32 +384,6 @@ std::vector<SchedulerCase> scheduler_cases() {
   };
 }
 
-/// The groups' learning rates, then their momenta (sched_step()).
-std::vector<double> lrs_and_momenta(
-    torch::optim::Optimizer& optimizer,
-    const ls::LRScheduler& scheduler) {
-  std::vector<double> out = scheduler.get_last_lr();
-  for (auto& group : optimizer.param_groups()) {
-    out.push_back(
-        static_cast<torch::optim::SGDOptions&>(group.options()).momentum());
-  }
-  return out;
-}
-
-/// Relative 1e-12: the same double arithmetic on both sides, but Python's
-/// pow and cos may come from another libm than LibTorch's.
-void expect_values(const at::Tensor* want, const std::vector<double>& got) {
-  ASSERT_NE(want, nullptr) << "missing from ColossalAI's file";
-  const auto w = want->to(at::kDouble).contiguous();
-  ASSERT_EQ(w.numel(), static_cast<int64_t>(got.size()));
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double x = w.data_ptr<double>()[i];
-    EXPECT_LE(
-        std::abs(x - got[i]), 1e-12 * std::max(std::abs(x), std::abs(got[i])))
-        << "value " << i << ": ColossalAI " << x << ", C++ " << got[i];
-  }
-}
-
 } // namespace
 
 // Every scheduler of colossalai.nn.lr_scheduler crosses both ways through
@@ -460,7 +418,7 @@ TEST(InteropColossalAI, EverySchedulerCrossesBothWays) {
     SCOPED_TRACE(c.name);
     {
       SCOPED_TRACE("ColossalAI's step after loading our file");
-      expect_values(from_ours.find(c.name), ours[c.name]);
+      expect_values(from_ours.find(c.name), ours[c.name], "ColossalAI");
     }
     auto optimizer = sched_optimizer();
     auto scheduler = c.make(*optimizer);
@@ -468,7 +426,10 @@ TEST(InteropColossalAI, EverySchedulerCrossesBothWays) {
     EXPECT_EQ(scheduler->last_epoch(), c.steps);
     scheduler->step();
     SCOPED_TRACE("our step after loading ColossalAI's file");
-    expect_values(theirs.find(c.name), lrs_and_momenta(*optimizer, *scheduler));
+    expect_values(
+        theirs.find(c.name),
+        lrs_and_momenta(*optimizer, *scheduler),
+        "ColossalAI");
   }
 }
 

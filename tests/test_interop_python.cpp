@@ -12,6 +12,7 @@
 #include <colossalai/nn/lr_scheduler/all.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/utils/compat.h>
+#include <harness/scheduler_exchange.h>
 #include <harness/test_util.h>
 
 #include <gtest/gtest.h>
@@ -38,6 +39,10 @@ namespace st = colossalai::checkpoint_io::safetensors;
 using colossalai::checkpoint_io::StateDict;
 
 using colossalai::testing::kPython;
+using colossalai::testing::expect_values;
+using colossalai::testing::lrs_and_momenta;
+using colossalai::testing::sched_optimizer;
+using colossalai::testing::SchedulerCase;
 using colossalai::testing::python_has_torch;
 
 /// The tensors both sides write; `expected()` in tests/python/interop.py
@@ -354,27 +359,6 @@ TEST(InteropPython, HuggingFaceLayoutCheckpointsGiveTheReferenceLogits) {
 
 namespace sched = colossalai::nn::lr_scheduler;
 
-/// SGD with momentum on two groups at lr 0.1 and 0.03: sched_optimizer() in
-/// interop.py.
-std::unique_ptr<torch::optim::SGD> sched_optimizer() {
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  for (double lr : {0.1, 0.03}) {
-    groups.emplace_back(
-        std::vector<at::Tensor>{at::zeros({2}).requires_grad_()},
-        std::make_unique<torch::optim::SGDOptions>(
-            torch::optim::SGDOptions(lr).momentum(0.9)));
-  }
-  return std::make_unique<torch::optim::SGD>(
-      groups, torch::optim::SGDOptions(0.1).momentum(0.9));
-}
-
-struct SchedulerCase {
-  std::string name;
-  std::function<std::unique_ptr<sched::LRScheduler>(torch::optim::Optimizer&)>
-      make;
-  int64_t steps; // before the save
-};
-
 /// torch's own classes with the same options as SCHEDULERS in interop.py.
 /// Left out: LinearWarmupLR and PolynomialLR are ColossalAI's own (torch's
 /// PolynomialLR has another formula: no end_lr, total_iters), and the
@@ -434,33 +418,6 @@ std::vector<SchedulerCase> scheduler_cases() {
   };
 }
 
-/// The groups' learning rates, then their momenta: sched_step() in
-/// interop.py.
-std::vector<double> lrs_and_momenta(
-    torch::optim::Optimizer& optimizer,
-    const sched::LRScheduler& scheduler) {
-  std::vector<double> out = scheduler.get_last_lr();
-  for (auto& group : optimizer.param_groups()) {
-    out.push_back(
-        static_cast<torch::optim::SGDOptions&>(group.options()).momentum());
-  }
-  return out;
-}
-
-/// Relative 1e-12: the same double arithmetic on both sides, but Python's
-/// pow and cos may come from another libm than LibTorch's.
-void expect_values(const at::Tensor* want, const std::vector<double>& got) {
-  ASSERT_NE(want, nullptr) << "missing from Python's file";
-  const auto w = want->to(at::kDouble).contiguous();
-  ASSERT_EQ(w.numel(), static_cast<int64_t>(got.size()));
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double x = w.data_ptr<double>()[i];
-    EXPECT_LE(
-        std::abs(x - got[i]), 1e-12 * std::max(std::abs(x), std::abs(got[i])))
-        << "value " << i << ": Python " << x << ", C++ " << got[i];
-  }
-}
-
 // Scheduler files cross both ways: Python's torch scheduler loads what the
 // booster saved (torch.load, with weights_only=True from torch 2.4: 1.13's
 // restricted unpickler takes no floats) and its next step equals ours; we
@@ -499,7 +456,7 @@ TEST(InteropPython, LRSchedulerFilesCrossBothWays) {
     SCOPED_TRACE(c.name);
     {
       SCOPED_TRACE("Python's step after loading our file");
-      expect_values(from_ours.find(c.name), ours[c.name]);
+      expect_values(from_ours.find(c.name), ours[c.name], "Python");
     }
     auto optimizer = sched_optimizer();
     auto scheduler = c.make(*optimizer);
@@ -509,7 +466,9 @@ TEST(InteropPython, LRSchedulerFilesCrossBothWays) {
     scheduler->step();
     SCOPED_TRACE("our step after loading Python's file");
     expect_values(
-        pythons.find(c.name), lrs_and_momenta(*optimizer, *scheduler));
+        pythons.find(c.name),
+        lrs_and_momenta(*optimizer, *scheduler),
+        "Python");
   }
 }
 

@@ -1008,15 +1008,18 @@ TEST(LauncherRun, RanksDoNotOutliveAKilledLauncher) {
       " --gtest_filter=LaunchedRank.Body > '" + d + "/console' 2>&1 & echo $!");
   ASSERT_EQ(started.first, 0) << started.second;
   const pid_t launcher = std::stoi(started.second);
+  // Each rank's pid, once its file holds a whole line.
+  auto pid_of = [&](int r) -> pid_t {
+    const auto text = read_file(dir.path() / ("pid_" + std::to_string(r)));
+    return text.empty() || text.back() != '\n' ? -1 : std::stoi(text);
+  };
   auto start = std::chrono::steady_clock::now();
-  while (seconds_since(start) < 60.0 &&
-         !(fs::exists(dir.path() / "pid_0") && fs::exists(dir.path() / "pid_1"))) {
+  while (seconds_since(start) < 60.0 && (pid_of(0) < 0 || pid_of(1) < 0)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(100)); // pids written
-  const pid_t ranks[] = {
-      std::stoi(read_file(dir.path() / "pid_0")),
-      std::stoi(read_file(dir.path() / "pid_1"))};
+  const pid_t ranks[] = {pid_of(0), pid_of(1)};
+  ASSERT_GT(ranks[0], 0);
+  ASSERT_GT(ranks[1], 0);
   ASSERT_EQ(::kill(launcher, SIGKILL), 0);
   const auto killed = std::chrono::steady_clock::now();
   while (seconds_since(killed) < 10.0 && !(gone(ranks[0]) && gone(ranks[1]))) {

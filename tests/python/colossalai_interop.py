@@ -35,6 +35,9 @@ import sys
 
 import torch
 
+# The optimizer and step both scheduler exchanges use (torch's, ColossalAI's).
+from interop import sched_optimizer, sched_step
+
 PORT = os.environ.get("COLOSSALAI_INTEROP_PORT", "29631")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", PORT)
@@ -212,9 +215,6 @@ def tied(directory, check):
         print(f"tied {name}: ColossalAI loaded our GPT-2 strictly, bit for bit")
 
 
-SCHED_LRS = (0.1, 0.03)  # the two parameter groups' learning rates
-
-
 def schedulers():
     """name: (ColossalAI's scheduler on an optimizer, steps before the save).
     Keep in sync with scheduler_cases() in test_interop_colossalai.cpp."""
@@ -245,20 +245,6 @@ def schedulers():
         "MultiplicativeLR": (
             lambda o: ls.MultiplicativeLR(o, 20, lr_lambda=lambda e: 0.9 + 0.002 * e), 5),
     }
-
-
-def sched_optimizer():
-    params = [torch.nn.Parameter(torch.zeros(2)) for _ in SCHED_LRS]
-    groups = [{"params": [p], "lr": lr} for p, lr in zip(params, SCHED_LRS)]
-    return torch.optim.SGD(groups, lr=SCHED_LRS[0], momentum=0.9)
-
-
-def sched_step(opt, scheduler):
-    """One step; the learning rates and momenta it leaves, as one tensor."""
-    opt.step()  # no gradients: changes nothing, keeps torch from warning
-    scheduler.step()
-    values = list(scheduler.get_last_lr()) + [g["momentum"] for g in opt.param_groups]
-    return torch.tensor(values, dtype=torch.float64)
 
 
 def same_state(where, got, want):
