@@ -10,6 +10,7 @@
 #include <colossalai/distributed/error.h>
 #include <colossalai/lora/lora_model.h>
 
+#include "../utils/bounded_json.h"
 #include "../utils/fault_point.h"
 
 #include <nlohmann/json.hpp>
@@ -147,11 +148,7 @@ void write_json(const std::string& path, const json& j) {
 
 json read_json(const std::string& path) {
   const auto bytes = cd::read_bytes(path, cd::kMaxJsonFileBytes, "JSON file");
-  try {
-    return json::parse(bytes.begin(), bytes.end());
-  } catch (const json::exception& e) {
-    TORCH_CHECK(false, "'", path, "' is not valid JSON: ", e.what());
-  }
+  return utils::parse_bounded_json(std::string(bytes.begin(), bytes.end()), path);
 }
 
 void write_manifest(const std::string& dir) {
@@ -181,7 +178,7 @@ std::string check_manifest(const std::string& dir) {
               f.contains("bytes") && f["bytes"].is_number_integer() &&
               f.contains("crc32") && f["crc32"].is_number_unsigned(),
           "manifest.json has a malformed entry: ",
-          f.dump());
+          utils::json_excerpt(f));
       const auto rel = f["path"].get<std::string>();
       TORCH_CHECK(
           !rel.empty() && rel[0] != '/' && rel.find("..") == std::string::npos,
@@ -219,7 +216,7 @@ int64_t state_field(const json& j, const char* key, const std::string& file) {
       "': '",
       key,
       "' must be an integer >= 0, got ",
-      v.dump());
+      utils::json_excerpt(v));
   return v.get<int64_t>();
 }
 
