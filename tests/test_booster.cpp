@@ -429,6 +429,64 @@ TEST(DistributedSampler, ShardsAreDisjointDeterministicAndPadded) {
   EXPECT_EQ(dropped.indices(), (std::vector<size_t>{2, 5, 8}));
 }
 
+// A stop after b batches of B on R replicas, resumed on R2 replicas: the
+// epoch's samples are drawn once each, padding aside; at R2 = R every rank
+// draws what it would have drawn without the stop.
+TEST(DistributedSampler, ResumesMidEpochAtAnyReplicaCount) {
+  namespace cdata = colossalai::data;
+  for (bool drop_last : {false, true}) {
+    for (size_t n : {size_t(23), size_t(24)}) {
+      for (int before : {1, 2, 3, 4}) {
+        for (int after : {1, 2, 3, 5}) {
+          for (size_t batches : {size_t(0), size_t(1), size_t(2)}) {
+            const size_t b = 2;
+            std::multiset<size_t> drawn;
+            size_t seen = 0;
+            for (int r = 0; r < before; ++r) {
+              cdata::DistributedSampler s(n, before, r, true, 3, drop_last);
+              s.set_epoch(4);
+              auto idx = s.indices();
+              const size_t take = std::min(idx.size(), batches * b);
+              drawn.insert(idx.begin(), idx.begin() + take);
+              seen = std::min(batches * b * before, s.total_size());
+            }
+            for (int r = 0; r < after; ++r) {
+              cdata::DistributedSampler s(n, after, r, true, 3, drop_last);
+              s.set_epoch(4);
+              const auto whole = s.indices();
+              s.set_samples_seen(seen);
+              auto idx = s.indices();
+              EXPECT_EQ(idx.size(), s.num_samples());
+              drawn.insert(idx.begin(), idx.end());
+              if (after == before) {
+                const size_t skip = std::min(whole.size(), batches * b);
+                EXPECT_EQ(
+                    idx, std::vector<size_t>(whole.begin() + skip, whole.end()));
+              }
+              s.set_epoch(5); // a new epoch starts from its beginning
+              EXPECT_EQ(s.samples_seen(), 0u);
+              EXPECT_EQ(s.indices().size(), whole.size());
+            }
+            const std::set<size_t> distinct(drawn.begin(), drawn.end());
+            const std::string where = "n " + std::to_string(n) + ", " +
+                std::to_string(before) + " -> " + std::to_string(after) +
+                " replicas after " + std::to_string(batches) +
+                " batches, drop_last " + std::to_string(drop_last);
+            if (drop_last) {
+              // At most the tail a replica count cannot split is dropped.
+              EXPECT_EQ(distinct.size(), drawn.size()) << where;
+              EXPECT_GT(distinct.size() + before + after, n) << where;
+            } else {
+              EXPECT_EQ(distinct.size(), n) << where;
+              EXPECT_LT(drawn.size(), n + before + after) << where;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Launch, BadEnvironmentNamesTheVariable) {
   ::unsetenv("RANK");
   ::unsetenv("WORLD_SIZE");

@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <fcntl.h>
+#include <sys/wait.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -28,6 +29,7 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -444,6 +446,194 @@ TEST(LauncherRun, SignalledLauncherRestartsNothing) {
   EXPECT_EQ(colossalai::launcher::run(o), 128 + SIGTERM);
   sender.join();
   EXPECT_EQ(read_file(dir.path() / "started_0"), "x\n");
+}
+
+TEST(LauncherParse, ElasticOptions) {
+  auto o = parse_run_args(
+      {"--nproc_per_node", "2", "--nnodes", "1:3", "--rdzv_endpoint",
+       "10.0.0.1:29400", "--rdzv-id", "job7", "--rdzv_conf",
+       "last_call_timeout=2.5,join_timeout=60", "prog"});
+  EXPECT_EQ(o.min_nodes, 1);
+  EXPECT_EQ(o.nnodes, 3);
+  EXPECT_EQ(o.rdzv_endpoint, "10.0.0.1:29400");
+  EXPECT_EQ(o.rdzv_id, "job7");
+  EXPECT_EQ(o.rdzv_last_call_timeout, 2.5);
+  EXPECT_EQ(o.rdzv_join_timeout, 60);
+  // c10d with a fixed size: elastic at exactly that size.
+  o = parse_run_args(
+      {"--nproc_per_node=1", "--nnodes=2", "--rdzv_backend=c10d", "prog"});
+  EXPECT_EQ(o.min_nodes, 2);
+  EXPECT_EQ(o.nnodes, 2);
+  EXPECT_EQ(parse_run_args({"--nproc_per_node=1", "--nnodes=2", "prog"}).min_nodes, 0);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"--nnodes", "3:2"}, "MIN <= MAX"},
+      {{"--nnodes", "0:2"}, "MIN >= 1"},
+      {{"--nnodes", "a:b"}, "--nnodes must be N or MIN:MAX"},
+      {{"--nnodes", "1:2:3"}, "--nnodes must be N or MIN:MAX"},
+      {{"--nnodes", "1:2", "--node_rank", "1"}, "--node_rank is given by"},
+      {{"--nnodes", "1:2", "--rdzv_endpoint", "host"}, "HOST:PORT"},
+      {{"--nnodes", "1:2", "--rdzv_endpoint", "host:99999"}, "HOST:PORT"},
+      {{"--nnodes", "1:2", "--rdzv_id", "a/b"}, "--rdzv_id"},
+      {{"--nnodes", "1:2", "--rdzv_conf", "timeout=3"}, "last_call_timeout=S"},
+      {{"--nnodes", "1:2", "--rdzv_conf", "join_timeout=x"}, "number of seconds"},
+      {{"--nnodes", "1:2", "--rdzv_conf", "join_timeout=0"}, "join_timeout > 0"},
+      {{"--rdzv_backend", "etcd"}, "'static' or 'c10d'"},
+  };
+  for (const auto& [args, expected] : bad) {
+    std::vector<std::string> full = {"--nproc_per_node=1"};
+    full.insert(full.end(), args.begin(), args.end());
+    full.push_back("prog");
+    const std::string msg = parse_error(full);
+    EXPECT_NE(msg.find(expected), std::string::npos)
+        << args[0] << " " << args[1] << ": '" << msg << "'";
+  }
+}
+
+namespace {
+
+// `colossalai run ARGS` in the background, its output into `log`.
+pid_t start_cli(const std::vector<std::string>& args, const fs::path& log) {
+  std::vector<std::string> all = {COLOSSALAI_CLI};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) {
+    argv.push_back(&a[0]);
+  }
+  argv.push_back(nullptr);
+  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fd, STDOUT_FILENO);
+    ::dup2(fd, STDERR_FILENO);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(fd);
+  return pid;
+}
+
+// The exit code of `pid` (128 + signal), or -1 when it runs past `seconds`
+// (it is then killed).
+int wait_cli(pid_t pid, double seconds) {
+  const auto start = std::chrono::steady_clock::now();
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (seconds_since(start) > seconds) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+}
+
+std::vector<std::string> lines_of(const fs::path& file) {
+  std::istringstream in(read_file(file));
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);) {
+    out.push_back(line);
+  }
+  return out;
+}
+
+// Waits until `file` has `n` lines (at most `seconds`); returns them.
+std::vector<std::string> await_lines(const fs::path& file, size_t n, double seconds) {
+  const auto start = std::chrono::steady_clock::now();
+  auto lines = lines_of(file);
+  while (lines.size() < n && seconds_since(start) < seconds) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    lines = lines_of(file);
+  }
+  return lines;
+}
+
+} // namespace
+
+// NOTE [Elastic rendezvous] on one host: node a starts alone (world 1);
+// node b arrives and the job re-forms at two nodes; b's rank is killed and
+// b restarts it (--max_restarts), so both re-form again, b counting one
+// restart and a none; a third node finds the job at its maximum and is
+// turned away, saying why; both finish with 0.
+TEST(LauncherElastic, GrowsReformsAfterAFailureAndTurnsAwayAThirdNode) {
+  TempDir dir;
+  const std::string d = dir.path().string();
+  const std::string endpoint =
+      "127.0.0.1:" + std::to_string(colossalai::launcher::find_free_port());
+  // Each rank writes "RANK WORLD_SIZE MASTER RESTARTS PID" and waits for
+  // the stop file.
+  const std::string script =
+      "echo \"$RANK $WORLD_SIZE $MASTER_ADDR:$MASTER_PORT "
+      "$TORCHELASTIC_RESTART_COUNT $$\" >> \"$0/rounds\"; "
+      "while [ ! -e \"$0/stop\" ]; do sleep 0.05; done";
+  auto node = [&](const std::string& name, const std::string& join_timeout) {
+    return start_cli(
+        {"run", "--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_endpoint",
+         endpoint, "--rdzv_conf",
+         "last_call_timeout=3,join_timeout=" + join_timeout,
+         "--max_restarts", "2", "/bin/sh", "-c", script, d},
+        dir.path() / (name + ".log"));
+  };
+  auto fields = [](const std::string& line) {
+    std::istringstream in(line);
+    std::vector<std::string> f;
+    for (std::string x; in >> x;) {
+      f.push_back(x);
+    }
+    return f;
+  };
+  const fs::path rounds = dir.path() / "rounds";
+  const pid_t a = node("a", "60");
+  auto lines = await_lines(rounds, 1, 60);
+  ASSERT_EQ(lines.size(), 1u) << read_file(dir.path() / "a.log");
+  EXPECT_EQ(fields(lines[0])[1], "1"); // alone: world size 1
+
+  const pid_t b = node("b", "60");
+  auto t0 = std::chrono::steady_clock::now();
+  lines = await_lines(rounds, 3, 60);
+  const double grew = seconds_since(t0);
+  ASSERT_EQ(lines.size(), 3u) << read_file(dir.path() / "a.log")
+                              << read_file(dir.path() / "b.log");
+  std::set<std::string> ranks;
+  for (size_t i = 1; i < 3; ++i) {
+    const auto f = fields(lines[i]);
+    EXPECT_EQ(f[1], "2") << lines[i];
+    EXPECT_EQ(f[2], fields(lines[1])[2]) << "one master for the round";
+    EXPECT_EQ(f[3], "0") << lines[i];
+    ranks.insert(f[0]);
+  }
+  EXPECT_EQ(ranks, (std::set<std::string>{"0", "1"}));
+
+  // A rank of the two-node job dies; its node restarts it.
+  const std::string victim = fields(lines[1])[4];
+  ASSERT_EQ(::kill(std::stoi(victim), SIGKILL), 0);
+  t0 = std::chrono::steady_clock::now();
+  lines = await_lines(rounds, 5, 60);
+  const double reformed = seconds_since(t0);
+  ASSERT_EQ(lines.size(), 5u) << read_file(dir.path() / "a.log")
+                              << read_file(dir.path() / "b.log");
+  std::multiset<std::string> restarts;
+  for (size_t i = 3; i < 5; ++i) {
+    EXPECT_EQ(fields(lines[i])[1], "2") << lines[i];
+    restarts.insert(fields(lines[i])[3]);
+  }
+  EXPECT_EQ(restarts, (std::multiset<std::string>{"0", "1"}));
+
+  // A third node: the job already has the most --nnodes 1:2 admits.
+  const pid_t c = node("c", "2");
+  EXPECT_EQ(wait_cli(c, 60), 1);
+  const std::string c_log = read_file(dir.path() / "c.log");
+  EXPECT_NE(c_log.find("the most that --nnodes 1:2 admits"), std::string::npos)
+      << c_log;
+  EXPECT_EQ(lines_of(rounds).size(), 5u) << "the turned-away node disturbed the job";
+
+  std::ofstream(dir.path() / "stop") << "";
+  EXPECT_EQ(wait_cli(a, 60), 0) << read_file(dir.path() / "a.log");
+  EXPECT_EQ(wait_cli(b, 60), 0) << read_file(dir.path() / "b.log");
+  const std::string a_log = read_file(dir.path() / "a.log");
+  EXPECT_NE(a_log.find("a node is waiting to join"), std::string::npos) << a_log;
+  std::cout << "grew to 2 nodes " << grew << " s after the second started; "
+            << "re-formed " << reformed << " s after a rank was killed\n";
 }
 
 TEST(Launcher, LaunchedByLauncher) {

@@ -7,6 +7,8 @@
 
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/data/distributed_sampler.h>
 #include <colossalai/booster/training_checkpoint.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/nn/lr_scheduler/cosine.h>
@@ -17,6 +19,8 @@
 #include <torch/torch.h>
 
 #include <csignal>
+#include <set>
+#include <sstream>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -125,6 +129,24 @@ std::vector<std::string> names_in(const std::string& dir) {
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+// Samples whose one feature is their index.
+auto index_dataset(int64_t n) {
+  return torch::data::datasets::TensorDataset(
+             at::arange(n, at::kFloat).unsqueeze(1))
+      .map(torch::data::transforms::Stack<torch::data::TensorExample>());
+}
+
+// One line per file: the ids separated by spaces.
+std::vector<size_t> read_ids(const std::string& file) {
+  std::ifstream in(file);
+  std::vector<size_t> ids;
+  size_t id;
+  while (in >> id) {
+    ids.push_back(id);
+  }
+  return ids;
 }
 
 } // namespace
@@ -293,4 +315,81 @@ TEST(TrainingCheckpoint, ZeroOnTwoRanksResumesInOneProcess) {
         << (got[i] - want[i]).abs().max().item<double>();
   }
   colossalai::testing::remove_scratch("training_zero");
+}
+
+// A stop mid-epoch: 3 batches of 2 on each of two ranks (12 of 30 samples),
+// then a save. Resumed on three ranks, the rest of the epoch is drawn once,
+// nothing twice; resumed on two, each rank draws what it would have drawn
+// without the stop.
+TEST(TrainingCheckpoint, MidEpochResumeAtAnotherWorldSizeDrawsEachSampleOnce) {
+  constexpr int64_t kSamples = 30;
+  constexpr uint64_t kSeed = 5;
+  const auto scratch = colossalai::testing::scratch(
+      colossalai::testing::test_process(), "training_loader");
+  fs::create_directories(scratch);
+  auto run = [scratch](int world, const std::string& tag, int batches) {
+    colossalai::testing::run_distributed(world, [=](int rank, int) {
+      auto plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
+      Trainer t(plugin);
+      auto loader = plugin->prepare_dataloader(
+          index_dataset(kSamples), 2, /*shuffle=*/true, kSeed);
+      const auto ckpt = scratch + "/ckpt";
+      const auto state = t.booster.resume_or_start(
+          ckpt, t.boosted.model, t.boosted.optimizer.get(), &t.scheduler,
+          *loader);
+      EXPECT_EQ(state.samples_in_epoch(), batches >= 0 ? 0 : 12);
+      std::ofstream out(scratch + "/" + tag + std::to_string(rank));
+      int taken = 0;
+      for (auto& batch : *loader) {
+        if (taken == batches) {
+          break;
+        }
+        const auto x = batch.data.expand({-1, 8}) / kSamples;
+        t.boosted.optimizer->zero_grad();
+        t.booster.backward(
+            colossalai::testing::mse_loss(
+                t.boosted.model(x), at::zeros({x.size(0), 4})),
+            *t.boosted.optimizer);
+        t.boosted.optimizer->step();
+        for (int64_t i = 0; i < batch.data.size(0); ++i) {
+          out << batch.data[i][0].item<int64_t>() << " ";
+        }
+        ++taken;
+      }
+      if (batches >= 0) {
+        t.booster.save_checkpoint(
+            ckpt,
+            cb::TrainingState().step(taken).epoch(0).samples_in_epoch(
+                static_cast<int64_t>(loader->samples_seen(taken))),
+            t.boosted.model,
+            t.boosted.optimizer.get(),
+            &t.scheduler);
+      }
+    });
+  };
+  run(2, "stopped", 3);
+  run(3, "three", -1);
+  run(2, "two", -1);
+  if (std::getenv("COLOSSALAI_TEST_CHILD") != nullptr) {
+    return;
+  }
+  std::multiset<size_t> drawn;
+  for (const char* tag : {"stopped0", "stopped1", "three0", "three1", "three2"}) {
+    const auto ids = read_ids(scratch + "/" + tag);
+    drawn.insert(ids.begin(), ids.end());
+  }
+  EXPECT_EQ(drawn.size(), static_cast<size_t>(kSamples));
+  EXPECT_EQ(std::set<size_t>(drawn.begin(), drawn.end()).size(), drawn.size());
+  for (int r = 0; r < 2; ++r) {
+    const auto whole =
+        colossalai::data::DistributedSampler(kSamples, 2, r, true, kSeed)
+            .indices();
+    EXPECT_EQ(
+        read_ids(scratch + "/stopped" + std::to_string(r)),
+        std::vector<size_t>(whole.begin(), whole.begin() + 6));
+    EXPECT_EQ(
+        read_ids(scratch + "/two" + std::to_string(r)),
+        std::vector<size_t>(whole.begin() + 6, whole.end()));
+  }
+  colossalai::testing::remove_scratch("training_loader");
 }

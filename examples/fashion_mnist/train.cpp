@@ -19,6 +19,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -44,15 +45,17 @@ struct Args {
   uint64_t seed = 1024;
   std::string checkpoint = "checkpoints/fashion_mnist";
   bool resume = false;
+  int save_every = 0; // batches; 0: at the end of each epoch only
 };
 
 Args parse(int argc, char** argv) {
   Args a;
   CLI::App app(
       "Trains a small residual CNN on Fashion-MNIST through the Booster.\n"
-      "A checkpoint is saved in --checkpoint after every epoch (the newest\n"
-      "two are kept); --resume continues from the newest complete one up to\n"
-      "--epochs in all, or starts fresh when there is none.",
+      "A checkpoint is saved in --checkpoint after every epoch and every\n"
+      "--save-every batches (the newest two are kept); --resume continues\n"
+      "from the newest complete one, mid-epoch too and at any --nproc, up\n"
+      "to --epochs in all, or starts fresh when there is none.",
       "train_fashion_mnist");
   app.add_option("--nproc", a.nproc, "ranks to start")->capture_default_str();
   app.add_option("--plugin", a.plugin, "parallel strategy")
@@ -72,12 +75,18 @@ Args parse(int argc, char** argv) {
   app.add_option("--checkpoint", a.checkpoint, "checkpoint directory")
       ->capture_default_str();
   app.add_flag("--resume", a.resume, "continue from --checkpoint");
+  app.add_option(
+         "--save-every",
+         a.save_every,
+         "also save every N batches within an epoch (0: never)")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     std::exit(app.exit(e)); // --help prints and exits 0; errors exit 1+
   }
   TORCH_CHECK(a.nproc >= 1, "--nproc must be >= 1");
+  TORCH_CHECK(a.save_every >= 0, "--save-every must be >= 0");
   TORCH_CHECK(a.epochs >= 1, "--epochs must be >= 1");
   TORCH_CHECK(a.batch_size >= 1, "--batch-size must be >= 1");
   TORCH_CHECK(
@@ -209,20 +218,30 @@ int train(const Args& a) {
   colossalai::nn::lr_scheduler::CosineAnnealingLR scheduler(
       *optimizer, static_cast<int64_t>(a.epochs * train_loader->num_batches()));
 
-  // NOTE [Training checkpoints]: a set per epoch, committed atomically; the
-  // newest complete one is where --resume starts (a fresh start without one).
+  // NOTE [Training checkpoints]: sets committed atomically; the newest
+  // complete one is where --resume starts (a fresh start without one), with
+  // the loader at the same place of the same epoch, split over the ranks
+  // now present.
   int first_epoch = 1;
+  int64_t global_step = 0;
   if (a.resume) {
     const auto state = booster.resume_or_start(
-        a.checkpoint, boosted.model, boosted.optimizer.get(), &scheduler);
-    first_epoch = static_cast<int>(state.epoch()) + 1;
+        a.checkpoint,
+        boosted.model,
+        boosted.optimizer.get(),
+        &scheduler,
+        *train_loader);
+    first_epoch = std::max(1, static_cast<int>(state.epoch()));
+    global_step = state.step();
     if (rank == 0) {
-      if (state.epoch() > 0) {
+      if (state.step() > 0) {
         std::printf(
-            "resumed from '%s/checkpoint-%lld' after epoch %lld\n",
+            "resumed from '%s/checkpoint-%lld': epoch %lld after %lld of its "
+            "samples\n",
             a.checkpoint.c_str(),
             static_cast<long long>(state.step()),
-            static_cast<long long>(state.epoch()));
+            static_cast<long long>(state.epoch()),
+            static_cast<long long>(state.samples_in_epoch()));
       } else {
         std::printf(
             "no complete checkpoint under '%s': starting at epoch 1\n",
@@ -234,7 +253,7 @@ int train(const Args& a) {
   double accuracy = 0;
   for (int epoch = first_epoch; epoch <= a.epochs; ++epoch) {
     boosted.model.train();
-    train_loader->set_epoch(epoch);
+    train_loader->set_epoch(epoch); // keeps a resume's place in it
     const size_t steps = train_loader->num_batches();
     size_t step = 0;
     double smooth = 0;
@@ -246,6 +265,19 @@ int train(const Args& a) {
       boosted.optimizer->zero_grad();
       scheduler.step();
       ++step;
+      ++global_step;
+      if (a.save_every > 0 && step % a.save_every == 0 && step < steps) {
+        booster.save_checkpoint(
+            a.checkpoint,
+            colossalai::booster::TrainingState()
+                .step(global_step)
+                .epoch(epoch)
+                .samples_in_epoch(static_cast<int64_t>(
+                    train_loader->samples_seen(step))),
+            boosted.model,
+            boosted.optimizer.get(),
+            &scheduler);
+      }
       double l = loss.item<double>();
       smooth = step == 1 ? l : 0.95 * smooth + 0.05 * l;
       if (rank == 0 && (step % 20 == 0 || step == steps)) {
@@ -290,9 +322,8 @@ int train(const Args& a) {
     }
     booster.save_checkpoint(
         a.checkpoint,
-        colossalai::booster::TrainingState()
-            .step(static_cast<int64_t>(epoch * steps))
-            .epoch(epoch),
+        // The next epoch, from its start.
+        colossalai::booster::TrainingState().step(global_step).epoch(epoch + 1),
         boosted.model,
         boosted.optimizer.get(),
         &scheduler);

@@ -669,8 +669,30 @@ int train(const Args& a) {
   std::vector<double> steps_x, losses;
   std::ofstream csv;
   if (rank == 0) {
+    // A resumed run keeps the losses of the steps before its checkpoint
+    // (the run it resumes wrote them to the same --out), so the file and
+    // the plot cover the whole training.
+    std::vector<std::string> kept;
+    if (first > 0) {
+      std::ifstream old(a.out + "/losses.csv");
+      std::string line;
+      while (std::getline(old, line)) {
+        long long step = 0;
+        double loss = 0;
+        if (std::sscanf(line.c_str(), "%lld,%lf", &step, &loss) == 2 &&
+            step >= 1 && step <= first) {
+          kept.push_back(line);
+          steps_x.push_back(static_cast<double>(step));
+          losses.push_back(loss);
+        }
+      }
+    }
     csv.open(a.out + "/losses.csv");
     csv << "step,loss,lr\n";
+    for (const auto& line : kept) {
+      csv << line << "\n";
+    }
+    csv << std::flush;
   }
   cb::PreemptionGuard preemption;
   const auto t0 = std::chrono::steady_clock::now();
@@ -808,7 +830,7 @@ int train(const Args& a) {
       "|---|---|---|---|---|\n| %lld-%lld | %.4f | %.4f | %.0f | %s |\n\n",
       k,
       k,
-      static_cast<long long>(first + 1),
+      static_cast<long long>(steps_x.empty() ? first + 1 : steps_x.front()),
       static_cast<long long>(a.steps),
       mean(losses, 0, k),
       mean(losses, losses.size() - std::min(k, losses.size()), losses.size()),

@@ -18,7 +18,14 @@ namespace launcher {
 
 struct RunOptions {
   int nproc_per_node = 1;
+  /// Nodes of the job; with `min_nodes` > 0, the most it admits.
   int nnodes = 1;
+  /// Elastic membership (`--nnodes MIN:MAX`, torchrun's c10d rendezvous;
+  /// NOTE [Elastic rendezvous]): the job runs on whichever of its nodes are
+  /// present, at least `min_nodes` and at most `nnodes`, and re-forms when a
+  /// node fails, leaves or arrives. 0: a fixed job of `nnodes` nodes, each
+  /// given its `node_rank`.
+  int min_nodes = 0;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
@@ -34,6 +41,18 @@ struct RunOptions {
   /// from its newest checkpoint (Booster::resume_or_start) goes on from it.
   /// A launcher stopped by a signal restarts nothing.
   int max_restarts = 0;
+  /// The elastic rendezvous's store, "host:port" (empty: master_addr and
+  /// master_port). The node whose address it is serves it and must live as
+  /// long as the job; the others connect to it.
+  std::string rdzv_endpoint;
+  /// Names the job in that store, so jobs can share it.
+  std::string rdzv_id = "none";
+  /// Seconds a round stays open for more nodes once `min_nodes` have joined
+  /// (torchrun's last_call_timeout).
+  double rdzv_last_call_timeout = 30;
+  /// Seconds a node waits to be admitted before it gives up, saying why
+  /// (torchrun's join_timeout).
+  double rdzv_join_timeout = 600;
   /// Program and its arguments.
   std::vector<std::string> program;
   /// Set by parse_run_args for -h/--help; the program is then optional.
@@ -60,7 +79,11 @@ RunOptions parse_run_args(const std::vector<std::string>& args);
 /// the kernel sends them SIGTERM (PR_SET_PDEATHSIG), and a rank that called
 /// colossalai::launch says that the launcher is gone. Rank r's stdout and stderr go to ours (prefixed
 /// when asked); stdin is /dev/null, since ranks run in their own process
-/// groups. POSIX only; one run() at a time per process.
+/// groups. With `min_nodes` > 0 the nodes first agree on the job's members
+/// (NOTE [Elastic rendezvous]), and join again after every failure, and
+/// whenever a node waits to join a job below `nnodes`: ranks stopped for a
+/// new member (SIGTERM, as a pre-emption) are not a failure and use no
+/// restart. POSIX only; one run() at a time per process.
 int run(const RunOptions& options);
 
 /// Re-runs this very program (same arguments) as `nproc` local ranks on a

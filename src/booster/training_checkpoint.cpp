@@ -227,7 +227,7 @@ TrainingState read_state(const std::string& file) {
   return TrainingState()
       .step(state_field(j, "step", file))
       .epoch(state_field(j, "epoch", file))
-      .batches_in_epoch(state_field(j, "batches_in_epoch", file));
+      .samples_in_epoch(state_field(j, "samples_in_epoch", file));
 }
 
 // Renames a directory hidden, then removes it: never seen half-deleted.
@@ -279,14 +279,14 @@ void Booster::save_checkpoint(
     nn::lr_scheduler::LRScheduler* scheduler,
     const TrainingCheckpointOptions& options) {
   TORCH_CHECK(
-      state.step() >= 0 && state.epoch() >= 0 && state.batches_in_epoch() >= 0,
-      "save_checkpoint: the state's step, epoch and batches_in_epoch must be "
+      state.step() >= 0 && state.epoch() >= 0 && state.samples_in_epoch() >= 0,
+      "save_checkpoint: the state's step, epoch and samples_in_epoch must be "
       ">= 0, got ",
       state.step(),
       ", ",
       state.epoch(),
       ", ",
-      state.batches_in_epoch());
+      state.samples_in_epoch());
   TORCH_CHECK(
       options.keep_last() >= 1,
       "save_checkpoint: keep_last must be >= 1, got ",
@@ -363,7 +363,7 @@ void Booster::save_checkpoint(
           cd::join(partial, kState),
           {{"step", state.step()},
            {"epoch", state.epoch()},
-           {"batches_in_epoch", state.batches_in_epoch()}});
+           {"samples_in_epoch", state.samples_in_epoch()}});
       utils::fault_point("training:state_written");
       write_manifest(partial);
       cd::fsync_path(partial, /*directory=*/true);

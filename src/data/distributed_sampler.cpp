@@ -3,6 +3,7 @@
 #include <torch/serialize/archive.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <algorithm>
 #include <cstring>
 
 #include <ATen/ATen.h>
@@ -23,7 +24,7 @@ DistributedSampler::DistributedSampler(
       shuffle_(shuffle),
       seed_(seed),
       drop_last_(drop_last),
-      epoch_(std::make_shared<int64_t>(0)) {
+      shared_(std::make_shared<Shared>()) {
   TORCH_CHECK(
       num_replicas >= 1, "DistributedSampler: num_replicas must be >= 1");
   TORCH_CHECK(
@@ -42,13 +43,36 @@ void DistributedSampler::compute_sizes() {
   num_samples_ = drop_last_ ? size_ / n : (size_ + n - 1) / n;
 }
 
+void DistributedSampler::set_epoch(int64_t epoch) {
+  if (epoch != shared_->epoch) {
+    shared_->samples_seen = 0;
+  }
+  shared_->epoch = epoch;
+}
+
+void DistributedSampler::set_samples_seen(size_t n) {
+  shared_->samples_seen = n;
+}
+
+size_t DistributedSampler::num_samples() const {
+  const size_t seen = shared_->samples_seen;
+  if (seen >= total_size()) {
+    return 0;
+  }
+  // The samples left, padded up (or cut down) to the replicas as a whole
+  // epoch is; past the dataset's size only padding was left.
+  const size_t left = size_ - std::min(seen, size_);
+  const size_t n = static_cast<size_t>(num_replicas_);
+  return drop_last_ ? left / n : (left + n - 1) / n;
+}
+
 std::vector<size_t> DistributedSampler::indices() const {
   std::vector<int64_t> perm(size_);
   if (shuffle_) {
     // A generator local to this call: deterministic for seed + epoch and
     // independent of the global RNG the user's training draws from.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(
-        seed_ + static_cast<uint64_t>(*epoch_));
+        seed_ + static_cast<uint64_t>(shared_->epoch));
     auto p = at::randperm(static_cast<int64_t>(size_), gen, at::kLong);
     std::memcpy(perm.data(), p.data_ptr<int64_t>(), size_ * sizeof(int64_t));
   } else {
@@ -56,10 +80,14 @@ std::vector<size_t> DistributedSampler::indices() const {
       perm[i] = static_cast<int64_t>(i);
     }
   }
-  const size_t total = num_samples_ * num_replicas_;
+  // Entries [seen, seen + count * replicas) of the order, interleaved; at
+  // seen = 0 that is the whole epoch.
+  const size_t count = num_samples();
+  const size_t first = std::min(shared_->samples_seen, total_size());
+  const size_t end = first + count * static_cast<size_t>(num_replicas_);
   std::vector<size_t> out;
-  out.reserve(num_samples_);
-  for (size_t i = rank_; i < total; i += num_replicas_) {
+  out.reserve(count);
+  for (size_t i = first + rank_; i < end; i += num_replicas_) {
     // Past the end: wrap around to pad (only without drop_last).
     out.push_back(static_cast<size_t>(perm[size_ ? i % size_ : 0]));
   }
@@ -87,15 +115,23 @@ torch::optional<std::vector<size_t>> DistributedSampler::next(
 }
 
 void DistributedSampler::save(torch::serialize::OutputArchive& archive) const {
-  archive.write("epoch", at::tensor(*epoch_), /*is_buffer=*/true);
+  archive.write("epoch", at::tensor(shared_->epoch), /*is_buffer=*/true);
   archive.write("cursor", at::tensor(static_cast<int64_t>(cursor_)), true);
+  archive.write(
+      "samples_seen",
+      at::tensor(static_cast<int64_t>(shared_->samples_seen)),
+      true);
 }
 
 void DistributedSampler::load(torch::serialize::InputArchive& archive) {
   at::Tensor epoch, cursor;
   archive.read("epoch", epoch, /*is_buffer=*/true);
   archive.read("cursor", cursor, true);
-  *epoch_ = epoch.item<int64_t>();
+  at::Tensor seen;
+  // Archives written before the resume point existed lack it: 0.
+  shared_->samples_seen =
+      archive.try_read("samples_seen", seen, true) ? seen.item<int64_t>() : 0;
+  shared_->epoch = epoch.item<int64_t>();
   order_ = indices();
   cursor_ = static_cast<size_t>(cursor.item<int64_t>());
 }

@@ -27,6 +27,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -180,8 +182,19 @@ std::string signal_name(int sig) {
 // stops the others after the first failure.
 class Supervisor {
  public:
-  Supervisor(const RunOptions& o, std::vector<Rank>& ranks, int wake_fd)
-      : options_(o), ranks_(ranks), wake_fd_(wake_fd) {}
+  /// Asked every second while the ranks run: why they must stop to let
+  /// the job re-form ("" : they go on). Throws when it cannot tell.
+  using Monitor = std::function<std::string()>;
+
+  Supervisor(
+      const RunOptions& o,
+      std::vector<Rank>& ranks,
+      int wake_fd,
+      Monitor monitor = nullptr)
+      : options_(o),
+        ranks_(ranks),
+        wake_fd_(wake_fd),
+        monitor_(std::move(monitor)) {}
 
   int wait() {
     std::optional<Clock::time_point> drain_until;
@@ -192,7 +205,12 @@ class Supervisor {
             return r.running;
           });
       auto now = Clock::now();
-      if (failed_ && !killed_ && any_running && now >= kill_at_) {
+      if (monitor_ && any_running && !stopping() && now >= next_check_) {
+        check_membership();
+        now = Clock::now();
+        next_check_ = now + kMonitorInterval;
+      }
+      if (stopping() && !killed_ && any_running && now >= kill_at_) {
         for (const Rank& r : ranks_) {
           if (r.running) {
             signal_group(r, SIGKILL);
@@ -220,7 +238,7 @@ class Supervisor {
 
       // The timeout is a backstop; SIGCHLD and EOF normally wake us first.
       auto timeout = std::chrono::milliseconds(200);
-      if (failed_ && !killed_ && any_running) {
+      if (stopping() && !killed_ && any_running) {
         timeout = std::min(timeout, until(kill_at_, now));
       }
       if (drain_until) {
@@ -245,6 +263,10 @@ class Supervisor {
   /// Whether the launcher itself was told to stop (a forwarded signal).
   bool signalled() const {
     return signalled_;
+  }
+  /// Whether the ranks were stopped for the job to re-form (the monitor).
+  bool rejoin() const {
+    return rejoin_;
   }
 
  private:
@@ -333,10 +355,14 @@ class Supervisor {
         code = WEXITSTATUS(status);
         what = "exited with code " + std::to_string(code);
       }
-      if (code != 0 && !failed_) {
+      if (code != 0 && !stopping()) {
         fail(r, code, what);
       }
     }
+  }
+
+  bool stopping() const {
+    return failed_ || rejoin_;
   }
 
   void fail(const Rank& failed, int code, const std::string& what) {
@@ -350,6 +376,10 @@ class Supervisor {
     // The failed rank's group too: its leftover descendants may hold output
     // pipes open.
     signal_group(failed, SIGTERM);
+    stop_all();
+  }
+
+  void stop_all() {
     for (const Rank& r : ranks_) {
       if (r.running) {
         signal_group(r, SIGTERM);
@@ -358,9 +388,36 @@ class Supervisor {
     kill_at_ = Clock::now() + std::chrono::seconds(options_.kill_grace_seconds);
   }
 
+  // NOTE [Elastic rendezvous]: the ranks stop (SIGTERM, so a program can
+  // save on the way out) and the node joins the next round; a lost store is
+  // a failure.
+  void check_membership() {
+    std::string why;
+    try {
+      why = monitor_();
+    } catch (const std::exception& e) {
+      failed_ = true;
+      first_failure_ = 1;
+      say("lost the rendezvous store (" + std::string(e.what()) +
+          "); stopping the ranks");
+      stop_all();
+      return;
+    }
+    if (!why.empty()) {
+      rejoin_ = true;
+      say(why + "; stopping the ranks to re-form the job");
+      stop_all();
+    }
+  }
+
+  static constexpr auto kMonitorInterval = std::chrono::seconds(1);
+
   const RunOptions& options_;
   std::vector<Rank>& ranks_;
   int wake_fd_;
+  Monitor monitor_;
+  Clock::time_point next_check_ = Clock::now() + kMonitorInterval;
+  bool rejoin_ = false;
   bool failed_ = false;
   bool killed_ = false;
   bool signalled_ = false;
@@ -395,10 +452,47 @@ int run(const RunOptions& options) {
   }
   // Handlers go in before the first fork so no signal slips past a rank.
   SignalScope signals;
-  for (int restart = 0;; ++restart) {
+  std::unique_ptr<detail::Rendezvous> rendezvous;
+  detail::Round round;
+  int attempts = 0; // ranks started, restarts and new rounds included
+  int stop_signal = 0; // a signal that came while no rank ran
+  if (options.min_nodes > 0) {
+    rendezvous = std::make_unique<detail::Rendezvous>(
+        options, say, [&signals, &stop_signal] {
+          unsigned char b;
+          while (stop_signal == 0 && ::read(signals.read_fd(), &b, 1) == 1) {
+            if (std::find(std::begin(kForwarded), std::end(kForwarded), b) !=
+                std::end(kForwarded)) {
+              stop_signal = b;
+            }
+          }
+          return stop_signal;
+        });
+  }
+  for (int restart = 0;;) {
+    RunOptions placed = options; // where this attempt's ranks go
+    if (rendezvous) {
+      round = rendezvous->join(round.round);
+      if (round.round < 0) {
+        say("got signal " + std::to_string(stop_signal) + " (" +
+            signal_name(stop_signal) + ") while joining; no ranks to stop");
+        return 128 + stop_signal;
+      }
+      placed.node_rank = round.node_rank;
+      placed.nnodes = round.nnodes;
+      placed.master_addr = round.master_addr;
+      placed.master_port = round.master_port;
+      say("rendezvous round " + std::to_string(round.round) + " at " +
+          rendezvous->where() + ": " + std::to_string(round.nnodes) +
+          " node(s), this is node " + std::to_string(round.node_rank) +
+          "; ranks " + std::to_string(round.node_rank * options.nproc_per_node) +
+          "-" +
+          std::to_string((round.node_rank + 1) * options.nproc_per_node - 1) +
+          " of " + std::to_string(round.nnodes * options.nproc_per_node));
+    }
     std::vector<Rank> ranks(options.nproc_per_node);
     for (int r = 0; r < options.nproc_per_node; ++r) {
-      ranks[r].rank = options.node_rank * options.nproc_per_node + r;
+      ranks[r].rank = placed.node_rank * options.nproc_per_node + r;
     }
     try {
       for (int r = 0; r < options.nproc_per_node; ++r) {
@@ -408,7 +502,7 @@ int run(const RunOptions& options) {
           // A restart's output follows the failed attempt's.
           ranks[r].log_fd = ::open(
               path.c_str(),
-              O_WRONLY | O_CREAT | O_CLOEXEC | (restart ? O_APPEND : O_TRUNC),
+              O_WRONLY | O_CREAT | O_CLOEXEC | (attempts > 0 ? O_APPEND : O_TRUNC),
               0644);
           TORCH_CHECK(
               ranks[r].log_fd >= 0,
@@ -417,7 +511,7 @@ int run(const RunOptions& options) {
               "': ",
               std::strerror(errno));
         }
-        spawn(options, r, restart, ranks[r]);
+        spawn(placed, r, restart, ranks[r]);
       }
     } catch (...) {
       // Do not leave the ranks that did start running unsupervised.
@@ -430,19 +524,43 @@ int run(const RunOptions& options) {
       }
       throw;
     }
-    Supervisor supervisor(options, ranks, signals.read_fd());
+    ++attempts;
+    Supervisor::Monitor monitor;
+    if (rendezvous) {
+      monitor = [&] { return rendezvous->should_rejoin(round); };
+    }
+    Supervisor supervisor(placed, ranks, signals.read_fd(), monitor);
     const int rc = supervisor.wait();
     for (Rank& r : ranks) {
       close_rank_fds(r);
     }
-    if (rc == 0 || supervisor.signalled() || restart >= options.max_restarts) {
+    if (supervisor.rejoin() && !supervisor.signalled()) {
+      continue; // the job re-forms; not a failure, no restart used
+    }
+    if (rendezvous && rc == 0 && !supervisor.signalled()) {
+      // Ranks that exit 0 may have been stopped by a member's departure
+      // (a program saving on a peer's SIGTERM): the job is done only once
+      // every member's ranks are.
+      const std::string why = rendezvous->finish(round);
+      if (!why.empty()) {
+        say(why + "; joining again");
+        continue;
+      }
+    }
+    const bool last =
+        rc == 0 || supervisor.signalled() || restart >= options.max_restarts;
+    if (rendezvous && last && (rc != 0 || supervisor.signalled())) {
+      rendezvous->leave(round); // the others re-form without this node
+    }
+    if (last) {
       if (rc != 0 && options.max_restarts > 0 && !supervisor.signalled()) {
         say("no restarts left (--max_restarts " +
             std::to_string(options.max_restarts) + ")");
       }
       return rc;
     }
-    say("restarting the local ranks (restart " + std::to_string(restart + 1) +
+    ++restart;
+    say("restarting the local ranks (restart " + std::to_string(restart) +
         " of " + std::to_string(options.max_restarts) + ")");
   }
 }

@@ -9,6 +9,7 @@
 
 #include <fcntl.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -31,6 +32,10 @@ void set_cloexec(int fd) {
 }
 
 namespace {
+
+// linux/close_range.h's CLOSE_RANGE_CLOEXEC (Linux 5.11; on older kernels
+// the call fails and changes nothing).
+constexpr unsigned kCloseRangeCloexec = 1u << 2;
 
 std::vector<std::string> child_env(
     const RunOptions& o,
@@ -131,6 +136,16 @@ void spawn(const RunOptions& o, int local_rank, int restart, Rank& r) {
     if (::getppid() != launcher) {
       ::_exit(1);
     }
+    // Only stdio and the console cross into the rank, not the launcher's
+    // own sockets (an elastic job's store) that lack close-on-exec.
+    if (console > 3) {
+      ::syscall(SYS_close_range, 3u, console - 1u, kCloseRangeCloexec);
+    }
+    ::syscall(
+        SYS_close_range,
+        console >= 3 ? console + 1u : 3u,
+        ~0u,
+        kCloseRangeCloexec);
     ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
     ::setpgid(0, 0);
     if (null_fd >= 0) {

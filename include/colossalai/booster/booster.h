@@ -40,6 +40,10 @@
 #include <string>
 
 namespace colossalai {
+namespace data {
+template <class Dataset>
+class DistributedDataLoader;
+} // namespace data
 namespace lora {
 class LoraModel;
 } // namespace lora
@@ -404,6 +408,23 @@ class Booster {
       interface::ModelWrapper& model,
       interface::OptimizerWrapper* optimizer,
       nn::lr_scheduler::LRScheduler* scheduler = nullptr);
+  /// As above, and puts `loader` where the checkpoint's training stood: its
+  /// epoch, and the rest of that epoch (set_samples_seen of the state's
+  /// `samples_in_epoch`), split over the ranks now present. Save with
+  /// `TrainingState().epoch(e).samples_in_epoch(loader->samples_seen(b))`.
+  template <class M, class Dataset>
+  TrainingState resume_or_start(
+      const std::string& dir,
+      BoostedModel<M>& model,
+      interface::OptimizerWrapper* optimizer,
+      nn::lr_scheduler::LRScheduler* scheduler,
+      data::DistributedDataLoader<Dataset>& loader) {
+    TrainingState state =
+        resume_or_start(dir, *model.wrapper(), optimizer, scheduler);
+    loader.set_epoch(state.epoch());
+    loader.set_samples_seen(static_cast<size_t>(state.samples_in_epoch()));
+    return state;
+  }
   /// The checkpoint IO in use (the plugin's, or the general one).
   checkpoint_io::CheckpointIO& checkpoint_io() {
     return *checkpoint_io_;

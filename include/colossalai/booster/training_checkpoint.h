@@ -51,9 +51,11 @@ namespace booster {
 struct TrainingState {
   /// Optimizer steps completed.
   TORCH_ARG(int64_t, step) = 0;
-  /// The data loader's epoch, and its batches already trained on.
+  /// The data loader's epoch, and the samples of that epoch already trained
+  /// on, counted over all ranks (`DistributedDataLoader::samples_seen`), so
+  /// a resume at another world size starts from the same place.
   TORCH_ARG(int64_t, epoch) = 0;
-  TORCH_ARG(int64_t, batches_in_epoch) = 0;
+  TORCH_ARG(int64_t, samples_in_epoch) = 0;
 };
 
 struct TrainingCheckpointOptions {

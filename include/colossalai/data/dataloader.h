@@ -4,6 +4,7 @@
 
 #include <torch/data/dataloader.h>
 
+#include <algorithm>
 #include <memory>
 
 namespace colossalai {
@@ -11,7 +12,8 @@ namespace data {
 
 /// A LibTorch data loader over one rank's share of a dataset, with
 /// `set_epoch` to reshuffle (call it at the start of each epoch, as with
-/// PyTorch's DistributedSampler).
+/// PyTorch's DistributedSampler) and `set_samples_seen` to resume mid-epoch
+/// at any number of ranks (DistributedSampler).
 ///
 /// Example:
 /// \code
@@ -48,10 +50,24 @@ class DistributedDataLoader {
   void set_epoch(int64_t epoch) {
     sampler_.set_epoch(epoch);
   }
+  /// The next pass draws this rank's share of what is left of the epoch
+  /// after its first `n` samples (over all ranks).
+  void set_samples_seen(size_t n) {
+    sampler_.set_samples_seen(n);
+  }
+  /// The epoch's samples trained on, over all ranks, once every rank has
+  /// taken `batches` batches of this pass: what a checkpoint saves as
+  /// TrainingState::samples_in_epoch.
+  size_t samples_seen(size_t batches) const {
+    const size_t per_batch = batch_size_ * sampler_.num_replicas();
+    const size_t drawn = std::min(batches, num_batches()) * per_batch;
+    return std::min(
+        sampler_.samples_seen() + drawn, sampler_.total_size());
+  }
   const DistributedSampler& sampler() const {
     return sampler_;
   }
-  /// Batches per epoch on this rank.
+  /// Batches of this rank in a pass (what is left of the epoch).
   size_t num_batches() const {
     size_t n = sampler_.num_samples();
     return drop_last_ ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
