@@ -399,8 +399,8 @@ void expect_same_losses(
 }
 
 // NOTE [Elastic rendezvous] with real training: two nodes of one rank each
-// (`colossalai run --nnodes 1:2`, on this host) fine-tune under ZeRO-2.
-// Node b dies whole (launcher and rank, SIGKILL): node a's rank fails, a
+// (`colossalai run --nnodes 1:2`, on this host) fine-tune under ZeRO-2:
+// a starts alone, b joins. Node b dies whole (launcher and rank, SIGKILL): node a's rank fails, a
 // restarts it, and the job goes on alone, from the newest checkpoint, at
 // world size 1. Node b comes back: a stops its rank (SIGTERM: it saves on
 // the way out), and the job re-forms at two nodes and completes. Each part
@@ -453,7 +453,13 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
   auto two_nodes = [&](const std::string& log) {
     return slurp(d + "/" + log + ".log").find("2 node(s)") != std::string::npos;
   };
+  // Node a first: it serves the rendezvous store (the endpoint's host must
+  // outlive the job) and starts alone; b's arrival re-forms the job.
   start("a");
+  ASSERT_TRUE(wait_for(
+      [&] { return slurp(d + "/a.log").find("rendezvous round 0") != std::string::npos; },
+      120))
+      << slurp(d + "/a.log");
   start("b");
   ASSERT_TRUE(wait_for([&] { return fs::exists(ckpt + "/checkpoint-20"); }, 300))
       << slurp(d + "/a.log") << slurp(d + "/b.log");

@@ -5,6 +5,7 @@
 
 #include "launcher_internal.h"
 
+#include <colossalai/distributed/error.h>
 #include <colossalai/utils/env.h>
 
 #include <c10/util/Exception.h>
@@ -398,7 +399,7 @@ class Supervisor {
     } catch (const std::exception& e) {
       failed_ = true;
       first_failure_ = 1;
-      say("lost the rendezvous store (" + std::string(e.what()) +
+      say("lost the rendezvous store (" + distributed::error_text(e) +
           "); stopping the ranks");
       stop_all();
       return;

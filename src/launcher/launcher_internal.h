@@ -100,6 +100,9 @@ class Rendezvous {
   void open_after(int64_t round);
   int64_t closed_size(int64_t round);
   int64_t close(int64_t round, int64_t n);
+  Round admit(int64_t after);
+  std::string finish_round(const Round& round);
+  [[noreturn]] void lost(const std::string& what) const;
   std::string node_id(int64_t round, int64_t index);
   bool everyone_expected(int64_t round, int64_t joined);
   // Beats for this node; "" when every other member beat within
@@ -115,6 +118,7 @@ class Rendezvous {
   c10::intrusive_ptr<::c10d::Store> store_;
   std::pair<std::string, int> self_; // address and free port
   std::string id_; // host:pid of this launcher
+  bool refused_ = false; // join's error is a refusal, not a lost store
   int64_t expected_round_ = -1;
   std::set<std::string> expected_;
   // Per member of the round watched: its last beat count, and when it

@@ -33,6 +33,8 @@
 
 #include "../utils/compat_c10d.h"
 
+#include <colossalai/distributed/error.h>
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -97,6 +99,26 @@ sockaddr_in resolve(const std::string& host, int port) {
   return a;
 }
 
+// Whether a TCP port is free on every address (c10d's server binds them
+// all): asked first so a second launcher on the store's host does not have
+// c10d log its failed bind.
+bool port_free(int port) {
+  const int fd = ::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    return true; // no IPv6 here: let c10d try
+  }
+  const int on = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_any;
+  a.sin6_port = htons(static_cast<uint16_t>(port));
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 ||
+      errno != EADDRINUSE;
+  ::close(fd);
+  return ok;
+}
+
 // Whether `a` is one of this host's addresses (binding to it works).
 bool is_local(sockaddr_in a) {
   const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
@@ -155,7 +177,7 @@ Rendezvous::Rendezvous(const RunOptions& o, Say say, Interrupted interrupted)
   where_ = host + ":" + std::to_string(port);
   const sockaddr_in addr = resolve(host, port);
   const auto timeout = ms(o.rdzv_join_timeout);
-  if (is_local(addr)) {
+  if (is_local(addr) && port_free(port)) {
     try {
       store_ = compat::make_tcp_store(
           host, static_cast<uint16_t>(port), /*is_server=*/true, 1, timeout);
@@ -219,6 +241,27 @@ int64_t Rendezvous::close(int64_t round, int64_t n) {
 }
 
 Round Rendezvous::join(int64_t after) {
+  refused_ = false;
+  try {
+    return admit(after);
+  } catch (const std::exception& e) {
+    if (refused_) {
+      throw;
+    }
+    lost(distributed::error_text(e));
+  }
+}
+
+void Rendezvous::lost(const std::string& what) const {
+  TORCH_CHECK(
+      false,
+      "lost the rendezvous store at ",
+      where_,
+      " (the node that serves it must outlive the job): ",
+      what);
+}
+
+Round Rendezvous::admit(int64_t after) {
   const auto deadline = Clock::now() + ms(options_.rdzv_join_timeout);
   const int max = options_.nnodes, min = options_.min_nodes;
   auto timed_out = [&] { return Clock::now() >= deadline; };
@@ -261,8 +304,9 @@ Round Rendezvous::join(int64_t after) {
             break;
           }
         }
+        refused_ = timed_out();
         TORCH_CHECK(
-            !timed_out(),
+            !refused_,
             "rendezvous at ",
             where_,
             " (--rdzv_id ",
@@ -292,8 +336,9 @@ Round Rendezvous::join(int64_t after) {
         std::string addr;
         int port = 0, nproc = 0;
         node >> addr >> port >> nproc;
+        refused_ = nproc != options_.nproc_per_node;
         TORCH_CHECK(
-            nproc == options_.nproc_per_node,
+            !refused_,
             "rendezvous round ",
             r,
             ": node ",
@@ -333,6 +378,7 @@ Round Rendezvous::join(int64_t after) {
       if (timed_out()) {
         store_->add(key(r, "waiting"), -1); // no longer waiting
         store_->set(listed, {});
+        refused_ = true;
         TORCH_CHECK(
             false,
             "not admitted to the job at ",
@@ -442,6 +488,14 @@ std::string Rendezvous::should_rejoin(const Round& round) {
 }
 
 std::string Rendezvous::finish(const Round& round) {
+  try {
+    return finish_round(round);
+  } catch (const std::exception& e) {
+    lost(distributed::error_text(e));
+  }
+}
+
+std::string Rendezvous::finish_round(const Round& round) {
   const auto r = round.round;
   store_->set(key(r, "done/" + std::to_string(round.node_rank)), bytes("1"));
   const auto deadline = Clock::now() + ms(options_.rdzv_join_timeout);
