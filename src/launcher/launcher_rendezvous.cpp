@@ -513,8 +513,19 @@ std::string Rendezvous::finish_round(const Round& round) {
     for (int j = 0; j < round.nnodes && all; ++j) {
       all = store_->check({key(r, "done/" + std::to_string(j))});
     }
+    if (all) {
+      // The node serving the store leaves last: the others may still be
+      // reading it (and are told by "r/acked" that they can stop).
+      store_->add(key(r, "acked"), 1);
+      const auto acked_by = Clock::now() + 2 * kDeadAfter;
+      while (serves_ && store_->add(key(r, "acked"), 0) < round.nnodes &&
+             Clock::now() < acked_by) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      return "";
+    }
     // A member still running past the join timeout is not ours to wait for.
-    if (all || interrupted_() || Clock::now() >= deadline) {
+    if (interrupted_() || Clock::now() >= deadline) {
       return "";
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));

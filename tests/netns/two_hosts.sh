@@ -95,6 +95,7 @@ fi
 corpus=/usr/share/games/fortunes/computers
 if [[ -n "$trainer" && -e "$corpus" ]]; then
   echo "== an elastic job: host b dies, the job goes on alone, b returns"
+  in_ns "$a" ip link set "${tag}va" up # down since the last part
   steps=200
   # node NAME NS IFACE: one elastic launcher of one rank, in the background.
   node() {
@@ -110,7 +111,7 @@ if [[ -n "$trainer" && -e "$corpus" ]]; then
   # The pids of host b's launcher and rank.
   node_pids() {
     for p in /proc/[0-9]*; do
-      tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qx "COLOSSALAI_NETNS_NODE=$tag$1" &&
+      { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qx "COLOSSALAI_NETNS_NODE=$tag$1" &&
         echo "${p#/proc/}"
     done
   }
@@ -121,18 +122,25 @@ if [[ -n "$trainer" && -e "$corpus" ]]; then
   }
   node a "$a" "${tag}va" & pa=$!
   node b "$b" "${tag}vb" & pb=$!
-  if ! wait_until 300 test -d "$log/ckpt/checkpoint-20"; then
-    echo "FAIL: the two-host elastic job did not reach checkpoint-20"
-    tail -n 30 "$log/elastic.a" "$log/elastic.b"; status=1
+  reached() {
+    ! kill -0 $pa 2>/dev/null ||
+      { grep -q "2 node(s)" "$log/elastic.a" && test -d "$log/ckpt/checkpoint-20"; }
+  }
+  if ! wait_until 300 reached || ! kill -0 $pa 2>/dev/null; then
+    echo "FAIL: the job did not train on both hosts to checkpoint-20"
+    tail -c 3000 "$log/elastic.a" "$log/elastic.b"; status=1
   else
     killed_at=$(newest)
     kill -9 $(node_pids b) 2>/dev/null
     wait $pb 2>/dev/null
     start=$(date +%s%N)
-    alone() { grep -q "1 node(s)" "$log/elastic.a" && (( $(newest) >= killed_at + 20 )); }
-    if ! wait_until 300 alone; then
+    alone() {
+      ! kill -0 $pa 2>/dev/null ||
+        { grep -q "1 node(s)" "$log/elastic.a" && (( $(newest) >= killed_at + 20 )); }
+    }
+    if ! wait_until 300 alone || ! kill -0 $pa 2>/dev/null; then
       echo "FAIL: host a did not go on alone after host b died"
-      tail -n 30 "$log/elastic.a"; status=1
+      tail -c 3000 "$log/elastic.a"; status=1
     else
       echo "host b killed at checkpoint-$killed_at; host a trained alone to" \
         "checkpoint-$(newest), $(( ($(date +%s%N) - start) / 1000000 )) ms after the kill"
@@ -140,7 +148,7 @@ if [[ -n "$trainer" && -e "$corpus" ]]; then
       start=$(date +%s%N)
       if ! wait_until 120 grep -q "2 node(s)" "$log/elastic.b2"; then
         echo "FAIL: host b could not join again"
-        tail -n 30 "$log/elastic.a" "$log/elastic.b2"; status=1
+        tail -c 3000 "$log/elastic.a" "$log/elastic.b2"; status=1
       else
         echo "host b back: two hosts again $(( ($(date +%s%N) - start) / 1000000 )) ms after it started"
       fi
@@ -149,7 +157,7 @@ if [[ -n "$trainer" && -e "$corpus" ]]; then
       rows=$(( $(wc -l <"$log/out/losses.csv") - 1 ))
       if [[ $ra != 0 || $rb != 0 || $rows != "$steps" ]]; then
         echo "FAIL: the elastic job ended with $ra and $rb, $rows of $steps loss rows"
-        tail -n 30 "$log/elastic.a" "$log/elastic.b2"; status=1
+        tail -c 3000 "$log/elastic.a" "$log/elastic.b2"; status=1
       else
         echo "the elastic job completed: $rows steps, launchers exited 0 and 0"
       fi
