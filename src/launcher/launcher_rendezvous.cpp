@@ -372,12 +372,12 @@ Round Rendezvous::admit(int64_t after) {
     while (current_round() <= r) {
       if (interrupted_()) {
         store_->add(key(r, "waiting"), -1);
-        store_->set(listed, {});
+        store_->set(listed, std::vector<uint8_t>());
         return Round();
       }
       if (timed_out()) {
         store_->add(key(r, "waiting"), -1); // no longer waiting
-        store_->set(listed, {});
+        store_->set(listed, std::vector<uint8_t>());
         refused_ = true;
         TORCH_CHECK(
             false,
