@@ -475,11 +475,29 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
   });
   ASSERT_GT(b_launcher, 0);
   ASSERT_GT(b_rank, 0);
+  const size_t resumes_before = resumed_steps(slurp(d + "/a.log"), ckpt).size();
   ::kill(b_launcher, SIGSTOP);
   ::kill(b_rank, SIGKILL);
   ::kill(b_launcher, SIGKILL);
   const auto killed = std::chrono::steady_clock::now();
   const int at_kill = newest();
+  // Training again: a's rank 0 says where it resumed, then the step after.
+  int k1 = -1;
+  ASSERT_TRUE(wait_for(
+      [&] {
+        const auto text = slurp(d + "/a.log");
+        const auto steps = resumed_steps(text, ckpt);
+        if (steps.size() <= resumes_before) {
+          return false;
+        }
+        k1 = steps.back();
+        const auto from = text.rfind("resumed from '" + ckpt);
+        return text.find("step " + std::to_string(k1 + 1) + "/", from) !=
+            std::string::npos;
+      },
+      300))
+      << slurp(d + "/a.log");
+  const double back = since(killed);
   // Training again, alone: a checkpoint of world size 1 past the kill.
   ASSERT_TRUE(wait_for(
       [&] {
@@ -488,10 +506,7 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
       },
       300))
       << slurp(d + "/a.log");
-  const double shrink = since(killed);
-  const auto alone = resumed_steps(slurp(d + "/a.log"), ckpt);
-  ASSERT_GE(alone.size(), 1u) << slurp(d + "/a.log");
-  const int k1 = alone.back();
+  EXPECT_EQ(resumed_steps(slurp(d + "/a.log"), ckpt).back(), k1);
 
   // Node b returns; the job grows back to two nodes and completes.
   start("b2");
@@ -540,9 +555,9 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
         << name.path() << " left behind";
   }
   std::cout << "node b killed at checkpoint-" << at_kill
-            << ": alone from checkpoint-" << k1 << " (a new world-1 checkpoint "
-            << shrink << " s after the kill); b back: two nodes again "
-            << grow << " s after it started, from checkpoint-" << k2 << "\n";
+            << ": training again alone from checkpoint-" << k1 << " " << back
+            << " s after the kill; b back: two nodes again " << grow
+            << " s after it started, from checkpoint-" << k2 << "\n";
 }
 
 // A directory tokenizer_reference.py's `maker` writes (a transformers

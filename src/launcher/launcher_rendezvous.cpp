@@ -399,8 +399,13 @@ Round Rendezvous::admit(int64_t after) {
 }
 
 std::string Rendezvous::node_id(int64_t round, int64_t index) {
-  std::istringstream node(
-      text(store_->get(key(round, "node/" + std::to_string(index)))));
+  // A node writes its entry just after counting itself in: until then (or
+  // when it died in between) it is not in yet, rather than waited for.
+  const auto k = key(round, "node/" + std::to_string(index));
+  if (!store_->check({k})) {
+    return "";
+  }
+  std::istringstream node(text(store_->get(k)));
   std::string addr, id;
   int port = 0, nproc = 0;
   node >> addr >> port >> nproc >> id;
@@ -433,7 +438,10 @@ bool Rendezvous::everyone_expected(int64_t round, int64_t joined) {
   }
   std::set<std::string> in;
   for (int64_t j = 0; j < joined; ++j) {
-    in.insert(node_id(round, j));
+    const auto id = node_id(round, j);
+    if (!id.empty()) {
+      in.insert(id);
+    }
   }
   for (const auto& id : expected_) {
     if (in.count(id) == 0) {
