@@ -476,7 +476,9 @@ TEST(LauncherParse, ElasticOptions) {
       {{"--nnodes", "1:2", "--rdzv_id", "a/b"}, "--rdzv_id"},
       {{"--nnodes", "1:2", "--rdzv_conf", "timeout=3"}, "last_call_timeout=S"},
       {{"--nnodes", "1:2", "--rdzv_conf", "join_timeout=x"}, "number of seconds"},
-      {{"--nnodes", "1:2", "--rdzv_conf", "join_timeout=0"}, "join_timeout > 0"},
+      {{"--nnodes", "1:2", "--rdzv_conf", "join_timeout=0"}, "join_timeout in (0, 1e7]"},
+      {{"--nnodes", "1:2", "--rdzv_conf", "join_timeout=inf"}, "join_timeout in (0, 1e7]"},
+      {{"--nnodes", "1:2", "--rdzv_conf", "last_call_timeout=nan"}, "last_call_timeout must be"},
       {{"--rdzv_backend", "etcd"}, "'static' or 'c10d'"},
   };
   for (const auto& [args, expected] : bad) {

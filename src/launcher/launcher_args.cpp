@@ -36,10 +36,14 @@ void validate(const RunOptions& o) {
         o.node_rank == 0,
         "--node_rank is given by the rendezvous under --nnodes MIN:MAX; "
         "leave it out");
+    // Bounded so that the milliseconds stay far inside int64 (NaN fails).
+    constexpr double kMaxSeconds = 1e7;
     TORCH_CHECK(
-        o.rdzv_last_call_timeout >= 0 && o.rdzv_join_timeout > 0,
-        "--rdzv_conf: last_call_timeout must be >= 0 and join_timeout > 0 "
-        "seconds, got ",
+        o.rdzv_last_call_timeout >= 0 && o.rdzv_join_timeout > 0 &&
+            o.rdzv_last_call_timeout <= kMaxSeconds &&
+            o.rdzv_join_timeout <= kMaxSeconds,
+        "--rdzv_conf: last_call_timeout must be in [0, 1e7] and join_timeout "
+        "in (0, 1e7] seconds, got ",
         o.rdzv_last_call_timeout,
         " and ",
         o.rdzv_join_timeout);
