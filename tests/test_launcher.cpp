@@ -556,7 +556,8 @@ std::vector<std::string> await_lines(const fs::path& file, size_t n, double seco
 // node b arrives and the job re-forms at two nodes; b's rank is killed and
 // b restarts it (--max_restarts), so both re-form again, b counting one
 // restart and a none; a third node finds the job at its maximum and is
-// turned away, saying why; both finish with 0.
+// turned away, saying why; b is pre-empted (SIGTERM) and a goes on alone
+// and finishes with 0.
 TEST(LauncherElastic, GrowsReformsAfterAFailureAndTurnsAwayAThirdNode) {
   TempDir dir;
   const std::string d = dir.path().string();
@@ -629,9 +630,17 @@ TEST(LauncherElastic, GrowsReformsAfterAFailureAndTurnsAwayAThirdNode) {
       << c_log;
   EXPECT_EQ(lines_of(rounds).size(), 5u) << "the turned-away node disturbed the job";
 
+  // Node b is pre-empted (SIGTERM to its launcher): it forwards the signal,
+  // leaves, and a goes on alone.
+  ASSERT_EQ(::kill(b, SIGTERM), 0);
+  EXPECT_EQ(wait_cli(b, 60), 128 + SIGTERM) << read_file(dir.path() / "b.log");
+  lines = await_lines(rounds, 6, 60);
+  ASSERT_EQ(lines.size(), 6u) << read_file(dir.path() / "a.log");
+  EXPECT_EQ(fields(lines[5])[0], "0") << lines[5];
+  EXPECT_EQ(fields(lines[5])[1], "1") << lines[5];
+
   std::ofstream(dir.path() / "stop") << "";
   EXPECT_EQ(wait_cli(a, 60), 0) << read_file(dir.path() / "a.log");
-  EXPECT_EQ(wait_cli(b, 60), 0) << read_file(dir.path() / "b.log");
   const std::string a_log = read_file(dir.path() / "a.log");
   EXPECT_NE(a_log.find("a node is waiting to join"), std::string::npos) << a_log;
   std::cout << "grew to 2 nodes " << grew << " s after the second started; "
