@@ -647,6 +647,24 @@ TEST(LauncherElastic, GrowsReformsAfterAFailureAndTurnsAwayAThirdNode) {
             << "re-formed " << reformed << " s after a rank was killed\n";
 }
 
+// A launcher waiting for the nodes --nnodes 2:2 needs ends on SIGTERM with
+// 128 + 15, saying so, instead of waiting out the join timeout.
+TEST(LauncherElastic, SignalWhileJoiningEndsTheLauncher) {
+  TempDir dir;
+  const pid_t a = start_cli(
+      {"run", "--nnodes", "2:2", "--nproc_per_node", "1", "--rdzv_endpoint",
+       "127.0.0.1:" + std::to_string(colossalai::launcher::find_free_port()),
+       "/bin/true"},
+      dir.path() / "a.log");
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  ASSERT_EQ(::kill(a, SIGTERM), 0);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(wait_cli(a, 30), 128 + SIGTERM) << read_file(dir.path() / "a.log");
+  EXPECT_LT(seconds_since(start), 5.0);
+  const std::string log = read_file(dir.path() / "a.log");
+  EXPECT_NE(log.find("while joining"), std::string::npos) << log;
+}
+
 TEST(Launcher, LaunchedByLauncher) {
   ScopedEnv rank("RANK", nullptr);
   ScopedEnv ompi("OMPI_COMM_WORLD_RANK", nullptr);

@@ -20,10 +20,11 @@
 // the job has fewer than MAX nodes makes it stop its ranks (SIGTERM, as a
 // pre-emption: a program that saves on the way out does) and join the next
 // round, which a member opens by compareSet "round" r -> r + 1 (only a
-// member of a closed round ever opens the next, so an open round never
-// moves on). A member whose ranks fail opens the next round the same way
-// when it restarts them (--max_restarts); its peers' ranks then fail too,
-// or they see the new round first. A node killed with its ranks is simply
+// member, or a node signalled after it joined the open round, opens the
+// next; the latter's round then runs a second at most). A member whose
+// ranks fail opens the next round the same way when it restarts them
+// (--max_restarts); its peers' ranks then fail too, or they see the new
+// round first. A node killed with its ranks is simply
 // absent from the next round: the job re-forms without it, smaller.
 // The store lives in the launcher whose host the endpoint names (the first
 // there to bind it): that node must outlive the job, as torchrun's c10d
@@ -284,6 +285,10 @@ Round Rendezvous::admit(int64_t after) {
       std::optional<Clock::time_point> last_call;
       while ((n = closed_size(r)) < 0) {
         if (interrupted_()) {
+          // Counted in, we cannot leave this round: the next one opens now,
+          // so members that start without us stop within a second (their
+          // monitor sees it) instead of waiting for us until they time out.
+          open_after(r);
           return Round();
         }
         const int64_t joined = store_->add(key(r, "joined"), 0);
