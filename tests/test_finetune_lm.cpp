@@ -461,9 +461,11 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
       120))
       << slurp(d + "/a.log");
   start("b");
-  ASSERT_TRUE(wait_for([&] { return fs::exists(ckpt + "/checkpoint-20"); }, 300))
+  // Training on both nodes, with checkpoint-20 written.
+  ASSERT_TRUE(wait_for(
+      [&] { return two_nodes("a") && fs::exists(ckpt + "/checkpoint-20"); },
+      300))
       << slurp(d + "/a.log") << slurp(d + "/b.log");
-  ASSERT_TRUE(two_nodes("a")) << slurp(d + "/a.log");
 
   // Node b dies whole: its launcher stopped first, so it restarts nothing.
   const auto mark = d + "/b";
