@@ -204,6 +204,12 @@ TEST(FinetuneLm, LoraResumeEqualsTheStraightRun) {
   }
 }
 
+// A file's bytes ("" when it cannot be read).
+std::string slurp(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
 // The process of a job started with COLOSSALAI_TEST_MARK=`mark` (which its
 // launcher and ranks inherit) for which `is(environ, cmdline)` holds, or -1.
 pid_t job_process(
@@ -211,10 +217,8 @@ pid_t job_process(
     const std::function<bool(const std::string&, const std::string&)>& is) {
   const std::string tag = "COLOSSALAI_TEST_MARK=" + mark + '\0';
   for (const auto& e : fs::directory_iterator("/proc")) {
-    std::ifstream f(e.path() / "environ", std::ios::binary);
-    const std::string env((std::istreambuf_iterator<char>(f)), {});
-    std::ifstream c(e.path() / "cmdline", std::ios::binary);
-    const std::string cmd((std::istreambuf_iterator<char>(c)), {});
+    const std::string env = slurp(e.path() / "environ");
+    const std::string cmd = slurp(e.path() / "cmdline");
     if (env.find(tag) != std::string::npos && is(env, cmd)) {
       return std::stoi(e.path().filename().string());
     }
@@ -275,8 +279,7 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
   int resumed_at = -1;
   while (since(killed) < 300 && !fs::exists(dir.path + "/rc")) {
     if (resumed_at < 0) {
-      std::ifstream in(dir.path + "/log");
-      const std::string text((std::istreambuf_iterator<char>(in)), {});
+      const std::string text = slurp(dir.path + "/log");
       const auto at = text.find(resumed_from);
       if (at != std::string::npos) {
         resumed_at = std::atoi(text.c_str() + at + resumed_from.size());
@@ -292,8 +295,7 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
   std::ifstream rc(dir.path + "/rc");
   int code = -1;
   rc >> code;
-  std::ifstream log_in(dir.path + "/log");
-  const std::string log((std::istreambuf_iterator<char>(log_in)), {});
+  const std::string log = slurp(dir.path + "/log");
   ASSERT_EQ(code, 0) << log;
   EXPECT_NE(log.find("restarting the local ranks (restart 1 of 1)"), std::string::npos)
       << log;
@@ -342,8 +344,7 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
   std::ifstream rc2(dir.path + "/rc2");
   code = -1;
   rc2 >> code;
-  std::ifstream log2_in(dir.path + "/log2");
-  const std::string log2((std::istreambuf_iterator<char>(log2_in)), {});
+  const std::string log2 = slurp(dir.path + "/log2");
   ASSERT_EQ(code, 0) << log2;
   const auto at = log2.find("SIGTERM: stopped after step ");
   ASSERT_NE(at, std::string::npos) << log2;
@@ -371,11 +372,6 @@ std::vector<int> resumed_steps(const std::string& text, const std::string& ckpt)
     out.push_back(std::atoi(text.c_str() + at + tag.size()));
   }
   return out;
-}
-
-std::string slurp(const std::string& file) {
-  std::ifstream in(file, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), {});
 }
 
 // `from`'s steps [first, last] are `want`'s, bit for bit.

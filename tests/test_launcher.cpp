@@ -17,6 +17,9 @@
 #include <torch/torch.h>
 
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 #include <sys/wait.h>
 #include <signal.h>
 #include <unistd.h>
@@ -648,19 +651,34 @@ TEST(LauncherElastic, GrowsReformsAfterAFailureAndTurnsAwayAThirdNode) {
 }
 
 // A launcher waiting for the nodes --nnodes 2:2 needs ends on SIGTERM with
-// 128 + 15, saying so, instead of waiting out the join timeout.
+// 128 + 15, saying so, instead of waiting out the join timeout (600 s).
 TEST(LauncherElastic, SignalWhileJoiningEndsTheLauncher) {
   TempDir dir;
+  const int port = colossalai::launcher::find_free_port();
   const pid_t a = start_cli(
       {"run", "--nnodes", "2:2", "--nproc_per_node", "1", "--rdzv_endpoint",
-       "127.0.0.1:" + std::to_string(colossalai::launcher::find_free_port()),
-       "/bin/true"},
+       "127.0.0.1:" + std::to_string(port), "/bin/true"},
       dir.path() / "a.log");
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-  ASSERT_EQ(::kill(a, SIGTERM), 0);
+  // Its store listening means its signal handling is in place (the
+  // launcher installs it first) and it is about to join.
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_EQ(wait_cli(a, 30), 128 + SIGTERM) << read_file(dir.path() / "a.log");
-  EXPECT_LT(seconds_since(start), 5.0);
+  auto listening = [port] {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok =
+        ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(fd);
+    return ok;
+  };
+  while (!listening() && seconds_since(start) < 30) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(listening()) << read_file(dir.path() / "a.log");
+  ASSERT_EQ(::kill(a, SIGTERM), 0);
+  EXPECT_EQ(wait_cli(a, 60), 128 + SIGTERM) << read_file(dir.path() / "a.log");
   const std::string log = read_file(dir.path() / "a.log");
   EXPECT_NE(log.find("while joining"), std::string::npos) << log;
 }

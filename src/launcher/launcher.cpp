@@ -587,20 +587,32 @@ int run_self(int nproc, int argc, char** argv, bool prefix_output) {
 }
 
 int find_free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(
-      fd >= 0, "find_free_port: socket() failed: ", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0; // the kernel picks a free one
-  socklen_t len = sizeof(addr);
-  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  ::close(fd);
-  TORCH_CHECK(ok, "find_free_port: no free loopback port");
-  return ntohs(addr.sin_port);
+  in_addr loopback{};
+  loopback.s_addr = htonl(INADDR_LOOPBACK);
+  const int port = detail::free_tcp_port(loopback);
+  TORCH_CHECK(port > 0, "find_free_port: no free loopback port");
+  return port;
 }
+
+namespace detail {
+
+int free_tcp_port(in_addr addr) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    return 0;
+  }
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr = addr;
+  a.sin_port = 0; // the kernel picks a free one
+  socklen_t len = sizeof(a);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  return ok ? ntohs(a.sin_port) : 0;
+}
+
+} // namespace detail
 
 } // namespace launcher
 } // namespace colossalai

@@ -7,6 +7,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -49,6 +50,10 @@ struct Rank {
   Stream out, err;
   int log_fd = -1;
 };
+
+// launcher.cpp
+/// A TCP port free on `addr` right now, or 0 when none could be bound.
+int free_tcp_port(in_addr addr);
 
 // launcher_args.cpp
 void validate(const RunOptions& o);

@@ -147,16 +147,9 @@ std::pair<std::string, int> local_address_towards(const sockaddr_in& to) {
   TORCH_CHECK(ok, "no route to the rendezvous endpoint: ", std::strerror(errno));
   char name[INET_ADDRSTRLEN] = {};
   ::inet_ntop(AF_INET, &self.sin_addr, name, sizeof(name));
-  const int tcp = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  TORCH_CHECK(tcp >= 0, "socket() failed: ", std::strerror(errno));
-  self.sin_port = 0;
-  len = sizeof(self);
-  const bool bound =
-      ::bind(tcp, reinterpret_cast<sockaddr*>(&self), sizeof(self)) == 0 &&
-      ::getsockname(tcp, reinterpret_cast<sockaddr*>(&self), &len) == 0;
-  ::close(tcp);
-  TORCH_CHECK(bound, "no free port on ", name, ": ", std::strerror(errno));
-  return {name, ntohs(self.sin_port)};
+  const int port = free_tcp_port(self.sin_addr);
+  TORCH_CHECK(port > 0, "no free port on ", name, ": ", std::strerror(errno));
+  return {name, port};
 }
 
 // A member whose launcher has not beaten (once a second, while its ranks
