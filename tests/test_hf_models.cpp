@@ -56,6 +56,9 @@ const std::vector<std::string> kCases = {
     "mistral",
     "qwen2",
     "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
     "opt",
     "opt_post_ln",
     "bloom",
@@ -96,6 +99,10 @@ class HfModels : public ::testing::Test {
 
 colossalai::checkpoint_io::StateDict reference(const std::string& name) {
   return st::load_file((fixtures() / name / "reference.safetensors").string());
+}
+
+bool is_moe(const std::string& name) {
+  return name == "mixtral" || name == "qwen2_moe" || name == "qwen3_moe";
 }
 
 template <class M>
@@ -182,6 +189,15 @@ void check_against_transformers(const std::string& name) {
             .max()
             .item<double>(),
         logits_tol(ref["logits_masked"]));
+    if constexpr (std::is_same_v<M, models::LlamaForCausalLM>) {
+      // The balancing loss of that padded forward: padding left out.
+      if (ref.contains("aux_masked")) {
+        EXPECT_NEAR(
+            model->aux_loss().template item<double>(),
+            ref["aux_masked"].item<double>(),
+            1e-5);
+      }
+    }
     if constexpr (kHasPositions<M>) {
       at::Tensor shifted = forward_at(model, ids, ref["position_ids"]);
       EXPECT_LE(
@@ -250,6 +266,25 @@ TEST_F(HfModels, ConfigsReadTheFamilysFields) {
   EXPECT_TRUE(read("qwen3").qk_norm());
   EXPECT_EQ(
       models::pretrained_model_type((fixtures() / "qwen3").string()), "qwen3");
+  const auto mixtral = read("mixtral");
+  EXPECT_EQ(mixtral.moe().num_experts(), 4);
+  EXPECT_EQ(mixtral.moe().num_experts_per_tok(), 2);
+  EXPECT_TRUE(mixtral.moe().norm_topk_prob());
+  EXPECT_TRUE(mixtral.moe().output_router_logits());
+  EXPECT_EQ(mixtral.moe().router_aux_loss_coef(), 0.05);
+  EXPECT_EQ(mixtral.sliding_window(), 8);
+  const auto qwen2_moe = read("qwen2_moe");
+  EXPECT_TRUE(qwen2_moe.qkv_bias());
+  EXPECT_EQ(qwen2_moe.moe().expert_width(64), 32);
+  EXPECT_EQ(qwen2_moe.moe().shared_expert_intermediate_size(), 40);
+  EXPECT_FALSE(qwen2_moe.moe().norm_topk_prob());
+  EXPECT_FALSE(qwen2_moe.moe().sparse_layer(0)); // mlp_only_layers
+  EXPECT_TRUE(qwen2_moe.moe().sparse_layer(1));
+  const auto qwen3_moe = read("qwen3_moe");
+  EXPECT_TRUE(qwen3_moe.qk_norm());
+  EXPECT_EQ(qwen3_moe.moe().num_experts(), 4);
+  EXPECT_TRUE(qwen3_moe.moe().norm_topk_prob());
+  EXPECT_FALSE(qwen3_moe.moe().output_router_logits());
 }
 
 TEST_F(HfModels, SavePretrainedLoadsInTransformers) {
@@ -326,6 +361,67 @@ TEST_F(HfModels, SavePretrainedReplacesAnEarlierLayout) {
   for (const auto& kv : model->named_parameters()) {
     EXPECT_TRUE(at::equal(a[kv.key()], kv.value())) << kv.key();
   }
+}
+
+TEST_F(HfModels, SparseBlocksGiveUnchosenExpertsZeroGradientsAndRefuseBadConfigs) {
+  using colossalai::testing::error_of;
+  // Top-1 with the probability as its weight (not renormalised to 1), so
+  // the router has a gradient.
+  auto config = models::LlamaConfig::tiny_test()
+                    .model_type("qwen3_moe")
+                    .moe(models::MoeConfig()
+                             .num_experts(4)
+                             .num_experts_per_tok(1)
+                             .norm_topk_prob(false));
+  models::LlamaForCausalLM model(config);
+  // A router whose logits are (s, -s, 0, 0), s the sum of the token's
+  // features: every token goes to expert 0 or 1, experts 2 and 3 see none.
+  for (int64_t i = 0; i < config.num_hidden_layers(); ++i) {
+    auto* layer = model->model->layers[i]->as<models::LlamaDecoderLayerImpl>();
+    ASSERT_TRUE(layer->moe);
+    ASSERT_FALSE(layer->mlp);
+    torch::NoGradGuard no_grad;
+    layer->moe->gate->weight.zero_();
+    layer->moe->gate->weight[0].fill_(1.0);
+    layer->moe->gate->weight[1].fill_(-1.0);
+  }
+  auto* first = model->model->layers[0]->as<models::LlamaDecoderLayerImpl>();
+  const auto ids = at::randint(0, 100, {2, 8}, at::kLong);
+  model->loss(model->forward(ids), ids).backward();
+  int zero = 0;
+  for (const auto& kv : first->moe->named_parameters()) {
+    ASSERT_TRUE(kv.value().grad().defined()) << kv.key();
+    const bool is_zero = kv.value().grad().abs().sum().item<double>() == 0.0;
+    const bool unchosen = kv.key().rfind("experts.2.", 0) == 0 ||
+        kv.key().rfind("experts.3.", 0) == 0;
+    EXPECT_EQ(is_zero, unchosen) << kv.key();
+    zero += is_zero;
+  }
+  EXPECT_EQ(zero, 6); // 3 weights each of experts 2 and 3: zero, not missing
+  EXPECT_TRUE(model->aux_loss().defined());
+  // Dense models have no balancing loss; bad combinations are named.
+  EXPECT_FALSE(
+      models::LlamaForCausalLM(models::LlamaConfig::tiny_test())->aux_loss()
+          .defined());
+  EXPECT_NE(
+      error_of([] {
+        models::LlamaForCausalLM(
+            models::LlamaConfig::tiny_test().model_type("mixtral"));
+      }).find("needs moe().num_experts above 0"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        models::LlamaForCausalLM(models::LlamaConfig::tiny_test().moe(
+            models::MoeConfig().num_experts(4)));
+      }).find("is dense"),
+      std::string::npos);
+  EXPECT_NE(
+      error_of([] {
+        models::LlamaForCausalLM(
+            models::LlamaConfig::tiny_test().model_type("qwen3_moe").moe(
+                models::MoeConfig().num_experts(2).num_experts_per_tok(3)));
+      }).find("num_experts_per_tok (3) must be between 1 and num_experts (2)"),
+      std::string::npos);
 }
 
 TEST_F(HfModels, BadDirectoriesAndConfigsNameTheProblem) {
@@ -590,6 +686,17 @@ TEST_F(HfModels, LoadedModelsTrainUnderTpSpAndPpAsOneProcess) {
       with_family(name, [&](auto family) {
         using M = typename decltype(family)::type;
         check_hybrid<M>(name, "tp2", base().tp_size(2));
+        if (is_moe(name)) {
+          // Sparse blocks refuse sequence parallelism, and pipeline stages
+          // and data parallelism the balancing loss (its product of sums
+          // over the batch is not a mean of per-rank terms); qwen3_moe
+          // leaves it out of its loss.
+          if (name == "qwen3_moe") {
+            check_hybrid<M>(name, "pp2", base().pp_size(2).num_microbatches(2));
+            check_hybrid<M>(name, "dp2_zero1", base().zero_stage(1));
+          }
+          return;
+        }
         check_hybrid<M>(
             name,
             "tp2_split_gather",

@@ -1,5 +1,7 @@
 #include <colossalai/models/bert.h>
 
+#include "model_init.h"
+
 #include <colossalai/distributed/functional.h>
 #include <colossalai/utils/compat.h>
 
@@ -10,6 +12,10 @@ namespace models {
 
 namespace cdf = distributed::functional;
 namespace sl = shardformer::layer;
+using detail::col;
+using detail::init_normal;
+using detail::init_zero;
+using detail::row;
 
 BertConfig BertConfig::tiny_test() {
   return BertConfig()
@@ -41,18 +47,6 @@ namespace {
 // N(0, initializer_range) for linear weights and embeddings, zero biases
 // (cls.predictions.bias too) and the padding token's embedding row,
 // LayerNorm at ones and zeros (LibTorch's own).
-void init_normal(at::Tensor& w, double std) {
-  torch::NoGradGuard no_grad;
-  w.normal_(0.0, std);
-}
-
-void init_zero(at::Tensor& b) {
-  if (b.defined()) {
-    torch::NoGradGuard no_grad;
-    b.zero_();
-  }
-}
-
 // at::gelu's `approximate` for hidden_act (ACT2FN: "gelu" is the exact erf
 // form, "gelu_new" and "gelu_pytorch_tanh" the tanh approximation).
 std::string gelu_approximation(const BertConfig& c) {
@@ -71,20 +65,6 @@ std::string gelu_approximation(const BertConfig& c) {
 torch::nn::LayerNorm layer_norm(const BertConfig& c) {
   return torch::nn::LayerNorm(
       torch::nn::LayerNormOptions({c.hidden_size()}).eps(c.layer_norm_eps()));
-}
-
-sl::Linear1D_Col col(int64_t in, int64_t out, double std) {
-  sl::Linear1D_Col m(sl::Linear1DOptions(in, out));
-  init_normal(m->weight, std);
-  init_zero(m->bias);
-  return m;
-}
-
-sl::Linear1D_Row row(int64_t in, int64_t out, double std) {
-  sl::Linear1D_Row m(sl::Linear1DOptions(in, out));
-  init_normal(m->weight, std);
-  init_zero(m->bias);
-  return m;
 }
 
 sl::Dropout make_dropout(double p) {

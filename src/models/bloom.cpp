@@ -1,5 +1,7 @@
 #include <colossalai/models/bloom.h>
 
+#include "model_init.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -8,6 +10,8 @@ namespace colossalai {
 namespace models {
 
 namespace sl = shardformer::layer;
+using detail::col;
+using detail::row;
 
 BloomConfig BloomConfig::tiny_test() {
   return BloomConfig()
@@ -60,22 +64,6 @@ namespace {
 // Hugging Face's initialisation of BLOOM (PreTrainedModel's default):
 // N(0, initializer_range) for linear weights and the embedding, zero
 // biases, LayerNorms at one and zero.
-sl::Linear1D_Col col(int64_t in, int64_t out, double std) {
-  sl::Linear1D_Col m(sl::Linear1DOptions(in, out));
-  torch::NoGradGuard no_grad;
-  m->weight.normal_(0.0, std);
-  m->bias.zero_();
-  return m;
-}
-
-sl::Linear1D_Row row(int64_t in, int64_t out, double std) {
-  sl::Linear1D_Row m(sl::Linear1DOptions(in, out));
-  torch::NoGradGuard no_grad;
-  m->weight.normal_(0.0, std);
-  m->bias.zero_();
-  return m;
-}
-
 torch::nn::LayerNorm layer_norm(const BloomConfig& c) {
   return torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size()})
                                   .eps(c.layer_norm_epsilon()));

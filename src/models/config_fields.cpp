@@ -99,6 +99,32 @@ int64_t ConfigFields::integer(
   return v->get<int64_t>();
 }
 
+std::vector<int64_t> ConfigFields::integers(
+    const char* key,
+    int64_t lo,
+    int64_t hi) const {
+  const json* v = find(key);
+  std::vector<int64_t> out;
+  if (v == nullptr) {
+    return out;
+  }
+  const std::string expected = "a list of integers in [" +
+      std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  if (!v->is_array()) {
+    wrong(key, expected);
+  }
+  for (const auto& item : *v) {
+    if (!item.is_number_integer() ||
+        (item.is_number_unsigned() &&
+         item.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) ||
+        item.get<int64_t>() < lo || item.get<int64_t>() > hi) {
+      wrong(key, expected);
+    }
+    out.push_back(item.get<int64_t>());
+  }
+  return out;
+}
+
 int64_t ConfigFields::size(const char* key, int64_t fallback) const {
   return integer(key, fallback, 1, kMaxConfigSize);
 }

@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace colossalai {
 namespace models {
@@ -42,6 +43,10 @@ class ConfigFields {
   /// An integer in [lo, hi]: a float (2.5, or even 2.0) is refused, as
   /// transformers' layers would refuse it.
   int64_t integer(const char* key, int64_t fallback, int64_t lo, int64_t hi)
+      const;
+  /// A list of integers each in [lo, hi] (Qwen-MoE's mlp_only_layers);
+  /// empty when absent or null.
+  std::vector<int64_t> integers(const char* key, int64_t lo, int64_t hi)
       const;
   /// An integer in [1, kMaxConfigSize].
   int64_t size(const char* key, int64_t fallback) const;

@@ -1,5 +1,7 @@
 #include <colossalai/models/gpt2.h>
 
+#include "model_init.h"
+
 #include <colossalai/distributed/functional.h>
 
 #include <torch/nn/init.h>
@@ -11,6 +13,8 @@ namespace models {
 
 namespace cdf = distributed::functional;
 namespace sl = shardformer::layer;
+using detail::init_normal;
+using detail::init_zero;
 
 GPT2Config GPT2Config::tiny_test() {
   return GPT2Config()
@@ -41,18 +45,6 @@ namespace {
 // Hugging Face's GPT-2 initialisation: N(0, initializer_range) for weights
 // and embeddings, zero biases, and the residual projections (c_proj) scaled
 // by 1 / sqrt(2 n_layer).
-void init_normal(at::Tensor& w, double std) {
-  torch::NoGradGuard no_grad;
-  w.normal_(0.0, std);
-}
-
-void init_zero(at::Tensor& b) {
-  if (b.defined()) {
-    torch::NoGradGuard no_grad;
-    b.zero_();
-  }
-}
-
 torch::nn::LayerNorm layer_norm(const GPT2Config& c) {
   return torch::nn::LayerNorm(
       torch::nn::LayerNormOptions({c.n_embd()}).eps(c.layer_norm_epsilon()));

@@ -1,5 +1,7 @@
 #include <colossalai/models/llama.h>
 
+#include "model_init.h"
+
 #include <colossalai/lazy/lazy_init.h>
 
 #include <cmath>
@@ -8,6 +10,8 @@ namespace colossalai {
 namespace models {
 
 namespace sl = shardformer::layer;
+using detail::col;
+using detail::row;
 
 LlamaConfig LlamaConfig::tiny_test() {
   return LlamaConfig()
@@ -32,26 +36,6 @@ LlamaConfig LlamaConfig::small_cpu() {
 }
 
 namespace {
-
-sl::Linear1D_Col col(int64_t in, int64_t out, double std, bool bias) {
-  sl::Linear1D_Col m(sl::Linear1DOptions(in, out).bias(bias));
-  torch::NoGradGuard no_grad;
-  m->weight.normal_(0.0, std);
-  if (bias) {
-    m->bias.zero_();
-  }
-  return m;
-}
-
-sl::Linear1D_Row row(int64_t in, int64_t out, double std, bool bias) {
-  sl::Linear1D_Row m(sl::Linear1DOptions(in, out).bias(bias));
-  torch::NoGradGuard no_grad;
-  m->weight.normal_(0.0, std);
-  if (bias) {
-    m->bias.zero_();
-  }
-  return m;
-}
 
 sl::RMSNorm rms_norm(int64_t width, const LlamaConfig& c) {
   return sl::RMSNorm(sl::RMSNormOptions(width).eps(c.rms_norm_eps()));
@@ -229,9 +213,22 @@ at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(
     const LlamaConfig& c,
-    const ParallelState* state) {
+    const ParallelState* state,
+    int64_t layer_idx) {
   self_attn = register_module("self_attn", LlamaAttention(c, state));
-  mlp = register_module("mlp", LlamaMLP(c));
+  if (c.moe().sparse_layer(layer_idx)) {
+    const bool mixtral = c.model_type() == "mixtral";
+    moe = register_module(
+        mixtral ? "block_sparse_moe" : "mlp",
+        SparseMoeBlock(
+            c.hidden_size(),
+            c.intermediate_size(),
+            c.moe(),
+            c.initializer_range(),
+            mixtral));
+  } else {
+    mlp = register_module("mlp", LlamaMLP(c));
+  }
   input_layernorm =
       register_module("input_layernorm", rms_norm(c.hidden_size(), c));
   post_attention_layernorm =
@@ -244,11 +241,31 @@ at::Tensor LlamaDecoderLayerImpl::forward(
     const at::Tensor& mask) {
   auto scope = forward_scope();
   auto h = x + self_attn->forward(input_layernorm(x), positions, mask);
-  return scope.exit(h + mlp(post_attention_layernorm(h)));
+  auto normed = post_attention_layernorm(h);
+  return scope.exit(h + (moe ? moe(normed) : mlp(normed)));
 }
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, const ParallelState* state)
     : config_(c), state_(state) {
+  const auto& type = c.model_type();
+  const bool moe_type =
+      type == "mixtral" || type == "qwen2_moe" || type == "qwen3_moe";
+  TORCH_CHECK(
+      moe_type == c.moe().enabled(),
+      "LlamaConfig: model_type '",
+      type,
+      "' ",
+      moe_type ? "needs moe().num_experts above 0"
+               : "is dense: mixtures of experts are mixtral, qwen2_moe or "
+                 "qwen3_moe",
+      ", got moe().num_experts ",
+      c.moe().num_experts());
+  TORCH_CHECK(
+      c.moe().shared_expert_intermediate_size() == 0 || type == "qwen2_moe",
+      "LlamaConfig: a shared expert (moe().shared_expert_intermediate_size) "
+      "is Qwen2-MoE's; model_type is '",
+      type,
+      "'");
   TORCH_CHECK(
       c.pad_token_id() < c.vocab_size(),
       "LlamaConfig: pad_token_id (",
@@ -262,7 +279,7 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, const ParallelState* state)
           sl::Embedding1DOptions(c.vocab_size(), c.hidden_size())));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers(); ++i) {
-    layers->push_back(LlamaDecoderLayer(c, state));
+    layers->push_back(LlamaDecoderLayer(c, state, i));
   }
   norm = register_module("norm", rms_norm(c.hidden_size(), c));
   torch::NoGradGuard no_grad;
@@ -363,6 +380,7 @@ at::Tensor LlamaForCausalLMImpl::forward_stage(
     const at::Tensor& hidden,
     const at::Tensor& attention_mask,
     const at::Tensor& position_ids) {
+  last_attention_mask_ = attention_mask;
   auto x =
       model->forward_stage(layers, ids, hidden, attention_mask, position_ids);
   if (!layers.last) {
@@ -378,7 +396,37 @@ at::Tensor LlamaForCausalLMImpl::forward_stage(
 at::Tensor LlamaForCausalLMImpl::loss(
     const at::Tensor& logits,
     const at::Tensor& targets) const {
-  return causal_lm_loss(logits, targets, state_, config_.vocab_size());
+  auto ce = causal_lm_loss(logits, targets, state_, config_.vocab_size());
+  if (!config_.moe().enabled() || !config_.moe().output_router_logits()) {
+    return ce;
+  }
+  return ce + config_.moe().router_aux_loss_coef() * aux_loss().to(ce.device());
+}
+
+at::Tensor LlamaForCausalLMImpl::aux_loss() const {
+  const auto& moe = config_.moe();
+  if (!moe.enabled()) {
+    return at::Tensor();
+  }
+  std::vector<at::Tensor> logits;
+  for (const auto& layer : *model->layers) {
+    const auto* l = layer->as<LlamaDecoderLayerImpl>();
+    if (l->moe) {
+      // A pipeline stage runs some layers only: the balancing loss needs
+      // every layer's router.
+      TORCH_CHECK(
+          l->moe->router_logits().defined(),
+          "LlamaForCausalLM::aux_loss: no router logits for a sparse layer: "
+          "run a forward first (under pipeline parallelism the balancing "
+          "loss is not supported; set output_router_logits to false)");
+      logits.push_back(l->moe->router_logits());
+    }
+  }
+  return load_balancing_loss(
+      logits,
+      moe.num_experts(),
+      moe.num_experts_per_tok(),
+      last_attention_mask_);
 }
 
 std::shared_ptr<shardformer::Policy> LlamaForCausalLMImpl::default_policy()
@@ -411,30 +459,56 @@ shardformer::ShardInfo LlamaPolicy::shard(
   for (size_t i = 0; i < lm.layers->size(); ++i) {
     auto* layer = lm.layers[i]->as<LlamaDecoderLayerImpl>();
     auto& a = *layer->self_attn;
-    auto& mlp = *layer->mlp;
     shard_linears(
-        {a.q_proj.get(),
-         a.k_proj.get(),
-         a.v_proj.get(),
-         mlp.gate_proj.get(),
-         mlp.up_proj.get()},
-        {a.o_proj.get(), mlp.down_proj.get()},
+        {a.q_proj.get(), a.k_proj.get(), a.v_proj.get()},
+        {a.o_proj.get()},
         tp,
         mode);
     const auto p = "model.layers." + std::to_string(i) + ".";
+    if (layer->moe) {
+      // Tokens are routed per row of the whole sequence; the router is
+      // replicated (its gradient is whole on every tensor rank).
+      TORCH_CHECK(
+          mode == shardformer::SequenceParallelMode::kNone,
+          "LlamaPolicy: the mixture-of-experts layers of ",
+          m.config().model_type(),
+          " do not support sequence parallelism; set sequence_parallelism_mode "
+          "to none");
+      std::vector<MoeExpertImpl*> experts;
+      for (const auto& e : *layer->moe->experts) {
+        experts.push_back(e->as<MoeExpertImpl>());
+      }
+      if (layer->moe->shared_expert) {
+        experts.push_back(layer->moe->shared_expert.get());
+      }
+      for (auto* e : experts) {
+        shard_linears(
+            {e->gate_proj.get(), e->up_proj.get()},
+            {e->down_proj.get()},
+            tp,
+            mode);
+      }
+    } else {
+      auto& mlp = *layer->mlp;
+      shard_linears(
+          {mlp.gate_proj.get(), mlp.up_proj.get()},
+          {mlp.down_proj.get()},
+          tp,
+          mode);
+      // Row layers add their bias after the sum: its gradient is partial
+      // only where each rank holds part of the sequence.
+      if (split_gather && mlp.down_proj->bias.defined()) {
+        add_partial_grads(info, p, {"mlp.down_proj.bias"});
+      }
+    }
     if (split_gather) {
       add_partial_grads(
           info,
           p,
           {"input_layernorm.weight", "post_attention_layernorm.weight"});
     }
-    // Row layers add their bias after the sum: its gradient is partial
-    // only where each rank holds part of the sequence.
     if (split_gather && a.o_proj->bias.defined()) {
       add_partial_grads(info, p, {"self_attn.o_proj.bias"});
-    }
-    if (split_gather && mlp.down_proj->bias.defined()) {
-      add_partial_grads(info, p, {"mlp.down_proj.bias"});
     }
     // Qwen3's per-head norms see this rank's heads only.
     if (a.q_norm && (tp != nullptr && tp->size() > 1)) {

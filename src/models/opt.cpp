@@ -1,11 +1,15 @@
 #include <colossalai/models/opt.h>
 
+#include "model_init.h"
+
 #include <torch/nn/init.h>
 
 namespace colossalai {
 namespace models {
 
 namespace sl = shardformer::layer;
+using detail::init_normal;
+using detail::init_zero;
 
 OPTConfig OPTConfig::tiny_test() {
   return OPTConfig()
@@ -40,18 +44,6 @@ constexpr int64_t kPositionOffset = 2;
 // Hugging Face's initialisation (OPTPreTrainedModel with init_std):
 // N(0, init_std) for linear weights and embeddings, zero biases, LayerNorm
 // weights one and biases zero (LibTorch's default).
-void init_normal(at::Tensor& w, double std) {
-  torch::NoGradGuard no_grad;
-  w.normal_(0.0, std);
-}
-
-void init_zero(at::Tensor& b) {
-  if (b.defined()) {
-    torch::NoGradGuard no_grad;
-    b.zero_();
-  }
-}
-
 sl::Linear1D_Col col(int64_t in, int64_t out, const OPTConfig& c) {
   sl::Linear1D_Col m(sl::Linear1DOptions(in, out).bias(c.enable_bias()));
   init_normal(m->weight, c.init_std());

@@ -73,12 +73,69 @@ std::string config_to_json(const GPT2Config& c) {
   return j.dump(2) + "\n";
 }
 
+namespace {
+
+// The mixture-of-experts fields of MixtralConfig, Qwen2MoeConfig and
+// Qwen3MoeConfig (their defaults where absent).
+MoeConfig moe_config_from_fields(
+    const detail::ConfigFields& f,
+    const std::string& type,
+    int64_t layers) {
+  const bool mixtral = type == "mixtral";
+  MoeConfig m;
+  // Mixtral names it num_local_experts; transformers 5 writes that name for
+  // Qwen3-MoE too.
+  const char* experts_key = mixtral || !f.has("num_experts")
+      ? "num_local_experts"
+      : "num_experts";
+  m.num_experts(f.size(
+       experts_key, mixtral ? 8 : (type == "qwen2_moe" ? 60 : 128)))
+      .num_experts_per_tok(
+          f.size("num_experts_per_tok", mixtral ? 2 : (type == "qwen2_moe" ? 4 : 8)))
+      .router_aux_loss_coef(
+          f.non_negative("router_aux_loss_coef", m.router_aux_loss_coef()))
+      .output_router_logits(f.boolean("output_router_logits", false));
+  if (m.num_experts_per_tok() > m.num_experts()) {
+    f.fail(
+        "num_experts_per_tok",
+        "(" + std::to_string(m.num_experts_per_tok()) +
+            ") must be at most the number of experts (" +
+            std::to_string(m.num_experts()) + ")");
+  }
+  if (mixtral) {
+    // Multiplicative noise on the router's input while training: not
+    // reproducible against one process, so not implemented.
+    if (f.non_negative("router_jitter_noise", 0.0) != 0.0) {
+      f.fail("router_jitter_noise", "other than 0 is not supported");
+    }
+    return m.norm_topk_prob(true);
+  }
+  m.moe_intermediate_size(f.size(
+       "moe_intermediate_size", type == "qwen2_moe" ? 1408 : 768))
+      .norm_topk_prob(f.boolean("norm_topk_prob", false))
+      .decoder_sparse_step(f.size("decoder_sparse_step", 1))
+      .mlp_only_layers(f.integers("mlp_only_layers", 0, layers - 1));
+  if (type == "qwen2_moe") {
+    m.shared_expert_intermediate_size(
+        f.count("shared_expert_intermediate_size", 5632));
+  }
+  return m;
+}
+
+} // namespace
+
 LlamaConfig llama_config_from_json(const std::string& text) {
   const detail::ConfigFields f(text);
   const auto type = f.one_of(
       "model_type",
       "llama",
-      {"llama", "mistral", "qwen2", "qwen3"},
+      {"llama",
+       "mistral",
+       "qwen2",
+       "qwen3",
+       "mixtral",
+       "qwen2_moe",
+       "qwen3_moe"},
       "LlamaForCausalLM");
   f.one_of("hidden_act", "silu", {"silu"}, type.c_str());
   LlamaConfig c;
@@ -99,8 +156,8 @@ LlamaConfig llama_config_from_json(const std::string& text) {
       .tie_word_embeddings(f.boolean("tie_word_embeddings", false))
       .attention_bias(f.boolean("attention_bias", false))
       .mlp_bias(f.boolean("mlp_bias", false))
-      .qkv_bias(type == "qwen2")
-      .qk_norm(type == "qwen3")
+      .qkv_bias(type == "qwen2" || type == "qwen2_moe")
+      .qk_norm(type == "qwen3" || type == "qwen3_moe")
       .source_json(text);
   // pad_token_id: absent or null is none, LlamaConfig's default.
   c.pad_token_id(
@@ -149,12 +206,13 @@ LlamaConfig llama_config_from_json(const std::string& text) {
             json(rs.high_freq_factor()).dump() + ")");
   }
   c.rope_scaling(rs);
-  if (type == "mistral") {
+  if (type == "mistral" || type == "mixtral") {
     c.sliding_window(f.count("sliding_window", 0)); // null, 0: none
-  } else if (type == "qwen2" || type == "qwen3") {
-    if (f.boolean("use_sliding_window", false)) {
-      f.fail("use_sliding_window", "= true is not supported by " + type);
-    }
+  } else if (f.boolean("use_sliding_window", false)) { // the Qwens
+    f.fail("use_sliding_window", "= true is not supported by " + type);
+  }
+  if (type == "mixtral" || type == "qwen2_moe" || type == "qwen3_moe") {
+    c.moe(moe_config_from_fields(f, type, c.num_hidden_layers()));
   }
   return c;
 }
@@ -165,6 +223,9 @@ std::string config_to_json(const LlamaConfig& c) {
   const char* arch = type == "mistral" ? "MistralForCausalLM"
       : type == "qwen2"                ? "Qwen2ForCausalLM"
       : type == "qwen3"                ? "Qwen3ForCausalLM"
+      : type == "mixtral"              ? "MixtralForCausalLM"
+      : type == "qwen2_moe"            ? "Qwen2MoeForCausalLM"
+      : type == "qwen3_moe"            ? "Qwen3MoeForCausalLM"
                                        : "LlamaForCausalLM";
   j["model_type"] = type;
   j["architectures"] = {arch};
@@ -185,10 +246,30 @@ std::string config_to_json(const LlamaConfig& c) {
   if (type == "llama") {
     j["attention_bias"] = c.attention_bias();
     j["mlp_bias"] = c.mlp_bias();
-  } else if (type == "qwen3") {
+  } else if (type == "qwen3" || type == "qwen3_moe") {
     j["attention_bias"] = c.attention_bias();
   }
-  if (type == "mistral") {
+  const auto& moe = c.moe();
+  if (moe.enabled()) {
+    j[type == "mixtral" ? "num_local_experts" : "num_experts"] =
+        moe.num_experts();
+    j["num_experts_per_tok"] = moe.num_experts_per_tok();
+    j["router_aux_loss_coef"] = moe.router_aux_loss_coef();
+    j["output_router_logits"] = moe.output_router_logits();
+    if (type == "mixtral") {
+      j["router_jitter_noise"] = 0.0;
+    } else {
+      j["moe_intermediate_size"] = moe.expert_width(c.intermediate_size());
+      j["norm_topk_prob"] = moe.norm_topk_prob();
+      j["decoder_sparse_step"] = moe.decoder_sparse_step();
+      j["mlp_only_layers"] = moe.mlp_only_layers();
+    }
+    if (type == "qwen2_moe") {
+      j["shared_expert_intermediate_size"] =
+          moe.shared_expert_intermediate_size();
+    }
+  }
+  if (type == "mistral" || type == "mixtral") {
     j["sliding_window"] =
         c.sliding_window() > 0 ? json(c.sliding_window()) : json(nullptr);
   }

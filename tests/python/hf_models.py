@@ -50,8 +50,14 @@ from transformers import (
     OPTForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB, T, B = 100, 24, 2
@@ -101,6 +107,23 @@ def cases():
             **common, tie_word_embeddings=True), {}),
         # Per-head q and k norms.
         "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common), {}),
+        # Mixtures of experts: 4 experts, top 2, the balancing loss in the
+        # loss (a coefficient large enough to show in it).
+        "mixtral": (MixtralForCausalLM, MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=8, output_router_logits=True,
+            router_aux_loss_coef=0.05), {}),
+        # A dense first layer (mlp_only_layers), a shared expert, top-k
+        # probabilities not renormalised.
+        "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=40,
+            mlp_only_layers=[0], norm_topk_prob=False,
+            output_router_logits=True, router_aux_loss_coef=0.05), {}),
+        # Renormalised top-k, q/k norms, no balancing loss in the loss.
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True), {}),
         # Learned positions with OPT's offset, pre-LN, a projected
         # embedding (opt-350m's shape, post-LN) in the second.
         "opt": (OPTForCausalLM, OPTConfig(
@@ -176,8 +199,35 @@ def outputs(model, ids, mask, pos):
     out.loss.backward()
     ref["loss"] = out.loss.detach().reshape(1)
     for name, p in model.named_parameters():
-        ref["grad." + name] = p.grad.detach().clone()
+        ref.update(hub_grads(model, name, p.grad.detach().clone()))
+    if hasattr(model.config, "router_aux_loss_coef"):
+        with torch.no_grad():
+            ref["aux_masked"] = model(
+                input_ids=ids, attention_mask=mask,
+                output_router_logits=True).aux_loss.reshape(1)
     return {k: v.contiguous() for k, v in ref.items()}
+
+
+def hub_grads(model, name, grad):
+    """{"grad." + name: grad}, with transformers 5's fused expert tensors
+    ([E, 2I, H] gate_up_proj, [E, H, I] down_proj) split per expert under
+    the names save_pretrained writes (Mixtral: block_sparse_moe, w1/w3/w2)."""
+    mixtral = isinstance(model, MixtralForCausalLM)
+    if mixtral:
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+    if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        return {"grad." + name: grad}
+    prefix = name[:name.rindex(".") + 1]
+    out = {}
+    for e in range(grad.shape[0]):
+        p = f"grad.{prefix}{e}."
+        if name.endswith("gate_up_proj"):
+            gate, up = grad[e].chunk(2, dim=0)
+            out[p + ("w1" if mixtral else "gate_proj") + ".weight"] = gate.clone()
+            out[p + ("w3" if mixtral else "up_proj") + ".weight"] = up.clone()
+        else:
+            out[p + ("w2" if mixtral else "down_proj") + ".weight"] = grad[e].clone()
+    return out
 
 
 def make(root):

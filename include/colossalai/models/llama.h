@@ -6,7 +6,9 @@
 /// an untied or tied LM head. The same class is Mistral (a sliding attention
 /// window), Qwen2 (q, k, v biases) and Qwen3 (RMSNorm of each head's q and
 /// k), whose Hugging Face layouts differ from LLaMA's only there
-/// (`LlamaConfig::model_type`). Built whole it is a plain model with Hugging
+/// (`LlamaConfig::model_type`), and Mixtral, Qwen2-MoE and Qwen3-MoE
+/// (moe.h: a sparse mixture-of-experts block where the others have their
+/// MLP). Built whole it is a plain model with Hugging
 /// Face's parameter names (`model.layers.{i}.self_attn.q_proj.weight`, ...);
 /// `LlamaPolicy` shards it in place.
 ///
@@ -19,6 +21,7 @@
 ///   auto logits = model->forward(ids, attention_mask, position_ids);
 /// \endcode
 
+#include <colossalai/models/moe.h>
 #include <colossalai/models/transformer.h>
 #include <colossalai/nn/hookable_module.h>
 #include <colossalai/shardformer/layer/embedding.h>
@@ -58,8 +61,9 @@ struct LlamaConfig {
   /// 4 heads over 2 key/value heads, 128 positions.
   static LlamaConfig small_cpu();
 
-  /// "llama", "mistral", "qwen2" or "qwen3": what save_pretrained writes as
-  /// `model_type` and `architectures`.
+  /// "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe" or
+  /// "qwen3_moe": what save_pretrained writes as `model_type` and
+  /// `architectures`; the last three need `moe`'s num_experts.
   TORCH_ARG(std::string, model_type) = "llama";
   TORCH_ARG(int64_t, vocab_size) = 32000;
   TORCH_ARG(int64_t, hidden_size) = 4096;
@@ -90,6 +94,9 @@ struct LlamaConfig {
   /// row starts at zero and its lookups give the row no gradient; -1 (a
   /// null `pad_token_id`, LlamaConfig's default): none.
   TORCH_ARG(int64_t, pad_token_id) = -1;
+  /// The mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); num_experts 0:
+  /// dense.
+  TORCH_ARG(MoeConfig, moe) = MoeConfig();
   /// The config.json this config was read from (from_pretrained), so
   /// save_pretrained keeps the fields not modelled here; empty: none.
   TORCH_ARG(std::string, source_json) = "";
@@ -138,14 +145,22 @@ TORCH_MODULE(LlamaMLP);
 class LlamaDecoderLayerImpl : public torch::nn::Module,
                               public colossalai::nn::HookableModule {
  public:
-  LlamaDecoderLayerImpl(const LlamaConfig& config, const ParallelState* state);
+  /// Layer `layer_idx`: its feed-forward part is a SparseMoeBlock where
+  /// `config.moe().sparse_layer(layer_idx)`, else a LlamaMLP.
+  LlamaDecoderLayerImpl(
+      const LlamaConfig& config,
+      const ParallelState* state,
+      int64_t layer_idx = 0);
   at::Tensor forward(
       const at::Tensor& x,
       const at::Tensor& positions,
       const at::Tensor& mask = at::Tensor());
 
   LlamaAttention self_attn{nullptr};
+  /// One of the two is set: the dense MLP, or the sparse block (registered
+  /// as Mixtral's `block_sparse_moe` or Qwen's `mlp`).
   LlamaMLP mlp{nullptr};
+  SparseMoeBlock moe{nullptr};
   shardformer::layer::RMSNorm input_layernorm{nullptr};
   shardformer::layer::RMSNorm post_attention_layernorm{nullptr};
 };
@@ -199,8 +214,13 @@ class LlamaForCausalLMImpl : public torch::nn::Module,
       const at::Tensor& attention_mask = at::Tensor(),
       const at::Tensor& position_ids = at::Tensor());
   /// Mean cross entropy against next-token targets [B, T] (-100: ignored,
-  /// as transformers' labels).
+  /// as transformers' labels); for a mixture of experts with
+  /// `moe().output_router_logits()`, plus router_aux_loss_coef x aux_loss().
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
+  /// The load-balancing loss of the last forward over every sparse layer
+  /// (load_balancing_loss, padding left out as that forward's
+  /// attention_mask says); undefined for a dense model.
+  at::Tensor aux_loss() const;
 
   const LlamaConfig& config() const {
     return config_;
@@ -217,18 +237,24 @@ class LlamaForCausalLMImpl : public torch::nn::Module,
  private:
   LlamaConfig config_;
   ParallelState state_;
+  at::Tensor last_attention_mask_; ///< for aux_loss
 };
 TORCH_MODULE(LlamaForCausalLM);
-/// Mistral, Qwen2 and Qwen3 are LlamaForCausalLM with their config
-/// (`LlamaConfig::model_type` and the fields it sets).
+/// Mistral, Qwen2, Qwen3 and the mixtures of experts are LlamaForCausalLM
+/// with their config (`LlamaConfig::model_type` and the fields it sets).
 using MistralForCausalLM = LlamaForCausalLM;
 using Qwen2ForCausalLM = LlamaForCausalLM;
 using Qwen3ForCausalLM = LlamaForCausalLM;
+using MixtralForCausalLM = LlamaForCausalLM;
+using Qwen2MoeForCausalLM = LlamaForCausalLM;
+using Qwen3MoeForCausalLM = LlamaForCausalLM;
 
 /// Shards a LlamaForCausalLM: embed_tokens and lm_head vocabulary-parallel,
 /// q/k/v/gate/up column-parallel, o/down row-parallel, query and key/value
 /// heads split over the tensor group (tp must divide num_key_value_heads);
-/// sequence parallelism as GPT2Policy.
+/// sequence parallelism as GPT2Policy. In a sparse block each expert is
+/// split like the MLP and the router is replicated; sparse blocks refuse
+/// sequence parallelism, and pipeline stages the balancing loss.
 class LlamaPolicy : public LMPolicy {
  public:
   std::string name() const override {

@@ -11,7 +11,8 @@
 /// buffers (GPT-2's `attn.bias`, LLaMA's `rotary_emb.inv_freq`) are skipped.
 ///
 /// Families: `GPT2LMHeadModel` (model_type gpt2), `LlamaForCausalLM`
-/// (llama, mistral, qwen2, qwen3), `OPTForCausalLM` (opt),
+/// (llama, mistral, qwen2, qwen3, and the mixtures of experts mixtral,
+/// qwen2_moe, qwen3_moe: per-expert tensors as transformers saves them), `OPTForCausalLM` (opt),
 /// `BloomForCausalLM` (bloom) and `BertForMaskedLM` (bert); each family's
 /// header declares its functions (GPT-2's and LLaMA's are here). A config this
 /// library cannot compute exactly (another activation, rope type or attention

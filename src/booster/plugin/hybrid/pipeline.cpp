@@ -23,7 +23,7 @@ namespace plugin {
 
 namespace {
 
-constexpr const char* kName = "HybridParallelPlugin";
+constexpr const char* kPluginName = "HybridParallelPlugin";
 
 } // namespace
 
@@ -34,7 +34,7 @@ std::set<std::string> HybridParallelPlugin::apply_pipeline(
   const int64_t layers = policy_->num_pipeline_layers(module);
   TORCH_CHECK(
       layers > 0,
-      kName,
+      kPluginName,
       ": pp_size ",
       pp,
       " needs a policy that splits the model into stages, and ",
@@ -57,7 +57,7 @@ std::set<std::string> HybridParallelPlugin::apply_pipeline(
       auto* m = modules.find(name);
       TORCH_CHECK(
           m != nullptr,
-          kName,
+          kPluginName,
           ": ",
           policy_->name(),
           ".held_layers names a module '",
@@ -85,7 +85,7 @@ std::set<std::string> HybridParallelPlugin::apply_pipeline(
     auto* p = named.find(name);
     TORCH_CHECK(
         p != nullptr,
-        kName,
+        kPluginName,
         ": ",
         policy_->name(),
         ".shared_params names '",
@@ -177,7 +177,7 @@ std::set<std::string> HybridParallelPlugin::apply_pipeline(
   for (const auto& item : named) {
     TORCH_CHECK(
         st->owner.count(item.key()),
-        kName,
+        kPluginName,
         ": no pipeline stage holds parameter '",
         item.key(),
         "' (",
@@ -221,27 +221,27 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
     bool return_outputs) {
   TORCH_CHECK(
       schedule_ != nullptr,
-      kName,
+      kPluginName,
       ".execute_pipeline needs a model boosted with pp_size > 1");
   auto* guard = boosted_guard(model);
   TORCH_CHECK(
-      guard != nullptr, kName, ".execute_pipeline: pass the boosted model");
+      guard != nullptr, kPluginName, ".execute_pipeline: pass the boosted model");
   auto* zero = boosted_zero(optimizer);
   TORCH_CHECK(
       options_.zero_stage() == 0 || zero != nullptr,
-      kName,
+      kPluginName,
       ".execute_pipeline: pass the boosted optimizer (ZeRO reduces the "
       "gradients into its buckets)");
   auto batch = data_iter();
   TORCH_CHECK(
       !batch.empty() && batch[0].defined() && batch[0].dim() >= 1,
-      kName,
+      kPluginName,
       ".execute_pipeline: data_iter gave an empty batch");
   const int64_t n = batch[0].size(0);
   for (const auto& t : batch) {
     TORCH_CHECK(
         t.defined() && t.dim() >= 1 && t.size(0) == n,
-        kName,
+        kPluginName,
         ".execute_pipeline: every tensor of the batch must have ",
         n,
         " samples along dim 0");
@@ -250,7 +250,7 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
   if (m > 0 && size > 0) {
     TORCH_CHECK(
         m * size == n,
-        kName,
+        kPluginName,
         ": num_microbatches ",
         m,
         " x microbatch_size ",
@@ -261,7 +261,7 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
   } else if (m > 0) {
     TORCH_CHECK(
         n % m == 0,
-        kName,
+        kPluginName,
         ": a batch of ",
         n,
         " samples does not divide into num_microbatches ",
@@ -270,7 +270,7 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
   } else {
     TORCH_CHECK(
         n % size == 0,
-        kName,
+        kPluginName,
         ": a batch of ",
         n,
         " samples does not divide into micro-batches of microbatch_size ",
@@ -279,7 +279,7 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
   }
   TORCH_CHECK(
       options_.pp_style() != "interleaved" || m % options_.pp_size() == 0,
-      kName,
+      kPluginName,
       ": pp_style 'interleaved' needs num_microbatches (",
       m,
       ") to be a multiple of pp_size (",

@@ -1,0 +1,59 @@
+#pragma once
+
+// The families' shared initialisation (transformers' _init_weights: weights
+// normal(0, std), biases zero), in one place so that the families' sources
+// also compile together in one unity translation unit.
+
+#include <colossalai/shardformer/layer/linear.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+
+#include <cstdint>
+
+namespace colossalai {
+namespace models {
+namespace detail {
+
+inline void init_normal(at::Tensor& w, double std) {
+  at::NoGradGuard no_grad;
+  w.normal_(0.0, std);
+}
+
+/// Zeroes `b` when it exists (a layer built without bias has none).
+inline void init_zero(at::Tensor& b) {
+  if (b.defined()) {
+    at::NoGradGuard no_grad;
+    b.zero_();
+  }
+}
+
+/// A linear layer of `Layer` (Linear1D_Col or Linear1D_Row), weight
+/// normal(0, std), bias zero.
+template <class Layer>
+Layer normal_linear(int64_t in, int64_t out, double std, bool bias) {
+  Layer m(shardformer::layer::Linear1DOptions(in, out).bias(bias));
+  init_normal(m->weight, std);
+  init_zero(m->bias);
+  return m;
+}
+
+inline shardformer::layer::Linear1D_Col col(
+    int64_t in,
+    int64_t out,
+    double std,
+    bool bias = true) {
+  return normal_linear<shardformer::layer::Linear1D_Col>(in, out, std, bias);
+}
+
+inline shardformer::layer::Linear1D_Row row(
+    int64_t in,
+    int64_t out,
+    double std,
+    bool bias = true) {
+  return normal_linear<shardformer::layer::Linear1D_Row>(in, out, std, bias);
+}
+
+} // namespace detail
+} // namespace models
+} // namespace colossalai
