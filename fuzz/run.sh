@@ -103,7 +103,7 @@ case "$target" in
              "$repo/include/colossalai/checkpoint_io/optimizer_state.h")
     lib="${COLOSSALAI_LIB:-$repo/build/libcolossalai.a}"
     [[ -f "$lib" ]] || { echo "fuzz/run.sh pickle: build the library first ($lib)" >&2; exit 2; }
-    extra_link=("$lib" -lgomp -lpthread)
+    extra_link=("$lib" -lgomp -lpthread -lz)
     headers+=("$lib")
     flags=(-max_len=8192 -dict="$repo/fuzz/pickle.dict")
     ;;
@@ -128,6 +128,13 @@ case "$target" in
     exit 2
     ;;
 esac
+# The libraries are built in unity batches: an archive member pulled in for
+# another symbol also defines the functions compiled here instrumented. The
+# instrumented copies come first on the command line, and the first
+# definition is the one linked.
+if [[ ${#extra_link[@]} -gt 0 ]]; then
+  extra_link+=(-Wl,--allow-multiple-definition)
+fi
 binary="$out/${target}_fuzz"
 compile=("$cxx" -std="$std" -O1 -g -fno-omit-frame-pointer
   -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined
