@@ -883,9 +883,10 @@ int main(int argc, char** argv) {
     }
     TORCH_CHECK(
         type == "llama" || type == "mistral" || type == "qwen2" ||
-            type == "qwen3",
+            type == "qwen3" || type == "mixtral" || type == "qwen2_moe" ||
+            type == "qwen3_moe",
         "finetune_lm trains GPT-2 and the LLaMA family (llama, mistral, "
-        "qwen2, qwen3); '",
+        "qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe); '",
         a.model_dir,
         "' holds a ",
         type);
