@@ -363,7 +363,9 @@ TEST_F(HfModels, SavePretrainedReplacesAnEarlierLayout) {
   }
 }
 
-TEST_F(HfModels, SparseBlocksGiveUnchosenExpertsZeroGradientsAndRefuseBadConfigs) {
+TEST_F(
+    HfModels,
+    SparseBlocksGiveUnchosenExpertsZeroGradientsAndRefuseBadConfigs) {
   using colossalai::testing::error_of;
   // Top-1 with the probability as its weight (not renormalised to 1), so
   // the router has a gradient.
@@ -400,9 +402,9 @@ TEST_F(HfModels, SparseBlocksGiveUnchosenExpertsZeroGradientsAndRefuseBadConfigs
   EXPECT_EQ(zero, 6); // 3 weights each of experts 2 and 3: zero, not missing
   EXPECT_TRUE(model->aux_loss().defined());
   // Dense models have no balancing loss; bad combinations are named.
-  EXPECT_FALSE(
-      models::LlamaForCausalLM(models::LlamaConfig::tiny_test())->aux_loss()
-          .defined());
+  EXPECT_FALSE(models::LlamaForCausalLM(models::LlamaConfig::tiny_test())
+                   ->aux_loss()
+                   .defined());
   EXPECT_NE(
       error_of([] {
         models::LlamaForCausalLM(
@@ -418,8 +420,10 @@ TEST_F(HfModels, SparseBlocksGiveUnchosenExpertsZeroGradientsAndRefuseBadConfigs
   EXPECT_NE(
       error_of([] {
         models::LlamaForCausalLM(
-            models::LlamaConfig::tiny_test().model_type("qwen3_moe").moe(
-                models::MoeConfig().num_experts(2).num_experts_per_tok(3)));
+            models::LlamaConfig::tiny_test()
+                .model_type("qwen3_moe")
+                .moe(
+                    models::MoeConfig().num_experts(2).num_experts_per_tok(3)));
       }).find("num_experts_per_tok (3) must be between 1 and num_experts (2)"),
       std::string::npos);
 }

@@ -108,8 +108,8 @@ std::vector<int64_t> ConfigFields::integers(
   if (v == nullptr) {
     return out;
   }
-  const std::string expected = "a list of integers in [" +
-      std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  const std::string expected = "a list of integers in [" + std::to_string(lo) +
+      ", " + std::to_string(hi) + "]";
   if (!v->is_array()) {
     wrong(key, expected);
   }

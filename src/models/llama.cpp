@@ -319,7 +319,8 @@ at::Tensor LlamaModelImpl::forward_stage(
                               : position_ids;
   }
   // Under split_gather attention sees the whole sequence: its positions.
-  at::Tensor rope_pos = st.sp_mode == shardformer::SequenceParallelMode::kSplitGather
+  at::Tensor rope_pos =
+      st.sp_mode == shardformer::SequenceParallelMode::kSplitGather
       ? (position_ids.defined() ? position_ids
                                 : at::arange(t, ids.options().dtype(at::kLong)))
       : pos;

@@ -57,7 +57,8 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(
       e,
       ")");
   gate = register_module(
-      "gate", torch::nn::Linear(torch::nn::LinearOptions(hidden, e).bias(false)));
+      "gate",
+      torch::nn::Linear(torch::nn::LinearOptions(hidden, e).bias(false)));
   detail::init_normal(gate->weight, std);
   experts = register_module("experts", torch::nn::ModuleList());
   const int64_t width = c.expert_width(intermediate);
@@ -156,8 +157,8 @@ at::Tensor load_balancing_loss(
     const auto probs = at::softmax(layer_logits.to(device), -1).to(at::kFloat);
     const auto chosen = std::get<1>(at::topk(probs, top_k, -1)).reshape({-1});
     if (!keep.defined()) {
-      assigned = assigned +
-          at::bincount(chosen, {}, num_experts).to(at::kFloat);
+      assigned =
+          assigned + at::bincount(chosen, {}, num_experts).to(at::kFloat);
       prob_sum = prob_sum + probs.sum(0);
       rows = rows + static_cast<double>(probs.size(0));
     } else {

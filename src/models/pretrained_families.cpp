@@ -85,13 +85,12 @@ MoeConfig moe_config_from_fields(
   MoeConfig m;
   // Mixtral names it num_local_experts; transformers 5 writes that name for
   // Qwen3-MoE too.
-  const char* experts_key = mixtral || !f.has("num_experts")
-      ? "num_local_experts"
-      : "num_experts";
-  m.num_experts(f.size(
-       experts_key, mixtral ? 8 : (type == "qwen2_moe" ? 60 : 128)))
-      .num_experts_per_tok(
-          f.size("num_experts_per_tok", mixtral ? 2 : (type == "qwen2_moe" ? 4 : 8)))
+  const char* experts_key =
+      mixtral || !f.has("num_experts") ? "num_local_experts" : "num_experts";
+  m.num_experts(
+       f.size(experts_key, mixtral ? 8 : (type == "qwen2_moe" ? 60 : 128)))
+      .num_experts_per_tok(f.size(
+          "num_experts_per_tok", mixtral ? 2 : (type == "qwen2_moe" ? 4 : 8)))
       .router_aux_loss_coef(
           f.non_negative("router_aux_loss_coef", m.router_aux_loss_coef()))
       .output_router_logits(f.boolean("output_router_logits", false));
@@ -110,8 +109,8 @@ MoeConfig moe_config_from_fields(
     }
     return m.norm_topk_prob(true);
   }
-  m.moe_intermediate_size(f.size(
-       "moe_intermediate_size", type == "qwen2_moe" ? 1408 : 768))
+  m.moe_intermediate_size(
+       f.size("moe_intermediate_size", type == "qwen2_moe" ? 1408 : 768))
       .norm_topk_prob(f.boolean("norm_topk_prob", false))
       .decoder_sparse_step(f.size("decoder_sparse_step", 1))
       .mlp_only_layers(f.integers("mlp_only_layers", 0, layers - 1));
@@ -207,7 +206,7 @@ LlamaConfig llama_config_from_json(const std::string& text) {
   }
   c.rope_scaling(rs);
   if (type == "mistral" || type == "mixtral") {
-    c.sliding_window(f.count("sliding_window", 0)); // null, 0: none
+    c.sliding_window(f.count("sliding_window", 0));    // null, 0: none
   } else if (f.boolean("use_sliding_window", false)) { // the Qwens
     f.fail("use_sliding_window", "= true is not supported by " + type);
   }
