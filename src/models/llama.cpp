@@ -205,10 +205,7 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c) {
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
-  auto xin = gate_proj->prepare_input(x); // shared, as q, k and v
-  return down_proj(
-      at::silu(gate_proj->forward_prepared(xin)) *
-      up_proj->forward_prepared(xin));
+  return detail::swiglu(*gate_proj, *up_proj, *down_proj, x);
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(

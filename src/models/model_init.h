@@ -1,11 +1,12 @@
 #pragma once
 
-// The families' shared initialisation (transformers' _init_weights: weights
-// normal(0, std), biases zero), in one place so that the families' sources
-// also compile together in one unity translation unit.
+// What the families share (transformers' _init_weights: weights normal(0,
+// std), biases zero; the SwiGLU MLP), in one place so that the families'
+// sources also compile together in one unity translation unit.
 
 #include <colossalai/shardformer/layer/linear.h>
 
+#include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
 
@@ -52,6 +53,18 @@ inline shardformer::layer::Linear1D_Row row(
     double std,
     bool bias = true) {
   return normal_linear<shardformer::layer::Linear1D_Row>(in, out, std, bias);
+}
+
+/// down(silu(gate(x)) * up(x)), LLaMA's MLP and the experts': gate and up
+/// share one prepared input (one gradient sum over tp, as q, k and v).
+inline at::Tensor swiglu(
+    shardformer::layer::Linear1D_ColImpl& gate,
+    shardformer::layer::Linear1D_ColImpl& up,
+    shardformer::layer::Linear1D_RowImpl& down,
+    const at::Tensor& x) {
+  auto xin = gate.prepare_input(x);
+  return down.forward(
+      at::silu(gate.forward_prepared(xin)) * up.forward_prepared(xin));
 }
 
 } // namespace detail

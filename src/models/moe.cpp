@@ -34,10 +34,7 @@ MoeExpertImpl::MoeExpertImpl(
 }
 
 at::Tensor MoeExpertImpl::forward(const at::Tensor& x) {
-  auto xin = gate_proj->prepare_input(x);
-  return down_proj(
-      at::silu(gate_proj->forward_prepared(xin)) *
-      up_proj->forward_prepared(xin));
+  return detail::swiglu(*gate_proj, *up_proj, *down_proj, x);
 }
 
 SparseMoeBlockImpl::SparseMoeBlockImpl(
@@ -80,7 +77,6 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
   const int64_t c = x.size(-1), k = config_.num_experts_per_tok();
   const int64_t e = config_.num_experts();
   auto flat = x.reshape({-1, c});
-  const int64_t n = flat.size(0);
   auto logits = gate(flat); // [N, E]
   router_logits_ = logits;
   // Probabilities in fp32, as transformers' routers.
@@ -101,9 +97,7 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
   const auto flat_chosen = chosen.reshape({-1});
   const auto order =
       std::get<1>(at::sort(flat_chosen, /*stable=*/true, 0, false));
-  const auto token_of = at::arange(n, chosen.options())
-                            .repeat_interleave(k)
-                            .index_select(0, order);
+  const auto token_of = order.div(k, "floor"); // pair i is token i / k's
   const auto slot_weight = weights.reshape({-1}).index_select(0, order);
   const auto counts =
       at::bincount(flat_chosen, {}, e).to(at::kCPU).contiguous();
