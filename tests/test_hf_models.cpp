@@ -9,6 +9,7 @@
 
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
+#include <colossalai/booster/plugin/moe_hybrid_parallel_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/data/distributed_sampler.h>
@@ -93,6 +94,7 @@ class HfModels : public ::testing::Test {
     if (std::getenv("COLOSSALAI_TEST_RANK") == nullptr &&
         std::getenv("COLOSSALAI_HF_FIXTURES") == nullptr) {
       colossalai::testing::remove_scratch("hf_models");
+      colossalai::testing::remove_scratch("hf_models_ep");
     }
   }
 };
@@ -626,6 +628,45 @@ std::pair<at::Tensor, at::Tensor> batch(int step) {
       tokens.narrow(1, 1, kSeq).contiguous()};
 }
 
+// One process training on each step's batch as `dp` data-parallel ranks
+// see it: the loss is the mean of the shards' losses. That is the global
+// batch's loss for a token mean, but not for the balancing loss of a
+// mixture of experts, a product of sums over the batch that each rank
+// computes from its own tokens (as transformers' training under DDP does).
+template <class M>
+std::pair<std::vector<double>, std::map<std::string, at::Tensor>>
+train_per_shard(M model, int dp, double max_norm) {
+  auto opt = colossalai::testing::make_optimizer(model->parameters(), true);
+  std::vector<double> losses;
+  for (int step = 0; step < kSteps; ++step) {
+    auto b = batch(step);
+    opt->zero_grad();
+    const int64_t local = kGlobalBatch / dp;
+    double loss = 0;
+    for (int s = 0; s < dp; ++s) {
+      auto l = model->loss(
+                   model->forward(b.first.narrow(0, local * s, local)),
+                   b.second.narrow(0, local * s, local)) /
+          dp;
+      l.backward();
+      loss += l.template item<double>();
+    }
+    if (max_norm > 0) {
+      torch::nn::utils::clip_grad_norm_(model->parameters(), max_norm);
+    }
+    opt->step();
+    losses.push_back(loss);
+  }
+  return {
+      losses,
+      colossalai::testing::whole_weights(
+          *model, colossalai::shardformer::ShardInfo())};
+}
+
+bool has_balancing_loss(const std::string& name) {
+  return name == "mixtral" || name == "qwen2_moe";
+}
+
 template <class M>
 void check_hybrid(
     const std::string& name,
@@ -633,15 +674,25 @@ void check_hybrid(
     const HPO& options) {
   SCOPED_TRACE(name + " " + what);
   const auto dir = (fixtures() / name).string();
-  const auto ref = colossalai::testing::train_one_process(
-      models::from_pretrained<M>(dir), kSteps, /*sgd=*/true, 0.0, batch);
-  auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(options);
+  // ep_size > 1: experts split over data-parallel ranks.
+  std::shared_ptr<cb::plugin::HybridParallelPlugin> plugin =
+      options.ep_size() > 1
+      ? std::make_shared<cb::plugin::MoeHybridParallelPlugin>(options)
+      : std::make_shared<cb::plugin::HybridParallelPlugin>(options);
+  const int dp = plugin->dp_size();
+  const auto ref = has_balancing_loss(name) && dp > 1
+      ? train_per_shard(models::from_pretrained<M>(dir), dp, options.max_norm())
+      : colossalai::testing::train_one_process(
+            models::from_pretrained<M>(dir),
+            kSteps,
+            /*sgd=*/true,
+            options.max_norm(),
+            batch);
   cb::Booster booster(cb::BoosterOptions().plugin(plugin));
   auto model = models::from_pretrained<M>(dir);
   auto boosted = booster.boost(
       model, colossalai::testing::make_optimizer(model->parameters(), true));
   const bool pipelined = options.pp_size() > 1;
-  const int dp = plugin->dp_size();
   const int64_t local = kGlobalBatch / dp;
   std::vector<double> losses;
   for (int step = 0; step < kSteps; ++step) {
@@ -665,6 +716,24 @@ void check_hybrid(
       loss = model->loss(boosted.model(x), y);
       booster.backward(loss, *boosted.optimizer);
     }
+    if (step == 0 && options.max_norm() > 0) {
+      // The global norm the clip uses (a limit that leaves the gradients
+      // alone) is one process's: the parameters, experts too, count once.
+      const double norm = boosted.optimizer->clip_grad_by_norm(1e9);
+      auto one = models::from_pretrained<M>(dir);
+      auto b0 = batch(0);
+      for (int s = 0; s < dp; ++s) {
+        (one->loss(
+             one->forward(b0.first.narrow(0, local * s, local)),
+             b0.second.narrow(0, local * s, local)) /
+         dp)
+            .backward();
+      }
+      const double want =
+          torch::nn::utils::clip_grad_norm_(one->parameters(), 1e9);
+      EXPECT_NEAR(norm, want, 1e-5 * want);
+      EXPECT_LT(options.max_norm(), want); // the clip binds
+    }
     boosted.optimizer->step();
     const bool last = !pipelined || plugin->stage_manager()->holds_last_stage();
     at::Tensor l = loss.detach().to(at::kFloat).reshape({1}).clone();
@@ -676,6 +745,9 @@ void check_hybrid(
   }
   auto got = colossalai::testing::whole_weights(*model, plugin->shard_info());
   EXPECT_GT(got.size(), 0u);
+  if (options.ep_size() > 1) {
+    EXPECT_LT(got.size(), ref.second.size()); // other ranks' experts released
+  }
   for (const auto& kv : got) {
     ASSERT_TRUE(ref.second.count(kv.first)) << kv.first;
     const at::Tensor diff = kv.second - ref.second.at(kv.first);
@@ -759,6 +831,147 @@ TEST_F(HfModels, BoostedLazyModelLoadsATransformersDirectory) {
     for (const auto& kv : got) {
       ASSERT_TRUE(ref.count(kv.first)) << kv.first;
       EXPECT_TRUE(at::equal(kv.second, ref.at(kv.first))) << kv.first;
+    }
+  });
+}
+
+// Expert parallelism: the experts split over 2 or 4 data-parallel ranks,
+// alone (its moe_dp of 2 averaging each expert's gradient) and with tensor
+// parallelism, a pipeline and ZeRO, equals one process (the balancing loss
+// per data-parallel rank, see train_per_shard), the global-norm clip
+// counting each expert once.
+TEST_F(HfModels, MoeModelsTrainUnderExpertParallelismAsOneProcess) {
+  fixtures();
+  run_distributed(4, [](int, int) {
+    auto base = [] { return HPO().precision("fp32").ep_size(2); };
+    using Q3 = models::Qwen3MoeForCausalLM;
+    check_hybrid<Q3>("qwen3_moe", "ep2_dp2", base());
+    check_hybrid<Q3>("qwen3_moe", "ep2_dp2_zero1", base().zero_stage(1));
+    check_hybrid<Q3>("qwen3_moe", "ep2_dp2_zero2", base().zero_stage(2));
+    check_hybrid<Q3>("qwen3_moe", "ep4", base().ep_size(4));
+    check_hybrid<Q3>("qwen3_moe", "ep2_tp2", base().tp_size(2));
+    check_hybrid<Q3>(
+        "qwen3_moe", "ep2_pp2", base().pp_size(2).num_microbatches(2));
+    check_hybrid<Q3>(
+        "qwen3_moe",
+        "ep2_pp2_zero1",
+        base().pp_size(2).num_microbatches(2).zero_stage(1));
+    // A clip that binds (the norms are about 1): its scale depends on
+    // every expert counted once.
+    check_hybrid<Q3>("qwen3_moe", "ep2_dp2_clip", base().max_norm(0.3));
+    check_hybrid<Q3>(
+        "qwen3_moe", "ep2_dp2_zero1_clip", base().zero_stage(1).max_norm(0.3));
+    check_hybrid<models::MixtralForCausalLM>(
+        "mixtral", "ep2_tp2", base().tp_size(2));
+    check_hybrid<models::MixtralForCausalLM>(
+        "mixtral", "ep2_dp2_zero1", base().zero_stage(1));
+    check_hybrid<models::Qwen2MoeForCausalLM>(
+        "qwen2_moe", "ep2_dp2_zero2", base().zero_stage(2));
+    check_hybrid<models::Qwen2MoeForCausalLM>(
+        "qwen2_moe", "ep4_tp1", base().ep_size(4));
+  });
+}
+
+// A checkpoint written under expert parallelism holds every expert under
+// its transformers name: saved at ep 2 (x moe_dp 2, ZeRO-1, AdamW), it
+// loads at ep 4 (ZeRO-2) and at ep 1 (HybridParallelPlugin), the optimizer
+// too, and the next step lands where the ep 2 run's did; transformers reads
+// the directory and computes the fixture's logits. Qwen2-MoE: a dense first
+// layer, a shared expert and the balancing loss (every run has dp 4, so
+// every rank sees the same shard of the batch in each).
+TEST_F(HfModels, ExpertParallelCheckpointsLoadAtAnyLayoutAndInTransformers) {
+  fixtures();
+  run_distributed(4, [](int rank, int) {
+    using M = models::Qwen2MoeForCausalLM;
+    const auto src = (fixtures() / "qwen2_moe").string();
+    const fs::path dir = colossalai::testing::scratch(
+        colossalai::testing::test_process(), "hf_models_ep");
+    const auto fresh = (dir / "fresh").string();
+    const auto saved = (dir / "model").string();
+    const auto optim = (dir / "optim").string();
+    const auto after = (dir / "after").string();
+    constexpr int kDp = 4;
+    auto step =
+        [](auto& booster, auto& plugin, auto& model, auto& boosted, int i) {
+          auto b = batch(i);
+          const int64_t local = kGlobalBatch / kDp;
+          auto x = b.first.narrow(0, local * plugin->dp_rank(), local);
+          auto y = b.second.narrow(0, local * plugin->dp_rank(), local);
+          boosted.optimizer->zero_grad();
+          booster.backward(
+              model->loss(boosted.model(x), y), *boosted.optimizer);
+          boosted.optimizer->step();
+        };
+    // The weights this rank holds equal `path`'s, within `tol`.
+    auto expect_weights = [](M& model,
+                             auto& plugin,
+                             const std::string& path,
+                             double tol) {
+      const auto want = colossalai::testing::whole_weights(
+          *models::from_pretrained<M>(path),
+          colossalai::shardformer::ShardInfo());
+      const auto got =
+          colossalai::testing::whole_weights(*model, plugin->shard_info());
+      EXPECT_GT(got.size(), 0u);
+      for (const auto& kv : got) {
+        ASSERT_TRUE(want.count(kv.first)) << kv.first;
+        EXPECT_LE(
+            (kv.second - want.at(kv.first)).abs().max().template item<double>(),
+            tol)
+            << path << ": " << kv.first;
+      }
+    };
+    const auto sharded = colossalai::checkpoint_io::SaveModelOptions()
+                             .shard(true)
+                             .size_per_shard(1)
+                             .use_safetensors(true);
+    {
+      auto plugin = std::make_shared<cb::plugin::MoeHybridParallelPlugin>(
+          HPO().precision("fp32").ep_size(2).zero_stage(1));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto model = models::from_pretrained<M>(src);
+      auto boosted = booster.boost(
+          model,
+          colossalai::testing::make_optimizer(model->parameters(), false));
+      booster.save_model(boosted.model, fresh, sharded);
+      step(booster, plugin, model, boosted, 0);
+      booster.save_model(boosted.model, saved, sharded);
+      booster.save_optimizer(
+          *boosted.optimizer,
+          optim,
+          colossalai::checkpoint_io::SaveOptimizerOptions().shard(true));
+      step(booster, plugin, model, boosted, 1);
+      booster.save_model(boosted.model, after, sharded);
+      expect_weights(model, plugin, after, 0.0);
+    }
+    auto resume = [&](const HPO& options, const std::string& what) {
+      SCOPED_TRACE(what);
+      std::shared_ptr<cb::plugin::HybridParallelPlugin> plugin =
+          options.ep_size() > 1
+          ? std::make_shared<cb::plugin::MoeHybridParallelPlugin>(options)
+          : std::make_shared<cb::plugin::HybridParallelPlugin>(options);
+      ASSERT_EQ(plugin->dp_size(), kDp);
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto model = models::from_pretrained<M>(src);
+      auto boosted = booster.boost(
+          model,
+          colossalai::testing::make_optimizer(model->parameters(), false));
+      booster.load_model(boosted.model, saved);
+      booster.load_optimizer(*boosted.optimizer, optim);
+      expect_weights(model, plugin, saved, 0.0);
+      step(booster, plugin, model, boosted, 1);
+      // AdamW's step from the loaded moments: the ep 2 run's, up to the
+      // rounding of reductions in another order.
+      expect_weights(model, plugin, after, 1e-5);
+    };
+    resume(HPO().precision("fp32").ep_size(4).zero_stage(2), "ep4_zero2");
+    resume(HPO().precision("fp32").zero_stage(1), "ep1_zero1");
+    if (rank == 0) {
+      const auto r = colossalai::testing::run_shell(
+          std::string(kHfPython) + " " + quote(script().string()) + " check " +
+          quote(src) + " " + quote(fresh));
+      EXPECT_EQ(r.first, 0) << r.second;
+      std::cout << r.second;
     }
   });
 }

@@ -9,6 +9,7 @@
 #include <colossalai/booster/plugin/gemini_plugin.h>
 #include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/moe_hybrid_parallel_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_model.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>

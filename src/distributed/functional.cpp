@@ -176,6 +176,50 @@ struct AllToAllAlongDims : torch::autograd::Function<AllToAllAlongDims> {
   }
 };
 
+// Rows of dim 0 exchanged with uneven splits; the received rows' shape
+// beyond dim 0 is the input's.
+at::Tensor all_to_all_rows(
+    const at::Tensor& x,
+    const std::vector<int64_t>& output_splits,
+    const std::vector<int64_t>& input_splits,
+    const ProcessGroup& g) {
+  int64_t rows = 0;
+  for (auto n : output_splits) {
+    rows += n;
+  }
+  auto shape = x.sizes().vec();
+  shape[0] = rows;
+  auto out = at::empty(shape, x.options());
+  all_to_all(out, x.contiguous(), g, output_splits, input_splits).wait();
+  return out;
+}
+
+struct AllToAllSingle : torch::autograd::Function<AllToAllSingle> {
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& x,
+      const std::vector<int64_t>& output_splits,
+      const std::vector<int64_t>& input_splits,
+      const ProcessGroupPtr& g) {
+    save_group(ctx, g);
+    ctx->saved_data["out"] = output_splits;
+    ctx->saved_data["in"] = input_splits;
+    return all_to_all_rows(x, output_splits, input_splits, *g);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // The reverse exchange: what arrived from rank r goes back to it.
+    return {
+        all_to_all_rows(
+            grads[0],
+            ctx->saved_data["in"].toIntVector(),
+            ctx->saved_data["out"].toIntVector(),
+            *group_of(ctx)),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor()};
+  }
+};
+
 struct ScaleGrad : torch::autograd::Function<ScaleGrad> {
   static at::Tensor forward(
       AutogradContext* ctx,
@@ -261,6 +305,37 @@ at::Tensor all_to_all_along_dims(
   gather_dim = wrap(gather_dim, x);
   check_divisible(x, scatter_dim, group->size(), "all_to_all_along_dims");
   return AllToAllAlongDims::apply(x, scatter_dim, gather_dim, group);
+}
+
+at::Tensor all_to_all_single(
+    const at::Tensor& x,
+    const std::vector<int64_t>& output_splits,
+    const std::vector<int64_t>& input_splits,
+    const ProcessGroupPtr& group) {
+  if (trivial(group)) {
+    return x;
+  }
+  const auto n = static_cast<size_t>(group->size());
+  TORCH_CHECK(
+      x.dim() > 0 && output_splits.size() == n && input_splits.size() == n,
+      "all_to_all_single: needs a tensor with rows and ",
+      n,
+      " output and input splits, got ",
+      output_splits.size(),
+      " and ",
+      input_splits.size());
+  int64_t rows = 0;
+  for (auto r : input_splits) {
+    TORCH_CHECK(r >= 0, "all_to_all_single: negative split ", r);
+    rows += r;
+  }
+  TORCH_CHECK(
+      rows == x.size(0),
+      "all_to_all_single: input splits sum to ",
+      rows,
+      " rows, the tensor has ",
+      x.size(0));
+  return AllToAllSingle::apply(x, output_splits, input_splits, group);
 }
 
 } // namespace functional

@@ -486,6 +486,23 @@ shardformer::ShardInfo LlamaPolicy::shard(
             tp,
             mode);
       }
+      const auto& ep = cfg.ep_group();
+      if (ep != nullptr && ep->size() > 1) {
+        auto& block = *layer->moe;
+        block.set_expert_parallel(ep);
+        const auto prefix = p +
+            (m.config().model_type() == "mixtral" ? "block_sparse_moe"
+                                                  : "mlp") +
+            ".experts.";
+        for (size_t e = 0; e < block.experts->size(); ++e) {
+          const int owner = static_cast<int>(
+              static_cast<int64_t>(e) / block.num_local_experts());
+          for (const auto& w : block.experts[e]->named_parameters(true)) {
+            info.expert_owner[prefix + std::to_string(e) + "." + w.key()] =
+                owner;
+          }
+        }
+      }
     } else {
       auto& mlp = *layer->mlp;
       shard_linears(

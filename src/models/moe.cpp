@@ -1,5 +1,8 @@
 #include <colossalai/models/moe.h>
 
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/functional.h>
+
 #include "model_init.h"
 
 #include <algorithm>
@@ -57,6 +60,7 @@ SparseMoeBlockImpl::SparseMoeBlockImpl(
       "gate",
       torch::nn::Linear(torch::nn::LinearOptions(hidden, e).bias(false)));
   detail::init_normal(gate->weight, std);
+  num_local_ = e;
   experts = register_module("experts", torch::nn::ModuleList());
   const int64_t width = c.expert_width(intermediate);
   for (int64_t i = 0; i < e; ++i) {
@@ -99,23 +103,9 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
       std::get<1>(at::sort(flat_chosen, /*stable=*/true, 0, false));
   const auto token_of = order.div(k, "floor"); // pair i is token i / k's
   const auto slot_weight = weights.reshape({-1}).index_select(0, order);
-  const auto counts =
-      at::bincount(flat_chosen, {}, e).to(at::kCPU).contiguous();
-  const int64_t* count = counts.data_ptr<int64_t>();
-
+  const auto counts = at::bincount(flat_chosen, {}, e);
   const auto rows = flat.index_select(0, token_of); // [N * k, C]
-  std::vector<at::Tensor> outputs;
-  outputs.reserve(static_cast<size_t>(e));
-  int64_t offset = 0;
-  for (int64_t i = 0; i < e; ++i) {
-    // Every expert runs, on no rows too: its gradient is then zero, not
-    // missing, so data-parallel reductions see the same tensors on every
-    // rank.
-    outputs.push_back(experts[i]->as<MoeExpertImpl>()->forward(
-        rows.narrow(0, offset, count[i])));
-    offset += count[i];
-  }
-  auto weighted = at::cat(outputs) * slot_weight.unsqueeze(1);
+  auto weighted = run_experts(rows, counts) * slot_weight.unsqueeze(1);
   auto out = at::zeros_like(flat).index_add(
       0, token_of, weighted.to(flat.scalar_type()));
   if (shared_expert) {
@@ -123,6 +113,101 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
         at::sigmoid(shared_expert_gate(flat)) * shared_expert->forward(flat);
   }
   return out.view(x.sizes());
+}
+
+void SparseMoeBlockImpl::set_expert_parallel(
+    distributed::ProcessGroupPtr group) {
+  const int64_t e = config_.num_experts();
+  const int n = group == nullptr ? 1 : group->size();
+  TORCH_CHECK(
+      e % n == 0,
+      "expert parallelism: num_experts (",
+      e,
+      ") must divide by ep_size (",
+      n,
+      ")");
+  num_local_ = e / n;
+  first_local_ = (group == nullptr ? 0 : group->rank()) * num_local_;
+  ep_group_ = n > 1 ? std::move(group) : nullptr;
+}
+
+at::Tensor SparseMoeBlockImpl::run_experts(
+    const at::Tensor& rows,
+    const at::Tensor& counts) {
+  // Every local expert runs, on no rows too: its gradient is then zero, not
+  // missing, so data-parallel reductions see the same tensors on every
+  // rank.
+  auto run = [&](const at::Tensor& x, const std::vector<int64_t>& count) {
+    std::vector<at::Tensor> outputs;
+    outputs.reserve(count.size());
+    int64_t offset = 0;
+    for (size_t j = 0; j < count.size(); ++j) {
+      outputs.push_back(experts[first_local_ + static_cast<int64_t>(j)]
+                            ->as<MoeExpertImpl>()
+                            ->forward(x.narrow(0, offset, count[j])));
+      offset += count[j];
+    }
+    return at::cat(outputs);
+  };
+  auto host_counts = [](const at::Tensor& t) {
+    auto c = t.to(at::kCPU, at::kLong).contiguous();
+    return std::vector<int64_t>(
+        c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  };
+  if (ep_group_ == nullptr) {
+    return run(rows, host_counts(counts));
+  }
+  // Dispatch: rank r gets the rows of its experts. First the counts, so
+  // each rank knows how many rows of each of its experts every rank sends.
+  const int n = ep_group_->size();
+  const int64_t local = num_local_;
+  auto sent = counts.to(at::kLong).contiguous(); // [n * local]
+  auto got = at::empty_like(sent);
+  distributed::all_to_all(got, sent, *ep_group_).wait();
+  const auto send = host_counts(sent), recv = host_counts(got);
+  std::vector<int64_t> input_splits(n, 0), output_splits(n, 0);
+  for (int r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < local; ++j) {
+      input_splits[r] += send[r * local + j];
+      output_splits[r] += recv[r * local + j];
+    }
+  }
+  namespace cdf = distributed::functional;
+  auto arrived =
+      cdf::all_to_all_single(rows, output_splits, input_splits, ep_group_);
+  // Arrived rows are by source rank, then expert; each expert's rows are
+  // gathered into one run (source order kept), computed, and put back.
+  std::vector<int64_t> start(n, 0);
+  for (int r = 1; r < n; ++r) {
+    start[r] = start[r - 1] + output_splits[r - 1];
+  }
+  std::vector<int64_t> perm, per_expert(local, 0);
+  perm.reserve(static_cast<size_t>(arrived.size(0)));
+  for (int64_t j = 0; j < local; ++j) {
+    for (int r = 0; r < n; ++r) {
+      int64_t at_row = start[r];
+      for (int64_t i = 0; i < j; ++i) {
+        at_row += recv[r * local + i];
+      }
+      for (int64_t i = 0; i < recv[r * local + j]; ++i) {
+        perm.push_back(at_row + i);
+      }
+      per_expert[j] += recv[r * local + j];
+    }
+  }
+  const auto index = at::tensor(perm, at::kLong).to(rows.device());
+  // An expert's gradient sums the tokens of every expert-parallel rank,
+  // each rank's loss a mean over its own batch, and is then averaged over
+  // the dp / ep ranks holding the same expert: 1 / ep makes it the mean
+  // over the whole data-parallel batch (ColossalAI's EPGradScalerIn/Out).
+  // The routed tokens' gradients pass unscaled.
+  const double ep = static_cast<double>(n);
+  auto computed = cdf::scale_grad(
+      run(cdf::scale_grad(arrived.index_select(0, index), ep), per_expert),
+      1.0 / ep);
+  // Row perm[i] of `arrived` became row i: scatter back to arrival order.
+  auto back = at::zeros_like(computed).index_copy(0, index, computed);
+  return cdf::all_to_all_single(back, input_splits, output_splits, ep_group_);
 }
 
 at::Tensor load_balancing_loss(

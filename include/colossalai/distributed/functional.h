@@ -29,6 +29,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace colossalai {
 namespace distributed {
 namespace functional {
@@ -79,6 +81,18 @@ at::Tensor all_to_all_along_dims(
     const at::Tensor& x,
     int64_t scatter_dim,
     int64_t gather_dim,
+    const ProcessGroupPtr& group);
+
+/// Sends rows [sum(input_splits[:r]), +input_splits[r]) of `x` to rank r
+/// and concatenates what arrives, output_splits[r] rows from rank r, in
+/// rank order (torch.distributed.nn.functional.all_to_all_single; the
+/// dispatch and combine of expert parallelism); backward is the reverse
+/// exchange. Every rank's output_splits[r] must be rank r's
+/// input_splits[this rank].
+at::Tensor all_to_all_single(
+    const at::Tensor& x,
+    const std::vector<int64_t>& output_splits,
+    const std::vector<int64_t>& input_splits,
     const ProcessGroupPtr& group);
 
 /// Identity whose backward multiplies the gradient by `factor` (e.g. the

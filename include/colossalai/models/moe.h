@@ -118,6 +118,19 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   const at::Tensor& router_logits() const {
     return router_logits_;
   }
+  /// Splits the experts over `group` (expert parallelism): rank r computes
+  /// experts [r * E / n, (r + 1) * E / n) for the tokens every rank routes
+  /// to them, which travel there and back by all-to-all. The block keeps
+  /// every expert module; the plugin releases the others' parameters. E
+  /// must divide by the group's size.
+  void set_expert_parallel(distributed::ProcessGroupPtr group);
+  /// The experts this rank computes: [first, first + count).
+  int64_t first_local_expert() const {
+    return first_local_;
+  }
+  int64_t num_local_experts() const {
+    return num_local_;
+  }
 
   torch::nn::Linear gate{nullptr};
   torch::nn::ModuleList experts{nullptr};
@@ -126,9 +139,17 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   torch::nn::Linear shared_expert_gate{nullptr};
 
  private:
+  // The routed rows (sorted by expert, `count` per expert) through this
+  // rank's experts: here, or dispatched over the expert-parallel group and
+  // combined back in the same order.
+  at::Tensor run_experts(const at::Tensor& rows, const at::Tensor& counts);
+
   MoeConfig config_;
   bool mixtral_;
   at::Tensor router_logits_;
+  distributed::ProcessGroupPtr ep_group_;
+  int64_t first_local_ = 0;
+  int64_t num_local_ = 0;
 };
 TORCH_MODULE(SparseMoeBlock);
 

@@ -53,6 +53,10 @@ struct ShardInfo {
   /// tensor rank's gradient is a partial sum, summed over the tensor group
   /// before the optimizer step.
   std::set<std::string> partial_grad_params;
+  /// Under expert parallelism (ShardConfig::ep_group): each expert
+  /// parameter's name and the expert-parallel rank that holds it (the
+  /// others release it); parameters not listed are held by every rank.
+  std::map<std::string, int> expert_owner;
 };
 
 /// One pipeline model chunk's share of a model: layers (blocks)

@@ -25,11 +25,11 @@ namespace shardformer {
 /// `sequence_parallelism_mode`; options keep Python's strings, code past
 /// the option checks compares these.
 enum class SequenceParallelMode {
-  kNone, ///< off
+  kNone,        ///< off
   kSplitGather, ///< "split_gather": over the tensor group (Megatron's)
-  kRing, ///< "ring": split_gather with ring-overlapped matmuls
-  kAllToAll, ///< "all_to_all": Ulysses, on the sp group
-  kRingAttn, ///< "ring_attn": ring attention, on the sp group
+  kRing,        ///< "ring": split_gather with ring-overlapped matmuls
+  kAllToAll,    ///< "all_to_all": Ulysses, on the sp group
+  kRingAttn,    ///< "ring_attn": ring attention, on the sp group
 };
 
 /// The mode `name` names ("split_gather", "ring", "all_to_all",
@@ -92,6 +92,10 @@ struct ShardConfig {
   /// Share of the blocks that recompute their activations in backward
   /// (ColossalAI's GradientCheckpointConfig.gradient_checkpointing_ratio).
   TORCH_ARG(double, gradient_checkpointing_ratio) = 0.0;
+  /// Expert parallelism (MoeHybridParallelPlugin): the ranks that split a
+  /// sparse layer's experts between them, exchanging tokens with
+  /// all-to-all; null: every rank holds every expert.
+  TORCH_ARG(distributed::ProcessGroupPtr, ep_group) = nullptr;
 };
 
 } // namespace shardformer

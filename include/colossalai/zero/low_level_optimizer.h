@@ -9,6 +9,7 @@
 
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace colossalai {
@@ -64,6 +65,18 @@ class LowLevelZeroOptimizer : public ShardedOptimizer {
       std::shared_ptr<torch::optim::Optimizer> optimizer,
       distributed::ProcessGroupPtr group,
       LowLevelZeroOptimizerOptions options);
+  /// Parameters sharded over groups of their own (ColossalAI's
+  /// `pg_to_param_list`: under expert parallelism the experts over the
+  /// ranks holding the same ones, the rest over `group`). Each listed
+  /// group must lie inside `group`, over which the global norm and the
+  /// overflow decision are combined; a bucket never mixes groups.
+  LowLevelZeroOptimizer(
+      std::shared_ptr<torch::optim::Optimizer> optimizer,
+      distributed::ProcessGroupPtr group,
+      LowLevelZeroOptimizerOptions options,
+      std::vector<
+          std::pair<distributed::ProcessGroupPtr, std::vector<at::Tensor>>>
+          pg_to_param_list);
   ~LowLevelZeroOptimizer() override;
 
   /// Steps, then clears the gradient shards (as ColossalAI does).

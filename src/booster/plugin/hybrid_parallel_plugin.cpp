@@ -43,33 +43,57 @@ std::vector<int64_t> full_shape(
 
 } // namespace
 
-HybridParallelPlugin::HybridParallelPlugin(HybridParallelPluginOptions options)
+HybridParallelPlugin::HybridParallelPlugin(
+    HybridParallelPluginOptions options,
+    bool experts)
     : options_(std::move(options)) {
   const int world = distributed::get_world_size();
-  const auto layout = detail::check_hybrid_options(options_, world);
+  const auto layout = detail::check_hybrid_options(options_, world, experts);
   const int tp = options_.tp_size(), pp = options_.pp_size();
   const int sp = layout.sp_axis_size, dp = layout.dp_size;
+  const int ep = layout.ep_size;
   dtype_ = layout.dtype;
   sp_mode_ = layout.sp_mode;
   sp_size_ = layout.sp_size;
 
-  // (dp, pp, sp, tp) or (pp, dp, sp, tp): tp varies fastest.
+  // (dp, pp, sp, tp) or (pp, dp, sp, tp): tp varies fastest. Under expert
+  // parallelism dp splits into (moe_dp, ep), ep inside: the ranks of an
+  // expert-parallel group are data-parallel neighbours.
   const int dp_axis = options_.dp_outside() ? 0 : 1;
-  const int pp_axis = options_.dp_outside() ? 1 : 0;
-  constexpr int sp_axis = 2, tp_axis = 3;
-  std::vector<int> shape(4);
-  shape[dp_axis] = dp;
-  shape[pp_axis] = pp;
+  pp_axis_ = options_.dp_outside() ? 1 : 0;
+  const int split = ep > 1 ? 1 : 0; // the ep axis shifts those after dp
+  if (ep > 1) {
+    ep_axis_ = dp_axis + 1;
+    if (pp_axis_ > dp_axis) {
+      ++pp_axis_;
+    }
+  }
+  const int sp_axis = 2 + split, tp_axis = 3 + split;
+  std::vector<int> shape(4 + split);
+  shape[dp_axis] = ep > 1 ? layout.moe_dp_size : dp;
+  if (ep > 1) {
+    shape[ep_axis_] = ep;
+  }
+  shape[pp_axis_] = pp;
   shape[sp_axis] = sp;
   shape[tp_axis] = tp;
   mesh_ = std::make_unique<cluster::ProcessGroupMesh>(shape);
   // Every rank asks for its groups in this order.
   tp_group_ = mesh_->get_group_along_axis(tp_axis);
   auto sp_axis_group = mesh_->get_group_along_axis(sp_axis);
-  dp_group_ = mesh_->get_group_along_axis(dp_axis);
-  mixed_dp_group_ = mesh_->get_group_along_axis({dp_axis, sp_axis});
-  pp_group_ = mesh_->get_group_along_axis(pp_axis);
-  sp_group_ = shardformer::on_tensor_group(sp_mode_) ? tp_group_ : sp_axis_group;
+  if (ep > 1) {
+    dp_group_ = mesh_->get_group_along_axis({dp_axis, ep_axis_});
+    mixed_dp_group_ = mesh_->get_group_along_axis({dp_axis, ep_axis_, sp_axis});
+    ep_group_ = mesh_->get_group_along_axis(ep_axis_);
+    moe_dp_group_ = mesh_->get_group_along_axis(dp_axis);
+  } else {
+    dp_group_ = mesh_->get_group_along_axis(dp_axis);
+    mixed_dp_group_ = mesh_->get_group_along_axis({dp_axis, sp_axis});
+    moe_dp_group_ = dp_group_;
+  }
+  pp_group_ = mesh_->get_group_along_axis(pp_axis_);
+  sp_group_ =
+      shardformer::on_tensor_group(sp_mode_) ? tp_group_ : sp_axis_group;
   // Tied parameters of the first and last stage (two ranks unless the V
   // puts both on the first): their gradients are summed between the two.
   if (pp > 1 && options_.pp_style() != "zbv") {
@@ -97,6 +121,11 @@ std::string HybridParallelPlugin::lora_refusal() const {
   if (options_.tp_size() > 1) {
     return "tp_size " + std::to_string(options_.tp_size()) +
         " > 1 (LoRA adapters are not tensor-parallel; tp_size 1 trains them)";
+  }
+  if (options_.ep_size() > 1) {
+    return "ep_size " + std::to_string(options_.ep_size()) +
+        " > 1 (LoRA adapters on split experts are not supported; ep_size 1 "
+        "trains them)";
   }
   if (options_.pp_size() > 1) {
     return "pp_size " + std::to_string(options_.pp_size()) +
@@ -137,11 +166,32 @@ void HybridParallelPlugin::configure(
     }
     broadcast_coalesced(state, 0, *distributed::world_group());
   }
-  apply_tensor_parallel(*module, lazy_model);
+  apply_tensor_parallel(*module);
+  // Under pipelines and expert parallelism a rank holds part of the model:
+  // its stage's layers and, of their experts, its own.
+  const bool partitioned = options_.pp_size() > 1 || options_.ep_size() > 1;
   std::set<std::string> held;
   if (options_.pp_size() > 1) {
-    held = apply_pipeline(*module, *optimizer);
-    state_->pipelined = true;
+    held = apply_pipeline(*module);
+  }
+  if (options_.ep_size() > 1) {
+    apply_expert_parallel(*module, held);
+  }
+  if (lazy_model) {
+    // Each rank materialises its tensor-parallel slices of the parameters
+    // it holds only: the others are computed one at a time (the random
+    // stream must advance as in eager construction) and dropped at once.
+    auto named = module->named_parameters(true);
+    lazy::materialize(
+        *module, [&](const std::string& name, const at::Tensor& full) {
+          return !partitioned || held.count(name) || !named.contains(name)
+              ? full
+              : at::empty({0}, full.options());
+        });
+    module->to(current_device());
+  }
+  if (partitioned) {
+    release_other_parts(*module, *optimizer, held);
   }
   if (dtype_ != at::kFloat && options_.zero_stage() > 0) {
     module->to(dtype_);
@@ -150,9 +200,7 @@ void HybridParallelPlugin::configure(
   apply_data_parallel(model, optimizer);
 }
 
-void HybridParallelPlugin::apply_tensor_parallel(
-    torch::nn::Module& module,
-    bool lazy_model) {
+void HybridParallelPlugin::apply_tensor_parallel(torch::nn::Module& module) {
   shardformer::ShardConfig cfg;
   // enable_all_optimization: every optimization that exists here (the JIT
   // fusion does not).
@@ -172,13 +220,10 @@ void HybridParallelPlugin::apply_tensor_parallel(
       .enable_jit_fused(false)
       .parallel_output(options_.parallel_output())
       .make_vocab_size_divisible_by(options_.make_vocab_size_divisible_by())
-      .gradient_checkpointing_ratio(options_.gradient_checkpointing_ratio());
+      .gradient_checkpointing_ratio(options_.gradient_checkpointing_ratio())
+      .ep_group(options_.ep_size() > 1 ? ep_group_ : nullptr);
   policy_ = shardformer::resolve_policy(module, options_.custom_policy());
   info_ = shardformer::shard_model(module, cfg, policy_);
-  if (lazy_model && options_.pp_size() == 1) {
-    lazy::materialize(module);
-    module.to(current_device());
-  }
   state_->tp = options_.tp_size() > 1 ? tp_group_ : nullptr;
 }
 
@@ -199,7 +244,8 @@ void HybridParallelPlugin::build_placement(
   }
   std::unordered_map<const void*, std::string> name_of;
   for (const auto& item : module.named_parameters(true)) {
-    if (options_.pp_size() > 1 && !held.count(item.key())) {
+    if ((options_.pp_size() > 1 || options_.ep_size() > 1) &&
+        !held.count(item.key())) {
       continue;
     }
     name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
@@ -257,6 +303,19 @@ void HybridParallelPlugin::apply_data_parallel(
   };
   model = std::make_shared<detail::CastInputModel>(
       model, options_.zero_stage() > 0 ? dtype_ : at::kFloat);
+  // Experts (NOTE [Expert parallelism]) are averaged over the ranks
+  // holding the same ones, the rest over dp x sp.
+  expert_params_.clear();
+  std::set<std::string> expert_names;
+  if (options_.ep_size() > 1) {
+    auto named = model->unwrap()->named_parameters(true);
+    for (const auto& kv : info_.expert_owner) {
+      expert_names.insert(kv.first);
+      if (state_->held.count(kv.first)) {
+        expert_params_.push_back(named[kv.first]);
+      }
+    }
+  }
   if (options_.zero_stage() == 0) {
     if (mixed_dp_group_->size() > 1) {
       auto ddp = std::make_shared<TorchDDPModel>(
@@ -267,7 +326,8 @@ void HybridParallelPlugin::apply_data_parallel(
               .bucket_cap_mb(options_.ddp_bucket_cap_mb())
               .find_unused_parameters(options_.find_unused_parameters())
               .gradient_as_bucket_view(options_.gradient_as_bucket_view())
-              .static_graph(options_.static_graph()));
+              .static_graph(options_.static_graph()),
+          expert_names);
       ddp_ = ddp;
       model = ddp;
     }
@@ -276,8 +336,12 @@ void HybridParallelPlugin::apply_data_parallel(
       model = std::make_shared<mixed_precision::AutocastModel>(
           model, current_device().type(), at::kBFloat16);
     }
-    optimizer = std::make_shared<detail::HybridParallelNaiveOptimizer>(
+    auto naive = std::make_shared<detail::HybridParallelNaiveOptimizer>(
         optimizer->optimizer_ptr(), placement_, options_.max_norm());
+    if (options_.ep_size() > 1) {
+      naive->set_experts(expert_params_, moe_dp_group_, ep_group_);
+    }
+    optimizer = naive;
     guard_pipeline();
     return;
   }
@@ -287,8 +351,13 @@ void HybridParallelPlugin::apply_data_parallel(
       dtype_,
       options_.zero_bucket_size_in_m(),
       kName);
+  std::vector<std::pair<distributed::ProcessGroupPtr, std::vector<at::Tensor>>>
+      own_groups;
+  if (options_.ep_size() > 1) {
+    own_groups.emplace_back(moe_dp_group_, expert_params_);
+  }
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
-      optimizer->optimizer_ptr(), mixed_dp_group_, zo);
+      optimizer->optimizer_ptr(), mixed_dp_group_, zo, std::move(own_groups));
   zero_opt->set_placement(placement_);
   guard_pipeline();
   state_->zero = zero_opt;

@@ -54,7 +54,8 @@ void broadcast_coalesced(
 TorchDDPModel::TorchDDPModel(
     std::shared_ptr<interface::ModelWrapper> inner,
     distributed::ProcessGroupPtr group,
-    const TorchDDPPluginOptions& options)
+    const TorchDDPPluginOptions& options,
+    const std::set<std::string>& params_to_ignore)
     : interface::ModelWrapper(std::move(inner)),
       group_(std::move(group)),
       options_(options) {
@@ -68,7 +69,8 @@ TorchDDPModel::TorchDDPModel(
   std::vector<at::Tensor> state;
   std::unordered_set<const void*> seen;
   for (const auto& item : unwrap()->named_parameters(/*recurse=*/true)) {
-    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second ||
+        params_to_ignore.count(item.key())) {
       continue;
     }
     state.push_back(item.value());

@@ -92,6 +92,10 @@ struct FlatParams {
   at::Tensor shard_data;          // fp32 s: master weights
   at::Tensor shard_grad;          // fp32 s
   std::vector<at::Tensor> pieces; // the optimizer's tensors
+  /// The ranks sharing this group's shards when they are not the
+  /// optimizer's (ZeRO's experts, over the ranks holding them); null: the
+  /// optimizer's group.
+  distributed::ProcessGroupPtr group;
 
   /// Makes `pieces` from `shard_data` and `shard_grad`.
   void make_pieces();

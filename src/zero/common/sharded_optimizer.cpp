@@ -237,6 +237,8 @@ std::map<int64_t, checkpoint_io::StateDict> ShardedOptimizer::full_states() {
 
 void ShardedOptimizer::stream_full_states(const StateSink& sink) {
   constexpr int kRoot = 0;
+  // Unsharded states are handed over by the optimizer group's root; each
+  // flat group's by the root of the ranks sharing it.
   const bool root = group_ == nullptr || group_->rank() == kRoot;
   auto states = checkpoint_io::detail::optimizer_param_states(*optim_);
   // Parameter id -> (group, index) by the pieces' identity.
@@ -265,6 +267,8 @@ void ShardedOptimizer::stream_full_states(const StateSink& sink) {
   for (size_t k = 0; k < groups_.size(); ++k) {
     const auto& fp = *groups_[k];
     const auto& layout = fp.layout;
+    const auto& shards = fp.group != nullptr ? fp.group : group_;
+    const bool root = shards == nullptr || shards->rank() == kRoot;
     // Keys come from the first parameter with state; every rank has state
     // for the same parameters (all pieces get gradients).
     const checkpoint_io::StateDict* first = nullptr;
@@ -299,8 +303,8 @@ void ShardedOptimizer::stream_full_states(const StateSink& sink) {
       if (root) {
         full = at::empty({layout.padded()}, local.options());
       }
-      if (group_ != nullptr && group_->size() > 1) {
-        distributed::gather(full, local, kRoot, *group_).wait();
+      if (shards != nullptr && shards->size() > 1) {
+        distributed::gather(full, local, kRoot, *shards).wait();
       } else {
         full.copy_(local);
       }

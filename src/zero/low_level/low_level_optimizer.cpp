@@ -2,8 +2,10 @@
 #include <colossalai/zero/low_level_optimizer.h>
 
 #include "../../distributed/grad_bucketer.h"
-#include "../common/flat_params.h"
 #include "../../utils/host_memory.h"
+#include "../common/flat_params.h"
+
+#include <unordered_map>
 
 namespace colossalai {
 namespace zero {
@@ -26,6 +28,7 @@ ShardedOptimizerOptions sharded_options(const LowLevelZeroOptimizerOptions& o) {
 struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   // One bucket: its parameters in the flat shard layout.
   struct Bucket : detail::FlatParams {
+    distributed::ProcessGroupPtr ranks; // sharing this bucket's shards
     at::Tensor working;   // padded flat buffer the parameters view
     bool aliased = false; // shard_data is this rank's slice of `working`
     at::Tensor grads;     // padded flat gradients (comm dtype), while in use
@@ -41,6 +44,10 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   at::ScalarType comm_dtype = at::kFloat;
   std::shared_ptr<distributed::GradBucketer> bucketer;
   int64_t gathers = 0;
+
+  // Parameters with a group of their own (pg_to_param_list), by identity.
+  std::unordered_map<const void*, size_t> own_group;
+  std::vector<distributed::ProcessGroupPtr> groups; // 0: `group`
 
   int n() const {
     return group->size();
@@ -65,11 +72,20 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     po.cap = std::max<int64_t>(1, o.reduce_bucket_size());
     po.bytes = false;
     po.by_dtype_and_device = false;
+    for (const auto& p : working) {
+      auto it = own_group.find(p.unsafeGetTensorImpl());
+      po.groups.push_back(
+          it == own_group.end() ? 0 : static_cast<int64_t>(it->second));
+    }
     auto plan = distributed::plan_buckets(working, po);
     where.resize(working.size());
     buckets.resize(plan.size());
     for (size_t b = 0; b < plan.size(); ++b) {
       auto& bucket = buckets[b];
+      bucket.ranks = groups.at(static_cast<size_t>(po.groups[plan[b][0]]));
+      if (bucket.ranks != group) {
+        bucket.group = bucket.ranks; // the sharded optimizer's view
+      }
       for (size_t i = 0; i < plan[b].size(); ++i) {
         bucket.params.push_back(working[plan[b][i]]);
         where[plan[b][i]] = {b, i};
@@ -91,7 +107,8 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   }
 
   void build_bucket(Bucket& b) {
-    b.layout = detail::FlatShardLayout::of(b.params, n(), group->rank());
+    b.layout =
+        detail::FlatShardLayout::of(b.params, b.ranks->size(), b.ranks->rank());
     const auto& first = b.params.front();
     auto flat32 = b.layout.flatten(b.params, first.options().dtype(at::kFloat));
     // cpu_offload keeps the master (and so the optimizer states created for
@@ -136,12 +153,13 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
 
   distributed::Work launch(size_t k) override {
     auto& b = buckets[k];
-    b.grads.div_(n()); // average first: keeps fp16 sums in range
+    const int n = b.ranks->size();
+    b.grads.div_(n); // average first: keeps fp16 sums in range
     // Both stages: a rank steps only its slice, so a reduce-scatter (half
     // an all-reduce's bytes) is all it needs. The stages differ in what
     // they keep between backwards (stage 1 can accumulate locally).
     b.out = at::empty({b.layout.shard}, b.grads.options());
-    return distributed::reduce_scatter(b.out, b.grads, *group);
+    return distributed::reduce_scatter(b.out, b.grads, *b.ranks);
   }
 
   void complete(size_t k) override {
@@ -163,14 +181,14 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     std::vector<distributed::Work> works;
     gathers = 0;
     for (auto& b : buckets) {
-      if (b.aliased && n() == 1) {
+      if (b.aliased && b.ranks->size() == 1) {
         continue; // the master is the weights
       }
       // A copy: the input must not alias the output it is gathered into.
       auto src = b.shard_data.to(
           b.working.device(), b.working.scalar_type(), false, /*copy=*/true);
       works.push_back(
-          detail::all_gather_flat(b.working, src, b.layout, group.get()));
+          detail::all_gather_flat(b.working, src, b.layout, b.ranks.get()));
       ++gathers;
     }
     for (auto& w : works) {
@@ -183,6 +201,19 @@ LowLevelZeroOptimizer::LowLevelZeroOptimizer(
     std::shared_ptr<torch::optim::Optimizer> optimizer,
     distributed::ProcessGroupPtr group,
     LowLevelZeroOptimizerOptions options)
+    : LowLevelZeroOptimizer(
+          std::move(optimizer),
+          std::move(group),
+          options,
+          {}) {}
+
+LowLevelZeroOptimizer::LowLevelZeroOptimizer(
+    std::shared_ptr<torch::optim::Optimizer> optimizer,
+    distributed::ProcessGroupPtr group,
+    LowLevelZeroOptimizerOptions options,
+    std::vector<
+        std::pair<distributed::ProcessGroupPtr, std::vector<at::Tensor>>>
+        pg_to_param_list)
     : ShardedOptimizer(optimizer, sharded_options(options)),
       impl_(std::make_shared<Impl>()) {
   TORCH_CHECK(
@@ -195,6 +226,22 @@ LowLevelZeroOptimizer::LowLevelZeroOptimizer(
   impl_->group = std::move(group);
   impl_->o = options;
   impl_->comm_dtype = options.communication_dtype().value_or(options.dtype());
+  impl_->groups.push_back(impl_->group);
+  for (auto& entry : pg_to_param_list) {
+    TORCH_CHECK(
+        entry.first != nullptr && entry.first->size() <= impl_->group->size(),
+        "LowLevelZeroOptimizer: each pg_to_param_list group must lie inside "
+        "the optimizer's group");
+    impl_->groups.push_back(entry.first);
+    for (const auto& p : entry.second) {
+      TORCH_CHECK(
+          impl_->own_group
+              .emplace(p.unsafeGetTensorImpl(), impl_->groups.size() - 1)
+              .second,
+          "LowLevelZeroOptimizer: a parameter is listed under two groups of "
+          "pg_to_param_list");
+    }
+  }
   impl_->build(*optimizer);
   std::vector<detail::FlatParams*> groups;
   for (auto& b : impl_->buckets) {

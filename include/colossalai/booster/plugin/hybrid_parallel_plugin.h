@@ -117,6 +117,12 @@ struct HybridParallelPluginOptions {
   TORCH_ARG(int64_t, make_vocab_size_divisible_by) = 64;
   /// Mesh axis order: (dp, pp, sp, tp) when true, (pp, dp, sp, tp) else.
   TORCH_ARG(bool, dp_outside) = true;
+  /// Expert-parallel size (MoeHybridParallelPlugin only; HybridParallelPlugin
+  /// refuses more than 1): each sparse layer's experts are split over ep_size
+  /// data-parallel ranks, which exchange tokens by all-to-all. It divides
+  /// the data-parallel size; the ranks holding the same experts
+  /// (dp / ep_size of them) average those experts' gradients.
+  TORCH_ARG(int, ep_size) = 1;
 };
 
 /// Tensor, sequence, pipeline and data parallelism combined
@@ -173,7 +179,8 @@ struct HybridParallelPluginOptions {
 /// \endcode
 class HybridParallelPlugin : public DPPluginBase {
  public:
-  explicit HybridParallelPlugin(HybridParallelPluginOptions options = {});
+  explicit HybridParallelPlugin(HybridParallelPluginOptions options = {})
+      : HybridParallelPlugin(std::move(options), /*experts=*/false) {}
 
   std::string name() const override {
     return "HybridParallelPlugin";
@@ -203,7 +210,8 @@ class HybridParallelPlugin : public DPPluginBase {
   /// tensor-parallel) and pp_size 1 (a pipeline stage's forward bypasses the
   /// wrapper that refreshes reparametrised layers).
   bool support_lora() const override {
-    return options_.tp_size() == 1 && options_.pp_size() == 1;
+    return options_.tp_size() == 1 && options_.pp_size() == 1 &&
+        options_.ep_size() == 1;
   }
   std::string lora_refusal() const override;
   bool control_checkpoint_io() const override {
@@ -257,6 +265,19 @@ class HybridParallelPlugin : public DPPluginBase {
   const distributed::ProcessGroupPtr& mixed_dp_group() const {
     return mixed_dp_group_;
   }
+  int ep_size() const {
+    return options_.ep_size();
+  }
+  /// The expert-parallel group (ranks splitting the experts; null when
+  /// ep_size is 1).
+  const distributed::ProcessGroupPtr& ep_group() const {
+    return ep_group_;
+  }
+  /// The ranks holding the same experts, over which their gradients are
+  /// averaged (the data-parallel group when ep_size is 1).
+  const distributed::ProcessGroupPtr& moe_dp_group() const {
+    return moe_dp_group_;
+  }
   /// What sharding the boosted model left (specs, partial gradients).
   const shardformer::ShardInfo& shard_info() const {
     return info_;
@@ -266,6 +287,10 @@ class HybridParallelPlugin : public DPPluginBase {
   const std::shared_ptr<const placement::PlacementTable>& placement() const {
     return placement_;
   }
+
+ protected:
+  // `experts`: MoeHybridParallelPlugin (ep_size may exceed 1).
+  HybridParallelPlugin(HybridParallelPluginOptions options, bool experts);
 
  private:
   // NOTE [Parallel steps]
@@ -278,26 +303,33 @@ class HybridParallelPlugin : public DPPluginBase {
   //   apply_data_parallel    DDP or ZeRO over dp x sp, reading the table
   //                          (partial gradients, the global norm)
   // The table is the one description later steps, the optimizers and the
-  // checkpoint IO read. Expert parallelism (MoE) would be one more step
-  // after tensor parallelism: apply_expert_parallel keeps this rank's
-  // experts (an "ep" axis carved from dp), records their weights as
-  // Shard(0) on "ep" in the table, and its layers route tokens with
-  // all_to_all over ep; checkpoint IO then gathers experts along "ep" as
-  // it does along "tp". What it would change here: apply_data_parallel
-  // takes one group (dp x sp) for every parameter, and an expert's
-  // gradient is reduced over the dp ranks holding the same expert, so the
-  // step would read each parameter's reduction group from the table.
+  // checkpoint IO read. Expert parallelism (MoeHybridParallelPlugin) is
+  // one more step: apply_expert_parallel keeps this rank's experts (the
+  // policy set the sparse layers' all-to-all over ep), and
+  // apply_data_parallel reduces their gradients over moe_dp, the ranks
+  // holding the same experts, the rest over dp x sp.
   //
   // configure's steps, in order (each fills the members it names).
   // Tensor (and sequence) parallelism: shards the layers as the policy
-  // says (info_, policy_); a lazy model without pipeline materialises here.
-  void apply_tensor_parallel(torch::nn::Module& module, bool lazy_model);
-  // Splits the model over the stages: keeps this rank's layers (their
-  // parameter names are returned), releases the rest (stage_manager_,
-  // schedule_, chunk_layers_, chunk_params_, shared_params_).
-  std::set<std::string> apply_pipeline(
+  // says (info_, policy_; the policy also splits the experts over ep).
+  void apply_tensor_parallel(torch::nn::Module& module);
+  // Splits the model over the stages: the names of this rank's layers'
+  // parameters (stage_manager_, schedule_, chunk_layers_, chunk_params_,
+  // shared_params_, each parameter's stage in state_->owner).
+  std::set<std::string> apply_pipeline(torch::nn::Module& module);
+  // Leaves out of `held` (every parameter, or this stage's) the experts
+  // other expert-parallel ranks hold.
+  void apply_expert_parallel(
       torch::nn::Module& module,
-      interface::OptimizerWrapper& optimizer);
+      std::set<std::string>& held);
+  // Under pipelines or expert parallelism: releases the parameters this
+  // rank does not hold (storage freed, no gradient, out of the optimizer,
+  // as ColossalAI's shardformer does) and records the parts checkpoints
+  // write (state_).
+  void release_other_parts(
+      torch::nn::Module& module,
+      interface::OptimizerWrapper& optimizer,
+      const std::set<std::string>& held);
   // Where each held parameter lives (placement_, NOTE [Placement table]),
   // and the optimizer's parameters by id for checkpoints.
   void build_placement(
@@ -326,6 +358,10 @@ class HybridParallelPlugin : public DPPluginBase {
       shardformer::SequenceParallelMode::kNone;
   int sp_size_ = 1;
   distributed::ProcessGroupPtr tp_group_, sp_group_, mixed_dp_group_, pp_group_;
+  distributed::ProcessGroupPtr ep_group_, moe_dp_group_;
+  int pp_axis_ = 1, ep_axis_ = -1;
+  // This rank's expert parameters (reduced over moe_dp_group_).
+  std::vector<at::Tensor> expert_params_;
   shardformer::ShardInfo info_;
   std::shared_ptr<const placement::PlacementTable> placement_;
   std::shared_ptr<HybridState> state_; // shared with the checkpoint IO

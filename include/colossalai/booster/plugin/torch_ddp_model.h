@@ -5,6 +5,8 @@
 #include <colossalai/interface/model.h>
 
 #include <memory>
+#include <set>
+#include <string>
 
 namespace colossalai {
 namespace zero {
@@ -33,10 +35,14 @@ namespace plugin {
 /// ZeRO and FSDP stand on too; this class adds only what DDP does with it.
 class TorchDDPModel : public interface::ModelWrapper {
  public:
+  /// `params_to_ignore` (parameter names) are neither broadcast nor
+  /// reduced (torch's `_set_params_and_buffers_to_ignore_for_model`: the
+  /// experts of expert parallelism, averaged over another group).
   TorchDDPModel(
       std::shared_ptr<interface::ModelWrapper> inner,
       distributed::ProcessGroupPtr group,
-      const TorchDDPPluginOptions& options);
+      const TorchDDPPluginOptions& options,
+      const std::set<std::string>& params_to_ignore = {});
   ~TorchDDPModel() override;
 
   /// Gradient synchronization on/off (no_sync).

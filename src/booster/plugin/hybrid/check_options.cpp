@@ -72,7 +72,8 @@ void check_pipeline_options(const HybridParallelPluginOptions& o) {
 
 HybridLayout check_hybrid_options(
     const HybridParallelPluginOptions& o,
-    int world) {
+    int world,
+    bool experts) {
   HybridLayout out;
   const int tp = o.tp_size(), pp = o.pp_size();
   TORCH_CHECK(tp >= 1, kName, ": tp_size must be >= 1, got ", tp);
@@ -168,6 +169,31 @@ HybridLayout check_hybrid_options(
       tp * pp * sp);
   out.dp_size = world / (tp * pp * sp);
   out.sp_axis_size = sp;
+  const int ep = o.ep_size();
+  TORCH_CHECK(
+      experts || ep == 1,
+      kName,
+      ": ep_size ",
+      ep,
+      " needs MoeHybridParallelPlugin (HybridParallelPlugin does not split "
+      "experts)");
+  TORCH_CHECK(
+      ep >= 1, "MoeHybridParallelPlugin: ep_size must be >= 1, got ", ep);
+  TORCH_CHECK(
+      out.dp_size % ep == 0,
+      "MoeHybridParallelPlugin: ep_size ",
+      ep,
+      " must divide the data-parallel size world / (tp_size x pp_size x "
+      "sp_size) = ",
+      out.dp_size,
+      " (experts are split over data-parallel ranks)");
+  TORCH_CHECK(
+      !(experts && o.enable_sequence_parallelism()),
+      "MoeHybridParallelPlugin: sequence parallelism is not supported with "
+      "experts (each sparse layer routes the rows of whole sequences); set "
+      "enable_sequence_parallelism(false)");
+  out.ep_size = ep;
+  out.moe_dp_size = out.dp_size / ep;
   return out;
 }
 

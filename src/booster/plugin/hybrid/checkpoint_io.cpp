@@ -124,8 +124,10 @@ bool recv_state(
 // Checkpoints hold whole Hugging Face-layout tensors (any tp / pp / dp size
 // and any plugin loads them): split tensors are gathered to tensor rank 0
 // one at a time on save, and cut to this rank's shard on load. Under
-// pipelines each stage writes what it owns (NOTE [Sharded saves in parts]),
-// or sends it to the one writer for a single file.
+// pipelines and expert parallelism each part (a stage's share of the
+// model, or one expert-parallel rank's experts) writes what it owns (NOTE
+// [Sharded saves in parts]), or sends it to the one writer for a single
+// file.
 class HybridStateAccess : public checkpoint_io::StateAccess {
  public:
   explicit HybridStateAccess(std::shared_ptr<HybridState> state)
@@ -134,11 +136,11 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   void stream_model(
       interface::ModelWrapper& model,
       const checkpoint_io::TensorSink& sink) override {
-    if (!state_->pipelined) {
-      stream_stage_model(model, sink);
+    if (!state_->partitioned) {
+      stream_part_model(model, sink);
       return;
     }
-    // Each tensor goes to the writer (global rank 0) from the stage that
+    // Each tensor goes to the writer (global rank 0) from the part that
     // owns it, in the model's order, one at a time, so the writer holds one
     // tensor (or one shard of a sharded save) at a time and no rank gathers
     // the whole model.
@@ -147,9 +149,9 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
     for (const auto& item : checkpoint_io::model_state_dict(*model.unwrap())) {
       const auto& name = item.key();
       const int owner = s.owner_of(name);
-      const int src = s.stage_source.at(owner);
+      const int src = s.part_source.at(owner);
       at::Tensor whole;
-      if (s.stage == owner) {
+      if (s.part == owner) {
         whole = whole_tensor(name, item.value());
       }
       const auto& world = *distributed::world_group();
@@ -162,13 +164,13 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   }
 
   std::vector<int> part_writers() override {
-    return state_->pipelined ? state_->stage_source : std::vector<int>();
+    return state_->partitioned ? state_->part_source : std::vector<int>();
   }
 
   void stream_model_part(
       interface::ModelWrapper& model,
       const checkpoint_io::TensorSink& sink) override {
-    stream_stage_model(model, sink);
+    stream_part_model(model, sink);
   }
 
   // Streaming: each split tensor's shard is cut from the checkpoint's whole
@@ -176,14 +178,14 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   // no bytes between ranks.
   checkpoint_io::TensorLoader model_tensor_loader(
       interface::ModelWrapper& model) override {
-    if (!tp_active(*state_) && !state_->pipelined) {
+    if (!tp_active(*state_) && !state_->partitioned) {
       return nullptr;
     }
     auto module = model.unwrap();
     auto named = module->named_parameters(true);
     auto targets = std::make_shared<
         std::map<std::string, std::pair<at::Tensor, sl::ShardSpec>>>();
-    // The table holds what this rank holds (under pipelines: its stage's).
+    // The table holds what this rank holds (its part's, when partitioned).
     for (const auto* where : state_->table->entries()) {
       auto spec = tp_spec(*state_, where->name);
       if (!spec.is_split()) {
@@ -202,9 +204,9 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
                const std::string& key,
                const at::Tensor& src,
                const std::string& file) {
-      // A parameter this stage released: the stages holding it read it.
-      // (Every stage keeps every buffer.)
-      if (state->pipelined && names->count(key) && !state->held.count(key)) {
+      // A parameter this part released: the parts holding it read it.
+      // (Every part keeps every buffer.)
+      if (state->partitioned && names->count(key) && !state->held.count(key)) {
         return true;
       }
       auto it = targets->find(key);
@@ -255,16 +257,16 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
       interface::OptimizerWrapper& optimizer,
       const checkpoint_io::StateSink& sink) override {
     auto& s = *state_;
-    if (!s.pipelined) {
-      stream_stage_optimizer(optimizer, sink);
+    if (!s.partitioned) {
+      stream_part_optimizer(optimizer, sink);
       return;
     }
-    // One file: stage by stage to the writer (global rank 0), which streams
-    // its own stage first; the others send theirs (ColossalAI gathers them
+    // One file: part by part to the writer (global rank 0), which streams
+    // its own part first; the others send theirs (ColossalAI gathers them
     // with all_gather_object, holding every stage's states at once).
     const int me = distributed::get_rank();
-    const int src = s.stage_source.at(s.stage);
-    stream_stage_optimizer(
+    const int src = s.part_source.at(s.part);
+    stream_part_optimizer(
         optimizer, [&](int64_t id, const checkpoint_io::StateDict& state) {
           if (me == 0) {
             sink(id, state);
@@ -273,14 +275,15 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
           }
         });
     if (me == src && me != 0) {
-      send_state(*distributed::world_group(), 0, -1, checkpoint_io::StateDict());
+      send_state(
+          *distributed::world_group(), 0, -1, checkpoint_io::StateDict());
     }
     if (me == 0) {
-      for (size_t stage = 1; stage < s.stage_source.size(); ++stage) {
+      for (size_t part = 1; part < s.part_source.size(); ++part) {
         int64_t id = 0;
         checkpoint_io::StateDict state;
         while (recv_state(
-            *distributed::world_group(), s.stage_source[stage], id, state)) {
+            *distributed::world_group(), s.part_source[part], id, state)) {
           sink(id, state);
         }
       }
@@ -290,17 +293,17 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   void stream_optimizer_part(
       interface::OptimizerWrapper& optimizer,
       const checkpoint_io::StateSink& sink) override {
-    stream_stage_optimizer(optimizer, sink);
+    stream_part_optimizer(optimizer, sink);
   }
 
   c10::impl::GenericList optimizer_param_groups(
       interface::OptimizerWrapper& optimizer) override {
     auto groups =
         checkpoint_io::detail::optimizer_param_groups(optimizer.unwrap());
-    if (!state_->pipelined) {
+    if (!state_->partitioned) {
       return groups;
     }
-    // The whole model's ids (this stage's optimizer holds some of them).
+    // The whole model's ids (this part's optimizer holds some of them).
     TORCH_INTERNAL_ASSERT(groups.size() == state_->global_groups.size());
     for (size_t i = 0; i < groups.size(); ++i) {
       auto d = groups.get(i).toGenericDict();
@@ -318,11 +321,11 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
       const c10::IValue& value,
       const std::string& file) override {
     auto& optim = optimizer.unwrap();
-    if (!state_->pipelined) {
+    if (!state_->partitioned) {
       checkpoint_io::detail::load_param_groups(optim, value, file);
       return;
     }
-    // Checked against the whole model's groups, then read as this stage's.
+    // Checked against the whole model's groups, then read as this part's.
     const auto& global = state_->global_groups;
     TORCH_CHECK(
         value.isList() && value.toList().size() == global.size(),
@@ -373,7 +376,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
       int64_t id,
       const checkpoint_io::StateDict& state,
       const std::string& file) override {
-    if (state_->pipelined) {
+    if (state_->partitioned) {
       const auto& g = state_->global_id;
       auto it = std::find(g.begin(), g.end(), id);
       if (it == g.end()) {
@@ -385,7 +388,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
             id,
             ", but the model has ",
             state_->global_name.size());
-        return; // another stage's
+        return; // another part's
       }
       id = it - g.begin();
     }
@@ -423,14 +426,14 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
     return spec.is_split() ? gather_whole(t, spec, state_->tp) : t.detach();
   }
 
-  // The tensors this stage writes (under pipelines, those it owns; else
+  // The tensors this part writes (when partitioned, those it owns; else
   // all), in the model's order.
-  void stream_stage_model(
+  void stream_part_model(
       interface::ModelWrapper& model,
       const checkpoint_io::TensorSink& sink) {
     const auto& s = *state_;
     for (const auto& item : checkpoint_io::model_state_dict(*model.unwrap())) {
-      if (s.pipelined && s.owner_of(item.key()) != s.stage) {
+      if (s.partitioned && s.owner_of(item.key()) != s.part) {
         continue;
       }
       auto whole = whole_tensor(item.key(), item.value());
@@ -440,18 +443,18 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
     }
   }
 
-  // The optimizer states this stage writes, by checkpoint id (under
-  // pipelines: of the parameters it owns, by whole-model id).
-  void stream_stage_optimizer(
+  // The optimizer states this part writes, by checkpoint id (when
+  // partitioned: of the parameters it owns, by whole-model id).
+  void stream_part_optimizer(
       interface::OptimizerWrapper& optimizer,
       const checkpoint_io::StateSink& sink) {
     const auto& s = *state_;
     auto emit = [&](int64_t id, const checkpoint_io::StateDict& state) {
       int64_t out_id = id;
-      if (s.pipelined) {
+      if (s.partitioned) {
         out_id = s.global_id.at(id);
-        if (s.owner_of(s.global_name.at(out_id)) != s.stage) {
-          return; // a tied parameter: its first stage writes it
+        if (s.owner_of(s.global_name.at(out_id)) != s.part) {
+          return; // a tied parameter: its first stage's part writes it
         }
       }
       const auto spec = tp_spec(s, s.name_by_id.at(id));

@@ -36,20 +36,23 @@ struct HybridState {
   std::vector<std::vector<int64_t>> local_shape_by_id;
   std::weak_ptr<zero::LowLevelZeroOptimizer> zero;
 
-  // Pipelines.
-  bool pipelined = false;
-  int stage = 0;
-  // The parameters this stage holds.
+  // Parts: under pipelines and expert parallelism each rank holds part of
+  // the model, a stage's layers and, of their experts, this expert-parallel
+  // rank's. Part index = stage x ep_size + expert-parallel rank.
+  bool partitioned = false;
+  int part = 0;
+  // The parameters this part holds.
   std::set<std::string> held;
-  // The stage that writes each parameter and buffer (the first that holds
-  // it; buffers outside every stage's layers: stage 0).
+  // The part that writes each parameter and buffer (the first stage
+  // holding it; an expert's own expert-parallel rank, else rank 0; buffers
+  // outside every stage's layers: part 0).
   std::map<std::string, int> owner;
-  // Per stage, the global rank that writes its part or sends its tensors to
-  // the writer (its tp / sp / dp rank 0).
-  std::vector<int> stage_source;
+  // Per part, the global rank that writes it or sends its tensors to the
+  // writer (its tp / sp / dp rank 0).
+  std::vector<int> part_source;
   // Optimizer ids in checkpoints number the whole model's parameters, as
-  // the optimizer held them before each stage released the others' (as
-  // ColossalAI's param_info does): this stage's id -> checkpoint id, the
+  // the optimizer held them before each part released the others' (as
+  // ColossalAI's param_info does): this part's id -> checkpoint id, the
   // checkpoint ids per param group, and each checkpoint id's parameter.
   std::vector<int64_t> global_id;
   std::vector<std::vector<int64_t>> global_groups;

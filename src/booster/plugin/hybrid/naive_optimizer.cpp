@@ -2,6 +2,8 @@
 
 #include <colossalai/placement/gradients.h>
 
+#include <unordered_set>
+
 namespace colossalai {
 namespace booster {
 namespace plugin {
@@ -52,8 +54,29 @@ double HybridParallelNaiveOptimizer::clip_grad_by_norm(
   sum_partial_grads();
   const auto params = parameters();
   const auto grads = grads_of(params);
-  const double norm =
-      placement::global_grad_norm(*table_, params, grads, norm_type);
+  double norm = 0;
+  if (ep_ == nullptr) {
+    norm = placement::global_grad_norm(*table_, params, grads, norm_type);
+  } else {
+    // Experts differ per expert-parallel rank, the rest is the same on
+    // each: that is counted on ep rank 0 only, then the ep group sums.
+    std::unordered_set<const void*> expert;
+    for (const auto& p : experts_) {
+      expert.insert(p.unsafeGetTensorImpl());
+    }
+    std::vector<at::Tensor> counted;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (table_->counts_once(params[i]) &&
+          (ep_->rank() == 0 || expert.count(params[i].unsafeGetTensorImpl()))) {
+        counted.push_back(grads[i]);
+      }
+    }
+    std::vector<const distributed::ProcessGroup*> groups{ep_.get()};
+    for (const auto* g : table_->reduction_groups()) {
+      groups.push_back(g);
+    }
+    norm = interface::total_norm(counted, norm_type, groups);
+  }
   // Same rule and epsilon as torch.nn.utils.clip_grad_norm_.
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {
@@ -62,11 +85,38 @@ double HybridParallelNaiveOptimizer::clip_grad_by_norm(
   return norm;
 }
 
+void HybridParallelNaiveOptimizer::set_experts(
+    std::vector<at::Tensor> params,
+    distributed::ProcessGroupPtr moe_dp,
+    distributed::ProcessGroupPtr ep) {
+  experts_ = std::move(params);
+  moe_dp_ = std::move(moe_dp);
+  ep_ = std::move(ep);
+}
+
 void HybridParallelNaiveOptimizer::sum_partial_grads() {
-  if (!table_->has_partial() || summed_) {
+  if (summed_) {
     return;
   }
   summed_ = true; // once per step, whoever asks first
+  if (moe_dp_ != nullptr && moe_dp_->size() > 1) {
+    // Every expert has a gradient (each runs, on no rows too): one
+    // all-reduce of them all, then the mean.
+    std::vector<at::Tensor> grads;
+    for (auto& p : experts_) {
+      if (!p.grad().defined()) {
+        p.mutable_grad() = at::zeros_like(p);
+      }
+      grads.push_back(p.mutable_grad());
+    }
+    placement::sum_flat(grads, *moe_dp_);
+    for (auto& g : grads) {
+      g.div_(moe_dp_->size());
+    }
+  }
+  if (!table_->has_partial()) {
+    return;
+  }
   const auto params = parameters();
   const auto grads = grads_of(params);
   placement::sum_partial_grads(*table_, params, grads);

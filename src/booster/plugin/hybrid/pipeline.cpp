@@ -28,8 +28,7 @@ constexpr const char* kPluginName = "HybridParallelPlugin";
 } // namespace
 
 std::set<std::string> HybridParallelPlugin::apply_pipeline(
-    torch::nn::Module& module,
-    interface::OptimizerWrapper& optimizer) {
+    torch::nn::Module& module) {
   const int pp = options_.pp_size();
   const int64_t layers = policy_->num_pipeline_layers(module);
   TORCH_CHECK(
@@ -95,71 +94,9 @@ std::set<std::string> HybridParallelPlugin::apply_pipeline(
       shared_params_.push_back(*p);
     }
   }
-  // A lazy model materialises here, keeping this stage's parameters only:
-  // the others are computed one at a time (the random stream must advance
-  // as in eager construction) and dropped at once, so a stage never holds
-  // another stage's layers.
-  if (lazy::is_lazy(module)) {
-    lazy::materialize(
-        module, [&](const std::string& name, const at::Tensor& full) {
-          return held.count(name) || !named.contains(name)
-              ? full
-              : at::empty({0}, full.options());
-        });
-    module.to(current_device());
-  }
-  // Checkpoints number the optimizer's parameters as it holds them now,
-  // before the release.
+  // Checkpoints: which stage writes each parameter and buffer
+  // (release_other_parts makes these parts).
   const auto& st = state_;
-  {
-    std::unordered_map<const void*, std::string> name_of;
-    for (const auto& item : named) {
-      name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
-    }
-    st->global_id.clear();
-    st->global_groups.clear();
-    st->global_name.clear();
-    int64_t id = 0;
-    for (const auto& group : optimizer_param_names(optimizer, name_of)) {
-      st->global_groups.emplace_back();
-      for (const auto& name : group) {
-        if (held.count(name)) {
-          st->global_id.push_back(id);
-        }
-        st->global_name.push_back(name);
-        st->global_groups.back().push_back(id++);
-      }
-    }
-  }
-  // Release what other stages hold (ColossalAI's shardformer does the
-  // same): storage freed, no gradient, out of the optimizer.
-  std::unordered_set<const void*> released;
-  {
-    at::NoGradGuard no_grad;
-    for (auto& item : named) {
-      if (!held.count(item.key())) {
-        auto& p = item.value();
-        released.insert(p.unsafeGetTensorImpl());
-        p.set_data(at::empty({0}, p.options()));
-        p.requires_grad_(false);
-      }
-    }
-  }
-  for (auto& g : optimizer.param_groups()) {
-    auto& ps = g.params();
-    ps.erase(
-        std::remove_if(
-            ps.begin(),
-            ps.end(),
-            [&](const at::Tensor& p) {
-              return released.count(p.unsafeGetTensorImpl()) > 0;
-            }),
-        ps.end());
-  }
-  // Checkpoints: which stage writes each parameter and buffer, and who
-  // sends it.
-  st->stage = stage_manager_->stage();
-  st->held = held;
   st->owner.clear();
   for (int s = pp - 1; s >= 0; --s) {
     for (int c = 0; c < options_.num_model_chunks(); ++c) {
@@ -183,13 +120,6 @@ std::set<std::string> HybridParallelPlugin::apply_pipeline(
         "' (",
         policy_->name(),
         ".held_layers leaves it out)");
-  }
-  std::vector<int> coord(mesh_->shape().size(), 0);
-  const int pp_axis = options_.dp_outside() ? 1 : 0;
-  st->stage_source.clear();
-  for (int s = 0; s < pp; ++s) {
-    coord[pp_axis] = s;
-    st->stage_source.push_back(mesh_->ravel(coord));
   }
   auto p2p = std::make_shared<pipeline::PipelineP2PCommunication>(
       pp_group_, options_.enable_metadata_cache());
@@ -225,7 +155,9 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
       ".execute_pipeline needs a model boosted with pp_size > 1");
   auto* guard = boosted_guard(model);
   TORCH_CHECK(
-      guard != nullptr, kPluginName, ".execute_pipeline: pass the boosted model");
+      guard != nullptr,
+      kPluginName,
+      ".execute_pipeline: pass the boosted model");
   auto* zero = boosted_zero(optimizer);
   TORCH_CHECK(
       options_.zero_stage() == 0 || zero != nullptr,
