@@ -8,8 +8,12 @@
 // the test set-up (transformers, pinned in scripts/requirements-hf.txt).
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/gemini_plugin.h>
 #include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
+#include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/booster/plugin/moe_hybrid_parallel_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/booster/plugin/torch_fsdp_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/data/distributed_sampler.h>
@@ -872,10 +876,81 @@ TEST_F(HfModels, MoeModelsTrainUnderExpertParallelismAsOneProcess) {
   });
 }
 
+// A mixture of experts trains under the data-parallel plugins too, every
+// rank holding every expert (each runs on every rank, so every expert has a
+// gradient to reduce, zero where no token chose it): qwen3_moe under DDP,
+// ZeRO-2, FSDP and Gemini equals one process (fp32 SGD, the weights read
+// back from each plugin's save).
+TEST_F(HfModels, MoeModelTrainsUnderEveryDataParallelPlugin) {
+  fixtures();
+  run_distributed(2, [](int, int) {
+    using M = models::Qwen3MoeForCausalLM;
+    namespace cpl = cb::plugin;
+    const auto dir = (fixtures() / "qwen3_moe").string();
+    const auto ref = colossalai::testing::train_one_process(
+        models::from_pretrained<M>(dir), kSteps, /*sgd=*/true, 0.0, batch);
+    const fs::path out = colossalai::testing::scratch(
+        colossalai::testing::test_process(), "hf_models_ep");
+    std::vector<std::pair<std::string, std::shared_ptr<cpl::DPPluginBase>>>
+        plugins{
+            {"ddp", std::make_shared<cpl::TorchDDPPlugin>()},
+            {"zero2",
+             std::make_shared<cpl::LowLevelZeroPlugin>(
+                 cpl::LowLevelZeroPluginOptions().stage(2).precision("fp32"))},
+            {"fsdp", std::make_shared<cpl::TorchFSDPPlugin>()},
+            {"gemini",
+             std::make_shared<cpl::GeminiPlugin>(
+                 cpl::GeminiPluginOptions().precision("fp32"))}};
+    for (auto& entry : plugins) {
+      SCOPED_TRACE(entry.first);
+      auto& plugin = entry.second;
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto model = models::from_pretrained<M>(dir);
+      auto boosted = booster.boost(
+          model,
+          colossalai::testing::make_optimizer(model->parameters(), true));
+      const int dp = plugin->dp_size();
+      const int64_t local = kGlobalBatch / dp;
+      for (int step = 0; step < kSteps; ++step) {
+        auto b = batch(step);
+        auto x = b.first.narrow(0, local * plugin->dp_rank(), local);
+        auto y = b.second.narrow(0, local * plugin->dp_rank(), local);
+        boosted.optimizer->zero_grad();
+        auto loss = model->loss(boosted.model(x), y);
+        booster.backward(loss, *boosted.optimizer);
+        boosted.optimizer->step();
+        at::Tensor l = loss.detach().reshape({1}).clone();
+        cd::all_reduce(l, *plugin->dp_group()).wait();
+        EXPECT_NEAR(l.item<double>() / dp, ref.first[step], 1e-5)
+            << "step " << step;
+      }
+      const auto saved = (out / ("plugin_" + entry.first)).string();
+      booster.save_model(
+          boosted.model,
+          saved,
+          colossalai::checkpoint_io::SaveModelOptions()
+              .shard(true)
+              .use_safetensors(true));
+      const auto got = colossalai::testing::whole_weights(
+          *models::from_pretrained<M>(saved),
+          colossalai::shardformer::ShardInfo());
+      EXPECT_EQ(got.size(), ref.second.size());
+      for (const auto& kv : got) {
+        ASSERT_TRUE(ref.second.count(kv.first)) << kv.first;
+        EXPECT_LE(
+            (kv.second - ref.second.at(kv.first)).abs().max().item<double>(),
+            2e-5)
+            << kv.first;
+      }
+    }
+  });
+}
+
 // A checkpoint written under expert parallelism holds every expert under
 // its transformers name: saved at ep 2 (x moe_dp 2, ZeRO-1, AdamW), it
-// loads at ep 4 (ZeRO-2) and at ep 1 (HybridParallelPlugin), the optimizer
-// too, and the next step lands where the ep 2 run's did; transformers reads
+// loads at ep 4 (ZeRO-2), at ep 1 (HybridParallelPlugin) and under
+// LowLevelZeroPlugin, the optimizer too, and the next step lands where the
+// ep 2 run's did; transformers reads
 // the directory and computes the fixture's logits. Qwen2-MoE: a dense first
 // layer, a shared expert and the balancing loss (every run has dp 4, so
 // every rank sees the same shard of the batch in each).
@@ -904,14 +979,13 @@ TEST_F(HfModels, ExpertParallelCheckpointsLoadAtAnyLayoutAndInTransformers) {
         };
     // The weights this rank holds equal `path`'s, within `tol`.
     auto expect_weights = [](M& model,
-                             auto& plugin,
+                             const colossalai::shardformer::ShardInfo& info,
                              const std::string& path,
                              double tol) {
       const auto want = colossalai::testing::whole_weights(
           *models::from_pretrained<M>(path),
           colossalai::shardformer::ShardInfo());
-      const auto got =
-          colossalai::testing::whole_weights(*model, plugin->shard_info());
+      const auto got = colossalai::testing::whole_weights(*model, info);
       EXPECT_GT(got.size(), 0u);
       for (const auto& kv : got) {
         ASSERT_TRUE(want.count(kv.first)) << kv.first;
@@ -942,14 +1016,11 @@ TEST_F(HfModels, ExpertParallelCheckpointsLoadAtAnyLayoutAndInTransformers) {
           colossalai::checkpoint_io::SaveOptimizerOptions().shard(true));
       step(booster, plugin, model, boosted, 1);
       booster.save_model(boosted.model, after, sharded);
-      expect_weights(model, plugin, after, 0.0);
+      expect_weights(model, plugin->shard_info(), after, 0.0);
     }
-    auto resume = [&](const HPO& options, const std::string& what) {
+    auto resume = [&](std::shared_ptr<cb::plugin::DPPluginBase> plugin,
+                      const std::string& what) {
       SCOPED_TRACE(what);
-      std::shared_ptr<cb::plugin::HybridParallelPlugin> plugin =
-          options.ep_size() > 1
-          ? std::make_shared<cb::plugin::MoeHybridParallelPlugin>(options)
-          : std::make_shared<cb::plugin::HybridParallelPlugin>(options);
       ASSERT_EQ(plugin->dp_size(), kDp);
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
       auto model = models::from_pretrained<M>(src);
@@ -958,14 +1029,29 @@ TEST_F(HfModels, ExpertParallelCheckpointsLoadAtAnyLayoutAndInTransformers) {
           colossalai::testing::make_optimizer(model->parameters(), false));
       booster.load_model(boosted.model, saved);
       booster.load_optimizer(*boosted.optimizer, optim);
-      expect_weights(model, plugin, saved, 0.0);
+      auto* hybrid =
+          dynamic_cast<cb::plugin::HybridParallelPlugin*>(plugin.get());
+      const auto info = hybrid != nullptr
+          ? hybrid->shard_info()
+          : colossalai::shardformer::ShardInfo();
+      expect_weights(model, info, saved, 0.0);
       step(booster, plugin, model, boosted, 1);
       // AdamW's step from the loaded moments: the ep 2 run's, up to the
       // rounding of reductions in another order.
-      expect_weights(model, plugin, after, 1e-5);
+      expect_weights(model, info, after, 1e-5);
     };
-    resume(HPO().precision("fp32").ep_size(4).zero_stage(2), "ep4_zero2");
-    resume(HPO().precision("fp32").zero_stage(1), "ep1_zero1");
+    resume(
+        std::make_shared<cb::plugin::MoeHybridParallelPlugin>(
+            HPO().precision("fp32").ep_size(4).zero_stage(2)),
+        "ep4_zero2");
+    resume(
+        std::make_shared<cb::plugin::HybridParallelPlugin>(
+            HPO().precision("fp32").zero_stage(1)),
+        "ep1_zero1");
+    resume(
+        std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+            cb::plugin::LowLevelZeroPluginOptions().stage(2).precision("fp32")),
+        "low_level_zero2");
     if (rank == 0) {
       const auto r = colossalai::testing::run_shell(
           std::string(kHfPython) + " " + quote(script().string()) + " check " +

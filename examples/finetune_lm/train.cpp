@@ -1,8 +1,8 @@
 // Fine-tunes a causal language model on a text corpus with the Booster.
 //
 //   finetune_lm [--model DIR | --config gpt2-tiny|llama-tiny] [--data PATH]
-//               [--plugin none|ddp|zero1|zero2|fsdp|gemini|hybrid]
-//               [--tp N] [--pp N] [--sp N] [--sp-mode M] [--zero N]
+//               [--plugin none|ddp|zero1|zero2|fsdp|gemini|hybrid|moe_hybrid]
+//               [--tp N] [--pp N] [--sp N] [--sp-mode M] [--zero N] [--ep N]
 //               [--lora R] [--qlora]
 //               [--precision fp32|bf16|fp16] [--steps N] [--seq-len T]
 //               [--batch-size B] [--lr X] [--warmup N] [--schedule S]
@@ -56,7 +56,7 @@ struct Args {
   int nproc = 2;
   std::string model_dir, config = "gpt2-tiny", data = kFortunes;
   std::string plugin = "ddp";
-  int tp = 1, pp = 1, sp = 1, zero = 0;
+  int tp = 1, pp = 1, sp = 1, zero = 0, ep = 1;
   std::string sp_mode = "all_to_all";
   int lora = 0;
   bool qlora = false;
@@ -89,7 +89,14 @@ Args parse(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--plugin", a.plugin, "parallel strategy")
       ->check(CLI::IsMember(
-          {"none", "ddp", "zero1", "zero2", "fsdp", "gemini", "hybrid"}))
+          {"none",
+           "ddp",
+           "zero1",
+           "zero2",
+           "fsdp",
+           "gemini",
+           "hybrid",
+           "moe_hybrid"}))
       ->capture_default_str();
   app.add_option("--tp", a.tp, "hybrid: tensor-parallel size")
       ->capture_default_str();
@@ -105,6 +112,11 @@ Args parse(int argc, char** argv) {
          "ring (over the --tp group)")
       ->capture_default_str();
   app.add_option("--zero", a.zero, "hybrid: ZeRO stage (0, 1, 2)")
+      ->capture_default_str();
+  app.add_option(
+         "--ep",
+         a.ep,
+         "moe_hybrid: expert-parallel size (splits the data-parallel ranks)")
       ->capture_default_str();
   app.add_option("--lora", a.lora, "LoRA rank (0: full fine-tuning)")
       ->capture_default_str();
@@ -166,15 +178,22 @@ Args parse(int argc, char** argv) {
   TORCH_CHECK(
       !a.qlora || a.lora > 0,
       "--qlora trains LoRA adapters on a quantized base: give --lora R");
+  const bool hybrid = a.plugin == "hybrid" || a.plugin == "moe_hybrid";
   TORCH_CHECK(
-      a.plugin == "hybrid" || (a.tp == 1 && a.pp == 1 && a.sp == 1),
-      "--tp, --pp and --sp need --plugin hybrid (got --plugin ",
+      hybrid || (a.tp == 1 && a.pp == 1 && a.sp == 1),
+      "--tp, --pp and --sp need --plugin hybrid or moe_hybrid (got --plugin ",
       a.plugin,
       ")");
   TORCH_CHECK(
-      a.plugin == "hybrid" || a.zero == 0,
+      hybrid || a.zero == 0,
       "--zero sets the hybrid plugin's ZeRO stage; for ZeRO alone use "
       "--plugin zero1 or zero2");
+  TORCH_CHECK(
+      a.plugin == "moe_hybrid" || a.ep == 1,
+      "--ep needs --plugin moe_hybrid (got --plugin ",
+      a.plugin,
+      ")");
+  TORCH_CHECK(a.ep >= 1, "--ep must be >= 1, got ", a.ep);
   TORCH_CHECK(
       a.tp >= 1 && a.pp >= 1 && a.sp >= 1, "--tp, --pp and --sp must be >= 1");
   TORCH_CHECK(
@@ -203,9 +222,9 @@ Args parse(int argc, char** argv) {
   TORCH_CHECK(
       a.lora == 0 ||
           (a.plugin != "fsdp" && a.plugin != "gemini" && a.tp == 1 &&
-           a.pp == 1),
+           a.pp == 1 && a.ep == 1),
       "--lora works with --plugin none, ddp, zero1, zero2 and hybrid at "
-      "--tp 1 --pp 1");
+      "--tp 1 --pp 1 --ep 1");
   TORCH_CHECK(
       a.save_every >= 0, "--save-every must be >= 0, got ", a.save_every);
   TORCH_CHECK(a.keep_last >= 1, "--keep-last must be >= 1, got ", a.keep_last);
@@ -365,7 +384,8 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
                .tp_size(a.tp)
                .pp_size(a.pp)
                .zero_stage(a.zero)
-               .precision(a.precision);
+               .precision(a.precision)
+               .ep_size(a.ep);
   if (a.pp > 1) {
     o.num_microbatches(a.pp);
   }
@@ -374,6 +394,9 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
         a.sp_mode);
   } else if (a.sp_mode == "split_gather" || a.sp_mode == "ring") {
     o.enable_sequence_parallelism(true).sequence_parallelism_mode(a.sp_mode);
+  }
+  if (a.plugin == "moe_hybrid") {
+    return {std::make_shared<MoeHybridParallelPlugin>(o), ""};
   }
   return {std::make_shared<HybridParallelPlugin>(o), ""};
 }
@@ -647,10 +670,11 @@ int train(const Args& a) {
         static_cast<long long>(a.seq_len),
         world,
         a.plugin.c_str(),
-        a.plugin == "hybrid"
+        a.plugin == "hybrid" || a.plugin == "moe_hybrid"
             ? (" (tp " + std::to_string(a.tp) + ", pp " + std::to_string(a.pp) +
                ", sp " + std::to_string(a.sp) + " " + a.sp_mode + ", zero " +
-               std::to_string(a.zero) + ")")
+               std::to_string(a.zero) +
+               (a.ep > 1 ? ", ep " + std::to_string(a.ep) : "") + ")")
                   .c_str()
             : "",
         a.lora ? (a.qlora ? "QLoRA" : "LoRA") : "full fine-tuning");
