@@ -9,9 +9,10 @@
 //
 // Per setup: step time (median and spread over every step of every round,
 // rank 0), tokens per second of the global batch, bytes handed to the
-// expert-parallel group per step beside the formula (per sparse layer:
-// dispatch and combine in forward and backward, 4 x N k C x 4 bytes, plus
-// the E counts), parameters and model-state bytes per rank.
+// expert-parallel group per step, mean over ranks beside the formula (per
+// sparse layer: dispatch and combine in forward and backward, 4 x N k C x 4
+// bytes, plus the E counts) and the most any rank handed over (routing is
+// uneven), parameters and model-state bytes per rank.
 //
 //   bench_moe_step [--nproc 4] [--global-batch 8] [--steps 3] [--rounds 3]
 //                  [--setups ep1,ep2,ep4] [--out FILE.json]
@@ -64,7 +65,7 @@ struct Setup {
   models::LlamaForCausalLM model{nullptr};
   cb::Boosted<models::LlamaForCausalLM, std::nullptr_t, std::nullptr_t> boosted;
   std::vector<double> ms;
-  int64_t ep_bytes = 0, params = 0, model_state = 0;
+  int64_t ep_bytes = 0, ep_bytes_max = 0, params = 0, model_state = 0;
 };
 
 int run_rank(const Options& o) {
@@ -142,6 +143,15 @@ int run_rank(const Options& o) {
   }
   for (auto& s : setups) {
     s->ep_bytes /= static_cast<int64_t>(o.rounds) * o.steps;
+    // What a rank sends depends on where its tokens go, what it returns on
+    // what it received; over every rank the rows sent are the rows
+    // received, so the mean over ranks meets the formula exactly.
+    auto total = at::tensor({static_cast<double>(s->ep_bytes)}, at::kDouble);
+    auto most = total.clone();
+    cd::all_reduce(total, *cd::world_group()).wait();
+    cd::all_reduce(most, *cd::world_group(), cd::ReduceOp::kMax).wait();
+    s->ep_bytes = static_cast<int64_t>(total.item<double>() / world + 0.5);
+    s->ep_bytes_max = static_cast<int64_t>(most.item<double>());
     for (const auto& p : s->model->parameters())
       s->params += p.numel();
     auto* z = dynamic_cast<colossalai::zero::LowLevelZeroOptimizer*>(
@@ -167,8 +177,9 @@ int run_rank(const Options& o) {
       "Mixtral-shaped (%lld layers, %lld experts, top %lld, width %lld), %d "
       "ranks, ZeRO-1, global batch %d x %lld\n"
       "| setup | step ms (median) | spread | vs ep1 | tokens/s | ep bytes/step "
-      "| formula | parameters/rank | model state MB/rank |\n"
-      "|---|---|---|---|---|---|---|---|---|\n",
+      "(mean) | formula | most, one rank | parameters/rank | model state "
+      "MB/rank |\n"
+      "|---|---|---|---|---|---|---|---|---|---|\n",
       (long long)layers,
       (long long)e,
       (long long)k,
@@ -187,12 +198,14 @@ int run_rank(const Options& o) {
          << ", \"step_ms\": " << colossalai::bench::stats_json(s.ms)
          << ", \"vs_ep1\": " << ms / base
          << ", \"tokens_per_s\": " << tokens / (ms / 1e3)
-         << ", \"ep_bytes_per_step\": " << s.ep_bytes
+         << ", \"ep_bytes_per_step_mean\": " << s.ep_bytes
+         << ", \"ep_bytes_per_step_max\": " << s.ep_bytes_max
          << ", \"ep_formula_bytes\": " << formula
          << ", \"parameters_per_rank\": " << s.params
          << ", \"model_state_bytes\": " << s.model_state << "}";
     std::printf(
-        "| %s | %.0f | %.0f-%.0f | %.2fx | %.0f | %lld | %lld | %lld | %.1f |\n",
+        "| %s | %.0f | %.0f-%.0f | %.2fx | %.0f | %lld | %lld | %lld | %lld | "
+        "%.1f |\n",
         s.name.c_str(),
         ms,
         lo,
@@ -201,6 +214,7 @@ int run_rank(const Options& o) {
         tokens / (ms / 1e3),
         (long long)s.ep_bytes,
         (long long)formula,
+        (long long)s.ep_bytes_max,
         (long long)s.params,
         s.model_state / 1e6);
   }

@@ -1062,6 +1062,66 @@ TEST_F(HfModels, ExpertParallelCheckpointsLoadAtAnyLayoutAndInTransformers) {
   });
 }
 
+// What expert parallelism cannot do is refused by name, on every rank
+// before anything is communicated or sharded.
+TEST_F(HfModels, ExpertParallelismRefusesWhatCannotCombineByName) {
+  fixtures();
+  using cb::plugin::MoeHybridParallelPlugin;
+  using colossalai::testing::error_of;
+  auto has = [](const std::string& text, const std::string& part) {
+    EXPECT_NE(text.find(part), std::string::npos) << text;
+  };
+  run_distributed(4, [&](int, int) {
+    const auto base = HPO().precision("fp32");
+    has(error_of(
+            [&] { cb::plugin::HybridParallelPlugin p(HPO(base).ep_size(2)); }),
+        "ep_size 2 needs MoeHybridParallelPlugin");
+    has(error_of([&] { MoeHybridParallelPlugin p(HPO(base).ep_size(3)); }),
+        "ep_size 3 must divide the data-parallel size");
+    has(error_of([&] {
+          MoeHybridParallelPlugin p(HPO(base).ep_size(2).tp_size(4));
+        }),
+        "must divide the data-parallel size world / (tp_size x pp_size x "
+        "sp_size) = 1");
+    has(error_of([&] {
+          MoeHybridParallelPlugin p(
+              HPO(base)
+                  .ep_size(2)
+                  .sp_size(2)
+                  .enable_sequence_parallelism(true)
+                  .sequence_parallelism_mode("all_to_all"));
+        }),
+        "sequence parallelism is not supported with experts");
+    // A dense model has no experts to split.
+    auto plugin =
+        std::make_shared<MoeHybridParallelPlugin>(HPO(base).ep_size(2));
+    EXPECT_FALSE(plugin->support_lora());
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto dense = models::from_pretrained<models::LlamaForCausalLM>(
+        (fixtures() / "llama3").string());
+    has(error_of([&] {
+          booster.boost(
+              dense,
+              colossalai::testing::make_optimizer(dense->parameters(), true));
+        }),
+        "ep_size 2 needs a model with experts");
+  });
+  // 4 experts do not split over 3 ranks.
+  run_distributed(3, [&](int, int) {
+    auto plugin = std::make_shared<MoeHybridParallelPlugin>(
+        HPO().precision("fp32").ep_size(3));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = models::from_pretrained<models::Qwen3MoeForCausalLM>(
+        (fixtures() / "qwen3_moe").string());
+    has(error_of([&] {
+          booster.boost(
+              model,
+              colossalai::testing::make_optimizer(model->parameters(), true));
+        }),
+        "num_experts (4) must divide by ep_size (3)");
+  });
+}
+
 TEST_F(HfModels, LoadedLlamaTrainsUnderTp2Pp2AsOneProcess) {
   fixtures();
   run_distributed(4, [](int, int) {
