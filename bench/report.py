@@ -6,7 +6,7 @@ results folder.
 Reads whatever is there (collectives_n*.json, ddp_step_*.json,
 torch_ddp_step_*.json, zero_step_n*.json, hybrid_adam.json,
 checkpoint_io.json, gemini_budget.json, hybrid_step_n*.json,
-pipeline_step_n*.json, lora_step.json, qlora.json, tokenizer.json,
+pipeline_step_n*.json, moe_step_n*.json, lora_step.json, qlora.json, tokenizer.json,
 run.json) and skips the sections it has no data for.
 Plots need matplotlib (Debian: python3-matplotlib); without it the report has
 tables only.
@@ -714,6 +714,52 @@ class Report:
         self.figure(fig, "hybrid_step.png",
                     "step time and memory per rank, tensor vs data parallel")
 
+    def moe_step(self):
+        runs = [load(p) for p in natural(glob.glob(
+            os.path.join(self.dir, "moe_step_n*.json")))]
+        if not runs:
+            return
+        d0 = runs[0]
+        self.add("## Expert parallelism (MoeHybridParallelPlugin)", "")
+        self.add(f"A Mixtral of gpt-small-cpu's size ({d0['experts']} experts, "
+                 f"top {d0['top_k']}), global batch {d0['global_batch']} x "
+                 f"{d0['seq']} tokens, every rank data-parallel, ZeRO-1, fp32 "
+                 "AdamW, 1 thread per rank; ep1 holds every expert on every "
+                 "rank (HybridParallelPlugin), ep2 / ep4 split them and send "
+                 "tokens by all-to-all. Setups alternate inside one run "
+                 "(`bench_moe_step`). Bytes are handed to the expert-parallel "
+                 "group per step: the mean over ranks beside the formula "
+                 "(per sparse layer 4 x N k C x 4 bytes: dispatch and combine, "
+                 "forward and backward, plus the counts), and the most one "
+                 "rank handed over (routing is uneven).", "")
+        rows = []
+        for d in runs:
+            for name, r in d["setups"].items():
+                rows.append([
+                    str(d["world_size"]), name,
+                    f"{r['step_ms']['median']:.0f}",
+                    f"{r['step_ms']['p10']:.0f}-{r['step_ms']['p90']:.0f}",
+                    f"{r['vs_ep1']:.2f}x", f"{r['tokens_per_s']:.0f}",
+                    fmt_bytes(r["ep_bytes_per_step_mean"]),
+                    fmt_bytes(r["ep_formula_bytes"]),
+                    fmt_bytes(r["ep_bytes_per_step_max"]),
+                    f"{r['parameters_per_rank'] / 1e6:.1f}M",
+                    fmt_bytes(r["model_state_bytes"])])
+        self.table(["ranks", "setup", "step ms", "p10-p90", "vs ep1",
+                    "tokens/s", "ep bytes (mean)", "formula", "most",
+                    "parameters/rank", "model state/rank"], rows)
+        if plt is None:
+            return
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3.5))
+        names = list(d0["setups"])
+        axes[0].bar(names, [d0["setups"][n]["tokens_per_s"] for n in names])
+        axes[0].set_ylabel("tokens/s")
+        axes[1].bar(names, [d0["setups"][n]["model_state_bytes"] / 2**20
+                            for n in names])
+        axes[1].set_ylabel("model state MB per rank")
+        self.figure(fig, "moe_step.png",
+                    "tokens/s and model state per rank at ep 1, 2, 4")
+
     def pipeline_step(self):
         runs = [load(p) for p in natural(glob.glob(
             os.path.join(self.dir, "pipeline_step_n*.json")))]
@@ -991,6 +1037,7 @@ class Report:
         self.gemini_budget()
         self.hybrid_step()
         self.pipeline_step()
+        self.moe_step()
         self.lora_step()
         self.qlora()
         self.tokenizer()
