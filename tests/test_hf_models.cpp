@@ -1076,6 +1076,46 @@ TEST_F(HfModels, ExpertParallelCheckpointsLoadAtAnyLayoutAndInTransformers) {
   });
 }
 
+// A lazily built mixture of experts under ep 2 x tp 2: each rank
+// materialises its own experts' tensor-parallel slices only, then the
+// booster fills them from the transformers directory, bit for bit.
+TEST_F(HfModels, BoostedLazyMoeModelLoadsItsExpertsFromATransformersDirectory) {
+  fixtures();
+  run_distributed(4, [](int, int) {
+    const auto dir = (fixtures() / "qwen2_moe").string();
+    const auto ref = colossalai::testing::whole_weights(
+        *models::from_pretrained<models::Qwen2MoeForCausalLM>(dir),
+        colossalai::shardformer::ShardInfo());
+    auto plugin = std::make_shared<cb::plugin::MoeHybridParallelPlugin>(
+        HPO().precision("fp32").ep_size(2).tp_size(2));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    models::Qwen2MoeForCausalLM model{nullptr};
+    {
+      colossalai::lazy::LazyInitContext lazy;
+      model = models::Qwen2MoeForCausalLM(
+          models::llama_config_from_json(models::pretrained_config_json(dir)));
+    }
+    auto boosted = booster.boost(
+        model, colossalai::testing::make_optimizer(model->parameters(), true));
+    int64_t held_experts = 0;
+    for (const auto& p : model->named_parameters()) {
+      if (p.key().find(".experts.") != std::string::npos) {
+        held_experts += p.value().numel() > 0 ? 1 : 0;
+      }
+    }
+    // One sparse layer (the first of two is dense) x 2 of 4 experts x 3
+    // matrices.
+    EXPECT_EQ(held_experts, 2 * 3);
+    booster.load_model(boosted.model, dir);
+    auto got = colossalai::testing::whole_weights(*model, plugin->shard_info());
+    EXPECT_LT(got.size(), ref.size());
+    for (const auto& kv : got) {
+      ASSERT_TRUE(ref.count(kv.first)) << kv.first;
+      EXPECT_TRUE(at::equal(kv.second, ref.at(kv.first))) << kv.first;
+    }
+  });
+}
+
 // What expert parallelism cannot do is refused by name, on every rank
 // before anything is communicated or sharded.
 TEST_F(HfModels, ExpertParallelismRefusesWhatCannotCombineByName) {

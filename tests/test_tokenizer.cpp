@@ -18,6 +18,7 @@
 // harness/test_util.h's inline helpers use ATen's operators.
 #include <ATen/ATen.h>
 
+#include <colossalai/models/chat_template.h>
 #include <colossalai/models/tokenizer.h>
 #include <harness/deadline.h>
 #include <harness/test_util.h>
@@ -30,6 +31,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -497,8 +499,7 @@ nlohmann::json byte_level_json() {
   }
   vocab["aa"] = 256;
   return {
-      {"model",
-       {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"a a"}}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"a a"}}}},
       {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}}},
       {"added_tokens",
        {{{"id", 257},
@@ -560,8 +561,7 @@ const char* const kBloomRegex =
 nlohmann::json sentencepiece_json() {
   const std::string sp = "\xE2\x96\x81";
   nlohmann::json vocab = {
-      {"<unk>", 0}, {"<s>", 1}, {sp, 2}, {"a", 3}, {sp + "a", 4},
-      {sp + sp, 5}};
+      {"<unk>", 0}, {"<s>", 1}, {sp, 2}, {"a", 3}, {sp + "a", 4}, {sp + sp, 5}};
   for (int b = 0; b < 256; ++b) {
     char buf[8];
     std::snprintf(buf, sizeof buf, "<0x%02X>", b);
@@ -595,8 +595,7 @@ TEST(TokenizerHostile, DeepJsonIsRefusedNotWalked) {
     SCOPED_TRACE(field);
     TokenizerDir dir;
     auto text = byte_level_json().dump();
-    text.insert(
-        1, std::string("\"") + field + "\": " + nested(100000) + ", ");
+    text.insert(1, std::string("\"") + field + "\": " + nested(100000) + ", ");
     const auto o = load(dir.with("tokenizer.json", text));
     expect_refused(o, dir.path + "/tokenizer.json", {"128 levels deep"});
   }
@@ -643,9 +642,15 @@ TEST(TokenizerHostile, WrongTypesNameTheFileAndTheField) {
     std::string field;
   };
   const std::vector<Bad> bad = {
-      {[](auto& j) { j["model"]["vocab"] = {1, 2}; }, "'model.vocab'"},
+      {[](auto& j) {
+         j["model"]["vocab"] = {1, 2};
+       },
+       "'model.vocab'"},
       {[](auto& j) { j["model"]["type"] = 5; }, "'model.type'"},
-      {[](auto& j) { j["model"]["merges"] = {{"x", 1}}; }, "'model.merges'"},
+      {[](auto& j) {
+         j["model"]["merges"] = {{"x", 1}};
+       },
+       "'model.merges'"},
       {[](auto& j) { j["model"]["merges"] = {7}; }, "'model.merges[0]'"},
       {[](auto& j) { j["model"]["ignore_merges"] = "no"; },
        "'model.ignore_merges'"},
@@ -654,8 +659,7 @@ TEST(TokenizerHostile, WrongTypesNameTheFileAndTheField) {
       {[](auto& j) { j["added_tokens"][0]["content"] = 3; },
        "'added_tokens[0].content'"},
       {[](auto& j) { j["added_tokens"] = "x"; }, "'added_tokens'"},
-      {[](auto& j) { j["pre_tokenizer"]["type"] = 7; },
-       "'pre_tokenizer.type'"},
+      {[](auto& j) { j["pre_tokenizer"]["type"] = 7; }, "'pre_tokenizer.type'"},
       {[](auto& j) { j["pre_tokenizer"]["use_regex"] = 1; },
        "'pre_tokenizer.use_regex'"},
       {[](auto& j) {
@@ -784,7 +788,8 @@ TEST(TokenizerHostile, LongRunsOfOneCharacterEncodeInLinearTime) {
     while (t.size() < kRun) {
       t += c;
     }
-    runs.push_back({nlohmann::json(c).dump(), t, std::string(c) != "\xCC\x81\xCC\x96"});
+    runs.push_back(
+        {nlohmann::json(c).dump(), t, std::string(c) != "\xCC\x81\xCC\x96"});
   }
   std::string masks, spaced;
   while (masks.size() < kRun) {
@@ -801,7 +806,8 @@ TEST(TokenizerHostile, LongRunsOfOneCharacterEncodeInLinearTime) {
   // Each pre-tokenizer, and an added token made of the run's character.
   std::vector<std::pair<std::string, nlohmann::json>> files;
   files.emplace_back("GPT-2's regex", byte_level_json());
-  for (const auto& [name, regex] : std::vector<std::pair<std::string, std::string>>{
+  for (const auto& [name, regex] :
+       std::vector<std::pair<std::string, std::string>>{
            {"LLaMA 3's regex", kLlama3Regex},
            {"Qwen 2's regex", kQwen2Regex},
            {"Bloom's regex", kBloomRegex}}) {
@@ -857,8 +863,7 @@ TEST(TokenizerHostile, LongRunsOfOneCharacterEncodeInLinearTime) {
       dir.with("tokenizer.json", byte_level_json().dump()));
   EXPECT_EQ(tok.encode("a  <mask>  b"), (std::vector<int64_t>{97, 257, 98}));
   EXPECT_EQ(
-      tok.encode(std::string(kRun, 'a')),
-      std::vector<int64_t>(kRun / 2, 256));
+      tok.encode(std::string(kRun, 'a')), std::vector<int64_t>(kRun / 2, 256));
 }
 
 // A SentencePiece tokenizer.model (sentencepiece_model.proto's fields).
@@ -900,6 +905,123 @@ TEST(TokenizerHostile, LongSentencePiecePieceLoadsInLinearTime) {
   });
   EXPECT_FALSE(o.threw || o.signal || o.timed_out) << o.describe();
   EXPECT_LT(o.seconds, 1.0);
+}
+
+// Chat templates (NOTE [Chat templates]): the five families' templates and
+// a multi-line one of our own render what transformers' apply_chat_template
+// renders, string for string and id for id (the text encoded by the
+// family's tokenizer, without added special tokens), and raise the same
+// messages; what lies outside the subset is refused by name when read.
+class ChatTemplates : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new Scratch;
+    const auto r = colossalai::testing::run_shell(
+        std::string(kHfPython) + " " +
+        quote((fs::path(__FILE__).parent_path() / "python" /
+               "chat_template_reference.py")
+                  .string()) +
+        " make " + quote(dir_->path));
+    ASSERT_EQ(r.first, 0) << "chat_template_reference.py make failed:\n"
+                          << r.second;
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static Scratch* dir_;
+};
+
+Scratch* ChatTemplates::dir_ = nullptr;
+
+TEST_F(ChatTemplates, RenderAsTransformersStringForStringAndIdForId) {
+  std::ifstream in(dir_->path + "/cases.json");
+  const auto cases = nlohmann::json::parse(in);
+  std::map<std::string, int> checked;
+  for (const auto& c : cases) {
+    const auto family = c["family"].get<std::string>();
+    SCOPED_TRACE(family + " " + c["messages"].dump());
+    const auto dir = dir_->path + "/" + family;
+    const auto tok = models::Tokenizer::from_pretrained(dir);
+    const auto tpl = models::ChatTemplate::from_pretrained(dir);
+    std::vector<models::ChatMessage> messages;
+    for (const auto& m : c["messages"]) {
+      messages.push_back(
+          {m["role"].get<std::string>(), m["content"].get<std::string>()});
+    }
+    const bool gen = c["add_generation_prompt"].get<bool>();
+    if (c.contains("error")) {
+      const auto e = error_of(
+          [&] { models::apply_chat_template(tok, tpl, messages, gen); });
+      EXPECT_EQ(e, c["error"].get<std::string>());
+    } else {
+      const auto text = tpl.apply(
+          messages,
+          models::ChatTemplateOptions()
+              .add_generation_prompt(gen)
+              .bos_token(tok.id_to_token(tok.bos_token_id()))
+              .eos_token(tok.id_to_token(tok.eos_token_id())));
+      EXPECT_EQ(text, c["text"].get<std::string>());
+      EXPECT_EQ(
+          show(models::apply_chat_template(tok, tpl, messages, gen)),
+          show(c["ids"].get<std::vector<int64_t>>()));
+    }
+    ++checked[family];
+  }
+  for (const char* f :
+       {"llama2", "llama3", "mistral", "qwen2", "chatml", "whitespace"}) {
+    EXPECT_EQ(checked[f], 5) << f;
+  }
+}
+
+TEST_F(ChatTemplates, WhatIsOutsideTheSubsetIsRefusedByName) {
+  auto refused = [](const std::string& source, const std::string& part) {
+    const auto e = error_of([&] { models::ChatTemplate t(source); });
+    EXPECT_NE(e.find(part), std::string::npos) << source << " -> " << e;
+  };
+  refused("{% macro f() %}x{% endmacro %}", "'{% macro %}' is outside");
+  refused("{{ x | wordwrap }}", "the filter 'wordwrap' is outside");
+  refused("{{ x is callable }}", "the test 'callable' is outside");
+  refused("{{ cycler(1, 2) }}", "the function 'cycler' is outside");
+  refused("{{ m.format(1) }}", "the method 'format' is outside");
+  refused("{% for m in messages %}x", "has no '{% endfor %}'");
+  refused("{% if x %}x", "has no '{% endif %}'");
+  refused("{{ 'unterminated }}", "unterminated string");
+  refused("a {{ x", "unclosed '{{' at line 1, column 3");
+  refused("{% endfor %}", "unexpected '{% endfor %}'");
+  // Errors while rendering name the operation.
+  const auto e =
+      error_of([] { models::ChatTemplate("{{ 'a' + 1 }}").apply({}); });
+  EXPECT_NE(e.find("unsupported operand types for +"), std::string::npos) << e;
+}
+
+TEST(ChatTemplate, PythonSemanticsOfTheSubset) {
+  auto render = [](const std::string& source) {
+    return models::ChatTemplate(source).apply(
+        {{"user", "Hi"}, {"assistant", "Yo"}});
+  };
+  EXPECT_EQ(
+      render("{{ -7 // 2 }} {{ -7 % 3 }} {{ 7 / 2 }} {{ 2 ** 10 }}"),
+      "-4 2 3.5 1024");
+  EXPECT_EQ(
+      render("{{ [1, 2, 3][::-1] }} {{ 'abcdef'[1:-1:2] }}"), "[3, 2, 1] bd");
+  EXPECT_EQ(
+      render("{{ none }} {{ true }} {{ {'a': 1} }} {{ undefined_name }}"),
+      "None True {'a': 1} ");
+  EXPECT_EQ(
+      render("{{ 'x' if false }}|{{ 1 == true }}|{{ 'a' in 'cat' }}"),
+      "|True|True");
+  EXPECT_EQ(
+      render("{% for r, c in [['a', 1], ['b', 2]] %}{{ r }}{{ c }}"
+             "{% endfor %}"),
+      "a1b2");
+  EXPECT_EQ(
+      render("{{ messages[0].content ~ messages[-1]['content'] }}"), "HiYo");
+  EXPECT_EQ(
+      render("{{ messages | tojson }}"),
+      "[{\"role\": \"user\", \"content\": \"Hi\"}, "
+      "{\"role\": \"assistant\", \"content\": \"Yo\"}]");
+  EXPECT_EQ(render("  {% if true %}\n  x\n  {% endif %}\n"), "  x\n");
 }
 
 } // namespace
