@@ -15,10 +15,10 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <csignal>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -182,17 +182,17 @@ TEST(FinetuneLm, LoraResumeEqualsTheStraightRun) {
       " --plugin none --nproc 1 --config llama-tiny --steps 12 --seq-len 32 "
       "--batch-size 8 --vocab-size 512 --lr 3e-3 --warmup 3 --samples 0 "
       "--lora 4 --save-every 6 ";
-  const auto straight = run(
-      common + "--out " + dir.path + "/a --checkpoint " + dir.path + "/ca");
+  const auto straight =
+      run(common + "--out " + dir.path + "/a --checkpoint " + dir.path + "/ca");
   ASSERT_EQ(straight.first, 0) << straight.second;
-  const auto part = run(
-      common + "--stop-after 6 --out " + dir.path + "/b --checkpoint " +
-      dir.path + "/cb");
+  const auto part =
+      run(common + "--stop-after 6 --out " + dir.path + "/b --checkpoint " +
+          dir.path + "/cb");
   ASSERT_EQ(part.first, 0) << part.second;
   EXPECT_TRUE(fs::exists(dir.path + "/cb/checkpoint-6/adapter"));
-  const auto resumed = run(
-      common + "--resume --out " + dir.path + "/c --checkpoint " + dir.path +
-      "/cb");
+  const auto resumed =
+      run(common + "--resume --out " + dir.path + "/c --checkpoint " +
+          dir.path + "/cb");
   ASSERT_EQ(resumed.first, 0) << resumed.second;
   EXPECT_NE(resumed.second.find("checkpoint-6'"), std::string::npos)
       << resumed.second;
@@ -239,9 +239,9 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
   Scratch dir;
   const std::string common = std::string(" --plugin zero2") + kSmall +
       "--config llama-tiny --save-every 6 --keep-last 2 ";
-  const auto straight = run(
-      " --nproc 2" + common + "--out " + dir.path + "/a --checkpoint " +
-      dir.path + "/ca");
+  const auto straight =
+      run(" --nproc 2" + common + "--out " + dir.path + "/a --checkpoint " +
+          dir.path + "/ca");
   ASSERT_EQ(straight.first, 0) << straight.second;
   const auto want = losses(dir.path + "/a");
   ASSERT_EQ(want.size(), 30u);
@@ -252,8 +252,9 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
       "' run --nproc_per_node 2 --max_restarts 1 --master_port " +
       std::to_string(colossalai::testing::free_port()) + " " + kBin +
       " --data '" + corpus() + "'" + common + "--resume --out " + dir.path +
-      "/b --checkpoint " + ckpt + " > '" + dir.path + "/log' 2>&1; echo $? > '" +
-      dir.path + "/rc') > /dev/null 2>&1 & echo started");
+      "/b --checkpoint " + ckpt + " > '" + dir.path +
+      "/log' 2>&1; echo $? > '" + dir.path +
+      "/rc') > /dev/null 2>&1 & echo started");
   ASSERT_EQ(started.first, 0) << started.second;
   const auto since = [](std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t)
@@ -265,9 +266,10 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
   }
   ASSERT_TRUE(fs::exists(ckpt + "/checkpoint-12"));
   // Rank 1 of this job.
-  const pid_t victim = job_process(dir.path, [](const std::string& env, const std::string&) {
-    return env.find(std::string("\0RANK=1\0", 8)) != std::string::npos;
-  });
+  const pid_t victim =
+      job_process(dir.path, [](const std::string& env, const std::string&) {
+        return env.find(std::string("\0RANK=1\0", 8)) != std::string::npos;
+      });
   ASSERT_GT(victim, 0);
   ASSERT_EQ(::kill(victim, SIGKILL), 0);
   const auto killed = std::chrono::steady_clock::now();
@@ -297,9 +299,12 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
   rc >> code;
   const std::string log = slurp(dir.path + "/log");
   ASSERT_EQ(code, 0) << log;
-  EXPECT_NE(log.find("restarting the local ranks (restart 1 of 1)"), std::string::npos)
+  EXPECT_NE(
+      log.find("restarting the local ranks (restart 1 of 1)"),
+      std::string::npos)
       << log;
-  EXPECT_NE(log.find("resumed from '" + ckpt + "/checkpoint-"), std::string::npos)
+  EXPECT_NE(
+      log.find("resumed from '" + ckpt + "/checkpoint-"), std::string::npos)
       << log;
   // The whole run's losses: those before the checkpoint from the first
   // attempt, the rest from the restart.
@@ -351,7 +356,8 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
   const int stopped = std::stoi(log2.substr(at + 28));
   EXPECT_TRUE(fs::exists(ck2 + "/checkpoint-" + std::to_string(stopped)));
   EXPECT_LT(stop, 30.0) << log2;
-  const auto again = colossalai::testing::run_shell(job + "; cat '" + dir.path + "/log2'");
+  const auto again =
+      colossalai::testing::run_shell(job + "; cat '" + dir.path + "/log2'");
   ASSERT_EQ(again.first, 0) << again.second;
   const auto rest = losses(dir.path + "/c");
   ASSERT_EQ(rest.size(), 30u) << again.second;
@@ -364,7 +370,9 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
 }
 
 // The steps of every "resumed from '<ckpt>/checkpoint-N'" in `text`.
-std::vector<int> resumed_steps(const std::string& text, const std::string& ckpt) {
+std::vector<int> resumed_steps(
+    const std::string& text,
+    const std::string& ckpt) {
   const std::string tag = "resumed from '" + ckpt + "/checkpoint-";
   std::vector<int> out;
   for (auto at = text.find(tag); at != std::string::npos;
@@ -396,12 +404,12 @@ void expect_same_losses(
 
 // NOTE [Elastic rendezvous] with real training: two nodes of one rank each
 // (`colossalai run --nnodes 1:2`, on this host) fine-tune under ZeRO-2:
-// a starts alone, b joins. Node b dies whole (launcher and rank, SIGKILL): node a's rank fails, a
-// restarts it, and the job goes on alone, from the newest checkpoint, at
-// world size 1. Node b comes back: a stops its rank (SIGTERM: it saves on
-// the way out), and the job re-forms at two nodes and completes. Each part
-// equals a plain run resumed from the same checkpoint at the same size, bit
-// for bit, and the saved model is that run's.
+// a starts alone, b joins. Node b dies whole (launcher and rank, SIGKILL): node
+// a's rank fails, a restarts it, and the job goes on alone, from the newest
+// checkpoint, at world size 1. Node b comes back: a stops its rank (SIGTERM: it
+// saves on the way out), and the job re-forms at two nodes and completes. Each
+// part equals a plain run resumed from the same checkpoint at the same size,
+// bit for bit, and the saved model is that run's.
 TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
   if (corpus().empty()) {
     GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
@@ -453,7 +461,10 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
   // outlive the job) and starts alone; b's arrival re-forms the job.
   start("a");
   ASSERT_TRUE(wait_for(
-      [&] { return slurp(d + "/a.log").find("rendezvous round 0") != std::string::npos; },
+      [&] {
+        return slurp(d + "/a.log").find("rendezvous round 0") !=
+            std::string::npos;
+      },
       120))
       << slurp(d + "/a.log");
   start("b");
@@ -465,12 +476,14 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
 
   // Node b dies whole: its launcher stopped first, so it restarts nothing.
   const auto mark = d + "/b";
-  const pid_t b_launcher = job_process(mark, [](const std::string&, const std::string& cmd) {
-    return cmd.rfind(std::string(kCli) + '\0', 0) == 0;
-  });
-  const pid_t b_rank = job_process(mark, [](const std::string& env, const std::string&) {
-    return env.find(std::string("\0RANK=", 6)) != std::string::npos;
-  });
+  const pid_t b_launcher =
+      job_process(mark, [](const std::string&, const std::string& cmd) {
+        return cmd.rfind(std::string(kCli) + '\0', 0) == 0;
+      });
+  const pid_t b_rank =
+      job_process(mark, [](const std::string& env, const std::string&) {
+        return env.find(std::string("\0RANK=", 6)) != std::string::npos;
+      });
   ASSERT_GT(b_launcher, 0);
   ASSERT_GT(b_rank, 0);
   const size_t resumes_before = resumed_steps(slurp(d + "/a.log"), ckpt).size();
@@ -509,10 +522,12 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
   // Node b returns; the job grows back to two nodes and completes.
   start("b2");
   const auto returned = std::chrono::steady_clock::now();
-  ASSERT_TRUE(wait_for([&] { return two_nodes("b2"); }, 120)) << slurp(d + "/b2.log");
+  ASSERT_TRUE(wait_for([&] { return two_nodes("b2"); }, 120))
+      << slurp(d + "/b2.log");
   const double grow = since(returned);
   ASSERT_TRUE(wait_for(
-      [&] { return fs::exists(d + "/a.rc") && fs::exists(d + "/b2.rc"); }, 600));
+      [&] { return fs::exists(d + "/a.rc") && fs::exists(d + "/b2.rc"); },
+      600));
   const std::string logs = slurp(d + "/a.log") + slurp(d + "/b2.log");
   EXPECT_EQ(std::atoi(slurp(d + "/a.rc").c_str()), 0) << logs;
   EXPECT_EQ(std::atoi(slurp(d + "/b2.rc").c_str()), 0) << logs;
@@ -524,22 +539,26 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
   ASSERT_EQ(got.size(), static_cast<size_t>(kSteps)) << logs;
 
   // The references: plain runs resumed from copies of those checkpoints.
-  auto reference = [&](int from, int nproc, int stop_after, const std::string& name) {
-    const std::string ref = d + "/" + name;
-    fs::create_directories(ref + "/ckpt");
-    fs::copy(
-        ckpt + "/checkpoint-" + std::to_string(from),
-        ref + "/ckpt/checkpoint-" + std::to_string(from),
-        fs::copy_options::recursive);
-    const auto r = run(
-        " --nproc " + std::to_string(nproc) + train.substr(train.find(" --plugin")) +
-        "--resume --stop-after " + std::to_string(stop_after) + " --out " + ref +
-        "/out --checkpoint " + ref + "/ckpt");
-    EXPECT_EQ(r.first, 0) << r.second;
-    return losses(ref + "/out");
-  };
-  expect_same_losses(got, reference(k1, 1, k2, "ref1"), k1 + 1, k2, "world size 1");
-  expect_same_losses(got, reference(k2, 2, kSteps, "ref2"), k2 + 1, kSteps, "world size 2");
+  auto reference =
+      [&](int from, int nproc, int stop_after, const std::string& name) {
+        const std::string ref = d + "/" + name;
+        fs::create_directories(ref + "/ckpt");
+        fs::copy(
+            ckpt + "/checkpoint-" + std::to_string(from),
+            ref + "/ckpt/checkpoint-" + std::to_string(from),
+            fs::copy_options::recursive);
+        const auto r =
+            run(" --nproc " + std::to_string(nproc) +
+                train.substr(train.find(" --plugin")) +
+                "--resume --stop-after " + std::to_string(stop_after) +
+                " --out " + ref + "/out --checkpoint " + ref + "/ckpt");
+        EXPECT_EQ(r.first, 0) << r.second;
+        return losses(ref + "/out");
+      };
+  expect_same_losses(
+      got, reference(k1, 1, k2, "ref1"), k1 + 1, k2, "world size 1");
+  expect_same_losses(
+      got, reference(k2, 2, kSteps, "ref2"), k2 + 1, kSteps, "world size 2");
   for (const auto& e : fs::directory_iterator(d + "/out/model")) {
     if (e.path().extension() == ".safetensors") {
       EXPECT_EQ(
@@ -610,6 +629,103 @@ TEST(FinetuneLm, SentencePieceLlamaDirectoryTrains) {
 TEST(FinetuneLm, Qwen2DirectoryTrainsWithTensorParallelism) {
   expect_transformers_dir_trains(
       "qwen2-dir", " --nproc 2 --plugin hybrid --tp 2", "tokenizer.json", -1);
+}
+
+// Supervised fine-tuning on a Qwen 2 directory given a ChatML template:
+// JSON lines in both layouts, the loss on the answers only, a held-out
+// split evaluated and plotted; bad lines are named by number.
+TEST(FinetuneLm, ChatDataFineTunesWithTheTemplateAndEvaluates) {
+  if (corpus().empty()) {
+    GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
+  }
+  Scratch dir;
+  const std::string script =
+      (fs::path(__FILE__).parent_path() / "python" / "tokenizer_reference.py")
+          .string();
+  const auto made = colossalai::testing::run_shell(
+      std::string(COLOSSALAI_TEST_HF_PYTHON) + " '" + script + "' qwen2-dir '" +
+      dir.path + "/src' '" + corpus() + "' 2>&1");
+  ASSERT_EQ(made.first, 0) << made.second;
+  std::ofstream(dir.path + "/src/chat_template.jinja")
+      << "{% for message in messages %}{{'<|im_start|>' + message['role'] + "
+         "'\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+         "{% endif %}";
+  const char* const colours[] = {"red", "green", "blue", "white"};
+  {
+    std::ofstream data(dir.path + "/chat.jsonl");
+    for (int i = 0; i < 64; ++i) {
+      const std::string c = colours[i % 4];
+      if (i % 2 == 0) {
+        data << "{\"messages\": [{\"role\": \"user\", \"content\": "
+                "\"Name a colour like "
+             << c << ".\"}, {\"role\": \"assistant\", \"content\": \"" << c
+             << " is a colour.\"}]}\n";
+      } else {
+        data << "{\"prompt\": \"Name a colour like " << c
+             << ".\", \"response\": \"" << c << " is a colour.\"}\n\n";
+      }
+    }
+  }
+  const auto r = colossalai::testing::run_shell(
+      std::string(kBin) + " --data '" + dir.path + "/chat.jsonl' --model '" +
+      dir.path + "/src' --nproc 2 --plugin zero2 --eval-split 0.25 " +
+      "--eval-every 10 --steps 30 --seq-len 96 --batch-size 8 --lr 3e-3 " +
+      "--warmup 3 --samples 1 --prompt 'Name a colour like red.' --out " +
+      dir.path + "/out --checkpoint " + dir.path + "/ckpt 2>&1");
+  expect_trains(r, dir.path + "/out");
+  EXPECT_NE(
+      r.second.find("supervised fine-tuning: 64 conversations (the model's "
+                    "chat template)"),
+      std::string::npos)
+      << r.second;
+  EXPECT_NE(
+      r.second.find("evaluation: 16 held-out sequences in 2 batches"),
+      std::string::npos)
+      << r.second;
+  EXPECT_NE(r.second.find("eval step 30: loss"), std::string::npos) << r.second;
+  std::ifstream eval(dir.path + "/out/eval.csv");
+  std::string line;
+  int rows = 0;
+  while (std::getline(eval, line)) {
+    ++rows;
+  }
+  EXPECT_EQ(rows, 4); // the header and steps 10, 20, 30
+  EXPECT_TRUE(fs::exists(dir.path + "/out/model/chat_template.jinja"));
+
+  // Bad lines: named by number, nothing trained.
+  auto refused = [&](const std::string& lines,
+                     const std::string& what,
+                     const std::string& extra = "") {
+    { std::ofstream(dir.path + "/bad.jsonl") << lines; }
+    const auto b = colossalai::testing::run_shell(
+        std::string(kBin) + " --data '" + dir.path + "/bad.jsonl' --model '" +
+        dir.path + "/src' --nproc 1 --plugin none --steps 1 --seq-len 16 " +
+        extra + " --out " + dir.path + "/bad 2>&1");
+    EXPECT_NE(b.first, 0) << lines;
+    EXPECT_NE(b.second.find(what), std::string::npos)
+        << lines << "\ngot: " << b.second;
+  };
+  const std::string ok = "{\"prompt\": \"Hi\", \"response\": \"Hello\"}\n";
+  refused(ok + "\n{\"messages\": [\n", "line 3: not JSON");
+  refused(
+      ok + "{\"text\": \"x\"}\n",
+      "line 2: needs \"messages\", or \"prompt\" and \"response\"");
+  refused(
+      ok +
+          "{\"messages\": [{\"role\": \"user\", \"content\": "
+          "\"x\"}]}\n",
+      "line 2: no \"assistant\" message");
+  refused(
+      ok + "{\"messages\": [{\"role\": \"user\"}]}\n",
+      "line 2: missing \"content\"");
+  refused(
+      "{\"prompt\": \"" + std::string(400, 'x') + "\", \"response\": \"y\"}\n",
+      "line 1: the conversation is");
+  refused(
+      "{\"prompt\": \"" + std::string(400, 'x') + "\", \"response\": \"y\"}\n",
+      "line 1: no assistant token is left to train on after truncation",
+      "--truncate");
 }
 
 TEST(FinetuneLm, BadOptionsAreNamed) {

@@ -8,12 +8,19 @@
 //               [--batch-size B] [--lr X] [--warmup N] [--schedule S]
 //               [--checkpoint DIR] [--save-every N] [--keep-last K]
 //               [--resume] [--out DIR]
+//               [--truncate] [--eval-split F] [--eval-every N]
 //
 // --model reads a directory transformers wrote (GPT-2 or the LLaMA family,
 // with its tokenizer.json, vocab.json + merges.txt or SentencePiece
 // tokenizer.model); without it a small
 // model of --config is built and a byte-level BPE is trained on the corpus.
-// The default corpus is Debian's fortunes. Started directly it launches
+// The default corpus is Debian's fortunes. --data FILE.jsonl fine-tunes on
+// conversations instead (supervised fine-tuning: one JSON object per line,
+// {"messages": [{"role", "content"}...]} or {"prompt", "response"}), rendered
+// by the model directory's chat template, the loss on the assistant's
+// tokens only, each conversation one sequence padded to --seq-len;
+// --eval-split holds some out and prints their loss and perplexity every
+// --eval-every steps (and plots it). Started directly it launches
 // --nproc ranks of itself (as `colossalai run` would). At the end: the loss
 // curve (out/loss.png), a table, sampled continuations of --prompt, and the
 // model (out/model) or adapter (out/adapter) that transformers / PEFT load.
@@ -26,6 +33,7 @@
 #include <colossalai/quantization/quantize_model.h>
 
 #include "plot.h"
+#include "sft_data.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -72,6 +80,9 @@ struct Args {
   std::string prompt = "The";
   int samples = 3;
   uint64_t seed = 42;
+  bool truncate = false;
+  double eval_split = 0;
+  int64_t eval_every = 0;
 };
 
 Args parse(int argc, char** argv) {
@@ -153,6 +164,21 @@ Args parse(int argc, char** argv) {
   app.add_option(
          "--keep-last", a.keep_last, "checkpoints kept under --checkpoint")
       ->capture_default_str();
+  app.add_flag(
+      "--truncate",
+      a.truncate,
+      "--data FILE.jsonl: cut conversations longer than --seq-len (counted) "
+      "instead of refusing them");
+  app.add_option(
+         "--eval-split",
+         a.eval_split,
+         "share of the sequences held out for evaluation (0: none)")
+      ->capture_default_str();
+  app.add_option(
+         "--eval-every",
+         a.eval_every,
+         "evaluate every N steps (0: five times over the run)")
+      ->capture_default_str();
   app.add_option(
          "--stop-after",
          a.stop_after,
@@ -228,6 +254,16 @@ Args parse(int argc, char** argv) {
   TORCH_CHECK(
       a.save_every >= 0, "--save-every must be >= 0, got ", a.save_every);
   TORCH_CHECK(a.keep_last >= 1, "--keep-last must be >= 1, got ", a.keep_last);
+  TORCH_CHECK(
+      a.eval_split >= 0 && a.eval_split < 1,
+      "--eval-split must be in [0, 1), got ",
+      a.eval_split);
+  TORCH_CHECK(
+      a.eval_every >= 0, "--eval-every must be >= 0, got ", a.eval_every);
+  TORCH_CHECK(
+      a.eval_split == 0 || a.pp == 1,
+      "--eval-split evaluates with the model's forward, which a pipeline "
+      "(--pp > 1) runs only inside a training step; use --pp 1");
   TORCH_CHECK(
       a.model_dir.empty() || fs::exists(fs::path(a.model_dir) / "config.json"),
       "--model '",
@@ -474,6 +510,8 @@ colossalai::lora::LoraConfig lora_config(const Args& a, bool gpt2) {
 }
 
 // Top-k sampling of continuations of `prompt`, one process, no gradients.
+// With a chat template: of the assistant's answer to `prompt` as a user
+// turn (the answer alone is returned).
 template <class M>
 std::vector<std::string> sample(
     M& model,
@@ -482,7 +520,8 @@ std::vector<std::string> sample(
     int n,
     int64_t max_new,
     int64_t context,
-    uint64_t seed) {
+    uint64_t seed,
+    const models::ChatTemplate* chat = nullptr) {
   at::NoGradGuard no_grad;
   model->eval();
   auto gen = at::detail::createCPUGenerator(seed);
@@ -490,12 +529,16 @@ std::vector<std::string> sample(
   for (int i = 0; i < n; ++i) {
     // The prompt after the tokens the tokenizer puts first (LLaMA's bos),
     // without an end-of-text after it: the text to continue.
-    auto ids = tok.encode(prompt, /*add_special_tokens=*/true);
-    if (ids.size() > 1 && ids.back() == tok.eos_token_id()) {
+    auto ids = chat != nullptr
+        ? models::apply_chat_template(
+              tok, *chat, {{"user", prompt}}, /*add_generation_prompt=*/true)
+        : tok.encode(prompt, /*add_special_tokens=*/true);
+    if (chat == nullptr && ids.size() > 1 && ids.back() == tok.eos_token_id()) {
       ids.pop_back();
     }
-    const size_t lead =
-        ids.size() - std::min(ids.size(), tok.encode(prompt).size());
+    const size_t lead = chat != nullptr
+        ? ids.size()
+        : ids.size() - std::min(ids.size(), tok.encode(prompt).size());
     for (int64_t t = 0; t < max_new; ++t) {
       const int64_t from =
           std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - context);
@@ -541,7 +584,21 @@ int train(const Args& a) {
 
   // The tokenizer: the model's own, or one trained on the corpus (every
   // rank trains the same one: deterministic).
-  const auto docs = read_corpus(a.data);
+  const bool sft = fs::path(a.data).extension() == ".jsonl";
+  std::vector<finetune_lm::Conversation> conversations;
+  std::vector<std::string> docs;
+  if (sft) {
+    conversations = finetune_lm::read_sft_jsonl(a.data);
+    for (const auto& c : conversations) {
+      std::string text;
+      for (const auto& m : c.messages) {
+        text += m.role + ": " + m.content + "\n";
+      }
+      docs.push_back(text);
+    }
+  } else {
+    docs = read_corpus(a.data);
+  }
   const auto tok = a.model_dir.empty()
       ? [&] {
           std::string text;
@@ -554,7 +611,29 @@ int train(const Args& a) {
           return models::Tokenizer::train(text, a.vocab_size);
         }()
       : models::Tokenizer::from_pretrained(a.model_dir);
-  const auto data = make_sequences(docs, tok, a.seq_len);
+  // Sequences of seq_len + 1 tokens and their targets (-100: no loss).
+  at::Tensor data, labels;
+  std::unique_ptr<models::ChatTemplate> chat_template;
+  finetune_lm::SftBatch sft_batch;
+  if (sft) {
+    if (!a.model_dir.empty()) {
+      try {
+        chat_template = std::make_unique<models::ChatTemplate>(
+            models::ChatTemplate::from_pretrained(a.model_dir));
+      } catch (const models::ChatTemplateError& e) {
+        if (std::string(e.what()).find("has none") == std::string::npos) {
+          throw; // a template that cannot be read is an error
+        }
+      }
+    }
+    sft_batch = finetune_lm::make_sft_sequences(
+        conversations, tok, chat_template.get(), a.seq_len, a.truncate);
+    data = sft_batch.ids;
+    labels = sft_batch.labels;
+  } else {
+    data = make_sequences(docs, tok, a.seq_len);
+    labels = data;
+  }
 
   auto [plugin, booster_precision] = make_plugin(a);
   cb::Booster booster(
@@ -642,10 +721,60 @@ int train(const Args& a) {
 
   // The same sequences for a step on every run (resume included): a fixed
   // permutation, consumed in order.
-  const int64_t n = data.size(0);
+  // Training takes the permutation's first n sequences, evaluation (with
+  // --eval-split) the rest, in whole batches (what does not fill one is
+  // left out and counted).
+  const int64_t n_all = data.size(0);
   const auto order =
-      at::randperm(n, at::detail::createCPUGenerator(a.seed), at::kLong);
+      at::randperm(n_all, at::detail::createCPUGenerator(a.seed), at::kLong);
   const auto order_at = order.accessor<int64_t, 1>();
+  const int64_t n_held = a.eval_split > 0
+      ? std::max<int64_t>(1, std::llround(a.eval_split * n_all))
+      : 0;
+  const int64_t n = n_all - n_held;
+  TORCH_CHECK(
+      n >= 1,
+      "--eval-split ",
+      a.eval_split,
+      " leaves no sequence to train on (",
+      n_all,
+      " in all)");
+  const int64_t eval_batches = n_held / a.batch_size;
+  TORCH_CHECK(
+      n_held == 0 || eval_batches >= 1,
+      "--eval-split holds out ",
+      n_held,
+      " sequences, fewer than one --batch-size ",
+      a.batch_size,
+      " batch; raise --eval-split or lower --batch-size");
+  const int64_t eval_every =
+      a.eval_every > 0 ? a.eval_every : std::max<int64_t>(1, a.steps / 5);
+  // The held-out sequences' token-mean loss (every rank, no gradients).
+  auto evaluate = [&]() {
+    at::NoGradGuard no_grad;
+    model->eval();
+    auto sum = at::zeros({2}, at::kDouble);
+    for (int64_t b = 0; b < eval_batches; ++b) {
+      std::vector<int64_t> pick(local);
+      for (int64_t i = 0; i < local; ++i) {
+        pick[i] = order_at[n + b * a.batch_size + dp_rank * local + i];
+      }
+      const auto idx = at::tensor(pick, at::kLong);
+      auto x = data.index_select(0, idx).narrow(1, 0, a.seq_len).contiguous();
+      auto y = labels.index_select(0, idx).narrow(1, 1, a.seq_len).contiguous();
+      const double count = y.ne(-100).sum().item<double>();
+      const auto loss = model->loss(boosted.model(x), y);
+      sum[0] += loss.to(at::kCPU, at::kDouble).template item<double>() * count;
+      sum[1] += count;
+    }
+    if (plugin) {
+      cd::all_reduce(sum, *plugin->dp_group()).wait();
+    }
+    model->train();
+    return sum[0].item<double>() / std::max(sum[1].item<double>(), 1.0);
+  };
+  std::vector<double> eval_x, eval_losses;
+  std::ofstream eval_csv;
   if (rank == 0) {
     std::printf(
         "finetune_lm: %s (%lld parameters, %lld trainable), %zu documents, "
@@ -688,6 +817,27 @@ int train(const Args& a) {
           "no complete checkpoint under '%s': starting at step 0\n",
           a.checkpoint.c_str());
     }
+    if (sft) {
+      std::printf(
+          "supervised fine-tuning: %zu conversations (%s), %lld assistant "
+          "tokens trained on, %lld truncated to --seq-len\n",
+          conversations.size(),
+          chat_template ? "the model's chat template"
+                        : "no chat template: \"role: content\" lines",
+          static_cast<long long>(sft_batch.trained_tokens),
+          static_cast<long long>(sft_batch.truncated));
+    }
+    if (n_held > 0) {
+      std::printf(
+          "evaluation: %lld held-out sequences in %lld batches every %lld "
+          "steps (%lld left out to fill whole batches)\n",
+          static_cast<long long>(n_held),
+          static_cast<long long>(eval_batches),
+          static_cast<long long>(eval_every),
+          static_cast<long long>(n_held - eval_batches * a.batch_size));
+      eval_csv.open(a.out + "/eval.csv");
+      eval_csv << "step,loss,perplexity\n" << std::flush;
+    }
   }
 
   std::vector<double> steps_x, losses;
@@ -726,9 +876,9 @@ int train(const Args& a) {
     for (int64_t i = 0; i < local; ++i) {
       pick[i] = order_at[(step * a.batch_size + dp_rank * local + i) % n];
     }
-    auto batch = data.index_select(0, at::tensor(pick, at::kLong));
-    auto x = batch.narrow(1, 0, a.seq_len).contiguous();
-    auto y = batch.narrow(1, 1, a.seq_len).contiguous();
+    const auto idx = at::tensor(pick, at::kLong);
+    auto x = data.index_select(0, idx).narrow(1, 0, a.seq_len).contiguous();
+    auto y = labels.index_select(0, idx).narrow(1, 1, a.seq_len).contiguous();
     torch::manual_seed(a.seed + 1000 + step); // dropout, resume or not
     boosted.optimizer->zero_grad();
     at::Tensor loss;
@@ -778,6 +928,24 @@ int train(const Args& a) {
           l,
           tokens / s,
           s / done * static_cast<double>(a.steps - step - 1));
+    }
+    if (n_held > 0 &&
+        ((step + 1) % eval_every == 0 || step + 1 == a.steps ||
+         step + 1 == a.stop_after)) {
+      const double eval_loss = evaluate();
+      if (rank == 0) {
+        eval_x.push_back(static_cast<double>(step + 1));
+        eval_losses.push_back(eval_loss);
+        eval_csv << step + 1 << "," << eval_loss << "," << std::exp(eval_loss)
+                 << "\n"
+                 << std::flush;
+        std::printf(
+            "\neval step %lld: loss %.4f, perplexity %.2f\n",
+            static_cast<long long>(step + 1),
+            eval_loss,
+            std::exp(eval_loss));
+        std::fflush(stdout);
+      }
     }
     const bool saved = a.save_every > 0 && (step + 1) % a.save_every == 0;
     if (saved) {
@@ -832,6 +1000,11 @@ int train(const Args& a) {
     models::save_pretrained_config(config, result);
   }
   tok.save_pretrained(result);
+  if (chat_template) {
+    // transformers (4.43 on) reads the template from this file.
+    std::ofstream(result + "/chat_template.jinja", std::ios::binary)
+        << chat_template->source();
+  }
 
   if (!losses.empty()) {
     finetune_lm::write_line_plot(
@@ -839,7 +1012,11 @@ int train(const Args& a) {
         "finetune_lm: training loss",
         "step",
         "loss",
-        {{"loss", steps_x, losses}});
+        eval_x.empty()
+            ? std::vector<finetune_lm::Series>{{"loss", steps_x, losses}}
+            : std::vector<finetune_lm::Series>{
+                  {"loss", steps_x, losses},
+                  {"eval loss", eval_x, eval_losses}});
   }
   auto mean = [](const std::vector<double>& v, size_t from, size_t to) {
     to = std::min(to, v.size());
@@ -882,8 +1059,15 @@ int train(const Args& a) {
       l->refresh();
     }
     std::printf("\nsamples of \"%s\":\n", a.prompt.c_str());
-    for (const auto& s :
-         sample(fresh, tok, a.prompt, a.samples, 40, a.seq_len, a.seed)) {
+    for (const auto& s : sample(
+             fresh,
+             tok,
+             a.prompt,
+             a.samples,
+             40,
+             a.seq_len,
+             a.seed,
+             chat_template.get())) {
       std::printf("--- %s\n", s.c_str());
     }
   }

@@ -1048,16 +1048,17 @@ class Parser {
         auto inner = body({"endgeneration"});
         close("endgeneration", s);
         node->children.push_back(inner);
+      } else if (
+          w == "endfor" || w == "endif" || w == "else" || w == "elif" ||
+          w == "endgeneration") {
+        fail("unexpected '{% " + w + " %}' at " + where(src_, s.at));
       } else {
         fail(
             "'{% " + w + " %}' is outside the supported subset (" +
             where(src_, s.at) + ")");
       }
     }
-    if (!ends.empty()) {
-      fail("missing '{% " + ends.back() + " %}'");
-    }
-    return node;
+    return node; // the caller names a block left open
   }
 
   void close(const std::string& word, const Segment& opened) {
