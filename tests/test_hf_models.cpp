@@ -878,15 +878,16 @@ TEST_F(HfModels, MoeModelsTrainUnderExpertParallelismAsOneProcess) {
     check_hybrid<models::Qwen2MoeForCausalLM>(
         "qwen2_moe", "ep4_tp1", base().ep_size(4));
     // bf16 weights, rows and all-to-alls (fp32 masters under ZeRO-1), against
-    // one process in fp32: bf16's rounding (8 bits of mantissa: losses of
-    // about 4.6 within 0.05, weights of at most about 0.1 within 4e-3 after
-    // two steps).
+    // one process in fp32: bf16's rounding. Losses of about 4.6 within 0.05
+    // (a few bf16 ulps of the logits' sums); weights within two bf16 ulps
+    // at the largest magnitude they have (the norms' weights, near 1, where
+    // an ulp is 2^-7): 1.6e-2.
     check_hybrid<Q3>(
         "qwen3_moe",
         "ep2_dp2_zero1_bf16",
         base().zero_stage(1).precision("bf16"),
         0.05,
-        4e-3);
+        1.6e-2);
   });
 }
 
