@@ -577,6 +577,19 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
             << " s after it started, from checkpoint-" << k2 << "\n";
 }
 
+// A transformers model and tokenizer directory tokenizer_reference.py's
+// `maker` ("llama-dir", "qwen2-dir") writes in `path`, its tokenizer
+// trained on the corpus.
+void make_transformers_dir(const std::string& maker, const std::string& path) {
+  const std::string script =
+      (fs::path(__FILE__).parent_path() / "python" / "tokenizer_reference.py")
+          .string();
+  const auto made = colossalai::testing::run_shell(
+      std::string(COLOSSALAI_TEST_HF_PYTHON) + " '" + script + "' " + maker +
+      " '" + path + "' '" + corpus() + "' 2>&1");
+  ASSERT_EQ(made.first, 0) << made.second;
+}
+
 // A directory tokenizer_reference.py's `maker` writes (a transformers
 // model and tokenizer) fine-tuned with `args`: it trains, and transformers
 // reads the saved model's tokenizer with the source's ids for the corpus
@@ -590,14 +603,8 @@ void expect_transformers_dir_trains(
     GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
   }
   Scratch dir;
-  const std::string script =
-      (fs::path(__FILE__).parent_path() / "python" / "tokenizer_reference.py")
-          .string();
   const std::string py = COLOSSALAI_TEST_HF_PYTHON;
-  const auto made = colossalai::testing::run_shell(
-      py + " '" + script + "' " + maker + " '" + dir.path + "/src' '" +
-      corpus() + "' 2>&1");
-  ASSERT_EQ(made.first, 0) << made.second;
+  make_transformers_dir(maker, dir.path + "/src");
   const auto r =
       run(args + kSmall + "--model '" + dir.path + "/src' --out " + dir.path +
           "/out --checkpoint " + dir.path + "/ckpt");
@@ -639,13 +646,7 @@ TEST(FinetuneLm, ChatDataFineTunesWithTheTemplateAndEvaluates) {
     GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
   }
   Scratch dir;
-  const std::string script =
-      (fs::path(__FILE__).parent_path() / "python" / "tokenizer_reference.py")
-          .string();
-  const auto made = colossalai::testing::run_shell(
-      std::string(COLOSSALAI_TEST_HF_PYTHON) + " '" + script + "' qwen2-dir '" +
-      dir.path + "/src' '" + corpus() + "' 2>&1");
-  ASSERT_EQ(made.first, 0) << made.second;
+  make_transformers_dir("qwen2-dir", dir.path + "/src");
   std::ofstream(dir.path + "/src/chat_template.jinja")
       << "{% for message in messages %}{{'<|im_start|>' + message['role'] + "
          "'\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"

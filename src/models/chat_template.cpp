@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <sstream>
 
@@ -745,37 +746,39 @@ class ExprParser {
       }
     }
   }
-  ExprPtr math1() {
-    auto e = concat();
-    while (op("+") || op("-")) {
-      const auto o = next().text;
-      e = binary(o, e, concat());
+  // One left-associative level: operands of `operand`'s level joined by
+  // any of `ops`.
+  ExprPtr level(
+      ExprPtr (ExprParser::*operand)(),
+      std::initializer_list<const char*> ops) {
+    auto e = (this->*operand)();
+    for (;;) {
+      const char* hit = nullptr;
+      for (const char* o : ops) {
+        if (op(o)) {
+          hit = o;
+          break;
+        }
+      }
+      if (hit == nullptr) {
+        return e;
+      }
+      ++i_;
+      e = binary(hit, e, (this->*operand)());
     }
-    return e;
+  }
+  // Jinja's precedence, loosest first: + -, then ~, then * / // %, then **.
+  ExprPtr math1() {
+    return level(&ExprParser::concat, {"+", "-"});
   }
   ExprPtr concat() {
-    auto e = math2();
-    while (op("~")) {
-      ++i_;
-      e = binary("~", e, math2());
-    }
-    return e;
+    return level(&ExprParser::math2, {"~"});
   }
   ExprPtr math2() {
-    auto e = power();
-    while (op("*") || op("/") || op("//") || op("%")) {
-      const auto o = next().text;
-      e = binary(o, e, power());
-    }
-    return e;
+    return level(&ExprParser::power, {"*", "/", "//", "%"});
   }
   ExprPtr power() {
-    auto e = unary();
-    while (op("**")) {
-      ++i_;
-      e = binary("**", e, unary());
-    }
-    return e;
+    return level(&ExprParser::unary, {"**"});
   }
   ExprPtr unary() {
     if (op("-") || op("+")) {
