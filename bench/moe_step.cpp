@@ -12,7 +12,9 @@
 // expert-parallel group per step, mean over ranks beside the formula (per
 // sparse layer: dispatch and combine in forward and backward, 4 x N k C x 4
 // bytes, plus the E counts) and the most any rank handed over (routing is
-// uneven), parameters and model-state bytes per rank.
+// uneven; -1 where ep spans the whole data-parallel group, one group object
+// whose count holds ZeRO's traffic too), parameters and model-state bytes
+// per rank.
 //
 //   bench_moe_step [--nproc 4] [--global-batch 8] [--steps 3] [--rounds 3]
 //                  [--setups ep1,ep2,ep4] [--out FILE.json]
@@ -131,27 +133,37 @@ int run_rank(const Options& o) {
   for (int r = 0; r < o.rounds; ++r) {
     for (auto& s : setups) {
       cd::barrier(*cd::world_group()).wait();
+      // When ep spans the whole data-parallel group (moe_dp 1) the two are
+      // one group object, whose count then holds ZeRO's traffic too: not
+      // reported (-1).
       const auto& ep = s->plugin->ep_group();
-      const int64_t b0 = ep != nullptr ? ep->bytes_communicated() : 0;
+      const bool own = ep != nullptr && ep != s->plugin->mixed_dp_group();
+      const int64_t b0 = own ? ep->bytes_communicated() : 0;
       for (int i = 0; i < o.steps; ++i)
         s->ms.push_back(step(*s, counter++));
-      if (ep != nullptr)
+      if (own)
         s->ep_bytes += ep->bytes_communicated() - b0;
+      else if (ep != nullptr)
+        s->ep_bytes = -1;
     }
     if (rank == 0)
       std::fprintf(stderr, "round %d/%d done\n", r + 1, o.rounds);
   }
   for (auto& s : setups) {
-    s->ep_bytes /= static_cast<int64_t>(o.rounds) * o.steps;
-    // What a rank sends depends on where its tokens go, what it returns on
-    // what it received; over every rank the rows sent are the rows
-    // received, so the mean over ranks meets the formula exactly.
-    auto total = at::tensor({static_cast<double>(s->ep_bytes)}, at::kDouble);
-    auto most = total.clone();
-    cd::all_reduce(total, *cd::world_group()).wait();
-    cd::all_reduce(most, *cd::world_group(), cd::ReduceOp::kMax).wait();
-    s->ep_bytes = static_cast<int64_t>(total.item<double>() / world + 0.5);
-    s->ep_bytes_max = static_cast<int64_t>(most.item<double>());
+    if (s->ep_bytes < 0) {
+      s->ep_bytes_max = -1; // shared with the data-parallel group (above)
+    } else {
+      s->ep_bytes /= static_cast<int64_t>(o.rounds) * o.steps;
+      // What a rank sends depends on where its tokens go, what it returns
+      // on what it received; over every rank the rows sent are the rows
+      // received, so the mean over ranks meets the formula exactly.
+      auto total = at::tensor({static_cast<double>(s->ep_bytes)}, at::kDouble);
+      auto most = total.clone();
+      cd::all_reduce(total, *cd::world_group()).wait();
+      cd::all_reduce(most, *cd::world_group(), cd::ReduceOp::kMax).wait();
+      s->ep_bytes = static_cast<int64_t>(total.item<double>() / world + 0.5);
+      s->ep_bytes_max = static_cast<int64_t>(most.item<double>());
+    }
     for (const auto& p : s->model->parameters())
       s->params += p.numel();
     auto* z = dynamic_cast<colossalai::zero::LowLevelZeroOptimizer*>(

@@ -731,7 +731,9 @@ class Report:
                  "group per step: the mean over ranks beside the formula "
                  "(per sparse layer 4 x N k C x 4 bytes: dispatch and combine, "
                  "forward and backward, plus the counts), and the most one "
-                 "rank handed over (routing is uneven).", "")
+                 "rank handed over (routing is uneven); \"-\" where ep spans "
+                 "the whole data-parallel group, one group whose count holds "
+                 "ZeRO's traffic too.", "")
         rows = []
         for d in runs:
             for name, r in d["setups"].items():
@@ -740,9 +742,11 @@ class Report:
                     f"{r['step_ms']['median']:.0f}",
                     f"{r['step_ms']['p10']:.0f}-{r['step_ms']['p90']:.0f}",
                     f"{r['vs_ep1']:.2f}x", f"{r['tokens_per_s']:.0f}",
-                    fmt_bytes(r["ep_bytes_per_step_mean"]),
+                    "-" if r["ep_bytes_per_step_mean"] < 0
+                    else fmt_bytes(r["ep_bytes_per_step_mean"]),
                     fmt_bytes(r["ep_formula_bytes"]),
-                    fmt_bytes(r["ep_bytes_per_step_max"]),
+                    "-" if r["ep_bytes_per_step_max"] < 0
+                    else fmt_bytes(r["ep_bytes_per_step_max"]),
                     f"{r['parameters_per_rank'] / 1e6:.1f}M",
                     fmt_bytes(r["model_state_bytes"])])
         self.table(["ranks", "setup", "step ms", "p10-p90", "vs ep1",
