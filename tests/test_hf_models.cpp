@@ -1117,6 +1117,47 @@ TEST_F(HfModels, BoostedLazyMoeModelLoadsItsExpertsFromATransformersDirectory) {
   });
 }
 
+// Packed sequences: position_ids falling back to 0 inside a row start a
+// new document and attention stays inside it (transformers 5's masks read
+// them so). Two documents packed in one row give each one's own logits, and
+// the token-mean loss of the packed row is the unpacked pair's; without
+// position_ids the second document sees the first.
+TEST_F(HfModels, PackedDocumentsEqualTheirUnpackedLogitsAndLoss) {
+  for (const char* name : {"llama3", "qwen3"}) {
+    SCOPED_TRACE(name);
+    auto model = models::from_pretrained<models::LlamaForCausalLM>(
+        (fixtures() / name).string());
+    model->eval();
+    at::NoGradGuard no_grad;
+    auto gen = at::detail::createCPUGenerator(7);
+    const auto a = at::randint(100, {1, 6}, gen);
+    const auto b = at::randint(100, {1, 9}, gen);
+    auto ta = at::randint(100, {1, 6}, gen), tb = at::randint(100, {1, 9}, gen);
+    ta.index_put_({0, 0}, -100); // prompts are not trained
+    tb.index_put_({0, at::indexing::Slice(0, 3)}, -100);
+    const auto ids = at::cat({a, b}, 1);
+    const auto pos =
+        at::cat({at::arange(6, at::kLong), at::arange(9, at::kLong)})
+            .unsqueeze(0);
+    const auto packed = model->forward(ids, at::ones_like(ids), pos);
+    const auto la = model->forward(a), lb = model->forward(b);
+    EXPECT_LE((packed.narrow(1, 0, 6) - la).abs().max().item<double>(), 1e-5);
+    EXPECT_LE((packed.narrow(1, 6, 9) - lb).abs().max().item<double>(), 1e-5);
+    const double na = ta.ne(-100).sum().item<double>();
+    const double nb = tb.ne(-100).sum().item<double>();
+    const double unpacked = (model->loss(la, ta).item<double>() * na +
+                             model->loss(lb, tb).item<double>() * nb) /
+        (na + nb);
+    EXPECT_NEAR(
+        model->loss(packed, at::cat({ta, tb}, 1)).item<double>(),
+        unpacked,
+        1e-5);
+    EXPECT_GT(
+        (model->forward(ids).narrow(1, 6, 9) - lb).abs().max().item<double>(),
+        1e-3);
+  }
+}
+
 // What expert parallelism cannot do is refused by name, on every rank
 // before anything is communicated or sharded.
 TEST_F(HfModels, ExpertParallelismRefusesWhatCannotCombineByName) {

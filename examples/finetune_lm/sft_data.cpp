@@ -97,7 +97,8 @@ SftBatch make_sft_sequences(
     const models::Tokenizer& tok,
     const models::ChatTemplate* tpl,
     int64_t seq_len,
-    bool truncate) {
+    bool truncate,
+    bool packing) {
   const int64_t width = seq_len + 1;
   const int64_t eos = tok.eos_token_id();
   const int64_t pad = eos >= 0 ? eos : 0;
@@ -111,9 +112,30 @@ SftBatch make_sft_sequences(
     return tpl->apply(
         ms, models::ChatTemplateOptions(options).add_generation_prompt(gen));
   };
-  std::vector<int64_t> all_ids, all_labels;
+  std::vector<int64_t> all_ids, all_labels, all_positions;
   SftBatch out;
   int64_t rows = 0;
+  // The sequence being filled (packing), padded and kept when full.
+  std::vector<int64_t> row_ids, row_labels, row_positions;
+  auto flush = [&] {
+    if (row_ids.empty()) {
+      return;
+    }
+    int64_t p = 0;
+    while (static_cast<int64_t>(row_ids.size()) < width) {
+      row_ids.push_back(pad);
+      row_labels.push_back(-100);
+      row_positions.push_back(p++); // padding: a document of its own
+    }
+    all_ids.insert(all_ids.end(), row_ids.begin(), row_ids.end());
+    all_labels.insert(all_labels.end(), row_labels.begin(), row_labels.end());
+    all_positions.insert(
+        all_positions.end(), row_positions.begin(), row_positions.end());
+    row_ids.clear();
+    row_labels.clear();
+    row_positions.clear();
+    ++rows;
+  };
   for (const auto& c : conversations) {
     std::vector<int64_t> ids, labels;
     auto push = [&](const std::string& text, bool trained) {
@@ -195,14 +217,28 @@ SftBatch make_sft_sequences(
         ": no assistant token is left to train on",
         truncate ? " after truncation to --seq-len" : "");
     out.trained_tokens += trained;
-    ids.resize(width, pad);
-    labels.resize(width, -100);
-    all_ids.insert(all_ids.end(), ids.begin(), ids.end());
-    all_labels.insert(all_labels.end(), labels.begin(), labels.end());
-    ++rows;
+    ++out.conversations;
+    if (static_cast<int64_t>(row_ids.size() + ids.size()) > width) {
+      flush();
+    }
+    // A conversation's first token is never a target: in a packed sequence
+    // it follows the previous conversation's last.
+    labels[0] = -100;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      row_ids.push_back(ids[i]);
+      row_labels.push_back(labels[i]);
+      row_positions.push_back(static_cast<int64_t>(i));
+    }
+    if (!packing) {
+      flush();
+    }
   }
+  flush();
   out.ids = at::tensor(all_ids, at::kLong).view({rows, width});
   out.labels = at::tensor(all_labels, at::kLong).view({rows, width});
+  if (packing) {
+    out.positions = at::tensor(all_positions, at::kLong).view({rows, width});
+  }
   return out;
 }
 

@@ -31,6 +31,10 @@ std::vector<Conversation> read_sft_jsonl(const std::string& path);
 struct SftBatch {
   at::Tensor ids;    // [n, seq_len + 1]
   at::Tensor labels; // [n, seq_len + 1]: the id where it is trained, else -100
+  /// With packing: [n, seq_len + 1] positions, restarting at 0 with each
+  /// conversation (the model keeps attention inside each); else undefined.
+  at::Tensor positions;
+  int64_t conversations = 0;
   int64_t truncated = 0; // conversations cut at seq_len + 1 tokens
   int64_t trained_tokens = 0;
 };
@@ -40,12 +44,16 @@ struct SftBatch {
 /// tokenised turn by turn so that the assistant's turns (what follows the
 /// prompt `add_generation_prompt` renders) are the only labels; then
 /// padded with eos (labels -100) to seq_len + 1. A longer one is an error
-/// naming its line unless `truncate`, which cuts it (counted).
+/// naming its line unless `truncate`, which cuts it (counted). With
+/// `packing`, conversations follow each other in a sequence while they fit
+/// (`positions` restart with each; its first token is never a target), and
+/// only the last one's room is padded.
 SftBatch make_sft_sequences(
     const std::vector<Conversation>& conversations,
     const colossalai::models::Tokenizer& tokenizer,
     const colossalai::models::ChatTemplate* chat_template,
     int64_t seq_len,
-    bool truncate);
+    bool truncate,
+    bool packing = false);
 
 } // namespace finetune_lm

@@ -8,7 +8,7 @@
 //               [--batch-size B] [--lr X] [--warmup N] [--schedule S]
 //               [--checkpoint DIR] [--save-every N] [--keep-last K]
 //               [--resume] [--out DIR]
-//               [--truncate] [--eval-split F] [--eval-every N]
+//               [--truncate] [--packing] [--eval-split F] [--eval-every N]
 //
 // --model reads a directory transformers wrote (GPT-2 or the LLaMA family,
 // with its tokenizer.json, vocab.json + merges.txt or SentencePiece
@@ -80,7 +80,7 @@ struct Args {
   std::string prompt = "The";
   int samples = 3;
   uint64_t seed = 42;
-  bool truncate = false;
+  bool truncate = false, packing = false;
   double eval_split = 0;
   int64_t eval_every = 0;
 };
@@ -169,6 +169,11 @@ Args parse(int argc, char** argv) {
       a.truncate,
       "--data FILE.jsonl: cut conversations longer than --seq-len (counted) "
       "instead of refusing them");
+  app.add_flag(
+      "--packing",
+      a.packing,
+      "--data FILE.jsonl: several conversations per sequence, attention "
+      "kept inside each (LLaMA family)");
   app.add_option(
          "--eval-split",
          a.eval_split,
@@ -611,8 +616,13 @@ int train(const Args& a) {
           return models::Tokenizer::train(text, a.vocab_size);
         }()
       : models::Tokenizer::from_pretrained(a.model_dir);
-  // Sequences of seq_len + 1 tokens and their targets (-100: no loss).
-  at::Tensor data, labels;
+  // Sequences of seq_len + 1 tokens and their targets (-100: no loss);
+  // with --packing their positions (restarting with each conversation).
+  at::Tensor data, labels, positions;
+  TORCH_CHECK(
+      !a.packing || !gpt2,
+      "--packing needs a LLaMA-family model (its attention reads the "
+      "documents from restarting positions)");
   std::unique_ptr<models::ChatTemplate> chat_template;
   finetune_lm::SftBatch sft_batch;
   if (sft) {
@@ -627,10 +637,18 @@ int train(const Args& a) {
       }
     }
     sft_batch = finetune_lm::make_sft_sequences(
-        conversations, tok, chat_template.get(), a.seq_len, a.truncate);
+        conversations,
+        tok,
+        chat_template.get(),
+        a.seq_len,
+        a.truncate,
+        a.packing);
     data = sft_batch.ids;
     labels = sft_batch.labels;
+    positions = sft_batch.positions;
   } else {
+    TORCH_CHECK(
+        !a.packing, "--packing packs conversations: give --data FILE.jsonl");
     data = make_sequences(docs, tok, a.seq_len);
     labels = data;
   }
@@ -749,6 +767,19 @@ int train(const Args& a) {
       " batch; raise --eval-split or lower --batch-size");
   const int64_t eval_every =
       a.eval_every > 0 ? a.eval_every : std::max<int64_t>(1, a.steps / 5);
+  // The model on the sequences `idx` picked: with --packing, their
+  // positions too (every token real), so attention stays inside each
+  // conversation.
+  auto positions_of = [&](const at::Tensor& idx) {
+    return positions.defined()
+        ? positions.index_select(0, idx).narrow(1, 0, a.seq_len).contiguous()
+        : at::Tensor();
+  };
+  auto forward = [&](const at::Tensor& x, const at::Tensor& idx) {
+    const auto pos = positions_of(idx);
+    return pos.defined() ? boosted.model(x, at::ones_like(x), pos)
+                         : boosted.model(x);
+  };
   // The held-out sequences' token-mean loss (every rank, no gradients).
   auto evaluate = [&]() {
     at::NoGradGuard no_grad;
@@ -763,7 +794,7 @@ int train(const Args& a) {
       auto x = data.index_select(0, idx).narrow(1, 0, a.seq_len).contiguous();
       auto y = labels.index_select(0, idx).narrow(1, 1, a.seq_len).contiguous();
       const double count = y.ne(-100).sum().item<double>();
-      const auto loss = model->loss(boosted.model(x), y);
+      const auto loss = model->loss(forward(x, idx), y);
       sum[0] += loss.to(at::kCPU, at::kDouble).template item<double>() * count;
       sum[1] += count;
     }
@@ -826,6 +857,13 @@ int train(const Args& a) {
                         : "no chat template: \"role: content\" lines",
           static_cast<long long>(sft_batch.trained_tokens),
           static_cast<long long>(sft_batch.truncated));
+      if (a.packing) {
+        std::printf(
+            "packed %lld conversations into %lld sequences of %lld tokens\n",
+            static_cast<long long>(sft_batch.conversations),
+            static_cast<long long>(n_all),
+            static_cast<long long>(a.seq_len + 1));
+      }
     }
     if (n_held > 0) {
       std::printf(
@@ -885,7 +923,10 @@ int train(const Args& a) {
     if (a.pp > 1) {
       auto out = booster.execute_pipeline(
           [&] {
-            return colossalai::pipeline::Batch{x, y};
+            const auto pos = positions_of(idx);
+            return pos.defined()
+                ? colossalai::pipeline::Batch{x, y, at::ones_like(x), pos}
+                : colossalai::pipeline::Batch{x, y};
           },
           boosted.model,
           [&](const at::Tensor& logits, const colossalai::pipeline::Batch& mb) {
@@ -894,7 +935,7 @@ int train(const Args& a) {
           boosted.optimizer.get());
       loss = out.loss;
     } else {
-      loss = model->loss(boosted.model(x), y);
+      loss = model->loss(forward(x, idx), y);
       booster.backward(loss, *boosted.optimizer);
     }
     boosted.optimizer->step();
