@@ -266,6 +266,10 @@ Args parse(int argc, char** argv) {
   TORCH_CHECK(
       a.eval_every >= 0, "--eval-every must be >= 0, got ", a.eval_every);
   TORCH_CHECK(
+      !a.packing || a.pp == 1,
+      "--packing needs --pp 1 (a pipeline's micro-batches carry no "
+      "positions without a mask here)");
+  TORCH_CHECK(
       a.eval_split == 0 || a.pp == 1,
       "--eval-split evaluates with the model's forward, which a pipeline "
       "(--pp > 1) runs only inside a training step; use --pp 1");
@@ -768,8 +772,8 @@ int train(const Args& a) {
   const int64_t eval_every =
       a.eval_every > 0 ? a.eval_every : std::max<int64_t>(1, a.steps / 5);
   // The model on the sequences `idx` picked: with --packing, their
-  // positions too (every token real), so attention stays inside each
-  // conversation.
+  // positions too (and no attention mask: every token is real), so
+  // attention stays inside each conversation.
   auto positions_of = [&](const at::Tensor& idx) {
     return positions.defined()
         ? positions.index_select(0, idx).narrow(1, 0, a.seq_len).contiguous()
@@ -777,7 +781,7 @@ int train(const Args& a) {
   };
   auto forward = [&](const at::Tensor& x, const at::Tensor& idx) {
     const auto pos = positions_of(idx);
-    return pos.defined() ? boosted.model(x, at::ones_like(x), pos)
+    return pos.defined() ? boosted.model(x, at::Tensor(), pos)
                          : boosted.model(x);
   };
   // The held-out sequences' token-mean loss (every rank, no gradients).
@@ -923,10 +927,7 @@ int train(const Args& a) {
     if (a.pp > 1) {
       auto out = booster.execute_pipeline(
           [&] {
-            const auto pos = positions_of(idx);
-            return pos.defined()
-                ? colossalai::pipeline::Batch{x, y, at::ones_like(x), pos}
-                : colossalai::pipeline::Batch{x, y};
+            return colossalai::pipeline::Batch{x, y};
           },
           boosted.model,
           [&](const at::Tensor& logits, const colossalai::pipeline::Batch& mb) {

@@ -288,10 +288,11 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, const ParallelState* state)
 
 namespace {
 
-// Packed sequences (as transformers 5's masks read them): where a row's
-// position_ids fall back to 0 a new document starts, and attention stays
-// inside each document. `keep` (undefined: causal) gains that block
-// diagonal; unchanged when no row restarts.
+// Packed sequences, as transformers 5's masks read them (position_ids
+// without an attention_mask): where a row's position_ids fall back to 0 a
+// new document starts, and attention stays inside each document. `keep`
+// (undefined: causal) gains that block diagonal; unchanged when no row
+// restarts.
 at::Tensor with_documents(
     const at::Tensor& keep,
     const at::Tensor& position_ids,
@@ -354,7 +355,7 @@ at::Tensor LlamaModelImpl::forward_stage(
   // refuses a mask).
   auto mask = attention_keep_mask(
       attention_mask, t, config_.sliding_window(), ids.device());
-  if (position_ids.defined()) {
+  if (position_ids.defined() && !attention_mask.defined()) {
     mask = with_documents(mask, position_ids, t, ids.device());
   }
   at::Tensor x = hidden;

@@ -63,8 +63,10 @@ class CastInputModel : public interface::ModelWrapper {
 
  protected:
   at::Tensor transform_input(const at::Tensor& x) override {
-    return x.is_floating_point() && x.scalar_type() != dtype_ ? x.to(dtype_)
-                                                              : x;
+    // An undefined tensor (an optional argument left out) passes as is.
+    return x.defined() && x.is_floating_point() && x.scalar_type() != dtype_
+        ? x.to(dtype_)
+        : x;
   }
 
  private:

@@ -35,7 +35,8 @@ void FsdpState::install_grad_hooks() {
 } // namespace detail
 
 at::Tensor FullyShardedModel::transform_input(const at::Tensor& x) {
-  return x.is_floating_point() && x.scalar_type() != state_->param_dtype
+  return x.defined() && x.is_floating_point() &&
+          x.scalar_type() != state_->param_dtype
       ? x.to(state_->param_dtype)
       : x;
 }
