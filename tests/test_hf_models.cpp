@@ -1139,6 +1139,8 @@ TEST_F(HfModels, PackedDocumentsEqualTheirUnpackedLogitsAndLoss) {
     const auto pos =
         at::cat({at::arange(6, at::kLong), at::arange(9, at::kLong)})
             .unsqueeze(0);
+    // The same fp32 computation, with masked keys beside the document's:
+    // 1e-5 allows the rounding of the longer row's matmuls.
     const auto packed = model->forward(ids, at::Tensor(), pos);
     const auto la = model->forward(a), lb = model->forward(b);
     EXPECT_LE((packed.narrow(1, 0, 6) - la).abs().max().item<double>(), 1e-5);

@@ -701,20 +701,10 @@ class ExprParser {
   }
 
   ExprPtr or_expr() {
-    auto e = and_expr();
-    while (word("or")) {
-      ++i_;
-      e = binary("or", e, and_expr());
-    }
-    return e;
+    return level(&ExprParser::and_expr, {"or"});
   }
   ExprPtr and_expr() {
-    auto e = not_expr();
-    while (word("and")) {
-      ++i_;
-      e = binary("and", e, not_expr());
-    }
-    return e;
+    return level(&ExprParser::not_expr, {"and"});
   }
   ExprPtr not_expr() {
     if (word("not")) {
@@ -747,7 +737,7 @@ class ExprParser {
     }
   }
   // One left-associative level: operands of `operand`'s level joined by
-  // any of `ops`.
+  // any of `ops` (symbols, or the keywords `or` / `and`).
   ExprPtr level(
       ExprPtr (ExprParser::*operand)(),
       std::initializer_list<const char*> ops) {
@@ -755,7 +745,7 @@ class ExprParser {
     for (;;) {
       const char* hit = nullptr;
       for (const char* o : ops) {
-        if (op(o)) {
+        if (op(o) || word(o)) {
           hit = o;
           break;
         }
