@@ -2,6 +2,8 @@
 
 #include "model_init.h"
 
+#include <colossalai/models/kv_cache.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -100,8 +102,9 @@ at::Tensor alibi_bias(
 
 BloomAttentionImpl::BloomAttentionImpl(
     const BloomConfig& c,
-    const ParallelState* state)
-    : n_head_(c.n_head()), head_dim_(0), state_(state) {
+    const ParallelState* state,
+    int64_t layer_idx)
+    : n_head_(c.n_head()), head_dim_(0), state_(state), layer_idx_(layer_idx) {
   TORCH_CHECK(
       c.n_head() > 0 && c.hidden_size() % c.n_head() == 0,
       "BloomConfig: hidden_size (",
@@ -131,23 +134,30 @@ at::Tensor BloomAttentionImpl::forward(
   auto qkv = query_key_value(x); // [B, T, 3 C / tp]: the whole sequence
   const int64_t b = qkv.size(0), t = qkv.size(1), d = head_dim_;
   const int64_t heads = n_head_ / state_->tp_size();
+  auto parts = qkv.view({b, t, heads, 3, d});
+  auto q = parts.select(3, 0).transpose(1, 2); // [B, H, T, D]
+  auto k = parts.select(3, 1).transpose(1, 2);
+  auto v = parts.select(3, 2).transpose(1, 2);
+  if (state_->kv_cache != nullptr) {
+    std::tie(k, v) = state_->kv_cache->update(layer_idx_, k, v);
+  }
+  const int64_t tk = k.size(2); // keys: the cache's and these
   TORCH_CHECK(
-      alibi.size(1) == heads && alibi.size(-1) == t,
+      alibi.size(1) == heads && alibi.size(-1) == tk,
       "BloomAttention: the ALiBi bias ",
       alibi.sizes(),
       " does not match ",
       heads,
       " heads over ",
-      t,
-      " tokens");
-  auto parts = qkv.view({b, t, heads, 3, d});
+      tk,
+      " keys");
   // [B * H, T, D] (keys [B * H, D, T]), as Hugging Face's baddbmm takes them.
-  auto q = parts.select(3, 0).transpose(1, 2).reshape({b * heads, t, d});
-  auto k = parts.select(3, 1).transpose(1, 2).reshape({b * heads, t, d});
-  auto v = parts.select(3, 2).transpose(1, 2).reshape({b * heads, t, d});
+  q = q.reshape({b * heads, t, d});
+  k = k.reshape({b * heads, tk, d});
+  v = v.reshape({b * heads, tk, d});
   auto bias = alibi.to(q.scalar_type())
-                  .expand({b, heads, 1, t})
-                  .reshape({b * heads, 1, t});
+                  .expand({b, heads, 1, tk})
+                  .reshape({b * heads, 1, tk});
   // alibi + q k^T / sqrt(head_dim).
   auto scores = at::baddbmm(
                     bias,
@@ -155,7 +165,7 @@ at::Tensor BloomAttentionImpl::forward(
                     k.transpose(1, 2),
                     /*beta=*/1.0,
                     /*alpha=*/1.0 / std::sqrt(static_cast<double>(d)))
-                    .view({b, heads, t, t});
+                    .view({b, heads, t, tk});
   auto hidden = mask.defined()
       ? mask.logical_not()
       : at::ones({t, t}, q.options().dtype(at::kBool)).triu(1);
@@ -176,7 +186,7 @@ at::Tensor BloomAttentionImpl::forward(
           at::kFloat)
           .to(q.scalar_type());
   probs = attention_dropout(probs);
-  auto y = at::bmm(probs.view({b * heads, t, t}), v)
+  auto y = at::bmm(probs.view({b * heads, t, tk}), v)
                .view({b, heads, t, d})
                .permute({0, 2, 1, 3})
                .reshape({b, t, heads * d});
@@ -201,10 +211,14 @@ at::Tensor BloomMLPImpl::forward(
       hidden_dropout(dense_4h_to_h(at::gelu(dense_h_to_4h(x), "tanh")));
 }
 
-BloomBlockImpl::BloomBlockImpl(const BloomConfig& c, const ParallelState* state)
+BloomBlockImpl::BloomBlockImpl(
+    const BloomConfig& c,
+    const ParallelState* state,
+    int64_t layer_idx)
     : post_layernorm_residual_(c.apply_residual_connection_post_layernorm()) {
   input_layernorm = register_module("input_layernorm", layer_norm(c));
-  self_attention = register_module("self_attention", BloomAttention(c, state));
+  self_attention = register_module(
+      "self_attention", BloomAttention(c, state, layer_idx));
   post_attention_layernorm =
       register_module("post_attention_layernorm", layer_norm(c));
   mlp = register_module("mlp", BloomMLP(c));
@@ -232,7 +246,7 @@ BloomModelImpl::BloomModelImpl(const BloomConfig& c, const ParallelState* state)
       register_module("word_embeddings_layernorm", layer_norm(c));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layer(); ++i) {
-    h->push_back(BloomBlock(c, state));
+    h->push_back(BloomBlock(c, state, i));
   }
   ln_f = register_module("ln_f", layer_norm(c));
   torch::NoGradGuard no_grad;
@@ -257,10 +271,14 @@ at::Tensor BloomModelImpl::forward_stage(
   const int64_t t = ids.size(1);
   // Attention sees the whole sequence (split_gather gathers it in the
   // column layers): the whole sequence's mask and ALiBi positions.
-  const auto mask = attention_keep_mask(
-      attention_mask, t, /*sliding_window=*/0, ids.device());
+  // A cached step's keys are all the cache's (no window) and these.
+  const auto mask = st.kv_cache != nullptr
+      ? st.kv_cache->begin_step(t, attention_mask, 0, ids.device())
+      : attention_keep_mask(attention_mask, t, 0, ids.device());
+  const int64_t keys =
+      st.kv_cache != nullptr ? st.kv_cache->length() + t : t;
   const auto alibi =
-      alibi_bias(attention_mask, t, config_.n_head(), st, ids.device());
+      alibi_bias(attention_mask, keys, config_.n_head(), st, ids.device());
   at::Tensor x = hidden;
   if (layers.first) {
     x = split_sequence(word_embeddings_layernorm(word_embeddings(ids)), st);
@@ -301,6 +319,25 @@ at::Tensor BloomForCausalLMImpl::forward_stage(
   }
   return tied_lm_head_logits(
       x, transformer->word_embeddings->weight, state_, config_.vocab_size());
+}
+
+at::Tensor BloomForCausalLMImpl::forward_cached(
+    const at::Tensor& ids,
+    KVCache& cache,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids,
+    int64_t logits_to_keep) {
+  (void)position_ids; // ALiBi: the mask gives the keys' positions
+  CachedForward frame(state_, cache, "BloomForCausalLM");
+  auto x = transformer->forward(ids, attention_mask);
+  return frame.finish(
+      x, logits_to_keep, config_.vocab_size(), [this](const at::Tensor& h) {
+        return tied_lm_head_logits(
+            h,
+            transformer->word_embeddings->weight,
+            state_,
+            config_.vocab_size());
+      });
 }
 
 at::Tensor BloomForCausalLMImpl::loss(

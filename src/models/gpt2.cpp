@@ -2,6 +2,8 @@
 
 #include "model_init.h"
 
+#include <colossalai/models/kv_cache.h>
+
 #include <colossalai/distributed/functional.h>
 
 #include <torch/nn/init.h>
@@ -64,8 +66,9 @@ sl::Linear1D_Row conv1d_row(int64_t in, int64_t out) {
 
 GPT2AttentionImpl::GPT2AttentionImpl(
     const GPT2Config& c,
-    const ParallelState* state)
-    : n_head_(c.n_head()), head_dim_(0), state_(state) {
+    const ParallelState* state,
+    int64_t layer_idx)
+    : n_head_(c.n_head()), head_dim_(0), state_(state), layer_idx_(layer_idx) {
   TORCH_CHECK(
       c.n_head() > 0 && c.n_embd() % c.n_head() == 0,
       "GPT2Config: n_embd (",
@@ -106,6 +109,9 @@ at::Tensor GPT2AttentionImpl::forward(
   auto q = parts.select(2, 0).transpose(1, 2);
   auto k = parts.select(2, 1).transpose(1, 2);
   auto v = parts.select(2, 2).transpose(1, 2);
+  if (state_->kv_cache != nullptr) {
+    std::tie(k, v) = state_->kv_cache->update(layer_idx_, k, v);
+  }
   const bool drop = attn_dropout->options.p() > 0 && is_training();
   auto y = sequence_attention(
                q, k, v, *state_, drop ? attn_dropout.get() : nullptr, mask)
@@ -135,9 +141,12 @@ at::Tensor GPT2MLPImpl::forward(const at::Tensor& x) {
   return dropout(c_proj(at::gelu(c_fc(x), "tanh"))); // HF's gelu_new
 }
 
-GPT2BlockImpl::GPT2BlockImpl(const GPT2Config& c, const ParallelState* state) {
+GPT2BlockImpl::GPT2BlockImpl(
+    const GPT2Config& c,
+    const ParallelState* state,
+    int64_t layer_idx) {
   ln_1 = register_module("ln_1", layer_norm(c));
-  attn = register_module("attn", GPT2Attention(c, state));
+  attn = register_module("attn", GPT2Attention(c, state, layer_idx));
   ln_2 = register_module("ln_2", layer_norm(c));
   mlp = register_module("mlp", GPT2MLP(c));
 }
@@ -160,7 +169,7 @@ GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& c, const ParallelState* state)
       register_module("drop", sl::Dropout(sl::DropoutOptions(c.embd_pdrop())));
   h = register_module("h", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layer(); ++i) {
-    h->push_back(GPT2Block(c, state));
+    h->push_back(GPT2Block(c, state, i));
   }
   ln_f = register_module("ln_f", layer_norm(c));
   init_normal(wte->weight, c.initializer_range());
@@ -193,14 +202,28 @@ at::Tensor GPT2ModelImpl::forward_stage(
       "), got ",
       ids.sizes());
   check_position_ids(ids, position_ids, "GPT2Model");
-  const auto mask = attention_keep_mask(
-      attention_mask, ids.size(1), /*sliding_window=*/0, ids.device());
+  const int64_t t = ids.size(1);
+  const auto mask = st.kv_cache != nullptr
+      ? st.kv_cache->begin_step(t, attention_mask, 0, ids.device())
+      : attention_keep_mask(attention_mask, t, 0, ids.device());
   at::Tensor x = hidden;
   if (layers.first) {
     at::Tensor tokens = ids, pos;
     std::tie(tokens, pos) = sequence_chunk(ids, st);
     if (position_ids.defined()) {
       pos = sequence_chunk(position_ids, st).first;
+    } else if (st.kv_cache != nullptr) {
+      pos = step_positions(st, t, ids.device());
+    }
+    if (st.kv_cache != nullptr) {
+      const int64_t last = pos.max().item<int64_t>();
+      TORCH_CHECK(
+          last < config_.n_positions(),
+          "GPT2Model: generation reached position ",
+          last,
+          ", beyond the learned positions (n_positions ",
+          config_.n_positions(),
+          ")");
     }
     x = split_sequence(drop(wte(tokens) + wpe(pos)), st);
   }
@@ -243,6 +266,21 @@ at::Tensor GPT2LMHeadModelImpl::forward_stage(
   }
   return tied_lm_head_logits(
       x, transformer->wte->weight, state_, config_.vocab_size());
+}
+
+at::Tensor GPT2LMHeadModelImpl::forward_cached(
+    const at::Tensor& ids,
+    KVCache& cache,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids,
+    int64_t logits_to_keep) {
+  CachedForward frame(state_, cache, "GPT2LMHeadModel");
+  auto x = transformer->forward(ids, attention_mask, position_ids);
+  return frame.finish(
+      x, logits_to_keep, config_.vocab_size(), [this](const at::Tensor& h) {
+        return tied_lm_head_logits(
+            h, transformer->wte->weight, state_, config_.vocab_size());
+      });
 }
 
 at::Tensor GPT2LMHeadModelImpl::loss(

@@ -2,6 +2,8 @@
 
 #include "model_init.h"
 
+#include <colossalai/models/kv_cache.h>
+
 #include <colossalai/lazy/lazy_init.h>
 
 #include <cmath>
@@ -112,8 +114,9 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
 
 LlamaAttentionImpl::LlamaAttentionImpl(
     const LlamaConfig& c,
-    const ParallelState* state)
-    : config_(c), state_(state) {
+    const ParallelState* state,
+    int64_t layer_idx)
+    : config_(c), state_(state), layer_idx_(layer_idx) {
   const int64_t h = c.num_attention_heads(), kv = c.num_key_value_heads();
   TORCH_CHECK(
       h > 0 && kv > 0 && h % kv == 0,
@@ -179,10 +182,14 @@ at::Tensor LlamaAttentionImpl::forward(
     v = to_head_shards(v, st.sp);
   }
   const int64_t n_rep = q.size(2) / k.size(2);
+  auto keys = k.transpose(1, 2), values = v.transpose(1, 2); // [B, KV, T, D]
+  if (st.kv_cache != nullptr) {
+    std::tie(keys, values) = st.kv_cache->update(layer_idx_, keys, values);
+  }
   auto y = sequence_attention(
                q.transpose(1, 2),
-               repeat_kv(k.transpose(1, 2), n_rep),
-               repeat_kv(v.transpose(1, 2), n_rep),
+               repeat_kv(keys, n_rep),
+               repeat_kv(values, n_rep),
                st,
                nullptr,
                mask)
@@ -212,7 +219,8 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(
     const LlamaConfig& c,
     const ParallelState* state,
     int64_t layer_idx) {
-  self_attn = register_module("self_attn", LlamaAttention(c, state));
+  self_attn =
+      register_module("self_attn", LlamaAttention(c, state, layer_idx));
   if (c.moe().sparse_layer(layer_idx)) {
     const bool mixtral = c.model_type() == "mixtral";
     moe = register_module(
@@ -351,12 +359,22 @@ at::Tensor LlamaModelImpl::forward_stage(
       ? (position_ids.defined() ? position_ids
                                 : at::arange(t, ids.options().dtype(at::kLong)))
       : pos;
-  // Attention always sees the whole sequence except under ring_attn (which
-  // refuses a mask).
-  auto mask = attention_keep_mask(
-      attention_mask, t, config_.sliding_window(), ids.device());
-  if (position_ids.defined() && !attention_mask.defined()) {
-    mask = with_documents(mask, position_ids, t, ids.device());
+  at::Tensor mask;
+  if (st.kv_cache != nullptr) {
+    // A cached step: its queries see the cache's keys and their own.
+    mask = st.kv_cache->begin_step(
+        t, attention_mask, config_.sliding_window(), ids.device());
+    if (!position_ids.defined()) {
+      pos = rope_pos = step_positions(st, t, ids.device());
+    }
+  } else {
+    // Attention always sees the whole sequence except under ring_attn
+    // (which refuses a mask).
+    mask = attention_keep_mask(
+        attention_mask, t, config_.sliding_window(), ids.device());
+    if (position_ids.defined() && !attention_mask.defined()) {
+      mask = with_documents(mask, position_ids, t, ids.device());
+    }
   }
   at::Tensor x = hidden;
   if (stage.first) {
@@ -422,6 +440,26 @@ at::Tensor LlamaForCausalLMImpl::forward_stage(
   }
   return tied_lm_head_logits(
       x, model->embed_tokens->weight, state_, config_.vocab_size());
+}
+
+at::Tensor LlamaForCausalLMImpl::forward_cached(
+    const at::Tensor& ids,
+    KVCache& cache,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids,
+    int64_t logits_to_keep) {
+  CachedForward frame(state_, cache, "LlamaForCausalLM");
+  last_attention_mask_ = at::Tensor();
+  auto x = model->forward(ids, attention_mask, position_ids);
+  return frame.finish(
+      x, logits_to_keep, config_.vocab_size(), [this](const at::Tensor& h) {
+        return lm_head ? lm_head(h)
+                       : tied_lm_head_logits(
+                             h,
+                             model->embed_tokens->weight,
+                             state_,
+                             config_.vocab_size());
+      });
 }
 
 at::Tensor LlamaForCausalLMImpl::loss(

@@ -2,6 +2,8 @@
 
 #include "model_init.h"
 
+#include <colossalai/models/kv_cache.h>
+
 #include <torch/nn/init.h>
 
 namespace colossalai {
@@ -76,12 +78,14 @@ torch::nn::LayerNorm layer_norm(const OPTConfig& c) {
 
 OPTAttentionImpl::OPTAttentionImpl(
     const OPTConfig& c,
-    const ParallelState* state)
+    const ParallelState* state,
+    int64_t layer_idx)
     : head_dim_(
           c.num_attention_heads() > 0
               ? c.hidden_size() / c.num_attention_heads()
               : 0),
-      state_(state) {
+      state_(state),
+      layer_idx_(layer_idx) {
   TORCH_CHECK(
       c.num_attention_heads() > 0 &&
           c.hidden_size() % c.num_attention_heads() == 0,
@@ -114,6 +118,9 @@ at::Tensor OPTAttentionImpl::forward(
       k_proj->forward_prepared(xin).view({b, t, -1, head_dim_}).transpose(1, 2);
   auto v =
       v_proj->forward_prepared(xin).view({b, t, -1, head_dim_}).transpose(1, 2);
+  if (state_->kv_cache != nullptr) {
+    std::tie(k, v) = state_->kv_cache->update(layer_idx_, k, v);
+  }
   // Hugging Face scales q by head_dim^-0.5 before q k^T; attention() scales
   // the product: the same softmax.
   const bool drop = dropout->options.p() > 0 && is_training();
@@ -125,7 +132,8 @@ at::Tensor OPTAttentionImpl::forward(
 
 OPTDecoderLayerImpl::OPTDecoderLayerImpl(
     const OPTConfig& c,
-    const ParallelState* state)
+    const ParallelState* state,
+    int64_t layer_idx)
     : pre_ln_(c.do_layer_norm_before()),
       gelu_(c.activation_function() == "gelu") {
   TORCH_CHECK(
@@ -133,7 +141,7 @@ OPTDecoderLayerImpl::OPTDecoderLayerImpl(
       "OPTConfig: activation_function '",
       c.activation_function(),
       "' is not supported (relu, gelu)");
-  self_attn = register_module("self_attn", OPTAttention(c, state));
+  self_attn = register_module("self_attn", OPTAttention(c, state, layer_idx));
   self_attn_layer_norm = register_module("self_attn_layer_norm", layer_norm(c));
   fc1 = register_module("fc1", col(c.hidden_size(), c.ffn_dim(), c));
   fc2 = register_module("fc2", row(c.ffn_dim(), c.hidden_size(), c));
@@ -188,7 +196,7 @@ OPTDecoderImpl::OPTDecoderImpl(const OPTConfig& c, const ParallelState* state)
   }
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_hidden_layers(); ++i) {
-    layers->push_back(OPTDecoderLayer(c, state));
+    layers->push_back(OPTDecoderLayer(c, state, i));
   }
   init_normal(embed_tokens->weight, c.init_std());
   init_normal(embed_positions->weight, c.init_std());
@@ -219,24 +227,29 @@ at::Tensor OPTDecoderImpl::forward_stage(
   TORCH_CHECK(
       ids.dim() == 2, "OPTDecoder: ids must be [B, T], got ", ids.sizes());
   check_position_ids(ids, position_ids, "OPTDecoder");
+  const auto& st = *state_;
+  const bool cached = st.kv_cache != nullptr;
   TORCH_CHECK(
-      !attention_mask.defined() || attention_mask.sizes() == ids.sizes(),
+      cached || !attention_mask.defined() ||
+          attention_mask.sizes() == ids.sizes(),
       "OPTDecoder: attention_mask must be [B, T] like ids ",
       ids.sizes(),
       ", got ",
       attention_mask.sizes());
-  const auto& st = *state_;
   const int64_t t = ids.size(1);
-  const auto mask = attention_keep_mask(
-      attention_mask, t, /*sliding_window=*/0, ids.device());
+  const int64_t past = cached ? st.kv_cache->length() : 0;
+  const auto mask = cached
+      ? st.kv_cache->begin_step(t, attention_mask, 0, ids.device())
+      : attention_keep_mask(attention_mask, t, 0, ids.device());
   at::Tensor x = hidden;
   if (stage.first) {
     // Positions as transformers: given, else from the padding mask (padding
-    // does not advance them; a padding token's is -1), else 0 .. T - 1.
+    // does not advance them; a padding token's is -1), else 0 .. T - 1
+    // (after the cache's).
     TORCH_CHECK(
-        position_ids.defined() || t <= config_.max_position_embeddings(),
+        position_ids.defined() || past + t <= config_.max_position_embeddings(),
         "OPTDecoder: the sequence (",
-        t,
+        past + t,
         " tokens) is longer than max_position_embeddings (",
         config_.max_position_embeddings(),
         ")");
@@ -245,9 +258,19 @@ at::Tensor OPTDecoderImpl::forward_stage(
       pos = position_ids.to(ids.device(), at::kLong);
     } else if (attention_mask.defined()) {
       auto real = attention_mask.to(ids.device()).ne(0).to(at::kLong);
-      pos = at::cumsum(real, 1) * real - 1;
+      pos = (at::cumsum(real, 1) * real - 1).narrow(1, past, t);
     } else {
-      pos = at::arange(t, ids.options().dtype(at::kLong));
+      pos = step_positions(st, t, ids.device());
+    }
+    if (cached) {
+      const int64_t last = pos.max().item<int64_t>();
+      TORCH_CHECK(
+          last < config_.max_position_embeddings(),
+          "OPTDecoder: generation reached position ",
+          last,
+          ", beyond the learned positions (max_position_embeddings ",
+          config_.max_position_embeddings(),
+          ")");
     }
     auto tokens = without_padding_grad(
         embed_tokens(ids),
@@ -320,6 +343,25 @@ at::Tensor OPTForCausalLMImpl::forward_stage(
   }
   return tied_lm_head_logits(
       x, decoder.embed_tokens->weight, state_, config_.vocab_size());
+}
+
+at::Tensor OPTForCausalLMImpl::forward_cached(
+    const at::Tensor& ids,
+    KVCache& cache,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids,
+    int64_t logits_to_keep) {
+  CachedForward frame(state_, cache, "OPTForCausalLM");
+  auto& decoder = *model->decoder;
+  auto x = decoder.forward(ids, attention_mask, position_ids);
+  return frame.finish(
+      x,
+      logits_to_keep,
+      config_.vocab_size(),
+      [this, &decoder](const at::Tensor& h) {
+        return tied_lm_head_logits(
+            h, decoder.embed_tokens->weight, state_, config_.vocab_size());
+      });
 }
 
 at::Tensor OPTForCausalLMImpl::loss(

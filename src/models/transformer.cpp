@@ -2,6 +2,7 @@
 
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
+#include <colossalai/models/kv_cache.h>
 #include <colossalai/nn/checkpoint.h>
 #include <colossalai/nn/loss.h>
 #include <colossalai/shardformer/layer/embedding.h>
@@ -70,10 +71,65 @@ at::Tensor run_block(
     const at::Tensor& x) {
   const auto checkpointed = static_cast<int64_t>(
       st.gradient_checkpointing_ratio * static_cast<double>(num_blocks));
-  if (index < checkpointed && block.is_training()) {
+  // A cached step appends to the cache once per layer: never recomputed.
+  if (index < checkpointed && block.is_training() && st.kv_cache == nullptr) {
     return nn::checkpoint(fn, x, &block);
   }
   return fn(x);
+}
+
+CachedForward::CachedForward(
+    ParallelState& state,
+    KVCache& cache,
+    const char* who)
+    : state_(state), cache_(cache) {
+  TORCH_CHECK(
+      state.sp_mode == shardformer::SequenceParallelMode::kNone,
+      who,
+      "::forward_cached (generation) runs without sequence parallelism; "
+      "this model is sharded with sequence_parallelism_mode ",
+      shardformer::to_string(state.sp_mode),
+      ": generate with a model sharded without it (tensor parallelism is "
+      "supported)");
+  TORCH_CHECK(
+      state.kv_cache == nullptr,
+      who,
+      "::forward_cached: another cached forward of this model is in progress");
+  state.kv_cache = &cache;
+}
+
+CachedForward::~CachedForward() {
+  state_.kv_cache = nullptr;
+}
+
+at::Tensor CachedForward::finish(
+    const at::Tensor& hidden,
+    int64_t logits_to_keep,
+    int64_t vocab_size,
+    const std::function<at::Tensor(const at::Tensor&)>& hidden_to_logits) {
+  cache_.end_step();
+  TORCH_CHECK(
+      logits_to_keep >= 0,
+      "forward_cached: logits_to_keep must be >= 0, got ",
+      logits_to_keep);
+  const int64_t t = hidden.size(1);
+  const auto x = logits_to_keep > 0 && logits_to_keep < t
+      ? hidden.narrow(1, t - logits_to_keep, logits_to_keep)
+      : hidden;
+  auto logits = hidden_to_logits(x);
+  if (state_.tp_size() > 1 && state_.parallel_output) {
+    logits = cdf::gather_along_dim(logits, logits.dim() - 1, state_.tp);
+  }
+  return logits.size(-1) > vocab_size ? logits.narrow(-1, 0, vocab_size)
+                                      : logits;
+}
+
+at::Tensor step_positions(
+    const ParallelState& state,
+    int64_t t,
+    const at::Device& device) {
+  const int64_t past = state.kv_cache != nullptr ? state.kv_cache->length() : 0;
+  return at::arange(past, past + t, at::TensorOptions(at::kLong).device(device));
 }
 
 void check_position_ids(

@@ -90,11 +90,15 @@ at::Tensor bloom_alibi_slopes(int64_t n_head);
 
 class BloomAttentionImpl : public torch::nn::Module {
  public:
-  BloomAttentionImpl(const BloomConfig& config, const ParallelState* state);
+  /// `layer_idx`: its block's entry in a KVCache.
+  BloomAttentionImpl(
+      const BloomConfig& config,
+      const ParallelState* state,
+      int64_t layer_idx = 0);
   /// residual + dropout(dense(attention(x))): x and `residual`
-  /// [B, T_local, C]; `alibi` [B or 1, H_local, 1, T] (this rank's heads'
-  /// bias of each key, from BloomModel); `mask` from attention_keep_mask
-  /// (undefined: causal).
+  /// [B, T_local, C]; `alibi` [B or 1, H_local, 1, T_keys] (this rank's
+  /// heads' bias of each key, from BloomModel; T_keys counts a KVCache's
+  /// keys too); `mask` from attention_keep_mask (undefined: causal).
   at::Tensor forward(
       const at::Tensor& x,
       const at::Tensor& residual,
@@ -110,6 +114,7 @@ class BloomAttentionImpl : public torch::nn::Module {
  private:
   int64_t n_head_, head_dim_;
   const ParallelState* state_;
+  int64_t layer_idx_;
 };
 TORCH_MODULE(BloomAttention);
 
@@ -131,7 +136,10 @@ TORCH_MODULE(BloomMLP);
 class BloomBlockImpl : public torch::nn::Module,
                        public colossalai::nn::HookableModule {
  public:
-  BloomBlockImpl(const BloomConfig& config, const ParallelState* state);
+  BloomBlockImpl(
+      const BloomConfig& config,
+      const ParallelState* state,
+      int64_t layer_idx = 0);
   at::Tensor forward(
       const at::Tensor& x,
       const at::Tensor& alibi,
@@ -194,6 +202,16 @@ class BloomForCausalLMImpl : public torch::nn::Module,
       const at::Tensor& ids,
       const at::Tensor& hidden,
       const at::Tensor& attention_mask = at::Tensor());
+  /// A step of generation after what `cache` holds, as
+  /// LlamaForCausalLM::forward_cached (NOTE [Generation]); ALiBi has no
+  /// positions: the keys' biases count the real tokens of
+  /// `attention_mask`.
+  at::Tensor forward_cached(
+      const at::Tensor& ids,
+      KVCache& cache,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor(),
+      int64_t logits_to_keep = 0);
   /// Mean cross entropy of `forward`'s logits against next-token targets
   /// [B, T] (aligned with the logits; -100: ignored, as transformers'
   /// labels), sharded logits included.

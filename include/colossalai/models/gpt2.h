@@ -74,7 +74,11 @@ struct GPT2Config {
 
 class GPT2AttentionImpl : public torch::nn::Module {
  public:
-  GPT2AttentionImpl(const GPT2Config& config, const ParallelState* state);
+  /// `layer_idx`: its block's entry in a KVCache.
+  GPT2AttentionImpl(
+      const GPT2Config& config,
+      const ParallelState* state,
+      int64_t layer_idx = 0);
   /// x: [B, T_local, C] -> [B, T_local, C]; `mask` from
   /// attention_keep_mask (undefined: causal).
   at::Tensor forward(
@@ -89,6 +93,7 @@ class GPT2AttentionImpl : public torch::nn::Module {
  private:
   int64_t n_head_, head_dim_;
   const ParallelState* state_;
+  int64_t layer_idx_;
 };
 TORCH_MODULE(GPT2Attention);
 
@@ -108,7 +113,10 @@ TORCH_MODULE(GPT2MLP);
 class GPT2BlockImpl : public torch::nn::Module,
                       public colossalai::nn::HookableModule {
  public:
-  GPT2BlockImpl(const GPT2Config& config, const ParallelState* state);
+  GPT2BlockImpl(
+      const GPT2Config& config,
+      const ParallelState* state,
+      int64_t layer_idx = 0);
   at::Tensor forward(
       const at::Tensor& x,
       const at::Tensor& mask = at::Tensor());
@@ -169,6 +177,15 @@ class GPT2LMHeadModelImpl : public torch::nn::Module,
       const at::Tensor& hidden,
       const at::Tensor& attention_mask = at::Tensor(),
       const at::Tensor& position_ids = at::Tensor());
+  /// A step of generation after what `cache` holds, as
+  /// LlamaForCausalLM::forward_cached (NOTE [Generation]); positions past
+  /// n_positions are refused.
+  at::Tensor forward_cached(
+      const at::Tensor& ids,
+      KVCache& cache,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor(),
+      int64_t logits_to_keep = 0);
   /// Mean cross entropy of `forward`'s logits against next-token targets
   /// [B, T] (aligned with the logits), sharded logits included.
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;

@@ -110,7 +110,11 @@ struct LlamaConfig {
 
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
-  LlamaAttentionImpl(const LlamaConfig& config, const ParallelState* state);
+  /// `layer_idx`: its layer's entry in a KVCache.
+  LlamaAttentionImpl(
+      const LlamaConfig& config,
+      const ParallelState* state,
+      int64_t layer_idx = 0);
   /// x [B, T_local, C], positions [T_local] or [B, T_local], `mask` from
   /// attention_keep_mask (undefined: causal) -> [B, T_local, C].
   at::Tensor forward(
@@ -127,6 +131,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
  private:
   LlamaConfig config_;
   const ParallelState* state_;
+  int64_t layer_idx_;
   at::Tensor inv_freq_; ///< [head_dim / 2] fp32, scaled
 };
 TORCH_MODULE(LlamaAttention);
@@ -213,6 +218,20 @@ class LlamaForCausalLMImpl : public torch::nn::Module,
       const at::Tensor& hidden,
       const at::Tensor& attention_mask = at::Tensor(),
       const at::Tensor& position_ids = at::Tensor());
+  /// `ids` [B, T_new], the tokens after the `cache.length()` positions
+  /// `cache` holds (NOTE [Generation]), which it appends to: logits [B,
+  /// T_new or logits_to_keep, vocab] of the last `logits_to_keep` positions
+  /// (0: all), over the whole vocabulary on every tensor rank.
+  /// `attention_mask` covers the past and the new tokens, [B, cache.length()
+  /// + T_new] (undefined: all real); `position_ids` [B, T_new] (default:
+  /// cache.length() onwards). A model sharded with sequence parallelism or
+  /// pipelined is not supported.
+  at::Tensor forward_cached(
+      const at::Tensor& ids,
+      KVCache& cache,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor(),
+      int64_t logits_to_keep = 0);
   /// Mean cross entropy against next-token targets [B, T] (-100: ignored,
   /// as transformers' labels); for a mixture of experts with
   /// `moe().output_router_logits()`, plus router_aux_loss_coef x aux_loss().

@@ -99,7 +99,11 @@ struct OPTConfig {
 
 class OPTAttentionImpl : public torch::nn::Module {
  public:
-  OPTAttentionImpl(const OPTConfig& config, const ParallelState* state);
+  /// `layer_idx`: its layer's entry in a KVCache.
+  OPTAttentionImpl(
+      const OPTConfig& config,
+      const ParallelState* state,
+      int64_t layer_idx = 0);
   /// x [B, T_local, C], `mask` from attention_keep_mask (undefined: causal)
   /// -> [B, T_local, C] (before the residual dropout).
   at::Tensor forward(
@@ -115,6 +119,7 @@ class OPTAttentionImpl : public torch::nn::Module {
  private:
   int64_t head_dim_;
   const ParallelState* state_;
+  int64_t layer_idx_;
 };
 TORCH_MODULE(OPTAttention);
 
@@ -124,7 +129,10 @@ TORCH_MODULE(OPTAttention);
 class OPTDecoderLayerImpl : public torch::nn::Module,
                             public colossalai::nn::HookableModule {
  public:
-  OPTDecoderLayerImpl(const OPTConfig& config, const ParallelState* state);
+  OPTDecoderLayerImpl(
+      const OPTConfig& config,
+      const ParallelState* state,
+      int64_t layer_idx = 0);
   at::Tensor forward(
       const at::Tensor& x,
       const at::Tensor& mask = at::Tensor());
@@ -213,6 +221,15 @@ class OPTForCausalLMImpl : public torch::nn::Module,
       const at::Tensor& hidden,
       const at::Tensor& attention_mask = at::Tensor(),
       const at::Tensor& position_ids = at::Tensor());
+  /// A step of generation after what `cache` holds, as
+  /// LlamaForCausalLM::forward_cached (NOTE [Generation]); default
+  /// positions count the real tokens of `attention_mask`, as forward's.
+  at::Tensor forward_cached(
+      const at::Tensor& ids,
+      KVCache& cache,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor(),
+      int64_t logits_to_keep = 0);
   /// Mean cross entropy against next-token targets [B, T] (-100: ignored,
   /// as transformers' labels).
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;

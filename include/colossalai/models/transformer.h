@@ -25,6 +25,8 @@
 namespace colossalai {
 namespace models {
 
+class KVCache;
+
 /// What a model's forward needs to know after sharding (set by its policy;
 /// the defaults are a whole model on one process).
 struct ParallelState {
@@ -39,6 +41,10 @@ struct ParallelState {
   /// Share of the blocks (the first ones) that recompute their activations
   /// in backward (ColossalAI: int(ratio x num_layers) blocks).
   double gradient_checkpointing_ratio = 0.0;
+  /// The cache of the forward_cached in progress (null otherwise): the
+  /// model's forward begins a step of it, each attention layer appends its
+  /// keys and values and attends to all it holds (NOTE [Generation]).
+  KVCache* kv_cache = nullptr;
 
   int tp_size() const {
     return tp == nullptr ? 1 : tp->size();
@@ -100,6 +106,38 @@ at::Tensor run_stage_blocks(
   }
   return x;
 }
+
+/// A family's forward_cached for its duration: refuses what generation
+/// does not run under (sequence parallelism: `who` names the model), points
+/// `state.kv_cache` at `cache` and clears it again however the forward
+/// ends. The forward itself begins the cache's step; `finish` ends it.
+class CachedForward {
+ public:
+  CachedForward(ParallelState& state, KVCache& cache, const char* who);
+  ~CachedForward();
+  CachedForward(const CachedForward&) = delete;
+  CachedForward& operator=(const CachedForward&) = delete;
+  /// Ends the cache's step and returns the logits as forward_cached gives
+  /// them: the last `logits_to_keep` positions (0: all) of `hidden_to_logits`
+  /// applied to `hidden`, over the whole vocabulary (gathered over tp when
+  /// the head leaves it split, padded columns cut) on every rank.
+  at::Tensor finish(
+      const at::Tensor& hidden,
+      int64_t logits_to_keep,
+      int64_t vocab_size,
+      const std::function<at::Tensor(const at::Tensor&)>& hidden_to_logits);
+
+ private:
+  ParallelState& state_;
+  KVCache& cache_;
+};
+
+/// Default positions of a step of `t` tokens: 0 .. t - 1 after what
+/// `state.kv_cache` holds (none: from 0), int64 [t] on `device`.
+at::Tensor step_positions(
+    const ParallelState& state,
+    int64_t t,
+    const at::Device& device);
 
 /// Checks `position_ids`: undefined, or [B, T] like `ids`; `who` names
 /// the model in the error.
