@@ -21,6 +21,7 @@
 #include <colossalai/interface/model.h>
 #include <colossalai/lazy/lazy_init.h>
 #include <colossalai/lora/lora_model.h>
+#include <colossalai/models/generation.h>
 #include <colossalai/models/pretrained.h>
 #include <colossalai/pipeline/schedule.h>
 #include <colossalai/pipeline/stage_manager.h>
@@ -31,6 +32,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -1167,6 +1169,163 @@ TEST_F(HfModels, PackedDocumentsEqualTheirUnpackedLogitsAndLoss) {
             .item<double>(),
         1e-3);
   }
+}
+
+// generate.safetensors (hf_models.py's `generation`): transformers'
+// generate on two prompts, the second left-padded.
+colossalai::checkpoint_io::StateDict generation_reference(
+    const std::string& name) {
+  return st::load_file((fixtures() / name / "generate.safetensors").string());
+}
+
+std::vector<int64_t> to_ids(const at::Tensor& t) {
+  auto c = t.to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+models::GenerationConfig generation_config(
+    const colossalai::checkpoint_io::StateDict& ref,
+    const std::string& run) {
+  return models::GenerationConfig()
+      .max_new_tokens(12)
+      .eos_token_id(to_ids(ref.at(run + "_eos")))
+      .pad_token_id(ref.at("gen_pad").item<int64_t>());
+}
+
+// Greedy decoding of `run` ("greedy", "greedy_stop") with `model` against
+// transformers': every step's logits within logits_tol of transformers'
+// (all rows: finished ones still run, fed the padding token), and so the
+// same tokens, since the fixture's path has no near-tie (each step's two
+// largest logits differ by more than twice the bound; checked).
+template <class M>
+void check_greedy(
+    M& model,
+    const colossalai::checkpoint_io::StateDict& ref,
+    const std::string& run,
+    bool use_cache = true) {
+  SCOPED_TRACE(run + (use_cache ? "" : " without a cache"));
+  const at::Tensor want_logits = ref.at(run + "_logits"); // [steps, B, V]
+  std::vector<at::Tensor> logits;
+  auto* m = model.get();
+  auto step = [&](const at::Tensor& ids,
+                  const at::Tensor& mask,
+                  const at::Tensor& pos,
+                  models::KVCache* cache) {
+    models::KVCache whole;
+    auto l = m->forward_cached(ids, cache ? *cache : whole, mask, pos, 1);
+    logits.push_back(l.select(1, -1));
+    return l;
+  };
+  const auto out = models::generate_with(
+      step,
+      ref.at("gen_ids"),
+      ref.at("gen_mask"),
+      generation_config(ref, run).use_cache(use_cache));
+  const int64_t steps = want_logits.size(0);
+  EXPECT_EQ(static_cast<int64_t>(logits.size()), steps);
+  double worst = 0;
+  for (int64_t s = 0; s < std::min<int64_t>(steps, logits.size()); ++s) {
+    const auto want = want_logits[s];
+    const double tol = logits_tol(want);
+    const auto top = std::get<0>(want.topk(2, -1));
+    EXPECT_GT((top.select(1, 0) - top.select(1, 1)).min().item<double>(), 2 * tol)
+        << "the fixture's step " << s << " has a near-tie";
+    const double diff = (logits[s] - want).abs().max().item<double>();
+    EXPECT_LE(diff, tol) << "step " << s;
+    worst = std::max(worst, diff / tol);
+  }
+  EXPECT_TRUE(out.equal(ref.at(run))) << "ours\n"
+                                      << out << "\ntransformers'\n"
+                                      << ref.at(run);
+  std::cout << "  " << run << (use_cache ? "" : " (no cache)") << ": "
+            << steps << " steps, logits within " << worst
+            << " of their bounds\n";
+}
+
+template <class M>
+void check_generation(const std::string& name) {
+  SCOPED_TRACE(name);
+  std::cout << name << ":\n";
+  auto model = models::from_pretrained<M>((fixtures() / name).string());
+  model->eval();
+  const auto ref = generation_reference(name);
+  check_greedy(model, ref, "greedy");
+  check_greedy(model, ref, "greedy_stop");
+  check_greedy(model, ref, "greedy", /*use_cache=*/false);
+  // Each prompt alone, unpadded: the batch's continuation of it (the
+  // padding changes nothing but which columns are real).
+  const auto ids = ref.at("gen_ids"), mask = ref.at("gen_mask");
+  const auto cfg = generation_config(ref, "greedy");
+  const int64_t t = ids.size(1);
+  for (int64_t row = 0; row < 2; ++row) {
+    const int64_t pad = t - mask[row].sum().item<int64_t>();
+    const auto alone = ids.narrow(0, row, 1).narrow(1, pad, t - pad);
+    const auto out = models::generate(model, alone, at::Tensor(), cfg);
+    EXPECT_TRUE(out.equal(ref.at("greedy").narrow(0, row, 1).narrow(1, pad, out.size(1))))
+        << "row " << row << " alone: " << out;
+  }
+  // Sampling: what transformers drew after torch.manual_seed(7) where this
+  // LibTorch is the Python torch's version (the same multinomial draws from
+  // the same generator state); the same tokens for the same seed anywhere.
+  auto sample_cfg = generation_config(ref, "sampled")
+                        .do_sample(true)
+                        .temperature(0.8)
+                        .top_k(20)
+                        .top_p(0.9)
+                        .seed(7);
+  const auto sampled = models::generate(model, ids, mask, sample_cfg);
+  EXPECT_TRUE(sampled.equal(models::generate(model, ids, mask, sample_cfg)));
+  const auto v = to_ids(ref.at("torch_version"));
+  if (v[0] == TORCH_VERSION_MAJOR && v[1] == TORCH_VERSION_MINOR &&
+      v[2] == TORCH_VERSION_PATCH) {
+    EXPECT_TRUE(sampled.equal(ref.at("sampled")))
+        << "ours\n" << sampled << "\ntransformers'\n" << ref.at("sampled");
+    std::cout << "  sampled: transformers' tokens (torch " << v[0] << "."
+              << v[1] << "." << v[2] << ")\n";
+  }
+  EXPECT_FALSE(sampled.equal(
+      models::generate(model, ids, mask, sample_cfg.seed(8))));
+}
+
+// Greedy generation with a KV cache equals transformers' generate token
+// for token for every causal family: batched prompts with left padding,
+// stop tokens, GQA (llama3: 8 heads over 4), Mistral's and Mixtral's
+// sliding window (8, shorter than prompt + new tokens: the cache drops
+// what the window hides), ALiBi (bloom), OPT's learned positions; and
+// sampling with transformers' warpers.
+TEST_F(HfModels, GenerationEqualsTransformersGenerate) {
+  for (const auto& name : kCases) {
+    with_family(name, [&](auto family) {
+      using M = typename decltype(family)::type;
+      if constexpr (!kMaskedLM<M>) {
+        check_generation<M>(name);
+      }
+    });
+  }
+}
+
+// Under tensor parallelism each rank caches its share of the key/value
+// heads and gathers the logits: the same tokens as transformers on both
+// ranks.
+TEST_F(HfModels, GenerationUnderTensorParallelismEqualsTransformers) {
+  fixtures();
+  run_distributed(2, [](int, int) {
+    for (const char* name : {"gpt2", "llama3", "mistral", "qwen3_moe", "opt", "bloom"}) {
+      with_family(name, [&](auto family) {
+        using M = typename decltype(family)::type;
+        SCOPED_TRACE(std::string(name) + " tp2");
+        auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(
+            HPO().tp_size(2).precision("fp32"));
+        cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+        auto model = models::from_pretrained<M>((fixtures() / name).string());
+        auto boosted = booster.boost(
+            model, colossalai::testing::make_optimizer(model->parameters(), true));
+        model->eval();
+        const auto ref = generation_reference(name);
+        check_greedy(model, ref, "greedy");
+      });
+    }
+  });
 }
 
 // What expert parallelism cannot do is refused by name, on every rank

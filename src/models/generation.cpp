@@ -20,11 +20,10 @@ namespace models {
 namespace {
 
 namespace cd = checkpoint_io::detail;
-using json = nlohmann::json;
 
 // A token id field: an integer, or for eos_token_id a list of them.
 std::vector<int64_t> token_ids(
-    const json& j,
+    const nlohmann::json& j,
     const char* key,
     const std::string& file,
     bool list_allowed) {
@@ -32,7 +31,7 @@ std::vector<int64_t> token_ids(
   if (it == j.end() || it->is_null()) {
     return {};
   }
-  auto one = [&](const json& v) {
+  auto one = [&](const nlohmann::json& v) {
     TORCH_CHECK(
         v.is_number_integer() && v.get<int64_t>() >= 0,
         file,
@@ -88,16 +87,16 @@ void check_config(const GenerationConfig& c) {
 
 GenerationConfig GenerationConfig::from_pretrained(const std::string& dir) {
   GenerationConfig c;
-  const auto gen_path = cd::join(dir, "generation_config.json");
+  const auto gen_path = cd::join(dir, "generation_config.nlohmann::json");
   const bool has_gen = cd::exists(gen_path);
-  const auto path = has_gen ? gen_path : cd::join(dir, "config.json");
+  const auto path = has_gen ? gen_path : cd::join(dir, "config.nlohmann::json");
   TORCH_CHECK(
       cd::exists(path),
       "GenerationConfig::from_pretrained: ",
       dir,
-      " has neither generation_config.json nor config.json");
+      " has neither generation_config.nlohmann::json nor config.nlohmann::json");
   const auto bytes = cd::read_bytes(path, cd::kMaxJsonFileBytes, "generation config");
-  const auto j = utils::parse_bounded_json<json>(
+  const auto j = utils::parse_bounded_json<nlohmann::json>(
       std::string(bytes.begin(), bytes.end()), path);
   TORCH_CHECK(j.is_object(), path, " must hold a JSON object");
   c.eos_token_id(token_ids(j, "eos_token_id", path, true));

@@ -230,6 +230,53 @@ def hub_grads(model, name, grad):
     return out
 
 
+GEN_T, GEN_NEW = 7, 12
+
+
+def generation(model, seed):
+    """transformers' generate on two prompts, the second left-padded (3 of
+    its 7 columns padding): greedy with a stop token that rarely comes
+    (VOCAB - 1), greedy again with the token the first row produced fourth
+    as a second stop token (that row stops early, padded after), and
+    sampling after torch.manual_seed(7). Each with the logits of every step
+    (output_logits), the stop tokens and the padding token used."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB - 2, (B, GEN_T), generator=g)
+    mask = torch.ones(B, GEN_T, dtype=torch.long)
+    mask[1, :3] = 0
+    ids[1, :3] = VOCAB - 2  # the padding token
+    pad = VOCAB - 2
+    out = {"gen_ids": ids, "gen_mask": mask, "gen_pad": torch.tensor([pad])}
+
+    if hasattr(model.config, "router_aux_loss_coef"):
+        # Its balancing loss in a cached step fails (a step's router logits
+        # against the whole mask), and generation needs none.
+        extra = {"output_router_logits": False}
+    else:
+        extra = {}
+
+    def run(name, eos, **kw):
+        kw.update(extra)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            r = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=GEN_NEW,
+                eos_token_id=eos, pad_token_id=pad, output_logits=True,
+                return_dict_in_generate=True, **kw)
+        out[name] = r.sequences
+        out[name + "_eos"] = torch.tensor(eos)
+        out[name + "_logits"] = torch.stack(r.logits, 0)  # [steps, B, V]
+
+    run("greedy", [VOCAB - 1], do_sample=False)
+    run("greedy_stop", [int(out["greedy"][0, GEN_T + 3]), VOCAB - 1],
+        do_sample=False)
+    run("sampled", [VOCAB - 1], do_sample=True, temperature=0.8, top_k=20,
+        top_p=0.9)
+    out["torch_version"] = torch.tensor(
+        [int(x) for x in torch.__version__.split("+")[0].split(".")[:3]])
+    return out
+
+
 def make(root):
     g = torch.Generator().manual_seed(1234)
     for name, (cls, config, how) in cases().items():
@@ -253,6 +300,10 @@ def make(root):
         ref = outputs(model, ids, mask, pos)
         ref.update({"ids": ids, "attention_mask": mask, "position_ids": pos})
         save_file(ref, os.path.join(d, "reference.safetensors"))
+        if not is_encoder(model):
+            gen = generation(model, 99 + len(name))
+            save_file({k: v.contiguous() for k, v in gen.items()},
+                      os.path.join(d, "generate.safetensors"))
     print("transformers", transformers.__version__, "torch", torch.__version__)
 
 
