@@ -87,14 +87,14 @@ void check_config(const GenerationConfig& c) {
 
 GenerationConfig GenerationConfig::from_pretrained(const std::string& dir) {
   GenerationConfig c;
-  const auto gen_path = cd::join(dir, "generation_config.nlohmann::json");
+  const auto gen_path = cd::join(dir, "generation_config.json");
   const bool has_gen = cd::exists(gen_path);
-  const auto path = has_gen ? gen_path : cd::join(dir, "config.nlohmann::json");
+  const auto path = has_gen ? gen_path : cd::join(dir, "config.json");
   TORCH_CHECK(
       cd::exists(path),
       "GenerationConfig::from_pretrained: ",
       dir,
-      " has neither generation_config.nlohmann::json nor config.nlohmann::json");
+      " has neither generation_config.json nor config.json");
   const auto bytes = cd::read_bytes(path, cd::kMaxJsonFileBytes, "generation config");
   const auto j = utils::parse_bounded_json<nlohmann::json>(
       std::string(bytes.begin(), bytes.end()), path);
