@@ -22,11 +22,13 @@
 // --eval-split holds some out and prints their loss and perplexity every
 // --eval-every steps (and plots it). Started directly it launches
 // --nproc ranks of itself (as `colossalai run` would). At the end: the loss
-// curve (out/loss.png), a table, sampled continuations of --prompt, and the
-// model (out/model) or adapter (out/adapter) that transformers / PEFT load.
+// curve (out/loss.png), a table, continuations of each --prompt sampled
+// with a KV cache, and the model (out/model) or adapter (out/adapter) that
+// transformers / PEFT load.
 
 #include <colossalai/colossalai.h>
 #include <colossalai/lora/lora_model.h>
+#include <colossalai/models/generation.h>
 #include <colossalai/models/pretrained.h>
 #include <colossalai/models/tokenizer.h>
 #include <colossalai/nn/lr_scheduler/cosine.h>
@@ -77,7 +79,7 @@ struct Args {
   int64_t save_every = 0, stop_after = 0, keep_last = 2;
   bool resume = false;
   std::string out = "finetune_lm_out";
-  std::string prompt = "The";
+  std::vector<std::string> prompts{"The"};
   int samples = 3;
   uint64_t seed = 42;
   bool truncate = false, packing = false;
@@ -191,7 +193,8 @@ Args parse(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--out", a.out, "plot, losses, samples, model")
       ->capture_default_str();
-  app.add_option("--prompt", a.prompt, "sampled at the end")
+  app.add_option(
+      "--prompt", a.prompts, "continued (answered) at the end; repeatable")
       ->capture_default_str();
   app.add_option("--samples", a.samples, "continuations to sample")
       ->capture_default_str();
@@ -518,9 +521,11 @@ colossalai::lora::LoraConfig lora_config(const Args& a, bool gpt2) {
       .task_type("CAUSAL_LM");
 }
 
-// Top-k sampling of continuations of `prompt`, one process, no gradients.
-// With a chat template: of the assistant's answer to `prompt` as a user
-// turn (the answer alone is returned).
+// Sampled continuations of `prompt` (temperature 0.8, top-k 40), one
+// process, generated with a KV cache, all `n` as one batch. With a chat
+// template: of the assistant's answer to `prompt` as a user turn (the
+// answer alone is returned). Stop tokens: the tokenizer's end of text and
+// those of the model directory's generation config.
 template <class M>
 std::vector<std::string> sample(
     M& model,
@@ -530,53 +535,61 @@ std::vector<std::string> sample(
     int64_t max_new,
     int64_t context,
     uint64_t seed,
+    const std::string& model_dir,
     const models::ChatTemplate* chat = nullptr) {
-  at::NoGradGuard no_grad;
   model->eval();
-  auto gen = at::detail::createCPUGenerator(seed);
-  std::vector<std::string> out;
+  // The prompt after the tokens the tokenizer puts first (LLaMA's bos),
+  // without an end-of-text after it: the text to continue.
+  auto ids = chat != nullptr
+      ? models::apply_chat_template(
+            tok, *chat, {{"user", prompt}}, /*add_generation_prompt=*/true)
+      : tok.encode(prompt, /*add_special_tokens=*/true);
+  if (chat == nullptr && ids.size() > 1 && ids.back() == tok.eos_token_id()) {
+    ids.pop_back();
+  }
+  const size_t lead = chat != nullptr
+      ? ids.size()
+      : ids.size() - std::min(ids.size(), tok.encode(prompt).size());
+  // The context the model was trained on holds prompt and answer.
+  const int64_t keep = std::min<int64_t>(ids.size(), context - 1);
+  std::vector<int64_t> kept(ids.end() - keep, ids.end());
+  auto cfg = model_dir.empty()
+      ? models::GenerationConfig()
+      : models::GenerationConfig::from_pretrained(model_dir);
+  auto stops = cfg.eos_token_id();
+  if (tok.eos_token_id() >= 0 &&
+      std::find(stops.begin(), stops.end(), tok.eos_token_id()) ==
+          stops.end()) {
+    stops.push_back(tok.eos_token_id());
+  }
+  cfg.do_sample(true)
+      .temperature(0.8)
+      .top_k(40)
+      .top_p(1.0)
+      .seed(seed)
+      .eos_token_id(stops)
+      .max_new_tokens(std::min<int64_t>(max_new, context - keep));
+  const auto prompts =
+      at::tensor(kept, at::kLong).unsqueeze(0).expand({n, keep}).contiguous();
+  const auto out = models::generate(model, prompts, at::Tensor(), cfg);
+  std::vector<std::string> texts;
   for (int i = 0; i < n; ++i) {
-    // The prompt after the tokens the tokenizer puts first (LLaMA's bos),
-    // without an end-of-text after it: the text to continue.
-    auto ids = chat != nullptr
-        ? models::apply_chat_template(
-              tok, *chat, {{"user", prompt}}, /*add_generation_prompt=*/true)
-        : tok.encode(prompt, /*add_special_tokens=*/true);
-    if (chat == nullptr && ids.size() > 1 && ids.back() == tok.eos_token_id()) {
-      ids.pop_back();
-    }
-    const size_t lead = chat != nullptr
-        ? ids.size()
-        : ids.size() - std::min(ids.size(), tok.encode(prompt).size());
-    for (int64_t t = 0; t < max_new; ++t) {
-      const int64_t from =
-          std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - context);
-      auto x =
-          at::tensor(
-              std::vector<int64_t>(ids.begin() + from, ids.end()), at::kLong)
-              .unsqueeze(0);
-      at::Tensor logits =
-          model->forward(x).select(1, -1).squeeze(0).to(at::kFloat);
-      // Padded vocabulary rows are not tokens; temperature 0.8, top 40.
-      logits =
-          logits.narrow(0, 0, std::min(logits.size(0), tok.vocab_size())) / 0.8;
-      at::Tensor values, indices;
-      std::tie(values, indices) =
-          logits.topk(std::min<int64_t>(40, logits.size(0)));
-      const at::Tensor drawn =
-          at::multinomial(at::softmax(values, 0), 1, false, gen);
-      const int64_t pick = indices[drawn.item<int64_t>()].item<int64_t>();
-      if (pick == tok.eos_token_id()) {
+    std::vector<int64_t> row(ids.begin(), ids.end() - keep);
+    const auto r = out[i].contiguous();
+    for (int64_t j = 0; j < r.size(0); ++j) {
+      const int64_t id = r[j].template item<int64_t>();
+      if (j >= keep &&
+          std::find(stops.begin(), stops.end(), id) != stops.end()) {
         break;
       }
-      ids.push_back(pick);
+      row.push_back(id);
     }
     // Prompt and continuation decoded together (SentencePiece's decoder
     // drops a leading space).
-    out.push_back(
-        tok.decode(std::vector<int64_t>(ids.begin() + lead, ids.end())));
+    texts.push_back(
+        tok.decode(std::vector<int64_t>(row.begin() + lead, row.end())));
   }
-  return out;
+  return texts;
 }
 
 template <class M>
@@ -1100,17 +1113,20 @@ int train(const Args& a) {
       }
       l->refresh();
     }
-    std::printf("\nsamples of \"%s\":\n", a.prompt.c_str());
-    for (const auto& s : sample(
-             fresh,
-             tok,
-             a.prompt,
-             a.samples,
-             40,
-             a.seq_len,
-             a.seed,
-             chat_template.get())) {
-      std::printf("--- %s\n", s.c_str());
+    for (const auto& prompt : a.prompts) {
+      std::printf("\nsamples of \"%s\":\n", prompt.c_str());
+      for (const auto& s : sample(
+               fresh,
+               tok,
+               prompt,
+               a.samples,
+               40,
+               a.seq_len,
+               a.seed,
+               a.model_dir,
+               chat_template.get())) {
+        std::printf("--- %s\n", s.c_str());
+      }
     }
   }
   return 0;
