@@ -42,7 +42,8 @@ TEST(KVCache, AppendsStepsAndKeepsTheWindow) {
   // Causal within the window: query i sees keys i - 2 .. i.
   const auto want = at::tensor(
                         {1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1},
-                        at::kBool)
+                        at::kLong)
+                        .to(at::kBool)
                         .view({1, 1, 4, 4});
   EXPECT_TRUE(mask.equal(want));
   for (int64_t layer = 0; layer < 2; ++layer) {
@@ -55,7 +56,7 @@ TEST(KVCache, AppendsStepsAndKeepsTheWindow) {
   // Position 4 sees 2, 3 and itself; padding at position 2 hides it.
   const auto pad = at::tensor({1, 1, 0, 1, 1}, at::kLong).view({1, 5});
   mask = cache.begin_step(1, pad, 3, at::kCPU);
-  EXPECT_TRUE(mask.equal(at::tensor({0, 1, 1}, at::kBool).view({1, 1, 1, 3})));
+  EXPECT_TRUE(mask.equal(at::tensor({0, 1, 1}, at::kLong).to(at::kBool).view({1, 1, 1, 3})));
   for (int64_t layer = 0; layer < 2; ++layer) {
     auto kv = cache.update(layer, keys(1, 4), keys(1, 14));
     EXPECT_TRUE(kv.first.flatten().equal(at::tensor({2.f, 3.f, 4.f})));
@@ -127,9 +128,9 @@ void check_steps(M& model, const Full& full, const char* name) {
       mask.index_put_({1, at::indexing::Slice(0, 2)}, 0);
     }
     const auto pos = (mask.cumsum(1) - 1).masked_fill(mask.eq(0), 0);
-    const auto want = full(ids, padded ? mask : at::Tensor(), pos);
+    const at::Tensor want = full(ids, padded ? mask : at::Tensor(), pos);
     models::KVCache cache;
-    auto got = model->forward_cached(
+    at::Tensor got = model->forward_cached(
         ids.narrow(1, 0, 5),
         cache,
         padded ? mask.narrow(1, 0, 5) : at::Tensor(),
@@ -142,7 +143,7 @@ void check_steps(M& model, const Full& full, const char* name) {
           padded ? mask.narrow(1, 0, i + 1) : at::Tensor(),
           padded ? pos.narrow(1, i, 1) : at::Tensor()));
     }
-    auto cached = at::cat(steps, 1);
+    at::Tensor cached = at::cat(steps, 1);
     ASSERT_EQ(cached.sizes(), want.sizes());
     // Padded positions' outputs mean nothing.
     auto real = mask.to(at::kBool).unsqueeze(-1).expand_as(want);
@@ -152,7 +153,7 @@ void check_steps(M& model, const Full& full, const char* name) {
     EXPECT_EQ(cache.length(), t);
     // logits_to_keep: the last position only.
     models::KVCache again;
-    auto last = model->forward_cached(
+    at::Tensor last = model->forward_cached(
         ids, again, padded ? mask : at::Tensor(), at::Tensor(), 1);
     EXPECT_EQ(last.size(1), 1);
   }
