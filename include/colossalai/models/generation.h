@@ -16,9 +16,9 @@
 /// finished or after `max_new_tokens`. Greedy decoding takes the first
 /// largest logit, as torch.argmax. Sampling draws on the CPU from a
 /// generator seeded with `seed` (the probabilities are copied there: one
-/// [B, vocab] copy per step), so the same seed draws the same tokens on any
-/// device; with LibTorch the same version as Python's torch it draws what
-/// transformers draws after `torch.manual_seed(seed)` on the CPU. Under
+/// [B, vocab] copy per step), so the same seed, model and prompts draw the
+/// same tokens; with LibTorch the same version as Python's torch it draws
+/// what transformers draws after `torch.manual_seed(seed)` on the CPU. Under
 /// tensor parallelism every rank runs the same steps on its heads and
 /// gathers the logits, and all ranks choose the same tokens (greedy; and
 /// sampling, since every rank's generator has the same seed). Sequence and
