@@ -672,7 +672,7 @@ TEST(FinetuneLm, ChatDataFineTunesWithTheTemplateAndEvaluates) {
       std::string(kBin) + " --data '" + dir.path + "/chat.jsonl' --model '" +
       dir.path + "/src' --nproc 2 --plugin zero2 --eval-split 0.25 " +
       "--eval-every 10 --steps 30 --seq-len 96 --batch-size 8 --lr 3e-3 " +
-      "--warmup 3 --samples 1 --prompt 'Name a colour like red.' --out " +
+      "--warmup 3 --samples 1 --temperature 0 --prompt 'Name a colour like red.' --out " +
       dir.path + "/out --checkpoint " + dir.path + "/ckpt 2>&1");
   expect_trains(r, dir.path + "/out");
   EXPECT_NE(
@@ -685,6 +685,10 @@ TEST(FinetuneLm, ChatDataFineTunesWithTheTemplateAndEvaluates) {
       std::string::npos)
       << r.second;
   EXPECT_NE(r.second.find("eval step 30: loss"), std::string::npos) << r.second;
+  // The answer, generated greedily with the KV cache, has learned the
+  // answers' shape.
+  EXPECT_NE(r.second.find("--- red is a colour."), std::string::npos)
+      << r.second;
   std::ifstream eval(dir.path + "/out/eval.csv");
   std::string line;
   int rows = 0;

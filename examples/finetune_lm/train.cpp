@@ -81,6 +81,7 @@ struct Args {
   std::string out = "finetune_lm_out";
   std::vector<std::string> prompts{"The"};
   int samples = 3;
+  double temperature = 0.8;
   uint64_t seed = 42;
   bool truncate = false, packing = false;
   double eval_split = 0;
@@ -197,6 +198,10 @@ Args parse(int argc, char** argv) {
       "--prompt", a.prompts, "continued (answered) at the end; repeatable")
       ->capture_default_str();
   app.add_option("--samples", a.samples, "continuations to sample")
+      ->capture_default_str();
+  app.add_option(
+         "--temperature", a.temperature, "of the samples (top-k 40); 0: greedy")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--seed", a.seed, "random seed")->capture_default_str();
   try {
@@ -521,8 +526,8 @@ colossalai::lora::LoraConfig lora_config(const Args& a, bool gpt2) {
       .task_type("CAUSAL_LM");
 }
 
-// Sampled continuations of `prompt` (temperature 0.8, top-k 40), one
-// process, generated with a KV cache, all `n` as one batch. With a chat
+// Continuations of `prompt` sampled at `temperature` with top-k 40 (0:
+// greedy), one process, generated with a KV cache, all `n` as one batch. With a chat
 // template: of the assistant's answer to `prompt` as a user turn (the
 // answer alone is returned). Stop tokens: the tokenizer's end of text and
 // those of the model directory's generation config.
@@ -534,6 +539,7 @@ std::vector<std::string> sample(
     int n,
     int64_t max_new,
     int64_t context,
+    double temperature,
     uint64_t seed,
     const std::string& model_dir,
     const models::ChatTemplate* chat = nullptr) {
@@ -562,8 +568,8 @@ std::vector<std::string> sample(
           stops.end()) {
     stops.push_back(tok.eos_token_id());
   }
-  cfg.do_sample(true)
-      .temperature(0.8)
+  cfg.do_sample(temperature > 0)
+      .temperature(temperature > 0 ? temperature : 1.0)
       .top_k(40)
       .top_p(1.0)
       .seed(seed)
@@ -1122,6 +1128,7 @@ int train(const Args& a) {
                a.samples,
                40,
                a.seq_len,
+               a.temperature,
                a.seed,
                a.model_dir,
                chat_template.get())) {
