@@ -6,7 +6,7 @@ results folder.
 Reads whatever is there (collectives_n*.json, ddp_step_*.json,
 torch_ddp_step_*.json, zero_step_n*.json, hybrid_adam.json,
 checkpoint_io.json, gemini_budget.json, hybrid_step_n*.json,
-pipeline_step_n*.json, moe_step_n*.json, lora_step.json, qlora.json, tokenizer.json,
+pipeline_step_n*.json, moe_step_n*.json, lora_step.json, qlora.json, tokenizer.json, generate.json,
 run.json) and skips the sections it has no data for.
 Plots need matplotlib (Debian: python3-matplotlib); without it the report has
 tables only.
@@ -1030,6 +1030,35 @@ class Report:
                      f"{t['transformers_over_ours']['median']:.2f}x"]
                     for t in d["tokenizers"]])
 
+    def generate(self):
+        path = os.path.join(self.dir, "generate.json")
+        if not os.path.exists(path):
+            return
+        d = load(path)
+        self.add("## Generation: models::generate vs transformers' generate", "")
+        self.add(f"Greedy decoding of {d['batch']} prompts of "
+                 f"{d['prompt_tokens']} tokens (two left-padded), "
+                 f"{d['new_tokens']} new tokens each, one thread, on a "
+                 f"{d['model']}: ours with its KV cache, transformers' "
+                 "`generate` (SDPA, its dynamic cache) on the same directory, "
+                 "and ours recomputing the whole sequence every step. Ours and "
+                 "transformers alternate round by round "
+                 f"({d['ours_seconds']['n']} rounds); seconds are medians "
+                 "(p10-p90), ratios medians of the per-round ratios. "
+                 "Sequences equal to transformers': "
+                 f"{'yes' if d['sequences_equal'] else 'NO'}. Peer: torch "
+                 f"{d['versions'].get('torch', '?')}, transformers "
+                 f"{d['versions'].get('transformers', '?')}.", "")
+        tokens = d["batch"] * d["new_tokens"]
+        rows = [["ours (KV cache)", d["ours_seconds"], None],
+                ["transformers generate", d["peer_seconds"], d["peer_over_ours"]],
+                ["ours without a cache", d["uncached_seconds"],
+                 d["uncached_over_ours"]]]
+        self.table(["", "seconds", "new tokens/s", "its time / ours"],
+                   [[name, seconds(t), f"{tokens / t['median']:.0f}",
+                     "" if r is None else f"{r['median']:.2f}x"]
+                    for name, t, r in rows])
+
     def write(self):
         self.header()
         self.steps()
@@ -1045,6 +1074,7 @@ class Report:
         self.lora_step()
         self.qlora()
         self.tokenizer()
+        self.generate()
         self.add("## Reproduce", "",
                  "```sh",
                  "bench/run            # full suite; bench/run --quick for a short one",
