@@ -216,6 +216,12 @@ void check_against_transformers(const std::string& name) {
           (shifted - ref["logits_pos"]).abs().max().item<double>(),
           logits_tol(ref["logits_pos"]));
     }
+    if constexpr (kHasPositions<M> && !kMaskedLM<M>) {
+      at::Tensor packed = forward_at(model, ids, ref["position_ids_packed"]);
+      EXPECT_LE(
+          (packed - ref["logits_packed"]).abs().max().item<double>(),
+          logits_tol(ref["logits_packed"]));
+    }
   }
   // transformers' loss of its labels: a causal LM shifts them (next-token
   // targets, the last position ignored), the masked LM takes them as they
@@ -1121,14 +1127,14 @@ TEST_F(HfModels, BoostedLazyMoeModelLoadsItsExpertsFromATransformersDirectory) {
 
 // Packed sequences: position_ids falling back to 0 inside a row start a
 // new document and attention stays inside it (transformers 5's masks read
-// them so). Two documents packed in one row give each one's own logits, and
+// them so, for GPT-2 and the LLaMA family). Two documents packed in one row give each one's own logits, and
 // the token-mean loss of the packed row is the unpacked pair's; without
 // position_ids the second document sees the first.
-TEST_F(HfModels, PackedDocumentsEqualTheirUnpackedLogitsAndLoss) {
-  for (const char* name : {"llama3", "qwen3"}) {
+template <class M>
+void check_packed(const std::string& name) {
+  {
     SCOPED_TRACE(name);
-    auto model = models::from_pretrained<models::LlamaForCausalLM>(
-        (fixtures() / name).string());
+    auto model = models::from_pretrained<M>((fixtures() / name).string());
     model->eval();
     at::NoGradGuard no_grad;
     auto gen = at::detail::createCPUGenerator(7);
@@ -1143,32 +1149,38 @@ TEST_F(HfModels, PackedDocumentsEqualTheirUnpackedLogitsAndLoss) {
             .unsqueeze(0);
     // The same fp32 computation, with masked keys beside the document's:
     // 1e-5 allows the rounding of the longer row's matmuls.
-    const auto packed = model->forward(ids, at::Tensor(), pos);
-    const auto la = model->forward(a), lb = model->forward(b);
-    EXPECT_LE((packed.narrow(1, 0, 6) - la).abs().max().item<double>(), 1e-5);
-    EXPECT_LE((packed.narrow(1, 6, 9) - lb).abs().max().item<double>(), 1e-5);
-    const double na = ta.ne(-100).sum().item<double>();
-    const double nb = tb.ne(-100).sum().item<double>();
-    const double unpacked = (model->loss(la, ta).item<double>() * na +
-                             model->loss(lb, tb).item<double>() * nb) /
+    const at::Tensor packed = model->forward(ids, at::Tensor(), pos);
+    const at::Tensor la = model->forward(a), lb = model->forward(b);
+    EXPECT_LE((packed.narrow(1, 0, 6) - la).abs().max().template item<double>(), 1e-5);
+    EXPECT_LE((packed.narrow(1, 6, 9) - lb).abs().max().template item<double>(), 1e-5);
+    const double na = ta.ne(-100).sum().template item<double>();
+    const double nb = tb.ne(-100).sum().template item<double>();
+    const double unpacked = (model->loss(la, ta).template item<double>() * na +
+                             model->loss(lb, tb).template item<double>() * nb) /
         (na + nb);
     EXPECT_NEAR(
-        model->loss(packed, at::cat({ta, tb}, 1)).item<double>(),
+        model->loss(packed, at::cat({ta, tb}, 1)).template item<double>(),
         unpacked,
         1e-5);
     // Without position_ids, or with an attention_mask beside them (as
     // transformers), one causal sequence: the second document sees the
     // first.
     EXPECT_GT(
-        (model->forward(ids).narrow(1, 6, 9) - lb).abs().max().item<double>(),
+        (model->forward(ids).narrow(1, 6, 9) - lb).abs().max().template item<double>(),
         1e-3);
     EXPECT_GT(
         (model->forward(ids, at::ones_like(ids), pos).narrow(1, 6, 9) - lb)
             .abs()
             .max()
-            .item<double>(),
+            .template item<double>(),
         1e-3);
   }
+}
+
+TEST_F(HfModels, PackedDocumentsEqualTheirUnpackedLogitsAndLoss) {
+  check_packed<models::LlamaForCausalLM>("llama3");
+  check_packed<models::LlamaForCausalLM>("qwen3");
+  check_packed<models::GPT2LMHeadModel>("gpt2");
 }
 
 // generate.safetensors (hf_models.py's `generation`): transformers'

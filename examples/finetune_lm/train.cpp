@@ -642,10 +642,6 @@ int train(const Args& a) {
   // Sequences of seq_len + 1 tokens and their targets (-100: no loss);
   // with --packing their positions (restarting with each conversation).
   at::Tensor data, labels, positions;
-  TORCH_CHECK(
-      !a.packing || !gpt2,
-      "--packing needs a LLaMA-family model (its attention reads the "
-      "documents from restarting positions)");
   std::unique_ptr<models::ChatTemplate> chat_template;
   finetune_lm::SftBatch sft_batch;
   if (sft) {

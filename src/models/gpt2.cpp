@@ -203,9 +203,13 @@ at::Tensor GPT2ModelImpl::forward_stage(
       ids.sizes());
   check_position_ids(ids, position_ids, "GPT2Model");
   const int64_t t = ids.size(1);
-  const auto mask = st.kv_cache != nullptr
+  auto mask = st.kv_cache != nullptr
       ? st.kv_cache->begin_step(t, attention_mask, 0, ids.device())
       : attention_keep_mask(attention_mask, t, 0, ids.device());
+  if (st.kv_cache == nullptr && position_ids.defined() &&
+      !attention_mask.defined()) {
+    mask = packed_documents_mask(mask, position_ids, t, ids.device());
+  }
   at::Tensor x = hidden;
   if (layers.first) {
     at::Tensor tokens = ids, pos;

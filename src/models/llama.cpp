@@ -294,36 +294,6 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, const ParallelState* state)
   }
 }
 
-namespace {
-
-// Packed sequences, as transformers 5's masks read them (position_ids
-// without an attention_mask): where a row's position_ids fall back to 0 a
-// new document starts, and attention stays inside each document. `keep`
-// (undefined: causal) gains that block diagonal; unchanged when no row
-// restarts.
-at::Tensor with_documents(
-    const at::Tensor& keep,
-    const at::Tensor& position_ids,
-    int64_t t,
-    const at::Device& device) {
-  const auto pos = position_ids.to(device);
-  const auto starts = pos.eq(0);
-  if (t < 2 || !starts.narrow(1, 1, t - 1).any().item<bool>()) {
-    return keep;
-  }
-  const auto doc = starts.to(at::kLong).cumsum(1); // [B, T]
-  const auto same =
-      doc.unsqueeze(2).eq(doc.unsqueeze(1)).unsqueeze(1); // [B, 1, T, T]
-  auto causal = keep;
-  if (!causal.defined()) {
-    auto i = at::arange(t, pos.options()).unsqueeze(1);
-    causal = at::arange(t, pos.options()).unsqueeze(0).le(i).view({1, 1, t, t});
-  }
-  return causal.logical_and(same);
-}
-
-} // namespace
-
 at::Tensor LlamaModelImpl::forward(
     const at::Tensor& ids,
     const at::Tensor& attention_mask,
@@ -373,7 +343,7 @@ at::Tensor LlamaModelImpl::forward_stage(
     mask = attention_keep_mask(
         attention_mask, t, config_.sliding_window(), ids.device());
     if (position_ids.defined() && !attention_mask.defined()) {
-      mask = with_documents(mask, position_ids, t, ids.device());
+      mask = packed_documents_mask(mask, position_ids, t, ids.device());
     }
   }
   at::Tensor x = hidden;

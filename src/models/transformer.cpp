@@ -332,6 +332,34 @@ at::Tensor attention_keep_mask(
   return keep;
 }
 
+at::Tensor packed_documents_mask(
+    const at::Tensor& keep,
+    const at::Tensor& position_ids,
+    int64_t t,
+    const at::Device& device) {
+  if (t < 2) {
+    return keep;
+  }
+  const auto pos = position_ids.to(device);
+  const auto starts =
+      (pos.narrow(1, 1, t - 1) - pos.narrow(1, 0, t - 1)).ne(1); // [B, T - 1]
+  if (!starts.any().item<bool>()) {
+    return keep;
+  }
+  const auto doc = at::cat(
+                       {at::zeros({pos.size(0), 1}, pos.options()),
+                        starts.to(at::kLong).cumsum(1)},
+                       1); // [B, T]
+  const auto same =
+      doc.unsqueeze(2).eq(doc.unsqueeze(1)).unsqueeze(1); // [B, 1, T, T]
+  auto causal = keep;
+  if (!causal.defined()) {
+    auto i = at::arange(t, pos.options()).unsqueeze(1);
+    causal = at::arange(t, pos.options()).unsqueeze(0).le(i).view({1, 1, t, t});
+  }
+  return causal.logical_and(same);
+}
+
 at::Tensor to_head_shards(
     const at::Tensor& x,
     const distributed::ProcessGroupPtr& sp) {

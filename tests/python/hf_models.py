@@ -22,7 +22,7 @@ ids [2, T], attention_mask (row 1 right-padded), position_ids (0 .. T - 1
 shifted by 3), labels (ids for causal LMs, which shift them inside; every
 third token for the masked LM, -100 elsewhere), and transformers' outputs:
 logits without a mask, with the mask, with the position ids (not Bloom's:
-ALiBi has none), the loss of the labels and every parameter's gradient of
+ALiBi has none), with packed position ids (causal LMs but Bloom), the loss of the labels and every parameter's gradient of
 that loss ("grad.<name>").
 """
 
@@ -188,6 +188,14 @@ def outputs(model, ids, mask, pos):
         }
         if not isinstance(model, BloomForCausalLM):  # ALiBi: no positions
             ref["logits_pos"] = model(input_ids=ids, position_ids=pos).logits
+        if not isinstance(model, BloomForCausalLM) and not is_encoder(model):
+            # Two documents packed in each row (positions restarting at 10,
+            # no mask): GPT-2 and the LLaMA family keep attention inside
+            # each; OPT's masks do not read positions.
+            packed = torch.cat([torch.arange(10), torch.arange(T - 10)])
+            ref["position_ids_packed"] = packed.unsqueeze(0).expand(B, T)
+            ref["logits_packed"] = model(
+                input_ids=ids, position_ids=ref["position_ids_packed"]).logits
     # Causal LMs shift labels = ids inside; the masked LM predicts every
     # third token.
     labels = ids.clone()

@@ -177,6 +177,8 @@ class LlamaModelImpl : public torch::nn::Module {
   /// ids [B, T] -> normalised hidden states [B, T, C], whole sequence;
   /// `attention_mask` [B, T] (1: a real token) and `position_ids` [B, T]
   /// (default 0 .. T - 1) as transformers takes them.
+  /// `position_ids` without `attention_mask` may pack several documents in
+  /// a row (packed_documents_mask).
   at::Tensor forward(
       const at::Tensor& ids,
       const at::Tensor& attention_mask = at::Tensor(),

@@ -204,6 +204,18 @@ at::Tensor attention_keep_mask(
     int64_t sliding_window,
     const at::Device& device);
 
+/// Packed sequences, as transformers 5's masks read `position_ids` given
+/// without an attention_mask (GPT-2 and the LLaMA family): wherever a row's
+/// position does not follow the one before by 1 (typically a restart at
+/// 0), a new document starts, and attention stays inside each document.
+/// `keep` (undefined: causal) gains that block diagonal; returned unchanged
+/// when no row holds more than one document.
+at::Tensor packed_documents_mask(
+    const at::Tensor& keep,
+    const at::Tensor& position_ids,
+    int64_t t,
+    const at::Device& device);
+
 /// Ulysses: [B, T / sp, H, D] sequence-sharded -> [B, T, H / sp, D]
 /// head-sharded over `sp` (and `to_sequence_shards` back).
 at::Tensor to_head_shards(
