@@ -190,12 +190,13 @@ def outputs(model, ids, mask, pos):
             ref["logits_pos"] = model(input_ids=ids, position_ids=pos).logits
         if not isinstance(model, BloomForCausalLM) and not is_encoder(model):
             # Two documents packed in each row (positions restarting at 10,
-            # no mask): GPT-2 and the LLaMA family keep attention inside
-            # each; OPT's masks do not read positions.
+            # no mask, no cache, as in training): GPT-2 and the LLaMA family
+            # keep attention inside each; OPT's masks do not read positions.
             packed = torch.cat([torch.arange(10), torch.arange(T - 10)])
             ref["position_ids_packed"] = packed.unsqueeze(0).expand(B, T)
             ref["logits_packed"] = model(
-                input_ids=ids, position_ids=ref["position_ids_packed"]).logits
+                input_ids=ids, position_ids=ref["position_ids_packed"],
+                use_cache=False).logits
     # Causal LMs shift labels = ids inside; the masked LM predicts every
     # third token.
     labels = ids.clone()
