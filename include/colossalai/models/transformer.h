@@ -205,7 +205,8 @@ at::Tensor attention_keep_mask(
     const at::Device& device);
 
 /// Packed sequences, as transformers 5's masks read `position_ids` given
-/// without an attention_mask (GPT-2 and the LLaMA family): wherever a row's
+/// without an attention_mask and without a cache (GPT-2 and the LLaMA
+/// family; training runs so): wherever a row's
 /// position does not follow the one before by 1 (typically a restart at
 /// 0), a new document starts, and attention stays inside each document.
 /// `keep` (undefined: causal) gains that block diagonal; returned unchanged
