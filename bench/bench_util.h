@@ -7,6 +7,8 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <stdexcept>
 #include <cstdint>
 #include <fstream>
 #include <sstream>
@@ -104,6 +106,29 @@ inline std::string machine_json() {
      << ", \"memory_bytes\": " << proc_kb("/proc/meminfo", "MemTotal:")
      << ", \"torch\": \"" << TORCH_VERSION << "\"}";
   return os.str();
+}
+
+/// `command`'s standard output (run through the shell); throws with the
+/// output when it fails (a benchmark's Python peer).
+inline std::string run_command(const std::string& command) {
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) {
+    throw std::runtime_error("cannot run: " + command);
+  }
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) {
+    out.append(buf, n);
+  }
+  if (pclose(p) != 0) {
+    throw std::runtime_error("failed: " + command + "\n" + out);
+  }
+  return out;
+}
+
+/// `s` in single quotes for the shell (paths without quotes in them).
+inline std::string shell_quote(const std::string& s) {
+  return "'" + s + "'";
 }
 
 } // namespace bench

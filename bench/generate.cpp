@@ -36,24 +36,9 @@ using colossalai::bench::stats_json;
 
 const char* const kSource = COLOSSALAI_BENCH_SOURCE_DIR;
 
-std::string run(const std::string& command) {
-  FILE* p = popen(command.c_str(), "r");
-  if (p == nullptr) {
-    throw std::runtime_error("cannot run: " + command);
-  }
-  std::string out;
-  char buf[4096];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) {
-    out.append(buf, n);
-  }
-  if (pclose(p) != 0) {
-    throw std::runtime_error("failed: " + command + "\n" + out);
-  }
-  return out;
-}
-
+using colossalai::bench::run_command;
 std::string quote(const std::string& s) {
-  return "'" + s + "'";
+  return colossalai::bench::shell_quote(s);
 }
 
 // FNV-1a 64 of the ids as little-endian int64, as the peer computes it.
@@ -106,7 +91,7 @@ int main(int argc, char** argv) {
   const std::string dir = work + "/llama";
   if (!fs::exists(dir + "/prompts.safetensors")) {
     fs::create_directories(dir);
-    run(quote(python) + " " + quote(peer) + " make " + quote(dir) + " 2>&1");
+    run_command(quote(python) + " " + quote(peer) + " make " + quote(dir) + " 2>&1");
   }
   auto model = models::from_pretrained<models::LlamaForCausalLM>(dir);
   model->eval();
@@ -127,7 +112,7 @@ int main(int argc, char** argv) {
     const auto slow =
         models::generate(model, ids, mask, models::GenerationConfig(cfg).use_cache(false));
     uncached.push_back(seconds_since(t0));
-    const auto j = nlohmann::json::parse(run(
+    const auto j = nlohmann::json::parse(run_command(
         quote(python) + " " + quote(peer) + " run " + quote(dir) + " " +
         std::to_string(new_tokens) + " 2>/dev/null"));
     versions = j.at("versions");

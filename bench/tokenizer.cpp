@@ -36,24 +36,9 @@ using colossalai::bench::stats_json;
 const char* const kSource = COLOSSALAI_BENCH_SOURCE_DIR;
 const char* const kNames[] = {"gpt2", "llama3", "qwen2", "sentencepiece"};
 
-std::string run(const std::string& command) {
-  FILE* p = popen(command.c_str(), "r");
-  if (p == nullptr) {
-    throw std::runtime_error("cannot run: " + command);
-  }
-  std::string out;
-  char buf[4096];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) {
-    out.append(buf, n);
-  }
-  if (pclose(p) != 0) {
-    throw std::runtime_error("failed: " + command + "\n" + out);
-  }
-  return out;
-}
-
+using colossalai::bench::run_command;
 std::string quote(const std::string& s) {
-  return "'" + s + "'";
+  return colossalai::bench::shell_quote(s);
 }
 
 // FNV-1a 64 of the ids as little-endian int64, as the peer computes it.
@@ -140,10 +125,10 @@ int main(int argc, char** argv) {
   // The tokenizers, trained once on this corpus by the Python libraries.
   if (!fs::exists(work + "/sentencepiece/tokenizer.model") ||
       !fs::exists(work + "/stamp") ||
-      std::stoul(run("cat " + quote(work + "/stamp"))) != text.size()) {
+      std::stoul(run_command("cat " + quote(work + "/stamp"))) != text.size()) {
     std::fprintf(
         stderr, "training the tokenizers on %zu bytes...\n", text.size());
-    run(quote(python) + " " + quote(peer) + " fixtures " + quote(work) + " " +
+    run_command(quote(python) + " " + quote(peer) + " fixtures " + quote(work) + " " +
         quote(corpus_file) + " 2>&1");
     std::ofstream(work + "/stamp") << text.size();
   }
@@ -189,7 +174,7 @@ int main(int argc, char** argv) {
               .count());
       row.equal = row.equal && static_cast<int64_t>(ids.size()) == row.ids;
     }
-    const auto j = nlohmann::json::parse(run(
+    const auto j = nlohmann::json::parse(run_command(
         "TOKENIZERS_PARALLELISM=false " + quote(python) + " " + quote(peer) +
         " encode " + quote(corpus_file) + dirs + " 2>/dev/null"));
     versions = j.at("versions");
