@@ -156,7 +156,8 @@ int main(int argc, char** argv) {
   if (!out_file.empty()) {
     nlohmann::json j = {
         {"benchmark", "generate"},
-        {"model", "llama gpt-small-cpu size (vocab 4096, width 256, 4 layers, 4 heads / 2 kv)"},
+        {"model",
+         "LLaMA of gpt-small-cpu's size (vocab 4096, width 256, 4 layers, 4 heads over 2 key/value heads)"},
         {"batch", ids.size(0)},
         {"prompt_tokens", ids.size(1)},
         {"new_tokens", new_tokens},
