@@ -1344,6 +1344,81 @@ TEST_F(HfModels, GenerationUnderTensorParallelismEqualsTransformers) {
   });
 }
 
+// A pipeline under a NoGradGuard runs the forwards only (ColossalAI's
+// evaluation): the last stage's loss is one process's token mean, and no
+// gradient appears. A micro-batch may leave the attention mask out beside
+// packed position ids: the same packed loss as one process, in evaluation
+// and in a training step.
+TEST_F(HfModels, PipelineEvaluatesForwardOnlyAndTakesPackedMicroBatches) {
+  fixtures();
+  run_distributed(2, [](int rank, int) {
+    for (const char* name : {"llama3", "gpt2"}) {
+      with_family(name, [&](auto family) {
+        using M = typename decltype(family)::type;
+        if constexpr (std::is_same_v<M, models::LlamaForCausalLM> ||
+                      std::is_same_v<M, models::GPT2LMHeadModel>) {
+          SCOPED_TRACE(name);
+          const auto dir = (fixtures() / name).string();
+          auto ref = reference(name);
+          const at::Tensor x = ref["ids"];
+          const at::Tensor labels = ref["labels"];
+          const at::Tensor y = at::cat(
+              {labels.narrow(1, 1, labels.size(1) - 1),
+               at::full({labels.size(0), 1}, -100, labels.options())},
+              1);
+          const at::Tensor pos = ref["position_ids_packed"];
+          auto one = models::from_pretrained<M>(dir);
+          double want = 0, want_packed = 0;
+          {
+            at::NoGradGuard no_grad;
+            want = one->loss(one->forward(x), y).template item<double>();
+            want_packed = one->loss(one->forward(x, at::Tensor(), pos), y)
+                              .template item<double>();
+          }
+          auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(
+              HPO().pp_size(2).num_microbatches(2).precision("fp32"));
+          cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+          auto model = models::from_pretrained<M>(dir);
+          auto boosted = booster.boost(
+              model,
+              colossalai::testing::make_optimizer(model->parameters(), true));
+          auto criterion = [&](const at::Tensor& logits, const cp::Batch& mb) {
+            return model->loss(logits, mb[1]);
+          };
+          auto run = [&](const cp::Batch& batch, bool train) {
+            return booster
+                .execute_pipeline(
+                    [&] { return batch; },
+                    boosted.model,
+                    criterion,
+                    train ? boosted.optimizer.get() : nullptr)
+                .loss;
+          };
+          at::Tensor eval, eval_packed;
+          {
+            at::NoGradGuard no_grad;
+            eval = run({x, y}, false);
+            eval_packed = run({x, y, at::Tensor(), pos}, false);
+          }
+          for (const auto& p : model->parameters()) {
+            EXPECT_FALSE(p.grad().defined());
+          }
+          boosted.optimizer->zero_grad();
+          const at::Tensor trained = run({x, y, at::Tensor(), pos}, true);
+          ASSERT_EQ(eval.defined(), rank == 1);
+          if (rank == 1) {
+            // The same fp32 operations split over two stages.
+            EXPECT_NEAR(eval.template item<double>(), want, 1e-5);
+            EXPECT_NEAR(eval_packed.template item<double>(), want_packed, 1e-5);
+            EXPECT_NEAR(trained.template item<double>(), want_packed, 1e-5);
+            EXPECT_GT(std::abs(want - want_packed), 1e-3);
+          }
+        }
+      });
+    }
+  });
+}
+
 // What expert parallelism cannot do is refused by name, on every rank
 // before anything is communicated or sharded.
 TEST_F(HfModels, ExpertParallelismRefusesWhatCannotCombineByName) {

@@ -274,14 +274,6 @@ Args parse(int argc, char** argv) {
   TORCH_CHECK(
       a.eval_every >= 0, "--eval-every must be >= 0, got ", a.eval_every);
   TORCH_CHECK(
-      !a.packing || a.pp == 1,
-      "--packing needs --pp 1 (a pipeline's micro-batches carry no "
-      "positions without a mask here)");
-  TORCH_CHECK(
-      a.eval_split == 0 || a.pp == 1,
-      "--eval-split evaluates with the model's forward, which a pipeline "
-      "(--pp > 1) runs only inside a training step; use --pp 1");
-  TORCH_CHECK(
       a.model_dir.empty() || fs::exists(fs::path(a.model_dir) / "config.json"),
       "--model '",
       a.model_dir,
@@ -799,6 +791,30 @@ int train(const Args& a) {
     return pos.defined() ? boosted.model(x, at::Tensor(), pos)
                          : boosted.model(x);
   };
+  // A pipeline's step on the sequences `idx` picked (training, or under a
+  // NoGradGuard the forwards only): the micro-batches carry the positions
+  // with --packing (no attention mask). The loss comes back on the ranks
+  // of the last stage.
+  auto pipeline_step = [&](const at::Tensor& x,
+                           const at::Tensor& y,
+                           const at::Tensor& idx,
+                           colossalai::interface::OptimizerWrapper* opt) {
+    const auto pos = positions_of(idx);
+    return booster
+        .execute_pipeline(
+            [&] {
+              return pos.defined()
+                  ? colossalai::pipeline::Batch{x, y, at::Tensor(), pos}
+                  : colossalai::pipeline::Batch{x, y};
+            },
+            boosted.model,
+            [&](const at::Tensor& logits,
+                const colossalai::pipeline::Batch& mb) {
+              return model->loss(logits, mb[1]);
+            },
+            opt)
+        .loss;
+  };
   // The held-out sequences' token-mean loss (every rank, no gradients).
   auto evaluate = [&]() {
     at::NoGradGuard no_grad;
@@ -813,12 +829,20 @@ int train(const Args& a) {
       auto x = data.index_select(0, idx).narrow(1, 0, a.seq_len).contiguous();
       auto y = labels.index_select(0, idx).narrow(1, 1, a.seq_len).contiguous();
       const double count = y.ne(-100).sum().item<double>();
-      const auto loss = model->loss(forward(x, idx), y);
-      sum[0] += loss.to(at::kCPU, at::kDouble).template item<double>() * count;
-      sum[1] += count;
+      const auto loss = a.pp > 1 ? pipeline_step(x, y, idx, nullptr)
+                                 : model->loss(forward(x, idx), y);
+      if (loss.defined()) { // a pipeline's last stage only
+        sum[0] +=
+            loss.to(at::kCPU, at::kDouble).template item<double>() * count;
+        sum[1] += count;
+      }
     }
+    // Over the data-parallel ranks; a pipeline's losses are on its last
+    // stage (the same on each of its tensor ranks: counted alike in both
+    // sums), so over every rank.
     if (plugin) {
-      cd::all_reduce(sum, *plugin->dp_group()).wait();
+      cd::all_reduce(sum, a.pp > 1 ? *cd::world_group() : *plugin->dp_group())
+          .wait();
     }
     model->train();
     return sum[0].item<double>() / std::max(sum[1].item<double>(), 1.0);
@@ -940,16 +964,7 @@ int train(const Args& a) {
     boosted.optimizer->zero_grad();
     at::Tensor loss;
     if (a.pp > 1) {
-      auto out = booster.execute_pipeline(
-          [&] {
-            return colossalai::pipeline::Batch{x, y};
-          },
-          boosted.model,
-          [&](const at::Tensor& logits, const colossalai::pipeline::Batch& mb) {
-            return model->loss(logits, mb[1]);
-          },
-          boosted.optimizer.get());
-      loss = out.loss;
+      loss = pipeline_step(x, y, idx, boosted.optimizer.get());
     } else {
       loss = model->loss(forward(x, idx), y);
       booster.backward(loss, *boosted.optimizer);

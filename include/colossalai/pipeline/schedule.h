@@ -141,7 +141,10 @@ class PipelineSchedule {
       std::string style,
       bool overlap_p2p);
 
-  /// Runs forward and backward of every micro-batch in this stage's order.
+  /// Runs forward and backward of every micro-batch in this stage's order;
+  /// with gradients disabled (a NoGradGuard, as ColossalAI reads
+  /// torch.is_grad_enabled()), forward only: the schedule's forwards in
+  /// the same order, for evaluation.
   /// `chunk_params[c]`: chunk c's trainable parameters (weight passes);
   /// `scale_loss`: the loss the backward starts from (loss scaling);
   /// `loss_weights[i]`: micro-batch i's loss is multiplied by it (empty:

@@ -2,6 +2,7 @@
 
 #include <colossalai/pipeline/schedule.h>
 
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
@@ -80,6 +81,19 @@ PipelineOutput PipelineSchedule::forward_backward_step(
     cached_m_ = m;
   }
 
+  // Without gradients: the forwards only, in the schedule's order (the
+  // order every stage sends and receives activations in stays the same).
+  const bool forward_only = !at::GradMode::is_enabled();
+  std::vector<Action> forwards;
+  if (forward_only) {
+    for (const auto& a : actions_) {
+      if (a.kind == ActionKind::kForward) {
+        forwards.push_back(a);
+      }
+    }
+  }
+  const std::vector<Action>& actions = forward_only ? forwards : actions_;
+
   struct Slot {
     at::Tensor input, output, out_grad;
   };
@@ -120,8 +134,8 @@ PipelineOutput PipelineSchedule::forward_backward_step(
     }
     int src = -1;
     StreamKey key;
-    TORCH_INTERNAL_ASSERT(source(actions_[i], &src, &key));
-    return p2p_->post_recv(src, key, actions_[i].micro_batch).wait();
+    TORCH_INTERNAL_ASSERT(source(actions[i], &src, &key));
+    return p2p_->post_recv(src, key, actions[i].micro_batch).wait();
   };
   // Sends `t` to virtual stage `to` (or hands it over on this rank).
   auto deliver = [&](const at::Tensor& t, int to, bool grad, int mb) {
@@ -140,21 +154,21 @@ PipelineOutput PipelineSchedule::forward_backward_step(
                std::chrono::steady_clock::now() - t0)
         .count();
   };
-  for (size_t i = 0; i < actions_.size(); ++i) {
-    const Action& a = actions_[i];
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const Action& a = actions[i];
     // Post the next action's receive now, so it arrives while this one
     // computes (its shape must be known: the metadata cache). Receives are
     // posted in action order, which is the senders' order (NOTE [Pipeline
     // p2p]): this action's own goes first.
-    if (overlap_ && i + 1 < actions_.size() && !posted.count(i + 1)) {
+    if (overlap_ && i + 1 < actions.size() && !posted.count(i + 1)) {
       int src = -1;
       StreamKey key;
       if (!posted.count(i) && source(a, &src, &key)) {
         posted.emplace(i, p2p_->post_recv(src, key, a.micro_batch));
       }
-      if (source(actions_[i + 1], &src, &key) && p2p_->can_post_early(key)) {
+      if (source(actions[i + 1], &src, &key) && p2p_->can_post_early(key)) {
         posted.emplace(
-            i + 1, p2p_->post_recv(src, key, actions_[i + 1].micro_batch));
+            i + 1, p2p_->post_recv(src, key, actions[i + 1].micro_batch));
       }
     }
     const double start = ms();
@@ -177,7 +191,8 @@ PipelineOutput PipelineSchedule::forward_backward_step(
           " returned no tensor (micro-batch ",
           mb,
           ")");
-      Slot& slot = slots[slot_key];
+      Slot scratch;
+      Slot& slot = forward_only ? scratch : slots[slot_key];
       slot.input = in;
       if (v == vstages - 1) {
         auto loss = criterion(out, micro_batches[mb]);

@@ -10,6 +10,8 @@
 #include <colossalai/placement/gradients.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
+#include <ATen/core/grad_mode.h>
+
 #include "checkpoint_io.h"
 #include "pipeline_guard.h"
 
@@ -159,8 +161,11 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
       kPluginName,
       ".execute_pipeline: pass the boosted model");
   auto* zero = boosted_zero(optimizer);
+  // Under a NoGradGuard the schedule runs the forwards only (evaluation):
+  // no optimizer is needed and no gradient is synchronised.
+  const bool forward_only = !at::GradMode::is_enabled();
   TORCH_CHECK(
-      options_.zero_stage() == 0 || zero != nullptr,
+      forward_only || options_.zero_stage() == 0 || zero != nullptr,
       kPluginName,
       ".execute_pipeline: pass the boosted optimizer (ZeRO reduces the "
       "gradients into its buckets)");
@@ -170,9 +175,11 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
       kPluginName,
       ".execute_pipeline: data_iter gave an empty batch");
   const int64_t n = batch[0].size(0);
+  // An undefined tensor is an optional input left out (a packed batch's
+  // attention_mask beside its position_ids): undefined in every micro-batch.
   for (const auto& t : batch) {
     TORCH_CHECK(
-        t.defined() && t.dim() >= 1 && t.size(0) == n,
+        !t.defined() || (t.dim() >= 1 && t.size(0) == n),
         kPluginName,
         ".execute_pipeline: every tensor of the batch must have ",
         n,
@@ -229,7 +236,7 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
   for (int64_t i = 0; i < m; ++i) {
     pipeline::Batch slice;
     for (const auto& t : batch) {
-      slice.push_back(t.narrow(0, i * size, size));
+      slice.push_back(t.defined() ? t.narrow(0, i * size, size) : t);
     }
     policy_->check_micro_batch(slice); // on every rank, before any transfer
     const int64_t n_i = policy_->loss_items(slice);
@@ -237,7 +244,8 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
     weights.push_back(static_cast<double>(n_i));
     items += static_cast<double>(n_i);
     for (const auto& t : slice) {
-      micro[i].push_back(guard->prepare_input(t.to(device)));
+      micro[i].push_back(
+          t.defined() ? guard->prepare_input(t.to(device)) : at::Tensor());
     }
   }
   if (!counted || items <= 0) {
@@ -281,7 +289,7 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
       return_loss,
       return_outputs,
       weights);
-  if (!sync) {
+  if (!sync || forward_only) {
     return out; // no_sync: gradients accumulate until a synchronised step
   }
   set_sync(true);
