@@ -698,13 +698,16 @@ TEST(FinetuneLm, ChatDataFineTunesWithTheTemplateAndEvaluates) {
   EXPECT_EQ(rows, 4); // the header and steps 10, 20, 30
   EXPECT_TRUE(fs::exists(dir.path + "/out/model/chat_template.jinja"));
 
-  // Packed: several conversations per sequence, attention inside each.
+  // Packed: several conversations per sequence, attention inside each; in
+  // a pipeline's micro-batches, evaluated by its forward-only schedule.
   const auto p = colossalai::testing::run_shell(
       std::string(kBin) + " --data '" + dir.path + "/chat.jsonl' --model '" +
-      dir.path + "/src' --nproc 2 --plugin ddp --packing --steps 30 " +
-      "--seq-len 192 --batch-size 4 --lr 3e-3 --warmup 3 --samples 1 --out " +
-      dir.path + "/packed --checkpoint " + dir.path + "/ckpt_packed 2>&1");
+      dir.path + "/src' --nproc 2 --plugin hybrid --pp 2 --packing " +
+      "--eval-split 0.25 --eval-every 10 --steps 30 --seq-len 192 " +
+      "--batch-size 4 --lr 3e-3 --warmup 3 --samples 1 --out " + dir.path +
+      "/packed --checkpoint " + dir.path + "/ckpt_packed 2>&1");
   expect_trains(p, dir.path + "/packed");
+  EXPECT_NE(p.second.find("eval step 30: loss"), std::string::npos) << p.second;
   // About 64 tokens each: two to a sequence of 193.
   EXPECT_NE(
       p.second.find("packed 64 conversations into 32 sequences"),
