@@ -290,7 +290,9 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
       return_outputs,
       weights);
   if (!sync || forward_only) {
-    return out; // no_sync: gradients accumulate until a synchronised step
+    // no_sync: gradients accumulate until a synchronised step; forward
+    // only: there are none.
+    return out;
   }
   set_sync(true);
   sync_shared_grads();
