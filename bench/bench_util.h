@@ -126,6 +126,19 @@ inline std::string run_command(const std::string& command) {
   return out;
 }
 
+/// FNV-1a 64 of `n` int64 ids as little-endian bytes (what the Python
+/// peers compute to compare ids without printing them).
+inline uint64_t fnv1a_ids(const int64_t* ids, size_t n) {
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (size_t i = 0; i < n; ++i) {
+    for (int b = 0; b < 8; ++b) {
+      h = (h ^ ((static_cast<uint64_t>(ids[i]) >> (8 * b)) & 0xFF)) *
+          0x100000001B3ull;
+    }
+  }
+  return h;
+}
+
 /// `s` in single quotes for the shell (paths without quotes in them).
 inline std::string shell_quote(const std::string& s) {
   return "'" + s + "'";

@@ -44,15 +44,8 @@ std::string quote(const std::string& s) {
 // FNV-1a 64 of the ids as little-endian int64, as the peer computes it.
 uint64_t fnv(const at::Tensor& t) {
   const auto c = t.contiguous();
-  const int64_t* p = c.data_ptr<int64_t>();
-  uint64_t h = 0xCBF29CE484222325ull;
-  for (int64_t i = 0; i < c.numel(); ++i) {
-    for (int b = 0; b < 8; ++b) {
-      h = (h ^ ((static_cast<uint64_t>(p[i]) >> (8 * b)) & 0xFF)) *
-          0x100000001B3ull;
-    }
-  }
-  return h;
+  return colossalai::bench::fnv1a_ids(
+      c.data_ptr<int64_t>(), static_cast<size_t>(c.numel()));
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {

@@ -43,14 +43,7 @@ std::string quote(const std::string& s) {
 
 // FNV-1a 64 of the ids as little-endian int64, as the peer computes it.
 uint64_t fnv(const std::vector<int64_t>& ids) {
-  uint64_t h = 0xCBF29CE484222325ull;
-  for (const int64_t id : ids) {
-    for (int b = 0; b < 8; ++b) {
-      h = (h ^ ((static_cast<uint64_t>(id) >> (8 * b)) & 0xFF)) *
-          0x100000001B3ull;
-    }
-  }
-  return h;
+  return colossalai::bench::fnv1a_ids(ids.data(), ids.size());
 }
 
 // The fortune files (no extension: .dat indexes and .u8 links are not
