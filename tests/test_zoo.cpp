@@ -379,36 +379,41 @@ TEST_F(ZooFashionMNISTFiles, WrongMagic) {
 
 // compat::scaled_dot_product_attention (LibTorch's kernel on 2.x) against
 // the explicit matmul / mask / softmax path, against a float64 reference
-// written here, with causal, padding and both masks, Tq == Tk and Tq < Tk.
+// written here, with causal, padding and both masks, Tq == Tk and Tq < Tk,
+// and grouped-query attention (fewer key/value heads).
 // Tolerance: both are float32 sums of D products and a softmax over Tk keys
 // of values O(1): their rounding differs by a few ulps of the output, far
 // below 2e-5 (the bound scales with D * 2^-24 ~ 4e-6 for D = 64).
 TEST(Attention, FusedAndExplicitPathsAgree) {
   namespace compat = colossalai::compat;
   torch::manual_seed(0);
-  const int64_t b = 2, h = 3, d = 64;
+  const int64_t b = 2, h = 6, d = 64;
+  // kv 6: as many key/value heads as query heads; 2: grouped-query
+  // attention, each key/value head serving 3 consecutive query heads.
+  for (int64_t kv : {h, int64_t(2)})
   for (int64_t tk : {1, 7, 33}) {
     for (int64_t tq : {tk, (tk + 1) / 2}) {
       auto q = torch::randn({b, h, tq, d});
-      auto k = torch::randn({b, h, tk, d});
-      auto v = torch::randn({b, h, tk, d});
+      auto k = torch::randn({b, kv, tk, d});
+      auto v = torch::randn({b, kv, tk, d});
       // Right padding: batch row 1 hides its last keys (never the first,
       // so every query sees at least one key).
       auto pad = torch::ones({b, 1, 1, tk}, torch::kBool);
       pad[1].narrow(-1, (tk + 1) / 2, tk - (tk + 1) / 2).fill_(false);
       for (bool causal : {false, true}) {
         for (bool masked : {false, true}) {
-          const std::string tag = "tq=" + std::to_string(tq) +
+          const std::string tag = "kv=" + std::to_string(kv) +
+              " tq=" + std::to_string(tq) +
               " tk=" + std::to_string(tk) + (causal ? " causal" : "") +
               (masked ? " padded" : "");
           c10::optional<at::Tensor> mask;
           if (masked) {
             mask = pad;
           }
-          // float64 reference.
-          auto s = torch::matmul(
-                       q.to(torch::kDouble),
-                       k.to(torch::kDouble).transpose(-2, -1)) /
+          // float64 reference, the key/value heads repeated.
+          const auto k64 = k.to(torch::kDouble).repeat_interleave(h / kv, 1);
+          const auto v64 = v.to(torch::kDouble).repeat_interleave(h / kv, 1);
+          auto s = torch::matmul(q.to(torch::kDouble), k64.transpose(-2, -1)) /
               std::sqrt(static_cast<double>(d));
           auto allow = torch::ones({tq, tk}, torch::kBool);
           if (causal) {
@@ -420,7 +425,7 @@ TEST(Attention, FusedAndExplicitPathsAgree) {
           auto want = torch::matmul(
               torch::softmax(
                   s.masked_fill(allow.logical_not(), -INFINITY), -1),
-              v.to(torch::kDouble));
+              v64);
           auto fused =
               compat::scaled_dot_product_attention(q, k, v, mask, causal);
           auto plain = compat::explicit_attention(q, k, v, mask, causal);

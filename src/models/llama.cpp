@@ -181,18 +181,19 @@ at::Tensor LlamaAttentionImpl::forward(
     k = to_head_shards(k, st.sp);
     v = to_head_shards(v, st.sp);
   }
-  const int64_t n_rep = q.size(2) / k.size(2);
   auto keys = k.transpose(1, 2), values = v.transpose(1, 2); // [B, KV, T, D]
   if (st.kv_cache != nullptr) {
     std::tie(keys, values) = st.kv_cache->update(layer_idx_, keys, values);
   }
+  // Grouped-query attention reads the fewer key/value heads in place;
+  // ring attention takes them repeated.
+  if (st.sp_mode == shardformer::SequenceParallelMode::kRingAttn) {
+    const int64_t n_rep = q.size(2) / k.size(2);
+    keys = repeat_kv(keys, n_rep);
+    values = repeat_kv(values, n_rep);
+  }
   auto y = sequence_attention(
-               q.transpose(1, 2),
-               repeat_kv(keys, n_rep),
-               repeat_kv(values, n_rep),
-               st,
-               nullptr,
-               mask)
+               q.transpose(1, 2), keys, values, st, nullptr, mask)
                .transpose(1, 2); // [B, T, H, D]
   if (st.sp_mode == shardformer::SequenceParallelMode::kAllToAll) {
     y = to_sequence_shards(y, st.sp);

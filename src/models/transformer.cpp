@@ -271,6 +271,8 @@ at::Tensor attention_of_seen(
   // Dropout on the probabilities needs them: the explicit path, with the
   // Dropout whose masks follow the tensor-parallel layout.
   const int64_t t = q.size(2);
+  TORCH_INTERNAL_ASSERT(
+      k.size(1) == q.size(1), "attention dropout takes equal k/v heads");
   auto att = at::matmul(q, k.transpose(-2, -1)) *
       (1.0 / std::sqrt(static_cast<double>(q.size(3))));
   auto hidden = mask.defined()

@@ -209,12 +209,38 @@ at::Tensor attention_mask(
 
 } // namespace
 
+namespace {
+
+// How many query heads each key/value head of `kv` serves (grouped-query
+// attention when above 1).
+int64_t query_heads_per_kv(const at::Tensor& q, const at::Tensor& kv) {
+  const int64_t h = q.size(-3), h_kv = kv.size(-3);
+  TORCH_CHECK(
+      h_kv > 0 && h % h_kv == 0,
+      "scaled_dot_product_attention: ",
+      h,
+      " query heads are not a multiple of ",
+      h_kv,
+      " key/value heads");
+  return h / h_kv;
+}
+
+// The key/value heads repeated to the query heads' count (transformers'
+// repeat_kv).
+at::Tensor repeat_heads(const at::Tensor& kv, const at::Tensor& q) {
+  const int64_t n = query_heads_per_kv(q, kv);
+  return n == 1 ? kv : kv.repeat_interleave(n, -3);
+}
+
+} // namespace
+
 at::Tensor explicit_attention(
     const at::Tensor& q,
-    const at::Tensor& k,
-    const at::Tensor& v,
+    const at::Tensor& k_in,
+    const at::Tensor& v_in,
     const c10::optional<at::Tensor>& mask,
     bool is_causal) {
+  const auto k = repeat_heads(k_in, q), v = repeat_heads(v_in, q);
   auto att = at::matmul(q, k.transpose(-2, -1)) *
       (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
   auto m = attention_mask(q, k, mask, is_causal);
@@ -233,15 +259,25 @@ at::Tensor scaled_dot_product_attention(
     bool is_causal) {
 #if COLOSSALAI_TORCH_AT_LEAST(2, 0)
   const bool masked = mask.has_value() && mask->defined();
-  if (!masked && (!is_causal || q.size(-2) == k.size(-2))) {
-    // The kernels' own causal path: no mask tensor at all. (Its causal mask
-    // is aligned top-left, so a shorter query block takes the mask below.)
-    return at::scaled_dot_product_attention(
-        q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, is_causal);
+  // An explicit mask may not be combined with is_causal: fold it in. (The
+  // kernels' causal mask is aligned top-left, so a shorter query block
+  // takes the explicit one.)
+  const bool own_causal = !masked && (!is_causal || q.size(-2) == k.size(-2));
+  c10::optional<at::Tensor> m;
+  if (!own_causal) {
+    m = attention_mask(q, k, mask, is_causal);
   }
-  // An explicit mask may not be combined with is_causal: fold it in.
+  const bool causal = own_causal && is_causal;
+#if COLOSSALAI_TORCH_AT_LEAST(2, 5)
+  // Grouped-query attention read in place (no repeated copy of k and v:
+  // a decoding step would copy the whole cache).
+  const bool gqa = query_heads_per_kv(q, k) > 1;
   return at::scaled_dot_product_attention(
-      q, k, v, attention_mask(q, k, mask, is_causal), 0.0, false);
+      q, k, v, m, 0.0, causal, c10::nullopt, gqa);
+#else
+  return at::scaled_dot_product_attention(
+      q, repeat_heads(k, q), repeat_heads(v, q), m, 0.0, causal);
+#endif
 #else
   return explicit_attention(q, k, v, mask, is_causal);
 #endif

@@ -177,10 +177,11 @@ at::Tensor causal_lm_loss(
     const ParallelState& state,
     int64_t vocab_size);
 
-/// Causal softmax attention of q [B, H, T, D] and k, v [B, H, T, D] ->
-/// [B, H, T, D], through compat::scaled_dot_product_attention (LibTorch's
-/// kernel on 2.x) unless `dropout` (may be null) is active: then matmul,
-/// mask, softmax and `dropout` on the probabilities. `mask` (optional, from
+/// Causal softmax attention of q [B, H, T, D] and k, v [B, H_kv, T_k, D]
+/// -> [B, H, T, D], through compat::scaled_dot_product_attention
+/// (LibTorch's kernel on 2.x; fewer key/value heads than query heads:
+/// grouped-query attention) unless `dropout` (may be null) is active: then
+/// matmul, mask, softmax and `dropout` on the probabilities (equal heads). `mask` (optional, from
 /// `attention_keep_mask`) replaces the causal mask: true where a query may
 /// see a key. A query that may see no key (left padding) gets a zero
 /// output, as transformers' SDPA attention on PyTorch >= 2.5.

@@ -57,7 +57,10 @@ constexpr bool has_fused_attention() {
 }
 
 /// softmax(q k^T / sqrt(D) + mask) v for q [B, H, Tq, D] and k, v
-/// [B, H, Tk, D]: `mask` (optional) is boolean, true where a query may
+/// [B, H_kv, Tk, D], H a multiple of H_kv (grouped-query attention: each
+/// key/value head serves H / H_kv consecutive query heads; from 2.5 the
+/// kernel reads them in place, `enable_gqa`, before that they are
+/// repeated): `mask` (optional) is boolean, true where a query may
 /// attend a key, broadcastable to [B, H, Tq, Tk] (a padding mask is
 /// [B, 1, 1, Tk]); `is_causal` also hides the keys after each query
 /// (query i sees keys 0..i + Tk - Tq). Every query must see at least one
