@@ -286,7 +286,8 @@ TEST(Generation, GenerationConfigReadsTheDirectory) {
       "generation_config.json",
       R"({"eos_token_id": [5, 7], "pad_token_id": 3, "do_sample": true,
           "temperature": 0.6, "top_k": 10, "top_p": 0.9,
-          "max_new_tokens": 64, "bos_token_id": 1})");
+          "max_new_tokens": 64, "bos_token_id": 1,
+          "repetition_penalty": 1.2, "min_new_tokens": 5})");
   c = models::GenerationConfig::from_pretrained(dir.path);
   EXPECT_EQ(c.eos_token_id(), (std::vector<int64_t>{5, 7}));
   EXPECT_EQ(c.pad_token_id(), 3);
@@ -295,6 +296,8 @@ TEST(Generation, GenerationConfigReadsTheDirectory) {
   EXPECT_EQ(c.top_k(), 10);
   EXPECT_DOUBLE_EQ(c.top_p(), 0.9);
   EXPECT_EQ(c.max_new_tokens(), 64);
+  EXPECT_DOUBLE_EQ(c.repetition_penalty(), 1.2);
+  EXPECT_EQ(c.min_new_tokens(), 5);
   write("generation_config.json", R"({"eos_token_id": "</s>"})");
   expect_has(
       error_of([&] { models::GenerationConfig::from_pretrained(dir.path); }),
@@ -334,6 +337,15 @@ TEST(Generation, BadInputIsRefusedByName) {
             models::GenerationConfig().do_sample(true).temperature(0));
       }),
       "temperature must be a finite number above 0");
+  expect_has(
+      error_of([&] {
+        models::generate(
+            model,
+            ids,
+            at::Tensor(),
+            models::GenerationConfig().repetition_penalty(0));
+      }),
+      "repetition_penalty must be a finite number above 0");
   // GPT-2 has 32 learned positions.
   expect_has(
       error_of([&] {

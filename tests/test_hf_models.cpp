@@ -1198,10 +1198,14 @@ std::vector<int64_t> to_ids(const at::Tensor& t) {
 models::GenerationConfig generation_config(
     const colossalai::checkpoint_io::StateDict& ref,
     const std::string& run) {
-  return models::GenerationConfig()
-      .max_new_tokens(12)
-      .eos_token_id(to_ids(ref[run + "_eos"]))
-      .pad_token_id(ref["gen_pad"].item<int64_t>());
+  auto c = models::GenerationConfig()
+               .max_new_tokens(12)
+               .eos_token_id(to_ids(ref[run + "_eos"]))
+               .pad_token_id(ref["gen_pad"].item<int64_t>());
+  if (run == "penalized") {
+    c.repetition_penalty(1.3).min_new_tokens(3);
+  }
+  return c;
 }
 
 // Greedy decoding of `run` ("greedy", "greedy_stop") with `model` against
@@ -1239,7 +1243,9 @@ void check_greedy(
   for (int64_t s = 0; s < std::min<int64_t>(steps, logits.size()); ++s) {
     const auto want = want_logits[s];
     const double tol = logits_tol(want);
-    const auto top = std::get<0>(want.topk(2, -1));
+    // The choice is made on the processed scores (the penalty, the stop
+    // tokens held back).
+    const auto top = std::get<0>(ref[run + "_scores"][s].topk(2, -1));
     EXPECT_GT((top.select(1, 0) - top.select(1, 1)).min().item<double>(), 2 * tol)
         << "the fixture's step " << s << " has a near-tie";
     const double diff = (logits[s] - want).abs().max().item<double>();
@@ -1264,6 +1270,7 @@ void check_generation(const std::string& name) {
   check_greedy(model, ref, "greedy");
   check_greedy(model, ref, "greedy_stop");
   check_greedy(model, ref, "greedy", /*use_cache=*/false);
+  check_greedy(model, ref, "penalized");
   // Each prompt alone, unpadded: the batch's continuation of it (the
   // padding changes nothing but which columns are real).
   const auto ids = ref["gen_ids"], mask = ref["gen_mask"];
@@ -1303,8 +1310,9 @@ void check_generation(const std::string& name) {
 // for token for every causal family: batched prompts with left padding,
 // stop tokens, GQA (llama3: 8 heads over 4), Mistral's and Mixtral's
 // sliding window (8, shorter than prompt + new tokens: the cache drops
-// what the window hides), ALiBi (bloom), OPT's learned positions; and
-// sampling with transformers' warpers.
+// what the window hides), ALiBi (bloom), OPT's learned positions; a
+// repetition penalty with min_new_tokens; and sampling with transformers'
+// warpers.
 TEST_F(HfModels, GenerationEqualsTransformersGenerate) {
   for (const auto& name : kCases) {
     with_family(name, [&](auto family) {

@@ -77,6 +77,15 @@ void check_config(const GenerationConfig& c) {
         "generate: top_p must be in (0, 1], got ",
         c.top_p());
   }
+  TORCH_CHECK(
+      c.repetition_penalty() > 0 && std::isfinite(c.repetition_penalty()),
+      "generate: repetition_penalty must be a finite number above 0 (1: "
+      "none), got ",
+      c.repetition_penalty());
+  TORCH_CHECK(
+      c.min_new_tokens() >= 0,
+      "generate: min_new_tokens must be >= 0, got ",
+      c.min_new_tokens());
   for (const int64_t id : c.eos_token_id()) {
     TORCH_CHECK(
         id >= 0, "generate: eos_token_id entries must be >= 0, got ", id);
@@ -135,6 +144,10 @@ GenerationConfig GenerationConfig::from_pretrained(const std::string& dir) {
   c.top_p(number("top_p", c.top_p(), false));
   c.max_new_tokens(
       static_cast<int64_t>(number("max_new_tokens", c.max_new_tokens(), true)));
+  c.repetition_penalty(
+      number("repetition_penalty", c.repetition_penalty(), false));
+  c.min_new_tokens(
+      static_cast<int64_t>(number("min_new_tokens", c.min_new_tokens(), true)));
   try {
     check_config(c);
   } catch (const c10::Error& e) {
@@ -245,6 +258,24 @@ at::Tensor generate_with(
         "generate: the model step must give logits [B, T, vocab], got ",
         logits.sizes());
     auto scores = logits.select(1, -1).to(at::kFloat);
+    if (config.repetition_penalty() != 1.0) {
+      // Every token of the row but its left padding, once.
+      const int64_t v = scores.size(1);
+      auto seen = at::zeros({b, v + 1}, scores.options().dtype(at::kBool));
+      seen.scatter_(1, ids.masked_fill(mask.eq(0), v).clamp_max(v), true);
+      seen = seen.narrow(1, 0, v);
+      const double penalty = config.repetition_penalty();
+      scores = at::where(
+          seen,
+          at::where(scores.lt(0), scores * penalty, scores / penalty),
+          scores);
+    }
+    if (n < config.min_new_tokens() && eos.numel() > 0) {
+      const auto vocab = at::arange(scores.size(1), eos.options());
+      scores = scores.masked_fill(
+          vocab.unsqueeze(1).eq(eos.unsqueeze(0)).any(1).unsqueeze(0),
+          -std::numeric_limits<double>::infinity());
+    }
     at::Tensor next;
     if (config.do_sample()) {
       auto probs = to_cpu(process_logits(scores, config).softmax(-1));

@@ -246,9 +246,11 @@ def generation(model, seed):
     """transformers' generate on two prompts, the second left-padded (3 of
     its 7 columns padding): greedy with a stop token that rarely comes
     (VOCAB - 1), greedy again with the token the first row produced fourth
-    as a second stop token (that row stops early, padded after), and
-    sampling after torch.manual_seed(7). Each with the logits of every step
-    (output_logits), the stop tokens and the padding token used."""
+    as a second stop token (that row stops early, padded after), sampling
+    after torch.manual_seed(7), and greedy with a repetition penalty and
+    min_new_tokens. Each with the logits of every step (output_logits) and
+    the processed scores (output_scores), the stop tokens and the padding
+    token used."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB - 2, (B, GEN_T), generator=g)
     mask = torch.ones(B, GEN_T, dtype=torch.long)
@@ -271,16 +273,22 @@ def generation(model, seed):
             r = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=GEN_NEW,
                 eos_token_id=eos, pad_token_id=pad, output_logits=True,
-                return_dict_in_generate=True, **kw)
+                output_scores=True, return_dict_in_generate=True, **kw)
         out[name] = r.sequences
         out[name + "_eos"] = torch.tensor(eos)
         out[name + "_logits"] = torch.stack(r.logits, 0)  # [steps, B, V]
+        out[name + "_scores"] = torch.stack(r.scores, 0)  # processed
 
     run("greedy", [VOCAB - 1], do_sample=False)
     run("greedy_stop", [int(out["greedy"][0, GEN_T + 3]), VOCAB - 1],
         do_sample=False)
     run("sampled", [VOCAB - 1], do_sample=True, temperature=0.8, top_k=20,
         top_p=0.9)
+    # A repetition penalty, and min_new_tokens holding back the token row 0
+    # would otherwise choose first (made a stop token).
+    run("penalized", [VOCAB - 1], do_sample=False, repetition_penalty=1.3)
+    run("penalized", [int(out["penalized"][0, GEN_T]), VOCAB - 1],
+        do_sample=False, repetition_penalty=1.3, min_new_tokens=3)
     out["torch_version"] = torch.tensor(
         [int(x) for x in torch.__version__.split("+")[0].split(".")[:3]])
     return out

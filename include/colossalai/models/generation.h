@@ -3,8 +3,9 @@
 /// Text generation for the causal families (GPT-2, OPT, BLOOM, LLaMA and
 /// the models that are LlamaForCausalLM: Mistral, Qwen2, Qwen3, the
 /// mixtures of experts), as transformers' `generate`: a KVCache, greedy
-/// decoding or sampling (temperature, top-k, top-p, in transformers'
-/// order), stop tokens, and batched prompts with left padding.
+/// decoding or sampling (repetition penalty, min_new_tokens, temperature,
+/// top-k, top-p, in transformers' order), stop tokens, and batched prompts
+/// with left padding.
 ///
 /// NOTE [Generation]
 /// The prompt runs once through `forward_cached` (the prefill); each later
@@ -67,6 +68,12 @@ struct GenerationConfig {
   /// Only the smallest set of largest-probability tokens whose mass reaches
   /// top_p stays (sampling only; 1: all).
   TORCH_ARG(double, top_p) = 1.0;
+  /// CTRL's penalty on every token already in the row (its real prompt
+  /// tokens and those generated): a logit above 0 is divided by it, one
+  /// below multiplied (greedy and sampling; 1: none).
+  TORCH_ARG(double, repetition_penalty) = 1.0;
+  /// The stop tokens are ruled out until this many new tokens are made.
+  TORCH_ARG(int64_t, min_new_tokens) = 0;
   /// Stop tokens: a row is finished once it produces one of them.
   TORCH_ARG(std::vector<int64_t>, eos_token_id) = {};
   /// What finished rows get (-1: the first eos token, as transformers
