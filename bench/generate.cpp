@@ -37,9 +37,7 @@ using colossalai::bench::stats_json;
 const char* const kSource = COLOSSALAI_BENCH_SOURCE_DIR;
 
 using colossalai::bench::run_command;
-std::string quote(const std::string& s) {
-  return colossalai::bench::shell_quote(s);
-}
+const auto& quote = colossalai::bench::shell_quote;
 
 // FNV-1a 64 of the ids as little-endian int64, as the peer computes it.
 uint64_t fnv(const at::Tensor& t) {

@@ -37,9 +37,7 @@ const char* const kSource = COLOSSALAI_BENCH_SOURCE_DIR;
 const char* const kNames[] = {"gpt2", "llama3", "qwen2", "sentencepiece"};
 
 using colossalai::bench::run_command;
-std::string quote(const std::string& s) {
-  return colossalai::bench::shell_quote(s);
-}
+const auto& quote = colossalai::bench::shell_quote;
 
 // FNV-1a 64 of the ids as little-endian int64, as the peer computes it.
 uint64_t fnv(const std::vector<int64_t>& ids) {

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 namespace models = colossalai::models;
 using colossalai::testing::error_of;
@@ -114,8 +115,22 @@ namespace {
 // padding (row 1's first 2 tokens). Both are the same fp32 operations on
 // the same values, the cached step's attention over fewer keys (masked
 // ones left out): 1e-5 covers the reordered sums at logits of magnitude ~1.
-template <class M, class Full>
-void check_steps(M& model, const Full& full, const char* name) {
+// The whole sequence's forward (BLOOM's ALiBi takes no positions).
+template <class M>
+at::Tensor full_forward(
+    M& model,
+    const at::Tensor& ids,
+    const at::Tensor& mask,
+    const at::Tensor& pos) {
+  if constexpr (std::is_same_v<M, models::BloomForCausalLM>) {
+    return model->forward(ids, mask);
+  } else {
+    return model->forward(ids, mask, pos);
+  }
+}
+
+template <class M>
+void check_steps(M model, const char* name) {
   SCOPED_TRACE(name);
   model->eval();
   at::NoGradGuard no_grad;
@@ -128,7 +143,8 @@ void check_steps(M& model, const Full& full, const char* name) {
       mask.index_put_({1, at::indexing::Slice(0, 2)}, 0);
     }
     const auto pos = (mask.cumsum(1) - 1).masked_fill(mask.eq(0), 0);
-    const at::Tensor want = full(ids, padded ? mask : at::Tensor(), pos);
+    const at::Tensor want =
+        full_forward(model, ids, padded ? mask : at::Tensor(), pos);
     models::KVCache cache;
     at::Tensor got = model->forward_cached(
         ids.narrow(1, 0, 5),
@@ -163,45 +179,16 @@ void check_steps(M& model, const Full& full, const char* name) {
 
 TEST(ForwardCached, StepsEqualTheWholeSequencesForward) {
   torch::manual_seed(0);
-  {
-    // GQA (8 heads over 4), and a sliding window (4) the 9 tokens exceed.
-    models::LlamaForCausalLM llama(
-        models::LlamaConfig::tiny_test().sliding_window(4).model_type(
-            "mistral"));
-    check_steps(
-        llama,
-        [&](const at::Tensor& ids, const at::Tensor& m, const at::Tensor& p) {
-          return llama->forward(ids, m, p);
-        },
-        "mistral");
-  }
-  {
-    models::GPT2LMHeadModel gpt2(models::GPT2Config::tiny_test());
-    check_steps(
-        gpt2,
-        [&](const at::Tensor& ids, const at::Tensor& m, const at::Tensor& p) {
-          return gpt2->forward(ids, m, p);
-        },
-        "gpt2");
-  }
-  {
-    models::OPTForCausalLM opt(models::OPTConfig::tiny_test());
-    check_steps(
-        opt,
-        [&](const at::Tensor& ids, const at::Tensor& m, const at::Tensor& p) {
-          return opt->forward(ids, m, p);
-        },
-        "opt");
-  }
-  {
-    models::BloomForCausalLM bloom(models::BloomConfig::tiny_test());
-    check_steps(
-        bloom,
-        [&](const at::Tensor& ids, const at::Tensor& m, const at::Tensor&) {
-          return bloom->forward(ids, m);
-        },
-        "bloom");
-  }
+  // GQA (8 heads over 4), and a sliding window (4) the 9 tokens exceed.
+  check_steps(
+      models::LlamaForCausalLM(
+          models::LlamaConfig::tiny_test().sliding_window(4).model_type(
+              "mistral")),
+      "mistral");
+  check_steps(models::GPT2LMHeadModel(models::GPT2Config::tiny_test()), "gpt2");
+  check_steps(models::OPTForCausalLM(models::OPTConfig::tiny_test()), "opt");
+  check_steps(
+      models::BloomForCausalLM(models::BloomConfig::tiny_test()), "bloom");
 }
 
 // transformers' warpers on values worked by hand: temperature divides,

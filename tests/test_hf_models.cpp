@@ -1132,49 +1132,47 @@ TEST_F(HfModels, BoostedLazyMoeModelLoadsItsExpertsFromATransformersDirectory) {
 // position_ids the second document sees the first.
 template <class M>
 void check_packed(const std::string& name) {
-  {
-    SCOPED_TRACE(name);
-    auto model = models::from_pretrained<M>((fixtures() / name).string());
-    model->eval();
-    at::NoGradGuard no_grad;
-    auto gen = at::detail::createCPUGenerator(7);
-    const auto a = at::randint(100, {1, 6}, gen);
-    const auto b = at::randint(100, {1, 9}, gen);
-    auto ta = at::randint(100, {1, 6}, gen), tb = at::randint(100, {1, 9}, gen);
-    ta.index_put_({0, 0}, -100); // prompts are not trained
-    tb.index_put_({0, at::indexing::Slice(0, 3)}, -100);
-    const auto ids = at::cat({a, b}, 1);
-    const auto pos =
-        at::cat({at::arange(6, at::kLong), at::arange(9, at::kLong)})
-            .unsqueeze(0);
-    // The same fp32 computation, with masked keys beside the document's:
-    // 1e-5 allows the rounding of the longer row's matmuls.
-    const at::Tensor packed = model->forward(ids, at::Tensor(), pos);
-    const at::Tensor la = model->forward(a), lb = model->forward(b);
-    EXPECT_LE((packed.narrow(1, 0, 6) - la).abs().max().template item<double>(), 1e-5);
-    EXPECT_LE((packed.narrow(1, 6, 9) - lb).abs().max().template item<double>(), 1e-5);
-    const double na = ta.ne(-100).sum().template item<double>();
-    const double nb = tb.ne(-100).sum().template item<double>();
-    const double unpacked = (model->loss(la, ta).template item<double>() * na +
-                             model->loss(lb, tb).template item<double>() * nb) /
-        (na + nb);
-    EXPECT_NEAR(
-        model->loss(packed, at::cat({ta, tb}, 1)).template item<double>(),
-        unpacked,
-        1e-5);
-    // Without position_ids, or with an attention_mask beside them (as
-    // transformers), one causal sequence: the second document sees the
-    // first.
-    EXPECT_GT(
-        (model->forward(ids).narrow(1, 6, 9) - lb).abs().max().template item<double>(),
-        1e-3);
-    EXPECT_GT(
-        (model->forward(ids, at::ones_like(ids), pos).narrow(1, 6, 9) - lb)
-            .abs()
-            .max()
-            .template item<double>(),
-        1e-3);
-  }
+  SCOPED_TRACE(name);
+  auto model = models::from_pretrained<M>((fixtures() / name).string());
+  model->eval();
+  at::NoGradGuard no_grad;
+  auto gen = at::detail::createCPUGenerator(7);
+  const auto a = at::randint(100, {1, 6}, gen);
+  const auto b = at::randint(100, {1, 9}, gen);
+  auto ta = at::randint(100, {1, 6}, gen), tb = at::randint(100, {1, 9}, gen);
+  ta.index_put_({0, 0}, -100); // prompts are not trained
+  tb.index_put_({0, at::indexing::Slice(0, 3)}, -100);
+  const auto ids = at::cat({a, b}, 1);
+  const auto pos =
+      at::cat({at::arange(6, at::kLong), at::arange(9, at::kLong)})
+          .unsqueeze(0);
+  // The same fp32 computation, with masked keys beside the document's:
+  // 1e-5 allows the rounding of the longer row's matmuls.
+  const at::Tensor packed = model->forward(ids, at::Tensor(), pos);
+  const at::Tensor la = model->forward(a), lb = model->forward(b);
+  EXPECT_LE((packed.narrow(1, 0, 6) - la).abs().max().template item<double>(), 1e-5);
+  EXPECT_LE((packed.narrow(1, 6, 9) - lb).abs().max().template item<double>(), 1e-5);
+  const double na = ta.ne(-100).sum().template item<double>();
+  const double nb = tb.ne(-100).sum().template item<double>();
+  const double unpacked = (model->loss(la, ta).template item<double>() * na +
+                           model->loss(lb, tb).template item<double>() * nb) /
+      (na + nb);
+  EXPECT_NEAR(
+      model->loss(packed, at::cat({ta, tb}, 1)).template item<double>(),
+      unpacked,
+      1e-5);
+  // Without position_ids, or with an attention_mask beside them (as
+  // transformers), one causal sequence: the second document sees the
+  // first.
+  EXPECT_GT(
+      (model->forward(ids).narrow(1, 6, 9) - lb).abs().max().template item<double>(),
+      1e-3);
+  EXPECT_GT(
+      (model->forward(ids, at::ones_like(ids), pos).narrow(1, 6, 9) - lb)
+          .abs()
+          .max()
+          .template item<double>(),
+      1e-3);
 }
 
 TEST_F(HfModels, PackedDocumentsEqualTheirUnpackedLogitsAndLoss) {

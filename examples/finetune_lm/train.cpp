@@ -574,8 +574,9 @@ std::vector<std::string> sample(
   for (int i = 0; i < n; ++i) {
     std::vector<int64_t> row(ids.begin(), ids.end() - keep);
     const auto r = out[i].contiguous();
+    const int64_t* tokens = r.template data_ptr<int64_t>();
     for (int64_t j = 0; j < r.size(0); ++j) {
-      const int64_t id = r[j].template item<int64_t>();
+      const int64_t id = tokens[j];
       if (j >= keep &&
           std::find(stops.begin(), stops.end(), id) != stops.end()) {
         break;

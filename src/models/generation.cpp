@@ -53,11 +53,6 @@ std::vector<int64_t> token_ids(
   return {one(*it)};
 }
 
-// The sampling generator is a CPU one: probabilities are drawn from there.
-at::Tensor to_cpu(const at::Tensor& t) {
-  return t.device().is_cpu() ? t : t.to(at::kCPU);
-}
-
 void check_config(const GenerationConfig& c) {
   TORCH_CHECK(
       c.max_new_tokens() >= 0,
@@ -240,10 +235,10 @@ at::Tensor generate_with(
   auto unfinished = at::ones({b}, input_ids.options().dtype(at::kBool));
   KVCache cache;
   cache.reserve(t + config.max_new_tokens());
+  // Positions count the real tokens before each (padding gets 0, as
+  // transformers; nothing sees it); each new token's is the last one's + 1.
+  auto pos = (mask.cumsum(1) - 1).masked_fill(mask.eq(0), 0);
   for (int64_t n = 0; n < config.max_new_tokens(); ++n) {
-    // Positions count the real tokens before each (padding gets 0, as
-    // transformers; nothing sees it).
-    auto pos = (mask.cumsum(1) - 1).masked_fill(mask.eq(0), 0);
     at::Tensor logits;
     if (!config.use_cache()) {
       logits = step(ids, mask, pos, nullptr);
@@ -278,7 +273,8 @@ at::Tensor generate_with(
     }
     at::Tensor next;
     if (config.do_sample()) {
-      auto probs = to_cpu(process_logits(scores, config).softmax(-1));
+      // The generator is a CPU one: the probabilities are drawn there.
+      auto probs = process_logits(scores, config).softmax(-1).to(at::kCPU);
       next = at::multinomial(probs, 1, /*replacement=*/false, gen)
                  .squeeze(1)
                  .to(device);
@@ -290,6 +286,7 @@ at::Tensor generate_with(
     }
     ids = at::cat({ids, next.unsqueeze(1)}, 1);
     mask = at::cat({mask, at::ones({b, 1}, mask.options())}, 1);
+    pos = at::cat({pos, pos.narrow(1, -1, 1) + 1}, 1);
     if (eos.numel() > 0) {
       unfinished = unfinished.logical_and(
           next.unsqueeze(1).eq(eos.unsqueeze(0)).any(1).logical_not());

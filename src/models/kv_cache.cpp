@@ -20,8 +20,7 @@ void KVCache::reset() {
   length_ = 0;
   kept_ = 0;
   step_ = -1;
-  window_ = 0;
-  window_set_ = false;
+  window_ = -1;
 }
 
 at::Tensor KVCache::begin_step(
@@ -34,14 +33,13 @@ at::Tensor KVCache::begin_step(
   TORCH_CHECK(t_new > 0, "KVCache: a step needs at least one token");
   const int64_t window = std::max<int64_t>(sliding_window, 0);
   TORCH_CHECK(
-      !window_set_ || window == window_,
+      window_ < 0 || window == window_,
       "KVCache: this cache was filled by a model with sliding window ",
       window_,
       ", now one with ",
       window,
       ": use one cache per model");
   window_ = window;
-  window_set_ = true;
   const int64_t total = length_ + t_new;
   if (attention_mask.defined()) {
     TORCH_CHECK(

@@ -82,8 +82,7 @@ class KVCache {
   int64_t length_ = 0;
   int64_t kept_ = 0;
   int64_t step_ = -1; // tokens of the step in progress; -1: none
-  int64_t window_ = 0;
-  bool window_set_ = false;
+  int64_t window_ = -1; // the model's sliding window; -1: no step yet
   int64_t reserve_ = 0;
 };
 
