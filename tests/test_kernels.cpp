@@ -325,10 +325,156 @@ TEST(Kernels, FusedLinearCrossEntropyRefusesBadInput) {
   EXPECT_THROW(kn::fused_linear_cross_entropy(h, w, {}, t.narrow(0, 0, 3)), c10::Error);
   EXPECT_THROW(kn::fused_linear_cross_entropy(h, w, {}, t.to(at::kInt)), c10::Error);
   EXPECT_THROW(kn::fused_linear_cross_entropy(h, w.to(at::kDouble), {}, t), c10::Error);
+  // A target outside the vocabulary that is not ignore_index, named.
+  try {
+    kn::fused_linear_cross_entropy(h, w, {}, t.clone().fill_(10));
+    ADD_FAILURE() << "an out-of-range target was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("outside [0, 10)"), std::string::npos) << e.what();
+  }
   EXPECT_THROW(
       kn::fused_linear_cross_entropy(
           h, w, {}, t, kn::FusedLinearCrossEntropyOptions().chunk_size(-1)),
       c10::Error);
+}
+
+// The per-chunk step alone (ATen off the GPU): each row's loss and its
+// logits gradient are autograd's of cross_entropy (reduction none, then a
+// sum scaled by `scale`), in float64 to its rounding, for an ignore_index
+// outside the vocabulary and one inside it.
+TEST(Kernels, CrossEntropyGradIsAutogradsGradient) {
+  torch::manual_seed(5);
+  const int64_t n = 29, vocab = 37;
+  const auto o = at::TensorOptions().dtype(at::kDouble);
+  const auto x = torch::randn({n, vocab}, o) * 3;
+  const auto scale = torch::full({}, 0.37, o);
+  for (const int64_t ignore : {-100, 5}) {
+    SCOPED_TRACE(ignore);
+    const auto t = targets_with_ignored(n, vocab, ignore);
+    auto g = x.clone();
+    const auto rows = kn::detail::cross_entropy_grad_(g, t, ignore, scale);
+    auto xr = x.clone().requires_grad_(true);
+    const auto per_row = at::cross_entropy_loss(xr, t, {}, at::Reduction::None, ignore, 0.0);
+    (per_row.sum() * scale).backward();
+    EXPECT_LT(max_rel(rows, per_row.detach()), 1e-13);
+    EXPECT_LT(max_rel(g, xr.grad()), 1e-13);
+    EXPECT_EQ(g.index({t.eq(ignore)}).abs().max().item<double>(), 0.0);
+  }
+  auto bad = x.t();
+  EXPECT_THROW(
+      kn::detail::cross_entropy_grad_(bad, torch::zeros({vocab}, torch::kLong), -100, scale),
+      c10::Error);
+  auto g = x.clone();
+  EXPECT_THROW(
+      kn::detail::cross_entropy_grad_(g, torch::zeros({n}, torch::kInt), -100, scale),
+      c10::Error);
+}
+
+// On a GPU: the CUDA kernel against the float64 function of the same
+// (rounded) logits, element by element, for rows whose length in bytes is
+// not a multiple of 16 (GPT-2's 50257; the kernel reads the unaligned head
+// and tail of each row one by one), rows shorter than one 16-byte pack, and
+// -inf logits. Bounds: float32 log-sum-exp and exp over the row, relative
+// 5e-5 (each of the ~100 terms a thread sums and the merges round once,
+// and expf is within 2 ulps), then one rounding to the dtype (half an ulp;
+// float16's subnormals an absolute 2^-25); each row's loss within 1e-5 of
+// its log-sum-exp.
+TEST(Kernels, CrossEntropyGradCudaKernelEqualsTheFunction) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  torch::manual_seed(6);
+  for (const auto type : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for (const int64_t vocab : {50257, 7, 8, 1000}) {
+      for (const int64_t ignore : {-100, 3}) {
+        SCOPED_TRACE(
+            std::string(c10::toString(type)) + " vocab " + std::to_string(vocab) +
+            " ignore " + std::to_string(ignore));
+        const int64_t n = 67;
+        auto x = (torch::randn({n, vocab}) * 3).to(at::device(at::kCUDA).dtype(type));
+        if (vocab > 10) {
+          x.index_put_({0, torch::indexing::Slice(0, vocab / 2)}, -INFINITY);
+        }
+        auto t = targets_with_ignored(n, vocab, ignore);
+        t.index_put_({0}, vocab - 1); // a finite logit of row 0
+        t = t.to(at::kCUDA);
+        const auto valid = t.ne(ignore);
+        const auto scale = valid.sum().to(at::kFloat).reciprocal();
+        auto g = x.clone();
+        const auto rows = kn::detail::cross_entropy_grad_(g, t, ignore, scale);
+        ASSERT_EQ(rows.scalar_type(), at::kFloat);
+        ASSERT_EQ(g.scalar_type(), type);
+
+        const auto x64 = x.to(at::kDouble).cpu();
+        const auto tc = t.cpu().masked_fill(valid.cpu().logical_not(), 0);
+        const auto k = (valid.cpu().to(at::kDouble) * scale.cpu().to(at::kDouble)).unsqueeze(1);
+        const auto lse = at::logsumexp(x64, 1);
+        const auto sm = (x64 - lse.unsqueeze(1)).exp();
+        const auto onehot = at::zeros_like(sm).scatter_(1, tc.unsqueeze(1), 1.0);
+        const auto want = (sm - onehot) * k;
+        const double half_ulp = type == at::kFloat ? std::pow(2.0, -24)
+            : type == at::kHalf                    ? std::pow(2.0, -11)
+                                                   : std::pow(2.0, -8);
+        const double floor = type == at::kHalf ? std::pow(2.0, -25) : 1e-38;
+        const auto bound = (half_ulp + 5e-5) * (sm + onehot) * k.abs() + floor;
+        const auto err = (g.to(at::kDouble).cpu() - want).abs();
+        EXPECT_TRUE(err.le(bound).all().item<bool>())
+            << "worst error over bound " << (err / bound).max().item<double>();
+        const auto want_rows =
+            (lse - x64.gather(1, tc.unsqueeze(1)).squeeze(1)) * valid.cpu().to(at::kDouble);
+        const auto row_err = (rows.to(at::kDouble).cpu() - want_rows).abs();
+        EXPECT_TRUE(row_err.le(1e-5 * (1 + lse.abs())).all().item<bool>())
+            << "worst row loss error " << row_err.max().item<double>();
+      }
+    }
+  }
+}
+
+// On a GPU, as a bf16 or fp16 model runs it (parameters in the dtype, no
+// autocast): GPT-2's vocabulary with a bias, a token count that is not a
+// multiple of the chunk, ignored targets, the automatic chunk. The fused op
+// and the reference are both compared with the float64 function of the
+// same inputs: the fused op's error at most twice the reference's plus one
+// rounding of the dtype (the fused op rounds the weight gradient once per
+// chunk, the reference once).
+TEST(Kernels, FusedLinearCrossEntropyOnCudaInHalfPrecision) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  torch::manual_seed(7);
+  const int64_t n = 3000, hid = 128, vocab = 50257;
+  for (const auto type : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(type));
+    const auto o = at::device(at::kCUDA).dtype(type);
+    const auto h = torch::randn({n, hid}).to(o), w = (torch::randn({vocab, hid}) * 0.05).to(o);
+    const auto b = (torch::randn({vocab}) * 0.1).to(o);
+    const auto t = targets_with_ignored(n, vocab, -100).to(at::kCUDA);
+    const auto opts = kn::FusedLinearCrossEntropyOptions().chunk_size(0);
+    const auto a = run_ce(
+        [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
+        h, w, b, t);
+    const auto r = run_ce(
+        [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
+        h, w, b, t);
+    const auto exact = run_ce(
+        [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
+        h.to(at::kDouble), w.to(at::kDouble), b.to(at::kDouble), t);
+    EXPECT_EQ(a.dw.scalar_type(), type);
+    const auto norm_rel = [](const at::Tensor& g, const at::Tensor& want) {
+      const auto d = want.to(at::kDouble);
+      return ((g.to(at::kDouble) - d).norm() / d.norm()).item<double>();
+    };
+    const double ulp = type == at::kHalf ? std::pow(2.0, -10) : std::pow(2.0, -7);
+    for (const auto& [what, got, ref, ex] :
+         {std::tuple{"loss", a.loss, r.loss, exact.loss},
+          {"d hidden", a.dh, r.dh, exact.dh},
+          {"d weight", a.dw, r.dw, exact.dw},
+          {"d bias", a.db, r.db, exact.db}}) {
+      const double e_fused = norm_rel(got, ex), e_ref = norm_rel(ref, ex);
+      EXPECT_LE(e_fused, 2 * e_ref + ulp)
+          << what << ": fused " << e_fused << ", reference " << e_ref;
+    }
+  }
 }
 
 // The zoo GPT's forward(idx, targets) is gpt_loss(forward(idx), targets)

@@ -14,11 +14,18 @@
 //                      [--matmul-n 8192] [--out FILE.json]
 //                      [--optimizer adamw|fused_adamw|hybrid_adam]
 //                      [--loss logits|fused] [--plugin none|zero1]
+//                      [--split-steps 5]
 //
 // --optimizer: LibTorch's AdamW (a loop of per-tensor ops), FusedAdamW
 // (at::_fused_adamw_, one pass) or HybridAdam (its device path).
-// --loss: gpt_loss over the whole [B*T, V] logits, or the model's
-// forward(idx, targets) through kernels::fused_linear_cross_entropy.
+// --loss: the model's loss over the whole [B*T, V] logits, or
+// kernels::fused_linear_cross_entropy over the final hidden states and the
+// head's weight (the zoo GPT's forward(idx, targets); for the Llama models
+// the backbone's output and the tied embedding), whose CUDA kernel takes
+// each chunk's loss and logits gradient in place.
+// After the timed steps, --split-steps more steps (default 5) each
+// synchronise after the forward and the backward: the median forward
+// (with the loss), backward and optimizer milliseconds ("split_ms").
 // --plugin zero1: LowLevelZeroPlugin (stage 1, precision bf16) at world size
 // one: bf16 parameters, fp32 masters in the optimizer, no autocast (no cast
 // of every weight in every forward), as ColossalAI trains in bf16.
@@ -28,7 +35,9 @@
 
 #include <colossalai/colossalai.h>
 
+#include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/models/llama.h>
+#include <colossalai/utils/compat.h>
 
 #include <zoo/gpt.h>
 
@@ -65,6 +74,7 @@ struct Args {
   std::string optimizer = "adamw";
   std::string loss = "logits";
   std::string plugin = "none";
+  int split_steps = 5;
 };
 
 Args parse(int argc, char** argv) {
@@ -95,6 +105,8 @@ Args parse(int argc, char** argv) {
       a.plugin = v;
     else if (k == "--seq")
       a.seq = std::stoll(v);
+    else if (k == "--split-steps")
+      a.split_steps = std::stoi(v);
     else
       TORCH_CHECK(false, "unknown option ", k);
   }
@@ -191,6 +203,11 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(
   return std::make_shared<torch::optim::AdamW>(params, adamw);
 }
 
+// Median milliseconds of a step's phases (Args::split_steps).
+struct Split {
+  double forward = 0, backward = 0, optimizer = 0;
+};
+
 // Boosts `model` as --plugin says and times --steps training steps of
 // `loss_of(boosted)` after --warmup; returns each step's milliseconds.
 template <class M, class LossOf>
@@ -198,7 +215,8 @@ std::vector<double> time_steps(
     const Args& a,
     M model,
     const LossOf& loss_of,
-    double& last_loss) {
+    double& last_loss,
+    Split& split) {
   const at::Device dev(a.device);
   auto optimizer = make_optimizer(a, model->parameters());
   auto booster_options = cb::BoosterOptions().device(a.device);
@@ -232,6 +250,27 @@ std::vector<double> time_steps(
     if ((i + 1) % 5 == 0)
       std::fprintf(stderr, "step %d/%d: %.1f ms\n", i + 1, a.steps, times.back());
   }
+  // The same step with a synchronisation after each phase.
+  std::vector<double> fwd, bwd, opt;
+  for (int i = 0; i < a.split_steps; ++i) {
+    sync(dev);
+    auto t0 = std::chrono::steady_clock::now();
+    boosted.optimizer->zero_grad();
+    auto loss = loss_of(boosted);
+    sync(dev);
+    fwd.push_back(seconds_since(t0) * 1e3);
+    t0 = std::chrono::steady_clock::now();
+    booster.backward(loss, *boosted.optimizer);
+    sync(dev);
+    bwd.push_back(seconds_since(t0) * 1e3);
+    t0 = std::chrono::steady_clock::now();
+    boosted.optimizer->step();
+    sync(dev);
+    opt.push_back(seconds_since(t0) * 1e3);
+  }
+  if (a.split_steps > 0) {
+    split = {cbench::median(fwd), cbench::median(bwd), cbench::median(opt)};
+  }
   return times;
 }
 
@@ -257,9 +296,6 @@ int run(const Args& a) {
   TORCH_CHECK(
       a.model == "gpt2-medium" || a.model == "gpt-small-cpu" || llama,
       "--model must be gpt2-medium, gpt-small-cpu, llama3.2-1b or llama-small-cpu");
-  TORCH_CHECK(
-      !llama || a.loss == "logits",
-      "--loss fused is for the GPT models; the Llama models take --loss logits");
   const int64_t n = dev.is_cuda() ? a.matmul_n : std::min<int64_t>(a.matmul_n, 1024);
 
   std::fprintf(stderr, "measuring bf16 matmul rate (%lld^3)\n", (long long)n);
@@ -269,6 +305,7 @@ int run(const Args& a) {
   std::fprintf(stderr, "building %s\n", a.model.c_str());
   torch::manual_seed(0);
   double last_loss = 0;
+  Split split;
   std::vector<double> times;
   int64_t t = 0;
   int64_t params = 0;
@@ -293,11 +330,30 @@ int run(const Args& a) {
     using torch::indexing::Slice;
     auto x = tokens.index({Slice(), Slice(0, -1)}).contiguous().to(dev);
     auto y = tokens.index({Slice(), Slice(1, torch::indexing::None)}).contiguous().to(dev);
+    const auto flat_y = y.flatten();
     times = time_steps(
         a,
         model,
-        [&](auto& boosted) { return boosted.model.unwrap()->loss(boosted.model(x), y); },
-        last_loss);
+        [&](auto& boosted) {
+          auto m = boosted.model.unwrap();
+          if (a.loss == "logits")
+            return m->loss(boosted.model(x), y);
+          // Read each step: a plugin may have replaced the parameters.
+          const auto head = cfg.tie_word_embeddings() ? m->model->embed_tokens->weight
+                                                      : m->lm_head->weight;
+          TORCH_CHECK(
+              head.size(0) == cfg.vocab_size(),
+              "--loss fused needs the head unpadded: ", head.size(0),
+              " rows for a vocabulary of ", cfg.vocab_size());
+          // The booster's autocast, which a call past its wrapper leaves out.
+          c10::optional<colossalai::compat::AutocastGuard> cast;
+          if (a.plugin == "none")
+            cast.emplace(dev.type(), at::kBFloat16);
+          return colossalai::kernels::fused_linear_cross_entropy(
+              m->model->forward(x).flatten(0, 1), head, c10::nullopt, flat_y);
+        },
+        last_loss,
+        split);
   } else {
     auto cfg = a.model == "gpt2-medium"
         ? colossalai::zoo::GPTConfig::gpt2_medium()
@@ -318,7 +374,8 @@ int run(const Args& a) {
           return a.loss == "fused" ? boosted.model(x, y)
                                    : colossalai::zoo::gpt_loss(boosted.model(x), y);
         },
-        last_loss);
+        last_loss,
+        split);
   }
 
   const double step_ms = cbench::median(times);
@@ -346,6 +403,9 @@ int run(const Args& a) {
        << ", \"bf16_flops_max\": " << *std::max_element(rates.begin(), rates.end())
        << "},\n  \"flops_per_token\": " << flops_per_token
        << ",\n  \"step_ms\": " << cbench::stats_json(times)
+       << ",\n  \"split_ms\": {\"steps\": " << a.split_steps
+       << ", \"forward\": " << split.forward << ", \"backward\": " << split.backward
+       << ", \"optimizer\": " << split.optimizer << "}"
        << ",\n  \"tokens_per_s\": " << tokens_per_s << ",\n  \"mfu\": " << mfu
        << ",\n  \"final_loss\": " << last_loss
        << ",\n  \"peak_device_bytes\": " << peak_device_bytes(dev)

@@ -26,9 +26,9 @@ def runs(folder, prefix):
 def main():
     folder = sys.argv[1]
     order = ["ours", "ours_fused_adamw", "ours_fused", "ours_hybrid_adam",
-             "ours_zero1_bf16", "torch", "torch_fused", "torch_compile", "torch_loop",
-             "llama_ours", "llama_ours_fused_adamw", "llama_ours_zero1_bf16",
-             "llama_torch_fused"]
+             "ours_zero1_bf16_logits", "ours_zero1_bf16", "torch", "torch_fused",
+             "torch_compile", "torch_loop", "llama_ours", "llama_ours_fused_adamw",
+             "llama_ours_fused", "llama_ours_zero1_bf16", "llama_torch_fused"]
     found = sorted({re.sub(r"_[0-9]+\.json$", "", os.path.basename(p))
                     for p in glob.glob(os.path.join(folder, "*_[0-9]*.json"))},
                    key=lambda n: (order.index(n) if n in order else len(order), n))
@@ -74,6 +74,17 @@ def main():
                          f"{100 * mfu:.1f}% | {mm / 1e12:.1f} | {mem / (1 << 30):.2f} | "
                          f"{step / base_ms:.3f}x |")
         lines.append("")
+        split = [(n, rs) for n, rs in rows if rs[0].get("split_ms", {}).get("steps", 0) > 0]
+        if split:
+            lines += ["Where a step's time goes (ours): steps that synchronise after the "
+                      "forward (with the loss) and the backward, median ms over their runs.", "",
+                      "| variant | forward | backward | optimizer |", "|---|---|---|---|"]
+            for name, rs in split:
+                med = {k: statistics.median(r["split_ms"][k] for r in rs)
+                       for k in ("forward", "backward", "optimizer")}
+                lines.append(f"| {name} | {med['forward']:.2f} | {med['backward']:.2f} | "
+                             f"{med['optimizer']:.2f} |")
+            lines.append("")
     summary = {"models": {}}
     # Which variant stands for ours / eager / compile in summary.json: ours
     # with FusedAdamW (the GPU recommendation), PyTorch's default eager step.

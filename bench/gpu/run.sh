@@ -7,18 +7,21 @@
 # bench/results/<date>-gpu/.
 #
 #   bench/gpu/run.sh [--out-dir DIR] [--batch 8] [--steps 20] [--rounds 2]
-#                    [--llama-rounds N] [--compile]
+#                    [--llama-rounds N] [--compile] [--only RE]
 #
 # Each round runs, one after the other: ours with LibTorch's AdamW and the
 # whole logits (ours), with FusedAdamW (ours_fused_adamw), with FusedAdamW
-# and the fused linear + cross-entropy (ours_fused), and the same under
-# LowLevelZero stage 1 in bf16 at world size one
-# (bf16 weights, fp32 masters, no autocast: ours_zero1_bf16); PyTorch eager
-# with its default AdamW (torch) and with AdamW(fused=True) (torch_fused).
+# and the fused linear + cross-entropy (ours_fused), and the same two under
+# LowLevelZero stage 1 in bf16 at world size one (bf16 weights, fp32
+# masters, no autocast: ours_zero1_bf16_logits, ours_zero1_bf16); PyTorch
+# eager with its default AdamW (torch) and with AdamW(fused=True)
+# (torch_fused).
 # --llama-rounds N adds N rounds of a Llama-3.2-1B-shaped model (batch
-# 4 x 2048): ours with AdamW, FusedAdamW, LowLevelZero bf16; transformers'
-# LlamaForCausalLM with AdamW(fused=True).
+# 4 x 2048): ours with AdamW, FusedAdamW (whole logits, fused loss),
+# LowLevelZero bf16 (fused loss); transformers' LlamaForCausalLM with
+# AdamW(fused=True).
 # --compile adds one torch.compile run (fused AdamW) after the rounds.
+# --only RE keeps the variants whose names match the extended regex RE.
 #
 # Environment: PYTHON (default python3) is the interpreter with the wheel;
 # BUILD_DIR (default build-gpu). Needs cmake, a C++17 compiler, zlib headers
@@ -36,6 +39,7 @@ pairs=2
 compile=0
 llama_rounds=0
 llama_steps=10
+only=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out-dir) out_dir="$2"; shift ;;
@@ -44,6 +48,7 @@ while [ $# -gt 0 ]; do
     --pairs|--rounds) pairs="$2"; shift ;;
     --compile) compile=1 ;;
     --llama-rounds) llama_rounds="$2"; shift ;;
+    --only) only="$2"; shift ;;
     -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -113,12 +118,14 @@ variants=(
   "ours|cpp|--optimizer adamw --loss logits"
   "ours_fused_adamw|cpp|--optimizer fused_adamw --loss logits"
   "ours_fused|cpp|--optimizer fused_adamw --loss fused"
+  "ours_zero1_bf16_logits|cpp|--plugin zero1 --optimizer fused_adamw --loss logits"
   "ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
   "torch|py|"
   "torch_fused|py|--fused"
 )
 run_variant() { # name, program, options, round
   local name=$1 prog=$2 opts=$3 i=$4
+  if [ -n "$only" ] && ! [[ $name =~ $only ]]; then return 0; fi
   say "round $i/$pairs: $name $opts"
   if [ "$prog" = cpp ]; then
     # shellcheck disable=SC2086
@@ -143,7 +150,8 @@ llama=(--model llama3.2-1b --batch 4 --steps "$llama_steps")
 llama_variants=(
   "llama_ours|cpp|--optimizer adamw"
   "llama_ours_fused_adamw|cpp|--optimizer fused_adamw"
-  "llama_ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw"
+  "llama_ours_fused|cpp|--optimizer fused_adamw --loss fused"
+  "llama_ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
   "llama_torch_fused|py|--fused"
 )
 for i in $(seq 1 "$llama_rounds"); do

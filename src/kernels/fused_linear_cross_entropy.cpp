@@ -1,6 +1,8 @@
 // Fused linear + cross-entropy (NOTE [Kernels]): chunked over the tokens,
 // gradients taken in the forward, so the [tokens x vocab] logits exist one
-// chunk at a time. ATen on every device: the chunking is the fusion.
+// chunk at a time. Each chunk's loss and logits gradient come from
+// cross_entropy.cu's kernel on a GPU (in place, in the compute dtype), from
+// the same computation in ATen elsewhere.
 
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 
@@ -8,6 +10,14 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+#include "cross_entropy_cuda.h"
+#include "cuda_launch.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace colossalai {
 namespace kernels {
@@ -19,12 +29,30 @@ using torch::autograd::variable_list;
 
 constexpr int64_t kChunkLogitBytes = int64_t{256} << 20;
 
-int64_t chunk_tokens(int64_t requested, int64_t tokens, int64_t vocab) {
+// Whether cross_entropy_grad_ runs the CUDA kernel on logits of type t.
+bool kernel_applies(const at::Tensor& logits_like, at::ScalarType t) {
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  return logits_like.is_cuda() &&
+      (t == at::kFloat || t == at::kHalf || t == at::kBFloat16);
+#else
+  (void)logits_like;
+  (void)t;
+  return false;
+#endif
+}
+
+// `bytes_per_logit`: what a chunk holds per logit while its gradient is
+// taken (the logits alone in place on the GPU; with a float32 copy in ATen).
+int64_t chunk_tokens(
+    int64_t requested,
+    int64_t tokens,
+    int64_t vocab,
+    int64_t bytes_per_logit) {
   if (requested > 0) {
     return std::max<int64_t>(1, std::min(requested, tokens));
   }
   int64_t c = 1;
-  while (c * 2 * vocab * 4 <= kChunkLogitBytes) {
+  while (c * 2 * vocab * bytes_per_logit <= kChunkLogitBytes) {
     c *= 2;
   }
   return std::max<int64_t>(1, std::min(c, tokens));
@@ -102,6 +130,14 @@ struct FusedLinearCrossEntropy
 
     const auto tgt = target.to(h.device());
     const auto valid = tgt.ne(ignore_index);
+    // One check for every chunk (the kernel would give such a row NaN).
+    TORCH_CHECK(
+        !(tgt.lt(0) | tgt.ge(vocab)).logical_and(valid).any().item<bool>(),
+        "fused_linear_cross_entropy: a target is outside [0, ",
+        vocab,
+        ") and is not ignore_index (",
+        ignore_index,
+        ")");
     // The scale stays on the device: no synchronisation for the count.
     const auto scale =
         mean ? valid.sum().to(acc).reciprocal() : at::ones({}, acc_opts);
@@ -114,38 +150,30 @@ struct FusedLinearCrossEntropy
     auto gw = need_w ? at::zeros({vocab, w.size(1)}, acc_opts) : at::Tensor();
     auto gb = need_b ? at::zeros({vocab}, acc_opts) : at::Tensor();
 
-    const int64_t step = chunk_tokens(chunk_size, n, vocab);
-    // The one-hot term of every chunk's gradient (a chunk's first c rows).
-    const auto minus_one = at::full({step, 1}, -1.0, acc_opts);
+    const bool kernel = kernel_applies(h, compute);
+    const int64_t step = chunk_tokens(
+        chunk_size,
+        n,
+        vocab,
+        kernel ? c10::elementSize(compute) : 2 * c10::elementSize(acc));
     for (int64_t s = 0; s < n; s += step) {
       const int64_t c = std::min(step, n - s);
       const auto hc = h.narrow(0, s, c);
-      const auto vc = valid.narrow(0, s, c);
-      const auto tc = tgt.narrow(0, s, c).masked_fill(vc.logical_not(), 0);
-      const auto logits =
-          b.defined() ? at::addmm(b, hc, w.t()) : at::mm(hc, w.t());
-      auto p = logits.to(acc); // may alias `logits`: unused below
-      const auto lse = at::logsumexp(p, 1);
-      const auto picked = p.gather(1, tc.unsqueeze(1)).squeeze(1);
-      const auto vf = vc.to(acc);
-      loss.add_(((lse - picked) * vf).sum());
-      // d(loss)/d(logits) = (softmax - one_hot(target)) * scale, rows of
-      // ignored targets zero; computed in place in the float32 buffer.
-      p.sub_(lse.unsqueeze(1)).exp_();
-      p.scatter_add_(1, tc.unsqueeze(1), minus_one.narrow(0, 0, c));
-      p.mul_((vf * scale).unsqueeze(1));
+      auto logits = b.defined() ? at::addmm(b, hc, w.t()) : at::mm(hc, w.t());
+      // logits := d(loss)/d(logits), in the compute dtype.
+      loss.add_(detail::cross_entropy_grad_(
+                    logits, tgt.narrow(0, s, c), ignore_index, scale)
+                    .sum()
+                    .to(acc));
       if (need_b) {
-        gb.add_(p.sum(0));
+        gb.add_(logits.sum(0, false, acc));
       }
-      if (need_h || need_w) {
-        const auto g = p.to(compute);
-        if (need_h) {
-          auto rows = gh.narrow(0, s, c);
-          at::mm_out(rows, g, w);
-        }
-        if (need_w) {
-          gw.add_(at::mm(g.t(), hc));
-        }
+      if (need_h) {
+        auto rows = gh.narrow(0, s, c);
+        at::mm_out(rows, logits, w);
+      }
+      if (need_w) {
+        gw.add_(at::mm(logits.t(), hc));
       }
     }
     if (mean) {
@@ -176,6 +204,72 @@ struct FusedLinearCrossEntropy
 };
 
 } // namespace
+
+namespace detail {
+
+at::Tensor cross_entropy_grad_(
+    at::Tensor& logits,
+    const at::Tensor& target,
+    int64_t ignore_index,
+    const at::Tensor& scale) {
+  TORCH_CHECK(
+      logits.dim() == 2 && logits.is_contiguous() &&
+          at::isFloatingType(logits.scalar_type()),
+      "cross_entropy_grad_: logits must be contiguous floating [N, V], got ",
+      logits.sizes(),
+      " ",
+      logits.scalar_type());
+  TORCH_CHECK(
+      target.dim() == 1 && target.size(0) == logits.size(0) &&
+          target.scalar_type() == at::kLong &&
+          target.device() == logits.device(),
+      "cross_entropy_grad_: target must be int64 [",
+      logits.size(0),
+      "] on the logits' device");
+  TORCH_CHECK(
+      scale.numel() == 1 && scale.device() == logits.device(),
+      "cross_entropy_grad_: scale must be one value on the logits' device");
+  const int64_t rows = logits.size(0);
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (kernel_applies(logits, logits.scalar_type())) {
+    const c10::cuda::CUDAGuard guard(logits.device());
+    auto row_loss = at::empty({rows}, logits.options().dtype(at::kFloat));
+    const auto t = target.contiguous();
+    const auto k = scale.to(at::kFloat).contiguous();
+    cuda::check_launch(
+        cuda::cross_entropy_grad(
+            cuda::dtype_of(logits.scalar_type(), "cross_entropy_grad_"),
+            logits.data_ptr(),
+            t.data_ptr<int64_t>(),
+            ignore_index,
+            k.data_ptr<float>(),
+            row_loss.data_ptr<float>(),
+            rows,
+            logits.size(1),
+            c10::cuda::getCurrentCUDAStream().stream()),
+        "cross_entropy_grad_",
+        "the kernel");
+    return row_loss;
+  }
+#endif
+  // The kernel's computation in ATen: float32 (float64 for float64 logits).
+  const auto acc = at::promote_types(logits.scalar_type(), at::kFloat);
+  const auto valid = target.ne(ignore_index);
+  const auto t = target.masked_fill(valid.logical_not(), 0).unsqueeze(1);
+  const auto vf = valid.to(acc);
+  auto p = logits.to(acc); // may alias `logits`
+  const auto lse = at::logsumexp(p, 1);
+  auto row_loss = (lse - p.gather(1, t).squeeze(1)) * vf;
+  p.sub_(lse.unsqueeze(1)).exp_();
+  p.scatter_add_(1, t, at::full({rows, 1}, -1.0, p.options()));
+  p.mul_((vf * scale.to(acc)).unsqueeze(1));
+  if (!p.is_same(logits)) {
+    logits.copy_(p);
+  }
+  return row_loss;
+}
+
+} // namespace detail
 
 at::Tensor fused_linear_cross_entropy(
     const at::Tensor& hidden,

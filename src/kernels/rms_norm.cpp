@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
+#include "cuda_launch.h"
 #include "rms_norm_cuda.h"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -22,25 +23,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-#ifdef COLOSSALAI_WITH_CUDA_KERNELS
-cuda::Dtype cuda_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return cuda::Dtype::kFloat;
-    case at::kHalf:
-      return cuda::Dtype::kHalf;
-    default:
-      TORCH_INTERNAL_ASSERT(t == at::kBFloat16, "rms_norm: no kernel for ", t);
-      return cuda::Dtype::kBFloat16;
-  }
-}
-
-void check_launch(cudaError_t e, const char* what) {
-  TORCH_CHECK(
-      e == cudaSuccess, "rms_norm: ", what, " failed: ", cudaGetErrorString(e));
-}
-#endif
-
 // The forward's output and the float32 statistic per row it saves.
 std::pair<at::Tensor, at::Tensor> fused_forward(
     const at::Tensor& x,
@@ -54,9 +36,9 @@ std::pair<at::Tensor, at::Tensor> fused_forward(
     auto y = at::empty_like(x);
     auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
     if (rows > 0) {
-      check_launch(
+      cuda::check_launch(
           cuda::rms_norm_forward(
-              cuda_dtype(x.scalar_type()),
+              cuda::dtype_of(x.scalar_type(), "rms_norm"),
               x.data_ptr(),
               weight.data_ptr(),
               y.data_ptr(),
@@ -65,7 +47,7 @@ std::pair<at::Tensor, at::Tensor> fused_forward(
               cols,
               static_cast<float>(eps),
               c10::cuda::getCurrentCUDAStream().stream()),
-          "the forward kernel");
+          "rms_norm", "the forward kernel");
     }
     return {y, rstd};
   }
@@ -95,9 +77,9 @@ std::pair<at::Tensor, at::Tensor> fused_backward(
     auto partial = at::empty(
         {cuda::rms_norm_weight_chunks(rows), cols},
         x.options().dtype(at::kFloat));
-    check_launch(
+    cuda::check_launch(
         cuda::rms_norm_backward(
-            cuda_dtype(x.scalar_type()),
+            cuda::dtype_of(x.scalar_type(), "rms_norm"),
             dy.data_ptr(),
             x.data_ptr(),
             weight.data_ptr(),
@@ -108,7 +90,7 @@ std::pair<at::Tensor, at::Tensor> fused_backward(
             rows,
             cols,
             c10::cuda::getCurrentCUDAStream().stream()),
-        "the backward kernels");
+        "rms_norm", "the backward kernels");
     return {dx, dweight};
   }
 #endif

@@ -6,8 +6,7 @@
 
 #include "rms_norm_cuda.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "cuda_device.cuh"
 
 namespace colossalai {
 namespace kernels {
@@ -18,37 +17,6 @@ namespace {
 constexpr int kRowThreads = 256;
 constexpr int kTileCols = 32;
 constexpr int kTileRows = 8;
-
-__device__ __forceinline__ float to_float(float v) {
-  return v;
-}
-__device__ __forceinline__ float to_float(__half v) {
-  return __half2float(v);
-}
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
-template <class T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// What an ATen op whose result is T gives, read back as float.
-template <class T>
-__device__ __forceinline__ float round_to(float v) {
-  return to_float(from_float<T>(v));
-}
 
 // The sum over the block, in every thread. `shared` holds a float per warp.
 __device__ float block_sum(float v, float* shared) {
@@ -238,21 +206,6 @@ cudaError_t backward(
       <<<static_cast<unsigned>((cols + 255) / 256), 256, 0, stream>>>(
           partial, chunks, static_cast<T*>(dweight), cols);
   return cudaGetLastError();
-}
-
-// Calls `f` with a value of the element type `dtype` names (its type is
-// what `f` needs): the one switch over dtypes, for every launcher.
-template <class F>
-cudaError_t by_dtype(Dtype dtype, F&& f) {
-  switch (dtype) {
-    case Dtype::kFloat:
-      return f(float());
-    case Dtype::kHalf:
-      return f(__half());
-    case Dtype::kBFloat16:
-      return f(__nv_bfloat16());
-  }
-  return cudaErrorInvalidValue;
 }
 
 } // namespace

@@ -4,15 +4,13 @@
 // translation unit includes no ATen (NOTE [Kernels]). Each returns the
 // launch's error.
 
-#include <cuda_runtime_api.h>
+#include "cuda_types.h"
 
 #include <cstdint>
 
 namespace colossalai {
 namespace kernels {
 namespace cuda {
-
-enum class Dtype { kFloat, kHalf, kBFloat16 };
 
 /// y = weight * round(x * rstd), rstd = 1 / sqrt(mean(x^2) + eps) per row,
 /// saved in `rstd` (float32, one per row). Contiguous rows of `cols`.

@@ -9,10 +9,15 @@
 /// forward and scaled by the incoming gradient in the backward (the loss is
 /// a graph's last node), as Liger-Kernel's and llm.c's fused classifiers do.
 ///
+/// Each chunk's loss and logits gradient come from one CUDA kernel on a GPU
+/// (float32, float16, bfloat16: detail::cross_entropy_grad_, in place over
+/// the chunk's logits), from the same computation in ATen elsewhere.
+///
 /// Numerics: the matmuls run in the compute dtype (autocast's on the
 /// hidden's device when autocast is on there, else the inputs' dtype), the
 /// log-sum-exp, softmax and loss in float32 (float64 for float64 inputs),
-/// the weight's gradient summed over chunks in that precision too. Against the reference (the same matmul, then
+/// the logits' gradient rounded once to the compute dtype, the weight's
+/// gradient summed over chunks in float32 (float64). Against the reference (the same matmul, then
 /// cross-entropy in float32): float32 agrees within float32 rounding; in
 /// bf16 the weight gradient is rounded once per chunk instead of once.
 ///
@@ -37,8 +42,9 @@ namespace kernels {
 struct FusedLinearCrossEntropyOptions {
   /// Targets equal to this contribute neither loss nor gradient.
   TORCH_ARG(int64_t, ignore_index) = -100;
-  /// Tokens per chunk; 0 picks the largest power of two whose float32
-  /// logits stay within 256 MiB.
+  /// Tokens per chunk; 0 picks the largest power of two whose chunk stays
+  /// within 256 MiB (on a GPU the logits in the compute dtype, elsewhere
+  /// with their float32 copy).
   TORCH_ARG(int64_t, chunk_size) = 0;
   /// true: the mean over the targets that are not ignored (PyTorch's
   /// "mean", NaN when every target is ignored); false: their sum.
@@ -62,6 +68,23 @@ at::Tensor linear_cross_entropy_reference(
     const c10::optional<at::Tensor>& bias,
     const at::Tensor& target,
     const FusedLinearCrossEntropyOptions& options = {});
+
+namespace detail {
+/// Cross-entropy's loss per row and its logits gradient, in place: for each
+/// row of `logits` [N, V] (contiguous) with target t, the loss
+/// logsumexp(row) - row[t], and row := (softmax(row) - one_hot(t)) * scale,
+/// computed in float32 (float64 for float64 logits) and rounded once to the
+/// logits' dtype. Rows whose target is `ignore_index` get loss 0 and a zero
+/// gradient. `target` [N] int64 must be in [0, V) or ignore_index (the
+/// caller checks; the CUDA kernel gives NaN otherwise); `scale` is one
+/// value on the logits' device. Returns the losses [N], float32 (float64).
+/// The CUDA kernel on a GPU, ATen elsewhere.
+at::Tensor cross_entropy_grad_(
+    at::Tensor& logits,
+    const at::Tensor& target,
+    int64_t ignore_index,
+    const at::Tensor& scale);
+} // namespace detail
 
 } // namespace kernels
 } // namespace colossalai

@@ -1,0 +1,63 @@
+#pragma once
+
+// Device helpers the kernels' `.cu` files share: conversions between the
+// element types and float32, and the one switch over dtypes for launchers.
+
+#include "cuda_types.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace colossalai {
+namespace kernels {
+namespace cuda {
+
+__device__ __forceinline__ float to_float(float v) {
+  return v;
+}
+__device__ __forceinline__ float to_float(__half v) {
+  return __half2float(v);
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+
+template <class T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// What an ATen op whose result is T gives, read back as float.
+template <class T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// Calls `f` with a value of the element type `dtype` names (its type is
+// what `f` needs): the one switch over dtypes, for every launcher.
+template <class F>
+cudaError_t by_dtype(Dtype dtype, F&& f) {
+  switch (dtype) {
+    case Dtype::kFloat:
+      return f(float());
+    case Dtype::kHalf:
+      return f(__half());
+    case Dtype::kBFloat16:
+      return f(__nv_bfloat16());
+  }
+  return cudaErrorInvalidValue;
+}
+
+} // namespace cuda
+} // namespace kernels
+} // namespace colossalai
