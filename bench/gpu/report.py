@@ -44,6 +44,21 @@ def main():
              "its steps after warm-up steps and reports their median. MFU is model "
              "FLOPs (6 x matmul parameters + 12 x layers x width x sequence per token) "
              "against the bf16 matmul rate the run measured on the device (8192^3).", ""]
+    ops_file = os.path.join(folder, "ops.json")
+    if os.path.exists(ops_file):
+        with open(ops_file) as f:
+            ops = json.load(f)
+        lines += ["## Fused ops alone against their ATen composition",
+                  "", f"Median ms of {ops['reps']} runs after warm-up (p10-p90); GB/s: the "
+                  "fewest bytes the op must move over its median time.", "",
+                  "| op | shape | ours ms | ATen ms | ATen / ours | ours GB/s |",
+                  "|---|---|---|---|---|---|"]
+        for o in ops["ops"]:
+            om, am = o["ours_ms"]["median"], o["aten_ms"]["median"]
+            bw = f"{o['bytes'] / (om * 1e-3) / 1e9:,.0f}" if o["bytes"] else "-"
+            lines.append(f"| {o['op']} | {o['shape']} | {om:.3f} ({o['ours_ms']['p10']:.3f}-"
+                         f"{o['ours_ms']['p90']:.3f}) | {am:.3f} | {am / om:.2f}x | {bw} |")
+        lines.append("")
     models = []
     for _, rs in groups:
         if rs[0]["model"] not in models:

@@ -21,6 +21,8 @@
 # LowLevelZero bf16 (fused loss); transformers' LlamaForCausalLM with
 # AdamW(fused=True).
 # --compile adds one torch.compile run (fused AdamW) after the rounds.
+# Before the rounds, bench_gpu_ops times each fused op alone against its
+# ATen composition (ops.json; its name for --only is "ops").
 # --only RE keeps the variants whose names match the extended regex RE.
 #
 # Environment: PYTHON (default python3) is the interpreter with the wheel;
@@ -102,8 +104,9 @@ else
   fi
 fi
 grep -m1 "ColossalAI: LibTorch" "$out_dir/build.log" || true
-say "building bench_gpu_gpt_step"
-if ! cmake --build "$BUILD_DIR" -j "$(nproc)" --target bench_gpu_gpt_step >>"$out_dir/build.log" 2>&1; then
+say "building bench_gpu_gpt_step bench_gpu_ops"
+if ! cmake --build "$BUILD_DIR" -j "$(nproc)" --target bench_gpu_gpt_step bench_gpu_ops \
+    >>"$out_dir/build.log" 2>&1; then
   grep -m20 -E "error" "$out_dir/build.log" >&2 || tail -40 "$out_dir/build.log" >&2
   exit 1
 fi
@@ -138,6 +141,13 @@ run_variant() { # name, program, options, round
   fi || { tail -20 "$out_dir/${name}_$i.log" >&2; return 1; }
   tail -1 "$out_dir/${name}_$i.log"
 }
+# Each fused op alone against its ATen composition, once (ops.json).
+if [ -z "$only" ] || [[ ops =~ $only ]]; then
+  say "fused ops alone"
+  "$BUILD_DIR/bench/bench_gpu_ops" --device cuda --out "$out_dir/ops.json" >"$out_dir/ops.log" 2>&1 \
+    || { tail -20 "$out_dir/ops.log" >&2; exit 1; }
+  cat "$out_dir/ops.log"
+fi
 for i in $(seq 1 "$pairs"); do
   for v in "${variants[@]}"; do
     IFS='|' read -r name prog opts <<<"$v"

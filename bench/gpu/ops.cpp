@@ -1,0 +1,183 @@
+// Each fused op alone against its ATen composition, on one device: the
+// cross-entropy gradient kernel on one chunk of GPT-2 logits, the fused
+// linear + cross-entropy over a whole GPT-2 medium batch, RMSNorm at a
+// Llama 1B width; forward and backward. Medians over --reps timed runs
+// after warm-up, with the p10-p90 spread; JSON to --out, a table on stdout.
+//
+//   bench_gpu_ops [--device cuda|cpu] [--reps 20] [--out FILE.json]
+//
+// On the CPU (no CUDA kernels) both columns run ATen: a smoke test only.
+
+#include <colossalai/kernels/fused_linear_cross_entropy.h>
+#include <colossalai/kernels/rms_norm.h>
+
+#include "../bench_util.h"
+
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <sstream>
+
+namespace cbench = colossalai::bench;
+namespace kn = colossalai::kernels;
+
+namespace {
+
+void sync(const at::Device& d) {
+  if (d.is_cuda())
+    torch::cuda::synchronize();
+}
+
+// Milliseconds of each of `reps` runs of f after 3 warm-up runs.
+std::vector<double> time_ms(const at::Device& dev, int reps, const std::function<void()>& f) {
+  for (int i = 0; i < 3; ++i)
+    f();
+  sync(dev);
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    f();
+    sync(dev);
+    ms.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return ms;
+}
+
+struct Row {
+  std::string op, shape;
+  std::vector<double> ours, aten;
+  double bytes = 0; // the fewest bytes ours must move (0: not counted)
+};
+
+} // namespace
+
+int main(int argc, char** argv) {
+  std::string device = torch::cuda::is_available() ? "cuda" : "cpu", out;
+  int reps = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--device")
+      device = v;
+    else if (k == "--reps")
+      reps = std::stoi(v);
+    else if (k == "--out")
+      out = v;
+    else {
+      std::cerr << "bench_gpu_ops: unknown option " << k << "\n";
+      return 2;
+    }
+  }
+  try {
+    const at::Device dev(device);
+    const bool gpu = dev.is_cuda();
+    torch::manual_seed(0);
+    const auto bf16 = at::device(dev).dtype(at::kBFloat16);
+    std::vector<Row> rows;
+
+    // 1. One chunk's loss and logits gradient, in place (what the fused
+    // op does per chunk), against the ATen composition it replaces.
+    {
+      const int64_t n = gpu ? 2048 : 64, v = 50257;
+      const auto x0 = torch::randn({n, v}, bf16).mul_(3);
+      const auto t = torch::randint(v, {n}, at::device(dev).dtype(at::kLong));
+      const auto scale = torch::full({}, 1.0 / n, at::device(dev).dtype(at::kFloat));
+      auto x = x0.clone();
+      Row r{"cross-entropy loss + logits gradient, in place", std::to_string(n) + " x 50257 bf16"};
+      // Both include the copy that restores the logits.
+      r.ours = time_ms(dev, reps, [&] {
+        x.copy_(x0);
+        kn::detail::cross_entropy_grad_(x, t, -100, scale);
+      });
+      r.aten = time_ms(dev, reps, [&] {
+        x.copy_(x0);
+        auto p = x.to(at::kFloat);
+        const auto lse = at::logsumexp(p, 1);
+        const auto loss = (lse - p.gather(1, t.unsqueeze(1)).squeeze(1)).sum();
+        p.sub_(lse.unsqueeze(1)).exp_();
+        p.scatter_add_(1, t.unsqueeze(1), at::full({n, 1}, -1.0, p.options()));
+        p.mul_(scale);
+        x.copy_(p);
+      });
+      // Read twice and written once by the kernel, plus the copy's read
+      // and write.
+      r.bytes = 5.0 * n * v * 2;
+      rows.push_back(r);
+    }
+
+    // 2. The whole head and loss of a GPT-2 medium batch, forward and
+    // backward: fused (chunks, the kernel) against linear + cross-entropy.
+    {
+      const int64_t n = gpu ? 8192 : 256, h = 1024, v = 50257;
+      auto hid = torch::randn({n, h}, bf16).requires_grad_(true);
+      auto w = (torch::randn({v, h}, bf16) * 0.02).requires_grad_(true);
+      const auto t = torch::randint(v, {n}, at::device(dev).dtype(at::kLong));
+      Row r{"linear + cross-entropy, forward + backward", std::to_string(n) + " x 1024 -> 50257 bf16"};
+      auto run = [&](bool fused) {
+        hid.mutable_grad() = at::Tensor();
+        w.mutable_grad() = at::Tensor();
+        auto loss = fused ? kn::fused_linear_cross_entropy(hid, w, c10::nullopt, t)
+                          : kn::linear_cross_entropy_reference(hid, w, c10::nullopt, t);
+        loss.backward();
+      };
+      r.ours = time_ms(dev, reps, [&] { run(true); });
+      r.aten = time_ms(dev, reps, [&] { run(false); });
+      rows.push_back(r);
+    }
+
+    // 3. RMSNorm at Llama 3.2 1B's width over a 4 x 2048 batch.
+    {
+      const int64_t n = gpu ? 8192 : 256, c = 2048;
+      auto x = torch::randn({n, c}, bf16).requires_grad_(true);
+      auto w = (1 + 0.1 * torch::randn({c}, bf16)).requires_grad_(true);
+      const auto dy = torch::randn({n, c}, bf16);
+      Row r{"RMSNorm, forward + backward", std::to_string(n) + " x 2048 bf16"};
+      auto run = [&](bool fused) {
+        x.mutable_grad() = at::Tensor();
+        w.mutable_grad() = at::Tensor();
+        auto y = fused ? kn::rms_norm(x, w, 1e-5) : kn::rms_norm_reference(x, w, 1e-5);
+        y.backward(dy);
+      };
+      r.ours = time_ms(dev, reps, [&] { run(true); });
+      r.aten = time_ms(dev, reps, [&] { run(false); });
+      // x, dy read twice (forward, backward), y and dx written, once each.
+      r.bytes = 6.0 * n * c * 2;
+      rows.push_back(r);
+    }
+
+    std::ostringstream json;
+    json << "{\n  \"benchmark\": \"gpu_ops\",\n  \"device\": \"" << device
+         << "\",\n  \"reps\": " << reps << ",\n  \"machine\": " << cbench::machine_json()
+         << ",\n  \"ops\": [";
+    std::printf("| op | shape | ours ms | ATen ms | ATen / ours | ours GB/s |\n|---|---|---|---|---|---|\n");
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto& r = rows[i];
+      const double o = cbench::median(r.ours), a = cbench::median(r.aten);
+      json << (i ? "," : "") << "\n    {\"op\": \"" << r.op << "\", \"shape\": \"" << r.shape
+           << "\", \"ours_ms\": " << cbench::stats_json(r.ours)
+           << ", \"aten_ms\": " << cbench::stats_json(r.aten) << ", \"bytes\": " << r.bytes << "}";
+      std::printf(
+          "| %s | %s | %.3f (p10-p90 %.3f-%.3f) | %.3f | %.2fx | %s |\n",
+          r.op.c_str(),
+          r.shape.c_str(),
+          o,
+          cbench::percentile(r.ours, 0.1),
+          cbench::percentile(r.ours, 0.9),
+          a,
+          a / o,
+          r.bytes > 0 ? std::to_string(static_cast<int>(r.bytes / (o * 1e-3) / 1e9)).c_str() : "-");
+    }
+    json << "\n  ]\n}\n";
+    if (!out.empty())
+      std::ofstream(out) << json.str();
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}
