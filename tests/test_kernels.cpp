@@ -3,8 +3,13 @@
 // GPU the CUDA kernels against the reference, forward and backward, in
 // every dtype they take.
 
+#include <colossalai/booster/booster.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/rms_norm.h>
+#include <colossalai/models/bloom.h>
+#include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
+#include <colossalai/models/opt.h>
 #include <colossalai/utils/compat.h>
 
 #include <zoo/gpt.h>
@@ -506,6 +511,138 @@ TEST(Kernels, GptForwardWithTargetsIsItsLoss) {
     EXPECT_LT(max_rel(a->parameters()[i].grad(), b->parameters()[i].grad()), bound);
   }
   EXPECT_THROW(a->forward(x, y.narrow(1, 0, 3)), c10::Error);
+}
+
+// ------------------------------------------- the families' fused loss ---
+
+namespace models = colossalai::models;
+
+// Largest difference over the largest magnitude.
+double rel_diff(const at::Tensor& got, const at::Tensor& want) {
+  return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item<double>();
+}
+
+// A batch of 2 x 9 tokens, row 1 left-padded by 2, targets -100 there and
+// at one more position.
+struct LmBatch {
+  at::Tensor ids, mask, pos, targets;
+};
+LmBatch lm_batch(int64_t vocab) {
+  auto gen = at::detail::createCPUGenerator(9);
+  LmBatch b;
+  b.ids = at::randint(vocab, {2, 9}, gen);
+  b.mask = at::ones({2, 9}, at::kLong);
+  b.mask.index_put_({1, torch::indexing::Slice(0, 2)}, 0);
+  b.pos = (b.mask.cumsum(1) - 1).masked_fill(b.mask.eq(0), 0);
+  b.targets = at::randint(vocab, {2, 9}, gen).masked_fill(b.mask.eq(0), -100);
+  b.targets.index_put_({0, 4}, -100);
+  return b;
+}
+
+// forward_loss against loss(forward(...)) on two copies of one model: the
+// same backbone, then the head and loss in another order (chunks of tokens
+// against one product): loss and every gradient within float32 rounding of
+// sums over the 16 counted tokens and the vocabulary (1e-5 of the largest;
+// for a gradient that is zero in exact arithmetic, such as the keys' bias
+// under the softmax, of 1e-4 of the model's largest gradient).
+template <class M>
+void check_forward_loss(const std::function<M()>& make, const char* name) {
+  SCOPED_TRACE(name);
+  torch::manual_seed(11);
+  M a = make();
+  torch::manual_seed(11);
+  M b = make();
+  a->eval(); // no dropout; gradients still flow
+  b->eval();
+  const auto batch = lm_batch(a->config().vocab_size());
+  at::Tensor la, lb;
+  if constexpr (std::is_same_v<M, models::BloomForCausalLM>) {
+    la = a->forward_loss(batch.ids, batch.targets, batch.mask);
+    lb = b->loss(b->forward(batch.ids, batch.mask), batch.targets);
+  } else {
+    la = a->forward_loss(batch.ids, batch.targets, batch.mask, batch.pos);
+    lb = b->loss(b->forward(batch.ids, batch.mask, batch.pos), batch.targets);
+  }
+  la.backward();
+  lb.backward();
+  EXPECT_LT(rel_diff(la, lb), 1e-5) << la.item<double>() << " vs " << lb.item<double>();
+  const auto pa = a->named_parameters(), pb = b->named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  double largest = 0;
+  for (const auto& item : pb) {
+    if (item.value().grad().defined()) {
+      largest = std::max(largest, item.value().grad().abs().max().template item<double>());
+    }
+  }
+  for (const auto& item : pa) {
+    SCOPED_TRACE(item.key());
+    const auto& want = pb[item.key()].grad();
+    ASSERT_TRUE(item.value().grad().defined() == want.defined());
+    if (want.defined()) {
+      const double scale = std::max(want.abs().max().template item<double>(), 1e-4 * largest);
+      EXPECT_LE((item.value().grad() - want).abs().max().template item<double>(), 1e-5 * scale);
+    }
+  }
+}
+
+// NOTE [Fused causal-LM loss]: every causal family, tied and untied heads,
+// a mixture of experts with its balancing loss, a sliding window.
+TEST(Kernels, EveryCausalFamilysForwardLossIsItsLossOfTheLogits) {
+  check_forward_loss<models::GPT2LMHeadModel>(
+      [] { return models::GPT2LMHeadModel(models::GPT2Config::tiny_test()); }, "gpt2");
+  check_forward_loss<models::OPTForCausalLM>(
+      [] { return models::OPTForCausalLM(models::OPTConfig::tiny_test()); }, "opt");
+  check_forward_loss<models::BloomForCausalLM>(
+      [] { return models::BloomForCausalLM(models::BloomConfig::tiny_test()); }, "bloom");
+  check_forward_loss<models::LlamaForCausalLM>(
+      [] { return models::LlamaForCausalLM(models::LlamaConfig::tiny_test()); }, "llama");
+  check_forward_loss<models::LlamaForCausalLM>(
+      [] {
+        return models::LlamaForCausalLM(
+            models::LlamaConfig::tiny_test().tie_word_embeddings(true));
+      },
+      "llama tied");
+  check_forward_loss<models::LlamaForCausalLM>(
+      [] {
+        return models::LlamaForCausalLM(
+            models::LlamaConfig::tiny_test().sliding_window(4).model_type("mistral"));
+      },
+      "mistral");
+  check_forward_loss<models::LlamaForCausalLM>(
+      [] {
+        return models::LlamaForCausalLM(
+            models::LlamaConfig::tiny_test()
+                .model_type("qwen3_moe")
+                .moe(models::MoeConfig()
+                         .num_experts(4)
+                         .num_experts_per_tok(2)
+                         .output_router_logits(true)
+                         .router_aux_loss_coef(0.5)));
+      },
+      "qwen3 moe, balancing loss");
+}
+
+// Through a booster (bf16 autocast on the CPU): boosted.model.forward_loss
+// runs under the same precision and wrapper as a call, and equals the
+// loss of the boosted call's logits within bf16 (2^-8 of the loss).
+TEST(Kernels, BoostedForwardLossRunsUnderTheBoostersPrecision) {
+  torch::manual_seed(12);
+  models::LlamaForCausalLM model(models::LlamaConfig::tiny_test());
+  namespace cb = colossalai::booster;
+  cb::Booster booster(cb::BoosterOptions().device("cpu").mixed_precision("bf16"));
+  auto boosted = booster.boost(model);
+  const auto batch = lm_batch(100);
+  at::Tensor fused, plain;
+  {
+    at::NoGradGuard no_grad;
+    fused = boosted.model.forward_loss(batch.ids, batch.targets, batch.mask, batch.pos);
+    plain = model->loss(boosted.model(batch.ids, batch.mask, batch.pos), batch.targets);
+  }
+  EXPECT_EQ(fused.scalar_type(), at::kFloat);
+  EXPECT_LT(rel_diff(fused, plain), std::pow(2.0, -8))
+      << fused.item<double>() << " vs " << plain.item<double>();
+  EXPECT_THROW(
+      model->forward_loss(batch.ids, batch.targets.narrow(1, 0, 5)), c10::Error);
 }
 
 // On a GPU: fp32 and bf16 autocast against the reference on the device,

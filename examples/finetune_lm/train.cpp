@@ -787,10 +787,12 @@ int train(const Args& a) {
         ? positions.index_select(0, idx).narrow(1, 0, a.seq_len).contiguous()
         : at::Tensor();
   };
-  auto forward = [&](const at::Tensor& x, const at::Tensor& idx) {
+  // Its loss against the targets `y`, without the whole logits where one
+  // rank holds the head (NOTE [Fused causal-LM loss]).
+  auto loss_of = [&](const at::Tensor& x, const at::Tensor& y, const at::Tensor& idx) {
     const auto pos = positions_of(idx);
-    return pos.defined() ? boosted.model(x, at::Tensor(), pos)
-                         : boosted.model(x);
+    return pos.defined() ? boosted.model.forward_loss(x, y, at::Tensor(), pos)
+                         : boosted.model.forward_loss(x, y);
   };
   // A pipeline's step on the sequences `idx` picked (training, or under a
   // NoGradGuard the forwards only): the micro-batches carry the positions
@@ -831,7 +833,7 @@ int train(const Args& a) {
       auto y = labels.index_select(0, idx).narrow(1, 1, a.seq_len).contiguous();
       const double count = y.ne(-100).sum().item<double>();
       const auto loss = a.pp > 1 ? pipeline_step(x, y, idx, nullptr)
-                                 : model->loss(forward(x, idx), y);
+                                 : loss_of(x, y, idx);
       if (loss.defined()) { // a pipeline's last stage only
         sum[0] +=
             loss.to(at::kCPU, at::kDouble).template item<double>() * count;
@@ -967,7 +969,7 @@ int train(const Args& a) {
     if (a.pp > 1) {
       loss = pipeline_step(x, y, idx, boosted.optimizer.get());
     } else {
-      loss = model->loss(forward(x, idx), y);
+      loss = loss_of(x, y, idx);
       booster.backward(loss, *boosted.optimizer);
     }
     boosted.optimizer->step();

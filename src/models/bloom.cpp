@@ -346,6 +346,19 @@ at::Tensor BloomForCausalLMImpl::loss(
   return causal_lm_loss(logits, targets, state_, config_.vocab_size());
 }
 
+at::Tensor BloomForCausalLMImpl::forward_loss(
+    const at::Tensor& ids,
+    const at::Tensor& targets,
+    const at::Tensor& attention_mask) {
+  auto x = transformer->forward_stage(
+      shardformer::StageLayers(), ids, at::Tensor(), attention_mask);
+  const auto& w = transformer->word_embeddings->weight;
+  return causal_lm_head_loss(
+      x, w, targets, state_, config_.vocab_size(), [&](const at::Tensor& h) {
+        return tied_lm_head_logits(h, w, state_, config_.vocab_size());
+      });
+}
+
 std::shared_ptr<shardformer::Policy> BloomForCausalLMImpl::default_policy()
     const {
   return std::make_shared<BloomPolicy>();

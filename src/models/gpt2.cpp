@@ -293,6 +293,20 @@ at::Tensor GPT2LMHeadModelImpl::loss(
   return causal_lm_loss(logits, targets, state_, config_.vocab_size());
 }
 
+at::Tensor GPT2LMHeadModelImpl::forward_loss(
+    const at::Tensor& ids,
+    const at::Tensor& targets,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  auto x = transformer->forward_stage(
+      shardformer::StageLayers(), ids, at::Tensor(), attention_mask, position_ids);
+  const auto& w = transformer->wte->weight;
+  return causal_lm_head_loss(
+      x, w, targets, state_, config_.vocab_size(), [&](const at::Tensor& h) {
+        return tied_lm_head_logits(h, w, state_, config_.vocab_size());
+      });
+}
+
 std::shared_ptr<shardformer::Policy> GPT2LMHeadModelImpl::default_policy()
     const {
   return std::make_shared<GPT2Policy>();

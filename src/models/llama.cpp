@@ -436,7 +436,33 @@ at::Tensor LlamaForCausalLMImpl::forward_cached(
 at::Tensor LlamaForCausalLMImpl::loss(
     const at::Tensor& logits,
     const at::Tensor& targets) const {
-  auto ce = causal_lm_loss(logits, targets, state_, config_.vocab_size());
+  return with_aux_loss(
+      causal_lm_loss(logits, targets, state_, config_.vocab_size()));
+}
+
+at::Tensor LlamaForCausalLMImpl::forward_loss(
+    const at::Tensor& ids,
+    const at::Tensor& targets,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  last_attention_mask_ = attention_mask;
+  auto x = model->forward_stage(
+      shardformer::StageLayers(), ids, at::Tensor(), attention_mask, position_ids);
+  // A head with its own parameters beside the weight (adapters) runs as
+  // itself.
+  const bool plain_head = !lm_head || lm_head->parameters().size() == 1;
+  const auto& w = lm_head ? lm_head->weight : model->embed_tokens->weight;
+  auto logits_of = [&](const at::Tensor& h) {
+    return lm_head ? lm_head(h)
+                   : tied_lm_head_logits(h, w, state_, config_.vocab_size());
+  };
+  return with_aux_loss(
+      plain_head
+          ? causal_lm_head_loss(x, w, targets, state_, config_.vocab_size(), logits_of)
+          : causal_lm_loss(logits_of(x), targets, state_, config_.vocab_size()));
+}
+
+at::Tensor LlamaForCausalLMImpl::with_aux_loss(const at::Tensor& ce) const {
   if (!config_.moe().enabled() || !config_.moe().output_router_logits()) {
     return ce;
   }

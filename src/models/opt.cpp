@@ -370,6 +370,21 @@ at::Tensor OPTForCausalLMImpl::loss(
   return causal_lm_loss(logits, targets, state_, config_.vocab_size());
 }
 
+at::Tensor OPTForCausalLMImpl::forward_loss(
+    const at::Tensor& ids,
+    const at::Tensor& targets,
+    const at::Tensor& attention_mask,
+    const at::Tensor& position_ids) {
+  auto& decoder = *model->decoder;
+  auto x = decoder.forward_stage(
+      shardformer::StageLayers(), ids, at::Tensor(), attention_mask, position_ids);
+  const auto& w = decoder.embed_tokens->weight;
+  return causal_lm_head_loss(
+      x, w, targets, state_, config_.vocab_size(), [&](const at::Tensor& h) {
+        return tied_lm_head_logits(h, w, state_, config_.vocab_size());
+      });
+}
+
 std::shared_ptr<shardformer::Policy> OPTForCausalLMImpl::default_policy()
     const {
   return std::make_shared<OPTPolicy>();

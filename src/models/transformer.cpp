@@ -2,6 +2,7 @@
 
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
+#include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/models/kv_cache.h>
 #include <colossalai/nn/checkpoint.h>
 #include <colossalai/nn/loss.h>
@@ -400,6 +401,34 @@ std::pair<at::Tensor, at::Tensor> sequence_chunk(
 
 bool sequence_split_output(const ParallelState& st) {
   return st.sequence_on_sp() && st.parallel_output && st.sp_size() > 1;
+}
+
+at::Tensor causal_lm_head_loss(
+    const at::Tensor& hidden,
+    const at::Tensor& weight,
+    const at::Tensor& targets,
+    const ParallelState& st,
+    int64_t vocab_size,
+    const std::function<at::Tensor(const at::Tensor&)>& logits_of) {
+  const bool whole_head = st.tp_size() <= 1 && !sequence_split_output(st) &&
+      at::isFloatingType(weight.scalar_type()) && weight.size(0) >= vocab_size;
+  if (!whole_head) {
+    return causal_lm_loss(logits_of(hidden), targets, st, vocab_size);
+  }
+  TORCH_CHECK(
+      targets.sizes() == hidden.sizes().slice(0, hidden.dim() - 1),
+      "forward_loss: targets must be [B, T] as the ids, got ",
+      targets.sizes(),
+      " for hidden states ",
+      hidden.sizes());
+  // Rows past the vocabulary (padding for a tp split) take no part.
+  const auto w = weight.size(0) > vocab_size ? weight.narrow(0, 0, vocab_size) : weight;
+  return kernels::fused_linear_cross_entropy(
+      hidden.flatten(0, -2),
+      w,
+      c10::nullopt,
+      targets.flatten().to(hidden.device()),
+      kernels::FusedLinearCrossEntropyOptions().ignore_index(-100));
 }
 
 at::Tensor split_sequence(const at::Tensor& x, const ParallelState& st) {

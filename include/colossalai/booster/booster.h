@@ -129,6 +129,15 @@ class BoostedModel {
     return module_->forward(prepare(std::forward<Args>(args))...);
   }
 
+  /// `M::forward_loss` (the causal families' loss without the logits,
+  /// NOTE [Fused causal-LM loss] in models/transformer.h) with the same
+  /// work around it as a call: `boosted.model.forward_loss(ids, targets)`.
+  template <class... Args>
+  auto forward_loss(Args&&... args) {
+    Scope scope(*wrapper_);
+    return module_->forward_loss(prepare(std::forward<Args>(args))...);
+  }
+
   /// The user's module (parameters, train()/eval(), children).
   M& unwrap() {
     return module_;

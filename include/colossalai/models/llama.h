@@ -238,6 +238,15 @@ class LlamaForCausalLMImpl : public torch::nn::Module,
   /// as transformers' labels); for a mixture of experts with
   /// `moe().output_router_logits()`, plus router_aux_loss_coef x aux_loss().
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
+  /// `loss(forward(ids, attention_mask, position_ids), targets)` without the logits
+  /// where one rank holds the whole head (NOTE [Fused causal-LM loss]):
+  /// less memory and time in training. Through a booster:
+  /// `boosted.model.forward_loss(ids, targets, mask, positions)`.
+  at::Tensor forward_loss(
+      const at::Tensor& ids,
+      const at::Tensor& targets,
+      const at::Tensor& attention_mask = at::Tensor(),
+      const at::Tensor& position_ids = at::Tensor());
   /// The load-balancing loss of the last forward over every sparse layer
   /// (load_balancing_loss, padding left out as that forward's
   /// attention_mask says); undefined for a dense model.
@@ -256,6 +265,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module,
   shardformer::layer::VocabParallelLMHead1D lm_head{nullptr};
 
  private:
+  // ce, plus router_aux_loss_coef x aux_loss() where loss() adds it.
+  at::Tensor with_aux_loss(const at::Tensor& ce) const;
+
   LlamaConfig config_;
   ParallelState state_;
   at::Tensor last_attention_mask_; ///< for aux_loss

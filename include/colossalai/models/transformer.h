@@ -177,6 +177,33 @@ at::Tensor causal_lm_loss(
     const ParallelState& state,
     int64_t vocab_size);
 
+/// NOTE [Fused causal-LM loss]
+/// Every causal family's `forward_loss(ids, targets, ...)` is
+/// `loss(forward(ids, ...), targets)` without the logits: where one tensor
+/// rank holds the whole head and the sequence is not split over sp, the
+/// final hidden states and the head's weight (its first `vocab_size` rows)
+/// go to kernels::fused_linear_cross_entropy, chunks of tokens whose loss
+/// and logits gradient a CUDA kernel takes in place on a GPU, so the
+/// [tokens x vocab] logits and their float32 copy are never whole. Under
+/// tensor parallelism, a sequence split, or a head whose weight is not
+/// floating (quantized) it is `loss(logits)` itself. Both take the softmax
+/// and the loss in float32; they agree within the compute dtype's rounding.
+/// On one H200 (bench/results/2026-11-28-gpu): GPT-2 medium's bf16 step
+/// 58.9 -> 55.9 ms and its peak 16.7 -> 12.6 GiB; a Llama 3.2 1B shape
+/// 189.0 -> 184.5 ms and 43.9 -> 33.9 GiB.
+///
+/// causal_lm_head_loss is that choice for final hidden states `hidden`
+/// [B, T, C] (after the last norm) and the head's `weight`; `logits_of`
+/// gives the family's logits of `hidden` where the fused loss does not
+/// apply.
+at::Tensor causal_lm_head_loss(
+    const at::Tensor& hidden,
+    const at::Tensor& weight,
+    const at::Tensor& targets,
+    const ParallelState& state,
+    int64_t vocab_size,
+    const std::function<at::Tensor(const at::Tensor&)>& logits_of);
+
 /// Causal softmax attention of q [B, H, T, D] and k, v [B, H_kv, T_k, D]
 /// -> [B, H, T, D], through compat::scaled_dot_product_attention
 /// (LibTorch's kernel on 2.x; fewer key/value heads than query heads:
