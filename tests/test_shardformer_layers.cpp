@@ -353,6 +353,61 @@ TEST(ParallelLayers, VocabParallelHeadAndCrossEntropy) {
   });
 }
 
+TEST(ParallelLayers, VocabParallelFusedLinearCrossEntropy) {
+  // The fused head and loss over vocabulary shards (chunks of 4 tokens, so
+  // every rank reduces its statistics several times) against
+  // at::cross_entropy of the whole head's logits, in float64, where both
+  // are exact to its rounding (1e-12 relative; the unfused
+  // vocab_parallel_cross_entropy works in float32): loss, hidden-state
+  // gradient, the shard's weight gradient (padding rows zero); a target
+  // past the vocabulary is refused by name on every rank.
+  at_tp_2_and_4([](int rank, int world) {
+    auto g = cd::world_group();
+    const int64_t vocab = 37, dim = 8, n = 11;
+    torch::manual_seed(32); // the same on every rank
+    torch::nn::Embedding wte(vocab, dim);
+    auto shard = sl::VocabParallelEmbedding1DImpl::from_full(*wte, g, 4);
+    shard->to(at::kDouble);
+    wte->to(at::kDouble);
+    auto hidden = torch::randn({n, dim}, at::kDouble);
+    auto target = torch::randint(0, vocab, {n}, at::kLong);
+    target[3] = -100;
+    target[7] = vocab - 1; // on the last rank, beside its padding rows
+    auto href = hidden.clone().requires_grad_();
+    auto ref = at::cross_entropy_loss(
+        at::linear(href, wte->weight), target, {}, at::Reduction::Mean, -100);
+    (ref * 0.5).backward();
+
+    auto h = hidden.clone().requires_grad_();
+    auto loss = sl::vocab_parallel_fused_linear_cross_entropy(
+        h, shard->weight, target, g, vocab, -100, /*chunk_size=*/4);
+    (loss * 0.5).backward();
+    auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+      return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item<double>();
+    };
+    EXPECT_LT(rel(loss.detach(), ref.detach()), 1e-12);
+    EXPECT_LT(rel(h.grad(), href.grad()), 1e-12);
+    const int64_t real = shard->real_rows();
+    const auto wg = shard->weight.grad();
+    if (real > 0) {
+      EXPECT_LT(
+          rel(wg.narrow(0, 0, real), wte->weight.grad().narrow(0, shard->vocab_start(), real)),
+          1e-12);
+    }
+    if (real < wg.size(0)) {
+      EXPECT_EQ(wg.narrow(0, real, wg.size(0) - real).abs().max().item<double>(), 0.0);
+    }
+    auto bad = target.clone();
+    bad[0] = vocab; // a padding row's index: not a word
+    auto msg = error_of([&] {
+      sl::vocab_parallel_fused_linear_cross_entropy(hidden, shard->weight, bad, g, vocab);
+    });
+    EXPECT_NE(msg.find("outside [0, 37)"), std::string::npos) << msg;
+    (void)rank;
+    (void)world;
+  });
+}
+
 TEST(ParallelLayers, TokenMeanCarriesTheCountWithTheSums) {
   // Rank r holds r + 1 tokens of per-token loss x * w (w a shared weight):
   // the value is the mean over all tokens, and the gradient averaged over

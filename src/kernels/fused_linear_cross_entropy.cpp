@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <limits>
+
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
 #include "cross_entropy_cuda.h"
 #include "cuda_launch.h"
@@ -93,6 +95,43 @@ void check_inputs(
       "device");
 }
 
+// cross_entropy_grad_ for a vocabulary shard: the row maximum, the sum of
+// exponentials and the target's logit reduced over the shard's group, in
+// float32 (float64); ATen on every device.
+at::Tensor sharded_cross_entropy_grad_(
+    at::Tensor& logits,
+    const at::Tensor& target,
+    int64_t ignore_index,
+    const at::Tensor& scale,
+    const VocabShard& shard) {
+  const int64_t cols = logits.size(1);
+  const auto acc = at::promote_types(logits.scalar_type(), at::kFloat);
+  auto p = logits.to(acc); // may alias `logits`
+  const int64_t real = std::max<int64_t>(0, std::min(cols, shard.vocab_size - shard.start));
+  if (real < cols) { // padding rows of the head take no probability
+    p.narrow(1, real, cols - real).fill_(-std::numeric_limits<double>::infinity());
+  }
+  auto row_max = std::get<0>(p.max(1));
+  shard.all_reduce_max(row_max);
+  const auto valid = target.ne(ignore_index);
+  const auto mine = valid.logical_and(target.ge(shard.start))
+                        .logical_and(target.lt(shard.start + cols));
+  const auto local = (target - shard.start).masked_fill(mine.logical_not(), 0).unsqueeze(1);
+  const auto picked = p.gather(1, local).squeeze(1).masked_fill(mine.logical_not(), 0);
+  p.sub_(row_max.unsqueeze(1)).exp_();
+  auto stats = at::stack({p.sum(1), picked});
+  shard.all_reduce_sum(stats);
+  const auto vf = valid.to(acc);
+  auto row_loss = (row_max + stats[0].log() - stats[1]) * vf;
+  p.div_(stats[0].unsqueeze(1));
+  p.scatter_add_(1, local, mine.to(acc).neg().unsqueeze(1));
+  p.mul_((vf * scale.to(acc)).unsqueeze(1));
+  if (!p.is_same(logits)) {
+    logits.copy_(p);
+  }
+  return row_loss;
+}
+
 struct FusedLinearCrossEntropy
     : public torch::autograd::Function<FusedLinearCrossEntropy> {
   static at::Tensor forward(
@@ -103,7 +142,8 @@ struct FusedLinearCrossEntropy
       const at::Tensor& target,
       int64_t ignore_index,
       int64_t chunk_size,
-      bool mean) {
+      bool mean,
+      const VocabShard* shard) {
     // Autocast's dtype where it is on (as at::linear would be cast), else
     // the inputs' own, which must then agree (as at::linear requires).
     const at::Tensor bias =
@@ -131,10 +171,11 @@ struct FusedLinearCrossEntropy
     const auto tgt = target.to(h.device());
     const auto valid = tgt.ne(ignore_index);
     // One check for every chunk (the kernel would give such a row NaN).
+    const int64_t whole = shard ? shard->vocab_size : vocab;
     TORCH_CHECK(
-        !(tgt.lt(0) | tgt.ge(vocab)).logical_and(valid).any().item<bool>(),
+        !(tgt.lt(0) | tgt.ge(whole)).logical_and(valid).any().item<bool>(),
         "fused_linear_cross_entropy: a target is outside [0, ",
-        vocab,
+        whole,
         ") and is not ignore_index (",
         ignore_index,
         ")");
@@ -150,7 +191,7 @@ struct FusedLinearCrossEntropy
     auto gw = need_w ? at::zeros({vocab, w.size(1)}, acc_opts) : at::Tensor();
     auto gb = need_b ? at::zeros({vocab}, acc_opts) : at::Tensor();
 
-    const bool kernel = kernel_applies(h, compute);
+    const bool kernel = shard == nullptr && kernel_applies(h, compute);
     const int64_t step = chunk_tokens(
         chunk_size,
         n,
@@ -161,10 +202,12 @@ struct FusedLinearCrossEntropy
       const auto hc = h.narrow(0, s, c);
       auto logits = b.defined() ? at::addmm(b, hc, w.t()) : at::mm(hc, w.t());
       // logits := d(loss)/d(logits), in the compute dtype.
-      loss.add_(detail::cross_entropy_grad_(
-                    logits, tgt.narrow(0, s, c), ignore_index, scale)
-                    .sum()
-                    .to(acc));
+      const auto tc = tgt.narrow(0, s, c);
+      loss.add_(
+          (shard ? sharded_cross_entropy_grad_(logits, tc, ignore_index, scale, *shard)
+                 : detail::cross_entropy_grad_(logits, tc, ignore_index, scale))
+              .sum()
+              .to(acc));
       if (need_b) {
         gb.add_(logits.sum(0, false, acc));
       }
@@ -196,6 +239,7 @@ struct FusedLinearCrossEntropy
         scaled("gh"),
         scaled("gw"),
         scaled("gb"),
+        at::Tensor(),
         at::Tensor(),
         at::Tensor(),
         at::Tensor(),
@@ -279,6 +323,14 @@ at::Tensor fused_linear_cross_entropy(
     const FusedLinearCrossEntropyOptions& options) {
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   check_inputs(hidden, weight, b, target);
+  const VocabShard* shard =
+      options.vocab_shard().has_value() ? &*options.vocab_shard() : nullptr;
+  TORCH_CHECK(
+      shard == nullptr ||
+          (shard->all_reduce_max && shard->all_reduce_sum && shard->start >= 0 &&
+           shard->vocab_size > 0 && !b.defined()),
+      "fused_linear_cross_entropy: vocab_shard needs both reductions, start >= 0, "
+      "vocab_size > 0 and no bias");
   TORCH_CHECK(
       options.chunk_size() >= 0,
       "fused_linear_cross_entropy: chunk_size must be >= 0 (0: automatic), "
@@ -292,7 +344,8 @@ at::Tensor fused_linear_cross_entropy(
       target,
       options.ignore_index(),
       options.chunk_size(),
-      options.mean());
+      options.mean(),
+      shard);
 }
 
 at::Tensor linear_cross_entropy_reference(

@@ -2,7 +2,6 @@
 
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
-#include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/models/kv_cache.h>
 #include <colossalai/nn/checkpoint.h>
 #include <colossalai/nn/loss.h>
@@ -410,9 +409,12 @@ at::Tensor causal_lm_head_loss(
     const ParallelState& st,
     int64_t vocab_size,
     const std::function<at::Tensor(const at::Tensor&)>& logits_of) {
-  const bool whole_head = st.tp_size() <= 1 && !sequence_split_output(st) &&
-      at::isFloatingType(weight.scalar_type()) && weight.size(0) >= vocab_size;
-  if (!whole_head) {
+  // The head whole on this rank, or split by vocabulary over tp (a rank's
+  // rows times the ranks cover the vocabulary).
+  const bool fused = !sequence_split_output(st) &&
+      at::isFloatingType(weight.scalar_type()) &&
+      weight.size(0) * st.tp_size() >= vocab_size;
+  if (!fused) {
     return causal_lm_loss(logits_of(hidden), targets, st, vocab_size);
   }
   TORCH_CHECK(
@@ -421,14 +423,12 @@ at::Tensor causal_lm_head_loss(
       targets.sizes(),
       " for hidden states ",
       hidden.sizes());
-  // Rows past the vocabulary (padding for a tp split) take no part.
-  const auto w = weight.size(0) > vocab_size ? weight.narrow(0, 0, vocab_size) : weight;
-  return kernels::fused_linear_cross_entropy(
+  return shardformer::layer::vocab_parallel_fused_linear_cross_entropy(
       hidden.flatten(0, -2),
-      w,
-      c10::nullopt,
+      weight,
       targets.flatten().to(hidden.device()),
-      kernels::FusedLinearCrossEntropyOptions().ignore_index(-100));
+      st.tp_size() > 1 ? st.tp : nullptr,
+      vocab_size);
 }
 
 at::Tensor split_sequence(const at::Tensor& x, const ParallelState& st) {

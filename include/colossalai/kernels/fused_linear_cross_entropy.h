@@ -35,9 +35,29 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace colossalai {
 namespace kernels {
+
+/// Vocabulary parallelism (a VocabParallelLMHead1D's shard): where this
+/// rank's `weight` rows sit in a head split over a group of ranks, and how
+/// to reduce over that group. Each chunk's softmax statistics (the row
+/// maximum, the sum of exponentials, the target's logit) are reduced over
+/// the group; every rank returns the whole loss, the gradient of its
+/// weight rows, and its part of the hidden states' gradient (summed over
+/// the group by whatever gave every rank the hidden states, as
+/// copy_to_group does for the head's logits).
+/// shardformer::layer::vocab_parallel_fused_linear_cross_entropy fills it.
+struct VocabShard {
+  /// The whole vocabulary's index of this rank's first weight row.
+  int64_t start = 0;
+  /// The whole vocabulary; rows at or past it (padding) take no part.
+  int64_t vocab_size = 0;
+  /// In place over the group: elementwise maximum, elementwise sum.
+  std::function<void(at::Tensor&)> all_reduce_max;
+  std::function<void(at::Tensor&)> all_reduce_sum;
+};
 
 struct FusedLinearCrossEntropyOptions {
   /// Targets equal to this contribute neither loss nor gradient.
@@ -49,6 +69,10 @@ struct FusedLinearCrossEntropyOptions {
   /// true: the mean over the targets that are not ignored (PyTorch's
   /// "mean", NaN when every target is ignored); false: their sum.
   TORCH_ARG(bool, mean) = true;
+  /// Set: `weight` is this rank's shard of a vocabulary-parallel head (the
+  /// ATen computation on every device; no CUDA kernel yet). Unset: the
+  /// whole head.
+  TORCH_ARG(c10::optional<VocabShard>, vocab_shard) = c10::nullopt;
 };
 
 /// hidden [N, H], weight [V, H], bias [V] (optional), target [N] int64.

@@ -1,5 +1,6 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
+#include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/shardformer/layer/embedding.h>
 #include <colossalai/shardformer/layer/linear.h>
 
@@ -344,6 +345,51 @@ at::Tensor vocab_parallel_cross_entropy(
       " columns of the sharded logits");
   return VocabParallelCrossEntropy::apply(
       logits, target_here, g, vocab_size, ignore_index, reduction);
+}
+
+at::Tensor vocab_parallel_fused_linear_cross_entropy(
+    const at::Tensor& hidden,
+    const at::Tensor& weight,
+    const at::Tensor& target,
+    const distributed::ProcessGroupPtr& group,
+    int64_t vocab_size,
+    int64_t ignore_index,
+    int64_t chunk_size) {
+  TORCH_CHECK(
+      weight.dim() == 2 && vocab_size > 0,
+      "vocab_parallel_fused_linear_cross_entropy: weight must be [V_pad / tp, C] "
+      "and vocab_size positive, got ",
+      weight.sizes(),
+      " and ",
+      vocab_size);
+  auto options = kernels::FusedLinearCrossEntropyOptions()
+                     .ignore_index(ignore_index)
+                     .chunk_size(chunk_size);
+  if (group == nullptr || group->size() == 1) {
+    TORCH_CHECK(
+        weight.size(0) >= vocab_size,
+        "vocab_parallel_fused_linear_cross_entropy: one rank's head has ",
+        weight.size(0),
+        " rows for a vocabulary of ",
+        vocab_size);
+    return kernels::fused_linear_cross_entropy(
+        hidden, weight.narrow(0, 0, vocab_size), c10::nullopt, target, options);
+  }
+  kernels::VocabShard shard;
+  shard.start = weight.size(0) * group->rank();
+  shard.vocab_size = vocab_size;
+  shard.all_reduce_max = [group](at::Tensor& t) {
+    distributed::all_reduce(t, *group, distributed::ReduceOp::kMax).wait();
+  };
+  shard.all_reduce_sum = [group](at::Tensor& t) {
+    distributed::all_reduce(t, *group).wait();
+  };
+  return kernels::fused_linear_cross_entropy(
+      cdf::copy_to_group(hidden, group),
+      weight,
+      c10::nullopt,
+      target,
+      options.vocab_shard(shard));
 }
 
 } // namespace layer

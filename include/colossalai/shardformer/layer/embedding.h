@@ -162,6 +162,24 @@ at::Tensor vocab_parallel_cross_entropy(
     int64_t ignore_index = -100,
     at::Reduction::Reduction reduction = at::Reduction::Mean);
 
+/// The loss of a vocabulary-parallel head without its logits:
+/// `vocab_parallel_cross_entropy(lm_head_logits(hidden, weight, group),
+/// target, group, vocab_size, ignore_index)` through
+/// kernels::fused_linear_cross_entropy with a VocabShard, chunks of tokens
+/// whose statistics are reduced over `group` (NOTE [Fused causal-LM
+/// loss]). `hidden` [N, C] is the same on every rank, `weight` this rank's
+/// [V_pad / tp, C] rows (rank-major, equal shards), `target` [N] global
+/// ids. A null or one-rank group takes the whole head (its first
+/// `vocab_size` rows).
+at::Tensor vocab_parallel_fused_linear_cross_entropy(
+    const at::Tensor& hidden,
+    const at::Tensor& weight,
+    const at::Tensor& target,
+    const distributed::ProcessGroupPtr& group,
+    int64_t vocab_size,
+    int64_t ignore_index = -100,
+    int64_t chunk_size = 0);
+
 } // namespace layer
 } // namespace shardformer
 } // namespace colossalai
