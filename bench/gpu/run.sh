@@ -7,7 +7,7 @@
 # bench/results/<date>-gpu/.
 #
 #   bench/gpu/run.sh [--out-dir DIR] [--batch 8] [--steps 20] [--rounds 2]
-#                    [--llama-rounds N] [--compile] [--only RE]
+#                    [--llama-rounds N] [--compile] [--only RE] [--load MODEL]
 #
 # Each round runs, one after the other: ours with LibTorch's AdamW and the
 # whole logits (ours), with FusedAdamW (ours_fused_adamw), with FusedAdamW
@@ -24,6 +24,9 @@
 # Before the rounds, bench_gpu_ops times each fused op alone against its
 # ATen composition (ops.json; its name for --only is "ops").
 # --only RE keeps the variants whose names match the extended regex RE.
+# --load MODEL (llama-1b, llama2-7b, llama3-8b) writes that directory and
+# times from_pretrained against a plain read of its files, with the host
+# peak (bench_load_pretrained; load.json).
 #
 # Environment: PYTHON (default python3) is the interpreter with the wheel;
 # BUILD_DIR (default build-gpu). Needs cmake, a C++17 compiler, zlib headers
@@ -42,6 +45,7 @@ compile=0
 llama_rounds=0
 llama_steps=10
 only=""
+load_model=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out-dir) out_dir="$2"; shift ;;
@@ -51,7 +55,8 @@ while [ $# -gt 0 ]; do
     --compile) compile=1 ;;
     --llama-rounds) llama_rounds="$2"; shift ;;
     --only) only="$2"; shift ;;
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --load) load_model="$2"; shift ;;
+    -h|--help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -104,8 +109,8 @@ else
   fi
 fi
 grep -m1 "ColossalAI: LibTorch" "$out_dir/build.log" || true
-say "building bench_gpu_gpt_step bench_gpu_ops"
-if ! cmake --build "$BUILD_DIR" -j "$(nproc)" --target bench_gpu_gpt_step bench_gpu_ops \
+say "building bench_gpu_gpt_step bench_gpu_ops bench_load_pretrained"
+if ! cmake --build "$BUILD_DIR" -j "$(nproc)" --target bench_gpu_gpt_step bench_gpu_ops bench_load_pretrained \
     >>"$out_dir/build.log" 2>&1; then
   grep -m20 -E "error" "$out_dir/build.log" >&2 || tail -40 "$out_dir/build.log" >&2
   exit 1
@@ -173,6 +178,12 @@ done
 if [ "$compile" = 1 ]; then
   # Once, after the rounds: compilation takes most of its run.
   run_variant torch_compile py "--fused --compile" 1 || exit 1
+fi
+if [ -n "$load_model" ]; then
+  say "loading a $load_model directory against reading its files"
+  "$BUILD_DIR/bench/bench_load_pretrained" --model "$load_model" --rounds 2 \
+    --out "$out_dir/load.json" >"$out_dir/load.log" 2>&1 || { tail -20 "$out_dir/load.log" >&2; exit 1; }
+  tail -1 "$out_dir/load.log"
 fi
 "$PY" bench/gpu/report.py "$out_dir"
 say "report: $out_dir/report.md"

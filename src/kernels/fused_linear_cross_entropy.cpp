@@ -43,8 +43,9 @@ bool kernel_applies(const at::Tensor& logits_like, at::ScalarType t) {
 #endif
 }
 
-// `bytes_per_logit`: what a chunk holds per logit while its gradient is
-// taken (the logits alone in place on the GPU; with a float32 copy in ATen).
+// The largest power of two whose chunk holds at most half the budget in
+// `bytes_per_logit` per logit (the kernel's logits in the compute dtype;
+// the ATen path's float32 copy, beside the logits).
 int64_t chunk_tokens(
     int64_t requested,
     int64_t tokens,
@@ -196,13 +197,13 @@ struct FusedLinearCrossEntropy
         chunk_size,
         n,
         vocab,
-        kernel ? c10::elementSize(compute) : 2 * c10::elementSize(acc));
+        kernel ? c10::elementSize(compute) : c10::elementSize(acc));
     for (int64_t s = 0; s < n; s += step) {
       const int64_t c = std::min(step, n - s);
       const auto hc = h.narrow(0, s, c);
+      const auto tc = tgt.narrow(0, s, c);
       auto logits = b.defined() ? at::addmm(b, hc, w.t()) : at::mm(hc, w.t());
       // logits := d(loss)/d(logits), in the compute dtype.
-      const auto tc = tgt.narrow(0, s, c);
       loss.add_(
           (shard ? sharded_cross_entropy_grad_(logits, tc, ignore_index, scale, *shard)
                  : detail::cross_entropy_grad_(logits, tc, ignore_index, scale))

@@ -91,7 +91,7 @@ else
   targets=()
   if [ -n "$tests_re" ]; then
     # shellcheck disable=SC2207
-    targets=(--target test_cuda train_fashion_mnist bench_gpu_gpt_step bench_gpu_ops
+    targets=(--target test_cuda train_fashion_mnist bench_gpu_gpt_step bench_gpu_ops bench_load_pretrained
       $(ls tests/test_*.cpp | sed 's|.*/||; s|\.cpp$||' | grep -E "$tests_re"))
   fi
   say "building $build ($(nproc) jobs) ${targets[*]}"

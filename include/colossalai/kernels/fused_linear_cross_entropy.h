@@ -62,9 +62,9 @@ struct VocabShard {
 struct FusedLinearCrossEntropyOptions {
   /// Targets equal to this contribute neither loss nor gradient.
   TORCH_ARG(int64_t, ignore_index) = -100;
-  /// Tokens per chunk; 0 picks the largest power of two whose chunk stays
-  /// within 256 MiB (on a GPU the logits in the compute dtype, elsewhere
-  /// with their float32 copy).
+  /// Tokens per chunk; 0 picks the largest power of two whose logits stay
+  /// within 128 MiB (on a GPU in the compute dtype, in place; elsewhere
+  /// their float32 copy, beside the logits themselves).
   TORCH_ARG(int64_t, chunk_size) = 0;
   /// true: the mean over the targets that are not ignored (PyTorch's
   /// "mean", NaN when every target is ignored); false: their sum.

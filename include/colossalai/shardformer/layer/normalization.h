@@ -5,7 +5,9 @@
 /// Norm layers hold replicated weights (every rank of the tensor-parallel
 /// group computes the same normalisation of a replicated activation);
 /// `LayerNorm` is LibTorch's, whose ATen kernel is already fused, and
-/// `RMSNorm` (LLaMA) is defined here.
+/// `RMSNorm` (LLaMA) is defined here: `kernels::rms_norm`, the fused CUDA
+/// kernels on a GPU, its ATen reference (this layer's computation)
+/// elsewhere.
 ///
 /// `Dropout` draws its masks from a generator state of its own, so that
 /// tensor parallelism gets the masks it needs (ColossalAI's
