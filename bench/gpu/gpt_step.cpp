@@ -14,7 +14,7 @@
 //                      [--matmul-n 8192] [--out FILE.json]
 //                      [--optimizer adamw|fused_adamw|hybrid_adam]
 //                      [--loss logits|fused] [--plugin none|zero1]
-//                      [--split-steps 5]
+//                      [--split-steps 5] [--profile 0]
 //
 // --optimizer: LibTorch's AdamW (a loop of per-tensor ops), FusedAdamW
 // (at::_fused_adamw_, one pass) or HybridAdam (its device path).
@@ -26,6 +26,9 @@
 // After the timed steps, --split-steps more steps (default 5) each
 // synchronise after the forward and the backward: the median forward
 // (with the loss), backward and optimizer milliseconds ("split_ms").
+// --profile N (CUDA, LibTorch 2.x) runs N more steps under LibTorch's
+// Kineto profiler and reports the device's time per step by kernel and by
+// kind of kernel ("kernels"); a profiler that fails is reported, not fatal.
 // --plugin zero1: LowLevelZeroPlugin (stage 1, precision bf16) at world size
 // one: bf16 parameters, fp32 masters in the optimizer, no autocast (no cast
 // of every weight in every forward), as ColossalAI trains in bf16.
@@ -39,6 +42,11 @@
 #include <colossalai/models/llama.h>
 #include <colossalai/utils/compat.h>
 
+#if defined(COLOSSALAI_WITH_CUDA) && COLOSSALAI_TORCH_AT_LEAST(2, 0)
+#include <torch/csrc/autograd/profiler_kineto.h>
+#define COLOSSALAI_BENCH_PROFILE 1
+#endif
+
 #include <zoo/gpt.h>
 
 #include "../bench_util.h"
@@ -51,7 +59,11 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <map>
+#include <set>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -75,6 +87,7 @@ struct Args {
   std::string loss = "logits";
   std::string plugin = "none";
   int split_steps = 5;
+  int profile = 0;
 };
 
 Args parse(int argc, char** argv) {
@@ -107,6 +120,8 @@ Args parse(int argc, char** argv) {
       a.seq = std::stoll(v);
     else if (k == "--split-steps")
       a.split_steps = std::stoi(v);
+    else if (k == "--profile")
+      a.profile = std::stoi(v);
     else
       TORCH_CHECK(false, "unknown option ", k);
   }
@@ -203,6 +218,46 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(
   return std::make_shared<torch::optim::AdamW>(params, adamw);
 }
 
+// What a device kernel's name says it does.
+std::string kind_of(std::string name) {
+  for (auto& ch : name)
+    ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  auto has = [&](std::initializer_list<const char*> words) {
+    for (const char* w : words)
+      if (name.find(w) != std::string::npos)
+        return true;
+    return false;
+  };
+  if (has({"flash", "fmha", "attention", "sdpa", "cudnn_generated"}))
+    return "attention";
+  if (has({"gemm", "cutlass", "xmma", "gemv", "sm90_", "sm80_", "cublas", "nvjet"}))
+    return "matmul";
+  if (has({"adam"}))
+    return "optimizer";
+  if (has({"cross_entropy", "log_softmax", "nll_loss", "logsumexp", "grad_kernel", "softmax"}))
+    return "loss";
+  if (has({"layer_norm", "layernorm", "rms"}))
+    return "norm";
+  if (has({"gelu", "silu"}))
+    return "activation";
+  if (has({"copy", "memcpy", "memset", "fill", "cat"}))
+    return "copy / fill";
+  if (has({"reduce"}))
+    return "reduction";
+  return "elementwise / other";
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (char ch : s.substr(0, 160)) {
+    if (ch == '"' || ch == '\\')
+      out += '\\';
+    if (static_cast<unsigned char>(ch) >= 0x20)
+      out += ch;
+  }
+  return out + "\"";
+}
+
 // Median milliseconds of a step's phases (Args::split_steps).
 struct Split {
   double forward = 0, backward = 0, optimizer = 0;
@@ -216,7 +271,8 @@ std::vector<double> time_steps(
     M model,
     const LossOf& loss_of,
     double& last_loss,
-    Split& split) {
+    Split& split,
+    std::string& kernels_json) {
   const at::Device dev(a.device);
   auto optimizer = make_optimizer(a, model->parameters());
   auto booster_options = cb::BoosterOptions().device(a.device);
@@ -271,6 +327,58 @@ std::vector<double> time_steps(
   if (a.split_steps > 0) {
     split = {cbench::median(fwd), cbench::median(bwd), cbench::median(opt)};
   }
+#ifdef COLOSSALAI_BENCH_PROFILE
+  if (a.profile > 0 && dev.is_cuda()) {
+    namespace tp = torch::profiler::impl;
+    namespace ap = torch::autograd::profiler;
+    try {
+      const tp::ProfilerConfig config(tp::ProfilerState::KINETO);
+      const std::set<tp::ActivityType> activities{tp::ActivityType::CPU, tp::ActivityType::CUDA};
+      ap::prepareProfiler(config, activities);
+      ap::enableProfiler(config, activities);
+      for (int i = 0; i < a.profile; ++i)
+        step();
+      const auto result = ap::disableProfiler();
+      std::map<std::string, std::pair<double, int64_t>> by_name; // ms per step, calls
+      std::map<std::string, double> by_kind;
+      double total = 0;
+      for (const auto& e : result->events()) {
+        if (e.deviceType() != c10::DeviceType::CUDA)
+          continue;
+        const double ms = e.durationNs() * 1e-6 / a.profile;
+        auto& slot = by_name[e.name()];
+        slot.first += ms;
+        slot.second += 1;
+        by_kind[kind_of(e.name())] += ms;
+        total += ms;
+      }
+      std::vector<std::pair<std::string, std::pair<double, int64_t>>> top(by_name.begin(), by_name.end());
+      std::sort(top.begin(), top.end(), [](const auto& x, const auto& y) {
+        return x.second.first > y.second.first;
+      });
+      std::ostringstream os;
+      os << "{\"steps\": " << a.profile << ", \"device_ms_per_step\": " << total
+         << ", \"by_kind\": {";
+      bool first = true;
+      for (const auto& kv : by_kind) {
+        os << (first ? "" : ", ") << json_string(kv.first) << ": " << kv.second;
+        first = false;
+      }
+      os << "}, \"top\": [";
+      for (size_t i = 0; i < top.size() && i < 25; ++i) {
+        os << (i ? ", " : "") << "{\"name\": " << json_string(top[i].first)
+           << ", \"kind\": " << json_string(kind_of(top[i].first))
+           << ", \"ms\": " << top[i].second.first
+           << ", \"calls_per_step\": " << top[i].second.second / a.profile << "}";
+      }
+      os << "]}";
+      kernels_json = os.str();
+      std::fprintf(stderr, "profiled %d steps: %.2f ms of device kernels per step\n", a.profile, total);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "profiling failed (the timings stand): %s\n", e.what());
+    }
+  }
+#endif
   return times;
 }
 
@@ -306,6 +414,7 @@ int run(const Args& a) {
   torch::manual_seed(0);
   double last_loss = 0;
   Split split;
+  std::string kernels_json;
   std::vector<double> times;
   int64_t t = 0;
   int64_t params = 0;
@@ -353,7 +462,8 @@ int run(const Args& a) {
               m->model->forward(x).flatten(0, 1), head, c10::nullopt, flat_y);
         },
         last_loss,
-        split);
+        split,
+        kernels_json);
   } else {
     auto cfg = a.model == "gpt2-medium"
         ? colossalai::zoo::GPTConfig::gpt2_medium()
@@ -375,7 +485,8 @@ int run(const Args& a) {
                                    : colossalai::zoo::gpt_loss(boosted.model(x), y);
         },
         last_loss,
-        split);
+        split,
+        kernels_json);
   }
 
   const double step_ms = cbench::median(times);
@@ -406,6 +517,7 @@ int run(const Args& a) {
        << ",\n  \"split_ms\": {\"steps\": " << a.split_steps
        << ", \"forward\": " << split.forward << ", \"backward\": " << split.backward
        << ", \"optimizer\": " << split.optimizer << "}"
+       << (kernels_json.empty() ? "" : ",\n  \"kernels\": " + kernels_json)
        << ",\n  \"tokens_per_s\": " << tokens_per_s << ",\n  \"mfu\": " << mfu
        << ",\n  \"final_loss\": " << last_loss
        << ",\n  \"peak_device_bytes\": " << peak_device_bytes(dev)

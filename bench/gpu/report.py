@@ -100,6 +100,26 @@ def main():
                 lines.append(f"| {name} | {med['forward']:.2f} | {med['backward']:.2f} | "
                              f"{med['optimizer']:.2f} |")
             lines.append("")
+    for path in sorted(glob.glob(os.path.join(folder, "profile_*.json"))):
+        with open(path) as f:
+            prof = json.load(f)
+        k = prof.get("kernels")
+        if not k:
+            continue
+        name = os.path.basename(path)[len("profile_"):-len(".json")]
+        total = k["device_ms_per_step"]
+        lines += [f"## Where the device's time goes: {name} ({prof['model']}, "
+                  f"{k['steps']} profiled steps, {total:.2f} ms of kernels per step "
+                  f"against a {prof['step_ms']['median']:.2f} ms step)", "",
+                  "| kind of kernel | ms per step | share |", "|---|---|---|"]
+        for kind, ms in sorted(k["by_kind"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {kind} | {ms:.2f} | {100 * ms / total:.1f}% |")
+        lines += ["", "| kernel (name's first 90 characters) | kind | ms per step | calls per step |",
+                  "|---|---|---|---|"]
+        for t in k["top"][:12]:
+            lines.append(f"| `{t['name'][:90]}` | {t['kind']} | {t['ms']:.3f} | "
+                         f"{t['calls_per_step']} |")
+        lines.append("")
     summary = {"models": {}}
     found_runs = dict(groups)
 

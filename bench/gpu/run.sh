@@ -23,6 +23,9 @@
 # --compile adds one torch.compile run (fused AdamW) after the rounds.
 # Before the rounds, bench_gpu_ops times each fused op alone against its
 # ATen composition (ops.json; its name for --only is "ops").
+# After the rounds, one run each of our main variants under LibTorch's
+# profiler gives the device time per step by kind of kernel
+# (profile_<variant>.json; "profile_<variant>" for --only).
 # --only RE keeps the variants whose names match the extended regex RE.
 # --load MODEL (llama-1b, llama2-7b, llama3-8b) writes that directory and
 # times from_pretrained against a plain read of its files, with the host
@@ -56,7 +59,7 @@ while [ $# -gt 0 ]; do
     --llama-rounds) llama_rounds="$2"; shift ;;
     --only) only="$2"; shift ;;
     --load) load_model="$2"; shift ;;
-    -h|--help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -174,6 +177,24 @@ for i in $(seq 1 "$llama_rounds"); do
     IFS='|' read -r name prog opts <<<"$v"
     run_variant "$name" "$prog" "${llama[*]} $opts" "$i" || exit 1
   done
+done
+# One profiled run of our main variants (bench_gpu_gpt_step --profile):
+# the device's time per step by kernel kind, profile_<variant>.json. A
+# failure here is reported and leaves the timings above.
+profiles=(
+  "ours_fused_adamw|${common[*]} --optimizer fused_adamw --loss logits"
+  "ours_zero1_bf16|${common[*]} --plugin zero1 --optimizer fused_adamw --loss fused"
+)
+[ "$llama_rounds" -gt 0 ] && profiles+=(
+  "llama_ours_fused|${common[*]} ${llama[*]} --optimizer fused_adamw --loss fused")
+for v in "${profiles[@]}"; do
+  IFS='|' read -r name opts <<<"$v"
+  if [ -n "$only" ] && ! [[ profile_$name =~ $only ]]; then continue; fi
+  say "profile: $name"
+  # shellcheck disable=SC2086
+  "$BUILD_DIR/bench/bench_gpu_gpt_step" $opts --steps 3 --split-steps 0 --profile 3 \
+    --out "$out_dir/profile_$name.json" >"$out_dir/profile_$name.log" 2>&1 \
+    || say "profile of $name failed (see profile_$name.log)"
 done
 if [ "$compile" = 1 ]; then
   # Once, after the rounds: compilation takes most of its run.
