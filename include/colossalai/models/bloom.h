@@ -216,9 +216,9 @@ class BloomForCausalLMImpl : public torch::nn::Module,
   /// [B, T] (aligned with the logits; -100: ignored, as transformers'
   /// labels), sharded logits included.
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
-  /// `loss(forward(ids, attention_mask), targets)` without the logits
-  /// where one rank holds the whole head (NOTE [Fused causal-LM loss]):
-  /// less memory and time in training. Through a booster:
+  /// `loss(forward(ids, attention_mask), targets)` without the
+  /// [B, T, vocab] logits (NOTE [Fused causal-LM loss]): less memory and
+  /// time in training. Through a booster:
   /// `boosted.model.forward_loss(ids, targets, mask)`.
   at::Tensor forward_loss(
       const at::Tensor& ids,

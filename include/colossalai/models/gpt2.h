@@ -191,9 +191,9 @@ class GPT2LMHeadModelImpl : public torch::nn::Module,
   /// Mean cross entropy of `forward`'s logits against next-token targets
   /// [B, T] (aligned with the logits), sharded logits included.
   at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
-  /// `loss(forward(ids, attention_mask, position_ids), targets)` without the logits
-  /// where one rank holds the whole head (NOTE [Fused causal-LM loss]):
-  /// less memory and time in training. Through a booster:
+  /// `loss(forward(ids, attention_mask, position_ids), targets)` without
+  /// the [B, T, vocab] logits (NOTE [Fused causal-LM loss]): less memory and
+  /// time in training. Through a booster:
   /// `boosted.model.forward_loss(ids, targets, mask, positions)`.
   at::Tensor forward_loss(
       const at::Tensor& ids,

@@ -179,15 +179,17 @@ at::Tensor causal_lm_loss(
 
 /// NOTE [Fused causal-LM loss]
 /// Every causal family's `forward_loss(ids, targets, ...)` is
-/// `loss(forward(ids, ...), targets)` without the logits: where one tensor
-/// rank holds the whole head and the sequence is not split over sp, the
-/// final hidden states and the head's weight (its first `vocab_size` rows)
-/// go to kernels::fused_linear_cross_entropy, chunks of tokens whose loss
-/// and logits gradient a CUDA kernel takes in place on a GPU, so the
-/// [tokens x vocab] logits and their float32 copy are never whole. Under
-/// tensor parallelism, a sequence split, or a head whose weight is not
-/// floating (quantized) it is `loss(logits)` itself. Both take the softmax
-/// and the loss in float32; they agree within the compute dtype's rounding.
+/// `loss(forward(ids, ...), targets)` without the logits: the final hidden
+/// states and the head's weight go to kernels::fused_linear_cross_entropy,
+/// chunks of tokens whose loss and logits gradient a CUDA kernel takes in
+/// place on a GPU, so the [tokens x vocab] logits and their float32 copy
+/// are never whole. Under tensor parallelism each rank takes its
+/// vocabulary shard's part of every chunk and the softmax statistics are
+/// reduced over tp (shardformer::layer::vocab_parallel_fused_linear_
+/// cross_entropy; ATen, no kernel yet). Under a sequence split over sp, or
+/// with a head whose weight is not floating (quantized) or that carries
+/// adapters, it is `loss(logits)` itself. Both take the softmax and the
+/// loss in float32; they agree within the compute dtype's rounding.
 /// On one H200 (bench/results/2026-11-28-gpu): GPT-2 medium's bf16 step
 /// 58.9 -> 55.9 ms and its peak 16.7 -> 12.6 GiB; a Llama 3.2 1B shape
 /// 189.0 -> 184.5 ms and 43.9 -> 33.9 GiB.
