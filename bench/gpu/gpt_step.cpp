@@ -28,7 +28,8 @@
 // (with the loss), backward and optimizer milliseconds ("split_ms").
 // --profile N (CUDA, LibTorch 2.x) runs N more steps under LibTorch's
 // Kineto profiler and reports the device's time per step by kernel and by
-// kind of kernel ("kernels"); a profiler that fails is reported, not fatal.
+// kind of kernel, and which attention kernels ran ("kernels"); a profiler
+// that fails is reported, not fatal.
 // --plugin zero1: LowLevelZeroPlugin (stage 1, precision bf16) at world size
 // one: bf16 parameters, fp32 masters in the optimizer, no autocast (no cast
 // of every weight in every forward), as ColossalAI trains in bf16.
@@ -370,6 +371,16 @@ std::vector<double> time_steps(
            << ", \"kind\": " << json_string(kind_of(top[i].first))
            << ", \"ms\": " << top[i].second.first
            << ", \"calls_per_step\": " << top[i].second.second / a.profile << "}";
+      }
+      // Which attention kernels ran (SDPA's backend: flash, memory-
+      // efficient, cuDNN, or the math path's matmuls and softmax).
+      os << "], \"attention_kernels\": [";
+      bool first_attention = true;
+      for (const auto& kv : by_name) {
+        if (kind_of(kv.first) == "attention") {
+          os << (first_attention ? "" : ", ") << json_string(kv.first);
+          first_attention = false;
+        }
       }
       os << "]}";
       kernels_json = os.str();

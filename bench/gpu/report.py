@@ -119,7 +119,10 @@ def main():
         for t in k["top"][:12]:
             lines.append(f"| `{t['name'][:90]}` | {t['kind']} | {t['ms']:.3f} | "
                          f"{t['calls_per_step']} |")
-        lines.append("")
+        attention = k.get("attention_kernels", [])
+        lines += ["", "Attention kernels that ran (SDPA's backend): " +
+                  (", ".join(f"`{n[:80]}`" for n in attention) if attention
+                   else "none by name (the math path: matmuls and a softmax)"), ""]
     summary = {"models": {}}
     found_runs = dict(groups)
 
