@@ -36,6 +36,27 @@ void populate(const at::Tensor& t) {
 
 namespace {
 
+// A fresh destination's pages are faulted in one 4 KiB page at a time as
+// the read fills them; on the VMs here that costs more than the read
+// (2.47 GB: 0.96 s into new memory, 0.16 s into memory already mapped).
+// Mapping them in with one call first is cheaper (0.70 s for the same
+// 2.47 GB). Best effort: a kernel without MADV_POPULATE_WRITE (before
+// Linux 5.14) refuses, and the read faults the pages in as before.
+void populate_for_write(char* out, size_t bytes) {
+#ifdef MADV_POPULATE_WRITE
+  constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
+#else
+  constexpr int kPopulateWrite = 23;
+#endif
+  constexpr size_t kWorthIt = size_t(1) << 20;
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = (reinterpret_cast<uintptr_t>(out) + page - 1) & ~(page - 1);
+  const auto end = (reinterpret_cast<uintptr_t>(out) + bytes) & ~(page - 1);
+  if (bytes >= kWorthIt && begin < end) {
+    ::madvise(reinterpret_cast<void*>(begin), end - begin, kPopulateWrite);
+  }
+}
+
 // NOTE [Loads read into the parameters]
 // Copying a parameter out of a mapped checkpoint walks the mapping 4 KiB
 // page by page; on the VMs here each page costs a TLB miss or a fault worth
@@ -138,6 +159,7 @@ bool read_mapped_into(at::Tensor& dst, const at::Tensor& src) {
     return false;
   }
   auto* out = static_cast<char*>(dst.data_ptr());
+  populate_for_write(out, bytes);
   const auto offset = static_cast<off_t>(at - base);
   const bool ok = just_past(out, offset)
       ? read_bounced(it->second.fd, out, bytes, offset)
