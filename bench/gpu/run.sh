@@ -185,8 +185,9 @@ profiles=(
   "ours_fused_adamw|${common[*]} --optimizer fused_adamw --loss logits"
   "ours_zero1_bf16|${common[*]} --plugin zero1 --optimizer fused_adamw --loss fused"
 )
-[ "$llama_rounds" -gt 0 ] && profiles+=(
-  "llama_ours_fused|${common[*]} ${llama[*]} --optimizer fused_adamw --loss fused")
+if [ "$llama_rounds" -gt 0 ]; then
+  profiles+=("llama_ours_fused|${common[*]} ${llama[*]} --optimizer fused_adamw --loss fused")
+fi
 for v in "${profiles[@]}"; do
   IFS='|' read -r name opts <<<"$v"
   if [ -n "$only" ] && ! [[ profile_$name =~ $only ]]; then continue; fi
