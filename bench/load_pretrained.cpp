@@ -25,6 +25,7 @@
 #include <colossalai/models/pretrained.h>
 
 #include "bench_util.h"
+#include "llama_workloads.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -43,47 +44,6 @@ namespace models = colossalai::models;
 namespace fs = std::filesystem;
 
 namespace {
-
-models::LlamaConfig workload(const std::string& name) {
-  if (name == "llama-small-cpu") {
-    return models::LlamaConfig::small_cpu();
-  }
-  if (name == "llama-1b") {
-    return models::LlamaConfig()
-        .vocab_size(128256)
-        .hidden_size(2048)
-        .intermediate_size(8192)
-        .num_hidden_layers(16)
-        .num_attention_heads(32)
-        .num_key_value_heads(8)
-        .rope_theta(500000.0)
-        .rms_norm_eps(1e-5)
-        .tie_word_embeddings(true);
-  }
-  if (name == "llama2-7b") {
-    return models::LlamaConfig()
-        .vocab_size(32000)
-        .hidden_size(4096)
-        .intermediate_size(11008)
-        .num_hidden_layers(32)
-        .num_attention_heads(32)
-        .num_key_value_heads(32)
-        .rms_norm_eps(1e-5);
-  }
-  TORCH_CHECK(
-      name == "llama3-8b",
-      "--model must be llama-1b, llama2-7b, llama3-8b or llama-small-cpu, got ",
-      name);
-  return models::LlamaConfig()
-      .vocab_size(128256)
-      .hidden_size(4096)
-      .intermediate_size(14336)
-      .num_hidden_layers(32)
-      .num_attention_heads(32)
-      .num_key_value_heads(8)
-      .rope_theta(500000.0)
-      .rms_norm_eps(1e-5);
-}
 
 std::vector<fs::path> weight_files(const fs::path& dir) {
   std::vector<fs::path> files;
@@ -212,7 +172,7 @@ int main(int argc, char** argv) {
         TORCH_CHECK(false, "unknown option ", k);
       }
     }
-    auto cfg = workload(model);
+    auto cfg = cbench::llama_workload(model);
     if (layers > 0) {
       cfg.num_hidden_layers(layers);
     }

@@ -51,6 +51,7 @@
 #include <zoo/gpt.h>
 
 #include "../bench_util.h"
+#include "../llama_workloads.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
@@ -393,22 +394,6 @@ std::vector<double> time_steps(
   return times;
 }
 
-// Llama 3.2 1B's shape (GQA 32 / 8 heads, tied embeddings, vocab 128256),
-// without its RoPE scaling (the peer leaves it out too).
-colossalai::models::LlamaConfig llama_1b(int64_t seq) {
-  return colossalai::models::LlamaConfig()
-      .vocab_size(128256)
-      .hidden_size(2048)
-      .intermediate_size(8192)
-      .num_hidden_layers(16)
-      .num_attention_heads(32)
-      .num_key_value_heads(8)
-      .max_position_embeddings(seq)
-      .rms_norm_eps(1e-5)
-      .rope_theta(500000.0)
-      .tie_word_embeddings(true);
-}
-
 int run(const Args& a) {
   const at::Device dev(a.device);
   const bool llama = a.model == "llama3.2-1b" || a.model == "llama-small-cpu";
@@ -435,7 +420,7 @@ int run(const Args& a) {
     t = a.seq > 0 ? a.seq : small ? 128 : 2048;
     const auto cfg = small
         ? colossalai::models::LlamaConfig::small_cpu().max_position_embeddings(t)
-        : llama_1b(t);
+        : cbench::llama_workload("llama-1b").max_position_embeddings(t);
     colossalai::models::LlamaForCausalLM model(cfg);
     model->to(dev);
     for (const auto& p : model->parameters())
