@@ -4,9 +4,10 @@
 // Llama 1B width; forward and backward. Medians over --reps timed runs
 // after warm-up, with the p10-p90 spread; JSON to --out, a table on stdout.
 //
-//   bench_gpu_ops [--device cuda|cpu] [--reps 20] [--out FILE.json]
+//   bench_gpu_ops [--device cuda|cpu] [--dtype bf16|fp32] [--reps 20] [--out FILE.json]
 //
-// On the CPU (no CUDA kernels) both columns run ATen: a smoke test only.
+// On the CPU (no CUDA kernels) the ops run their ATen algorithms: what
+// the chunking alone costs or saves there.
 
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/rms_norm.h>
@@ -58,12 +59,14 @@ struct Row {
 } // namespace
 
 int main(int argc, char** argv) {
-  std::string device = torch::cuda::is_available() ? "cuda" : "cpu", out;
+  std::string device = torch::cuda::is_available() ? "cuda" : "cpu", out, dtype = "bf16";
   int reps = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--device")
       device = v;
+    else if (k == "--dtype")
+      dtype = v;
     else if (k == "--reps")
       reps = std::stoi(v);
     else if (k == "--out")
@@ -77,7 +80,12 @@ int main(int argc, char** argv) {
     const at::Device dev(device);
     const bool gpu = dev.is_cuda();
     torch::manual_seed(0);
-    const auto bf16 = at::device(dev).dtype(at::kBFloat16);
+    if (dtype != "bf16" && dtype != "fp32") {
+      std::cerr << "bench_gpu_ops: --dtype must be bf16 or fp32, got " << dtype << "\n";
+      return 2;
+    }
+    const auto type = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+    const auto bf16 = at::device(dev).dtype(type);
     std::vector<Row> rows;
 
     // 1. One chunk's loss and logits gradient, in place (what the fused
@@ -88,7 +96,7 @@ int main(int argc, char** argv) {
       const auto t = torch::randint(v, {n}, at::device(dev).dtype(at::kLong));
       const auto scale = torch::full({}, 1.0 / n, at::device(dev).dtype(at::kFloat));
       auto x = x0.clone();
-      Row r{"cross-entropy loss + logits gradient, in place", std::to_string(n) + " x 50257 bf16"};
+      Row r{"cross-entropy loss + logits gradient, in place", std::to_string(n) + " x 50257 " + dtype};
       // Both include the copy that restores the logits.
       r.ours = time_ms(dev, reps, [&] {
         x.copy_(x0);
@@ -106,7 +114,7 @@ int main(int argc, char** argv) {
       });
       // Read twice and written once by the kernel, plus the copy's read
       // and write.
-      r.bytes = 5.0 * n * v * 2;
+      r.bytes = 5.0 * n * v * x0.element_size();
       rows.push_back(r);
     }
 
@@ -117,7 +125,7 @@ int main(int argc, char** argv) {
       auto hid = torch::randn({n, h}, bf16).requires_grad_(true);
       auto w = (torch::randn({v, h}, bf16) * 0.02).requires_grad_(true);
       const auto t = torch::randint(v, {n}, at::device(dev).dtype(at::kLong));
-      Row r{"linear + cross-entropy, forward + backward", std::to_string(n) + " x 1024 -> 50257 bf16"};
+      Row r{"linear + cross-entropy, forward + backward", std::to_string(n) + " x 1024 -> 50257 " + dtype};
       auto run = [&](bool fused) {
         hid.mutable_grad() = at::Tensor();
         w.mutable_grad() = at::Tensor();
@@ -136,7 +144,7 @@ int main(int argc, char** argv) {
       auto x = torch::randn({n, c}, bf16).requires_grad_(true);
       auto w = (1 + 0.1 * torch::randn({c}, bf16)).requires_grad_(true);
       const auto dy = torch::randn({n, c}, bf16);
-      Row r{"RMSNorm, forward + backward", std::to_string(n) + " x 2048 bf16"};
+      Row r{"RMSNorm, forward + backward", std::to_string(n) + " x 2048 " + dtype};
       auto run = [&](bool fused) {
         x.mutable_grad() = at::Tensor();
         w.mutable_grad() = at::Tensor();
@@ -146,7 +154,7 @@ int main(int argc, char** argv) {
       r.ours = time_ms(dev, reps, [&] { run(true); });
       r.aten = time_ms(dev, reps, [&] { run(false); });
       // x, dy read twice (forward, backward), y and dx written, once each.
-      r.bytes = 6.0 * n * c * 2;
+      r.bytes = 6.0 * n * c * x.element_size();
       rows.push_back(r);
     }
 

@@ -189,15 +189,26 @@ struct FusedLinearCrossEntropy
     const bool need_b = bias.defined() && bias.requires_grad();
     auto loss = at::zeros({}, acc_opts);
     auto gh = need_h ? at::empty({n, h.size(1)}, h.options()) : at::Tensor();
-    auto gw = need_w ? at::zeros({vocab, w.size(1)}, acc_opts) : at::Tensor();
-    auto gb = need_b ? at::zeros({vocab}, acc_opts) : at::Tensor();
-
     const bool kernel = shard == nullptr && kernel_applies(h, compute);
     const int64_t step = chunk_tokens(
         chunk_size,
         n,
         vocab,
         kernel ? c10::elementSize(compute) : c10::elementSize(acc));
+    // The weight's gradient summed over the chunks in float32 (float64):
+    // where the matmuls already run in that dtype each chunk's product adds
+    // in place (the first one written, not added to zeros). One chunk's
+    // product is the gradient itself, in the compute dtype as the
+    // reference's (a mixed-dtype sum into float32 costs more than the
+    // product on some CPUs).
+    const bool one_chunk = step >= n;
+    const bool gw_in_place = compute == acc;
+    auto gw = need_w && !one_chunk
+        ? (gw_in_place ? at::empty({vocab, w.size(1)}, acc_opts)
+                       : at::zeros({vocab, w.size(1)}, acc_opts))
+        : at::Tensor();
+    auto gb = need_b ? at::zeros({vocab}, acc_opts) : at::Tensor();
+
     for (int64_t s = 0; s < n; s += step) {
       const int64_t c = std::min(step, n - s);
       const auto hc = h.narrow(0, s, c);
@@ -217,7 +228,15 @@ struct FusedLinearCrossEntropy
         at::mm_out(rows, logits, w);
       }
       if (need_w) {
-        gw.add_(at::mm(logits.t(), hc));
+        if (one_chunk) {
+          gw = at::mm(logits.t(), hc);
+        } else if (!gw_in_place) {
+          gw.add_(at::mm(logits.t(), hc));
+        } else if (s == 0) {
+          at::mm_out(gw, logits.t(), hc);
+        } else {
+          gw.addmm_(logits.t(), hc);
+        }
       }
     }
     if (mean) {

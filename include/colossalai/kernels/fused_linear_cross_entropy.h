@@ -17,7 +17,8 @@
 /// hidden's device when autocast is on there, else the inputs' dtype), the
 /// log-sum-exp, softmax and loss in float32 (float64 for float64 inputs),
 /// the logits' gradient rounded once to the compute dtype, the weight's
-/// gradient summed over chunks in float32 (float64). Against the reference (the same matmul, then
+/// gradient summed over chunks in float32 (float64; with one chunk the
+/// product in the compute dtype, as the reference's). Against the reference (the same matmul, then
 /// cross-entropy in float32): float32 agrees within float32 rounding; in
 /// bf16 the weight gradient is rounded once per chunk instead of once.
 ///
