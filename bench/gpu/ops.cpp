@@ -85,14 +85,14 @@ int main(int argc, char** argv) {
       return 2;
     }
     const auto type = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-    const auto bf16 = at::device(dev).dtype(type);
+    const auto opts = at::device(dev).dtype(type);
     std::vector<Row> rows;
 
     // 1. One chunk's loss and logits gradient, in place (what the fused
     // op does per chunk), against the ATen composition it replaces.
     {
       const int64_t n = gpu ? 2048 : 64, v = 50257;
-      const auto x0 = torch::randn({n, v}, bf16).mul_(3);
+      const auto x0 = torch::randn({n, v}, opts).mul_(3);
       const auto t = torch::randint(v, {n}, at::device(dev).dtype(at::kLong));
       const auto scale = torch::full({}, 1.0 / n, at::device(dev).dtype(at::kFloat));
       auto x = x0.clone();
@@ -122,8 +122,8 @@ int main(int argc, char** argv) {
     // backward: fused (chunks, the kernel) against linear + cross-entropy.
     {
       const int64_t n = gpu ? 8192 : 256, h = 1024, v = 50257;
-      auto hid = torch::randn({n, h}, bf16).requires_grad_(true);
-      auto w = (torch::randn({v, h}, bf16) * 0.02).requires_grad_(true);
+      auto hid = torch::randn({n, h}, opts).requires_grad_(true);
+      auto w = (torch::randn({v, h}, opts) * 0.02).requires_grad_(true);
       const auto t = torch::randint(v, {n}, at::device(dev).dtype(at::kLong));
       Row r{"linear + cross-entropy, forward + backward", std::to_string(n) + " x 1024 -> 50257 " + dtype};
       auto run = [&](bool fused) {
@@ -141,9 +141,9 @@ int main(int argc, char** argv) {
     // 3. RMSNorm at Llama 3.2 1B's width over a 4 x 2048 batch.
     {
       const int64_t n = gpu ? 8192 : 256, c = 2048;
-      auto x = torch::randn({n, c}, bf16).requires_grad_(true);
-      auto w = (1 + 0.1 * torch::randn({c}, bf16)).requires_grad_(true);
-      const auto dy = torch::randn({n, c}, bf16);
+      auto x = torch::randn({n, c}, opts).requires_grad_(true);
+      auto w = (1 + 0.1 * torch::randn({c}, opts)).requires_grad_(true);
+      const auto dy = torch::randn({n, c}, opts);
       Row r{"RMSNorm, forward + backward", std::to_string(n) + " x 2048 " + dtype};
       auto run = [&](bool fused) {
         x.mutable_grad() = at::Tensor();
