@@ -4,9 +4,13 @@
 // the "machine" block every benchmark JSON carries.
 
 #include <ATen/core/Tensor.h>
+#include <torch/cuda.h>
 #include <torch/version.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
 #include <cstdio>
 #include <stdexcept>
 #include <cstdint>
@@ -55,6 +59,41 @@ inline int64_t proc_kb(const char* file, const std::string& key) {
     }
   }
   return -1;
+}
+
+/// The largest value `read` gives while it lives, read every `every` on a
+/// thread of its own (and once more at each peak()).
+class PeakSampler {
+ public:
+  PeakSampler(std::function<int64_t()> read, std::chrono::microseconds every)
+      : read_(std::move(read)), every_(every), peak_(read_()), thread_([this] { run(); }) {}
+  ~PeakSampler() {
+    stop_ = true;
+    thread_.join();
+  }
+  int64_t peak() const {
+    return std::max<int64_t>(peak_, read_());
+  }
+
+ private:
+  void run() {
+    while (!stop_) {
+      peak_ = std::max<int64_t>(peak_, read_());
+      std::this_thread::sleep_for(every_);
+    }
+  }
+  std::function<int64_t()> read_;
+  std::chrono::microseconds every_;
+  std::atomic<int64_t> peak_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+/// Waits for the device's queued work (CUDA); nothing on the CPU.
+inline void sync(const at::Device& d) {
+  if (d.is_cuda()) {
+    torch::cuda::synchronize();
+  }
 }
 
 /// Peak resident set size of this process.

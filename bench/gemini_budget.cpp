@@ -52,30 +52,6 @@ int64_t heap_in_use() {
   return colossalai::compat::memory_allocated(at::kCPU);
 }
 
-// The most heap in use while it runs.
-class PeakSampler {
- public:
-  PeakSampler() : peak_(heap_in_use()), thread_([this] { run(); }) {}
-  ~PeakSampler() {
-    stop_ = true;
-    thread_.join();
-  }
-  int64_t peak() const {
-    return std::max<int64_t>(peak_, heap_in_use());
-  }
-
- private:
-  void run() {
-    while (!stop_) {
-      peak_ = std::max<int64_t>(peak_, heap_in_use());
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-  }
-  std::atomic<int64_t> peak_;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
-
 struct Result {
   bool ran = false;
   std::string error;
@@ -149,7 +125,7 @@ Result run(const std::string& name, int layers, int64_t budget, int steps) {
         before = f->placement_stats();
         f->reset_peak_memory_stats();
       }
-      PeakSampler sampler;
+      colossalai::bench::PeakSampler sampler(heap_in_use, std::chrono::microseconds(100));
       boosted.optimizer->zero_grad();
       booster.backward(
           colossalai::zoo::gpt_loss(boosted.model(batch.first), batch.second),

@@ -68,32 +68,13 @@ void drop_cached(const fs::path& dir) {
   }
 }
 
-// Samples RssAnon while alive; `peak` in bytes.
-class AnonPeak {
- public:
-  AnonPeak() : thread_([this] {
-      while (!stop_) {
-        peak_ = std::max<int64_t>(peak_, cbench::proc_kb("/proc/self/status", "RssAnon:"));
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      }
-    }) {}
-  int64_t stop() {
-    stop_ = true;
-    thread_.join();
-    return std::max<int64_t>(peak_, cbench::proc_kb("/proc/self/status", "RssAnon:"));
-  }
-
- private:
-  std::atomic<bool> stop_{false};
-  std::atomic<int64_t> peak_{0};
-  std::thread thread_;
-};
-
 // One measurement in this (fresh) process: prints one JSON object.
 int phase(const std::string& what, const fs::path& dir) {
   const auto base_anon = cbench::proc_kb("/proc/self/status", "RssAnon:");
   const auto base_rss = cbench::proc_kb("/proc/self/status", "VmRSS:");
-  AnonPeak sampler;
+  cbench::PeakSampler sampler(
+      [] { return cbench::proc_kb("/proc/self/status", "RssAnon:"); },
+      std::chrono::milliseconds(2));
   const auto t0 = std::chrono::steady_clock::now();
   int64_t bytes = 0;
   if (what == "read" || what == "read_fresh") {
@@ -125,7 +106,7 @@ int phase(const std::string& what, const fs::path& dir) {
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const auto anon = sampler.stop();
+  const auto anon = sampler.peak();
   std::cout << "{\"seconds\": " << seconds << ", \"bytes\": " << bytes
             << ", \"hwm_bytes\": " << cbench::peak_rss_bytes() - base_rss
             << ", \"anon_peak_bytes\": " << anon << ", \"anon_base_bytes\": " << base_anon

@@ -148,10 +148,7 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-void sync(const at::Device& d) {
-  if (d.is_cuda())
-    torch::cuda::synchronize();
-}
+using cbench::sync;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)

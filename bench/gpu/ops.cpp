@@ -29,10 +29,7 @@ namespace kn = colossalai::kernels;
 
 namespace {
 
-void sync(const at::Device& d) {
-  if (d.is_cuda())
-    torch::cuda::synchronize();
-}
+using cbench::sync;
 
 // Milliseconds of each of `reps` runs of f after 3 warm-up runs.
 std::vector<double> time_ms(const at::Device& dev, int reps, const std::function<void()>& f) {

@@ -403,14 +403,13 @@ at::Tensor LlamaForCausalLMImpl::forward_stage(
   last_attention_mask_ = attention_mask;
   auto x =
       model->forward_stage(layers, ids, hidden, attention_mask, position_ids);
-  if (!layers.last) {
-    return x;
-  }
-  if (lm_head) {
-    return lm_head(x);
-  }
-  return tied_lm_head_logits(
-      x, model->embed_tokens->weight, state_, config_.vocab_size());
+  return layers.last ? head_logits(x) : x;
+}
+
+at::Tensor LlamaForCausalLMImpl::head_logits(const at::Tensor& x) {
+  return lm_head ? lm_head(x)
+                 : tied_lm_head_logits(
+                       x, model->embed_tokens->weight, state_, config_.vocab_size());
 }
 
 at::Tensor LlamaForCausalLMImpl::forward_cached(
@@ -424,12 +423,7 @@ at::Tensor LlamaForCausalLMImpl::forward_cached(
   auto x = model->forward(ids, attention_mask, position_ids);
   return frame.finish(
       x, logits_to_keep, config_.vocab_size(), [this](const at::Tensor& h) {
-        return lm_head ? lm_head(h)
-                       : tied_lm_head_logits(
-                             h,
-                             model->embed_tokens->weight,
-                             state_,
-                             config_.vocab_size());
+        return head_logits(h);
       });
 }
 
@@ -452,14 +446,11 @@ at::Tensor LlamaForCausalLMImpl::forward_loss(
   // itself.
   const bool plain_head = !lm_head || lm_head->parameters().size() == 1;
   const auto& w = lm_head ? lm_head->weight : model->embed_tokens->weight;
-  auto logits_of = [&](const at::Tensor& h) {
-    return lm_head ? lm_head(h)
-                   : tied_lm_head_logits(h, w, state_, config_.vocab_size());
-  };
+  auto logits_of = [this](const at::Tensor& h) { return head_logits(h); };
   return with_aux_loss(
       plain_head
           ? causal_lm_head_loss(x, w, targets, state_, config_.vocab_size(), logits_of)
-          : causal_lm_loss(logits_of(x), targets, state_, config_.vocab_size()));
+          : causal_lm_loss(head_logits(x), targets, state_, config_.vocab_size()));
 }
 
 at::Tensor LlamaForCausalLMImpl::with_aux_loss(const at::Tensor& ce) const {

@@ -267,6 +267,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module,
  private:
   // ce, plus router_aux_loss_coef x aux_loss() where loss() adds it.
   at::Tensor with_aux_loss(const at::Tensor& ce) const;
+  // The head's logits of final hidden states: lm_head, or the tied
+  // embedding's.
+  at::Tensor head_logits(const at::Tensor& x);
 
   LlamaConfig config_;
   ParallelState state_;
