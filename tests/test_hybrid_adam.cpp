@@ -870,4 +870,58 @@ TEST(FusedAdam, StateLoadsIntoAdamW) {
   }
 }
 
+// Working copies: after every step each copy is its parameter rounded to
+// the copy's dtype (bf16 here), and the parameters step as without copies:
+// bit for bit where the copy follows the step (CPU); on a GPU the kernel
+// that writes both (kernels::adamw_step_) is float32 arithmetic in another
+// order than ATen's fused AdamW, a few ulps of the update (1e-6 of the
+// largest parameter, as above).
+TEST(FusedAdam, FusedAdamWWritesWorkingCopies) {
+  std::vector<at::Device> devices{at::kCPU};
+  if (torch::cuda::is_available()) {
+    devices.emplace_back(at::kCUDA);
+  }
+  for (const auto& dev : devices) {
+    SCOPED_TRACE(dev.str());
+    auto params = make_params({17, 1000, 4097}, 23);
+    for (auto& p : params) {
+      p = p.detach().to(dev).requires_grad_();
+    }
+    auto plain = clone_params(params);
+    opt::FusedAdamW with(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    opt::FusedAdamW without(plain, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    std::vector<at::Tensor> copies;
+    for (size_t i = 0; i < 2; ++i) { // the last parameter has none
+      copies.push_back(at::zeros({params[i].numel()}, params[i].options().dtype(at::kBFloat16)));
+      with.set_working_copy(params[i], copies.back());
+    }
+    for (int step = 1; step <= 4; ++step) {
+      auto grads = make_grads(params, step);
+      set_grads(params, grads);
+      set_grads(plain, grads);
+      with.step();
+      without.step();
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      SCOPED_TRACE(i);
+      if (dev.is_cpu()) {
+        EXPECT_TRUE(torch::equal(params[i], plain[i]));
+      } else {
+        EXPECT_LT(rel_diff(params[i], plain[i]), 1e-6);
+      }
+      if (i < copies.size()) {
+        EXPECT_TRUE(torch::equal(copies[i], params[i].detach().to(at::kBFloat16)));
+      }
+    }
+  }
+  auto params = make_params({17, 8}, 24);
+  opt::FusedAdamW adamw(params, torch::optim::AdamWOptions(1e-2));
+  EXPECT_THROW(
+      adamw.set_working_copy(torch::zeros({17}), torch::zeros({17}, at::kBFloat16)),
+      c10::Error); // not its parameter
+  EXPECT_THROW(
+      adamw.set_working_copy(params[0], torch::zeros({8}, at::kBFloat16)),
+      c10::Error); // another size
+}
+
 } // namespace

@@ -4,6 +4,7 @@
 // every dtype they take.
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/rms_norm.h>
 #include <colossalai/models/bloom.h>
@@ -676,6 +677,166 @@ TEST(Kernels, FusedLinearCrossEntropyOnCudaEqualsTheReference) {
     EXPECT_LT(max_rel(a.loss, r.loss), bound);
     EXPECT_LT(((a.dh - r.dh).norm() / r.dh.norm()).item<double>(), bound);
     EXPECT_LT(((a.dw - r.dw).norm() / r.dw.norm()).item<double>(), bound);
+  }
+}
+
+// ------------------------------------------------------------ adamw_step_
+
+// The tensors of one multi-tensor step: sizes about the kernel's chunk of
+// 65536 elements, an empty one, a matrix; a different step count each; no
+// working copy for every third.
+struct AdamWCase {
+  std::vector<at::Tensor> p, g, m, v, w;
+  std::vector<int64_t> steps;
+};
+
+AdamWCase adamw_case(at::Device dev, at::ScalarType grad_t, at::ScalarType work_t) {
+  torch::manual_seed(11);
+  const std::vector<std::vector<int64_t>> shapes{
+      {3}, {0}, {1}, {65536}, {65537}, {33, 31}, {200003}};
+  AdamWCase c;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const auto& s = shapes[i];
+    c.p.push_back(torch::randn(s).to(dev));
+    c.g.push_back(torch::randn(s).mul(0.1).to(dev, grad_t));
+    c.m.push_back(torch::randn(s).mul(0.01).to(dev));
+    c.v.push_back(torch::rand(s).mul(1e-3).to(dev));
+    c.w.push_back(i % 3 == 2 ? at::Tensor() : at::empty(s, at::device(dev).dtype(work_t)));
+    c.steps.push_back(1 + static_cast<int64_t>(i));
+  }
+  return c;
+}
+
+AdamWCase clone(const AdamWCase& c) {
+  AdamWCase d = c;
+  for (auto* ts : {&d.p, &d.g, &d.m, &d.v, &d.w}) {
+    for (auto& t : *ts) {
+      t = t.defined() ? t.clone() : t;
+    }
+  }
+  return d;
+}
+
+const auto kAdamW =
+    kn::AdamWStepOptions().lr(1e-3).beta1(0.9).beta2(0.999).eps(1e-8).weight_decay(0.1);
+
+// torch.optim.AdamW's update in float64 from the same float32 inputs. The
+// reference runs half a dozen float32 operations per element: each result
+// within a few float32 ulps (2^-24 relative) of its operands, which for
+// exp_avg (0.9 m + 0.1 g, operands up to about 0.5, may cancel) means 1e-8
+// absolute, for the parameter (about 1) 1e-7.
+TEST(Kernels, AdamWStepReferenceIsAdamWsUpdate) {
+  for (auto grad_t : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(grad_t));
+    auto c = adamw_case(at::kCPU, grad_t, at::kBFloat16);
+    const auto before = clone(c);
+    kn::adamw_step_reference_(c.p, c.g, c.m, c.v, c.w, c.steps, kAdamW);
+    for (size_t i = 0; i < c.p.size(); ++i) {
+      const double step = static_cast<double>(c.steps[i]);
+      const double bc1 = 1 - std::pow(0.9, step), bc2 = 1 - std::pow(0.999, step);
+      auto g = before.g[i].to(at::kDouble);
+      auto m = before.m[i].to(at::kDouble) * 0.9 + g * 0.1;
+      auto v = before.v[i].to(at::kDouble) * 0.999 + g * g * 0.001;
+      auto p = before.p[i].to(at::kDouble) * (1 - 1e-4) -
+          (1e-3 / bc1) * m / (v.sqrt() / std::sqrt(bc2) + 1e-8);
+      EXPECT_TRUE(at::allclose(c.p[i].to(at::kDouble), p, 1e-6, 1e-7)) << "param " << i;
+      EXPECT_TRUE(at::allclose(c.m[i].to(at::kDouble), m, 1e-6, 1e-8)) << "exp_avg " << i;
+      EXPECT_TRUE(at::allclose(c.v[i].to(at::kDouble), v, 1e-6, 1e-12)) << "exp_avg_sq " << i;
+      if (c.w[i].defined()) {
+        EXPECT_TRUE(at::equal(c.w[i], c.p[i].to(at::kBFloat16))) << "copy " << i;
+      }
+    }
+  }
+  // A bf16 gradient is read as its float32 value: the same step exactly.
+  auto a = adamw_case(at::kCPU, at::kBFloat16, at::kFloat);
+  auto b = clone(a);
+  for (auto& g : b.g) {
+    g = g.to(at::kFloat);
+  }
+  kn::adamw_step_(a.p, a.g, a.m, a.v, a.w, a.steps, kAdamW);
+  kn::adamw_step_(b.p, b.g, b.m, b.v, b.w, b.steps, kAdamW);
+  for (size_t i = 0; i < a.p.size(); ++i) {
+    EXPECT_TRUE(at::equal(a.p[i], b.p[i]) && at::equal(a.v[i], b.v[i])) << i;
+  }
+}
+
+TEST(Kernels, AdamWStepRefusesBadInput) {
+  auto c = adamw_case(at::kCPU, at::kFloat, at::kBFloat16);
+  auto expect_error = [](auto&& call, const char* what) {
+    try {
+      call();
+      ADD_FAILURE() << "no error for " << what;
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("adamw_step_"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(what), std::string::npos) << msg;
+    }
+  };
+  auto g = c.g;
+  g.pop_back();
+  expect_error([&] { kn::adamw_step_(c.p, g, c.m, c.v, c.w, c.steps, kAdamW); }, "gradients");
+  auto p = c.p;
+  p[0] = p[0].to(at::kHalf);
+  expect_error([&] { kn::adamw_step_(p, c.g, c.m, c.v, c.w, c.steps, kAdamW); }, "float32");
+  auto steps = c.steps;
+  steps[1] = 0;
+  expect_error([&] { kn::adamw_step_(c.p, c.g, c.m, c.v, c.w, steps, kAdamW); }, "step 1");
+  auto w = c.w;
+  w[0] = w[0].to(at::kHalf);
+  expect_error([&] { kn::adamw_step_(c.p, c.g, c.m, c.v, w, c.steps, kAdamW); }, "working copies");
+  auto m = c.m;
+  m[3] = m[3].narrow(0, 0, 10);
+  expect_error([&] { kn::adamw_step_(c.p, c.g, m, c.v, c.w, c.steps, kAdamW); }, "exp_avg 3");
+}
+
+// On a GPU: the kernel against the reference on the same device, and
+// against ATen's fused AdamW where LibTorch has it. Both run float32
+// arithmetic in possibly other orders and contractions (fused multiply-
+// adds): a few ulps apart. Each copy is its own parameter rounded, exactly.
+TEST(Kernels, AdamWStepCudaKernelEqualsTheReference) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  const at::Device dev(at::kCUDA);
+  for (auto grad_t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for (auto work_t : {at::kBFloat16, at::kHalf, at::kFloat}) {
+      SCOPED_TRACE(std::string(c10::toString(grad_t)) + " grads, " + c10::toString(work_t) + " copies");
+      auto a = adamw_case(dev, grad_t, work_t);
+      auto r = clone(a);
+      ASSERT_TRUE(kn::adamw_step_fused_applies(a.p, a.g, a.w));
+      for (int step = 0; step < 3; ++step) {
+        kn::adamw_step_(a.p, a.g, a.m, a.v, a.w, a.steps, kAdamW);
+        kn::adamw_step_reference_(r.p, r.g, r.m, r.v, r.w, r.steps, kAdamW);
+        for (auto& s : a.steps) {
+          ++s;
+        }
+        r.steps = a.steps;
+      }
+      for (size_t i = 0; i < a.p.size(); ++i) {
+        EXPECT_TRUE(at::allclose(a.p[i], r.p[i], 1e-6, 1e-7)) << "param " << i;
+        EXPECT_TRUE(at::allclose(a.m[i], r.m[i], 1e-6, 1e-8)) << "exp_avg " << i;
+        EXPECT_TRUE(at::allclose(a.v[i], r.v[i], 1e-6, 1e-12)) << "exp_avg_sq " << i;
+        if (a.w[i].defined()) {
+          EXPECT_TRUE(at::equal(a.w[i], a.p[i].to(work_t))) << "copy " << i;
+        }
+      }
+    }
+  }
+  if (!colossalai::compat::has_fused_adam(dev)) {
+    return;
+  }
+  auto a = adamw_case(dev, at::kFloat, at::kBFloat16);
+  auto f = clone(a);
+  kn::adamw_step_(a.p, a.g, a.m, a.v, a.w, a.steps, kAdamW);
+  std::vector<at::Tensor> steps;
+  for (auto s : f.steps) {
+    steps.push_back(at::full({}, static_cast<double>(s), at::device(dev).dtype(at::kFloat)));
+  }
+  colossalai::compat::fused_adam_(
+      f.p, f.g, f.m, f.v, {}, steps, 1e-3, 0.9, 0.999, 0.1, 1e-8, false, true);
+  for (size_t i = 0; i < a.p.size(); ++i) {
+    EXPECT_TRUE(at::allclose(a.p[i], f.p[i], 1e-6, 1e-7)) << "param " << i << " vs ATen's fused AdamW";
+    EXPECT_TRUE(at::allclose(a.v[i], f.v[i], 1e-6, 1e-12)) << "exp_avg_sq " << i << " vs ATen's fused AdamW";
   }
 }
 

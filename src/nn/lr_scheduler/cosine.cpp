@@ -4,12 +4,14 @@
 
 #include <cmath>
 
+#include "pi.h"
+
 namespace colossalai {
 namespace nn {
 namespace lr_scheduler {
 
 namespace {
-constexpr double kPi = 3.141592653589793; // Python's math.pi
+using detail::kPi;
 
 // ColossalAI truncates the flat part's length with int().
 int64_t flat_steps(int64_t steps, double pct_start, const char* who) {

@@ -9,12 +9,14 @@
 #include <cmath>
 #include <tuple>
 
+#include "pi.h"
+
 namespace colossalai {
 namespace nn {
 namespace lr_scheduler {
 
 namespace {
-constexpr double kPi = 3.141592653589793; // Python's math.pi
+using detail::kPi;
 
 // PyTorch cycles `momentum` where the optimizer has one and beta1 where it
 // has `betas`; LibTorch's options are typed, so look at the concrete type.

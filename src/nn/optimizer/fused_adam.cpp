@@ -3,12 +3,14 @@
 
 #include <colossalai/nn/optimizer/fused_adam.h>
 
+#include <colossalai/kernels/adamw.h>
 #include <colossalai/utils/compat.h>
 
 #include <torch/autograd.h>
 
 #include <map>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -59,14 +61,41 @@ at::Tensor step_tensor(const std::vector<int64_t>& steps, at::Device device) {
   return at::tensor(host, at::TensorOptions().dtype(at::kFloat)).to(device);
 }
 
+using Copies = std::unordered_map<const void*, std::pair<at::Tensor, at::Tensor>>;
+
+// The working copy of `p`, or an undefined tensor.
+at::Tensor copy_of(const Copies* copies, const at::Tensor& p) {
+  if (copies == nullptr) {
+    return at::Tensor();
+  }
+  auto it = copies->find(p.unsafeGetTensorImpl());
+  return it == copies->end() ? at::Tensor() : it->second.second;
+}
+
+void write_copy(const at::Tensor& copy, const at::Tensor& p) {
+  if (copy.defined()) {
+    copy.view({-1}).copy_(p.reshape({-1}));
+  }
+}
+
 // Adam and AdamW keep the same state fields under different types.
 template <class Options, class State, class Base>
 torch::Tensor fused_step(
     Base& opt,
     typename Base::LossClosure closure,
-    bool decoupled) {
+    bool decoupled,
+    const Copies* copies = nullptr) {
   if (!fusable(opt.param_groups())) {
-    return opt.Base::step(std::move(closure));
+    auto loss = opt.Base::step(std::move(closure));
+    torch::NoGradGuard no_grad;
+    for (auto& group : opt.param_groups()) {
+      for (auto& p : group.params()) {
+        if (p.grad().defined()) {
+          write_copy(copy_of(copies, p), p);
+        }
+      }
+    }
+    return loss;
   }
   torch::NoGradGuard no_grad;
   torch::Tensor loss;
@@ -108,6 +137,30 @@ torch::Tensor fused_step(
       b.steps.push_back(s.step());
     }
     for (auto& [where, b] : buckets) {
+      std::vector<at::Tensor> working;
+      bool any_copy = false;
+      for (const auto& p : b.params) {
+        working.push_back(copy_of(copies, p));
+        any_copy = any_copy || working.back().defined();
+      }
+      // Masters with copies: one pass writes both (on a GPU).
+      if (any_copy && decoupled && !o.amsgrad() && where.second == at::kFloat &&
+          kernels::adamw_step_fused_applies(b.params, b.grads, working)) {
+        kernels::adamw_step_(
+            b.params,
+            b.grads,
+            b.exp_avgs,
+            b.exp_avg_sqs,
+            working,
+            b.steps,
+            kernels::AdamWStepOptions()
+                .lr(o.lr())
+                .beta1(std::get<0>(o.betas()))
+                .beta2(std::get<1>(o.betas()))
+                .eps(o.eps())
+                .weight_decay(o.weight_decay()));
+        continue;
+      }
       const auto steps = step_tensor(b.steps, b.params.front().device());
       compat::fused_adam_(
           b.params,
@@ -123,6 +176,9 @@ torch::Tensor fused_step(
           o.eps(),
           o.amsgrad(),
           decoupled);
+      for (size_t i = 0; i < working.size(); ++i) {
+        write_copy(working[i], b.params[i]);
+      }
     }
   }
   return loss;
@@ -132,7 +188,30 @@ torch::Tensor fused_step(
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   return fused_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-      static_cast<torch::optim::AdamW&>(*this), std::move(closure), true);
+      static_cast<torch::optim::AdamW&>(*this),
+      std::move(closure),
+      true,
+      &copies_);
+}
+
+void FusedAdamW::set_working_copy(const at::Tensor& param, at::Tensor copy) {
+  bool mine = false;
+  for (const auto& group : param_groups()) {
+    for (const auto& p : group.params()) {
+      mine = mine || p.unsafeGetTensorImpl() == param.unsafeGetTensorImpl();
+    }
+  }
+  TORCH_CHECK(mine, "FusedAdamW::set_working_copy: the tensor is not one of this optimizer's parameters");
+  TORCH_CHECK(
+      param.scalar_type() == at::kFloat && copy.defined() &&
+          copy.numel() == param.numel() && copy.is_contiguous() &&
+          copy.device() == param.device() && at::isFloatingType(copy.scalar_type()),
+      "FusedAdamW::set_working_copy: the parameter must be float32 and its "
+      "copy a contiguous floating tensor of its ",
+      param.numel(),
+      " elements on ",
+      param.device());
+  copies_[param.unsafeGetTensorImpl()] = {param, std::move(copy)};
 }
 
 torch::Tensor FusedAdam::step(LossClosure closure) {

@@ -1,4 +1,5 @@
 #include <colossalai/checkpoint_io/optimizer_state.h>
+#include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
 #include "../../distributed/grad_bucketer.h"
@@ -33,6 +34,9 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     bool aliased = false; // shard_data is this rank's slice of `working`
     at::Tensor grads;     // padded flat gradients (comm dtype), while in use
     at::Tensor out;       // the reduced shard, while in use
+    // At one rank, `working` as the optimizer's step writes it itself
+    // (attach_working_copies). Undefined: gather() casts the masters.
+    at::Tensor stepped;
   };
 
   distributed::ProcessGroupPtr group;
@@ -139,6 +143,30 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     b.make_pieces();
   }
 
+  // At one rank, a FusedAdamW stepping masters on the weights' device
+  // writes the weights in its own pass (on a GPU, one kernel instead of a
+  // step and a cast over the masters). Across ranks the cast stays in
+  // gather(), into a buffer that lives only for the all-gather; host
+  // masters (cpu_offload) keep gather()'s one flat copy per bucket.
+  void attach_working_copies(torch::optim::Optimizer& optimizer) {
+    auto* fused = dynamic_cast<nn::optimizer::FusedAdamW*>(&optimizer);
+    if (fused == nullptr) {
+      return;
+    }
+    for (auto& b : buckets) {
+      if (b.aliased || b.ranks->size() > 1 ||
+          b.shard_data.device() != b.working.device()) {
+        continue;
+      }
+      b.stepped = b.layout.my_shard(b.working);
+      for (size_t i = 0; i < b.params.size(); ++i) {
+        if (b.pieces[i].numel() > 0) {
+          fused->set_working_copy(b.pieces[i], b.layout.piece(b.stepped, i));
+        }
+      }
+    }
+  }
+
   // BucketHandler: see NOTE [Gradient bucketing].
   void fill(size_t param, bool /*used*/) override {
     const auto [k, i] = where[param];
@@ -154,6 +182,10 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   distributed::Work launch(size_t k) override {
     auto& b = buckets[k];
     const int n = b.ranks->size();
+    if (n == 1) { // nothing to average or scatter
+      b.out = b.grads;
+      return distributed::Work();
+    }
     b.grads.div_(n); // average first: keeps fp16 sums in range
     // Both stages: a rank steps only its slice, so a reduce-scatter (half
     // an all-reduce's bytes) is all it needs. The stages differ in what
@@ -164,7 +196,11 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
 
   void complete(size_t k) override {
     auto& b = buckets[k];
-    b.shard_grad.add_(b.out.to(b.shard_grad.device(), at::kFloat));
+    // Same device: the add reads the communication dtype as it goes.
+    b.shard_grad.add_(
+        b.out.device() == b.shard_grad.device()
+            ? b.out
+            : b.out.to(b.shard_grad.device(), at::kFloat));
     b.grads = at::Tensor();
     b.out = at::Tensor();
   }
@@ -183,6 +219,9 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     for (auto& b : buckets) {
       if (b.aliased && b.ranks->size() == 1) {
         continue; // the master is the weights
+      }
+      if (b.stepped.defined()) {
+        continue; // the step wrote the weights themselves
       }
       // A copy: the input must not alias the output it is gathered into.
       auto src = b.shard_data.to(
@@ -251,6 +290,7 @@ LowLevelZeroOptimizer::LowLevelZeroOptimizer(
       "LowLevelZeroPlugin",
       std::move(groups),
       impl_->n() > 1 ? impl_->group : nullptr);
+  impl_->attach_working_copies(*optimizer);
 }
 
 LowLevelZeroOptimizer::~LowLevelZeroOptimizer() = default;

@@ -3,6 +3,9 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
+#include <unordered_map>
+#include <utility>
+
 namespace colossalai {
 namespace nn {
 namespace optimizer {
@@ -32,6 +35,18 @@ class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  /// After each step that updates `param` (a float32 parameter of this
+  /// optimizer, e.g. a master weight), `copy` (as many elements,
+  /// contiguous, on its device) holds it rounded to copy's dtype. On a GPU
+  /// the step's own pass writes it (kernels::adamw_step_: the masters are
+  /// not read twice); elsewhere a copy_ follows the step. The mixed
+  /// precision optimizers register their bf16 / fp16 weights here.
+  void set_working_copy(const at::Tensor& param, at::Tensor copy);
+
+ private:
+  // param's TensorImpl -> (param, copy)
+  std::unordered_map<const void*, std::pair<at::Tensor, at::Tensor>> copies_;
 };
 
 /// `torch::optim::Adam` (L2 weight decay added to the gradient) stepped by

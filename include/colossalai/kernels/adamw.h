@@ -1,0 +1,75 @@
+#pragma once
+
+/// AdamW's update over float32 master weights, with each master's copy in
+/// the working dtype written by the same pass (NOTE [Kernels]).
+///
+/// Mixed precision as ColossalAI trains (bf16 / fp16 parameters, float32
+/// masters in the optimizer) steps the masters and then casts them into the
+/// parameters: a second pass over the masters after the optimizer's. Here
+/// one CUDA kernel (multi-tensor: one launch for every tensor of the call)
+/// reads each master, gradient and moment once and writes the master, the
+/// moments and the rounded copy. The update is torch.optim.AdamW's
+/// (decoupled weight decay, no amsgrad, no maximize), its bias corrections
+/// taken in double on the host for each tensor's step.
+///
+/// Example:
+/// \code
+///   namespace k = colossalai::kernels;
+///   k::adamw_step_(masters, grads, exp_avgs, exp_avg_sqs, bf16_weights,
+///                  steps, k::AdamWStepOptions().lr(3e-4).weight_decay(0.1));
+/// \endcode
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+
+namespace colossalai {
+namespace kernels {
+
+struct AdamWStepOptions {
+  TORCH_ARG(double, lr) = 1e-3;
+  TORCH_ARG(double, beta1) = 0.9;
+  TORCH_ARG(double, beta2) = 0.999;
+  TORCH_ARG(double, eps) = 1e-8;
+  TORCH_ARG(double, weight_decay) = 1e-2;
+};
+
+/// One AdamW step: `params` (float32, updated in place), their `grads`
+/// (float32, float16 or bfloat16, one dtype), `exp_avgs` and `exp_avg_sqs`
+/// (float32, updated), `steps` (each tensor's step count including this
+/// step, >= 1) and `working`: empty, or one tensor per parameter (undefined
+/// for none) of the parameter's number of elements in one dtype (float32,
+/// float16 or bfloat16) that receives the updated parameter rounded to it.
+/// Every tensor contiguous, all on one device. The fused kernel runs where
+/// adamw_step_fused_applies, the reference elsewhere.
+void adamw_step_(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList working,
+    at::ArrayRef<int64_t> steps,
+    const AdamWStepOptions& options);
+
+/// The reference: torch.optim.AdamW's single-tensor update in ATen ops,
+/// then each working copy's copy_ of its parameter.
+void adamw_step_reference_(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList working,
+    at::ArrayRef<int64_t> steps,
+    const AdamWStepOptions& options);
+
+/// Whether adamw_step_ runs the fused kernel for these tensors: a build
+/// with CUDA kernels and every tensor on one CUDA device.
+bool adamw_step_fused_applies(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList working);
+
+} // namespace kernels
+} // namespace colossalai

@@ -1,0 +1,255 @@
+// adamw_step_ (NOTE [Kernels]): the reference path in ATen ops, and the
+// multi-tensor kernel's launch on a GPU (adamw.cu).
+
+#include <colossalai/kernels/adamw.h>
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+#include "adamw_cuda.h"
+#include "cuda_launch.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace colossalai {
+namespace kernels {
+
+namespace {
+
+// torch.optim.AdamW's bias-corrected scalars at `step`, in double.
+struct Corrections {
+  double step_size;             // lr / (1 - beta1^step)
+  double bias_correction2_sqrt; // sqrt(1 - beta2^step)
+};
+
+Corrections corrections(const AdamWStepOptions& o, int64_t step) {
+  const double s = static_cast<double>(step);
+  return {
+      o.lr() / (1.0 - std::pow(o.beta1(), s)),
+      std::sqrt(1.0 - std::pow(o.beta2(), s))};
+}
+
+bool kernel_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// The same checks on both paths: a call the kernel would refuse fails on
+// the CPU too.
+void check(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList working,
+    at::ArrayRef<int64_t> steps) {
+  const size_t n = params.size();
+  TORCH_CHECK(
+      grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+          steps.size() == n && (working.empty() || working.size() == n),
+      "adamw_step_: one gradient, exp_avg, exp_avg_sq and step per parameter "
+      "(and no working copies or one per parameter), got ",
+      n, " parameters, ", grads.size(), " gradients, ", exp_avgs.size(),
+      " exp_avgs, ", exp_avg_sqs.size(), " exp_avg_sqs, ", steps.size(),
+      " steps, ", working.size(), " working copies");
+  if (n == 0) {
+    return;
+  }
+  const auto device = params[0].device();
+  const auto grad_dtype = grads[0].scalar_type();
+  c10::optional<at::ScalarType> working_dtype;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& p = params[i];
+    auto same = [&](const at::Tensor& t, const char* what) {
+      TORCH_CHECK(
+          t.defined() && t.numel() == p.numel() && t.device() == device &&
+              t.is_contiguous(),
+          "adamw_step_: ", what, " ", i, " must be a contiguous tensor of ",
+          p.numel(), " elements on ", device);
+    };
+    TORCH_CHECK(
+        p.defined() && p.scalar_type() == at::kFloat && p.device() == device &&
+            p.is_contiguous(),
+        "adamw_step_: parameter ", i,
+        " must be a contiguous float32 tensor (the master) on ", device);
+    same(grads[i], "gradient");
+    same(exp_avgs[i], "exp_avg");
+    same(exp_avg_sqs[i], "exp_avg_sq");
+    TORCH_CHECK(
+        grads[i].scalar_type() == grad_dtype && kernel_dtype(grad_dtype),
+        "adamw_step_: the gradients must share one dtype of float32, float16 "
+        "or bfloat16; gradient ", i, " is ", grads[i].scalar_type(),
+        ", gradient 0 ", grad_dtype);
+    TORCH_CHECK(
+        exp_avgs[i].scalar_type() == at::kFloat &&
+            exp_avg_sqs[i].scalar_type() == at::kFloat,
+        "adamw_step_: the moments must be float32 (parameter ", i, ")");
+    TORCH_CHECK(steps[i] >= 1, "adamw_step_: step ", i, " must be >= 1, got ", steps[i]);
+    if (!working.empty() && working[i].defined()) {
+      same(working[i], "working copy");
+      const auto t = working[i].scalar_type();
+      TORCH_CHECK(
+          kernel_dtype(t) && t == working_dtype.value_or(t),
+          "adamw_step_: the working copies must share one dtype of float32, "
+          "float16 or bfloat16; copy ", i, " is ", t);
+      working_dtype = t;
+    }
+  }
+}
+
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+void fused(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList working,
+    at::ArrayRef<int64_t> steps,
+    const AdamWStepOptions& o) {
+  const auto device = params[0].device();
+  const c10::cuda::CUDAGuard guard(device);
+  std::vector<cuda::AdamWTensor> tensors;
+  std::vector<cuda::AdamWBlock> blocks;
+  at::ScalarType working_dtype = at::kFloat;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t numel = params[i].numel();
+    if (numel == 0) {
+      continue;
+    }
+    const bool copy = !working.empty() && working[i].defined();
+    if (copy) {
+      working_dtype = working[i].scalar_type();
+    }
+    const auto c = corrections(o, steps[i]); // rounded once, to float
+    cuda::AdamWTensor t{};
+    t.param = params[i].data_ptr<float>();
+    t.grad = grads[i].data_ptr();
+    t.exp_avg = exp_avgs[i].data_ptr<float>();
+    t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    t.working = copy ? working[i].data_ptr() : nullptr;
+    t.numel = numel;
+    t.decay = static_cast<float>(1.0 - o.lr() * o.weight_decay());
+    t.step_size = static_cast<float>(c.step_size);
+    t.bias_correction2_sqrt = static_cast<float>(c.bias_correction2_sqrt);
+    const int64_t chunks = (numel + cuda::kAdamWChunk - 1) / cuda::kAdamWChunk;
+    TORCH_CHECK(
+        chunks <= INT32_MAX && tensors.size() < INT32_MAX,
+        "adamw_step_: tensor ", i, " has too many elements for one launch");
+    for (int64_t c = 0; c < chunks; ++c) {
+      blocks.push_back({static_cast<int32_t>(tensors.size()), static_cast<int32_t>(c)});
+    }
+    tensors.push_back(t);
+  }
+  if (blocks.empty()) {
+    return;
+  }
+  // Both tables in one pinned buffer and one asynchronous copy; ATen's
+  // pinned allocator keeps the buffer until the copy has run.
+  const size_t tensor_bytes = tensors.size() * sizeof(cuda::AdamWTensor);
+  const size_t block_bytes = blocks.size() * sizeof(cuda::AdamWBlock);
+  auto host = at::empty(
+      {static_cast<int64_t>(tensor_bytes + block_bytes)},
+      at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  auto* bytes = host.data_ptr<uint8_t>();
+  std::memcpy(bytes, tensors.data(), tensor_bytes);
+  std::memcpy(bytes + tensor_bytes, blocks.data(), block_bytes);
+  auto table = host.to(device, /*non_blocking=*/true);
+  const auto* base = table.data_ptr<uint8_t>();
+  cuda::check_launch(
+      cuda::adamw_step(
+          cuda::dtype_of(grads[0].scalar_type(), "adamw_step_"),
+          cuda::dtype_of(working_dtype, "adamw_step_"),
+          reinterpret_cast<const cuda::AdamWTensor*>(base),
+          reinterpret_cast<const cuda::AdamWBlock*>(base + tensor_bytes),
+          static_cast<int64_t>(blocks.size()),
+          static_cast<float>(o.beta1()),
+          static_cast<float>(o.beta2()),
+          static_cast<float>(o.eps()),
+          c10::cuda::getCurrentCUDAStream().stream()),
+      "adamw_step_",
+      "the AdamW kernel's launch");
+}
+#endif
+
+} // namespace
+
+void adamw_step_reference_(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList working,
+    at::ArrayRef<int64_t> steps,
+    const AdamWStepOptions& o) {
+  check(params, grads, exp_avgs, exp_avg_sqs, working, steps);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto p = params[i].view({-1});
+    auto m = exp_avgs[i].view({-1});
+    auto v = exp_avg_sqs[i].view({-1});
+    const auto g = grads[i].reshape({-1}).to(at::kFloat);
+    const auto c = corrections(o, steps[i]);
+    p.mul_(1.0 - o.lr() * o.weight_decay());
+    m.lerp_(g, 1.0 - o.beta1());
+    v.mul_(o.beta2()).addcmul_(g, g, 1.0 - o.beta2());
+    const auto denom = (v.sqrt() / c.bias_correction2_sqrt).add_(o.eps());
+    p.addcdiv_(m, denom, -c.step_size);
+    if (!working.empty() && working[i].defined()) {
+      working[i].view({-1}).copy_(p);
+    }
+  }
+}
+
+void adamw_step_(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList working,
+    at::ArrayRef<int64_t> steps,
+    const AdamWStepOptions& options) {
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (adamw_step_fused_applies(params, grads, working)) {
+    check(params, grads, exp_avgs, exp_avg_sqs, working, steps);
+    at::NoGradGuard no_grad;
+    fused(params, grads, exp_avgs, exp_avg_sqs, working, steps, options);
+    return;
+  }
+#endif
+  adamw_step_reference_(
+      params, grads, exp_avgs, exp_avg_sqs, working, steps, options);
+}
+
+bool adamw_step_fused_applies(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList working) {
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (params.empty() || !params[0].defined() || !params[0].is_cuda()) {
+    return false;
+  }
+  const auto device = params[0].device();
+  auto on = [&](at::TensorList ts) {
+    for (const auto& t : ts) {
+      if (t.defined() && t.device() != device) {
+        return false;
+      }
+    }
+    return true;
+  };
+  return on(params) && on(grads) && on(working);
+#else
+  (void)params;
+  (void)grads;
+  (void)working;
+  return false;
+#endif
+}
+
+} // namespace kernels
+} // namespace colossalai

@@ -1,0 +1,53 @@
+#pragma once
+
+// adamw_step_'s CUDA launcher (adamw.cu), over plain pointers: nvcc's
+// translation unit includes no ATen (NOTE [Kernels]).
+
+#include "cuda_types.h"
+
+#include <cstdint>
+
+namespace colossalai {
+namespace kernels {
+namespace cuda {
+
+/// One tensor of a multi-tensor AdamW step, with its bias-corrected scalars.
+struct AdamWTensor {
+  float* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* working; // null: no copy
+  int64_t numel;
+  float decay;     // 1 - lr * weight_decay
+  float step_size; // lr / (1 - beta1^step)
+  float bias_correction2_sqrt;
+  float pad_;
+};
+
+/// Elements one block updates: a tensor is cut into chunks of this size.
+constexpr int64_t kAdamWChunk = 65536;
+
+/// Which tensor and which of its chunks a block updates.
+struct AdamWBlock {
+  int32_t tensor;
+  int32_t chunk;
+};
+
+/// Updates `blocks` chunks (one block each) of the tensors `tensors` points
+/// to; both arrays in device memory. Every grad has `grad_dtype`, every
+/// working copy `working_dtype`.
+cudaError_t adamw_step(
+    Dtype grad_dtype,
+    Dtype working_dtype,
+    const AdamWTensor* tensors,
+    const AdamWBlock* blocks,
+    int64_t num_blocks,
+    float beta1,
+    float beta2,
+    float eps,
+    cudaStream_t stream);
+
+} // namespace cuda
+} // namespace kernels
+} // namespace colossalai
