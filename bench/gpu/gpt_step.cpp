@@ -51,6 +51,7 @@
 #include <zoo/gpt.h>
 
 #include "../bench_util.h"
+#include "matmul_rate.h"
 #include "../llama_workloads.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -150,31 +151,8 @@ Args parse(int argc, char** argv) {
 
 using cbench::sync;
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-      .count();
-}
-
-// Dense bf16 matmul rate (FLOP/s), median of 5 timed blocks: the ceiling MFU
-// is measured against.
-std::vector<double> matmul_rates(const at::Device& dev, int64_t n) {
-  auto opts = at::TensorOptions().dtype(at::kBFloat16).device(dev);
-  auto a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts);
-  auto c = torch::empty({n, n}, opts);
-  const int iters = dev.is_cuda() ? 20 : 2;
-  for (int i = 0; i < 3; ++i)
-    at::matmul_out(c, a, b);
-  sync(dev);
-  std::vector<double> rates;
-  for (int r = 0; r < 5; ++r) {
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < iters; ++i)
-      at::matmul_out(c, a, b);
-    sync(dev);
-    rates.push_back(2.0 * n * n * n * iters / seconds_since(t0));
-  }
-  return rates;
-}
+using cbench::matmul_rates;
+using cbench::seconds_since;
 
 int64_t peak_device_bytes(const at::Device& dev) {
 #ifdef COLOSSALAI_WITH_CUDA

@@ -8,6 +8,7 @@
 #
 #   bench/gpu/run.sh [--out-dir DIR] [--batch 8] [--steps 20] [--rounds 2]
 #                    [--llama-rounds N] [--compile] [--only RE] [--load MODEL]
+#                    [--scale MODELS]
 #
 # Each round runs, one after the other: ours with LibTorch's AdamW and the
 # whole logits (ours), with FusedAdamW (ours_fused_adamw), with FusedAdamW
@@ -30,6 +31,14 @@
 # --load MODEL (llama-1b, llama2-7b, llama3-8b) writes that directory and
 # times from_pretrained against a plain read of its files, with the host
 # peak (bench_load_pretrained; load.json).
+# --scale MODELS (comma-separated: llama2-7b, llama3-8b) fine-tunes each at
+# seq 4096 with every layer checkpointed, one run per setup: ours with
+# Gemini's static placement (the host share its memory formula needs) and
+# with ZeRO-2 cpu_offload (bench_gpu_scale_step), and PyTorch FSDP2 +
+# CPUOffloadPolicy on transformers' model (fsdp2_peer.py); a setup that
+# does not fit says so. scale_<model>_<setup>.json, then scale.json and
+# scale.md (with load.json's numbers). Names for --only:
+# scale_<model>_<setup>; --rounds 0 --only '^scale_' runs these alone.
 #
 # Environment: PYTHON (default python3) is the interpreter with the wheel;
 # BUILD_DIR (default build-gpu). Needs cmake, a C++17 compiler, zlib headers
@@ -49,6 +58,7 @@ llama_rounds=0
 llama_steps=10
 only=""
 load_model=""
+scale_models=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out-dir) out_dir="$2"; shift ;;
@@ -59,7 +69,8 @@ while [ $# -gt 0 ]; do
     --llama-rounds) llama_rounds="$2"; shift ;;
     --only) only="$2"; shift ;;
     --load) load_model="$2"; shift ;;
-    -h|--help) sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --scale) scale_models="$2"; shift ;;
+    -h|--help) sed -n '2,46p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -112,8 +123,9 @@ else
   fi
 fi
 grep -m1 "ColossalAI: LibTorch" "$out_dir/build.log" || true
-say "building bench_gpu_gpt_step bench_gpu_ops bench_load_pretrained"
+say "building bench_gpu_gpt_step bench_gpu_ops bench_load_pretrained bench_gpu_scale_step"
 if ! cmake --build "$BUILD_DIR" -j "$(nproc)" --target bench_gpu_gpt_step bench_gpu_ops bench_load_pretrained \
+    bench_gpu_scale_step \
     >>"$out_dir/build.log" 2>&1; then
   grep -m20 -E "error" "$out_dir/build.log" >&2 || tail -40 "$out_dir/build.log" >&2
   exit 1
@@ -207,5 +219,35 @@ if [ -n "$load_model" ]; then
     --out "$out_dir/load.json" >"$out_dir/load.log" 2>&1 || { tail -20 "$out_dir/load.log" >&2; exit 1; }
   tail -1 "$out_dir/load.log"
 fi
-"$PY" bench/gpu/report.py "$out_dir"
+scale_variants=(
+  "gemini_static|cpp|--setup gemini_static"
+  "zero2_offload|cpp|--setup zero2_offload"
+  "fsdp2_offload|py|--mode fsdp2_offload"
+)
+for model in ${scale_models//,/ }; do
+  for v in "${scale_variants[@]}"; do
+    IFS='|' read -r setup prog opts <<<"$v"
+    name=scale_${model}_$setup
+    if [ -n "$only" ] && ! [[ $name =~ $only ]]; then continue; fi
+    say "$name"
+    # A bound on each run: a stuck host step must not take the session.
+    if [ "$prog" = cpp ]; then
+      # shellcheck disable=SC2086
+      timeout 1200 "$BUILD_DIR/bench/bench_gpu_scale_step" --device cuda --model "$model" $opts \
+        --out "$out_dir/$name.json" >"$out_dir/$name.log" 2>&1
+    else
+      # shellcheck disable=SC2086
+      timeout 1200 "$PY" bench/gpu/fsdp2_peer.py --device cuda --model "$model" $opts \
+        --out "$out_dir/$name.json" >"$out_dir/$name.log" 2>&1
+    fi || say "$name failed (see $name.log)"
+    tail -1 "$out_dir/$name.log"
+  done
+done
+# The step report needs the rounds' results (--rounds 0 leaves none).
+if compgen -G "$out_dir/*_1.json" >/dev/null; then
+  "$PY" bench/gpu/report.py "$out_dir"
+fi
+if [ -n "$scale_models" ] || [ -n "$load_model" ]; then
+  "$PY" bench/gpu/scale_report.py "$out_dir"
+fi
 say "report: $out_dir/report.md"

@@ -69,6 +69,19 @@ std::vector<std::function<void()>> stream_snapshots(torch::nn::Module* owner) {
   return out;
 }
 
+// Depth of recomputations on this thread (the autograd engine runs a
+// device's backward on a thread of its own; the flag lives there).
+thread_local int recompute_depth = 0;
+
+struct RecomputeScope {
+  RecomputeScope() {
+    ++recompute_depth;
+  }
+  ~RecomputeScope() {
+    --recompute_depth;
+  }
+};
+
 class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
  public:
   static variable_list forward(
@@ -115,6 +128,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
       if (replay.autocast_cuda) {
         cuda_cast.emplace(at::kCUDA, *replay.autocast_cuda);
       }
+      RecomputeScope recomputing;
       outputs = replay.fn(detached);
     } catch (...) {
       set_generator_states(now);
@@ -155,6 +169,10 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
 };
 
 } // namespace
+
+bool in_checkpoint_recompute() {
+  return recompute_depth > 0;
+}
 
 std::vector<at::Tensor> checkpoint(
     const CheckpointFunction& fn,

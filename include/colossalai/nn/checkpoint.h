@@ -59,5 +59,10 @@ at::Tensor checkpoint(
     const at::Tensor& input,
     torch::nn::Module* owner = nullptr);
 
+/// Whether this thread is running a checkpointed function again in
+/// backward (its recomputation). A sharded model's units gather there as
+/// for their backward: the first run's gathers were released.
+bool in_checkpoint_recompute();
+
 } // namespace nn
 } // namespace colossalai

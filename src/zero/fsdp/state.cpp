@@ -1,5 +1,7 @@
 #include "state.h"
 
+#include <colossalai/nn/checkpoint.h>
+
 #include <colossalai/utils/compat.h>
 
 #include <torch/csrc/autograd/grad_mode.h>
@@ -156,12 +158,23 @@ void FsdpState::root_post_forward() {
 }
 
 void FsdpState::enter_scope(size_t s) {
+  // A checkpointed unit runs again in backward: it gathers as its backward
+  // would (the pre-backward hook of its new output then finds it gathered).
+  const bool recompute = !in_forward && nn::in_checkpoint_recompute();
   TORCH_CHECK(
-      in_forward,
+      in_forward || recompute,
       "FSDP: unit '",
       scopes[s].name,
       "' ran outside the boosted model's forward; call the model "
       "through the BoostedModel the booster returned");
+  if (recompute) {
+    placement->moment();
+    gather_scope(s);
+    for (size_t k : scopes[s].units) {
+      ++open_scopes[k];
+    }
+    return;
+  }
   if (recording && std::find(order.begin(), order.end(), s) == order.end()) {
     order.push_back(s);
   }
@@ -189,9 +202,12 @@ at::Tensor FsdpState::exit_scope(size_t s, const at::Tensor& output) {
     });
   }
   const bool no_grad = !torch::autograd::GradMode::is_enabled();
+  // A recomputation's backward comes next: the unit stays gathered for it
+  // and reshards when its gradients are reduced (on_bucket_ready).
+  const bool recompute = !in_forward && nn::in_checkpoint_recompute();
   for (size_t k : scopes[s].units) {
     // A unit another open scope still uses stays (chunks shared by scopes).
-    if (--open_scopes[k] == 0 &&
+    if (--open_scopes[k] == 0 && !recompute &&
         (reshard_after_forward(units[k]) || (no_grad && reshard_at_rest()))) {
       reshard(k);
     }
