@@ -171,6 +171,25 @@ TEST(FinetuneLm, Zero2LossFallsAndResumeEqualsTheStraightRun) {
   }
 }
 
+// The 7B recipe's options on a tiny LLaMA: every layer recomputed in
+// backward, the fp32 state of half of Gemini's chunk bytes (or all of
+// ZeRO-2's) in host memory, HybridAdam stepping it there.
+TEST(FinetuneLm, OffloadedStatesWithRecomputationLossFalls) {
+  if (corpus().empty()) {
+    GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
+  }
+  Scratch dir;
+  for (const std::string plugin :
+       {"gemini --offload-frac 0.5", "zero2 --offload"}) {
+    SCOPED_TRACE(plugin);
+    const std::string out = dir.path + "/" + plugin.substr(0, 5);
+    expect_trains(
+        run(" --nproc 2 --config llama-tiny --grad-checkpoint --plugin " +
+            plugin + kSmall + "--out " + out + " --checkpoint " + out + "_ckpt"),
+        out);
+  }
+}
+
 // A LoRA run resumed from its checkpoint (the adapters, the optimizer and
 // the scheduler of checkpoint-6) equals the straight run from step 7 on.
 TEST(FinetuneLm, LoraResumeEqualsTheStraightRun) {
@@ -769,6 +788,9 @@ TEST(FinetuneLm, BadOptionsAreNamed) {
   has("--data /nonexistent/corpus.txt", "does not exist");
   has("--plugin none --nproc 2", "--plugin none trains in one process");
   has("--plugin tensor", "--plugin");
+  has("--plugin ddp --offload", "--offload needs --plugin zero1, zero2 or gemini");
+  has("--plugin gemini --offload-frac 1.5", "--offload-frac is gemini's static share");
+  has("--plugin zero2 --placement auto", "--placement needs --plugin gemini");
 }
 
 #else

@@ -11,6 +11,7 @@
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
 #include <colossalai/models/opt.h>
+#include <colossalai/quantization/bnb.h>
 #include <colossalai/utils/compat.h>
 
 #include <zoo/gpt.h>
@@ -837,6 +838,34 @@ TEST(Kernels, AdamWStepCudaKernelEqualsTheReference) {
   for (size_t i = 0; i < a.p.size(); ++i) {
     EXPECT_TRUE(at::allclose(a.p[i], f.p[i], 1e-6, 1e-7)) << "param " << i << " vs ATen's fused AdamW";
     EXPECT_TRUE(at::allclose(a.v[i], f.v[i], 1e-6, 1e-12)) << "exp_avg_sq " << i << " vs ATen's fused AdamW";
+  }
+}
+
+// ------------------------------------------------- dequantize_4bit (CUDA)
+
+// The kernel forms each value as the CPU pass does (code x absmax in fp32,
+// rounded once, to nearest even): equal bit for bit, for NF4 and FP4, with
+// and without double quantization, an odd length and an odd blocksize.
+TEST(Kernels, Dequantize4bitCudaKernelEqualsTheCpuPass) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  namespace q = colossalai::quantization;
+  torch::manual_seed(5);
+  for (const std::string type : {"nf4", "fp4"}) {
+    for (const bool nested : {false, true}) {
+      for (const int64_t blocksize : {64, 63}) {
+        const auto w = torch::randn({129, 77}).mul(0.05);
+        auto [packed, state] = q::quantize_4bit(w, blocksize, type, nested);
+        for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+          SCOPED_TRACE(type + (nested ? " nested " : " ") + std::to_string(blocksize) + " " + c10::toString(t));
+          const auto cpu = q::dequantize_4bit(packed, state, t);
+          const auto gpu = q::dequantize_4bit(packed.to(at::kCUDA), state, t);
+          ASSERT_TRUE(gpu.is_cuda());
+          EXPECT_TRUE(at::equal(gpu.cpu(), cpu));
+        }
+      }
+    }
   }
 }
 

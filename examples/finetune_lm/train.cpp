@@ -3,7 +3,8 @@
 //   finetune_lm [--model DIR | --config gpt2-tiny|llama-tiny] [--data PATH]
 //               [--plugin none|ddp|zero1|zero2|fsdp|gemini|hybrid|moe_hybrid]
 //               [--tp N] [--pp N] [--sp N] [--sp-mode M] [--zero N] [--ep N]
-//               [--lora R] [--qlora]
+//               [--lora R] [--qlora] [--offload] [--offload-frac F]
+//               [--placement static|auto] [--grad-checkpoint]
 //               [--precision fp32|bf16|fp16] [--steps N] [--seq-len T]
 //               [--batch-size B] [--lr X] [--warmup N] [--schedule S]
 //               [--checkpoint DIR] [--save-every N] [--keep-last K]
@@ -31,6 +32,7 @@
 #include <colossalai/models/generation.h>
 #include <colossalai/models/pretrained.h>
 #include <colossalai/models/tokenizer.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/nn/lr_scheduler/cosine.h>
 #include <colossalai/quantization/quantize_model.h>
 
@@ -70,6 +72,9 @@ struct Args {
   std::string sp_mode = "all_to_all";
   int lora = 0;
   bool qlora = false;
+  bool offload = false, grad_checkpoint = false;
+  double offload_frac = -1; // unset
+  std::string placement = "static";
   std::string precision = "fp32";
   int64_t steps = 100, seq_len = 64, batch_size = 8, vocab_size = 1024;
   double lr = 1e-3;
@@ -135,6 +140,24 @@ Args parse(int argc, char** argv) {
   app.add_option("--lora", a.lora, "LoRA rank (0: full fine-tuning)")
       ->capture_default_str();
   app.add_flag("--qlora", a.qlora, "LoRA on a 4-bit NF4 base (--lora R)");
+  app.add_flag(
+      "--offload",
+      a.offload,
+      "zero1 / zero2: fp32 masters, gradients and AdamW states in host "
+      "memory (cpu_offload); gemini: all chunks' (offload_optim_frac 1)");
+  app.add_option(
+      "--offload-frac",
+      a.offload_frac,
+      "gemini, static placement: share of the chunk bytes whose fp32 state "
+      "lives in host memory");
+  app.add_option("--placement", a.placement, "gemini: placement policy")
+      ->check(CLI::IsMember({"static", "auto"}))
+      ->capture_default_str();
+  app.add_flag(
+      "--grad-checkpoint",
+      a.grad_checkpoint,
+      "recompute every layer's activations in backward (less memory, one "
+      "more forward)");
   app.add_option("--precision", a.precision, "fp16 needs CUDA")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
@@ -264,6 +287,21 @@ Args parse(int argc, char** argv) {
            a.pp == 1 && a.ep == 1),
       "--lora works with --plugin none, ddp, zero1, zero2 and hybrid at "
       "--tp 1 --pp 1 --ep 1");
+  const bool zero = a.plugin == "zero1" || a.plugin == "zero2";
+  TORCH_CHECK(
+      !a.offload || zero || a.plugin == "gemini",
+      "--offload needs --plugin zero1, zero2 or gemini (got --plugin ",
+      a.plugin,
+      ")");
+  TORCH_CHECK(
+      a.offload_frac < 0 ||
+          (a.plugin == "gemini" && a.placement == "static" && !a.offload &&
+           a.offload_frac <= 1),
+      "--offload-frac is gemini's static share in [0, 1], without --offload "
+      "(its share is 1) or --placement auto");
+  TORCH_CHECK(
+      a.placement == "static" || a.plugin == "gemini",
+      "--placement needs --plugin gemini");
   TORCH_CHECK(
       a.save_every >= 0, "--save-every must be >= 0, got ", a.save_every);
   TORCH_CHECK(a.keep_last >= 1, "--keep-last must be >= 1, got ", a.keep_last);
@@ -405,7 +443,8 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
         std::make_shared<LowLevelZeroPlugin>(
             LowLevelZeroPluginOptions()
                 .stage(a.plugin == "zero1" ? 1 : 2)
-                .precision(a.precision)),
+                .precision(a.precision)
+                .cpu_offload(a.offload)),
         ""};
   }
   if (a.plugin == "fsdp") {
@@ -420,17 +459,20 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
         ""};
   }
   if (a.plugin == "gemini") {
-    return {
-        std::make_shared<GeminiPlugin>(
-            GeminiPluginOptions().precision(a.precision)),
-        ""};
+    auto o = GeminiPluginOptions().precision(a.precision).placement_policy(
+        a.placement);
+    if (a.placement == "static") {
+      o.offload_optim_frac(a.offload ? 1.0 : std::max(0.0, a.offload_frac));
+    }
+    return {std::make_shared<GeminiPlugin>(o), ""};
   }
   auto o = HybridParallelPluginOptions()
                .tp_size(a.tp)
                .pp_size(a.pp)
                .zero_stage(a.zero)
                .precision(a.precision)
-               .ep_size(a.ep);
+               .ep_size(a.ep)
+               .gradient_checkpointing_ratio(a.grad_checkpoint ? 1.0 : 0.0);
   if (a.pp > 1) {
     o.num_microbatches(a.pp);
   }
@@ -686,9 +728,25 @@ int train(const Args& a) {
         a.qlora ? std::optional(qlora_config()) : std::nullopt,
         a.qlora);
   }
-  auto optimizer = std::make_shared<torch::optim::AdamW>(
-      model->parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
+  // Optimizer states in host memory step on the host: HybridAdam's
+  // all-core CPU kernel there (its device step elsewhere), as ColossalAI
+  // pairs it with Gemini and ZeRO offload; LibTorch's AdamW otherwise.
+  const bool host_states =
+      a.offload || a.offload_frac > 0 || a.placement == "auto";
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
+  if (host_states) {
+    optimizer = std::make_shared<colossalai::nn::optimizer::HybridAdam>(
+        model->parameters(),
+        colossalai::nn::optimizer::HybridAdamOptions(a.lr).weight_decay(0.01));
+  } else {
+    optimizer = std::make_shared<torch::optim::AdamW>(
+        model->parameters(),
+        torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
+  }
   auto boosted = booster.boost(model, optimizer);
+  if (a.grad_checkpoint) { // the hybrid plugin's option set it already
+    model->parallel_state().gradient_checkpointing_ratio = 1.0;
+  }
 
   const int dp_rank = plugin ? plugin->dp_rank() : 0;
   const int dp = plugin ? plugin->dp_size() : 1;
@@ -855,7 +913,7 @@ int train(const Args& a) {
   if (rank == 0) {
     std::printf(
         "finetune_lm: %s (%lld parameters, %lld trainable), %zu documents, "
-        "%lld sequences of %lld tokens; %d rank(s), plugin %s%s, %s\n",
+        "%lld sequences of %lld tokens; %d rank(s), plugin %s%s, %s%s%s\n",
         a.model_dir.empty() ? a.config.c_str() : a.model_dir.c_str(),
         static_cast<long long>([&] {
           int64_t c = 0;
@@ -883,7 +941,9 @@ int train(const Args& a) {
                (a.ep > 1 ? ", ep " + std::to_string(a.ep) : "") + ")")
                   .c_str()
             : "",
-        a.lora ? (a.qlora ? "QLoRA" : "LoRA") : "full fine-tuning");
+        a.lora ? (a.qlora ? "QLoRA" : "LoRA") : "full fine-tuning",
+        host_states ? ", optimizer states in host memory (HybridAdam)" : "",
+        a.grad_checkpoint ? ", every layer recomputed in backward" : "");
     if (first > 0) {
       std::printf(
           "resumed from '%s/checkpoint-%lld'\n",

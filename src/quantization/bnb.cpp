@@ -4,6 +4,14 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+#include "../kernels/cuda_launch.h"
+#include "../kernels/dequantize_4bit_cuda.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 
@@ -373,7 +381,32 @@ at::Tensor dequantize_4bit(
         });
     return out;
   }
-  // Elsewhere (CUDA): the same arithmetic as ATen kernels on the device.
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (device.is_cuda() &&
+      (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) {
+    TORCH_CHECK(
+        code.numel() == 16,
+        "dequantize_4bit: the code table must hold 16 values, got ",
+        code.numel());
+    const c10::cuda::CUDAGuard guard(device);
+    auto bytes = packed.contiguous();
+    auto out = at::empty(st.shape, packed.options().dtype(dtype));
+    kernels::cuda::check_launch(
+        kernels::cuda::dequantize_4bit(
+            kernels::cuda::dtype_of(dtype, "dequantize_4bit"),
+            bytes.data_ptr<uint8_t>(),
+            absmax.data_ptr<float>(),
+            code.data_ptr<float>(),
+            st.blocksize,
+            n,
+            out.data_ptr(),
+            c10::cuda::getCurrentCUDAStream().stream()),
+        "dequantize_4bit",
+        "the kernel's launch");
+    return out;
+  }
+#endif
+  // Elsewhere: the same arithmetic as ATen kernels on the device.
   auto bytes = packed.reshape(-1).to(at::kInt);
   auto idx =
       at::stack(

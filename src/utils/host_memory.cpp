@@ -2,6 +2,14 @@
 
 #include <ATen/ATen.h>
 
+#ifdef COLOSSALAI_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <c10/util/Optional.h>
+
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
@@ -56,6 +64,58 @@ at::Tensor offload_to_host(const at::Tensor& t) {
       t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
   host.copy_(t);
   return host;
+}
+
+// NOTE [Offload copies overlap the backward]
+struct HostCopies::Impl {
+#ifdef COLOSSALAI_WITH_CUDA
+  c10::optional<c10::cuda::CUDAStream> side;
+  c10::optional<at::cuda::CUDAEvent> last; // the side stream's latest copy
+#endif
+};
+
+HostCopies::HostCopies() : impl_(std::make_unique<Impl>()) {}
+
+HostCopies::~HostCopies() {
+  try {
+    wait();
+  } catch (...) { // a destructor must not throw; the copies are lost anyway
+  }
+}
+
+void HostCopies::copy(const at::Tensor& dst, const at::Tensor& src) {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (src.is_cuda() && dst.is_cpu() && dst.is_pinned()) {
+    const auto index = src.device().index();
+    const c10::cuda::CUDAGuard guard(src.device());
+    const auto s = src.to(dst.scalar_type()); // on the device
+    if (!impl_->side || impl_->side->device_index() != index) {
+      wait();
+      impl_->side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
+    }
+    at::cuda::CUDAEvent queued;
+    queued.record(c10::cuda::getCurrentCUDAStream(index));
+    queued.block(*impl_->side);
+    {
+      const c10::cuda::CUDAStreamGuard on_side(*impl_->side);
+      dst.copy_(s, /*non_blocking=*/true);
+    }
+    s.record_stream(*impl_->side);
+    impl_->last.emplace();
+    impl_->last->record(*impl_->side);
+    return;
+  }
+#endif
+  dst.copy_(src);
+}
+
+void HostCopies::wait() {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (impl_->last) {
+    impl_->last->synchronize();
+    impl_->last.reset();
+  }
+#endif
 }
 
 at::Tensor zeros_like_pinned(const at::Tensor& t) {

@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
+
 namespace colossalai {
 namespace utils {
 
@@ -16,6 +18,35 @@ at::Tensor offload_to_host(const at::Tensor& t);
 /// Zeros shaped like `t`, on its device, page-locked when `t` is (empty_like
 /// does not keep pinning).
 at::Tensor zeros_like_pinned(const at::Tensor& t);
+
+/// NOTE [Offload copies overlap the backward]
+/// A gradient shard whose state lives on the host reaches it while the
+/// backward goes on: a copy into a page-locked host tensor runs on a side
+/// stream, ordered after the work queued before it (the reduction that
+/// produced its source), while the device computes what follows; the
+/// source is marked in use by that stream, so the caching allocator does
+/// not hand its memory out before the copy has read it. A blocking copy
+/// here would drain the device's queue at every offloaded shard and leave
+/// it idle while the host catches up. Readers of a destination call wait()
+/// first (the sharded optimizers do when their backward finalizes).
+/// Elsewhere (a host source, a pageable destination, a CPU-only build) a
+/// copy is the plain blocking copy_.
+class HostCopies {
+ public:
+  HostCopies();
+  ~HostCopies();
+  HostCopies(const HostCopies&) = delete;
+  HostCopies& operator=(const HostCopies&) = delete;
+  /// dst (host) = src, converted to dst's dtype on src's device (the bus
+  /// carries dst's bytes).
+  void copy(const at::Tensor& dst, const at::Tensor& src);
+  /// Blocks until every copy started has landed.
+  void wait();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// Makes glibc keep freed memory in the process instead of handing it back
 /// to the kernel: NOTE [Freed host memory stays in the process]. Returns

@@ -107,7 +107,10 @@ std::pair<at::Tensor, QuantState4bit> quantize_4bit(
     bool compress_statistics = false);
 
 /// The dequantized tensor (state.shape, state.dtype). On the CPU one
-/// parallel pass over the packed bytes; on other devices ATen kernels.
+/// parallel pass over the packed bytes; on a GPU one kernel
+/// (src/kernels/dequantize_4bit.cu) where the build has CUDA kernels and
+/// the dtype is float32, float16 or bfloat16; elsewhere ATen kernels. All
+/// three give the same values (each formed in fp32, rounded once).
 at::Tensor dequantize_4bit(
     const at::Tensor& packed,
     const QuantState4bit& state);

@@ -82,6 +82,22 @@ void FlatParams::make_pieces() {
   }
 }
 
+void accumulate_grad(
+    FlatParams& g,
+    const at::Tensor& reduced,
+    utils::HostCopies& copies) {
+  auto& dst = g.shard_grad;
+  if (g.grad_is_zero) { // a copy, overlapped where it crosses to the host
+    copies.copy(dst, reduced);
+  } else if (reduced.device() == dst.device()) {
+    dst.add_(reduced); // reads the reduced dtype as it goes
+  } else {
+    copies.wait(); // a copy into this shard may still be landing
+    dst.add_(reduced.to(dst.device(), at::kFloat));
+  }
+  g.grad_is_zero = false;
+}
+
 distributed::Work all_gather_flat(
     at::Tensor& full,
     const at::Tensor& shard,

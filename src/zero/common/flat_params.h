@@ -16,6 +16,8 @@
 
 #include <colossalai/distributed/collectives.h>
 
+#include "../../utils/host_memory.h"
+
 #include <ATen/ATen.h>
 
 #include <vector>
@@ -91,6 +93,9 @@ struct FlatParams {
   std::vector<at::Tensor> params; // the model's parameters
   at::Tensor shard_data;          // fp32 s: master weights
   at::Tensor shard_grad;          // fp32 s
+  /// shard_grad holds zeros (after construction and every zeroing): the
+  /// next reduced gradient may be copied in instead of added.
+  bool grad_is_zero = true;
   std::vector<at::Tensor> pieces; // the optimizer's tensors
   /// The ranks sharing this group's shards when they are not the
   /// optimizer's (ZeRO's experts, over the ranks holding them); null: the
@@ -100,6 +105,15 @@ struct FlatParams {
   /// Makes `pieces` from `shard_data` and `shard_grad`.
   void make_pieces();
 };
+
+/// g.shard_grad += reduced (read as float32). Into a zero shard the sum is
+/// a copy, made through `copies` (NOTE [Offload copies overlap the
+/// backward] when it crosses to the host): copies.wait() before shard_grad
+/// is read.
+void accumulate_grad(
+    FlatParams& g,
+    const at::Tensor& reduced,
+    utils::HostCopies& copies);
 
 /// Starts the all-gather of every rank's `shard` into the padded `full`
 /// (no collective when the layout has one rank: a copy).

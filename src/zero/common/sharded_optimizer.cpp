@@ -202,6 +202,7 @@ void ShardedOptimizer::zero_grad(bool set_to_none) {
   partials_summed_ = false;
   for (auto* g : groups_) {
     g->shard_grad.zero_(); // the pieces' gradients are views of it
+    g->grad_is_zero = true;
   }
   zero_extra_grads(set_to_none);
 }

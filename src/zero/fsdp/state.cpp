@@ -286,7 +286,7 @@ void FsdpState::complete(size_t bucket) {
   if (S > 1 && R > 1) {
     distributed::all_reduce(u.reduced, *replicate_group).wait();
   }
-  u.shard_grad.add_(u.reduced.to(u.shard_grad.device(), at::kFloat));
+  accumulate_grad(u, u.reduced, host_copies);
   if (u.offloaded) {
     placement->moved_to_host(u.reduced.numel() * u.reduced.element_size());
   }
@@ -296,6 +296,7 @@ void FsdpState::complete(size_t bucket) {
 }
 
 void FsdpState::on_finalized(bool /*synced*/) {
+  host_copies.wait(); // the step reads the host gradient shards next
   if (reshard_at_rest()) {
     for (size_t k = 0; k < units.size(); ++k) {
       reshard(k); // includes units prefetched but never used
@@ -305,6 +306,7 @@ void FsdpState::on_finalized(bool /*synced*/) {
 }
 
 void FsdpState::on_reset() {
+  host_copies.wait();
   for (auto& u : units) {
     u.flat_grad = at::Tensor();
     u.reduced = at::Tensor();

@@ -87,6 +87,9 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
   std::vector<at::Tensor> ignored_params; // neither sharded nor reduced
   // Gradient reduction: one bucket per unit with trainable parameters.
   std::shared_ptr<distributed::GradBucketer> bucketer;
+  // Device-to-host gradient copies of the host tier (NOTE [Offload copies
+  // overlap the backward]).
+  utils::HostCopies host_copies;
   std::vector<std::pair<size_t, size_t>> grad_params; // (unit, index)
   std::vector<size_t> bucket_unit;
   std::vector<std::vector<size_t>> buckets; // until the bucketer exists

@@ -47,6 +47,9 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   std::vector<at::Tensor> working;              // in optimizer order
   at::ScalarType comm_dtype = at::kFloat;
   std::shared_ptr<distributed::GradBucketer> bucketer;
+  // Device-to-host gradient copies of cpu_offload (NOTE [Offload copies
+  // overlap the backward]).
+  utils::HostCopies host_copies;
   int64_t gathers = 0;
 
   // Parameters with a group of their own (pg_to_param_list), by identity.
@@ -196,16 +199,17 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
 
   void complete(size_t k) override {
     auto& b = buckets[k];
-    // Same device: the add reads the communication dtype as it goes.
-    b.shard_grad.add_(
-        b.out.device() == b.shard_grad.device()
-            ? b.out
-            : b.out.to(b.shard_grad.device(), at::kFloat));
+    detail::accumulate_grad(b, b.out, host_copies);
     b.grads = at::Tensor();
     b.out = at::Tensor();
   }
 
+  void on_finalized(bool /*synced*/) override {
+    host_copies.wait(); // the step reads the host gradient shards next
+  }
+
   void on_reset() override {
+    host_copies.wait();
     for (auto& b : buckets) {
       b.grads = at::Tensor();
       b.out = at::Tensor();
@@ -299,6 +303,7 @@ void LowLevelZeroOptimizer::step() {
   ShardedOptimizer::step();
   for (auto& b : impl_->buckets) {
     b.shard_grad.zero_();
+    b.grad_is_zero = true;
   }
 }
 

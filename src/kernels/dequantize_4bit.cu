@@ -1,0 +1,83 @@
+// QLoRA's 4-bit base weights (NF4 / FP4, bitsandbytes' packing) dequantized
+// in one pass: each thread reads 4 packed bytes and writes their 8 values,
+// so the kernel moves 4 bits in and 16 bits out per bf16 value (the ATen
+// composition widens the bytes to int32 and the indices to int64 on the
+// way).
+
+#include "dequantize_4bit_cuda.h"
+
+#include "cuda_device.cuh"
+
+#include <cstdint>
+
+namespace colossalai {
+namespace kernels {
+namespace cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kBytes = 4; // packed bytes per thread
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) dequantize_4bit_kernel(
+    const uint8_t* __restrict__ packed,
+    const float* __restrict__ absmax,
+    const float* __restrict__ code,
+    int64_t blocksize,
+    int64_t n,
+    T* __restrict__ out) {
+  __shared__ float table[16];
+  if (threadIdx.x < 16) {
+    table[threadIdx.x] = code[threadIdx.x];
+  }
+  __syncthreads();
+  const int64_t bytes = (n + 1) / 2;
+  // Byte k of this block's share is read by thread k % kThreads: a warp
+  // reads 32 neighbouring bytes and writes their 64 neighbouring values.
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads * kBytes + threadIdx.x;
+#pragma unroll
+  for (int k = 0; k < kBytes; ++k) {
+    const int64_t b = first + static_cast<int64_t>(k) * kThreads;
+    if (b >= bytes) {
+      break;
+    }
+    const uint8_t byte = packed[b];
+    const int64_t i = 2 * b;
+    const int64_t block = i / blocksize;
+    out[i] = from_float<T>(table[byte >> 4] * absmax[block]);
+    if (i + 1 < n) { // an odd blocksize may start a block at i + 1
+      const int64_t next = i + 1 == (block + 1) * blocksize ? block + 1 : block;
+      out[i + 1] = from_float<T>(table[byte & 15] * absmax[next]);
+    }
+  }
+}
+
+} // namespace
+
+cudaError_t dequantize_4bit(
+    Dtype dtype,
+    const uint8_t* packed,
+    const float* absmax,
+    const float* code,
+    int64_t blocksize,
+    int64_t n,
+    void* out,
+    cudaStream_t stream) {
+  const int64_t bytes = (n + 1) / 2;
+  if (bytes == 0) {
+    return cudaSuccess;
+  }
+  const int64_t per_block = static_cast<int64_t>(kThreads) * kBytes;
+  const auto grid = static_cast<unsigned>((bytes + per_block - 1) / per_block);
+  return by_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    dequantize_4bit_kernel<T><<<grid, kThreads, 0, stream>>>(
+        packed, absmax, code, blocksize, n, static_cast<T*>(out));
+    return cudaGetLastError();
+  });
+}
+
+} // namespace cuda
+} // namespace kernels
+} // namespace colossalai
