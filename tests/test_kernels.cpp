@@ -7,6 +7,7 @@
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/rms_norm.h>
+#include <colossalai/kernels/silu_mul.h>
 #include <colossalai/models/bloom.h>
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
@@ -864,6 +865,95 @@ TEST(Kernels, Dequantize4bitCudaKernelEqualsTheCpuPass) {
           ASSERT_TRUE(gpu.is_cuda());
           EXPECT_TRUE(at::equal(gpu.cpu(), cpu));
         }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------- silu_mul
+
+struct SiluMulGrads {
+  at::Tensor out, d_gate, d_up;
+};
+
+template <class Op>
+SiluMulGrads run_silu_mul(const Op& op, const at::Tensor& g0, const at::Tensor& u0, const at::Tensor& dy) {
+  auto g = g0.detach().clone().requires_grad_(true);
+  auto u = u0.detach().clone().requires_grad_(true);
+  auto out = op(g, u);
+  out.backward(dy);
+  return {out.detach(), g.grad(), u.grad()};
+}
+
+// The function in float64 from the same (rounded) inputs.
+SiluMulGrads silu_mul_float64(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dy) {
+  return run_silu_mul(
+      [](const at::Tensor& a, const at::Tensor& b) { return at::silu(a) * b; },
+      g.to(at::kDouble), u.to(at::kDouble), dy.to(at::kDouble));
+}
+
+// Largest |a - b| / (|b| + tiny), elementwise.
+double max_elementwise_rel(const at::Tensor& a, const at::Tensor& b, double tiny) {
+  const auto bd = b.to(at::kDouble);
+  return ((a.to(at::kDouble) - bd).abs() / (bd.abs() + tiny)).max().item<double>();
+}
+
+// max|a - b| / max|b|: silu's derivative s (1 + x (1 - s)) crosses zero
+// (x near -1.28), where an elementwise ratio measures the cancellation, not
+// the rounding.
+double max_normwise_rel(const at::Tensor& a, const at::Tensor& b) {
+  const auto bd = b.to(at::kDouble);
+  return (a.to(at::kDouble) - bd).abs().max().item<double>() / bd.abs().max().item<double>();
+}
+
+// The fused algorithm forms each value in float32 and rounds it once: in
+// bf16 within its unit roundoff (2^-8 relative) of the float64 function
+// plus float32's own error, in float32 within a few ulps; on the CPU the
+// layer's path stays the reference, bit for bit.
+TEST(Kernels, SiluMulFusedAlgorithmIsTheFunctionRoundedOnce) {
+  torch::manual_seed(6);
+  const auto g = torch::randn({37, 33}).mul(3), u = torch::randn({37, 33}), dy = torch::randn({37, 33});
+  for (auto t : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(t));
+    const auto a = run_silu_mul(kn::detail::silu_mul_fused, g.to(t), u.to(t), dy.to(t));
+    const auto f = silu_mul_float64(g.to(t), u.to(t), dy.to(t));
+    const double bound = t == at::kFloat ? 8 * std::pow(2.0, -24) : std::pow(2.0, -8) + 8 * std::pow(2.0, -24);
+    EXPECT_LT(max_elementwise_rel(a.out, f.out, 1e-30), bound);
+    EXPECT_LT(max_normwise_rel(a.d_gate, f.d_gate), bound);
+    EXPECT_LT(max_elementwise_rel(a.d_up, f.d_up, 1e-30), bound);
+  }
+  EXPECT_FALSE(kn::silu_mul_fused_applies(g, u));
+  EXPECT_TRUE(at::equal(kn::silu_mul(g, u), at::silu(g) * u));
+  EXPECT_THROW(kn::detail::silu_mul_fused(g, u.narrow(0, 0, 5)), c10::Error);
+}
+
+// On a GPU the kernels (16-byte packs, and one element at a time for a
+// ragged length or a misaligned start) against the float64 function: the
+// dtype's unit roundoff plus float32's error and expf's (2 ulps).
+TEST(Kernels, SiluMulCudaKernelsAreTheFunctionRoundedOnce) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  torch::manual_seed(7);
+  for (const int64_t n : {8 * 1024, 37 * 33}) {
+    for (const bool misaligned : {false, true}) {
+      for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+        SCOPED_TRACE(std::to_string(n) + (misaligned ? " misaligned " : " ") + c10::toString(t));
+        auto make = [&](double scale) {
+          auto base = torch::randn({n + 1}).mul(scale).to(at::device(at::kCUDA).dtype(t));
+          return misaligned ? base.narrow(0, 1, n) : base.narrow(0, 0, n);
+        };
+        const auto g = make(3), u = make(1), dy = make(1);
+        ASSERT_TRUE(kn::silu_mul_fused_applies(g, u));
+        const auto a = run_silu_mul(kn::silu_mul, g, u, dy);
+        const auto f = silu_mul_float64(g.cpu(), u.cpu(), dy.cpu());
+        const double roundoff = t == at::kFloat ? 0.0 : t == at::kHalf ? std::pow(2.0, -11) : std::pow(2.0, -8);
+        const double bound = roundoff + 16 * std::pow(2.0, -24);
+        // Half precision's subnormals: an absolute floor.
+        const double tiny = t == at::kHalf ? 1e-4 : 1e-30;
+        EXPECT_LT(max_elementwise_rel(a.out.cpu(), f.out, tiny), bound);
+        EXPECT_LT(max_normwise_rel(a.d_gate.cpu(), f.d_gate), bound);
+        EXPECT_LT(max_elementwise_rel(a.d_up.cpu(), f.d_up, tiny), bound);
       }
     }
   }

@@ -1,7 +1,9 @@
 // Each fused op alone against its ATen composition, on one device: the
 // cross-entropy gradient kernel on one chunk of GPT-2 logits, the fused
-// linear + cross-entropy over a whole GPT-2 medium batch, RMSNorm at a
-// Llama 1B width; forward and backward. Medians over --reps timed runs
+// linear + cross-entropy over a whole GPT-2 medium batch, RMSNorm and the
+// SwiGLU gate at Llama 1B's widths, forward and backward; an AdamW step
+// over GPT-2 medium's parameters that writes their bf16 copies, against
+// ATen's fused AdamW and a cast. Medians over --reps timed runs
 // after warm-up, with the p10-p90 spread; JSON to --out, a table on stdout.
 //
 //   bench_gpu_ops [--device cuda|cpu] [--dtype bf16|fp32] [--reps 20] [--out FILE.json]
@@ -9,8 +11,11 @@
 // On the CPU (no CUDA kernels) the ops run their ATen algorithms: what
 // the chunking alone costs or saves there.
 
+#include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/rms_norm.h>
+#include <colossalai/kernels/silu_mul.h>
+#include <colossalai/utils/compat.h>
 
 #include "../bench_util.h"
 
@@ -152,6 +157,66 @@ int main(int argc, char** argv) {
       r.aten = time_ms(dev, reps, [&] { run(false); });
       // x, dy read twice (forward, backward), y and dx written, once each.
       r.bytes = 6.0 * n * c * x.element_size();
+      rows.push_back(r);
+    }
+
+    // 4. SwiGLU's gate at Llama 3.2 1B's MLP width over a 4 x 2048 batch.
+    {
+      const int64_t n = gpu ? 8192 : 256, c = 8192;
+      auto g = torch::randn({n, c}, opts).requires_grad_(true);
+      auto u = torch::randn({n, c}, opts).requires_grad_(true);
+      const auto dy = torch::randn({n, c}, opts);
+      Row r{"silu(gate) * up, forward + backward", std::to_string(n) + " x 8192 " + dtype};
+      auto run = [&](bool fused) {
+        g.mutable_grad() = at::Tensor();
+        u.mutable_grad() = at::Tensor();
+        auto y = fused ? kn::silu_mul(g, u) : kn::silu_mul_reference(g, u);
+        y.backward(dy);
+      };
+      r.ours = time_ms(dev, reps, [&] { run(true); });
+      r.aten = time_ms(dev, reps, [&] { run(false); });
+      // Forward: gate, up in, out; backward: dy, gate, up in, two out.
+      r.bytes = 8.0 * n * c * g.element_size();
+      rows.push_back(r);
+    }
+
+    // 5. AdamW over GPT-2 medium's tensors (float32 masters) writing their
+    // bf16 copies: one kernel, against ATen's fused AdamW and a cast.
+    if (colossalai::compat::has_fused_adam(dev)) {
+      const int64_t d = gpu ? 1024 : 128, layers = gpu ? 24 : 2;
+      std::vector<std::vector<int64_t>> shapes{{gpu ? 50304 : 4096, d}, {1024, d}};
+      for (int64_t l = 0; l < layers; ++l) {
+        for (const auto& sh : std::vector<std::vector<int64_t>>{
+                 {3 * d, d}, {3 * d}, {d, d}, {d}, {4 * d, d}, {4 * d}, {d, 4 * d}, {d}, {d}, {d}, {d}, {d}}) {
+          shapes.push_back(sh);
+        }
+      }
+      const auto f32 = at::TensorOptions().device(dev).dtype(at::kFloat);
+      std::vector<at::Tensor> p, grad, m, v, w;
+      int64_t numel = 0;
+      for (const auto& sh : shapes) {
+        p.push_back(torch::randn(sh, f32));
+        grad.push_back(torch::randn(sh, f32).mul(1e-3));
+        m.push_back(torch::zeros(sh, f32));
+        v.push_back(torch::zeros(sh, f32));
+        w.push_back(torch::empty(sh, f32.dtype(at::kBFloat16)));
+        numel += p.back().numel();
+      }
+      std::vector<int64_t> steps(p.size(), 1);
+      const auto o = kn::AdamWStepOptions().lr(3e-4).weight_decay(0.01);
+      Row r{"AdamW with bf16 copies", std::to_string(numel / 1000000) + "M params, " +
+                std::to_string(p.size()) + " tensors"};
+      r.ours = time_ms(dev, reps, [&] { kn::adamw_step_(p, grad, m, v, w, steps, o); });
+      std::vector<at::Tensor> step_t;
+      for (size_t i = 0; i < p.size(); ++i)
+        step_t.push_back(torch::ones({}, f32));
+      r.aten = time_ms(dev, reps, [&] {
+        colossalai::compat::fused_adam_(p, grad, m, v, {}, step_t, 3e-4, 0.9, 0.999, 0.01, 1e-8, false, true);
+        for (size_t i = 0; i < p.size(); ++i)
+          w[i].copy_(p[i]);
+      });
+      // Read p, g, m, v; write p, m, v and the copy.
+      r.bytes = numel * (7.0 * 4 + 2);
       rows.push_back(r);
     }
 

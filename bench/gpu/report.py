@@ -28,7 +28,8 @@ def main():
     order = ["ours", "ours_fused_adamw", "ours_fused", "ours_hybrid_adam",
              "ours_zero1_bf16_logits", "ours_zero1_bf16", "torch", "torch_fused",
              "torch_compile", "torch_loop", "llama_ours", "llama_ours_fused_adamw",
-             "llama_ours_fused", "llama_ours_zero1_bf16", "llama_torch_fused"]
+             "llama_ours_fused", "llama_ours_zero1_bf16", "llama_torch_fused",
+             "llama_torch_compile"]
     found = sorted({re.sub(r"_[0-9]+\.json$", "", os.path.basename(p))
                     for p in glob.glob(os.path.join(folder, "*_[0-9]*.json"))},
                    key=lambda n: (order.index(n) if n in order else len(order), n))
@@ -135,7 +136,8 @@ def main():
     # PyTorch's default eager step, and with fused AdamW.
     roles = {"gpt2-medium": {"ours": fastest("ours"), "eager": "torch",
                              "eager_fused_adamw": "torch_fused", "compile": "torch_compile"},
-             "llama-1b": {"ours": fastest("llama_ours"), "eager": "llama_torch_fused"}}
+             "llama-1b": {"ours": fastest("llama_ours"), "eager": "llama_torch_fused",
+                          "compile": "llama_torch_compile"}}
     for model, role in roles.items():
         entry = {}
         for r, name in role.items():

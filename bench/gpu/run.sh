@@ -21,7 +21,8 @@
 # 4 x 2048): ours with AdamW, FusedAdamW (whole logits, fused loss),
 # LowLevelZero bf16 (fused loss); transformers' LlamaForCausalLM with
 # AdamW(fused=True).
-# --compile adds one torch.compile run (fused AdamW) after the rounds.
+# --compile adds one torch.compile run (fused AdamW) after the rounds, of
+# each model the rounds ran.
 # Before the rounds, bench_gpu_ops times each fused op alone against its
 # ATen composition (ops.json; its name for --only is "ops").
 # After the rounds, one run each of our main variants under LibTorch's
@@ -212,6 +213,9 @@ done
 if [ "$compile" = 1 ]; then
   # Once, after the rounds: compilation takes most of its run.
   run_variant torch_compile py "--fused --compile" 1 || exit 1
+  if [ "$llama_rounds" -gt 0 ]; then
+    run_variant llama_torch_compile py "${llama[*]} --fused --compile" 1 || exit 1
+  fi
 fi
 if [ -n "$load_model" ]; then
   say "loading a $load_model directory against reading its files"

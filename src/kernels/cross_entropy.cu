@@ -22,12 +22,6 @@ namespace {
 
 constexpr int kThreads = 512;
 
-template <class T>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / sizeof(T);
-  T v[kSize];
-};
-
 // Calls f(j, x) for every element j of the row, x a reference to it; with
 // kWrite the values f leaves are stored back.
 template <bool kWrite, class T, class F>

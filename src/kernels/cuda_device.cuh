@@ -1,7 +1,8 @@
 #pragma once
 
 // Device helpers the kernels' `.cu` files share: conversions between the
-// element types and float32, and the one switch over dtypes for launchers.
+// element types and float32, 16-byte packs, and the one switch over dtypes
+// for launchers.
 
 #include "cuda_types.h"
 
@@ -36,6 +37,13 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
+
+// 16 bytes of T: one vector load or store.
+template <class T>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
 
 // What an ATen op whose result is T gives, read back as float.
 template <class T>

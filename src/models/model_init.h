@@ -4,6 +4,7 @@
 // std), biases zero; the SwiGLU MLP), in one place so that the families'
 // sources also compile together in one unity translation unit.
 
+#include <colossalai/kernels/silu_mul.h>
 #include <colossalai/shardformer/layer/linear.h>
 
 #include <ATen/Functions.h>
@@ -63,8 +64,9 @@ inline at::Tensor swiglu(
     shardformer::layer::Linear1D_RowImpl& down,
     const at::Tensor& x) {
   auto xin = gate.prepare_input(x);
-  return down.forward(
-      at::silu(gate.forward_prepared(xin)) * up.forward_prepared(xin));
+  // The fused kernels on a GPU, at::silu(g) * u elsewhere (bit for bit).
+  return down.forward(kernels::silu_mul(
+      gate.forward_prepared(xin), up.forward_prepared(xin)));
 }
 
 } // namespace detail

@@ -4,6 +4,7 @@
 
 #ifdef COLOSSALAI_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <cuda_runtime_api.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -54,16 +55,6 @@ void release_freed_host_memory() {
 #if defined(__GLIBC__)
   malloc_trim(0);
 #endif
-}
-
-at::Tensor offload_to_host(const at::Tensor& t) {
-  if (!t.is_cuda()) {
-    return t.to(at::kCPU);
-  }
-  auto host = at::empty(
-      t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-  host.copy_(t);
-  return host;
 }
 
 // NOTE [Offload copies overlap the backward]
@@ -118,9 +109,46 @@ void HostCopies::wait() {
 #endif
 }
 
+// Page-locked host memory of exactly `bytes`: the caching host allocator
+// rounds a request up to a power of two (a 48 MiB shard takes 64 MiB), which
+// an offloaded 7B model's masters, gradients and states cannot afford. Large
+// tensors (they live as long as the model) are pinned one by one instead;
+// small ones stay with the caching allocator.
+at::Tensor pinned_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  const auto host = options.device(at::kCPU);
+#ifdef COLOSSALAI_WITH_CUDA
+  int64_t numel = 1;
+  for (auto s : sizes) {
+    numel *= s;
+  }
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  if (bytes >= (size_t{16} << 20)) {
+    void* data = nullptr;
+    const auto e = cudaHostAlloc(&data, bytes, cudaHostAllocDefault);
+    TORCH_CHECK(
+        e == cudaSuccess,
+        "offload: page-locking ", bytes >> 20, " MiB of host memory failed: ",
+        cudaGetErrorString(e));
+    return at::from_blob(data, sizes, [](void* p) { cudaFreeHost(p); }, host);
+  }
+#endif
+  return at::empty(sizes, host.pinned_memory(true));
+}
+
+at::Tensor offload_to_host(const at::Tensor& t) {
+  if (!t.is_cuda()) {
+    return t.to(at::kCPU);
+  }
+  auto host = pinned_empty(t.sizes(), t.options());
+  host.copy_(t);
+  return host;
+}
+
 at::Tensor zeros_like_pinned(const at::Tensor& t) {
   const bool pinned = t.device().is_cpu() && t.is_pinned();
-  return at::empty(t.sizes(), t.options().pinned_memory(pinned)).zero_();
+  return (pinned ? pinned_empty(t.sizes(), t.options())
+                 : at::empty(t.sizes(), t.options()))
+      .zero_();
 }
 
 } // namespace utils
