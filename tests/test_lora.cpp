@@ -90,6 +90,37 @@ TEST(Lora, OutputEqualsBaseAtInitAndOnlyAdaptersGetGradients) {
   check(gpt(1), gpt_config(), 96);    // reparametrised Linear and Embedding
 }
 
+// Every layer recomputed in backward: the frozen embedding's output needs
+// no gradient, yet the adapters inside the checkpointed layers get theirs,
+// the same as without recomputation (the same operations on the same
+// values: equal on the CPU). B is set nonzero so that A's gradient is too.
+TEST(Lora, AdaptersTrainUnderActivationCheckpointing) {
+  std::vector<std::vector<at::Tensor>> grads;
+  for (const double ratio : {0.0, 1.0}) {
+    auto model = gpt2(2);
+    cl::LoraModel lora(model.ptr(), gpt2_config());
+    {
+      at::NoGradGuard no_grad;
+      for (auto& p : lora.trainable_parameters()) {
+        p.normal_(0.0, 0.1);
+      }
+    }
+    model->parallel_state().gradient_checkpointing_ratio = ratio;
+    model->train();
+    model->forward(tokens(3, 100)).pow(2).mean().backward();
+    std::vector<at::Tensor> g;
+    for (const auto& p : lora.trainable_parameters()) {
+      ASSERT_TRUE(p.grad().defined());
+      g.push_back(p.grad().clone());
+    }
+    grads.push_back(std::move(g));
+  }
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    EXPECT_GT(grads[0][i].abs().max().item<double>(), 0.0) << i;
+    EXPECT_TRUE(at::equal(grads[1][i], grads[0][i])) << "adapter tensor " << i;
+  }
+}
+
 // With B != 0 the adapter changes the output; merging moves it into the
 // weights (same output up to fp32 rounding of W + s B A: 1e-5 is about
 // 100 ulps of these O(1) logits) and unmerging gives the weights back.

@@ -29,19 +29,10 @@ import statistics
 import sys
 import time
 
-# CUDA's pinned-memory cache rounds every block up to a power of two: the
-# offloaded fp32 parameters and gradients of Llama's MLP (172 or 224 MiB a
-# matrix) would take 256 MiB each, 16 GiB more host memory at 7B, which a
-# 128 GiB host cannot spare at 8B. Blocks above 64 MiB stay their own size
-# (unless the caller configures the allocator itself). Set before torch loads.
-HOST_ALLOC_CONF = "pinned_max_round_threshold_mb:64"
-if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-    os.environ["PYTORCH_ALLOC_CONF"] = HOST_ALLOC_CONF
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peers"))
 from torch_ddp_step import machine, stats  # noqa: E402
@@ -133,10 +124,31 @@ def cpu_fused_adamw_available():
         return False
 
 
-def pinned_round_mb():
-    """The pinned allocator's rounding threshold in effect (MiB; None: it
+# CUDA's pinned-memory cache rounds every block up to a power of two: the
+# offloaded fp32 parameters and gradients of Llama's MLP (172 or 224 MiB a
+# matrix) would take 256 MiB each, 16 GiB more host memory at 7B, which a
+# 128 GiB host cannot spare at 8B. Where this torch has the setting, blocks
+# above 64 MiB keep their own size (unless the caller configured the
+# allocator).
+HOST_ALLOC_CONF = "pinned_max_round_threshold_mb:64"
+
+
+def limit_pinned_rounding():
+    """The allocator settings in effect for this run ('' where none)."""
+    given = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if given or setter is None:
+        return given
+    try:
+        setter(HOST_ALLOC_CONF)
+        return HOST_ALLOC_CONF
+    except (RuntimeError, TypeError, ValueError):  # a torch without the key
+        return ""
+
+
+def pinned_round_mb(conf):
+    """The pinned allocator's rounding threshold in `conf` (MiB; None: it
     rounds every block)."""
-    conf = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     for kv in conf.split(","):
         k, _, v = kv.partition(":")
         if k.strip() == "pinned_max_round_threshold_mb":
@@ -144,7 +156,7 @@ def pinned_round_mb():
     return None
 
 
-def host_bytes_needed(model, mode, dev, fused):
+def host_bytes_needed(model, mode, dev, fused, alloc_conf):
     """What the host must hold when the optimizer lives there: fp32 parameters,
     gradients (both in pinned blocks when offloaded from a GPU) and both AdamW
     moments, a full-size temporary of foreach AdamW (its sqrt of
@@ -154,7 +166,7 @@ def host_bytes_needed(model, mode, dev, fused):
     sizes = [q.numel() * 4 for q in model.parameters()]
     numel = sum(sizes) // 4
     if dev.type == "cuda":
-        limit = pinned_round_mb()
+        limit = pinned_round_mb(alloc_conf)
         limit = float("inf") if limit is None else limit * 2 ** 20
         sizes = [1 << (b - 1).bit_length() if b <= limit else b for b in sizes]
     return 2 * sum(sizes) + numel * (8 + (0 if fused else 4)) + 2 * 2 ** 30
@@ -192,6 +204,7 @@ def main():
                    help="start even when the host's MemAvailable looks too small")
     p.add_argument("--out", default="")
     a = p.parse_args()
+    alloc_conf = limit_pinned_rounding()  # before anything is pinned
     dev = torch.device(a.device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -232,8 +245,7 @@ def main():
         "config": {"device": str(dev), "batch": a.batch, "seq_len": seq, "layers": cfg["n"],
                    "mode": a.mode, "checkpointing": a.checkpointing,
                    "precision": precision, "optimizer": optimizer,
-                   "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF",
-                                                os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
+                   "alloc_conf": alloc_conf,
                    "steps": a.steps, "warmup": a.warmup},
         "machine": machine(),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -246,7 +258,7 @@ def main():
     result.update({"flops_per_token": flops, "flops_per_token_with_recompute": flops_rc})
 
     try:
-        need = host_bytes_needed(model, a.mode, dev, fused)
+        need = host_bytes_needed(model, a.mode, dev, fused, alloc_conf)
         if need and not a.no_host_check and need > mem_available():
             raise MemoryError(f"out of memory: the host needs about {need / 2**30:.1f} GiB "
                               f"for fp32 parameters, gradients and AdamW states "
@@ -260,16 +272,27 @@ def main():
     except (RuntimeError, MemoryError) as e:
         if not (isinstance(e, MemoryError) or is_oom(e)):
             raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if not msg.startswith("out of memory"):
-            msg = "out of memory: " + msg
-        result.update({"error": msg[:500], "step_ms": None,
-                       "split_ms": None, "tokens_per_s": None, "mfu_measured": None,
-                       "mfu_measured_with_recompute": None, "mfu_spec": None,
-                       "final_loss": None})
+        does_not_fit(result, e)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    write_result(a, result, dev)
+
+
+def does_not_fit(result, e):
+    """`result` for a run that ran out of memory: the reason, no timings."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if not msg.startswith("out of memory"):
+        msg = "out of memory: " + msg
+    result.update({"error": msg[:500], "step_ms": None,
+                   "split_ms": None, "tokens_per_s": None, "mfu_measured": None,
+                   "mfu_measured_with_recompute": None, "mfu_spec": None,
+                   "final_loss": None})
+
+
+def write_result(a, result, dev):
+    """Adds the peaks to `result`, prints it (and writes --out), and one
+    markdown row for a report on stderr, so that stdout stays JSON."""
     result["peak_device_bytes"] = (torch.cuda.max_memory_allocated(dev)
                                    if dev.type == "cuda" else -1)
     result["peak_host_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -278,7 +301,6 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
-    # One markdown row for a report, on stderr so that stdout stays JSON.
     r = result
     if r.get("error"):
         row = f"| {a.model} | {r['implementation']} | {r['error']} | | | |"
@@ -290,6 +312,39 @@ def main():
                f"{r['tokens_per_s']:.1f} tok/s | MFU {100 * r['mfu_measured']:.1f}% "
                f"({100 * r['mfu_spec']:.2f}% of spec) | {mem} |")
     print(row, file=sys.stderr)
+
+
+def timed_steps(forward, opt, dev, warmup, steps, splits=3):
+    """`warmup` then `steps` timed training steps of loss = forward() (ms
+    each), then `splits` more timed by phase (medians of forward, backward
+    and optimizer ms); and every step's loss."""
+    losses = []
+
+    def step(split):
+        sync(dev)
+        t = [time.perf_counter()]
+        loss = forward()
+        if split:
+            sync(dev)
+            t.append(time.perf_counter())
+        loss.backward()
+        if split:
+            sync(dev)
+            t.append(time.perf_counter())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(dev)
+        t.append(time.perf_counter())
+        losses.append(loss.item())
+        return [(b - a) * 1e3 for a, b in zip(t, t[1:])]
+
+    for _ in range(warmup):
+        step(False)
+    times = [step(False)[0] for _ in range(steps)]
+    phases = [step(True) for _ in range(splits)]
+    split_ms = {k: statistics.median(p[i] for p in phases)
+                for i, k in enumerate(("forward", "backward", "optimizer"))}
+    return times, split_ms, losses
 
 
 def train(a, model, cfg, seq, dev, fused, ckpt):
@@ -333,7 +388,6 @@ def train(a, model, cfg, seq, dev, fused, ckpt):
     tokens = torch.randint(0, cfg["vocab"], (a.batch, seq + 1), generator=g)
     x, y = tokens[:, :-1].contiguous().to(dev), tokens[:, 1:].contiguous().to(dev)
     autocast = a.mode == "plain"
-    losses = []
 
     def forward():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
@@ -342,42 +396,9 @@ def train(a, model, cfg, seq, dev, fused, ckpt):
         # would shift them again).
         return F.cross_entropy(logits.float().reshape(-1, cfg["vocab"]), y.reshape(-1))
 
-    def step():
-        sync(dev)
-        t0 = time.perf_counter()
-        loss = forward()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(dev)
-        losses.append(loss.item())
-        return (time.perf_counter() - t0) * 1e3
-
-    def split_step():
-        sync(dev)
-        t0 = time.perf_counter()
-        loss = forward()
-        sync(dev)
-        t1 = time.perf_counter()
-        loss.backward()
-        sync(dev)
-        t2 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(dev)
-        t3 = time.perf_counter()
-        losses.append(loss.item())
-        return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
-
-    for _ in range(a.warmup):
-        step()
-    times = [step() for _ in range(a.steps)]
-    splits = [split_step() for _ in range(3)]
-    step_ms = statistics.median(times)
-    return {"step_ms": stats(times),
-            "split_ms": {k: statistics.median(s[i] for s in splits)
-                         for i, k in enumerate(("forward", "backward", "optimizer"))},
-            "tokens_per_s": a.batch * seq / (step_ms * 1e-3),
+    times, split_ms, losses = timed_steps(forward, opt, dev, a.warmup, a.steps)
+    return {"step_ms": stats(times), "split_ms": split_ms,
+            "tokens_per_s": a.batch * seq / (statistics.median(times) * 1e-3),
             # At step 0 the final norm's output has unit rms and the head's
             # weights std 0.02, so the logits are about N(0, 0.02^2 d) and
             # the loss is about ln(vocab) + 0.02^2 d / 2 (11.19 at d 4096).

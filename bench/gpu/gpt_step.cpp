@@ -51,16 +51,12 @@
 #include <zoo/gpt.h>
 
 #include "../bench_util.h"
-#include "matmul_rate.h"
+#include "device_util.h"
 #include "../llama_workloads.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
-
-#ifdef COLOSSALAI_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 #include <algorithm>
 #include <cctype>
@@ -154,16 +150,7 @@ using cbench::sync;
 using cbench::matmul_rates;
 using cbench::seconds_since;
 
-int64_t peak_device_bytes(const at::Device& dev) {
-#ifdef COLOSSALAI_WITH_CUDA
-  if (dev.is_cuda()) {
-    auto stats =
-        c10::cuda::CUDACachingAllocator::getDeviceStats(dev.has_index() ? dev.index() : 0);
-    return stats.allocated_bytes[0].peak; // StatType::AGGREGATE
-  }
-#endif
-  return -1;
-}
+using cbench::peak_device_bytes;
 
 std::string device_name(const at::Device& dev) {
   if (!dev.is_cuda())

@@ -8,7 +8,7 @@
 #
 #   bench/gpu/run.sh [--out-dir DIR] [--batch 8] [--steps 20] [--rounds 2]
 #                    [--llama-rounds N] [--compile] [--only RE] [--load MODEL]
-#                    [--scale MODELS]
+#                    [--scale MODELS] [--qlora MODELS]
 #
 # Each round runs, one after the other: ours with LibTorch's AdamW and the
 # whole logits (ours), with FusedAdamW (ours_fused_adamw), with FusedAdamW
@@ -40,6 +40,12 @@
 # does not fit says so. scale_<model>_<setup>.json, then scale.json and
 # scale.md (with load.json's numbers). Names for --only:
 # scale_<model>_<setup>; --rounds 0 --only '^scale_' runs these alone.
+# --qlora MODELS (llama3-8b, llama2-7b) trains LoRA adapters (r 16) on a
+# 4-bit NF4 base, batch 4 x 2048, every layer recomputed: ours
+# (bench_gpu_qlora_step) and transformers + PEFT (qlora_peer.py: NF4 through
+# bitsandbytes where it works, else a bf16 base, named in its JSON);
+# qlora_<model>_ours.json, qlora_<model>_peer.json, and scale.json's
+# "qlora".
 #
 # Environment: PYTHON (default python3) is the interpreter with the wheel;
 # BUILD_DIR (default build-gpu). Needs cmake, a C++17 compiler, zlib headers
@@ -60,6 +66,7 @@ llama_steps=10
 only=""
 load_model=""
 scale_models=""
+qlora_models=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out-dir) out_dir="$2"; shift ;;
@@ -71,7 +78,8 @@ while [ $# -gt 0 ]; do
     --only) only="$2"; shift ;;
     --load) load_model="$2"; shift ;;
     --scale) scale_models="$2"; shift ;;
-    -h|--help) sed -n '2,46p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --qlora) qlora_models="$2"; shift ;;
+    -h|--help) sed -n '2,53p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -124,9 +132,9 @@ else
   fi
 fi
 grep -m1 "ColossalAI: LibTorch" "$out_dir/build.log" || true
-say "building bench_gpu_gpt_step bench_gpu_ops bench_load_pretrained bench_gpu_scale_step"
+say "building bench_gpu_gpt_step bench_gpu_ops bench_load_pretrained bench_gpu_scale_step bench_gpu_qlora_step"
 if ! cmake --build "$BUILD_DIR" -j "$(nproc)" --target bench_gpu_gpt_step bench_gpu_ops bench_load_pretrained \
-    bench_gpu_scale_step \
+    bench_gpu_scale_step bench_gpu_qlora_step \
     >>"$out_dir/build.log" 2>&1; then
   grep -m20 -E "error" "$out_dir/build.log" >&2 || tail -40 "$out_dir/build.log" >&2
   exit 1
@@ -247,11 +255,26 @@ for model in ${scale_models//,/ }; do
     tail -1 "$out_dir/$name.log"
   done
 done
+for model in ${qlora_models//,/ }; do
+  for side in ours peer; do
+    name=qlora_${model}_$side
+    if [ -n "$only" ] && ! [[ $name =~ $only ]]; then continue; fi
+    say "$name"
+    if [ "$side" = ours ]; then
+      timeout 900 "$BUILD_DIR/bench/bench_gpu_qlora_step" --device cuda --model "$model" \
+        --out "$out_dir/$name.json" >"$out_dir/$name.log" 2>&1
+    else
+      timeout 900 "$PY" bench/gpu/qlora_peer.py --device cuda --model "$model" \
+        --out "$out_dir/$name.json" >"$out_dir/$name.log" 2>&1
+    fi || say "$name failed (see $name.log)"
+    tail -1 "$out_dir/$name.log"
+  done
+done
 # The step report needs the rounds' results (--rounds 0 leaves none).
 if compgen -G "$out_dir/*_1.json" >/dev/null; then
   "$PY" bench/gpu/report.py "$out_dir"
 fi
-if [ -n "$scale_models" ] || [ -n "$load_model" ]; then
+if [ -n "$scale_models" ] || [ -n "$load_model" ] || [ -n "$qlora_models" ]; then
   "$PY" bench/gpu/scale_report.py "$out_dir"
 fi
 say "report: $out_dir/report.md"

@@ -1,7 +1,9 @@
-"""scale.json and scale.md from bench/gpu/run.sh --scale / --load results: each
-7B-class setup of ours (scale_<model>_<setup>.json, bench_gpu_scale_step)
-beside PyTorch FSDP2 + CPUOffloadPolicy on the same model
-(scale_<model>_fsdp2_offload.json), and the loader's numbers (load.json).
+"""scale.json and scale.md from bench/gpu/run.sh --scale / --qlora / --load
+results: each 7B-class setup of ours (scale_<model>_<setup>.json,
+bench_gpu_scale_step) beside PyTorch FSDP2 + CPUOffloadPolicy on the same
+model (scale_<model>_fsdp2_offload.json), QLoRA ours against transformers +
+PEFT (qlora_<model>_ours.json, qlora_<model>_peer.json), and the loader's
+numbers (load.json).
 
   python3 bench/gpu/scale_report.py RESULTS_DIR
 """
@@ -72,6 +74,31 @@ def main():
                   f"{ld['load']['time_vs_read_warm']:.2f}x a plain read of its files into a reused "
                   f"buffer, {ld['load']['time_vs_fresh_read_warm']:.2f}x a read into new memory; "
                   f"host peak {ld['load']['host_peak_vs_bytes']:.2f}x the model's bytes."]
+    qlora = []
+    for path in sorted(glob.glob(os.path.join(folder, "qlora_*_ours.json"))):
+        with open(path) as f:
+            ours = json.load(f)
+        peer_path = path[:-len("_ours.json")] + "_peer.json"
+        peer = None
+        if os.path.exists(peer_path):
+            with open(peer_path) as f:
+                peer = json.load(f)
+        peer_tps = peer.get("tokens_per_s") if peer else None
+        qlora.append({"model": ours["model"], "tokens_per_s": ours.get("tokens_per_s"),
+                      "peer_tokens_per_s": peer_tps, "peer_base": peer.get("base") if peer else None,
+                      "peak_device_bytes": ours.get("peak_device_bytes"),
+                      "peer_peak_device_bytes": peer.get("peak_device_bytes") if peer else None,
+                      "trainable_parameters": ours.get("trainable_parameters")})
+    if qlora:
+        scale["qlora"] = qlora[0] if len(qlora) == 1 else qlora
+        lines += ["", "| QLoRA | ours tokens/s | peer tokens/s (base) | ours / peer | "
+                  "peak device GiB ours / peer |", "|---|---|---|---|---|"]
+        for e in qlora:
+            ratio = (f"{e['tokens_per_s'] / e['peer_tokens_per_s']:.2f}x"
+                     if e["tokens_per_s"] and e["peer_tokens_per_s"] else "")
+            lines.append(f"| {e['model']} | {e['tokens_per_s'] or 0:.0f} | "
+                         f"{e['peer_tokens_per_s'] or 0:.0f} ({e['peer_base']}) | {ratio} | "
+                         f"{gib(e['peak_device_bytes'])} / {gib(e['peer_peak_device_bytes'])} |")
     with open(os.path.join(folder, "scale.json"), "w") as f:
         json.dump(scale, f, indent=2)
     with open(os.path.join(folder, "scale.md"), "w") as f:

@@ -42,7 +42,7 @@
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 
 #include "../bench_util.h"
-#include "matmul_rate.h"
+#include "device_util.h"
 #include "../llama_workloads.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -50,7 +50,6 @@
 #include <torch/torch.h>
 
 #ifdef COLOSSALAI_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -126,15 +125,6 @@ Args parse(int argc, char** argv) {
 
 using cbench::seconds_since;
 
-int64_t device_peak(const at::Device& dev) {
-#ifdef COLOSSALAI_WITH_CUDA
-  if (dev.is_cuda())
-    return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak;
-#endif
-  (void)dev;
-  return -1;
-}
-
 int64_t device_capacity(const at::Device& dev) {
 #ifdef COLOSSALAI_WITH_CUDA
   if (dev.is_cuda()) {
@@ -153,13 +143,6 @@ struct Shape {
   double flops = 0, flops_recompute = 0; // per token
 };
 
-int64_t numel(const std::vector<at::Tensor>& ts) {
-  int64_t n = 0;
-  for (const auto& t : ts)
-    n += t.numel();
-  return n;
-}
-
 // Counted on a lazy (meta) build of the model: no memory.
 Shape shape_of(const Args& a) {
   Shape s;
@@ -170,8 +153,8 @@ Shape shape_of(const Args& a) {
   {
     colossalai::lazy::LazyInitContext context;
     cm::LlamaForCausalLM m(c);
-    s.params = numel(m->parameters());
-    s.layer_params = numel(m->model->layers[0]->parameters());
+    s.params = cbench::numel(m->parameters());
+    s.layer_params = cbench::numel(m->model->layers[0]->parameters());
   }
   const int64_t h = c.hidden_size(), embed = c.vocab_size() * h;
   const double lht = static_cast<double>(c.num_hidden_layers()) * h * a.seq;
@@ -413,7 +396,7 @@ int train(const Args& a, const Shape& s, const Formula& want, double frac, int64
     << ",\n  \"mfu_measured_with_recompute\": " << tokens_per_s * s.flops_recompute / peak_rate
     << ",\n  \"mfu_spec\": " << tokens_per_s * s.flops / spec
     << ",\n  \"first_loss\": " << first_loss << ",\n  \"final_loss\": " << last_loss
-    << ",\n  \"peak_device_bytes\": " << device_peak(dev)
+    << ",\n  \"peak_device_bytes\": " << cbench::peak_device_bytes(dev)
     << ",\n  \"peak_host_bytes\": " << cbench::peak_rss_bytes()
     << ",\n  \"device_capacity_bytes\": " << capacity
     << ",\n  \"formula\": {\"device_model_bytes\": " << num(want.device)

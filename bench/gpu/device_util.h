@@ -1,10 +1,15 @@
 #pragma once
 
-// The dense bf16 matmul rate MFU is measured against, in the same run.
+// What the GPU benchmarks share: the dense bf16 matmul rate MFU is
+// measured against (in the same run), and the device allocator's peak.
 
 #include "../bench_util.h"
 
 #include <torch/torch.h>
+
+#ifdef COLOSSALAI_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <chrono>
 #include <vector>
@@ -35,6 +40,38 @@ inline std::vector<double> matmul_rates(const at::Device& dev, int64_t n) {
     rates.push_back(2.0 * n * n * n * iters / seconds_since(t0));
   }
   return rates;
+}
+
+/// The caching allocator's peak of allocated bytes on `dev` since the
+/// start or the last reset (-1 off CUDA).
+inline int64_t peak_device_bytes(const at::Device& dev) {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (dev.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(
+        dev.has_index() ? dev.index() : 0);
+    return stats.allocated_bytes[0].peak; // StatType::AGGREGATE
+  }
+#endif
+  (void)dev;
+  return -1;
+}
+
+inline void reset_peak_device_bytes(const at::Device& dev) {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (dev.is_cuda()) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(dev.has_index() ? dev.index() : 0);
+  }
+#endif
+  (void)dev;
+}
+
+/// Elements of `ts` together.
+inline int64_t numel(const std::vector<at::Tensor>& ts) {
+  int64_t n = 0;
+  for (const auto& t : ts) {
+    n += t.numel();
+  }
+  return n;
 }
 
 } // namespace bench
