@@ -29,7 +29,7 @@
 // forward of checkpointed layers, + 2 P_layers + 4 L H T.
 //
 //   bench_gpu_scale_step [--model llama2-7b|llama3-8b|llama-small-cpu]
-//       [--layers N] [--seq 4096] [--batch 1] [--setup gemini_static]
+//       [--layers N] [--vocab V] [--seq 4096] [--batch 1] [--setup gemini_static]
 //       [--offload-optim-frac auto|F] [--activation-gb 16]
 //       [--chunk-size-m 0] [--checkpointing 1] [--steps 5] [--warmup 2]
 //       [--split-steps 2] [--matmul-n 8192] [--device cuda|cpu]
@@ -69,6 +69,7 @@ namespace {
 struct Args {
   std::string model = "llama2-7b";
   int64_t layers = 0;
+  int64_t vocab = 0;
   int64_t seq = 0;
   int64_t batch = 1;
   std::string setup = "gemini_static";
@@ -93,6 +94,7 @@ Args parse(int argc, char** argv) {
     const std::string v = argv[++i];
     if (k == "--model") a.model = v;
     else if (k == "--layers") a.layers = std::stoll(v);
+    else if (k == "--vocab") a.vocab = std::stoll(v);
     else if (k == "--seq") a.seq = std::stoll(v);
     else if (k == "--batch") a.batch = std::stoll(v);
     else if (k == "--setup") a.setup = v;
@@ -149,6 +151,8 @@ Shape shape_of(const Args& a) {
   s.cfg = cbench::llama_workload(a.model).max_position_embeddings(a.seq);
   if (a.layers > 0)
     s.cfg.num_hidden_layers(a.layers);
+  if (a.vocab > 0)
+    s.cfg.vocab_size(a.vocab);
   const auto& c = s.cfg;
   {
     colossalai::lazy::LazyInitContext context;
