@@ -54,9 +54,18 @@ void check(
           steps.size() == n && (working.empty() || working.size() == n),
       "adamw_step_: one gradient, exp_avg, exp_avg_sq and step per parameter "
       "(and no working copies or one per parameter), got ",
-      n, " parameters, ", grads.size(), " gradients, ", exp_avgs.size(),
-      " exp_avgs, ", exp_avg_sqs.size(), " exp_avg_sqs, ", steps.size(),
-      " steps, ", working.size(), " working copies");
+      n,
+      " parameters, ",
+      grads.size(),
+      " gradients, ",
+      exp_avgs.size(),
+      " exp_avgs, ",
+      exp_avg_sqs.size(),
+      " exp_avg_sqs, ",
+      steps.size(),
+      " steps, ",
+      working.size(),
+      " working copies");
   if (n == 0) {
     return;
   }
@@ -69,34 +78,56 @@ void check(
       TORCH_CHECK(
           t.defined() && t.numel() == p.numel() && t.device() == device &&
               t.is_contiguous(),
-          "adamw_step_: ", what, " ", i, " must be a contiguous tensor of ",
-          p.numel(), " elements on ", device);
+          "adamw_step_: ",
+          what,
+          " ",
+          i,
+          " must be a contiguous tensor of ",
+          p.numel(),
+          " elements on ",
+          device);
     };
     TORCH_CHECK(
         p.defined() && p.scalar_type() == at::kFloat && p.device() == device &&
             p.is_contiguous(),
-        "adamw_step_: parameter ", i,
-        " must be a contiguous float32 tensor (the master) on ", device);
+        "adamw_step_: parameter ",
+        i,
+        " must be a contiguous float32 tensor (the master) on ",
+        device);
     same(grads[i], "gradient");
     same(exp_avgs[i], "exp_avg");
     same(exp_avg_sqs[i], "exp_avg_sq");
     TORCH_CHECK(
         grads[i].scalar_type() == grad_dtype && kernel_dtype(grad_dtype),
         "adamw_step_: the gradients must share one dtype of float32, float16 "
-        "or bfloat16; gradient ", i, " is ", grads[i].scalar_type(),
-        ", gradient 0 ", grad_dtype);
+        "or bfloat16; gradient ",
+        i,
+        " is ",
+        grads[i].scalar_type(),
+        ", gradient 0 ",
+        grad_dtype);
     TORCH_CHECK(
         exp_avgs[i].scalar_type() == at::kFloat &&
             exp_avg_sqs[i].scalar_type() == at::kFloat,
-        "adamw_step_: the moments must be float32 (parameter ", i, ")");
-    TORCH_CHECK(steps[i] >= 1, "adamw_step_: step ", i, " must be >= 1, got ", steps[i]);
+        "adamw_step_: the moments must be float32 (parameter ",
+        i,
+        ")");
+    TORCH_CHECK(
+        steps[i] >= 1,
+        "adamw_step_: step ",
+        i,
+        " must be >= 1, got ",
+        steps[i]);
     if (!working.empty() && working[i].defined()) {
       same(working[i], "working copy");
       const auto t = working[i].scalar_type();
       TORCH_CHECK(
           kernel_dtype(t) && t == working_dtype.value_or(t),
           "adamw_step_: the working copies must share one dtype of float32, "
-          "float16 or bfloat16; copy ", i, " is ", t);
+          "float16 or bfloat16; copy ",
+          i,
+          " is ",
+          t);
       working_dtype = t;
     }
   }
@@ -139,9 +170,12 @@ void fused(
     const int64_t chunks = (numel + cuda::kAdamWChunk - 1) / cuda::kAdamWChunk;
     TORCH_CHECK(
         chunks <= INT32_MAX && tensors.size() < INT32_MAX,
-        "adamw_step_: tensor ", i, " has too many elements for one launch");
+        "adamw_step_: tensor ",
+        i,
+        " has too many elements for one launch");
     for (int64_t c = 0; c < chunks; ++c) {
-      blocks.push_back({static_cast<int32_t>(tensors.size()), static_cast<int32_t>(c)});
+      blocks.push_back(
+          {static_cast<int32_t>(tensors.size()), static_cast<int32_t>(c)});
     }
     tensors.push_back(t);
   }

@@ -39,7 +39,8 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(
   float* __restrict__ m = t.exp_avg + begin;
   float* __restrict__ v = t.exp_avg_sq + begin;
   // Null: this tensor has no copy (uniform over the block).
-  W* __restrict__ w = t.working == nullptr ? nullptr : static_cast<W*>(t.working) + begin;
+  W* __restrict__ w =
+      t.working == nullptr ? nullptr : static_cast<W*>(t.working) + begin;
   const float w1 = 1.0f - beta1, w2 = 1.0f - beta2;
   for (int64_t base = 0; base < len; base += kThreads * kUnroll) {
     float pr[kUnroll], gr[kUnroll], mr[kUnroll], vr[kUnroll];

@@ -35,7 +35,8 @@ __global__ void __launch_bounds__(kThreads) dequantize_4bit_kernel(
   const int64_t bytes = (n + 1) / 2;
   // Byte k of this block's share is read by thread k % kThreads: a warp
   // reads 32 neighbouring bytes and writes their 64 neighbouring values.
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads * kBytes + threadIdx.x;
+  const int64_t first =
+      static_cast<int64_t>(blockIdx.x) * kThreads * kBytes + threadIdx.x;
 #pragma unroll
   for (int k = 0; k < kBytes; ++k) {
     const int64_t b = first + static_cast<int64_t>(k) * kThreads;

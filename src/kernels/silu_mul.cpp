@@ -98,11 +98,21 @@ void check(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(
       gate.defined() && up.defined() && gate.sizes() == up.sizes() &&
           gate.scalar_type() == up.scalar_type() &&
-          gate.device() == up.device() && at::isFloatingType(gate.scalar_type()),
+          gate.device() == up.device() &&
+          at::isFloatingType(gate.scalar_type()),
       "silu_mul: gate and up must be floating tensors of one shape, dtype and "
       "device, got ",
-      gate.sizes(), " ", gate.scalar_type(), " on ", gate.device(), " and ",
-      up.sizes(), " ", up.scalar_type(), " on ", up.device());
+      gate.sizes(),
+      " ",
+      gate.scalar_type(),
+      " on ",
+      gate.device(),
+      " and ",
+      up.sizes(),
+      " ",
+      up.scalar_type(),
+      " on ",
+      up.device());
 }
 
 } // namespace

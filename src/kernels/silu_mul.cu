@@ -26,7 +26,9 @@ __device__ __forceinline__ float sigmoid(float x) {
 template <class F>
 __device__ __forceinline__ void grid_loop(int64_t n, F&& f) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n;
+       i += stride) {
     f(i);
   }
 }
@@ -88,7 +90,9 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(
       reinterpret_cast<P*>(d_up)[p] = du;
     });
   } else {
-    grid_loop(n, [&](int64_t i) { grads_of(dout[i], gate[i], up[i], d_gate[i], d_up[i]); });
+    grid_loop(n, [&](int64_t i) {
+      grads_of(dout[i], gate[i], up[i], d_gate[i], d_up[i]);
+    });
   }
 }
 
@@ -105,7 +109,8 @@ bool aligned(std::initializer_list<const void*> ps, int64_t n, int64_t pack) {
 // covers the rest.
 unsigned grid_for(int64_t work) {
   const int64_t blocks = (work + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(blocks < 65536 ? (blocks < 1 ? 1 : blocks) : 65536);
+  return static_cast<unsigned>(
+      blocks < 65536 ? (blocks < 1 ? 1 : blocks) : 65536);
 }
 
 } // namespace
@@ -127,9 +132,11 @@ cudaError_t silu_mul_forward(
     auto* o = static_cast<T*>(out);
     constexpr int64_t pack = Pack<T>::kSize;
     if (aligned({gate, up, out}, n, pack)) {
-      forward_kernel<T, true><<<grid_for(n / pack), kThreads, 0, stream>>>(g, u, o, n);
+      forward_kernel<T, true>
+          <<<grid_for(n / pack), kThreads, 0, stream>>>(g, u, o, n);
     } else {
-      forward_kernel<T, false><<<grid_for(n), kThreads, 0, stream>>>(g, u, o, n);
+      forward_kernel<T, false>
+          <<<grid_for(n), kThreads, 0, stream>>>(g, u, o, n);
     }
     return cudaGetLastError();
   });
@@ -156,9 +163,11 @@ cudaError_t silu_mul_backward(
     auto* du = static_cast<T*>(d_up);
     constexpr int64_t pack = Pack<T>::kSize;
     if (aligned({dout, gate, up, d_gate, d_up}, n, pack)) {
-      backward_kernel<T, true><<<grid_for(n / pack), kThreads, 0, stream>>>(dy, g, u, dg, du, n);
+      backward_kernel<T, true>
+          <<<grid_for(n / pack), kThreads, 0, stream>>>(dy, g, u, dg, du, n);
     } else {
-      backward_kernel<T, false><<<grid_for(n), kThreads, 0, stream>>>(dy, g, u, dg, du, n);
+      backward_kernel<T, false>
+          <<<grid_for(n), kThreads, 0, stream>>>(dy, g, u, dg, du, n);
     }
     return cudaGetLastError();
   });

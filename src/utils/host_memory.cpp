@@ -82,7 +82,8 @@ void HostCopies::copy(const at::Tensor& dst, const at::Tensor& src) {
     const auto s = src.to(dst.scalar_type()); // on the device
     if (!impl_->side || impl_->side->device_index() != index) {
       wait();
-      impl_->side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
+      impl_->side =
+          c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index);
     }
     at::cuda::CUDAEvent queued;
     queued.record(c10::cuda::getCurrentCUDAStream(index));
@@ -114,25 +115,32 @@ void HostCopies::wait() {
 // an offloaded 7B model's masters, gradients and states cannot afford. Large
 // tensors (they live as long as the model) are pinned one by one instead;
 // small ones stay with the caching allocator.
-at::Tensor pinned_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+at::Tensor pinned_empty(
+    at::IntArrayRef sizes,
+    const at::TensorOptions& options) {
   const auto host = options.device(at::kCPU);
 #ifdef COLOSSALAI_WITH_CUDA
   int64_t numel = 1;
   for (auto s : sizes) {
     numel *= s;
   }
-  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  const size_t bytes = static_cast<size_t>(numel) *
+      c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
   if (bytes >= (size_t{16} << 20)) {
     void* data = nullptr;
     const auto e = cudaHostAlloc(&data, bytes, cudaHostAllocDefault);
     TORCH_CHECK(
         e == cudaSuccess,
-        "offload: page-locking ", bytes >> 20, " MiB of host memory failed: ",
+        "offload: page-locking ",
+        bytes >> 20,
+        " MiB of host memory failed: ",
         cudaGetErrorString(e));
     return at::from_blob(data, sizes, [](void* p) { cudaFreeHost(p); }, host);
   }
-#endif
   return at::empty(sizes, host.pinned_memory(true));
+#else
+  return at::empty(sizes, host); // nothing to page-lock for
+#endif
 }
 
 at::Tensor offload_to_host(const at::Tensor& t) {

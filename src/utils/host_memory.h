@@ -17,8 +17,11 @@ namespace utils {
 at::Tensor offload_to_host(const at::Tensor& t);
 /// Uninitialised page-locked host memory of exactly `sizes` (tensors of 16
 /// MiB and more are pinned one by one: the caching host allocator would
-/// round them up to a power of two); plain host memory on a CPU-only build.
-at::Tensor pinned_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+/// round them up to a power of two); plain host memory in a build without
+/// CUDA.
+at::Tensor pinned_empty(
+    at::IntArrayRef sizes,
+    const at::TensorOptions& options);
 /// Zeros shaped like `t`, on its device, page-locked when `t` is (empty_like
 /// does not keep pinning).
 at::Tensor zeros_like_pinned(const at::Tensor& t);

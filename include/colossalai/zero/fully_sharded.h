@@ -26,7 +26,12 @@
 /// unit in backward order starts gathering). When all of a unit's gradients
 /// have been accumulated, they are copied into one flat buffer,
 /// reduce-scattered (averaged) into the unit's fp32 gradient shard, and the
-/// full gradients and parameters are freed.
+/// full gradients and parameters are freed. A unit whose forward runs under
+/// activation checkpointing (nn::checkpoint) is released after its first
+/// run and gathered again when backward recomputes it; it then stays
+/// gathered until its gradients are reduced. A gradient shard in host
+/// memory receives its reduced gradient through a copy that overlaps the
+/// rest of the backward (NOTE [Offload copies overlap the backward]).
 ///
 /// The optimizer sees one tensor per original parameter: the part of it that
 /// lies in this rank's shard (possibly empty). So parameter groups, per-group

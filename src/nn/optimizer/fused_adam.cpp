@@ -61,7 +61,8 @@ at::Tensor step_tensor(const std::vector<int64_t>& steps, at::Device device) {
   return at::tensor(host, at::TensorOptions().dtype(at::kFloat)).to(device);
 }
 
-using Copies = std::unordered_map<const void*, std::pair<at::Tensor, at::Tensor>>;
+using Copies =
+    std::unordered_map<const void*, std::pair<at::Tensor, at::Tensor>>;
 
 // The working copy of `p`, or an undefined tensor.
 at::Tensor copy_of(const Copies* copies, const at::Tensor& p) {
@@ -144,7 +145,8 @@ torch::Tensor fused_step(
         any_copy = any_copy || working.back().defined();
       }
       // Masters with copies: one pass writes both (on a GPU).
-      if (any_copy && decoupled && !o.amsgrad() && where.second == at::kFloat &&
+      if (any_copy && decoupled && !o.amsgrad() &&
+          where.second == at::kFloat &&
           kernels::adamw_step_fused_applies(b.params, b.grads, working)) {
         kernels::adamw_step_(
             b.params,
@@ -201,11 +203,15 @@ void FusedAdamW::set_working_copy(const at::Tensor& param, at::Tensor copy) {
       mine = mine || p.unsafeGetTensorImpl() == param.unsafeGetTensorImpl();
     }
   }
-  TORCH_CHECK(mine, "FusedAdamW::set_working_copy: the tensor is not one of this optimizer's parameters");
+  TORCH_CHECK(
+      mine,
+      "FusedAdamW::set_working_copy: the tensor is not one of this "
+      "optimizer's parameters");
   TORCH_CHECK(
       param.scalar_type() == at::kFloat && copy.defined() &&
           copy.numel() == param.numel() && copy.is_contiguous() &&
-          copy.device() == param.device() && at::isFloatingType(copy.scalar_type()),
+          copy.device() == param.device() &&
+          at::isFloatingType(copy.scalar_type()),
       "FusedAdamW::set_working_copy: the parameter must be float32 and its "
       "copy a contiguous floating tensor of its ",
       param.numel(),
