@@ -7,6 +7,7 @@
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/rms_norm.h>
+#include <colossalai/kernels/rope.h>
 #include <colossalai/kernels/silu_mul.h>
 #include <colossalai/models/bloom.h>
 #include <colossalai/models/gpt2.h>
@@ -955,6 +956,82 @@ TEST(Kernels, SiluMulCudaKernelsAreTheFunctionRoundedOnce) {
         EXPECT_LT(max_normwise_rel(a.d_gate.cpu(), f.d_gate), bound);
         EXPECT_LT(max_elementwise_rel(a.d_up.cpu(), f.d_up, tiny), bound);
       }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ rope
+
+// Tables as the LLaMA family makes them (cos, sin of position x inverse
+// frequency, duplicated over the halves), rounded to `t`.
+std::pair<at::Tensor, at::Tensor> rope_tables(int64_t b, int64_t t_len, int64_t d, at::ScalarType t, at::Device dev) {
+  auto inv = at::pow(10000.0, -at::arange(0, d, 2, at::kFloat) / static_cast<double>(d));
+  auto pos = b > 0 ? at::arange(t_len, at::kFloat).add(3).repeat({b, 1}) : at::arange(t_len, at::kFloat);
+  auto f = pos.unsqueeze(-1) * inv;
+  auto emb = at::cat({f, f}, -1);
+  return {emb.cos().to(dev, t), emb.sin().to(dev, t)};
+}
+
+struct RopeGrads {
+  at::Tensor out, dx;
+};
+
+template <class Op>
+RopeGrads run_rope(const Op& op, const at::Tensor& x0, const at::Tensor& c, const at::Tensor& s, const at::Tensor& dy) {
+  auto x = x0.detach().clone().requires_grad_(true);
+  auto out = op(x, c, s);
+  out.backward(dy);
+  return {out.detach(), x.grad()};
+}
+
+// The fused algorithm forms each value in float32 from the same rounded
+// tables and rounds once: within the dtype's unit roundoff of the float64
+// function (norm-wise: a rotated value may cancel to near zero), the
+// backward the transposed rotation. The layer's path on the CPU stays the
+// reference.
+TEST(Kernels, RopeFusedAlgorithmIsTheRotationRoundedOnce) {
+  torch::manual_seed(8);
+  for (const int64_t b_tables : {0, 2}) {
+    for (auto t : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(std::to_string(b_tables) + " " + c10::toString(t));
+      const auto x = torch::randn({2, 5, 3, 16}).to(t), dy = torch::randn({2, 5, 3, 16}).to(t);
+      const auto [c, s] = rope_tables(b_tables, 5, 16, t, at::kCPU);
+      const auto a = run_rope(kn::detail::rope_fused, x, c, s, dy);
+      const auto f = run_rope(kn::rope_reference, x.to(at::kDouble), c.to(at::kDouble), s.to(at::kDouble), dy.to(at::kDouble));
+      const double bound = (t == at::kFloat ? 0.0 : std::pow(2.0, -8)) + 8 * std::pow(2.0, -24);
+      EXPECT_LT(max_normwise_rel(a.out, f.out), bound);
+      EXPECT_LT(max_normwise_rel(a.dx, f.dx), bound);
+      // The reference in the dtype is the layer's computation.
+      EXPECT_FALSE(kn::rope_fused_applies(x, c, s));
+      EXPECT_TRUE(at::equal(kn::rope(x, c, s), kn::rope_reference(x, c, s)));
+    }
+  }
+  const auto x = torch::randn({2, 5, 3, 16});
+  const auto [c, s] = rope_tables(0, 4, 16, at::kFloat, at::kCPU);
+  EXPECT_THROW(kn::detail::rope_fused(x, c, s), c10::Error); // 4 positions for 5 tokens
+}
+
+// On a GPU the kernel against the float64 function, per-batch and shared
+// tables, in three dtypes, at a LLaMA head size.
+TEST(Kernels, RopeCudaKernelIsTheRotationRoundedOnce) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  torch::manual_seed(9);
+  for (const int64_t b_tables : {0, 2}) {
+    for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      SCOPED_TRACE(std::to_string(b_tables) + " " + c10::toString(t));
+      const auto o = at::device(at::kCUDA).dtype(t);
+      const auto x = torch::randn({2, 37, 4, 128}).to(o), dy = torch::randn({2, 37, 4, 128}).to(o);
+      const auto [c, s] = rope_tables(b_tables, 37, 128, t, at::kCUDA);
+      ASSERT_TRUE(kn::rope_fused_applies(x, c, s));
+      const auto a = run_rope(kn::rope, x, c, s, dy);
+      const auto f = run_rope(
+          kn::rope_reference, x.cpu().to(at::kDouble), c.cpu().to(at::kDouble), s.cpu().to(at::kDouble),
+          dy.cpu().to(at::kDouble));
+      const double roundoff = t == at::kFloat ? 0.0 : t == at::kHalf ? std::pow(2.0, -11) : std::pow(2.0, -8);
+      EXPECT_LT(max_normwise_rel(a.out.cpu(), f.out), roundoff + 8 * std::pow(2.0, -24));
+      EXPECT_LT(max_normwise_rel(a.dx.cpu(), f.dx), roundoff + 8 * std::pow(2.0, -24));
     }
   }
 }

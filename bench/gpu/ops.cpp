@@ -1,7 +1,8 @@
 // Each fused op alone against its ATen composition, on one device: the
 // cross-entropy gradient kernel on one chunk of GPT-2 logits, the fused
 // linear + cross-entropy over a whole GPT-2 medium batch, RMSNorm and the
-// SwiGLU gate at Llama 1B's widths, forward and backward; an AdamW step
+// SwiGLU gate at Llama 1B's widths, the rotary embedding of its queries,
+// forward and backward; an AdamW step
 // over GPT-2 medium's parameters that writes their bf16 copies, against
 // ATen's fused AdamW and a cast. Medians over --reps timed runs
 // after warm-up, with the p10-p90 spread; JSON to --out, a table on stdout.
@@ -14,6 +15,7 @@
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/rms_norm.h>
+#include <colossalai/kernels/rope.h>
 #include <colossalai/kernels/silu_mul.h>
 #include <colossalai/utils/compat.h>
 
@@ -180,7 +182,31 @@ int main(int argc, char** argv) {
       rows.push_back(r);
     }
 
-    // 5. AdamW over GPT-2 medium's tensors (float32 masters) writing their
+    // 5. Rotary embedding of Llama 3.2 1B's queries (32 heads of 64) over a
+    // 4 x 2048 batch, tables per position shared by the batch.
+    {
+      const int64_t b = gpu ? 4 : 1, t = gpu ? 2048 : 256, h = 32, d = 64;
+      auto x = torch::randn({b, t, h, d}, opts).requires_grad_(true);
+      const auto dy = torch::randn({b, t, h, d}, opts);
+      auto f = torch::arange(t, opts.dtype(at::kFloat)).unsqueeze(-1) *
+          at::pow(500000.0, -at::arange(0, d, 2, opts.dtype(at::kFloat)) / static_cast<double>(d));
+      const auto emb = at::cat({f, f}, -1);
+      const auto c = emb.cos().to(opts.dtype()), s = emb.sin().to(opts.dtype());
+      Row r{"rotary embedding, forward + backward",
+            std::to_string(b) + " x " + std::to_string(t) + " x 32 x 64 " + dtype};
+      auto run = [&](bool fused) {
+        x.mutable_grad() = at::Tensor();
+        auto y = fused ? kn::rope(x, c, s) : kn::rope_reference(x, c, s);
+        y.backward(dy);
+      };
+      r.ours = time_ms(dev, reps, [&] { run(true); });
+      r.aten = time_ms(dev, reps, [&] { run(false); });
+      // x and dy read, out and dx written.
+      r.bytes = 4.0 * x.numel() * x.element_size();
+      rows.push_back(r);
+    }
+
+    // 6. AdamW over GPT-2 medium's tensors (float32 masters) writing their
     // bf16 copies: one kernel, against ATen's fused AdamW and a cast.
     if (colossalai::compat::has_fused_adam(dev)) {
       const int64_t d = gpu ? 1024 : 128, layers = gpu ? 24 : 2;

@@ -2,6 +2,7 @@
 
 #include "model_init.h"
 
+#include <colossalai/kernels/rope.h>
 #include <colossalai/models/kv_cache.h>
 
 #include <colossalai/lazy/lazy_init.h>
@@ -82,20 +83,33 @@ at::Tensor rope_inv_freq(const LlamaConfig& c, int64_t d) {
   return at::where(medium, smoothed, scaled);
 }
 
-// x [B, H, T, D] rotated by the angles of `positions` ([T] or [B, T]).
-at::Tensor apply_rope(
-    const at::Tensor& x,
+// The cosines and sines of the rotary angles of `positions` ([T] or
+// [B, T]): [T, D] or [B, T, D] tables in `dtype`, as transformers rounds
+// them.
+std::pair<at::Tensor, at::Tensor> rope_tables(
     const at::Tensor& positions,
-    const at::Tensor& inv_freq) {
+    const at::Tensor& inv_freq,
+    at::ScalarType dtype) {
   auto freqs = positions.to(at::kFloat).unsqueeze(-1) *
       inv_freq.to(positions.device());    // [.., T, D / 2]
   auto emb = at::cat({freqs, freqs}, -1); // [.., T, D]
-  if (emb.dim() == 3) {
-    emb = emb.unsqueeze(1); // [B, 1, T, D]
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+// x [B, T, H, D] rotated: the fused kernels on a GPU, elsewhere
+// x * cos + rotate_half(x) * sin over [B, H, T, D] (bit for bit what it
+// always computed).
+at::Tensor apply_rope(
+    const at::Tensor& x,
+    const at::Tensor& cos,
+    const at::Tensor& sin) {
+  if (kernels::rope_fused_applies(x, cos, sin)) {
+    return kernels::rope(x, cos, sin);
   }
-  auto cos = emb.cos().to(x.scalar_type());
-  auto sin = emb.sin().to(x.scalar_type());
-  return x * cos + rotate_half(x) * sin;
+  const auto xt = x.transpose(1, 2);
+  const auto c = cos.dim() == 3 ? cos.unsqueeze(1) : cos; // [B, 1, T, D]
+  const auto s = sin.dim() == 3 ? sin.unsqueeze(1) : sin;
+  return (xt * c + rotate_half(xt) * s).transpose(1, 2);
 }
 
 // [B, KV, T, D] -> [B, KV * n_rep, T, D], each key/value head serving
@@ -174,8 +188,9 @@ at::Tensor LlamaAttentionImpl::forward(
   }
   // Rotary angles: the sequence here is `positions` unless split_gather
   // gathered it whole (the model then passes the whole sequence's).
-  q = apply_rope(q.transpose(1, 2), positions, inv_freq_).transpose(1, 2);
-  k = apply_rope(k.transpose(1, 2), positions, inv_freq_).transpose(1, 2);
+  const auto tables = rope_tables(positions, inv_freq_, q.scalar_type());
+  q = apply_rope(q, tables.first, tables.second);
+  k = apply_rope(k, tables.first, tables.second);
   if (st.sp_mode == shardformer::SequenceParallelMode::kAllToAll) {
     q = to_head_shards(q, st.sp);
     k = to_head_shards(k, st.sp);
