@@ -92,20 +92,28 @@ struct RopeFunction : torch::autograd::Function<RopeFunction> {
   }
 };
 
+// x [B, T, H, D] with D even, cos and sin [T, D] or [B, T, D] tables of
+// its dtype and device.
+bool shapes_match(
+    const at::Tensor& x,
+    const at::Tensor& cos,
+    const at::Tensor& sin) {
+  return x.dim() == 4 && x.size(3) % 2 == 0 && cos.sizes() == sin.sizes() &&
+      ((cos.dim() == 2 && cos.size(0) == x.size(1)) ||
+       (cos.dim() == 3 && cos.size(0) == x.size(0) &&
+        cos.size(1) == x.size(1))) &&
+      cos.size(-1) == x.size(3) && cos.scalar_type() == x.scalar_type() &&
+      sin.scalar_type() == x.scalar_type() && cos.device() == x.device() &&
+      sin.device() == x.device();
+}
+
 void check(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(
       x.dim() == 4 && x.size(3) % 2 == 0,
       "rope: x must be [B, T, H, D] with D even, got ",
       x.sizes());
-  const bool shape = cos.sizes() == sin.sizes() &&
-      ((cos.dim() == 2 && cos.size(0) == x.size(1)) ||
-       (cos.dim() == 3 && cos.size(0) == x.size(0) &&
-        cos.size(1) == x.size(1))) &&
-      cos.size(-1) == x.size(3);
   TORCH_CHECK(
-      shape && cos.scalar_type() == x.scalar_type() &&
-          sin.scalar_type() == x.scalar_type() && cos.device() == x.device() &&
-          sin.device() == x.device(),
+      shapes_match(x, cos, sin),
       "rope: cos and sin must be [T, D] or [B, T, D] tables of x's dtype and "
       "device for x ",
       x.sizes(),
@@ -134,15 +142,8 @@ bool rope_fused_applies(
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   const auto t = x.scalar_type();
   return x.defined() && cos.defined() && sin.defined() && x.is_cuda() &&
-      x.dim() == 4 && x.size(3) % 2 == 0 && x.is_contiguous() &&
-      cos.is_contiguous() && sin.is_contiguous() &&
-      cos.sizes() == sin.sizes() &&
-      ((cos.dim() == 2 && cos.size(0) == x.size(1)) ||
-       (cos.dim() == 3 && cos.size(0) == x.size(0) &&
-        cos.size(1) == x.size(1))) &&
-      cos.size(-1) == x.size(3) && cos.scalar_type() == t &&
-      sin.scalar_type() == t && cos.device() == x.device() &&
-      sin.device() == x.device() &&
+      shapes_match(x, cos, sin) && x.is_contiguous() && cos.is_contiguous() &&
+      sin.is_contiguous() &&
       (t == at::kFloat || t == at::kHalf || t == at::kBFloat16);
 #else
   (void)x;
