@@ -242,7 +242,7 @@ for model in ${scale_models//,/ }; do
     name=scale_${model}_$setup
     if [ -n "$only" ] && ! [[ $name =~ $only ]]; then continue; fi
     say "$name"
-    # A bound on each run: a stuck host step must not take the session.
+    # A bound on each run: a stuck host step must not take the whole run.
     if [ "$prog" = cpp ]; then
       # shellcheck disable=SC2086
       timeout 1200 "$BUILD_DIR/bench/bench_gpu_scale_step" --device cuda --model "$model" $opts \
