@@ -143,6 +143,27 @@ at::Tensor pinned_empty(
 #endif
 }
 
+at::Tensor to_device(
+    const at::Tensor& t,
+    const at::Device& device,
+    at::ScalarType dtype) {
+  if (t.is_cpu() && device.is_cuda() && t.is_pinned()) {
+    auto moved = t.to(device, /*non_blocking=*/true);
+    return moved.scalar_type() == dtype ? moved : moved.to(dtype);
+  }
+  return t.to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
+}
+
+void wait_for_device(const at::Device& device) {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (device.is_cuda()) {
+    c10::cuda::getCurrentCUDAStream(device.index()).synchronize();
+  }
+#else
+  (void)device;
+#endif
+}
+
 at::Tensor offload_to_host(const at::Tensor& t) {
   if (!t.is_cuda()) {
     return t.to(at::kCPU);

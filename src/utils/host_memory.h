@@ -22,6 +22,21 @@ at::Tensor offload_to_host(const at::Tensor& t);
 at::Tensor pinned_empty(
     at::IntArrayRef sizes,
     const at::TensorOptions& options);
+/// `t` (a host tensor of the offload tier) as a new tensor on `device` in
+/// `dtype`. From page-locked memory the bus carries t's own bytes
+/// asynchronously and the device converts; a blocking copy_ would convert
+/// on the host and stage the result through pageable memory, at a fraction
+/// of the bus's speed. `t` must not change until the copy has run: the
+/// sharded optimizers write their host shards only in a step, after the
+/// backward's copies were waited for, and synchronise the device after the
+/// refresh that follows a step.
+at::Tensor to_device(
+    const at::Tensor& t,
+    const at::Device& device,
+    at::ScalarType dtype);
+/// Blocks until the work queued on `device`'s current stream (to_device's
+/// copies among it) has run; nothing for the host.
+void wait_for_device(const at::Device& device);
 /// Zeros shaped like `t`, on its device, page-locked when `t` is (empty_like
 /// does not keep pinning).
 at::Tensor zeros_like_pinned(const at::Tensor& t);

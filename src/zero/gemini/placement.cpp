@@ -4,6 +4,8 @@
 
 #include <colossalai/utils/compat.h>
 
+#include "../../utils/host_memory.h"
+
 #include <algorithm>
 #include <limits>
 
@@ -115,7 +117,7 @@ void Placement::setup() {
     for (auto& u : st_.units) {
       if (u.offloaded && !u.param_offloaded && u.numel() > 0) {
         u.param_shard =
-            u.shard_data.to(st_.device, st_.param_dtype, false, true);
+            utils::to_device(u.shard_data, st_.device, st_.param_dtype);
         stats_.host_to_device += bytes_of(u.param_shard);
       }
     }
@@ -290,7 +292,7 @@ at::Tensor Placement::gather_source(size_t k, bool prefetch) {
   if (!u.offloaded) {
     return u.shard_data.to(st_.device, pd); // cast on the device if needed
   }
-  auto src = u.shard_data.to(st_.device, pd, false, /*copy=*/true);
+  auto src = utils::to_device(u.shard_data, st_.device, pd);
   stats_.host_to_device += bytes_of(src);
   if (o_.policy() == PlacementPolicy::kAuto) {
     u.param_shard = src; // cached until evicted
@@ -318,11 +320,18 @@ void Placement::begin_forward() {
 }
 
 void Placement::refresh_param_shards() {
+  bool copied = false;
   for (auto& u : st_.units) {
     if (u.param_shard.defined()) {
-      u.param_shard.copy_(u.shard_data);
+      u.param_shard.copy_(utils::to_device(
+          u.shard_data, u.param_shard.device(), u.shard_data.scalar_type()));
       stats_.host_to_device += bytes_of(u.param_shard);
+      copied = true;
     }
+  }
+  // The next step may write the host shards before any backward waits.
+  if (copied) {
+    utils::wait_for_device(st_.device);
   }
 }
 

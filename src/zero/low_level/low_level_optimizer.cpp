@@ -228,14 +228,19 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
         continue; // the step wrote the weights themselves
       }
       // A copy: the input must not alias the output it is gathered into.
-      auto src = b.shard_data.to(
-          b.working.device(), b.working.scalar_type(), false, /*copy=*/true);
+      auto src = utils::to_device(
+          b.shard_data, b.working.device(), b.working.scalar_type());
       works.push_back(
           detail::all_gather_flat(b.working, src, b.layout, b.ranks.get()));
       ++gathers;
     }
     for (auto& w : works) {
       w.wait();
+    }
+    // Host masters (cpu_offload) crossed asynchronously; the next step may
+    // write them before any backward waits.
+    if (o.cpu_offload() && !buckets.empty()) {
+      utils::wait_for_device(buckets.front().working.device());
     }
   }
 };
