@@ -5,7 +5,10 @@
 
 #include "../bench_util.h"
 
+#include <torch/cuda.h>
 #include <torch/torch.h>
+
+#include <string>
 
 #ifdef COLOSSALAI_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -40,6 +43,17 @@ inline std::vector<double> matmul_rates(const at::Device& dev, int64_t n) {
     rates.push_back(2.0 * n * n * n * iters / seconds_since(t0));
   }
   return rates;
+}
+
+/// --device as given ("cuda" or "cpu"), or the GPU where there is one;
+/// "cuda" without one is refused.
+inline std::string resolve_device(const std::string& given) {
+  const std::string device =
+      given.empty() ? (torch::cuda::is_available() ? "cuda" : "cpu") : given;
+  TORCH_CHECK(
+      device == "cpu" || torch::cuda::is_available(),
+      "--device cuda asked for, but CUDA is not available");
+  return device;
 }
 
 /// The caching allocator's peak of allocated bytes on `dev` since the

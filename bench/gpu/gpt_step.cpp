@@ -137,11 +137,7 @@ Args parse(int argc, char** argv) {
       a.plugin == "none" || a.plugin == "zero1",
       "--plugin must be none or zero1, got ",
       a.plugin);
-  if (a.device.empty())
-    a.device = torch::cuda::is_available() ? "cuda" : "cpu";
-  TORCH_CHECK(
-      a.device == "cpu" || torch::cuda::is_available(),
-      "--device cuda asked for, but CUDA is not available");
+  a.device = cbench::resolve_device(a.device);
   return a;
 }
 

@@ -77,11 +77,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--out") a.out = v;
     else TORCH_CHECK(false, "unknown option ", k);
   }
-  if (a.device.empty())
-    a.device = torch::cuda::is_available() ? "cuda" : "cpu";
-  TORCH_CHECK(
-      a.device == "cpu" || torch::cuda::is_available(),
-      "--device cuda asked for, but CUDA is not available");
+  a.device = cbench::resolve_device(a.device);
   if (a.seq == 0)
     a.seq = a.model == "llama-small-cpu" ? 64 : 2048;
   return a;

@@ -115,11 +115,7 @@ Args parse(int argc, char** argv) {
       a.setup == "gemini_static" || a.setup == "gemini_auto" ||
           a.setup == "zero2_offload" || a.setup == "zero2",
       "--setup must be gemini_static, gemini_auto, zero2_offload or zero2, got ", a.setup);
-  if (a.device.empty())
-    a.device = torch::cuda::is_available() ? "cuda" : "cpu";
-  TORCH_CHECK(
-      a.device == "cpu" || torch::cuda::is_available(),
-      "--device cuda asked for, but CUDA is not available");
+  a.device = cbench::resolve_device(a.device);
   if (a.seq == 0)
     a.seq = a.model == "llama-small-cpu" ? 128 : 4096;
   return a;

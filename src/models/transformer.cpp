@@ -73,13 +73,6 @@ at::Tensor run_block(
       st.gradient_checkpointing_ratio * static_cast<double>(num_blocks));
   // A cached step appends to the cache once per layer: never recomputed.
   if (index < checkpointed && block.is_training() && st.kv_cache == nullptr) {
-    // The recomputation reaches the block's parameters only through an
-    // input that requires grad; a frozen embedding's output (LoRA, QLoRA)
-    // does not, so it is marked, as transformers' enable_input_require_grads
-    // does. Its gradient goes nowhere.
-    if (!x.requires_grad() && at::GradMode::is_enabled()) {
-      return nn::checkpoint(fn, x.detach().requires_grad_(true), &block);
-    }
     return nn::checkpoint(fn, x, &block);
   }
   return fn(x);

@@ -6,6 +6,8 @@
 #include <torch/custom_class.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
+
 namespace colossalai {
 namespace nn {
 
@@ -189,8 +191,22 @@ std::vector<at::Tensor> checkpoint(
   replay->streams = stream_snapshots(owner);
   replay->autocast_cpu = compat::autocast_dtype(at::kCPU);
   replay->autocast_cuda = compat::autocast_dtype(at::kCUDA);
+  // The recomputation reaches the parameters inside `fn` only through an
+  // input that requires grad. Where none does (a frozen embedding's output
+  // under LoRA), the first floating input is marked, as transformers'
+  // enable_input_require_grads does; its gradient goes nowhere.
+  auto args = inputs;
+  const bool any = std::any_of(args.begin(), args.end(), [](const auto& t) {
+    return t.defined() && t.requires_grad();
+  });
+  for (size_t i = 0; !any && i < args.size(); ++i) {
+    if (args[i].defined() && at::isFloatingType(args[i].scalar_type())) {
+      args[i] = args[i].detach().requires_grad_(true);
+      break;
+    }
+  }
   // A TensorList, not a vector: only that is taken as autograd inputs.
-  return CheckpointNode::apply(at::TensorList(inputs), std::move(replay));
+  return CheckpointNode::apply(at::TensorList(args), std::move(replay));
 }
 
 at::Tensor checkpoint(

@@ -7,10 +7,12 @@
 /// activations is traded for one more forward of it.
 ///
 /// Parameter gradients arrive through the recomputation's backward, inside
-/// the outer one, so gradient hooks (DDP, ZeRO) fire as usual. At least one
-/// input must require grad for the parameters inside to get gradients (as
-/// PyTorch's reentrant variant). Collectives inside `fn` run again in
-/// backward, in the same order on every rank.
+/// the outer one, so gradient hooks (DDP, ZeRO) fire as usual. When no
+/// input requires grad (a frozen embedding's output under LoRA), the first
+/// floating input is marked so that they still do (PyTorch's reentrant
+/// variant leaves them without; transformers' enable_input_require_grads
+/// does the same marking). Collectives inside `fn` run again in backward,
+/// in the same order on every rank.
 ///
 /// Example:
 /// \code
