@@ -6,6 +6,7 @@
 #include <colossalai/booster/booster.h>
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
+#include <colossalai/kernels/gelu_linear.h>
 #include <colossalai/kernels/rms_norm.h>
 #include <colossalai/kernels/rope.h>
 #include <colossalai/kernels/silu_mul.h>
@@ -1033,6 +1034,147 @@ TEST(Kernels, RopeCudaKernelIsTheRotationRoundedOnce) {
       EXPECT_LT(max_normwise_rel(a.out.cpu(), f.out), roundoff + 8 * std::pow(2.0, -24));
       EXPECT_LT(max_normwise_rel(a.dx.cpu(), f.dx), roundoff + 8 * std::pow(2.0, -24));
     }
+  }
+}
+
+// ------------------------------------------------------ gelu_linear ---
+
+struct GeluLinearGrads {
+  at::Tensor y, dh, dw, db;
+};
+
+template <class F>
+GeluLinearGrads run_gelu_linear(
+    const F& f,
+    const at::Tensor& h0,
+    const at::Tensor& w0,
+    const at::Tensor& b0,
+    const at::Tensor& dy,
+    const char* approximate) {
+  auto h = h0.detach().clone().requires_grad_(true);
+  auto w = w0.detach().clone().requires_grad_(true);
+  auto b = b0.defined() ? b0.detach().clone().requires_grad_(true) : at::Tensor();
+  auto y = f(h, w, b, approximate);
+  y.backward(dy.to(y.scalar_type()));
+  return {y.detach(), h.grad(), w.grad(), b.defined() ? b.grad() : at::Tensor()};
+}
+
+at::Tensor call_gelu_linear(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b, const char* a) {
+  return kn::gelu_linear(h, w, b, a);
+}
+
+at::Tensor call_gelu_linear_reference(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b, const char* a) {
+  return kn::gelu_linear_reference(h, w, b, a);
+}
+
+// ||got - want|| / ||want||, in float64.
+double norm_rel(const at::Tensor& got, const at::Tensor& want) {
+  const auto d = want.to(at::kDouble);
+  return ((got.to(at::kDouble) - d).norm() / d.norm()).item<double>();
+}
+
+// The op computes what the reference computes (the same gelu, matmuls and
+// sums); only the order of a matmul's or a sum's terms may differ. So each
+// result is compared with the exact function (float64 of the same rounded
+// inputs) beside the reference's: in float64 both within 1e-12; in float32
+// and bf16 (plain, and under CPU bf16 autocast with float32 weights, as the
+// booster's mixed precision runs an MLP) the op's norm-wise error is at
+// most twice the reference's plus one rounding of the dtype. Gradients come
+// back in each input's dtype, as autocast's casts give them.
+TEST(Kernels, GeluLinearIsTheReferenceWithoutKeepingTheActivation) {
+  torch::manual_seed(11);
+  const auto h = torch::randn({3, 37, 48}), w = torch::randn({40, 48}) * 0.1, b = torch::randn({40}) * 0.1;
+  const auto dy = torch::randn({3, 37, 40});
+  for (const char* approx : {"none", "tanh"}) {
+    for (const bool bias : {true, false}) {
+      SCOPED_TRACE(std::string(approx) + (bias ? " bias" : " no bias"));
+      const auto bb = bias ? b : at::Tensor();
+      auto exact_of = [&](at::ScalarType t) {
+        auto r = [&](const at::Tensor& x) { return x.defined() ? x.to(t).to(at::kDouble) : x; };
+        return run_gelu_linear(call_gelu_linear_reference, r(h), r(w), r(bb), r(dy), approx);
+      };
+      const auto exact = exact_of(at::kDouble);
+      const auto f64 = run_gelu_linear(
+          call_gelu_linear, h.to(at::kDouble), w.to(at::kDouble), bias ? b.to(at::kDouble) : at::Tensor(),
+          dy.to(at::kDouble), approx);
+      EXPECT_LT(norm_rel(f64.y, exact.y), 1e-12);
+      EXPECT_LT(norm_rel(f64.dh, exact.dh), 1e-12);
+      EXPECT_LT(norm_rel(f64.dw, exact.dw), 1e-12);
+      if (bias) {
+        EXPECT_LT(norm_rel(f64.db, exact.db), 1e-12);
+      }
+      for (const bool autocast : {false, true}) {
+        for (auto t : {at::kFloat, at::kBFloat16}) {
+          if (autocast && t == at::kFloat) {
+            continue;
+          }
+          SCOPED_TRACE(std::string(c10::toString(t)) + (autocast ? " autocast" : ""));
+          // Under autocast the inputs stay float32 and the op casts them.
+          const auto in = autocast ? at::kFloat : t;
+          auto r = [&](const at::Tensor& x) { return x.defined() ? x.to(in) : x; };
+          GeluLinearGrads a, ref;
+          {
+            c10::optional<colossalai::compat::AutocastGuard> cast;
+            if (autocast) {
+              cast.emplace(at::kCPU, at::kBFloat16);
+            }
+            a = run_gelu_linear(call_gelu_linear, r(h), r(w), r(bb), r(dy), approx);
+            ref = run_gelu_linear(call_gelu_linear_reference, r(h), r(w), r(bb), r(dy), approx);
+          }
+          const auto ex = exact_of(t);
+          EXPECT_EQ(a.y.scalar_type(), ref.y.scalar_type());
+          EXPECT_EQ(a.dh.scalar_type(), in);
+          EXPECT_EQ(a.dw.scalar_type(), in);
+          const double unit = t == at::kFloat ? std::pow(2.0, -24) : std::pow(2.0, -8);
+          for (const auto& [what, got, want, exact_value] :
+               {std::tuple{"y", a.y, ref.y, ex.y}, {"dh", a.dh, ref.dh, ex.dh}, {"dw", a.dw, ref.dw, ex.dw},
+                {"db", a.db, ref.db, ex.db}}) {
+            if (!exact_value.defined()) {
+              continue;
+            }
+            const double e = norm_rel(got, exact_value), e_ref = norm_rel(want, exact_value);
+            EXPECT_LE(e, 2 * e_ref + unit) << what << ": op " << e << ", reference " << e_ref;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Kernels, GeluLinearRefusesBadInput) {
+  const auto h = torch::randn({4, 8}), w = torch::randn({5, 8}), b = torch::randn({5});
+  EXPECT_THROW(kn::gelu_linear(h, w, b, "erf"), c10::Error);
+  EXPECT_THROW(kn::gelu_linear(h, w.t(), b, "none"), c10::Error);
+  EXPECT_THROW(kn::gelu_linear(h, w, torch::randn({4}), "none"), c10::Error);
+  EXPECT_THROW(kn::gelu_linear(h.to(at::kDouble), w, b, "none"), c10::Error);
+  EXPECT_THROW(kn::gelu_linear(h.to(at::kLong), w, b, "none"), c10::Error);
+}
+
+// The zoo GPT with GPTConfig::recompute_gelu computes what it computes
+// keeping the activation: in float64, loss and every gradient within 1e-12.
+TEST(Kernels, GptRecomputingGeluEqualsKeepingIt) {
+  namespace zoo = colossalai::zoo;
+  const auto cfg = zoo::GPTConfig::tiny_test();
+  torch::manual_seed(12);
+  zoo::GPT a(cfg);
+  zoo::GPT b(zoo::GPTConfig(cfg).recompute_gelu(true));
+  a->to(at::kDouble);
+  b->to(at::kDouble);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < a->parameters().size(); ++i) {
+      b->parameters()[i].copy_(a->parameters()[i]);
+    }
+  }
+  auto [x, y] = zoo::random_tokens(4, cfg, 8);
+  auto la = zoo::gpt_loss(a->forward(x), y);
+  la.backward();
+  auto lb = zoo::gpt_loss(b->forward(x), y);
+  lb.backward();
+  EXPECT_LT(norm_rel(lb, la), 1e-12);
+  for (size_t i = 0; i < a->parameters().size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_LT(norm_rel(b->parameters()[i].grad(), a->parameters()[i].grad()), 1e-12);
   }
 }
 

@@ -1,6 +1,7 @@
 #include <zoo/gpt.h>
 
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
+#include <colossalai/kernels/gelu_linear.h>
 #include <colossalai/utils/compat.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -130,7 +131,11 @@ at::Tensor BlockImpl::causal_self_attention(const at::Tensor& x) {
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
   auto scope = forward_scope(); // a sharding strategy's unit boundary
   auto h = x + linear(proj, causal_self_attention(ln1->forward(x)));
-  return scope.exit(h + linear(out, torch::gelu(linear(fc, ln2->forward(h)))));
+  auto m = linear(fc, ln2->forward(h));
+  m = config_.recompute_gelu()
+      ? kernels::gelu_linear(m, out->weight, out->bias)
+      : linear(out, at::gelu(m));
+  return scope.exit(h + m);
 }
 
 GPTImpl::GPTImpl(const GPTConfig& config) : config_(config) {

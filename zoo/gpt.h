@@ -63,6 +63,11 @@ struct GPTConfig {
   TORCH_ARG(int64_t, n_head) = 4;
   /// Number of transformer blocks.
   TORCH_ARG(int64_t, n_layer) = 4;
+  /// Each block's MLP forms gelu(fc(x)) again in backward instead of
+  /// keeping it (kernels::gelu_linear): a [B, T, 4 * n_embd] tensor less per
+  /// block, for one elementwise pass more. Off by default, until a GPU
+  /// benchmark shows what it costs.
+  TORCH_ARG(bool, recompute_gelu) = false;
 };
 
 /// Causal multi-head attention of a fused projection qkv: [B, T, 3C] (q, k,
@@ -72,7 +77,7 @@ at::Tensor causal_attention(const at::Tensor& qkv, int64_t n_head);
 
 /// One pre-LayerNorm transformer block:
 ///   x = x + proj(causal_self_attention(ln1(x)))
-///   x = x + out(gelu(fc(ln2(x))))
+///   x = x + out(gelu(fc(ln2(x))))   (GPTConfig::recompute_gelu: see there)
 /// Its forward opens a `ForwardScope`, so sharding strategies can make each
 /// block a unit (e.g. TorchFSDPPlugin's per-block wrapping).
 class BlockImpl : public torch::nn::Module,

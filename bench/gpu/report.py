@@ -26,7 +26,7 @@ def runs(folder, prefix):
 def main():
     folder = sys.argv[1]
     order = ["ours", "ours_fused_adamw", "ours_fused", "ours_hybrid_adam",
-             "ours_zero1_bf16_logits", "ours_zero1_bf16", "torch", "torch_fused",
+             "ours_zero1_bf16_logits", "ours_zero1_bf16", "ours_zero1_bf16_recompute", "torch", "torch_fused",
              "torch_compile", "torch_loop", "llama_ours", "llama_ours_fused_adamw",
              "llama_ours_fused", "llama_ours_zero1_bf16", "llama_torch_fused",
              "llama_torch_compile"]

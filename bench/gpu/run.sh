@@ -14,7 +14,8 @@
 # whole logits (ours), with FusedAdamW (ours_fused_adamw), with FusedAdamW
 # and the fused linear + cross-entropy (ours_fused), and the same two under
 # LowLevelZero stage 1 in bf16 at world size one (bf16 weights, fp32
-# masters, no autocast: ours_zero1_bf16_logits, ours_zero1_bf16); PyTorch
+# masters, no autocast: ours_zero1_bf16_logits, ours_zero1_bf16; the last
+# with the MLPs' GELU recomputed in backward: ours_zero1_bf16_recompute); PyTorch
 # eager with its default AdamW (torch) and with AdamW(fused=True)
 # (torch_fused).
 # --llama-rounds N adds N rounds of a Llama-3.2-1B-shaped model (batch
@@ -152,6 +153,7 @@ variants=(
   "ours_fused|cpp|--optimizer fused_adamw --loss fused"
   "ours_zero1_bf16_logits|cpp|--plugin zero1 --optimizer fused_adamw --loss logits"
   "ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
+  "ours_zero1_bf16_recompute|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --recompute-gelu on"
   "torch|py|"
   "torch_fused|py|--fused"
 )

@@ -6,7 +6,7 @@
 
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 
-#include <colossalai/utils/compat.h>
+#include "linear_dtype.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -145,21 +145,10 @@ struct FusedLinearCrossEntropy
       int64_t chunk_size,
       bool mean,
       const VocabShard* shard) {
-    // Autocast's dtype where it is on (as at::linear would be cast), else
-    // the inputs' own, which must then agree (as at::linear requires).
     const at::Tensor bias =
         bias_or_empty.numel() > 0 ? bias_or_empty : at::Tensor();
-    const auto autocast = compat::autocast_dtype(hidden.device().type());
-    const auto compute = autocast.value_or(hidden.scalar_type());
-    TORCH_CHECK(
-        autocast.has_value() ||
-            (weight.scalar_type() == hidden.scalar_type() &&
-             (!bias.defined() || bias.scalar_type() == hidden.scalar_type())),
-        "fused_linear_cross_entropy: hidden (",
-        hidden.scalar_type(),
-        ") and weight (",
-        weight.scalar_type(),
-        ") differ in dtype outside autocast");
+    const auto compute = detail::linear_compute_dtype(
+        "fused_linear_cross_entropy", hidden, weight, bias);
     const auto h = hidden.to(compute);
     const auto w = weight.to(compute);
     const auto b = bias.defined() ? bias.to(compute) : at::Tensor();
