@@ -15,6 +15,7 @@
 #include <colossalai/models/llama.h>
 #include <colossalai/models/opt.h>
 #include <colossalai/quantization/bnb.h>
+#include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/utils/compat.h>
 
 #include <zoo/gpt.h>
@@ -870,6 +871,58 @@ TEST(Kernels, Dequantize4bitCudaKernelEqualsTheCpuPass) {
       }
     }
   }
+}
+
+// QuantizedWeight's 8-bit dequantize on a GPU (one kernel) against the CPU
+// pass, bit for bit: the same roundings (the row scale to the target dtype,
+// then the product once), in three dtypes, an odd row length.
+TEST(Kernels, DequantizeInt8CudaKernelEqualsTheCpuPass) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  namespace q = colossalai::quantization;
+  torch::manual_seed(13);
+  const auto w = torch::randn({129, 77}).mul(0.05);
+  auto [data, state] = q::QuantizedWeight::quantize(w, q::BnbQuantizationConfig().load_in_8bit(true));
+  for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(t));
+    const auto cpu = state->dequantize(data, t);
+    const auto gpu = state->dequantize(data.to(at::kCUDA), t);
+    ASSERT_TRUE(gpu.is_cuda());
+    EXPECT_TRUE(at::equal(gpu.cpu(), cpu));
+  }
+}
+
+// LLM.int8's product on a GPU runs in int32 (exact) where cuBLASLt's int8
+// path takes the shapes. Below 1040 input features the CPU's fp32 product
+// is exact too, so both devices give the same bits (no outliers: their
+// 16-bit matmul differs by device); at 4096 features the GPU's int32 sums
+// are the exact integers, which the CPU's fp32 sums round.
+TEST(Kernels, Int8LinearOnCudaMultipliesInInt32) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  namespace q = colossalai::quantization;
+  torch::manual_seed(14);
+  for (const int64_t k : {256, 4096}) {
+    SCOPED_TRACE(k);
+    const auto x = torch::randn({37, k}), w = torch::randn({72, k}).mul(0.05);
+    const auto rows = q::int8_vectorwise_quant(w, 0.0);
+    const auto xq = q::int8_vectorwise_quant(x, 0.0);
+    const auto exact = at::matmul(xq.data.to(at::kDouble), rows.data.to(at::kDouble).t());
+    const auto gpu_acc = colossalai::compat::int8_mm(xq.data.cuda(), rows.data.cuda().t());
+    if (!gpu_acc.defined()) {
+      GTEST_SKIP() << "this LibTorch has no int8 matmul";
+    }
+    EXPECT_TRUE(at::equal(gpu_acc.cpu().to(at::kDouble), exact));
+    const auto gpu = q::int8_linear(x.cuda(), rows.data.cuda(), rows.stats.cuda(), at::Tensor(), 0.0);
+    if (k < 1040) {
+      EXPECT_TRUE(at::equal(gpu.cpu(), q::int8_linear(x, rows.data, rows.stats, at::Tensor(), 0.0)));
+    }
+  }
+  // A shape the int8 path refuses (16 rows) falls back to the fp32 product.
+  const auto a = torch::randint(-127, 128, {16, 64}).to(at::kChar).cuda();
+  EXPECT_FALSE(colossalai::compat::int8_mm(a, a.t()).defined());
 }
 
 // ------------------------------------------------------------- silu_mul

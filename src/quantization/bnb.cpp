@@ -1,5 +1,7 @@
 #include <colossalai/quantization/bnb.h>
 
+#include <colossalai/utils/compat.h>
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -476,11 +478,16 @@ at::Tensor int8_linear(
       cb.size(1));
   auto a = x.reshape({-1, x.size(-1)});
   auto rows = int8_vectorwise_quant(a, threshold);
-  // The int8 product in fp32, as bitsandbytes' CPU fallback: every partial
-  // sum is an integer, exact while in_features * 127^2 < 2^24 (beyond, a
-  // rounding of fp32 accumulation).
-  auto acc =
-      at::matmul(rows.data.to(at::kFloat), cb.to(at::kFloat).t()).to(at::kInt);
+  // On a GPU the int8 product in int32 through cuBLASLt, exact (as
+  // bitsandbytes' CUDA path). Elsewhere, or for shapes that path refuses, in
+  // fp32, as bitsandbytes' CPU fallback: every partial sum is an integer,
+  // exact while in_features * 127^2 < 2^24 (beyond, a rounding of fp32
+  // accumulation).
+  auto acc = compat::int8_mm(rows.data, cb.t());
+  if (!acc.defined()) {
+    acc = at::matmul(rows.data.to(at::kFloat), cb.to(at::kFloat).t())
+              .to(at::kInt);
+  }
   auto out = acc *
       (rows.stats.unsqueeze(-1) * scb.to(at::kFloat).unsqueeze(0)) *
       6.200124e-05;

@@ -4,6 +4,14 @@
 #include <ATen/core/ivalue.h>
 #include <torch/autograd.h>
 
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+#include "../kernels/cuda_launch.h"
+#include "../kernels/dequantize_int8_cuda.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace colossalai {
 namespace quantization {
 
@@ -112,7 +120,30 @@ at::Tensor QuantizedWeight::dequantize(
       data.scalar_type(),
       " ",
       data.sizes());
-  // bitsandbytes: CB in the target dtype times SCB / 127.
+  // bitsandbytes: CB in the target dtype times SCB / 127 (the row scale
+  // rounded to the target dtype, then the product rounded once).
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (data.is_cuda() &&
+      (out == at::kFloat || out == at::kHalf || out == at::kBFloat16)) {
+    const c10::cuda::CUDAGuard guard(data.device());
+    const auto q = data.contiguous();
+    const auto scb = scb_.to(data.device(), at::kFloat).contiguous();
+    auto y = at::empty(q.sizes(), q.options().dtype(out));
+    kernels::cuda::check_launch(
+        kernels::cuda::dequantize_int8(
+            kernels::cuda::dtype_of(out, "dequantize_int8"),
+            q.data_ptr<int8_t>(),
+            scb.data_ptr<float>(),
+            static_cast<float>(1.0 / 127.0), // as ATen takes the scalar
+            q.size(0),
+            q.size(1),
+            y.data_ptr(),
+            c10::cuda::getCurrentCUDAStream().stream()),
+        "QuantizedWeight::dequantize",
+        "the int8 kernel's launch");
+    return y;
+  }
+#endif
   return data.to(out) *
       (scb_.to(data.device()).unsqueeze(1) * (1.0 / 127.0)).to(out);
 }

@@ -84,6 +84,22 @@ bool has_fused_adam(at::Device device) {
   return device.is_cpu() && COLOSSALAI_TORCH_AT_LEAST(2, 4);
 }
 
+at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& b) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 1)
+  const bool takes = a.is_cuda() && b.device() == a.device() &&
+      a.scalar_type() == at::kChar && b.scalar_type() == at::kChar &&
+      a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) &&
+      a.size(0) > 16 && a.size(1) % 8 == 0 && b.size(1) % 8 == 0;
+  if (takes) {
+    return at::_int_mm(a.contiguous(), b);
+  }
+#else
+  (void)a;
+  (void)b;
+#endif
+  return at::Tensor();
+}
+
 void fused_adam_(
     at::TensorList params,
     at::TensorList grads,

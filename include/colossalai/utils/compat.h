@@ -114,6 +114,13 @@ void fused_adam_(
     bool amsgrad,
     bool decoupled);
 
+/// The exact int32 product of int8 matrices a [m, k] and b [k, n] through
+/// cuBLASLt's int8 path (at::_int_mm, LibTorch 2.1+, CUDA), or an undefined
+/// tensor where that path does not take them: LibTorch 1.13, another
+/// device, m <= 16, or k or n not a multiple of 8. `b` may be the
+/// transposed view of a contiguous [n, k].
+at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& b);
+
 /// The dtype autocast casts to on `device` (CPU or CUDA) in this thread, or
 /// nullopt where autocast is off there.
 c10::optional<at::ScalarType> autocast_dtype(at::DeviceType device);
