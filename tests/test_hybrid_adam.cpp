@@ -913,6 +913,16 @@ TEST(FusedAdam, FusedAdamWWritesWorkingCopies) {
         EXPECT_TRUE(torch::equal(copies[i], params[i].detach().to(at::kBFloat16)));
       }
     }
+    // Copies of two dtypes in one step (the kernel takes one working dtype):
+    // the step still runs, each copy its parameter rounded.
+    opt::FusedAdamW mixed(plain, torch::optim::AdamWOptions(1e-2));
+    const auto bf16 = at::zeros({plain[0].numel()}, plain[0].options().dtype(at::kBFloat16));
+    const auto fp16 = at::zeros({plain[1].numel()}, plain[1].options().dtype(at::kHalf));
+    mixed.set_working_copy(plain[0], bf16);
+    mixed.set_working_copy(plain[1], fp16);
+    mixed.step();
+    EXPECT_TRUE(torch::equal(bf16, plain[0].detach().to(at::kBFloat16)));
+    EXPECT_TRUE(torch::equal(fp16, plain[1].detach().to(at::kHalf)));
   }
   auto params = make_params({17, 8}, 24);
   opt::FusedAdamW adamw(params, torch::optim::AdamWOptions(1e-2));
@@ -922,6 +932,9 @@ TEST(FusedAdam, FusedAdamWWritesWorkingCopies) {
   EXPECT_THROW(
       adamw.set_working_copy(params[0], torch::zeros({8}, at::kBFloat16)),
       c10::Error); // another size
+  EXPECT_THROW(
+      adamw.set_working_copy(params[0], torch::zeros({17}, at::kDouble)),
+      c10::Error); // a dtype no kernel writes
 }
 
 } // namespace

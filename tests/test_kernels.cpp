@@ -841,7 +841,10 @@ TEST(Kernels, AdamWStepCudaKernelEqualsTheReference) {
       f.p, f.g, f.m, f.v, {}, steps, 1e-3, 0.9, 0.999, 0.1, 1e-8, false, true);
   for (size_t i = 0; i < a.p.size(); ++i) {
     EXPECT_TRUE(at::allclose(a.p[i], f.p[i], 1e-6, 1e-7)) << "param " << i << " vs ATen's fused AdamW";
-    EXPECT_TRUE(at::allclose(a.v[i], f.v[i], 1e-6, 1e-12)) << "exp_avg_sq " << i << " vs ATen's fused AdamW";
+    // ATen's fused kernel takes 1 - beta2 in float (1 - 0.999f), 1.3e-5
+    // relative away from the single-tensor update's float(1 - 0.999) that
+    // ours follows; the squares' term differs by that much.
+    EXPECT_TRUE(at::allclose(a.v[i], f.v[i], 2e-5, 1e-12)) << "exp_avg_sq " << i << " vs ATen's fused AdamW";
   }
 }
 
@@ -994,14 +997,20 @@ TEST(Kernels, SiluMulCudaKernelsAreTheFunctionRoundedOnce) {
     for (const bool misaligned : {false, true}) {
       for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
         SCOPED_TRACE(std::to_string(n) + (misaligned ? " misaligned " : " ") + c10::toString(t));
+        // The op takes views of n + 1 elements (the helper's clones are
+        // fresh, aligned allocations): one element in, misaligned.
+        const int64_t off = misaligned ? 1 : 0;
+        auto view = [&](const at::Tensor& whole) { return whole.narrow(0, off, n); };
         auto make = [&](double scale) {
-          auto base = torch::randn({n + 1}).mul(scale).to(at::device(at::kCUDA).dtype(t));
-          return misaligned ? base.narrow(0, 1, n) : base.narrow(0, 0, n);
+          return torch::randn({n + 1}).mul(scale).to(at::device(at::kCUDA).dtype(t));
         };
-        const auto g = make(3), u = make(1), dy = make(1);
-        ASSERT_TRUE(kn::silu_mul_fused_applies(g, u));
-        const auto a = run_silu_mul(kn::silu_mul, g, u, dy);
-        const auto f = silu_mul_float64(g.cpu(), u.cpu(), dy.cpu());
+        const auto g = make(3), u = make(1), dy = view(make(1));
+        ASSERT_TRUE(kn::silu_mul_fused_applies(view(g), view(u)));
+        auto a = run_silu_mul(
+            [&](const at::Tensor& gw, const at::Tensor& uw) { return kn::silu_mul(view(gw), view(uw)); }, g, u, dy);
+        a.d_gate = view(a.d_gate);
+        a.d_up = view(a.d_up);
+        const auto f = silu_mul_float64(view(g).cpu(), view(u).cpu(), dy.cpu());
         const double roundoff = t == at::kFloat ? 0.0 : t == at::kHalf ? std::pow(2.0, -11) : std::pow(2.0, -8);
         const double bound = roundoff + 16 * std::pow(2.0, -24);
         // Half precision's subnormals: an absolute floor.

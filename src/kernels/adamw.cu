@@ -26,8 +26,9 @@ template <class G, class W>
 __global__ void __launch_bounds__(kThreads) adamw_kernel(
     const AdamWTensor* __restrict__ tensors,
     const AdamWBlock* __restrict__ blocks,
-    float beta1,
+    float w1,
     float beta2,
+    float w2,
     float eps) {
   const AdamWBlock b = blocks[blockIdx.x];
   const AdamWTensor t = tensors[b.tensor];
@@ -41,7 +42,6 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(
   // Null: this tensor has no copy (uniform over the block).
   W* __restrict__ w =
       t.working == nullptr ? nullptr : static_cast<W*>(t.working) + begin;
-  const float w1 = 1.0f - beta1, w2 = 1.0f - beta2;
   for (int64_t base = 0; base < len; base += kThreads * kUnroll) {
     float pr[kUnroll], gr[kUnroll], mr[kUnroll], vr[kUnroll];
 #pragma unroll
@@ -82,8 +82,9 @@ cudaError_t adamw_step(
     const AdamWTensor* tensors,
     const AdamWBlock* blocks,
     int64_t num_blocks,
-    float beta1,
+    float one_minus_beta1,
     float beta2,
+    float one_minus_beta2,
     float eps,
     cudaStream_t stream) {
   if (num_blocks == 0) {
@@ -95,7 +96,7 @@ cudaError_t adamw_step(
       using W = decltype(w);
       adamw_kernel<G, W>
           <<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(
-              tensors, blocks, beta1, beta2, eps);
+              tensors, blocks, one_minus_beta1, beta2, one_minus_beta2, eps);
       return cudaGetLastError();
     });
   });

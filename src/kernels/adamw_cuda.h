@@ -36,15 +36,18 @@ struct AdamWBlock {
 
 /// Updates `blocks` chunks (one block each) of the tensors `tensors` points
 /// to; both arrays in device memory. Every grad has `grad_dtype`, every
-/// working copy `working_dtype`.
+/// working copy `working_dtype`. 1 - beta1 and 1 - beta2 come taken in
+/// double and rounded once, as torch.optim.AdamW passes them to ATen (1 -
+/// 0.999f in float is 1.3e-5 away from float(1 - 0.999)).
 cudaError_t adamw_step(
     Dtype grad_dtype,
     Dtype working_dtype,
     const AdamWTensor* tensors,
     const AdamWBlock* blocks,
     int64_t num_blocks,
-    float beta1,
+    float one_minus_beta1,
     float beta2,
+    float one_minus_beta2,
     float eps,
     cudaStream_t stream);
 

@@ -368,6 +368,16 @@ at::Tensor dequantize_4bit(
   const auto device = packed.device();
   auto absmax = block_absmax(st).to(device).contiguous();
   auto code = st.code.to(device, at::kFloat).contiguous();
+  TORCH_CHECK(
+      st.blocksize > 0 &&
+          absmax.numel() >= (n + st.blocksize - 1) / st.blocksize,
+      "dequantize_4bit: ",
+      absmax.numel(),
+      " absmax values for ",
+      n,
+      " values in blocks of ",
+      st.blocksize,
+      " (a corrupt quantization state)");
   if (device.is_cpu()) {
     auto bytes = packed.contiguous();
     auto out = at::empty(st.shape, at::TensorOptions().dtype(dtype));

@@ -120,6 +120,13 @@ at::Tensor QuantizedWeight::dequantize(
       data.scalar_type(),
       " ",
       data.sizes());
+  TORCH_CHECK(
+      scb_.numel() == shape_[0],
+      "QuantizedWeight: ",
+      scb_.numel(),
+      " row scales (SCB) for ",
+      shape_[0],
+      " rows");
   // bitsandbytes: CB in the target dtype times SCB / 127 (the row scale
   // rounded to the target dtype, then the product rounded once).
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS

@@ -89,7 +89,8 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& b) {
   const bool takes = a.is_cuda() && b.device() == a.device() &&
       a.scalar_type() == at::kChar && b.scalar_type() == at::kChar &&
       a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) &&
-      a.size(0) > 16 && a.size(1) % 8 == 0 && b.size(1) % 8 == 0;
+      a.size(0) > 16 && a.size(1) > 0 && a.size(1) % 8 == 0 &&
+      b.size(1) > 0 && b.size(1) % 8 == 0;
   if (takes) {
     return at::_int_mm(a.contiguous(), b);
   }

@@ -45,6 +45,20 @@ bool fusable(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
   return true;
 }
 
+// Whether the defined tensors of `ts` share one dtype.
+bool one_dtype(const std::vector<at::Tensor>& ts) {
+  c10::optional<at::ScalarType> seen;
+  for (const auto& t : ts) {
+    if (t.defined()) {
+      if (seen.has_value() && *seen != t.scalar_type()) {
+        return false;
+      }
+      seen = t.scalar_type();
+    }
+  }
+  return true;
+}
+
 at::Tensor step_tensor(const std::vector<int64_t>& steps, at::Device device) {
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
   bool uniform = true;
@@ -144,9 +158,10 @@ torch::Tensor fused_step(
         working.push_back(copy_of(copies, p));
         any_copy = any_copy || working.back().defined();
       }
-      // Masters with copies: one pass writes both (on a GPU).
+      // Masters with copies: one pass writes both (on a GPU), where the
+      // copies share one dtype (the kernel's one working dtype).
       if (any_copy && decoupled && !o.amsgrad() &&
-          where.second == at::kFloat &&
+          where.second == at::kFloat && one_dtype(working) &&
           kernels::adamw_step_fused_applies(b.params, b.grads, working)) {
         kernels::adamw_step_(
             b.params,
@@ -211,9 +226,11 @@ void FusedAdamW::set_working_copy(const at::Tensor& param, at::Tensor copy) {
       param.scalar_type() == at::kFloat && copy.defined() &&
           copy.numel() == param.numel() && copy.is_contiguous() &&
           copy.device() == param.device() &&
-          at::isFloatingType(copy.scalar_type()),
+          (copy.scalar_type() == at::kFloat ||
+           copy.scalar_type() == at::kHalf ||
+           copy.scalar_type() == at::kBFloat16),
       "FusedAdamW::set_working_copy: the parameter must be float32 and its "
-      "copy a contiguous floating tensor of its ",
+      "copy a contiguous float32, float16 or bfloat16 tensor of its ",
       param.numel(),
       " elements on ",
       param.device());
