@@ -35,8 +35,9 @@
 # peak (bench_load_pretrained; load.json).
 # --scale MODELS (comma-separated: llama2-7b, llama3-8b) fine-tunes each at
 # seq 4096 with every layer checkpointed, one run per setup: ours with
-# Gemini's static placement (the host share its memory formula needs) and
-# with ZeRO-2 cpu_offload (bench_gpu_scale_step), and PyTorch FSDP2 +
+# Gemini's static placement (the host share its memory formula needs), with
+# auto placement and gpu_margin_mem_ratio 0.8, and with ZeRO-2 cpu_offload
+# (bench_gpu_scale_step), and PyTorch FSDP2 +
 # CPUOffloadPolicy on transformers' model (fsdp2_peer.py); a setup that
 # does not fit says so. scale_<model>_<setup>.json, then scale.json and
 # scale.md (with load.json's numbers). Names for --only:
@@ -235,6 +236,7 @@ if [ -n "$load_model" ]; then
 fi
 scale_variants=(
   "gemini_static|cpp|--setup gemini_static"
+  "gemini_auto|cpp|--setup gemini_auto --gpu-margin-mem-ratio 0.8"
   "zero2_offload|cpp|--setup zero2_offload"
   "fsdp2_offload|py|--mode fsdp2_offload"
 )

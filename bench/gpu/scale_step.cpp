@@ -9,7 +9,10 @@
 //                  the least share that leaves --activation-gb free on the
 //                  device, by the formula below)
 //   gemini_auto    GeminiPlugin, auto placement (every chunk's fp32 state on
-//                  the host, parameter shards cached on the device)
+//                  the host, parameter shards cached on the device; with
+//                  --gpu-margin-mem-ratio R, chunks whose states fit in R
+//                  of the device memory the first step finds spare move
+//                  to the device, their steps with them)
 //   zero2_offload  LowLevelZeroPlugin stage 2, cpu_offload (bf16 weights on
 //                  the device; masters, gradients and states on the host)
 //   zero2          LowLevelZeroPlugin stage 2, everything on the device
@@ -17,7 +20,8 @@
 // Memory formulas of model data at rest (P parameters, f the host share of
 // chunk bytes): gemini_static (1 - f) 16P (fp32 master, fp32 gradient, two
 // AdamW moments) + f 2P (bf16 weights of host chunks) on the device, f 16P
-// on the host; gemini_auto at most 2P and 16P; zero2_offload 2P (bf16
+// on the host; gemini_auto at most 2P and 16P (with M parameters' chunks
+// moved into the margin: 2(P - M) + 16M and 16(P - M)); zero2_offload 2P (bf16
 // weights) and 16P; zero2 18P on the device. bf16 weights a module gathers
 // while it computes, activations and the loss's chunks come on top. The run reports the allocator's peak and
 // the engine's own accounting against them; --check-formula TOL exits 1
@@ -30,7 +34,7 @@
 //
 //   bench_gpu_scale_step [--model llama2-7b|llama3-8b|llama-small-cpu]
 //       [--layers N] [--vocab V] [--seq 4096] [--batch 1] [--setup gemini_static]
-//       [--offload-optim-frac auto|F] [--activation-gb 16]
+//       [--offload-optim-frac auto|F] [--activation-gb 16] [--gpu-margin-mem-ratio 0]
 //       [--chunk-size-m 0] [--checkpointing 1] [--steps 5] [--warmup 2]
 //       [--split-steps 2] [--matmul-n 8192] [--device cuda|cpu]
 //       [--check-formula TOL] [--out FILE.json]
@@ -75,6 +79,7 @@ struct Args {
   std::string setup = "gemini_static";
   std::string offload_frac = "auto";
   double activation_gb = 16;
+  double margin_ratio = 0; // gemini_auto's gpu_margin_mem_ratio
   double chunk_size_m = 0;
   bool checkpointing = true;
   int steps = 5;
@@ -100,6 +105,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--setup") a.setup = v;
     else if (k == "--offload-optim-frac") a.offload_frac = v;
     else if (k == "--activation-gb") a.activation_gb = std::stod(v);
+    else if (k == "--gpu-margin-mem-ratio") a.margin_ratio = std::stod(v);
     else if (k == "--chunk-size-m") a.chunk_size_m = std::stod(v);
     else if (k == "--checkpointing") a.checkpointing = v != "0";
     else if (k == "--steps") a.steps = std::stoi(v);
@@ -223,7 +229,7 @@ std::string num(double v) {
   return os.str();
 }
 
-int train(const Args& a, const Shape& s, const Formula& want, double frac, int64_t capacity);
+int train(const Args& a, const Shape& s, Formula want, double frac, int64_t capacity);
 
 int run(const Args& a) {
   const at::Device dev(a.device);
@@ -255,7 +261,7 @@ int run(const Args& a) {
   }
 }
 
-int train(const Args& a, const Shape& s, const Formula& want, double frac, int64_t capacity) {
+int train(const Args& a, const Shape& s, Formula want, double frac, int64_t capacity) {
   const at::Device dev(a.device);
   const double peak_rate =
       cbench::median(cbench::matmul_rates(dev, dev.is_cuda() ? a.matmul_n : std::min<int64_t>(a.matmul_n, 512)));
@@ -267,7 +273,7 @@ int train(const Args& a, const Shape& s, const Formula& want, double frac, int64
     if (a.chunk_size_m > 0)
       o.chunk_size(static_cast<int64_t>(a.chunk_size_m * 1024 * 1024));
     if (a.setup == "gemini_auto")
-      o.placement_policy("auto");
+      o.placement_policy("auto").gpu_margin_mem_ratio(a.margin_ratio);
     else
       o.offload_optim_frac(frac);
     plugin = std::make_shared<cb::plugin::GeminiPlugin>(o);
@@ -358,11 +364,20 @@ int train(const Args& a, const Shape& s, const Formula& want, double frac, int64
 
   // The engine's accounting of model state, at rest after a step.
   double engine_device = -1, engine_total = -1;
+  std::string margin_json = "null";
   if (fsdp != nullptr) {
     const auto m = fsdp->memory_stats();
     engine_total = static_cast<double>(m.total());
     const auto p = fsdp->placement_stats();
     engine_device = static_cast<double>(p.device_model);
+    if (p.margin_units > 0) { // the chunks moved into the device margin
+      const double moved = static_cast<double>(p.margin_shard_bytes) / 4;
+      const double rest = static_cast<double>(s.params) - moved;
+      want = {2 * rest + 16 * moved, 16 * rest};
+      margin_json = c10::str(
+          "{\"ratio\": ", a.margin_ratio, ", \"margin_bytes\": ", p.device_margin,
+          ", \"chunks\": ", p.margin_units, ", \"parameters\": ", moved, "}");
+    }
   } else if (zero != nullptr) {
     const auto m = zero->memory_stats();
     engine_total = static_cast<double>(m.working_params + m.gradients + m.master_weights + m.optimizer_states);
@@ -399,6 +414,7 @@ int train(const Args& a, const Shape& s, const Formula& want, double frac, int64
     << ",\n  \"peak_device_bytes\": " << cbench::peak_device_bytes(dev)
     << ",\n  \"peak_host_bytes\": " << cbench::peak_rss_bytes()
     << ",\n  \"device_capacity_bytes\": " << capacity
+    << ",\n  \"device_margin\": " << margin_json
     << ",\n  \"formula\": {\"device_model_bytes\": " << num(want.device)
     << ", \"host_model_bytes\": " << num(want.host) << "},\n  \"engine\": {\"device_model_bytes\": "
     << num(engine_device) << ", \"model_state_bytes\": " << num(engine_total) << "}\n}\n";

@@ -124,6 +124,14 @@ struct PlacementOptions {
   TORCH_ARG(double, warmup_non_model_data_ratio) = 0.8;
   /// kAuto, later steps: share of the capacity that may be used at all.
   TORCH_ARG(double, steady_cuda_cap_ratio) = 0.9;
+  /// kAuto: share of the device margin (the capacity times
+  /// steady_cuda_cap_ratio, less the warm-up step's peak non-model memory
+  /// and the model data that must stay on the device) that takes units'
+  /// fp32 shards, gradient shards and optimizer states at the first step,
+  /// units in order while each one's four fp32 copies fit, so that their
+  /// optimizer steps run on the device (Gemini's gpu_margin_mem_ratio;
+  /// NOTE [Gemini placement]). 0: every unit stays in the host tier.
+  TORCH_ARG(double, gpu_margin_mem_ratio) = 0.0;
 };
 
 /// What the placement did, in bytes (NOTE [Gemini placement]). Moves count
@@ -143,6 +151,12 @@ struct PlacementStats {
   int64_t evictions = 0; ///< parameter shards evicted (kAuto)
   int64_t moments = 0;   ///< moments recorded in the warm-up step
   bool warmed_up = false;
+  /// kAuto with gpu_margin_mem_ratio: the device margin measured at the
+  /// first step (-1: no capacity, so no limit), and the units (and their
+  /// fp32 shard bytes) moved into it.
+  int64_t device_margin = 0;
+  int64_t margin_units = 0;
+  int64_t margin_shard_bytes = 0;
 };
 
 /// Chooses units: called for every sub-module (not the root) in pre-order

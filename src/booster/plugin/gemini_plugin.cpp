@@ -54,10 +54,11 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
       o.shard_param_frac(),
       ", offload_optim_frac ",
       o.offload_optim_frac());
+  fraction(o.gpu_margin_mem_ratio(), "gpu_margin_mem_ratio");
   TORCH_CHECK(
-      o.gpu_margin_mem_ratio() == 0.0,
-      "GeminiPlugin: gpu_margin_mem_ratio must be 0.0 (optimizer states "
-      "stay on the host under 'auto'); got ",
+      autop || o.gpu_margin_mem_ratio() == 0.0,
+      "GeminiPlugin: gpu_margin_mem_ratio is for placement_policy 'auto' "
+      "(static placement puts optimizer states by offload_optim_frac); got ",
       o.gpu_margin_mem_ratio());
   TORCH_CHECK(
       o.device_memory_capacity() >= 0,
@@ -94,7 +95,8 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
       .offload_param_fraction(o.offload_param_frac())
       .device_capacity(o.device_memory_capacity())
       .warmup_non_model_data_ratio(o.warmup_non_model_data_ratio())
-      .steady_cuda_cap_ratio(o.steady_cuda_cap_ratio());
+      .steady_cuda_cap_ratio(o.steady_cuda_cap_ratio())
+      .gpu_margin_mem_ratio(o.gpu_margin_mem_ratio());
   e.placement(po);
   // Every module that opens a ForwardScope gathers the chunks it needs.
   e.auto_wrap_policy(zero::size_based_wrap_policy(0));

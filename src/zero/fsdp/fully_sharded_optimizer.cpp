@@ -91,6 +91,18 @@ void FullyShardedOptimizer::step() {
   TORCH_CHECK(
       !st.in_backward() && !st.in_forward,
       "FSDP: step() during forward or backward");
+  // Gemini's device margin (the first step under auto): units whose
+  // optimizer has no states yet may move there.
+  st.placement->before_step([&](const detail::Unit& u) {
+    for (const auto& piece : u.pieces) {
+      if (optim_->state().count(
+              compat::optimizer_state_key<
+                  std::remove_reference_t<decltype(optim_->state())>>(piece))) {
+        return true;
+      }
+    }
+    return false;
+  });
   ShardedOptimizer::step();
 }
 

@@ -57,6 +57,7 @@ Placement::Placement(detail::FsdpState& state, PlacementOptions options)
   check_fraction(
       o_.warmup_non_model_data_ratio(), "warmup_non_model_data_ratio");
   check_fraction(o_.steady_cuda_cap_ratio(), "steady_cuda_cap_ratio");
+  check_fraction(o_.gpu_margin_mem_ratio(), "gpu_margin_mem_ratio");
   TORCH_CHECK(
       o_.device_capacity() >= 0,
       "FSDP: device_capacity must be >= 0 (0: the device's), got ",
@@ -332,6 +333,69 @@ void Placement::refresh_param_shards() {
   // The next step may write the host shards before any backward waits.
   if (copied) {
     utils::wait_for_device(st_.device);
+  }
+}
+
+int64_t Placement::device_margin() const {
+  if (capacity_ == 0) {
+    return std::numeric_limits<int64_t>::max() / 2; // no limit
+  }
+  int64_t cached = 0;
+  for (const auto& u : st_.units) {
+    cached += bytes_of(u.param_shard);
+  }
+  const auto cap = static_cast<double>(capacity_);
+  const int64_t steady = static_cast<int64_t>(cap * o_.steady_cuda_cap_ratio());
+  return std::max<int64_t>(
+      0, steady - stats_.peak_non_model - (device_model() - cached));
+}
+
+void Placement::move_to_device(size_t k) {
+  auto& u = st_.units[k];
+  // set_data keeps every piece's TensorImpl: the optimizer's parameters
+  // stay the same tensors (their states, created at this step, follow).
+  auto data = u.shard_data.to(st_.device);
+  auto grad = u.shard_grad.to(st_.device);
+  for (size_t i = 0; i < u.pieces.size(); ++i) {
+    auto& piece = u.pieces[i];
+    piece.set_data(u.layout.piece(data, i));
+    if (piece.grad().defined()) {
+      piece.mutable_grad() = u.layout.piece(grad, i);
+    }
+  }
+  stats_.host_to_device += bytes_of(data) + bytes_of(grad);
+  stats_.margin_shard_bytes += bytes_of(data);
+  ++stats_.margin_units;
+  u.shard_data = data;
+  u.shard_grad = grad;
+  u.offloaded = false;
+  u.param_offloaded = false;
+  u.param_shard = at::Tensor(); // gathers read the device shard now
+}
+
+void Placement::before_step(
+    const std::function<bool(const detail::Unit&)>& has_states) {
+  if (margin_used_ || o_.policy() != PlacementPolicy::kAuto ||
+      o_.gpu_margin_mem_ratio() <= 0.0) {
+    return;
+  }
+  margin_used_ = true;
+  st_.host_copies.wait(); // the gradient shards are complete
+  const int64_t margin = device_margin();
+  stats_.device_margin = capacity_ == 0 ? -1 : margin;
+  auto left = static_cast<int64_t>(
+      static_cast<double>(margin) * o_.gpu_margin_mem_ratio());
+  for (size_t k = 0; k < st_.units.size(); ++k) {
+    const auto& u = st_.units[k];
+    if (!u.offloaded || u.numel() == 0 || has_states(u)) {
+      continue;
+    }
+    // The fp32 shard, its gradient and Adam's two moments.
+    const int64_t cost = 4 * bytes_of(u.shard_data);
+    if (cost <= left) {
+      move_to_device(k);
+      left -= cost;
+    }
   }
 }
 

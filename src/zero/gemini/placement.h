@@ -5,7 +5,8 @@
 // computes) and the host:
 //  - its fp32 shard, gradient shard and optimizer states: the device, or the
 //    host when the unit is offloaded (static: offload_optim_fraction; auto:
-//    every unit, as ColossalAI's auto policy does);
+//    every unit, as ColossalAI's auto policy does, less those moved into
+//    the device margin, below);
 //  - for an offloaded unit, a device copy of its shard in param_dtype (the
 //    parameter shard), which the all-gather reads. Static placement keeps it
 //    unless the unit is among the first offload_param_fraction units, which
@@ -14,6 +15,15 @@
 //    device copy moves nothing back: it is dropped, and fetched again (host
 //    to device) by the next gather that needs it;
 //  - while it computes: its gathered parameters and full gradients.
+//
+// With gpu_margin_mem_ratio > 0 (auto), the first optimizer step first
+// measures the device margin (the steady budget below, less the model
+// data that cannot be evicted) and moves units, in order, whose four fp32
+// copies (shard, gradient shard, two Adam moments) fit in that share of
+// it to the device tier: their shards and gradients move, the optimizer
+// creates their states there, their steps run on the device and their
+// gathers read the device shard. A unit whose optimizer states exist
+// already (loaded before the first step) stays.
 //
 // Auto placement keeps the device tier's model data within a budget:
 //   warm-up (the first step): capacity * (1 - warmup_non_model_data_ratio);
@@ -41,12 +51,14 @@
 
 #include <colossalai/zero/fully_sharded.h>
 
+#include <functional>
 #include <vector>
 
 namespace colossalai {
 namespace zero {
 namespace detail {
 struct FsdpState;
+struct Unit;
 } // namespace detail
 namespace gemini {
 
@@ -95,6 +107,10 @@ class Placement {
   }
   // The fp32 shards changed: refresh the device parameter shards.
   void refresh_param_shards();
+  // At an optimizer step, before it: the first one under kAuto with
+  // gpu_margin_mem_ratio moves units whose optimizer `has_states` is false
+  // into the device margin (NOTE [Gemini placement]).
+  void before_step(const std::function<bool(const detail::Unit&)>& has_states);
   // After an optimizer step: refreshes, and ends the warm-up.
   void after_step();
 
@@ -109,6 +125,11 @@ class Placement {
   // until `need` bytes fit; whether they do.
   bool make_room(int64_t need, size_t k);
   int64_t next_use(size_t k) const;
+  // The device margin: what the steady budget leaves beside the model data
+  // that cannot be evicted (everything but cached parameter shards).
+  int64_t device_margin() const;
+  // Moves unit k's fp32 shard and gradient shard to the device tier.
+  void move_to_device(size_t k);
 
   detail::FsdpState& st_;
   PlacementOptions o_;
@@ -117,6 +138,7 @@ class Placement {
   int64_t fixed_device_ = 0; // buffers and ignored parameters
   MemoryTracer tracer_;
   bool warmup_ = true;
+  bool margin_used_ = false;
   std::vector<size_t> uses_; // gathers of the warm-up step, in order
   std::vector<std::vector<size_t>> use_positions_; // per unit
   size_t position_ = 0;

@@ -16,8 +16,8 @@ struct GeminiPluginOptions {
   TORCH_ARG(int64_t, chunk_size) = 0;
   /// "static" (ColossalAI's default): the fractions below place the chunks;
   /// "auto": every chunk's fp32 shard, gradient and optimizer states on the
-  /// host, its parameter shard cached on the device while the budget allows
-  /// (NOTE [Gemini placement]).
+  /// host (those gpu_margin_mem_ratio moves aside), its parameter shard
+  /// cached on the device while the budget allows (NOTE [Gemini placement]).
   TORCH_ARG(std::string, placement_policy) = "static";
   /// Accepted: several backward calls before a step always accumulate
   /// (reduced) gradients in the fp32 gradient shards. As in ColossalAI,
@@ -44,7 +44,12 @@ struct GeminiPluginOptions {
   /// first (warm-up) step, and share of it usable in later steps.
   TORCH_ARG(double, warmup_non_model_data_ratio) = 0.8;
   TORCH_ARG(double, steady_cuda_cap_ratio) = 0.9;
-  /// Only 0 is supported: optimizer states stay on the host under "auto".
+  /// Auto: share of the device memory the first step finds spare (after
+  /// the warm-up step's non-model peak) that takes chunks' fp32 shards,
+  /// gradients and optimizer states, chunks in order while they fit; their
+  /// optimizer steps then run on the device (NOTE [Gemini placement]).
+  /// 0: every chunk's states stay on the host. Static placement refuses
+  /// a ratio above 0 (offload_optim_frac places its states).
   TORCH_ARG(double, gpu_margin_mem_ratio) = 0.0;
   /// Bytes of device memory this rank may use (an addition, in place of
   /// ColossalAI's process memory fraction); 0: the device's total (CUDA)
