@@ -713,8 +713,10 @@ TEST(GeminiPlugin, AutoPlacementNamesABudgetTooSmall) {
 TEST(GeminiPlugin, OneProcessCheckpointLoadsUnderEveryPlacement) {
   // A sharded model + optimizer checkpoint saved by one process with no
   // plugin loads into Gemini at 2 ranks under static placement with device
-  // parameter shards and under auto placement with a budget (the device
-  // copies must see the loaded weights): the forward then equals the saved
+  // parameter shards, under auto placement with a budget (the device
+  // copies must see the loaded weights) and under auto placement whose
+  // first step moves every chunk, loaded states included, into the device
+  // margin: the forward then equals the saved
   // model's (same weights, same kernels), and one more SGD + momentum step
   // on the global batch matches one process within the harness's bound
   // |w - ref| <= 1e-5 + 1e-4 |ref| (only the batch sum's rounding differs).
@@ -769,10 +771,13 @@ TEST(GeminiPlugin, OneProcessCheckpointLoadsUnderEveryPlacement) {
         zoo::gpt_loss(ref.model(batch.first), batch.second), *ref.optimizer);
     ref.optimizer->step();
     const auto ref_params = reference->parameters();
+    // The third: every chunk moves into the device margin at the first
+    // step, with the momentum the load gave it.
     for (const auto& o :
          {chunked(4000).offload_optim_frac(1.0),
           chunked(4000).placement_policy("auto").device_memory_capacity(
-              1 << 20)}) {
+              1 << 20),
+          chunked(4000).placement_policy("auto").gpu_margin_mem_ratio(1.0)}) {
       auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(o);
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
       torch::manual_seed(123); // other weights than the checkpoint's
@@ -797,6 +802,11 @@ TEST(GeminiPlugin, OneProcessCheckpointLoadsUnderEveryPlacement) {
       }
       booster.backward(zoo::gpt_loss(boosted.model(x), y), *boosted.optimizer);
       boosted.optimizer->step();
+      if (o.gpu_margin_mem_ratio() > 0) {
+        const auto p = engine_of(boosted)->placement_stats();
+        EXPECT_GT(p.margin_units, 0);
+        EXPECT_EQ(p.host_model, 0);
+      }
       auto full = engine_of(boosted)->summon_full_params();
       auto params = model->parameters();
       for (size_t i = 0; i < params.size(); ++i) {

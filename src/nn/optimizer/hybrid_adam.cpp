@@ -275,10 +275,13 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
       }
     }
   }
-  impl_->run_offloaded(offloaded, resident);
+  // The device's update first: it only enqueues kernels, which then run
+  // while the host updates its parameters (offloaded masters' steps no
+  // longer leave the device idle).
 #ifdef COLOSSALAI_WITH_CUDA
   detail::device_update(device_items);
 #endif
+  impl_->run_offloaded(offloaded, resident);
   return loss;
 }
 

@@ -2,7 +2,10 @@
 
 #include "state.h"
 
+#include <map>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace colossalai {
 namespace zero {
@@ -91,18 +94,51 @@ void FullyShardedOptimizer::step() {
   TORCH_CHECK(
       !st.in_backward() && !st.in_forward,
       "FSDP: step() during forward or backward");
-  // Gemini's device margin (the first step under auto): units whose
-  // optimizer has no states yet may move there.
-  st.placement->before_step([&](const detail::Unit& u) {
-    for (const auto& piece : u.pieces) {
-      if (optim_->state().count(
-              compat::optimizer_state_key<
-                  std::remove_reference_t<decltype(optim_->state())>>(piece))) {
-        return true;
+  // Gemini's device margin (the first step under auto): units move there
+  // with the states the optimizer holds for their pieces, if any.
+  std::map<int64_t, checkpoint_io::StateDict> states;
+  std::unordered_map<const void*, int64_t> index;
+  bool listed = false;
+  auto states_of = [&](const detail::Unit& u) {
+    if (!listed) { // once, and only when a unit may move
+      listed = true;
+      states = checkpoint_io::detail::optimizer_param_states(
+          *optim_, /*fetch_offloaded=*/false);
+      int64_t i = 0;
+      for (auto& g : optim_->param_groups()) {
+        for (auto& p : g.params()) {
+          index.emplace(p.unsafeGetTensorImpl(), i++);
+        }
       }
     }
-    return false;
-  });
+    std::vector<at::Tensor> out;
+    bool in_memory = true;
+    for (const auto& piece : u.pieces) {
+      auto it = index.find(piece.unsafeGetTensorImpl());
+      auto found =
+          it == index.end() ? states.end() : states.find(it->second);
+      if (found == states.end()) {
+        continue; // no state yet: the optimizer creates it on the device
+      }
+      for (const auto& item : found->second) {
+        if (item.key() == "step") {
+          continue; // a count, made for the list
+        }
+        in_memory = in_memory && item.value().defined();
+        out.push_back(item.value());
+      }
+    }
+    return std::make_pair(in_memory, out);
+  };
+  gemini::Placement::StateMover mover;
+  mover.movable = [&](const detail::Unit& u) { return states_of(u).first; };
+  mover.move = [&](const detail::Unit& u, at::Device device) {
+    // In place: the optimizer's state objects keep their tensors.
+    for (auto& t : states_of(u).second) {
+      t.set_data(t.to(device));
+    }
+  };
+  st.placement->before_step(mover);
   ShardedOptimizer::step();
 }
 

@@ -373,8 +373,7 @@ void Placement::move_to_device(size_t k) {
   u.param_shard = at::Tensor(); // gathers read the device shard now
 }
 
-void Placement::before_step(
-    const std::function<bool(const detail::Unit&)>& has_states) {
+void Placement::before_step(const StateMover& states) {
   if (margin_used_ || o_.policy() != PlacementPolicy::kAuto ||
       o_.gpu_margin_mem_ratio() <= 0.0) {
     return;
@@ -387,13 +386,14 @@ void Placement::before_step(
       static_cast<double>(margin) * o_.gpu_margin_mem_ratio());
   for (size_t k = 0; k < st_.units.size(); ++k) {
     const auto& u = st_.units[k];
-    if (!u.offloaded || u.numel() == 0 || has_states(u)) {
+    if (!u.offloaded || u.numel() == 0 || !states.movable(u)) {
       continue;
     }
     // The fp32 shard, its gradient and Adam's two moments.
     const int64_t cost = 4 * bytes_of(u.shard_data);
     if (cost <= left) {
       move_to_device(k);
+      states.move(u, st_.device);
       left -= cost;
     }
   }

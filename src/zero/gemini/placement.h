@@ -22,8 +22,9 @@
 // copies (shard, gradient shard, two Adam moments) fit in that share of
 // it to the device tier: their shards and gradients move, the optimizer
 // creates their states there, their steps run on the device and their
-// gathers read the device shard. A unit whose optimizer states exist
-// already (loaded before the first step) stays.
+// gathers read the device shard. States that exist already (loaded before
+// the first step) move with their unit; a unit whose states the optimizer
+// keeps in files stays.
 //
 // Auto placement keeps the device tier's model data within a budget:
 //   warm-up (the first step): capacity * (1 - warmup_non_model_data_ratio);
@@ -107,10 +108,16 @@ class Placement {
   }
   // The fp32 shards changed: refresh the device parameter shards.
   void refresh_param_shards();
+  // How the optimizer's states of a unit move with it: whether they can
+  // (none is kept in files), and the move itself.
+  struct StateMover {
+    std::function<bool(const detail::Unit&)> movable;
+    std::function<void(const detail::Unit&, at::Device)> move;
+  };
   // At an optimizer step, before it: the first one under kAuto with
-  // gpu_margin_mem_ratio moves units whose optimizer `has_states` is false
-  // into the device margin (NOTE [Gemini placement]).
-  void before_step(const std::function<bool(const detail::Unit&)>& has_states);
+  // gpu_margin_mem_ratio moves units (and their optimizer states) into the
+  // device margin (NOTE [Gemini placement]).
+  void before_step(const StateMover& states);
   // After an optimizer step: refreshes, and ends the warm-up.
   void after_step();
 
