@@ -2,7 +2,8 @@
 // cross-entropy gradient kernel on one chunk of GPT-2 logits, the fused
 // linear + cross-entropy over a whole GPT-2 medium batch, RMSNorm and the
 // SwiGLU gate at Llama 1B's widths, the rotary embedding of its queries,
-// forward and backward; an AdamW step
+// forward and backward; GPT-2 medium's GELU + output projection with the
+// GELU recomputed in backward (what keeping one tensor less costs); an AdamW step
 // over GPT-2 medium's parameters that writes their bf16 copies, against
 // ATen's fused AdamW and a cast. Medians over --reps timed runs
 // after warm-up, with the p10-p90 spread; JSON to --out, a table on stdout.
@@ -14,6 +15,7 @@
 
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
+#include <colossalai/kernels/gelu_linear.h>
 #include <colossalai/kernels/rms_norm.h>
 #include <colossalai/kernels/rope.h>
 #include <colossalai/kernels/silu_mul.h>
@@ -206,7 +208,30 @@ int main(int argc, char** argv) {
       rows.push_back(r);
     }
 
-    // 6. AdamW over GPT-2 medium's tensors (float32 masters) writing their
+    // 6. GPT-2 medium's MLP output over a batch of 8 x 1024: GELU then the
+    // 4096 -> 1024 projection, the GELU recomputed in backward (ours)
+    // against autograd keeping it. Ours is not faster by design: the row
+    // says what the saved [8192 x 4096] tensor costs in time.
+    {
+      const int64_t n = gpu ? 8192 : 256, c = 1024;
+      auto h = torch::randn({n, 4 * c}, opts).requires_grad_(true);
+      auto w = (torch::randn({c, 4 * c}, opts) * 0.02).requires_grad_(true);
+      auto b = torch::zeros({c}, opts).requires_grad_(true);
+      const auto dy = torch::randn({n, c}, opts);
+      Row r{"GELU + linear, GELU recomputed, forward + backward",
+            std::to_string(n) + " x 4096 -> 1024 " + dtype};
+      auto run = [&](bool fused) {
+        for (auto* t : {&h, &w, &b})
+          t->mutable_grad() = at::Tensor();
+        auto y = fused ? kn::gelu_linear(h, w, b) : kn::gelu_linear_reference(h, w, b);
+        y.backward(dy);
+      };
+      r.ours = time_ms(dev, reps, [&] { run(true); });
+      r.aten = time_ms(dev, reps, [&] { run(false); });
+      rows.push_back(r);
+    }
+
+    // 7. AdamW over GPT-2 medium's tensors (float32 masters) writing their
     // bf16 copies: one kernel, against ATen's fused AdamW and a cast.
     if (colossalai::compat::has_fused_adam(dev)) {
       const int64_t d = gpu ? 1024 : 128, layers = gpu ? 24 : 2;
