@@ -1099,6 +1099,56 @@ TEST(Kernels, RopeCudaKernelIsTheRotationRoundedOnce) {
   }
 }
 
+// ------------------------------------- vocabulary-parallel cross-entropy ---
+
+// On a GPU a vocabulary shard's loss and gradient come from two kernels
+// with the group's reductions between them; here against the ATen path on
+// the same device and data, with the reductions of a group of one (the
+// shard is then the whole vocabulary as far as the softmax goes): a shard
+// with padding columns, a shard in the middle of the vocabulary (targets
+// below, inside and above it) and ignored rows. Both compute in float32
+// and round the gradient once: the loss within 1e-5 relative, the gradient
+// within one rounding of its dtype plus float32's (exp's) error.
+TEST(Kernels, ShardedCrossEntropyKernelEqualsItsAtenPath) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  torch::manual_seed(15);
+  kn::VocabShard whole;
+  whole.all_reduce_max = [](at::Tensor&) {};
+  whole.all_reduce_sum = [](at::Tensor&) {};
+  struct Case {
+    int64_t start, vocab_size, cols;
+  };
+  for (const auto& c : {Case{0, 50, 64}, Case{100, 1000, 257}, Case{0, 8, 8}}) {
+    for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      SCOPED_TRACE(std::to_string(c.start) + " " + std::to_string(c.vocab_size) + " " +
+                   std::to_string(c.cols) + " " + c10::toString(t));
+      kn::VocabShard shard = whole;
+      shard.start = c.start;
+      shard.vocab_size = c.vocab_size;
+      const int64_t rows = 37;
+      const auto logits = torch::randn({rows, c.cols}).mul(3).to(at::device(at::kCUDA).dtype(t));
+      auto target = torch::randint(c.vocab_size, {rows}, at::kLong);
+      target.narrow(0, 0, 5).fill_(-100);
+      target = target.cuda();
+      const auto scale = torch::full({}, 1.0 / 32, at::device(at::kCUDA).dtype(at::kFloat));
+      auto a = logits.clone(), b = logits.clone();
+      const auto la = kn::detail::sharded_cross_entropy_grad_(a, target, -100, scale, shard, true);
+      const auto lb = kn::detail::sharded_cross_entropy_grad_(b, target, -100, scale, shard, false);
+      EXPECT_LT(max_normwise_rel(la.cpu(), lb.cpu()), 1e-5);
+      const double roundoff = t == at::kFloat ? 0.0 : t == at::kHalf ? std::pow(2.0, -11) : std::pow(2.0, -8);
+      EXPECT_LT(max_normwise_rel(a.cpu(), b.cpu()), roundoff + 16 * std::pow(2.0, -24));
+      // Ignored rows and padding columns: exactly zero.
+      EXPECT_EQ(a.narrow(0, 0, 5).abs().max().item<double>(), 0.0);
+      const int64_t real = std::max<int64_t>(0, std::min(c.cols, c.vocab_size - c.start));
+      if (real < c.cols) {
+        EXPECT_EQ(a.narrow(1, real, c.cols - real).abs().max().item<double>(), 0.0);
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------ gelu_linear ---
 
 struct GeluLinearGrads {

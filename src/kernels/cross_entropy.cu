@@ -5,7 +5,9 @@
 // bytes instead of the float32 copies and passes of the ATen composition.
 // Rows of a vocabulary such as GPT-2's 50257 are not 16-byte aligned: each
 // pass reads the row's unaligned head and tail element by element and the
-// rest 16 bytes at a time.
+// rest 16 bytes at a time. A vocabulary-parallel head's shard takes two
+// kernels, its rows' statistics and then the gradient, with the group's
+// reductions of the statistics between them.
 
 #include "cross_entropy_cuda.h"
 
@@ -85,6 +87,23 @@ __device__ MaxSum block_merge(MaxSum v, MaxSum* shared) {
   return v;
 }
 
+// The online maximum and sum of exponentials of a row's first `cols`
+// elements, merged over the block (in every thread).
+template <class T>
+__device__ __forceinline__ MaxSum row_max_sum(const T* row, int64_t cols, MaxSum* shared) {
+  MaxSum acc{-INFINITY, 0.f};
+  each<false>(const_cast<T*>(row), cols, [&](int64_t, const T& v) {
+    const float x = to_float(v);
+    if (x > acc.m) {
+      acc.s = acc.s * expf(acc.m - x) + 1.f; // 0 * 0 while acc.m is -inf
+      acc.m = x;
+    } else if (x != -INFINITY) {
+      acc.s += expf(x - acc.m); // NaN stays NaN
+    }
+  });
+  return block_merge(acc, shared);
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads) grad_kernel(
     T* __restrict__ logits,
@@ -96,17 +115,7 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(
   __shared__ MaxSum shared[32];
   const int64_t r = blockIdx.x;
   T* row = logits + r * cols;
-  MaxSum acc{-INFINITY, 0.f};
-  each<false>(row, cols, [&](int64_t, const T& v) {
-    const float x = to_float(v);
-    if (x > acc.m) {
-      acc.s = acc.s * expf(acc.m - x) + 1.f; // 0 * 0 while acc.m is -inf
-      acc.m = x;
-    } else if (x != -INFINITY) {
-      acc.s += expf(x - acc.m); // NaN stays NaN
-    }
-  });
-  acc = block_merge(acc, shared);
+  const MaxSum acc = row_max_sum(row, cols, shared);
   const float lse = acc.m + logf(acc.s);
   const int64_t t = target[r];
   const bool ignored = t == ignore_index;
@@ -126,7 +135,105 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(
   });
 }
 
+// A vocabulary shard's statistics of each row: over its first `real`
+// columns (the rest pad the head), the maximum, the sum of exponentials
+// relative to it, and the target's logit where this shard holds it (0
+// elsewhere).
+template <class T>
+__global__ void __launch_bounds__(kThreads) shard_stats_kernel(
+    const T* __restrict__ logits,
+    const int64_t* __restrict__ target,
+    int64_t ignore_index,
+    int64_t start,
+    int64_t real,
+    float* __restrict__ row_max,
+    float* __restrict__ row_sum,
+    float* __restrict__ picked,
+    int64_t cols) {
+  __shared__ MaxSum shared[32];
+  const int64_t r = blockIdx.x;
+  const T* row = logits + r * cols;
+  const MaxSum acc = row_max_sum(row, real, shared);
+  if (threadIdx.x == 0) {
+    const int64_t t = target[r];
+    const bool mine = t != ignore_index && t >= start && t < start + real;
+    row_max[r] = acc.m;
+    row_sum[r] = acc.s;
+    picked[r] = mine ? to_float(row[t - start]) : 0.f;
+  }
+}
+
+// x_j := (exp(x_j - lse[r]) - [j is the target here]) * k[r] for j < real,
+// 0 for the padding columns.
+template <class T>
+__global__ void __launch_bounds__(kThreads) shard_grad_kernel(
+    T* __restrict__ logits,
+    const int64_t* __restrict__ target,
+    int64_t ignore_index,
+    int64_t start,
+    int64_t real,
+    const float* __restrict__ lse,
+    const float* __restrict__ k,
+    int64_t cols) {
+  const int64_t r = blockIdx.x;
+  T* row = logits + r * cols;
+  const int64_t t = target[r];
+  const int64_t here = t != ignore_index && t >= start && t < start + real ? t - start : -1;
+  const float l = lse[r], kr = k[r];
+  each<true>(row, cols, [&](int64_t j, T& v) {
+    const float p = j < real ? expf(to_float(v) - l) - (j == here ? 1.f : 0.f) : 0.f;
+    v = from_float<T>(p * kr);
+  });
+}
+
 } // namespace
+
+cudaError_t cross_entropy_shard_stats(
+    Dtype dtype,
+    const void* logits,
+    const int64_t* target,
+    int64_t ignore_index,
+    int64_t start,
+    int64_t real,
+    float* row_max,
+    float* row_sum,
+    float* picked,
+    int64_t rows,
+    int64_t cols,
+    cudaStream_t stream) {
+  if (rows == 0) {
+    return cudaSuccess;
+  }
+  return by_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    shard_stats_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        static_cast<const T*>(logits), target, ignore_index, start, real, row_max, row_sum, picked, cols);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t cross_entropy_shard_grad(
+    Dtype dtype,
+    void* logits,
+    const int64_t* target,
+    int64_t ignore_index,
+    int64_t start,
+    int64_t real,
+    const float* lse,
+    const float* k,
+    int64_t rows,
+    int64_t cols,
+    cudaStream_t stream) {
+  if (rows == 0) {
+    return cudaSuccess;
+  }
+  return by_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    shard_grad_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        static_cast<T*>(logits), target, ignore_index, start, real, lse, k, cols);
+    return cudaGetLastError();
+  });
+}
 
 cudaError_t cross_entropy_grad(
     Dtype dtype,

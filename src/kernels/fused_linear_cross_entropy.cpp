@@ -96,43 +96,6 @@ void check_inputs(
       "device");
 }
 
-// cross_entropy_grad_ for a vocabulary shard: the row maximum, the sum of
-// exponentials and the target's logit reduced over the shard's group, in
-// float32 (float64); ATen on every device.
-at::Tensor sharded_cross_entropy_grad_(
-    at::Tensor& logits,
-    const at::Tensor& target,
-    int64_t ignore_index,
-    const at::Tensor& scale,
-    const VocabShard& shard) {
-  const int64_t cols = logits.size(1);
-  const auto acc = at::promote_types(logits.scalar_type(), at::kFloat);
-  auto p = logits.to(acc); // may alias `logits`
-  const int64_t real = std::max<int64_t>(0, std::min(cols, shard.vocab_size - shard.start));
-  if (real < cols) { // padding rows of the head take no probability
-    p.narrow(1, real, cols - real).fill_(-std::numeric_limits<double>::infinity());
-  }
-  auto row_max = std::get<0>(p.max(1));
-  shard.all_reduce_max(row_max);
-  const auto valid = target.ne(ignore_index);
-  const auto mine = valid.logical_and(target.ge(shard.start))
-                        .logical_and(target.lt(shard.start + cols));
-  const auto local = (target - shard.start).masked_fill(mine.logical_not(), 0).unsqueeze(1);
-  const auto picked = p.gather(1, local).squeeze(1).masked_fill(mine.logical_not(), 0);
-  p.sub_(row_max.unsqueeze(1)).exp_();
-  auto stats = at::stack({p.sum(1), picked});
-  shard.all_reduce_sum(stats);
-  const auto vf = valid.to(acc);
-  auto row_loss = (row_max + stats[0].log() - stats[1]) * vf;
-  p.div_(stats[0].unsqueeze(1));
-  p.scatter_add_(1, local, mine.to(acc).neg().unsqueeze(1));
-  p.mul_((vf * scale.to(acc)).unsqueeze(1));
-  if (!p.is_same(logits)) {
-    logits.copy_(p);
-  }
-  return row_loss;
-}
-
 struct FusedLinearCrossEntropy
     : public torch::autograd::Function<FusedLinearCrossEntropy> {
   static at::Tensor forward(
@@ -178,7 +141,7 @@ struct FusedLinearCrossEntropy
     const bool need_b = bias.defined() && bias.requires_grad();
     auto loss = at::zeros({}, acc_opts);
     auto gh = need_h ? at::empty({n, h.size(1)}, h.options()) : at::Tensor();
-    const bool kernel = shard == nullptr && kernel_applies(h, compute);
+    const bool kernel = kernel_applies(h, compute);
     const int64_t step = chunk_tokens(
         chunk_size,
         n,
@@ -205,7 +168,7 @@ struct FusedLinearCrossEntropy
       auto logits = b.defined() ? at::addmm(b, hc, w.t()) : at::mm(hc, w.t());
       // logits := d(loss)/d(logits), in the compute dtype.
       loss.add_(
-          (shard ? sharded_cross_entropy_grad_(logits, tc, ignore_index, scale, *shard)
+          (shard ? detail::sharded_cross_entropy_grad_(logits, tc, ignore_index, scale, *shard)
                  : detail::cross_entropy_grad_(logits, tc, ignore_index, scale))
               .sum()
               .to(acc));
@@ -259,6 +222,79 @@ struct FusedLinearCrossEntropy
 } // namespace
 
 namespace detail {
+
+at::Tensor sharded_cross_entropy_grad_(
+    at::Tensor& logits,
+    const at::Tensor& target,
+    int64_t ignore_index,
+    const at::Tensor& scale,
+    const VocabShard& shard,
+    bool allow_kernel) {
+  const int64_t cols = logits.size(1);
+  const int64_t real = std::max<int64_t>(0, std::min(cols, shard.vocab_size - shard.start));
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (allow_kernel && kernel_applies(logits, logits.scalar_type()) &&
+      logits.is_contiguous()) {
+    // The shard's statistics in one kernel, the group's reductions of
+    // them, then the gradient in a second kernel: the logits are read
+    // twice and written once, never copied to float32.
+    const c10::cuda::CUDAGuard guard(logits.device());
+    const int64_t rows = logits.size(0);
+    const auto f32 = logits.options().dtype(at::kFloat);
+    auto row_max = at::empty({rows}, f32), row_sum = at::empty({rows}, f32),
+         picked = at::empty({rows}, f32);
+    const auto t = target.contiguous();
+    const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+    const auto type = cuda::dtype_of(logits.scalar_type(), "cross_entropy_grad_");
+    cuda::check_launch(
+        cuda::cross_entropy_shard_stats(
+            type, logits.data_ptr(), t.data_ptr<int64_t>(), ignore_index,
+            shard.start, real, row_max.data_ptr<float>(),
+            row_sum.data_ptr<float>(), picked.data_ptr<float>(), rows, cols,
+            stream),
+        "cross_entropy_grad_", "the shard statistics kernel");
+    auto global_max = row_max.clone();
+    shard.all_reduce_max(global_max);
+    auto stats = at::stack({row_sum * (row_max - global_max).exp(), picked});
+    shard.all_reduce_sum(stats);
+    const auto vf = t.ne(ignore_index).to(at::kFloat);
+    const auto lse = (global_max + stats[0].log()).contiguous();
+    const auto k = (vf * scale.to(at::kFloat)).contiguous();
+    cuda::check_launch(
+        cuda::cross_entropy_shard_grad(
+            type, logits.data_ptr(), t.data_ptr<int64_t>(), ignore_index,
+            shard.start, real, lse.data_ptr<float>(), k.data_ptr<float>(),
+            rows, cols, stream),
+        "cross_entropy_grad_", "the shard gradient kernel");
+    return (lse - stats[1]) * vf;
+  }
+#endif
+  (void)allow_kernel;
+  const auto acc = at::promote_types(logits.scalar_type(), at::kFloat);
+  auto p = logits.to(acc); // may alias `logits`
+  if (real < cols) { // padding rows of the head take no probability
+    p.narrow(1, real, cols - real).fill_(-std::numeric_limits<double>::infinity());
+  }
+  auto row_max = std::get<0>(p.max(1));
+  shard.all_reduce_max(row_max);
+  const auto valid = target.ne(ignore_index);
+  const auto mine = valid.logical_and(target.ge(shard.start))
+                        .logical_and(target.lt(shard.start + cols));
+  const auto local = (target - shard.start).masked_fill(mine.logical_not(), 0).unsqueeze(1);
+  const auto picked = p.gather(1, local).squeeze(1).masked_fill(mine.logical_not(), 0);
+  p.sub_(row_max.unsqueeze(1)).exp_();
+  auto stats = at::stack({p.sum(1), picked});
+  shard.all_reduce_sum(stats);
+  const auto vf = valid.to(acc);
+  auto row_loss = (row_max + stats[0].log() - stats[1]) * vf;
+  p.div_(stats[0].unsqueeze(1));
+  p.scatter_add_(1, local, mine.to(acc).neg().unsqueeze(1));
+  p.mul_((vf * scale.to(acc)).unsqueeze(1));
+  if (!p.is_same(logits)) {
+    logits.copy_(p);
+  }
+  return row_loss;
+}
 
 at::Tensor cross_entropy_grad_(
     at::Tensor& logits,

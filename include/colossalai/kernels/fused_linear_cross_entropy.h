@@ -70,9 +70,10 @@ struct FusedLinearCrossEntropyOptions {
   /// true: the mean over the targets that are not ignored (PyTorch's
   /// "mean", NaN when every target is ignored); false: their sum.
   TORCH_ARG(bool, mean) = true;
-  /// Set: `weight` is this rank's shard of a vocabulary-parallel head (the
-  /// ATen computation on every device; no CUDA kernel yet). Unset: the
-  /// whole head.
+  /// Set: `weight` is this rank's shard of a vocabulary-parallel head (on a
+  /// GPU each chunk's loss and gradient by two CUDA kernels with the
+  /// group's reductions between them; ATen elsewhere). Unset: the whole
+  /// head.
   TORCH_ARG(c10::optional<VocabShard>, vocab_shard) = c10::nullopt;
 };
 
@@ -109,6 +110,20 @@ at::Tensor cross_entropy_grad_(
     const at::Tensor& target,
     int64_t ignore_index,
     const at::Tensor& scale);
+
+/// cross_entropy_grad_ for a vocabulary-parallel head's shard: the row
+/// maximum, the sum of exponentials and the target's logit reduced over
+/// the shard's group (`shard`'s reductions), padding columns (at or past
+/// vocab_size - start) taking no probability and a zero gradient. On a GPU
+/// (float32, float16, bfloat16; unless `allow_kernel` is false) two CUDA
+/// kernels with the reductions between them; ATen elsewhere.
+at::Tensor sharded_cross_entropy_grad_(
+    at::Tensor& logits,
+    const at::Tensor& target,
+    int64_t ignore_index,
+    const at::Tensor& scale,
+    const VocabShard& shard,
+    bool allow_kernel = true);
 } // namespace detail
 
 } // namespace kernels
