@@ -4,7 +4,7 @@
 //               [--plugin none|ddp|zero1|zero2|fsdp|gemini|hybrid|moe_hybrid]
 //               [--tp N] [--pp N] [--sp N] [--sp-mode M] [--zero N] [--ep N]
 //               [--lora R] [--qlora] [--offload] [--offload-frac F]
-//               [--placement static|auto] [--grad-checkpoint]
+//               [--placement static|auto] [--gpu-margin F] [--grad-checkpoint]
 //               [--precision fp32|bf16|fp16] [--steps N] [--seq-len T]
 //               [--batch-size B] [--lr X] [--warmup N] [--schedule S]
 //               [--checkpoint DIR] [--save-every N] [--keep-last K]
@@ -75,6 +75,7 @@ struct Args {
   bool offload = false, grad_checkpoint = false;
   double offload_frac = -1; // unset
   std::string placement = "static";
+  double gpu_margin = 0; // gemini auto: gpu_margin_mem_ratio
   std::string precision = "fp32";
   int64_t steps = 100, seq_len = 64, batch_size = 8, vocab_size = 1024;
   double lr = 1e-3;
@@ -153,6 +154,11 @@ Args parse(int argc, char** argv) {
   app.add_option("--placement", a.placement, "gemini: placement policy")
       ->check(CLI::IsMember({"static", "auto"}))
       ->capture_default_str();
+  app.add_option(
+      "--gpu-margin",
+      a.gpu_margin,
+      "gemini, --placement auto: share of the device memory the first step "
+      "finds spare that takes chunks' fp32 states (gpu_margin_mem_ratio)");
   app.add_flag(
       "--grad-checkpoint",
       a.grad_checkpoint,
@@ -302,6 +308,11 @@ Args parse(int argc, char** argv) {
   TORCH_CHECK(
       a.placement == "static" || a.plugin == "gemini",
       "--placement needs --plugin gemini");
+  TORCH_CHECK(
+      a.gpu_margin == 0 ||
+          (a.placement == "auto" && a.gpu_margin > 0 && a.gpu_margin <= 1),
+      "--gpu-margin is gemini's gpu_margin_mem_ratio in [0, 1], with "
+      "--placement auto");
   TORCH_CHECK(
       a.save_every >= 0, "--save-every must be >= 0, got ", a.save_every);
   TORCH_CHECK(a.keep_last >= 1, "--keep-last must be >= 1, got ", a.keep_last);
@@ -463,6 +474,8 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
         a.placement);
     if (a.placement == "static") {
       o.offload_optim_frac(a.offload ? 1.0 : std::max(0.0, a.offload_frac));
+    } else {
+      o.gpu_margin_mem_ratio(a.gpu_margin);
     }
     return {std::make_shared<GeminiPlugin>(o), ""};
   }
