@@ -410,13 +410,17 @@ TEST(LauncherRun, LeftoverDescendantDoesNotHang) {
 TEST(LauncherRun, MaxRestartsRestartsTheLocalGroup) {
   TempDir dir;
   // Rank 1 fails in the first attempt while rank 0 waits; the restart, with
-  // TORCHELASTIC_RESTART_COUNT 1, succeeds.
+  // TORCHELASTIC_RESTART_COUNT 1, succeeds. Rank 1 fails only once rank 0
+  // has written its line (on a loaded machine the launcher could otherwise
+  // stop rank 0 before its shell ran the echo).
   RunOptions o =
       sh(2,
          "echo \"$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS\" >> "
          "\"$0/runs_$RANK\"; "
          "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then "
-         "  if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 60; fi");
+         "  if [ \"$RANK\" = 1 ]; then "
+         "    while [ ! -s \"$0/runs_0\" ]; do sleep 0.01; done; exit 3; fi; "
+         "  sleep 60; fi");
   o.program.push_back(dir.path().string());
   o.max_restarts = 2;
   const auto start = std::chrono::steady_clock::now();
