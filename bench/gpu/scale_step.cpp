@@ -57,6 +57,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -236,7 +237,17 @@ int run(const Args& a) {
   const auto s = shape_of(a);
   const int64_t capacity = device_capacity(dev);
   const double frac = a.setup == "gemini_static" ? auto_offload_frac(a, s, capacity) : 0.0;
-  const auto want = formula(a.setup, static_cast<double>(s.params), frac);
+  auto want = formula(a.setup, static_cast<double>(s.params), frac);
+  if (a.setup == "gemini_auto" && a.margin_ratio > 0 && capacity > 0) {
+    // Expected before the run: the margin as the engine will measure it
+    // (steady_cuda_cap_ratio 0.9, --activation-gb of non-model memory),
+    // that share of it in chunks of 16 bytes a parameter. Every fp32 shard
+    // and gradient is on the host until the first step moves some (8P).
+    const double p = static_cast<double>(s.params);
+    const double margin = 0.9 * static_cast<double>(capacity) - a.activation_gb * (1 << 30);
+    const double moved = std::clamp(a.margin_ratio * margin / 16, 0.0, p);
+    want = {2 * (p - moved) + 16 * moved, std::max(8 * p, 16 * (p - moved))};
+  }
   std::fprintf(
       stderr, "%s: %lld layers, %.3f B parameters, seq %lld x batch %lld, %s (host share %.2f)\n",
       a.model.c_str(), (long long)s.cfg.num_hidden_layers(), s.params / 1e9,
