@@ -10,6 +10,7 @@
 #include <colossalai/kernels/rms_norm.h>
 #include <colossalai/kernels/rope.h>
 #include <colossalai/kernels/silu_mul.h>
+#include <colossalai/kernels/silu_mul_linear.h>
 #include <colossalai/models/bloom.h>
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
@@ -1287,6 +1288,113 @@ TEST(Kernels, GptRecomputingGeluEqualsKeepingIt) {
   for (size_t i = 0; i < a->parameters().size(); ++i) {
     SCOPED_TRACE(i);
     EXPECT_LT(norm_rel(b->parameters()[i].grad(), a->parameters()[i].grad()), 1e-12);
+  }
+}
+
+// -------------------------------------------------- silu_mul_linear ---
+
+struct SiluMulLinearGrads {
+  at::Tensor y, dg, du, dw;
+};
+
+template <class F>
+SiluMulLinearGrads run_silu_mul_linear(
+    const F& f,
+    const at::Tensor& g0,
+    const at::Tensor& u0,
+    const at::Tensor& w0,
+    const at::Tensor& dy) {
+  auto g = g0.detach().clone().requires_grad_(true);
+  auto u = u0.detach().clone().requires_grad_(true);
+  auto w = w0.detach().clone().requires_grad_(true);
+  auto y = f(g, u, w, at::Tensor());
+  y.backward(dy.to(y.scalar_type()));
+  return {y.detach(), g.grad(), u.grad(), w.grad()};
+}
+
+// As gelu_linear's test: the same ops as the reference (silu_mul, the
+// matmuls), compared with the exact function beside the reference in
+// float64 (1e-12), float32, bf16 and CPU bf16 autocast (at most twice the
+// reference's error plus one rounding), gradients in the inputs' dtypes.
+TEST(Kernels, SiluMulLinearIsTheReferenceWithoutKeepingTheProduct) {
+  torch::manual_seed(16);
+  const auto g = torch::randn({3, 29, 40}).mul(2), u = torch::randn({3, 29, 40});
+  const auto w = torch::randn({24, 40}) * 0.1, dy = torch::randn({3, 29, 24});
+  auto exact_of = [&](at::ScalarType t) {
+    auto r = [&](const at::Tensor& x) { return x.to(t).to(at::kDouble); };
+    return run_silu_mul_linear(kn::silu_mul_linear_reference, r(g), r(u), r(w), r(dy));
+  };
+  const auto exact = exact_of(at::kDouble);
+  const auto f64 = run_silu_mul_linear(
+      kn::silu_mul_linear, g.to(at::kDouble), u.to(at::kDouble), w.to(at::kDouble), dy.to(at::kDouble));
+  EXPECT_LT(norm_rel(f64.y, exact.y), 1e-12);
+  EXPECT_LT(norm_rel(f64.dg, exact.dg), 1e-12);
+  EXPECT_LT(norm_rel(f64.du, exact.du), 1e-12);
+  EXPECT_LT(norm_rel(f64.dw, exact.dw), 1e-12);
+  for (const bool autocast : {false, true}) {
+    for (auto t : {at::kFloat, at::kBFloat16}) {
+      if (autocast && t == at::kFloat) {
+        continue;
+      }
+      SCOPED_TRACE(std::string(c10::toString(t)) + (autocast ? " autocast" : ""));
+      // Under autocast gate and up come as the projections give them (bf16)
+      // and the weight stays float32.
+      const auto in = autocast ? at::kFloat : t;
+      SiluMulLinearGrads a, ref;
+      {
+        c10::optional<colossalai::compat::AutocastGuard> cast;
+        if (autocast) {
+          cast.emplace(at::kCPU, at::kBFloat16);
+        }
+        a = run_silu_mul_linear(kn::silu_mul_linear, g.to(t), u.to(t), w.to(in), dy.to(t));
+        ref = run_silu_mul_linear(kn::silu_mul_linear_reference, g.to(t), u.to(t), w.to(in), dy.to(t));
+      }
+      const auto ex = exact_of(t);
+      EXPECT_EQ(a.y.scalar_type(), ref.y.scalar_type());
+      EXPECT_EQ(a.dg.scalar_type(), t);
+      EXPECT_EQ(a.dw.scalar_type(), in);
+      const double unit = t == at::kFloat ? std::pow(2.0, -24) : std::pow(2.0, -8);
+      for (const auto& [what, got, want, exact_value] :
+           {std::tuple{"y", a.y, ref.y, ex.y}, {"d gate", a.dg, ref.dg, ex.dg}, {"d up", a.du, ref.du, ex.du},
+            {"dw", a.dw, ref.dw, ex.dw}}) {
+        const double e = norm_rel(got, exact_value), e_ref = norm_rel(want, exact_value);
+        EXPECT_LE(e, 2 * e_ref + unit) << what << ": op " << e << ", reference " << e_ref;
+      }
+    }
+  }
+  EXPECT_THROW(kn::silu_mul_linear(g, u.narrow(1, 0, 5), w, at::Tensor()), c10::Error);
+  EXPECT_THROW(kn::silu_mul_linear(g, u, w.t(), at::Tensor()), c10::Error);
+}
+
+// A LLaMA whose MLPs recompute the product equals it keeping the product:
+// in float64, loss and every gradient within 1e-12.
+TEST(Kernels, LlamaRecomputingTheMlpProductEqualsKeepingIt) {
+  namespace models = colossalai::models;
+  torch::manual_seed(17);
+  models::LlamaForCausalLM a(models::LlamaConfig::tiny_test());
+  models::LlamaForCausalLM b(models::LlamaConfig::tiny_test());
+  a->to(at::kDouble);
+  b->to(at::kDouble);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < a->parameters().size(); ++i) {
+      b->parameters()[i].copy_(a->parameters()[i]);
+    }
+  }
+  EXPECT_EQ(
+      models::set_mlp_activation_recompute(*b, true),
+      models::LlamaConfig::tiny_test().num_hidden_layers());
+  const auto ids = torch::randint(models::LlamaConfig::tiny_test().vocab_size(), {2, 9});
+  auto la = a->loss(a->forward(ids), ids);
+  la.backward();
+  auto lb = b->loss(b->forward(ids), ids);
+  lb.backward();
+  EXPECT_LT(norm_rel(lb, la), 1e-12);
+  for (size_t i = 0; i < a->parameters().size(); ++i) {
+    SCOPED_TRACE(i);
+    if (a->parameters()[i].grad().defined()) {
+      EXPECT_LT(norm_rel(b->parameters()[i].grad(), a->parameters()[i].grad()), 1e-12);
+    }
   }
 }
 

@@ -15,7 +15,7 @@
 //                      [--optimizer adamw|fused_adamw|hybrid_adam]
 //                      [--loss logits|fused] [--plugin none|zero1]
 //                      [--split-steps 5] [--profile 0]
-//                      [--recompute-gelu off|on]
+//                      [--recompute-mlp off|on]
 //
 // --optimizer: LibTorch's AdamW (a loop of per-tensor ops), FusedAdamW
 // (at::_fused_adamw_, one pass) or HybridAdam (its device path).
@@ -31,9 +31,12 @@
 // Kineto profiler and reports the device's time per step by kernel and by
 // kind of kernel, and which attention kernels ran ("kernels"); a profiler
 // that fails is reported, not fatal.
-// --recompute-gelu on (GPT models): each block's MLP forms gelu(fc(x))
-// again in backward instead of keeping it (zoo::GPTConfig::recompute_gelu,
-// kernels::gelu_linear): less activation memory, one elementwise pass more.
+// --recompute-mlp on: each block's MLP forms its activation again in
+// backward instead of keeping it: gelu(fc(x)) in the GPT models
+// (zoo::GPTConfig::recompute_gelu, kernels::gelu_linear), silu(gate) * up
+// in the LLaMA ones (models::set_mlp_activation_recompute,
+// kernels::silu_mul_linear). Less activation memory, one elementwise pass
+// more.
 // --plugin zero1: LowLevelZeroPlugin (stage 1, precision bf16) at world size
 // one: bf16 parameters, fp32 masters in the optimizer, no autocast (no cast
 // of every weight in every forward), as ColossalAI trains in bf16.
@@ -91,7 +94,7 @@ struct Args {
   std::string plugin = "none";
   int split_steps = 5;
   int profile = 0;
-  bool recompute_gelu = false;
+  bool recompute_mlp = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -126,9 +129,9 @@ Args parse(int argc, char** argv) {
       a.split_steps = std::stoi(v);
     else if (k == "--profile")
       a.profile = std::stoi(v);
-    else if (k == "--recompute-gelu") {
-      TORCH_CHECK(v == "on" || v == "off", "--recompute-gelu must be on or off, got ", v);
-      a.recompute_gelu = v == "on";
+    else if (k == "--recompute-mlp") {
+      TORCH_CHECK(v == "on" || v == "off", "--recompute-mlp must be on or off, got ", v);
+      a.recompute_mlp = v == "on";
     }
     else
       TORCH_CHECK(false, "unknown option ", k);
@@ -367,7 +370,6 @@ int run(const Args& a) {
   TORCH_CHECK(
       a.model == "gpt2-medium" || a.model == "gpt-small-cpu" || llama,
       "--model must be gpt2-medium, gpt-small-cpu, llama3.2-1b or llama-small-cpu");
-  TORCH_CHECK(!(llama && a.recompute_gelu), "--recompute-gelu is for the GPT models (LLaMA has no GELU)");
   const int64_t n = dev.is_cuda() ? a.matmul_n : std::min<int64_t>(a.matmul_n, 1024);
 
   std::fprintf(stderr, "measuring bf16 matmul rate (%lld^3)\n", (long long)n);
@@ -391,6 +393,7 @@ int run(const Args& a) {
         : cbench::llama_workload("llama-1b").max_position_embeddings(t);
     colossalai::models::LlamaForCausalLM model(cfg);
     model->to(dev);
+    colossalai::models::set_mlp_activation_recompute(*model, a.recompute_mlp);
     for (const auto& p : model->parameters())
       params += p.numel();
     // Every parameter as a matmul's (the tied embedding is the head's
@@ -432,7 +435,7 @@ int run(const Args& a) {
     auto cfg = a.model == "gpt2-medium"
         ? colossalai::zoo::GPTConfig::gpt2_medium()
         : colossalai::zoo::GPTConfig::small_cpu();
-    cfg.recompute_gelu(a.recompute_gelu);
+    cfg.recompute_gelu(a.recompute_mlp);
     t = cfg.block_size();
     colossalai::zoo::GPT model(cfg);
     model->to(dev);
@@ -462,8 +465,8 @@ int run(const Args& a) {
   json << "{\n  \"benchmark\": \"gpu_gpt_step\",\n  \"implementation\": "
        << "\"ours (C++, Booster bf16, " << a.optimizer << ", loss "
        << a.loss << ", plugin " << a.plugin
-       << (a.recompute_gelu ? ", GELU recomputed" : "")
-       << ")\",\n  \"recompute_gelu\": " << (a.recompute_gelu ? "true" : "false")
+       << (a.recompute_mlp ? ", MLP activation recomputed" : "")
+       << ")\",\n  \"recompute_mlp\": " << (a.recompute_mlp ? "true" : "false")
        << ",\n  \"optimizer_kind\": \""
        << a.optimizer << "\",\n  \"plugin\": \"" << a.plugin
        << "\",\n  \"loss_kind\": \"" << a.loss << "\",\n  \"model\": \"" << a.model

@@ -15,11 +15,12 @@
 # and the fused linear + cross-entropy (ours_fused), and the same two under
 # LowLevelZero stage 1 in bf16 at world size one (bf16 weights, fp32
 # masters, no autocast: ours_zero1_bf16_logits, ours_zero1_bf16; the last
-# with the MLPs' GELU recomputed in backward: ours_zero1_bf16_recompute); PyTorch
+# with each MLP's activation recomputed in backward: ours_zero1_bf16_recompute); PyTorch
 # eager with its default AdamW (torch) and with AdamW(fused=True)
 # (torch_fused).
 # --llama-rounds N adds N rounds of a Llama-3.2-1B-shaped model (batch
-# 4 x 2048): ours with AdamW, FusedAdamW (whole logits, fused loss),
+# 4 x 2048): ours with AdamW, FusedAdamW (whole logits, fused loss, the
+# fused loss with the MLPs' product recomputed: llama_ours_fused_recompute),
 # LowLevelZero bf16 (fused loss); transformers' LlamaForCausalLM with
 # AdamW(fused=True).
 # --compile adds one torch.compile run (fused AdamW) after the rounds, of
@@ -154,7 +155,7 @@ variants=(
   "ours_fused|cpp|--optimizer fused_adamw --loss fused"
   "ours_zero1_bf16_logits|cpp|--plugin zero1 --optimizer fused_adamw --loss logits"
   "ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
-  "ours_zero1_bf16_recompute|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --recompute-gelu on"
+  "ours_zero1_bf16_recompute|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --recompute-mlp on"
   "torch|py|"
   "torch_fused|py|--fused"
 )
@@ -193,6 +194,7 @@ llama_variants=(
   "llama_ours|cpp|--optimizer adamw"
   "llama_ours_fused_adamw|cpp|--optimizer fused_adamw"
   "llama_ours_fused|cpp|--optimizer fused_adamw --loss fused"
+  "llama_ours_fused_recompute|cpp|--optimizer fused_adamw --loss fused --recompute-mlp on"
   "llama_ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
   "llama_torch_fused|py|--fused"
 )

@@ -5,6 +5,7 @@
 // sources also compile together in one unity translation unit.
 
 #include <colossalai/kernels/silu_mul.h>
+#include <colossalai/kernels/silu_mul_linear.h>
 #include <colossalai/shardformer/layer/linear.h>
 
 #include <ATen/Functions.h>
@@ -58,15 +59,22 @@ inline shardformer::layer::Linear1D_Row row(
 
 /// down(silu(gate(x)) * up(x)), LLaMA's MLP and the experts': gate and up
 /// share one prepared input (one gradient sum over tp, as q, k and v).
+/// With `recompute` and a plain down projection the product is formed
+/// again in backward instead of kept (kernels::silu_mul_linear).
 inline at::Tensor swiglu(
     shardformer::layer::Linear1D_ColImpl& gate,
     shardformer::layer::Linear1D_ColImpl& up,
     shardformer::layer::Linear1D_RowImpl& down,
-    const at::Tensor& x) {
+    const at::Tensor& x,
+    bool recompute = false) {
   auto xin = gate.prepare_input(x);
+  auto g = gate.forward_prepared(xin);
+  auto u = up.forward_prepared(xin);
+  if (recompute && down.plain()) {
+    return kernels::silu_mul_linear(g, u, down.weight, down.bias);
+  }
   // The fused kernels on a GPU, at::silu(g) * u elsewhere (bit for bit).
-  return down.forward(kernels::silu_mul(
-      gate.forward_prepared(xin), up.forward_prepared(xin)));
+  return down.forward(kernels::silu_mul(g, u));
 }
 
 } // namespace detail

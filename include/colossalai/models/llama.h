@@ -144,8 +144,18 @@ class LlamaMLPImpl : public torch::nn::Module {
 
   shardformer::layer::Linear1D_Col gate_proj{nullptr}, up_proj{nullptr};
   shardformer::layer::Linear1D_Row down_proj{nullptr};
+  /// silu(gate) * up formed again in backward instead of kept, where the
+  /// down projection is plain (set_mlp_activation_recompute).
+  bool recompute_activation = false;
 };
 TORCH_MODULE(LlamaMLP);
+
+/// Every LlamaMLP under `model` forms silu(gate) * up again in backward
+/// instead of keeping it (kernels::silu_mul_linear), where its down
+/// projection is plain (no tensor parallelism, adapter or quantization):
+/// a [tokens x intermediate] tensor less per layer, one elementwise pass
+/// more. Off by default. Returns how many MLPs it set.
+int64_t set_mlp_activation_recompute(torch::nn::Module& model, bool on);
 
 class LlamaDecoderLayerImpl : public torch::nn::Module,
                               public colossalai::nn::HookableModule {

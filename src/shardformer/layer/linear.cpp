@@ -474,6 +474,11 @@ at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
   return bias.defined() ? y + bias : y;
 }
 
+bool Linear1D_RowImpl::plain() const {
+  return !quantized && !output_adapter && !options.conv1d_layout() &&
+      !options.seq_parallel() && (group == nullptr || group->size() == 1);
+}
+
 void Linear1D_RowImpl::quantize_(
     const quantization::BnbQuantizationConfig& config) {
   quantize_layer(weight, quantized, options, group, config, "Linear1D_Row");
