@@ -201,14 +201,10 @@ cudaError_t cross_entropy_shard_stats(
     int64_t rows,
     int64_t cols,
     cudaStream_t stream) {
-  if (rows == 0) {
-    return cudaSuccess;
-  }
-  return by_dtype(dtype, [&](auto t) {
+  return launch_by_dtype(dtype, rows, [&](auto t) {
     using T = decltype(t);
     shard_stats_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
         static_cast<const T*>(logits), target, ignore_index, start, real, row_max, row_sum, picked, cols);
-    return cudaGetLastError();
   });
 }
 
@@ -224,14 +220,10 @@ cudaError_t cross_entropy_shard_grad(
     int64_t rows,
     int64_t cols,
     cudaStream_t stream) {
-  if (rows == 0) {
-    return cudaSuccess;
-  }
-  return by_dtype(dtype, [&](auto t) {
+  return launch_by_dtype(dtype, rows, [&](auto t) {
     using T = decltype(t);
     shard_grad_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
         static_cast<T*>(logits), target, ignore_index, start, real, lse, k, cols);
-    return cudaGetLastError();
   });
 }
 
@@ -245,14 +237,10 @@ cudaError_t cross_entropy_grad(
     int64_t rows,
     int64_t cols,
     cudaStream_t stream) {
-  if (rows == 0) {
-    return cudaSuccess;
-  }
-  return by_dtype(dtype, [&](auto t) {
+  return launch_by_dtype(dtype, rows, [&](auto t) {
     using T = decltype(t);
     grad_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
         static_cast<T*>(logits), target, ignore_index, scale, row_loss, cols);
-    return cudaGetLastError();
   });
 }
 

@@ -66,6 +66,20 @@ cudaError_t by_dtype(Dtype dtype, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// A launcher's common shape: nothing to do for no `work`, else `launch`
+// called with the element type's value (as by_dtype) and the launch's
+// error returned.
+template <class F>
+cudaError_t launch_by_dtype(Dtype dtype, int64_t work, F&& launch) {
+  if (work == 0) {
+    return cudaSuccess;
+  }
+  return by_dtype(dtype, [&](auto t) {
+    launch(t);
+    return cudaGetLastError();
+  });
+}
+
 } // namespace cuda
 } // namespace kernels
 } // namespace colossalai

@@ -66,16 +66,12 @@ cudaError_t dequantize_4bit(
     void* out,
     cudaStream_t stream) {
   const int64_t bytes = (n + 1) / 2;
-  if (bytes == 0) {
-    return cudaSuccess;
-  }
   const int64_t per_block = static_cast<int64_t>(kThreads) * kBytes;
   const auto grid = static_cast<unsigned>((bytes + per_block - 1) / per_block);
-  return by_dtype(dtype, [&](auto t) {
+  return launch_by_dtype(dtype, bytes, [&](auto t) {
     using T = decltype(t);
     dequantize_4bit_kernel<T><<<grid, kThreads, 0, stream>>>(
         packed, absmax, code, blocksize, n, static_cast<T*>(out));
-    return cudaGetLastError();
   });
 }
 

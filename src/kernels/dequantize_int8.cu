@@ -52,16 +52,12 @@ cudaError_t dequantize_int8(
     void* out,
     cudaStream_t stream) {
   const int64_t n = rows * cols;
-  if (n == 0) {
-    return cudaSuccess;
-  }
   const int64_t per_block = static_cast<int64_t>(kThreads) * kPerThread;
   const auto grid = static_cast<unsigned>((n + per_block - 1) / per_block);
-  return by_dtype(dtype, [&](auto t) {
+  return launch_by_dtype(dtype, n, [&](auto t) {
     using T = decltype(t);
     dequantize_int8_kernel<T><<<grid, kThreads, 0, stream>>>(
         q, scb, inv127, cols, n, static_cast<T*>(out));
-    return cudaGetLastError();
   });
 }
 

@@ -108,8 +108,7 @@ struct FusedLinearCrossEntropy
       int64_t chunk_size,
       bool mean,
       const VocabShard* shard) {
-    const at::Tensor bias =
-        bias_or_empty.numel() > 0 ? bias_or_empty : at::Tensor();
+    const at::Tensor bias = detail::bias_of(bias_or_empty);
     const auto compute = detail::linear_compute_dtype(
         "fused_linear_cross_entropy", hidden, weight, bias);
     const auto h = hidden.to(compute);
@@ -381,11 +380,10 @@ at::Tensor fused_linear_cross_entropy(
       "fused_linear_cross_entropy: chunk_size must be >= 0 (0: automatic), "
       "got ",
       options.chunk_size());
-  // A Function's inputs must be defined: no bias is an empty tensor.
   return FusedLinearCrossEntropy::apply(
       hidden,
       weight,
-      b.defined() ? b : at::empty({0}, hidden.options()),
+      detail::bias_slot(b, hidden),
       target,
       options.ignore_index(),
       options.chunk_size(),

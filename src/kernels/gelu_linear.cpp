@@ -26,8 +26,7 @@ struct GeluLinear : public torch::autograd::Function<GeluLinear> {
       const at::Tensor& weight,
       const at::Tensor& bias_or_empty,
       const std::string& approximate) {
-    const at::Tensor bias =
-        bias_or_empty.numel() > 0 ? bias_or_empty : at::Tensor();
+    const at::Tensor bias = detail::bias_of(bias_or_empty);
     const auto compute =
         detail::linear_compute_dtype("gelu_linear", h, weight, bias);
     const auto hc = h.to(compute).contiguous();
@@ -127,12 +126,10 @@ at::Tensor gelu_linear(
       h.device(),
       " and ",
       weight.device());
-  // A Function cannot take an undefined tensor and keep its slot: an empty
-  // one stands for "no bias", as fused_linear_cross_entropy does.
   return GeluLinear::apply(
       h,
       weight,
-      bias.defined() ? bias : at::empty({0}, weight.options()),
+      detail::bias_slot(bias, weight),
       std::string(approximate.data(), approximate.size()));
 }
 

@@ -1,11 +1,13 @@
 #pragma once
 
-// The dtype a linear layer inside a fused op computes in, shared by the ops
-// that take a layer's weight (fused_linear_cross_entropy, gelu_linear).
+// What the ops that take a layer's weight share (fused_linear_cross_entropy,
+// gelu_linear, silu_mul_linear): the dtype their linear computes in, and
+// the slot an optional bias takes in an autograd Function.
 
 #include <colossalai/utils/compat.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 namespace colossalai {
@@ -32,6 +34,15 @@ inline at::ScalarType linear_compute_dtype(
       weight.scalar_type(),
       ") and bias differ in dtype outside autocast");
   return autocast.value_or(x.scalar_type());
+}
+
+/// A Function's tensor inputs must be defined: no bias travels as an empty
+/// tensor (bias_slot), and bias_of gives it back as undefined.
+inline at::Tensor bias_slot(const at::Tensor& bias, const at::Tensor& like) {
+  return bias.defined() ? bias : at::empty({0}, like.options());
+}
+inline at::Tensor bias_of(const at::Tensor& slot) {
+  return slot.numel() > 0 ? slot : at::Tensor();
 }
 
 } // namespace detail

@@ -26,8 +26,7 @@ struct SiluMulLinear : public torch::autograd::Function<SiluMulLinear> {
       const at::Tensor& up,
       const at::Tensor& weight,
       const at::Tensor& bias_or_empty) {
-    const at::Tensor bias =
-        bias_or_empty.numel() > 0 ? bias_or_empty : at::Tensor();
+    const at::Tensor bias = detail::bias_of(bias_or_empty);
     const auto compute =
         detail::linear_compute_dtype("silu_mul_linear", gate, weight, bias);
     const auto g = gate.to(compute).contiguous();
@@ -124,12 +123,11 @@ at::Tensor silu_mul_linear(
       up.scalar_type(),
       " on ",
       gate.device());
-  // An empty tensor stands for "no bias" (a Function keeps every slot).
   return SiluMulLinear::apply(
       gate,
       up,
       weight,
-      bias.defined() ? bias : at::empty({0}, weight.options()));
+      detail::bias_slot(bias, weight));
 }
 
 } // namespace kernels

@@ -2,9 +2,7 @@
 
 #include "state.h"
 
-#include <map>
 #include <unordered_map>
-#include <utility>
 #include <vector>
 
 namespace colossalai {
@@ -61,6 +59,51 @@ ShardedOptimizerOptions with_scaler(
   return o;
 }
 
+// Gemini's device margin (the first step under auto): units move there
+// with the states the optimizer holds for their pieces, if any.
+void use_device_margin(torch::optim::Optimizer& opt, FsdpState& st) {
+  const auto states = checkpoint_io::detail::optimizer_param_states(
+      opt, /*fetch_offloaded=*/false);
+  std::unordered_map<const void*, int64_t> index; // the states' ids
+  int64_t id = 0;
+  for (auto& g : opt.param_groups()) {
+    for (auto& p : g.params()) {
+      index.emplace(p.unsafeGetTensorImpl(), id++);
+    }
+  }
+  // The unit's state tensors; false where one is kept in a file.
+  auto states_of = [&](const detail::Unit& u, std::vector<at::Tensor>& out) {
+    bool in_memory = true;
+    for (const auto& piece : u.pieces) {
+      auto it = index.find(piece.unsafeGetTensorImpl());
+      auto found = it == index.end() ? states.end() : states.find(it->second);
+      if (found == states.end()) {
+        continue; // no state yet: the optimizer creates it on the device
+      }
+      for (const auto& item : found->second) {
+        if (item.key() != "step") { // a count, made for the list
+          in_memory = in_memory && item.value().defined();
+          out.push_back(item.value());
+        }
+      }
+    }
+    return in_memory;
+  };
+  gemini::Placement::StateMover mover;
+  mover.movable = [&](const detail::Unit& u) {
+    std::vector<at::Tensor> unused;
+    return states_of(u, unused);
+  };
+  mover.move = [&](const detail::Unit& u, at::Device device) {
+    std::vector<at::Tensor> ts;
+    states_of(u, ts);
+    for (auto& t : ts) {
+      t.set_data(t.to(device)); // in place: the state objects keep them
+    }
+  };
+  st.placement->before_step(mover);
+}
+
 } // namespace
 
 std::shared_ptr<FullyShardedOptimizer> FullyShardedModel::shard_optimizer(
@@ -94,51 +137,9 @@ void FullyShardedOptimizer::step() {
   TORCH_CHECK(
       !st.in_backward() && !st.in_forward,
       "FSDP: step() during forward or backward");
-  // Gemini's device margin (the first step under auto): units move there
-  // with the states the optimizer holds for their pieces, if any.
-  std::map<int64_t, checkpoint_io::StateDict> states;
-  std::unordered_map<const void*, int64_t> index;
-  bool listed = false;
-  auto states_of = [&](const detail::Unit& u) {
-    if (!listed) { // once, and only when a unit may move
-      listed = true;
-      states = checkpoint_io::detail::optimizer_param_states(
-          *optim_, /*fetch_offloaded=*/false);
-      int64_t i = 0;
-      for (auto& g : optim_->param_groups()) {
-        for (auto& p : g.params()) {
-          index.emplace(p.unsafeGetTensorImpl(), i++);
-        }
-      }
-    }
-    std::vector<at::Tensor> out;
-    bool in_memory = true;
-    for (const auto& piece : u.pieces) {
-      auto it = index.find(piece.unsafeGetTensorImpl());
-      auto found =
-          it == index.end() ? states.end() : states.find(it->second);
-      if (found == states.end()) {
-        continue; // no state yet: the optimizer creates it on the device
-      }
-      for (const auto& item : found->second) {
-        if (item.key() == "step") {
-          continue; // a count, made for the list
-        }
-        in_memory = in_memory && item.value().defined();
-        out.push_back(item.value());
-      }
-    }
-    return std::make_pair(in_memory, out);
-  };
-  gemini::Placement::StateMover mover;
-  mover.movable = [&](const detail::Unit& u) { return states_of(u).first; };
-  mover.move = [&](const detail::Unit& u, at::Device device) {
-    // In place: the optimizer's state objects keep their tensors.
-    for (auto& t : states_of(u).second) {
-      t.set_data(t.to(device));
-    }
-  };
-  st.placement->before_step(mover);
+  if (st.placement->margin_pending()) {
+    use_device_margin(*optim_, st);
+  }
   ShardedOptimizer::step();
 }
 

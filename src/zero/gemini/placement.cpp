@@ -374,10 +374,7 @@ void Placement::move_to_device(size_t k) {
 }
 
 void Placement::before_step(const StateMover& states) {
-  if (margin_used_ || o_.policy() != PlacementPolicy::kAuto ||
-      o_.gpu_margin_mem_ratio() <= 0.0) {
-    return;
-  }
+  TORCH_INTERNAL_ASSERT(margin_pending());
   margin_used_ = true;
   st_.host_copies.wait(); // the gradient shards are complete
   const int64_t margin = device_margin();

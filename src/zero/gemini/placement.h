@@ -114,9 +114,14 @@ class Placement {
     std::function<bool(const detail::Unit&)> movable;
     std::function<void(const detail::Unit&, at::Device)> move;
   };
-  // At an optimizer step, before it: the first one under kAuto with
-  // gpu_margin_mem_ratio moves units (and their optimizer states) into the
-  // device margin (NOTE [Gemini placement]).
+  // Whether the next optimizer step moves units into the device margin:
+  // kAuto with gpu_margin_mem_ratio, before its first step.
+  bool margin_pending() const {
+    return !margin_used_ && o_.policy() == PlacementPolicy::kAuto &&
+        o_.gpu_margin_mem_ratio() > 0.0;
+  }
+  // At that step, before it: moves units (and their optimizer states) into
+  // the device margin (NOTE [Gemini placement]).
   void before_step(const StateMover& states);
   // After an optimizer step: refreshes, and ends the warm-up.
   void after_step();
