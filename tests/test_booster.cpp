@@ -3,14 +3,18 @@
 // mesh arithmetic, and the errors users see for bad configuration.
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/booster/graphed_step.h>
 #include <colossalai/booster/mixed_precision/bf16.h>
 #include <colossalai/booster/mixed_precision/fp16_torch.h>
 #include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
+#include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/data/distributed_sampler.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
+#include <colossalai/nn/optimizer/fused_adam.h>
+#include <colossalai/utils/compat.h>
 
 #include <harness/multiprocess.h>
 
@@ -563,5 +567,92 @@ TEST(ProcessGroupMesh, GroupsAlongAxes) {
     EXPECT_EQ(t.item<float>(), (rank % 2) * 2 + 2);
     EXPECT_EQ(mesh.get_group_along_axis({0, 1})->size(), 4);
     EXPECT_THROW(colossalai::cluster::ProcessGroupMesh({3}), c10::Error);
+  });
+}
+
+// What a CUDA graph cannot capture is refused by name, before any capture:
+// each optimizer wrapper says why its step cannot be captured (the
+// captured step itself runs on a GPU: test_cuda).
+TEST(GraphedStep, RefusesWhatItCannotCaptureByName) {
+  namespace cp = colossalai::booster::plugin;
+  namespace copt = colossalai::nn::optimizer;
+  const bool fused_here =
+      colossalai::compat::has_fused_adam(at::kCPU) && COLOSSALAI_TORCH_AT_LEAST(2, 2);
+  auto contains = [](const std::string& what, const std::string& part) {
+    EXPECT_NE(what.find(part), std::string::npos) << "'" << part << "' not in: " << what;
+  };
+  auto blocker = [](std::shared_ptr<cp::Plugin> plugin, bool fused, const std::string& precision = "") {
+    torch::manual_seed(0);
+    auto model = torch::nn::Linear(8, 4);
+    std::shared_ptr<torch::optim::Optimizer> opt;
+    if (fused) {
+      opt = std::make_shared<copt::FusedAdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    } else {
+      opt = std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    }
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin).mixed_precision(precision));
+    return booster.boost(model, opt).optimizer->graph_capture_blocker();
+  };
+  colossalai::testing::run_distributed(1, [&](int, int) {
+    auto zero = [](cp::LowLevelZeroPluginOptions o) {
+      return std::make_shared<cp::LowLevelZeroPlugin>(o);
+    };
+    const auto bf16 = cp::LowLevelZeroPluginOptions().precision("bf16");
+    // The booster's own wrapper and LowLevelZero's at one rank: the
+    // optimizer decides.
+    const auto fused_why = blocker(nullptr, true);
+    EXPECT_EQ(fused_why.empty(), fused_here) << fused_why;
+    EXPECT_EQ(blocker(zero(bf16), true), fused_why);
+    contains(blocker(nullptr, false), "FusedAdamW");
+    contains(blocker(zero(bf16), false), "FusedAdamW");
+    contains(blocker(zero(cp::LowLevelZeroPluginOptions(bf16).max_norm(1.0)), true), "max_norm");
+    contains(blocker(zero(cp::LowLevelZeroPluginOptions(bf16).stage(2).cpu_offload(true)), true), "cpu_offload");
+    {
+      auto model = torch::nn::Linear(8, 4);
+      cb::mixed_precision::TorchAMPOptimizer amp(
+          std::make_shared<copt::FusedAdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3)));
+      contains(amp.graph_capture_blocker(), "bf16");
+    }
+    // The step object refuses before its first call.
+    auto model = torch::nn::Linear(8, 4);
+    auto opt = std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    cb::Booster booster{cb::BoosterOptions()};
+    auto boosted = booster.boost(model, opt);
+    auto fn = [&](const std::vector<at::Tensor>& in) { return model(in[0]).sum(); };
+    try {
+      cb::GraphedStep step(boosted.optimizer, fn);
+      ADD_FAILURE() << "an uncapturable optimizer was taken";
+    } catch (const c10::Error& e) {
+#ifdef COLOSSALAI_WITH_CUDA
+      contains(e.what(), "cannot be captured");
+      contains(e.what(), "FusedAdamW");
+#else
+      contains(e.what(), "no CUDA");
+#endif
+    }
+#ifdef COLOSSALAI_WITH_CUDA
+    if (fused_here) {
+      auto fused = std::make_shared<copt::FusedAdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));
+      auto fused_boosted = booster.boost(model, fused);
+      EXPECT_THROW(
+          cb::GraphedStep(fused_boosted.optimizer, fn, cb::GraphedStepOptions().warmup(0)),
+          c10::Error);
+      cb::GraphedStep step(fused_boosted.optimizer, fn);
+      try {
+        step({torch::randn({2, 8})});
+        ADD_FAILURE() << "a host input was taken";
+      } catch (const c10::Error& e) {
+        contains(e.what(), "must be a CUDA tensor");
+      }
+    }
+#endif
+  });
+  // Several ranks: LowLevelZero's collectives are not captured.
+  colossalai::testing::run_distributed(2, [&](int, int) {
+    contains(
+        blocker(std::make_shared<cp::LowLevelZeroPlugin>(
+                    cp::LowLevelZeroPluginOptions().precision("bf16")),
+                true),
+        "2 ranks");
   });
 }

@@ -14,6 +14,7 @@
 // itself.
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/booster/graphed_step.h>
 #include <colossalai/booster/mixed_precision/fp16_torch.h>
 #include <colossalai/booster/plugin/gemini_plugin.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
@@ -22,6 +23,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
+#include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/zero/fully_sharded.h>
 
@@ -33,7 +35,9 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <optional>
 
 namespace cb = colossalai::booster;
@@ -375,4 +379,175 @@ TEST(Cuda, HybridAdamOnCudaEqualsAdamW) {
   }
   // The same formula in fp32; only the order of operations differs.
   EXPECT_TRUE(at::allclose(a.detach().cpu(), b.detach().cpu(), 1e-5, 1e-6));
+}
+
+// ------------------------------------------------------------ GraphedStep
+
+namespace {
+
+struct StepRecord {
+  std::vector<at::Tensor> losses, weights;
+  int64_t step_count = 0;
+};
+
+// Six steps of the tiny GPT (bf16: the booster's autocast, or LowLevelZero
+// stage 1's bf16 weights and fp32 masters), FusedAdamW, the learning rate
+// halved every two steps (powers of two: exact in float32, so ATen's fused
+// kernel reading it from device memory gets the value an eager step passes
+// as a double). `graphed`: through GraphedStep (two warm-up calls, the
+// third captured); else plain calls.
+StepRecord graph_run(const std::string& plugin, bool graphed) {
+  torch::manual_seed(42);
+  zoo::GPT model(tiny());
+  auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+      model->parameters(),
+      torch::optim::AdamWOptions(std::ldexp(1.0, -10)).weight_decay(0.0625));
+  auto options = cb::BoosterOptions().device("cuda");
+  if (plugin == "zero1") {
+    options.plugin(std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+        cb::plugin::LowLevelZeroPluginOptions().stage(1).precision("bf16")));
+  } else {
+    options.mixed_precision("bf16");
+  }
+  cb::Booster booster(options);
+  auto boosted = booster.boost(model, opt);
+  auto fn = [&](const std::vector<at::Tensor>& in) {
+    boosted.optimizer->zero_grad();
+    auto loss = boosted.model(in[0], in[1]); // the fused loss
+    booster.backward(loss, *boosted.optimizer);
+    boosted.optimizer->step();
+    return loss;
+  };
+  std::optional<cb::GraphedStep> step;
+  if (graphed) {
+    step.emplace(boosted.optimizer, fn, cb::GraphedStepOptions().warmup(2));
+  }
+  StepRecord out;
+  for (int s = 0; s < 6; ++s) {
+    auto b = zoo::random_tokens(2, tiny(), 2000 + s);
+    const std::vector<at::Tensor> in{b.first.cuda(), b.second.cuda()};
+    auto loss = graphed ? (*step)(in) : fn(in);
+    // A copy: a graph's output is overwritten by the next replay.
+    out.losses.push_back(loss.detach().to(at::kCPU, at::kFloat, false, true));
+    for (auto& g : opt->param_groups()) {
+      g.options().set_lr(std::ldexp(1.0, -10 - (s + 1) / 2));
+    }
+  }
+  EXPECT_EQ(!graphed || step->captured(), true);
+  for (const auto& p : model->parameters()) {
+    out.weights.push_back(p.detach().to(at::kCPU, at::kFloat, false, true));
+  }
+  for (const auto& kv : opt->state()) {
+    out.step_count = static_cast<const torch::optim::AdamWParamState&>(*kv.second).step();
+  }
+  return out;
+}
+
+} // namespace
+
+// A captured and replayed step equals the eager one bit for bit under
+// deterministic algorithms: the replays run the kernels the eager step
+// runs, with the scalars (step counts, the scheduled learning rate)
+// rewritten between replays. Without plugin (ATen's fused AdamW) and with
+// LowLevelZero at one rank (our AdamW kernel writing the bf16 weights).
+TEST(Cuda, GraphedStepEqualsEagerSteps) {
+  SKIP_WITHOUT_CUDA(1);
+  run_distributed(
+      1,
+      [](int, int) {
+        // cuBLAS picks the same algorithms on every stream only with a fixed
+        // workspace configuration.
+        setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
+        at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+        for (const std::string plugin : {"none", "zero1"}) {
+          SCOPED_TRACE(plugin);
+          const auto eager = graph_run(plugin, false);
+          const auto graphed = graph_run(plugin, true);
+          EXPECT_EQ(eager.step_count, 6);
+          EXPECT_EQ(graphed.step_count, 6);
+          for (size_t i = 0; i < eager.losses.size(); ++i) {
+            EXPECT_TRUE(at::equal(eager.losses[i], graphed.losses[i]))
+                << "step " << i << ": " << eager.losses[i].item<float>() << " vs "
+                << graphed.losses[i].item<float>();
+          }
+          EXPECT_EQ(max_abs_diff(graphed.weights, eager.weights), 0.0);
+        }
+        at::globalContext().setDeterministicAlgorithms(false, false);
+      },
+      on_cuda());
+}
+
+// Host reads inside the step are refused by name at the capture, and the
+// step object then says the capture failed; inputs of another shape are
+// refused before anything runs.
+TEST(Cuda, GraphedStepRefusesHostReadsAndNewShapes) {
+  SKIP_WITHOUT_CUDA(1);
+  run_distributed(
+      1,
+      [](int, int) {
+        auto run = [](const std::string& what, std::function<void(cb::GraphedStep&)> calls) {
+          SCOPED_TRACE(what);
+          torch::manual_seed(1);
+          zoo::GPT model(tiny());
+          auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+              model->parameters(), torch::optim::AdamWOptions(1e-3));
+          cb::Booster booster(cb::BoosterOptions().device("cuda").mixed_precision("bf16"));
+          auto boosted = booster.boost(model, opt);
+          cb::GraphedStep step(
+              boosted.optimizer,
+              [&](const std::vector<at::Tensor>& in) {
+                boosted.optimizer->zero_grad();
+                auto loss = boosted.model(in[0], in[1]);
+                booster.backward(loss, *boosted.optimizer);
+                if (what == "item") {
+                  EXPECT_TRUE(std::isfinite(loss.item<float>()));
+                } else if (what == "clip") {
+                  boosted.optimizer->clip_grad_by_norm(1.0);
+                }
+                boosted.optimizer->step();
+                return loss;
+              },
+              cb::GraphedStepOptions().warmup(1));
+          calls(step);
+        };
+        auto batch = [](int64_t t) {
+          auto b = zoo::random_tokens(2, tiny(), 7);
+          return std::vector<at::Tensor>{
+              b.first.narrow(1, 0, t).cuda(), b.second.narrow(1, 0, t).cuda()};
+        };
+        auto expect_error = [](const std::function<void()>& f, const std::string& part) {
+          try {
+            f();
+            ADD_FAILURE() << "no error; expected one naming '" << part << "'";
+          } catch (const c10::Error& e) {
+            EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+          }
+        };
+        for (const std::string what : {"item", "clip"}) {
+          run(what, [&](cb::GraphedStep& step) {
+            step(batch(16)); // warm-up: eager, allowed
+            expect_error([&] { step(batch(16)); }, "cannot capture");
+            expect_error([&] { step(batch(16)); }, "failed earlier");
+          });
+        }
+        // LowLevelZero's fp16 loss scaler reads its overflow flag on the
+        // host (the CPU refuses fp16 before this question arises).
+        {
+          zoo::GPT model(tiny());
+          auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+              model->parameters(), torch::optim::AdamWOptions(1e-3));
+          cb::Booster booster(cb::BoosterOptions().device("cuda").plugin(
+              std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+                  cb::plugin::LowLevelZeroPluginOptions().precision("fp16"))));
+          const auto why = booster.boost(model, opt).optimizer->graph_capture_blocker();
+          EXPECT_NE(why.find("fp16"), std::string::npos) << why;
+        }
+        run("shapes", [&](cb::GraphedStep& step) {
+          step(batch(16));
+          step(batch(16)); // captured
+          EXPECT_TRUE(step.captured());
+          expect_error([&] { step(batch(8)); }, "fixed shapes");
+        });
+      },
+      on_cuda());
 }

@@ -937,4 +937,130 @@ TEST(FusedAdam, FusedAdamWWritesWorkingCopies) {
       c10::Error); // a dtype no kernel writes
 }
 
+// Graph mode (NOTE [Captured optimizer steps]) outside a capture: the
+// first step in graph mode is an ordinary one; each later one, after
+// prepare_graph_step, launches the calls the first one found with the
+// scalars just written, as a replay of a captured step does. Two groups
+// (one with amsgrad), a working copy on one parameter (on a GPU: our
+// kernel's half), the learning rate halved every step (powers of two:
+// exact in the float32 the fused kernel reads from device memory, where
+// the ordinary step passes a double): equal to ordinary steps bit for bit,
+// states and step counts included; then ordinary steps again.
+TEST(FusedAdam, GraphModeStepsEqualOrdinarySteps) {
+  std::vector<at::Device> devices;
+  if (colossalai::compat::has_fused_adam(at::kCPU) && COLOSSALAI_TORCH_AT_LEAST(2, 2)) {
+    devices.emplace_back(at::kCPU);
+  }
+  if (torch::cuda::is_available()) {
+    devices.emplace_back(at::kCUDA);
+  }
+  {
+    auto params = make_params({17}, 25);
+    opt::FusedAdamW adamw(params, torch::optim::AdamWOptions(1e-2));
+    const auto why = adamw.graph_capture_blocker();
+    if (colossalai::compat::has_fused_adam(at::kCPU) && COLOSSALAI_TORCH_AT_LEAST(2, 2)) {
+      EXPECT_EQ(why, "");
+    } else {
+      EXPECT_NE(why.find("FusedAdamW"), std::string::npos) << why;
+    }
+  }
+  if (devices.empty()) {
+    GTEST_SKIP() << "no device with a fused Adam kernel in this LibTorch";
+  }
+  for (const auto& dev : devices) {
+    SCOPED_TRACE(dev.str());
+    auto params = make_params({17, 1000, 4097}, 26);
+    for (auto& p : params) {
+      p = p.detach().to(dev).requires_grad_();
+    }
+    auto plain = clone_params(params);
+    auto groups = [](std::vector<torch::Tensor>& ps) {
+      std::vector<torch::optim::OptimizerParamGroup> g;
+      g.emplace_back(
+          std::vector<torch::Tensor>{ps[0], ps[1]},
+          std::make_unique<torch::optim::AdamWOptions>(
+              torch::optim::AdamWOptions(std::ldexp(1.0, -7)).weight_decay(0.1)));
+      g.emplace_back(
+          std::vector<torch::Tensor>{ps[2]},
+          std::make_unique<torch::optim::AdamWOptions>(
+              torch::optim::AdamWOptions(std::ldexp(1.0, -8)).weight_decay(0.01).amsgrad(true)));
+      return g;
+    };
+    opt::FusedAdamW graphed(groups(params), torch::optim::AdamWOptions(1e-3));
+    opt::FusedAdamW ordinary(groups(plain), torch::optim::AdamWOptions(1e-3));
+    const auto copy = at::zeros({1000}, params[1].options().dtype(at::kBFloat16));
+    const auto plain_copy = copy.clone();
+    graphed.set_working_copy(params[1], copy);
+    ordinary.set_working_copy(plain[1], plain_copy);
+    auto halve = [](torch::optim::Optimizer& o) {
+      for (auto& g : o.param_groups()) {
+        auto& opts = static_cast<torch::optim::AdamWOptions&>(g.options());
+        opts.lr(opts.lr() / 2);
+      }
+    };
+    // Into the same tensors, as a replayed backward writes them.
+    auto write_grads = [&](int step) {
+      const auto grads = make_grads(params, step);
+      for (size_t i = 0; i < params.size(); ++i) {
+        for (auto* p : {&params[i], &plain[i]}) {
+          auto& g = p->mutable_grad();
+          if (g.defined()) {
+            g.copy_(grads[i]);
+          } else {
+            g = grads[i].to(dev);
+          }
+        }
+      }
+    };
+    for (int step = 1; step <= 6; ++step) {
+      write_grads(step);
+      if (step == 3) {
+        graphed.set_graph_mode(true);
+      } else if (step > 3) {
+        graphed.prepare_graph_step();
+      }
+      graphed.step();
+      ordinary.step();
+      halve(graphed);
+      halve(ordinary);
+    }
+    auto expect_equal = [&](int steps) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        SCOPED_TRACE(i);
+        EXPECT_TRUE(torch::equal(params[i], plain[i]));
+        const auto& a = static_cast<const torch::optim::AdamWParamState&>(
+            *graphed.state().at(state_key(graphed, params[i])));
+        const auto& b = static_cast<const torch::optim::AdamWParamState&>(
+            *ordinary.state().at(state_key(ordinary, plain[i])));
+        EXPECT_EQ(a.step(), steps);
+        EXPECT_EQ(b.step(), steps);
+        EXPECT_TRUE(torch::equal(a.exp_avg(), b.exp_avg()));
+        EXPECT_TRUE(torch::equal(a.exp_avg_sq(), b.exp_avg_sq()));
+        if (b.max_exp_avg_sq().defined()) {
+          EXPECT_TRUE(torch::equal(a.max_exp_avg_sq(), b.max_exp_avg_sq()));
+        }
+      }
+      EXPECT_TRUE(torch::equal(copy, plain_copy));
+      EXPECT_TRUE(torch::equal(copy, params[1].detach().to(at::kBFloat16)));
+    };
+    expect_equal(6);
+    // What the captured launch holds by value cannot change under it.
+    auto& opts = static_cast<torch::optim::AdamWOptions&>(graphed.param_groups()[1].options());
+    opts.eps(1e-6);
+    try {
+      graphed.prepare_graph_step();
+      ADD_FAILURE() << "a new eps was taken in graph mode";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("new capture"), std::string::npos) << e.what();
+    }
+    opts.eps(1e-8);
+    // Ordinary steps again, from the same state.
+    graphed.set_graph_mode(false);
+    write_grads(7);
+    graphed.step();
+    ordinary.step();
+    expect_equal(7);
+  }
+}
+
 } // namespace

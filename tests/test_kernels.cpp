@@ -25,6 +25,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#ifdef COLOSSALAI_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <memory>
+
 #include <tuple>
 
 namespace {
@@ -846,6 +854,70 @@ TEST(Kernels, AdamWStepCudaKernelEqualsTheReference) {
     // relative away from the single-tensor update's float(1 - 0.999) that
     // ours follows; the squares' term differs by that much.
     EXPECT_TRUE(at::allclose(a.v[i], f.v[i], 2e-5, 1e-12)) << "exp_avg_sq " << i << " vs ATen's fused AdamW";
+  }
+}
+
+// The step split for a CUDA graph: the launch recorded once (before any
+// upload, as a capture records it), then upload + launch per step with the
+// learning rate changing, equals adamw_step_ with the same scalars bit for
+// bit; on a GPU the launch is also captured and replayed. Changing beta1
+// after construction is refused.
+TEST(Kernels, AdamWStepGraphEqualsAdamWStepAcrossSteps) {
+  std::vector<at::Device> devices{at::kCPU};
+  if (torch::cuda::is_available()) {
+    devices.push_back(at::Device(at::kCUDA));
+  }
+  for (const auto& dev : devices) {
+    SCOPED_TRACE(dev.str());
+    auto a = adamw_case(dev, at::kBFloat16, at::kBFloat16);
+    auto r = clone(a);
+    kn::AdamWStepGraph graph(a.p, a.g, a.m, a.v, a.w, kAdamW);
+    auto steps = a.steps;
+#ifdef COLOSSALAI_WITH_CUDA
+    // On a GPU the launch is recorded once and replayed.
+    c10::optional<c10::cuda::CUDAStreamGuard> on_side;
+    std::unique_ptr<at::cuda::CUDAGraph> captured;
+    if (dev.is_cuda()) {
+      on_side.emplace(c10::cuda::getStreamFromPool());
+      captured = std::make_unique<at::cuda::CUDAGraph>();
+      captured->capture_begin();
+      graph.launch();
+      captured->capture_end();
+    }
+#endif
+    for (int step = 0; step < 3; ++step) {
+      auto o = kAdamW;
+      o.lr(std::ldexp(1.0, -10 - step));
+      graph.upload(steps, o);
+#ifdef COLOSSALAI_WITH_CUDA
+      if (captured) {
+        captured->replay();
+      } else {
+        graph.launch();
+      }
+#else
+      graph.launch();
+#endif
+      kn::adamw_step_(r.p, r.g, r.m, r.v, r.w, steps, o);
+      for (auto& s : steps) {
+        ++s;
+      }
+    }
+    for (size_t i = 0; i < a.p.size(); ++i) {
+      EXPECT_TRUE(at::equal(a.p[i], r.p[i])) << "param " << i;
+      EXPECT_TRUE(at::equal(a.m[i], r.m[i]) && at::equal(a.v[i], r.v[i])) << "moments " << i;
+      if (a.w[i].defined()) {
+        EXPECT_TRUE(at::equal(a.w[i], r.w[i])) << "copy " << i;
+      }
+    }
+    try {
+      auto o = kAdamW;
+      o.beta1(0.8);
+      graph.upload(steps, o);
+      ADD_FAILURE() << "a new beta1 was taken";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("beta1, beta2 and eps"), std::string::npos) << e.what();
+    }
   }
 }
 

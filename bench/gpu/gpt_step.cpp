@@ -15,7 +15,7 @@
 //                      [--optimizer adamw|fused_adamw|hybrid_adam]
 //                      [--loss logits|fused] [--plugin none|zero1]
 //                      [--split-steps 5] [--profile 0]
-//                      [--recompute-mlp off|on]
+//                      [--recompute-mlp off|on] [--cuda-graph off|on]
 //
 // --optimizer: LibTorch's AdamW (a loop of per-tensor ops), FusedAdamW
 // (at::_fused_adamw_, one pass) or HybridAdam (its device path).
@@ -37,6 +37,10 @@
 // in the LLaMA ones (models::set_mlp_activation_recompute,
 // kernels::silu_mul_linear). Less activation memory, one elementwise pass
 // more.
+// --cuda-graph on: the whole step (forward, backward, optimizer) captured
+// once in a CUDA graph after the warm-up steps and replayed
+// (booster::GraphedStep; needs --optimizer fused_adamw). No split timing
+// then: a replay is one launch.
 // --plugin zero1: LowLevelZeroPlugin (stage 1, precision bf16) at world size
 // one: bf16 parameters, fp32 masters in the optimizer, no autocast (no cast
 // of every weight in every forward), as ColossalAI trains in bf16.
@@ -45,6 +49,8 @@
 // --device cpu --model gpt-small-cpu); device memory statistics need CUDA.
 
 #include <colossalai/colossalai.h>
+
+#include <colossalai/booster/graphed_step.h>
 
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/models/llama.h>
@@ -69,6 +75,7 @@
 #include <cctype>
 #include <chrono>
 #include <map>
+#include <optional>
 #include <set>
 #include <cstdio>
 #include <fstream>
@@ -95,6 +102,7 @@ struct Args {
   int split_steps = 5;
   int profile = 0;
   bool recompute_mlp = false;
+  bool cuda_graph = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -132,6 +140,9 @@ Args parse(int argc, char** argv) {
     else if (k == "--recompute-mlp") {
       TORCH_CHECK(v == "on" || v == "off", "--recompute-mlp must be on or off, got ", v);
       a.recompute_mlp = v == "on";
+    } else if (k == "--cuda-graph") {
+      TORCH_CHECK(v == "on" || v == "off", "--cuda-graph must be on or off, got ", v);
+      a.cuda_graph = v == "on";
     }
     else
       TORCH_CHECK(false, "unknown option ", k);
@@ -258,19 +269,34 @@ std::vector<double> time_steps(
   }
   cb::Booster booster(booster_options);
   auto boosted = booster.boost(model, optimizer);
-  auto step = [&]() {
-    sync(dev);
-    auto t0 = std::chrono::steady_clock::now();
+  auto train_step = [&](const std::vector<at::Tensor>&) {
     boosted.optimizer->zero_grad();
     auto loss = loss_of(boosted);
     booster.backward(loss, *boosted.optimizer);
     boosted.optimizer->step();
+    return loss;
+  };
+  std::optional<cb::GraphedStep> graphed;
+  // The batch is the same every step (loss_of holds it): the graph reads
+  // it where it is, and GraphedStep's one input is a placeholder.
+  const std::vector<at::Tensor> placeholder{at::zeros({1}, at::TensorOptions().device(dev))};
+  if (a.cuda_graph) {
+    graphed.emplace(
+        boosted.optimizer,
+        train_step,
+        cb::GraphedStepOptions().warmup(std::max(1, a.warmup)));
+  }
+  auto step = [&]() {
+    sync(dev);
+    auto t0 = std::chrono::steady_clock::now();
+    auto loss = graphed ? (*graphed)(placeholder) : train_step(placeholder);
     sync(dev);
     double s = seconds_since(t0);
     last_loss = loss.template item<double>();
     return s;
   };
-  for (int i = 0; i < a.warmup; ++i)
+  // With a graph: its warm-up calls, then the capture and first replay.
+  for (int i = 0; i < (graphed ? std::max(1, a.warmup) + 1 : a.warmup); ++i)
     step();
   std::vector<double> times;
   for (int i = 0; i < a.steps; ++i) {
@@ -280,7 +306,7 @@ std::vector<double> time_steps(
   }
   // The same step with a synchronisation after each phase.
   std::vector<double> fwd, bwd, opt;
-  for (int i = 0; i < a.split_steps; ++i) {
+  for (int i = 0; i < (graphed ? 0 : a.split_steps); ++i) {
     sync(dev);
     auto t0 = std::chrono::steady_clock::now();
     boosted.optimizer->zero_grad();
@@ -296,7 +322,7 @@ std::vector<double> time_steps(
     sync(dev);
     opt.push_back(seconds_since(t0) * 1e3);
   }
-  if (a.split_steps > 0) {
+  if (a.split_steps > 0 && !graphed) {
     split = {cbench::median(fwd), cbench::median(bwd), cbench::median(opt)};
   }
 #ifdef COLOSSALAI_BENCH_PROFILE
@@ -466,7 +492,9 @@ int run(const Args& a) {
        << "\"ours (C++, Booster bf16, " << a.optimizer << ", loss "
        << a.loss << ", plugin " << a.plugin
        << (a.recompute_mlp ? ", MLP activation recomputed" : "")
+       << (a.cuda_graph ? ", CUDA graph" : "")
        << ")\",\n  \"recompute_mlp\": " << (a.recompute_mlp ? "true" : "false")
+       << ",\n  \"cuda_graph\": " << (a.cuda_graph ? "true" : "false")
        << ",\n  \"optimizer_kind\": \""
        << a.optimizer << "\",\n  \"plugin\": \"" << a.plugin
        << "\",\n  \"loss_kind\": \"" << a.loss << "\",\n  \"model\": \"" << a.model
@@ -485,7 +513,7 @@ int run(const Args& a) {
        << ", \"bf16_flops_max\": " << *std::max_element(rates.begin(), rates.end())
        << "},\n  \"flops_per_token\": " << flops_per_token
        << ",\n  \"step_ms\": " << cbench::stats_json(times)
-       << ",\n  \"split_ms\": {\"steps\": " << a.split_steps
+       << ",\n  \"split_ms\": {\"steps\": " << (a.cuda_graph ? 0 : a.split_steps)
        << ", \"forward\": " << split.forward << ", \"backward\": " << split.backward
        << ", \"optimizer\": " << split.optimizer << "}"
        << (kernels_json.empty() ? "" : ",\n  \"kernels\": " + kernels_json)

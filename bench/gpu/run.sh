@@ -15,13 +15,16 @@
 # and the fused linear + cross-entropy (ours_fused), and the same two under
 # LowLevelZero stage 1 in bf16 at world size one (bf16 weights, fp32
 # masters, no autocast: ours_zero1_bf16_logits, ours_zero1_bf16; the last
-# with each MLP's activation recomputed in backward: ours_zero1_bf16_recompute); PyTorch
+# with each MLP's activation recomputed in backward: ours_zero1_bf16_recompute;
+# the same step captured once in a CUDA graph and replayed:
+# ours_zero1_bf16_graph); PyTorch
 # eager with its default AdamW (torch) and with AdamW(fused=True)
 # (torch_fused).
 # --llama-rounds N adds N rounds of a Llama-3.2-1B-shaped model (batch
 # 4 x 2048): ours with AdamW, FusedAdamW (whole logits, fused loss, the
 # fused loss with the MLPs' product recomputed: llama_ours_fused_recompute),
-# LowLevelZero bf16 (fused loss); transformers' LlamaForCausalLM with
+# LowLevelZero bf16 (fused loss; and in a CUDA graph:
+# llama_ours_zero1_bf16_graph); transformers' LlamaForCausalLM with
 # AdamW(fused=True).
 # --compile adds one torch.compile run (fused AdamW) after the rounds, of
 # each model the rounds ran.
@@ -156,6 +159,7 @@ variants=(
   "ours_zero1_bf16_logits|cpp|--plugin zero1 --optimizer fused_adamw --loss logits"
   "ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
   "ours_zero1_bf16_recompute|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --recompute-mlp on"
+  "ours_zero1_bf16_graph|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --cuda-graph on"
   "torch|py|"
   "torch_fused|py|--fused"
 )
@@ -196,6 +200,7 @@ llama_variants=(
   "llama_ours_fused|cpp|--optimizer fused_adamw --loss fused"
   "llama_ours_fused_recompute|cpp|--optimizer fused_adamw --loss fused --recompute-mlp on"
   "llama_ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
+  "llama_ours_zero1_bf16_graph|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --cuda-graph on"
   "llama_torch_fused|py|--fused"
 )
 for i in $(seq 1 "$llama_rounds"); do

@@ -1,9 +1,14 @@
 #include <colossalai/interface/optimizer.h>
 
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/nn/optimizer/fused_adam.h>
+#include <colossalai/utils/compat.h>
+
+#include <c10/util/Type.h>
 
 #include <cmath>
 #include <limits>
+#include <typeinfo>
 
 namespace colossalai {
 namespace interface {
@@ -57,6 +62,46 @@ void OptimizerWrapper::backward(const at::Tensor& loss, bool retain_graph) {
   loss.backward({}, retain_graph);
 }
 
+std::string OptimizerWrapper::graph_capture_blocker() const {
+  if (typeid(*this) != typeid(OptimizerWrapper)) {
+    return "the optimizer wrapper " + c10::demangle(typeid(*this).name()) +
+        " works on the host in its step; a captured step takes the "
+        "booster without a plugin (fp32 or bf16) or LowLevelZeroPlugin at "
+        "one rank";
+  }
+  return optimizer_graph_blocker();
+}
+
+std::string OptimizerWrapper::optimizer_graph_blocker() const {
+  const auto* c =
+      dynamic_cast<const nn::optimizer::GraphCapturable*>(optim_.get());
+  if (c == nullptr) {
+    const auto& o = *optim_;
+    return "the optimizer " + c10::demangle(typeid(o).name()) +
+        " computes each step's scalars (step counts, bias corrections) on "
+        "the host, which a replayed graph would repeat unchanged; use "
+        "nn::optimizer::FusedAdamW or FusedAdam";
+  }
+  return c->graph_capture_blocker();
+}
+
+void OptimizerWrapper::set_graph_mode(bool on) {
+  auto* c = dynamic_cast<nn::optimizer::GraphCapturable*>(optim_.get());
+  TORCH_CHECK(
+      c != nullptr || !on,
+      "set_graph_mode: ",
+      optimizer_graph_blocker());
+  if (c != nullptr) {
+    c->set_graph_mode(on);
+  }
+}
+
+void OptimizerWrapper::prepare_graph_step() {
+  auto* c = dynamic_cast<nn::optimizer::GraphCapturable*>(optim_.get());
+  TORCH_CHECK(c != nullptr, "prepare_graph_step: ", optimizer_graph_blocker());
+  c->prepare_graph_step();
+}
+
 std::vector<at::Tensor> OptimizerWrapper::parameters() const {
   std::vector<at::Tensor> out;
   for (auto& group : optim_->param_groups()) {
@@ -84,6 +129,13 @@ double total_norm(
     double norm_type,
     const std::vector<const distributed::ProcessGroup*>& groups) {
   const bool inf = std::isinf(norm_type);
+  for (const auto& g : tensors) {
+    TORCH_CHECK(
+        !g.defined() || !compat::stream_capturing(g.device()),
+        "the global gradient norm (clip_grad_by_norm, max_norm) is read back "
+        "to the host, which a CUDA graph cannot capture; clip outside the "
+        "captured step or not at all");
+  }
   std::vector<at::Tensor> norms;
   for (const auto& g : tensors) {
     if (g.defined() && g.numel() > 0) {

@@ -3,6 +3,8 @@
 
 #include <colossalai/kernels/adamw.h>
 
+#include <colossalai/utils/compat.h>
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -134,7 +136,21 @@ void check(
 }
 
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
-void fused(
+// The kernel's two tables for one step, built on the host.
+struct Tables {
+  std::vector<cuda::AdamWTensor> tensors;
+  std::vector<cuda::AdamWBlock> blocks;
+  at::ScalarType working_dtype = at::kFloat;
+
+  size_t tensor_bytes() const {
+    return tensors.size() * sizeof(cuda::AdamWTensor);
+  }
+  size_t bytes() const {
+    return tensor_bytes() + blocks.size() * sizeof(cuda::AdamWBlock);
+  }
+};
+
+Tables tables(
     at::TensorList params,
     at::TensorList grads,
     at::TensorList exp_avgs,
@@ -142,11 +158,7 @@ void fused(
     at::TensorList working,
     at::ArrayRef<int64_t> steps,
     const AdamWStepOptions& o) {
-  const auto device = params[0].device();
-  const c10::cuda::CUDAGuard guard(device);
-  std::vector<cuda::AdamWTensor> tensors;
-  std::vector<cuda::AdamWBlock> blocks;
-  at::ScalarType working_dtype = at::kFloat;
+  Tables out;
   for (size_t i = 0; i < params.size(); ++i) {
     const int64_t numel = params[i].numel();
     if (numel == 0) {
@@ -154,7 +166,7 @@ void fused(
     }
     const bool copy = !working.empty() && working[i].defined();
     if (copy) {
-      working_dtype = working[i].scalar_type();
+      out.working_dtype = working[i].scalar_type();
     }
     const auto c = corrections(o, steps[i]); // rounded once, to float
     cuda::AdamWTensor t{};
@@ -169,38 +181,58 @@ void fused(
     t.bias_correction2_sqrt = static_cast<float>(c.bias_correction2_sqrt);
     const int64_t chunks = (numel + cuda::kAdamWChunk - 1) / cuda::kAdamWChunk;
     TORCH_CHECK(
-        chunks <= INT32_MAX && tensors.size() < INT32_MAX,
+        chunks <= INT32_MAX && out.tensors.size() < INT32_MAX,
         "adamw_step_: tensor ",
         i,
         " has too many elements for one launch");
     for (int64_t c = 0; c < chunks; ++c) {
-      blocks.push_back(
-          {static_cast<int32_t>(tensors.size()), static_cast<int32_t>(c)});
+      out.blocks.push_back(
+          {static_cast<int32_t>(out.tensors.size()), static_cast<int32_t>(c)});
     }
-    tensors.push_back(t);
+    out.tensors.push_back(t);
   }
-  if (blocks.empty()) {
-    return;
-  }
-  // Both tables in one pinned buffer and one asynchronous copy; ATen's
-  // pinned allocator keeps the buffer until the copy has run.
-  const size_t tensor_bytes = tensors.size() * sizeof(cuda::AdamWTensor);
-  const size_t block_bytes = blocks.size() * sizeof(cuda::AdamWBlock);
+  return out;
+}
+
+// Both tables in one pinned buffer and one asynchronous copy, into `into`
+// where given (of t.bytes() bytes), else into a new device tensor. ATen's
+// pinned allocator keeps the buffer until the copy has run.
+at::Tensor upload_tables(const Tables& t, at::Device device, at::Tensor into) {
   auto host = at::empty(
-      {static_cast<int64_t>(tensor_bytes + block_bytes)},
+      {static_cast<int64_t>(t.bytes())},
       at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   auto* bytes = host.data_ptr<uint8_t>();
-  std::memcpy(bytes, tensors.data(), tensor_bytes);
-  std::memcpy(bytes + tensor_bytes, blocks.data(), block_bytes);
-  auto table = host.to(device, /*non_blocking=*/true);
+  std::memcpy(bytes, t.tensors.data(), t.tensor_bytes());
+  std::memcpy(
+      bytes + t.tensor_bytes(),
+      t.blocks.data(),
+      t.bytes() - t.tensor_bytes());
+  if (!into.defined()) {
+    return host.to(device, /*non_blocking=*/true);
+  }
+  TORCH_INTERNAL_ASSERT(into.numel() == static_cast<int64_t>(t.bytes()));
+  into.copy_(host, /*non_blocking=*/true);
+  return into;
+}
+
+// The kernel over the tables in `table` (device memory, as upload_tables
+// wrote them) on the current stream.
+void launch_tables(
+    const at::Tensor& table,
+    size_t num_tensors,
+    size_t num_blocks,
+    at::ScalarType grad_dtype,
+    at::ScalarType working_dtype,
+    const AdamWStepOptions& o) {
   const auto* base = table.data_ptr<uint8_t>();
   cuda::check_launch(
       cuda::adamw_step(
-          cuda::dtype_of(grads[0].scalar_type(), "adamw_step_"),
+          cuda::dtype_of(grad_dtype, "adamw_step_"),
           cuda::dtype_of(working_dtype, "adamw_step_"),
           reinterpret_cast<const cuda::AdamWTensor*>(base),
-          reinterpret_cast<const cuda::AdamWBlock*>(base + tensor_bytes),
-          static_cast<int64_t>(blocks.size()),
+          reinterpret_cast<const cuda::AdamWBlock*>(
+              base + num_tensors * sizeof(cuda::AdamWTensor)),
+          static_cast<int64_t>(num_blocks),
           static_cast<float>(1.0 - o.beta1()),
           static_cast<float>(o.beta2()),
           static_cast<float>(1.0 - o.beta2()),
@@ -208,6 +240,31 @@ void fused(
           c10::cuda::getCurrentCUDAStream().stream()),
       "adamw_step_",
       "the AdamW kernel's launch");
+}
+
+void fused(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList working,
+    at::ArrayRef<int64_t> steps,
+    const AdamWStepOptions& o) {
+  const auto device = params[0].device();
+  const c10::cuda::CUDAGuard guard(device);
+  const auto t =
+      tables(params, grads, exp_avgs, exp_avg_sqs, working, steps, o);
+  if (t.blocks.empty()) {
+    return;
+  }
+  const auto table = upload_tables(t, device, at::Tensor());
+  launch_tables(
+      table,
+      t.tensors.size(),
+      t.blocks.size(),
+      grads[0].scalar_type(),
+      t.working_dtype,
+      o);
 }
 #endif
 
@@ -283,6 +340,147 @@ bool adamw_step_fused_applies(
   (void)grads;
   (void)working;
   return false;
+#endif
+}
+
+struct AdamWStepGraph::Impl {
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, working;
+  AdamWStepOptions fixed; // beta1, beta2, eps: the launch's arguments
+  bool fused = false;
+  // The reference path's last upload.
+  std::vector<int64_t> steps;
+  AdamWStepOptions options;
+  bool uploaded = false;
+  // The fused path: the device tables every replay reads.
+  at::Tensor table;
+  size_t num_tensors = 0, num_blocks = 0;
+  at::ScalarType working_dtype = at::kFloat;
+};
+
+AdamWStepGraph::AdamWStepGraph(
+    std::vector<at::Tensor> params,
+    std::vector<at::Tensor> grads,
+    std::vector<at::Tensor> exp_avgs,
+    std::vector<at::Tensor> exp_avg_sqs,
+    std::vector<at::Tensor> working,
+    const AdamWStepOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  auto& m = *impl_;
+  check(
+      params,
+      grads,
+      exp_avgs,
+      exp_avg_sqs,
+      working,
+      std::vector<int64_t>(params.size(), 1));
+  m.params = std::move(params);
+  m.grads = std::move(grads);
+  m.exp_avgs = std::move(exp_avgs);
+  m.exp_avg_sqs = std::move(exp_avg_sqs);
+  m.working = std::move(working);
+  m.fixed = options;
+  m.options = options;
+  m.fused = adamw_step_fused_applies(m.params, m.grads, m.working);
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (m.fused) {
+    // Sizes only: the contents come with each upload.
+    const auto t = tables(
+        m.params,
+        m.grads,
+        m.exp_avgs,
+        m.exp_avg_sqs,
+        m.working,
+        std::vector<int64_t>(m.params.size(), 1),
+        options);
+    m.num_tensors = t.tensors.size();
+    m.num_blocks = t.blocks.size();
+    m.working_dtype = t.working_dtype;
+    m.table = at::empty(
+        {static_cast<int64_t>(t.bytes())},
+        m.params[0].options().dtype(at::kByte));
+  }
+#endif
+}
+
+AdamWStepGraph::~AdamWStepGraph() = default;
+
+void AdamWStepGraph::upload(
+    at::ArrayRef<int64_t> steps,
+    const AdamWStepOptions& options) {
+  auto& m = *impl_;
+  TORCH_CHECK(
+      options.beta1() == m.fixed.beta1() && options.beta2() == m.fixed.beta2() &&
+          options.eps() == m.fixed.eps(),
+      "AdamWStepGraph: beta1, beta2 and eps are the captured launch's "
+      "arguments (",
+      m.fixed.beta1(),
+      ", ",
+      m.fixed.beta2(),
+      ", ",
+      m.fixed.eps(),
+      "); a step with ",
+      options.beta1(),
+      ", ",
+      options.beta2(),
+      ", ",
+      options.eps(),
+      " needs a new capture");
+  check(m.params, m.grads, m.exp_avgs, m.exp_avg_sqs, m.working, steps);
+  if (!m.fused) {
+    m.steps.assign(steps.begin(), steps.end());
+    m.options = options;
+    m.uploaded = true;
+    return;
+  }
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  const auto device = m.params[0].device();
+  TORCH_CHECK(
+      !compat::stream_capturing(device),
+      "AdamWStepGraph::upload: the step's scalars are written between "
+      "replays, not inside a capture");
+  const c10::cuda::CUDAGuard guard(device);
+  upload_tables(
+      tables(
+          m.params,
+          m.grads,
+          m.exp_avgs,
+          m.exp_avg_sqs,
+          m.working,
+          steps,
+          options),
+      device,
+      m.table);
+  m.uploaded = true;
+#endif
+}
+
+void AdamWStepGraph::launch() {
+  auto& m = *impl_;
+  if (!m.fused) {
+    TORCH_CHECK(m.uploaded, "AdamWStepGraph::launch: no step uploaded yet");
+    adamw_step_reference_(
+        m.params,
+        m.grads,
+        m.exp_avgs,
+        m.exp_avg_sqs,
+        m.working,
+        m.steps,
+        m.options);
+    return;
+  }
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  // Inside a capture the table is written before the first replay.
+  if (m.num_blocks == 0) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(m.params[0].device());
+  launch_tables(
+      m.table,
+      m.num_tensors,
+      m.num_blocks,
+      m.grads[0].scalar_type(),
+      m.working_dtype,
+      m.fixed);
 #endif
 }
 

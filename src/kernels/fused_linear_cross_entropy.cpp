@@ -5,6 +5,7 @@
 // the same computation in ATen elsewhere.
 
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
+#include <colossalai/utils/compat.h>
 
 #include "linear_dtype.h"
 
@@ -122,10 +123,13 @@ struct FusedLinearCrossEntropy
 
     const auto tgt = target.to(h.device());
     const auto valid = tgt.ne(ignore_index);
-    // One check for every chunk (the kernel would give such a row NaN).
+    // One check for every chunk (the kernel would give such a row NaN). It
+    // reads a flag back to the host, which a CUDA graph's capture cannot:
+    // a captured step goes without it.
     const int64_t whole = shard ? shard->vocab_size : vocab;
     TORCH_CHECK(
-        !(tgt.lt(0) | tgt.ge(whole)).logical_and(valid).any().item<bool>(),
+        compat::stream_capturing(tgt.device()) ||
+            !(tgt.lt(0) | tgt.ge(whole)).logical_and(valid).any().item<bool>(),
         "fused_linear_cross_entropy: a target is outside [0, ",
         whole,
         ") and is not ignore_index (",

@@ -8,12 +8,14 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <type_traits>
 
 #ifdef COLOSSALAI_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -101,6 +103,52 @@ at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& b) {
   return at::Tensor();
 }
 
+namespace {
+
+// Either overload of ATen's fused Adam / AdamW: `lr` a double or (2.2+) a
+// tensor on the parameters' device.
+template <class Lr>
+void fused_adam_any(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList max_exp_avg_sqs,
+    at::TensorList state_steps,
+    const Lr& lr,
+    double beta1,
+    double beta2,
+    double weight_decay,
+    double eps,
+    bool amsgrad,
+    bool decoupled) {
+  constexpr bool tensor_lr = std::is_same_v<Lr, at::Tensor>;
+#if COLOSSALAI_TORCH_AT_LEAST(2, 1)
+  // The tensor overload came in 2.2 (a discarded branch is not compiled).
+  if constexpr (!tensor_lr || COLOSSALAI_TORCH_AT_LEAST(2, 2)) {
+    if (decoupled) {
+      at::_fused_adamw_(
+          params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+          lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false);
+    } else {
+      at::_fused_adam_(
+          params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+          lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false);
+    }
+    return;
+  }
+#endif
+  (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs;
+  (void)max_exp_avg_sqs, (void)state_steps, (void)lr, (void)beta1;
+  (void)beta2, (void)weight_decay, (void)eps, (void)amsgrad, (void)decoupled;
+  TORCH_CHECK(
+      false,
+      "fused_adam_: this LibTorch has no fused Adam",
+      tensor_lr ? " taking a tensor learning rate (2.2+)" : "");
+}
+
+} // namespace
+
 void fused_adam_(
     at::TensorList params,
     at::TensorList grads,
@@ -115,21 +163,43 @@ void fused_adam_(
     double eps,
     bool amsgrad,
     bool decoupled) {
-#if COLOSSALAI_TORCH_AT_LEAST(2, 1)
-  if (decoupled) {
-    at::_fused_adamw_(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-        lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false);
-  } else {
-    at::_fused_adam_(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-        lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false);
+  fused_adam_any(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                 state_steps, lr, beta1, beta2, weight_decay, eps, amsgrad,
+                 decoupled);
+}
+
+void fused_adam_(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList max_exp_avg_sqs,
+    at::TensorList state_steps,
+    const at::Tensor& lr,
+    double beta1,
+    double beta2,
+    double weight_decay,
+    double eps,
+    bool amsgrad,
+    bool decoupled) {
+  fused_adam_any(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                 state_steps, lr, beta1, beta2, weight_decay, eps, amsgrad,
+                 decoupled);
+}
+
+bool stream_capturing(at::Device device) {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (!device.is_cuda()) {
+    return false;
   }
+  const c10::cuda::CUDAGuard guard(device);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(
+      c10::cuda::getCurrentCUDAStream().stream(), &status));
+  return status != cudaStreamCaptureStatusNone;
 #else
-  (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs;
-  (void)max_exp_avg_sqs, (void)state_steps, (void)lr, (void)beta1;
-  (void)beta2, (void)weight_decay, (void)eps, (void)amsgrad, (void)decoupled;
-  TORCH_INTERNAL_ASSERT(false, "fused_adam_: this LibTorch has no fused Adam");
+  (void)device;
+  return false;
 #endif
 }
 

@@ -3,6 +3,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace colossalai {
@@ -42,6 +43,18 @@ class OptimizerWrapper {
   virtual double clip_grad_by_norm(double max_norm, double norm_type = 2.0);
   virtual void clip_grad_by_value(double clip_value);
 
+  /// CUDA graphs (booster::GraphedStep; NOTE [Captured optimizer steps]).
+  /// Why this optimizer's step cannot be captured, or empty where it can:
+  /// the booster's own wrapper (no plugin; fp32 or bf16) over an
+  /// nn::optimizer::GraphCapturable optimizer (FusedAdamW, FusedAdam) can,
+  /// and LowLevelZeroPlugin's at one rank; every other wrapper says why not.
+  virtual std::string graph_capture_blocker() const;
+  /// Graph mode of the optimizer (GraphCapturable::set_graph_mode).
+  virtual void set_graph_mode(bool on);
+  /// The host's half of the next replayed step
+  /// (GraphCapturable::prepare_graph_step).
+  virtual void prepare_graph_step();
+
   std::vector<torch::optim::OptimizerParamGroup>& param_groups() {
     return optim_->param_groups();
   }
@@ -56,6 +69,10 @@ class OptimizerWrapper {
   }
 
  protected:
+  /// The user's optimizer's own blocker (GraphCapturable), or why it has
+  /// none.
+  std::string optimizer_graph_blocker() const;
+
   std::shared_ptr<torch::optim::Optimizer> optim_;
 };
 

@@ -24,6 +24,8 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 namespace colossalai {
 namespace kernels {
@@ -70,6 +72,49 @@ bool adamw_step_fused_applies(
     at::TensorList params,
     at::TensorList grads,
     at::TensorList working);
+
+/// adamw_step_ split for a step captured in a CUDA graph
+/// (booster::GraphedStep). A replayed graph repeats the launches it
+/// recorded with the arguments they had, so what changes from step to step
+/// (the step counts' bias corrections, the learning rate) must reach the
+/// kernel through device memory the host rewrites between replays: the
+/// constructor fixes the tensors (their addresses are the graph's), upload()
+/// writes one step's scalars on the current stream, outside the capture,
+/// and launch() is the update the capture records. beta1, beta2 and eps are
+/// the launch's arguments: fixed by the constructor's options. Where the
+/// fused kernel does not apply (adamw_step_fused_applies), launch() runs the
+/// reference with the last upload's steps and options, so both halves are
+/// exercised without a GPU.
+///
+/// Example:
+/// \code
+///   k::AdamWStepGraph step(masters, grads, m, v, copies, options);
+///   graph.capture_begin(); /* ... */ step.launch(); graph.capture_end();
+///   for (...) { step.upload(steps, options.lr(next_lr)); graph.replay(); }
+/// \endcode
+class AdamWStepGraph {
+ public:
+  AdamWStepGraph(
+      std::vector<at::Tensor> params,
+      std::vector<at::Tensor> grads,
+      std::vector<at::Tensor> exp_avgs,
+      std::vector<at::Tensor> exp_avg_sqs,
+      std::vector<at::Tensor> working,
+      const AdamWStepOptions& options);
+  ~AdamWStepGraph();
+  AdamWStepGraph(const AdamWStepGraph&) = delete;
+  AdamWStepGraph& operator=(const AdamWStepGraph&) = delete;
+
+  /// The next launch's step counts (one per parameter, >= 1) and learning
+  /// rate and weight decay; beta1, beta2 and eps must be the constructor's.
+  void upload(at::ArrayRef<int64_t> steps, const AdamWStepOptions& options);
+  /// One update with the last upload's scalars.
+  void launch();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 } // namespace kernels
 } // namespace colossalai

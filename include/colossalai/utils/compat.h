@@ -114,6 +114,30 @@ void fused_adam_(
     bool amsgrad,
     bool decoupled);
 
+/// fused_adam_ with the learning rate read from `lr` (a one-element float32
+/// tensor on the parameters' device) when the kernel runs: a step captured
+/// in a CUDA graph follows a schedule that rewrites `lr` between replays.
+/// LibTorch 2.2+ (where has_fused_adam holds).
+void fused_adam_(
+    at::TensorList params,
+    at::TensorList grads,
+    at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs,
+    at::TensorList max_exp_avg_sqs,
+    at::TensorList state_steps,
+    const at::Tensor& lr,
+    double beta1,
+    double beta2,
+    double weight_decay,
+    double eps,
+    bool amsgrad,
+    bool decoupled);
+
+/// Whether `device` is a CUDA device whose current stream is capturing a
+/// CUDA graph: work that reads a value back to the host cannot run then.
+/// False for every other device and in builds without CUDA.
+bool stream_capturing(at::Device device);
+
 /// The exact int32 product of int8 matrices a [m, k] and b [k, n] through
 /// cuBLASLt's int8 path (at::_int_mm, LibTorch 2.1+, CUDA), or an undefined
 /// tensor where that path does not take them: LibTorch 1.13, another

@@ -81,6 +81,9 @@ class LowLevelZeroOptimizer : public ShardedOptimizer {
 
   /// Steps, then clears the gradient shards (as ColossalAI does).
   void step() override;
+  /// Capturable at one rank, without fp16, clipping or cpu_offload, over
+  /// FusedAdamW or FusedAdam (booster::GraphedStep).
+  std::string graph_capture_blocker() const override;
 
   /// Gradient synchronization on/off (no_sync, stage 1 only).
   void set_require_sync(bool require);

@@ -109,6 +109,11 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// (e.g. full gradients accumulated under no_sync).
   virtual void zero_extra_grads(bool set_to_none) {}
 
+  /// Why `plugin`'s step cannot be captured in a CUDA graph for what this
+  /// class does on the host (loss scaling, clipping, ranks, placement), or
+  /// empty.
+  std::string sharded_graph_blocker(const std::string& plugin) const;
+
   const std::vector<detail::FlatParams*>& flat_groups() const {
     return groups_;
   }

@@ -8,7 +8,10 @@
 
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <map>
+#include <sstream>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -17,13 +20,19 @@
 namespace colossalai {
 namespace nn {
 namespace optimizer {
-namespace {
+namespace detail {
 
 // The tensors of one fused call: one device, one dtype, one group's options.
 struct Bucket {
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
   std::vector<int64_t> steps;
 };
+
+} // namespace detail
+
+namespace {
+
+using detail::Bucket;
 
 // Whether every parameter with a gradient can take the fused kernel.
 bool fusable(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
@@ -203,12 +212,304 @@ torch::Tensor fused_step(
 
 } // namespace
 
+namespace detail {
+
+// NOTE [Captured optimizer steps]: what a fused optimizer keeps in graph
+// mode. Each call is one fused launch of the captured step (a group's
+// tensors of one device and dtype, as an ordinary step buckets them), with
+// the device buffers its launch reads and the host rewrites before each
+// replay: the kernel's table (masters with copies on a GPU), or ATen's step
+// counts and learning rate.
+struct FusedGraph {
+  struct Call {
+    size_t group = 0;
+    Bucket tensors;
+    std::vector<at::Tensor> working;
+    std::unique_ptr<kernels::AdamWStepGraph> kernel;
+    at::Tensor steps; // float32 [n]: each tensor's step count
+    at::Tensor lr;    // float32 []: the group's learning rate
+    // The captured launch's arguments (ATen's kernel takes them by value).
+    double beta1 = 0, beta2 = 0, weight_decay = 0, eps = 0;
+    bool amsgrad = false, decoupled = true;
+  };
+  bool on = false;
+  std::vector<Call> calls; // empty until the first step in graph mode
+};
+
+} // namespace detail
+
+namespace {
+
+// Why `opt`'s steps cannot be captured; empty where they can.
+template <class Options, class Base>
+std::string graph_blocker(const Base& opt, const char* name) {
+  if (!COLOSSALAI_TORCH_AT_LEAST(2, 2)) {
+    return std::string(name) +
+        " captures its step from LibTorch 2.2 on (a fused kernel that reads "
+        "the learning rate from device memory)";
+  }
+  for (const auto& group : opt.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (!compat::has_fused_adam(p.device()) ||
+          !at::isFloatingType(p.scalar_type())) {
+        std::ostringstream os;
+        os << name << " has no fused kernel for a " << p.scalar_type()
+           << " parameter on " << p.device()
+           << " in this LibTorch, and its unfused step computes each "
+              "step's scalars on the host";
+        return os.str();
+      }
+    }
+  }
+  return std::string();
+}
+
+// The calls every replayed step repeats: the tensors an ordinary step would
+// update now, bucketed as it buckets them. Launches nothing.
+template <class Options, class State, class Base>
+void graph_build(
+    Base& opt,
+    detail::FusedGraph& graph,
+    bool decoupled,
+    const Copies* copies,
+    const char* name) {
+  TORCH_CHECK(
+      fusable(opt.param_groups()),
+      name,
+      ": a gradient cannot take the fused kernel (sparse, strided, another "
+      "dtype or device than its parameter), so this step cannot be captured");
+  auto& state = opt.state();
+  auto& groups = opt.param_groups();
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const auto& o = static_cast<const Options&>(groups[gi].options());
+    std::map<std::pair<std::string, at::ScalarType>, Bucket> buckets;
+    for (auto& p : groups[gi].params()) {
+      if (!p.grad().defined()) {
+        continue;
+      }
+      auto found = state.find(
+          compat::optimizer_state_key<std::remove_reference_t<decltype(state)>>(p));
+      TORCH_CHECK(
+          found != state.end(),
+          name,
+          ": a parameter (shape ",
+          p.sizes(),
+          ") has a gradient but no optimizer state yet; run an ordinary step "
+          "first (GraphedStep's warm-up steps do)");
+      auto& s = static_cast<State&>(*found->second);
+      auto& b = buckets[{p.device().str(), p.scalar_type()}];
+      b.params.push_back(p);
+      b.grads.push_back(p.grad());
+      b.exp_avgs.push_back(s.exp_avg());
+      b.exp_avg_sqs.push_back(s.exp_avg_sq());
+      if (o.amsgrad()) {
+        b.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
+      }
+    }
+    for (auto& entry : buckets) {
+      const auto& where = entry.first;
+      auto& b = entry.second;
+      detail::FusedGraph::Call call;
+      call.group = gi;
+      call.amsgrad = o.amsgrad();
+      call.decoupled = decoupled;
+      bool any_copy = false;
+      for (const auto& p : b.params) {
+        call.working.push_back(copy_of(copies, p));
+        any_copy = any_copy || call.working.back().defined();
+      }
+      call.beta1 = std::get<0>(o.betas());
+      call.beta2 = std::get<1>(o.betas());
+      call.weight_decay = o.weight_decay();
+      call.eps = o.eps();
+      // The same choice as an ordinary step's, so both update alike.
+      if (any_copy && decoupled && !o.amsgrad() &&
+          where.second == at::kFloat && one_dtype(call.working) &&
+          kernels::adamw_step_fused_applies(b.params, b.grads, call.working)) {
+        call.kernel = std::make_unique<kernels::AdamWStepGraph>(
+            b.params,
+            b.grads,
+            b.exp_avgs,
+            b.exp_avg_sqs,
+            call.working,
+            kernels::AdamWStepOptions()
+                .lr(o.lr())
+                .beta1(call.beta1)
+                .beta2(call.beta2)
+                .eps(o.eps())
+                .weight_decay(o.weight_decay()));
+      } else {
+        const auto f32 = at::TensorOptions().dtype(at::kFloat).device(
+            b.params.front().device());
+        // Written before each replay: a fill here would be captured too,
+        // and undo that write at every replay.
+        call.steps = at::empty({static_cast<int64_t>(b.params.size())}, f32);
+        call.lr = at::empty({}, f32);
+      }
+      call.tensors = std::move(b);
+      graph.calls.push_back(std::move(call));
+    }
+  }
+}
+
+// The device's half: what a capture records and a replay repeats.
+void graph_launch(detail::FusedGraph& graph) {
+  torch::NoGradGuard no_grad;
+  for (auto& call : graph.calls) {
+    if (call.kernel) {
+      call.kernel->launch();
+      continue;
+    }
+    const auto& b = call.tensors;
+    compat::fused_adam_(
+        b.params,
+        b.grads,
+        b.exp_avgs,
+        b.exp_avg_sqs,
+        b.max_exp_avg_sqs,
+        call.steps.unbind(0),
+        call.lr,
+        call.beta1,
+        call.beta2,
+        call.weight_decay,
+        call.eps,
+        call.amsgrad,
+        call.decoupled);
+    for (size_t i = 0; i < call.working.size(); ++i) {
+      write_copy(call.working[i], b.params[i]);
+    }
+  }
+}
+
+// The host's half of a replayed step (NOTE [Captured optimizer steps]).
+// Every check comes before the first write: a refused step advances
+// nothing.
+template <class Options, class State, class Base>
+void graph_prepare(Base& opt, detail::FusedGraph& graph, const char* name) {
+  TORCH_CHECK(
+      graph.on && !graph.calls.empty(),
+      name,
+      ": prepare_graph_step needs graph mode and a captured step");
+  auto& state = opt.state();
+  auto& groups = opt.param_groups();
+  auto key = [&](const at::Tensor& p) {
+    return compat::optimizer_state_key<std::remove_reference_t<decltype(state)>>(p);
+  };
+  for (const auto& call : graph.calls) {
+    TORCH_CHECK(
+        call.group < groups.size(),
+        name,
+        ": a parameter group was removed after the capture");
+    const auto& o = static_cast<const Options&>(groups[call.group].options());
+    // The kernel's table carries the weight decay; ATen's launch holds it.
+    TORCH_CHECK(
+        std::get<0>(o.betas()) == call.beta1 &&
+            std::get<1>(o.betas()) == call.beta2 && o.eps() == call.eps &&
+            (call.kernel || o.weight_decay() == call.weight_decay),
+        name,
+        ": betas, eps",
+        call.kernel ? "" : " and weight_decay",
+        " are the captured launch's arguments; changing them needs a new "
+        "capture (the learning rate may change)");
+    for (const auto& p : call.tensors.params) {
+      TORCH_CHECK(
+          state.find(key(p)) != state.end(),
+          name,
+          ": a captured parameter's state is gone (a state dict loaded after "
+          "the capture needs a new capture)");
+    }
+  }
+  for (auto& call : graph.calls) {
+    const auto& o = static_cast<const Options&>(groups[call.group].options());
+    std::vector<int64_t> steps;
+    for (const auto& p : call.tensors.params) {
+      auto& s = static_cast<State&>(*state.find(key(p))->second);
+      s.step(s.step() + 1);
+      steps.push_back(s.step());
+    }
+    if (call.kernel) {
+      call.kernel->upload(
+          steps,
+          kernels::AdamWStepOptions()
+              .lr(o.lr())
+              .beta1(call.beta1)
+              .beta2(call.beta2)
+              .eps(call.eps)
+              .weight_decay(o.weight_decay()));
+      continue;
+    }
+    call.lr.fill_(o.lr());
+    if (std::all_of(steps.begin(), steps.end(), [&](int64_t s) {
+          return s == steps.front();
+        })) {
+      call.steps.fill_(static_cast<double>(steps.front()));
+    } else {
+      call.steps.copy_(at::tensor(std::vector<float>(steps.begin(), steps.end())));
+    }
+  }
+}
+
+// A step in graph mode. The first one finds the tensors; outside a capture
+// it is an ordinary step (its scalars written as prepare_graph_step writes
+// them), inside one nothing runs, so nothing advances. Later ones launch
+// the device's half with the scalars of the last prepare_graph_step: what
+// a replay does.
+template <class Options, class State, class Base>
+void graph_step(
+    Base& opt,
+    detail::FusedGraph& graph,
+    bool decoupled,
+    const Copies* copies,
+    const char* name) {
+  if (graph.calls.empty()) {
+    graph_build<Options, State>(opt, graph, decoupled, copies, name);
+    if (graph.calls.empty()) {
+      return; // no gradients: nothing to step
+    }
+    if (!compat::stream_capturing(graph.calls.front().tensors.params.front().device())) {
+      graph_prepare<Options, State>(opt, graph, name);
+    }
+  }
+  graph_launch(graph);
+}
+
+void set_mode(std::shared_ptr<detail::FusedGraph>& graph, bool on) {
+  if (!graph) {
+    graph = std::make_shared<detail::FusedGraph>();
+  }
+  graph->on = on;
+  graph->calls.clear(); // the next capture finds its tensors again
+}
+
+} // namespace
+
 torch::Tensor FusedAdamW::step(LossClosure closure) {
+  if (graph_ && graph_->on) {
+    TORCH_CHECK(closure == nullptr, "FusedAdamW: no closure in graph mode");
+    graph_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+        static_cast<torch::optim::AdamW&>(*this), *graph_, true, &copies_, "FusedAdamW");
+    return torch::Tensor();
+  }
   return fused_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
       static_cast<torch::optim::AdamW&>(*this),
       std::move(closure),
       true,
       &copies_);
+}
+
+std::string FusedAdamW::graph_capture_blocker() const {
+  return graph_blocker<torch::optim::AdamWOptions>(
+      static_cast<const torch::optim::AdamW&>(*this), "FusedAdamW");
+}
+
+void FusedAdamW::set_graph_mode(bool on) {
+  set_mode(graph_, on);
+}
+
+void FusedAdamW::prepare_graph_step() {
+  TORCH_CHECK(graph_, "FusedAdamW: prepare_graph_step outside graph mode");
+  graph_prepare<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+      static_cast<torch::optim::AdamW&>(*this), *graph_, "FusedAdamW");
 }
 
 void FusedAdamW::set_working_copy(const at::Tensor& param, at::Tensor copy) {
@@ -238,8 +539,29 @@ void FusedAdamW::set_working_copy(const at::Tensor& param, at::Tensor copy) {
 }
 
 torch::Tensor FusedAdam::step(LossClosure closure) {
+  if (graph_ && graph_->on) {
+    TORCH_CHECK(closure == nullptr, "FusedAdam: no closure in graph mode");
+    graph_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+        static_cast<torch::optim::Adam&>(*this), *graph_, false, nullptr, "FusedAdam");
+    return torch::Tensor();
+  }
   return fused_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
       static_cast<torch::optim::Adam&>(*this), std::move(closure), false);
+}
+
+std::string FusedAdam::graph_capture_blocker() const {
+  return graph_blocker<torch::optim::AdamOptions>(
+      static_cast<const torch::optim::Adam&>(*this), "FusedAdam");
+}
+
+void FusedAdam::set_graph_mode(bool on) {
+  set_mode(graph_, on);
+}
+
+void FusedAdam::prepare_graph_step() {
+  TORCH_CHECK(graph_, "FusedAdam: prepare_graph_step outside graph mode");
+  graph_prepare<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+      static_cast<torch::optim::Adam&>(*this), *graph_, "FusedAdam");
 }
 
 } // namespace optimizer

@@ -198,6 +198,31 @@ void ShardedOptimizer::step() {
   partials_summed_ = false;
 }
 
+std::string ShardedOptimizer::sharded_graph_blocker(
+    const std::string& plugin) const {
+  if (scaler_) {
+    return plugin +
+        " with fp16: the loss scaler reads the overflow flag on the host "
+        "every step; a captured step takes precision bf16 or fp32";
+  }
+  if (options_.max_norm() > 0) {
+    return plugin +
+        "'s max_norm clips by a global norm read on the host; a captured "
+        "step takes max_norm 0";
+  }
+  if (group_ != nullptr && group_->size() > 1) {
+    return plugin + " over " + std::to_string(group_->size()) +
+        " ranks: a captured step runs at one rank (the collectives are not "
+        "captured)";
+  }
+  if (placement_ != nullptr) {
+    return plugin +
+        " with tensor or pipeline parallelism: a captured step runs at one "
+        "rank";
+  }
+  return std::string();
+}
+
 void ShardedOptimizer::zero_grad(bool set_to_none) {
   partials_summed_ = false;
   for (auto* g : groups_) {

@@ -312,6 +312,18 @@ void LowLevelZeroOptimizer::step() {
   }
 }
 
+std::string LowLevelZeroOptimizer::graph_capture_blocker() const {
+  auto why = sharded_graph_blocker("LowLevelZeroPlugin");
+  if (!why.empty()) {
+    return why;
+  }
+  if (impl_->o.cpu_offload()) {
+    return "LowLevelZeroPlugin with cpu_offload steps on the host; a "
+           "captured step keeps the masters on the device";
+  }
+  return optimizer_graph_blocker();
+}
+
 void LowLevelZeroOptimizer::after_step() {
   impl_->gather();
 }

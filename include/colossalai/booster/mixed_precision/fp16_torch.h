@@ -22,6 +22,11 @@ class TorchAMPOptimizer : public interface::OptimizerWrapper {
   void step() override;
   double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
   void clip_grad_by_value(double clip_value) override;
+  std::string graph_capture_blocker() const override {
+    return "fp16 mixed precision: the GradScaler reads whether the "
+           "gradients overflowed on the host every step; a captured step "
+           "takes mixed_precision bf16";
+  }
 
   bool last_step_skipped() const {
     return last_step_skipped_;

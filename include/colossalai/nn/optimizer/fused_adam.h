@@ -3,12 +3,40 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
+#include <memory>
+#include <string>
 #include <unordered_map>
 #include <utility>
 
 namespace colossalai {
 namespace nn {
 namespace optimizer {
+
+namespace detail {
+struct FusedGraph;
+} // namespace detail
+
+/// An optimizer whose step a CUDA graph can capture
+/// (booster::GraphedStep). A replayed graph repeats the device work it
+/// recorded with the arguments it had, so a step splits in two: the host's
+/// half (step counts, learning rate, bias corrections: written into device
+/// buffers) runs before every replay, outside the graph; the device's half
+/// (the update kernels, reading those buffers) is what the capture records.
+class GraphCapturable {
+ public:
+  virtual ~GraphCapturable() = default;
+  /// Why this optimizer's steps cannot be captured, or empty where they can.
+  virtual std::string graph_capture_blocker() const = 0;
+  /// On: step() launches only the device's half, over the tensors the
+  /// first such step finds (every parameter with a gradient, each with
+  /// state: at least one ordinary step first), and changes no host state.
+  /// Off: ordinary steps again.
+  virtual void set_graph_mode(bool on) = 0;
+  /// The host's half of the next replayed step: each step count advanced,
+  /// the groups' learning rates (a scheduler's) and the bias corrections
+  /// written for the device's half. Once per replay, after the capture.
+  virtual void prepare_graph_step() = 0;
+};
 
 /// `torch::optim::AdamW` whose step runs LibTorch's fused multi-tensor kernel
 /// (`at::_fused_adamw_`, what Python's `AdamW(fused=True)` calls): one pass
@@ -31,10 +59,14 @@ namespace optimizer {
 ///       model->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
 ///   auto boosted = booster.boost(model, opt);
 /// \endcode
-class FusedAdamW : public torch::optim::AdamW {
+class FusedAdamW : public torch::optim::AdamW, public GraphCapturable {
  public:
   using torch::optim::AdamW::AdamW;
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  std::string graph_capture_blocker() const override;
+  void set_graph_mode(bool on) override;
+  void prepare_graph_step() override;
 
   /// After each step that updates `param` (a float32 parameter of this
   /// optimizer, e.g. a master weight), `copy` (as many elements,
@@ -47,15 +79,23 @@ class FusedAdamW : public torch::optim::AdamW {
  private:
   // param's TensorImpl -> (param, copy)
   std::unordered_map<const void*, std::pair<at::Tensor, at::Tensor>> copies_;
+  std::shared_ptr<detail::FusedGraph> graph_;
 };
 
 /// `torch::optim::Adam` (L2 weight decay added to the gradient) stepped by
 /// `at::_fused_adam_`; otherwise as `FusedAdamW` (ColossalAI's `FusedAdam`
 /// with `adamw_mode=False`).
-class FusedAdam : public torch::optim::Adam {
+class FusedAdam : public torch::optim::Adam, public GraphCapturable {
  public:
   using torch::optim::Adam::Adam;
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  std::string graph_capture_blocker() const override;
+  void set_graph_mode(bool on) override;
+  void prepare_graph_step() override;
+
+ private:
+  std::shared_ptr<detail::FusedGraph> graph_;
 };
 
 } // namespace optimizer
