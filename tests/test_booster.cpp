@@ -607,6 +607,35 @@ TEST(GraphedStep, RefusesWhatItCannotCaptureByName) {
     contains(blocker(zero(bf16), false), "FusedAdamW");
     contains(blocker(zero(cp::LowLevelZeroPluginOptions(bf16).max_norm(1.0)), true), "max_norm");
     contains(blocker(zero(cp::LowLevelZeroPluginOptions(bf16).stage(2).cpu_offload(true)), true), "cpu_offload");
+    contains(blocker(std::make_shared<cp::TorchDDPPlugin>(), true), "TorchDDPPlugin");
+    // LowLevelZero's gradient hooks made again (on a capture's stream):
+    // refused while a graph holds them, and then training is unchanged,
+    // each gradient counted once.
+    {
+      auto train = [&](bool rehook) {
+        torch::manual_seed(3);
+        auto model = torch::nn::Linear(8, 4);
+        auto opt = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1));
+        cb::Booster booster(cb::BoosterOptions().plugin(zero(bf16)));
+        auto boosted = booster.boost(model, opt);
+        for (int step = 0; step < 3; ++step) {
+          torch::manual_seed(100 + step);
+          auto loss = boosted.model(torch::randn({4, 8})).pow(2).mean();
+          if (rehook && step == 1) {
+            EXPECT_THROW(boosted.optimizer->prepare_graph_stream(), c10::Error); // `loss` holds them
+          }
+          booster.backward(loss, *boosted.optimizer);
+          boosted.optimizer->step();
+          boosted.optimizer->zero_grad();
+          if (rehook && step == 1) {
+            loss = at::Tensor();
+            boosted.optimizer->prepare_graph_stream();
+          }
+        }
+        return model->weight.detach().to(at::kFloat).clone();
+      };
+      EXPECT_TRUE(torch::equal(train(true), train(false)));
+    }
     {
       auto model = torch::nn::Linear(8, 4);
       cb::mixed_precision::TorchAMPOptimizer amp(

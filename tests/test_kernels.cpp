@@ -878,6 +878,7 @@ TEST(Kernels, AdamWStepGraphEqualsAdamWStepAcrossSteps) {
     c10::optional<c10::cuda::CUDAStreamGuard> on_side;
     std::unique_ptr<at::cuda::CUDAGraph> captured;
     if (dev.is_cuda()) {
+      torch::cuda::synchronize(); // the clones, made on the default stream
       on_side.emplace(c10::cuda::getStreamFromPool());
       captured = std::make_unique<at::cuda::CUDAGraph>();
       captured->capture_begin();

@@ -10,6 +10,7 @@
 #ifdef COLOSSALAI_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -156,21 +157,46 @@ at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& inputs) {
   {
     const c10::cuda::CUDAStreamGuard stream_guard(*m.stream);
     ++m.calls;
+    if (m.calls == 1) {
+      // What the wrapper made on another stream and the step runs through
+      // (gradient hooks) is made again on this one.
+      m.optimizer->prepare_graph_stream();
+    }
     if (m.calls <= m.options.warmup()) {
       m.output = m.step(m.inputs);
     } else {
       if (!m.captured) {
+        // The plan and its buffers, before the capture (NOTE [Captured
+        // optimizer steps]).
         m.optimizer->set_graph_mode(true);
         m.graph = std::make_unique<at::cuda::CUDAGraph>();
-        m.graph->capture_begin();
+        const auto pool = at::cuda::graph_pool_handle();
+        // Thread-local: other threads' CUDA calls (a process group's
+        // watchdog) do not invalidate the capture.
+        m.graph->capture_begin(pool, cudaStreamCaptureModeThreadLocal);
         try {
           m.output = m.step(m.inputs);
         } catch (const std::exception& e) {
+          // Ends the capture and hands the pool back even where
+          // capture_end stops at the invalidated capture.
+          bool ended = true;
           try {
             m.graph->capture_end();
           } catch (...) {
+            ended = false;
+            try {
+              c10::cuda::CUDACachingAllocator::endAllocateToPool(device.index(), pool);
+            } catch (...) {
+            }
           }
-          m.graph.reset();
+          m.graph.reset(); // releases the pool of a capture that ended
+          if (!ended) {
+            try {
+              c10::cuda::CUDACachingAllocator::releasePool(device.index(), pool);
+            } catch (...) {
+            }
+          }
+          m.output = at::Tensor();
           m.optimizer->set_graph_mode(false);
           std::ostringstream os;
           os << "the step did something a CUDA graph cannot capture (a value "

@@ -106,6 +106,15 @@ bool GradBucketer::attach_hooks(
   return true;
 }
 
+bool GradBucketer::sole_owner_of_hooks() const {
+  for (const auto& acc : accumulators_) {
+    if (acc.use_count() > 1) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void GradBucketer::begin_backward() {
   if (in_backward_) {
     return;

@@ -115,6 +115,10 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   /// params[i]); returns false for the first that is not a leaf requiring
   /// grad (its index in `bad`). Call again after a parameter changed dtype.
   bool attach_hooks(const std::vector<at::Tensor>& params, size_t* bad);
+  /// Whether nothing but this bucketer holds the parameters' gradient
+  /// accumulators (no live autograd graph does): then attach_hooks makes
+  /// new ones, on the current stream.
+  bool sole_owner_of_hooks() const;
 
   /// Parameter `param`'s gradient is accumulated (what the hooks call);
   /// `used` false reports a parameter known to get none (DDP static_graph).

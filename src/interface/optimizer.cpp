@@ -63,6 +63,9 @@ void OptimizerWrapper::backward(const at::Tensor& loss, bool retain_graph) {
 }
 
 std::string OptimizerWrapper::graph_capture_blocker() const {
+  if (!graph_refusal_.empty()) {
+    return graph_refusal_;
+  }
   if (typeid(*this) != typeid(OptimizerWrapper)) {
     return "the optimizer wrapper " + c10::demangle(typeid(*this).name()) +
         " works on the host in its step; a captured step takes the "

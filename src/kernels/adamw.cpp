@@ -363,7 +363,8 @@ AdamWStepGraph::AdamWStepGraph(
     std::vector<at::Tensor> exp_avgs,
     std::vector<at::Tensor> exp_avg_sqs,
     std::vector<at::Tensor> working,
-    const AdamWStepOptions& options)
+    const AdamWStepOptions& options,
+    at::Tensor table)
     : impl_(std::make_unique<Impl>()) {
   auto& m = *impl_;
   check(
@@ -395,11 +396,41 @@ AdamWStepGraph::AdamWStepGraph(
     m.num_tensors = t.tensors.size();
     m.num_blocks = t.blocks.size();
     m.working_dtype = t.working_dtype;
-    m.table = at::empty(
-        {static_cast<int64_t>(t.bytes())},
-        m.params[0].options().dtype(at::kByte));
+    const auto bytes = static_cast<int64_t>(t.bytes());
+    TORCH_INTERNAL_ASSERT(bytes == table_bytes(m.params));
+    if (table.defined()) {
+      TORCH_CHECK(
+          table.scalar_type() == at::kByte && table.is_contiguous() &&
+              table.device() == m.params[0].device() && table.numel() >= bytes,
+          "AdamWStepGraph: the table must be a contiguous uint8 tensor of at "
+          "least ",
+          bytes,
+          " bytes on ",
+          m.params[0].device());
+      m.table = table.narrow(0, 0, bytes);
+    } else {
+      m.table = at::empty({bytes}, m.params[0].options().dtype(at::kByte));
+    }
   }
 #endif
+  (void)table;
+}
+
+int64_t AdamWStepGraph::table_bytes(at::TensorList params) {
+  int64_t bytes = 0;
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  for (const auto& p : params) {
+    const int64_t numel = p.numel();
+    if (numel > 0) {
+      const int64_t chunks = (numel + cuda::kAdamWChunk - 1) / cuda::kAdamWChunk;
+      bytes += static_cast<int64_t>(sizeof(cuda::AdamWTensor)) +
+          chunks * static_cast<int64_t>(sizeof(cuda::AdamWBlock));
+    }
+  }
+#else
+  (void)params;
+#endif
+  return bytes;
 }
 
 AdamWStepGraph::~AdamWStepGraph() = default;

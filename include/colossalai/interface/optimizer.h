@@ -54,6 +54,16 @@ class OptimizerWrapper {
   /// The host's half of the next replayed step
   /// (GraphCapturable::prepare_graph_step).
   virtual void prepare_graph_step();
+  /// Called on the capture's stream before the first warm-up step: what
+  /// the wrapper made on another stream and the captured step runs
+  /// through is made again on this one (LowLevelZero's gradient hooks,
+  /// whose accumulator nodes run on the stream they were made on).
+  virtual void prepare_graph_stream() {}
+  /// Makes graph_capture_blocker() say `why` (a plugin that leaves this
+  /// wrapper as it is but communicates in the model's backward).
+  void refuse_graph_capture(std::string why) {
+    graph_refusal_ = std::move(why);
+  }
 
   std::vector<torch::optim::OptimizerParamGroup>& param_groups() {
     return optim_->param_groups();
@@ -74,6 +84,9 @@ class OptimizerWrapper {
   std::string optimizer_graph_blocker() const;
 
   std::shared_ptr<torch::optim::Optimizer> optim_;
+
+ private:
+  std::string graph_refusal_;
 };
 
 /// The one global-gradient-norm rule of every optimizer wrapper: each

@@ -94,13 +94,22 @@ bool adamw_step_fused_applies(
 /// \endcode
 class AdamWStepGraph {
  public:
+  /// `table`: device memory of at least table_bytes(params) bytes for the
+  /// scalars the host rewrites, allocated before the capture (memory a
+  /// capture allocates may be handed to another of its kernels, which a
+  /// replay would then write over the host's values); undefined: allocated
+  /// here, for use outside a capture.
   AdamWStepGraph(
       std::vector<at::Tensor> params,
       std::vector<at::Tensor> grads,
       std::vector<at::Tensor> exp_avgs,
       std::vector<at::Tensor> exp_avg_sqs,
       std::vector<at::Tensor> working,
-      const AdamWStepOptions& options);
+      const AdamWStepOptions& options,
+      at::Tensor table = at::Tensor());
+  /// Bytes of the device table for these parameters (0 in builds without
+  /// the CUDA kernels).
+  static int64_t table_bytes(at::TensorList params);
   ~AdamWStepGraph();
   AdamWStepGraph(const AdamWStepGraph&) = delete;
   AdamWStepGraph& operator=(const AdamWStepGraph&) = delete;

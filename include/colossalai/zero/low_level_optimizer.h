@@ -84,6 +84,10 @@ class LowLevelZeroOptimizer : public ShardedOptimizer {
   /// Capturable at one rank, without fp16, clipping or cpu_offload, over
   /// FusedAdamW or FusedAdam (booster::GraphedStep).
   std::string graph_capture_blocker() const override;
+  /// Makes the gradient hooks again on the current stream (their
+  /// accumulator nodes run where they were made: at boost, the default
+  /// stream, which a capture on another stream cannot include).
+  void prepare_graph_stream() override;
 
   /// Gradient synchronization on/off (no_sync, stage 1 only).
   void set_require_sync(bool require);

@@ -152,7 +152,13 @@ TorchDDPPlugin::TorchDDPPlugin(TorchDDPPluginOptions options)
 
 void TorchDDPPlugin::configure(
     std::shared_ptr<interface::ModelWrapper>& model,
-    std::shared_ptr<interface::OptimizerWrapper>& /*optimizer*/) {
+    std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
+  if (optimizer) {
+    optimizer->refuse_graph_capture(
+        "TorchDDPPlugin all-reduces gradients in the model's backward, "
+        "which a captured step does not capture; a captured step takes the "
+        "booster without a plugin or LowLevelZeroPlugin at one rank");
+  }
   if (!model) {
     return;
   }

@@ -219,13 +219,19 @@ namespace detail {
 // tensors of one device and dtype, as an ordinary step buckets them), with
 // the device buffers its launch reads and the host rewrites before each
 // replay: the kernel's table (masters with copies on a GPU), or ATen's step
-// counts and learning rate.
+// counts and learning rate. set_graph_mode(true) plans the calls from the
+// parameters with state and allocates those buffers, before the capture:
+// memory a capture allocates may be handed to another of its kernels,
+// which would write over the host's values at every replay. The first step
+// in graph mode binds the gradients the captured backward made.
 struct FusedGraph {
   struct Call {
     size_t group = 0;
-    Bucket tensors;
+    Bucket tensors; // grads bound by the first step in graph mode
     std::vector<at::Tensor> working;
+    bool use_kernel = false; // kernels::AdamWStepGraph, else ATen's kernel
     std::unique_ptr<kernels::AdamWStepGraph> kernel;
+    at::Tensor table; // the kernel's scalars
     at::Tensor steps; // float32 [n]: each tensor's step count
     at::Tensor lr;    // float32 []: the group's learning rate
     // The captured launch's arguments (ATen's kernel takes them by value).
@@ -233,7 +239,8 @@ struct FusedGraph {
     bool amsgrad = false, decoupled = true;
   };
   bool on = false;
-  std::vector<Call> calls; // empty until the first step in graph mode
+  bool bound = false;
+  std::vector<Call> calls;
 };
 
 } // namespace detail
@@ -241,7 +248,7 @@ struct FusedGraph {
 namespace {
 
 // Why `opt`'s steps cannot be captured; empty where they can.
-template <class Options, class Base>
+template <class Base>
 std::string graph_blocker(const Base& opt, const char* name) {
   if (!COLOSSALAI_TORCH_AT_LEAST(2, 2)) {
     return std::string(name) +
@@ -264,46 +271,38 @@ std::string graph_blocker(const Base& opt, const char* name) {
   return std::string();
 }
 
-// The calls every replayed step repeats: the tensors an ordinary step would
-// update now, bucketed as it buckets them. Launches nothing.
+template <class State, class Base>
+State* state_of(Base& opt, const at::Tensor& p) {
+  auto& state = opt.state();
+  auto found = state.find(
+      compat::optimizer_state_key<std::remove_reference_t<decltype(state)>>(p));
+  return found == state.end() ? nullptr : static_cast<State*>(found->second.get());
+}
+
+// The calls of every captured step: each parameter with state (those an
+// ordinary step has updated), bucketed as an ordinary step buckets them,
+// with the buffers their launches read. Launches nothing.
 template <class Options, class State, class Base>
-void graph_build(
+void graph_plan(
     Base& opt,
     detail::FusedGraph& graph,
     bool decoupled,
-    const Copies* copies,
-    const char* name) {
-  TORCH_CHECK(
-      fusable(opt.param_groups()),
-      name,
-      ": a gradient cannot take the fused kernel (sparse, strided, another "
-      "dtype or device than its parameter), so this step cannot be captured");
-  auto& state = opt.state();
+    const Copies* copies) {
   auto& groups = opt.param_groups();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const auto& o = static_cast<const Options&>(groups[gi].options());
     std::map<std::pair<std::string, at::ScalarType>, Bucket> buckets;
     for (auto& p : groups[gi].params()) {
-      if (!p.grad().defined()) {
+      const auto* s = state_of<State>(opt, p);
+      if (s == nullptr) {
         continue;
       }
-      auto found = state.find(
-          compat::optimizer_state_key<std::remove_reference_t<decltype(state)>>(p));
-      TORCH_CHECK(
-          found != state.end(),
-          name,
-          ": a parameter (shape ",
-          p.sizes(),
-          ") has a gradient but no optimizer state yet; run an ordinary step "
-          "first (GraphedStep's warm-up steps do)");
-      auto& s = static_cast<State&>(*found->second);
       auto& b = buckets[{p.device().str(), p.scalar_type()}];
       b.params.push_back(p);
-      b.grads.push_back(p.grad());
-      b.exp_avgs.push_back(s.exp_avg());
-      b.exp_avg_sqs.push_back(s.exp_avg_sq());
+      b.exp_avgs.push_back(s->exp_avg());
+      b.exp_avg_sqs.push_back(s->exp_avg_sq());
       if (o.amsgrad()) {
-        b.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
+        b.max_exp_avg_sqs.push_back(s->max_exp_avg_sq());
       }
     }
     for (auto& entry : buckets) {
@@ -322,27 +321,18 @@ void graph_build(
       call.beta2 = std::get<1>(o.betas());
       call.weight_decay = o.weight_decay();
       call.eps = o.eps();
-      // The same choice as an ordinary step's, so both update alike.
-      if (any_copy && decoupled && !o.amsgrad() &&
+      // The same choice as an ordinary step's (whose gradients share their
+      // parameters' device), so both update alike.
+      call.use_kernel = any_copy && decoupled && !o.amsgrad() &&
           where.second == at::kFloat && one_dtype(call.working) &&
-          kernels::adamw_step_fused_applies(b.params, b.grads, call.working)) {
-        call.kernel = std::make_unique<kernels::AdamWStepGraph>(
-            b.params,
-            b.grads,
-            b.exp_avgs,
-            b.exp_avg_sqs,
-            call.working,
-            kernels::AdamWStepOptions()
-                .lr(o.lr())
-                .beta1(call.beta1)
-                .beta2(call.beta2)
-                .eps(o.eps())
-                .weight_decay(o.weight_decay()));
+          kernels::adamw_step_fused_applies(b.params, {}, call.working);
+      const auto device = b.params.front().device();
+      if (call.use_kernel) {
+        call.table = at::empty(
+            {kernels::AdamWStepGraph::table_bytes(b.params)},
+            at::TensorOptions().dtype(at::kByte).device(device));
       } else {
-        const auto f32 = at::TensorOptions().dtype(at::kFloat).device(
-            b.params.front().device());
-        // Written before each replay: a fill here would be captured too,
-        // and undo that write at every replay.
+        const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
         call.steps = at::empty({static_cast<int64_t>(b.params.size())}, f32);
         call.lr = at::empty({}, f32);
       }
@@ -350,6 +340,64 @@ void graph_build(
       graph.calls.push_back(std::move(call));
     }
   }
+}
+
+// The first step in graph mode: the gradients of the planned parameters,
+// exactly those (a captured step updates a fixed set).
+template <class Base>
+void graph_bind(Base& opt, detail::FusedGraph& graph, const char* name) {
+  TORCH_CHECK(
+      fusable(opt.param_groups()),
+      name,
+      ": a gradient cannot take the fused kernel (sparse, strided, another "
+      "dtype or device than its parameter), so this step cannot be captured");
+  std::unordered_map<const void*, bool> planned;
+  for (const auto& call : graph.calls) {
+    for (const auto& p : call.tensors.params) {
+      planned.emplace(p.unsafeGetTensorImpl(), true);
+    }
+  }
+  for (const auto& group : opt.param_groups()) {
+    for (const auto& p : group.params()) {
+      TORCH_CHECK(
+          !p.grad().defined() || planned.count(p.unsafeGetTensorImpl()),
+          name,
+          ": a parameter (shape ",
+          p.sizes(),
+          ") has a gradient but had no optimizer state when graph mode began; "
+          "run ordinary steps until every trained parameter has state "
+          "(GraphedStep's warm-up steps do)");
+    }
+  }
+  for (auto& call : graph.calls) {
+    auto& b = call.tensors;
+    b.grads.clear();
+    for (const auto& p : b.params) {
+      TORCH_CHECK(
+          p.grad().defined(),
+          name,
+          ": a parameter (shape ",
+          p.sizes(),
+          ") with optimizer state has no gradient in the captured step; a "
+          "captured step updates the same parameters every time");
+      b.grads.push_back(p.grad());
+    }
+    if (call.use_kernel) {
+      call.kernel = std::make_unique<kernels::AdamWStepGraph>(
+          b.params,
+          b.grads,
+          b.exp_avgs,
+          b.exp_avg_sqs,
+          call.working,
+          kernels::AdamWStepOptions()
+              .beta1(call.beta1)
+              .beta2(call.beta2)
+              .eps(call.eps)
+              .weight_decay(call.weight_decay),
+          call.table);
+    }
+  }
+  graph.bound = true;
 }
 
 // The device's half: what a capture records and a replay repeats.
@@ -387,14 +435,10 @@ void graph_launch(detail::FusedGraph& graph) {
 template <class Options, class State, class Base>
 void graph_prepare(Base& opt, detail::FusedGraph& graph, const char* name) {
   TORCH_CHECK(
-      graph.on && !graph.calls.empty(),
+      graph.on && graph.bound,
       name,
       ": prepare_graph_step needs graph mode and a captured step");
-  auto& state = opt.state();
   auto& groups = opt.param_groups();
-  auto key = [&](const at::Tensor& p) {
-    return compat::optimizer_state_key<std::remove_reference_t<decltype(state)>>(p);
-  };
   for (const auto& call : graph.calls) {
     TORCH_CHECK(
         call.group < groups.size(),
@@ -411,21 +455,27 @@ void graph_prepare(Base& opt, detail::FusedGraph& graph, const char* name) {
         call.kernel ? "" : " and weight_decay",
         " are the captured launch's arguments; changing them needs a new "
         "capture (the learning rate may change)");
-    for (const auto& p : call.tensors.params) {
+    const auto& b = call.tensors;
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      const auto* s = state_of<State>(opt, b.params[i]);
+      // A state loaded after the capture holds other tensors than the
+      // ones the graph updates.
       TORCH_CHECK(
-          state.find(key(p)) != state.end(),
+          s != nullptr && s->exp_avg().is_same(b.exp_avgs[i]) &&
+              s->exp_avg_sq().is_same(b.exp_avg_sqs[i]) &&
+              (!call.amsgrad || s->max_exp_avg_sq().is_same(b.max_exp_avg_sqs[i])),
           name,
-          ": a captured parameter's state is gone (a state dict loaded after "
-          "the capture needs a new capture)");
+          ": a captured parameter's state was replaced after the capture (a "
+          "state dict loaded, say); that needs a new capture");
     }
   }
   for (auto& call : graph.calls) {
     const auto& o = static_cast<const Options&>(groups[call.group].options());
     std::vector<int64_t> steps;
     for (const auto& p : call.tensors.params) {
-      auto& s = static_cast<State&>(*state.find(key(p))->second);
-      s.step(s.step() + 1);
-      steps.push_back(s.step());
+      auto* s = state_of<State>(opt, p);
+      s->step(s->step() + 1);
+      steps.push_back(s->step());
     }
     if (call.kernel) {
       call.kernel->upload(
@@ -443,28 +493,25 @@ void graph_prepare(Base& opt, detail::FusedGraph& graph, const char* name) {
           return s == steps.front();
         })) {
       call.steps.fill_(static_cast<double>(steps.front()));
-    } else {
-      call.steps.copy_(at::tensor(std::vector<float>(steps.begin(), steps.end())));
+    } else { // from pinned memory: no wait on the host
+      auto host = at::tensor(std::vector<float>(steps.begin(), steps.end()));
+      call.steps.copy_(
+          call.steps.is_cuda() ? host.pin_memory() : host, /*non_blocking=*/true);
     }
   }
 }
 
-// A step in graph mode. The first one finds the tensors; outside a capture
-// it is an ordinary step (its scalars written as prepare_graph_step writes
-// them), inside one nothing runs, so nothing advances. Later ones launch
-// the device's half with the scalars of the last prepare_graph_step: what
-// a replay does.
+// A step in graph mode. The first one binds the gradients; outside a
+// capture it is an ordinary step (its scalars written as
+// prepare_graph_step writes them), inside one nothing runs, so nothing
+// advances. Later ones launch the device's half with the scalars of the
+// last prepare_graph_step: what a replay does.
 template <class Options, class State, class Base>
-void graph_step(
-    Base& opt,
-    detail::FusedGraph& graph,
-    bool decoupled,
-    const Copies* copies,
-    const char* name) {
-  if (graph.calls.empty()) {
-    graph_build<Options, State>(opt, graph, decoupled, copies, name);
+void graph_step(Base& opt, detail::FusedGraph& graph, const char* name) {
+  if (!graph.bound) {
+    graph_bind(opt, graph, name);
     if (graph.calls.empty()) {
-      return; // no gradients: nothing to step
+      return; // no state, no gradients: nothing to step
     }
     if (!compat::stream_capturing(graph.calls.front().tensors.params.front().device())) {
       graph_prepare<Options, State>(opt, graph, name);
@@ -473,12 +520,18 @@ void graph_step(
   graph_launch(graph);
 }
 
-void set_mode(std::shared_ptr<detail::FusedGraph>& graph, bool on) {
-  if (!graph) {
-    graph = std::make_shared<detail::FusedGraph>();
-  }
+template <class Options, class State, class Base>
+void set_mode(
+    Base& opt,
+    std::shared_ptr<detail::FusedGraph>& graph,
+    bool on,
+    bool decoupled,
+    const Copies* copies) {
+  graph = std::make_shared<detail::FusedGraph>(); // a new plan each time
   graph->on = on;
-  graph->calls.clear(); // the next capture finds its tensors again
+  if (on) {
+    graph_plan<Options, State>(opt, *graph, decoupled, copies);
+  }
 }
 
 } // namespace
@@ -487,7 +540,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   if (graph_ && graph_->on) {
     TORCH_CHECK(closure == nullptr, "FusedAdamW: no closure in graph mode");
     graph_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-        static_cast<torch::optim::AdamW&>(*this), *graph_, true, &copies_, "FusedAdamW");
+        static_cast<torch::optim::AdamW&>(*this), *graph_, "FusedAdamW");
     return torch::Tensor();
   }
   return fused_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
@@ -498,12 +551,13 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 }
 
 std::string FusedAdamW::graph_capture_blocker() const {
-  return graph_blocker<torch::optim::AdamWOptions>(
+  return graph_blocker(
       static_cast<const torch::optim::AdamW&>(*this), "FusedAdamW");
 }
 
 void FusedAdamW::set_graph_mode(bool on) {
-  set_mode(graph_, on);
+  set_mode<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+      static_cast<torch::optim::AdamW&>(*this), graph_, on, true, &copies_);
 }
 
 void FusedAdamW::prepare_graph_step() {
@@ -542,7 +596,7 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
   if (graph_ && graph_->on) {
     TORCH_CHECK(closure == nullptr, "FusedAdam: no closure in graph mode");
     graph_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-        static_cast<torch::optim::Adam&>(*this), *graph_, false, nullptr, "FusedAdam");
+        static_cast<torch::optim::Adam&>(*this), *graph_, "FusedAdam");
     return torch::Tensor();
   }
   return fused_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
@@ -550,12 +604,13 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
 }
 
 std::string FusedAdam::graph_capture_blocker() const {
-  return graph_blocker<torch::optim::AdamOptions>(
+  return graph_blocker(
       static_cast<const torch::optim::Adam&>(*this), "FusedAdam");
 }
 
 void FusedAdam::set_graph_mode(bool on) {
-  set_mode(graph_, on);
+  set_mode<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+      static_cast<torch::optim::Adam&>(*this), graph_, on, false, nullptr);
 }
 
 void FusedAdam::prepare_graph_step() {

@@ -324,6 +324,23 @@ std::string LowLevelZeroOptimizer::graph_capture_blocker() const {
   return optimizer_graph_blocker();
 }
 
+void LowLevelZeroOptimizer::prepare_graph_stream() {
+  TORCH_CHECK(
+      impl_->bucketer->sole_owner_of_hooks(),
+      "LowLevelZeroPlugin: an autograd graph still holds the parameters' "
+      "gradient accumulators (a loss kept from an earlier step?); release it "
+      "before the first captured-step call, whose stream the accumulators "
+      "must be made on");
+  // attach_hooks drops the old accumulators first: the parameters' weak
+  // references expire and new ones are made, on the current stream.
+  size_t bad = 0;
+  TORCH_CHECK(
+      impl_->bucketer->attach_hooks(impl_->working, &bad),
+      "LowLevelZeroPlugin: parameter ",
+      bad,
+      " is not a leaf that requires grad");
+}
+
 void LowLevelZeroOptimizer::after_step() {
   impl_->gather();
 }
