@@ -685,3 +685,58 @@ TEST(GraphedStep, RefusesWhatItCannotCaptureByName) {
         "2 ranks");
   });
 }
+
+// LowLevelZero stage 1 in bf16 at one rank over FusedAdamW in graph mode,
+// stepped as GraphedStep's replays step it (prepare_graph_step, then the
+// device's half) but with the host logic around it run each time, as the
+// CPU has no graphs: the plan over the shard pieces, the gradients bound
+// to the flat gradient shard's views and the bf16 working copies written
+// by the step equal ordinary training bit for bit, with the learning rate
+// halving (powers of two: exact in float32).
+TEST(GraphedStep, LowLevelZeroGraphModeEqualsOrdinarySteps) {
+  if (!(colossalai::compat::has_fused_adam(at::kCPU) && COLOSSALAI_TORCH_AT_LEAST(2, 2))) {
+    GTEST_SKIP() << "no fused Adam on the CPU in this LibTorch";
+  }
+  namespace cp = colossalai::booster::plugin;
+  colossalai::testing::run_distributed(1, [](int, int) {
+    auto train = [](bool graph_mode) {
+      torch::manual_seed(5);
+      auto model = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::Tanh(), torch::nn::Linear(32, 4));
+      auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+          model->parameters(), torch::optim::AdamWOptions(std::ldexp(1.0, -6)).weight_decay(0.125));
+      cb::Booster booster(cb::BoosterOptions().plugin(std::make_shared<cp::LowLevelZeroPlugin>(
+          cp::LowLevelZeroPluginOptions().stage(1).precision("bf16"))));
+      auto boosted = booster.boost(model, opt);
+      EXPECT_EQ(boosted.optimizer->graph_capture_blocker(), "");
+      for (int step = 0; step < 6; ++step) {
+        if (graph_mode && step == 2) {
+          boosted.optimizer->set_graph_mode(true);
+        } else if (graph_mode && step > 2) {
+          boosted.optimizer->prepare_graph_step();
+        }
+        torch::manual_seed(200 + step);
+        boosted.optimizer->zero_grad();
+        auto loss = boosted.model(torch::randn({8, 16})).pow(2).mean();
+        booster.backward(loss, *boosted.optimizer);
+        boosted.optimizer->step();
+        for (auto& g : boosted.optimizer->param_groups()) {
+          g.options().set_lr(g.options().get_lr() / 2);
+        }
+      }
+      std::vector<at::Tensor> out;
+      for (const auto& p : model->parameters()) {
+        out.push_back(p.detach().to(at::kFloat).clone());
+      }
+      for (const auto& kv : opt->state()) {
+        EXPECT_EQ(static_cast<const torch::optim::AdamWParamState&>(*kv.second).step(), 6);
+      }
+      return out;
+    };
+    const auto graphed = train(true);
+    const auto ordinary = train(false);
+    ASSERT_EQ(graphed.size(), ordinary.size());
+    for (size_t i = 0; i < graphed.size(); ++i) {
+      EXPECT_TRUE(torch::equal(graphed[i], ordinary[i])) << "parameter " << i;
+    }
+  });
+}

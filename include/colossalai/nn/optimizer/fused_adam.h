@@ -27,9 +27,11 @@ class GraphCapturable {
   virtual ~GraphCapturable() = default;
   /// Why this optimizer's steps cannot be captured, or empty where they can.
   virtual std::string graph_capture_blocker() const = 0;
-  /// On: step() launches only the device's half, over the tensors the
-  /// first such step finds (every parameter with a gradient, each with
-  /// state: at least one ordinary step first), and changes no host state.
+  /// On: plans the captured step over the parameters that have state (at
+  /// least one ordinary step first) and makes its device buffers, outside
+  /// any capture. From then on step() launches only the device's half; the
+  /// first such step takes the gradients (every planned parameter must
+  /// have one, no other may) and, outside a capture, is an ordinary step.
   /// Off: ordinary steps again.
   virtual void set_graph_mode(bool on) = 0;
   /// The host's half of the next replayed step: each step count advanced,
