@@ -28,7 +28,7 @@ def main():
     order = ["ours", "ours_fused_adamw", "ours_fused", "ours_hybrid_adam",
              "ours_zero1_bf16_logits", "ours_zero1_bf16", "ours_zero1_bf16_recompute", "ours_zero1_bf16_graph", "torch", "torch_fused",
              "torch_compile", "torch_loop", "llama_ours", "llama_ours_fused_adamw",
-             "llama_ours_fused", "llama_ours_fused_recompute", "llama_ours_zero1_bf16", "llama_ours_zero1_bf16_graph", "llama_torch_fused",
+             "llama_ours_fused", "llama_ours_fused_recompute", "llama_ours_fused_graph", "llama_ours_zero1_bf16", "llama_torch_fused",
              "llama_torch_compile"]
     found = sorted({re.sub(r"_[0-9]+\.json$", "", os.path.basename(p))
                     for p in glob.glob(os.path.join(folder, "*_[0-9]*.json"))},

@@ -4,6 +4,7 @@
 
 #include <colossalai/amp/grad_scaler.h>
 #include <colossalai/booster/booster.h>
+#include <colossalai/booster/graphed_step.h>
 #include <colossalai/booster/mixed_precision/bf16.h>
 #include <colossalai/booster/mixed_precision/fp16_torch.h>
 #include <colossalai/booster/plugin/gemini_plugin.h>
