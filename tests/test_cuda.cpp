@@ -513,7 +513,8 @@ TEST(Cuda, GraphedStepRefusesHostReadsAndNewShapes) {
         auto batch = [](int64_t t) {
           auto b = zoo::random_tokens(2, tiny(), 7);
           return std::vector<at::Tensor>{
-              b.first.narrow(1, 0, t).cuda(), b.second.narrow(1, 0, t).cuda()};
+              b.first.narrow(1, 0, t).contiguous().cuda(),
+              b.second.narrow(1, 0, t).contiguous().cuda()};
         };
         auto expect_error = [](const std::function<void()>& f, const std::string& part) {
           try {
