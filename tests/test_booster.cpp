@@ -605,7 +605,8 @@ TEST(GraphedStep, RefusesWhatItCannotCaptureByName) {
     EXPECT_EQ(blocker(zero(bf16), true), fused_why);
     contains(blocker(nullptr, false), "FusedAdamW");
     contains(blocker(zero(bf16), false), "FusedAdamW");
-    contains(blocker(zero(cp::LowLevelZeroPluginOptions(bf16).max_norm(1.0)), true), "max_norm");
+    // max_norm at one rank clips on the device: captured.
+    EXPECT_EQ(blocker(zero(cp::LowLevelZeroPluginOptions(bf16).max_norm(1.0)), true), fused_why);
     contains(blocker(zero(cp::LowLevelZeroPluginOptions(bf16).stage(2).cpu_offload(true)), true), "cpu_offload");
     contains(blocker(std::make_shared<cp::TorchDDPPlugin>(), true), "TorchDDPPlugin");
     // LowLevelZero's gradient hooks made again (on a capture's stream):
@@ -690,9 +691,10 @@ TEST(GraphedStep, RefusesWhatItCannotCaptureByName) {
 // stepped as GraphedStep's replays step it (prepare_graph_step, then the
 // device's half) but with the host logic around it run each time, as the
 // CPU has no graphs: the plan over the shard pieces, the gradients bound
-// to the flat gradient shard's views and the bf16 working copies written
-// by the step equal ordinary training bit for bit, with the learning rate
-// halving (powers of two: exact in float32).
+// to the flat gradient shard's views, max_norm's clipping on the device and
+// the bf16 working copies written by the step equal ordinary training bit
+// for bit, with the learning rate halving (powers of two: exact in
+// float32).
 TEST(GraphedStep, LowLevelZeroGraphModeEqualsOrdinarySteps) {
   if (!(colossalai::compat::has_fused_adam(at::kCPU) && COLOSSALAI_TORCH_AT_LEAST(2, 2))) {
     GTEST_SKIP() << "no fused Adam on the CPU in this LibTorch";
@@ -704,8 +706,9 @@ TEST(GraphedStep, LowLevelZeroGraphModeEqualsOrdinarySteps) {
       auto model = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::Tanh(), torch::nn::Linear(32, 4));
       auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
           model->parameters(), torch::optim::AdamWOptions(std::ldexp(1.0, -6)).weight_decay(0.125));
+      // max_norm binds (gradients of a few units): clipped on the device.
       cb::Booster booster(cb::BoosterOptions().plugin(std::make_shared<cp::LowLevelZeroPlugin>(
-          cp::LowLevelZeroPluginOptions().stage(1).precision("bf16"))));
+          cp::LowLevelZeroPluginOptions().stage(1).precision("bf16").max_norm(0.05))));
       auto boosted = booster.boost(model, opt);
       EXPECT_EQ(boosted.optimizer->graph_capture_blocker(), "");
       for (int step = 0; step < 6; ++step) {
@@ -737,6 +740,49 @@ TEST(GraphedStep, LowLevelZeroGraphModeEqualsOrdinarySteps) {
     ASSERT_EQ(graphed.size(), ordinary.size());
     for (size_t i = 0; i < graphed.size(); ++i) {
       EXPECT_TRUE(torch::equal(graphed[i], ordinary[i])) << "parameter " << i;
+    }
+  });
+}
+
+// LowLevelZero's max_norm at one rank clips on the gradients' device with
+// torch.nn.utils.clip_grad_norm_'s arithmetic (float32 coefficient, clamped
+// to 1): after 3 SGD steps whose clip binds, the weights equal a plain
+// model clipped by clip_grad_norm_ within float32 rounding (the norm of the
+// flat shard against the norm of per-parameter norms: a few ulps).
+TEST(ShardedOptimizer, OneRankMaxNormIsTorchsClipGradNorm) {
+  namespace cp = colossalai::booster::plugin;
+  colossalai::testing::run_distributed(1, [](int, int) {
+    auto make = [] {
+      torch::manual_seed(9);
+      return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::Tanh(), torch::nn::Linear(32, 4));
+    };
+    auto batch = [](int step) {
+      torch::manual_seed(300 + step);
+      return torch::randn({8, 16});
+    };
+    auto plain = make();
+    torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(0.5));
+    auto model = make();
+    auto opt = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.5));
+    cb::Booster booster(cb::BoosterOptions().plugin(std::make_shared<cp::LowLevelZeroPlugin>(
+        cp::LowLevelZeroPluginOptions().stage(2).precision("fp32").max_norm(0.05))));
+    auto boosted = booster.boost(model, opt);
+    for (int step = 0; step < 3; ++step) {
+      plain_opt.zero_grad();
+      auto loss = plain->forward(batch(step)).pow(2).mean() * 100;
+      loss.backward();
+      const double norm = torch::nn::utils::clip_grad_norm_(plain->parameters(), 0.05);
+      EXPECT_GT(norm, 0.05); // the clip binds
+      plain_opt.step();
+      boosted.optimizer->zero_grad();
+      booster.backward(boosted.model(batch(step)).pow(2).mean() * 100, *boosted.optimizer);
+      boosted.optimizer->step();
+    }
+    const auto a = plain->parameters();
+    const auto b = model->parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(at::allclose(a[i], b[i], 1e-5, 1e-6))
+          << "parameter " << i << " differs by " << (a[i] - b[i]).abs().max().item<double>();
     }
   });
 }

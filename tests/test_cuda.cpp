@@ -403,9 +403,11 @@ StepRecord graph_run(const std::string& plugin, bool graphed) {
       model->parameters(),
       torch::optim::AdamWOptions(std::ldexp(1.0, -10)).weight_decay(0.0625));
   auto options = cb::BoosterOptions().device("cuda");
-  if (plugin == "zero1") {
+  if (plugin == "zero1" || plugin == "zero1_clip") {
+    // zero1_clip: max_norm clips on the device (captured with the step).
     options.plugin(std::make_shared<cb::plugin::LowLevelZeroPlugin>(
-        cb::plugin::LowLevelZeroPluginOptions().stage(1).precision("bf16")));
+        cb::plugin::LowLevelZeroPluginOptions().stage(1).precision("bf16").max_norm(
+            plugin == "zero1_clip" ? 0.25 : 0.0)));
   } else {
     options.mixed_precision("bf16");
   }
@@ -449,7 +451,8 @@ StepRecord graph_run(const std::string& plugin, bool graphed) {
 // deterministic algorithms: the replays run the kernels the eager step
 // runs, with the scalars (step counts, the scheduled learning rate)
 // rewritten between replays. Without plugin (ATen's fused AdamW) and with
-// LowLevelZero at one rank (our AdamW kernel writing the bf16 weights).
+// LowLevelZero at one rank (our AdamW kernel writing the bf16 weights),
+// with and without max_norm's clipping on the device.
 TEST(Cuda, GraphedStepEqualsEagerSteps) {
   SKIP_WITHOUT_CUDA(1);
   run_distributed(
@@ -459,7 +462,7 @@ TEST(Cuda, GraphedStepEqualsEagerSteps) {
         // workspace configuration.
         setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
         at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
-        for (const std::string plugin : {"none", "zero1"}) {
+        for (const std::string plugin : {"none", "zero1", "zero1_clip"}) {
           SCOPED_TRACE(plugin);
           const auto eager = graph_run(plugin, false);
           const auto graphed = graph_run(plugin, true);

@@ -127,18 +127,13 @@ double total_norm(
       tensors, norm_type, std::vector<const distributed::ProcessGroup*>{group});
 }
 
-double total_norm(
+namespace {
+
+// Each defined, non-empty tensor's norm in float32, on its device.
+std::vector<at::Tensor> norms_of(
     const std::vector<at::Tensor>& tensors,
-    double norm_type,
-    const std::vector<const distributed::ProcessGroup*>& groups) {
+    double norm_type) {
   const bool inf = std::isinf(norm_type);
-  for (const auto& g : tensors) {
-    TORCH_CHECK(
-        !g.defined() || !compat::stream_capturing(g.device()),
-        "the global gradient norm (clip_grad_by_norm, max_norm) is read back "
-        "to the host, which a CUDA graph cannot capture; clip outside the "
-        "captured step or not at all");
-  }
   std::vector<at::Tensor> norms;
   for (const auto& g : tensors) {
     if (g.defined() && g.numel() > 0) {
@@ -147,14 +142,45 @@ double total_norm(
               : g.to(at::kFloat).norm(norm_type));
     }
   }
+  return norms;
+}
+
+} // namespace
+
+at::Tensor total_norm_tensor(
+    const std::vector<at::Tensor>& tensors,
+    double norm_type) {
+  auto norms = norms_of(tensors, norm_type);
+  if (norms.empty()) {
+    for (const auto& t : tensors) {
+      if (t.defined()) {
+        return at::zeros({}, t.options().dtype(at::kFloat));
+      }
+    }
+    return at::zeros({}, at::kFloat);
+  }
+  auto all = stack_on_one_device(norms);
+  return std::isinf(norm_type) ? all.max() : all.norm(norm_type);
+}
+
+double total_norm(
+    const std::vector<at::Tensor>& tensors,
+    double norm_type,
+    const std::vector<const distributed::ProcessGroup*>& groups) {
+  const bool inf = std::isinf(norm_type);
+  for (const auto& g : tensors) {
+    TORCH_CHECK(
+        !g.defined() || !compat::stream_capturing(g.device()),
+        "the global gradient norm (clip_grad_by_norm) is read back to the "
+        "host, which a CUDA graph cannot capture; clip with "
+        "LowLevelZeroPlugin's max_norm at one rank (on the device) or "
+        "outside the captured step");
+  }
   if (groups.empty()) {
     // One host sync for the whole model, as torch.nn.utils does.
-    if (norms.empty()) {
-      return 0.0;
-    }
-    auto all = stack_on_one_device(norms);
-    return (inf ? all.max() : all.norm(norm_type)).item<double>();
+    return total_norm_tensor(tensors, norm_type).item<double>();
   }
+  const auto norms = norms_of(tensors, norm_type);
   at::Tensor local;
   if (norms.empty()) {
     local = at::zeros({1}, at::kDouble);

@@ -106,6 +106,12 @@ double total_norm(
     const std::vector<at::Tensor>& tensors,
     double norm_type,
     const std::vector<const distributed::ProcessGroup*>& groups);
+/// total_norm of the whole model's `tensors` without reading it back: a
+/// float32 scalar on the first tensor's device (0 for none), so a step
+/// captured in a CUDA graph may clip by it.
+at::Tensor total_norm_tensor(
+    const std::vector<at::Tensor>& tensors,
+    double norm_type);
 /// total_norm of the parameters' gradients.
 double grad_norm(const std::vector<at::Tensor>& params, double norm_type);
 void scale_grads(const std::vector<at::Tensor>& params, double factor);

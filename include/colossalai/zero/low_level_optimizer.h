@@ -81,8 +81,8 @@ class LowLevelZeroOptimizer : public ShardedOptimizer {
 
   /// Steps, then clears the gradient shards (as ColossalAI does).
   void step() override;
-  /// Capturable at one rank, without fp16, clipping or cpu_offload, over
-  /// FusedAdamW or FusedAdam (booster::GraphedStep).
+  /// Capturable at one rank, without fp16 or cpu_offload, over FusedAdamW
+  /// or FusedAdam (booster::GraphedStep); max_norm clips on the device.
   std::string graph_capture_blocker() const override;
   /// Makes the gradient hooks again on the current stream (their
   /// accumulator nodes run where they were made: at boost, the default

@@ -110,8 +110,8 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   virtual void zero_extra_grads(bool set_to_none) {}
 
   /// Why `plugin`'s step cannot be captured in a CUDA graph for what this
-  /// class does on the host (loss scaling, clipping, ranks, placement), or
-  /// empty.
+  /// class does on the host (loss scaling, ranks, placement), or empty.
+  /// max_norm clips on the device at one rank.
   std::string sharded_graph_blocker(const std::string& plugin) const;
 
   const std::vector<detail::FlatParams*>& flat_groups() const {
@@ -128,6 +128,10 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   void scale_grads(double factor);
 
   void sum_partial_grads();
+  /// One rank holds every shard and no placement spreads the model.
+  bool one_rank() const;
+  /// max_norm's clipping at one rank, on the gradients' device.
+  void clip_on_device(double max_norm, double norm_type);
 
   ShardedOptimizerOptions options_;
   std::unique_ptr<amp::DynamicLossScaler> scaler_;

@@ -180,7 +180,9 @@ void ShardedOptimizer::step() {
   unscale();
   skipped_ = scaler_ != nullptr && overflow();
   if (!skipped_) {
-    if (options_.max_norm() > 0) {
+    if (options_.max_norm() > 0 && one_rank()) {
+      clip_on_device(options_.max_norm(), options_.norm_type());
+    } else if (options_.max_norm() > 0) {
       const double norm = global_norm(options_.norm_type());
       // Same rule and epsilon as torch.nn.utils.clip_grad_norm_.
       const double coef = options_.max_norm() / (norm + 1e-6);
@@ -205,11 +207,6 @@ std::string ShardedOptimizer::sharded_graph_blocker(
         " with fp16: the loss scaler reads the overflow flag on the host "
         "every step; a captured step takes precision bf16 or fp32";
   }
-  if (options_.max_norm() > 0) {
-    return plugin +
-        "'s max_norm clips by a global norm read on the host; a captured "
-        "step takes max_norm 0";
-  }
   if (group_ != nullptr && group_->size() > 1) {
     return plugin + " over " + std::to_string(group_->size()) +
         " ranks: a captured step runs at one rank (the collectives are not "
@@ -221,6 +218,26 @@ std::string ShardedOptimizer::sharded_graph_blocker(
         "rank";
   }
   return std::string();
+}
+
+bool ShardedOptimizer::one_rank() const {
+  return (group_ == nullptr || group_->size() == 1) && placement_ == nullptr;
+}
+
+void ShardedOptimizer::clip_on_device(double max_norm, double norm_type) {
+  std::vector<at::Tensor> grads;
+  for (auto* g : groups_) {
+    grads.push_back(g->shard_grad);
+  }
+  // torch.nn.utils.clip_grad_norm_'s arithmetic: the coefficient in
+  // float32, clamped to 1 and always applied (by 1: unchanged), so nothing
+  // is read back and a captured step may clip.
+  const auto norm = interface::total_norm_tensor(grads, norm_type);
+  const auto coef =
+      at::full({}, max_norm, norm.options()).div(norm + 1e-6).clamp_max(1.0);
+  for (auto* g : groups_) {
+    g->shard_grad.mul_(coef.to(g->shard_grad.device()));
+  }
 }
 
 void ShardedOptimizer::zero_grad(bool set_to_none) {
