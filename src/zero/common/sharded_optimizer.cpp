@@ -235,8 +235,16 @@ void ShardedOptimizer::clip_on_device(double max_norm, double norm_type) {
   const auto norm = interface::total_norm_tensor(grads, norm_type);
   const auto coef =
       at::full({}, max_norm, norm.options()).div(norm + 1e-6).clamp_max(1.0);
+  // One copy per device (offloaded shards live on the host): not one per
+  // shard, each a read back from the device.
+  std::map<std::string, at::Tensor> on;
   for (auto* g : groups_) {
-    g->shard_grad.mul_(coef.to(g->shard_grad.device()));
+    const auto device = g->shard_grad.device();
+    auto& c = on[device.str()];
+    if (!c.defined()) {
+      c = coef.to(device);
+    }
+    g->shard_grad.mul_(c);
   }
 }
 
