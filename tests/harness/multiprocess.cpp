@@ -391,11 +391,15 @@ int test_process() {
   return parent != nullptr ? std::atoi(parent) : ::getpid();
 }
 
-std::vector<RankResult> run_processes(
+namespace {
+
+// run_processes for its `invocation`-th call in the test (so a retry of
+// one call reaches the same call in the children).
+std::vector<RankResult> run_invocation(
+    int invocation,
     int world,
     const RankFn& fn,
-    MultiProcessOptions o) {
-  const int invocation = next_invocation();
+    const MultiProcessOptions& o) {
   if (const char* child = std::getenv(kChild)) {
     if (std::atoi(std::getenv("COLOSSALAI_TEST_INVOCATION")) == invocation) {
       run_child(fn, o);
@@ -516,8 +520,28 @@ std::vector<RankResult> run_processes(
   return results;
 }
 
+} // namespace
+
+std::vector<RankResult> run_processes(
+    int world,
+    const RankFn& fn,
+    MultiProcessOptions o) {
+  return run_invocation(next_invocation(), world, fn, o);
+}
+
 void run_distributed(int world, const RankFn& fn, MultiProcessOptions o) {
-  auto results = run_processes(world, fn, o);
+  const int invocation = next_invocation();
+  auto results = run_invocation(invocation, world, fn, o);
+  // The free port the parent picked can be taken before rank 0's store
+  // binds it (another test's connection gets it as its local port): once,
+  // the same call again on another port.
+  for (const auto& r : results) {
+    if (r.exit_code != 0 &&
+        r.output.find("Address already in use") != std::string::npos) {
+      results = run_invocation(invocation, world, fn, o);
+      break;
+    }
+  }
   for (const auto& r : results) {
     if (r.timed_out) {
       ADD_FAILURE() << "rank " << r.rank << " of " << world
