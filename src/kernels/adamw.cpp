@@ -384,20 +384,20 @@ AdamWStepGraph::AdamWStepGraph(
   m.fused = adamw_step_fused_applies(m.params, m.grads, m.working);
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   if (m.fused) {
-    // Sizes only: the contents come with each upload.
-    const auto t = tables(
-        m.params,
-        m.grads,
-        m.exp_avgs,
-        m.exp_avg_sqs,
-        m.working,
-        std::vector<int64_t>(m.params.size(), 1),
-        options);
-    m.num_tensors = t.tensors.size();
-    m.num_blocks = t.blocks.size();
-    m.working_dtype = t.working_dtype;
-    const auto bytes = static_cast<int64_t>(t.bytes());
-    TORCH_INTERNAL_ASSERT(bytes == table_bytes(m.params));
+    // Sizes only (as tables() lays them out): the contents come with each
+    // upload.
+    for (size_t i = 0; i < m.params.size(); ++i) {
+      const int64_t numel = m.params[i].numel();
+      if (numel > 0) {
+        ++m.num_tensors;
+        m.num_blocks += static_cast<size_t>(
+            (numel + cuda::kAdamWChunk - 1) / cuda::kAdamWChunk);
+      }
+      if (!m.working.empty() && m.working[i].defined()) {
+        m.working_dtype = m.working[i].scalar_type(); // one dtype: check()
+      }
+    }
+    const auto bytes = table_bytes(m.params);
     if (table.defined()) {
       TORCH_CHECK(
           table.scalar_type() == at::kByte && table.is_contiguous() &&
