@@ -86,6 +86,10 @@ bool has_fused_adam(at::Device device) {
   return device.is_cpu() && COLOSSALAI_TORCH_AT_LEAST(2, 4);
 }
 
+bool has_fused_adam_tensor_lr(at::Device device) {
+  return COLOSSALAI_TORCH_AT_LEAST(2, 2) && has_fused_adam(device);
+}
+
 at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& b) {
 #if COLOSSALAI_TORCH_AT_LEAST(2, 1)
   const bool takes = a.is_cuda() && b.device() == a.device() &&

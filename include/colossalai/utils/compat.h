@@ -114,6 +114,10 @@ void fused_adam_(
     bool amsgrad,
     bool decoupled);
 
+/// Whether fused_adam_ takes a tensor learning rate on `device`: where
+/// has_fused_adam holds, from LibTorch 2.2.
+bool has_fused_adam_tensor_lr(at::Device device);
+
 /// fused_adam_ with the learning rate read from `lr` (a one-element float32
 /// tensor on the parameters' device) when the kernel runs: a step captured
 /// in a CUDA graph follows a schedule that rewrites `lr` between replays.

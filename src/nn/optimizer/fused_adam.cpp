@@ -250,17 +250,13 @@ namespace {
 // Why `opt`'s steps cannot be captured; empty where they can.
 template <class Base>
 std::string graph_blocker(const Base& opt, const char* name) {
-  if (!COLOSSALAI_TORCH_AT_LEAST(2, 2)) {
-    return std::string(name) +
-        " captures its step from LibTorch 2.2 on (a fused kernel that reads "
-        "the learning rate from device memory)";
-  }
   for (const auto& group : opt.param_groups()) {
     for (const auto& p : group.params()) {
-      if (!compat::has_fused_adam(p.device()) ||
+      if (!compat::has_fused_adam_tensor_lr(p.device()) ||
           !at::isFloatingType(p.scalar_type())) {
         std::ostringstream os;
-        os << name << " has no fused kernel for a " << p.scalar_type()
+        os << name << " has no fused kernel reading the learning rate from "
+           << "device memory (LibTorch 2.2+) for a " << p.scalar_type()
            << " parameter on " << p.device()
            << " in this LibTorch, and its unfused step computes each "
               "step's scalars on the host";
