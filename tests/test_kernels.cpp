@@ -191,6 +191,247 @@ TEST(Kernels, RmsNormCudaKernelsEqualTheReference) {
   }
 }
 
+// ------------------------------------------------- residual add + norm ---
+
+// ||got - want|| / ||want||, in float64.
+double norm_rel(const at::Tensor& got, const at::Tensor& want) {
+  const auto d = want.to(at::kDouble);
+  return ((got.to(at::kDouble) - d).norm() / d.norm()).item<double>();
+}
+
+
+struct AddGrads {
+  at::Tensor y, sum, dx, dresidual, dweight;
+};
+
+// add_rms_norm's outputs and gradients under upstream gradients for both
+// outputs (dy for the norm, dsum for the sum: the residual stream's).
+template <class F>
+AddGrads run_add(
+    const F& f,
+    const at::Tensor& x0,
+    const at::Tensor& r0,
+    const at::Tensor& w0,
+    const at::Tensor& dy,
+    const at::Tensor& dsum) {
+  auto x = x0.detach().clone().requires_grad_(true);
+  auto r = r0.detach().clone().requires_grad_(true);
+  auto w = w0.detach().clone().requires_grad_(true);
+  auto [y, sum] = f(x, r, w);
+  torch::autograd::backward({y, sum}, {dy, dsum});
+  return {y.detach(), sum.detach(), x.grad(), r.grad(), w.grad()};
+}
+
+// Inputs of a residual add before a norm: x (the stream) in `t`, the
+// residual in `rt`, upstream gradients in `t`.
+struct AddInputs {
+  at::Tensor x, r, w, dy, dsum;
+};
+AddInputs add_inputs(int64_t rows, int64_t cols, at::ScalarType t,
+                     at::ScalarType rt, at::Device d = at::kCPU) {
+  torch::manual_seed(1);
+  const auto o = at::device(d).dtype(t);
+  return {torch::randn({2, rows / 2, cols}).mul(3).to(o),
+          torch::randn({2, rows / 2, cols}).to(at::device(d).dtype(rt)),
+          (1 + 0.1 * torch::randn({cols})).to(o),
+          torch::randn({2, rows / 2, cols}).to(o),
+          torch::randn({2, rows / 2, cols}).to(o)};
+}
+
+// The fused add + norm against autograd through the add and the norm's
+// reference: the sum bit for bit (the same ATen add), the rest within the
+// bounds of RmsNormFusedAlgorithmEqualsAutogradOfTheReference (the same
+// statistic and analytic backward; the sum's gradient joins the norm's
+// input gradient with the one rounding autograd's accumulation makes).
+// Also a float32 stream with a bfloat16 residual (autocast's layer
+// output), whose gradient comes back in bfloat16.
+TEST(Kernels, AddRmsNormFusedAlgorithmEqualsAutogradOfTheReference) {
+  const double eps = 1e-6;
+  auto fused = [eps](const at::Tensor& x, const at::Tensor& r,
+                     const at::Tensor& w) {
+    return kn::detail::add_rms_norm_fused(x, r, w, eps);
+  };
+  auto reference = [eps](const at::Tensor& x, const at::Tensor& r,
+                         const at::Tensor& w) {
+    return kn::add_rms_norm_reference(x, r, w, eps);
+  };
+  for (const auto& [t, rt] :
+       {std::pair{at::kFloat, at::kFloat},
+        {at::kBFloat16, at::kBFloat16},
+        {at::kFloat, at::kBFloat16}}) {
+    SCOPED_TRACE(std::string(c10::toString(t)) + " + " + c10::toString(rt));
+    const auto in = add_inputs(64, 384, t, rt);
+    const auto a = run_add(fused, in.x, in.r, in.w, in.dy, in.dsum);
+    const auto b = run_add(reference, in.x, in.r, in.w, in.dy, in.dsum);
+    EXPECT_TRUE(at::equal(a.sum, b.sum));
+    EXPECT_EQ(a.dresidual.scalar_type(), rt);
+    EXPECT_EQ(a.dx.scalar_type(), t);
+    if (t == at::kFloat) {
+      EXPECT_TRUE(at::allclose(a.y, b.y, 1e-5, 1e-6));
+      EXPECT_TRUE(at::allclose(a.dx, b.dx, 1e-5, 1e-5));
+      EXPECT_TRUE(at::allclose(a.dweight, b.dweight, 1e-5, 1e-4));
+      // The residual's gradient is the total rounded to its dtype.
+      EXPECT_TRUE(at::allclose(
+          a.dresidual.to(at::kFloat), b.dresidual.to(at::kFloat), 1e-2, 1e-2));
+      EXPECT_TRUE(at::equal(a.dresidual, a.dx.to(rt)));
+    } else {
+      for (const auto& [got, want] :
+           {std::pair{a.y, b.y}, {a.dx, b.dx}, {a.dresidual, b.dresidual},
+            {a.dweight, b.dweight}}) {
+        const auto g = got.to(at::kFloat), r = want.to(at::kFloat);
+        // One ulp of the norm's gradient, carried through the add (whose
+        // result may round once more): two ulps of the element.
+        const auto ulp = r.abs().clamp_min(1e-3) * std::pow(2.0, -6);
+        EXPECT_TRUE(((g - r).abs() <= ulp).all().item<bool>());
+        EXPECT_LT((g != r).to(at::kFloat).mean().item<double>(), 0.02);
+      }
+    }
+  }
+  // Without the sum's gradient (the sum unused) dx is the norm's alone.
+  {
+    const auto in = add_inputs(8, 64, at::kFloat, at::kFloat);
+    auto x = in.x.clone().requires_grad_(true);
+    auto [y, sum] = kn::detail::add_rms_norm_fused(x, in.r, in.w, eps);
+    y.backward(in.dy);
+    auto h = (in.x + in.r).requires_grad_(true);
+    kn::detail::rms_norm_fused(h, in.w, eps).backward(in.dy);
+    EXPECT_TRUE(at::equal(x.grad(), h.grad()));
+  }
+  // Refused by name: another shape; a residual that would widen the sum.
+  EXPECT_THROW(
+      kn::detail::add_rms_norm_fused(
+          torch::randn({4, 8}), torch::randn({4, 7}), torch::ones({8}), eps),
+      c10::Error);
+  EXPECT_THROW(
+      kn::detail::add_rms_norm_fused(
+          torch::randn({4, 8}).to(at::kBFloat16), torch::randn({4, 8}),
+          torch::ones({8}).to(at::kBFloat16), eps),
+      c10::Error);
+}
+
+// add_rms_norm off the GPU is the add and the reference norm, bit for bit,
+// and so is the LLaMA layer that calls it through RMSNorm::forward_add.
+TEST(Kernels, AddRmsNormOffTheGpuIsTheReference) {
+  namespace sl = colossalai::shardformer::layer;
+  const auto in = add_inputs(16, 128, at::kFloat, at::kBFloat16);
+  EXPECT_FALSE(kn::add_rms_norm_fused_applies(in.x, in.r, in.w));
+  const auto [y, sum] = kn::add_rms_norm(in.x, in.r, in.w, 1e-6);
+  const auto [ry, rsum] = kn::add_rms_norm_reference(in.x, in.r, in.w, 1e-6);
+  EXPECT_TRUE(at::equal(y, ry));
+  EXPECT_TRUE(at::equal(sum, rsum));
+  sl::RMSNorm layer(sl::RMSNormOptions(128).eps(1e-6));
+  {
+    torch::NoGradGuard no_grad;
+    layer->weight.copy_(in.w);
+  }
+  const auto [ly, lsum] = layer->forward_add(in.x, in.r);
+  EXPECT_TRUE(at::equal(lsum, in.x + in.r));
+  EXPECT_TRUE(at::equal(ly, layer->forward(in.x + in.r)));
+}
+
+// On a GPU: the kernels against the float64 function with the bound of
+// RmsNormCudaKernelsEqualTheReference (at most twice the reference path's
+// error plus two ulps of the largest value), for the norm, the sum, and the
+// gradients of x, the residual and the weight; three dtypes and a float32
+// stream with a bfloat16 residual.
+TEST(Kernels, AddRmsNormCudaKernelsEqualTheReference) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  const double eps = 1e-6;
+  for (const int64_t cols : {4096, 1000}) {
+    for (const auto& [t, rt] :
+         {std::pair{at::kFloat, at::kFloat},
+          {at::kHalf, at::kHalf},
+          {at::kBFloat16, at::kBFloat16},
+          {at::kFloat, at::kBFloat16}}) {
+      SCOPED_TRACE(std::to_string(cols) + " " + c10::toString(t) + " + " +
+                   c10::toString(rt));
+      const auto in = add_inputs(512, cols, t, rt, at::kCUDA);
+      ASSERT_TRUE(kn::add_rms_norm_fused_applies(in.x, in.r, in.w));
+      const auto a = run_add(
+          [eps](const at::Tensor& x, const at::Tensor& r, const at::Tensor& w) {
+            return kn::add_rms_norm(x, r, w, eps);
+          },
+          in.x, in.r, in.w, in.dy, in.dsum);
+      const auto b = run_add(
+          [eps](const at::Tensor& x, const at::Tensor& r, const at::Tensor& w) {
+            return kn::add_rms_norm_reference(x, r, w, eps);
+          },
+          in.x, in.r, in.w, in.dy, in.dsum);
+      const auto d = [](const at::Tensor& v) { return v.to(at::kDouble); };
+      const auto exact = run_add(
+          [eps](const at::Tensor& x, const at::Tensor& r, const at::Tensor& w) {
+            auto h = x + r;
+            return std::pair{
+                w * (h * at::rsqrt(h.pow(2).mean(-1, true) + eps)), h};
+          },
+          d(in.x), d(in.r), d(in.w), d(in.dy), d(in.dsum));
+      const double ulp = t == at::kFloat ? std::pow(2.0, -23)
+          : t == at::kHalf               ? std::pow(2.0, -10)
+                                         : std::pow(2.0, -7);
+      const auto err = [](const at::Tensor& got, const at::Tensor& want) {
+        const auto g = got.to(at::kDouble), r = want.to(at::kDouble);
+        return ((g - r).abs().max() / r.abs().max()).item<double>();
+      };
+      EXPECT_TRUE(at::equal(a.sum, b.sum));
+      for (const auto& [got, ref, ex] :
+           {std::tuple{a.y, b.y, exact.y},
+            {a.dx, b.dx, exact.dx},
+            {a.dresidual, b.dresidual, exact.dresidual},
+            {a.dweight, b.dweight, exact.dweight}}) {
+        const double u = got.scalar_type() == at::kBFloat16 ? std::pow(2.0, -7)
+            : got.scalar_type() == at::kHalf                ? std::pow(2.0, -10)
+                                                            : ulp;
+        const double e_fused = err(got, ex), e_ref = err(ref, ex);
+        EXPECT_LE(e_fused, 2 * e_ref + 2 * u)
+            << "fused " << e_fused << ", reference " << e_ref;
+      }
+    }
+  }
+}
+
+// A LLaMA on a GPU, where its norms, residual adds, rotary embedding,
+// SwiGLU and loss run the fused kernels, trains as the same model on the
+// CPU (the reference paths), in float32: loss and every gradient within
+// 1e-4 relative (norm-wise). Both compute in float32 with different orders
+// of sums (cuBLAS, the kernels' block reductions), a few ulps per op
+// carried through two layers; a kernel that dropped a term (a residual's
+// gradient, a weight's) would be off by order one.
+TEST(Kernels, LlamaOnCudaWithFusedKernelsEqualsTheCpu) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  namespace models = colossalai::models;
+  torch::manual_seed(23);
+  const auto config = models::LlamaConfig::tiny_test();
+  models::LlamaForCausalLM cpu(config);
+  models::LlamaForCausalLM gpu(config);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < cpu->parameters().size(); ++i) {
+      gpu->parameters()[i].copy_(cpu->parameters()[i]);
+    }
+  }
+  gpu->to(at::kCUDA);
+  const auto ids = torch::randint(config.vocab_size(), {2, 33});
+  auto lc = cpu->forward_loss(ids, ids);
+  lc.backward();
+  const auto gids = ids.to(at::kCUDA);
+  auto lg = gpu->forward_loss(gids, gids);
+  lg.backward();
+  EXPECT_LT(norm_rel(lg.cpu(), lc), 1e-4);
+  for (size_t i = 0; i < cpu->parameters().size(); ++i) {
+    SCOPED_TRACE(i);
+    const auto& gc = cpu->parameters()[i].grad();
+    const auto& gg = gpu->parameters()[i].grad();
+    ASSERT_EQ(gc.defined(), gg.defined());
+    if (gc.defined()) {
+      EXPECT_LT(norm_rel(gg.cpu(), gc), 1e-4);
+    }
+  }
+}
+
 // ------------------------------------------ fused linear + cross-entropy ---
 
 struct CeGrads {
@@ -1251,12 +1492,6 @@ at::Tensor call_gelu_linear(const at::Tensor& h, const at::Tensor& w, const at::
 
 at::Tensor call_gelu_linear_reference(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b, const char* a) {
   return kn::gelu_linear_reference(h, w, b, a);
-}
-
-// ||got - want|| / ||want||, in float64.
-double norm_rel(const at::Tensor& got, const at::Tensor& want) {
-  const auto d = want.to(at::kDouble);
-  return ((got.to(at::kDouble) - d).norm() / d.norm()).item<double>();
 }
 
 // The op computes what the reference computes (the same gelu, matmuls and

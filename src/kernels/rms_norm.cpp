@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <tuple>
+
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
 #include "cuda_launch.h"
 #include "rms_norm_cuda.h"
@@ -58,12 +60,14 @@ std::pair<at::Tensor, at::Tensor> fused_forward(
   return {(weight * normed).reshape(x.sizes()), rstd};
 }
 
-// dx and dweight from dy, the inputs and the saved statistic.
+// dx and dweight from dy, the inputs and the saved statistic; `dsum`
+// (undefined: none) is added to dx, rounded as autograd accumulates it.
 std::pair<at::Tensor, at::Tensor> fused_backward(
     const at::Tensor& dy,
     const at::Tensor& x,
     const at::Tensor& weight,
-    const at::Tensor& rstd) {
+    const at::Tensor& rstd,
+    const at::Tensor& dsum) {
   const int64_t cols = x.size(-1);
   const int64_t rows = rstd.numel();
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
@@ -74,6 +78,9 @@ std::pair<at::Tensor, at::Tensor> fused_backward(
     if (rows == 0) {
       return {dx, dweight.zero_()};
     }
+    TORCH_INTERNAL_ASSERT(
+        !dsum.defined() ||
+        (dsum.is_contiguous() && dsum.scalar_type() == x.scalar_type()));
     auto partial = at::empty(
         {cuda::rms_norm_weight_chunks(rows), cols},
         x.options().dtype(at::kFloat));
@@ -84,6 +91,7 @@ std::pair<at::Tensor, at::Tensor> fused_backward(
             x.data_ptr(),
             weight.data_ptr(),
             rstd.data_ptr<float>(),
+            dsum.defined() ? dsum.data_ptr() : nullptr,
             dx.data_ptr(),
             partial.data_ptr<float>(),
             dweight.data_ptr(),
@@ -106,6 +114,9 @@ std::pair<at::Tensor, at::Tensor> fused_backward(
   auto dx = (r * dn - r.pow(3) * xf * dot / static_cast<double>(cols))
                 .to(type)
                 .reshape(x.sizes());
+  if (dsum.defined()) {
+    dx = dx + dsum;
+  }
   return {dx, dweight};
 }
 
@@ -123,8 +134,77 @@ struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     auto dy = grads[0].contiguous();
-    auto g = fused_backward(dy, saved[0], saved[1], saved[2]);
+    auto g = fused_backward(dy, saved[0], saved[1], saved[2], at::Tensor());
     return {g.first, g.second, at::Tensor()};
+  }
+};
+
+// The sum x + residual and its norm, as ATen's add (the promoted dtype,
+// which add_rms_norm_fused requires to be x's) and then fused_forward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_forward(
+    const at::Tensor& x,
+    const at::Tensor& residual,
+    const at::Tensor& weight,
+    double eps) {
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (x.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t cols = x.size(-1);
+    const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+    auto sum = at::empty_like(x);
+    auto y = at::empty_like(x);
+    auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+    if (rows > 0) {
+      cuda::check_launch(
+          cuda::add_rms_norm_forward(
+              cuda::dtype_of(x.scalar_type(), "add_rms_norm"),
+              cuda::dtype_of(residual.scalar_type(), "add_rms_norm"),
+              x.data_ptr(),
+              residual.data_ptr(),
+              weight.data_ptr(),
+              sum.data_ptr(),
+              y.data_ptr(),
+              rstd.data_ptr<float>(),
+              rows,
+              cols,
+              static_cast<float>(eps),
+              c10::cuda::getCurrentCUDAStream().stream()),
+          "add_rms_norm", "the forward kernel");
+    }
+    return {y, sum, rstd};
+  }
+#endif
+  auto sum = x + residual;
+  auto out = fused_forward(sum, weight, eps);
+  return {out.first, sum, out.second};
+}
+
+// Outputs (y, sum). The sum's own upstream gradient (the residual stream's)
+// joins the norm's in the input-gradient kernel; x and residual both
+// receive the total, the residual in its own dtype.
+struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
+  static variable_list forward(
+      AutogradContext* ctx,
+      const at::Tensor& x,
+      const at::Tensor& residual,
+      const at::Tensor& weight,
+      double eps) {
+    auto [y, sum, rstd] = fused_add_forward(x, residual, weight, eps);
+    ctx->save_for_backward({sum, weight, rstd});
+    ctx->saved_data["residual_dtype"] =
+        static_cast<int64_t>(residual.scalar_type());
+    return {y, sum};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& sum = saved[0];
+    auto dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(sum);
+    auto dsum = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
+    auto g = fused_backward(dy, sum, saved[1], saved[2], dsum);
+    const auto rtype = static_cast<at::ScalarType>(
+        ctx->saved_data["residual_dtype"].toInt());
+    return {g.first, g.first.to(rtype), g.second, at::Tensor()};
   }
 };
 
@@ -154,6 +234,41 @@ bool rms_norm_fused_applies(const at::Tensor& x, const at::Tensor& weight) {
 #endif
 }
 
+std::pair<at::Tensor, at::Tensor> add_rms_norm_reference(
+    const at::Tensor& x,
+    const at::Tensor& residual,
+    const at::Tensor& weight,
+    double eps) {
+  auto sum = x + residual;
+  return {rms_norm_reference(sum, weight, eps), sum};
+}
+
+bool add_rms_norm_fused_applies(
+    const at::Tensor& x,
+    const at::Tensor& residual,
+    const at::Tensor& weight) {
+  if (!rms_norm_fused_applies(x, weight) || !residual.defined() ||
+      residual.device() != x.device() || !residual.sizes().equals(x.sizes())) {
+    return false;
+  }
+  const auto r = residual.scalar_type();
+  return r == x.scalar_type() ||
+      (x.scalar_type() == at::kFloat && (r == at::kHalf || r == at::kBFloat16));
+}
+
+std::pair<at::Tensor, at::Tensor> add_rms_norm(
+    const at::Tensor& x,
+    const at::Tensor& residual,
+    const at::Tensor& weight,
+    double eps) {
+  if (add_rms_norm_fused_applies(x, residual, weight)) {
+    return detail::add_rms_norm_fused(x, residual, weight, eps);
+  }
+  // Unfused: the add, then the norm as rms_norm picks it.
+  auto sum = x + residual;
+  return {rms_norm(sum, weight, eps), sum};
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return rms_norm_fused_applies(x, weight)
       ? detail::rms_norm_fused(x, weight, eps)
@@ -162,10 +277,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 namespace detail {
 
-at::Tensor rms_norm_fused(
-    const at::Tensor& x,
-    const at::Tensor& weight,
-    double eps) {
+namespace {
+void check_weight(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(
       x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1) &&
           weight.scalar_type() == x.scalar_type(),
@@ -177,7 +290,37 @@ at::Tensor rms_norm_fused(
       weight.sizes(),
       " and ",
       weight.scalar_type());
+}
+} // namespace
+
+at::Tensor rms_norm_fused(
+    const at::Tensor& x,
+    const at::Tensor& weight,
+    double eps) {
+  check_weight(x, weight);
   return RmsNormFunction::apply(x.contiguous(), weight.contiguous(), eps);
+}
+
+std::pair<at::Tensor, at::Tensor> add_rms_norm_fused(
+    const at::Tensor& x,
+    const at::Tensor& residual,
+    const at::Tensor& weight,
+    double eps) {
+  TORCH_CHECK(
+      residual.sizes().equals(x.sizes()) &&
+          at::result_type(x, residual) == x.scalar_type(),
+      "add_rms_norm: residual must have x's shape ",
+      x.sizes(),
+      " and a dtype whose sum with x keeps x's (",
+      x.scalar_type(),
+      "), got ",
+      residual.sizes(),
+      " and ",
+      residual.scalar_type());
+  check_weight(x, weight);
+  auto out = AddRmsNormFunction::apply(
+      x.contiguous(), residual.contiguous(), weight.contiguous(), eps);
+  return {out[0], out[1]};
 }
 
 } // namespace detail

@@ -3,10 +3,15 @@
 // dweight summed over rows by column tiles, then over row blocks). Each
 // rounds where the reference's ATen ops round: the normalised value to the
 // input's dtype before the weight, dy * weight and dy * normalised to it.
+// With a residual the forward first forms the sum x + residual (rounded
+// once, as ATen's add) and writes it out, and the backward adds the sum's
+// own upstream gradient to dx (rounded as autograd's accumulation).
 
 #include "rms_norm_cuda.h"
 
 #include "cuda_device.cuh"
+
+#include <type_traits>
 
 namespace colossalai {
 namespace kernels {
@@ -37,10 +42,15 @@ __device__ float block_sum(float v, float* shared) {
   return v;
 }
 
-template <class T>
+// `residual` and `sum` null: the plain norm of x. Otherwise the norm of
+// sum = round(x + residual), which the first pass writes and the second
+// reads back (each thread its own columns).
+template <class T, class R>
 __global__ void __launch_bounds__(kRowThreads) forward_kernel(
     const T* __restrict__ x,
+    const R* __restrict__ residual,
     const T* __restrict__ weight,
+    T* __restrict__ sum,
     T* __restrict__ y,
     float* __restrict__ rstd,
     int64_t cols,
@@ -48,10 +58,17 @@ __global__ void __launch_bounds__(kRowThreads) forward_kernel(
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * cols;
+  const R* rr = residual == nullptr ? nullptr : residual + row * cols;
+  T* sr = sum == nullptr ? nullptr : sum + row * cols;
   T* yr = y + row * cols;
   float squares = 0.f;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float v = to_float(xr[c]);
+    float v = to_float(xr[c]);
+    if (rr != nullptr) {
+      const T h = from_float<T>(v + to_float(rr[c]));
+      sr[c] = h;
+      v = to_float(h);
+    }
     squares += v * v;
   }
   squares = block_sum(squares, shared);
@@ -59,25 +76,29 @@ __global__ void __launch_bounds__(kRowThreads) forward_kernel(
   if (threadIdx.x == 0) {
     rstd[row] = r;
   }
+  const T* in = sr == nullptr ? xr : sr;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    const float normed = round_to<T>(to_float(xr[c]) * r);
+    const float normed = round_to<T>(to_float(in[c]) * r);
     yr[c] = from_float<T>(to_float(weight[c]) * normed);
   }
 }
 
-// dx = r * dn - r^3 * x * sum(dn * x) / cols, dn = round(dy * weight).
+// dx = r * dn - r^3 * x * sum(dn * x) / cols, dn = round(dy * weight),
+// plus dsum (rounded, then added and rounded again) where it is not null.
 template <class T>
 __global__ void __launch_bounds__(kRowThreads) input_grad_kernel(
     const T* __restrict__ dy,
     const T* __restrict__ x,
     const T* __restrict__ weight,
     const float* __restrict__ rstd,
+    const T* __restrict__ dsum,
     T* __restrict__ dx,
     int64_t cols) {
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;
   const T* dyr = dy + row * cols;
   const T* xr = x + row * cols;
+  const T* dsr = dsum == nullptr ? nullptr : dsum + row * cols;
   T* dxr = dx + row * cols;
   const float r = rstd[row];
   float dot = 0.f;
@@ -88,7 +109,9 @@ __global__ void __launch_bounds__(kRowThreads) input_grad_kernel(
   const float k = r * r * r * dot / static_cast<float>(cols);
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     const float dn = round_to<T>(to_float(dyr[c]) * to_float(weight[c]));
-    dxr[c] = from_float<T>(r * dn - k * to_float(xr[c]));
+    const float d = r * dn - k * to_float(xr[c]);
+    dxr[c] = dsr == nullptr ? from_float<T>(d)
+                            : from_float<T>(round_to<T>(d) + to_float(dsr[c]));
   }
 }
 
@@ -143,23 +166,28 @@ __global__ void sum_chunks_kernel(
   dweight[c] = from_float<T>(sum);
 }
 
-template <class T>
+template <class T, class R>
 cudaError_t forward(
     const void* x,
+    const void* residual,
     const void* weight,
+    void* sum,
     void* y,
     float* rstd,
     int64_t rows,
     int64_t cols,
     float eps,
     cudaStream_t stream) {
-  forward_kernel<T><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-      static_cast<const T*>(x),
-      static_cast<const T*>(weight),
-      static_cast<T*>(y),
-      rstd,
-      cols,
-      eps);
+  forward_kernel<T, R>
+      <<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
+          static_cast<const T*>(x),
+          static_cast<const R*>(residual),
+          static_cast<const T*>(weight),
+          static_cast<T*>(sum),
+          static_cast<T*>(y),
+          rstd,
+          cols,
+          eps);
   return cudaGetLastError();
 }
 
@@ -169,6 +197,7 @@ cudaError_t backward(
     const void* x,
     const void* weight,
     const float* rstd,
+    const void* dsum,
     void* dx,
     float* partial,
     void* dweight,
@@ -181,6 +210,7 @@ cudaError_t backward(
           static_cast<const T*>(x),
           static_cast<const T*>(weight),
           rstd,
+          static_cast<const T*>(dsum),
           static_cast<T*>(dx),
           cols);
   cudaError_t e = cudaGetLastError();
@@ -221,7 +251,38 @@ cudaError_t rms_norm_forward(
     float eps,
     cudaStream_t stream) {
   return by_dtype(dtype, [&](auto t) {
-    return forward<decltype(t)>(x, weight, y, rstd, rows, cols, eps, stream);
+    using T = decltype(t);
+    return forward<T, T>(
+        x, nullptr, weight, nullptr, y, rstd, rows, cols, eps, stream);
+  });
+}
+
+cudaError_t add_rms_norm_forward(
+    Dtype dtype,
+    Dtype residual_dtype,
+    const void* x,
+    const void* residual,
+    const void* weight,
+    void* sum,
+    void* y,
+    float* rstd,
+    int64_t rows,
+    int64_t cols,
+    float eps,
+    cudaStream_t stream) {
+  return by_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    return by_dtype(residual_dtype, [&](auto r) {
+      using R = decltype(r);
+      // The sum keeps x's dtype: a residual of it, or a narrower one
+      // added to a float32 stream (bf16 / fp16 outputs under autocast).
+      if constexpr (std::is_same_v<T, R> || std::is_same_v<T, float>) {
+        return forward<T, R>(
+            x, residual, weight, sum, y, rstd, rows, cols, eps, stream);
+      } else {
+        return cudaErrorInvalidValue;
+      }
+    });
   });
 }
 
@@ -231,6 +292,7 @@ cudaError_t rms_norm_backward(
     const void* x,
     const void* weight,
     const float* rstd,
+    const void* dsum,
     void* dx,
     float* partial,
     void* dweight,
@@ -239,7 +301,7 @@ cudaError_t rms_norm_backward(
     cudaStream_t stream) {
   return by_dtype(dtype, [&](auto t) {
     return backward<decltype(t)>(
-        dy, x, weight, rstd, dx, partial, dweight, rows, cols, stream);
+        dy, x, weight, rstd, dsum, dx, partial, dweight, rows, cols, stream);
   });
 }
 

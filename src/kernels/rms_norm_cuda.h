@@ -25,6 +25,23 @@ cudaError_t rms_norm_forward(
     float eps,
     cudaStream_t stream);
 
+/// The norm of sum = x + residual, each sum rounded once to x's dtype and
+/// written to `sum`, then as rms_norm_forward over the sums. `residual` is
+/// of x's dtype, or bfloat16 / float16 with x in float32.
+cudaError_t add_rms_norm_forward(
+    Dtype dtype,
+    Dtype residual_dtype,
+    const void* x,
+    const void* residual,
+    const void* weight,
+    void* sum,
+    void* y,
+    float* rstd,
+    int64_t rows,
+    int64_t cols,
+    float eps,
+    cudaStream_t stream);
+
 /// Row blocks the weight gradient is summed in (the float32 scratch holds
 /// chunks x cols partial sums).
 inline int64_t rms_norm_weight_chunks(int64_t rows) {
@@ -33,13 +50,15 @@ inline int64_t rms_norm_weight_chunks(int64_t rows) {
 }
 
 /// dx, and dweight summed over rows through `partial` (float32,
-/// rms_norm_weight_chunks(rows) x cols).
+/// rms_norm_weight_chunks(rows) x cols). `dsum`, where not null, is added
+/// to dx: the gradient a fused residual's sum receives besides the norm's.
 cudaError_t rms_norm_backward(
     Dtype dtype,
     const void* dy,
     const void* x,
     const void* weight,
     const float* rstd,
+    const void* dsum,
     void* dx,
     float* partial,
     void* dweight,

@@ -273,8 +273,9 @@ at::Tensor LlamaDecoderLayerImpl::forward(
     const at::Tensor& positions,
     const at::Tensor& mask) {
   auto scope = forward_scope();
-  auto h = x + self_attn->forward(input_layernorm(x), positions, mask);
-  auto normed = post_attention_layernorm(h);
+  // The residual add and the norm after it in one pass (on a GPU).
+  auto [normed, h] = post_attention_layernorm->forward_add(
+      x, self_attn->forward(input_layernorm(x), positions, mask));
   return scope.exit(h + (moe ? moe(normed) : mlp(normed)));
 }
 

@@ -28,13 +28,22 @@
 /// statistics in float32 and the normalised value rounded to x's dtype
 /// before the weight multiplies it, as transformers computes it.
 ///
+/// add_rms_norm fuses the residual add before a norm (a decoder layer's
+/// `h = x + attn(x); mlp(norm(h))`): one pass reads x and the residual and
+/// writes both the sum and its norm, and the backward adds the sum's own
+/// gradient (the residual stream's) into the norm's input gradient, where
+/// the unfused ops pass over the rows once more for each.
+///
 /// Example:
 /// \code
 ///   auto y = colossalai::kernels::rms_norm(x, weight, 1e-6);
 ///   y.sum().backward(); // fused backward on CUDA, autograd elsewhere
+///   auto [normed, h] = colossalai::kernels::add_rms_norm(x, attn, weight, 1e-6);
 /// \endcode
 
 #include <ATen/core/Tensor.h>
+
+#include <utility>
 
 namespace colossalai {
 namespace kernels {
@@ -54,12 +63,45 @@ at::Tensor rms_norm_reference(
 /// or bfloat16, `weight` one-dimensional of x's last size.
 bool rms_norm_fused_applies(const at::Tensor& x, const at::Tensor& weight);
 
+/// The residual add and the norm: {rms_norm(x + residual), x + residual},
+/// the sum as ATen's add gives it (x's dtype, or the promoted one). One
+/// kernel each way where add_rms_norm_fused_applies; elsewhere the add and
+/// then rms_norm (its own kernels where they apply).
+std::pair<at::Tensor, at::Tensor> add_rms_norm(
+    const at::Tensor& x,
+    const at::Tensor& residual,
+    const at::Tensor& weight,
+    double eps);
+
+/// The reference: the add, then rms_norm_reference.
+std::pair<at::Tensor, at::Tensor> add_rms_norm_reference(
+    const at::Tensor& x,
+    const at::Tensor& residual,
+    const at::Tensor& weight,
+    double eps);
+
+/// rms_norm_fused_applies(x, weight), and `residual` of x's shape on its
+/// device, of x's dtype or (x in float32) bfloat16 / float16: a float32
+/// residual stream plus an autocast layer's output.
+bool add_rms_norm_fused_applies(
+    const at::Tensor& x,
+    const at::Tensor& residual,
+    const at::Tensor& weight);
+
 namespace detail {
 /// The fused algorithm (one float32 statistic per row saved for an
 /// analytic backward) wherever the inputs are: the CUDA kernels on a GPU,
 /// the same algorithm in ATen on the CPU (for the tests).
 at::Tensor rms_norm_fused(
     const at::Tensor& x,
+    const at::Tensor& weight,
+    double eps);
+
+/// add_rms_norm's fused algorithm wherever the inputs are (the kernels on a
+/// GPU, ATen on the CPU): the sum and one float32 statistic per row saved.
+std::pair<at::Tensor, at::Tensor> add_rms_norm_fused(
+    const at::Tensor& x,
+    const at::Tensor& residual,
     const at::Tensor& weight,
     double eps);
 } // namespace detail

@@ -30,6 +30,12 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
   return kernels::rms_norm(x, weight, options.eps());
 }
 
+std::pair<at::Tensor, at::Tensor> RMSNormImpl::forward_add(
+    const at::Tensor& x,
+    const at::Tensor& residual) {
+  return kernels::add_rms_norm(x, residual, weight, options.eps());
+}
+
 DropoutImpl::DropoutImpl(DropoutOptions options_)
     : options(std::move(options_)) {
   reset();

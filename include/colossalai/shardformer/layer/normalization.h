@@ -34,6 +34,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <map>
+#include <utility>
 
 namespace colossalai {
 namespace shardformer {
@@ -53,6 +54,12 @@ class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl> {
   explicit RMSNormImpl(RMSNormOptions options);
   void reset() override;
   at::Tensor forward(const at::Tensor& x);
+  /// {forward(x + residual), x + residual}: a residual add and the norm
+  /// after it, in one kernel each way on a GPU (`kernels::add_rms_norm`);
+  /// the same add and norm elsewhere, bit for bit.
+  std::pair<at::Tensor, at::Tensor> forward_add(
+      const at::Tensor& x,
+      const at::Tensor& residual);
 
   RMSNormOptions options;
   at::Tensor weight; ///< [hidden_size], ones at construction
