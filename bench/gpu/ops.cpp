@@ -164,6 +164,47 @@ int main(int argc, char** argv) {
       rows.push_back(r);
     }
 
+    // 3b. The residual add before a decoder layer's second norm, fused with
+    // it, against the add and the norm as ATen ops; 3c against the add and
+    // then the RMSNorm kernels (the layer before the fusion): what fusing
+    // the add itself saves.
+    {
+      const int64_t n = gpu ? 8192 : 256, c = 2048;
+      auto x = torch::randn({n, c}, opts).requires_grad_(true);
+      auto res = torch::randn({n, c}, opts).requires_grad_(true);
+      auto w = (1 + 0.1 * torch::randn({c}, opts)).requires_grad_(true);
+      const auto dy = torch::randn({n, c}, opts), dsum = torch::randn({n, c}, opts);
+      auto run = [&](int how) {
+        for (auto* t : {&x, &res, &w}) {
+          t->mutable_grad() = at::Tensor();
+        }
+        std::pair<at::Tensor, at::Tensor> out;
+        if (how == 0) {
+          out = kn::add_rms_norm(x, res, w, 1e-5);
+        } else if (how == 1) {
+          out = kn::add_rms_norm_reference(x, res, w, 1e-5);
+        } else {
+          auto h = x + res;
+          out = {kn::rms_norm(h, w, 1e-5), h};
+        }
+        torch::autograd::backward({out.first, out.second}, {dy, dsum});
+      };
+      // Forward: x, residual in, sum and y out; backward: dy, sum, dsum
+      // in, dx out (the residual's gradient is the same tensor).
+      const double bytes = 8.0 * n * c * x.element_size();
+      Row r{"residual add + RMSNorm, forward + backward", std::to_string(n) + " x 2048 " + dtype};
+      r.ours = time_ms(dev, reps, [&] { run(0); });
+      r.aten = time_ms(dev, reps, [&] { run(1); });
+      r.bytes = bytes;
+      rows.push_back(r);
+      Row u{"residual add + RMSNorm against add, then the RMSNorm kernels",
+            std::to_string(n) + " x 2048 " + dtype};
+      u.ours = r.ours;
+      u.aten = time_ms(dev, reps, [&] { run(2); });
+      u.bytes = bytes;
+      rows.push_back(u);
+    }
+
     // 4. SwiGLU's gate at Llama 3.2 1B's MLP width over a 4 x 2048 batch.
     {
       const int64_t n = gpu ? 8192 : 256, c = 8192;
