@@ -457,24 +457,36 @@ struct GeminiRun {
   std::vector<cz::PlacementStats> steps; // after each step
   cz::FullyShardedMemoryStats memory;    // at rest after the last step
   std::vector<int64_t> unit_numels;
+  // Units whose device parameter shards each step refreshed during
+  // HybridAdam's host update (NOTE [Publishing during the host step]).
+  std::vector<int64_t> published;
 };
 
+// AdamW, or with `hybrid` HybridAdam (the same update in its own kernel).
 GeminiRun train(
     cb::plugin::GeminiPluginOptions options,
     const zoo::GPTConfig& cfg,
     int rank,
     int steps,
-    int batch = 4) {
+    int batch = 4,
+    bool hybrid = false) {
   colossalai::testing::deterministic_on_gpu(); // runs compare bitwise
   auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(options);
   cb::Booster booster(cb::BoosterOptions().plugin(plugin));
   torch::manual_seed(0);
   zoo::GPT model(cfg);
-  auto boosted = booster.boost(
-      model,
-      std::make_shared<torch::optim::AdamW>(
-          model->parameters(), torch::optim::AdamWOptions(1e-3)));
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
+  if (hybrid) {
+    optimizer = std::make_shared<colossalai::nn::optimizer::HybridAdam>(
+        model->parameters(), colossalai::nn::optimizer::HybridAdamOptions(1e-3));
+  } else {
+    optimizer = std::make_shared<torch::optim::AdamW>(
+        model->parameters(), torch::optim::AdamWOptions(1e-3));
+  }
+  auto boosted = booster.boost(model, optimizer);
   auto* m = engine_of(boosted);
+  auto* sharded = dynamic_cast<cz::ShardedOptimizer*>(boosted.optimizer.get());
+  EXPECT_NE(sharded, nullptr);
   GeminiRun run;
   for (int step = 0; step < steps; ++step) {
     auto b = zoo::random_tokens(batch, cfg, 10 * step + rank);
@@ -483,6 +495,7 @@ GeminiRun train(
         zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
     boosted.optimizer->step();
     run.steps.push_back(m->placement_stats());
+    run.published.push_back(sharded->groups_published_during_step());
   }
   run.memory = m->memory_stats();
   run.unit_numels = m->unit_numels();
@@ -592,6 +605,34 @@ TEST(GeminiPlugin, StaticParamOffloadMovesEachGatherFromTheHost) {
         runs[0].steps[2].host_to_device - runs[0].steps[1].host_to_device);
     expect_same_weights(runs[0], runs[1], "offload_param_frac 0.5");
     expect_same_weights(runs[0], runs[2], "offload_param_frac 1");
+  });
+}
+
+TEST(GeminiPlugin, HostChunksRefreshDuringHybridAdamsStep) {
+  // Every fp32 shard on the host, every parameter shard on the device:
+  // under HybridAdam each chunk's device parameter shard is refreshed as
+  // soon as the host updated the chunk, during the step (NOTE [Publishing
+  // during the host step]), every chunk at every step, and the bytes moved
+  // are those of the refresh after the step. The weights equal the same
+  // training with every shard on the device tier (nothing to refresh), bit
+  // for bit on the CPU. Under AdamW (no per-parameter report) nothing is
+  // refreshed during the step.
+  run_distributed(2, [](int, int) {
+    const int rank = colossalai::distributed::world_group()->rank();
+    auto host = train(chunked(4000).offload_optim_frac(1.0), tiny(), rank, 3, 4, true);
+    auto device = train(chunked(4000), tiny(), rank, 3, 4, true);
+    auto adamw = train(chunked(4000).offload_optim_frac(1.0), tiny(), rank, 3);
+    const auto units = static_cast<int64_t>(host.unit_numels.size());
+    ASSERT_GT(units, 1);
+    for (size_t s = 0; s < host.published.size(); ++s) {
+      EXPECT_EQ(host.published[s], units) << "step " << s;
+      EXPECT_EQ(device.published[s], 0) << "step " << s;
+      EXPECT_EQ(adamw.published[s], 0) << "step " << s;
+    }
+    EXPECT_EQ(
+        host.steps[2].host_to_device - host.steps[1].host_to_device,
+        host.memory.shards);
+    expect_same_weights(host, device, "host against device chunks", true);
   });
 }
 

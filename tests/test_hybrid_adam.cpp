@@ -11,6 +11,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -653,6 +654,61 @@ void expect_error(F&& f, const std::string& needle) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
         << e.what();
   }
+}
+
+// The host step hook sees each CPU parameter once per step, in step order,
+// already updated (its value then is its value after the step), with and
+// without states in files (those parameters are stepped after the others);
+// a parameter without a gradient is not stepped and not reported; a null
+// hook removes it.
+TEST(HybridAdam, HostStepHookSeesEachParameterOnceUpdated) {
+  const std::string dir = make_temp_dir();
+  for (double fraction : {0.0, 0.5}) {
+    SCOPED_TRACE(fraction);
+    auto params = make_params(kSizes, 3);
+    opt::HybridAdam adam(
+        params,
+        opt::HybridAdamOptions(1e-3).nvme_offload_fraction(fraction).nvme_offload_dir(dir));
+    std::vector<const c10::TensorImpl*> seen;
+    std::vector<torch::Tensor> values;
+    adam.set_host_step_hook([&](const torch::Tensor& p) {
+      seen.push_back(p.unsafeGetTensorImpl());
+      values.push_back(p.detach().clone());
+    });
+    for (int step = 1; step <= 2; ++step) {
+      seen.clear();
+      values.clear();
+      set_grads(params, make_grads(params, step));
+      params[1].mutable_grad() = torch::Tensor(); // not stepped
+      const auto before = clone_params(params);
+      adam.step();
+      ASSERT_EQ(seen.size(), params.size() - 1);
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (i == 1) {
+          EXPECT_TRUE(torch::equal(params[i], before[i]));
+          continue;
+        }
+        const auto at = std::find(seen.begin(), seen.end(), params[i].unsafeGetTensorImpl());
+        ASSERT_NE(at, seen.end()) << "parameter " << i;
+        const auto& v = values[static_cast<size_t>(at - seen.begin())];
+        EXPECT_TRUE(torch::equal(v, params[i])) << "parameter " << i;
+        EXPECT_FALSE(torch::equal(v, before[i])) << "parameter " << i;
+      }
+      if (fraction == 0.0) { // in memory: the parameters' order
+        for (size_t i = 0, j = 0; i < params.size(); ++i) {
+          if (i != 1) {
+            EXPECT_EQ(seen[j++], params[i].unsafeGetTensorImpl());
+          }
+        }
+      }
+    }
+    adam.set_host_step_hook(nullptr);
+    seen.clear();
+    set_grads(params, make_grads(params, 3));
+    adam.step();
+    EXPECT_TRUE(seen.empty());
+  }
+  fs::remove_all(dir);
 }
 
 TEST(HybridAdam, RejectsBadOptions) {

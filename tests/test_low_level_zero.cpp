@@ -11,6 +11,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/initialize.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
@@ -615,6 +616,57 @@ TEST(LowLevelZero, Bf16AtOneRankIsTheMasterStepRounded) {
           got[i].to(at::kFloat), want[i].to(at::kFloat), 1e-2, 5e-3))
           << "parameter " << i << " differs by "
           << (got[i].to(at::kFloat) - want[i].to(at::kFloat)).abs().max().item<double>();
+    }
+  });
+}
+
+// NOTE [Publishing during the host step]: with cpu_offload at one rank and
+// HybridAdam, each bucket's bf16 weights are refreshed from its host master
+// as soon as HybridAdam finished that bucket, during the step. Every bucket
+// is published so (three buckets of the MLP at a 0.0005 M bucket size),
+// and the weights equal those of the same training without offload, whose
+// buckets are cast after the step, bit for bit (the same host update and
+// the same cast; a bucket published before its last piece was updated
+// would keep that piece's old value).
+TEST(LowLevelZero, OffloadPublishesEachBucketDuringHybridAdamsStep) {
+  namespace opt = colossalai::nn::optimizer;
+  run_distributed(1, [](int rank, int world) {
+    auto train = [&](bool offload) {
+      auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+          cb::plugin::LowLevelZeroPluginOptions()
+              .stage(2)
+              .precision("bf16")
+              .reduce_bucket_size_in_m(0.0005)
+              .cpu_offload(offload));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto model = make_model();
+      auto boosted = booster.boost(
+          model,
+          std::make_shared<opt::HybridAdam>(
+              model->parameters(), opt::HybridAdamOptions(1e-2).weight_decay(0.01)));
+      auto* zo = dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
+      EXPECT_NE(zo, nullptr);
+      for (int s = 0; s < 3; ++s) {
+        auto b = local_batch(s, rank, world);
+        boosted.optimizer->zero_grad();
+        booster.backward(
+            torch::mse_loss(boosted.model(b.first).to(at::kFloat), b.second),
+            *boosted.optimizer);
+        boosted.optimizer->step();
+        EXPECT_EQ(zo->gathers_last_step(), 3);
+        EXPECT_EQ(zo->groups_published_during_step(), offload ? 3 : 0);
+      }
+      std::vector<at::Tensor> out;
+      for (const auto& p : model->parameters()) {
+        out.push_back(p.detach().clone());
+      }
+      return out;
+    };
+    const auto offloaded = train(true);
+    const auto resident = train(false);
+    ASSERT_EQ(offloaded.size(), resident.size());
+    for (size_t i = 0; i < offloaded.size(); ++i) {
+      EXPECT_TRUE(at::equal(offloaded[i], resident[i])) << "parameter " << i;
     }
   });
 }

@@ -359,6 +359,10 @@ int train(const Args& a, const Shape& s, Formula want, double frac, int64_t capa
     times.push_back(step(false) * 1e3);
     std::fprintf(stderr, "step %d: %.1f ms, loss %.4f\n", i, times.back(), last_loss);
   }
+  // Flat groups (chunks, buckets) whose host masters reached the device
+  // during the host step (NOTE [Publishing during the host step]).
+  const auto* sharded = dynamic_cast<const cz::ShardedOptimizer*>(boosted.optimizer.get());
+  const int64_t published = sharded != nullptr ? sharded->groups_published_during_step() : -1;
   int64_t h2d = -1, d2h = -1;
   if (fsdp != nullptr && a.steps > 0) {
     const auto after = fsdp->placement_stats();
@@ -417,7 +421,8 @@ int train(const Args& a, const Shape& s, Formula want, double frac, int64_t capa
     << (f_ms.empty() ? 0 : cbench::median(f_ms)) << ", \"backward\": "
     << (b_ms.empty() ? 0 : cbench::median(b_ms)) << ", \"optimizer\": "
     << (o_ms.empty() ? 0 : cbench::median(o_ms)) << "},\n  \"copies_per_step\": {\"host_to_device_bytes\": "
-    << h2d << ", \"device_to_host_bytes\": " << d2h << "},\n  \"tokens_per_s\": " << tokens_per_s
+    << h2d << ", \"device_to_host_bytes\": " << d2h
+    << ", \"groups_published_during_step\": " << published << "},\n  \"tokens_per_s\": " << tokens_per_s
     << ",\n  \"mfu_measured\": " << tokens_per_s * s.flops / peak_rate
     << ",\n  \"mfu_measured_with_recompute\": " << tokens_per_s * s.flops_recompute / peak_rate
     << ",\n  \"mfu_spec\": " << tokens_per_s * s.flops / spec

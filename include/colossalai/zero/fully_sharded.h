@@ -339,6 +339,10 @@ class FullyShardedOptimizer : public ShardedOptimizer {
 
  protected:
   void after_step() override;
+  /// Units whose fp32 shards live on the host refresh their device
+  /// parameter shards as soon as HybridAdam finished them.
+  bool publishes_during_step() const override;
+  bool group_stepped_on_host(size_t k) override;
   void zero_extra_grads(bool set_to_none) override;
 
  private:

@@ -112,6 +112,10 @@ class LowLevelZeroOptimizer : public ShardedOptimizer {
 
  protected:
   void after_step() override;
+  /// cpu_offload at one rank: each bucket's weights refreshed as soon as
+  /// HybridAdam finished its master shard.
+  bool publishes_during_step() const override;
+  bool group_stepped_on_host(size_t k) override;
   void zero_extra_grads(bool set_to_none) override;
 
  private:

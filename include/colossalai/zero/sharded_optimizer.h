@@ -60,6 +60,12 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   }
   /// The loss scale (1 without loss scaling).
   double loss_scale() const;
+  /// Flat groups whose new weights the strategy began to publish (upload to
+  /// the device) during the last step's host update, while the optimizer
+  /// still stepped the others (NOTE [Publishing during the host step]).
+  int64_t groups_published_during_step() const {
+    return published_during_step_;
+  }
 
   /// Receives one parameter's full optimizer state.
   using StateSink =
@@ -105,6 +111,24 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
 
   /// After the pieces were updated (the strategy gathers the new weights).
   virtual void after_step() {}
+  /// NOTE [Publishing during the host step]
+  /// With host master shards (ZeRO's cpu_offload, Gemini's host chunks)
+  /// the step is the host's Adam over every shard, then one upload per
+  /// group to the device: the copies wait for the whole update, and the
+  /// host for the copies. Where the optimizer is HybridAdam, which reports
+  /// each host parameter as it finishes it, a group whose host pieces are
+  /// all updated is handed to `group_stepped_on_host` at once, so its
+  /// (asynchronous, pinned) upload runs while the host updates the next
+  /// group; after_step then publishes only what is left. A strategy opts
+  /// in with `publishes_during_step`; the override returns whether it
+  /// published group k (after_step must then skip it).
+  virtual bool publishes_during_step() const {
+    return false;
+  }
+  virtual bool group_stepped_on_host(size_t k) {
+    (void)k;
+    return false;
+  }
   /// In zero_grad, for gradients the strategy keeps beside the shards
   /// (e.g. full gradients accumulated under no_sync).
   virtual void zero_extra_grads(bool set_to_none) {}
@@ -128,6 +152,9 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   void scale_grads(double factor);
 
   void sum_partial_grads();
+  /// The user's optimizer's step, with group_stepped_on_host called as
+  /// groups finish where the strategy publishes during the step.
+  void step_optimizer();
   /// One rank holds every shard and no placement spreads the model.
   bool one_rank() const;
   /// max_norm's clipping at one rank, on the gradients' device.
@@ -141,6 +168,7 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   distributed::ProcessGroupPtr group_;
   bool unscaled_ = false;
   bool skipped_ = false;
+  int64_t published_during_step_ = 0;
 };
 
 } // namespace zero

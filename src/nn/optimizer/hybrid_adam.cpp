@@ -285,6 +285,11 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
   return loss;
 }
 
+void HybridAdam::set_host_step_hook(
+    std::function<void(const torch::Tensor&)> hook) {
+  impl_->host_step_hook = std::move(hook);
+}
+
 void HybridAdam::set_working_copy(
     const torch::Tensor& param,
     torch::Tensor working) {

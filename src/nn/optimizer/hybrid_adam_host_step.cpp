@@ -38,7 +38,8 @@ namespace {
 void run_cpu_item(
     const detail::CpuItem& it,
     float* exp_avg,
-    float* exp_avg_sq) {
+    float* exp_avg_sq,
+    const std::function<void(const torch::Tensor&)>& hook) {
   detail::AdamBuffers b;
   b.param = it.param.data_ptr<float>();
   b.grad = it.grad.data_ptr();
@@ -53,6 +54,9 @@ void run_cpu_item(
   detail::adam_update(b, it.scalars);
   if (it.target.defined()) {
     it.target.copy_(it.param.view(it.target.sizes()));
+  }
+  if (hook) {
+    hook(it.target.defined() ? it.target : it.param);
   }
 }
 
@@ -69,7 +73,8 @@ void HybridAdam::Impl::run_offloaded(
       run_cpu_item(
           it,
           it.state->exp_avg().data_ptr<float>(),
-          it.state->exp_avg_sq().data_ptr<float>());
+          it.state->exp_avg_sq().data_ptr<float>(),
+          host_step_hook);
     }
     return;
   }
@@ -151,7 +156,8 @@ void HybridAdam::Impl::run_offloaded(
     run_cpu_item(
         it,
         it.state->exp_avg().data_ptr<float>(),
-        it.state->exp_avg_sq().data_ptr<float>());
+        it.state->exp_avg_sq().data_ptr<float>(),
+        host_step_hook);
   }
   for (size_t j = 0; j < n; ++j) {
     if (loads[j].valid()) {
@@ -160,7 +166,8 @@ void HybridAdam::Impl::run_offloaded(
     run_cpu_item(
         items[j],
         bufs[j].exp_avg.data_ptr<float>(),
-        bufs[j].exp_avg_sq.data_ptr<float>());
+        bufs[j].exp_avg_sq.data_ptr<float>(),
+        host_step_hook);
     const detail::Record& r = *items[j].record;
     const size_t bytes = static_cast<size_t>(r.numel) * sizeof(float);
     // Submitted before the read that reuses this slot (j + 3), so the

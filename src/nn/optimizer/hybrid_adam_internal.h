@@ -11,6 +11,7 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <system_error>
@@ -66,6 +67,7 @@ void device_update(std::vector<DeviceItem>& items);
 
 struct HybridAdam::Impl {
   std::unordered_map<const c10::TensorImpl*, torch::Tensor> working;
+  std::function<void(const torch::Tensor&)> host_step_hook;
 
   double fraction = 0;
   std::string dir; // this optimizer's own subdirectory

@@ -1,9 +1,12 @@
 #include <colossalai/checkpoint_io/optimizer_state.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/zero/sharded_optimizer.h>
 
 #include "flat_params.h"
 
 #include <colossalai/placement/gradients.h>
+
+#include <c10/util/ScopeExit.h>
 
 #include <algorithm>
 #include <unordered_map>
@@ -190,7 +193,7 @@ void ShardedOptimizer::step() {
         scale_grads(coef);
       }
     }
-    optim_->step();
+    step_optimizer();
     after_step();
   }
   if (scaler_) {
@@ -198,6 +201,40 @@ void ShardedOptimizer::step() {
   }
   unscaled_ = false;
   partials_summed_ = false;
+}
+
+void ShardedOptimizer::step_optimizer() {
+  published_during_step_ = 0;
+  auto* hybrid = dynamic_cast<nn::optimizer::HybridAdam*>(optim_.get());
+  if (hybrid == nullptr || !publishes_during_step()) {
+    optim_->step();
+    return;
+  }
+  // Host pieces HybridAdam will step (those with a gradient), per group.
+  std::unordered_map<const c10::TensorImpl*, size_t> group_of;
+  std::vector<size_t> left(groups_.size(), 0);
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    for (const auto& piece : groups_[k]->pieces) {
+      if (piece.is_cpu() && piece.grad().defined()) {
+        group_of.emplace(piece.unsafeGetTensorImpl(), k);
+        ++left[k];
+      }
+    }
+  }
+  if (group_of.empty()) {
+    optim_->step();
+    return;
+  }
+  hybrid->set_host_step_hook([&](const at::Tensor& param) {
+    const auto it = group_of.find(param.unsafeGetTensorImpl());
+    if (it != group_of.end() && --left[it->second] == 0 &&
+        group_stepped_on_host(it->second)) {
+      ++published_during_step_;
+    }
+  });
+  const auto unhook =
+      c10::make_scope_exit([hybrid] { hybrid->set_host_step_hook(nullptr); });
+  optim_->step();
 }
 
 std::string ShardedOptimizer::sharded_graph_blocker(

@@ -143,6 +143,14 @@ void FullyShardedOptimizer::step() {
   ShardedOptimizer::step();
 }
 
+bool FullyShardedOptimizer::publishes_during_step() const {
+  return true; // units with host fp32 shards and device parameter shards
+}
+
+bool FullyShardedOptimizer::group_stepped_on_host(size_t k) {
+  return state_->placement->refresh_param_shard(k);
+}
+
 void FullyShardedOptimizer::after_step() {
   auto& st = *state_;
   st.optimizer_bytes = state_bytes(*optim_, st);

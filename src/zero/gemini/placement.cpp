@@ -320,15 +320,29 @@ void Placement::begin_forward() {
   position_ = 0;
 }
 
+bool Placement::copy_param_shard(size_t k) {
+  auto& u = st_.units[k];
+  if (!u.param_shard.defined()) {
+    return false;
+  }
+  u.param_shard.copy_(utils::to_device(
+      u.shard_data, u.param_shard.device(), u.shard_data.scalar_type()));
+  stats_.host_to_device += bytes_of(u.param_shard);
+  return true;
+}
+
+bool Placement::refresh_param_shard(size_t k) {
+  refreshed_.resize(st_.units.size(), false);
+  refreshed_[k] = copy_param_shard(k);
+  return refreshed_[k];
+}
+
 void Placement::refresh_param_shards() {
   bool copied = false;
-  for (auto& u : st_.units) {
-    if (u.param_shard.defined()) {
-      u.param_shard.copy_(utils::to_device(
-          u.shard_data, u.param_shard.device(), u.shard_data.scalar_type()));
-      stats_.host_to_device += bytes_of(u.param_shard);
-      copied = true;
-    }
+  refreshed_.resize(st_.units.size(), false);
+  for (size_t k = 0; k < st_.units.size(); ++k) {
+    copied = (refreshed_[k] || copy_param_shard(k)) || copied;
+    refreshed_[k] = false;
   }
   // The next step may write the host shards before any backward waits.
   if (copied) {

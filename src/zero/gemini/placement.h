@@ -106,8 +106,13 @@ class Placement {
   void moved_to_host(int64_t bytes) {
     stats_.device_to_host += bytes;
   }
-  // The fp32 shards changed: refresh the device parameter shards.
+  // The fp32 shards changed: refresh the device parameter shards (but
+  // those refresh_param_shard already refreshed during this step).
   void refresh_param_shards();
+  // Unit k's device parameter shard from its updated fp32 shard now, while
+  // the host steps other units (NOTE [Publishing during the host step]);
+  // whether it has one.
+  bool refresh_param_shard(size_t k);
   // How the optimizer's states of a unit move with it: whether they can
   // (none is kept in files), and the move itself.
   struct StateMover {
@@ -140,6 +145,8 @@ class Placement {
   // The device margin: what the steady budget leaves beside the model data
   // that cannot be evicted (everything but cached parameter shards).
   int64_t device_margin() const;
+  // Copies unit k's fp32 shard into its device parameter shard, if any.
+  bool copy_param_shard(size_t k);
   // Moves unit k's fp32 shard and gradient shard to the device tier.
   void move_to_device(size_t k);
 
@@ -157,6 +164,7 @@ class Placement {
   std::vector<int64_t> last_use_;
   int64_t clock_ = 0;
   PlacementStats stats_;
+  std::vector<bool> refreshed_; // by refresh_param_shard, this step
 };
 
 } // namespace gemini

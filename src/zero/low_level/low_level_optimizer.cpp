@@ -37,6 +37,8 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     // At one rank, `working` as the optimizer's step writes it itself
     // (attach_working_copies). Undefined: gather() casts the masters.
     at::Tensor stepped;
+    // Published during this step's host update (publish_stepped).
+    bool published = false;
   };
 
   distributed::ProcessGroupPtr group;
@@ -216,23 +218,50 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     }
   }
 
+  // Whether the weights must be rebuilt from the master shard after a
+  // step (not when the master is the weights, or the step wrote them).
+  static bool needs_gather(const Bucket& b) {
+    return !(b.aliased && b.ranks->size() == 1) && !b.stepped.defined();
+  }
+
+  // The bucket's updated shard, cast to the working dtype on the weights'
+  // device (from pinned host memory: asynchronously), all-gathered into
+  // the weights (one rank: copied).
+  static distributed::Work gather_bucket(Bucket& b) {
+    // A copy: the input must not alias the output it is gathered into.
+    auto src = utils::to_device(
+        b.shard_data, b.working.device(), b.working.scalar_type());
+    return detail::all_gather_flat(b.working, src, b.layout, b.ranks.get());
+  }
+
+  // NOTE [Publishing during the host step]: at one rank a bucket's
+  // weights need no collective, so they are refreshed as soon as the host
+  // finished its master; across ranks the all-gathers keep gather()'s
+  // order (each rank would finish its buckets at other times).
+  bool publish_stepped(size_t k) {
+    auto& b = buckets[k];
+    if (b.ranks->size() != 1 || !needs_gather(b)) {
+      return false;
+    }
+    gather_bucket(b);
+    b.published = true;
+    return true;
+  }
+
   // One all-gather per bucket of the updated shards into the weights.
   void gather() {
     std::vector<distributed::Work> works;
     gathers = 0;
     for (auto& b : buckets) {
-      if (b.aliased && b.ranks->size() == 1) {
-        continue; // the master is the weights
+      if (!needs_gather(b)) {
+        continue;
       }
-      if (b.stepped.defined()) {
-        continue; // the step wrote the weights themselves
-      }
-      // A copy: the input must not alias the output it is gathered into.
-      auto src = utils::to_device(
-          b.shard_data, b.working.device(), b.working.scalar_type());
-      works.push_back(
-          detail::all_gather_flat(b.working, src, b.layout, b.ranks.get()));
       ++gathers;
+      if (b.published) {
+        b.published = false;
+        continue;
+      }
+      works.push_back(gather_bucket(b));
     }
     for (auto& w : works) {
       w.wait();
@@ -305,6 +334,9 @@ LowLevelZeroOptimizer::LowLevelZeroOptimizer(
 LowLevelZeroOptimizer::~LowLevelZeroOptimizer() = default;
 
 void LowLevelZeroOptimizer::step() {
+  for (auto& b : impl_->buckets) {
+    b.published = false; // a step that threw may have left some set
+  }
   ShardedOptimizer::step();
   for (auto& b : impl_->buckets) {
     b.shard_grad.zero_();
@@ -343,6 +375,14 @@ void LowLevelZeroOptimizer::prepare_graph_stream() {
 
 void LowLevelZeroOptimizer::after_step() {
   impl_->gather();
+}
+
+bool LowLevelZeroOptimizer::publishes_during_step() const {
+  return impl_->o.cpu_offload();
+}
+
+bool LowLevelZeroOptimizer::group_stepped_on_host(size_t k) {
+  return impl_->publish_stepped(k);
 }
 
 void LowLevelZeroOptimizer::zero_extra_grads(bool set_to_none) {

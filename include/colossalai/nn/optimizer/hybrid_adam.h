@@ -5,6 +5,7 @@
 #include <torch/serialize/archive.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -153,6 +154,12 @@ class HybridAdam : public torch::optim::Optimizer {
   void remove_working_copy(const torch::Tensor& param);
   /// The registered working copy, or an undefined tensor.
   torch::Tensor working_copy(const torch::Tensor& param) const;
+
+  /// Called within step() after each host (CPU) parameter's update, on the
+  /// stepping thread, in step order, with the parameter itself: lets the
+  /// owner of host master shards start a shard's upload to the device while
+  /// the host steps the others (ZeRO offload, Gemini). Null: none.
+  void set_host_step_hook(std::function<void(const torch::Tensor&)> hook);
 
   /// Whether `param`'s states are kept in files (decided at its first step).
   bool is_offloaded(const torch::Tensor& param) const;
