@@ -670,3 +670,44 @@ TEST(LowLevelZero, OffloadPublishesEachBucketDuringHybridAdamsStep) {
     }
   });
 }
+
+// At one rank each bf16 gradient goes straight into the zero fp32 gradient
+// shard (no flat buffer in between): the optimizer's pieces then hold the
+// plain model's gradients converted to fp32, bit for bit. A second backward
+// without zero_grad adds to them (the fp32 sum of the two, through the
+// flat buffer); zero_grad then clears them.
+TEST(LowLevelZero, OneRankGradientsLandInTheShardAsTheModelsInFp32) {
+  run_distributed(1, [](int rank, int world) {
+    auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+        cb::plugin::LowLevelZeroPluginOptions().stage(2).precision("bf16").reduce_bucket_size_in_m(0.0005));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = make_model();
+    auto plain = make_model();
+    plain->to(at::kBFloat16);
+    auto boosted = booster.boost(
+        model, std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1)));
+    auto* zo = dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
+    ASSERT_NE(zo, nullptr);
+    const auto& pieces = zo->unwrap().param_groups().at(0).params();
+    ASSERT_EQ(pieces.size(), plain->parameters().size());
+    std::vector<at::Tensor> sum(pieces.size());
+    for (int pass = 0; pass < 2; ++pass) {
+      auto b = local_batch(pass, rank, world);
+      booster.backward(
+          torch::mse_loss(boosted.model(b.first).to(at::kFloat), b.second), *boosted.optimizer);
+      for (auto& p : plain->parameters()) {
+        p.mutable_grad() = at::Tensor();
+      }
+      torch::mse_loss(plain(b.first.to(at::kBFloat16)).to(at::kFloat), b.second).backward();
+      for (size_t i = 0; i < pieces.size(); ++i) {
+        const auto g = plain->parameters()[i].grad().to(at::kFloat).flatten();
+        sum[i] = pass == 0 ? g : sum[i] + g;
+        EXPECT_TRUE(at::equal(pieces[i].grad(), sum[i])) << "pass " << pass << ", parameter " << i;
+      }
+    }
+    boosted.optimizer->zero_grad();
+    for (const auto& p : pieces) {
+      EXPECT_EQ(p.grad().count_nonzero().item<int64_t>(), 0);
+    }
+  });
+}

@@ -94,7 +94,8 @@ struct FlatParams {
   at::Tensor shard_data;          // fp32 s: master weights
   at::Tensor shard_grad;          // fp32 s
   /// shard_grad holds zeros (after construction and every zeroing): the
-  /// next reduced gradient may be copied in instead of added.
+  /// next reduced gradient may be copied in instead of added, and a
+  /// zeroing may skip it. Whatever writes other values clears it.
   bool grad_is_zero = true;
   std::vector<at::Tensor> pieces; // the optimizer's tensors
   /// The ranks sharing this group's shards when they are not the

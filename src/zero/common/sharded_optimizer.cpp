@@ -162,6 +162,9 @@ void ShardedOptimizer::sum_partial_grads() {
   // Every tensor rank has the same flat layout, so the pieces line up.
   auto pieces = pieces_of(groups_);
   placement::sum_partial_grads(*placement_, pieces.first, pieces.second);
+  for (auto* g : groups_) {
+    g->grad_is_zero = false; // other ranks' partials may have landed
+  }
 }
 
 double ShardedOptimizer::global_norm(double norm_type) {
@@ -288,8 +291,12 @@ void ShardedOptimizer::clip_on_device(double max_norm, double norm_type) {
 void ShardedOptimizer::zero_grad(bool set_to_none) {
   partials_summed_ = false;
   for (auto* g : groups_) {
-    g->shard_grad.zero_(); // the pieces' gradients are views of it
-    g->grad_is_zero = true;
+    // A shard known to hold zeros (e.g. LowLevelZero's step cleared it)
+    // is not written again: a pass over every fp32 gradient per step.
+    if (!g->grad_is_zero) {
+      g->shard_grad.zero_(); // the pieces' gradients are views of it
+      g->grad_is_zero = true;
+    }
   }
   zero_extra_grads(set_to_none);
 }

@@ -39,6 +39,9 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     at::Tensor stepped;
     // Published during this step's host update (publish_stepped).
     bool published = false;
+    // Gradients copied straight into the zero shard_grad by this backward
+    // (direct_fill), not yet completed.
+    bool filled = false;
   };
 
   distributed::ProcessGroupPtr group;
@@ -172,10 +175,30 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     }
   }
 
+  // At one rank, with the gradient shard beside the weights and nothing to
+  // round gradients to for communication, a gradient into a zero shard is
+  // copied straight into its place there (converted to float32 as it is
+  // copied): the flat buffer in the communication dtype, a pass of writes
+  // and one of reads per step, is not needed. Accumulating into a shard
+  // that holds gradients keeps the buffer, so that an abandoned backward
+  // leaves the shard as it was (on_reset re-zeroes a direct one).
+  bool direct_fill(const Bucket& b) const {
+    return b.ranks->size() == 1 && b.grad_is_zero &&
+        comm_dtype == b.working.scalar_type() &&
+        b.shard_grad.device() == b.working.device();
+  }
+
   // BucketHandler: see NOTE [Gradient bucketing].
   void fill(size_t param, bool /*used*/) override {
     const auto [k, i] = where[param];
     auto& b = buckets[k];
+    if (direct_fill(b)) {
+      auto& g = b.params[i].mutable_grad();
+      b.layout.copy_into(b.shard_grad, i, g); // zeros for an unused one
+      g = at::Tensor();
+      b.filled = true;
+      return;
+    }
     if (!b.grads.defined()) {
       b.grads = b.layout.empty_flat(b.working.options().dtype(comm_dtype));
     }
@@ -201,6 +224,11 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
 
   void complete(size_t k) override {
     auto& b = buckets[k];
+    if (b.filled) { // the gradients are in place
+      b.filled = false;
+      b.grad_is_zero = false;
+      return;
+    }
     detail::accumulate_grad(b, b.out, host_copies);
     b.grads = at::Tensor();
     b.out = at::Tensor();
@@ -213,6 +241,10 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   void on_reset() override {
     host_copies.wait();
     for (auto& b : buckets) {
+      if (b.filled) { // a backward abandoned before the bucket completed
+        b.shard_grad.zero_();
+        b.filled = false;
+      }
       b.grads = at::Tensor();
       b.out = at::Tensor();
     }
