@@ -7,6 +7,7 @@
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/gelu_linear.h>
+#include <colossalai/kernels/layer_norm.h>
 #include <colossalai/kernels/rms_norm.h>
 #include <colossalai/kernels/rope.h>
 #include <colossalai/kernels/silu_mul.h>
@@ -429,6 +430,209 @@ TEST(Kernels, LlamaOnCudaWithFusedKernelsEqualsTheCpu) {
     if (gc.defined()) {
       EXPECT_LT(norm_rel(gg.cpu(), gc), 1e-4);
     }
+  }
+}
+
+// ------------------------------------------- residual add + LayerNorm ---
+
+struct LnGrads {
+  at::Tensor y, sum, dx, dresidual, dweight, dbias;
+};
+
+template <class F>
+LnGrads run_add_ln(
+    const F& f,
+    const AddInputs& in,
+    const at::Tensor& b0,
+    at::ScalarType to = at::kFloat,
+    bool cast = false) {
+  const auto c = [&](const at::Tensor& t) { return cast ? t.to(to) : t; };
+  auto x = c(in.x).detach().clone().requires_grad_(true);
+  auto r = c(in.r).detach().clone().requires_grad_(true);
+  auto w = c(in.w).detach().clone().requires_grad_(true);
+  auto b = c(b0).detach().clone().requires_grad_(true);
+  auto [y, sum] = f(x, r, w, b);
+  torch::autograd::backward({y, sum}, {c(in.dy), c(in.dsum)});
+  return {y.detach(), sum.detach(), x.grad(), r.grad(), w.grad(), b.grad()};
+}
+
+// On the CPU the fused algorithm runs ATen's own LayerNorm kernels on the
+// saved sum and statistics, and adds the sum's gradient as autograd does:
+// it equals autograd through the reference bit for bit, in float32,
+// bfloat16, and a float32 stream with a bfloat16 residual.
+TEST(Kernels, AddLayerNormFusedAlgorithmIsTheReferenceOnTheCpu) {
+  const double eps = 1e-5;
+  for (const auto& [t, rt] :
+       {std::pair{at::kFloat, at::kFloat},
+        {at::kBFloat16, at::kBFloat16},
+        {at::kFloat, at::kBFloat16}}) {
+    SCOPED_TRACE(std::string(c10::toString(t)) + " + " + c10::toString(rt));
+    const auto in = add_inputs(64, 384, t, rt);
+    const auto bias = (0.1 * torch::randn({384})).to(t);
+    const auto a = run_add_ln(
+        [eps](auto& x, auto& r, auto& w, auto& b) {
+          return kn::detail::add_layer_norm_fused(x, r, w, b, eps);
+        },
+        in, bias);
+    const auto b = run_add_ln(
+        [eps](auto& x, auto& r, auto& w, auto& b) {
+          return kn::add_layer_norm_reference(x, r, w, b, eps);
+        },
+        in, bias);
+    for (const auto& [got, want] :
+         {std::pair{a.y, b.y}, {a.sum, b.sum}, {a.dx, b.dx},
+          {a.dresidual, b.dresidual}, {a.dweight, b.dweight},
+          {a.dbias, b.dbias}}) {
+      EXPECT_EQ(got.scalar_type(), want.scalar_type());
+      EXPECT_TRUE(at::equal(got, want));
+    }
+    EXPECT_EQ(a.dresidual.scalar_type(), rt);
+  }
+  // add_layer_norm off the GPU is the reference; the torch::nn::LayerNorm
+  // the GPT blocks hold computes the same.
+  const auto in = add_inputs(16, 128, at::kFloat, at::kFloat);
+  const auto bias = 0.1 * torch::randn({128});
+  EXPECT_FALSE(kn::add_layer_norm_fused_applies(in.x, in.r, in.w, bias));
+  torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({128}).eps(eps));
+  {
+    torch::NoGradGuard no_grad;
+    ln->weight.copy_(in.w);
+    ln->bias.copy_(bias);
+  }
+  const auto [y, sum] = kn::add_layer_norm(in.x, in.r, ln->weight, ln->bias, eps);
+  EXPECT_TRUE(at::equal(sum, in.x + in.r));
+  EXPECT_TRUE(at::equal(y, ln->forward(in.x + in.r)));
+  // Refused by name: another shape; a bias of another size.
+  EXPECT_THROW(
+      kn::detail::add_layer_norm_fused(
+          torch::randn({4, 8}), torch::randn({4, 7}), torch::ones({8}), torch::zeros({8}), eps),
+      c10::Error);
+  EXPECT_THROW(
+      kn::detail::add_layer_norm_fused(
+          torch::randn({4, 8}), torch::randn({4, 8}), torch::ones({8}), torch::zeros({7}), eps),
+      c10::Error);
+}
+
+// On a GPU: the kernels against the float64 function with the bound of
+// RmsNormCudaKernelsEqualTheReference (at most twice ATen's error plus two
+// ulps of the largest value): the norm, the sum (equal to ATen's add bit
+// for bit), the gradients of x, the residual, the weight and the bias;
+// three dtypes and a float32 stream with a bfloat16 residual; GPT-2
+// medium's width and a ragged one.
+TEST(Kernels, AddLayerNormCudaKernelsEqualTheReference) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  const double eps = 1e-5;
+  for (const int64_t cols : {1024, 1000}) {
+    for (const auto& [t, rt] :
+         {std::pair{at::kFloat, at::kFloat},
+          {at::kHalf, at::kHalf},
+          {at::kBFloat16, at::kBFloat16},
+          {at::kFloat, at::kBFloat16}}) {
+      SCOPED_TRACE(std::to_string(cols) + " " + c10::toString(t) + " + " +
+                   c10::toString(rt));
+      const auto in = add_inputs(512, cols, t, rt, at::kCUDA);
+      const auto bias = (0.1 * torch::randn({cols})).to(in.w.options());
+      ASSERT_TRUE(kn::add_layer_norm_fused_applies(in.x, in.r, in.w, bias));
+      const auto a = run_add_ln(
+          [eps](auto& x, auto& r, auto& w, auto& b) {
+            return kn::add_layer_norm(x, r, w, b, eps);
+          },
+          in, bias);
+      const auto b = run_add_ln(
+          [eps](auto& x, auto& r, auto& w, auto& b) {
+            return kn::add_layer_norm_reference(x, r, w, b, eps);
+          },
+          in, bias);
+      const auto exact = run_add_ln(
+          [eps](auto& x, auto& r, auto& w, auto& b) {
+            auto h = x + r;
+            auto mu = h.mean(-1, true);
+            auto var = (h - mu).pow(2).mean(-1, true);
+            return std::pair{(h - mu) * at::rsqrt(var + eps) * w + b, h};
+          },
+          in, bias, at::kDouble, true);
+      const auto err = [](const at::Tensor& got, const at::Tensor& want) {
+        const auto g = got.to(at::kDouble), r = want.to(at::kDouble);
+        return ((g - r).abs().max() / r.abs().max()).item<double>();
+      };
+      EXPECT_TRUE(at::equal(a.sum, b.sum));
+      for (const auto& [got, ref, ex] :
+           {std::tuple{a.y, b.y, exact.y},
+            {a.dx, b.dx, exact.dx},
+            {a.dresidual, b.dresidual, exact.dresidual},
+            {a.dweight, b.dweight, exact.dweight},
+            {a.dbias, b.dbias, exact.dbias}}) {
+        const double u = got.scalar_type() == at::kBFloat16 ? std::pow(2.0, -7)
+            : got.scalar_type() == at::kHalf                ? std::pow(2.0, -10)
+                                                            : std::pow(2.0, -23);
+        const double e_fused = err(got, ex), e_ref = err(ref, ex);
+        EXPECT_LE(e_fused, 2 * e_ref + 2 * u)
+            << "fused " << e_fused << ", reference " << e_ref;
+      }
+    }
+  }
+}
+
+// The zoo GPT and GPT-2 on a GPU, where the add before each block's second
+// LayerNorm runs the fused kernels (with the other fused ops), train as the
+// same models on the CPU in float32 (the bound and its reason as
+// LlamaOnCudaWithFusedKernelsEqualsTheCpu).
+TEST(Kernels, GptOnCudaWithFusedKernelsEqualsTheCpu) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  namespace models = colossalai::models;
+  const auto check = [](torch::nn::Module& cpu, torch::nn::Module& gpu,
+                        const std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)>& loss,
+                        int64_t vocab) {
+    {
+      torch::NoGradGuard ng;
+      for (size_t i = 0; i < cpu.parameters().size(); ++i) {
+        gpu.parameters()[i].copy_(cpu.parameters()[i]);
+      }
+    }
+    gpu.to(at::kCUDA);
+    const auto ids = torch::randint(vocab, {2, 33});
+    auto lc = loss(cpu, ids);
+    lc.backward();
+    auto lg = loss(gpu, ids.to(at::kCUDA));
+    lg.backward();
+    EXPECT_LT(norm_rel(lg.cpu(), lc), 1e-4);
+    for (size_t i = 0; i < cpu.parameters().size(); ++i) {
+      SCOPED_TRACE(i);
+      const auto& gc = cpu.parameters()[i].grad();
+      const auto& gg = gpu.parameters()[i].grad();
+      ASSERT_EQ(gc.defined(), gg.defined());
+      if (gc.defined()) {
+        EXPECT_LT(norm_rel(gg.cpu(), gc), 1e-4);
+      }
+    }
+  };
+  {
+    SCOPED_TRACE("GPT-2");
+    torch::manual_seed(29);
+    const auto config = models::GPT2Config::tiny_test();
+    models::GPT2LMHeadModel cpu(config), gpu(config);
+    check(*cpu, *gpu,
+          [](torch::nn::Module& m, const at::Tensor& ids) {
+            auto& lm = dynamic_cast<models::GPT2LMHeadModelImpl&>(m);
+            return lm.forward_loss(ids, ids);
+          },
+          config.vocab_size());
+  }
+  {
+    SCOPED_TRACE("zoo GPT");
+    torch::manual_seed(31);
+    auto config = colossalai::zoo::GPTConfig::tiny_test();
+    colossalai::zoo::GPT cpu(config), gpu(config);
+    check(*cpu, *gpu,
+          [](torch::nn::Module& m, const at::Tensor& ids) {
+            auto& g = dynamic_cast<colossalai::zoo::GPTImpl&>(m);
+            return g.forward(ids, ids);
+          },
+          config.vocab_size());
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/gelu_linear.h>
+#include <colossalai/kernels/layer_norm.h>
 #include <colossalai/utils/compat.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -130,8 +131,14 @@ at::Tensor BlockImpl::causal_self_attention(const at::Tensor& x) {
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
   auto scope = forward_scope(); // a sharding strategy's unit boundary
-  auto h = x + linear(proj, causal_self_attention(ln1->forward(x)));
-  auto m = linear(fc, ln2->forward(h));
+  // The residual add and the norm after it in one pass (on a GPU).
+  auto [normed, h] = kernels::add_layer_norm(
+      x,
+      linear(proj, causal_self_attention(ln1->forward(x))),
+      ln2->weight,
+      ln2->bias,
+      ln2->options.eps());
+  auto m = linear(fc, normed);
   m = config_.recompute_gelu()
       ? kernels::gelu_linear(m, out->weight, out->bias)
       : linear(out, at::gelu(m));

@@ -16,6 +16,7 @@
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/gelu_linear.h>
+#include <colossalai/kernels/layer_norm.h>
 #include <colossalai/kernels/rms_norm.h>
 #include <colossalai/kernels/rope.h>
 #include <colossalai/kernels/silu_mul.h>
@@ -203,6 +204,30 @@ int main(int argc, char** argv) {
       u.aten = time_ms(dev, reps, [&] { run(2); });
       u.bytes = bytes;
       rows.push_back(u);
+    }
+
+    // 3d. The same before a GPT-2 medium block's second LayerNorm (8 x 1024
+    // tokens of width 1024), against the add and ATen's LayerNorm.
+    {
+      const int64_t n = gpu ? 8192 : 256, c = 1024;
+      auto x = torch::randn({n, c}, opts).requires_grad_(true);
+      auto res = torch::randn({n, c}, opts).requires_grad_(true);
+      auto w = (1 + 0.1 * torch::randn({c}, opts)).requires_grad_(true);
+      auto bias = (0.1 * torch::randn({c}, opts)).requires_grad_(true);
+      const auto dy = torch::randn({n, c}, opts), dsum = torch::randn({n, c}, opts);
+      auto run = [&](bool fused) {
+        for (auto* t : {&x, &res, &w, &bias}) {
+          t->mutable_grad() = at::Tensor();
+        }
+        auto out = fused ? kn::add_layer_norm(x, res, w, bias, 1e-5)
+                         : kn::add_layer_norm_reference(x, res, w, bias, 1e-5);
+        torch::autograd::backward({out.first, out.second}, {dy, dsum});
+      };
+      Row r{"residual add + LayerNorm, forward + backward", std::to_string(n) + " x 1024 " + dtype};
+      r.ours = time_ms(dev, reps, [&] { run(true); });
+      r.aten = time_ms(dev, reps, [&] { run(false); });
+      r.bytes = 8.0 * n * c * x.element_size();
+      rows.push_back(r);
     }
 
     // 4. SwiGLU's gate at Llama 3.2 1B's MLP width over a 4 x 2048 batch.

@@ -51,6 +51,26 @@ __device__ __forceinline__ float round_to(float v) {
   return to_float(from_float<T>(v));
 }
 
+// The sum of `v` over the block, in every thread; blockDim.x a multiple of
+// 32. `shared` holds a float per warp; it is free again on return.
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+  for (int o = 16; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) {
+    shared[warp] = v;
+  }
+  __syncthreads();
+  v = lane < static_cast<int>(blockDim.x / 32) ? shared[lane] : 0.f;
+  for (int o = 16; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  __syncthreads(); // `shared` is free for the next sum
+  return v;
+}
+
 // Calls `f` with a value of the element type `dtype` names (its type is
 // what `f` needs): the one switch over dtypes, for every launcher.
 template <class F>

@@ -23,25 +23,6 @@ constexpr int kRowThreads = 256;
 constexpr int kTileCols = 32;
 constexpr int kTileRows = 8;
 
-// The sum over the block, in every thread. `shared` holds a float per warp.
-__device__ float block_sum(float v, float* shared) {
-  for (int o = 16; o > 0; o >>= 1) {
-    v += __shfl_xor_sync(0xffffffffu, v, o);
-  }
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (lane == 0) {
-    shared[warp] = v;
-  }
-  __syncthreads();
-  v = lane < static_cast<int>(blockDim.x / 32) ? shared[lane] : 0.f;
-  for (int o = 16; o > 0; o >>= 1) {
-    v += __shfl_xor_sync(0xffffffffu, v, o);
-  }
-  __syncthreads(); // `shared` is free for the next sum
-  return v;
-}
-
 // `residual` and `sum` null: the plain norm of x. Otherwise the norm of
 // sum = round(x + residual), which the first pass writes and the second
 // reads back (each thread its own columns).

@@ -2,6 +2,7 @@
 
 #include "model_init.h"
 
+#include <colossalai/kernels/layer_norm.h>
 #include <colossalai/models/kv_cache.h>
 
 #include <colossalai/distributed/functional.h>
@@ -153,8 +154,10 @@ GPT2BlockImpl::GPT2BlockImpl(
 
 at::Tensor GPT2BlockImpl::forward(const at::Tensor& x, const at::Tensor& mask) {
   auto scope = forward_scope();
-  auto h = x + attn(ln_1(x), mask);
-  return scope.exit(h + mlp(ln_2(h)));
+  // The residual add and the norm after it in one pass (on a GPU).
+  auto [normed, h] = kernels::add_layer_norm(
+      x, attn(ln_1(x), mask), ln_2->weight, ln_2->bias, ln_2->options.eps());
+  return scope.exit(h + mlp(normed));
 }
 
 GPT2ModelImpl::GPT2ModelImpl(const GPT2Config& c, const ParallelState* state)
