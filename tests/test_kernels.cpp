@@ -70,6 +70,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> inputs(
   return {x, w, dy};
 }
 
+// A dtype's rounding step relative to a value near 1 (2^-23, 2^-10, 2^-7).
+double ulp_of(at::ScalarType t) {
+  return t == at::kFloat ? std::pow(2.0, -23)
+      : t == at::kHalf   ? std::pow(2.0, -10)
+                         : std::pow(2.0, -7);
+}
+
+// Each (fused, reference, exact) triple: the fused result's largest error
+// against the exact one, relative to the largest exact value, is at most
+// twice the reference path's plus two ulps of the fused result's dtype.
+void expect_as_accurate_as_the_reference(
+    std::initializer_list<std::tuple<at::Tensor, at::Tensor, at::Tensor>> outs) {
+  const auto err = [](const at::Tensor& got, const at::Tensor& want) {
+    const auto g = got.to(at::kDouble), r = want.to(at::kDouble);
+    return ((g - r).abs().max() / r.abs().max()).item<double>();
+  };
+  for (const auto& [got, ref, ex] : outs) {
+    const double e_fused = err(got, ex), e_ref = err(ref, ex);
+    EXPECT_LE(e_fused, 2 * e_ref + 2 * ulp_of(got.scalar_type()))
+        << "fused " << e_fused << ", reference " << e_ref
+        << ", max difference between them "
+        << (got.to(at::kFloat) - ref.to(at::kFloat)).abs().max().item<double>();
+  }
+}
+
 // The reference is the shardformer layer's computation, bit for bit.
 TEST(Kernels, RmsNormReferenceIsTheLayersComputation) {
   namespace sl = colossalai::shardformer::layer;
@@ -171,23 +196,10 @@ TEST(Kernels, RmsNormCudaKernelsEqualTheReference) {
           x.to(at::kDouble),
           w.to(at::kDouble),
           dy.to(at::kDouble));
-      const double ulp = t == at::kFloat ? std::pow(2.0, -23)
-          : t == at::kHalf               ? std::pow(2.0, -10)
-                                         : std::pow(2.0, -7);
-      const auto err = [](const at::Tensor& got, const at::Tensor& want) {
-        const auto g = got.to(at::kDouble), r = want.to(at::kDouble);
-        return ((g - r).abs().max() / r.abs().max()).item<double>();
-      };
-      for (const auto& [got, ref, ex] :
-           {std::tuple{a.y, b.y, exact.y},
-            {a.dx, b.dx, exact.dx},
-            {a.dweight, b.dweight, exact.dweight}}) {
-        const double e_fused = err(got, ex), e_ref = err(ref, ex);
-        EXPECT_LE(e_fused, 2 * e_ref + 2 * ulp)
-            << "fused " << e_fused << ", reference " << e_ref
-            << ", max difference between them "
-            << (got.to(at::kFloat) - ref.to(at::kFloat)).abs().max().item<double>();
-      }
+      expect_as_accurate_as_the_reference(
+          {{a.y, b.y, exact.y},
+           {a.dx, b.dx, exact.dx},
+           {a.dweight, b.dweight, exact.dweight}});
     }
   }
 }
@@ -368,26 +380,12 @@ TEST(Kernels, AddRmsNormCudaKernelsEqualTheReference) {
                 w * (h * at::rsqrt(h.pow(2).mean(-1, true) + eps)), h};
           },
           d(in.x), d(in.r), d(in.w), d(in.dy), d(in.dsum));
-      const double ulp = t == at::kFloat ? std::pow(2.0, -23)
-          : t == at::kHalf               ? std::pow(2.0, -10)
-                                         : std::pow(2.0, -7);
-      const auto err = [](const at::Tensor& got, const at::Tensor& want) {
-        const auto g = got.to(at::kDouble), r = want.to(at::kDouble);
-        return ((g - r).abs().max() / r.abs().max()).item<double>();
-      };
       EXPECT_TRUE(at::equal(a.sum, b.sum));
-      for (const auto& [got, ref, ex] :
-           {std::tuple{a.y, b.y, exact.y},
-            {a.dx, b.dx, exact.dx},
-            {a.dresidual, b.dresidual, exact.dresidual},
-            {a.dweight, b.dweight, exact.dweight}}) {
-        const double u = got.scalar_type() == at::kBFloat16 ? std::pow(2.0, -7)
-            : got.scalar_type() == at::kHalf                ? std::pow(2.0, -10)
-                                                            : ulp;
-        const double e_fused = err(got, ex), e_ref = err(ref, ex);
-        EXPECT_LE(e_fused, 2 * e_ref + 2 * u)
-            << "fused " << e_fused << ", reference " << e_ref;
-      }
+      expect_as_accurate_as_the_reference(
+          {{a.y, b.y, exact.y},
+           {a.dx, b.dx, exact.dx},
+           {a.dresidual, b.dresidual, exact.dresidual},
+           {a.dweight, b.dweight, exact.dweight}});
     }
   }
 }
@@ -553,24 +551,13 @@ TEST(Kernels, AddLayerNormCudaKernelsEqualTheReference) {
             return std::pair{(h - mu) * at::rsqrt(var + eps) * w + b, h};
           },
           in, bias, at::kDouble, true);
-      const auto err = [](const at::Tensor& got, const at::Tensor& want) {
-        const auto g = got.to(at::kDouble), r = want.to(at::kDouble);
-        return ((g - r).abs().max() / r.abs().max()).item<double>();
-      };
       EXPECT_TRUE(at::equal(a.sum, b.sum));
-      for (const auto& [got, ref, ex] :
-           {std::tuple{a.y, b.y, exact.y},
-            {a.dx, b.dx, exact.dx},
-            {a.dresidual, b.dresidual, exact.dresidual},
-            {a.dweight, b.dweight, exact.dweight},
-            {a.dbias, b.dbias, exact.dbias}}) {
-        const double u = got.scalar_type() == at::kBFloat16 ? std::pow(2.0, -7)
-            : got.scalar_type() == at::kHalf                ? std::pow(2.0, -10)
-                                                            : std::pow(2.0, -23);
-        const double e_fused = err(got, ex), e_ref = err(ref, ex);
-        EXPECT_LE(e_fused, 2 * e_ref + 2 * u)
-            << "fused " << e_fused << ", reference " << e_ref;
-      }
+      expect_as_accurate_as_the_reference(
+          {{a.y, b.y, exact.y},
+           {a.dx, b.dx, exact.dx},
+           {a.dresidual, b.dresidual, exact.dresidual},
+           {a.dweight, b.dweight, exact.dweight},
+           {a.dbias, b.dbias, exact.dbias}});
     }
   }
 }
