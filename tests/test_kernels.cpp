@@ -310,6 +310,19 @@ TEST(Kernels, AddRmsNormFusedAlgorithmEqualsAutogradOfTheReference) {
     kn::detail::rms_norm_fused(h, in.w, eps).backward(in.dy);
     EXPECT_TRUE(at::equal(x.grad(), h.grad()));
   }
+  // With the norm unused the weight gets no gradient (as through the
+  // unfused ops) and x and the residual get the sum's.
+  {
+    const auto in = add_inputs(8, 64, at::kFloat, at::kBFloat16);
+    auto x = in.x.clone().requires_grad_(true);
+    auto r = in.r.clone().requires_grad_(true);
+    auto w = in.w.clone().requires_grad_(true);
+    auto [y, sum] = kn::detail::add_rms_norm_fused(x, r, w, eps);
+    sum.backward(in.dsum);
+    EXPECT_FALSE(w.grad().defined());
+    EXPECT_TRUE(at::equal(x.grad(), in.dsum));
+    EXPECT_TRUE(at::equal(r.grad(), in.dsum.to(at::kBFloat16)));
+  }
   // Refused by name: another shape; a residual that would widen the sum.
   EXPECT_THROW(
       kn::detail::add_rms_norm_fused(
@@ -500,6 +513,17 @@ TEST(Kernels, AddLayerNormFusedAlgorithmIsTheReferenceOnTheCpu) {
   const auto [y, sum] = kn::add_layer_norm(in.x, in.r, ln->weight, ln->bias, eps);
   EXPECT_TRUE(at::equal(sum, in.x + in.r));
   EXPECT_TRUE(at::equal(y, ln->forward(in.x + in.r)));
+  // With the norm unused the weight and bias get no gradient.
+  {
+    auto x = in.x.clone().requires_grad_(true);
+    auto w = in.w.clone().requires_grad_(true);
+    auto b = bias.clone().requires_grad_(true);
+    auto [y2, sum2] = kn::detail::add_layer_norm_fused(x, in.r, w, b, eps);
+    sum2.backward(in.dsum);
+    EXPECT_FALSE(w.grad().defined());
+    EXPECT_FALSE(b.grad().defined());
+    EXPECT_TRUE(at::equal(x.grad(), in.dsum));
+  }
   // Refused by name: another shape; a bias of another size.
   EXPECT_THROW(
       kn::detail::add_layer_norm_fused(

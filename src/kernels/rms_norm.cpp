@@ -193,17 +193,25 @@ struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
     ctx->save_for_backward({sum, weight, rstd});
     ctx->saved_data["residual_dtype"] =
         static_cast<int64_t>(residual.scalar_type());
+    // An unused output's gradient stays undefined: with y unused the
+    // weight gets none, as through the unfused add and norm.
+    ctx->set_materialize_grads(false);
     return {y, sum};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto& sum = saved[0];
-    auto dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(sum);
-    auto dsum = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
-    auto g = fused_backward(dy, sum, saved[1], saved[2], dsum);
     const auto rtype = static_cast<at::ScalarType>(
         ctx->saved_data["residual_dtype"].toInt());
+    auto dsum = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
+    if (!grads[0].defined()) {
+      return {dsum,
+              dsum.defined() ? dsum.to(rtype) : at::Tensor(),
+              at::Tensor(),
+              at::Tensor()};
+    }
+    auto g = fused_backward(
+        grads[0].contiguous(), saved[0], saved[1], saved[2], dsum);
     return {g.first, g.first.to(rtype), g.second, at::Tensor()};
   }
 };

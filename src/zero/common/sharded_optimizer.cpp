@@ -9,6 +9,7 @@
 #include <c10/util/ScopeExit.h>
 
 #include <algorithm>
+#include <exception>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -182,6 +183,7 @@ double ShardedOptimizer::global_norm(double norm_type) {
 }
 
 void ShardedOptimizer::step() {
+  published_during_step_ = 0;
   sum_partial_grads();
   unscale();
   skipped_ = scaler_ != nullptr && overflow();
@@ -207,7 +209,6 @@ void ShardedOptimizer::step() {
 }
 
 void ShardedOptimizer::step_optimizer() {
-  published_during_step_ = 0;
   auto* hybrid = dynamic_cast<nn::optimizer::HybridAdam*>(optim_.get());
   if (hybrid == nullptr || !publishes_during_step()) {
     optim_->step();
@@ -228,16 +229,31 @@ void ShardedOptimizer::step_optimizer() {
     optim_->step();
     return;
   }
+  // A failed upload must not leave the optimizer's step half done: it is
+  // kept, the step goes on (after_step publishes that group), and it is
+  // raised once the step is complete.
+  std::exception_ptr failed;
   hybrid->set_host_step_hook([&](const at::Tensor& param) {
     const auto it = group_of.find(param.unsafeGetTensorImpl());
-    if (it != group_of.end() && --left[it->second] == 0 &&
-        group_stepped_on_host(it->second)) {
-      ++published_during_step_;
+    if (failed || it == group_of.end() || --left[it->second] != 0) {
+      return;
+    }
+    try {
+      if (group_stepped_on_host(it->second)) {
+        ++published_during_step_;
+      }
+    } catch (...) {
+      failed = std::current_exception();
     }
   });
-  const auto unhook =
-      c10::make_scope_exit([hybrid] { hybrid->set_host_step_hook(nullptr); });
-  optim_->step();
+  {
+    const auto unhook = c10::make_scope_exit(
+        [hybrid] { hybrid->set_host_step_hook(nullptr); });
+    optim_->step();
+  }
+  if (failed) {
+    std::rethrow_exception(failed);
+  }
 }
 
 std::string ShardedOptimizer::sharded_graph_blocker(

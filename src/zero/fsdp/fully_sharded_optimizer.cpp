@@ -137,6 +137,7 @@ void FullyShardedOptimizer::step() {
   TORCH_CHECK(
       !st.in_backward() && !st.in_forward,
       "FSDP: step() during forward or backward");
+  st.placement->begin_step();
   if (st.placement->margin_pending()) {
     use_device_margin(*optim_, st);
   }

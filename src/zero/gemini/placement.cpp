@@ -331,6 +331,10 @@ bool Placement::copy_param_shard(size_t k) {
   return true;
 }
 
+void Placement::begin_step() {
+  refreshed_.assign(st_.units.size(), false);
+}
+
 bool Placement::refresh_param_shard(size_t k) {
   refreshed_.resize(st_.units.size(), false);
   refreshed_[k] = copy_param_shard(k);

@@ -113,6 +113,8 @@ class Placement {
   // the host steps other units (NOTE [Publishing during the host step]);
   // whether it has one.
   bool refresh_param_shard(size_t k);
+  // Forgets refreshes of an earlier step that did not complete.
+  void begin_step();
   // How the optimizer's states of a unit move with it: whether they can
   // (none is kept in files), and the move itself.
   struct StateMover {
