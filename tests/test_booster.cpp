@@ -744,6 +744,88 @@ TEST(GraphedStep, LowLevelZeroGraphModeEqualsOrdinarySteps) {
   });
 }
 
+// clip_grad_by_norm_tensor clips with torch.nn.utils.clip_grad_norm_'s
+// arithmetic and reads nothing back: without plugin and under LowLevelZero
+// at one rank, 3 SGD steps whose clip binds equal a plain model clipped by
+// clip_grad_norm_ within float32 rounding (a norm of per-parameter norms
+// in another grouping: a few ulps), and the returned norm (a float32 scalar
+// on the gradients' device) is clip_grad_norm_'s. Where the norm is
+// reduced on the host it is refused by name: LowLevelZero over 2 ranks,
+// HybridParallelPlugin.
+TEST(OptimizerWrapper, ClipGradByNormTensorIsTorchsClipGradNorm) {
+  namespace cp = colossalai::booster::plugin;
+  colossalai::testing::run_distributed(1, [](int, int) {
+    auto make = [] {
+      torch::manual_seed(19);
+      return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::Tanh(), torch::nn::Linear(32, 4));
+    };
+    auto batch = [](int step) {
+      torch::manual_seed(400 + step);
+      return torch::randn({8, 16});
+    };
+    for (const std::string plugin : {"none", "zero"}) {
+      SCOPED_TRACE(plugin);
+      auto plain = make();
+      torch::optim::SGD plain_opt(plain->parameters(), torch::optim::SGDOptions(0.5));
+      auto model = make();
+      auto opt = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.5));
+      auto options = cb::BoosterOptions();
+      if (plugin == "zero") {
+        options.plugin(std::make_shared<cp::LowLevelZeroPlugin>(
+            cp::LowLevelZeroPluginOptions().stage(2).precision("fp32")));
+      }
+      cb::Booster booster(options);
+      auto boosted = booster.boost(model, opt);
+      for (int step = 0; step < 3; ++step) {
+        plain_opt.zero_grad();
+        plain->forward(batch(step)).pow(2).mean().mul(100).backward();
+        const double want = torch::nn::utils::clip_grad_norm_(plain->parameters(), 0.05);
+        EXPECT_GT(want, 0.05); // the clip binds
+        plain_opt.step();
+        boosted.optimizer->zero_grad();
+        booster.backward(boosted.model(batch(step)).pow(2).mean() * 100, *boosted.optimizer);
+        const auto norm = boosted.optimizer->clip_grad_by_norm_tensor(0.05);
+        EXPECT_EQ(norm.dim(), 0);
+        EXPECT_EQ(norm.scalar_type(), at::kFloat);
+        EXPECT_NEAR(norm.item<double>(), want, 1e-5 * want);
+        boosted.optimizer->step();
+      }
+      const auto a = plain->parameters();
+      const auto b = model->parameters();
+      for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_TRUE(at::allclose(a[i], b[i], 1e-5, 1e-6))
+            << "parameter " << i << " differs by " << (a[i] - b[i]).abs().max().item<double>();
+      }
+    }
+  });
+  colossalai::testing::run_distributed(2, [](int, int) {
+    auto refused = [](cb::BoosterOptions options, const std::string& part) {
+      torch::manual_seed(19);
+      auto model = torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::Linear(32, 4));
+      auto opt = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.5));
+      cb::Booster booster(options);
+      auto boosted = booster.boost(model, opt);
+      booster.backward(boosted.model(torch::randn({8, 16})).pow(2).mean(), *boosted.optimizer);
+      try {
+        boosted.optimizer->clip_grad_by_norm_tensor(1.0);
+        ADD_FAILURE() << "no error; expected one naming '" << part << "'";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+      }
+      // The host-side clip still works there.
+      EXPECT_GT(boosted.optimizer->clip_grad_by_norm(1.0), 0.0);
+    };
+    refused(
+        cb::BoosterOptions().plugin(std::make_shared<cp::LowLevelZeroPlugin>(
+            cp::LowLevelZeroPluginOptions().stage(2).precision("fp32"))),
+        "several ranks");
+    refused(
+        cb::BoosterOptions().plugin(std::make_shared<cp::HybridParallelPlugin>(
+            cp::HybridParallelPluginOptions().tp_size(1).pp_size(1).precision("fp32"))),
+        "HybridParallelPlugin");
+  });
+}
+
 // LowLevelZero's max_norm at one rank clips on the gradients' device with
 // torch.nn.utils.clip_grad_norm_'s arithmetic (float32 coefficient, clamped
 // to 1): after 3 SGD steps whose clip binds, the weights equal a plain

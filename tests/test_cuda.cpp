@@ -417,6 +417,9 @@ StepRecord graph_run(const std::string& plugin, bool graphed) {
     boosted.optimizer->zero_grad();
     auto loss = boosted.model(in[0], in[1]); // the fused loss
     booster.backward(loss, *boosted.optimizer);
+    if (plugin == "none_clip") { // on the device: captured with the step
+      boosted.optimizer->clip_grad_by_norm_tensor(0.25);
+    }
     boosted.optimizer->step();
     return loss;
   };
@@ -452,7 +455,8 @@ StepRecord graph_run(const std::string& plugin, bool graphed) {
 // runs, with the scalars (step counts, the scheduled learning rate)
 // rewritten between replays. Without plugin (ATen's fused AdamW) and with
 // LowLevelZero at one rank (our AdamW kernel writing the bf16 weights),
-// with and without max_norm's clipping on the device.
+// with and without clipping on the device (clip_grad_by_norm_tensor,
+// max_norm).
 TEST(Cuda, GraphedStepEqualsEagerSteps) {
   SKIP_WITHOUT_CUDA(1);
   run_distributed(
@@ -462,7 +466,7 @@ TEST(Cuda, GraphedStepEqualsEagerSteps) {
         // workspace configuration.
         setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
         at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
-        for (const std::string plugin : {"none", "zero1", "zero1_clip"}) {
+        for (const std::string plugin : {"none", "none_clip", "zero1", "zero1_clip"}) {
           SCOPED_TRACE(plugin);
           const auto eager = graph_run(plugin, false);
           const auto graphed = graph_run(plugin, true);

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
 #include <typeinfo>
 
 namespace colossalai {
@@ -172,9 +173,9 @@ double total_norm(
     TORCH_CHECK(
         !g.defined() || !compat::stream_capturing(g.device()),
         "the global gradient norm (clip_grad_by_norm) is read back to the "
-        "host, which a CUDA graph cannot capture; clip with "
-        "LowLevelZeroPlugin's max_norm at one rank (on the device) or "
-        "outside the captured step");
+        "host, which a CUDA graph cannot capture; clip on the device with "
+        "clip_grad_by_norm_tensor, or LowLevelZeroPlugin's max_norm at one "
+        "rank, or outside the captured step");
   }
   if (groups.empty()) {
     // One host sync for the whole model, as torch.nn.utils does.
@@ -205,6 +206,31 @@ double total_norm(
   return inf ? v : std::pow(v, 1.0 / norm_type);
 }
 
+at::Tensor clip_grads_on_device(
+    const std::vector<at::Tensor>& grads,
+    double max_norm,
+    double norm_type) {
+  TORCH_CHECK(max_norm > 0, "clip_grad_by_norm: max_norm must be positive");
+  TORCH_CHECK(norm_type > 0, "clip_grad_by_norm: norm_type must be positive");
+  auto norm = total_norm_tensor(grads, norm_type);
+  const auto coef =
+      at::full({}, max_norm, norm.options()).div(norm + 1e-6).clamp_max(1.0);
+  // One copy per device (offloaded shards live on the host): not one per
+  // tensor, each a read back from the device.
+  std::map<std::string, at::Tensor> on;
+  for (const auto& g : grads) {
+    if (!g.defined() || g.numel() == 0) {
+      continue;
+    }
+    auto& c = on[g.device().str()];
+    if (!c.defined()) {
+      c = coef.to(g.device());
+    }
+    g.mul_(c);
+  }
+  return norm;
+}
+
 double grad_norm(const std::vector<at::Tensor>& params, double norm_type) {
   std::vector<at::Tensor> grads;
   for (const auto& p : params) {
@@ -232,6 +258,16 @@ double OptimizerWrapper::clip_grad_by_norm(double max_norm, double norm_type) {
     scale_grads(params, coef);
   }
   return norm;
+}
+
+at::Tensor OptimizerWrapper::clip_grad_by_norm_tensor(
+    double max_norm,
+    double norm_type) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : parameters()) {
+    grads.push_back(p.grad());
+  }
+  return clip_grads_on_device(grads, max_norm, norm_type);
 }
 
 void OptimizerWrapper::clip_grad_by_value(double clip_value) {

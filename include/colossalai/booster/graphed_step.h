@@ -16,8 +16,8 @@
 ///
 /// What a captured step may not do, and is refused by name: read a value
 /// back to the host (.item(), clip_grad_by_norm's norm, fp16's overflow
-/// check; LowLevelZero's max_norm at one rank clips on the device and is
-/// captured), step an optimizer whose scalars live on the host
+/// check; clip_grad_by_norm_tensor and LowLevelZero's max_norm at one rank
+/// clip on the device and are captured), step an optimizer whose scalars live on the host
 /// (torch::optim::AdamW: use FusedAdamW), or communicate (one process; a
 /// plugin's optimizer wrapper other than LowLevelZero's at one rank is
 /// refused). The fused loss skips its check of the targets' range inside a

@@ -41,6 +41,16 @@ class OptimizerWrapper {
   /// Scales gradients so their global `norm_type`-norm is at most `max_norm`;
   /// returns the norm before clipping (inf for norm_type = inf).
   virtual double clip_grad_by_norm(double max_norm, double norm_type = 2.0);
+  /// clip_grad_by_norm with nothing read back to the host, as Python's
+  /// clip_grad_norm_ returns it: the norm as a float32 scalar on the
+  /// gradients' device, the coefficient max_norm / (norm + 1e-6) formed in
+  /// float32 there, clamped to 1 and always applied. A step captured in a
+  /// CUDA graph (booster::GraphedStep) may clip so. Where the norm needs a
+  /// host-side reduction (several ranks' shards, a mesh, fp16's unscale)
+  /// the wrapper refuses by name.
+  virtual at::Tensor clip_grad_by_norm_tensor(
+      double max_norm,
+      double norm_type = 2.0);
   virtual void clip_grad_by_value(double clip_value);
 
   /// CUDA graphs (booster::GraphedStep; NOTE [Captured optimizer steps]).
@@ -111,6 +121,14 @@ double total_norm(
 /// captured in a CUDA graph may clip by it.
 at::Tensor total_norm_tensor(
     const std::vector<at::Tensor>& tensors,
+    double norm_type);
+/// Scales `grads` in place so their total norm is at most `max_norm`, with
+/// torch.nn.utils.clip_grad_norm_'s arithmetic on the device (the float32
+/// coefficient clamped to 1, always applied; one copy of it per device);
+/// returns total_norm_tensor(grads). Nothing is read back.
+at::Tensor clip_grads_on_device(
+    const std::vector<at::Tensor>& grads,
+    double max_norm,
     double norm_type);
 /// total_norm of the parameters' gradients.
 double grad_norm(const std::vector<at::Tensor>& params, double norm_type);

@@ -73,6 +73,16 @@ double TorchAMPOptimizer::clip_grad_by_norm(double max_norm, double norm_type) {
   return interface::OptimizerWrapper::clip_grad_by_norm(max_norm, norm_type);
 }
 
+at::Tensor TorchAMPOptimizer::clip_grad_by_norm_tensor(
+    double /*max_norm*/,
+    double /*norm_type*/) {
+  TORCH_CHECK(
+      false,
+      "clip_grad_by_norm_tensor: with fp16 the gradients are unscaled after "
+      "an overflow check read on the host; use clip_grad_by_norm");
+  return at::Tensor();
+}
+
 void TorchAMPOptimizer::clip_grad_by_value(double clip_value) {
   if (!scaler_.unscale_(parameters())) {
     interface::OptimizerWrapper::clip_grad_by_value(clip_value);

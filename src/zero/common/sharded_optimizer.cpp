@@ -285,23 +285,7 @@ void ShardedOptimizer::clip_on_device(double max_norm, double norm_type) {
   for (auto* g : groups_) {
     grads.push_back(g->shard_grad);
   }
-  // torch.nn.utils.clip_grad_norm_'s arithmetic: the coefficient in
-  // float32, clamped to 1 and always applied (by 1: unchanged), so nothing
-  // is read back and a captured step may clip.
-  const auto norm = interface::total_norm_tensor(grads, norm_type);
-  const auto coef =
-      at::full({}, max_norm, norm.options()).div(norm + 1e-6).clamp_max(1.0);
-  // One copy per device (offloaded shards live on the host): not one per
-  // shard, each a read back from the device.
-  std::map<std::string, at::Tensor> on;
-  for (auto* g : groups_) {
-    const auto device = g->shard_grad.device();
-    auto& c = on[device.str()];
-    if (!c.defined()) {
-      c = coef.to(device);
-    }
-    g->shard_grad.mul_(c);
-  }
+  interface::clip_grads_on_device(grads, max_norm, norm_type);
 }
 
 void ShardedOptimizer::zero_grad(bool set_to_none) {
@@ -328,6 +312,25 @@ double ShardedOptimizer::clip_grad_by_norm(double max_norm, double norm_type) {
     scale_grads(coef);
   }
   return norm;
+}
+
+at::Tensor ShardedOptimizer::clip_grad_by_norm_tensor(
+    double max_norm,
+    double norm_type) {
+  TORCH_CHECK(
+      scaler_ == nullptr,
+      "clip_grad_by_norm_tensor: with fp16 the gradients are unscaled after "
+      "an overflow check read on the host; use clip_grad_by_norm");
+  TORCH_CHECK(
+      one_rank(),
+      "clip_grad_by_norm_tensor: the global norm of several ranks' shards "
+      "(or a parallel layout's) is reduced on the host; use "
+      "clip_grad_by_norm, or the plugin's max_norm");
+  std::vector<at::Tensor> grads;
+  for (auto* g : groups_) {
+    grads.push_back(g->shard_grad);
+  }
+  return interface::clip_grads_on_device(grads, max_norm, norm_type);
 }
 
 void ShardedOptimizer::clip_grad_by_value(double clip_value) {

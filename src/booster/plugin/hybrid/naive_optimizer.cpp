@@ -46,6 +46,17 @@ void HybridParallelNaiveOptimizer::zero_grad(bool set_to_none) {
   interface::OptimizerWrapper::zero_grad(set_to_none);
 }
 
+at::Tensor HybridParallelNaiveOptimizer::clip_grad_by_norm_tensor(
+    double /*max_norm*/,
+    double /*norm_type*/) {
+  TORCH_CHECK(
+      false,
+      "clip_grad_by_norm_tensor: HybridParallelPlugin's global norm over the "
+      "mesh is reduced on the host; use clip_grad_by_norm, or the plugin's "
+      "max_norm");
+  return at::Tensor();
+}
+
 double HybridParallelNaiveOptimizer::clip_grad_by_norm(
     double max_norm,
     double norm_type) {

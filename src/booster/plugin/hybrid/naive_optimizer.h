@@ -28,6 +28,9 @@ class HybridParallelNaiveOptimizer : public interface::OptimizerWrapper {
   void step() override;
   void zero_grad(bool set_to_none) override;
   double clip_grad_by_norm(double max_norm, double norm_type) override;
+  /// Refused: the norm over the mesh is reduced on the host.
+  at::Tensor clip_grad_by_norm_tensor(double max_norm, double norm_type)
+      override;
 
   /// This rank's expert parameters, averaged over `moe_dp` and split over
   /// `ep`.
