@@ -64,7 +64,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_forward(
             x.size(-1),
             static_cast<float>(eps),
             c10::cuda::getCurrentCUDAStream().stream()),
-        "add_layer_norm", "the forward kernel");
+        "add_layer_norm",
+        "the forward kernel");
     return {y, sum, mean, rstd};
   }
 #endif
@@ -114,7 +115,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward(
             rows,
             cols,
             c10::cuda::getCurrentCUDAStream().stream()),
-        "add_layer_norm", "the backward kernels");
+        "add_layer_norm",
+        "the backward kernels");
     return {dx, dweight, dbias};
   }
 #endif
@@ -149,15 +151,16 @@ struct AddLayerNormFunction : torch::autograd::Function<AddLayerNormFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const auto rtype = static_cast<at::ScalarType>(
-        ctx->saved_data["residual_dtype"].toInt());
+    const auto rtype =
+        static_cast<at::ScalarType>(ctx->saved_data["residual_dtype"].toInt());
     auto dsum = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
     if (!grads[0].defined()) {
-      return {dsum,
-              dsum.defined() ? dsum.to(rtype) : at::Tensor(),
-              at::Tensor(),
-              at::Tensor(),
-              at::Tensor()};
+      return {
+          dsum,
+          dsum.defined() ? dsum.to(rtype) : at::Tensor(),
+          at::Tensor(),
+          at::Tensor(),
+          at::Tensor()};
     }
     auto [dx, dweight, dbias] = fused_backward(
         grads[0].contiguous(), s[0], s[1], s[2], s[3], s[4], dsum);

@@ -49,7 +49,8 @@ std::pair<at::Tensor, at::Tensor> fused_forward(
               cols,
               static_cast<float>(eps),
               c10::cuda::getCurrentCUDAStream().stream()),
-          "rms_norm", "the forward kernel");
+          "rms_norm",
+          "the forward kernel");
     }
     return {y, rstd};
   }
@@ -98,7 +99,8 @@ std::pair<at::Tensor, at::Tensor> fused_backward(
             rows,
             cols,
             c10::cuda::getCurrentCUDAStream().stream()),
-        "rms_norm", "the backward kernels");
+        "rms_norm",
+        "the backward kernels");
     return {dx, dweight};
   }
 #endif
@@ -169,7 +171,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_forward(
               cols,
               static_cast<float>(eps),
               c10::cuda::getCurrentCUDAStream().stream()),
-          "add_rms_norm", "the forward kernel");
+          "add_rms_norm",
+          "the forward kernel");
     }
     return {y, sum, rstd};
   }
@@ -201,14 +204,15 @@ struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto rtype = static_cast<at::ScalarType>(
-        ctx->saved_data["residual_dtype"].toInt());
+    const auto rtype =
+        static_cast<at::ScalarType>(ctx->saved_data["residual_dtype"].toInt());
     auto dsum = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
     if (!grads[0].defined()) {
-      return {dsum,
-              dsum.defined() ? dsum.to(rtype) : at::Tensor(),
-              at::Tensor(),
-              at::Tensor()};
+      return {
+          dsum,
+          dsum.defined() ? dsum.to(rtype) : at::Tensor(),
+          at::Tensor(),
+          at::Tensor()};
     }
     auto g = fused_backward(
         grads[0].contiguous(), saved[0], saved[1], saved[2], dsum);
@@ -231,9 +235,8 @@ bool rms_norm_fused_applies(const at::Tensor& x, const at::Tensor& weight) {
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   const auto t = x.scalar_type();
   return x.defined() && weight.defined() && x.is_cuda() &&
-      weight.device() == x.device() && x.dim() >= 1 &&
-      weight.dim() == 1 && weight.size(0) == x.size(-1) &&
-      weight.scalar_type() == t &&
+      weight.device() == x.device() && x.dim() >= 1 && weight.dim() == 1 &&
+      weight.size(0) == x.size(-1) && weight.scalar_type() == t &&
       (t == at::kFloat || t == at::kHalf || t == at::kBFloat16);
 #else
   (void)x;

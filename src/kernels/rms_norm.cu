@@ -84,7 +84,8 @@ __global__ void __launch_bounds__(kRowThreads) input_grad_kernel(
   const float r = rstd[row];
   float dot = 0.f;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-    dot += round_to<T>(to_float(dyr[c]) * to_float(weight[c])) * to_float(xr[c]);
+    dot +=
+        round_to<T>(to_float(dyr[c]) * to_float(weight[c])) * to_float(xr[c]);
   }
   dot = block_sum(dot, shared);
   const float k = r * r * r * dot / static_cast<float>(cols);
@@ -159,16 +160,15 @@ cudaError_t forward(
     int64_t cols,
     float eps,
     cudaStream_t stream) {
-  forward_kernel<T, R>
-      <<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-          static_cast<const T*>(x),
-          static_cast<const R*>(residual),
-          static_cast<const T*>(weight),
-          static_cast<T*>(sum),
-          static_cast<T*>(y),
-          rstd,
-          cols,
-          eps);
+  forward_kernel<T, R><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
+      static_cast<const T*>(x),
+      static_cast<const R*>(residual),
+      static_cast<const T*>(weight),
+      static_cast<T*>(sum),
+      static_cast<T*>(y),
+      rstd,
+      cols,
+      eps);
   return cudaGetLastError();
 }
 
@@ -185,15 +185,14 @@ cudaError_t backward(
     int64_t rows,
     int64_t cols,
     cudaStream_t stream) {
-  input_grad_kernel<T>
-      <<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-          static_cast<const T*>(dy),
-          static_cast<const T*>(x),
-          static_cast<const T*>(weight),
-          rstd,
-          static_cast<const T*>(dsum),
-          static_cast<T*>(dx),
-          cols);
+  input_grad_kernel<T><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
+      static_cast<const T*>(dy),
+      static_cast<const T*>(x),
+      static_cast<const T*>(weight),
+      rstd,
+      static_cast<const T*>(dsum),
+      static_cast<T*>(dx),
+      cols);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
     return e;

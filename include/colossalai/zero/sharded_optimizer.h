@@ -54,9 +54,8 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
   /// At one rank without fp16 (a captured step may clip so); refused
   /// elsewhere.
-  at::Tensor clip_grad_by_norm_tensor(
-      double max_norm,
-      double norm_type = 2.0) override;
+  at::Tensor clip_grad_by_norm_tensor(double max_norm, double norm_type = 2.0)
+      override;
   void clip_grad_by_value(double clip_value) override;
 
   /// Whether the last step was skipped for an inf/nan gradient.

@@ -247,8 +247,8 @@ void ShardedOptimizer::step_optimizer() {
     }
   });
   {
-    const auto unhook = c10::make_scope_exit(
-        [hybrid] { hybrid->set_host_step_hook(nullptr); });
+    const auto unhook =
+        c10::make_scope_exit([hybrid] { hybrid->set_host_step_hook(nullptr); });
     optim_->step();
   }
   if (failed) {

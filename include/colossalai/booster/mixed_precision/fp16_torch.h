@@ -22,9 +22,8 @@ class TorchAMPOptimizer : public interface::OptimizerWrapper {
   void step() override;
   double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
   /// Refused: the gradients are unscaled after a host-side overflow check.
-  at::Tensor clip_grad_by_norm_tensor(
-      double max_norm,
-      double norm_type = 2.0) override;
+  at::Tensor clip_grad_by_norm_tensor(double max_norm, double norm_type = 2.0)
+      override;
   void clip_grad_by_value(double clip_value) override;
   std::string graph_capture_blocker() const override {
     return "fp16 mixed precision: the GradScaler reads whether the "
