@@ -38,8 +38,7 @@
 /// \code
 ///   auto y = colossalai::kernels::rms_norm(x, weight, 1e-6);
 ///   y.sum().backward(); // fused backward on CUDA, autograd elsewhere
-///   auto [normed, h] = colossalai::kernels::add_rms_norm(x, attn, weight,
-///   1e-6);
+///   auto [normed, h] = colossalai::kernels::add_rms_norm(x, a, weight, 1e-6);
 /// \endcode
 
 #include <ATen/core/Tensor.h>
