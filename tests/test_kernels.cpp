@@ -584,6 +584,15 @@ TEST(Kernels, AddLayerNormCudaKernelsEqualTheReference) {
            {a.dbias, b.dbias, exact.dbias}});
     }
   }
+  // Under autocast LayerNorm runs in float32: a bf16 x takes the reference
+  // (a float32 result), a float32 stream with a bf16 residual the kernels.
+  const auto in = add_inputs(8, 64, at::kBFloat16, at::kBFloat16, at::kCUDA);
+  const auto bias = torch::zeros({64}, in.w.options());
+  colossalai::compat::AutocastGuard autocast(at::kCUDA, at::kBFloat16);
+  EXPECT_FALSE(kn::add_layer_norm_fused_applies(in.x, in.r, in.w, bias));
+  EXPECT_EQ(kn::add_layer_norm(in.x, in.r, in.w, bias, eps).first.scalar_type(), at::kFloat);
+  const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  EXPECT_TRUE(kn::add_layer_norm_fused_applies(f(in.x), in.r, f(in.w), f(bias)));
 }
 
 // The zoo GPT and GPT-2 on a GPU, where the add before each block's second

@@ -4,6 +4,8 @@
 
 #include <colossalai/kernels/layer_norm.h>
 
+#include <colossalai/utils/compat.h>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -192,6 +194,11 @@ bool add_layer_norm_fused_applies(
   }
   const auto t = x.scalar_type();
   const auto r = residual.scalar_type();
+  // Autocast runs LayerNorm in float32 (a float32 result from bf16 / fp16
+  // inputs); the kernels keep x's dtype, so they take only float32 x there.
+  if (t != at::kFloat && compat::autocast_dtype(at::kCUDA).has_value()) {
+    return false;
+  }
   const auto one_vector = [&](const at::Tensor& v) {
     return v.device() == x.device() && v.dim() == 1 &&
         v.size(0) == x.size(-1) && v.scalar_type() == t;

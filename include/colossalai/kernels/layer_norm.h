@@ -44,7 +44,8 @@ std::pair<at::Tensor, at::Tensor> add_layer_norm_reference(
 /// A build with CUDA kernels; x, residual, weight and bias on one CUDA
 /// device; x float32, float16 or bfloat16 with weight and bias
 /// one-dimensional of its last size and dtype; the residual of x's shape
-/// and dtype, or (x in float32) bfloat16 / float16.
+/// and dtype, or (x in float32) bfloat16 / float16. Under CUDA autocast
+/// only a float32 x (autocast computes LayerNorm in float32).
 bool add_layer_norm_fused_applies(
     const at::Tensor& x,
     const at::Tensor& residual,
