@@ -627,7 +627,9 @@ TEST(LowLevelZero, Bf16AtOneRankIsTheMasterStepRounded) {
 // and the weights equal those of the same training without offload, whose
 // buckets are cast after the step, bit for bit (the same host update and
 // the same cast; a bucket published before its last piece was updated
-// would keep that piece's old value).
+// would keep that piece's old value). On a GPU the resident masters step
+// on the device and the offloaded ones on the host: equal within
+// testing::same_across_tiers' bound there.
 TEST(LowLevelZero, OffloadPublishesEachBucketDuringHybridAdamsStep) {
   namespace opt = colossalai::nn::optimizer;
   run_distributed(1, [](int rank, int world) {
@@ -665,15 +667,21 @@ TEST(LowLevelZero, OffloadPublishesEachBucketDuringHybridAdamsStep) {
     const auto offloaded = train(true);
     const auto resident = train(false);
     ASSERT_EQ(offloaded.size(), resident.size());
+    const bool bitwise = colossalai::current_device().is_cpu();
     for (size_t i = 0; i < offloaded.size(); ++i) {
-      EXPECT_TRUE(at::equal(offloaded[i], resident[i])) << "parameter " << i;
+      double diff = 0;
+      EXPECT_TRUE(colossalai::testing::same_across_tiers(
+          offloaded[i], resident[i], 3, 1e-2, bitwise, &diff))
+          << "parameter " << i << " differs by " << diff;
     }
   });
 }
 
 // At one rank each bf16 gradient goes straight into the zero fp32 gradient
 // shard (no flat buffer in between): the optimizer's pieces then hold the
-// plain model's gradients converted to fp32, bit for bit. A second backward
+// plain model's gradients converted to fp32, bit for bit on the CPU (on a
+// GPU within a bf16 rounding: cuBLAS may pick other kernels for the
+// booster's flat views). A second backward
 // without zero_grad adds to them (the fp32 sum of the two, through the
 // flat buffer); zero_grad then clears them.
 TEST(LowLevelZero, OneRankGradientsLandInTheShardAsTheModelsInFp32) {
@@ -681,9 +689,10 @@ TEST(LowLevelZero, OneRankGradientsLandInTheShardAsTheModelsInFp32) {
     auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
         cb::plugin::LowLevelZeroPluginOptions().stage(2).precision("bf16").reduce_bucket_size_in_m(0.0005));
     cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    const auto dev = colossalai::current_device();
     auto model = make_model();
     auto plain = make_model();
-    plain->to(at::kBFloat16);
+    plain->to(dev, at::kBFloat16);
     auto boosted = booster.boost(
         model, std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1)));
     auto* zo = dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
@@ -698,11 +707,18 @@ TEST(LowLevelZero, OneRankGradientsLandInTheShardAsTheModelsInFp32) {
       for (auto& p : plain->parameters()) {
         p.mutable_grad() = at::Tensor();
       }
-      torch::mse_loss(plain(b.first.to(at::kBFloat16)).to(at::kFloat), b.second).backward();
+      torch::mse_loss(plain(b.first.to(dev, at::kBFloat16)).to(at::kFloat), b.second.to(dev))
+          .backward();
       for (size_t i = 0; i < pieces.size(); ++i) {
         const auto g = plain->parameters()[i].grad().to(at::kFloat).flatten();
         sum[i] = pass == 0 ? g : sum[i] + g;
-        EXPECT_TRUE(at::equal(pieces[i].grad(), sum[i])) << "pass " << pass << ", parameter " << i;
+        const auto got = pieces[i].grad();
+        if (dev.is_cpu()) {
+          EXPECT_TRUE(at::equal(got, sum[i])) << "pass " << pass << ", parameter " << i;
+        } else {
+          EXPECT_LE((got - sum[i]).abs().max().item<double>(), 1e-2 * sum[i].abs().max().item<double>())
+              << "pass " << pass << ", parameter " << i;
+        }
       }
     }
     boosted.optimizer->zero_grad();
