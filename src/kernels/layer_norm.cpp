@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "residual_add.h"
+
 #include <array>
 #include <tuple>
 
@@ -143,30 +145,21 @@ struct AddLayerNormFunction : torch::autograd::Function<AddLayerNormFunction> {
       double eps) {
     auto [y, sum, mean, rstd] = fused_forward(x, residual, weight, bias, eps);
     ctx->save_for_backward({sum, weight, bias, mean, rstd});
-    ctx->saved_data["residual_dtype"] =
-        static_cast<int64_t>(residual.scalar_type());
-    // An unused output's gradient stays undefined: with y unused the
-    // weight and bias get none, as through the unfused add and norm.
-    ctx->set_materialize_grads(false);
+    detail::begin_residual_add(ctx, residual);
     return {y, sum};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const auto rtype =
-        static_cast<at::ScalarType>(ctx->saved_data["residual_dtype"].toInt());
     auto dsum = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
     if (!grads[0].defined()) {
-      return {
-          dsum,
-          dsum.defined() ? dsum.to(rtype) : at::Tensor(),
-          at::Tensor(),
-          at::Tensor(),
-          at::Tensor()};
+      auto [gx, gr] = detail::residual_add_grads(ctx, dsum);
+      return {gx, gr, at::Tensor(), at::Tensor(), at::Tensor()};
     }
     auto [dx, dweight, dbias] = fused_backward(
         grads[0].contiguous(), s[0], s[1], s[2], s[3], s[4], dsum);
-    return {dx, dx.to(rtype), dweight, dbias, at::Tensor()};
+    auto [gx, gr] = detail::residual_add_grads(ctx, dx);
+    return {gx, gr, dweight, dbias, at::Tensor()};
   }
 };
 

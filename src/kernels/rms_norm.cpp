@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "residual_add.h"
+
 #include <tuple>
 
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
@@ -194,29 +196,21 @@ struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
       double eps) {
     auto [y, sum, rstd] = fused_add_forward(x, residual, weight, eps);
     ctx->save_for_backward({sum, weight, rstd});
-    ctx->saved_data["residual_dtype"] =
-        static_cast<int64_t>(residual.scalar_type());
-    // An unused output's gradient stays undefined: with y unused the
-    // weight gets none, as through the unfused add and norm.
-    ctx->set_materialize_grads(false);
+    detail::begin_residual_add(ctx, residual);
     return {y, sum};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto rtype =
-        static_cast<at::ScalarType>(ctx->saved_data["residual_dtype"].toInt());
     auto dsum = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
     if (!grads[0].defined()) {
-      return {
-          dsum,
-          dsum.defined() ? dsum.to(rtype) : at::Tensor(),
-          at::Tensor(),
-          at::Tensor()};
+      auto [gx, gr] = detail::residual_add_grads(ctx, dsum);
+      return {gx, gr, at::Tensor(), at::Tensor()};
     }
     auto g = fused_backward(
         grads[0].contiguous(), saved[0], saved[1], saved[2], dsum);
-    return {g.first, g.first.to(rtype), g.second, at::Tensor()};
+    auto [gx, gr] = detail::residual_add_grads(ctx, g.first);
+    return {gx, gr, g.second, at::Tensor()};
   }
 };
 
