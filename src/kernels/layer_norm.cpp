@@ -9,7 +9,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include "residual_add.h"
+#include "norms.h"
 
 #include <array>
 #include <tuple>
@@ -30,13 +30,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-#ifdef COLOSSALAI_WITH_CUDA_KERNELS
-int64_t rows_of(const at::Tensor& x) {
-  const int64_t cols = x.size(-1);
-  return cols == 0 ? 0 : x.numel() / cols;
-}
-#endif
-
 // y, the sum, and the statistics the backward needs (mean, rstd).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_forward(
     const at::Tensor& x,
@@ -47,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_forward(
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   if (x.is_cuda()) {
     const c10::cuda::CUDAGuard guard(x.device());
-    const int64_t rows = rows_of(x);
+    const int64_t rows = detail::norm_rows(x);
     auto sum = at::empty_like(x);
     auto y = at::empty_like(x);
     auto mean = at::empty({rows}, x.options().dtype(at::kFloat));
@@ -90,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward(
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   if (sum.is_cuda()) {
     const c10::cuda::CUDAGuard guard(sum.device());
-    const int64_t rows = rows_of(sum), cols = sum.size(-1);
+    const int64_t rows = detail::norm_rows(sum), cols = sum.size(-1);
     auto dx = at::empty_like(sum);
     auto dweight = at::empty_like(weight);
     auto dbias = at::empty_like(bias);
@@ -101,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward(
         !dsum.defined() ||
         (dsum.is_contiguous() && dsum.scalar_type() == sum.scalar_type()));
     auto partial = at::empty(
-        {2 * cuda::layer_norm_param_chunks(rows), cols},
+        {2 * cuda::norm_param_chunks(rows), cols},
         sum.options().dtype(at::kFloat));
     cuda::check_launch(
         cuda::add_layer_norm_backward(

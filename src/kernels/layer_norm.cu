@@ -244,7 +244,7 @@ cudaError_t add_layer_norm_backward(
     if (e != cudaSuccess) {
       return e;
     }
-    const int64_t chunks = layer_norm_param_chunks(rows);
+    const int64_t chunks = norm_param_chunks(rows);
     const dim3 tiles(
         static_cast<unsigned>((cols + kTileCols - 1) / kTileCols),
         static_cast<unsigned>(chunks));

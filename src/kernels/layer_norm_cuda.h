@@ -33,16 +33,10 @@ cudaError_t add_layer_norm_forward(
     float eps,
     cudaStream_t stream);
 
-/// Row blocks the weight and bias gradients are summed in (the float32
-/// scratch holds 2 x chunks x cols partial sums).
-inline int64_t layer_norm_param_chunks(int64_t rows) {
-  const int64_t chunks = (rows + 63) / 64;
-  return chunks < 1 ? 1 : (chunks > 128 ? 128 : chunks);
-}
-
 /// dx of the LayerNorm at the saved sums and statistics, plus `dsum` where
 /// not null (rounded once, added, rounded again: autograd's accumulation);
-/// dweight and dbias summed over rows through `partial`.
+/// dweight and dbias summed over rows through `partial` (float32,
+/// 2 x norm_param_chunks(rows) x cols).
 cudaError_t add_layer_norm_backward(
     Dtype dtype,
     const void* dy,

@@ -7,7 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include "residual_add.h"
+#include "norms.h"
 
 #include <tuple>
 
@@ -33,7 +33,7 @@ std::pair<at::Tensor, at::Tensor> fused_forward(
     const at::Tensor& weight,
     double eps) {
   const int64_t cols = x.size(-1);
-  const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  const int64_t rows = detail::norm_rows(x);
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   if (x.is_cuda()) {
     const c10::cuda::CUDAGuard guard(x.device());
@@ -85,8 +85,7 @@ std::pair<at::Tensor, at::Tensor> fused_backward(
         !dsum.defined() ||
         (dsum.is_contiguous() && dsum.scalar_type() == x.scalar_type()));
     auto partial = at::empty(
-        {cuda::rms_norm_weight_chunks(rows), cols},
-        x.options().dtype(at::kFloat));
+        {cuda::norm_param_chunks(rows), cols}, x.options().dtype(at::kFloat));
     cuda::check_launch(
         cuda::rms_norm_backward(
             cuda::dtype_of(x.scalar_type(), "rms_norm"),
@@ -153,8 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_forward(
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   if (x.is_cuda()) {
     const c10::cuda::CUDAGuard guard(x.device());
-    const int64_t cols = x.size(-1);
-    const int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+    const int64_t rows = detail::norm_rows(x);
     auto sum = at::empty_like(x);
     auto y = at::empty_like(x);
     auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
@@ -170,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_forward(
               y.data_ptr(),
               rstd.data_ptr<float>(),
               rows,
-              cols,
+              x.size(-1),
               static_cast<float>(eps),
               c10::cuda::getCurrentCUDAStream().stream()),
           "add_rms_norm",

@@ -197,7 +197,7 @@ cudaError_t backward(
   if (e != cudaSuccess) {
     return e;
   }
-  const int64_t chunks = rms_norm_weight_chunks(rows);
+  const int64_t chunks = norm_param_chunks(rows);
   const dim3 tiles(
       static_cast<unsigned>((cols + kTileCols - 1) / kTileCols),
       static_cast<unsigned>(chunks));

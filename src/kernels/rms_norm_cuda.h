@@ -42,15 +42,8 @@ cudaError_t add_rms_norm_forward(
     float eps,
     cudaStream_t stream);
 
-/// Row blocks the weight gradient is summed in (the float32 scratch holds
-/// chunks x cols partial sums).
-inline int64_t rms_norm_weight_chunks(int64_t rows) {
-  const int64_t chunks = (rows + 63) / 64;
-  return chunks < 1 ? 1 : (chunks > 128 ? 128 : chunks);
-}
-
 /// dx, and dweight summed over rows through `partial` (float32,
-/// rms_norm_weight_chunks(rows) x cols). `dsum`, where not null, is added
+/// norm_param_chunks(rows) x cols). `dsum`, where not null, is added
 /// to dx: the gradient a fused residual's sum receives besides the norm's.
 cudaError_t rms_norm_backward(
     Dtype dtype,

@@ -152,6 +152,8 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
  private:
   void unscale();
   bool overflow();
+  /// Every group's gradient shard, in group order.
+  std::vector<at::Tensor> shard_grads() const;
   double global_norm(double norm_type);
   void scale_grads(double factor);
 

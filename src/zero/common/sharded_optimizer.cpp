@@ -106,11 +106,16 @@ void ShardedOptimizer::scale_grads(double factor) {
   }
 }
 
-bool ShardedOptimizer::overflow() {
+std::vector<at::Tensor> ShardedOptimizer::shard_grads() const {
   std::vector<at::Tensor> grads;
   for (auto* g : groups_) {
     grads.push_back(g->shard_grad);
   }
+  return grads;
+}
+
+bool ShardedOptimizer::overflow() {
+  const auto grads = shard_grads();
   // Shards differ per rank: every rank skips if any saw inf/nan. The flag
   // moves to the group's device (NCCL takes no host tensors; offloaded
   // shards live on the host).
@@ -171,11 +176,7 @@ void ShardedOptimizer::sum_partial_grads() {
 double ShardedOptimizer::global_norm(double norm_type) {
   // Shards are disjoint: the global norm combines every rank's partials.
   if (placement_ == nullptr || placement_->reduction_groups().empty()) {
-    std::vector<at::Tensor> grads;
-    for (auto* g : groups_) {
-      grads.push_back(g->shard_grad);
-    }
-    return interface::total_norm(grads, norm_type, group_.get());
+    return interface::total_norm(shard_grads(), norm_type, group_.get());
   }
   auto pieces = pieces_of(groups_);
   return placement::global_grad_norm(
@@ -281,11 +282,7 @@ bool ShardedOptimizer::one_rank() const {
 }
 
 void ShardedOptimizer::clip_on_device(double max_norm, double norm_type) {
-  std::vector<at::Tensor> grads;
-  for (auto* g : groups_) {
-    grads.push_back(g->shard_grad);
-  }
-  interface::clip_grads_on_device(grads, max_norm, norm_type);
+  interface::clip_grads_on_device(shard_grads(), max_norm, norm_type);
 }
 
 void ShardedOptimizer::zero_grad(bool set_to_none) {
@@ -326,11 +323,7 @@ at::Tensor ShardedOptimizer::clip_grad_by_norm_tensor(
       "clip_grad_by_norm_tensor: the global norm of several ranks' shards "
       "(or a parallel layout's) is reduced on the host; use "
       "clip_grad_by_norm, or the plugin's max_norm");
-  std::vector<at::Tensor> grads;
-  for (auto* g : groups_) {
-    grads.push_back(g->shard_grad);
-  }
-  return interface::clip_grads_on_device(grads, max_norm, norm_type);
+  return interface::clip_grads_on_device(shard_grads(), max_norm, norm_type);
 }
 
 void ShardedOptimizer::clip_grad_by_value(double clip_value) {

@@ -1,9 +1,10 @@
 #pragma once
 
-// What the fused residual add + norm Functions share (add_rms_norm,
-// add_layer_norm): both outputs' gradients may be undefined (an unused
-// output), and x and the residual receive the sum's total gradient, the
-// residual in its own dtype (a bf16 layer output on a float32 stream).
+// What the norm ops share (rms_norm, add_rms_norm, add_layer_norm): the
+// rows they normalise, and the fused residual add's autograd side (both
+// outputs' gradients may be undefined, an unused output's; x and the
+// residual receive the sum's total gradient, the residual in its own dtype:
+// a bf16 layer output on a float32 stream).
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -13,6 +14,12 @@
 namespace colossalai {
 namespace kernels {
 namespace detail {
+
+/// Rows of `x` normalised over its last dimension (0 for a width of 0).
+inline int64_t norm_rows(const at::Tensor& x) {
+  const int64_t cols = x.size(-1);
+  return cols == 0 ? 0 : x.numel() / cols;
+}
 
 /// In forward: keeps the residual's dtype, and leaves an unused output's
 /// gradient undefined (with the norm unused its parameters get none, as
