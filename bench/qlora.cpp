@@ -2,11 +2,14 @@
 // NF4 / FP4, with and without double quantization, and 8-bit) beside their
 // formulas, and the forward and training-step time of a LLaMA-shaped model
 // with LoRA adapters on an fp32, bf16, 4-bit or 8-bit frozen base, plus the
-// 4-bit dequantizer alone. NOTE [QLoRA in C++] says how the layers run.
+// 4-bit dequantizer alone, and a few rows (a generation step's tokens)
+// through one quantized layer, fused against dequantize + matmul. NOTE
+// [QLoRA in C++] says how the layers run.
 //
 // bench_qlora [--rounds R] [--steps S] [--warmup W] [--hidden H]
 //             [--intermediate I] [--layers L] [--heads N] [--vocab V]
-//             [--batch B] [--seq T] [--r RANK] [--dq-reps K] [--threads N]
+//             [--batch B] [--seq T] [--r RANK] [--dq-reps K]
+//             [--gemv-reps K] [--threads N]
 //             [--out FILE.json]
 
 #include <colossalai/lora/lora_model.h>
@@ -174,7 +177,8 @@ Setup make(
 } // namespace
 
 int main(int argc, char** argv) {
-  int rounds = 3, steps = 2, warmup = 1, dq_reps = 10, threads = 1;
+  int rounds = 3, steps = 2, warmup = 1, dq_reps = 10, gemv_reps = 20,
+      threads = 1;
   int64_t hidden = 1024, intermediate = 2816, layers = 4, heads = 16,
           vocab = 4096, batch = 4, seq = 128, rank = 8;
   std::string out;
@@ -204,6 +208,8 @@ int main(int argc, char** argv) {
       rank = std::stoll(v);
     } else if (k == "--dq-reps") {
       dq_reps = std::stoi(v);
+    } else if (k == "--gemv-reps") {
+      gemv_reps = std::stoi(v);
     } else if (k == "--threads") {
       threads = std::stoi(v);
     } else if (k == "--out") {
@@ -465,7 +471,90 @@ int main(int argc, char** argv) {
        << ", \"gb_per_s\": " << bytes / m / 1e6 << "}"
        << (i + 1 < kernels.size() ? "," : "") << "\n";
   }
-  js << "  ],\n  \"peak_rss_bytes\": " << colossalai::bench::peak_rss_bytes()
+  js << "  ],\n";
+
+  // ---- 4. a few rows through one quantized layer ---------------------------
+  // What a generation step asks of each layer: 1-8 tokens times the frozen
+  // weight, through QuantizedWeight::linear as the layers call it, with the
+  // fused few-row products (gemv_max_rows 8) against dequantize + matmul
+  // (0), alternating call by call; plain fp32 / bf16 weights beside them.
+  struct Layer {
+    std::string name;
+    q::BnbQuantizationConfig config;
+  };
+  const std::vector<Layer> layer_kinds = {
+      {"nf4 + double quant, compute fp32", nf4_dq},
+      {"nf4, compute bf16", nf4_bf16},
+      {"int8", int8}};
+  const std::vector<std::pair<int64_t, int64_t>> layer_shapes = {
+      {4096, 4096}, {11008, 4096}};
+  std::printf(
+      "\na few rows through one layer: median ms of %d calls (fused = the "
+      "packed bytes read directly; dequantized = dequantize, then matmul)\n",
+      gemv_reps);
+  std::printf(
+      "%-34s %13s %5s %10s %12s %8s %10s %10s\n",
+      "weight",
+      "[out, in]",
+      "rows",
+      "fused ms",
+      "dequant. ms",
+      "speedup",
+      "fp32 W ms",
+      "bf16 W ms");
+  js << "  \"few_rows\": [\n";
+  const int64_t saved_rows = q::gemv_max_rows();
+  bool first_row = true;
+  for (const auto& shape : layer_shapes) {
+    const auto wl = at::randn({shape.first, shape.second}, gen) * 0.02;
+    const auto wl16 = wl.to(at::kBFloat16);
+    for (const auto& kind : layer_kinds) {
+      auto qw = q::QuantizedWeight::quantize(wl, kind.config);
+      for (const int64_t rows : {1, 2, 4, 8}) {
+        const auto xl = at::randn({rows, shape.second}, gen);
+        const auto xl16 = xl.to(at::kBFloat16);
+        torch::NoGradGuard no_grad;
+        std::vector<double> fused, plain_ms, fp32_ms, bf16_ms;
+        auto time = [&](std::vector<double>* into, const std::function<void()>& f) {
+          const double t0 = now_ms();
+          f();
+          if (into != nullptr) {
+            into->push_back(now_ms() - t0);
+          }
+        };
+        for (int r = -1; r < gemv_reps; ++r) { // r = -1: warm-up
+          q::set_gemv_max_rows(8);
+          time(r < 0 ? nullptr : &fused, [&] { qw.second->linear(xl, qw.first); });
+          q::set_gemv_max_rows(0);
+          time(r < 0 ? nullptr : &plain_ms, [&] { qw.second->linear(xl, qw.first); });
+          time(r < 0 ? nullptr : &fp32_ms, [&] { at::linear(xl, wl); });
+          time(r < 0 ? nullptr : &bf16_ms, [&] { at::linear(xl16, wl16); });
+        }
+        const double f = median(fused), d = median(plain_ms);
+        std::printf(
+            "%-34s %6lld x %4lld %5lld %10.3f %12.3f %7.2fx %10.3f %10.3f\n",
+            kind.name.c_str(),
+            static_cast<long long>(shape.first),
+            static_cast<long long>(shape.second),
+            static_cast<long long>(rows),
+            f,
+            d,
+            d / f,
+            median(fp32_ms),
+            median(bf16_ms));
+        js << (first_row ? "" : ",\n") << "    {\"weight\": \"" << kind.name
+           << "\", \"out\": " << shape.first << ", \"in\": " << shape.second
+           << ", \"rows\": " << rows << ", \"fused_ms\": " << stats_json(fused)
+           << ", \"dequantized_ms\": " << stats_json(plain_ms)
+           << ", \"fp32_weight_ms\": " << stats_json(fp32_ms)
+           << ", \"bf16_weight_ms\": " << stats_json(bf16_ms)
+           << ", \"speedup\": " << d / f << "}";
+        first_row = false;
+      }
+    }
+  }
+  q::set_gemv_max_rows(saved_rows);
+  js << "\n  ],\n  \"peak_rss_bytes\": " << colossalai::bench::peak_rss_bytes()
      << "\n}\n";
   if (!out.empty()) {
     std::ofstream(out) << js.str();

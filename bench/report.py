@@ -57,6 +57,10 @@ def ms(s):
     return f"{s['median']:.0f} ({s['p10']:.0f}-{s['p90']:.0f})"
 
 
+def ms2(s):
+    return f"{s['median']:.2f} ({s['p10']:.2f}-{s['p90']:.2f})"
+
+
 def seconds(s):
     return f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f})"
 
@@ -1000,6 +1004,18 @@ class Report:
         self.table(["dequantize 4096 x 4096", "ms", "GB/s output"],
                    [[k["name"], f"{k['ms']['median']:.2f}",
                      f"{k['gb_per_s']:.2f}"] for k in d["dequantize"]])
+        if d.get("few_rows"):
+            self.add("A few rows (a generation step's tokens) through one "
+                     "quantized layer: the packed bytes read directly "
+                     "(fused) against dequantize + matmul, alternating call "
+                     "by call; plain fp32 / bf16 weights beside them.", "")
+            self.table(["weight", "[out, in]", "rows", "fused ms",
+                        "dequantized ms", "speedup", "fp32 W ms", "bf16 W ms"],
+                       [[r["weight"], f"{r['out']} x {r['in']}",
+                         str(r["rows"]), ms2(r["fused_ms"]),
+                         ms2(r["dequantized_ms"]), f"{r['speedup']:.2f}x",
+                         ms2(r["fp32_weight_ms"]), ms2(r["bf16_weight_ms"])]
+                        for r in d["few_rows"]])
 
     def tokenizer(self):
         path = os.path.join(self.dir, "tokenizer.json")

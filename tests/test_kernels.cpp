@@ -32,6 +32,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <cmath>
 #include <memory>
 
 #include <tuple>
@@ -1465,6 +1466,80 @@ TEST(Kernels, Int8LinearOnCudaMultipliesInInt32) {
   // A shape the int8 path refuses (16 rows) falls back to the fp32 product.
   const auto a = torch::randint(-127, 128, {16, 64}).to(at::kChar).cuda();
   EXPECT_FALSE(colossalai::compat::int8_mm(a, a.t()).defined());
+}
+
+// ---------------------------------------- few-row quantized products (CUDA)
+
+// One-hot rows read single weight values back (one product with 1: exact in
+// any order), so the 4-bit kernel's values must be the dequantizer's bit for
+// bit: the 16-byte path (in_features and blocksize multiples of 32) and the
+// element path (rows starting mid-byte, blocks crossing rows), nested or
+// not, three dtypes, 11 rows (a launch of 8, then 3).
+TEST(Kernels, Gemv4bitCudaKernelReadsTheDequantizersValues) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  namespace q = colossalai::quantization;
+  torch::manual_seed(31);
+  struct Shape {
+    int64_t out, in, blocksize;
+  };
+  for (const Shape sh : {Shape{37, 67, 33}, Shape{37, 128, 64}, Shape{5, 4096, 64}}) {
+    for (const std::string type : {"nf4", "fp4"}) {
+      for (const bool nested : {false, true}) {
+        const auto w = torch::randn({sh.out, sh.in}).mul(0.05);
+        auto [packed, state] = q::quantize_4bit(w, sh.blocksize, type, nested);
+        const auto cols = torch::tensor({0, 1, 2, 31, 32, 33, 63, 64, 65, 66, 5}, at::kLong);
+        for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+          SCOPED_TRACE(std::to_string(sh.in) + " " + type + (nested ? " nested " : " ") + c10::toString(t));
+          const auto full = q::dequantize_4bit(packed, state, t);
+          const auto x = at::one_hot(cols, sh.in).to(t);
+          const auto y = q::gemv_4bit(x.cuda(), packed.cuda(), state);
+          ASSERT_TRUE(y.is_cuda());
+          EXPECT_TRUE(at::equal(y.cpu(), full.index_select(1, cols).t()));
+        }
+      }
+    }
+  }
+}
+
+// Random rows: the kernel against the float64 product of the same operands,
+// within any fp32 summation order's bound plus the result's rounding (as
+// test_qlora's CPU check); int8: the exact integers at every length.
+TEST(Kernels, FewRowQuantizedProductsOnCudaAreTheProducts) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  namespace q = colossalai::quantization;
+  torch::manual_seed(32);
+  for (const int64_t k : {1000, 4096}) {
+    const auto w = torch::randn({70, k}).mul(0.05);
+    auto [packed, state] = q::quantize_4bit(w, 64, "nf4", /*nested=*/true);
+    for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      for (const int64_t m : {1, 3, 8}) {
+        SCOPED_TRACE(std::to_string(k) + " " + c10::toString(t) + " m " + std::to_string(m));
+        const auto x = torch::randn({m, k}).to(t);
+        const auto y = q::gemv_4bit(x.cuda(), packed.cuda(), state).cpu();
+        const auto wd = q::dequantize_4bit(packed, state, t).to(at::kDouble);
+        const auto xd = x.to(at::kDouble);
+        const auto exact = at::matmul(xd, wd.t());
+        const double u = std::ldexp(1.0, -24), gamma = k * u / (1 - k * u);
+        const double ut = t == at::kBFloat16 ? std::ldexp(1.0, -8) : t == at::kHalf ? std::ldexp(1.0, -11) : u;
+        const auto bound = exact.abs() * ut + at::matmul(xd.abs(), wd.abs().t()) * (2 * gamma);
+        EXPECT_TRUE(at::all((y.to(at::kDouble) - exact).abs() <= bound).item<bool>());
+      }
+    }
+  }
+  for (const int64_t k : {7, 256, 4099}) {
+    for (const int64_t m : {1, 3, 8}) {
+      SCOPED_TRACE("int8 k " + std::to_string(k) + " m " + std::to_string(m));
+      const auto a = torch::randint(-127, 128, {m, k}).to(at::kChar);
+      const auto b = torch::randint(-127, 128, {45, k}).to(at::kChar);
+      const auto y = q::int8_linear_matmul(a.cuda(), b.cuda());
+      ASSERT_TRUE(y.is_cuda());
+      EXPECT_TRUE(at::equal(y.cpu().to(at::kDouble), at::matmul(a.to(at::kDouble), b.to(at::kDouble).t())));
+    }
+  }
 }
 
 // ------------------------------------------------------------- silu_mul

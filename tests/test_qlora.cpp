@@ -20,6 +20,7 @@
 #include <colossalai/quantization/quantize_model.h>
 #include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/shardformer/layer/linear.h>
+#include <colossalai/utils/compat.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 #include <zoo/gpt.h>
@@ -28,6 +29,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -337,6 +339,185 @@ TEST(Qlora, FourBitLayersEqualBitsandbytes) {
           max_abs(x.grad() - dwant), k.rel * std::max(1.0, max_abs(dwant)));
     }
   }
+}
+
+// ---------------------------------------------------------------------------
+// The few-row products on quantized weights (NOTE [Few-row products on
+// quantized weights]).
+
+// Restores the process-wide row limit on scope exit.
+struct GemvRows {
+  explicit GemvRows(int64_t rows) : saved(q::gemv_max_rows()) {
+    q::set_gemv_max_rows(rows);
+  }
+  ~GemvRows() {
+    q::set_gemv_max_rows(saved);
+  }
+  int64_t saved;
+};
+
+// Unit roundoff of a result dtype.
+double unit_roundoff(at::ScalarType t) {
+  return t == at::kBFloat16 ? std::ldexp(1.0, -8)
+      : t == at::kHalf      ? std::ldexp(1.0, -11)
+                            : std::ldexp(1.0, -24);
+}
+
+// x times one-hot rows reads single weight values back: each output is one
+// product with 1, so exact whatever the order of the sums. They must be the
+// dequantizer's values bit for bit: nibble order, rows starting mid-byte
+// (odd in_features), blocks crossing rows (odd blocksize), the nested
+// absmax decoded on the way, and 11 rows (a slice of 8, then 3).
+TEST(Qlora, Gemv4bitReadsTheDequantizersValues) {
+  torch::manual_seed(21);
+  for (const std::string type : {"nf4", "fp4"}) {
+    for (const bool nested : {false, true}) {
+      for (const int64_t blocksize : {64, 33}) {
+        const auto w = torch::randn({37, 67}).mul(0.05);
+        auto [packed, state] = q::quantize_4bit(w, blocksize, type, nested);
+        for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+          SCOPED_TRACE(
+              type + (nested ? " nested " : " ") + std::to_string(blocksize) +
+              " " + c10::toString(t));
+          const auto full = q::dequantize_4bit(packed, state, t);
+          const auto cols = torch::tensor(
+              {0, 1, 2, 31, 32, 33, 63, 64, 65, 66, 5}, at::kLong);
+          const auto x = at::one_hot(cols, 67).to(t);
+          const auto y = q::gemv_4bit(x, packed, state);
+          ASSERT_EQ(y.scalar_type(), t);
+          ASSERT_EQ(y.sizes(), (at::IntArrayRef{11, 37}));
+          EXPECT_TRUE(at::equal(y, full.index_select(1, cols).t()));
+        }
+      }
+    }
+  }
+}
+
+// Random x: against the float64 product of the same operands (x and the
+// dequantized weight as the result dtype holds them). Any order of n fp32
+// sums errs by at most gamma_n sum |x w| (gamma_n = n u / (1 - n u), u =
+// 2^-24), and the result's rounding by u_T |y|: that bound (twice the sum
+// term, for the rounding of the products) holds on any CPU.
+TEST(Qlora, Gemv4bitIsTheProductWithinFp32Summation) {
+  torch::manual_seed(22);
+  const int64_t k = 1000;
+  const auto w = torch::randn({70, k}).mul(0.05);
+  for (const bool nested : {false, true}) {
+    auto [packed, state] = q::quantize_4bit(w, 64, "nf4", nested);
+    for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      for (const int64_t m : {1, 4, 8}) {
+        SCOPED_TRACE(
+            std::string(nested ? "nested " : "") + c10::toString(t) + " m " +
+            std::to_string(m));
+        const auto x = torch::randn({1, m, k}).to(t);
+        const auto y = q::gemv_4bit(x, packed, state);
+        ASSERT_EQ(y.sizes(), (at::IntArrayRef{1, m, 70}));
+        const auto wd = q::dequantize_4bit(packed, state, t).to(at::kDouble);
+        const auto xd = x.to(at::kDouble);
+        const auto exact = at::matmul(xd, wd.t());
+        const auto mag = at::matmul(xd.abs(), wd.abs().t());
+        const double u = std::ldexp(1.0, -24);
+        const double gamma = k * u / (1 - k * u);
+        const auto bound = exact.abs() * unit_roundoff(t) + mag * (2 * gamma);
+        const auto err = (y.to(at::kDouble) - exact).abs();
+        EXPECT_TRUE(at::all(err <= bound).item<bool>())
+            << "max error " << max_abs(err) << ", max bound "
+            << max_abs(bound);
+      }
+    }
+  }
+}
+
+// int8 a b^T: every sum is an integer, so the fused pass equals the exact
+// product bit for bit, at any length (fp32 matmul stops being exact at
+// 1040 features); bad input is refused by name.
+TEST(Qlora, Int8LinearMatmulIsExact) {
+  torch::manual_seed(23);
+  for (const int64_t k : {7, 256, 4099}) {
+    for (const int64_t m : {1, 3, 8, 9}) {
+      SCOPED_TRACE("k " + std::to_string(k) + " m " + std::to_string(m));
+      const auto a = torch::randint(-127, 128, {m, k}).to(at::kChar);
+      const auto b = torch::randint(-127, 128, {45, k}).to(at::kChar);
+      const auto y = q::int8_linear_matmul(a, b);
+      ASSERT_EQ(y.scalar_type(), at::kInt);
+      const auto exact =
+          at::matmul(a.to(at::kDouble), b.to(at::kDouble).t());
+      if (m <= 8 || k < 1040) {
+        EXPECT_TRUE(at::equal(y.to(at::kDouble), exact));
+      }
+    }
+  }
+  const auto a = torch::zeros({2, 8}, at::kChar);
+  EXPECT_THROW(q::int8_linear_matmul(a, torch::zeros({3, 9}, at::kChar)), c10::Error);
+  try {
+    q::int8_linear_matmul(a.to(at::kFloat), a);
+    ADD_FAILURE() << "a float a was taken";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("int8 a [m, k]"), std::string::npos) << e.what();
+  }
+  try {
+    q::set_gemv_max_rows(9);
+    ADD_FAILURE() << "9 rows were taken";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("set_gemv_max_rows"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(q::set_gemv_max_rows(-1), c10::Error);
+}
+
+// The layers take the fused product for a few tokens and the dequantized
+// weight's matmul otherwise; both give the same forward within the bound
+// above (4-bit; fp32 compute: a few fp32 ulps of the output's scale) or
+// bit for bit (8-bit: both products exact at 300 features), and the same
+// input gradient (backward always dequantizes), and the limit is obeyed.
+TEST(Qlora, FewTokenForwardsEqualTheDequantizedOnes) {
+  torch::manual_seed(24);
+  const auto w = torch::randn({40, 300}).mul(0.05);
+  const auto b = torch::randn({40}).mul(0.01);
+  const auto nf4 = q::BnbQuantizationConfig()
+                       .load_in_4bit(true)
+                       .bnb_4bit_quant_type("nf4")
+                       .bnb_4bit_use_double_quant(true);
+  for (const auto& config :
+       {nf4, q::BnbQuantizationConfig().load_in_8bit(true)}) {
+    SCOPED_TRACE(config.load_in_4bit() ? "nf4" : "int8");
+    auto layer = quantized_layer(w, b, config);
+    for (const int64_t tokens : {1, 3, 5}) {
+      SCOPED_TRACE(tokens);
+      const auto x0 = torch::randn({1, tokens, 300});
+      const auto g = torch::randn({1, tokens, 40});
+      at::Tensor y[2], dx[2];
+      for (const int64_t rows : {4, 0}) {
+        GemvRows limit(rows);
+        auto x = x0.clone().requires_grad_(true);
+        auto out = layer(x);
+        (out * g).sum().backward();
+        y[rows == 0] = out.detach();
+        dx[rows == 0] = x.grad();
+      }
+      if (config.load_in_4bit()) {
+        EXPECT_LE(max_abs(y[0] - y[1]), 1e-5 * std::max(1.0, max_abs(y[1])));
+      } else {
+        EXPECT_TRUE(at::equal(y[0], y[1]));
+      }
+      EXPECT_TRUE(at::equal(dx[0], dx[1]));
+      if (tokens > 4 && config.load_in_4bit()) {
+        // Above the limit both runs took the same path: the same bits.
+        EXPECT_TRUE(at::equal(y[0], y[1]));
+      }
+    }
+  }
+  // Under autocast the fused product multiplies in autocast's dtype, as
+  // at::linear would in the dequantizing path (fp32 compute dtype here).
+  auto [data, qw] = q::QuantizedWeight::quantize(w, nf4);
+  const auto x = torch::randn({2, 300});
+  at::Tensor y;
+  {
+    colossalai::compat::AutocastGuard autocast(at::kCPU, at::kBFloat16);
+    y = qw->linear(x, data);
+  }
+  EXPECT_EQ(y.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(
+      y, q::gemv_4bit(x.to(at::kBFloat16), data, qw->state_4bit()).to(at::kFloat)));
 }
 
 // ---------------------------------------------------------------------------

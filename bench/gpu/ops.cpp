@@ -5,7 +5,9 @@
 // forward and backward; GPT-2 medium's GELU + output projection with the
 // GELU recomputed in backward (what keeping one tensor less costs); an AdamW step
 // over GPT-2 medium's parameters that writes their bf16 copies, against
-// ATen's fused AdamW and a cast. Medians over --reps timed runs
+// ATen's fused AdamW and a cast; one token through an 8B-shaped NF4 and
+// int8 weight, the packed bytes read directly against dequantize + matmul.
+// Medians over --reps timed runs
 // after warm-up, with the p10-p90 spread; JSON to --out, a table on stdout.
 //
 //   bench_gpu_ops [--device cuda|cpu] [--dtype bf16|fp32] [--reps 20] [--out FILE.json]
@@ -20,6 +22,7 @@
 #include <colossalai/kernels/rms_norm.h>
 #include <colossalai/kernels/rope.h>
 #include <colossalai/kernels/silu_mul.h>
+#include <colossalai/quantization/bnb.h>
 #include <colossalai/utils/compat.h>
 
 #include "../bench_util.h"
@@ -335,6 +338,33 @@ int main(int argc, char** argv) {
       // Read p, g, m, v; write p, m, v and the copy.
       r.bytes = numel * (7.0 * 4 + 2);
       rows.push_back(r);
+    }
+
+    // 8. One generation step's token through an 8B-shaped MLP weight
+    // (14336 x 4096, NF4 with double quantization, bf16): the packed bytes
+    // read directly against dequantize + matmul (NOTE [Few-row products on
+    // quantized weights]); and LLM.int8's int8 product of the same shape.
+    {
+      namespace q = colossalai::quantization;
+      const int64_t n = gpu ? 14336 : 2048, k = 4096;
+      const auto w = torch::randn({n, k}).mul(0.02);
+      auto [packed, state] = q::quantize_4bit(w, 64, "nf4", true);
+      const auto pd = packed.to(dev);
+      const auto x = torch::randn({1, k}, opts);
+      Row r{"4-bit NF4 weight x 1 token", std::to_string(n) + " x " + std::to_string(k) + " " + dtype};
+      r.ours = time_ms(dev, reps, [&] { q::gemv_4bit(x, pd, state); });
+      r.aten = time_ms(dev, reps, [&] { at::linear(x, q::dequantize_4bit(pd, state, type)); });
+      // The packed bytes and the per-block scale codes.
+      r.bytes = n * k * (0.5 + 1.0 / 64);
+      rows.push_back(r);
+      const auto b = torch::randint(-127, 128, {n, k}).to(at::kChar).to(dev);
+      const auto a = torch::randint(-127, 128, {1, k}).to(at::kChar).to(dev);
+      Row i8{"int8 weight x 1 token (int32 product)", std::to_string(n) + " x " + std::to_string(k)};
+      i8.ours = time_ms(dev, reps, [&] { q::int8_linear_matmul(a, b); });
+      // What the product costs without the fused pass: int8 -> fp32 both.
+      i8.aten = time_ms(dev, reps, [&] { at::matmul(a.to(at::kFloat), b.to(at::kFloat).t()).to(at::kInt); });
+      i8.bytes = static_cast<double>(n) * k;
+      rows.push_back(i8);
     }
 
     std::ostringstream json;

@@ -1,7 +1,5 @@
 #include <colossalai/quantization/bnb.h>
 
-#include <colossalai/utils/compat.h>
-
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -466,58 +464,6 @@ at::Tensor int8_vectorwise_dequant(
     const at::Tensor& stats) {
   // bitsandbytes multiplies by its fp32 reciprocal of 127.
   return q.to(at::kFloat) * stats.view({-1, 1}) * 7.874015718698502e-3;
-}
-
-at::Tensor int8_linear(
-    const at::Tensor& x,
-    const at::Tensor& cb,
-    const at::Tensor& scb,
-    const at::Tensor& bias,
-    double threshold) {
-  TORCH_CHECK(
-      cb.scalar_type() == at::kChar && cb.dim() == 2,
-      "int8_linear: the weight must be 2-d int8, got ",
-      cb.scalar_type(),
-      " of shape ",
-      cb.sizes());
-  TORCH_CHECK(
-      x.size(-1) == cb.size(1),
-      "int8_linear: the input has ",
-      x.size(-1),
-      " features, the weight ",
-      cb.size(1));
-  auto a = x.reshape({-1, x.size(-1)});
-  auto rows = int8_vectorwise_quant(a, threshold);
-  // On a GPU the int8 product in int32 through cuBLASLt, exact (as
-  // bitsandbytes' CUDA path). Elsewhere, or for shapes that path refuses, in
-  // fp32, as bitsandbytes' CPU fallback: every partial sum is an integer,
-  // exact while in_features * 127^2 < 2^24 (beyond, a rounding of fp32
-  // accumulation).
-  auto acc = compat::int8_mm(rows.data, cb.t());
-  if (!acc.defined()) {
-    acc = at::matmul(rows.data.to(at::kFloat), cb.to(at::kFloat).t())
-              .to(at::kInt);
-  }
-  auto out = acc *
-      (rows.stats.unsqueeze(-1) * scb.to(at::kFloat).unsqueeze(0)) *
-      6.200124e-05;
-  if (bias.defined()) {
-    out = out + bias.to(at::kFloat);
-  }
-  out = out.to(x.scalar_type());
-  if (rows.outlier_cols.numel() > 0) {
-    // Outlier columns in the input's precision, with their weight columns
-    // dequantized.
-    auto sub_a = a.index_select(1, rows.outlier_cols);
-    auto sub_b =
-        int8_vectorwise_dequant(cb.index_select(1, rows.outlier_cols), scb)
-            .to(x.scalar_type())
-            .t();
-    out = out.addmm(sub_a, sub_b);
-  }
-  auto shape = x.sizes().vec();
-  shape.back() = cb.size(0);
-  return out.reshape(shape);
 }
 
 } // namespace quantization

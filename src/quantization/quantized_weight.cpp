@@ -1,8 +1,12 @@
 #include <colossalai/quantization/quantized_weight.h>
 
+#include <colossalai/utils/compat.h>
+
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <torch/autograd.h>
+
+#include <algorithm>
 
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
 #include "../kernels/cuda_launch.h"
@@ -36,8 +40,17 @@ struct QuantizedMatmul : torch::autograd::Function<QuantizedMatmul> {
     at::Tensor y;
     if (w->is_4bit()) {
       const auto compute = w->config().bnb_4bit_compute_dtype();
-      y = at::linear(x.to(compute), w->dequantize(data, compute))
-              .to(x.scalar_type());
+      // A few tokens read the packed bytes directly (NOTE [Few-row products
+      // on quantized weights]), in the dtype autocast would give at::linear.
+      const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
+      if (rows <= gemv_max_rows()) {
+        const auto dtype =
+            compat::autocast_dtype(x.device().type()).value_or(compute);
+        y = gemv_4bit(x.to(dtype), data, w->state_4bit());
+      } else {
+        y = at::linear(x.to(compute), w->dequantize(data, compute));
+      }
+      y = y.to(x.scalar_type());
     } else {
       y = int8_linear(
           x, data, w->scb(), at::Tensor(), w->config().llm_int8_threshold());

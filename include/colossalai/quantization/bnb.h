@@ -160,5 +160,44 @@ at::Tensor int8_linear(
     const at::Tensor& bias,
     double threshold);
 
+/// NOTE [Few-row products on quantized weights]
+/// A layer run on a few tokens (a generation step's one token per sequence)
+/// is bound by reading its weight. Dequantizing first reads the packed
+/// bytes, writes the whole weight in the compute dtype and reads it again:
+/// 4.5 bytes per 4-bit parameter in bf16, 8.5 in fp32, against the 0.5 a
+/// product reading the packed bytes moves. These two read them directly, a
+/// few rows of x at a time; what they compute is the composition's result
+/// up to the order of the sums (each weight value rounded exactly as the
+/// dequantizer rounds it, fp32 sums). Training's token counts keep the
+/// composition (dequantize, then one cuBLAS / BLAS matmul), as bitsandbytes
+/// does: there the matmul's arithmetic outweighs the weight's bytes.
+
+/// x W^T, x [..., in] floating, W the 4-bit weight [out, in] in `packed` /
+/// `state`: [..., out] in x's dtype. Each weight value is what
+/// dequantize_4bit(packed, state, x.scalar_type()) gives (the nested absmax
+/// decoded on the way), each product summed in fp32 and each result
+/// rounded once. On the CPU and on a GPU (built with CUDA kernels; fp32,
+/// fp16, bf16) it reads the packed bytes directly, up to 8 rows of x per
+/// pass over them; elsewhere it is at::linear of the dequantized weight.
+at::Tensor gemv_4bit(
+    const at::Tensor& x,
+    const at::Tensor& packed,
+    const QuantState4bit& state);
+
+/// a [m, k] int8 times b [n, k] int8 transposed, exact in int32: [m, n]
+/// (bitsandbytes' int8_linear_matmul). Through cuBLASLt where it takes the
+/// shapes (a GPU, m > 16); for up to 8 rows a pass over b's bytes (CPU, or a
+/// GPU built with CUDA kernels); else in fp32, exact while k * 127^2 < 2^24.
+at::Tensor int8_linear_matmul(const at::Tensor& a, const at::Tensor& b);
+
+/// The rows of x at or below which the quantized layers (QuantizedWeight::
+/// linear's forward, int8_linear) take the products above instead of
+/// dequantizing; at most 8, 0 turns them off. Default 4: on one x86-64
+/// core they are 1.1-10.6x faster than dequantize + matmul at 1-4 rows of
+/// a 4096 x 4096 or 11008 x 4096 weight, and 0.86-3.2x at 8 (bench_qlora's
+/// "few rows", bench/results/2026-11-28-qlora-few-rows).
+int64_t gemv_max_rows();
+void set_gemv_max_rows(int64_t rows);
+
 } // namespace quantization
 } // namespace colossalai

@@ -18,7 +18,9 @@
 /// Plugins broadcast parameters, not this state: every rank quantizes the
 /// same full-precision weights (one checkpoint) and so holds the same bits.
 /// On the CPU the 4-bit weight is dequantized in one parallel pass over
-/// the packed bytes; on CUDA by ATen kernels (no fused kernel yet).
+/// the packed bytes, on a GPU by one kernel; a forward of a few tokens
+/// (a generation step) reads the packed bytes directly instead (NOTE
+/// [Few-row products on quantized weights]).
 ///
 /// Example:
 /// \code
