@@ -3,7 +3,8 @@
 // formulas, and the forward and training-step time of a LLaMA-shaped model
 // with LoRA adapters on an fp32, bf16, 4-bit or 8-bit frozen base, plus the
 // 4-bit dequantizer alone, and a few rows (a generation step's tokens)
-// through one quantized layer, fused against dequantize + matmul. NOTE
+// through one quantized layer, fused against dequantize + matmul, and
+// greedy generation with and without the fused products. NOTE
 // [QLoRA in C++] says how the layers run.
 //
 // bench_qlora [--rounds R] [--steps S] [--warmup W] [--hidden H]
@@ -13,6 +14,7 @@
 //             [--out FILE.json]
 
 #include <colossalai/lora/lora_model.h>
+#include <colossalai/models/generation.h>
 #include <colossalai/models/llama.h>
 #include <colossalai/quantization/bnb.h>
 #include <colossalai/quantization/quantize_model.h>
@@ -412,6 +414,66 @@ int main(int argc, char** argv) {
        << (i + 1 < setups.size() ? "," : "") << "\n";
   }
   js << "  ],\n";
+
+  // Greedy generation (the KV cache's one token per step): a 16-token
+  // prompt, `new_tokens` more, with the few-row products (gemv_max_rows 4)
+  // against dequantizing every step (0), alternating run by run.
+  const int64_t new_tokens = 32;
+  const auto prompt =
+      x.narrow(0, 0, 1).narrow(1, 0, std::min<int64_t>(16, seq));
+  const auto gen_config = models::GenerationConfig()
+                              .max_new_tokens(new_tokens)
+                              .min_new_tokens(new_tokens);
+  std::printf(
+      "\ngreedy generation, 1 x %lld-token prompt, %lld new tokens: median ms per new "
+      "token (prefill included) over %d runs\n",
+      static_cast<long long>(prompt.size(1)),
+      static_cast<long long>(new_tokens),
+      rounds);
+  std::printf(
+      "%-34s %10s %14s %8s %10s\n",
+      "setup",
+      "fused ms",
+      "dequantized ms",
+      "speedup",
+      "same ids");
+  js << "  \"generate\": [\n";
+  const int64_t saved_limit = q::gemv_max_rows();
+  for (size_t i = 0; i < setups.size(); ++i) {
+    auto& s = setups[i];
+    s.model->eval();
+    std::vector<double> ms[2];
+    at::Tensor ids[2];
+    for (int r = -1; r < rounds; ++r) { // r = -1: warm-up
+      for (int mode = 0; mode < 2; ++mode) {
+        q::set_gemv_max_rows(mode == 0 ? 4 : 0);
+        torch::NoGradGuard no_grad;
+        const double t0 = now_ms();
+        ids[mode] = models::generate(s.model, prompt, at::Tensor(), gen_config);
+        if (r >= 0) {
+          ms[mode].push_back((now_ms() - t0) / new_tokens);
+        }
+      }
+    }
+    s.model->train();
+    const bool same = at::equal(ids[0], ids[1]);
+    const double f = median(ms[0]), d = median(ms[1]);
+    std::printf(
+        "%-34s %10.2f %14.2f %7.2fx %10s\n",
+        s.name.c_str(),
+        f,
+        d,
+        d / f,
+        same ? "yes" : "no");
+    js << "    {\"name\": \"" << s.name
+       << "\", \"fused_ms_per_token\": " << stats_json(ms[0])
+       << ", \"dequantized_ms_per_token\": " << stats_json(ms[1])
+       << ", \"speedup\": " << d / f
+       << ", \"same_ids\": " << (same ? "true" : "false") << "}"
+       << (i + 1 < setups.size() ? "," : "") << "\n";
+  }
+  q::set_gemv_max_rows(saved_limit);
+  js << "  ],\n";
   setups.clear();
 
   // ---- 3. the 4-bit dequantizer alone, one 4096 x 4096 weight --------------
@@ -515,7 +577,8 @@ int main(int argc, char** argv) {
         const auto xl16 = xl.to(at::kBFloat16);
         torch::NoGradGuard no_grad;
         std::vector<double> fused, plain_ms, fp32_ms, bf16_ms;
-        auto time = [&](std::vector<double>* into, const std::function<void()>& f) {
+        auto time = [&](std::vector<double>* into,
+                        const std::function<void()>& f) {
           const double t0 = now_ms();
           f();
           if (into != nullptr) {
@@ -524,9 +587,13 @@ int main(int argc, char** argv) {
         };
         for (int r = -1; r < gemv_reps; ++r) { // r = -1: warm-up
           q::set_gemv_max_rows(8);
-          time(r < 0 ? nullptr : &fused, [&] { qw.second->linear(xl, qw.first); });
+          time(r < 0 ? nullptr : &fused, [&] {
+            qw.second->linear(xl, qw.first);
+          });
           q::set_gemv_max_rows(0);
-          time(r < 0 ? nullptr : &plain_ms, [&] { qw.second->linear(xl, qw.first); });
+          time(r < 0 ? nullptr : &plain_ms, [&] {
+            qw.second->linear(xl, qw.first);
+          });
           time(r < 0 ? nullptr : &fp32_ms, [&] { at::linear(xl, wl); });
           time(r < 0 ? nullptr : &bf16_ms, [&] { at::linear(xl16, wl16); });
         }

@@ -1001,6 +1001,19 @@ class Report:
                      f"{r['model_bytes'] / 1e6:.1f}", ms(r["forward_ms"]),
                      f"{r['forward_vs_fp32']:.2f}x", ms(r["step_ms"]),
                      f"{r['step_vs_fp32']:.2f}x"] for r in d["setups"]])
+        if d.get("generate"):
+            self.add("Greedy generation with the KV cache (one token per "
+                     "step): ms per new token with the few-row products "
+                     "(`gemv_max_rows` 4) against dequantizing every step "
+                     "(0), runs alternating; *same ids*: both produced the "
+                     "same tokens.", "")
+            self.table(["base", "fused ms / token", "dequantized ms / token",
+                        "speedup", "same ids"],
+                       [[r["name"], ms2(r["fused_ms_per_token"]),
+                         ms2(r["dequantized_ms_per_token"]),
+                         f"{r['speedup']:.2f}x",
+                         "yes" if r["same_ids"] else "no"]
+                        for r in d["generate"]])
         self.table(["dequantize 4096 x 4096", "ms", "GB/s output"],
                    [[k["name"], f"{k['ms']['median']:.2f}",
                      f"{k['gb_per_s']:.2f}"] for k in d["dequantize"]])

@@ -429,7 +429,7 @@ TEST(Qlora, Gemv4bitIsTheProductWithinFp32Summation) {
 }
 
 // int8 a b^T: every sum is an integer, so the fused pass equals the exact
-// product bit for bit, at any length (fp32 matmul stops being exact at
+// product bit for bit, at any length (fp32 matmul stops being exact beyond
 // 1040 features); bad input is refused by name.
 TEST(Qlora, Int8LinearMatmulIsExact) {
   torch::manual_seed(23);

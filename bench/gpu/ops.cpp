@@ -350,6 +350,9 @@ int main(int argc, char** argv) {
       const auto w = torch::randn({n, k}).mul(0.02);
       auto [packed, state] = q::quantize_4bit(w, 64, "nf4", true);
       const auto pd = packed.to(dev);
+      // The state where the layers keep it: on the weight's device.
+      for (auto* t : {&state.absmax, &state.code, &state.offset, &state.state2_absmax, &state.state2_code})
+        *t = t->to(dev);
       const auto x = torch::randn({1, k}, opts);
       Row r{"4-bit NF4 weight x 1 token", std::to_string(n) + " x " + std::to_string(k) + " " + dtype};
       r.ours = time_ms(dev, reps, [&] { q::gemv_4bit(x, pd, state); });

@@ -285,7 +285,8 @@ at::Tensor gemv_4bit(
     absmax = st.absmax.to(device, at::kFloat).contiguous();
   }
   const auto bytes = packed.contiguous();
-  const auto xs = x.reshape({-1, k}).contiguous();
+  const auto xs =
+      x.reshape({x.numel() / std::max<int64_t>(k, 1), k}).contiguous();
   const int64_t m = xs.size(0);
   auto out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) {
@@ -381,14 +382,10 @@ at::Tensor int8_linear_matmul(const at::Tensor& a, const at::Tensor& b) {
       a.device(),
       ", b on ",
       b.device());
-  // int32 sums of up to 2^17 products of magnitude <= 2^14 cannot overflow.
-  TORCH_CHECK(
-      a.size(1) <= (int64_t(1) << 17),
-      "int8_linear_matmul: ",
-      a.size(1),
-      " features overflow int32 sums (at most 131072)");
   const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
-  if (m > kMaxRows || !fused_device(a.device())) {
+  // The pass's int32 sums of fewer than 2^17 products of magnitude <= 2^14
+  // (-128 * -128) cannot overflow.
+  if (m > kMaxRows || k >= (int64_t(1) << 17) || !fused_device(a.device())) {
     return int8_mm_or_fp32(a, b);
   }
   const auto as = a.contiguous();

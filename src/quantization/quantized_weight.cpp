@@ -41,11 +41,22 @@ struct QuantizedMatmul : torch::autograd::Function<QuantizedMatmul> {
     if (w->is_4bit()) {
       const auto compute = w->config().bnb_4bit_compute_dtype();
       // A few tokens read the packed bytes directly (NOTE [Few-row products
-      // on quantized weights]), in the dtype autocast would give at::linear.
+      // on quantized weights]). Under autocast at::linear would multiply an
+      // fp32 compute dtype's operands in autocast's dtype, and so does the
+      // fused product (rounding once to it is rounding twice through
+      // fp32); a 16-bit compute dtype autocast changes keeps the
+      // composition, which rounds twice.
       const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
-      if (rows <= gemv_max_rows()) {
-        const auto dtype =
-            compat::autocast_dtype(x.device().type()).value_or(compute);
+      auto dtype = compute;
+      bool fused = rows <= gemv_max_rows();
+      if (const auto autocast = compat::autocast_dtype(x.device().type())) {
+        if (compute == at::kFloat) {
+          dtype = *autocast;
+        } else if (compute != *autocast && compute != at::kDouble) {
+          fused = false;
+        }
+      }
+      if (fused) {
         y = gemv_4bit(x.to(dtype), data, w->state_4bit());
       } else {
         y = at::linear(x.to(compute), w->dequantize(data, compute));

@@ -179,23 +179,26 @@ at::Tensor int8_linear(
 /// rounded once. On the CPU and on a GPU (built with CUDA kernels; fp32,
 /// fp16, bf16) it reads the packed bytes directly, up to 8 rows of x per
 /// pass over them; elsewhere it is at::linear of the dequantized weight.
+/// Not differentiable: QuantizedWeight::linear's autograd Function is.
 at::Tensor gemv_4bit(
     const at::Tensor& x,
     const at::Tensor& packed,
     const QuantState4bit& state);
 
-/// a [m, k] int8 times b [n, k] int8 transposed, exact in int32: [m, n]
-/// (bitsandbytes' int8_linear_matmul). Through cuBLASLt where it takes the
-/// shapes (a GPU, m > 16); for up to 8 rows a pass over b's bytes (CPU, or a
-/// GPU built with CUDA kernels); else in fp32, exact while k * 127^2 < 2^24.
+/// a [m, k] int8 times b [n, k] int8 transposed in int32: [m, n]
+/// (bitsandbytes' int8_linear_matmul). For up to 8 rows and k < 2^17 a pass
+/// over b's bytes (CPU, or a GPU built with CUDA kernels), exact; else
+/// through cuBLASLt where it takes the shapes (a GPU, m > 16), exact, or in
+/// fp32, exact while k * 127^2 < 2^24.
 at::Tensor int8_linear_matmul(const at::Tensor& a, const at::Tensor& b);
 
 /// The rows of x at or below which the quantized layers (QuantizedWeight::
 /// linear's forward, int8_linear) take the products above instead of
 /// dequantizing; at most 8, 0 turns them off. Default 4: on one x86-64
-/// core they are 1.1-10.6x faster than dequantize + matmul at 1-4 rows of
-/// a 4096 x 4096 or 11008 x 4096 weight, and 0.86-3.2x at 8 (bench_qlora's
-/// "few rows", bench/results/2026-11-28-qlora-few-rows).
+/// core they are 1.3-9.5x faster than dequantize + matmul at 1-4 rows of
+/// a 4096 x 4096 or 11008 x 4096 weight (bench_qlora's "few rows",
+/// bench/results/2026-11-28-qlora-few-rows); at 8 rows 1.0-3.1x there, but
+/// 0.86-0.90x on the smaller weight in an earlier run.
 int64_t gemv_max_rows();
 void set_gemv_max_rows(int64_t rows);
 
