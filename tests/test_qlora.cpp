@@ -341,6 +341,45 @@ TEST(Qlora, FourBitLayersEqualBitsandbytes) {
   }
 }
 
+// The dequantizer forms each value as ATen would: the code times its
+// block's absmax in fp32 (a nested absmax decoded as dequantize_blockwise +
+// offset), rounded once; bit for bit, in three dtypes, with blocks that
+// start mid-byte (blocksize 33) and a last partial block.
+TEST(Qlora, DequantizerEqualsItsAtenComposition) {
+  torch::manual_seed(25);
+  const auto w = torch::randn({61, 45}).mul(0.05);
+  const int64_t n = w.numel();
+  for (const std::string type : {"nf4", "fp4"}) {
+    for (const bool nested : {false, true}) {
+      for (const int64_t blocksize : {64, 33}) {
+        auto [packed, state] = q::quantize_4bit(w, blocksize, type, nested);
+        const auto absmax = nested
+            ? q::dequantize_blockwise(
+                  state.absmax,
+                  state.state2_absmax,
+                  state.state2_code,
+                  state.state2_blocksize) +
+                state.offset
+            : state.absmax;
+        const auto bytes = packed.reshape(-1).to(at::kLong);
+        const auto idx = at::stack({bytes.bitwise_right_shift(4), bytes.bitwise_and(15)}, 1)
+                             .reshape(-1)
+                             .narrow(0, 0, n);
+        const auto values = state.code.index_select(0, idx) *
+            absmax.repeat_interleave(blocksize).narrow(0, 0, n);
+        for (auto t : {at::kFloat, at::kHalf, at::kBFloat16}) {
+          SCOPED_TRACE(
+              type + (nested ? " nested " : " ") + std::to_string(blocksize) +
+              " " + c10::toString(t));
+          EXPECT_TRUE(at::equal(
+              q::dequantize_4bit(packed, state, t),
+              values.to(t).reshape(w.sizes())));
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // The few-row products on quantized weights (NOTE [Few-row products on
 // quantized weights]).

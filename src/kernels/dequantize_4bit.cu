@@ -2,10 +2,11 @@
 // in one pass: each thread reads 4 packed bytes and writes their 8 values,
 // so the kernel moves 4 bits in and 16 bits out per bf16 value (the ATen
 // composition widens the bytes to int32 and the indices to int64 on the
-// way).
+// way), a double-quantized absmax decoded as it is read.
 
 #include "dequantize_4bit_cuda.h"
 
+#include "block_scales.cuh"
 #include "cuda_device.cuh"
 
 #include <cstdint>
@@ -22,7 +23,7 @@ constexpr int kBytes = 4; // packed bytes per thread
 template <class T>
 __global__ void __launch_bounds__(kThreads) dequantize_4bit_kernel(
     const uint8_t* __restrict__ packed,
-    const float* __restrict__ absmax,
+    BlockScales scales,
     const float* __restrict__ code,
     int64_t blocksize,
     int64_t n,
@@ -46,10 +47,13 @@ __global__ void __launch_bounds__(kThreads) dequantize_4bit_kernel(
     const uint8_t byte = packed[b];
     const int64_t i = 2 * b;
     const int64_t block = i / blocksize;
-    out[i] = from_float<T>(table[byte >> 4] * absmax[block]);
+    const float scale = block_scale(scales, block);
+    out[i] = from_float<T>(table[byte >> 4] * scale);
     if (i + 1 < n) { // an odd blocksize may start a block at i + 1
-      const int64_t next = i + 1 == (block + 1) * blocksize ? block + 1 : block;
-      out[i + 1] = from_float<T>(table[byte & 15] * absmax[next]);
+      out[i + 1] = from_float<T>(
+          table[byte & 15] *
+          (i + 1 == (block + 1) * blocksize ? block_scale(scales, block + 1)
+                                            : scale));
     }
   }
 }
@@ -59,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_4bit_kernel(
 cudaError_t dequantize_4bit(
     Dtype dtype,
     const uint8_t* packed,
-    const float* absmax,
+    const BlockScales& scales,
     const float* code,
     int64_t blocksize,
     int64_t n,
@@ -71,7 +75,7 @@ cudaError_t dequantize_4bit(
   return launch_by_dtype(dtype, bytes, [&](auto t) {
     using T = decltype(t);
     dequantize_4bit_kernel<T><<<grid, kThreads, 0, stream>>>(
-        packed, absmax, code, blocksize, n, static_cast<T*>(out));
+        packed, scales, code, blocksize, n, static_cast<T*>(out));
   });
 }
 

@@ -2,7 +2,8 @@
 
 // The 4-bit dequantizer's CUDA launcher (dequantize_4bit.cu), over plain
 // pointers (NOTE [Kernels]); quantization::dequantize_4bit calls it for a
-// tensor on a GPU.
+// tensor on a GPU. The per-block scales' description is shared with the
+// few-row products (quantized_gemv_cuda.h).
 
 #include "cuda_types.h"
 
@@ -12,13 +13,25 @@ namespace colossalai {
 namespace kernels {
 namespace cuda {
 
-/// out[i] = code[nibble i] * absmax[i / blocksize], formed in fp32 and
+/// Where a 4-bit weight's per-block scales come from: `absmax` (fp32, one
+/// per block), or with `nested_absmax` (uint8, one per block) the value
+/// fl(fl(code2[q] * absmax2[block / blocksize2]) + *offset).
+struct BlockScales {
+  const float* absmax = nullptr;
+  const uint8_t* nested_absmax = nullptr;
+  const float* code2 = nullptr;   // 256 values
+  const float* absmax2 = nullptr; // one per blocksize2 blocks
+  const float* offset = nullptr;  // one value, on the device
+  int64_t blocksize2 = 256;
+};
+
+/// out[i] = code[nibble i] * scale(i / blocksize), formed in fp32 and
 /// rounded once to `dtype`; value 2k is byte k's high nibble, 2k + 1 its
-/// low one. `code` holds 16 fp32 values, `absmax` one per block.
+/// low one. `code` holds 16 fp32 values.
 cudaError_t dequantize_4bit(
     Dtype dtype,
     const uint8_t* packed,
-    const float* absmax,
+    const BlockScales& scales,
     const float* code,
     int64_t blocksize,
     int64_t n,

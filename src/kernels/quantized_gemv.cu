@@ -6,6 +6,7 @@
 
 #include "quantized_gemv_cuda.h"
 
+#include "block_scales.cuh"
 #include "cuda_device.cuh"
 
 #include <cstdint>
@@ -20,17 +21,6 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kFeatures = 4; // output features per warp: x read once for 4
 constexpr int kRows = static_cast<int>(kGemvMaxRows);
-
-// As quantization::dequantize_4bit forms a block's absmax: no contraction
-// of the nested value's product and sum into one rounding.
-__device__ __forceinline__ float block_scale(const BlockScales& s, int64_t b) {
-  if (s.nested_absmax == nullptr) {
-    return s.absmax[b];
-  }
-  return __fadd_rn(
-      __fmul_rn(s.code2[s.nested_absmax[b]], s.absmax2[b / s.blocksize2]),
-      *s.offset);
-}
 
 template <class T>
 __device__ __forceinline__ float weight(

@@ -4,7 +4,7 @@
 // [Few-row products on quantized weights] in quantization/bnb.h), over
 // plain pointers (NOTE [Kernels]).
 
-#include "cuda_types.h"
+#include "dequantize_4bit_cuda.h"
 
 #include <cstdint>
 
@@ -14,18 +14,6 @@ namespace cuda {
 
 /// The most rows of x one launch takes.
 constexpr int64_t kGemvMaxRows = 8;
-
-/// Where a 4-bit weight's per-block scales come from: `absmax` (fp32, one
-/// per block), or with `nested_absmax` (uint8, one per block) the value
-/// fl(fl(code2[q] * absmax2[block / blocksize2]) + *offset).
-struct BlockScales {
-  const float* absmax = nullptr;
-  const uint8_t* nested_absmax = nullptr;
-  const float* code2 = nullptr;   // 256 values
-  const float* absmax2 = nullptr; // one per blocksize2 blocks
-  const float* offset = nullptr;  // one value, on the device
-  int64_t blocksize2 = 256;
-};
 
 /// out [m, n] = x [m, k] times W [n, k] transposed, m <= kGemvMaxRows; W's
 /// value at flat index i is code[nibble i] * scale(i / blocksize) rounded

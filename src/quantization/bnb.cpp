@@ -1,5 +1,7 @@
 #include <colossalai/quantization/bnb.h>
 
+#include "block_scales.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -306,33 +308,38 @@ at::Tensor block_absmax(const QuantState4bit& st) {
 }
 
 // One pass over the packed bytes on the CPU: each value is its code times
-// its block's absmax in fp32, rounded once to T (what the ATen path below
-// computes, without its int64 index tensors).
+// its block's scale in fp32, rounded once to T (what the ATen path below
+// computes, without its int64 index tensors), looked up in the block's
+// table of its 16 values (16 roundings a block, none per value).
 template <typename T>
 void dequantize_4bit_cpu(
     const uint8_t* packed,
-    const float* absmax,
+    const detail::CpuScales& scale,
     const float* code,
     int64_t blocksize,
     int64_t n,
     T* out) {
   const int64_t blocks = (n + blocksize - 1) / blocksize;
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    T table[16];
     for (int64_t b = b0; b < b1; ++b) {
-      const float am = absmax[b];
+      const float am = scale(b);
+      for (int c = 0; c < 16; ++c) {
+        table[c] = static_cast<T>(code[c] * am);
+      }
       const int64_t end = std::min(n, (b + 1) * blocksize);
       int64_t i = b * blocksize;
       if (i % 2 != 0) { // an odd blocksize: this block starts mid-byte
-        out[i] = static_cast<T>(code[packed[i / 2] & 15] * am);
+        out[i] = table[packed[i / 2] & 15];
         ++i;
       }
       for (; i + 1 < end; i += 2) {
         const uint8_t byte = packed[i / 2];
-        out[i] = static_cast<T>(code[byte >> 4] * am);
-        out[i + 1] = static_cast<T>(code[byte & 15] * am);
+        out[i] = table[byte >> 4];
+        out[i + 1] = table[byte & 15];
       }
       if (i < end) {
-        out[i] = static_cast<T>(code[packed[i / 2] >> 4] * am);
+        out[i] = table[packed[i / 2] >> 4];
       }
     }
   });
@@ -364,26 +371,27 @@ at::Tensor dequantize_4bit(
       n,
       " values");
   const auto device = packed.device();
-  auto absmax = block_absmax(st).to(device).contiguous();
-  auto code = st.code.to(device, at::kFloat).contiguous();
   TORCH_CHECK(
-      st.blocksize > 0 &&
-          absmax.numel() >= (n + st.blocksize - 1) / st.blocksize,
-      "dequantize_4bit: ",
-      absmax.numel(),
-      " absmax values for ",
-      n,
-      " values in blocks of ",
+      st.blocksize > 0,
+      "dequantize_4bit: blocksize must be positive, got ",
       st.blocksize,
       " (a corrupt quantization state)");
+  const int64_t blocks = (n + st.blocksize - 1) / st.blocksize;
+  auto code = st.code.to(device, at::kFloat).contiguous();
   if (device.is_cpu()) {
+    TORCH_CHECK(
+        code.numel() == 16,
+        "dequantize_4bit: the code table must hold 16 values, got ",
+        code.numel());
+    const detail::ScaleTensors scales(st, blocks, device, "dequantize_4bit");
+    const auto cpu_scales = scales.cpu();
     auto bytes = packed.contiguous();
     auto out = at::empty(st.shape, at::TensorOptions().dtype(dtype));
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kBFloat16, at::kHalf, dtype, "dequantize_4bit", [&] {
           dequantize_4bit_cpu<scalar_t>(
               bytes.data_ptr<uint8_t>(),
-              absmax.data_ptr<float>(),
+              cpu_scales,
               code.data_ptr<float>(),
               st.blocksize,
               n,
@@ -399,13 +407,14 @@ at::Tensor dequantize_4bit(
         "dequantize_4bit: the code table must hold 16 values, got ",
         code.numel());
     const c10::cuda::CUDAGuard guard(device);
+    const detail::ScaleTensors scales(st, blocks, device, "dequantize_4bit");
     auto bytes = packed.contiguous();
     auto out = at::empty(st.shape, packed.options().dtype(dtype));
     kernels::cuda::check_launch(
         kernels::cuda::dequantize_4bit(
             kernels::cuda::dtype_of(dtype, "dequantize_4bit"),
             bytes.data_ptr<uint8_t>(),
-            absmax.data_ptr<float>(),
+            scales.cuda(),
             code.data_ptr<float>(),
             st.blocksize,
             n,
@@ -417,6 +426,14 @@ at::Tensor dequantize_4bit(
   }
 #endif
   // Elsewhere: the same arithmetic as ATen kernels on the device.
+  auto absmax = block_absmax(st).to(device).contiguous();
+  TORCH_CHECK(
+      absmax.numel() >= blocks,
+      "dequantize_4bit: ",
+      absmax.numel(),
+      " absmax values for ",
+      blocks,
+      " blocks (a corrupt quantization state)");
   auto bytes = packed.reshape(-1).to(at::kInt);
   auto idx =
       at::stack(

@@ -7,6 +7,8 @@
 
 #include <colossalai/utils/compat.h>
 
+#include "block_scales.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -33,28 +35,6 @@ constexpr int64_t kMaxRows = 8;
 
 // bnb.h's default (see there).
 std::atomic<int64_t> g_gemv_max_rows{4};
-
-// A 4-bit state's per-block scales on the CPU, as dequantize_4bit forms
-// them (block_absmax in bnb.cpp): a nested one is fl(fl(code2[q] * absmax2)
-// + offset). The product of two floats is exact in double, so rounding it
-// to float is the single-precision product whatever the compiler contracts.
-struct CpuScales {
-  const float* absmax = nullptr;
-  const uint8_t* nested = nullptr;
-  const float* code2 = nullptr;
-  const float* absmax2 = nullptr;
-  float offset = 0.f;
-  int64_t blocksize2 = 256;
-
-  float operator()(int64_t b) const {
-    if (nested == nullptr) {
-      return absmax[b];
-    }
-    const auto p = static_cast<float>(
-        static_cast<double>(code2[nested[b]]) * absmax2[b / blocksize2]);
-    return p + offset;
-  }
-};
 
 // Weight rows decoded side by side, and the columns of each pass: the
 // rows stream in order (8 sequential reads), and x's 8 rows x 256 columns
@@ -130,7 +110,7 @@ void few_rows_cpu(
 template <typename T>
 struct Decode4bit {
   const uint8_t* packed;
-  const CpuScales* scale;
+  const detail::CpuScales* scale;
   const float* code;
   int64_t blocksize, k;
 
@@ -249,41 +229,16 @@ at::Tensor gemv_4bit(
     return at::linear(x, dequantize_4bit(packed, st, x.scalar_type()));
   }
   const int64_t blocksize = st.blocksize;
-  const int64_t blocks =
-      blocksize > 0 ? (n * k + blocksize - 1) / blocksize : 0;
   TORCH_CHECK(
-      blocksize > 0 && st.code.numel() == 16 && st.absmax.defined() &&
-          st.absmax.numel() >= blocks,
+      blocksize > 0 && st.code.defined() && st.code.numel() == 16,
       "gemv_4bit: a corrupt quantization state (blocksize ",
       blocksize,
       ", ",
       st.code.defined() ? st.code.numel() : 0,
-      " code values, ",
-      st.absmax.defined() ? st.absmax.numel() : 0,
-      " absmax values for ",
-      blocks,
-      " blocks)");
+      " code values; 16 expected)");
+  const detail::ScaleTensors scales(
+      st, (n * k + blocksize - 1) / blocksize, device, "gemv_4bit");
   auto code = st.code.to(device, at::kFloat).contiguous();
-  at::Tensor absmax, nested, code2, absmax2, offset;
-  if (st.nested) {
-    TORCH_CHECK(
-        st.absmax.scalar_type() == at::kByte && st.state2_blocksize > 0 &&
-            st.state2_code.defined() && st.state2_code.numel() == 256 &&
-            st.state2_absmax.defined() &&
-            st.state2_absmax.numel() >=
-                (blocks + st.state2_blocksize - 1) / st.state2_blocksize &&
-            st.offset.defined() && st.offset.numel() == 1,
-        "gemv_4bit: a corrupt nested quantization state (uint8 absmax codes, "
-        "256 code values, one second-level absmax per ",
-        st.state2_blocksize,
-        " blocks and one offset are expected)");
-    nested = st.absmax.to(device).contiguous();
-    code2 = st.state2_code.to(device, at::kFloat).contiguous();
-    absmax2 = st.state2_absmax.to(device, at::kFloat).contiguous();
-    offset = st.offset.to(device, at::kFloat).reshape({1}).contiguous();
-  } else {
-    absmax = st.absmax.to(device, at::kFloat).contiguous();
-  }
   const auto bytes = packed.contiguous();
   const auto xs =
       x.reshape({x.numel() / std::max<int64_t>(k, 1), k}).contiguous();
@@ -298,16 +253,7 @@ at::Tensor gemv_4bit(
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   if (device.is_cuda()) {
     const c10::cuda::CUDAGuard guard(device);
-    kernels::cuda::BlockScales scales;
-    if (st.nested) {
-      scales.nested_absmax = nested.data_ptr<uint8_t>();
-      scales.code2 = code2.data_ptr<float>();
-      scales.absmax2 = absmax2.data_ptr<float>();
-      scales.offset = offset.data_ptr<float>();
-      scales.blocksize2 = st.state2_blocksize;
-    } else {
-      scales.absmax = absmax.data_ptr<float>();
-    }
+    const auto block_scales = scales.cuda();
     const auto dtype = kernels::cuda::dtype_of(x.scalar_type(), "gemv_4bit");
     const auto stream = c10::cuda::getCurrentCUDAStream().stream();
     for (int64_t r = 0; r < m; r += kMaxRows) {
@@ -320,7 +266,7 @@ at::Tensor gemv_4bit(
               rows,
               k,
               bytes.data_ptr<uint8_t>(),
-              scales,
+              block_scales,
               code.data_ptr<float>(),
               blocksize,
               n,
@@ -332,22 +278,13 @@ at::Tensor gemv_4bit(
     return out.reshape(out_shape);
   }
 #endif
-  CpuScales scales;
-  if (st.nested) {
-    scales.nested = nested.data_ptr<uint8_t>();
-    scales.code2 = code2.data_ptr<float>();
-    scales.absmax2 = absmax2.data_ptr<float>();
-    scales.offset = offset.item<float>();
-    scales.blocksize2 = st.state2_blocksize;
-  } else {
-    scales.absmax = absmax.data_ptr<float>();
-  }
+  const auto cpu_scales = scales.cpu();
   const auto xf = xs.to(at::kFloat).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, x.scalar_type(), "gemv_4bit", [&] {
         const Decode4bit<scalar_t> decode{
             bytes.data_ptr<uint8_t>(),
-            &scales,
+            &cpu_scales,
             code.data_ptr<float>(),
             blocksize,
             k};

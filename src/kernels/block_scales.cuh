@@ -1,0 +1,27 @@
+#pragma once
+
+// A 4-bit weight's per-block scale on the device (BlockScales), for the
+// dequantizer and the few-row products.
+
+#include "dequantize_4bit_cuda.h"
+
+#include <cstdint>
+
+namespace colossalai {
+namespace kernels {
+namespace cuda {
+
+// As quantization::dequantize_4bit's reference forms a block's absmax: no
+// contraction of the nested value's product and sum into one rounding.
+__device__ __forceinline__ float block_scale(const BlockScales& s, int64_t b) {
+  if (s.nested_absmax == nullptr) {
+    return s.absmax[b];
+  }
+  return __fadd_rn(
+      __fmul_rn(s.code2[s.nested_absmax[b]], s.absmax2[b / s.blocksize2]),
+      *s.offset);
+}
+
+} // namespace cuda
+} // namespace kernels
+} // namespace colossalai
