@@ -53,6 +53,13 @@ CpuScales ScaleTensors::cpu() const {
   s.absmax2 = absmax2.data_ptr<float>();
   s.offset = offset.item<float>();
   s.blocksize2 = blocksize2;
+  int shift = 0;
+  while ((int64_t(1) << shift) < blocksize2) {
+    ++shift;
+  }
+  if ((int64_t(1) << shift) == blocksize2) {
+    s.shift2 = shift;
+  }
   return s;
 }
 

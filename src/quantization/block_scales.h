@@ -8,12 +8,14 @@
 #include <colossalai/quantization/bnb.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
 #include "../kernels/dequantize_4bit_cuda.h"
 #endif
 
 #include <cstdint>
+#include <cstring>
 
 namespace colossalai {
 namespace quantization {
@@ -30,16 +32,66 @@ struct CpuScales {
   const float* absmax2 = nullptr;
   float offset = 0.f;
   int64_t blocksize2 = 256;
+  int shift2 = -1; ///< log2(blocksize2) where it is a power of two
 
   float operator()(int64_t b) const {
     if (nested == nullptr) {
       return absmax[b];
     }
-    const auto p = static_cast<float>(
-        static_cast<double>(code2[nested[b]]) * absmax2[b / blocksize2]);
+    // A shift for bitsandbytes' 256: a 64-bit divide per block would cost
+    // about as much as decoding the block.
+    const int64_t b2 = shift2 >= 0 ? b >> shift2 : b / blocksize2;
+    const auto p =
+        static_cast<float>(static_cast<double>(code2[nested[b]]) * absmax2[b2]);
     return p + offset;
   }
 };
+
+/// A block's 16 values, code[c] * scale rounded to T, as fp32 (each exactly
+/// what static_cast<T> of the fp32 product gives).
+template <typename T>
+inline void block_table(const float* code, float scale, float* table) {
+  for (int c = 0; c < 16; ++c) {
+    table[c] = static_cast<float>(static_cast<T>(code[c] * scale));
+  }
+}
+
+/// bf16: c10::BFloat16's rounding (to nearest even, NaN to 0x7FC0) on the
+/// bits, without its branch, so that the 16 roundings vectorise (with
+/// c10's branch a block's table costs about as much as decoding it).
+template <>
+inline void block_table<c10::BFloat16>(
+    const float* code,
+    float scale,
+    float* table) {
+  float v[16];
+  for (int c = 0; c < 16; ++c) {
+    v[c] = code[c] * scale;
+  }
+  int32_t u[16];
+  std::memcpy(u, v, sizeof(u));
+  for (int c = 0; c < 16; ++c) {
+    const auto bits = static_cast<uint32_t>(u[c]);
+    const auto r = static_cast<int32_t>(
+        (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
+    // Signed compares of non-negative values (SSE2 has no unsigned one).
+    u[c] = (u[c] & 0x7FFFFFFF) > 0x7F800000 ? 0x7FC00000 : r;
+  }
+  std::memcpy(table, u, sizeof(u));
+}
+
+/// A value of T's precision, as T (no rounding left to do).
+template <typename T>
+inline T exact_cast(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline c10::BFloat16 exact_cast<c10::BFloat16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return c10::BFloat16(
+      static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
+}
 
 /// The state's scale tensors for `blocks` blocks on `device`, checked: a
 /// state too short for them, or a nested one missing a part, is refused as

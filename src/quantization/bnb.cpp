@@ -321,11 +321,12 @@ void dequantize_4bit_cpu(
     T* out) {
   const int64_t blocks = (n + blocksize - 1) / blocksize;
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    float values[16];
     T table[16];
     for (int64_t b = b0; b < b1; ++b) {
-      const float am = scale(b);
+      detail::block_table<T>(code, scale(b), values);
       for (int c = 0; c < 16; ++c) {
-        table[c] = static_cast<T>(code[c] * am);
+        table[c] = detail::exact_cast<T>(values[c]);
       }
       const int64_t end = std::min(n, (b + 1) * blocksize);
       int64_t i = b * blocksize;

@@ -118,12 +118,10 @@ struct Decode4bit {
     int64_t i = f * k + c0;
     const int64_t end = i + len;
     float table[16];
-    while (i < end) {
-      const int64_t b = i / blocksize;
-      const float s = (*scale)(b);
-      for (int c = 0; c < 16; ++c) {
-        table[c] = static_cast<float>(static_cast<T>(code[c] * s));
-      }
+    // One division per call: a 64-bit divide per block costs about as much
+    // as decoding the block.
+    for (int64_t b = i / blocksize; i < end; ++b) {
+      detail::block_table<T>(code, (*scale)(b), table);
       const int64_t stop = std::min(end, (b + 1) * blocksize);
       if (i % 2 != 0) { // starts at a low nibble
         *buf++ = table[packed[i / 2] & 15];
