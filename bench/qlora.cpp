@@ -537,9 +537,11 @@ int main(int argc, char** argv) {
 
   // ---- 4. a few rows through one quantized layer ---------------------------
   // What a generation step asks of each layer: 1-8 tokens times the frozen
-  // weight, through QuantizedWeight::linear as the layers call it, with the
-  // fused few-row products (gemv_max_rows 8) against dequantize + matmul
-  // (0), alternating call by call; plain fp32 / bf16 weights beside them.
+  // weight, the fused few-row products (4-bit: gemv_4bit in the compute
+  // dtype; int8: int8_linear with gemv_max_rows 8) against dequantize +
+  // matmul (QuantizedWeight::linear with gemv_max_rows 0), alternating call
+  // by call; plain fp32 / bf16 weights beside them. (On the CPU the layers
+  // keep the composition for a 16-bit compute dtype: see the bf16 rows.)
   struct Layer {
     std::string name;
     q::BnbQuantizationConfig config;
@@ -588,7 +590,15 @@ int main(int argc, char** argv) {
         for (int r = -1; r < gemv_reps; ++r) { // r = -1: warm-up
           q::set_gemv_max_rows(8);
           time(r < 0 ? nullptr : &fused, [&] {
-            qw.second->linear(xl, qw.first);
+            if (kind.config.load_in_4bit()) {
+              q::gemv_4bit(
+                  xl.to(kind.config.bnb_4bit_compute_dtype()),
+                  qw.first,
+                  qw.second->state_4bit())
+                  .to(at::kFloat);
+            } else {
+              qw.second->linear(xl, qw.first);
+            }
           });
           q::set_gemv_max_rows(0);
           time(r < 0 ? nullptr : &plain_ms, [&] {

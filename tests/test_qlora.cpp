@@ -545,8 +545,9 @@ TEST(Qlora, FewTokenForwardsEqualTheDequantizedOnes) {
       }
     }
   }
-  // Under autocast the fused product multiplies in autocast's dtype, as
-  // at::linear would in the dequantizing path (fp32 compute dtype here).
+  // Under autocast a few tokens multiply in autocast's dtype, as at::linear
+  // would in the dequantizing path (fp32 compute dtype here); on the CPU a
+  // 16-bit dtype takes that path itself (quantized_weight.cpp).
   auto [data, qw] = q::QuantizedWeight::quantize(w, nf4);
   const auto x = torch::randn({2, 300});
   at::Tensor y;
@@ -556,7 +557,11 @@ TEST(Qlora, FewTokenForwardsEqualTheDequantizedOnes) {
   }
   EXPECT_EQ(y.scalar_type(), at::kFloat);
   EXPECT_TRUE(at::equal(
-      y, q::gemv_4bit(x.to(at::kBFloat16), data, qw->state_4bit()).to(at::kFloat)));
+      y,
+      at::linear(
+          x.to(at::kBFloat16),
+          q::dequantize_4bit(data, qw->state_4bit(), at::kBFloat16))
+          .to(at::kFloat)));
 }
 
 // ---------------------------------------------------------------------------

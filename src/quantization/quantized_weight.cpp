@@ -45,7 +45,10 @@ struct QuantizedMatmul : torch::autograd::Function<QuantizedMatmul> {
       // fp32 compute dtype's operands in autocast's dtype, and so does the
       // fused product (rounding once to it is rounding twice through
       // fp32); a 16-bit compute dtype autocast changes keeps the
-      // composition, which rounds twice.
+      // composition, which rounds twice. On the CPU a 16-bit dtype keeps it
+      // too: rounding each block's 16 values there costs the fused pass
+      // about what it saves (bench_qlora's few rows: 0.71-0.97x at 1-4 rows
+      // of a 4096 x 4096 weight in bf16, 1.01-1.56x in fp32).
       const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
       auto dtype = compute;
       bool fused = rows <= gemv_max_rows();
@@ -55,6 +58,9 @@ struct QuantizedMatmul : torch::autograd::Function<QuantizedMatmul> {
         } else if (compute != *autocast && compute != at::kDouble) {
           fused = false;
         }
+      }
+      if (x.device().is_cpu() && dtype != at::kFloat) {
+        fused = false;
       }
       if (fused) {
         y = gemv_4bit(x.to(dtype), data, w->state_4bit());

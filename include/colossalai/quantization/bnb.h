@@ -195,10 +195,11 @@ at::Tensor int8_linear_matmul(const at::Tensor& a, const at::Tensor& b);
 /// The rows of x at or below which the quantized layers (QuantizedWeight::
 /// linear's forward, int8_linear) take the products above instead of
 /// dequantizing; at most 8, 0 turns them off. Default 4: on one x86-64
-/// core they are 1.3-9.5x faster than dequantize + matmul at 1-4 rows of
-/// a 4096 x 4096 or 11008 x 4096 weight (bench_qlora's "few rows",
-/// bench/results/2026-11-28-qlora-few-rows); at 8 rows 1.0-3.1x there, but
-/// 0.86-0.90x on the smaller weight in an earlier run.
+/// core, at 1-4 rows of a 4096 x 4096 or 11008 x 4096 weight, they are
+/// 1.01-4.9x (4-bit, fp32 compute) and 1.5-10.6x (int8) faster than
+/// dequantize + matmul, at 8 rows 0.76-3.3x (bench_qlora's "few rows",
+/// bench/results/2026-11-28-qlora-few-rows). On the CPU a 4-bit layer with
+/// a 16-bit compute dtype keeps dequantize + matmul (0.71-0.97x there).
 int64_t gemv_max_rows();
 void set_gemv_max_rows(int64_t rows);
 
