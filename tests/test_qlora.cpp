@@ -380,6 +380,53 @@ TEST(Qlora, DequantizerEqualsItsAtenComposition) {
   }
 }
 
+// A corrupt 4-bit state is refused by name by the dequantizer and the
+// few-row product alike, never read past its tensors' ends.
+TEST(Qlora, CorruptFourBitStatesAreRefusedByName) {
+  torch::manual_seed(26);
+  const auto w = torch::randn({8, 64}).mul(0.05);
+  const auto x = torch::randn({1, 64});
+  auto expect_refused = [&](const q::QuantState4bit& st, const at::Tensor& packed, const std::string& what) {
+    for (int op = 0; op < 2; ++op) {
+      try {
+        if (op == 0) {
+          q::dequantize_4bit(packed, st, at::kFloat);
+        } else {
+          q::gemv_4bit(x, packed, st);
+        }
+        ADD_FAILURE() << what << " was taken by " << (op == 0 ? "dequantize_4bit" : "gemv_4bit");
+      } catch (const c10::Error& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find(op == 0 ? "dequantize_4bit" : "gemv_4bit"), std::string::npos) << msg;
+        EXPECT_NE(msg.find(what), std::string::npos) << msg;
+      }
+    }
+  };
+  for (const bool nested : {false, true}) {
+    SCOPED_TRACE(nested ? "nested" : "plain");
+    auto [packed, state] = q::quantize_4bit(w, 64, "nf4", nested);
+    auto short_absmax = state;
+    short_absmax.absmax = state.absmax.narrow(0, 0, 1);
+    expect_refused(short_absmax, packed, "corrupt");
+    auto short_code = state;
+    short_code.code = state.code.narrow(0, 0, 15);
+    expect_refused(short_code, packed, "16");
+    auto no_code = state;
+    no_code.code = at::Tensor();
+    expect_refused(no_code, packed, "16");
+    if (nested) {
+      auto no_code2 = state;
+      no_code2.state2_code = at::Tensor();
+      expect_refused(no_code2, packed, "corrupt nested");
+      // A second-level block size no power of two and too large for a
+      // shift: read by division, no hang.
+      auto odd = state;
+      odd.state2_blocksize = (int64_t(1) << 62) + 1;
+      EXPECT_EQ(q::dequantize_4bit(packed, odd, at::kFloat).sizes(), w.sizes());
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // The few-row products on quantized weights (NOTE [Few-row products on
 // quantized weights]).

@@ -27,8 +27,7 @@ ScaleTensors::ScaleTensors(
       st.absmax.scalar_type() == at::kByte && st.state2_blocksize > 0 &&
           st.state2_code.defined() && st.state2_code.numel() == 256 &&
           st.state2_absmax.defined() &&
-          st.state2_absmax.numel() >=
-              (blocks + st.state2_blocksize - 1) / st.state2_blocksize &&
+          st.state2_absmax.numel() >= ceil_div(blocks, st.state2_blocksize) &&
           st.offset.defined() && st.offset.numel() == 1,
       op,
       ": a corrupt nested quantization state (uint8 absmax codes, 256 code "
@@ -53,12 +52,11 @@ CpuScales ScaleTensors::cpu() const {
   s.absmax2 = absmax2.data_ptr<float>();
   s.offset = offset.item<float>();
   s.blocksize2 = blocksize2;
-  int shift = 0;
-  while ((int64_t(1) << shift) < blocksize2) {
-    ++shift;
-  }
-  if ((int64_t(1) << shift) == blocksize2) {
-    s.shift2 = shift;
+  for (int shift = 0; shift < 62; ++shift) {
+    if ((int64_t(1) << shift) == blocksize2) {
+      s.shift2 = shift;
+      break;
+    }
   }
   return s;
 }

@@ -21,6 +21,12 @@ namespace colossalai {
 namespace quantization {
 namespace detail {
 
+/// ceil(a / b) for a >= 0, b > 0, without a + b - 1 (which a corrupt
+/// state's block size could overflow).
+inline int64_t ceil_div(int64_t a, int64_t b) {
+  return a / b + (a % b != 0 ? 1 : 0);
+}
+
 /// On the CPU, as block_absmax forms them: a nested scale is
 /// fl(fl(code2[q] * absmax2) + offset). The product of two floats is exact
 /// in double, so rounding it to float is the fp32 product whatever the

@@ -319,7 +319,7 @@ void dequantize_4bit_cpu(
     int64_t blocksize,
     int64_t n,
     T* out) {
-  const int64_t blocks = (n + blocksize - 1) / blocksize;
+  const int64_t blocks = detail::ceil_div(n, blocksize);
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     float values[16];
     T table[16];
@@ -377,13 +377,14 @@ at::Tensor dequantize_4bit(
       "dequantize_4bit: blocksize must be positive, got ",
       st.blocksize,
       " (a corrupt quantization state)");
-  const int64_t blocks = (n + st.blocksize - 1) / st.blocksize;
+  TORCH_CHECK(
+      st.code.defined() && st.code.numel() == 16,
+      "dequantize_4bit: the code table must hold 16 values, got ",
+      st.code.defined() ? st.code.numel() : 0,
+      " (a corrupt quantization state)");
+  const int64_t blocks = detail::ceil_div(n, st.blocksize);
   auto code = st.code.to(device, at::kFloat).contiguous();
   if (device.is_cpu()) {
-    TORCH_CHECK(
-        code.numel() == 16,
-        "dequantize_4bit: the code table must hold 16 values, got ",
-        code.numel());
     const detail::ScaleTensors scales(st, blocks, device, "dequantize_4bit");
     const auto cpu_scales = scales.cpu();
     auto bytes = packed.contiguous();
@@ -403,10 +404,6 @@ at::Tensor dequantize_4bit(
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   if (device.is_cuda() &&
       (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) {
-    TORCH_CHECK(
-        code.numel() == 16,
-        "dequantize_4bit: the code table must hold 16 values, got ",
-        code.numel());
     const c10::cuda::CUDAGuard guard(device);
     const detail::ScaleTensors scales(st, blocks, device, "dequantize_4bit");
     auto bytes = packed.contiguous();
@@ -426,7 +423,9 @@ at::Tensor dequantize_4bit(
     return out;
   }
 #endif
-  // Elsewhere: the same arithmetic as ATen kernels on the device.
+  // Elsewhere: the same arithmetic as ATen kernels on the device (the
+  // state checked as the kernels check it).
+  const detail::ScaleTensors checked(st, blocks, device, "dequantize_4bit");
   auto absmax = block_absmax(st).to(device).contiguous();
   TORCH_CHECK(
       absmax.numel() >= blocks,

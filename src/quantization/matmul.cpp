@@ -235,7 +235,7 @@ at::Tensor gemv_4bit(
       st.code.defined() ? st.code.numel() : 0,
       " code values; 16 expected)");
   const detail::ScaleTensors scales(
-      st, (n * k + blocksize - 1) / blocksize, device, "gemv_4bit");
+      st, detail::ceil_div(n * k, blocksize), device, "gemv_4bit");
   auto code = st.code.to(device, at::kFloat).contiguous();
   const auto bytes = packed.contiguous();
   const auto xs =

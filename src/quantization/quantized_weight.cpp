@@ -59,7 +59,8 @@ struct QuantizedMatmul : torch::autograd::Function<QuantizedMatmul> {
           fused = false;
         }
       }
-      if (x.device().is_cpu() && dtype != at::kFloat) {
+      if (x.device().is_cpu() &&
+          (dtype == at::kHalf || dtype == at::kBFloat16)) {
         fused = false;
       }
       if (fused) {
