@@ -17,9 +17,15 @@ __device__ __forceinline__ float block_scale(const BlockScales& s, int64_t b) {
   if (s.nested_absmax == nullptr) {
     return s.absmax[b];
   }
+  const int64_t b2 = s.shift2 >= 0 ? b >> s.shift2 : b / s.blocksize2;
   return __fadd_rn(
-      __fmul_rn(s.code2[s.nested_absmax[b]], s.absmax2[b / s.blocksize2]),
-      *s.offset);
+      __fmul_rn(s.code2[s.nested_absmax[b]], s.absmax2[b2]), *s.offset);
+}
+
+// Which block flat index i is in: a shift where blocksize is 2^shift.
+__device__ __forceinline__ int64_t
+block_of(int64_t i, int64_t blocksize, int shift) {
+  return shift >= 0 ? i >> shift : i / blocksize;
 }
 
 } // namespace cuda

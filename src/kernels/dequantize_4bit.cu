@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_4bit_kernel(
     BlockScales scales,
     const float* __restrict__ code,
     int64_t blocksize,
+    int shift,
     int64_t n,
     T* __restrict__ out) {
   __shared__ float table[16];
@@ -46,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_4bit_kernel(
     }
     const uint8_t byte = packed[b];
     const int64_t i = 2 * b;
-    const int64_t block = i / blocksize;
+    const int64_t block = block_of(i, blocksize, shift);
     const float scale = block_scale(scales, block);
     out[i] = from_float<T>(table[byte >> 4] * scale);
     if (i + 1 < n) { // an odd blocksize may start a block at i + 1
@@ -75,7 +76,13 @@ cudaError_t dequantize_4bit(
   return launch_by_dtype(dtype, bytes, [&](auto t) {
     using T = decltype(t);
     dequantize_4bit_kernel<T><<<grid, kThreads, 0, stream>>>(
-        packed, scales, code, blocksize, n, static_cast<T*>(out));
+        packed,
+        scales,
+        code,
+        blocksize,
+        exact_log2(blocksize),
+        n,
+        static_cast<T*>(out));
   });
 }
 

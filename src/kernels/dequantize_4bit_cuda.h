@@ -23,6 +23,7 @@ struct BlockScales {
   const float* absmax2 = nullptr; // one per blocksize2 blocks
   const float* offset = nullptr;  // one value, on the device
   int64_t blocksize2 = 256;
+  int shift2 = -1; // exact_log2(blocksize2)
 };
 
 /// out[i] = code[nibble i] * scale(i / blocksize), formed in fp32 and

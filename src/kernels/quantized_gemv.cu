@@ -86,6 +86,7 @@ __global__ void __launch_bounds__(kThreads) gemv_4bit_kernel(
     BlockScales scales,
     const float* __restrict__ code,
     int64_t blocksize,
+    int shift,
     int64_t n,
     T* __restrict__ out) {
   __shared__ float table[16];
@@ -111,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) gemv_4bit_kernel(
         if (f < features) {
           const int64_t first = (f0 + f) * k + col; // flat index, even
           words[f] = *reinterpret_cast<const uint4*>(packed + first / 2);
-          scale[f] = block_scale(scales, first / blocksize);
+          scale[f] = block_scale(scales, block_of(first, blocksize, shift));
         }
       }
 #pragma unroll
@@ -165,8 +166,10 @@ __global__ void __launch_bounds__(kThreads) gemv_4bit_kernel(
           const int64_t i = (f0 + f) * k + c;
           const uint8_t byte = packed[i / 2];
           const int nibble = i % 2 == 0 ? byte >> 4 : byte & 15;
-          const float w =
-              weight<T>(table, nibble, block_scale(scales, i / blocksize));
+          const float w = weight<T>(
+              table,
+              nibble,
+              block_scale(scales, block_of(i, blocksize, shift)));
 #pragma unroll
           for (int r = 0; r < kRows; ++r) {
             if (r < m) {
@@ -272,6 +275,7 @@ cudaError_t gemv_4bit(
   }
   const bool vectorised =
       k % 32 == 0 && blocksize % 32 == 0 && aligned16(packed);
+  const int shift = exact_log2(blocksize);
   return launch_by_dtype(dtype, m * n, [&](auto t) {
     using T = decltype(t);
     const auto* xs = static_cast<const T*>(x);
@@ -279,10 +283,10 @@ cudaError_t gemv_4bit(
     const int rows = static_cast<int>(m);
     if (vectorised) {
       gemv_4bit_kernel<T, true><<<grid_for(n), kThreads, 0, stream>>>(
-          xs, rows, k, packed, scales, code, blocksize, n, ys);
+          xs, rows, k, packed, scales, code, blocksize, shift, n, ys);
     } else {
       gemv_4bit_kernel<T, false><<<grid_for(n), kThreads, 0, stream>>>(
-          xs, rows, k, packed, scales, code, blocksize, n, ys);
+          xs, rows, k, packed, scales, code, blocksize, shift, n, ys);
     }
   });
 }

@@ -73,6 +73,7 @@ kernels::cuda::BlockScales ScaleTensors::cuda() const {
   s.absmax2 = absmax2.data_ptr<float>();
   s.offset = offset.data_ptr<float>();
   s.blocksize2 = blocksize2;
+  s.shift2 = kernels::cuda::exact_log2(blocksize2);
   return s;
 }
 #endif
