@@ -1530,6 +1530,24 @@ TEST(Kernels, FewRowQuantizedProductsOnCudaAreTheProducts) {
       }
     }
   }
+  // A quantized layer's few-token forward on a GPU is the kernel, in
+  // autocast's dtype under autocast (fp32 compute dtype).
+  {
+    const auto w = torch::randn({70, 1000}).mul(0.05);
+    auto [data, qw] = q::QuantizedWeight::quantize(
+        w, q::BnbQuantizationConfig().load_in_4bit(true).bnb_4bit_quant_type("nf4").bnb_4bit_use_double_quant(true));
+    qw->to(at::kCUDA);
+    const auto d = data.cuda();
+    const auto x = torch::randn({2, 1000}).cuda();
+    EXPECT_TRUE(at::equal(qw->linear(x, d), q::gemv_4bit(x, d, qw->state_4bit())));
+    at::Tensor y;
+    {
+      colossalai::compat::AutocastGuard autocast(at::kCUDA, at::kBFloat16);
+      y = qw->linear(x, d);
+    }
+    EXPECT_EQ(y.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(y, q::gemv_4bit(x.to(at::kBFloat16), d, qw->state_4bit()).to(at::kFloat)));
+  }
   for (const int64_t k : {7, 256, 4099}) {
     for (const int64_t m : {1, 3, 8}) {
       SCOPED_TRACE("int8 k " + std::to_string(k) + " m " + std::to_string(m));
