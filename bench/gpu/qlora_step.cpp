@@ -14,15 +14,23 @@
 //   bench_gpu_qlora_step [--model llama3-8b|llama2-7b|llama-small-cpu]
 //       [--layers N] [--seq 2048] [--batch 4] [--r 16] [--alpha 32]
 //       [--checkpointing 1] [--steps 10] [--warmup 2] [--split-steps 3]
-//       [--matmul-n 8192] [--device cuda|cpu] [--out FILE.json]
+//       [--matmul-n 8192] [--generate 32] [--device cuda|cpu] [--out FILE.json]
+//
+// --generate N then times greedy generation of N tokens after a 16-token
+// prompt (batch 1, KV cache, bf16 autocast) with the few-row products on
+// the packed weight (gemv_max_rows 4) and with dequantize + matmul (0),
+// alternating, two runs each: ms per token (prefill included); 0: none.
 
 #include <colossalai/colossalai.h>
 
 #include <colossalai/lazy/lazy_init.h>
 #include <colossalai/lora/lora_model.h>
+#include <colossalai/models/generation.h>
 #include <colossalai/models/llama.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
+#include <colossalai/quantization/bnb.h>
 #include <colossalai/quantization/quantize_model.h>
+#include <colossalai/utils/compat.h>
 
 #include "../bench_util.h"
 #include "../llama_workloads.h"
@@ -54,6 +62,7 @@ struct Args {
   bool checkpointing = true;
   int steps = 10, warmup = 2, split_steps = 3;
   int64_t matmul_n = 8192;
+  int64_t generate = 32;
 };
 
 Args parse(int argc, char** argv) {
@@ -73,6 +82,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--warmup") a.warmup = std::stoi(v);
     else if (k == "--split-steps") a.split_steps = std::stoi(v);
     else if (k == "--matmul-n") a.matmul_n = std::stoll(v);
+    else if (k == "--generate") a.generate = std::stoll(v);
     else if (k == "--device") a.device = v;
     else if (k == "--out") a.out = v;
     else TORCH_CHECK(false, "unknown option ", k);
@@ -175,6 +185,33 @@ int run(const Args& a) {
   const double tps = step_ms > 0 ? a.batch * a.seq / (step_ms * 1e-3) : 0;
   auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : cbench::median(v); };
 
+  // Greedy generation: the few-row products against dequantizing per step.
+  std::vector<double> gen_ms[2];
+  bool same_ids = true;
+  if (a.generate > 0) {
+    model->eval();
+    const auto prompt = x.narrow(0, 0, 1).narrow(1, 0, std::min<int64_t>(16, a.seq));
+    const auto gcfg = cm::GenerationConfig().max_new_tokens(a.generate).min_new_tokens(a.generate);
+    const int64_t saved = q::gemv_max_rows();
+    at::Tensor ids[2];
+    for (int r = -1; r < 2; ++r) { // r = -1: warm-up
+      for (int mode = 0; mode < 2; ++mode) {
+        q::set_gemv_max_rows(mode == 0 ? 4 : 0);
+        torch::NoGradGuard no_grad;
+        colossalai::compat::AutocastGuard autocast(dev.type(), at::kBFloat16);
+        cbench::sync(dev);
+        const auto t0 = std::chrono::steady_clock::now();
+        ids[mode] = cm::generate(model, prompt, at::Tensor(), gcfg);
+        cbench::sync(dev);
+        if (r >= 0)
+          gen_ms[mode].push_back(cbench::seconds_since(t0) * 1e3 / a.generate);
+      }
+    }
+    q::set_gemv_max_rows(saved);
+    same_ids = at::equal(ids[0].cpu(), ids[1].cpu());
+    model->train();
+  }
+
   std::ostringstream j;
   j << "{\n  \"benchmark\": \"qlora_step\",\n  \"implementation\": \"ours (C++, NF4 base, LoRA r "
     << a.r << ", bf16 autocast, FusedAdamW, fused loss)\",\n  \"model\": \"" << a.model
@@ -192,6 +229,10 @@ int run(const Args& a) {
     << ",\n  \"mfu_measured\": " << tps * flops / rate << ",\n  \"first_loss\": " << first_loss
     << ",\n  \"final_loss\": " << last_loss << ",\n  \"peak_device_bytes\": " << cbench::peak_device_bytes(dev)
     << ",\n  \"peak_device_bytes_build\": " << build_peak
+    << ",\n  \"generate\": {\"new_tokens\": " << a.generate
+    << ", \"fused_ms_per_token\": " << med(gen_ms[0])
+    << ", \"dequantized_ms_per_token\": " << med(gen_ms[1])
+    << ", \"same_ids\": " << (same_ids ? "true" : "false") << "}"
     << ",\n  \"peak_host_bytes\": " << cbench::peak_rss_bytes() << "\n}\n";
   std::cout << j.str();
   if (!a.out.empty())

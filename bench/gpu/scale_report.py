@@ -88,7 +88,8 @@ def main():
                       "peer_tokens_per_s": peer_tps, "peer_base": peer.get("base") if peer else None,
                       "peak_device_bytes": ours.get("peak_device_bytes"),
                       "peer_peak_device_bytes": peer.get("peak_device_bytes") if peer else None,
-                      "trainable_parameters": ours.get("trainable_parameters")})
+                      "trainable_parameters": ours.get("trainable_parameters"),
+                      "generate": ours.get("generate")})
     if qlora:
         scale["qlora"] = qlora[0] if len(qlora) == 1 else qlora
         lines += ["", "| QLoRA | ours tokens/s | peer tokens/s (base) | ours / peer | "
@@ -99,6 +100,16 @@ def main():
             lines.append(f"| {e['model']} | {e['tokens_per_s'] or 0:.0f} | "
                          f"{e['peer_tokens_per_s'] or 0:.0f} ({e['peer_base']}) | {ratio} | "
                          f"{gib(e['peak_device_bytes'])} / {gib(e['peer_peak_device_bytes'])} |")
+        gens = [e for e in qlora if e.get("generate") and e["generate"].get("fused_ms_per_token")]
+        if gens:
+            lines += ["", "| QLoRA greedy generation | ms / token, packed weight read directly | "
+                      "ms / token, dequantized | speedup | same tokens |", "|---|---|---|---|---|"]
+            for e in gens:
+                g = e["generate"]
+                lines.append(f"| {e['model']} | {g['fused_ms_per_token']:.2f} | "
+                             f"{g['dequantized_ms_per_token']:.2f} | "
+                             f"{g['dequantized_ms_per_token'] / g['fused_ms_per_token']:.2f}x | "
+                             f"{'yes' if g['same_ids'] else 'no'} |")
     with open(os.path.join(folder, "scale.json"), "w") as f:
         json.dump(scale, f, indent=2)
     with open(os.path.join(folder, "scale.md"), "w") as f:
