@@ -22,6 +22,16 @@ __device__ __forceinline__ float block_scale(const BlockScales& s, int64_t b) {
       __fmul_rn(s.code2[s.nested_absmax[b]], s.absmax2[b2]), *s.offset);
 }
 
+// The 16 code values into the block's shared `table` (every thread waits).
+__device__ __forceinline__ void load_code_table(
+    float* table,
+    const float* code) {
+  if (threadIdx.x < 16) {
+    table[threadIdx.x] = code[threadIdx.x];
+  }
+  __syncthreads();
+}
+
 // Which block flat index i is in: a shift where blocksize is 2^shift.
 __device__ __forceinline__ int64_t
 block_of(int64_t i, int64_t blocksize, int shift) {

@@ -14,18 +14,6 @@ namespace cuda {
 /// The element types the kernels are built for.
 enum class Dtype { kFloat, kHalf, kBFloat16 };
 
-/// log2(v) where v is a power of two (below 2^62), else -1: the kernels
-/// shift instead of dividing by such a block size (a 64-bit divide is a
-/// long instruction sequence on a GPU).
-inline int exact_log2(int64_t v) {
-  for (int s = 0; s < 62; ++s) {
-    if ((int64_t(1) << s) == v) {
-      return s;
-    }
-  }
-  return -1;
-}
-
 /// Row blocks a norm's weight (and bias) gradient is summed in over `rows`
 /// rows: the float32 scratch holds that many partial sums per column.
 inline int64_t norm_param_chunks(int64_t rows) {

@@ -30,10 +30,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_4bit_kernel(
     int64_t n,
     T* __restrict__ out) {
   __shared__ float table[16];
-  if (threadIdx.x < 16) {
-    table[threadIdx.x] = code[threadIdx.x];
-  }
-  __syncthreads();
+  load_code_table(table, code);
   const int64_t bytes = (n + 1) / 2;
   // Byte k of this block's share is read by thread k % kThreads: a warp
   // reads 32 neighbouring bytes and writes their 64 neighbouring values.
@@ -67,6 +64,7 @@ cudaError_t dequantize_4bit(
     const BlockScales& scales,
     const float* code,
     int64_t blocksize,
+    int blocksize_shift,
     int64_t n,
     void* out,
     cudaStream_t stream) {
@@ -80,7 +78,7 @@ cudaError_t dequantize_4bit(
         scales,
         code,
         blocksize,
-        exact_log2(blocksize),
+        blocksize_shift,
         n,
         static_cast<T*>(out));
   });

@@ -23,18 +23,21 @@ struct BlockScales {
   const float* absmax2 = nullptr; // one per blocksize2 blocks
   const float* offset = nullptr;  // one value, on the device
   int64_t blocksize2 = 256;
-  int shift2 = -1; // exact_log2(blocksize2)
+  int shift2 = -1; // log2(blocksize2) where a power of two, else -1
 };
 
 /// out[i] = code[nibble i] * scale(i / blocksize), formed in fp32 and
 /// rounded once to `dtype`; value 2k is byte k's high nibble, 2k + 1 its
-/// low one. `code` holds 16 fp32 values.
+/// low one. `code` holds 16 fp32 values; `blocksize_shift` is
+/// log2(blocksize) where that is a power of two, else -1 (a shift then
+/// replaces a 64-bit divide, a long instruction sequence on a GPU).
 cudaError_t dequantize_4bit(
     Dtype dtype,
     const uint8_t* packed,
     const BlockScales& scales,
     const float* code,
     int64_t blocksize,
+    int blocksize_shift,
     int64_t n,
     void* out,
     cudaStream_t stream);

@@ -90,10 +90,7 @@ __global__ void __launch_bounds__(kThreads) gemv_4bit_kernel(
     int64_t n,
     T* __restrict__ out) {
   __shared__ float table[16];
-  if (threadIdx.x < 16) {
-    table[threadIdx.x] = code[threadIdx.x];
-  }
-  __syncthreads();
+  load_code_table(table, code);
   const int lane = threadIdx.x % 32;
   const WarpFeatures wf = warp_features(n);
   if (wf.count == 0) {
@@ -267,6 +264,7 @@ cudaError_t gemv_4bit(
     const BlockScales& scales,
     const float* code,
     int64_t blocksize,
+    int blocksize_shift,
     int64_t n,
     void* out,
     cudaStream_t stream) {
@@ -275,7 +273,6 @@ cudaError_t gemv_4bit(
   }
   const bool vectorised =
       k % 32 == 0 && blocksize % 32 == 0 && aligned16(packed);
-  const int shift = exact_log2(blocksize);
   return launch_by_dtype(dtype, m * n, [&](auto t) {
     using T = decltype(t);
     const auto* xs = static_cast<const T*>(x);
@@ -283,10 +280,10 @@ cudaError_t gemv_4bit(
     const int rows = static_cast<int>(m);
     if (vectorised) {
       gemv_4bit_kernel<T, true><<<grid_for(n), kThreads, 0, stream>>>(
-          xs, rows, k, packed, scales, code, blocksize, shift, n, ys);
+          xs, rows, k, packed, scales, code, blocksize, blocksize_shift, n, ys);
     } else {
       gemv_4bit_kernel<T, false><<<grid_for(n), kThreads, 0, stream>>>(
-          xs, rows, k, packed, scales, code, blocksize, shift, n, ys);
+          xs, rows, k, packed, scales, code, blocksize, blocksize_shift, n, ys);
     }
   });
 }

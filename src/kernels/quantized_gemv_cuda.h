@@ -18,7 +18,8 @@ constexpr int64_t kGemvMaxRows = 8;
 /// out [m, n] = x [m, k] times W [n, k] transposed, m <= kGemvMaxRows; W's
 /// value at flat index i is code[nibble i] * scale(i / blocksize) rounded
 /// to `dtype` (value 2j is byte j's high nibble), the products summed in
-/// fp32, each result rounded once to `dtype`. x and out in `dtype`.
+/// fp32, each result rounded once to `dtype`. x and out in `dtype`;
+/// `blocksize_shift` as dequantize_4bit takes it.
 cudaError_t gemv_4bit(
     Dtype dtype,
     const void* x,
@@ -28,6 +29,7 @@ cudaError_t gemv_4bit(
     const BlockScales& scales,
     const float* code,
     int64_t blocksize,
+    int blocksize_shift,
     int64_t n,
     void* out,
     cudaStream_t stream);

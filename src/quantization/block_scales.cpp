@@ -6,11 +6,7 @@ namespace colossalai {
 namespace quantization {
 namespace detail {
 
-ScaleTensors::ScaleTensors(
-    const QuantState4bit& st,
-    int64_t blocks,
-    const at::Device& device,
-    const char* op) {
+void check_scales(const QuantState4bit& st, int64_t blocks, const char* op) {
   TORCH_CHECK(
       st.absmax.defined() && st.absmax.numel() >= blocks,
       op,
@@ -19,21 +15,30 @@ ScaleTensors::ScaleTensors(
       " absmax values for ",
       blocks,
       " blocks (a corrupt quantization state)");
-  if (!st.nested) {
-    absmax = st.absmax.to(device, at::kFloat).contiguous();
-    return;
-  }
   TORCH_CHECK(
-      st.absmax.scalar_type() == at::kByte && st.state2_blocksize > 0 &&
-          st.state2_code.defined() && st.state2_code.numel() == 256 &&
-          st.state2_absmax.defined() &&
-          st.state2_absmax.numel() >= ceil_div(blocks, st.state2_blocksize) &&
-          st.offset.defined() && st.offset.numel() == 1,
+      !st.nested ||
+          (st.absmax.scalar_type() == at::kByte && st.state2_blocksize > 0 &&
+           st.state2_code.defined() && st.state2_code.numel() == 256 &&
+           st.state2_absmax.defined() &&
+           st.state2_absmax.numel() >= ceil_div(blocks, st.state2_blocksize) &&
+           st.offset.defined() && st.offset.numel() == 1),
       op,
       ": a corrupt nested quantization state (uint8 absmax codes, 256 code "
       "values, one second-level absmax per ",
       st.state2_blocksize,
       " blocks and one offset are expected)");
+}
+
+ScaleTensors::ScaleTensors(
+    const QuantState4bit& st,
+    int64_t blocks,
+    const at::Device& device,
+    const char* op) {
+  check_scales(st, blocks, op);
+  if (!st.nested) {
+    absmax = st.absmax.to(device, at::kFloat).contiguous();
+    return;
+  }
   nested = st.absmax.to(device).contiguous();
   code2 = st.state2_code.to(device, at::kFloat).contiguous();
   absmax2 = st.state2_absmax.to(device, at::kFloat).contiguous();
@@ -52,12 +57,7 @@ CpuScales ScaleTensors::cpu() const {
   s.absmax2 = absmax2.data_ptr<float>();
   s.offset = offset.item<float>();
   s.blocksize2 = blocksize2;
-  for (int shift = 0; shift < 62; ++shift) {
-    if ((int64_t(1) << shift) == blocksize2) {
-      s.shift2 = shift;
-      break;
-    }
-  }
+  s.shift2 = exact_log2(blocksize2);
   return s;
 }
 
@@ -73,7 +73,7 @@ kernels::cuda::BlockScales ScaleTensors::cuda() const {
   s.absmax2 = absmax2.data_ptr<float>();
   s.offset = offset.data_ptr<float>();
   s.blocksize2 = blocksize2;
-  s.shift2 = kernels::cuda::exact_log2(blocksize2);
+  s.shift2 = exact_log2(blocksize2);
   return s;
 }
 #endif

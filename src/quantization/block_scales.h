@@ -27,6 +27,17 @@ inline int64_t ceil_div(int64_t a, int64_t b) {
   return a / b + (a % b != 0 ? 1 : 0);
 }
 
+/// log2(v) where v is a power of two below 2^62, else -1 (a shift then
+/// replaces the divide by a nested block size).
+inline int exact_log2(int64_t v) {
+  for (int s = 0; s < 62; ++s) {
+    if ((int64_t(1) << s) == v) {
+      return s;
+    }
+  }
+  return -1;
+}
+
 /// On the CPU, as block_absmax forms them: a nested scale is
 /// fl(fl(code2[q] * absmax2) + offset). The product of two floats is exact
 /// in double, so rounding it to float is the fp32 product whatever the
@@ -98,6 +109,10 @@ inline c10::BFloat16 exact_cast<c10::BFloat16>(float v) {
   return c10::BFloat16(
       static_cast<uint16_t>(u >> 16), c10::BFloat16::from_bits());
 }
+
+/// Refuses, naming `op`, a state too short for `blocks` blocks or a nested
+/// one missing a part (no tensor is copied).
+void check_scales(const QuantState4bit& st, int64_t blocks, const char* op);
 
 /// The state's scale tensors for `blocks` blocks on `device`, checked: a
 /// state too short for them, or a nested one missing a part, is refused as

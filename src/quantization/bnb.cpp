@@ -415,6 +415,7 @@ at::Tensor dequantize_4bit(
             scales.cuda(),
             code.data_ptr<float>(),
             st.blocksize,
+            detail::exact_log2(st.blocksize),
             n,
             out.data_ptr(),
             c10::cuda::getCurrentCUDAStream().stream()),
@@ -425,7 +426,7 @@ at::Tensor dequantize_4bit(
 #endif
   // Elsewhere: the same arithmetic as ATen kernels on the device (the
   // state checked as the kernels check it).
-  const detail::ScaleTensors checked(st, blocks, device, "dequantize_4bit");
+  detail::check_scales(st, blocks, "dequantize_4bit");
   auto absmax = block_absmax(st).to(device).contiguous();
   TORCH_CHECK(
       absmax.numel() >= blocks,

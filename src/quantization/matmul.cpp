@@ -267,6 +267,7 @@ at::Tensor gemv_4bit(
               block_scales,
               code.data_ptr<float>(),
               blocksize,
+              detail::exact_log2(blocksize),
               n,
               static_cast<char*>(out.data_ptr()) + r * n * out.element_size(),
               stream),
