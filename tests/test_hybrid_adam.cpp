@@ -6,6 +6,8 @@
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/utils/compat.h>
 
+#include <src/nn/optimizer/grad_slices.h>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -991,6 +993,116 @@ TEST(FusedAdam, FusedAdamWWritesWorkingCopies) {
   EXPECT_THROW(
       adamw.set_working_copy(params[0], torch::zeros({17}, at::kDouble)),
       c10::Error); // a dtype no kernel writes
+}
+
+// NOTE [Gradient shards in bf16]: float32 masters whose gradients are bf16
+// or fp16 step exactly as with those gradients in float32 (the conversion
+// is exact and every path computes in float32): LibTorch's own optimizers
+// through their ops' promotion, FusedAdam / FusedAdamW (a slice of
+// converted gradients at a time into ATen's kernel; where it has none,
+// the LibTorch step; on a GPU with working copies the AdamW kernel reading
+// them), HybridAdam's device step (on a GPU). Bit for bit.
+template <class Make>
+void low_gradients_step_as_float(const at::Device& dev, const Make& make, const char* what) {
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(std::string(what) + " " + c10::toString(dtype) + " on " + dev.str());
+    auto low = make_params({17, 1000, 4097}, 25);
+    for (auto& p : low) {
+      p = p.detach().to(dev).requires_grad_();
+    }
+    auto high = clone_params(low);
+    std::vector<at::Tensor> copies_low, copies_high;
+    auto a = make(low, copies_low);
+    auto b = make(high, copies_high);
+    for (int step = 1; step <= 3; ++step) {
+      auto grads = make_grads(low, step);
+      for (size_t i = 0; i < low.size(); ++i) {
+        low[i].mutable_grad() = grads[i].to(dtype);
+        high[i].mutable_grad() = grads[i].to(dtype).to(at::kFloat);
+      }
+      a->step();
+      b->step();
+    }
+    for (size_t i = 0; i < low.size(); ++i) {
+      EXPECT_EQ(low[i].grad().scalar_type(), dtype); // not replaced
+      EXPECT_TRUE(torch::equal(low[i], high[i])) << "parameter " << i;
+    }
+    for (size_t i = 0; i < copies_low.size(); ++i) {
+      EXPECT_TRUE(torch::equal(copies_low[i], copies_high[i])) << "copy " << i;
+    }
+  }
+}
+
+TEST(FusedAdam, SixteenBitGradientsOfFloatMastersStepAsTheirFloatValues) {
+  using Params = std::vector<at::Tensor>;
+  std::vector<at::Device> devices{at::kCPU};
+  if (torch::cuda::is_available()) {
+    devices.emplace_back(at::kCUDA);
+  }
+  for (const auto& dev : devices) {
+    low_gradients_step_as_float(dev, [](Params& ps, Params&) {
+      return std::make_unique<opt::FusedAdamW>(ps, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    }, "FusedAdamW");
+    low_gradients_step_as_float(dev, [](Params& ps, Params&) {
+      return std::make_unique<opt::FusedAdam>(ps, torch::optim::AdamOptions(1e-2).weight_decay(0.1).amsgrad(true));
+    }, "FusedAdam amsgrad");
+    low_gradients_step_as_float(dev, [](Params& ps, Params& copies) {
+      auto o = std::make_unique<opt::FusedAdamW>(ps, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      for (auto& p : ps) {
+        copies.push_back(at::zeros({p.numel()}, p.options().dtype(at::kBFloat16)));
+        o->set_working_copy(p, copies.back());
+      }
+      return o;
+    }, "FusedAdamW with working copies");
+    low_gradients_step_as_float(dev, [](Params& ps, Params&) {
+      return std::make_unique<torch::optim::AdamW>(ps, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    }, "AdamW");
+    low_gradients_step_as_float(dev, [](Params& ps, Params&) {
+      return std::make_unique<torch::optim::Adam>(ps, torch::optim::AdamOptions(1e-2).weight_decay(0.1));
+    }, "Adam");
+    low_gradients_step_as_float(dev, [](Params& ps, Params&) {
+      return std::make_unique<torch::optim::SGD>(ps, torch::optim::SGDOptions(1e-2).momentum(0.9).weight_decay(0.1));
+    }, "SGD");
+    if (!dev.is_cpu()) {
+      low_gradients_step_as_float(dev, [](Params& ps, Params&) {
+        return std::make_unique<opt::HybridAdam>(ps, opt::HybridAdamOptions(1e-2).weight_decay(0.1));
+      }, "HybridAdam");
+    }
+  }
+}
+
+// The conversion's slices: consecutive ranges covering every gradient,
+// each converted, at most the limit of elements unless one tensor alone
+// is larger; gradients already of the dtype pass as they are, in one call.
+TEST(FusedAdam, GradientSlicesCoverEveryTensorWithinTheLimit) {
+  namespace d = colossalai::nn::optimizer::detail;
+  std::vector<at::Tensor> grads;
+  for (int64_t n : {3, 4, 9, 2, 2, 1, 12, 5}) {
+    grads.push_back(at::randn({n}).to(at::kBFloat16));
+  }
+  size_t next = 0;
+  d::in_grad_slices(grads, at::kFloat, [&](size_t lo, size_t hi, const std::vector<at::Tensor>& got) {
+    EXPECT_EQ(lo, next);
+    EXPECT_LT(lo, hi);
+    ASSERT_EQ(got.size(), hi - lo);
+    int64_t elements = 0;
+    for (size_t i = lo; i < hi; ++i) {
+      EXPECT_EQ(got[i - lo].scalar_type(), at::kFloat);
+      EXPECT_TRUE(torch::equal(got[i - lo], grads[i].to(at::kFloat)));
+      elements += got[i - lo].numel();
+    }
+    EXPECT_TRUE(elements <= 8 || hi - lo == 1) << lo << ".." << hi;
+    next = hi;
+  }, /*max_elements=*/8);
+  EXPECT_EQ(next, grads.size());
+  int calls = 0;
+  d::in_grad_slices(grads, at::kBFloat16, [&](size_t lo, size_t hi, const std::vector<at::Tensor>& got) {
+    ++calls;
+    EXPECT_EQ(lo, 0u);
+    EXPECT_EQ(hi, grads.size());
+    EXPECT_TRUE(got[0].is_same(grads[0]));
+  }, 8);
+  EXPECT_EQ(calls, 1);
 }
 
 // Graph mode (NOTE [Captured optimizer steps]) outside a capture: the

@@ -677,53 +677,72 @@ TEST(LowLevelZero, OffloadPublishesEachBucketDuringHybridAdamsStep) {
   });
 }
 
-// At one rank each bf16 gradient goes straight into the zero fp32 gradient
-// shard (no flat buffer in between): the optimizer's pieces then hold the
-// plain model's gradients converted to fp32, bit for bit on the CPU (on a
-// GPU within a bf16 rounding: cuBLAS may pick other kernels for the
-// booster's flat views). A second backward
-// without zero_grad adds to them (the fp32 sum of the two, through the
-// flat buffer); zero_grad then clears them.
-TEST(LowLevelZero, OneRankGradientsLandInTheShardAsTheModelsInFp32) {
+// At one rank each bf16 gradient goes straight into the zero gradient
+// shard (no flat buffer in between), which keeps bf16 (NOTE [Gradient
+// shards in bf16]), or float32 with communication_dtype fp32: the
+// optimizer's pieces hold the plain model's gradients, bit for bit on the
+// CPU (on a GPU within a bf16 rounding: cuBLAS may pick other kernels for
+// the booster's flat views). A second backward without zero_grad adds to
+// them in the shard's dtype (bf16: what the plain model's own accumulation
+// gives); zero_grad then clears them. At rest the gradients take 2 (4)
+// bytes per element of the shards.
+TEST(LowLevelZero, OneRankGradientShardsHoldTheModelsGradients) {
   run_distributed(1, [](int rank, int world) {
-    auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
-        cb::plugin::LowLevelZeroPluginOptions().stage(2).precision("bf16").reduce_bucket_size_in_m(0.0005));
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    const auto dev = colossalai::current_device();
-    auto model = make_model();
-    auto plain = make_model();
-    plain->to(dev, at::kBFloat16);
-    auto boosted = booster.boost(
-        model, std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1)));
-    auto* zo = dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
-    ASSERT_NE(zo, nullptr);
-    const auto& pieces = zo->unwrap().param_groups().at(0).params();
-    ASSERT_EQ(pieces.size(), plain->parameters().size());
-    std::vector<at::Tensor> sum(pieces.size());
-    for (int pass = 0; pass < 2; ++pass) {
-      auto b = local_batch(pass, rank, world);
-      booster.backward(
-          torch::mse_loss(boosted.model(b.first).to(at::kFloat), b.second), *boosted.optimizer);
-      for (auto& p : plain->parameters()) {
-        p.mutable_grad() = at::Tensor();
-      }
-      torch::mse_loss(plain(b.first.to(dev, at::kBFloat16)).to(at::kFloat), b.second.to(dev))
-          .backward();
-      for (size_t i = 0; i < pieces.size(); ++i) {
-        const auto g = plain->parameters()[i].grad().to(at::kFloat).flatten();
-        sum[i] = pass == 0 ? g : sum[i] + g;
-        const auto got = pieces[i].grad();
-        if (dev.is_cpu()) {
-          EXPECT_TRUE(at::equal(got, sum[i])) << "pass " << pass << ", parameter " << i;
-        } else {
-          EXPECT_LE((got - sum[i]).abs().max().item<double>(), 1e-2 * sum[i].abs().max().item<double>())
-              << "pass " << pass << ", parameter " << i;
+    for (const std::string comm : {"", "fp32"}) {
+      SCOPED_TRACE("communication_dtype '" + comm + "'");
+      const auto dtype = comm.empty() ? at::kBFloat16 : at::kFloat;
+      auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+          cb::plugin::LowLevelZeroPluginOptions()
+              .stage(2)
+              .precision("bf16")
+              .communication_dtype(comm)
+              .reduce_bucket_size_in_m(0.0005));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      const auto dev = colossalai::current_device();
+      auto model = make_model();
+      auto plain = make_model();
+      plain->to(dev, at::kBFloat16);
+      auto boosted = booster.boost(
+          model, std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1)));
+      auto* zo = dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
+      ASSERT_NE(zo, nullptr);
+      const auto& pieces = zo->unwrap().param_groups().at(0).params();
+      ASSERT_EQ(pieces.size(), plain->parameters().size());
+      std::vector<at::Tensor> sum(pieces.size());
+      for (int pass = 0; pass < 2; ++pass) {
+        auto b = local_batch(pass, rank, world);
+        booster.backward(
+            torch::mse_loss(boosted.model(b.first).to(at::kFloat), b.second), *boosted.optimizer);
+        for (auto& p : plain->parameters()) {
+          p.mutable_grad() = at::Tensor();
+        }
+        torch::mse_loss(plain(b.first.to(dev, at::kBFloat16)).to(at::kFloat), b.second.to(dev))
+            .backward();
+        for (size_t i = 0; i < pieces.size(); ++i) {
+          const auto g = plain->parameters()[i].grad().to(dtype).flatten();
+          sum[i] = pass == 0 ? g : sum[i] + g; // rounded to the shard's dtype
+          const auto got = pieces[i].grad();
+          EXPECT_EQ(got.scalar_type(), dtype);
+          if (dev.is_cpu()) {
+            EXPECT_TRUE(at::equal(got, sum[i])) << "pass " << pass << ", parameter " << i;
+          } else {
+            EXPECT_LE(
+                (got.to(at::kFloat) - sum[i].to(at::kFloat)).abs().max().item<double>(),
+                1e-2 * sum[i].to(at::kFloat).abs().max().item<double>())
+                << "pass " << pass << ", parameter " << i;
+          }
         }
       }
-    }
-    boosted.optimizer->zero_grad();
-    for (const auto& p : pieces) {
-      EXPECT_EQ(p.grad().count_nonzero().item<int64_t>(), 0);
+      boosted.optimizer->zero_grad();
+      for (const auto& p : pieces) {
+        EXPECT_EQ(p.grad().count_nonzero().item<int64_t>(), 0);
+      }
+      int64_t elements = 0;
+      for (auto n : zo->bucket_numels()) {
+        elements += n; // one rank: the shard is the padded bucket
+      }
+      EXPECT_EQ(zo->memory_stats().gradients, elements * (comm.empty() ? 2 : 4));
     }
   });
 }
+

@@ -22,7 +22,8 @@
 // AdamW moments) + f 2P (bf16 weights of host chunks) on the device, f 16P
 // on the host; gemini_auto at most 2P and 16P (with M parameters' chunks
 // moved into the margin: 2(P - M) + 16M and 16(P - M)); zero2_offload 2P (bf16
-// weights) and 16P; zero2 18P on the device. bf16 weights a module gathers
+// weights) and 14P (fp32 master and moments, bf16 gradient: NOTE [Gradient
+// shards in bf16]); zero2 16P on the device. bf16 weights a module gathers
 // while it computes, activations and the loss's chunks come on top. The run reports the allocator's peak and
 // the engine's own accounting against them; --check-formula TOL exits 1
 // when the engine's model state differs from the formula by more than TOL
@@ -194,9 +195,9 @@ struct Formula {
 // weights on the device.
 Formula formula(const std::string& setup, double p, double f) {
   if (setup == "zero2_offload")
-    return {2 * p, 16 * p};
+    return {2 * p, 14 * p};
   if (setup == "zero2")
-    return {18 * p, 0};
+    return {16 * p, 0};
   if (setup == "gemini_auto")
     return {2 * p, 16 * p}; // every fp32 state on the host, weights cached
   return {(1 - f) * 16 * p + f * 2 * p, f * 16 * p};

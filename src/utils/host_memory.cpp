@@ -173,10 +173,13 @@ at::Tensor offload_to_host(const at::Tensor& t) {
   return host;
 }
 
-at::Tensor zeros_like_pinned(const at::Tensor& t) {
+at::Tensor zeros_like_pinned(
+    const at::Tensor& t,
+    c10::optional<at::ScalarType> dtype) {
   const bool pinned = t.device().is_cpu() && t.is_pinned();
-  return (pinned ? pinned_empty(t.sizes(), t.options())
-                 : at::empty(t.sizes(), t.options()))
+  const auto options = t.options().dtype(dtype.value_or(t.scalar_type()));
+  return (pinned ? pinned_empty(t.sizes(), options)
+                 : at::empty(t.sizes(), options))
       .zero_();
 }
 

@@ -38,8 +38,10 @@ at::Tensor to_device(
 /// copies among it) has run; nothing for the host.
 void wait_for_device(const at::Device& device);
 /// Zeros shaped like `t`, on its device, page-locked when `t` is (empty_like
-/// does not keep pinning).
-at::Tensor zeros_like_pinned(const at::Tensor& t);
+/// does not keep pinning), in `dtype` (default: t's).
+at::Tensor zeros_like_pinned(
+    const at::Tensor& t,
+    c10::optional<at::ScalarType> dtype = c10::nullopt);
 
 /// NOTE [Offload copies overlap the backward]
 /// A gradient shard whose state lives on the host reaches it while the

@@ -22,7 +22,10 @@ struct LowLevelZeroOptimizerOptions {
   TORCH_ARG(int, stage) = 1;
   /// Working dtype of the model's parameters (kFloat, kBFloat16, kHalf).
   TORCH_ARG(at::ScalarType, dtype) = at::kFloat;
-  /// Dtype gradients travel in (default: the working dtype).
+  /// Dtype gradients travel in (default: the working dtype). With bf16
+  /// weights it is also the dtype the gradient slices are kept in: bf16
+  /// by default, float32 when set to kFloat (NOTE [Gradient shards in
+  /// bf16]).
   TORCH_ARG(c10::optional<at::ScalarType>, communication_dtype) = c10::nullopt;
   /// Elements per gradient bucket.
   TORCH_ARG(int64_t, reduce_bucket_size) = 12 << 20;
@@ -40,7 +43,7 @@ struct LowLevelZeroOptimizerOptions {
 /// Bytes this rank holds for the model's training state.
 struct MemoryStats {
   int64_t working_params = 0; // full parameters in the working dtype
-  int64_t gradients = 0;      // gradient slices (fp32) + bucket buffers
+  int64_t gradients = 0;      // gradient slices + bucket buffers
   int64_t master_weights = 0; // fp32 slices (0 when the working dtype is fp32)
   int64_t optimizer_states = 0;
 };
@@ -59,6 +62,21 @@ struct MemoryStats {
 /// gradient-accumulator hooks (the shared GradBucketer); one reduce-scatter
 /// per bucket (both stages) leaves every rank its averaged gradient shard.
 /// After the step, one all-gather per bucket rebuilds the working weights.
+///
+/// NOTE [Gradient shards in bf16]
+/// With bf16 weights and bf16 communication (the default) the gradient
+/// slices stay bf16, as ColossalAI's LowLevelZero keeps them in the working
+/// dtype: the reduced gradient is bf16 already, so holding it in float32
+/// changes no value and costs 2 bytes per parameter more (ZeRO's mixed
+/// precision formula, 2 + 2 + 12 bytes per parameter at one rank, counts
+/// 16-bit gradients). The optimizer reads them as they are: fp32 masters
+/// whose .grad is bf16. FusedAdamW and HybridAdam convert as they step
+/// (the CUDA AdamW kernel reads bf16; elsewhere slices of at most 2^26
+/// elements at a time); LibTorch's own optimizers promote in their ops.
+/// Gradients summed over several backwards (accumulation) round to bf16
+/// at each sum, as in ColossalAI and in PyTorch with bf16 parameters;
+/// communication_dtype float32 keeps float32 slices for that. fp16 keeps
+/// float32 slices (the loss scale is undone in them).
 class LowLevelZeroOptimizer : public ShardedOptimizer {
  public:
   LowLevelZeroOptimizer(

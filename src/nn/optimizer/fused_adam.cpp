@@ -6,6 +6,8 @@
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/utils/compat.h>
 
+#include "grad_slices.h"
+
 #include <torch/autograd.h>
 
 #include <algorithm>
@@ -34,6 +36,14 @@ namespace {
 
 using detail::Bucket;
 
+// Whether `g` may step `p` in a fused call: its dtype, or a 16-bit
+// gradient of a float32 master (NOTE [Gradient shards in bf16]).
+bool grad_dtype_fits(const at::Tensor& g, const at::Tensor& p) {
+  const auto t = g.scalar_type();
+  return t == p.scalar_type() ||
+      (p.scalar_type() == at::kFloat && (t == at::kBFloat16 || t == at::kHalf));
+}
+
 // Whether every parameter with a gradient can take the fused kernel.
 bool fusable(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
   for (const auto& group : groups) {
@@ -43,9 +53,9 @@ bool fusable(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
         continue;
       }
       // The kernel walks dense storage and one dtype per call.
-      if (g.is_sparse() || g.scalar_type() != p.scalar_type() ||
-          !p.is_contiguous() || !g.is_contiguous() ||
-          g.device() != p.device() || !compat::has_fused_adam(p.device()) ||
+      if (g.is_sparse() || !grad_dtype_fits(g, p) || !p.is_contiguous() ||
+          !g.is_contiguous() || g.device() != p.device() ||
+          !compat::has_fused_adam(p.device()) ||
           !at::isFloatingType(p.scalar_type())) {
         return false;
       }
@@ -130,7 +140,9 @@ torch::Tensor fused_step(
   auto& state = opt.state();
   for (auto& group : opt.param_groups()) {
     const auto& o = static_cast<const Options&>(group.options());
-    std::map<std::pair<std::string, at::ScalarType>, Bucket> buckets;
+    // By device, parameter dtype and gradient dtype.
+    std::map<std::tuple<std::string, at::ScalarType, at::ScalarType>, Bucket>
+        buckets;
     for (auto& p : group.params()) {
       if (!p.grad().defined()) {
         continue;
@@ -150,7 +162,8 @@ torch::Tensor fused_step(
       }
       auto& s = static_cast<State&>(*found->second);
       s.step(s.step() + 1);
-      auto& b = buckets[{p.device().str(), p.scalar_type()}];
+      auto& b =
+          buckets[{p.device().str(), p.scalar_type(), p.grad().scalar_type()}];
       b.params.push_back(p);
       b.grads.push_back(p.grad());
       b.exp_avgs.push_back(s.exp_avg());
@@ -168,9 +181,10 @@ torch::Tensor fused_step(
         any_copy = any_copy || working.back().defined();
       }
       // Masters with copies: one pass writes both (on a GPU), where the
-      // copies share one dtype (the kernel's one working dtype).
+      // copies share one dtype (the kernel's one working dtype); it reads
+      // 16-bit gradients as they are.
       if (any_copy && decoupled && !o.amsgrad() &&
-          where.second == at::kFloat && one_dtype(working) &&
+          std::get<1>(where) == at::kFloat && one_dtype(working) &&
           kernels::adamw_step_fused_applies(b.params, b.grads, working)) {
         kernels::adamw_step_(
             b.params,
@@ -187,14 +201,13 @@ torch::Tensor fused_step(
                 .weight_decay(o.weight_decay()));
         continue;
       }
-      const auto steps = step_tensor(b.steps, b.params.front().device());
-      compat::fused_adam_(
+      detail::fused_adam_in_slices(
           b.params,
           b.grads,
           b.exp_avgs,
           b.exp_avg_sqs,
           b.max_exp_avg_sqs,
-          steps.unbind(0),
+          step_tensor(b.steps, b.params.front().device()).unbind(0),
           o.lr(),
           std::get<0>(o.betas()),
           std::get<1>(o.betas()),
@@ -345,8 +358,9 @@ void graph_bind(Base& opt, detail::FusedGraph& graph, const char* name) {
   TORCH_CHECK(
       fusable(opt.param_groups()),
       name,
-      ": a gradient cannot take the fused kernel (sparse, strided, another "
-      "dtype or device than its parameter), so this step cannot be captured");
+      ": a gradient cannot take the fused kernel (sparse, strided, on "
+      "another device than its parameter or of a dtype the kernel does not "
+      "read), so this step cannot be captured");
   std::unordered_map<const void*, bool> planned;
   for (const auto& call : graph.calls) {
     for (const auto& p : call.tensors.params) {
@@ -376,6 +390,16 @@ void graph_bind(Base& opt, detail::FusedGraph& graph, const char* name) {
           p.sizes(),
           ") with optimizer state has no gradient in the captured step; a "
           "captured step updates the same parameters every time");
+      // The AdamW kernel reads one gradient dtype per launch.
+      TORCH_CHECK(
+          !call.use_kernel || b.grads.empty() ||
+              p.grad().scalar_type() == b.grads.front().scalar_type(),
+          name,
+          ": the captured launch reads one gradient dtype; gradients are ",
+          b.grads.empty() ? p.grad().scalar_type()
+                          : b.grads.front().scalar_type(),
+          " and ",
+          p.grad().scalar_type());
       b.grads.push_back(p.grad());
     }
     if (call.use_kernel) {
@@ -405,7 +429,9 @@ void graph_launch(detail::FusedGraph& graph) {
       continue;
     }
     const auto& b = call.tensors;
-    compat::fused_adam_(
+    // 16-bit gradients of float32 masters: the conversions are captured
+    // too, into memory of the capture's pool.
+    detail::fused_adam_in_slices(
         b.params,
         b.grads,
         b.exp_avgs,

@@ -244,7 +244,7 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
       if (!on_cpu) {
         detail::DeviceItem it;
         it.param = p;
-        it.grad = grad.to(at::kFloat);
+        it.grad = grad; // 16-bit ones converted as the update goes
         it.working = working;
         it.state = &state;
         it.scalars = make_scalars(*options, state.step());

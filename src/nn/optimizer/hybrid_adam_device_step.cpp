@@ -6,6 +6,8 @@
 
 #include <colossalai/utils/compat.h>
 
+#include "grad_slices.h"
+
 #include <ATen/ATen.h>
 
 #include <map>
@@ -48,17 +50,19 @@ std::vector<DeviceItem> fused_update(std::vector<DeviceItem>& items) {
       ms.push_back(it->state->exp_avg());
       vs.push_back(it->state->exp_avg_sq());
     }
-    const auto steps = at::full(
-        {static_cast<int64_t>(call.size())},
-        static_cast<double>(std::get<2>(key)),
-        ps.front().options().dtype(at::kFloat));
-    compat::fused_adam_(
+    // 16-bit gradients of the float32 masters (NOTE [Gradient shards in
+    // bf16]) a slice at a time.
+    fused_adam_in_slices(
         ps,
         gs,
         ms,
         vs,
         {},
-        steps.unbind(0),
+        at::full(
+            {static_cast<int64_t>(call.size())},
+            static_cast<double>(std::get<2>(key)),
+            ps.front().options().dtype(at::kFloat))
+            .unbind(0),
         o.lr(),
         std::get<0>(o.betas()),
         std::get<1>(o.betas()),
@@ -78,6 +82,7 @@ void device_update(std::vector<DeviceItem>& all) {
     std::vector<torch::Tensor> ps, gs, ms, vs;
     std::vector<at::Scalar> b1, omb1, b2, omb2, eps, sbc2, step, decay;
     for (auto& it : items) {
+      it.grad = it.grad.to(at::kFloat); // the foreach ops: one dtype
       if (it.scalars.l2 != 0.f) {
         it.grad = it.grad.add(it.param, it.scalars.l2);
       }

@@ -49,7 +49,7 @@ torch::Tensor as_kernel_state(const torch::Tensor& t, int64_t numel);
 #ifdef COLOSSALAI_WITH_CUDA
 struct DeviceItem {
   torch::Tensor param;
-  torch::Tensor grad; // fp32
+  torch::Tensor grad; // fp32, or bf16 / fp16 (converted as the update goes)
   torch::Tensor working;
   HybridAdamParamState* state = nullptr;
   detail::AdamScalars scalars;

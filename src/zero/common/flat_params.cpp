@@ -93,7 +93,7 @@ void accumulate_grad(
     dst.add_(reduced); // reads the reduced dtype as it goes
   } else {
     copies.wait(); // a copy into this shard may still be landing
-    dst.add_(reduced.to(dst.device(), at::kFloat));
+    dst.add_(reduced.to(dst.device(), dst.scalar_type()));
   }
   g.grad_is_zero = false;
 }

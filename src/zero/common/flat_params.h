@@ -85,14 +85,15 @@ inline int64_t bytes_of(const at::Tensor& t) {
 }
 
 /// A group of parameters in the flat shard layout, as the sharded optimizer
-/// sees it: fp32 master shard, fp32 gradient shard and one piece per
-/// parameter (a view of the shard whose .grad is a view of the gradient
-/// shard).
+/// sees it: fp32 master shard, gradient shard and one piece per parameter
+/// (a view of the shard whose .grad is a view of the gradient shard).
 struct FlatParams {
   FlatShardLayout layout;
   std::vector<at::Tensor> params; // the model's parameters
   at::Tensor shard_data;          // fp32 s: master weights
-  at::Tensor shard_grad;          // fp32 s
+  /// s gradients: fp32, or bf16 where the strategy keeps them in the
+  /// working dtype (NOTE [Gradient shards in bf16]).
+  at::Tensor shard_grad;
   /// shard_grad holds zeros (after construction and every zeroing): the
   /// next reduced gradient may be copied in instead of added, and a
   /// zeroing may skip it. Whatever writes other values clears it.
@@ -107,7 +108,7 @@ struct FlatParams {
   void make_pieces();
 };
 
-/// g.shard_grad += reduced (read as float32). Into a zero shard the sum is
+/// g.shard_grad += reduced (in the shard's dtype). Into a zero shard the sum is
 /// a copy, made through `copies` (NOTE [Offload copies overlap the
 /// backward] when it crosses to the host): copies.wait() before shard_grad
 /// is read.

@@ -65,6 +65,14 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     return group->size();
   }
 
+  // NOTE [Gradient shards in bf16]: the reduced gradients' dtype where
+  // weights and communication are bf16, float32 otherwise.
+  at::ScalarType grad_dtype() const {
+    return o.dtype() == at::kBFloat16 && comm_dtype == at::kBFloat16
+        ? at::kBFloat16
+        : at::kFloat;
+  }
+
   void build(torch::optim::Optimizer& optimizer) {
     inner = &optimizer;
     for (auto& g : optimizer.param_groups()) {
@@ -142,7 +150,7 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
       b.shard_data = o.cpu_offload() ? utils::offload_to_host(shard)
                                      : shard.to(first.device());
     }
-    b.shard_grad = utils::zeros_like_pinned(b.shard_data);
+    b.shard_grad = utils::zeros_like_pinned(b.shard_data, grad_dtype());
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < b.params.size(); ++i) {
       auto& p = b.params[i];
@@ -177,10 +185,10 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
 
   // At one rank, with the gradient shard beside the weights and nothing to
   // round gradients to for communication, a gradient into a zero shard is
-  // copied straight into its place there (converted to float32 as it is
-  // copied): the flat buffer in the communication dtype, a pass of writes
-  // and one of reads per step, is not needed. Accumulating into a shard
-  // that holds gradients keeps the buffer, so that an abandoned backward
+  // copied straight into its place there (converted to the shard's dtype
+  // as it is copied): the flat buffer in the communication dtype, a pass
+  // of writes and one of reads per step, is not needed. Accumulating into a
+  // shard that holds gradients keeps the buffer, so that an abandoned backward
   // leaves the shard as it was (on_reset re-zeroes a direct one).
   bool direct_fill(const Bucket& b) const {
     return b.ranks->size() == 1 && b.grad_is_zero &&

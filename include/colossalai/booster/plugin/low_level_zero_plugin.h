@@ -26,7 +26,10 @@ struct LowLevelZeroPluginOptions {
   TORCH_ARG(double, norm_type) = 2.0;
   /// Gradient bucket size in units of 2^20 elements (as ColossalAI).
   TORCH_ARG(double, reduce_bucket_size_in_m) = 12;
-  /// "" (the working dtype), "fp32", "bf16" or "fp16".
+  /// "" (the working dtype), "fp32", "bf16" or "fp16". With bf16 weights
+  /// the gradient slices are kept in it too: bf16 by default (ColossalAI's
+  /// layout, 2 bytes per parameter less), "fp32" for float32 slices that
+  /// accumulate over backwards in float32 (NOTE [Gradient shards in bf16]).
   TORCH_ARG(std::string, communication_dtype) = "";
   /// Start each gradient bucket's reduction from backward hooks.
   TORCH_ARG(bool, overlap_communication) = true;
