@@ -1001,6 +1001,10 @@ TEST(GeminiPlugin, Bf16MatchesOneProcessWithinBf16Rounding) {
             *boosted.optimizer);
         boosted.optimizer->step();
       }
+      // bf16 gradient shards (NOTE [Gradient shards in bf16]): half the
+      // float32 master shards' bytes.
+      const auto stats = engine_of(boosted)->memory_stats();
+      EXPECT_EQ(2 * stats.gradients, stats.shards);
       auto full = engine_of(boosted)->summon_full_params();
       std::vector<at::Tensor> w;
       for (const auto& p : model->parameters()) {

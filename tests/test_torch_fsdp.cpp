@@ -388,6 +388,58 @@ TEST(TorchFSDP, Bf16ComputeMatchesBf16Reference) {
   });
 }
 
+// keep_low_precision_grads (NOTE [Gradient shards in bf16]): with bf16
+// reduction the gradient shards stay bf16, 2 bytes per shard element at
+// rest instead of 4, the optimizer's pieces get bf16 gradients, and
+// training is the same bit for bit (one backward per step: the reduced
+// bf16 gradient is exactly representable in float32). FULL_SHARD, a unit
+// per block, two ranks, AdamW.
+TEST(TorchFSDP, LowPrecisionGradsKeepTheReducedDtype) {
+  run_distributed(2, [](int rank, int world) {
+    std::vector<std::vector<at::Tensor>> results;
+    std::vector<cz::FullyShardedMemoryStats> stats;
+    for (bool keep : {false, true}) {
+      auto plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
+          cb::plugin::TorchFSDPPluginOptions()
+              .auto_wrap_policy(cz::module_type_wrap_policy<zoo::BlockImpl>())
+              .param_dtype(at::kBFloat16)
+              .reduce_dtype(at::kBFloat16)
+              .keep_low_precision_grads(keep));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      auto model = make_model();
+      auto boosted = booster.boost(
+          model,
+          std::make_shared<torch::optim::AdamW>(
+              model->parameters(), torch::optim::AdamWOptions(1e-2)));
+      for (int s = 0; s < 3; ++s) {
+        auto b = local_batch(s, rank, world);
+        boosted.optimizer->zero_grad();
+        booster.backward(
+            zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+        if (s == 2) {
+          for (const auto& p : boosted.optimizer->unwrap().param_groups().at(0).params()) {
+            if (p.grad().defined()) {
+              EXPECT_EQ(p.grad().scalar_type(), keep ? at::kBFloat16 : at::kFloat);
+            }
+          }
+        }
+        boosted.optimizer->step();
+      }
+      auto* engine = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
+          *boosted.model.wrapper());
+      ASSERT_NE(engine, nullptr);
+      stats.push_back(engine->memory_stats());
+      results.push_back(colossalai::testing::host(full_params(boosted.model)));
+    }
+    // The master shards are float32: their bytes count the shard elements.
+    EXPECT_EQ(stats[0].gradients, stats[0].shards);
+    EXPECT_EQ(stats[1].gradients, stats[1].shards / 2);
+    for (size_t i = 0; i < results[0].size(); ++i) {
+      EXPECT_TRUE(at::equal(results[0][i], results[1][i])) << "parameter " << i;
+    }
+  });
+}
+
 // Model-state bytes per rank at rest and at the peak of a step (FULL_SHARD,
 // a unit per block, fp32 AdamW), beside the ZeRO-3 formula 16 Psi / N.
 // At rest a rank holds its shards, gradient shards and Adam states only:

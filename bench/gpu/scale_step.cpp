@@ -18,12 +18,12 @@
 //   zero2          LowLevelZeroPlugin stage 2, everything on the device
 //
 // Memory formulas of model data at rest (P parameters, f the host share of
-// chunk bytes): gemini_static (1 - f) 16P (fp32 master, fp32 gradient, two
-// AdamW moments) + f 2P (bf16 weights of host chunks) on the device, f 16P
-// on the host; gemini_auto at most 2P and 16P (with M parameters' chunks
-// moved into the margin: 2(P - M) + 16M and 16(P - M)); zero2_offload 2P (bf16
-// weights) and 14P (fp32 master and moments, bf16 gradient: NOTE [Gradient
-// shards in bf16]); zero2 16P on the device. bf16 weights a module gathers
+// chunk bytes): gemini_static (1 - f) 14P (fp32 master, bf16 gradient: NOTE
+// [Gradient shards in bf16], two fp32 AdamW moments) + f 2P (bf16 weights of
+// host chunks) on the device, f 14P on the host; gemini_auto at most 2P and
+// 14P (with M parameters' chunks moved into the margin: 2(P - M) + 14M and
+// 14(P - M)); zero2_offload 2P (bf16 weights) and 14P; zero2 16P on the
+// device. bf16 weights a module gathers
 // while it computes, activations and the loss's chunks come on top. The run reports the allocator's peak and
 // the engine's own accounting against them; --check-formula TOL exits 1
 // when the engine's model state differs from the formula by more than TOL
@@ -173,7 +173,7 @@ Shape shape_of(const Args& a) {
 }
 
 // The host share of chunk bytes that leaves --activation-gb of the device
-// free (gathered weights and activations): (1 - f) 16P + f 2P <= capacity
+// free (gathered weights and activations): (1 - f) 14P + f 2P <= capacity
 // - activations.
 double auto_offload_frac(const Args& a, const Shape& s, int64_t capacity) {
   if (a.offload_frac != "auto")
@@ -182,7 +182,7 @@ double auto_offload_frac(const Args& a, const Shape& s, int64_t capacity) {
     return 0.5; // no device to fit: half, to exercise both tiers
   const double p = static_cast<double>(s.params);
   const double room = static_cast<double>(capacity) - a.activation_gb * (1 << 30);
-  const double f = (16 * p - room) / (14 * p);
+  const double f = (14 * p - room) / (12 * p);
   return std::min(1.0, std::max(0.0, std::ceil(f * 100) / 100));
 }
 
@@ -199,8 +199,8 @@ Formula formula(const std::string& setup, double p, double f) {
   if (setup == "zero2")
     return {16 * p, 0};
   if (setup == "gemini_auto")
-    return {2 * p, 16 * p}; // every fp32 state on the host, weights cached
-  return {(1 - f) * 16 * p + f * 2 * p, f * 16 * p};
+    return {2 * p, 14 * p}; // every fp32 state on the host, weights cached
+  return {(1 - f) * 14 * p + f * 2 * p, f * 14 * p};
 }
 
 // What a run that does not fit writes: the setup, the reason, no timings.
@@ -242,12 +242,12 @@ int run(const Args& a) {
   if (a.setup == "gemini_auto" && a.margin_ratio > 0 && capacity > 0) {
     // Expected before the run: the margin as the engine will measure it
     // (steady_cuda_cap_ratio 0.9, --activation-gb of non-model memory),
-    // that share of it in chunks of 16 bytes a parameter. Every fp32 shard
-    // and gradient is on the host until the first step moves some (8P).
+    // that share of it in chunks of 14 bytes a parameter. Every fp32 shard
+    // and bf16 gradient is on the host until the first step moves some (6P).
     const double p = static_cast<double>(s.params);
     const double margin = 0.9 * static_cast<double>(capacity) - a.activation_gb * (1 << 30);
-    const double moved = std::clamp(a.margin_ratio * margin / 16, 0.0, p);
-    want = {2 * (p - moved) + 16 * moved, std::max(8 * p, 16 * (p - moved))};
+    const double moved = std::clamp(a.margin_ratio * margin / 14, 0.0, p);
+    want = {2 * (p - moved) + 14 * moved, std::max(6 * p, 14 * (p - moved))};
   }
   std::fprintf(
       stderr, "%s: %lld layers, %.3f B parameters, seq %lld x batch %lld, %s (host share %.2f)\n",
@@ -389,7 +389,7 @@ int train(const Args& a, const Shape& s, Formula want, double frac, int64_t capa
     if (p.margin_units > 0) { // the chunks moved into the device margin
       const double moved = static_cast<double>(p.margin_shard_bytes) / 4;
       const double rest = static_cast<double>(s.params) - moved;
-      want = {2 * rest + 16 * moved, 16 * rest};
+      want = {2 * rest + 14 * moved, 14 * rest};
       margin_json = c10::str(
           "{\"ratio\": ", a.margin_ratio, ", \"margin_bytes\": ", p.device_margin,
           ", \"chunks\": ", p.margin_units, ", \"parameters\": ", moved, "}");

@@ -25,7 +25,8 @@
 /// reaches it, the unit is re-gathered (and, with backward prefetch, the next
 /// unit in backward order starts gathering). When all of a unit's gradients
 /// have been accumulated, they are copied into one flat buffer,
-/// reduce-scattered (averaged) into the unit's fp32 gradient shard, and the
+/// reduce-scattered (averaged) into the unit's gradient shard (fp32, or the
+/// reduce dtype with keep_low_precision_grads), and the
 /// full gradients and parameters are freed. A unit whose forward runs under
 /// activation checkpointing (nn::checkpoint) is released after its first
 /// run and gathered again when backward recomputes it; it then stays
@@ -187,10 +188,17 @@ struct FullyShardedOptions {
   /// Start gathering the next unit (in forward order) when one starts.
   TORCH_ARG(bool, forward_prefetch) = false;
   /// Dtype parameters are gathered and computed in (kFloat, kBFloat16).
-  /// Shards, gradient shards and optimizer states stay fp32.
+  /// Shards and optimizer states stay fp32; gradient shards too unless
+  /// keep_low_precision_grads.
   TORCH_ARG(at::ScalarType, param_dtype) = at::kFloat;
   /// Dtype gradients are reduced in (default: param_dtype).
   TORCH_ARG(c10::optional<at::ScalarType>, reduce_dtype) = c10::nullopt;
+  /// Keep the gradient shards in a 16-bit reduce_dtype instead of float32
+  /// (PyTorch's MixedPrecision.keep_low_precision_grads; GeminiPlugin's
+  /// bf16, as ColossalAI's chunks keep them): 2 bytes per parameter of the
+  /// shard less, and gradients summed over backwards round to that dtype
+  /// (NOTE [Gradient shards in bf16]). No effect with a float32 reduce_dtype.
+  TORCH_ARG(bool, keep_low_precision_grads) = false;
   /// Dtype buffers are kept in (default: param_dtype).
   TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;
   /// Shards, gradient shards (and so optimizer states) in host memory, and

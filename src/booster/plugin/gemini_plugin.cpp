@@ -86,7 +86,10 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
       "GeminiPlugin: only norm_type 2.0 is supported, got ",
       o.norm_type());
   zero::FullyShardedOptions e;
-  e.param_dtype(dtype).reduce_dtype(dtype);
+  // bf16 gradient shards as ColossalAI's chunks hold them (NOTE [Gradient
+  // shards in bf16]); fp16's stay float32, where the loss scale is undone.
+  e.param_dtype(dtype).reduce_dtype(dtype).keep_low_precision_grads(
+      dtype == at::kBFloat16);
   zero::PlacementOptions po;
   po.policy(
         autop ? zero::PlacementPolicy::kAuto : zero::PlacementPolicy::kStatic)

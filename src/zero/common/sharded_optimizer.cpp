@@ -289,7 +289,7 @@ void ShardedOptimizer::zero_grad(bool set_to_none) {
   partials_summed_ = false;
   for (auto* g : groups_) {
     // A shard known to hold zeros (e.g. LowLevelZero's step cleared it)
-    // is not written again: a pass over every fp32 gradient per step.
+    // is not written again: a pass over every gradient per step.
     if (!g->grad_is_zero) {
       g->shard_grad.zero_(); // the pieces' gradients are views of it
       g->grad_is_zero = true;

@@ -98,7 +98,8 @@ void lay_out_unit(FsdpState& st, Unit& u) {
 }
 
 // Lays a unit's parameters out flat (NOTE [Flat shard layout]) and keeps
-// this rank's fp32 shard. A lazy model's unit comes as that shard already
+// this rank's fp32 shard and its gradient shard (reduce_dtype where the
+// options keep low-precision gradients). A lazy model's unit comes as that shard already
 // (`shard32`, filled piece by piece while the model was materialised, NOTE
 // [Lazy initialization]; `sizes`: the parameters' shapes), and the full
 // parameters are gathered from the shards, so no rank ever holds the whole
@@ -133,7 +134,9 @@ void build_unit(
     u.shard_data =
         u.offloaded ? utils::offload_to_host(shard32) : shard32.to(st.device);
   }
-  u.shard_grad = utils::zeros_like_pinned(u.shard_data);
+  u.shard_grad = utils::zeros_like_pinned(
+      u.shard_data,
+      st.o.keep_low_precision_grads() ? st.reduce_dtype : at::kFloat);
 
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < u.params.size(); ++i) {

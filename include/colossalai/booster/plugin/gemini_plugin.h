@@ -20,8 +20,9 @@ struct GeminiPluginOptions {
   /// cached on the device while the budget allows (NOTE [Gemini placement]).
   TORCH_ARG(std::string, placement_policy) = "static";
   /// Accepted: several backward calls before a step always accumulate
-  /// (reduced) gradients in the fp32 gradient shards. As in ColossalAI,
-  /// there is no no_sync.
+  /// (reduced) gradients in the gradient shards (bf16 with precision bf16,
+  /// as ColossalAI's chunks; float32 otherwise). As in ColossalAI, there is
+  /// no no_sync.
   TORCH_ARG(bool, enable_gradient_accumulation) = false;
   /// > 0: while a module computes, the chunks of the next module (in
   /// forward, then in backward order) are gathered ahead, whatever their
