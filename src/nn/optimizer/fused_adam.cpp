@@ -193,12 +193,7 @@ torch::Tensor fused_step(
             b.exp_avg_sqs,
             working,
             b.steps,
-            kernels::AdamWStepOptions()
-                .lr(o.lr())
-                .beta1(std::get<0>(o.betas()))
-                .beta2(std::get<1>(o.betas()))
-                .eps(o.eps())
-                .weight_decay(o.weight_decay()));
+            detail::adamw_kernel_options(o));
         continue;
       }
       detail::fused_adam_in_slices(

@@ -5,13 +5,17 @@
 // one dtype per call (ATen's fused Adam, the foreach ops): converted a
 // slice of tensors at a time, so the float32 copies alive at once stay
 // bounded instead of doubling every gradient's bytes for the whole step.
+// Shared by FusedAdam / FusedAdamW and HybridAdam's device step, with the
+// AdamW kernel's options taken from a group's.
 
+#include <colossalai/kernels/adamw.h>
 #include <colossalai/utils/compat.h>
 
 #include <ATen/ATen.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace colossalai {
@@ -110,6 +114,18 @@ void fused_adam_in_slices(
             amsgrad,
             decoupled);
       });
+}
+
+/// kernels::adamw_step_'s options from an optimizer group's (LibTorch's
+/// AdamWOptions, HybridAdamOptions): lr, betas, eps, weight decay.
+template <class Options>
+kernels::AdamWStepOptions adamw_kernel_options(const Options& o) {
+  return kernels::AdamWStepOptions()
+      .lr(o.lr())
+      .beta1(std::get<0>(o.betas()))
+      .beta2(std::get<1>(o.betas()))
+      .eps(o.eps())
+      .weight_decay(o.weight_decay());
 }
 
 } // namespace detail

@@ -1,9 +1,11 @@
-// HybridAdam's device (GPU) step path: LibTorch's fused Adam / AdamW kernel,
-// else multi-tensor ATen ops, over the parameters that are not on the CPU
-// (CUDA builds only).
+// HybridAdam's device (GPU) step path over the parameters that are not on
+// the CPU (CUDA builds only): AdamW with bias correction by our kernel
+// (kernels::adamw_step_, where built), else LibTorch's fused Adam / AdamW
+// kernel, else multi-tensor ATen ops.
 
 #include "hybrid_adam_internal.h"
 
+#include <colossalai/kernels/adamw.h>
 #include <colossalai/utils/compat.h>
 
 #include "grad_slices.h"
@@ -21,6 +23,60 @@ namespace optimizer {
 namespace detail {
 namespace {
 
+// AdamW with bias correction (HybridAdam's default) by kernels::adamw_step_:
+// one pass per element that reads the gradient in its dtype (a 16-bit
+// gradient of a float32 master is not converted first, NOTE [Gradient
+// shards in bf16]) and writes the working copy (no copy pass after). One
+// call per group, device, gradient dtype and working dtype; the items it
+// takes are marked `done`. Needs the CUDA kernels; without them it takes
+// nothing.
+void kernel_update(std::vector<DeviceItem>& items) {
+  using Key = std::tuple<const HybridAdamOptions*, std::string, int, int>;
+  std::map<Key, std::vector<DeviceItem*>> calls;
+  for (auto& it : items) {
+    const auto& m = it.state->exp_avg();
+    const auto& v = it.state->exp_avg_sq();
+    if (it.options == nullptr || !it.options->adamw_mode() ||
+        !it.options->bias_correction() || !it.param.is_contiguous() ||
+        !it.grad.is_contiguous() || !m.is_contiguous() || !v.is_contiguous() ||
+        (it.working.defined() && !it.working.is_contiguous()) ||
+        !kernels::adamw_step_fused_applies(
+            {it.param}, {it.grad}, {it.working})) {
+      continue;
+    }
+    const int working = it.working.defined()
+        ? static_cast<int>(it.working.scalar_type())
+        : -1;
+    calls[{it.options,
+           it.param.device().str(),
+           static_cast<int>(it.grad.scalar_type()),
+           working}]
+        .push_back(&it);
+  }
+  for (auto& [key, call] : calls) {
+    const auto& o = *std::get<0>(key);
+    std::vector<at::Tensor> ps, gs, ms, vs, ws;
+    std::vector<int64_t> steps;
+    for (auto* it : call) {
+      ps.push_back(it->param);
+      gs.push_back(it->grad);
+      ms.push_back(it->state->exp_avg());
+      vs.push_back(it->state->exp_avg_sq());
+      ws.push_back(it->working);
+      steps.push_back(it->state->step());
+      it->done = true;
+    }
+    kernels::adamw_step_(
+        ps,
+        gs,
+        ms,
+        vs,
+        ws,
+        steps,
+        adamw_kernel_options(o));
+  }
+}
+
 // The fused kernel (one pass per tensor, as ColossalAI's own multi-tensor
 // Adam) for parameters of one group, device and step count: it applies one
 // lr, one weight decay and one bias correction to the whole call. Returns
@@ -30,6 +86,9 @@ std::vector<DeviceItem> fused_update(std::vector<DeviceItem>& items) {
   std::map<Key, std::vector<DeviceItem*>> calls;
   std::vector<DeviceItem> rest;
   for (auto& it : items) {
+    if (it.done) {
+      continue;
+    }
     // The kernel walks dense storage: strided tensors take the other path.
     if (it.options == nullptr || !it.options->bias_correction() ||
         !compat::has_fused_adam(it.param.device()) ||
@@ -77,6 +136,7 @@ std::vector<DeviceItem> fused_update(std::vector<DeviceItem>& items) {
 } // namespace
 
 void device_update(std::vector<DeviceItem>& all) {
+  kernel_update(all);
   auto items = fused_update(all);
   if (!items.empty()) {
     std::vector<torch::Tensor> ps, gs, ms, vs;
@@ -110,7 +170,7 @@ void device_update(std::vector<DeviceItem>& all) {
     at::_foreach_addcdiv_(ps, ms, denom, step);
   }
   for (auto& it : all) {
-    if (it.working.defined()) {
+    if (it.working.defined() && !it.done) {
       it.working.view(-1).copy_(it.param.reshape(-1));
     }
   }

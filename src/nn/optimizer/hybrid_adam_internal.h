@@ -54,6 +54,7 @@ struct DeviceItem {
   HybridAdamParamState* state = nullptr;
   detail::AdamScalars scalars;
   const HybridAdamOptions* options = nullptr; // the parameter's group's
+  bool done = false; // updated (and its working copy written) already
 };
 
 // GPU parameters: LibTorch's fused Adam / AdamW kernel where it has one and
