@@ -1001,10 +1001,6 @@ TEST(GeminiPlugin, Bf16MatchesOneProcessWithinBf16Rounding) {
             *boosted.optimizer);
         boosted.optimizer->step();
       }
-      // bf16 gradient shards (NOTE [Gradient shards in bf16]): half the
-      // float32 master shards' bytes.
-      const auto stats = engine_of(boosted)->memory_stats();
-      EXPECT_EQ(2 * stats.gradients, stats.shards);
       auto full = engine_of(boosted)->summon_full_params();
       std::vector<at::Tensor> w;
       for (const auto& p : model->parameters()) {
@@ -1027,6 +1023,55 @@ TEST(GeminiPlugin, Bf16MatchesOneProcessWithinBf16Rounding) {
           << "static and auto differ at parameter " << i;
     }
     EXPECT_GT(worst, 0); // bf16 really computed
+  });
+}
+
+// NOTE [Gradient shards in bf16]: with bf16, an optimizer that steps float32
+// masters from bf16 gradients (AdamW) gets bf16 gradient shards, half the
+// master shards' bytes; SGD, whose momentum buffer would copy the first
+// gradient's dtype, gets float32 shards and keeps a float32 buffer.
+TEST(GeminiPlugin, Bf16GradientShardsWhereTheOptimizerStepsFromThem) {
+  run_distributed(2, [](int rank, int) {
+    const auto cfg = tiny();
+    for (bool adamw : {true, false}) {
+      SCOPED_TRACE(adamw ? "AdamW" : "SGD with momentum");
+      auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
+          GO().precision("bf16").chunk_size(4000));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      torch::manual_seed(0);
+      zoo::GPT model(cfg);
+      std::shared_ptr<torch::optim::Optimizer> opt;
+      if (adamw) {
+        opt = std::make_shared<torch::optim::AdamW>(
+            model->parameters(), torch::optim::AdamWOptions(1e-3));
+      } else {
+        opt = std::make_shared<torch::optim::SGD>(
+            model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      }
+      auto boosted = booster.boost(model, opt);
+      const auto b = zoo::random_tokens(4, cfg, 40);
+      boosted.optimizer->zero_grad();
+      booster.backward(
+          zoo::gpt_loss(
+              boosted.model(b.first.narrow(0, 2 * rank, 2)),
+              b.second.narrow(0, 2 * rank, 2)),
+          *boosted.optimizer);
+      const auto want = adamw ? at::kBFloat16 : at::kFloat;
+      for (const auto& p : boosted.optimizer->unwrap().param_groups().at(0).params()) {
+        if (p.grad().defined()) {
+          EXPECT_EQ(p.grad().scalar_type(), want);
+        }
+      }
+      boosted.optimizer->step();
+      const auto stats = engine_of(boosted)->memory_stats();
+      EXPECT_EQ(stats.gradients * (adamw ? 2 : 1), stats.shards);
+      if (!adamw) {
+        for (const auto& kv : boosted.optimizer->unwrap().state()) {
+          const auto& s = static_cast<const torch::optim::SGDParamState&>(*kv.second);
+          EXPECT_EQ(s.momentum_buffer().scalar_type(), at::kFloat);
+        }
+      }
+    }
   });
 }
 

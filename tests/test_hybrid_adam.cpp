@@ -1105,6 +1105,66 @@ TEST(FusedAdam, GradientSlicesCoverEveryTensorWithinTheLimit) {
   EXPECT_EQ(calls, 1);
 }
 
+// fused_adam_in_slices with slices of at most 5000 elements over tensors of
+// 17, 1000, 4097 and 3000 (three slices: 17 and 1000, 4097, 3000), bf16
+// gradients and amsgrad: equal, bit for bit,
+// to one fused call over the same values in float32, states included.
+// Where LibTorch has ATen's fused kernel for the device.
+TEST(FusedAdam, SlicedFusedCallsEqualOneCall) {
+  namespace d = colossalai::nn::optimizer::detail;
+  std::vector<at::Device> devices;
+  if (colossalai::compat::has_fused_adam(at::kCPU)) {
+    devices.emplace_back(at::kCPU);
+  }
+  if (torch::cuda::is_available() && colossalai::compat::has_fused_adam(at::kCUDA)) {
+    devices.emplace_back(at::kCUDA);
+  }
+  if (devices.empty()) {
+    GTEST_SKIP() << "no fused Adam kernel in this LibTorch";
+  }
+  for (const auto& dev : devices) {
+    SCOPED_TRACE(dev.str());
+    auto make = [&](int seed) {
+      auto ps = make_params({17, 1000, 4097, 3000}, seed);
+      std::vector<at::Tensor> out;
+      for (auto& p : ps) {
+        out.push_back(p.detach().to(dev));
+      }
+      return out;
+    };
+    auto p1 = make(26), p2 = make(26);
+    auto zeros = [](const std::vector<at::Tensor>& ps) {
+      std::vector<at::Tensor> z;
+      for (const auto& p : ps) {
+        z.push_back(at::zeros_like(p));
+      }
+      return z;
+    };
+    auto m1 = zeros(p1), v1 = zeros(p1), x1 = zeros(p1);
+    auto m2 = zeros(p2), v2 = zeros(p2), x2 = zeros(p2);
+    for (int step = 1; step <= 3; ++step) {
+      auto grads = make_grads(p1, step);
+      std::vector<at::Tensor> low, high, steps1, steps2;
+      for (auto& g : grads) {
+        low.push_back(g.to(dev, at::kBFloat16));
+        high.push_back(low.back().to(at::kFloat));
+        steps1.push_back(at::full({}, static_cast<double>(step), p1[0].options()));
+        steps2.push_back(steps1.back().clone());
+      }
+      d::fused_adam_in_slices(
+          p1, low, m1, v1, x1, steps1, 1e-2, 0.9, 0.999, 0.1, 1e-8, true, true, 5000);
+      colossalai::compat::fused_adam_(
+          p2, high, m2, v2, x2, steps2, 1e-2, 0.9, 0.999, 0.1, 1e-8, true, true);
+    }
+    for (size_t i = 0; i < p1.size(); ++i) {
+      EXPECT_TRUE(torch::equal(p1[i], p2[i])) << "parameter " << i;
+      EXPECT_TRUE(torch::equal(m1[i], m2[i])) << "exp_avg " << i;
+      EXPECT_TRUE(torch::equal(v1[i], v2[i])) << "exp_avg_sq " << i;
+      EXPECT_TRUE(torch::equal(x1[i], x2[i])) << "max_exp_avg_sq " << i;
+    }
+  }
+}
+
 // Graph mode (NOTE [Captured optimizer steps]) outside a capture: the
 // first step in graph mode is an ordinary one; each later one, after
 // prepare_graph_step, launches the calls the first one found with the

@@ -685,8 +685,8 @@ TEST(LowLevelZero, OffloadPublishesEachBucketDuringHybridAdamsStep) {
 }
 
 // At one rank each bf16 gradient goes straight into the zero gradient
-// shard (no flat buffer in between), which keeps bf16 (NOTE [Gradient
-// shards in bf16]), or float32 with communication_dtype fp32: the
+// shard (no flat buffer in between), which keeps bf16 for AdamW (NOTE
+// [Gradient shards in bf16]), or float32 with communication_dtype fp32: the
 // optimizer's pieces hold the plain model's gradients, bit for bit on the
 // CPU (on a GPU within a bf16 rounding: cuBLAS may pick other kernels for
 // the booster's flat views). A second backward without zero_grad adds to
@@ -710,7 +710,7 @@ TEST(LowLevelZero, OneRankGradientShardsHoldTheModelsGradients) {
       auto plain = make_model();
       plain->to(dev, at::kBFloat16);
       auto boosted = booster.boost(
-          model, std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1)));
+          model, std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(0.1)));
       auto* zo = dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
       ASSERT_NE(zo, nullptr);
       const auto& pieces = zo->unwrap().param_groups().at(0).params();
@@ -749,6 +749,24 @@ TEST(LowLevelZero, OneRankGradientShardsHoldTheModelsGradients) {
         elements += n; // one rank: the shard is the padded bucket
       }
       EXPECT_EQ(zo->memory_stats().gradients, elements * (comm.empty() ? 2 : 4));
+    }
+    // SGD makes its momentum buffer a copy of the first gradient: float32
+    // shards for it, and so a float32 buffer.
+    auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+        cb::plugin::LowLevelZeroPluginOptions().stage(2).precision("bf16"));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = make_model();
+    auto boosted = booster.boost(
+        model,
+        std::make_shared<torch::optim::SGD>(
+            model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
+    auto b = local_batch(0, rank, world);
+    booster.backward(
+        torch::mse_loss(boosted.model(b.first).to(at::kFloat), b.second), *boosted.optimizer);
+    boosted.optimizer->step();
+    for (const auto& kv : boosted.optimizer->unwrap().state()) {
+      const auto& s = static_cast<const torch::optim::SGDParamState&>(*kv.second);
+      EXPECT_EQ(s.momentum_buffer().scalar_type(), at::kFloat);
     }
   });
 }

@@ -138,9 +138,14 @@ std::vector<at::Tensor> norms_of(
   std::vector<at::Tensor> norms;
   for (const auto& g : tensors) {
     if (g.defined() && g.numel() > 0) {
+      // A 16-bit gradient is read in float32 by the reduction itself, not
+      // copied to float32 first.
       norms.push_back(
           inf ? g.abs().max().to(at::kFloat)
-              : g.to(at::kFloat).norm(norm_type));
+              : g.scalar_type() == at::kFloat
+              ? g.norm(norm_type)
+              : at::linalg_vector_norm(
+                    g, norm_type, c10::nullopt, false, at::kFloat));
     }
   }
   return norms;

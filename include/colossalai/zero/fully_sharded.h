@@ -194,10 +194,14 @@ struct FullyShardedOptions {
   /// Dtype gradients are reduced in (default: param_dtype).
   TORCH_ARG(c10::optional<at::ScalarType>, reduce_dtype) = c10::nullopt;
   /// Keep the gradient shards in a 16-bit reduce_dtype instead of float32
-  /// (PyTorch's MixedPrecision.keep_low_precision_grads; GeminiPlugin's
-  /// bf16, as ColossalAI's chunks keep them): 2 bytes per parameter of the
-  /// shard less, and gradients summed over backwards round to that dtype
-  /// (NOTE [Gradient shards in bf16]). No effect with a float32 reduce_dtype.
+  /// (PyTorch's MixedPrecision.keep_low_precision_grads; GeminiPlugin sets
+  /// it for bf16 with an optimizer that steps from such gradients, as
+  /// ColossalAI's chunks keep them): 2 bytes per parameter of the shard
+  /// less; gradients summed over backwards, clipped or unscaled round to
+  /// that dtype (NOTE [Gradient shards in bf16]), and the optimizer gets
+  /// 16-bit gradients (as in PyTorch, LibTorch's SGD then keeps its
+  /// momentum in their dtype; with fp16 the loss scale is undone in fp16).
+  /// No effect with a float32 reduce_dtype.
   TORCH_ARG(bool, keep_low_precision_grads) = false;
   /// Dtype buffers are kept in (default: param_dtype).
   TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;

@@ -70,13 +70,17 @@ struct MemoryStats {
 /// changes no value and costs 2 bytes per parameter more (ZeRO's mixed
 /// precision formula, 2 + 2 + 12 bytes per parameter at one rank, counts
 /// 16-bit gradients). The optimizer reads them as they are: fp32 masters
-/// whose .grad is bf16. FusedAdamW and HybridAdam convert as they step
-/// (the CUDA AdamW kernel reads bf16; elsewhere slices of at most 2^26
-/// elements at a time); LibTorch's own optimizers promote in their ops.
-/// Gradients summed over several backwards (accumulation) round to bf16
-/// at each sum, as in ColossalAI and in PyTorch with bf16 parameters;
-/// communication_dtype float32 keeps float32 slices for that. fp16 keeps
-/// float32 slices (the loss scale is undone in them).
+/// whose .grad is bf16. That needs an optimizer whose update is then the
+/// same as from their float32 values (detail::steps_from_low_precision_grads):
+/// FusedAdamW / FusedAdam and HybridAdam convert as they step (the CUDA
+/// AdamW kernel reads bf16; elsewhere slices of at most 2^26 elements at a
+/// time), LibTorch's Adam / AdamW promote in their ops. Any other optimizer
+/// (SGD would keep its momentum buffer in bf16) gets float32 slices.
+/// Gradients summed over several backwards (accumulation) round to bf16 at
+/// each sum, and a clipping coefficient multiplies them in bf16, as in
+/// PyTorch with bf16 parameters (ColossalAI clips the float32 copies it
+/// makes at the step); communication_dtype float32 keeps float32 slices.
+/// fp16 keeps float32 slices (the loss scale is undone in them).
 class LowLevelZeroOptimizer : public ShardedOptimizer {
  public:
   LowLevelZeroOptimizer(

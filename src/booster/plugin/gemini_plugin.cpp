@@ -1,5 +1,6 @@
 #include <colossalai/booster/plugin/gemini_plugin.h>
 
+#include "../../zero/common/flat_params.h"
 #include "../../zero/gemini/chunk_plan.h"
 #include "fully_sharded_parts.h"
 #include "plugin_options.h"
@@ -86,10 +87,7 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
       "GeminiPlugin: only norm_type 2.0 is supported, got ",
       o.norm_type());
   zero::FullyShardedOptions e;
-  // bf16 gradient shards as ColossalAI's chunks hold them (NOTE [Gradient
-  // shards in bf16]); fp16's stay float32, where the loss scale is undone.
-  e.param_dtype(dtype).reduce_dtype(dtype).keep_low_precision_grads(
-      dtype == at::kBFloat16);
+  e.param_dtype(dtype).reduce_dtype(dtype);
   zero::PlacementOptions po;
   po.policy(
         autop ? zero::PlacementPolicy::kAuto : zero::PlacementPolicy::kStatic)
@@ -146,6 +144,12 @@ void GeminiPlugin::configure(
   }
   auto engine = engine_; // this model's chunks
   engine.chunk_size(chunk_size);
+  // bf16 gradient shards as ColossalAI's chunks hold them, for an optimizer
+  // that steps from them (NOTE [Gradient shards in bf16]); fp16's stay
+  // float32, where the loss scale is undone.
+  engine.keep_low_precision_grads(
+      gemini_.precision() == "bf16" && optimizer != nullptr &&
+      zero::detail::steps_from_low_precision_grads(optimizer->unwrap()));
   // A model below min_chunk_size is one chunk kept gathered on every rank,
   // its gradients all-reduced (ColossalAI's keep_gathered).
   engine.sharding_strategy(

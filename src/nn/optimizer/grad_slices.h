@@ -75,8 +75,9 @@ inline std::vector<at::Tensor> sub(
 }
 
 /// compat::fused_adam_ over tensors whose gradients may be 16-bit
-/// (float32 parameters): in slices, each with its gradients converted.
-/// `Lr` is a double, or a float32 device tensor (LibTorch 2.2+).
+/// (float32 parameters): in slices of at most `max_elements` (see
+/// in_grad_slices), each with its gradients converted. `Lr` is a double, or
+/// a float32 device tensor (LibTorch 2.2+).
 template <class Lr>
 void fused_adam_in_slices(
     const std::vector<at::Tensor>& params,
@@ -91,7 +92,8 @@ void fused_adam_in_slices(
     double weight_decay,
     double eps,
     bool amsgrad,
-    bool decoupled) {
+    bool decoupled,
+    int64_t max_elements = kGradSliceElements) {
   if (params.empty()) {
     return;
   }
@@ -113,7 +115,8 @@ void fused_adam_in_slices(
             eps,
             amsgrad,
             decoupled);
-      });
+      },
+      max_elements);
 }
 
 /// kernels::adamw_step_'s options from an optimizer group's (LibTorch's

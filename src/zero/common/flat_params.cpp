@@ -1,8 +1,20 @@
 #include "flat_params.h"
 
+#include <colossalai/nn/optimizer/hybrid_adam.h>
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
 namespace colossalai {
 namespace zero {
 namespace detail {
+
+bool steps_from_low_precision_grads(const torch::optim::Optimizer& optimizer) {
+  // FusedAdam / FusedAdamW derive from Adam / AdamW.
+  return dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr ||
+      dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr ||
+      dynamic_cast<const nn::optimizer::HybridAdam*>(&optimizer) != nullptr;
+}
 
 FlatShardLayout FlatShardLayout::of(
     const std::vector<at::Tensor>& params,

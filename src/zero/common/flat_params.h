@@ -19,6 +19,7 @@
 #include "../../utils/host_memory.h"
 
 #include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
 
 #include <vector>
 
@@ -107,6 +108,14 @@ struct FlatParams {
   /// Makes `pieces` from `shard_data` and `shard_grad`.
   void make_pieces();
 };
+
+/// Whether `optimizer` steps float32 masters from 16-bit gradients as from
+/// their float32 values, so that a strategy may keep its gradient shards in
+/// bf16 (NOTE [Gradient shards in bf16]): LibTorch's Adam and AdamW (their
+/// ops promote to the state's float32), FusedAdam / FusedAdamW and
+/// HybridAdam. Others (SGD makes its momentum buffer a copy of the first
+/// gradient, in that gradient's dtype) get float32 shards.
+bool steps_from_low_precision_grads(const torch::optim::Optimizer& optimizer);
 
 /// g.shard_grad += reduced (in the shard's dtype). Into a zero shard the sum is
 /// a copy, made through `copies` (NOTE [Offload copies overlap the

@@ -404,8 +404,8 @@ void Placement::before_step(const StateMover& states) {
     if (!u.offloaded || u.numel() == 0 || !states.movable(u)) {
       continue;
     }
-    // The fp32 shard, its gradient and Adam's two moments.
-    const int64_t cost = 4 * bytes_of(u.shard_data);
+    // The fp32 shard, Adam's two moments and the gradient shard.
+    const int64_t cost = 3 * bytes_of(u.shard_data) + bytes_of(u.shard_grad);
     if (cost <= left) {
       move_to_device(k);
       states.move(u, st_.device);

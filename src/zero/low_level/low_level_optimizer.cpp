@@ -68,9 +68,11 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   }
 
   // NOTE [Gradient shards in bf16]: the reduced gradients' dtype where
-  // weights and communication are bf16, float32 otherwise.
+  // weights and communication are bf16 and the optimizer steps from them,
+  // float32 otherwise.
   at::ScalarType grad_dtype() const {
-    return o.dtype() == at::kBFloat16 && comm_dtype == at::kBFloat16
+    return o.dtype() == at::kBFloat16 && comm_dtype == at::kBFloat16 &&
+            detail::steps_from_low_precision_grads(*inner)
         ? at::kBFloat16
         : at::kFloat;
   }
