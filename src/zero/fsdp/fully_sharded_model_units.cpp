@@ -99,11 +99,11 @@ void lay_out_unit(FsdpState& st, Unit& u) {
 
 // Lays a unit's parameters out flat (NOTE [Flat shard layout]) and keeps
 // this rank's fp32 shard and its gradient shard (reduce_dtype where the
-// options keep low-precision gradients). A lazy model's unit comes as that shard already
-// (`shard32`, filled piece by piece while the model was materialised, NOTE
-// [Lazy initialization]; `sizes`: the parameters' shapes), and the full
-// parameters are gathered from the shards, so no rank ever holds the whole
-// model.
+// options keep low-precision gradients). A lazy model's unit comes as that
+// shard already (`shard32`, filled piece by piece while the model was
+// materialised, NOTE [Lazy initialization]; `sizes`: the parameters'
+// shapes), and the full parameters are gathered from the shards, so no
+// rank ever holds the whole model.
 void build_unit(
     FsdpState& st,
     Unit& u,
