@@ -99,7 +99,11 @@ CpuAdamIsa cpu_adam_isa();
 /// fp32, bf16 or fp16. Each parameter is updated in one pass that reads
 /// param, grad, exp_avg and exp_avg_sq and writes param, exp_avg and
 /// exp_avg_sq, vectorized for AVX-512 or AVX2 (chosen at run time, see
-/// `set_cpu_adam_isa`) and split over LibTorch's intra-op threads.
+/// `set_cpu_adam_isa`) and split over LibTorch's intra-op threads. GPU
+/// parameters (fp32 too; gradients fp32, bf16 or fp16) take the AdamW
+/// kernel (`kernels::adamw_step_`, one pass that also writes the working
+/// copy) for AdamW with bias correction, LibTorch's fused Adam kernel
+/// otherwise.
 ///
 /// Working copies: `set_working_copy(master, working)` names a bf16 / fp16 /
 /// fp32 tensor that the same pass overwrites with the updated parameter,
