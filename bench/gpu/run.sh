@@ -40,8 +40,10 @@
 # --scale MODELS (comma-separated: llama2-7b, llama3-8b) fine-tunes each at
 # seq 4096 with every layer checkpointed, one run per setup: ours with
 # Gemini's static placement (the host share its memory formula needs), with
-# auto placement and gpu_margin_mem_ratio 0.8, and with ZeRO-2 cpu_offload
-# (bench_gpu_scale_step), and PyTorch FSDP2 +
+# auto placement and gpu_margin_mem_ratio 0.8, with ZeRO-2 cpu_offload, and
+# with ZeRO-2 all on the device (16 bytes a parameter with bf16 gradient
+# shards: LLaMA-2-7B's 108 GB fit an H200) (bench_gpu_scale_step), and
+# PyTorch FSDP2 +
 # CPUOffloadPolicy on transformers' model (fsdp2_peer.py); a setup that
 # does not fit says so. scale_<model>_<setup>.json, then scale.json and
 # scale.md (with load.json's numbers). Names for --only:
@@ -258,6 +260,7 @@ scale_variants=(
   "gemini_static|cpp|--setup gemini_static"
   "gemini_auto|cpp|--setup gemini_auto --gpu-margin-mem-ratio 0.8"
   "zero2_offload|cpp|--setup zero2_offload"
+  "zero2|cpp|--setup zero2"
   "fsdp2_offload|py|--mode fsdp2_offload"
 )
 for model in ${scale_models//,/ }; do

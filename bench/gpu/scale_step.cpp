@@ -262,6 +262,16 @@ int run(const Args& a) {
   if (capacity > 0 && want.device > 0.95 * static_cast<double>(capacity))
     return does_not_fit(
         a, s, want, "the device tier needs " + gib(want.device) + " of " + gib(static_cast<double>(capacity)));
+  // Everything on the device: the activations and the loss's chunks too
+  // (an 8B model's 16P leaves too little beside them; reported without
+  // loading it only to run out of memory).
+  const double activations = a.activation_gb * (1 << 30);
+  if (a.setup == "zero2" && capacity > 0 &&
+      want.device + activations > 0.95 * static_cast<double>(capacity))
+    return does_not_fit(
+        a, s, want,
+        "the model state needs " + gib(want.device) + " and --activation-gb " + gib(activations) +
+            " of " + gib(static_cast<double>(capacity)));
   try {
     return train(a, s, want, frac, capacity);
   } catch (const c10::OutOfMemoryError& e) {
