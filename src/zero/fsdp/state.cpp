@@ -26,7 +26,8 @@ void FsdpState::launch_gather(size_t k, bool prefetch) {
   if (u.aliased || u.gathered || u.gathering || u.numel() == 0) {
     return;
   }
-  // The shard in param_dtype on the device; never a view of `full`.
+  // The shard on the device, never a view of `full`: in param_dtype, or at
+  // one rank possibly the float32 shard itself (the copy converts).
   auto src = placement->gather_source(k, prefetch);
   if (!src.defined()) {
     return; // a prefetch with no room: gathered when needed instead

@@ -233,7 +233,11 @@ at::Tensor Placement::gather_source(size_t k, bool prefetch) {
       ? u.full.numel() * static_cast<int64_t>(u.full.element_size())
       : 0;
   const bool cached = u.param_shard.defined();
-  if (!cached &&
+  // At one rank a device-tier shard is cast straight into the gathered
+  // buffer (see below): no copy.
+  const bool cast_in_place = !cached && !u.offloaded && st_.S == 1 &&
+      u.shard_data.device() == st_.device;
+  if (!cached && !cast_in_place &&
       (u.offloaded || u.shard_data.scalar_type() != pd ||
        u.shard_data.device() != st_.device)) {
     need += shard_bytes; // a copy on the device
@@ -289,6 +293,11 @@ at::Tensor Placement::gather_source(size_t k, bool prefetch) {
   ++position_;
   if (cached) {
     return u.param_shard;
+  }
+  if (cast_in_place) {
+    // The caller's copy into the buffer converts: one pass, no shard-sized
+    // copy in param_dtype first.
+    return u.shard_data;
   }
   if (!u.offloaded) {
     return u.shard_data.to(st_.device, pd); // cast on the device if needed

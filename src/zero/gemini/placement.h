@@ -94,9 +94,10 @@ class Placement {
   // Creates the static parameter shards and measures the baseline (after).
   void setup();
 
-  // The tensor unit `k`'s all-gather reads (param_dtype, on the device),
-  // after making room for it and its gathered buffer; undefined when a
-  // prefetch does not fit.
+  // The tensor unit `k`'s all-gather reads (param_dtype, on the device; at
+  // one rank a device-tier unit's float32 shard itself, which the caller's
+  // copy converts), after making room for it and its gathered buffer;
+  // undefined when a prefetch does not fit.
   at::Tensor gather_source(size_t k, bool prefetch);
   // A decision point (NOTE [Gemini placement]).
   void moment();
