@@ -1,14 +1,21 @@
 // Single-GPU training step of gpt2-medium-gpu (shared reference workload):
 // GPT-2 medium shape, bf16 autocast through the Booster, AdamW, micro-batch
-// 8 x 1024 tokens; or (--model llama3.2-1b) a colossalai::models
-// LlamaForCausalLM of Llama 3.2 1B's shape, --seq tokens (2048). Reports tokens/s and model FLOPs utilization against the
-// bf16 matmul rate measured on the same device in the same run.
+// 8 x 1024 tokens (the zoo GPT, untied head); or (--model gpt2-medium-hf)
+// colossalai::models::GPT2LMHeadModel, the transformers-compatible GPT-2
+// (tied head, vocabulary 50257), in GPT-2 medium's shape without dropout;
+// or (--model llama3.2-1b) a colossalai::models LlamaForCausalLM of Llama
+// 3.2 1B's shape, --seq tokens (2048). Reports tokens/s and model FLOPs
+// utilization against the bf16 matmul rate measured on the same device in
+// the same run.
 //
 // Model FLOPs per token (the PaLM accounting, attention scores included):
-//   6 * (parameters without the embeddings) + 12 * n_layer * n_embd * T
+//   6 * (parameters of matmuls) + 12 * n_layer * n_embd * T
+// where a tied embedding counts as the head's matmul and a lookup-only
+// one (the zoo GPT's token embedding, every position embedding) does not.
 //
 //   bench_gpu_gpt_step [--device cuda|cpu]
-//                      [--model gpt2-medium|gpt-small-cpu|llama3.2-1b|
+//                      [--model gpt2-medium|gpt-small-cpu|gpt2-medium-hf|
+//                               gpt2-small-cpu-hf|llama3.2-1b|
 //                               llama-small-cpu] [--seq N]
 //                      [--batch 8] [--steps 20] [--warmup 3]
 //                      [--matmul-n 8192] [--out FILE.json]
@@ -21,8 +28,9 @@
 // (at::_fused_adamw_, one pass) or HybridAdam (its device path).
 // --loss: the model's loss over the whole [B*T, V] logits, or
 // kernels::fused_linear_cross_entropy over the final hidden states and the
-// head's weight (the zoo GPT's forward(idx, targets); for the Llama models
-// the backbone's output and the tied embedding), whose CUDA kernel takes
+// head's weight (the zoo GPT's forward(idx, targets); GPT2LMHeadModel's
+// forward_loss; for the Llama models the backbone's output and the tied
+// embedding), whose CUDA kernel takes
 // each chunk's loss and logits gradient in place.
 // After the timed steps, --split-steps more steps (default 5) each
 // synchronise after the forward and the backward: the median forward
@@ -53,6 +61,7 @@
 #include <colossalai/booster/graphed_step.h>
 
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
+#include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
 #include <colossalai/utils/compat.h>
 
@@ -241,6 +250,20 @@ std::string json_string(const std::string& s) {
   return out + "\"";
 }
 
+// Random ids [batch, t] and their next tokens, the same every run (seed 100).
+std::pair<at::Tensor, at::Tensor> next_token_batch(
+    int64_t vocab,
+    int64_t batch,
+    int64_t t,
+    const at::Device& dev) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(100);
+  auto tokens = torch::randint(vocab, {batch, t + 1}, gen, torch::kLong);
+  using torch::indexing::Slice;
+  return {
+      tokens.index({Slice(), Slice(0, -1)}).contiguous().to(dev),
+      tokens.index({Slice(), Slice(1, torch::indexing::None)}).contiguous().to(dev)};
+}
+
 // Median milliseconds of a step's phases (Args::split_steps).
 struct Split {
   double forward = 0, backward = 0, optimizer = 0;
@@ -393,9 +416,12 @@ std::vector<double> time_steps(
 int run(const Args& a) {
   const at::Device dev(a.device);
   const bool llama = a.model == "llama3.2-1b" || a.model == "llama-small-cpu";
+  const bool gpt2_hf = a.model == "gpt2-medium-hf" || a.model == "gpt2-small-cpu-hf";
   TORCH_CHECK(
-      a.model == "gpt2-medium" || a.model == "gpt-small-cpu" || llama,
-      "--model must be gpt2-medium, gpt-small-cpu, llama3.2-1b or llama-small-cpu");
+      a.model == "gpt2-medium" || a.model == "gpt-small-cpu" || gpt2_hf || llama,
+      "--model must be gpt2-medium, gpt-small-cpu, gpt2-medium-hf, gpt2-small-cpu-hf, "
+      "llama3.2-1b or llama-small-cpu, got ",
+      a.model);
   const int64_t n = dev.is_cuda() ? a.matmul_n : std::min<int64_t>(a.matmul_n, 1024);
 
   std::fprintf(stderr, "measuring bf16 matmul rate (%lld^3)\n", (long long)n);
@@ -427,11 +453,9 @@ int run(const Args& a) {
     // scores, PaLM's accounting.
     flops_per_token = 6.0 * static_cast<double>(params) +
         12.0 * cfg.num_hidden_layers() * cfg.hidden_size() * static_cast<double>(t);
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(100);
-    auto tokens = torch::randint(cfg.vocab_size(), {a.batch, t + 1}, gen, torch::kLong);
-    using torch::indexing::Slice;
-    auto x = tokens.index({Slice(), Slice(0, -1)}).contiguous().to(dev);
-    auto y = tokens.index({Slice(), Slice(1, torch::indexing::None)}).contiguous().to(dev);
+    const auto xy = next_token_batch(cfg.vocab_size(), a.batch, t, dev);
+    const at::Tensor& x = xy.first;
+    const at::Tensor& y = xy.second;
     const auto flat_y = y.flatten();
     times = time_steps(
         a,
@@ -453,6 +477,39 @@ int run(const Args& a) {
             cast.emplace(dev.type(), at::kBFloat16);
           return colossalai::kernels::fused_linear_cross_entropy(
               m->model->forward(x).flatten(0, 1), head, c10::nullopt, flat_y);
+        },
+        last_loss,
+        split,
+        kernels_json);
+  } else if (gpt2_hf) {
+    // transformers' GPT2Config for gpt2-medium, dropout off as in the zoo
+    // GPT and the peer (tests/gpu and bench/gpu/torch_gpt_step.py).
+    const auto cfg = a.model == "gpt2-small-cpu-hf"
+        ? colossalai::models::GPT2Config::small_cpu()
+        : colossalai::models::GPT2Config()
+              .n_embd(1024)
+              .n_layer(24)
+              .n_head(16)
+              .embd_pdrop(0)
+              .attn_pdrop(0)
+              .resid_pdrop(0);
+    t = cfg.n_positions();
+    colossalai::models::GPT2LMHeadModel model(cfg);
+    model->to(dev);
+    for (const auto& p : model->parameters())
+      params += p.numel();
+    // The tied token embedding is the head's matmul; positions are a lookup.
+    flops_per_token = 6.0 * static_cast<double>(params - cfg.n_positions() * cfg.n_embd()) +
+        12.0 * cfg.n_layer() * cfg.n_embd() * static_cast<double>(t);
+    const auto xy = next_token_batch(cfg.vocab_size(), a.batch, t, dev);
+    const at::Tensor& x = xy.first;
+    const at::Tensor& y = xy.second;
+    times = time_steps(
+        a,
+        model,
+        [&](auto& boosted) {
+          return a.loss == "fused" ? boosted.model.forward_loss(x, y)
+                                   : boosted.model.unwrap()->loss(boosted.model(x), y);
         },
         last_loss,
         split,

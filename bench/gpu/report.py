@@ -27,7 +27,7 @@ def main():
     folder = sys.argv[1]
     order = ["ours", "ours_fused_adamw", "ours_fused", "ours_hybrid_adam",
              "ours_zero1_bf16_logits", "ours_zero1_bf16", "ours_zero1_bf16_recompute", "ours_zero1_bf16_graph", "torch", "torch_fused",
-             "torch_compile", "torch_loop", "llama_ours", "llama_ours_fused_adamw",
+             "torch_compile", "torch_loop", "hf_ours_fused", "hf_ours_zero1_bf16", "hf_torch_fused", "llama_ours", "llama_ours_fused_adamw",
              "llama_ours_fused", "llama_ours_fused_recompute", "llama_ours_fused_graph", "llama_ours_zero1_bf16", "llama_torch_fused",
              "llama_torch_compile"]
     found = sorted({re.sub(r"_[0-9]+\.json$", "", os.path.basename(p))
@@ -134,8 +134,12 @@ def main():
             r["step_ms"]["median"] for r in found_runs[n]), default=None)
     # Which variant stands for ours / eager / compile in summary.json:
     # PyTorch's default eager step, and with fused AdamW.
+    # For GPT-2 also transformers' own model (hf_torch_fused) and ours with
+    # the transformers-compatible family (the fastest hf_ours variant).
     roles = {"gpt2-medium": {"ours": fastest("ours"), "eager": "torch",
-                             "eager_fused_adamw": "torch_fused", "compile": "torch_compile"},
+                             "eager_fused_adamw": "torch_fused", "compile": "torch_compile",
+                             "ours_transformers_family": fastest("hf_ours"),
+                             "transformers": "hf_torch_fused"},
              "llama-1b": {"ours": fastest("llama_ours"), "eager": "llama_torch_fused",
                           "compile": "llama_torch_compile"}}
     for model, role in roles.items():
@@ -158,8 +162,9 @@ def main():
         json.dump(summary, f, indent=2)
         f.write("\n")
     lines += ["", "`summary.json` holds the medians of ours (the fastest of our variants "
-              "here), PyTorch eager and torch.compile per model; `mfu_spec` is against "
-              "989 TFLOP/s (dense bf16, datasheet).", ""]
+              "here), PyTorch eager and torch.compile per model (for GPT-2 medium also "
+              "transformers' GPT2LMHeadModel and ours with models::GPT2LMHeadModel); "
+              "`mfu_spec` is against 989 TFLOP/s (dense bf16, datasheet).", ""]
     lines += ["", "Reproduce on a GPU machine with a PyTorch 2.x wheel: `bench/gpu/run.sh`.", ""]
     with open(os.path.join(folder, "report.md"), "w") as f:
         f.write("\n".join(lines))

@@ -19,7 +19,11 @@
 # the same step captured once in a CUDA graph and replayed:
 # ours_zero1_bf16_graph); PyTorch
 # eager with its default AdamW (torch) and with AdamW(fused=True)
-# (torch_fused).
+# (torch_fused); then GPT-2 medium as transformers' GPT2LMHeadModel
+# (tied head, vocabulary 50257): ours with the transformers-compatible
+# models::GPT2LMHeadModel and the fused loss, autocast (hf_ours_fused) and
+# LowLevelZero bf16 (hf_ours_zero1_bf16), and transformers' own model in
+# PyTorch eager with AdamW(fused=True) (hf_torch_fused).
 # --llama-rounds N adds N rounds of a Llama-3.2-1B-shaped model (batch
 # 4 x 2048): ours with AdamW, FusedAdamW (whole logits, fused loss, the
 # fused loss with the MLPs' product recomputed: llama_ours_fused_recompute;
@@ -87,7 +91,7 @@ while [ $# -gt 0 ]; do
     --load) load_model="$2"; shift ;;
     --scale) scale_models="$2"; shift ;;
     --qlora) qlora_models="$2"; shift ;;
-    -h|--help) sed -n '2,53p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -164,6 +168,9 @@ variants=(
   "ours_zero1_bf16_graph|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --cuda-graph on"
   "torch|py|"
   "torch_fused|py|--fused"
+  "hf_ours_fused|cpp|--model gpt2-medium-hf --optimizer fused_adamw --loss fused"
+  "hf_ours_zero1_bf16|cpp|--model gpt2-medium-hf --plugin zero1 --optimizer fused_adamw --loss fused"
+  "hf_torch_fused|py|--model gpt2-medium-hf --fused"
 )
 run_variant() { # name, program, options, round
   local name=$1 prog=$2 opts=$3 i=$4

@@ -1,7 +1,8 @@
 """The gpt2-medium-gpu training step in plain PyTorch eager (Python): the peer
 of bench_gpu_gpt_step. Same model (bench/peers/torch_ddp_step.py's GPT, which
-mirrors zoo/gpt.cpp, including its matmul/mask/softmax attention), batch,
-bf16 autocast, fp32 cross-entropy and AdamW settings.
+mirrors zoo/gpt.cpp, attention through F.scaled_dot_product_attention;
+transformers' GPT2LMHeadModel for gpt2-medium-hf, LlamaForCausalLM for the
+Llama shapes), batch, bf16 autocast, fp32 cross-entropy and AdamW settings.
 
   python3 bench/gpu/torch_gpt_step.py [--device cuda] [--model gpt2-medium]
       [--batch 8] [--steps 20] [--warmup 3] [--foreach auto|on|off]
@@ -23,6 +24,10 @@ from torch_ddp_step import GPT, machine, stats  # noqa: E402
 
 MODELS = {"gpt2-medium": dict(vocab=50304, ctx=1024, d=1024, h=16, n=24),
           "gpt-small-cpu": dict(vocab=4096, ctx=128, d=256, h=4, n=4),
+          # transformers' GPT2LMHeadModel (SDPA attention, tied head), as
+          # colossalai::models::GPT2LMHeadModel; dropout off.
+          "gpt2-medium-hf": dict(vocab=50257, ctx=1024, d=1024, h=16, n=24, hf=True),
+          "gpt2-small-cpu-hf": dict(vocab=4096, ctx=128, d=256, h=4, n=4, hf=True),
           # transformers' LlamaForCausalLM (SDPA attention), as
           # colossalai::models::LlamaForCausalLM on the C++ side.
           "llama3.2-1b": dict(vocab=128256, ctx=2048, d=2048, h=32, kv=8, n=16,
@@ -33,6 +38,15 @@ MODELS = {"gpt2-medium": dict(vocab=50304, ctx=1024, d=1024, h=16, n=24),
 
 def build(name, cfg, dev):
     """The model and a function from ids to logits."""
+    if cfg.get("hf"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+        c = GPT2Config(vocab_size=cfg["vocab"], n_positions=cfg["ctx"], n_embd=cfg["d"],
+                       n_layer=cfg["n"], n_head=cfg["h"], resid_pdrop=0.0,
+                       embd_pdrop=0.0, attn_pdrop=0.0)
+        c._attn_implementation = "sdpa"
+        with torch.device(dev):
+            model = GPT2LMHeadModel(c)
+        return model, lambda x: model(input_ids=x, use_cache=False).logits
     if "ffn" not in cfg:
         model = GPT(**cfg).to(dev)
         return model, model
@@ -132,6 +146,9 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     if "ffn" in cfg:  # every parameter a matmul's (the tied head's product)
         flops_per_token = 6.0 * params + 12.0 * cfg["n"] * cfg["d"] * cfg["ctx"]
+    elif cfg.get("hf"):  # the tied head's product; positions are a lookup
+        flops_per_token = (6.0 * (params - cfg["ctx"] * cfg["d"]) +
+                           12.0 * cfg["n"] * cfg["d"] * cfg["ctx"])
     else:
         embed = (cfg["vocab"] + cfg["ctx"]) * cfg["d"]
         flops_per_token = 6.0 * (params - embed) + 12.0 * cfg["n"] * cfg["d"] * cfg["ctx"]
