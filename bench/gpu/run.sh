@@ -8,7 +8,7 @@
 #
 #   bench/gpu/run.sh [--out-dir DIR] [--batch 8] [--steps 20] [--rounds 2]
 #                    [--llama-rounds N] [--compile] [--only RE] [--load MODEL]
-#                    [--scale MODELS] [--qlora MODELS]
+#                    [--scale MODELS] [--scale-args "ARGS"] [--qlora MODELS]
 #
 # Each round runs, one after the other: ours with LibTorch's AdamW and the
 # whole logits (ours), with FusedAdamW (ours_fused_adamw), with FusedAdamW
@@ -52,6 +52,9 @@
 # does not fit says so. scale_<model>_<setup>.json, then scale.json and
 # scale.md (with load.json's numbers). Names for --only:
 # scale_<model>_<setup>; --rounds 0 --only '^scale_' runs these alone.
+# --scale-args "ARGS" go to each of those runs (ours and the peer), e.g.
+# "--batch 2 --steps 3 --warmup 1" (both take --batch, --seq, --steps,
+# --warmup).
 # --qlora MODELS (llama3-8b, llama2-7b) trains LoRA adapters (r 16) on a
 # 4-bit NF4 base, batch 4 x 2048, every layer recomputed: ours
 # (bench_gpu_qlora_step) and transformers + PEFT (qlora_peer.py: NF4 through
@@ -78,6 +81,7 @@ llama_steps=10
 only=""
 load_model=""
 scale_models=""
+scale_args=""
 qlora_models=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -90,6 +94,7 @@ while [ $# -gt 0 ]; do
     --only) only="$2"; shift ;;
     --load) load_model="$2"; shift ;;
     --scale) scale_models="$2"; shift ;;
+    --scale-args) scale_args="$2"; shift ;;
     --qlora) qlora_models="$2"; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/gpu/run.sh: unknown option $1" >&2; exit 2 ;;
@@ -279,11 +284,11 @@ for model in ${scale_models//,/ }; do
     # A bound on each run: a stuck host step must not take the whole run.
     if [ "$prog" = cpp ]; then
       # shellcheck disable=SC2086
-      timeout 1200 "$BUILD_DIR/bench/bench_gpu_scale_step" --device cuda --model "$model" $opts \
+      timeout 1200 "$BUILD_DIR/bench/bench_gpu_scale_step" --device cuda --model "$model" $opts $scale_args \
         --out "$out_dir/$name.json" >"$out_dir/$name.log" 2>&1
     else
       # shellcheck disable=SC2086
-      timeout 1200 "$PY" bench/gpu/fsdp2_peer.py --device cuda --model "$model" $opts \
+      timeout 1200 "$PY" bench/gpu/fsdp2_peer.py --device cuda --model "$model" $opts $scale_args \
         --out "$out_dir/$name.json" >"$out_dir/$name.log" 2>&1
     fi || say "$name failed (see $name.log)"
     tail -1 "$out_dir/$name.log"
