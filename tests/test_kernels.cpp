@@ -696,7 +696,7 @@ double max_rel(const at::Tensor& got, const at::Tensor& want) {
 TEST(Kernels, FusedLinearCrossEntropyEqualsTheReferenceInFloat64) {
   torch::manual_seed(0);
   const auto o = at::TensorOptions().dtype(at::kDouble);
-  const int64_t n = 37, hid = 16, vocab = 50;
+  const int64_t n = 37, hid = 16, vocab = 51;
   const auto h = torch::randn({n, hid}, o), w = torch::randn({vocab, hid}, o) * 0.3;
   const auto bias = torch::randn({vocab}, o);
   for (const int64_t ignore : {-100, 3}) {
@@ -846,6 +846,18 @@ TEST(Kernels, CrossEntropyGradIsAutogradsGradient) {
     EXPECT_LT(max_rel(g, xr.grad()), 1e-13);
     EXPECT_EQ(g.index({t.eq(ignore)}).abs().max().item<double>(), 0.0);
   }
+  // Rows further apart than their length (the fused op's padded chunks):
+  // the same values, the padding left as it was.
+  const auto t = targets_with_ignored(n, vocab, -100);
+  auto whole = x.clone();
+  const auto want_rows = kn::detail::cross_entropy_grad_(whole, t, -100, scale);
+  auto padded = torch::full({n, vocab + 3}, 7.0, o);
+  auto rows_apart = padded.narrow(1, 0, vocab);
+  rows_apart.copy_(x);
+  const auto got_rows = kn::detail::cross_entropy_grad_(rows_apart, t, -100, scale);
+  EXPECT_TRUE(got_rows.equal(want_rows));
+  EXPECT_TRUE(rows_apart.equal(whole));
+  EXPECT_TRUE(padded.narrow(1, vocab, 3).eq(7.0).all().item<bool>());
   auto bad = x.t();
   EXPECT_THROW(
       kn::detail::cross_entropy_grad_(bad, torch::zeros({vocab}, torch::kLong), -100, scale),
@@ -886,31 +898,43 @@ TEST(Kernels, CrossEntropyGradCudaKernelEqualsTheFunction) {
         t = t.to(at::kCUDA);
         const auto valid = t.ne(ignore);
         const auto scale = valid.sum().to(at::kFloat).reciprocal();
-        auto g = x.clone();
-        const auto rows = kn::detail::cross_entropy_grad_(g, t, ignore, scale);
-        ASSERT_EQ(rows.scalar_type(), at::kFloat);
-        ASSERT_EQ(g.scalar_type(), type);
+        for (const bool padded : {false, true}) {
+          SCOPED_TRACE(padded ? "rows padded to 16 bytes" : "rows end to end");
+          // Padded: rows as the fused op lays them out, 16-byte aligned.
+          const int64_t ld = (vocab + 15) / 8 * 8;
+          auto buffer = torch::full({n, ld}, 7.0, x.options());
+          auto g = padded ? buffer.narrow(1, 0, vocab) : x.clone();
+          if (padded) {
+            g.copy_(x);
+          }
+          const auto rows = kn::detail::cross_entropy_grad_(g, t, ignore, scale);
+          ASSERT_EQ(rows.scalar_type(), at::kFloat);
+          ASSERT_EQ(g.scalar_type(), type);
+          if (padded) {
+            EXPECT_TRUE(buffer.narrow(1, vocab, ld - vocab).eq(7.0).all().item<bool>());
+          }
 
-        const auto x64 = x.to(at::kDouble).cpu();
-        const auto tc = t.cpu().masked_fill(valid.cpu().logical_not(), 0);
-        const auto k = (valid.cpu().to(at::kDouble) * scale.cpu().to(at::kDouble)).unsqueeze(1);
-        const auto lse = at::logsumexp(x64, 1);
-        const auto sm = (x64 - lse.unsqueeze(1)).exp();
-        const auto onehot = at::zeros_like(sm).scatter_(1, tc.unsqueeze(1), 1.0);
-        const auto want = (sm - onehot) * k;
-        const double half_ulp = type == at::kFloat ? std::pow(2.0, -24)
-            : type == at::kHalf                    ? std::pow(2.0, -11)
-                                                   : std::pow(2.0, -8);
-        const double floor = type == at::kHalf ? std::pow(2.0, -25) : 1e-38;
-        const auto bound = (half_ulp + 5e-5) * (sm + onehot) * k.abs() + floor;
-        const auto err = (g.to(at::kDouble).cpu() - want).abs();
-        EXPECT_TRUE(err.le(bound).all().item<bool>())
-            << "worst error over bound " << (err / bound).max().item<double>();
-        const auto want_rows =
-            (lse - x64.gather(1, tc.unsqueeze(1)).squeeze(1)) * valid.cpu().to(at::kDouble);
-        const auto row_err = (rows.to(at::kDouble).cpu() - want_rows).abs();
-        EXPECT_TRUE(row_err.le(1e-5 * (1 + lse.abs())).all().item<bool>())
-            << "worst row loss error " << row_err.max().item<double>();
+          const auto x64 = x.to(at::kDouble).cpu();
+          const auto tc = t.cpu().masked_fill(valid.cpu().logical_not(), 0);
+          const auto k = (valid.cpu().to(at::kDouble) * scale.cpu().to(at::kDouble)).unsqueeze(1);
+          const auto lse = at::logsumexp(x64, 1);
+          const auto sm = (x64 - lse.unsqueeze(1)).exp();
+          const auto onehot = at::zeros_like(sm).scatter_(1, tc.unsqueeze(1), 1.0);
+          const auto want = (sm - onehot) * k;
+          const double half_ulp = type == at::kFloat ? std::pow(2.0, -24)
+              : type == at::kHalf                    ? std::pow(2.0, -11)
+                                                     : std::pow(2.0, -8);
+          const double floor = type == at::kHalf ? std::pow(2.0, -25) : 1e-38;
+          const auto bound = (half_ulp + 5e-5) * (sm + onehot) * k.abs() + floor;
+          const auto err = (g.to(at::kDouble).cpu() - want).abs();
+          EXPECT_TRUE(err.le(bound).all().item<bool>())
+              << "worst error over bound " << (err / bound).max().item<double>();
+          const auto want_rows =
+              (lse - x64.gather(1, tc.unsqueeze(1)).squeeze(1)) * valid.cpu().to(at::kDouble);
+          const auto row_err = (rows.to(at::kDouble).cpu() - want_rows).abs();
+          EXPECT_TRUE(row_err.le(1e-5 * (1 + lse.abs())).all().item<bool>())
+              << "worst row loss error " << row_err.max().item<double>();
+        }
       }
     }
   }
@@ -1765,8 +1789,12 @@ TEST(Kernels, ShardedCrossEntropyKernelEqualsItsAtenPath) {
       target.narrow(0, 0, 5).fill_(-100);
       target = target.cuda();
       const auto scale = torch::full({}, 1.0 / 32, at::device(at::kCUDA).dtype(at::kFloat));
-      auto a = logits.clone(), b = logits.clone();
+      // The kernels read rows 16 bytes apart (the fused op's padded chunks).
+      auto buffer = torch::full({rows, c.cols + 8}, 7.0, logits.options());
+      auto a = buffer.narrow(1, 0, c.cols), b = logits.clone();
+      a.copy_(logits);
       const auto la = kn::detail::sharded_cross_entropy_grad_(a, target, -100, scale, shard, true);
+      EXPECT_TRUE(buffer.narrow(1, c.cols, 8).eq(7.0).all().item<bool>());
       const auto lb = kn::detail::sharded_cross_entropy_grad_(b, target, -100, scale, shard, false);
       EXPECT_LT(max_normwise_rel(la.cpu(), lb.cpu()), 1e-5);
       const double roundoff = t == at::kFloat ? 0.0 : t == at::kHalf ? std::pow(2.0, -11) : std::pow(2.0, -8);

@@ -1,6 +1,7 @@
 // Each fused op alone against its ATen composition, on one device: the
 // cross-entropy gradient kernel on one chunk of GPT-2 logits, the fused
-// linear + cross-entropy over a whole GPT-2 medium batch, RMSNorm and the
+// linear + cross-entropy over a whole batch (GPT-2 medium's head with
+// vocabularies of 50257 and 50304, Llama 3's), RMSNorm and the
 // SwiGLU gate at Llama 1B's widths, the rotary embedding of its queries,
 // forward and backward; GPT-2 medium's GELU + output projection with the
 // GELU recomputed in backward (what keeping one tensor less costs); an AdamW step
@@ -64,6 +65,7 @@ struct Row {
   std::string op, shape;
   std::vector<double> ours, aten;
   double bytes = 0; // the fewest bytes ours must move (0: not counted)
+  double flops = 0; // the matmuls' floating-point operations (0: not counted)
 };
 
 } // namespace
@@ -128,14 +130,21 @@ int main(int argc, char** argv) {
       rows.push_back(r);
     }
 
-    // 2. The whole head and loss of a GPT-2 medium batch, forward and
-    // backward: fused (chunks, the kernel) against linear + cross-entropy.
-    {
-      const int64_t n = gpu ? 8192 : 256, h = 1024, v = 50257;
+    // 2. The whole head and loss of a batch, forward and backward: fused
+    // (chunks, the kernel) against linear + cross-entropy. GPT-2 medium's
+    // head with transformers' vocabulary (50257: rows not a multiple of 16
+    // bytes, which the fused op pads) and the zoo GPT's padded one (50304),
+    // and Llama 3's (128256 x 2048, whose 1 GiB float32 weight gradient sets
+    // the chunk).
+    for (const auto& [h, v] : {std::pair<int64_t, int64_t>{1024, 50257}, {1024, 50304}, {2048, 128256}}) {
+      const int64_t n = gpu ? 8192 : 256;
       auto hid = torch::randn({n, h}, opts).requires_grad_(true);
       auto w = (torch::randn({v, h}, opts) * 0.02).requires_grad_(true);
       const auto t = torch::randint(v, {n}, at::device(dev).dtype(at::kLong));
-      Row r{"linear + cross-entropy, forward + backward", std::to_string(n) + " x 1024 -> 50257 " + dtype};
+      Row r{"linear + cross-entropy, forward + backward",
+            std::to_string(n) + " x " + std::to_string(h) + " -> " + std::to_string(v) + " " + dtype};
+      // Three matmuls: the logits, the hidden's and the weight's gradients.
+      r.flops = 6.0 * n * h * v;
       auto run = [&](bool fused) {
         hid.mutable_grad() = at::Tensor();
         w.mutable_grad() = at::Tensor();
@@ -374,15 +383,18 @@ int main(int argc, char** argv) {
     json << "{\n  \"benchmark\": \"gpu_ops\",\n  \"device\": \"" << device
          << "\",\n  \"reps\": " << reps << ",\n  \"machine\": " << cbench::machine_json()
          << ",\n  \"ops\": [";
-    std::printf("| op | shape | ours ms | ATen ms | ATen / ours | ours GB/s |\n|---|---|---|---|---|---|\n");
+    std::printf(
+        "| op | shape | ours ms | ATen ms | ATen / ours | ours GB/s | ours TFLOP/s |\n"
+        "|---|---|---|---|---|---|---|\n");
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& r = rows[i];
       const double o = cbench::median(r.ours), a = cbench::median(r.aten);
       json << (i ? "," : "") << "\n    {\"op\": \"" << r.op << "\", \"shape\": \"" << r.shape
            << "\", \"ours_ms\": " << cbench::stats_json(r.ours)
-           << ", \"aten_ms\": " << cbench::stats_json(r.aten) << ", \"bytes\": " << r.bytes << "}";
+           << ", \"aten_ms\": " << cbench::stats_json(r.aten) << ", \"bytes\": " << r.bytes
+           << ", \"flops\": " << r.flops << "}";
       std::printf(
-          "| %s | %s | %.3f (p10-p90 %.3f-%.3f) | %.3f | %.2fx | %s |\n",
+          "| %s | %s | %.3f (p10-p90 %.3f-%.3f) | %.3f | %.2fx | %s | %s |\n",
           r.op.c_str(),
           r.shape.c_str(),
           o,
@@ -390,7 +402,8 @@ int main(int argc, char** argv) {
           cbench::percentile(r.ours, 0.9),
           a,
           a / o,
-          r.bytes > 0 ? std::to_string(static_cast<int>(r.bytes / (o * 1e-3) / 1e9)).c_str() : "-");
+          r.bytes > 0 ? std::to_string(static_cast<int>(r.bytes / (o * 1e-3) / 1e9)).c_str() : "-",
+          r.flops > 0 ? std::to_string(static_cast<int>(r.flops / (o * 1e-3) / 1e12)).c_str() : "-");
     }
     json << "\n  ]\n}\n";
     if (!out.empty())

@@ -51,14 +51,16 @@ def main():
             ops = json.load(f)
         lines += ["## Fused ops alone against their ATen composition",
                   "", f"Median ms of {ops['reps']} runs after warm-up (p10-p90); GB/s: the "
-                  "fewest bytes the op must move over its median time.", "",
-                  "| op | shape | ours ms | ATen ms | ATen / ours | ours GB/s |",
-                  "|---|---|---|---|---|---|"]
+                  "fewest bytes the op must move over its median time; TFLOP/s: its "
+                  "matmuls' operations over it.", "",
+                  "| op | shape | ours ms | ATen ms | ATen / ours | ours GB/s | ours TFLOP/s |",
+                  "|---|---|---|---|---|---|---|"]
         for o in ops["ops"]:
             om, am = o["ours_ms"]["median"], o["aten_ms"]["median"]
             bw = f"{o['bytes'] / (om * 1e-3) / 1e9:,.0f}" if o["bytes"] else "-"
+            tf = f"{o['flops'] / (om * 1e-3) / 1e12:,.0f}" if o.get("flops") else "-"
             lines.append(f"| {o['op']} | {o['shape']} | {om:.3f} ({o['ours_ms']['p10']:.3f}-"
-                         f"{o['ours_ms']['p90']:.3f}) | {am:.3f} | {am / om:.2f}x | {bw} |")
+                         f"{o['ours_ms']['p90']:.3f}) | {am:.3f} | {am / om:.2f}x | {bw} | {tf} |")
         lines.append("")
     models = []
     for _, rs in groups:

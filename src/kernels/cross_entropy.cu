@@ -3,9 +3,10 @@
 // twice, for its log-sum-exp (an online max and sum, one exp per element)
 // and for the gradient it writes over the logits, so a row moves 3 x its
 // bytes instead of the float32 copies and passes of the ATen composition.
-// Rows of a vocabulary such as GPT-2's 50257 are not 16-byte aligned: each
-// pass reads the row's unaligned head and tail element by element and the
-// rest 16 bytes at a time. A vocabulary-parallel head's shard takes two
+// Rows sit `ld` elements apart (ld >= cols: the fused loss pads them to 16
+// bytes). Rows of a vocabulary such as GPT-2's 50257 laid end to end are not
+// 16-byte aligned: each pass reads the row's unaligned head and tail element
+// by element and the rest 16 bytes at a time. A vocabulary-parallel head's shard takes two
 // kernels, its rows' statistics and then the gradient, with the group's
 // reductions of the statistics between them.
 
@@ -111,10 +112,11 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(
     int64_t ignore_index,
     const float* __restrict__ scale,
     float* __restrict__ row_loss,
-    int64_t cols) {
+    int64_t cols,
+    int64_t ld) {
   __shared__ MaxSum shared[32];
   const int64_t r = blockIdx.x;
-  T* row = logits + r * cols;
+  T* row = logits + r * ld;
   const MaxSum acc = row_max_sum(row, cols, shared);
   const float lse = acc.m + logf(acc.s);
   const int64_t t = target[r];
@@ -149,10 +151,10 @@ __global__ void __launch_bounds__(kThreads) shard_stats_kernel(
     float* __restrict__ row_max,
     float* __restrict__ row_sum,
     float* __restrict__ picked,
-    int64_t cols) {
+    int64_t ld) {
   __shared__ MaxSum shared[32];
   const int64_t r = blockIdx.x;
-  const T* row = logits + r * cols;
+  const T* row = logits + r * ld;
   const MaxSum acc = row_max_sum(row, real, shared);
   if (threadIdx.x == 0) {
     const int64_t t = target[r];
@@ -174,9 +176,10 @@ __global__ void __launch_bounds__(kThreads) shard_grad_kernel(
     int64_t real,
     const float* __restrict__ lse,
     const float* __restrict__ k,
-    int64_t cols) {
+    int64_t cols,
+    int64_t ld) {
   const int64_t r = blockIdx.x;
-  T* row = logits + r * cols;
+  T* row = logits + r * ld;
   const int64_t t = target[r];
   const int64_t here = t != ignore_index && t >= start && t < start + real ? t - start : -1;
   const float l = lse[r], kr = k[r];
@@ -199,12 +202,12 @@ cudaError_t cross_entropy_shard_stats(
     float* row_sum,
     float* picked,
     int64_t rows,
-    int64_t cols,
+    int64_t ld,
     cudaStream_t stream) {
   return launch_by_dtype(dtype, rows, [&](auto t) {
     using T = decltype(t);
     shard_stats_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-        static_cast<const T*>(logits), target, ignore_index, start, real, row_max, row_sum, picked, cols);
+        static_cast<const T*>(logits), target, ignore_index, start, real, row_max, row_sum, picked, ld);
   });
 }
 
@@ -219,11 +222,12 @@ cudaError_t cross_entropy_shard_grad(
     const float* k,
     int64_t rows,
     int64_t cols,
+    int64_t ld,
     cudaStream_t stream) {
   return launch_by_dtype(dtype, rows, [&](auto t) {
     using T = decltype(t);
     shard_grad_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-        static_cast<T*>(logits), target, ignore_index, start, real, lse, k, cols);
+        static_cast<T*>(logits), target, ignore_index, start, real, lse, k, cols, ld);
   });
 }
 
@@ -236,11 +240,12 @@ cudaError_t cross_entropy_grad(
     float* row_loss,
     int64_t rows,
     int64_t cols,
+    int64_t ld,
     cudaStream_t stream) {
   return launch_by_dtype(dtype, rows, [&](auto t) {
     using T = decltype(t);
     grad_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-        static_cast<T*>(logits), target, ignore_index, scale, row_loss, cols);
+        static_cast<T*>(logits), target, ignore_index, scale, row_loss, cols, ld);
   });
 }
 

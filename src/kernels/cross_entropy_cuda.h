@@ -11,7 +11,8 @@ namespace colossalai {
 namespace kernels {
 namespace cuda {
 
-/// Per row r of `logits` (contiguous, rows x cols, in place): with
+/// Per row r of `logits` (rows x cols, row r at logits + r * ld, ld >= cols;
+/// in place): with
 /// lse = log(sum_j exp(x_j)) in float32 and t = target[r],
 ///   row_loss[r] = lse - x_t, and x_j := (exp(x_j - lse) - [j == t]) * scale[0],
 /// each value rounded once to the element type; a row whose target is
@@ -26,10 +27,11 @@ cudaError_t cross_entropy_grad(
     float* row_loss,
     int64_t rows,
     int64_t cols,
+    int64_t ld,
     cudaStream_t stream);
 
-/// A vocabulary shard's rows (logits rows x cols, contiguous; the first
-/// `real` columns are vocabulary, the rest padding): per row r, over the
+/// A vocabulary shard's rows (logits rows x cols, ld elements apart; the
+/// first `real` columns are vocabulary, the rest padding): per row r, over the
 /// real columns, row_max[r] = max_j x_j, row_sum[r] = sum_j exp(x_j -
 /// row_max[r]) in float32 (-inf and 0 for a row of -inf), and picked[r] =
 /// x_{t - start} when this shard holds t = target[r] (t != ignore_index,
@@ -45,7 +47,7 @@ cudaError_t cross_entropy_shard_stats(
     float* row_sum,
     float* picked,
     int64_t rows,
-    int64_t cols,
+    int64_t ld,
     cudaStream_t stream);
 
 /// In place, from the group's log-sum-exp per row (`lse`) and each row's
@@ -62,6 +64,7 @@ cudaError_t cross_entropy_shard_grad(
     const float* k,
     int64_t rows,
     int64_t cols,
+    int64_t ld,
     cudaStream_t stream);
 
 } // namespace cuda

@@ -46,21 +46,60 @@ bool kernel_applies(const at::Tensor& logits_like, at::ScalarType t) {
 
 // The largest power of two whose chunk holds at most half the budget in
 // `bytes_per_logit` per logit (the kernel's logits in the compute dtype;
-// the ATen path's float32 copy, beside the logits).
+// the ATen path's float32 copy, beside the logits). The budget is
+// kChunkLogitBytes, or `gradient_bytes` where larger: every chunk reads and
+// writes the whole float32 weight gradient it adds to (and in 16-bit
+// compute first writes and reads its product), so with a large vocabulary
+// and width fewer, larger chunks save more memory traffic than their logits
+// cost memory. Llama 3's head (128256 x 2048, 1 GiB of gradient) takes
+// chunks of 2048 tokens instead of 512: a quarter of 50 GB per 8192
+// tokens; GPT-2's (206 MB) keeps 1024.
 int64_t chunk_tokens(
     int64_t requested,
     int64_t tokens,
     int64_t vocab,
-    int64_t bytes_per_logit) {
+    int64_t bytes_per_logit,
+    int64_t gradient_bytes) {
   if (requested > 0) {
     return std::max<int64_t>(1, std::min(requested, tokens));
   }
+  const int64_t budget = std::max(kChunkLogitBytes, gradient_bytes);
   int64_t c = 1;
-  while (c * 2 * vocab * bytes_per_logit <= kChunkLogitBytes) {
+  while (c * 2 * vocab * bytes_per_logit <= budget) {
     c *= 2;
   }
   return std::max<int64_t>(1, std::min(c, tokens));
 }
+
+// Elements between the starts of a chunk's logits rows: on a GPU the
+// vocabulary rounded up to 16 bytes. A row stride that is not a multiple of
+// 16 bytes (GPT-2's 50257 columns) keeps cuBLAS from its fastest Hopper
+// kernels, whose tiles are loaded by the tensor memory accelerator, for all
+// three matmuls of a chunk, and the cross-entropy kernel from reading
+// aligned 16-byte packs. On the CPU the vocabulary itself: LibTorch 1.13's
+// bf16 matmul into padded rows took 1.25x as long (2.15's the same time).
+int64_t padded_row(int64_t vocab, at::ScalarType t, const at::Device& device) {
+  if (!device.is_cuda()) {
+    return vocab;
+  }
+  const int64_t per =
+      std::max<int64_t>(1, 16 / static_cast<int64_t>(c10::elementSize(t)));
+  return (vocab + per - 1) / per * per;
+}
+
+// Whether each row of `t` [N, V] is contiguous, rows at least V elements
+// apart (a contiguous tensor, or a narrowed view of padded rows).
+bool rows_contiguous(const at::Tensor& t) {
+  return t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1) &&
+      (t.size(0) <= 1 || t.stride(0) >= t.size(1));
+}
+
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+// Elements between the starts of the rows of `t` (rows_contiguous).
+int64_t row_stride(const at::Tensor& t) {
+  return t.size(0) > 1 ? t.stride(0) : t.size(1);
+}
+#endif
 
 void check_inputs(
     const at::Tensor& hidden,
@@ -149,7 +188,9 @@ struct FusedLinearCrossEntropy
         chunk_size,
         n,
         vocab,
-        kernel ? c10::elementSize(compute) : c10::elementSize(acc));
+        kernel ? c10::elementSize(compute) : c10::elementSize(acc),
+        need_w ? vocab * w.size(1) * static_cast<int64_t>(c10::elementSize(acc))
+               : 0);
     // The weight's gradient summed over the chunks in float32 (float64):
     // where the matmuls already run in that dtype each chunk's product adds
     // in place (the first one written, not added to zeros). One chunk's
@@ -158,17 +199,24 @@ struct FusedLinearCrossEntropy
     // product on some CPUs).
     const bool one_chunk = step >= n;
     const bool gw_in_place = compute == acc;
-    auto gw = need_w && !one_chunk
-        ? (gw_in_place ? at::empty({vocab, w.size(1)}, acc_opts)
-                       : at::zeros({vocab, w.size(1)}, acc_opts))
-        : at::Tensor();
+    auto gw = need_w && !one_chunk ? at::empty({vocab, w.size(1)}, acc_opts)
+                                   : at::Tensor();
     auto gb = need_b ? at::zeros({vocab}, acc_opts) : at::Tensor();
+    // One buffer for every chunk's logits (on a GPU rows padded to 16 bytes).
+    const auto chunk_rows = at::empty(
+        {std::min(step, n), padded_row(vocab, compute, h.device())},
+        h.options());
 
     for (int64_t s = 0; s < n; s += step) {
       const int64_t c = std::min(step, n - s);
       const auto hc = h.narrow(0, s, c);
       const auto tc = tgt.narrow(0, s, c);
-      auto logits = b.defined() ? at::addmm(b, hc, w.t()) : at::mm(hc, w.t());
+      auto logits = chunk_rows.narrow(0, 0, c).narrow(1, 0, vocab);
+      if (b.defined()) {
+        at::addmm_out(logits, b, hc, w.t());
+      } else {
+        at::mm_out(logits, hc, w.t());
+      }
       // logits := d(loss)/d(logits), in the compute dtype.
       loss.add_(
           (shard ? detail::sharded_cross_entropy_grad_(logits, tc, ignore_index, scale, *shard)
@@ -186,7 +234,13 @@ struct FusedLinearCrossEntropy
         if (one_chunk) {
           gw = at::mm(logits.t(), hc);
         } else if (!gw_in_place) {
-          gw.add_(at::mm(logits.t(), hc));
+          // The first product is written, the rest added to it.
+          const auto product = at::mm(logits.t(), hc);
+          if (s == 0) {
+            gw.copy_(product);
+          } else {
+            gw.add_(product);
+          }
         } else if (s == 0) {
           at::mm_out(gw, logits.t(), hc);
         } else {
@@ -237,7 +291,7 @@ at::Tensor sharded_cross_entropy_grad_(
   const int64_t real = std::max<int64_t>(0, std::min(cols, shard.vocab_size - shard.start));
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   if (allow_kernel && kernel_applies(logits, logits.scalar_type()) &&
-      logits.is_contiguous()) {
+      rows_contiguous(logits)) {
     // The shard's statistics in one kernel, the group's reductions of
     // them, then the gradient in a second kernel: the logits are read
     // twice and written once, never copied to float32.
@@ -253,8 +307,8 @@ at::Tensor sharded_cross_entropy_grad_(
         cuda::cross_entropy_shard_stats(
             type, logits.data_ptr(), t.data_ptr<int64_t>(), ignore_index,
             shard.start, real, row_max.data_ptr<float>(),
-            row_sum.data_ptr<float>(), picked.data_ptr<float>(), rows, cols,
-            stream),
+            row_sum.data_ptr<float>(), picked.data_ptr<float>(), rows,
+            row_stride(logits), stream),
         "cross_entropy_grad_", "the shard statistics kernel");
     auto global_max = row_max.clone();
     shard.all_reduce_max(global_max);
@@ -267,7 +321,7 @@ at::Tensor sharded_cross_entropy_grad_(
         cuda::cross_entropy_shard_grad(
             type, logits.data_ptr(), t.data_ptr<int64_t>(), ignore_index,
             shard.start, real, lse.data_ptr<float>(), k.data_ptr<float>(),
-            rows, cols, stream),
+            rows, cols, row_stride(logits), stream),
         "cross_entropy_grad_", "the shard gradient kernel");
     return (lse - stats[1]) * vf;
   }
@@ -305,10 +359,12 @@ at::Tensor cross_entropy_grad_(
     int64_t ignore_index,
     const at::Tensor& scale) {
   TORCH_CHECK(
-      logits.dim() == 2 && logits.is_contiguous() &&
-          at::isFloatingType(logits.scalar_type()),
-      "cross_entropy_grad_: logits must be contiguous floating [N, V], got ",
+      rows_contiguous(logits) && at::isFloatingType(logits.scalar_type()),
+      "cross_entropy_grad_: logits must be floating [N, V] with contiguous "
+      "rows, got ",
       logits.sizes(),
+      " strides ",
+      logits.strides(),
       " ",
       logits.scalar_type());
   TORCH_CHECK(
@@ -338,6 +394,7 @@ at::Tensor cross_entropy_grad_(
             row_loss.data_ptr<float>(),
             rows,
             logits.size(1),
+            row_stride(logits),
             c10::cuda::getCurrentCUDAStream().stream()),
         "cross_entropy_grad_",
         "the kernel");

@@ -64,8 +64,10 @@ struct FusedLinearCrossEntropyOptions {
   /// Targets equal to this contribute neither loss nor gradient.
   TORCH_ARG(int64_t, ignore_index) = -100;
   /// Tokens per chunk; 0 picks the largest power of two whose logits stay
-  /// within 128 MiB (on a GPU in the compute dtype, in place; elsewhere
-  /// their float32 copy, beside the logits themselves).
+  /// within 128 MiB, or within half the weight gradient's float32 bytes
+  /// where that is more (on a GPU in the compute dtype, in place; elsewhere
+  /// their float32 copy, beside the logits themselves): each chunk adds
+  /// to the whole gradient, so a large head takes fewer chunks.
   TORCH_ARG(int64_t, chunk_size) = 0;
   /// true: the mean over the targets that are not ignored (PyTorch's
   /// "mean", NaN when every target is ignored); false: their sum.
@@ -97,7 +99,8 @@ at::Tensor linear_cross_entropy_reference(
 
 namespace detail {
 /// Cross-entropy's loss per row and its logits gradient, in place: for each
-/// row of `logits` [N, V] (contiguous) with target t, the loss
+/// row of `logits` [N, V] (each row contiguous, rows at least V elements
+/// apart: a contiguous tensor or a view of padded rows) with target t, the loss
 /// logsumexp(row) - row[t], and row := (softmax(row) - one_hot(t)) * scale,
 /// computed in float32 (float64 for float64 logits) and rounded once to the
 /// logits' dtype. Rows whose target is `ignore_index` get loss 0 and a zero
