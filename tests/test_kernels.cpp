@@ -803,6 +803,45 @@ TEST(Kernels, FusedLinearCrossEntropyUnderBf16Autocast) {
   }
 }
 
+// The backward hands on the gradients the forward took. With a kept graph
+// each backward scales a copy: two backwards of 3 * loss give 6 times the
+// gradient (scaling the saved one in place would give 3 + 9). Without, the
+// saved gradient itself is scaled and becomes the weight's: when the
+// weight's hook sees it, the process holds no second 4 MiB copy (a copy
+// would be there beside the saved one until the graph is freed).
+TEST(Kernels, FusedLinearCrossEntropyHandsOnItsGradients) {
+  torch::manual_seed(9);
+  const int64_t n = 64, hid = 256, vocab = 4096; // 4 MiB float32 gradient
+  const auto h0 = torch::randn({n, hid});
+  const auto w0 = torch::randn({vocab, hid}) * 0.05;
+  const auto t = torch::randint(vocab, {n}, torch::kLong);
+  auto h = h0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+  kn::fused_linear_cross_entropy(h, w, {}, t).backward();
+  const auto dh = h.grad().clone(), dw = w.grad().clone();
+
+  h.mutable_grad() = at::Tensor();
+  w.mutable_grad() = at::Tensor();
+  const auto kept = kn::fused_linear_cross_entropy(h, w, {}, t) * 3;
+  kept.backward({}, /*retain_graph=*/true);
+  kept.backward();
+  EXPECT_LT(max_rel(h.grad(), dh * 6), 1e-6);
+  EXPECT_LT(max_rel(w.grad(), dw * 6), 1e-6);
+
+  h.mutable_grad() = at::Tensor();
+  w.mutable_grad() = at::Tensor();
+  int64_t at_hook = 0;
+  w.register_hook([&](const at::Tensor&) {
+    at_hook = colossalai::compat::memory_allocated(at::kCPU);
+  });
+  const auto once = kn::fused_linear_cross_entropy(h, w, {}, t) * 3;
+  const int64_t before = colossalai::compat::memory_allocated(at::kCPU);
+  once.backward();
+  EXPECT_LT(at_hook - before, vocab * hid * 4 / 2)
+      << "the weight's gradient was copied in the backward";
+  EXPECT_LT(max_rel(w.grad(), dw * 3), 1e-6);
+  EXPECT_LT(max_rel(h.grad(), dh * 3), 1e-6);
+}
+
 TEST(Kernels, FusedLinearCrossEntropyRefusesBadInput) {
   const auto h = torch::randn({4, 8}), w = torch::randn({10, 8});
   const auto t = torch::randint(10, {4}, torch::kLong);

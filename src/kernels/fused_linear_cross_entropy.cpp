@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <limits>
 
@@ -257,17 +258,37 @@ struct FusedLinearCrossEntropy
     return loss;
   }
 
+  // The gradients taken in the forward, scaled by the loss's incoming
+  // gradient; only those this backward asks for. Without retain_graph this
+  // node never runs again: each is scaled in place and handed on (the
+  // parameter's AccumulateGrad keeps that very tensor), so the start of
+  // the backward, where every activation is alive and the step peaks,
+  // holds no second copy of the weight's gradient (1 GiB in float32 for
+  // Llama 3's head at 2048 width). A kept graph (retain_graph; a pipeline's
+  // split input pass, before its weight pass) scales copies.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& go = grads[0];
-    auto scaled = [&](const char* name) {
-      auto g = ctx->saved_data[name].toTensor();
-      // Out of place: a graph kept with retain_graph may run this again.
-      return g.defined() ? g * go.to(g.scalar_type()) : g;
+    const bool last_run = !torch::autograd::get_current_graph_task_keep_graph();
+    auto scaled = [&](const char* name, size_t input) {
+      if (!ctx->needs_input_grad(input)) {
+        return at::Tensor();
+      }
+      auto& saved = ctx->saved_data[name];
+      auto g = saved.toTensor();
+      if (!g.defined()) {
+        return g;
+      }
+      const auto k = go.to(g.scalar_type());
+      if (!last_run) {
+        return g * k;
+      }
+      saved = at::Tensor();
+      return g.mul_(k);
     };
     return {
-        scaled("gh"),
-        scaled("gw"),
-        scaled("gb"),
+        scaled("gh", 0),
+        scaled("gw", 1),
+        scaled("gb", 2),
         at::Tensor(),
         at::Tensor(),
         at::Tensor(),

@@ -7,7 +7,9 @@
 /// whole: each chunk's logits live only while its loss and its gradients
 /// are taken. The gradients of hidden, weight and bias are computed in the
 /// forward and scaled by the incoming gradient in the backward (the loss is
-/// a graph's last node), as Liger-Kernel's and llm.c's fused classifiers do.
+/// a graph's last node), as Liger-Kernel's and llm.c's fused classifiers do:
+/// in place, handed on as the parameters' gradients without a copy, unless
+/// the graph is kept for another backward (retain_graph).
 ///
 /// Each chunk's loss and logits gradient come from one CUDA kernel on a GPU
 /// (float32, float16, bfloat16: detail::cross_entropy_grad_, in place over
