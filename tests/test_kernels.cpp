@@ -836,10 +836,39 @@ TEST(Kernels, FusedLinearCrossEntropyHandsOnItsGradients) {
   const auto once = kn::fused_linear_cross_entropy(h, w, {}, t) * 3;
   const int64_t before = colossalai::compat::memory_allocated(at::kCPU);
   once.backward();
+  ASSERT_NE(at_hook, 0) << "the weight's hook did not run";
   EXPECT_LT(at_hook - before, vocab * hid * 4 / 2)
       << "the weight's gradient was copied in the backward";
   EXPECT_LT(max_rel(w.grad(), dw * 3), 1e-6);
   EXPECT_LT(max_rel(h.grad(), dh * 3), 1e-6);
+  // Handed on: another backward through it is refused, by name.
+  const auto spent = kn::fused_linear_cross_entropy(h, w, {}, t);
+  spent.backward();
+  try {
+    spent.backward();
+    ADD_FAILURE() << "a second backward after the gradients were handed on ran";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("retain_graph"), std::string::npos) << e.what();
+  }
+}
+
+// No tokens: the mean is NaN and the sum 0, as PyTorch's cross_entropy;
+// every gradient is zero. No rows in the weight is refused.
+TEST(Kernels, FusedLinearCrossEntropyOfNoTokens) {
+  const auto w = torch::randn({10, 8}).requires_grad_(true);
+  const auto h = torch::randn({0, 8}).requires_grad_(true);
+  const auto t = torch::zeros({0}, torch::kLong);
+  EXPECT_TRUE(std::isnan(kn::fused_linear_cross_entropy(h, w, {}, t).item<double>()));
+  auto sum = kn::fused_linear_cross_entropy(
+      h, w, {}, t, kn::FusedLinearCrossEntropyOptions().mean(false));
+  EXPECT_EQ(sum.item<double>(), 0.0);
+  sum.backward();
+  ASSERT_TRUE(w.grad().defined());
+  EXPECT_EQ(w.grad().abs().sum().item<double>(), 0.0);
+  EXPECT_EQ(h.grad().sizes(), h.sizes());
+  EXPECT_THROW(
+      kn::fused_linear_cross_entropy(torch::randn({3, 8}), torch::randn({0, 8}), {}, t.narrow(0, 0, 0)),
+      c10::Error);
 }
 
 TEST(Kernels, FusedLinearCrossEntropyRefusesBadInput) {
@@ -980,7 +1009,8 @@ TEST(Kernels, CrossEntropyGradCudaKernelEqualsTheFunction) {
 }
 
 // On a GPU, as a bf16 or fp16 model runs it (parameters in the dtype, no
-// autocast): GPT-2's vocabulary with a bias, a token count that is not a
+// autocast): GPT-2's vocabulary (rows padded to 16 bytes) with and without
+// a bias (addmm and mm into the padded rows), a token count that is not a
 // multiple of the chunk, ignored targets, the automatic chunk. The fused op
 // and the reference are both compared with the float64 function of the
 // same inputs: the fused op's error at most twice the reference's plus one
@@ -996,32 +1026,38 @@ TEST(Kernels, FusedLinearCrossEntropyOnCudaInHalfPrecision) {
     SCOPED_TRACE(c10::toString(type));
     const auto o = at::device(at::kCUDA).dtype(type);
     const auto h = torch::randn({n, hid}).to(o), w = (torch::randn({vocab, hid}) * 0.05).to(o);
-    const auto b = (torch::randn({vocab}) * 0.1).to(o);
-    const auto t = targets_with_ignored(n, vocab, -100).to(at::kCUDA);
-    const auto opts = kn::FusedLinearCrossEntropyOptions().chunk_size(0);
-    const auto a = run_ce(
-        [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
-        h, w, b, t);
-    const auto r = run_ce(
-        [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
-        h, w, b, t);
-    const auto exact = run_ce(
-        [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
-        h.to(at::kDouble), w.to(at::kDouble), b.to(at::kDouble), t);
-    EXPECT_EQ(a.dw.scalar_type(), type);
-    const auto norm_rel = [](const at::Tensor& g, const at::Tensor& want) {
-      const auto d = want.to(at::kDouble);
-      return ((g.to(at::kDouble) - d).norm() / d.norm()).item<double>();
-    };
-    const double ulp = type == at::kHalf ? std::pow(2.0, -10) : std::pow(2.0, -7);
-    for (const auto& [what, got, ref, ex] :
-         {std::tuple{"loss", a.loss, r.loss, exact.loss},
-          {"d hidden", a.dh, r.dh, exact.dh},
-          {"d weight", a.dw, r.dw, exact.dw},
-          {"d bias", a.db, r.db, exact.db}}) {
-      const double e_fused = norm_rel(got, ex), e_ref = norm_rel(ref, ex);
-      EXPECT_LE(e_fused, 2 * e_ref + ulp)
-          << what << ": fused " << e_fused << ", reference " << e_ref;
+    for (const bool with_bias : {true, false}) {
+      SCOPED_TRACE(with_bias ? "bias" : "no bias (a tied head)");
+      const auto b = with_bias ? (torch::randn({vocab}) * 0.1).to(o) : at::Tensor();
+      const auto t = targets_with_ignored(n, vocab, -100).to(at::kCUDA);
+      const auto opts = kn::FusedLinearCrossEntropyOptions().chunk_size(0);
+      const auto a = run_ce(
+          [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
+          h, w, b, t);
+      const auto r = run_ce(
+          [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
+          h, w, b, t);
+      const auto exact = run_ce(
+          [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
+          h.to(at::kDouble), w.to(at::kDouble), b.defined() ? b.to(at::kDouble) : at::Tensor(), t);
+      EXPECT_EQ(a.dw.scalar_type(), type);
+      const auto norm_rel = [](const at::Tensor& g, const at::Tensor& want) {
+        const auto d = want.to(at::kDouble);
+        return ((g.to(at::kDouble) - d).norm() / d.norm()).item<double>();
+      };
+      const double ulp = type == at::kHalf ? std::pow(2.0, -10) : std::pow(2.0, -7);
+      for (const auto& [what, got, ref, ex] :
+           {std::tuple{"loss", a.loss, r.loss, exact.loss},
+            {"d hidden", a.dh, r.dh, exact.dh},
+            {"d weight", a.dw, r.dw, exact.dw},
+            {"d bias", a.db, r.db, exact.db}}) {
+        if (!ex.defined()) {
+          continue; // no bias
+        }
+        const double e_fused = norm_rel(got, ex), e_ref = norm_rel(ref, ex);
+        EXPECT_LE(e_fused, 2 * e_ref + ulp)
+            << what << ": fused " << e_fused << ", reference " << e_ref;
+      }
     }
   }
 }

@@ -31,6 +31,7 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// A chunk's logits take at most this (or half the weight gradient's bytes).
 constexpr int64_t kChunkLogitBytes = int64_t{256} << 20;
 
 // Whether cross_entropy_grad_ runs the CUDA kernel on logits of type t.
@@ -45,16 +46,17 @@ bool kernel_applies(const at::Tensor& logits_like, at::ScalarType t) {
 #endif
 }
 
-// The largest power of two whose chunk holds at most half the budget in
+// The largest power of two whose chunk's logits take at most the budget in
 // `bytes_per_logit` per logit (the kernel's logits in the compute dtype;
 // the ATen path's float32 copy, beside the logits). The budget is
-// kChunkLogitBytes, or `gradient_bytes` where larger: every chunk reads and
-// writes the whole float32 weight gradient it adds to (and in 16-bit
-// compute first writes and reads its product), so with a large vocabulary
-// and width fewer, larger chunks save more memory traffic than their logits
-// cost memory. Llama 3's head (128256 x 2048, 1 GiB of gradient) takes
-// chunks of 2048 tokens instead of 512: a quarter of 50 GB per 8192
-// tokens; GPT-2's (206 MB) keeps 1024.
+// kChunkLogitBytes, or half of `gradient_bytes` where more: every chunk
+// reads and writes the whole float32 weight gradient it adds to (and in
+// 16-bit compute first writes and reads its product), so with a large
+// vocabulary and width fewer, larger chunks save more memory traffic than
+// their logits cost memory. Llama 3's head (128256 x 2048, 1 GiB of
+// gradient) takes bf16 chunks of 2048 tokens instead of 1024: 12.6 GB
+// less traffic per 8192 tokens for 263 MB more logits; GPT-2's (206 MB)
+// keeps 2048.
 int64_t chunk_tokens(
     int64_t requested,
     int64_t tokens,
@@ -64,9 +66,10 @@ int64_t chunk_tokens(
   if (requested > 0) {
     return std::max<int64_t>(1, std::min(requested, tokens));
   }
-  const int64_t budget = std::max(kChunkLogitBytes, gradient_bytes);
+  const int64_t budget = std::max(kChunkLogitBytes, gradient_bytes / 2);
+  const int64_t row = vocab * bytes_per_logit; // check_inputs: vocab > 0
   int64_t c = 1;
-  while (c * 2 * vocab * bytes_per_logit <= budget) {
+  while (c < tokens && 2 * c * row <= budget) {
     c *= 2;
   }
   return std::max<int64_t>(1, std::min(c, tokens));
@@ -114,6 +117,10 @@ void check_inputs(
       hidden.sizes(),
       " and ",
       weight.sizes());
+  TORCH_CHECK(
+      weight.size(0) > 0,
+      "fused_linear_cross_entropy: the weight has no rows (an empty "
+      "vocabulary)");
   TORCH_CHECK(
       !bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)),
       "fused_linear_cross_entropy: bias must be [V] = [",
@@ -250,7 +257,10 @@ struct FusedLinearCrossEntropy
       }
     }
     if (mean) {
-      loss.mul_(scale);
+      loss.mul_(scale); // no tokens: NaN, as PyTorch's mean
+    }
+    if (need_w && !gw.defined()) { // no tokens
+      gw = at::zeros({vocab, w.size(1)}, w.options());
     }
     ctx->saved_data["gh"] = need_h ? gh.to(hidden.scalar_type()) : at::Tensor();
     ctx->saved_data["gw"] = need_w ? gw.to(weight.scalar_type()) : at::Tensor();
@@ -268,7 +278,17 @@ struct FusedLinearCrossEntropy
   // split input pass, before its weight pass) scales copies.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& go = grads[0];
+    // The saved gradients are kept in saved_data, which autograd does not
+    // check for a freed graph: this flag does.
+    TORCH_CHECK(
+        !ctx->saved_data.count("handed_on"),
+        "fused_linear_cross_entropy: backward through this loss ran once "
+        "already and handed its gradients on; to run backward through it "
+        "again, pass retain_graph=true to the first backward");
     const bool last_run = !torch::autograd::get_current_graph_task_keep_graph();
+    if (last_run) {
+      ctx->saved_data["handed_on"] = true;
+    }
     auto scaled = [&](const char* name, size_t input) {
       if (!ctx->needs_input_grad(input)) {
         return at::Tensor();

@@ -9,7 +9,8 @@
 /// forward and scaled by the incoming gradient in the backward (the loss is
 /// a graph's last node), as Liger-Kernel's and llm.c's fused classifiers do:
 /// in place, handed on as the parameters' gradients without a copy, unless
-/// the graph is kept for another backward (retain_graph).
+/// the graph is kept for another backward (retain_graph; a further backward
+/// through a loss whose gradients were handed on is refused by name).
 ///
 /// Each chunk's loss and logits gradient come from one CUDA kernel on a GPU
 /// (float32, float16, bfloat16: detail::cross_entropy_grad_, in place over
@@ -66,7 +67,7 @@ struct FusedLinearCrossEntropyOptions {
   /// Targets equal to this contribute neither loss nor gradient.
   TORCH_ARG(int64_t, ignore_index) = -100;
   /// Tokens per chunk; 0 picks the largest power of two whose logits stay
-  /// within 128 MiB, or within half the weight gradient's float32 bytes
+  /// within 256 MiB, or within half the weight gradient's float32 bytes
   /// where that is more (on a GPU in the compute dtype, in place; elsewhere
   /// their float32 copy, beside the logits themselves): each chunk adds
   /// to the whole gradient, so a large head takes fewer chunks.
