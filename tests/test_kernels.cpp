@@ -679,6 +679,23 @@ CeGrads run_ce(
   return {loss.detach(), h.grad(), w.grad(), b.defined() ? b.grad() : at::Tensor()};
 }
 
+// run_ce of the fused op or of its reference, with `opts`.
+enum class Ce { kFused, kReference };
+CeGrads run_loss(
+    Ce which,
+    const kn::FusedLinearCrossEntropyOptions& opts,
+    const at::Tensor& h,
+    const at::Tensor& w,
+    const at::Tensor& b,
+    const at::Tensor& t) {
+  return run_ce(
+      [&](auto&&... args) {
+        return which == Ce::kFused ? kn::fused_linear_cross_entropy(args..., opts)
+                                   : kn::linear_cross_entropy_reference(args..., opts);
+      },
+      h, w, b, t);
+}
+
 // Targets in [0, vocab) with about a fifth set to `ignore`.
 at::Tensor targets_with_ignored(int64_t n, int64_t vocab, int64_t ignore) {
   auto t = torch::randint(vocab, {n}, torch::kLong);
@@ -712,12 +729,8 @@ TEST(Kernels, FusedLinearCrossEntropyEqualsTheReferenceInFloat64) {
                                 .chunk_size(chunk)
                                 .mean(mean);
           const auto b = with_bias ? bias : at::Tensor();
-          const auto a = run_ce(
-              [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
-              h, w, b, t);
-          const auto r = run_ce(
-              [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
-              h, w, b, t);
+          const auto a = run_loss(Ce::kFused, opts, h, w, b, t);
+          const auto r = run_loss(Ce::kReference, opts, h, w, b, t);
           EXPECT_EQ(a.loss.scalar_type(), at::kDouble);
           EXPECT_LT(max_rel(a.loss, r.loss), 1e-12);
           EXPECT_LT(max_rel(a.dh, r.dh), 1e-12);
@@ -739,12 +752,8 @@ TEST(Kernels, FusedLinearCrossEntropyEqualsTheReferenceInFloat32) {
   const auto h = torch::randn({n, hid}), w = torch::randn({vocab, hid}) * 0.2;
   const auto t = targets_with_ignored(n, vocab, -100);
   const auto opts = kn::FusedLinearCrossEntropyOptions().chunk_size(48);
-  const auto a = run_ce(
-      [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
-      h, w, at::Tensor(), t);
-  const auto r = run_ce(
-      [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
-      h, w, at::Tensor(), t);
+  const auto a = run_loss(Ce::kFused, opts, h, w, at::Tensor(), t);
+  const auto r = run_loss(Ce::kReference, opts, h, w, at::Tensor(), t);
   EXPECT_EQ(a.loss.scalar_type(), at::kFloat);
   const double bound = n * std::pow(2.0, -24);
   EXPECT_LT(max_rel(a.loss, r.loss), bound);
@@ -773,19 +782,12 @@ TEST(Kernels, FusedLinearCrossEntropyUnderBf16Autocast) {
   CeGrads a, r;
   {
     colossalai::compat::AutocastGuard cast(at::kCPU, at::kBFloat16);
-    a = run_ce(
-        [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
-        h, w, at::Tensor(), t);
-    r = run_ce(
-        [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
-        h, w, at::Tensor(), t);
+    a = run_loss(Ce::kFused, opts, h, w, at::Tensor(), t);
+    r = run_loss(Ce::kReference, opts, h, w, at::Tensor(), t);
   }
-  const auto exact = run_ce(
-      [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
-      h.to(at::kBFloat16).to(at::kDouble),
-      w.to(at::kBFloat16).to(at::kDouble),
-      at::Tensor(),
-      t);
+  const auto exact = run_loss(
+      Ce::kReference,
+      opts, h.to(at::kBFloat16).to(at::kDouble), w.to(at::kBFloat16).to(at::kDouble), at::Tensor(), t);
   EXPECT_EQ(a.dh.scalar_type(), at::kFloat);
   EXPECT_EQ(a.dw.scalar_type(), at::kFloat);
   const auto norm_rel = [](const at::Tensor& g, const at::Tensor& want) {
@@ -1031,15 +1033,15 @@ TEST(Kernels, FusedLinearCrossEntropyOnCudaInHalfPrecision) {
       const auto b = with_bias ? (torch::randn({vocab}) * 0.1).to(o) : at::Tensor();
       const auto t = targets_with_ignored(n, vocab, -100).to(at::kCUDA);
       const auto opts = kn::FusedLinearCrossEntropyOptions().chunk_size(0);
-      const auto a = run_ce(
-          [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
-          h, w, b, t);
-      const auto r = run_ce(
-          [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
-          h, w, b, t);
-      const auto exact = run_ce(
-          [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
-          h.to(at::kDouble), w.to(at::kDouble), b.defined() ? b.to(at::kDouble) : at::Tensor(), t);
+      const auto a = run_loss(Ce::kFused, opts, h, w, b, t);
+      const auto r = run_loss(Ce::kReference, opts, h, w, b, t);
+      const auto exact = run_loss(
+          Ce::kReference,
+          opts,
+          h.to(at::kDouble),
+          w.to(at::kDouble),
+          b.defined() ? b.to(at::kDouble) : at::Tensor(),
+          t);
       EXPECT_EQ(a.dw.scalar_type(), type);
       const auto norm_rel = [](const at::Tensor& g, const at::Tensor& want) {
         const auto d = want.to(at::kDouble);
@@ -1246,12 +1248,8 @@ TEST(Kernels, FusedLinearCrossEntropyOnCudaEqualsTheReference) {
     }
     // fp32 matmuls on the GPU may use TF32 (LibTorch's default is off);
     // the bound is float32's over the n tokens, or bf16's.
-    const auto a = run_ce(
-        [&](auto&&... args) { return kn::fused_linear_cross_entropy(args..., opts); },
-        h, w, at::Tensor(), t);
-    const auto r = run_ce(
-        [&](auto&&... args) { return kn::linear_cross_entropy_reference(args..., opts); },
-        h, w, at::Tensor(), t);
+    const auto a = run_loss(Ce::kFused, opts, h, w, at::Tensor(), t);
+    const auto r = run_loss(Ce::kReference, opts, h, w, at::Tensor(), t);
     const double bound = bf16 ? std::pow(2.0, -6) : n * std::pow(2.0, -24);
     EXPECT_LT(max_rel(a.loss, r.loss), bound);
     EXPECT_LT(((a.dh - r.dh).norm() / r.dh.norm()).item<double>(), bound);
