@@ -2092,13 +2092,13 @@ TEST(Kernels, SiluMulLinearIsTheReferenceWithoutKeepingTheProduct) {
   EXPECT_THROW(kn::silu_mul_linear(g, u, w.t(), at::Tensor()), c10::Error);
 }
 
-// A LLaMA whose MLPs recompute the product equals it keeping the product:
-// in float64, loss and every gradient within 1e-12.
-TEST(Kernels, LlamaRecomputingTheMlpProductEqualsKeepingIt) {
+// A model whose MLPs recompute their activation equals it keeping it: in
+// float64, loss and every gradient within 1e-12.
+template <class Model, class Config>
+void expect_recomputing_the_mlp_changes_nothing(const Config& config, int64_t mlps) {
   namespace models = colossalai::models;
-  torch::manual_seed(17);
-  models::LlamaForCausalLM a(models::LlamaConfig::tiny_test());
-  models::LlamaForCausalLM b(models::LlamaConfig::tiny_test());
+  Model a(config);
+  Model b(config);
   a->to(at::kDouble);
   b->to(at::kDouble);
   {
@@ -2107,10 +2107,8 @@ TEST(Kernels, LlamaRecomputingTheMlpProductEqualsKeepingIt) {
       b->parameters()[i].copy_(a->parameters()[i]);
     }
   }
-  EXPECT_EQ(
-      models::set_mlp_activation_recompute(*b, true),
-      models::LlamaConfig::tiny_test().num_hidden_layers());
-  const auto ids = torch::randint(models::LlamaConfig::tiny_test().vocab_size(), {2, 9});
+  EXPECT_EQ(models::set_mlp_activation_recompute(*b, true), mlps);
+  const auto ids = torch::randint(config.vocab_size(), {2, 9});
   auto la = a->loss(a->forward(ids), ids);
   la.backward();
   auto lb = b->loss(b->forward(ids), ids);
@@ -2122,6 +2120,22 @@ TEST(Kernels, LlamaRecomputingTheMlpProductEqualsKeepingIt) {
       EXPECT_LT(norm_rel(b->parameters()[i].grad(), a->parameters()[i].grad()), 1e-12);
     }
   }
+}
+
+TEST(Kernels, LlamaRecomputingTheMlpProductEqualsKeepingIt) {
+  namespace models = colossalai::models;
+  torch::manual_seed(17);
+  const auto config = models::LlamaConfig::tiny_test();
+  expect_recomputing_the_mlp_changes_nothing<models::LlamaForCausalLM>(
+      config, config.num_hidden_layers());
+}
+
+// GPT-2's Conv1D-layout c_proj: gelu_linear takes its weight transposed.
+TEST(Kernels, Gpt2RecomputingTheMlpGeluEqualsKeepingIt) {
+  namespace models = colossalai::models;
+  torch::manual_seed(18);
+  const auto config = models::GPT2Config::tiny_test();
+  expect_recomputing_the_mlp_changes_nothing<models::GPT2LMHeadModel>(config, config.n_layer());
 }
 
 } // namespace

@@ -41,10 +41,10 @@
 // that fails is reported, not fatal.
 // --recompute-mlp on: each block's MLP forms its activation again in
 // backward instead of keeping it: gelu(fc(x)) in the GPT models
-// (zoo::GPTConfig::recompute_gelu, kernels::gelu_linear), silu(gate) * up
-// in the LLaMA ones (models::set_mlp_activation_recompute,
-// kernels::silu_mul_linear). Less activation memory, one elementwise pass
-// more.
+// (zoo::GPTConfig::recompute_gelu; models::set_mlp_activation_recompute
+// for GPT2LMHeadModel; kernels::gelu_linear), silu(gate) * up in the LLaMA
+// ones (models::set_mlp_activation_recompute, kernels::silu_mul_linear).
+// Less activation memory, one elementwise pass more.
 // --cuda-graph on: the whole step (forward, backward, optimizer) captured
 // once in a CUDA graph after the warm-up steps and replayed
 // (booster::GraphedStep; needs --optimizer fused_adamw). No split timing
@@ -496,6 +496,7 @@ int run(const Args& a) {
     t = cfg.n_positions();
     colossalai::models::GPT2LMHeadModel model(cfg);
     model->to(dev);
+    colossalai::models::set_mlp_activation_recompute(*model, a.recompute_mlp);
     for (const auto& p : model->parameters())
       params += p.numel();
     // The tied token embedding is the head's matmul; positions are a lookup.

@@ -2,6 +2,7 @@
 
 #include "model_init.h"
 
+#include <colossalai/kernels/gelu_linear.h>
 #include <colossalai/kernels/layer_norm.h>
 #include <colossalai/models/kv_cache.h>
 
@@ -139,7 +140,12 @@ GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& c) {
 }
 
 at::Tensor GPT2MLPImpl::forward(const at::Tensor& x) {
-  return dropout(c_proj(at::gelu(c_fc(x), "tanh"))); // HF's gelu_new
+  const auto h = c_fc(x);
+  if (recompute_activation && c_proj->plain()) {
+    return dropout(kernels::gelu_linear(
+        h, c_proj->weight_out_in(), c_proj->bias, "tanh"));
+  }
+  return dropout(c_proj(at::gelu(h, "tanh"))); // HF's gelu_new
 }
 
 GPT2BlockImpl::GPT2BlockImpl(

@@ -232,17 +232,6 @@ at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
       *gate_proj, *up_proj, *down_proj, x, recompute_activation);
 }
 
-int64_t set_mlp_activation_recompute(torch::nn::Module& model, bool on) {
-  int64_t n = 0;
-  for (const auto& m : model.modules()) {
-    if (auto* mlp = dynamic_cast<LlamaMLPImpl*>(m.get())) {
-      mlp->recompute_activation = on;
-      ++n;
-    }
-  }
-  return n;
-}
-
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(
     const LlamaConfig& c,
     const ParallelState* state,

@@ -71,7 +71,7 @@ inline at::Tensor swiglu(
   auto g = gate.forward_prepared(xin);
   auto u = up.forward_prepared(xin);
   if (recompute && down.plain()) {
-    return kernels::silu_mul_linear(g, u, down.weight, down.bias);
+    return kernels::silu_mul_linear(g, u, down.weight_out_in(), down.bias);
   }
   // The fused kernels on a GPU, at::silu(g) * u elsewhere (bit for bit).
   return down.forward(kernels::silu_mul(g, u));

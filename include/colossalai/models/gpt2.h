@@ -100,11 +100,15 @@ TORCH_MODULE(GPT2Attention);
 class GPT2MLPImpl : public torch::nn::Module {
  public:
   explicit GPT2MLPImpl(const GPT2Config& config);
+  /// dropout(c_proj(gelu_tanh(c_fc(x)))).
   at::Tensor forward(const at::Tensor& x);
 
   shardformer::layer::Linear1D_Col c_fc{nullptr};
   shardformer::layer::Linear1D_Row c_proj{nullptr};
   shardformer::layer::Dropout dropout{nullptr};
+  /// gelu(c_fc(x)) formed again in backward instead of kept, where c_proj
+  /// is plain (set_mlp_activation_recompute).
+  bool recompute_activation = false;
 };
 TORCH_MODULE(GPT2MLP);
 

@@ -150,12 +150,8 @@ class LlamaMLPImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaMLP);
 
-/// Every LlamaMLP under `model` forms silu(gate) * up again in backward
-/// instead of keeping it (kernels::silu_mul_linear), where its down
-/// projection is plain (no tensor parallelism, adapter or quantization):
-/// a [tokens x intermediate] tensor less per layer, one elementwise pass
-/// more. Off by default. Returns how many MLPs it set.
-int64_t set_mlp_activation_recompute(torch::nn::Module& model, bool on);
+/// set_mlp_activation_recompute (transformer.h) sets LlamaMLP's
+/// recompute_activation.
 
 class LlamaDecoderLayerImpl : public torch::nn::Module,
                               public colossalai::nn::HookableModule {

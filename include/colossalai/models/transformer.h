@@ -430,5 +430,19 @@ namespace detail {
 void register_checkpoint_hooks();
 } // namespace detail
 
+/// Every MLP under `model` that can forms its activation again in backward
+/// instead of keeping it, where its output projection is plain (no tensor
+/// parallelism, adapter or quantization): LLaMA's silu(gate) * up
+/// (kernels::silu_mul_linear, LlamaMLP) and GPT-2's gelu(c_fc(x))
+/// (kernels::gelu_linear, GPT2MLP). A [tokens x intermediate] tensor less
+/// per layer, one elementwise pass more. Off by
+/// default. Returns how many MLPs it set.
+///
+/// Example:
+/// \code
+///   colossalai::models::set_mlp_activation_recompute(*model, true);
+/// \endcode
+int64_t set_mlp_activation_recompute(torch::nn::Module& model, bool on);
+
 } // namespace models
 } // namespace colossalai

@@ -475,8 +475,12 @@ at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
 }
 
 bool Linear1D_RowImpl::plain() const {
-  return !quantized && !output_adapter && !options.conv1d_layout() &&
-      !options.seq_parallel() && (group == nullptr || group->size() == 1);
+  return !quantized && !output_adapter && !options.seq_parallel() &&
+      (group == nullptr || group->size() == 1);
+}
+
+at::Tensor Linear1D_RowImpl::weight_out_in() const {
+  return options.conv1d_layout() ? weight.t() : weight;
 }
 
 void Linear1D_RowImpl::quantize_(

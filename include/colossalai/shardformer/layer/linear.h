@@ -173,10 +173,13 @@ class Linear1D_RowImpl : public torch::nn::Cloneable<Linear1D_RowImpl>,
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
 
-  /// Whether forward(x) is at::linear(x, weight, bias) alone: full
-  /// precision in nn.Linear's layout, no adapter, one rank (no reduction,
-  /// no split), so an op may compute it from the weight directly.
+  /// Whether forward(x) is at::linear(x, weight_out_in(), bias) alone:
+  /// full precision, no adapter, one rank (no reduction, no split), so an
+  /// op may compute it from the weight directly.
   bool plain() const;
+  /// The weight as [out, in] (nn.Linear's layout; a transposed view of a
+  /// Conv1D-layout weight).
+  at::Tensor weight_out_in() const;
 
   static std::shared_ptr<Linear1D_RowImpl> from_full(
       const torch::nn::LinearImpl& full,
