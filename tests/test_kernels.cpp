@@ -2131,11 +2131,13 @@ TEST(Kernels, LlamaRecomputingTheMlpProductEqualsKeepingIt) {
 }
 
 // GPT-2's Conv1D-layout c_proj: gelu_linear takes its weight transposed.
-TEST(Kernels, Gpt2RecomputingTheMlpGeluEqualsKeepingIt) {
+TEST(Kernels, Gpt2AndBloomRecomputingTheMlpGeluEqualsKeepingIt) {
   namespace models = colossalai::models;
   torch::manual_seed(18);
-  const auto config = models::GPT2Config::tiny_test();
-  expect_recomputing_the_mlp_changes_nothing<models::GPT2LMHeadModel>(config, config.n_layer());
+  const auto gpt2 = models::GPT2Config::tiny_test();
+  expect_recomputing_the_mlp_changes_nothing<models::GPT2LMHeadModel>(gpt2, gpt2.n_layer());
+  const auto bloom = models::BloomConfig::tiny_test();
+  expect_recomputing_the_mlp_changes_nothing<models::BloomForCausalLM>(bloom, bloom.n_layer());
 }
 
 } // namespace

@@ -208,7 +208,8 @@ at::Tensor BloomMLPImpl::forward(
     const at::Tensor& residual) {
   // Hugging Face's bloom_gelu_forward is the tanh approximation.
   return residual +
-      hidden_dropout(dense_4h_to_h(at::gelu(dense_h_to_4h(x), "tanh")));
+      hidden_dropout(detail::gelu_projected(
+          *dense_4h_to_h, dense_h_to_4h(x), "tanh", recompute_activation));
 }
 
 BloomBlockImpl::BloomBlockImpl(

@@ -2,7 +2,6 @@
 
 #include "model_init.h"
 
-#include <colossalai/kernels/gelu_linear.h>
 #include <colossalai/kernels/layer_norm.h>
 #include <colossalai/models/kv_cache.h>
 
@@ -140,12 +139,9 @@ GPT2MLPImpl::GPT2MLPImpl(const GPT2Config& c) {
 }
 
 at::Tensor GPT2MLPImpl::forward(const at::Tensor& x) {
-  const auto h = c_fc(x);
-  if (recompute_activation && c_proj->plain()) {
-    return dropout(kernels::gelu_linear(
-        h, c_proj->weight_out_in(), c_proj->bias, "tanh"));
-  }
-  return dropout(c_proj(at::gelu(h, "tanh"))); // HF's gelu_new
+  // HF's gelu_new: the tanh approximation.
+  return dropout(detail::gelu_projected(
+      *c_proj, c_fc(x), "tanh", recompute_activation));
 }
 
 GPT2BlockImpl::GPT2BlockImpl(

@@ -1,5 +1,6 @@
 // set_mlp_activation_recompute over every family whose MLP can recompute.
 
+#include <colossalai/models/bloom.h>
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
 
@@ -14,6 +15,9 @@ int64_t set_mlp_activation_recompute(torch::nn::Module& model, bool on) {
       ++n;
     } else if (auto* gpt2 = dynamic_cast<GPT2MLPImpl*>(m.get())) {
       gpt2->recompute_activation = on;
+      ++n;
+    } else if (auto* bloom = dynamic_cast<BloomMLPImpl*>(m.get())) {
+      bloom->recompute_activation = on;
       ++n;
     }
   }

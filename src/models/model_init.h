@@ -4,6 +4,7 @@
 // std), biases zero; the SwiGLU MLP), in one place so that the families'
 // sources also compile together in one unity translation unit.
 
+#include <colossalai/kernels/gelu_linear.h>
 #include <colossalai/kernels/silu_mul.h>
 #include <colossalai/kernels/silu_mul_linear.h>
 #include <colossalai/shardformer/layer/linear.h>
@@ -55,6 +56,20 @@ inline shardformer::layer::Linear1D_Row row(
     double std,
     bool bias = true) {
   return normal_linear<shardformer::layer::Linear1D_Row>(in, out, std, bias);
+}
+
+/// out(gelu(h, approximate)), GPT-2's and BLOOM's MLP after its first
+/// projection. With `recompute` and a plain `out`, gelu(h) is formed again
+/// in backward instead of kept (kernels::gelu_linear).
+inline at::Tensor gelu_projected(
+    shardformer::layer::Linear1D_RowImpl& out,
+    const at::Tensor& h,
+    c10::string_view approximate,
+    bool recompute) {
+  if (recompute && out.plain()) {
+    return kernels::gelu_linear(h, out.weight_out_in(), out.bias, approximate);
+  }
+  return out.forward(at::gelu(h, approximate));
 }
 
 /// down(silu(gate(x)) * up(x)), LLaMA's MLP and the experts': gate and up

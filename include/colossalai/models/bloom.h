@@ -127,6 +127,9 @@ class BloomMLPImpl : public torch::nn::Module {
   shardformer::layer::Linear1D_Col dense_h_to_4h{nullptr};
   shardformer::layer::Linear1D_Row dense_4h_to_h{nullptr};
   shardformer::layer::Dropout hidden_dropout{nullptr};
+  /// gelu(dense_h_to_4h(x)) formed again in backward instead of kept,
+  /// where dense_4h_to_h is plain (set_mlp_activation_recompute).
+  bool recompute_activation = false;
 };
 TORCH_MODULE(BloomMLP);
 

@@ -433,9 +433,9 @@ void register_checkpoint_hooks();
 /// Every MLP under `model` that can forms its activation again in backward
 /// instead of keeping it, where its output projection is plain (no tensor
 /// parallelism, adapter or quantization): LLaMA's silu(gate) * up
-/// (kernels::silu_mul_linear, LlamaMLP) and GPT-2's gelu(c_fc(x))
-/// (kernels::gelu_linear, GPT2MLP). A [tokens x intermediate] tensor less
-/// per layer, one elementwise pass more. Off by
+/// (kernels::silu_mul_linear, LlamaMLP), GPT-2's and BLOOM's gelu of the
+/// first projection (kernels::gelu_linear, GPT2MLP, BloomMLP). A [tokens x
+/// intermediate] tensor less per layer, one elementwise pass more. Off by
 /// default. Returns how many MLPs it set.
 ///
 /// Example:
