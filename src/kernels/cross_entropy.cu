@@ -6,9 +6,9 @@
 // Rows sit `ld` elements apart (ld >= cols: the fused loss pads them to 16
 // bytes). Rows of a vocabulary such as GPT-2's 50257 laid end to end are not
 // 16-byte aligned: each pass reads the row's unaligned head and tail element
-// by element and the rest 16 bytes at a time. A vocabulary-parallel head's shard takes two
-// kernels, its rows' statistics and then the gradient, with the group's
-// reductions of the statistics between them.
+// by element and the rest 16 bytes at a time. A vocabulary-parallel head's
+// shard takes two kernels, its rows' statistics and then the gradient, with
+// the group's reductions of the statistics between them.
 
 #include "cross_entropy_cuda.h"
 

@@ -150,9 +150,6 @@ class LlamaMLPImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaMLP);
 
-/// set_mlp_activation_recompute (transformer.h) sets LlamaMLP's
-/// recompute_activation.
-
 class LlamaDecoderLayerImpl : public torch::nn::Module,
                               public colossalai::nn::HookableModule {
  public:
