@@ -483,7 +483,7 @@ int run(const Args& a) {
         kernels_json);
   } else if (gpt2_hf) {
     // transformers' GPT2Config for gpt2-medium, dropout off as in the zoo
-    // GPT and the peer (tests/gpu and bench/gpu/torch_gpt_step.py).
+    // GPT and the peer (bench/gpu/torch_gpt_step.py).
     const auto cfg = a.model == "gpt2-small-cpu-hf"
         ? colossalai::models::GPT2Config::small_cpu()
         : colossalai::models::GPT2Config()
