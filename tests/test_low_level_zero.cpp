@@ -52,6 +52,15 @@ std::pair<at::Tensor, at::Tensor> local_batch(int step, int rank, int world) {
   return {b.first.narrow(0, 4 * rank, 4), b.second.narrow(0, 4 * rank, 4)};
 }
 
+// Backward through the booster of the MSE loss, in float32, of the boosted
+// (possibly bf16) model on this rank's batch of step `step`.
+template <class Boosted>
+void mse_backward(cb::Booster& booster, Boosted& boosted, int step, int rank, int world) {
+  auto b = local_batch(step, rank, world);
+  booster.backward(
+      torch::mse_loss(boosted.model(b.first).to(at::kFloat), b.second), *boosted.optimizer);
+}
+
 MLP make_model() {
   torch::manual_seed(42);
   return MLP();
@@ -601,11 +610,8 @@ TEST(LowLevelZero, Bf16AtOneRankIsTheMasterStepRounded) {
       auto* zo = dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
       ASSERT_NE(zo, nullptr);
       for (int s = 0; s < 4; ++s) {
-        auto b = local_batch(s, rank, world);
         boosted.optimizer->zero_grad();
-        booster.backward(
-            torch::mse_loss(boosted.model(b.first).to(at::kFloat), b.second),
-            *boosted.optimizer);
+        mse_backward(booster, boosted, s, rank, world);
         boosted.optimizer->step();
         EXPECT_EQ(zo->gathers_last_step(), 0);
       }
@@ -655,11 +661,8 @@ TEST(LowLevelZero, OffloadPublishesEachBucketDuringHybridAdamsStep) {
       auto* zo = dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
       EXPECT_NE(zo, nullptr);
       for (int s = 0; s < 3; ++s) {
-        auto b = local_batch(s, rank, world);
         boosted.optimizer->zero_grad();
-        booster.backward(
-            torch::mse_loss(boosted.model(b.first).to(at::kFloat), b.second),
-            *boosted.optimizer);
+        mse_backward(booster, boosted, s, rank, world);
         boosted.optimizer->step();
         // Resident masters: HybridAdam writes the weights (no gather).
         EXPECT_EQ(zo->gathers_last_step(), offload ? 3 : 0);
@@ -760,9 +763,7 @@ TEST(LowLevelZero, OneRankGradientShardsHoldTheModelsGradients) {
         model,
         std::make_shared<torch::optim::SGD>(
             model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
-    auto b = local_batch(0, rank, world);
-    booster.backward(
-        torch::mse_loss(boosted.model(b.first).to(at::kFloat), b.second), *boosted.optimizer);
+    mse_backward(booster, boosted, 0, rank, world);
     boosted.optimizer->step();
     for (const auto& kv : boosted.optimizer->unwrap().state()) {
       const auto& s = static_cast<const torch::optim::SGDParamState&>(*kv.second);

@@ -1,13 +1,12 @@
 #include <colossalai/checkpoint_io/optimizer_state.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
-#include <colossalai/nn/optimizer/hybrid_adam.h>
+#include <colossalai/nn/optimizer/working_copies.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
 #include "../../distributed/grad_bucketer.h"
 #include "../../utils/host_memory.h"
 #include "../common/flat_params.h"
 
-#include <functional>
 #include <unordered_map>
 
 namespace colossalai {
@@ -163,24 +162,16 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     b.make_pieces();
   }
 
-  // At one rank, a FusedAdamW or HybridAdam stepping masters on the
+  // At one rank, an optimizer that writes working copies (FusedAdamW,
+  // HybridAdam: nn::optimizer::WorkingCopies) stepping masters on the
   // weights' device writes the weights in its own pass (on a GPU, one
   // kernel instead of a step and a cast over the masters; HybridAdam's CPU
   // kernel as it updates each element). Across ranks the cast stays in
   // gather(), into a buffer that lives only for the all-gather; host
   // masters (cpu_offload) keep gather()'s one flat copy per bucket.
   void attach_working_copies(torch::optim::Optimizer& optimizer) {
-    std::function<void(const at::Tensor&, const at::Tensor&)> attach;
-    if (auto* fused = dynamic_cast<nn::optimizer::FusedAdamW*>(&optimizer)) {
-      attach = [fused](const at::Tensor& master, const at::Tensor& copy) {
-        fused->set_working_copy(master, copy);
-      };
-    } else if (
-        auto* hybrid = dynamic_cast<nn::optimizer::HybridAdam*>(&optimizer)) {
-      attach = [hybrid](const at::Tensor& master, const at::Tensor& copy) {
-        hybrid->set_working_copy(master, copy);
-      };
-    } else {
+    auto* writer = dynamic_cast<nn::optimizer::WorkingCopies*>(&optimizer);
+    if (writer == nullptr) {
       return;
     }
     for (auto& b : buckets) {
@@ -191,7 +182,7 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
       b.stepped = b.layout.my_shard(b.working);
       for (size_t i = 0; i < b.params.size(); ++i) {
         if (b.pieces[i].numel() > 0) {
-          attach(b.pieces[i], b.layout.piece(b.stepped, i));
+          writer->set_working_copy(b.pieces[i], b.layout.piece(b.stepped, i));
         }
       }
     }

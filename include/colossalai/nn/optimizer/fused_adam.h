@@ -1,5 +1,7 @@
 #pragma once
 
+#include <colossalai/nn/optimizer/working_copies.h>
+
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
@@ -61,7 +63,9 @@ class GraphCapturable {
 ///       model->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
 ///   auto boosted = booster.boost(model, opt);
 /// \endcode
-class FusedAdamW : public torch::optim::AdamW, public GraphCapturable {
+class FusedAdamW : public torch::optim::AdamW,
+                   public GraphCapturable,
+                   public WorkingCopies {
  public:
   using torch::optim::AdamW::AdamW;
   torch::Tensor step(LossClosure closure = nullptr) override;
@@ -76,7 +80,7 @@ class FusedAdamW : public torch::optim::AdamW, public GraphCapturable {
   /// the step's own pass writes it (kernels::adamw_step_: the masters are
   /// not read twice); elsewhere a copy_ follows the step. The mixed
   /// precision optimizers register their bf16 / fp16 weights here.
-  void set_working_copy(const at::Tensor& param, at::Tensor copy);
+  void set_working_copy(const at::Tensor& param, at::Tensor copy) override;
 
  private:
   // param's TensorImpl -> (param, copy)

@@ -1,5 +1,7 @@
 #pragma once
 
+#include <colossalai/nn/optimizer/working_copies.h>
+
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
@@ -136,7 +138,7 @@ CpuAdamIsa cpu_adam_isa();
 ///   optimizer.step();
 ///   optimizer.zero_grad();
 /// \endcode
-class HybridAdam : public torch::optim::Optimizer {
+class HybridAdam : public torch::optim::Optimizer, public WorkingCopies {
  public:
   explicit HybridAdam(
       std::vector<torch::optim::OptimizerParamGroup> param_groups,
@@ -154,7 +156,8 @@ class HybridAdam : public torch::optim::Optimizer {
   /// Makes each step write the updated `param` into `working` (same element
   /// count, contiguous, on the same device, bf16 / fp16 / fp32). Replaces an
   /// earlier registration.
-  void set_working_copy(const torch::Tensor& param, torch::Tensor working);
+  void set_working_copy(const torch::Tensor& param, torch::Tensor working)
+      override;
   void remove_working_copy(const torch::Tensor& param);
   /// The registered working copy, or an undefined tensor.
   torch::Tensor working_copy(const torch::Tensor& param) const;
