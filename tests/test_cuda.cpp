@@ -23,6 +23,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
+#include <colossalai/models/llama.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/zero/fully_sharded.h>
@@ -390,15 +391,18 @@ struct StepRecord {
   int64_t step_count = 0;
 };
 
-// Six steps of the tiny GPT (bf16: the booster's autocast, or LowLevelZero
+// Six steps of a tiny model (bf16: the booster's autocast, or LowLevelZero
 // stage 1's bf16 weights and fp32 masters), FusedAdamW, the learning rate
 // halved every two steps (powers of two: exact in float32, so ATen's fused
 // kernel reading it from device memory gets the value an eager step passes
 // as a double). `graphed`: through GraphedStep (two warm-up calls, the
 // third captured); else plain calls.
-StepRecord graph_run(const std::string& plugin, bool graphed) {
-  torch::manual_seed(42);
-  zoo::GPT model(tiny());
+template <class Model, class Loss>
+StepRecord graph_run_of(
+    Model model,
+    const Loss& loss_of,
+    const std::string& plugin,
+    bool graphed) {
   auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
       model->parameters(),
       torch::optim::AdamWOptions(std::ldexp(1.0, -10)).weight_decay(0.0625));
@@ -415,7 +419,7 @@ StepRecord graph_run(const std::string& plugin, bool graphed) {
   auto boosted = booster.boost(model, opt);
   auto fn = [&](const std::vector<at::Tensor>& in) {
     boosted.optimizer->zero_grad();
-    auto loss = boosted.model(in[0], in[1]); // the fused loss
+    auto loss = loss_of(boosted, in);
     booster.backward(loss, *boosted.optimizer);
     if (plugin == "none_clip") { // on the device: captured with the step
       boosted.optimizer->clip_grad_by_norm_tensor(0.25);
@@ -448,6 +452,33 @@ StepRecord graph_run(const std::string& plugin, bool graphed) {
   return out;
 }
 
+// `family` "gpt": the zoo's GPT, its fused loss; "llama": a tiny LLaMA
+// (rotary tables, RMSNorm, SwiGLU, grouped-query attention), its
+// forward_loss.
+StepRecord graph_run(
+    const std::string& plugin,
+    bool graphed,
+    const std::string& family = "gpt") {
+  torch::manual_seed(42);
+  if (family == "llama") {
+    return graph_run_of(
+        colossalai::models::LlamaForCausalLM(
+            colossalai::models::LlamaConfig::tiny_test()),
+        [](auto& boosted, const std::vector<at::Tensor>& in) {
+          return boosted.model.forward_loss(in[0], in[1]);
+        },
+        plugin,
+        graphed);
+  }
+  return graph_run_of(
+      zoo::GPT(tiny()),
+      [](auto& boosted, const std::vector<at::Tensor>& in) {
+        return boosted.model(in[0], in[1]); // the fused loss
+      },
+      plugin,
+      graphed);
+}
+
 } // namespace
 
 // A captured and replayed step equals the eager one bit for bit under
@@ -456,7 +487,8 @@ StepRecord graph_run(const std::string& plugin, bool graphed) {
 // rewritten between replays. Without plugin (ATen's fused AdamW) and with
 // LowLevelZero at one rank (our AdamW kernel writing the bf16 weights),
 // with and without clipping on the device (clip_grad_by_norm_tensor,
-// max_norm).
+// max_norm); and a LLaMA, whose forward must copy nothing from pageable
+// host memory (its rotary frequencies reach the device once).
 TEST(Cuda, GraphedStepEqualsEagerSteps) {
   SKIP_WITHOUT_CUDA(1);
   run_distributed(
@@ -466,10 +498,14 @@ TEST(Cuda, GraphedStepEqualsEagerSteps) {
         // workspace configuration.
         setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
         at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
-        for (const std::string plugin : {"none", "none_clip", "zero1", "zero1_clip"}) {
-          SCOPED_TRACE(plugin);
-          const auto eager = graph_run(plugin, false);
-          const auto graphed = graph_run(plugin, true);
+        for (const std::string run : {"none", "none_clip", "zero1", "zero1_clip",
+                                      "llama none", "llama zero1"}) {
+          SCOPED_TRACE(run);
+          const bool llama = run.rfind("llama ", 0) == 0;
+          const auto plugin = llama ? run.substr(6) : run;
+          const auto family = llama ? "llama" : "gpt";
+          const auto eager = graph_run(plugin, false, family);
+          const auto graphed = graph_run(plugin, true, family);
           EXPECT_EQ(eager.step_count, 6);
           EXPECT_EQ(graphed.step_count, 6);
           for (size_t i = 0; i < eager.losses.size(); ++i) {

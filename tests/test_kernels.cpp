@@ -23,6 +23,7 @@
 #include <zoo/gpt.h>
 #include <colossalai/shardformer/layer/normalization.h>
 
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -33,6 +34,8 @@
 #endif
 
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <memory>
 
 #include <tuple>
@@ -1801,6 +1804,69 @@ TEST(Kernels, RopeFusedAlgorithmIsTheRotationRoundedOnce) {
   const auto x = torch::randn({2, 5, 3, 16});
   const auto [c, s] = rope_tables(0, 4, 16, at::kFloat, at::kCPU);
   EXPECT_THROW(kn::detail::rope_fused(x, c, s), c10::Error); // 4 positions for 5 tokens
+}
+
+// How often the calling thread runs the operator named `name` in `fn`.
+int count_op_calls(const char* name, const std::function<void()>& fn) {
+  static thread_local const char* wanted = nullptr;
+  static thread_local int calls = 0;
+  wanted = name;
+  calls = 0;
+  const auto handle =
+      at::addThreadLocalCallback(at::RecordFunctionCallback(
+          [](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
+            calls += std::strcmp(f.name(), wanted) == 0;
+            return nullptr;
+          }));
+  try {
+    fn();
+  } catch (...) {
+    at::removeCallback(handle);
+    throw;
+  }
+  at::removeCallback(handle);
+  return calls;
+}
+
+// A LLaMA forms its rotary tables once per forward (and dtype), not once
+// per layer, also when layers run again in backward; the shared tables
+// give what each layer forming its own gives, bit for bit.
+TEST(Kernels, LlamaFormsItsRotaryTablesOncePerForward) {
+  torch::manual_seed(9);
+  models::LlamaForCausalLM model(
+      models::LlamaConfig::tiny_test().num_hidden_layers(3));
+  const auto ids = at::randint(0, 100, {2, 7}, at::kLong);
+  at::Tensor logits;
+  EXPECT_EQ(count_op_calls("aten::cos", [&] { logits = model->forward(ids); }), 1);
+  // Each layer with its own tables: the same hidden states.
+  {
+    torch::NoGradGuard no_grad;
+    auto x = model->model->embed_tokens(ids);
+    const auto positions = at::arange(7, at::kLong);
+    for (const auto& layer : *model->model->layers) {
+      x = layer->as<models::LlamaDecoderLayerImpl>()->forward(x, positions);
+    }
+    EXPECT_TRUE(at::equal(model->model->norm(x), model->model->forward(ids)));
+  }
+  // Every layer recomputed in backward: still one set of tables, and the
+  // gradients of keeping the activations.
+  auto grads = [&] {
+    model->zero_grad();
+    model->loss(model->forward(ids), ids).backward();
+    std::vector<at::Tensor> g;
+    for (const auto& p : model->parameters()) {
+      g.push_back(p.grad().clone());
+    }
+    return g;
+  };
+  const auto kept = grads();
+  model->parallel_state().gradient_checkpointing_ratio = 1.0;
+  std::vector<at::Tensor> recomputed;
+  EXPECT_EQ(count_op_calls("aten::cos", [&] { recomputed = grads(); }), 1);
+  ASSERT_EQ(kept.size(), recomputed.size());
+  for (size_t i = 0; i < kept.size(); ++i) {
+    EXPECT_TRUE(at::equal(kept[i], recomputed[i])) << i;
+  }
 }
 
 // On a GPU the kernel against the float64 function, per-batch and shared

@@ -77,16 +77,13 @@ torch::nn::LayerNorm layer_norm(const BloomConfig& c) {
 // (cumsum(mask) - 1) * mask), else 0 .. T - 1. The bias depends on the key
 // only: softmax is invariant to a per-query shift, so it equals a bias of
 // key - query distance.
+// `slopes`: this rank's heads' slopes on `device`.
 at::Tensor alibi_bias(
     const at::Tensor& attention_mask,
     int64_t t,
-    int64_t n_head,
-    const ParallelState& st,
+    const at::Tensor& slopes,
     const at::Device& device) {
-  const int64_t heads = n_head / st.tp_size();
-  const int64_t rank = st.tp == nullptr ? 0 : st.tp->rank();
-  auto slopes =
-      bloom_alibi_slopes(n_head).narrow(0, rank * heads, heads).to(device);
+  const int64_t heads = slopes.size(0);
   at::Tensor pos;
   if (attention_mask.defined()) {
     auto m = attention_mask.to(device).ne(0).to(at::kLong);
@@ -278,8 +275,20 @@ at::Tensor BloomModelImpl::forward_stage(
       : attention_keep_mask(attention_mask, t, 0, ids.device());
   const int64_t keys =
       st.kv_cache != nullptr ? st.kv_cache->length() + t : t;
+  // This rank's slopes, copied to the device once rather than every forward
+  // (a copy from pageable host memory synchronises, and a CUDA graph cannot
+  // capture it).
+  const int64_t heads = config_.n_head() / st.tp_size();
+  const int64_t rank = st.tp == nullptr ? 0 : st.tp->rank();
+  if (!alibi_slopes_.defined() || alibi_slopes_.device() != ids.device() ||
+      alibi_slopes_rank_ != rank || alibi_slopes_.size(0) != heads) {
+    alibi_slopes_ = bloom_alibi_slopes(config_.n_head())
+                        .narrow(0, rank * heads, heads)
+                        .to(ids.device());
+    alibi_slopes_rank_ = rank;
+  }
   const auto alibi =
-      alibi_bias(attention_mask, keys, config_.n_head(), st, ids.device());
+      alibi_bias(attention_mask, keys, alibi_slopes_, ids.device());
   at::Tensor x = hidden;
   if (layers.first) {
     x = split_sequence(word_embeddings_layernorm(word_embeddings(ids)), st);

@@ -83,18 +83,30 @@ at::Tensor rope_inv_freq(const LlamaConfig& c, int64_t d) {
   return at::where(medium, smoothed, scaled);
 }
 
-// The cosines and sines of the rotary angles of `positions` ([T] or
-// [B, T]): [T, D] or [B, T, D] tables in `dtype`, as transformers rounds
-// them.
-std::pair<at::Tensor, at::Tensor> rope_tables(
-    const at::Tensor& positions,
-    const at::Tensor& inv_freq,
-    at::ScalarType dtype) {
-  auto freqs = positions.to(at::kFloat).unsqueeze(-1) *
-      inv_freq.to(positions.device());    // [.., T, D / 2]
-  auto emb = at::cat({freqs, freqs}, -1); // [.., T, D]
-  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+} // namespace
+
+RotaryTables::RotaryTables(at::Tensor positions, at::Tensor inv_freq)
+    : positions_(std::move(positions)), inv_freq_(std::move(inv_freq)) {
+  TORCH_INTERNAL_ASSERT(inv_freq_.device() == positions_.device());
 }
+
+// The cosines and sines of the rotary angles, as transformers rounds them:
+// angles in float32, then each table cast to `dtype`.
+const std::pair<at::Tensor, at::Tensor>& RotaryTables::get(
+    at::ScalarType dtype) const {
+  for (const auto& f : formed_) {
+    if (f.first == dtype) {
+      return f.second;
+    }
+  }
+  auto freqs = positions_.to(at::kFloat).unsqueeze(-1) * inv_freq_;
+  auto emb = at::cat({freqs, freqs}, -1); // [.., T, D]
+  formed_.emplace_back(
+      dtype, std::make_pair(emb.cos().to(dtype), emb.sin().to(dtype)));
+  return formed_.back().second;
+}
+
+namespace {
 
 // x [B, T, H, D] rotated: the fused kernels on a GPU, elsewhere
 // x * cos + rotate_half(x) * sin over [B, H, T, D] (bit for bit what it
@@ -168,9 +180,29 @@ LlamaAttentionImpl::LlamaAttentionImpl(
   inv_freq_ = rope_inv_freq(c, d);
 }
 
+RotaryTables LlamaAttentionImpl::rotary_tables(const at::Tensor& positions) {
+  const auto device = positions.device();
+  if (device == inv_freq_.device()) {
+    return RotaryTables(positions, inv_freq_);
+  }
+  // A copy from pageable host memory synchronises with the device (and a
+  // CUDA graph cannot capture it): once per device, not every forward.
+  if (!inv_freq_device_.defined() || inv_freq_device_.device() != device) {
+    inv_freq_device_ = inv_freq_.to(device);
+  }
+  return RotaryTables(positions, inv_freq_device_);
+}
+
 at::Tensor LlamaAttentionImpl::forward(
     const at::Tensor& x,
     const at::Tensor& positions,
+    const at::Tensor& mask) {
+  return forward(x, rotary_tables(positions), mask);
+}
+
+at::Tensor LlamaAttentionImpl::forward(
+    const at::Tensor& x,
+    const RotaryTables& rope,
     const at::Tensor& mask) {
   const auto& st = *state_;
   const int64_t d = config_.resolved_head_dim();
@@ -186,9 +218,10 @@ at::Tensor LlamaAttentionImpl::forward(
     q = q_norm(q);
     k = k_norm(k);
   }
-  // Rotary angles: the sequence here is `positions` unless split_gather
-  // gathered it whole (the model then passes the whole sequence's).
-  const auto tables = rope_tables(positions, inv_freq_, q.scalar_type());
+  // Rotary angles: the sequence here is the tables' positions unless
+  // split_gather gathered it whole (the model then passes the whole
+  // sequence's).
+  const auto& tables = rope.get(q.scalar_type());
   q = apply_rope(q, tables.first, tables.second);
   k = apply_rope(k, tables.first, tables.second);
   if (st.sp_mode == shardformer::SequenceParallelMode::kAllToAll) {
@@ -261,10 +294,17 @@ at::Tensor LlamaDecoderLayerImpl::forward(
     const at::Tensor& x,
     const at::Tensor& positions,
     const at::Tensor& mask) {
+  return forward(x, self_attn->rotary_tables(positions), mask);
+}
+
+at::Tensor LlamaDecoderLayerImpl::forward(
+    const at::Tensor& x,
+    const RotaryTables& rope,
+    const at::Tensor& mask) {
   auto scope = forward_scope();
   // The residual add and the norm after it in one pass (on a GPU).
   auto [normed, h] = post_attention_layernorm->forward_add(
-      x, self_attn->forward(input_layernorm(x), positions, mask));
+      x, self_attn->forward(input_layernorm(x), rope, mask));
   return scope.exit(h + (moe ? moe(normed) : mlp(normed)));
 }
 
@@ -375,13 +415,22 @@ at::Tensor LlamaModelImpl::forward_stage(
         st);
   }
   TORCH_CHECK(x.defined(), "LlamaModel: a later stage needs hidden states");
+  // One set of rotary tables for every layer of the stage, kept alive for
+  // the layers that run again in backward (activation checkpointing).
+  const auto n = static_cast<int64_t>(layers->size());
+  std::shared_ptr<const RotaryTables> rope;
+  if (stage.begin < (stage.end < 0 ? n : stage.end)) {
+    auto* first = layers[stage.begin]->as<LlamaDecoderLayerImpl>();
+    rope = std::make_shared<const RotaryTables>(
+        first->self_attn->rotary_tables(rope_pos));
+  }
   x = run_stage_blocks<LlamaDecoderLayerImpl>(
       st,
       stage,
       *layers,
       x,
-      [rope_pos, mask](LlamaDecoderLayerImpl& layer, const at::Tensor& y) {
-        return layer.forward(y, rope_pos, mask);
+      [rope, mask](LlamaDecoderLayerImpl& layer, const at::Tensor& y) {
+        return layer.forward(y, *rope, mask);
       });
   return stage.last ? gather_sequence(norm(x), st) : x;
 }

@@ -185,6 +185,8 @@ class BloomModelImpl : public torch::nn::Module {
  private:
   BloomConfig config_;
   const ParallelState* state_;
+  at::Tensor alibi_slopes_; ///< this tp rank's, on the last device used
+  int64_t alibi_slopes_rank_ = -1;
 };
 TORCH_MODULE(BloomModel);
 

@@ -34,7 +34,10 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace colossalai {
 namespace models {
@@ -108,6 +111,25 @@ struct LlamaConfig {
   }
 };
 
+/// The rotary cosines and sines of one forward's positions, formed once per
+/// dtype and shared by all its layers (transformers' LlamaRotaryEmbedding
+/// also runs once per forward): every layer's frequencies come from the
+/// same config. Formed on first use, so one object serves an autocast
+/// forward (bf16 queries) and a plain one; not for concurrent use.
+class RotaryTables {
+ public:
+  /// `positions` [T] or [B, T]; `inv_freq` [head_dim / 2] float32 on the
+  /// positions' device.
+  RotaryTables(at::Tensor positions, at::Tensor inv_freq);
+  /// cos and sin, [T, head_dim] or [B, T, head_dim] in `dtype`.
+  const std::pair<at::Tensor, at::Tensor>& get(at::ScalarType dtype) const;
+
+ private:
+  at::Tensor positions_, inv_freq_;
+  using Formed = std::pair<at::ScalarType, std::pair<at::Tensor, at::Tensor>>;
+  mutable std::vector<Formed> formed_;
+};
+
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   /// `layer_idx`: its layer's entry in a KVCache.
@@ -121,6 +143,14 @@ class LlamaAttentionImpl : public torch::nn::Module {
       const at::Tensor& x,
       const at::Tensor& positions,
       const at::Tensor& mask = at::Tensor());
+  /// The same with the rotary tables of a whole forward (rotary_tables).
+  at::Tensor forward(
+      const at::Tensor& x,
+      const RotaryTables& rope,
+      const at::Tensor& mask = at::Tensor());
+  /// The tables of `positions` with this layer's frequencies (copied to
+  /// the positions' device once, not every forward).
+  RotaryTables rotary_tables(const at::Tensor& positions);
 
   shardformer::layer::Linear1D_Col q_proj{nullptr}, k_proj{nullptr},
       v_proj{nullptr};
@@ -133,6 +163,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
   const ParallelState* state_;
   int64_t layer_idx_;
   at::Tensor inv_freq_; ///< [head_dim / 2] fp32, scaled
+  at::Tensor inv_freq_device_; ///< its copy on the last device used
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -162,6 +193,11 @@ class LlamaDecoderLayerImpl : public torch::nn::Module,
   at::Tensor forward(
       const at::Tensor& x,
       const at::Tensor& positions,
+      const at::Tensor& mask = at::Tensor());
+  /// The same with the rotary tables the model forms once per forward.
+  at::Tensor forward(
+      const at::Tensor& x,
+      const RotaryTables& rope,
       const at::Tensor& mask = at::Tensor());
 
   LlamaAttention self_attn{nullptr};
