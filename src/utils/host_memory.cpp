@@ -32,9 +32,20 @@ namespace utils {
 // Fixing the mmap threshold at glibc's own maximum (32 MiB) and the trim
 // threshold at 1 GiB keeps freed blocks in the heap, where the next step
 // reuses them: about 100 faults a step, and the median step equals the
-// fastest. Blocks of 32 MiB and more are still mapped and unmapped each
-// time, as before; the price is the one a caching allocator pays: the
-// heap does not shrink after a peak (up to 1 GiB of free top is kept). The
+// fastest. Blocks of 32 MiB and more (glibc refuses a higher threshold)
+// would still be mapped and unmapped each time, and at a larger model's
+// widths they are most of a step's bytes: a gathered Gemini chunk, a flat
+// gradient, every full weight gradient autograd hands over. So mmap is
+// turned off altogether (M_MMAP_MAX 0) and they come from the heap too.
+// At one LLaMA-2-7B-width layer on the CPU that took Gemini's step from
+// 2,272 to 1,166 ms and ZeRO-2 offload's from 1,511 to 1,076 ms, for a
+// resident peak 13% and 7% higher: freed large blocks stay in the heap,
+// where differently sized requests do not always fit
+// (bench/results/2026-11-29-large-blocks-cpu). glibc still maps a block
+// when the heap cannot grow, and a thread's own arena still maps what it
+// cannot hold, so nothing fails for it. The price is the one a caching
+// allocator pays: the heap does not shrink after a peak (up to 1 GiB of
+// free top is kept; release_freed_host_memory hands free pages back). The
 // Booster sets this when boost returns, after the model is built and
 // sharded, so one-off construction buffers do not leave heap holes that
 // raise a lazily built model's peak (with the mmap threshold at 1 GiB from
@@ -45,7 +56,7 @@ bool retain_freed_host_memory() {
   // the trim threshold alone would pin the mmap threshold at 128 KiB and
   // fault far more often.
   return mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 &&
-      mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1;
+      mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 && mallopt(M_MMAP_MAX, 0) == 1;
 #else
   return false;
 #endif

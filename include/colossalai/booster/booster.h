@@ -86,12 +86,12 @@ struct BoosterOptions {
   /// The parallel strategy; null trains in this process alone.
   TORCH_ARG(std::shared_ptr<plugin::Plugin>, plugin) = nullptr;
   /// From the end of `boost` on, freed host memory stays in the process
-  /// (glibc's mmap threshold fixed at 32 MiB, its trim threshold at 1 GiB):
-  /// each step's tensors reuse the last step's pages instead of faulting in
-  /// fresh ones (NOTE [Freed host memory stays in the process]). Like a
-  /// caching allocator, the heap then keeps its peak. Applied after the
-  /// model is built and sharded, to the whole process. False leaves
-  /// malloc's settings alone.
+  /// (glibc's heap serves every block, large ones too, and keeps up to
+  /// 1 GiB of free top): each step's tensors reuse the last step's pages
+  /// instead of faulting in fresh ones (NOTE [Freed host memory stays in
+  /// the process]). Like a caching allocator, the heap then keeps its
+  /// peak. Applied after the model is built and sharded, to the whole
+  /// process. False leaves malloc's settings alone.
   TORCH_ARG(bool, retain_freed_memory) = true;
 
  private:
