@@ -24,8 +24,10 @@
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
 #include <colossalai/models/llama.h>
+#include <colossalai/nn/checkpoint.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
+#include <colossalai/shardformer/layer/normalization.h>
 #include <colossalai/zero/fully_sharded.h>
 
 #include <harness/multiprocess.h>
@@ -546,6 +548,12 @@ TEST(Cuda, GraphedStepRefusesHostReadsAndNewShapes) {
                   EXPECT_TRUE(std::isfinite(loss.item<float>()));
                 } else if (what == "clip") {
                   boosted.optimizer->clip_grad_by_norm(1.0);
+                } else if (what == "checkpoint") { // keeps the RNG states
+                  loss = colossalai::nn::checkpoint(
+                      [](const at::Tensor& l) { return l * 1.0; }, loss);
+                } else if (what == "dropout") { // swaps in its own stream
+                  namespace sl = colossalai::shardformer::layer;
+                  loss = sl::Dropout(sl::DropoutOptions(0.5))(loss);
                 }
                 boosted.optimizer->step();
                 return loss;
@@ -567,11 +575,21 @@ TEST(Cuda, GraphedStepRefusesHostReadsAndNewShapes) {
             EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
           }
         };
-        for (const std::string what : {"item", "clip"}) {
+        for (const std::string what : {"item", "clip", "checkpoint", "dropout"}) {
           run(what, [&](cb::GraphedStep& step) {
             step(batch(16)); // warm-up: eager, allowed
             expect_error([&] { step(batch(16)); }, "cannot capture");
             expect_error([&] { step(batch(16)); }, "failed earlier");
+          });
+        }
+        // Random-state swaps are refused with their reason, not ATen's
+        // generator assertion.
+        for (const std::string what : {"checkpoint", "dropout"}) {
+          run(what, [&](cb::GraphedStep& step) {
+            step(batch(16));
+            expect_error(
+                [&] { step(batch(16)); },
+                what == "checkpoint" ? "gradient_checkpointing_ratio 0" : "dropout 0");
           });
         }
         // LowLevelZero's fp16 loss scaler reads its overflow flag on the

@@ -201,8 +201,9 @@ at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& inputs) {
           std::ostringstream os;
           os << "the step did something a CUDA graph cannot capture (a value "
                 "read back to the host: .item(), a norm returned as a number, "
-                "a copy to the host; or a new CUDA stream or allocation "
-                "outside the caching allocator): "
+                "a copy to the host; a random generator's state read or set: "
+                "Dropout with p > 0, activation checkpointing; or a new CUDA "
+                "stream or allocation outside the caching allocator): "
              << e.what();
           m.failed = os.str();
           TORCH_CHECK(false, "GraphedStep: ", m.failed);

@@ -42,6 +42,12 @@ std::vector<std::pair<at::Device, at::Tensor>> generator_states(
     const std::vector<at::Device>& devices) {
   std::vector<std::pair<at::Device, at::Tensor>> out;
   for (const auto& d : devices) {
+    TORCH_CHECK(
+        !compat::stream_capturing(d),
+        "checkpoint: activation checkpointing keeps the random generators' "
+        "states for its recomputation, and a CUDA graph's capture cannot "
+        "read them; capture a step without checkpointed blocks "
+        "(gradient_checkpointing_ratio 0)");
     auto gen = at::globalContext().defaultGenerator(d);
     std::lock_guard<std::mutex> lock(gen.mutex());
     out.emplace_back(d, gen.get_state());

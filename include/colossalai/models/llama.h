@@ -121,7 +121,8 @@ class RotaryTables {
   /// `positions` [T] or [B, T]; `inv_freq` [head_dim / 2] float32 on the
   /// positions' device.
   RotaryTables(at::Tensor positions, at::Tensor inv_freq);
-  /// cos and sin, [T, head_dim] or [B, T, head_dim] in `dtype`.
+  /// cos and sin, [T, head_dim] or [B, T, head_dim] in `dtype`; the
+  /// reference holds until get() forms another dtype's.
   const std::pair<at::Tensor, at::Tensor>& get(at::ScalarType dtype) const;
 
  private:

@@ -1,6 +1,7 @@
 #include <colossalai/shardformer/layer/normalization.h>
 
 #include <colossalai/kernels/rms_norm.h>
+#include <colossalai/utils/compat.h>
 
 #include <ATen/Context.h>
 
@@ -63,6 +64,11 @@ at::Tensor DropoutImpl::forward(const at::Tensor& x) {
   if (!is_training() || options.p() == 0.0) {
     return x;
   }
+  TORCH_CHECK(
+      !compat::stream_capturing(x.device()),
+      "Dropout: this layer draws from a random stream of its own, and a "
+      "CUDA graph's capture cannot swap a generator's state; capture a step "
+      "with dropout 0 or in evaluation mode");
   // Swap this layer's state into the device's default generator for one
   // draw (at::dropout draws from it), then swap the global state back.
   auto gen = at::globalContext().defaultGenerator(x.device());
