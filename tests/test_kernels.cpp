@@ -4,6 +4,7 @@
 // every dtype they take.
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/interface/optimizer.h>
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/gelu_linear.h>
@@ -36,6 +37,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 
 #include <tuple>
@@ -1305,6 +1307,71 @@ const auto kAdamW =
 // within a few float32 ulps (2^-24 relative) of its operands, which for
 // exp_avg (0.9 m + 0.1 g, operands up to about 0.5, may cancel) means 1e-8
 // absolute, for the parameter (about 1) 1e-7.
+// The multi-tensor norms are linalg_vector_norm(dtype=float32) of each
+// tensor (LibTorch 2.6+; none before), and the multi-tensor scale is a mul_
+// of each; 16-bit and float32 tensors in one list.
+TEST(Kernels, ForeachNormsAndScaleAreThePerTensorOnes) {
+  torch::manual_seed(3);
+  const std::vector<at::Tensor> ts{
+      torch::randn({3, 5}), torch::randn({7}).to(at::kBFloat16),
+      torch::randn({2, 2, 2})};
+  for (const double ord : {2.0, 1.0, std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(ord);
+    const auto n = colossalai::compat::foreach_norms_float(ts, ord);
+    if (!COLOSSALAI_TORCH_AT_LEAST(2, 6)) {
+      EXPECT_TRUE(n.empty());
+      continue;
+    }
+    ASSERT_EQ(n.size(), ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) {
+      EXPECT_EQ(n[i].scalar_type(), at::kFloat);
+      const auto want =
+          at::linalg_vector_norm(ts[i], ord, c10::nullopt, false, at::kFloat);
+      EXPECT_NEAR(n[i].item<double>(), want.item<double>(), 1e-6 * want.item<double>());
+    }
+  }
+  std::vector<at::Tensor> scaled;
+  for (const auto& t : ts) {
+    scaled.push_back(t.clone());
+  }
+  colossalai::compat::foreach_mul_(scaled, torch::full({}, 0.25));
+  for (size_t i = 0; i < ts.size(); ++i) {
+    EXPECT_TRUE(at::equal(scaled[i], ts[i] * 0.25)) << i;
+  }
+}
+
+// On a GPU clip_grad_by_norm_tensor (the multi-tensor kernels) clips as
+// torch::nn::utils::clip_grad_norm_ does, in float32 (the total a norm of
+// per-tensor norms in either: a few ulps).
+TEST(Kernels, ClipOnCudaIsTorchsClipGradNorm) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  torch::manual_seed(4);
+  auto make = [] {
+    std::vector<at::Tensor> ps;
+    for (const int64_t n : {33, 1024, 7, 4096}) {
+      auto p = torch::zeros({n}, torch::kCUDA).requires_grad_(true);
+      p.mutable_grad() = torch::randn({n}, torch::kCUDA);
+      ps.push_back(p);
+    }
+    return ps;
+  };
+  torch::manual_seed(4);
+  auto a = make();
+  torch::manual_seed(4);
+  auto b = make();
+  const double want = torch::nn::utils::clip_grad_norm_(a, 1.0);
+  colossalai::interface::OptimizerWrapper wrapper(
+      std::make_shared<torch::optim::SGD>(b, torch::optim::SGDOptions(0.1)));
+  const auto got = wrapper.clip_grad_by_norm_tensor(1.0);
+  EXPECT_TRUE(got.is_cuda());
+  EXPECT_NEAR(got.item<double>(), want, 1e-5 * want);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::allclose(a[i].grad(), b[i].grad(), 1e-5, 1e-7)) << i;
+  }
+}
+
 TEST(Kernels, AdamWStepReferenceIsAdamWsUpdate) {
   for (auto grad_t : {at::kFloat, at::kBFloat16}) {
     SCOPED_TRACE(c10::toString(grad_t));

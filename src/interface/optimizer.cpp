@@ -8,7 +8,7 @@
 
 #include <cmath>
 #include <limits>
-#include <map>
+#include <algorithm>
 #include <typeinfo>
 
 namespace colossalai {
@@ -130,14 +130,44 @@ double total_norm(
 
 namespace {
 
-// Each defined, non-empty tensor's norm in float32, on its device.
+// The defined, non-empty tensors, grouped by device in first-seen order.
+std::vector<std::vector<at::Tensor>> by_device(
+    const std::vector<at::Tensor>& tensors) {
+  std::vector<std::vector<at::Tensor>> groups;
+  for (const auto& t : tensors) {
+    if (!t.defined() || t.numel() == 0) {
+      continue;
+    }
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) {
+      return g.front().device() == t.device();
+    });
+    if (it == groups.end()) {
+      groups.push_back({t});
+    } else {
+      it->push_back(t);
+    }
+  }
+  return groups;
+}
+
+// Each defined, non-empty tensor's norm in float32, on its device. A GPU's
+// tensors go through the multi-tensor kernel where LibTorch has it (a few
+// launches for a whole model instead of one per parameter, as PyTorch's
+// clip_grad_norm_ does); the CPU keeps one reduction per tensor.
 std::vector<at::Tensor> norms_of(
     const std::vector<at::Tensor>& tensors,
     double norm_type) {
   const bool inf = std::isinf(norm_type);
   std::vector<at::Tensor> norms;
-  for (const auto& g : tensors) {
-    if (g.defined() && g.numel() > 0) {
+  for (const auto& group : by_device(tensors)) {
+    if (group.front().is_cuda()) {
+      auto fused = compat::foreach_norms_float(group, norm_type);
+      if (!fused.empty()) {
+        norms.insert(norms.end(), fused.begin(), fused.end());
+        continue;
+      }
+    }
+    for (const auto& g : group) {
       // A 16-bit gradient is read in float32 by the reduction itself, not
       // copied to float32 first.
       norms.push_back(
@@ -183,7 +213,7 @@ double total_norm(
         "rank, or outside the captured step");
   }
   if (groups.empty()) {
-    // One host sync for the whole model, as torch.nn.utils does.
+    // One host sync for the whole model (the norm is returned as a number).
     return total_norm_tensor(tensors, norm_type).item<double>();
   }
   const auto norms = norms_of(tensors, norm_type);
@@ -222,16 +252,8 @@ at::Tensor clip_grads_on_device(
       at::full({}, max_norm, norm.options()).div(norm + 1e-6).clamp_max(1.0);
   // One copy per device (offloaded shards live on the host): not one per
   // tensor, each a read back from the device.
-  std::map<std::string, at::Tensor> on;
-  for (const auto& g : grads) {
-    if (!g.defined() || g.numel() == 0) {
-      continue;
-    }
-    auto& c = on[g.device().str()];
-    if (!c.defined()) {
-      c = coef.to(g.device());
-    }
-    g.mul_(c);
+  for (const auto& group : by_device(grads)) {
+    compat::foreach_mul_(group, coef.to(group.front().device()));
   }
   return norm;
 }

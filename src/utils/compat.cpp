@@ -90,6 +90,26 @@ bool has_fused_adam_tensor_lr(at::Device device) {
   return COLOSSALAI_TORCH_AT_LEAST(2, 2) && has_fused_adam(device);
 }
 
+std::vector<at::Tensor> foreach_norms_float(at::TensorList tensors, double ord) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 6)
+  return at::_foreach_norm(tensors, ord, at::kFloat);
+#else
+  (void)tensors;
+  (void)ord;
+  return {};
+#endif
+}
+
+void foreach_mul_(at::TensorList tensors, const at::Tensor& scale) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 1)
+  at::_foreach_mul_(tensors, scale);
+#else
+  for (const auto& t : tensors) {
+    t.mul_(scale);
+  }
+#endif
+}
+
 at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& b) {
 #if COLOSSALAI_TORCH_AT_LEAST(2, 1)
   const bool takes = a.is_cuda() && b.device() == a.device() &&

@@ -142,6 +142,17 @@ void fused_adam_(
 /// False for every other device and in builds without CUDA.
 bool stream_capturing(at::Device device);
 
+/// Each tensor's `ord`-norm in float32 through ATen's multi-tensor kernel
+/// (_foreach_norm with an output dtype, LibTorch 2.6+): on a GPU one launch
+/// per chunk of tensors instead of one per tensor, the sums in float32 as
+/// linalg_vector_norm(dtype=float32) forms them. Empty where that kernel is
+/// missing (LibTorch 1.13): the caller then takes one norm per tensor.
+std::vector<at::Tensor> foreach_norms_float(at::TensorList tensors, double ord);
+
+/// Every tensor *= `scale` (a 0-dim tensor on their device): one
+/// multi-tensor kernel per chunk (LibTorch 2.1+), else one mul_ per tensor.
+void foreach_mul_(at::TensorList tensors, const at::Tensor& scale);
+
 /// The exact int32 product of int8 matrices a [m, k] and b [k, n] through
 /// cuBLASLt's int8 path (at::_int_mm, LibTorch 2.1+, CUDA), or an undefined
 /// tensor where that path does not take them: LibTorch 1.13, another
