@@ -6,9 +6,9 @@
 
 #include <c10/util/Type.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
-#include <algorithm>
 #include <typeinfo>
 
 namespace colossalai {
