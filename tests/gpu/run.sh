@@ -17,8 +17,10 @@
 # --python PY builds instead against the torch already installed for PY (a
 # machine with no network: no set-up, no pip) into build-gpu/; headers the
 # build needs (Gloo, GTest, CLI11, nlohmann-json, zlib) are looked up in
-# CMAKE_PREFIX_PATH as usual. --stage-timeout S stops any one part after S
-# seconds (the summary says so) so that a time-boxed run still reports;
+# CMAKE_PREFIX_PATH as usual (tests/gpu/make-deps.sh copies them from a
+# Debian machine's packages into .gpudeps/ to carry there). --stage-timeout
+# S stops any one part after S seconds (the summary says so) so that a
+# time-boxed run still reports;
 # --jobs N runs N suites at once; --exclude RE leaves out ctest's matches;
 # --tests RE builds (with --python) and runs only the test programs whose
 # names match RE (test_cuda always); --bench-args "ARGS" go to bench/gpu.
