@@ -90,7 +90,9 @@ bool has_fused_adam_tensor_lr(at::Device device) {
   return COLOSSALAI_TORCH_AT_LEAST(2, 2) && has_fused_adam(device);
 }
 
-std::vector<at::Tensor> foreach_norms_float(at::TensorList tensors, double ord) {
+std::vector<at::Tensor> foreach_norms_float(
+    at::TensorList tensors,
+    double ord) {
 #if COLOSSALAI_TORCH_AT_LEAST(2, 6)
   return at::_foreach_norm(tensors, ord, at::kFloat);
 #else

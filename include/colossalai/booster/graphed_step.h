@@ -21,8 +21,9 @@
 /// on the host (torch::optim::AdamW: use FusedAdamW), swap a random
 /// generator's state (a Dropout with p > 0, activation checkpointing), or
 /// communicate (one process; a plugin's optimizer wrapper other than
-/// LowLevelZero's at one rank is refused). The fused loss skips its check of the targets' range inside a
-/// capture (an out-of-range target gives a NaN loss instead of an error).
+/// LowLevelZero's at one rank is refused). The fused loss skips its check of
+/// the targets' range inside a capture (an out-of-range target gives a NaN
+/// loss instead of an error).
 /// The step function must take the same path every call: the graph repeats
 /// the kernels of the capture, not the function.
 ///

@@ -147,7 +147,9 @@ bool stream_capturing(at::Device device);
 /// per chunk of tensors instead of one per tensor, the sums in float32 as
 /// linalg_vector_norm(dtype=float32) forms them. Empty where that kernel is
 /// missing (LibTorch 1.13): the caller then takes one norm per tensor.
-std::vector<at::Tensor> foreach_norms_float(at::TensorList tensors, double ord);
+std::vector<at::Tensor> foreach_norms_float(
+    at::TensorList tensors,
+    double ord);
 
 /// Every tensor *= `scale` (a 0-dim tensor on their device): one
 /// multi-tensor kernel per chunk (LibTorch 2.1+), else one mul_ per tensor.
