@@ -21,10 +21,10 @@
 #include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/utils/compat.h>
 
+#include <harness/test_util.h>
 #include <zoo/gpt.h>
 #include <colossalai/shardformer/layer/normalization.h>
 
-#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -35,7 +35,6 @@
 #endif
 
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -1875,24 +1874,9 @@ TEST(Kernels, RopeFusedAlgorithmIsTheRotationRoundedOnce) {
 
 // How often the calling thread runs the operator named `name` in `fn`.
 int count_op_calls(const char* name, const std::function<void()>& fn) {
-  static thread_local const char* wanted = nullptr;
-  static thread_local int calls = 0;
-  wanted = name;
-  calls = 0;
-  const auto handle =
-      at::addThreadLocalCallback(at::RecordFunctionCallback(
-          [](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
-            calls += std::strcmp(f.name(), wanted) == 0;
-            return nullptr;
-          }));
-  try {
-    fn();
-  } catch (...) {
-    at::removeCallback(handle);
-    throw;
-  }
-  at::removeCallback(handle);
-  return calls;
+  const auto calls = colossalai::testing::op_calls(fn);
+  const auto it = calls.find(name);
+  return it == calls.end() ? 0 : it->second;
 }
 
 // A LLaMA forms its rotary tables once per forward (and dtype), not once

@@ -30,7 +30,9 @@ std::string join(const std::vector<std::string>& v) {
 
 // Moves tensor arguments to the model's device, as torch's DDP does with
 // its device_ids: a training loop written for the CPU runs unchanged when
-// the ranks are launched on GPUs.
+// the ranks are launched on GPUs. A host batch goes through page-locked
+// memory, asynchronously (as a DataLoader with pin_memory and a
+// non_blocking copy): the host does not wait for the last step to finish.
 class ToDeviceModel : public interface::ModelWrapper {
  public:
   ToDeviceModel(std::shared_ptr<interface::ModelWrapper> inner, at::Device d)
@@ -38,7 +40,7 @@ class ToDeviceModel : public interface::ModelWrapper {
 
  protected:
   at::Tensor transform_input(const at::Tensor& x) override {
-    return x.defined() && x.device() != device_ ? x.to(device_) : x;
+    return x.defined() ? utils::upload_async(x, device_) : x;
   }
 
  private:

@@ -11,6 +11,19 @@
 namespace colossalai {
 namespace models {
 
+namespace {
+
+// How many entries of `sorted` (expert ids, ascending) name each of `e`
+// experts: where each id's run ends, less where it starts. bincount would
+// read the largest id back to the host, which drains a GPU's queue.
+at::Tensor per_expert(const at::Tensor& sorted, int64_t e) {
+  const auto ends =
+      at::searchsorted(sorted, at::arange(e + 1, sorted.options()));
+  return ends.narrow(0, 1, e) - ends.narrow(0, 0, e);
+}
+
+} // namespace
+
 bool MoeConfig::sparse_layer(int64_t i) const {
   if (!enabled() ||
       std::find(mlp_only_layers_.begin(), mlp_only_layers_.end(), i) !=
@@ -98,12 +111,11 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
 
   // Each (token, slot) pair sorted by expert, stably: an expert's rows are
   // contiguous and in token order.
-  const auto flat_chosen = chosen.reshape({-1});
-  const auto order =
-      std::get<1>(at::sort(flat_chosen, /*stable=*/true, 0, false));
+  const auto sorted = at::sort(chosen.reshape({-1}), /*stable=*/true, 0, false);
+  const auto& order = std::get<1>(sorted);
   const auto token_of = order.div(k, "floor"); // pair i is token i / k's
   const auto slot_weight = weights.reshape({-1}).index_select(0, order);
-  const auto counts = at::bincount(flat_chosen, {}, e);
+  const auto counts = per_expert(std::get<0>(sorted), e);
   const auto rows = flat.index_select(0, token_of); // [N * k, C]
   auto weighted = run_experts(rows, counts) * slot_weight.unsqueeze(1);
   auto out = at::zeros_like(flat).index_add(
@@ -236,8 +248,9 @@ at::Tensor load_balancing_loss(
     const auto probs = at::softmax(layer_logits.to(device), -1).to(at::kFloat);
     const auto chosen = std::get<1>(at::topk(probs, top_k, -1)).reshape({-1});
     if (!keep.defined()) {
-      assigned =
-          assigned + at::bincount(chosen, {}, num_experts).to(at::kFloat);
+      assigned = assigned +
+          per_expert(std::get<0>(at::sort(chosen)), num_experts)
+              .to(at::kFloat);
       prob_sum = prob_sum + probs.sum(0);
       rows = rows + static_cast<double>(probs.size(0));
     } else {
@@ -250,7 +263,10 @@ at::Tensor load_balancing_loss(
           " router rows");
       assigned = assigned +
           at::zeros({num_experts}, f32)
-              .scatter_add(0, chosen, keep.repeat_interleave(top_k));
+              .scatter_add(
+                  0,
+                  chosen,
+                  keep.unsqueeze(1).expand({-1, top_k}).reshape({-1}));
       prob_sum = prob_sum + (probs * keep.unsqueeze(1)).sum(0);
       rows = rows + keep.sum();
     }

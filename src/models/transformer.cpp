@@ -9,6 +9,8 @@
 #include <colossalai/shardformer/layer/ring_attention.h>
 #include <colossalai/utils/compat.h>
 
+#include "../utils/host_memory.h"
+
 #include <cmath>
 #include <limits>
 
@@ -383,7 +385,7 @@ std::pair<at::Tensor, at::Tensor> sequence_chunk(
   }
   const int n = st.sp_size(), r = st.sp == nullptr ? 0 : st.sp->rank();
   if (st.sp_mode == shardformer::SequenceParallelMode::kRingAttn) {
-    auto pos = sl::zigzag_positions(t, n)[r].to(ids.device());
+    auto pos = utils::upload_async(sl::zigzag_positions(t, n)[r], ids.device());
     return {ids.index_select(1, pos), pos};
   }
   TORCH_CHECK(
@@ -450,7 +452,8 @@ at::Tensor gather_sequence(const at::Tensor& x, const ParallelState& st) {
       st.sp_size() > 1) {
     // Gathered in rank order of the zigzag chunks: back to token order.
     auto order = sl::zigzag_positions(whole.size(1), st.sp_size()).flatten();
-    whole = whole.index_select(1, at::argsort(order).to(x.device()));
+    whole = whole.index_select(
+        1, utils::upload_async(at::argsort(order), x.device()));
   }
   return whole;
 }

@@ -339,10 +339,19 @@ int64_t query_heads_per_kv(const at::Tensor& q, const at::Tensor& kv) {
 }
 
 // The key/value heads repeated to the query heads' count (transformers'
-// repeat_kv).
+// repeat_kv: an expanded view made whole; LibTorch 1.13's repeat_interleave
+// reads its output's length back to the host).
 at::Tensor repeat_heads(const at::Tensor& kv, const at::Tensor& q) {
   const int64_t n = query_heads_per_kv(q, kv);
-  return n == 1 ? kv : kv.repeat_interleave(n, -3);
+  if (n == 1) {
+    return kv;
+  }
+  auto sizes = kv.sizes().vec();
+  sizes.insert(sizes.end() - 2, n); // [..., H_kv, n, T, D]
+  auto whole = sizes;
+  whole.erase(whole.end() - 3);
+  whole[whole.size() - 3] *= n; // [..., H_kv * n, T, D]
+  return kv.unsqueeze(-3).expand(sizes).reshape(whole);
 }
 
 } // namespace

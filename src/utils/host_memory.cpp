@@ -165,6 +165,17 @@ at::Tensor to_device(
   return t.to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
 }
 
+at::Tensor upload_async(const at::Tensor& t, const at::Device& device) {
+  if (t.device() == device) {
+    return t;
+  }
+  if (t.is_cpu() && device.is_cuda()) {
+    const auto pinned = t.is_pinned() ? t : t.pin_memory();
+    return pinned.to(device, /*non_blocking=*/true);
+  }
+  return t.to(device);
+}
+
 void wait_for_device(const at::Device& device) {
 #ifdef COLOSSALAI_WITH_CUDA
   if (device.is_cuda()) {

@@ -5,15 +5,18 @@
 #include <colossalai/initialize.h>
 
 #include <ATen/Context.h>
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -146,6 +149,73 @@ void deterministic_on_gpu() {
   }
   ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+}
+
+namespace {
+// ATen's CPU fused Adam / AdamW read each tensor's step count with item();
+// their CUDA kernels read them on the device.
+bool cpu_kernel_scope(const char* name) {
+  return std::strcmp(name, "aten::_fused_adamw_") == 0 ||
+      std::strcmp(name, "aten::_fused_adam_") == 0;
+}
+} // namespace
+
+std::map<std::string, int> op_calls(const std::function<void()>& fn) {
+  struct Tally {
+    std::map<std::string, int> calls;
+    std::string scope; // the outermost cpu_kernel_scope operator running
+    int depth = 0;
+  };
+  static thread_local Tally* tally = nullptr;
+  Tally counted;
+  tally = &counted;
+  const auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
+      [](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
+        if (tally != nullptr) {
+          ++tally->calls
+                [tally->depth > 0 ? tally->scope + " > " + f.name() : f.name()];
+          if (cpu_kernel_scope(f.name()) && tally->depth++ == 0) {
+            tally->scope = f.name();
+          }
+        }
+        return nullptr;
+      },
+      [](const at::RecordFunction& f, at::ObserverContext*) {
+        if (tally != nullptr && cpu_kernel_scope(f.name())) {
+          --tally->depth;
+        }
+      }));
+  struct Remove {
+    at::CallbackHandle handle;
+    ~Remove() {
+      at::removeCallback(handle);
+      tally = nullptr;
+    }
+  } remove{handle};
+  fn();
+  return std::move(counted.calls);
+}
+
+std::map<std::string, int> host_syncs(const std::map<std::string, int>& calls) {
+  static const std::array<const char*, 10> kSyncing = {
+      "aten::_local_scalar_dense",
+      "aten::equal",
+      "aten::nonzero",
+      "aten::masked_select",
+      "aten::bincount",
+      "aten::_unique",
+      "aten::_unique2",
+      "aten::unique_dim",
+      "aten::unique_consecutive",
+      "aten::unique_dim_consecutive"};
+  std::map<std::string, int> out;
+  for (const char* name : kSyncing) {
+    const auto it = calls.find(name);
+    if (it != calls.end()) {
+      out.insert(*it);
+    }
+  }
+  return out;
 }
 
 } // namespace testing

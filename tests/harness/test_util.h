@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -120,6 +121,19 @@ inline bool same_across_tiers(
   }
   return at::allclose(a, b, 0.0, 2 * steps * 3.2 * lr);
 }
+
+/// How often `fn` runs each operator (on this thread, where LibTorch also
+/// runs a CPU backward): name -> calls. Operators that ATen's CPU fused
+/// Adam / AdamW kernels run inside themselves count as "outer > inner".
+std::map<std::string, int> op_calls(const std::function<void()>& fn);
+
+/// The calls in `calls` (op_calls) of operators after which a GPU's host
+/// waits for the device: a value read back (aten::_local_scalar_dense:
+/// item(), a tensor's truth, equal) or an output sized by the data (nonzero and
+/// what indexes by a mask, masked_select, bincount, unique). They run on
+/// the CPU as well, so a CPU test shows a step free of them; a copy to the
+/// host (.cpu()) looks the same as no copy there and is not seen.
+std::map<std::string, int> host_syncs(const std::map<std::string, int>& calls);
 
 /// Makes a GPU run repeat bit for bit, for tests that compare runs bitwise:
 /// LibTorch's deterministic algorithms (strict: its memory-efficient

@@ -1,11 +1,15 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/shardformer/layer/ring_attention.h>
 
+#include "../../utils/host_memory.h"
+
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 // NOTE [Ring attention]
 // Rank r of n holds queries Q_r and, at step s, the key / value chunk of
@@ -17,7 +21,8 @@
 // key / value chunk ahead (overlapped), the dK / dV accumulator after the
 // block adds its share, so after n hops it is back at its owner. Masks come
 // from global positions (key after query: masked), so a block can be empty,
-// full or partial.
+// full or partial; which one is decided from the positions on the host
+// (reading a device mask back would stall a GPU's queue at every block).
 
 namespace colossalai {
 namespace shardformer {
@@ -31,20 +36,40 @@ using torch::autograd::variable_list;
 
 constexpr int kKvTag = 11, kGradTag = 12;
 
+// How much of a key chunk the causal mask leaves a query chunk.
+enum class Visible { kAll, kSome, kNone };
+
 struct RingHolder : torch::CustomClassHolder {
   distributed::ProcessGroupPtr sp;
-  at::Tensor positions;
+  at::Tensor positions; // [n, T_l] on the device
+  std::vector<Visible> visible; // this rank's queries over rank j's keys
 };
 
-// Key after query: masked. Undefined when nothing is masked; `empty` when
-// everything is.
+// Keys after the query are masked: none when the latest key is no later
+// than the earliest query, all when the earliest key is later than the
+// latest query. `pos_q` and `pos_k` are contiguous int64 host rows.
+Visible visibility(const at::Tensor& pos_q, const at::Tensor& pos_k) {
+  if (pos_q.numel() == 0 || pos_k.numel() == 0) {
+    return Visible::kNone;
+  }
+  const auto* q = pos_q.data_ptr<int64_t>();
+  const auto* k = pos_k.data_ptr<int64_t>();
+  const auto [q_min, q_max] = std::minmax_element(q, q + pos_q.numel());
+  const auto [k_min, k_max] = std::minmax_element(k, k + pos_k.numel());
+  if (*k_max <= *q_min) {
+    return Visible::kAll;
+  }
+  return *k_min > *q_max ? Visible::kNone : Visible::kSome;
+}
+
+// The mask of a block that is partly visible (key after query: masked),
+// formed on the device; undefined otherwise.
 at::Tensor causal_mask(
     const at::Tensor& pos_q,
     const at::Tensor& pos_k,
-    bool* empty) {
-  auto mask = pos_k.unsqueeze(0) > pos_q.unsqueeze(1); // [Tq, Tk]
-  *empty = mask.all().item<bool>();
-  return mask.any().item<bool>() ? mask : at::Tensor();
+    Visible visible) {
+  return visible == Visible::kSome ? pos_k.unsqueeze(0) > pos_q.unsqueeze(1)
+                                   : at::Tensor();
 }
 
 at::Tensor scores(
@@ -84,10 +109,10 @@ class RingAttentionFn : public torch::autograd::Function<RingAttentionFn> {
       if (s + 1 < n) {
         hop = cd::ring_exchange(kv, g, kKvTag);
       }
-      bool empty = false;
-      auto mask =
-          causal_mask(pos_q, holder->positions[(r - s + n) % n], &empty);
-      if (!empty) {
+      const int src = (r - s + n) % n;
+      if (holder->visible[src] != Visible::kNone) {
+        auto mask =
+            causal_mask(pos_q, holder->positions[src], holder->visible[src]);
         auto sc = scores(q32, kv[0], mask, scale);
         auto m_new = at::maximum(m, sc.amax(-1));
         // Rows with no visible key yet keep m = -inf: shift by 0 there.
@@ -132,9 +157,10 @@ class RingAttentionFn : public torch::autograd::Function<RingAttentionFn> {
       if (s + 1 < n) {
         kv_hop = cd::ring_exchange(kv, g, kKvTag);
       }
-      bool empty = false;
-      auto mask = causal_mask(pos_q, holder.positions[(r - s + n) % n], &empty);
-      if (!empty) {
+      const int src = (r - s + n) % n;
+      if (holder.visible[src] != Visible::kNone) {
+        auto mask =
+            causal_mask(pos_q, holder.positions[src], holder.visible[src]);
         auto p = at::exp(scores(q32, kv[0], mask, scale) - lse.unsqueeze(-1));
         dkv[1].add_(at::matmul(p.transpose(-2, -1), dout));
         auto ds = p * (at::matmul(dout, kv[1].transpose(-2, -1)) - delta);
@@ -209,11 +235,16 @@ at::Tensor ring_attention(
       q.size(2),
       "], got ",
       positions.sizes());
-  const auto pos = positions.to(q.device(), at::kLong);
+  const auto host_pos = positions.to(at::kCPU, at::kLong).contiguous();
+  const auto pos = utils::upload_async(host_pos, q.device());
+  const int r = sp == nullptr ? 0 : sp->rank();
+  std::vector<Visible> visible;
+  for (int j = 0; j < n; ++j) {
+    visible.push_back(visibility(host_pos[r], host_pos[j]));
+  }
   if (n == 1) {
     // One rank: the same arithmetic, no ring.
-    bool empty = false;
-    auto mask = causal_mask(pos[0], pos[0], &empty);
+    auto mask = causal_mask(pos[0], pos[0], visible[0]);
     auto sc = scores(
         q.to(at::kFloat),
         k.to(at::kFloat),
@@ -225,6 +256,7 @@ at::Tensor ring_attention(
   auto holder = c10::make_intrusive<RingHolder>();
   holder->sp = sp;
   holder->positions = pos;
+  holder->visible = std::move(visible);
   return RingAttentionFn::apply(q, k, v, std::move(holder))[0];
 }
 

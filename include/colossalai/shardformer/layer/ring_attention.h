@@ -39,8 +39,10 @@ at::Tensor zigzag_positions(int64_t seq_len, int sp_size);
 /// Causal attention of this rank's q [B, H, T_l, D] over every rank's k, v
 /// [B, H, T_l, D] (as many heads as q: repeat grouped key / value heads
 /// first). `positions` [sp, T_l]: the global positions of each rank's
-/// tokens (row r: rank r's). Scores and the softmax run in fp32; the output
-/// has q's dtype. A null or one-rank `sp` is plain causal attention.
+/// tokens (row r: rank r's), best on the host: which blocks the causal
+/// mask empties, fills or cuts is decided there (device positions are
+/// copied back once per call). Scores and the softmax run in fp32; the
+/// output has q's dtype. A null or one-rank `sp` is plain causal attention.
 at::Tensor ring_attention(
     const at::Tensor& q,
     const at::Tensor& k,

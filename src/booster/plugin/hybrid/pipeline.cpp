@@ -12,6 +12,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include "../../../utils/host_memory.h"
 #include "checkpoint_io.h"
 #include "pipeline_guard.h"
 
@@ -245,7 +246,8 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
     items += static_cast<double>(n_i);
     for (const auto& t : slice) {
       micro[i].push_back(
-          t.defined() ? guard->prepare_input(t.to(device)) : at::Tensor());
+          t.defined() ? guard->prepare_input(utils::upload_async(t, device))
+                      : at::Tensor());
     }
   }
   if (!counted || items <= 0) {

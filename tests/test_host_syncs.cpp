@@ -1,0 +1,348 @@
+// Training steps that do not make the host wait for the device. On a GPU a
+// value read back (item(), a tensor's truth) or an output sized by the data
+// (nonzero, bincount, ...) stops the host until the device's queue has
+// drained, so the next kernels start late, and a CUDA graph cannot capture
+// the step. The same operators run on the CPU, so these tests count them
+// there (testing::host_syncs) for every family and plugin; on a GPU
+// (tests/gpu/run.sh) they run as they are.
+//
+// What a step may still read, by design:
+// - the fused causal-LM loss checks its targets against the vocabulary
+//   once per call (kernels::fused_linear_cross_entropy; skipped inside a
+//   CUDA graph's capture): an out-of-range target is an error that names
+//   it, not a device-side assertion;
+// - position_ids without an attention_mask are looked at once per forward
+//   to tell packed documents from one sequence (as transformers does);
+// - fp16's loss scaler reads whether the gradients overflowed, to skip
+//   the step (ColossalAI's does).
+
+#include <harness/multiprocess.h>
+#include <harness/test_util.h>
+
+#include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/gemini_plugin.h>
+#include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
+#include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+#include <colossalai/lora/lora_model.h>
+#include <colossalai/models/bert.h>
+#include <colossalai/models/bloom.h>
+#include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
+#include <colossalai/models/moe.h>
+#include <colossalai/models/opt.h>
+#include <colossalai/nn/optimizer/fused_adam.h>
+#include <colossalai/quantization/bnb.h>
+#include <zoo/gpt.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+
+namespace cb = colossalai::booster;
+namespace models = colossalai::models;
+namespace zoo = colossalai::zoo;
+using colossalai::testing::host_syncs;
+using colossalai::testing::op_calls;
+
+namespace {
+
+using Syncs = std::map<std::string, int>;
+
+struct StepSyncs {
+  Syncs forward_backward; // the loss's forward and backward
+  Syncs step; // the optimizer's step
+};
+
+std::string describe(const Syncs& syncs) {
+  std::string s;
+  for (const auto& kv : syncs) {
+    s += kv.first + " x" + std::to_string(kv.second) + " ";
+  }
+  return s.empty() ? "none" : s;
+}
+
+// The second of two steps (the first makes the optimizer's state).
+// `train(booster, boosted)` runs the loss's forward and backward.
+template <class Model, class Train>
+StepSyncs step_syncs(
+    Model model,
+    const cb::BoosterOptions& options,
+    const Train& train,
+    const std::function<void(cb::Booster&, Model&)>& before_boost = nullptr) {
+  cb::Booster booster(options);
+  if (before_boost) {
+    before_boost(booster, model);
+  }
+  std::vector<at::Tensor> trainable;
+  for (const auto& p : model->parameters()) {
+    if (p.requires_grad()) {
+      trainable.push_back(p);
+    }
+  }
+  auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+      trainable, torch::optim::AdamWOptions(1e-3));
+  auto boosted = booster.boost(model, opt);
+  boosted.optimizer->zero_grad();
+  train(booster, boosted);
+  boosted.optimizer->step();
+  boosted.optimizer->zero_grad();
+  StepSyncs out;
+  out.forward_backward = host_syncs(op_calls([&] { train(booster, boosted); }));
+  out.step = host_syncs(op_calls([&] { boosted.optimizer->step(); }));
+  return out;
+}
+
+const at::Tensor& batch() {
+  static const at::Tensor ids = [] {
+    auto gen = at::detail::createCPUGenerator(7);
+    return at::randint(96, {4, 16}, gen); // every tiny vocabulary has 96
+  }();
+  return ids;
+}
+
+// forward_loss(ids, ids, ...) and its backward through the booster.
+template <class... Args>
+auto causal_lm_step(Args... args) {
+  return [=](cb::Booster& booster, auto& boosted) {
+    auto loss = boosted.model.forward_loss(batch(), batch(), args...);
+    booster.backward(loss, *boosted.optimizer);
+  };
+}
+
+// A step whose only read is the fused loss's target check (`checks` 1), or
+// none at all (0).
+void expect_reads(const StepSyncs& s, int checks, const std::string& what) {
+  Syncs want;
+  if (checks > 0) {
+    want["aten::_local_scalar_dense"] = checks;
+  }
+  EXPECT_EQ(s.forward_backward, want)
+      << what << ": forward and backward read " << describe(s.forward_backward);
+  EXPECT_TRUE(s.step.empty()) << what << ": the step read " << describe(s.step);
+}
+
+models::LlamaConfig moe_config(const std::string& type) {
+  auto moe = models::MoeConfig().num_experts(4).num_experts_per_tok(2).output_router_logits(
+      true);
+  if (type == "qwen2_moe") {
+    moe.shared_expert_intermediate_size(16);
+  }
+  return models::LlamaConfig::tiny_test().model_type(type).moe(moe);
+}
+
+cb::BoosterOptions hybrid(const cb::plugin::HybridParallelPluginOptions& o) {
+  return cb::BoosterOptions().plugin(std::make_shared<cb::plugin::HybridParallelPlugin>(o));
+}
+
+cb::BoosterOptions zero(int stage) {
+  return cb::BoosterOptions().plugin(std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+      cb::plugin::LowLevelZeroPluginOptions().stage(stage).precision("bf16").overlap_communication(
+          true)));
+}
+
+} // namespace
+
+// The counter sees reads back and data-sized outputs, and leaves out what
+// ATen's CPU fused AdamW reads inside itself (its CUDA kernel reads the
+// step counts on the device).
+TEST(HostSyncs, CountsReadsBackAndDataSizedOutputs) {
+  const auto x = at::arange(6, at::kLong);
+  EXPECT_EQ(host_syncs(op_calls([&] { (void)x.sum().item<int64_t>(); })),
+            (Syncs{{"aten::_local_scalar_dense", 1}}));
+  EXPECT_EQ(host_syncs(op_calls([&] { (void)at::bincount(x); })).count("aten::bincount"), 1u);
+  EXPECT_EQ(host_syncs(op_calls([&] { (void)x.gt(2).nonzero(); })),
+            (Syncs{{"aten::nonzero", 1}}));
+  EXPECT_EQ(host_syncs(op_calls([&] { (void)x.index({x.gt(2)}); })),
+            (Syncs{{"aten::nonzero", 1}}));
+  EXPECT_TRUE(host_syncs(op_calls([&] { (void)(x * 2).cumsum(0); })).empty());
+}
+
+// Every family at one rank, under autocast and under LowLevelZero's bf16
+// weights: forward, backward and the optimizer's step read nothing back but
+// the fused loss's target check (BERT's masked-LM loss has none), a
+// padding mask and a mixture of experts included (their expert counts come
+// from the sorted routing, not bincount; the expert loop then copies the
+// counts once per sparse layer, which this counter does not see).
+TEST(HostSyncs, EveryFamilyReadsOnlyItsTargetsAtOneRank) {
+  colossalai::testing::run_distributed(1, [](int, int) {
+    const auto mask = at::ones({4, 16}, at::kLong).index_put_({0, at::indexing::Slice(0, 3)}, 0);
+    for (const bool zero1 : {false, true}) {
+      // A plugin boosts one model: each run makes its own.
+      const auto options = [zero1] {
+        return zero1 ? zero(1) : cb::BoosterOptions().mixed_precision("bf16");
+      };
+      const std::string on = zero1 ? " zero1" : " autocast";
+      expect_reads(
+          step_syncs(
+              zoo::GPT(zoo::GPTConfig::tiny_test()),
+              options(),
+              [](cb::Booster& booster, auto& boosted) {
+                auto loss = boosted.model(batch(), batch());
+                booster.backward(loss, *boosted.optimizer);
+              }),
+          1,
+          "zoo GPT" + on);
+      expect_reads(
+          step_syncs(models::LlamaForCausalLM(models::LlamaConfig::tiny_test()), options(), causal_lm_step()),
+          1,
+          "LLaMA" + on);
+      expect_reads(
+          step_syncs(models::LlamaForCausalLM(models::LlamaConfig::tiny_test()), options(), causal_lm_step(mask)),
+          1,
+          "LLaMA, padding mask" + on);
+      expect_reads(
+          step_syncs(models::GPT2LMHeadModel(models::GPT2Config::tiny_test()), options(), causal_lm_step()),
+          1,
+          "GPT-2" + on);
+      expect_reads(
+          step_syncs(models::BloomForCausalLM(models::BloomConfig::tiny_test()), options(), causal_lm_step(mask)),
+          1,
+          "BLOOM" + on);
+      expect_reads(
+          step_syncs(models::OPTForCausalLM(models::OPTConfig::tiny_test()), options(), causal_lm_step(mask)),
+          1,
+          "OPT" + on);
+      for (const std::string type : {"mixtral", "qwen2_moe"}) {
+        expect_reads(
+            step_syncs(models::LlamaForCausalLM(moe_config(type)), options(), causal_lm_step()),
+            1,
+            type + on);
+        expect_reads(
+            step_syncs(models::LlamaForCausalLM(moe_config(type)), options(), causal_lm_step(mask)),
+            1,
+            type + ", padding mask" + on);
+      }
+    }
+    // BERT in float32 (LibTorch 1.13's CPU autocast hands its LayerNorm a
+    // bf16 input beside float32 weights).
+    models::BertForMaskedLM bert(models::BertConfig::tiny_test());
+    expect_reads(
+        step_syncs(
+            bert,
+            cb::BoosterOptions(),
+            [&](cb::Booster& booster, auto& boosted) {
+              auto loss = bert->loss(boosted.model(batch()), batch());
+              booster.backward(loss, *boosted.optimizer);
+            }),
+        0,
+        "BERT");
+  });
+}
+
+// The sharding plugins add no reads: data parallel (DDP, FSDP, ZeRO-2 with
+// overlapped reductions, Gemini), tensor parallel (with ZeRO-1, with
+// split-gather sequence parallelism) and the sequence-parallel modes
+// (Ulysses, ring attention: which blocks of the causal mask are empty,
+// full or partial comes from the host's positions).
+TEST(HostSyncs, ShardingPluginsAddNoReads) {
+  colossalai::testing::run_distributed(2, [](int, int) {
+    namespace cp = cb::plugin;
+    using HPO = cp::HybridParallelPluginOptions;
+    // A plugin boosts one model: each run makes its own.
+    const std::vector<std::pair<std::string, std::function<cb::BoosterOptions()>>> plugins = {
+        {"ddp", [] { return cb::BoosterOptions().plugin(std::make_shared<cp::TorchDDPPlugin>()); }},
+        {"fsdp", [] { return cb::BoosterOptions().plugin(std::make_shared<cp::TorchFSDPPlugin>()); }},
+        {"zero2", [] { return zero(2); }},
+        {"gemini",
+         [] {
+           return cb::BoosterOptions().plugin(
+               std::make_shared<cp::GeminiPlugin>(cp::GeminiPluginOptions().precision("bf16")));
+         }},
+        {"tp2", [] { return hybrid(HPO().tp_size(2).precision("bf16")); }},
+        {"tp2 zero1", [] { return hybrid(HPO().tp_size(2).zero_stage(1).precision("bf16")); }},
+        {"tp2 split_gather",
+         [] { return hybrid(HPO().tp_size(2).precision("bf16").enable_sequence_parallelism(true).sequence_parallelism_mode(
+             "split_gather")); }},
+        {"sp2 all_to_all",
+         [] { return hybrid(HPO().sp_size(2).precision("bf16").enable_sequence_parallelism(true).sequence_parallelism_mode(
+             "all_to_all")); }},
+        {"sp2 ring_attn",
+         [] { return hybrid(HPO().sp_size(2).precision("bf16").enable_sequence_parallelism(true).sequence_parallelism_mode(
+             "ring_attn")); }},
+    };
+    for (const auto& [name, options] : plugins) {
+      // Under Ulysses and ring attention the loss is taken on each rank's
+      // part of the sequence, without the fused loss's check.
+      const int checks = name.rfind("sp2", 0) == 0 ? 0 : 1;
+      expect_reads(
+          step_syncs(models::LlamaForCausalLM(models::LlamaConfig::tiny_test()), options(), causal_lm_step()),
+          checks,
+          "LLaMA " + name);
+      expect_reads(
+          step_syncs(models::GPT2LMHeadModel(models::GPT2Config::tiny_test()), options(), causal_lm_step()),
+          checks,
+          "GPT-2 " + name);
+    }
+  });
+}
+
+// Packed documents (position_ids restarting inside a row, no mask): one
+// read tells them from a single sequence, as transformers' check does.
+TEST(HostSyncs, PackedDocumentsAreToldApartWithOneRead) {
+  colossalai::testing::run_distributed(1, [](int, int) {
+    const auto pos = at::cat({at::arange(8), at::arange(8)}).repeat({4, 1});
+    expect_reads(
+        step_syncs(
+            models::LlamaForCausalLM(models::LlamaConfig::tiny_test()),
+            cb::BoosterOptions().mixed_precision("bf16"),
+            causal_lm_step(at::Tensor(), pos)),
+        2,
+        "LLaMA, packed documents");
+  });
+}
+
+// A pipeline's step counts each micro-batch's tokens where the batch is,
+// before it moves (a host batch: no wait on a GPU), and reads nothing else.
+TEST(HostSyncs, PipelineReadsOnlyTheHostBatchesTokenCounts) {
+  colossalai::testing::run_distributed(2, [](int, int) {
+    models::LlamaForCausalLM model(models::LlamaConfig::tiny_test());
+    const auto s = step_syncs(
+        model,
+        hybrid(cb::plugin::HybridParallelPluginOptions().pp_size(2).num_microbatches(2).precision("bf16")),
+        [&](cb::Booster& booster, auto& boosted) {
+          booster.execute_pipeline(
+              [] { return colossalai::pipeline::Batch{batch(), batch()}; },
+              boosted.model,
+              [&](const at::Tensor& logits, const colossalai::pipeline::Batch& mb) {
+                return model->loss(logits, mb[1]);
+              },
+              boosted.optimizer.get());
+        });
+    expect_reads(s, 2, "LLaMA pp2, 2 micro-batches");
+  });
+}
+
+// Adapters add no reads: LoRA under ZeRO-2, QLoRA's NF4 base. LLM.int8's
+// base finds its outlier columns once per quantized layer's forward (a
+// data-sized index, as bitsandbytes' does).
+TEST(HostSyncs, AdaptersAddNoReads) {
+  colossalai::testing::run_distributed(1, [](int, int) {
+    namespace cq = colossalai::quantization;
+    const auto lora = colossalai::lora::LoraConfig().r(4).lora_alpha(8).target_modules(
+        {"q_proj", "v_proj"});
+    using Model = models::LlamaForCausalLM;
+    auto run = [&](const cb::BoosterOptions& options, const std::optional<cq::BnbQuantizationConfig>& q) {
+      return step_syncs(
+          Model(models::LlamaConfig::tiny_test()),
+          options,
+          causal_lm_step(),
+          std::function<void(cb::Booster&, Model&)>([&](cb::Booster& b, Model& m) {
+            b.enable_lora(m, "", lora, q, q.has_value());
+          }));
+    };
+    expect_reads(run(zero(2), std::nullopt), 1, "LoRA, ZeRO-2");
+    expect_reads(
+        run(cb::BoosterOptions().mixed_precision("bf16"), cq::BnbQuantizationConfig().load_in_4bit(true)),
+        1,
+        "QLoRA NF4");
+    const auto int8 =
+        run(cb::BoosterOptions().mixed_precision("bf16"), cq::BnbQuantizationConfig().load_in_8bit(true));
+    const int64_t linears = 7 * models::LlamaConfig::tiny_test().num_hidden_layers();
+    EXPECT_EQ(int8.forward_backward, (Syncs{{"aten::_local_scalar_dense", 1}, {"aten::nonzero", linears}}))
+        << describe(int8.forward_backward);
+    EXPECT_TRUE(int8.step.empty()) << describe(int8.step);
+  });
+}
