@@ -1309,6 +1309,52 @@ const auto kAdamW =
 // The multi-tensor norms are linalg_vector_norm(dtype=float32) of each
 // tensor (LibTorch 2.6+; none before), and the multi-tensor scale is a mul_
 // of each; 16-bit and float32 tensors in one list.
+// A bf16 activation beside float32 weights (BERT's head under CPU
+// autocast), in every LibTorch: normalised in float32 and rounded once to
+// bf16, within one rounding of the float32 norm (ATen's kernel may sum in
+// another order: a few float32 ulps before the rounding).
+TEST(Kernels, LayerNormTakesA16BitInputBesideFloatWeights) {
+  torch::manual_seed(3);
+  const auto x = torch::randn({5, 24}).to(at::kBFloat16);
+  const auto w = torch::randn({24}), b = torch::randn({24});
+  const auto got = colossalai::compat::layer_norm(x, {24}, w, b, 1e-5);
+  ASSERT_EQ(got.scalar_type(), at::kBFloat16);
+  const auto want = at::layer_norm(x.to(at::kFloat), {24}, w, b, 1e-5);
+  EXPECT_LE(
+      ((got.to(at::kFloat) - want).abs() / want.abs().clamp_min(1e-3)).max().item<double>(),
+      std::pow(2.0, -8) + 1e-5);
+  EXPECT_TRUE(at::equal(
+      colossalai::compat::layer_norm(x.to(at::kFloat), {24}, w, b, 1e-5), want));
+}
+
+// The sharded optimizers' clip by a coefficient left on the device gives
+// the host rule's gradients bit for bit (scaled by max_norm / (norm +
+// 1e-6) when below 1, else left alone), for float32 and bf16 gradients and
+// a float64 norm as total_norm_on_device reduces it.
+TEST(Kernels, ClipCoefficientOnTheDeviceIsTheHostRule) {
+  torch::manual_seed(4);
+  for (const double max_norm : {0.5, 1e9}) {
+    std::vector<at::Tensor> grads{
+        torch::randn({7, 5}), torch::randn({9}).to(at::kBFloat16), at::Tensor()};
+    std::vector<at::Tensor> want;
+    // No group of several ranks: the partials still combine in float64.
+    const std::vector<const colossalai::distributed::ProcessGroup*> groups{nullptr};
+    const auto norm = colossalai::interface::total_norm_on_device(grads, 2.0, groups);
+    EXPECT_EQ(norm.scalar_type(), at::kDouble);
+    // The root on the device and on the host (std::pow) may differ in the
+    // last bit.
+    EXPECT_DOUBLE_EQ(norm.item<double>(), colossalai::interface::total_norm(grads, 2.0, groups));
+    const double coef = max_norm / (norm.item<double>() + 1e-6);
+    for (const auto& g : grads) {
+      want.push_back(g.defined() && coef < 1.0 ? g.mul(coef) : g.defined() ? g.clone() : g);
+    }
+    colossalai::interface::scale_by_clip_coef(grads, norm, max_norm);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_TRUE(at::equal(grads[i], want[i])) << max_norm << " " << i;
+    }
+  }
+}
+
 TEST(Kernels, ForeachNormsAndScaleAreThePerTensorOnes) {
   torch::manual_seed(3);
   const std::vector<at::Tensor> ts{

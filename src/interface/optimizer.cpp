@@ -199,23 +199,15 @@ at::Tensor total_norm_tensor(
   return std::isinf(norm_type) ? all.max() : all.norm(norm_type);
 }
 
-double total_norm(
+namespace {
+
+// The partials of total_norm over `groups` (the sum of norm^p in double,
+// or the max), reduced over each group in turn on its device: [1].
+at::Tensor reduced_partials(
     const std::vector<at::Tensor>& tensors,
     double norm_type,
     const std::vector<const distributed::ProcessGroup*>& groups) {
   const bool inf = std::isinf(norm_type);
-  for (const auto& g : tensors) {
-    TORCH_CHECK(
-        !g.defined() || !compat::stream_capturing(g.device()),
-        "the global gradient norm (clip_grad_by_norm) is read back to the "
-        "host, which a CUDA graph cannot capture; clip on the device with "
-        "clip_grad_by_norm_tensor, or LowLevelZeroPlugin's max_norm at one "
-        "rank, or outside the captured step");
-  }
-  if (groups.empty()) {
-    // One host sync for the whole model (the norm is returned as a number).
-    return total_norm_tensor(tensors, norm_type).item<double>();
-  }
   const auto norms = norms_of(tensors, norm_type);
   at::Tensor local;
   if (norms.empty()) {
@@ -237,8 +229,40 @@ double total_norm(
         inf ? distributed::ReduceOp::kMax : distributed::ReduceOp::kSum)
         .wait();
   }
-  const double v = local.item<double>();
-  return inf ? v : std::pow(v, 1.0 / norm_type);
+  return local;
+}
+
+} // namespace
+
+double total_norm(
+    const std::vector<at::Tensor>& tensors,
+    double norm_type,
+    const std::vector<const distributed::ProcessGroup*>& groups) {
+  for (const auto& g : tensors) {
+    TORCH_CHECK(
+        !g.defined() || !compat::stream_capturing(g.device()),
+        "the global gradient norm (clip_grad_by_norm) is read back to the "
+        "host, which a CUDA graph cannot capture; clip on the device with "
+        "clip_grad_by_norm_tensor, or LowLevelZeroPlugin's max_norm at one "
+        "rank, or outside the captured step");
+  }
+  if (groups.empty()) {
+    // One host sync for the whole model (the norm is returned as a number).
+    return total_norm_tensor(tensors, norm_type).item<double>();
+  }
+  const double v = reduced_partials(tensors, norm_type, groups).item<double>();
+  return std::isinf(norm_type) ? v : std::pow(v, 1.0 / norm_type);
+}
+
+at::Tensor total_norm_on_device(
+    const std::vector<at::Tensor>& tensors,
+    double norm_type,
+    const std::vector<const distributed::ProcessGroup*>& groups) {
+  if (groups.empty()) {
+    return total_norm_tensor(tensors, norm_type).to(at::kDouble);
+  }
+  auto v = reduced_partials(tensors, norm_type, groups).reshape({});
+  return std::isinf(norm_type) ? v : v.pow(1.0 / norm_type);
 }
 
 at::Tensor clip_grads_on_device(
@@ -248,14 +272,23 @@ at::Tensor clip_grads_on_device(
   TORCH_CHECK(max_norm > 0, "clip_grad_by_norm: max_norm must be positive");
   TORCH_CHECK(norm_type > 0, "clip_grad_by_norm: norm_type must be positive");
   auto norm = total_norm_tensor(grads, norm_type);
-  const auto coef =
-      at::full({}, max_norm, norm.options()).div(norm + 1e-6).clamp_max(1.0);
+  scale_by_clip_coef(grads, norm, max_norm);
+  return norm;
+}
+
+void scale_by_clip_coef(
+    const std::vector<at::Tensor>& grads,
+    const at::Tensor& norm,
+    double max_norm) {
+  const auto coef = at::full({}, max_norm, norm.options())
+                        .div(norm + 1e-6)
+                        .clamp_max(1.0)
+                        .to(at::kFloat);
   // One copy per device (offloaded shards live on the host): not one per
   // tensor, each a read back from the device.
   for (const auto& group : by_device(grads)) {
     compat::foreach_mul_(group, coef.to(group.front().device()));
   }
-  return norm;
 }
 
 double grad_norm(const std::vector<at::Tensor>& params, double norm_type) {

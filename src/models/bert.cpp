@@ -62,6 +62,13 @@ std::string gelu_approximation(const BertConfig& c) {
   return "tanh";
 }
 
+// A 16-bit activation (autocast's) beside float32 weights included.
+at::Tensor norm(const torch::nn::LayerNorm& ln, const at::Tensor& x) {
+  const auto& o = ln->options;
+  return compat::layer_norm(
+      x, o.normalized_shape(), ln->weight, ln->bias, o.eps());
+}
+
 torch::nn::LayerNorm layer_norm(const BertConfig& c) {
   return torch::nn::LayerNorm(
       torch::nn::LayerNormOptions({c.hidden_size()}).eps(c.layer_norm_eps()));
@@ -192,7 +199,7 @@ at::Tensor BertEmbeddingsImpl::forward(
           position_ids.defined()
               ? position_ids
               : at::arange(t, ids.options().dtype(at::kLong)));
-  return dropout(LayerNorm(x));
+  return dropout(norm(LayerNorm, x));
 }
 
 BertSelfAttentionImpl::BertSelfAttentionImpl(
@@ -243,7 +250,7 @@ BertSelfOutputImpl::BertSelfOutputImpl(const BertConfig& c) {
 at::Tensor BertSelfOutputImpl::forward(
     const at::Tensor& hidden,
     const at::Tensor& input) {
-  return LayerNorm(dropout(dense(hidden)) + input);
+  return norm(LayerNorm, dropout(dense(hidden)) + input);
 }
 
 BertAttentionImpl::BertAttentionImpl(
@@ -281,7 +288,7 @@ BertOutputImpl::BertOutputImpl(const BertConfig& c) {
 at::Tensor BertOutputImpl::forward(
     const at::Tensor& hidden,
     const at::Tensor& input) {
-  return LayerNorm(dropout(dense(hidden)) + input);
+  return norm(LayerNorm, dropout(dense(hidden)) + input);
 }
 
 BertLayerImpl::BertLayerImpl(const BertConfig& c, const ParallelState* state) {
@@ -376,7 +383,7 @@ BertPredictionHeadTransformImpl::BertPredictionHeadTransformImpl(
 }
 
 at::Tensor BertPredictionHeadTransformImpl::forward(const at::Tensor& x) {
-  return LayerNorm(at::gelu(dense(x), approximate_));
+  return norm(LayerNorm, at::gelu(dense(x), approximate_));
 }
 
 BertLMPredictionHeadImpl::BertLMPredictionHeadImpl(const BertConfig& c) {

@@ -65,11 +65,17 @@ void sum_partial_grads(
   }
 }
 
-double global_grad_norm(
+namespace {
+
+using Groups = std::vector<const distributed::ProcessGroup*>;
+
+// The gradients that count once over the mesh, and the groups their
+// partials combine over: `pieces` first, even when null (the partials are
+// then combined in double precision whatever the mesh), then the table's.
+std::pair<std::vector<at::Tensor>, Groups> norm_inputs(
     const PlacementTable& table,
     const std::vector<at::Tensor>& params,
     const std::vector<at::Tensor>& grads,
-    double norm_type,
     const distributed::ProcessGroup* pieces) {
   TORCH_CHECK(
       params.size() == grads.size(),
@@ -84,13 +90,33 @@ double global_grad_norm(
       counted.push_back(grads[i]);
     }
   }
-  // `pieces` first, even when null: the partials are then combined in
-  // double precision whatever the mesh (interface::total_norm).
-  std::vector<const distributed::ProcessGroup*> groups{pieces};
+  Groups groups{pieces};
   for (const auto* g : table.reduction_groups()) {
     groups.push_back(g);
   }
-  return interface::total_norm(counted, norm_type, groups);
+  return {std::move(counted), std::move(groups)};
+}
+
+} // namespace
+
+double global_grad_norm(
+    const PlacementTable& table,
+    const std::vector<at::Tensor>& params,
+    const std::vector<at::Tensor>& grads,
+    double norm_type,
+    const distributed::ProcessGroup* pieces) {
+  const auto in = norm_inputs(table, params, grads, pieces);
+  return interface::total_norm(in.first, norm_type, in.second);
+}
+
+at::Tensor global_grad_norm_on_device(
+    const PlacementTable& table,
+    const std::vector<at::Tensor>& params,
+    const std::vector<at::Tensor>& grads,
+    double norm_type,
+    const distributed::ProcessGroup* pieces) {
+  const auto in = norm_inputs(table, params, grads, pieces);
+  return interface::total_norm_on_device(in.first, norm_type, in.second);
 }
 
 } // namespace placement

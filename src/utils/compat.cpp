@@ -213,6 +213,23 @@ void fused_adam_(
                  decoupled);
 }
 
+at::Tensor layer_norm(
+    const at::Tensor& x,
+    at::IntArrayRef normalized_shape,
+    const at::Tensor& weight,
+    const at::Tensor& bias,
+    double eps) {
+#if !COLOSSALAI_TORCH_AT_LEAST(2, 1)
+  if (x.is_cpu() && weight.defined() &&
+      x.scalar_type() != weight.scalar_type()) {
+    return at::layer_norm(
+               x.to(weight.scalar_type()), normalized_shape, weight, bias, eps)
+        .to(x.scalar_type());
+  }
+#endif
+  return at::layer_norm(x, normalized_shape, weight, bias, eps);
+}
+
 bool stream_capturing(at::Device device) {
 #ifdef COLOSSALAI_WITH_CUDA
   if (!device.is_cuda()) {

@@ -170,8 +170,10 @@ at::Tensor upload_async(const at::Tensor& t, const at::Device& device) {
     return t;
   }
   if (t.is_cpu() && device.is_cuda()) {
-    const auto pinned = t.is_pinned() ? t : t.pin_memory();
-    return pinned.to(device, /*non_blocking=*/true);
+    // A copy also of a pinned `t`, which the caller may write again.
+    auto staged = at::empty(t.sizes(), t.options().pinned_memory(true));
+    staged.copy_(t);
+    return staged.to(device, /*non_blocking=*/true);
   }
   return t.to(device);
 }

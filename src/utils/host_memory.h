@@ -34,12 +34,13 @@ at::Tensor to_device(
     const at::Tensor& t,
     const at::Device& device,
     at::ScalarType dtype);
-/// A small host tensor made in the step (indices, positions) on `device`
-/// without the host waiting: a GPU gets it through page-locked memory,
+/// A host tensor of the step (a batch, indices, positions) on `device`
+/// without the host waiting: a GPU gets it through a page-locked copy,
 /// asynchronously (a copy from pageable memory blocks the host until the
-/// device's queue has drained, and a CUDA graph's capture refuses it);
-/// ATen's pinned allocator keeps the staging buffer until the copy has run.
-/// `t` itself where it is already there.
+/// device's queue has drained, and a CUDA graph's capture refuses it).
+/// ATen's pinned allocator keeps the staging copy until the transfer has
+/// run; `t` itself may change as soon as this returns. `t` itself where it
+/// is already there.
 at::Tensor upload_async(const at::Tensor& t, const at::Device& device);
 /// Blocks until the work queued on `device`'s current stream (to_device's
 /// copies among it) has run; nothing for the host.

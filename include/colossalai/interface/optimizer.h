@@ -116,6 +116,14 @@ double total_norm(
     const std::vector<at::Tensor>& tensors,
     double norm_type,
     const std::vector<const distributed::ProcessGroup*>& groups);
+/// total_norm over `groups` without reading it back: a float64 scalar on
+/// the device of the last reduction (the tensors' where none ran), for
+/// scale_by_clip_coef. The sharded optimizers clip by it inside their
+/// step, so that step makes a GPU's host wait for nothing.
+at::Tensor total_norm_on_device(
+    const std::vector<at::Tensor>& tensors,
+    double norm_type,
+    const std::vector<const distributed::ProcessGroup*>& groups);
 /// total_norm of the whole model's `tensors` without reading it back: a
 /// float32 scalar on the first tensor's device (0 for none), so a step
 /// captured in a CUDA graph may clip by it.
@@ -130,6 +138,14 @@ at::Tensor clip_grads_on_device(
     const std::vector<at::Tensor>& grads,
     double max_norm,
     double norm_type);
+/// Scales `grads` in place by torch.nn.utils.clip_grad_norm_'s coefficient
+/// for the scalar tensor `norm`: max_norm / (norm + 1e-6) in norm's dtype,
+/// clamped to 1 and always applied, in float32 once per device of `grads`.
+/// A product by 1 is exact, so this equals scaling only below 1.
+void scale_by_clip_coef(
+    const std::vector<at::Tensor>& grads,
+    const at::Tensor& norm,
+    double max_norm);
 /// total_norm of the parameters' gradients.
 double grad_norm(const std::vector<at::Tensor>& params, double norm_type);
 void scale_grads(const std::vector<at::Tensor>& params, double factor);

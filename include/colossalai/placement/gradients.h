@@ -40,6 +40,14 @@ double global_grad_norm(
     const std::vector<at::Tensor>& grads,
     double norm_type,
     const distributed::ProcessGroup* pieces = nullptr);
+/// The same norm left on the device (interface::total_norm_on_device), to
+/// clip by without reading it back.
+at::Tensor global_grad_norm_on_device(
+    const PlacementTable& table,
+    const std::vector<at::Tensor>& params,
+    const std::vector<at::Tensor>& grads,
+    double norm_type,
+    const distributed::ProcessGroup* pieces = nullptr);
 
 } // namespace placement
 } // namespace colossalai

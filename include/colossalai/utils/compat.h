@@ -162,6 +162,17 @@ void foreach_mul_(at::TensorList tensors, const at::Tensor& scale);
 /// transposed view of a contiguous [n, k].
 at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& b);
 
+/// at::layer_norm. LibTorch before 2.1 cannot take a 16-bit input beside
+/// float32 weight and bias on the CPU (a bf16 activation under autocast):
+/// there it normalises in the weight's dtype and rounds the result to the
+/// input's, as the later kernel does.
+at::Tensor layer_norm(
+    const at::Tensor& x,
+    at::IntArrayRef normalized_shape,
+    const at::Tensor& weight,
+    const at::Tensor& bias,
+    double eps);
+
 /// The dtype autocast casts to on `device` (CPU or CUDA) in this thread, or
 /// nullopt where autocast is off there.
 c10::optional<at::ScalarType> autocast_dtype(at::DeviceType device);

@@ -155,6 +155,8 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// Every group's gradient shard, in group order.
   std::vector<at::Tensor> shard_grads() const;
   double global_norm(double norm_type);
+  /// The same left on the device.
+  at::Tensor global_norm_on_device(double norm_type);
   void scale_grads(double factor);
 
   void sum_partial_grads();

@@ -183,6 +183,19 @@ double ShardedOptimizer::global_norm(double norm_type) {
       *placement_, pieces.first, pieces.second, norm_type, group_.get());
 }
 
+at::Tensor ShardedOptimizer::global_norm_on_device(double norm_type) {
+  if (placement_ == nullptr || placement_->reduction_groups().empty()) {
+    std::vector<const distributed::ProcessGroup*> groups;
+    if (group_ != nullptr) {
+      groups.push_back(group_.get());
+    }
+    return interface::total_norm_on_device(shard_grads(), norm_type, groups);
+  }
+  auto pieces = pieces_of(groups_);
+  return placement::global_grad_norm_on_device(
+      *placement_, pieces.first, pieces.second, norm_type, group_.get());
+}
+
 void ShardedOptimizer::step() {
   published_during_step_ = 0;
   sum_partial_grads();
@@ -192,12 +205,12 @@ void ShardedOptimizer::step() {
     if (options_.max_norm() > 0 && one_rank()) {
       clip_on_device(options_.max_norm(), options_.norm_type());
     } else if (options_.max_norm() > 0) {
-      const double norm = global_norm(options_.norm_type());
-      // Same rule and epsilon as torch.nn.utils.clip_grad_norm_.
-      const double coef = options_.max_norm() / (norm + 1e-6);
-      if (coef < 1.0) {
-        scale_grads(coef);
-      }
+      // Clipped by a coefficient that stays on the device: a step with
+      // max_norm reads nothing back.
+      interface::scale_by_clip_coef(
+          shard_grads(),
+          global_norm_on_device(options_.norm_type()),
+          options_.max_norm());
     }
     step_optimizer();
     after_step();

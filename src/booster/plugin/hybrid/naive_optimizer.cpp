@@ -35,7 +35,7 @@ HybridParallelNaiveOptimizer::HybridParallelNaiveOptimizer(
 void HybridParallelNaiveOptimizer::step() {
   sum_partial_grads();
   if (max_norm_ > 0) {
-    clip_grad_by_norm(max_norm_, 2.0);
+    clip_on_device(max_norm_, 2.0);
   }
   optim_->step();
   summed_ = false;
@@ -62,12 +62,19 @@ double HybridParallelNaiveOptimizer::clip_grad_by_norm(
     double norm_type) {
   TORCH_CHECK(max_norm > 0, "clip_grad_by_norm: max_norm must be positive");
   TORCH_CHECK(norm_type > 0, "clip_grad_by_norm: norm_type must be positive");
+  return clip_on_device(max_norm, norm_type).item<double>();
+}
+
+at::Tensor HybridParallelNaiveOptimizer::clip_on_device(
+    double max_norm,
+    double norm_type) {
   sum_partial_grads();
   const auto params = parameters();
   const auto grads = grads_of(params);
-  double norm = 0;
+  at::Tensor norm;
   if (ep_ == nullptr) {
-    norm = placement::global_grad_norm(*table_, params, grads, norm_type);
+    norm = placement::global_grad_norm_on_device(
+        *table_, params, grads, norm_type);
   } else {
     // Experts differ per expert-parallel rank, the rest is the same on
     // each: that is counted on ep rank 0 only, then the ep group sums.
@@ -86,13 +93,10 @@ double HybridParallelNaiveOptimizer::clip_grad_by_norm(
     for (const auto* g : table_->reduction_groups()) {
       groups.push_back(g);
     }
-    norm = interface::total_norm(counted, norm_type, groups);
+    norm = interface::total_norm_on_device(counted, norm_type, groups);
   }
-  // Same rule and epsilon as torch.nn.utils.clip_grad_norm_.
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    interface::scale_grads(params, coef);
-  }
+  // torch.nn.utils.clip_grad_norm_'s rule and epsilon.
+  interface::scale_by_clip_coef(grads, norm, max_norm);
   return norm;
 }
 

@@ -40,6 +40,9 @@ class HybridParallelNaiveOptimizer : public interface::OptimizerWrapper {
       distributed::ProcessGroupPtr ep);
 
  private:
+  /// clip_grad_by_norm's scaling with the norm and coefficient left on the
+  /// device (the step's max_norm reads nothing back); returns the norm.
+  at::Tensor clip_on_device(double max_norm, double norm_type);
   // Partial gradients summed, experts averaged: once per step.
   void sum_partial_grads();
 
