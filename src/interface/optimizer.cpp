@@ -211,7 +211,15 @@ at::Tensor reduced_partials(
   const auto norms = norms_of(tensors, norm_type);
   at::Tensor local;
   if (norms.empty()) {
-    local = at::zeros({1}, at::kDouble);
+    // Where a norm would have been: no later copy from pageable memory.
+    at::Device device(at::kCPU);
+    for (const auto& t : tensors) {
+      if (t.defined()) {
+        device = t.device();
+        break;
+      }
+    }
+    local = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
   } else {
     auto all = stack_on_one_device(norms).to(at::kDouble);
     local = (inf ? all.max() : all.pow(norm_type).sum()).reshape({1});
@@ -287,7 +295,26 @@ void scale_by_clip_coef(
   // One copy per device (offloaded shards live on the host): not one per
   // tensor, each a read back from the device.
   for (const auto& group : by_device(grads)) {
-    compat::foreach_mul_(group, coef.to(group.front().device()));
+    const auto device = group.front().device();
+    if (device.is_cpu()) {
+      // The host reads the coefficient anyway (its step needs the
+      // gradients): a pass over them only where it scales.
+      const auto host = coef.to(at::kCPU);
+      if (host.data_ptr<float>()[0] < 1.0f) {
+        compat::foreach_mul_(group, host);
+      }
+      continue;
+    }
+    // On a GPU in the gradients' dtype where they share one: the
+    // multi-tensor kernel takes only that (torch's clip_grad_norm_ also
+    // rounds the coefficient to a 16-bit gradient's dtype there).
+    const auto dtype = group.front().scalar_type();
+    const bool one_dtype = std::all_of(
+        group.begin(), group.end(), [&](const at::Tensor& g) {
+          return g.scalar_type() == dtype;
+        });
+    compat::foreach_mul_(
+        group, coef.to(device, one_dtype ? dtype : at::kFloat));
   }
 }
 

@@ -111,7 +111,8 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
 
   // Each (token, slot) pair sorted by expert, stably: an expert's rows are
   // contiguous and in token order.
-  const auto sorted = at::sort(chosen.reshape({-1}), /*stable=*/true, 0, false);
+  const auto sorted =
+      at::sort(chosen.reshape({-1}), /*stable=*/true, 0, false);
   const auto& order = std::get<1>(sorted);
   const auto token_of = order.div(k, "floor"); // pair i is token i / k's
   const auto slot_weight = weights.reshape({-1}).index_select(0, order);

@@ -169,7 +169,7 @@ at::Tensor upload_async(const at::Tensor& t, const at::Device& device) {
   if (t.device() == device) {
     return t;
   }
-  if (t.is_cpu() && device.is_cuda()) {
+  if (t.is_cpu() && device.is_cuda() && t.layout() == at::kStrided) {
     // A copy also of a pinned `t`, which the caller may write again.
     auto staged = at::empty(t.sizes(), t.options().pinned_memory(true));
     staged.copy_(t);

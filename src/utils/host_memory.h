@@ -39,8 +39,8 @@ at::Tensor to_device(
 /// asynchronously (a copy from pageable memory blocks the host until the
 /// device's queue has drained, and a CUDA graph's capture refuses it).
 /// ATen's pinned allocator keeps the staging copy until the transfer has
-/// run; `t` itself may change as soon as this returns. `t` itself where it
-/// is already there.
+/// run; `t` itself may change as soon as this returns. The result is
+/// contiguous; `t` itself where it is already there.
 at::Tensor upload_async(const at::Tensor& t, const at::Device& device);
 /// Blocks until the work queued on `device`'s current stream (to_device's
 /// copies among it) has run; nothing for the host.

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 
 namespace colossalai {
 namespace testing {
@@ -152,48 +154,63 @@ void deterministic_on_gpu() {
 }
 
 namespace {
+
 // ATen's CPU fused Adam / AdamW read each tensor's step count with item();
 // their CUDA kernels read them on the device.
 bool cpu_kernel_scope(const char* name) {
   return std::strcmp(name, "aten::_fused_adamw_") == 0 ||
       std::strcmp(name, "aten::_fused_adam_") == 0;
 }
+
+// What op_calls counts into: one tally for every thread running `fn`'s
+// operators (the callback travels with the thread-local state to
+// autograd's device threads, where a GPU's backward runs); the scope of a
+// cpu_kernel_scope operator is per thread.
+struct OpTally {
+  std::mutex mu;
+  std::map<std::string, int> calls;
+};
+std::atomic<OpTally*> g_op_tally{nullptr};
+thread_local std::string t_scope; // the outermost cpu_kernel_scope running
+thread_local int t_depth = 0;
+
 } // namespace
 
 std::map<std::string, int> op_calls(const std::function<void()>& fn) {
-  struct Tally {
-    std::map<std::string, int> calls;
-    std::string scope; // the outermost cpu_kernel_scope operator running
-    int depth = 0;
-  };
-  static thread_local Tally* tally = nullptr;
-  Tally counted;
-  tally = &counted;
+  OpTally tally;
+  OpTally* expected = nullptr;
+  TORCH_CHECK(
+      g_op_tally.compare_exchange_strong(expected, &tally),
+      "op_calls: already counting");
   const auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
       [](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
-        if (tally != nullptr) {
-          ++tally->calls
-                [tally->depth > 0 ? tally->scope + " > " + f.name() : f.name()];
-          if (cpu_kernel_scope(f.name()) && tally->depth++ == 0) {
-            tally->scope = f.name();
+        auto* t = g_op_tally.load();
+        if (t != nullptr) {
+          const std::string name =
+              t_depth > 0 ? t_scope + " > " + f.name() : f.name();
+          if (cpu_kernel_scope(f.name()) && t_depth++ == 0) {
+            t_scope = f.name();
           }
+          std::lock_guard<std::mutex> lock(t->mu);
+          ++t->calls[name];
         }
         return nullptr;
       },
       [](const at::RecordFunction& f, at::ObserverContext*) {
-        if (tally != nullptr && cpu_kernel_scope(f.name())) {
-          --tally->depth;
+        if (g_op_tally.load() != nullptr && cpu_kernel_scope(f.name())) {
+          --t_depth;
         }
       }));
   struct Remove {
     at::CallbackHandle handle;
     ~Remove() {
       at::removeCallback(handle);
-      tally = nullptr;
+      g_op_tally.store(nullptr);
     }
   } remove{handle};
   fn();
-  return std::move(counted.calls);
+  std::lock_guard<std::mutex> lock(tally.mu);
+  return tally.calls;
 }
 
 std::map<std::string, int> host_syncs(const std::map<std::string, int>& calls) {

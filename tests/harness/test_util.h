@@ -128,11 +128,12 @@ inline bool same_across_tiers(
 std::map<std::string, int> op_calls(const std::function<void()>& fn);
 
 /// The calls in `calls` (op_calls) of operators after which a GPU's host
-/// waits for the device: a value read back (aten::_local_scalar_dense:
-/// item(), a tensor's truth, equal) or an output sized by the data (nonzero and
-/// what indexes by a mask, masked_select, bincount, unique). They run on
-/// the CPU as well, so a CPU test shows a step free of them; a copy to the
-/// host (.cpu()) looks the same as no copy there and is not seen.
+/// waits for the device: a value read back (item() and a tensor's truth,
+/// aten::_local_scalar_dense; equal) or an output sized by the data
+/// (nonzero and what indexes by a mask, masked_select, bincount, unique).
+/// They run on the CPU as well, so a CPU test shows a step free of them; a
+/// copy to the host (.cpu()) looks the same as no copy there and is not
+/// seen.
 std::map<std::string, int> host_syncs(const std::map<std::string, int>& calls);
 
 /// Makes a GPU run repeat bit for bit, for tests that compare runs bitwise:

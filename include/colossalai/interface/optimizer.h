@@ -140,8 +140,10 @@ at::Tensor clip_grads_on_device(
     double norm_type);
 /// Scales `grads` in place by torch.nn.utils.clip_grad_norm_'s coefficient
 /// for the scalar tensor `norm`: max_norm / (norm + 1e-6) in norm's dtype,
-/// clamped to 1 and always applied, in float32 once per device of `grads`.
-/// A product by 1 is exact, so this equals scaling only below 1.
+/// clamped to 1, in float32 (on a GPU in the gradients' one dtype), copied
+/// once per device of `grads`. On a GPU it is always applied (a product by
+/// 1 is exact); host gradients are read through only below 1. A NaN norm
+/// makes the gradients NaN, as torch's does.
 void scale_by_clip_coef(
     const std::vector<at::Tensor>& grads,
     const at::Tensor& norm,
