@@ -13,8 +13,15 @@
 //   it, not a device-side assertion;
 // - position_ids without an attention_mask are looked at once per forward
 //   to tell packed documents from one sequence (as transformers does);
+// - a pipeline counts each micro-batch's tokens on the batch as given (no
+//   wait for a host batch);
+// - LLM.int8's quantized layers find their outlier columns (as
+//   bitsandbytes does);
 // - fp16's loss scaler reads whether the gradients overflowed, to skip
-//   the step (ColossalAI's does).
+//   the step (ColossalAI's does; CPU LibTorch has no fp16 matmul, so it is
+//   not counted here);
+// - MoE's expert loop copies the expert counts to the host once per sparse
+//   layer to cut the rows (a copy, which this counter does not see).
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
@@ -39,7 +46,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <fstream>
+#include <functional>
 
 namespace cb = colossalai::booster;
 namespace models = colossalai::models;
@@ -98,7 +105,7 @@ StepSyncs step_syncs(
 const at::Tensor& batch() {
   static const at::Tensor ids = [] {
     auto gen = at::detail::createCPUGenerator(7);
-    return at::randint(96, {4, 16}, gen); // every tiny vocabulary has 96
+    return at::randint(96, {4, 16}, gen); // ids every tiny config holds
   }();
   return ids;
 }
@@ -112,12 +119,13 @@ auto causal_lm_step(Args... args) {
   };
 }
 
-// A step whose only read is the fused loss's target check (`checks` 1), or
-// none at all (0).
-void expect_reads(const StepSyncs& s, int checks, const std::string& what) {
+// A step whose forward and backward read `reads` values back and nothing
+// data-sized (the fused loss's target check, and what a test names), and
+// whose optimizer step reads nothing.
+void expect_reads(const StepSyncs& s, int reads, const std::string& what) {
   Syncs want;
-  if (checks > 0) {
-    want["aten::_local_scalar_dense"] = checks;
+  if (reads > 0) {
+    want["aten::_local_scalar_dense"] = reads;
   }
   EXPECT_EQ(s.forward_backward, want)
       << what << ": forward and backward read " << describe(s.forward_backward);
