@@ -175,6 +175,16 @@ TEST(HostSyncs, CountsReadsBackAndDataSizedOutputs) {
   EXPECT_EQ(host_syncs(op_calls([&] { (void)x.index({x.gt(2)}); })),
             (Syncs{{"aten::nonzero", 1}}));
   EXPECT_TRUE(host_syncs(op_calls([&] { (void)(x * 2).cumsum(0); })).empty());
+  // FusedAdamW's step on the CPU: ATen's fused kernel, where this LibTorch
+  // has one for the CPU, reads each step count inside itself.
+  auto p = torch::randn({3}).requires_grad_();
+  p.mutable_grad() = torch::ones({3});
+  colossalai::nn::optimizer::FusedAdamW opt({p}, torch::optim::AdamWOptions(1e-3));
+  const auto calls = op_calls([&] { opt.step(); });
+  EXPECT_TRUE(host_syncs(calls).empty()) << describe(host_syncs(calls));
+  if (calls.count("aten::_fused_adamw_") > 0) {
+    EXPECT_EQ(calls.count("aten::_fused_adamw_ > aten::_local_scalar_dense"), 1u);
+  }
 }
 
 // Every family at one rank, under autocast and under LowLevelZero's bf16
