@@ -1327,10 +1327,11 @@ TEST(Kernels, LayerNormTakesA16BitInputBesideFloatWeights) {
       colossalai::compat::layer_norm(x.to(at::kFloat), {24}, w, b, 1e-5), want));
 }
 
-// The sharded optimizers' clip by a coefficient left on the device gives
-// the host rule's gradients bit for bit (scaled by max_norm / (norm +
-// 1e-6) when below 1, else left alone), for float32 and bf16 gradients and
-// a float64 norm as total_norm_on_device reduces it.
+// The sharded optimizers' clip by a coefficient left on the device gives,
+// on the CPU, the host rule's gradients bit for bit (scaled by max_norm /
+// (norm + 1e-6) when below 1, else left alone), for float32 and bf16
+// gradients and a float64 norm as total_norm_on_device reduces it. (A GPU
+// rounds the coefficient to a 16-bit gradient's dtype, as torch does.)
 TEST(Kernels, ClipCoefficientOnTheDeviceIsTheHostRule) {
   torch::manual_seed(4);
   for (const double max_norm : {0.5, 1e9}) {
