@@ -155,7 +155,8 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// Every group's gradient shard, in group order.
   std::vector<at::Tensor> shard_grads() const;
   double global_norm(double norm_type);
-  /// The same left on the device.
+  /// The same left on the device: float32 at one rank (torch's
+  /// clip_grad_norm_ arithmetic), else the float64 partials reduced.
   at::Tensor global_norm_on_device(double norm_type);
   void scale_grads(double factor);
 
@@ -165,8 +166,6 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   void step_optimizer();
   /// One rank holds every shard and no placement spreads the model.
   bool one_rank() const;
-  /// max_norm's clipping at one rank, on the gradients' device.
-  void clip_on_device(double max_norm, double norm_type);
 
   ShardedOptimizerOptions options_;
   std::unique_ptr<amp::DynamicLossScaler> scaler_;

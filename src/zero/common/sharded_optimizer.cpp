@@ -184,6 +184,9 @@ double ShardedOptimizer::global_norm(double norm_type) {
 }
 
 at::Tensor ShardedOptimizer::global_norm_on_device(double norm_type) {
+  if (one_rank()) {
+    return interface::total_norm_tensor(shard_grads(), norm_type);
+  }
   if (placement_ == nullptr || placement_->reduction_groups().empty()) {
     std::vector<const distributed::ProcessGroup*> groups;
     if (group_ != nullptr) {
@@ -202,11 +205,9 @@ void ShardedOptimizer::step() {
   unscale();
   skipped_ = scaler_ != nullptr && overflow();
   if (!skipped_) {
-    if (options_.max_norm() > 0 && one_rank()) {
-      clip_on_device(options_.max_norm(), options_.norm_type());
-    } else if (options_.max_norm() > 0) {
+    if (options_.max_norm() > 0) {
       // Clipped by a coefficient that stays on the device: a step with
-      // max_norm reads nothing back.
+      // max_norm reads nothing back (and a CUDA graph may capture it).
       interface::scale_by_clip_coef(
           shard_grads(),
           global_norm_on_device(options_.norm_type()),
@@ -292,10 +293,6 @@ std::string ShardedOptimizer::sharded_graph_blocker(
 
 bool ShardedOptimizer::one_rank() const {
   return (group_ == nullptr || group_->size() == 1) && placement_ == nullptr;
-}
-
-void ShardedOptimizer::clip_on_device(double max_norm, double norm_type) {
-  interface::clip_grads_on_device(shard_grads(), max_norm, norm_type);
 }
 
 void ShardedOptimizer::zero_grad(bool set_to_none) {
