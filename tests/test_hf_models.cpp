@@ -170,10 +170,17 @@ double grad_tol(const at::Tensor& ref) {
   return 1e-4 * ref.abs().max().item<double>() + 1e-7;
 }
 
+// `grouped_experts`: a mixture of experts' experts through grouped GEMMs
+// (models::set_grouped_expert_gemm), the same products in other orders.
 template <class M>
-void check_against_transformers(const std::string& name) {
-  SCOPED_TRACE(name);
+void check_against_transformers(const std::string& name, bool grouped_experts = false) {
+  SCOPED_TRACE(name + (grouped_experts ? ", grouped expert GEMMs" : ""));
   auto model = models::from_pretrained<M>((fixtures() / name).string());
+  if constexpr (std::is_same_v<M, models::LlamaForCausalLM>) {
+    if (grouped_experts) {
+      ASSERT_GT(models::set_grouped_expert_gemm(*model, true), 0);
+    }
+  }
   model->eval();
   auto ref = reference(name);
   const auto ids = ref["ids"];
@@ -261,6 +268,17 @@ TEST_F(HfModels, LogitsLossAndGradientsMatchTransformers) {
     with_family(name, [&](auto family) {
       check_against_transformers<typename decltype(family)::type>(name);
     });
+  }
+}
+
+TEST_F(HfModels, MoeModelsWithGroupedExpertGemmsMatchTransformers) {
+  if (!colossalai::compat::has_grouped_mm(at::kCPU, at::kFloat)) {
+    GTEST_SKIP() << "at::_grouped_mm needs LibTorch 2.10";
+  }
+  for (const auto& name : kCases) {
+    if (is_moe(name)) {
+      check_against_transformers<models::LlamaForCausalLM>(name, true);
+    }
   }
 }
 
@@ -680,14 +698,16 @@ bool has_balancing_loss(const std::string& name) {
 }
 
 // `loss_tol` and `weight_tol`: fp32's bounds unless the options train in
-// another precision.
+// another precision. `grouped_experts`: the boosted model's experts through
+// grouped GEMMs (models::set_grouped_expert_gemm).
 template <class M>
 void check_hybrid(
     const std::string& name,
     const std::string& what,
     const HPO& options,
     double loss_tol = 1e-5,
-    double weight_tol = 2e-5) {
+    double weight_tol = 2e-5,
+    bool grouped_experts = false) {
   SCOPED_TRACE(name + " " + what);
   const auto dir = (fixtures() / name).string();
   // ep_size > 1: experts split over data-parallel ranks.
@@ -706,6 +726,9 @@ void check_hybrid(
             batch);
   cb::Booster booster(cb::BoosterOptions().plugin(plugin));
   auto model = models::from_pretrained<M>(dir);
+  if (grouped_experts) {
+    ASSERT_GT(models::set_grouped_expert_gemm(*model, true), 0);
+  }
   auto boosted = booster.boost(
       model, colossalai::testing::make_optimizer(model->parameters(), true));
   const bool pipelined = options.pp_size() > 1;
@@ -885,6 +908,11 @@ TEST_F(HfModels, MoeModelsTrainUnderExpertParallelismAsOneProcess) {
         "qwen2_moe", "ep2_dp2_zero2", base().zero_stage(2));
     check_hybrid<models::Qwen2MoeForCausalLM>(
         "qwen2_moe", "ep4_tp1", base().ep_size(4));
+    if (colossalai::compat::has_grouped_mm(at::kCPU, at::kFloat)) {
+      // Each rank's experts on the rows that arrive, in grouped GEMMs.
+      check_hybrid<Q3>(
+          "qwen3_moe", "ep2_dp2_zero1_grouped", base().zero_stage(1), 1e-5, 2e-5, true);
+    }
     // bf16 weights, rows and all-to-alls (fp32 masters under ZeRO-1), against
     // one process in fp32: bf16's rounding. Losses of about 4.6 within 0.05
     // (a few bf16 ulps of the logits' sums); weights within two bf16 ulps

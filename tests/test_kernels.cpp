@@ -4,10 +4,12 @@
 // every dtype they take.
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/interface/optimizer.h>
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/gelu_linear.h>
+#include <colossalai/kernels/grouped_swiglu.h>
 #include <colossalai/kernels/layer_norm.h>
 #include <colossalai/kernels/rms_norm.h>
 #include <colossalai/kernels/rope.h>
@@ -16,11 +18,14 @@
 #include <colossalai/models/bloom.h>
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
+#include <colossalai/models/moe.h>
 #include <colossalai/models/opt.h>
+#include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/quantization/bnb.h>
 #include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/utils/compat.h>
 
+#include <harness/multiprocess.h>
 #include <harness/test_util.h>
 #include <zoo/gpt.h>
 #include <colossalai/shardformer/layer/normalization.h>
@@ -2302,6 +2307,329 @@ TEST(Kernels, Gpt2AndBloomRecomputingTheMlpGeluEqualsKeepingIt) {
   expect_recomputing_the_mlp_changes_nothing<models::GPT2LMHeadModel>(gpt2, gpt2.n_layer());
   const auto bloom = models::BloomConfig::tiny_test();
   expect_recomputing_the_mlp_changes_nothing<models::BloomForCausalLM>(bloom, bloom.n_layer());
+}
+
+// ------------------------------------------------ grouped expert GEMMs ---
+
+using GroupedOp = at::Tensor (*)(
+    const at::Tensor&, const at::Tensor&, at::TensorList, at::TensorList, at::TensorList);
+
+struct GroupedGrads {
+  at::Tensor y, drows;
+  std::vector<at::Tensor> dw; // E gate, E up, E down
+};
+
+// How a test lays out the experts' weights: separate tensors, or views of
+// one buffer expert by expert (gate, up, down), in order or in reverse (as
+// LowLevelZero's buckets hold a sparse block's parameters).
+enum class Layout { kSeparate, kFlat, kFlatReversed };
+
+// E experts' weights as leaves holding `values` (E gate [I, C], E up, E down
+// [C, I]) in `t` on `device`, laid out as `layout` says.
+std::vector<at::Tensor> expert_weights(
+    const std::vector<at::Tensor>& values, Layout layout, at::ScalarType t, at::Device device = at::kCPU) {
+  const int64_t e = static_cast<int64_t>(values.size() / 3);
+  std::vector<at::Tensor> out(values.size());
+  if (layout == Layout::kSeparate) {
+    for (size_t i = 0; i < values.size(); ++i) {
+      out[i] = values[i].to(device, t).detach().clone().requires_grad_(true);
+    }
+    return out;
+  }
+  int64_t total = 0;
+  for (const auto& v : values) {
+    total += v.numel();
+  }
+  const auto buffer = at::empty({total}, at::TensorOptions().dtype(t).device(device));
+  int64_t at_element = 0;
+  for (int64_t i = 0; i < 3 * e; ++i) {
+    // Slot i holds expert j's projection k, or the reverse order.
+    const int64_t slot = layout == Layout::kFlat ? i : 3 * e - 1 - i;
+    const auto& v = values[static_cast<size_t>(slot % 3 * e + slot / 3)];
+    auto w = buffer.narrow(0, at_element, v.numel()).view(v.sizes()).detach();
+    w.copy_(v);
+    out[static_cast<size_t>(slot % 3 * e + slot / 3)] = w.requires_grad_(true);
+    at_element += v.numel();
+  }
+  return out;
+}
+
+GroupedGrads run_grouped(
+    GroupedOp op,
+    const at::Tensor& rows0,
+    const at::Tensor& counts,
+    const std::vector<at::Tensor>& weights,
+    const at::Tensor& dy) {
+  auto rows = rows0.detach().clone().requires_grad_(true);
+  const auto e = static_cast<std::ptrdiff_t>(weights.size() / 3);
+  for (auto w : weights) {
+    w.mutable_grad() = at::Tensor();
+  }
+  const std::vector<at::Tensor> g(weights.begin(), weights.begin() + e);
+  const std::vector<at::Tensor> u(weights.begin() + e, weights.begin() + 2 * e);
+  const std::vector<at::Tensor> d(weights.begin() + 2 * e, weights.end());
+  auto y = op(rows, counts, g, u, d);
+  y.backward(dy);
+  GroupedGrads out{y.detach(), rows.grad(), {}};
+  for (const auto& w : weights) {
+    out.dw.push_back(w.grad());
+  }
+  return out;
+}
+
+bool has_grouped_mm_on_cpu() {
+  return colossalai::compat::has_grouped_mm(at::kCPU, at::kFloat);
+}
+
+// Four experts, one with no rows and the others' counts not multiples of
+// the op's granule of 8 rows, in float32, bf16 and float32 weights under
+// bf16 autocast, the weights separate or in one flat buffer (in order or
+// reversed): the op's output and every gradient against the float64
+// function, within twice the per-expert loop's error plus one rounding
+// (both are the same products in the same dtype, summed in other orders);
+// the rows-less expert's gradients are zero; weights in a flat buffer are
+// read in place (no stacking copy: 3 x 4 copy_ calls fewer in forward and
+// as many in backward).
+TEST(Kernels, GroupedSwigluIsTheExpertLoop) {
+  if (!has_grouped_mm_on_cpu()) {
+    GTEST_SKIP() << "at::_grouped_mm needs LibTorch 2.10";
+  }
+  torch::manual_seed(19);
+  const int64_t e = 4, c = 16, inter = 24;
+  const auto counts = torch::tensor({10, 0, 21, 6}, at::kLong);
+  const int64_t n = counts.sum().item<int64_t>();
+  const auto rows = torch::randn({n, c});
+  const auto dy = torch::randn({n, c});
+  std::vector<at::Tensor> values;
+  for (int64_t k = 0; k < 3 * e; ++k) {
+    values.push_back(torch::randn(k < 2 * e ? at::IntArrayRef{inter, c} : at::IntArrayRef{c, inter}) * 0.2);
+  }
+  auto exact_of = [&](at::ScalarType t) {
+    auto r = [&](const at::Tensor& x) { return x.to(t).to(at::kDouble); };
+    std::vector<at::Tensor> w;
+    for (const auto& v : values) {
+      w.push_back(r(v));
+    }
+    return run_grouped(kn::grouped_swiglu_reference, r(rows), counts, expert_weights(w, Layout::kSeparate, at::kDouble), r(dy));
+  };
+  for (const auto layout : {Layout::kSeparate, Layout::kFlat, Layout::kFlatReversed}) {
+    for (const auto& [t, autocast] : {std::pair{at::kFloat, false}, {at::kBFloat16, false}, {at::kBFloat16, true}}) {
+      SCOPED_TRACE(std::string(c10::toString(t)) + (autocast ? " autocast" : "") + ", layout " +
+                   std::to_string(static_cast<int>(layout)));
+      // Under autocast rows and weights come in float32.
+      const auto in = autocast ? at::kFloat : t;
+      const auto w = expert_weights(values, layout, in);
+      c10::optional<colossalai::compat::AutocastGuard> cast;
+      if (autocast) {
+        cast.emplace(at::kCPU, at::kBFloat16);
+      }
+      ASSERT_TRUE(kn::grouped_swiglu_applies(
+          rows.to(in), {w[0], w[1], w[2], w[3]}, {w[4], w[5], w[6], w[7]}, {w[8], w[9], w[10], w[11]}));
+      const auto a = run_grouped(kn::grouped_swiglu, rows.to(in), counts, w, dy.to(t));
+      const auto ref = run_grouped(kn::grouped_swiglu_reference, rows.to(in), counts, w, dy.to(t));
+      cast.reset();
+      const auto ex = exact_of(t);
+      EXPECT_EQ(a.y.scalar_type(), t);
+      EXPECT_EQ(a.drows.scalar_type(), in);
+      const double unit = t == at::kFloat ? std::pow(2.0, -24) : std::pow(2.0, -8);
+      auto check = [&](const char* what, const at::Tensor& got, const at::Tensor& want, const at::Tensor& exact) {
+        const double err = norm_rel(got, exact), err_ref = norm_rel(want, exact);
+        EXPECT_LE(err, 2 * err_ref + unit) << what << ": op " << err << ", loop " << err_ref;
+      };
+      check("y", a.y, ref.y, ex.y);
+      check("d rows", a.drows, ref.drows, ex.drows);
+      for (size_t i = 0; i < a.dw.size(); ++i) {
+        SCOPED_TRACE("weight " + std::to_string(i));
+        ASSERT_TRUE(a.dw[i].defined());
+        EXPECT_EQ(a.dw[i].scalar_type(), in);
+        if (i % e == 1) {
+          EXPECT_EQ(a.dw[i].abs().max().item<double>(), 0.0); // the expert without rows
+        } else {
+          check("d weight", a.dw[i], ref.dw[i], ex.dw[i]);
+        }
+      }
+    }
+  }
+  // Read in place from a flat buffer: only the separate weights are
+  // stacked, one copy_ per weight in forward and again in backward.
+  auto copies = [&](Layout layout) {
+    const auto w = expert_weights(values, layout, at::kFloat);
+    return colossalai::testing::op_calls([&] { run_grouped(kn::grouped_swiglu, rows, counts, w, dy); })["aten::copy_"];
+  };
+  EXPECT_EQ(copies(Layout::kSeparate) - copies(Layout::kFlat), 6 * e);
+  EXPECT_EQ(copies(Layout::kFlat), copies(Layout::kFlatReversed));
+}
+
+// On a GPU of compute capability 9 / 10 (CUTLASS's grouped GEMM): bf16
+// weights in a flat buffer and float32 weights under bf16 autocast, against
+// the float64 function beside the loop on the device, with the CPU test's
+// bound; the rows-less expert's gradients zero.
+TEST(Kernels, GroupedSwigluOnCudaIsTheExpertLoop) {
+  if (!torch::cuda::is_available() || !colossalai::compat::has_grouped_mm(at::Device(at::kCUDA, 0), at::kBFloat16)) {
+    GTEST_SKIP() << "needs a CUDA device where at::_grouped_mm runs bf16 in one kernel";
+  }
+  torch::manual_seed(23);
+  const int64_t e = 8, c = 256, inter = 512;
+  const auto counts = torch::tensor({100, 0, 37, 64, 1, 90, 7, 13}, at::kLong);
+  const int64_t n = counts.sum().item<int64_t>();
+  const auto rows = torch::randn({n, c}), dy = torch::randn({n, c});
+  std::vector<at::Tensor> values;
+  for (int64_t k = 0; k < 3 * e; ++k) {
+    values.push_back(torch::randn(k < 2 * e ? at::IntArrayRef{inter, c} : at::IntArrayRef{c, inter}) * 0.05);
+  }
+  std::vector<at::Tensor> v64;
+  for (const auto& v : values) {
+    v64.push_back(v.to(at::kBFloat16).to(at::kDouble));
+  }
+  const auto ex = run_grouped(
+      kn::grouped_swiglu_reference, rows.to(at::kBFloat16).to(at::kDouble), counts,
+      expert_weights(v64, Layout::kSeparate, at::kDouble), dy.to(at::kBFloat16).to(at::kDouble));
+  const at::Device cuda(at::kCUDA, 0);
+  for (const bool autocast : {false, true}) {
+    SCOPED_TRACE(autocast ? "float32 weights, bf16 autocast" : "bf16 weights in a flat buffer, reversed");
+    const auto in = autocast ? at::kFloat : at::kBFloat16;
+    const auto w = expert_weights(values, autocast ? Layout::kSeparate : Layout::kFlatReversed, in, cuda);
+    c10::optional<colossalai::compat::AutocastGuard> cast;
+    if (autocast) {
+      cast.emplace(at::kCUDA, at::kBFloat16);
+    }
+    const auto a = run_grouped(kn::grouped_swiglu, rows.to(cuda, in), counts.to(cuda), w, dy.to(cuda, at::kBFloat16));
+    const auto ref = run_grouped(kn::grouped_swiglu_reference, rows.to(cuda, in), counts.to(cuda), w, dy.to(cuda, at::kBFloat16));
+    cast.reset();
+    const double unit = std::pow(2.0, -8);
+    EXPECT_LE(norm_rel(a.y.cpu(), ex.y), 2 * norm_rel(ref.y.cpu(), ex.y) + unit);
+    EXPECT_LE(norm_rel(a.drows.cpu(), ex.drows), 2 * norm_rel(ref.drows.cpu(), ex.drows) + unit);
+    for (size_t i = 0; i < a.dw.size(); ++i) {
+      SCOPED_TRACE("weight " + std::to_string(i));
+      if (i % e == 1) {
+        EXPECT_EQ(a.dw[i].abs().max().item<double>(), 0.0);
+      } else {
+        EXPECT_LE(norm_rel(a.dw[i].cpu(), ex.dw[i]), 2 * norm_rel(ref.dw[i].cpu(), ex.dw[i]) + unit);
+      }
+    }
+  }
+}
+
+TEST(Kernels, GroupedSwigluAppliesOnlyWhereTheGroupedGemmDoes) {
+  torch::manual_seed(20);
+  auto weights = [](int64_t inter, int64_t c, at::ScalarType t) {
+    std::vector<at::Tensor> g, u, d;
+    for (int j = 0; j < 2; ++j) {
+      g.push_back(torch::randn({inter, c}, t));
+      u.push_back(torch::randn({inter, c}, t));
+      d.push_back(torch::randn({c, inter}, t));
+    }
+    return std::tuple{g, u, d};
+  };
+  const auto [g, u, d] = weights(8, 16, at::kFloat);
+  EXPECT_EQ(kn::grouped_swiglu_applies(torch::randn({5, 16}), g, u, d), has_grouped_mm_on_cpu());
+  // float64 (no grouped GEMM), rows of 6 float32 (24 bytes), a weight of
+  // another shape, rows of another dtype outside autocast.
+  const auto [g64, u64, d64] = weights(8, 16, at::kDouble);
+  EXPECT_FALSE(kn::grouped_swiglu_applies(torch::randn({5, 16}, at::kDouble), g64, u64, d64));
+  const auto [g6, u6, d6] = weights(6, 16, at::kFloat);
+  EXPECT_FALSE(kn::grouped_swiglu_applies(torch::randn({5, 16}), g6, u6, d6));
+  auto odd = g;
+  odd[1] = torch::randn({8, 8});
+  EXPECT_FALSE(kn::grouped_swiglu_applies(torch::randn({5, 16}), odd, u, d));
+  EXPECT_FALSE(kn::grouped_swiglu_applies(torch::randn({5, 16}, at::kBFloat16), g, u, d));
+  // Refused by name: counts of another length, and what does not apply.
+  const auto counts = torch::tensor({2, 3}, at::kLong);
+  EXPECT_THROW(kn::grouped_swiglu(torch::randn({5, 16}), counts.narrow(0, 0, 1), g, u, d), c10::Error);
+  EXPECT_THROW(kn::grouped_swiglu(torch::randn({5, 16}, at::kDouble), counts, g64, u64, d64), c10::Error);
+}
+
+// A mixture-of-experts model with grouped expert GEMMs (Qwen2-MoE: a
+// shared expert beside four routed ones, the balancing loss): loss and
+// every gradient against the same model in float64, within twice the
+// expert loop's error in float32 plus one float32 rounding; each sparse
+// layer runs 3 grouped GEMMs forward and 6 backward, and the experts'
+// 3 x 4 linears per layer no more.
+TEST(Kernels, MoeModelWithGroupedExpertGemmsIsTheExpertLoop) {
+  if (!has_grouped_mm_on_cpu()) {
+    GTEST_SKIP() << "at::_grouped_mm needs LibTorch 2.10";
+  }
+  torch::manual_seed(21);
+  const auto config = models::LlamaConfig::tiny_test().model_type("qwen2_moe").moe(
+      models::MoeConfig().num_experts(4).num_experts_per_tok(2).moe_intermediate_size(24)
+          .shared_expert_intermediate_size(16).output_router_logits(true));
+  models::LlamaForCausalLM exact(config), loop(config), grouped(config);
+  exact->to(at::kDouble);
+  {
+    torch::NoGradGuard ng;
+    for (size_t i = 0; i < exact->parameters().size(); ++i) {
+      loop->parameters()[i].copy_(exact->parameters()[i]);
+      grouped->parameters()[i].copy_(exact->parameters()[i]);
+    }
+  }
+  const int64_t sparse = models::set_grouped_expert_gemm(*grouped, true);
+  EXPECT_EQ(sparse, config.num_hidden_layers());
+  const auto batch = lm_batch(config.vocab_size());
+  auto step = [&](models::LlamaForCausalLM& m) {
+    auto loss = m->forward_loss(batch.ids, batch.targets, batch.mask, batch.pos);
+    loss.backward();
+    return loss.detach();
+  };
+  const auto le = step(exact), ll = step(loop);
+  at::Tensor lg;
+  const auto calls = colossalai::testing::op_calls([&] { lg = step(grouped); });
+  const auto loop_calls = colossalai::testing::op_calls([&] { step(loop); });
+  EXPECT_LE(norm_rel(lg, le), 2 * norm_rel(ll, le) + std::pow(2.0, -24));
+  for (size_t i = 0; i < exact->parameters().size(); ++i) {
+    SCOPED_TRACE(i);
+    const auto& want = exact->parameters()[i].grad();
+    ASSERT_TRUE(grouped->parameters()[i].grad().defined());
+    EXPECT_LE(norm_rel(grouped->parameters()[i].grad(), want),
+              2 * norm_rel(loop->parameters()[i].grad(), want) + std::pow(2.0, -24));
+  }
+  EXPECT_EQ(calls.at("aten::_grouped_mm"), 9 * sparse);
+  EXPECT_EQ(loop_calls.at("aten::linear") - calls.at("aten::linear"), 3 * 4 * sparse);
+}
+
+// Under LowLevelZero's bf16 weights at one rank the experts' weights are
+// views of its flat buffer, read in place: training with grouped GEMMs
+// follows the expert loop (three AdamW steps, losses within bf16's
+// rounding of the loss, 2^-7 for a few steps' drift), and the forward
+// stacks no layer's weights (its buckets hold them in reverse).
+TEST(Kernels, MoeGroupedGemmsReadLowLevelZerosBf16WeightsInPlace) {
+  if (!has_grouped_mm_on_cpu()) {
+    GTEST_SKIP() << "at::_grouped_mm needs LibTorch 2.10";
+  }
+  colossalai::testing::run_distributed(1, [](int, int) {
+    namespace cb = colossalai::booster;
+    const auto config = models::LlamaConfig::tiny_test().model_type("mixtral").moe(
+        models::MoeConfig().num_experts(4).num_experts_per_tok(2));
+    const auto batch = lm_batch(config.vocab_size());
+    std::vector<double> losses[2];
+    std::map<std::string, int> forward_calls[2];
+    for (const bool grouped : {false, true}) {
+      torch::manual_seed(22);
+      models::LlamaForCausalLM model(config);
+      models::set_grouped_expert_gemm(*model, grouped);
+      cb::Booster booster(cb::BoosterOptions().plugin(std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+          cb::plugin::LowLevelZeroPluginOptions().stage(1).precision("bf16"))));
+      auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+          model->parameters(), torch::optim::AdamWOptions(1e-2));
+      auto boosted = booster.boost(model, opt);
+      for (int s = 0; s < 3; ++s) {
+        boosted.optimizer->zero_grad();
+        auto loss = boosted.model.forward_loss(batch.ids, batch.targets, batch.mask, batch.pos);
+        booster.backward(loss, *boosted.optimizer);
+        boosted.optimizer->step();
+        losses[grouped].push_back(loss.item<double>());
+      }
+      torch::NoGradGuard ng;
+      forward_calls[grouped] = colossalai::testing::op_calls(
+          [&] { boosted.model.forward_loss(batch.ids, batch.targets, batch.mask, batch.pos); });
+    }
+    for (int s = 0; s < 3; ++s) {
+      EXPECT_NEAR(losses[1][s], losses[0][s], std::pow(2.0, -7) * std::abs(losses[0][s])) << "step " << s;
+    }
+    EXPECT_GT(forward_calls[1]["aten::_grouped_mm"], 0);
+    // Stacking one layer's expert weights would take 3 x 4 copies.
+    EXPECT_LT(forward_calls[1]["aten::copy_"] - forward_calls[0]["aten::copy_"], 3 * 4)
+        << forward_calls[1]["aten::copy_"] << " copies against the loop's " << forward_calls[0]["aten::copy_"];
+  });
 }
 
 } // namespace

@@ -7,7 +7,9 @@
 // GELU recomputed in backward (what keeping one tensor less costs); an AdamW step
 // over GPT-2 medium's parameters that writes their bf16 copies, against
 // ATen's fused AdamW and a cast; one token through an 8B-shaped NF4 and
-// int8 weight, the packed bytes read directly against dequantize + matmul.
+// int8 weight, the packed bytes read directly against dequantize + matmul;
+// a Mixtral-shaped sparse layer's experts in grouped GEMMs against one GEMM
+// per expert.
 // Medians over --reps timed runs
 // after warm-up, with the p10-p90 spread; JSON to --out, a table on stdout.
 //
@@ -19,6 +21,7 @@
 #include <colossalai/kernels/adamw.h>
 #include <colossalai/kernels/fused_linear_cross_entropy.h>
 #include <colossalai/kernels/gelu_linear.h>
+#include <colossalai/kernels/grouped_swiglu.h>
 #include <colossalai/kernels/layer_norm.h>
 #include <colossalai/kernels/rms_norm.h>
 #include <colossalai/kernels/rope.h>
@@ -377,6 +380,45 @@ int main(int argc, char** argv) {
       i8.aten = time_ms(dev, reps, [&] { at::matmul(a.to(at::kFloat), b.to(at::kFloat).t()).to(at::kInt); });
       i8.bytes = static_cast<double>(n) * k;
       rows.push_back(i8);
+    }
+
+    // 9. A Mixtral-shaped sparse layer's experts (8 SwiGLU experts, 4096 ->
+    // 14336, 4096 tokens routed top-2 at random), forward and backward:
+    // one grouped GEMM per projection against one GEMM per expert after
+    // the counts are read back. The weights are views of one flat buffer,
+    // as LowLevelZero's bf16 weights lie, read in place by both.
+    {
+      const int64_t e = 8, c = gpu ? 4096 : 256, inter = gpu ? 14336 : 512, n = gpu ? 8192 : 512;
+      const auto flat = torch::randn({3 * e * c * inter}, opts).mul_(0.02);
+      std::vector<at::Tensor> g, u, d;
+      auto part = [&](int64_t j, int64_t k, at::IntArrayRef shape) {
+        return flat.narrow(0, (3 * j + k) * c * inter, c * inter).view(shape).detach().requires_grad_();
+      };
+      for (int64_t j = 0; j < e; ++j) {
+        g.push_back(part(j, 0, {inter, c}));
+        u.push_back(part(j, 1, {inter, c}));
+        d.push_back(part(j, 2, {c, inter}));
+      }
+      const auto counts = at::bincount(torch::randint(e, {n}), {}, e).to(dev);
+      auto x = torch::randn({n, c}, opts).requires_grad_();
+      const auto dy = torch::randn({n, c}, opts);
+      if (kn::grouped_swiglu_applies(x, g, u, d)) {
+        Row r{"MoE experts (SwiGLU, 8 experts), forward + backward",
+              std::to_string(n) + " rows x " + std::to_string(c) + " -> " + std::to_string(inter) + " " + dtype};
+        auto run = [&](bool grouped) {
+          for (auto* ws : {&g, &u, &d})
+            for (auto& w : *ws)
+              w.mutable_grad() = at::Tensor();
+          x.mutable_grad() = at::Tensor();
+          auto y = grouped ? kn::grouped_swiglu(x, counts, g, u, d) : kn::grouped_swiglu_reference(x, counts, g, u, d);
+          y.backward(dy);
+        };
+        r.ours = time_ms(dev, reps, [&] { run(true); });
+        r.aten = time_ms(dev, reps, [&] { run(false); });
+        // Three projections, forward and two products backward.
+        r.flops = 18.0 * n * c * inter;
+        rows.push_back(r);
+      }
     }
 
     std::ostringstream json;

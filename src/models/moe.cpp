@@ -2,6 +2,7 @@
 
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
+#include <colossalai/kernels/grouped_swiglu.h>
 
 #include "model_init.h"
 
@@ -144,31 +145,51 @@ void SparseMoeBlockImpl::set_expert_parallel(
   ep_group_ = n > 1 ? std::move(group) : nullptr;
 }
 
-at::Tensor SparseMoeBlockImpl::run_experts(
-    const at::Tensor& rows,
+at::Tensor SparseMoeBlockImpl::run_local(
+    const at::Tensor& x,
     const at::Tensor& counts) {
+  if (grouped_gemm_) {
+    std::vector<at::Tensor> gate, up, down;
+    bool plain = true;
+    for (int64_t j = 0; plain && j < num_local_; ++j) {
+      const auto& ex = *experts[first_local_ + j]->as<MoeExpertImpl>();
+      plain = ex.gate_proj->plain() && ex.up_proj->plain() &&
+          ex.down_proj->plain() && !ex.gate_proj->bias.defined() &&
+          !ex.up_proj->bias.defined() && !ex.down_proj->bias.defined();
+      gate.push_back(ex.gate_proj->weight_out_in());
+      up.push_back(ex.up_proj->weight_out_in());
+      down.push_back(ex.down_proj->weight_out_in());
+    }
+    if (plain && kernels::grouped_swiglu_applies(x, gate, up, down)) {
+      return kernels::grouped_swiglu(x, counts, gate, up, down);
+    }
+  }
   // Every local expert runs, on no rows too: its gradient is then zero, not
   // missing, so data-parallel reductions see the same tensors on every
   // rank.
-  auto run = [&](const at::Tensor& x, const std::vector<int64_t>& count) {
-    std::vector<at::Tensor> outputs;
-    outputs.reserve(count.size());
-    int64_t offset = 0;
-    for (size_t j = 0; j < count.size(); ++j) {
-      outputs.push_back(experts[first_local_ + static_cast<int64_t>(j)]
-                            ->as<MoeExpertImpl>()
-                            ->forward(x.narrow(0, offset, count[j])));
-      offset += count[j];
-    }
-    return at::cat(outputs);
-  };
+  const auto host = counts.to(at::kCPU, at::kLong).contiguous();
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(static_cast<size_t>(num_local_));
+  int64_t offset = 0;
+  for (int64_t j = 0; j < num_local_; ++j) {
+    const int64_t m = host.data_ptr<int64_t>()[j];
+    outputs.push_back(experts[first_local_ + j]->as<MoeExpertImpl>()->forward(
+        x.narrow(0, offset, m)));
+    offset += m;
+  }
+  return at::cat(outputs);
+}
+
+at::Tensor SparseMoeBlockImpl::run_experts(
+    const at::Tensor& rows,
+    const at::Tensor& counts) {
   auto host_counts = [](const at::Tensor& t) {
     auto c = t.to(at::kCPU, at::kLong).contiguous();
     return std::vector<int64_t>(
         c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
   };
   if (ep_group_ == nullptr) {
-    return run(rows, host_counts(counts));
+    return run_local(rows, counts);
   }
   // Dispatch: rank r gets the rows of its experts. First the counts, so
   // each rank knows how many rows of each of its experts every rank sends.
@@ -216,11 +237,24 @@ at::Tensor SparseMoeBlockImpl::run_experts(
   // The routed tokens' gradients pass unscaled.
   const double ep = static_cast<double>(n);
   auto computed = cdf::scale_grad(
-      run(cdf::scale_grad(arrived.index_select(0, index), ep), per_expert),
+      run_local(
+          cdf::scale_grad(arrived.index_select(0, index), ep),
+          at::tensor(per_expert, at::kLong)),
       1.0 / ep);
   // Row perm[i] of `arrived` became row i: scatter back to arrival order.
   auto back = at::zeros_like(computed).index_copy(0, index, computed);
   return cdf::all_to_all_single(back, input_splits, output_splits, ep_group_);
+}
+
+int64_t set_grouped_expert_gemm(torch::nn::Module& model, bool on) {
+  int64_t set = 0;
+  for (const auto& m : model.modules()) {
+    if (auto* block = dynamic_cast<SparseMoeBlockImpl*>(m.get())) {
+      block->set_grouped_gemm(on);
+      ++set;
+    }
+  }
+  return set;
 }
 
 at::Tensor load_balancing_loss(

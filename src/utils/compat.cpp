@@ -86,6 +86,46 @@ bool has_fused_adam(at::Device device) {
   return device.is_cpu() && COLOSSALAI_TORCH_AT_LEAST(2, 4);
 }
 
+bool has_grouped_mm(at::Device device, at::ScalarType dtype) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 10)
+  if (device.is_cpu()) {
+    return dtype == at::kFloat || dtype == at::kBFloat16 ||
+        dtype == at::kHalf;
+  }
+#ifdef COLOSSALAI_WITH_CUDA
+  if (device.is_cuda() && dtype == at::kBFloat16) {
+    int major = 0;
+    const int index =
+        device.has_index() ? device.index() : c10::cuda::current_device();
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(
+        &major, cudaDevAttrComputeCapabilityMajor, index));
+    return major == 9 || major == 10;
+  }
+#endif
+#endif
+  (void)device;
+  (void)dtype;
+  return false;
+}
+
+at::Tensor grouped_mm(
+    const at::Tensor& a,
+    const at::Tensor& b,
+    const at::Tensor& offs) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 10)
+  return at::_grouped_mm(a, b, offs);
+#else
+  (void)b;
+  (void)offs;
+  TORCH_CHECK(
+      false,
+      "grouped_mm needs LibTorch 2.10 or later (at::_grouped_mm); this is ",
+      TORCH_VERSION,
+      " on ",
+      a.device());
+#endif
+}
+
 bool has_fused_adam_tensor_lr(at::Device device) {
   return COLOSSALAI_TORCH_AT_LEAST(2, 2) && has_fused_adam(device);
 }

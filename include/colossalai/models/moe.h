@@ -103,7 +103,8 @@ TORCH_MODULE(MoeExpert);
 /// the shared expert's output times sigmoid(shared_expert_gate(x)) where
 /// there is one. Tokens are sorted by expert and each expert runs once on
 /// its rows, even on none (so every expert's gradient exists, zero when no
-/// token chose it).
+/// token chose it), or, with set_grouped_gemm, every expert in one grouped
+/// GEMM per projection.
 class SparseMoeBlockImpl : public torch::nn::Module {
  public:
   SparseMoeBlockImpl(
@@ -131,6 +132,18 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   int64_t num_local_experts() const {
     return num_local_;
   }
+  /// Runs this rank's experts as one grouped GEMM per projection
+  /// (kernels::grouped_swiglu: no count read back to the host, no GEMM per
+  /// expert) where it applies: experts without tensor parallelism, adapter
+  /// or quantization, and at::_grouped_mm for the compute dtype on the
+  /// rows' device (LibTorch 2.10+: bf16 on Hopper / Blackwell GPUs, the
+  /// CPU). Elsewhere, and by default, expert by expert.
+  void set_grouped_gemm(bool on) {
+    grouped_gemm_ = on;
+  }
+  bool grouped_gemm() const {
+    return grouped_gemm_;
+  }
 
   torch::nn::Linear gate{nullptr};
   torch::nn::ModuleList experts{nullptr};
@@ -143,6 +156,9 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   // rank's experts: here, or dispatched over the expert-parallel group and
   // combined back in the same order.
   at::Tensor run_experts(const at::Tensor& rows, const at::Tensor& counts);
+  // This rank's experts on their rows (`counts` [local], int64 on any
+  // device): grouped where set and it applies, else one expert at a time.
+  at::Tensor run_local(const at::Tensor& rows, const at::Tensor& counts);
 
   MoeConfig config_;
   bool mixtral_;
@@ -150,8 +166,18 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   distributed::ProcessGroupPtr ep_group_;
   int64_t first_local_ = 0;
   int64_t num_local_ = 0;
+  bool grouped_gemm_ = false;
 };
 TORCH_MODULE(SparseMoeBlock);
+
+/// SparseMoeBlockImpl::set_grouped_gemm on every sparse block under
+/// `model`; returns how many it set. Off by default.
+///
+/// Example:
+/// \code
+///   colossalai::models::set_grouped_expert_gemm(*model, true);
+/// \endcode
+int64_t set_grouped_expert_gemm(torch::nn::Module& model, bool on);
 
 /// transformers' load_balancing_loss_func: with f_e the fraction of top-k
 /// assignments that went to expert e and P_e its mean router probability,

@@ -162,6 +162,23 @@ void foreach_mul_(at::TensorList tensors, const at::Tensor& scale);
 /// transposed view of a contiguous [n, k].
 at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& b);
 
+/// Whether at::_grouped_mm (one GEMM over groups of rows, each group with
+/// its own matrix) computes in `dtype` on `device` without reading its
+/// offsets back to the host: from LibTorch 2.10, on the CPU in float32 /
+/// bf16 / fp16 (ATen loops over the groups) and on a CUDA device of compute
+/// capability 9.x or 10.x in bf16 (CUTLASS's grouped kernel; ATen's other
+/// CUDA paths copy the offsets to the host).
+bool has_grouped_mm(at::Device device, at::ScalarType dtype);
+
+/// at::_grouped_mm(a, b, offs): `a` [N, K] by `b` [G, K, M] with `offs`
+/// (int32 [G], the groups' ends along N) gives [N, M]; `a` [M, N] by `b`
+/// [N, K] (groups along the shared N) gives [G, M, K]. Requires
+/// has_grouped_mm; rows and the stride between them 16-byte aligned.
+at::Tensor grouped_mm(
+    const at::Tensor& a,
+    const at::Tensor& b,
+    const at::Tensor& offs);
+
 /// at::layer_norm. LibTorch before 2.1 cannot take a 16-bit input beside
 /// float32 weight and bias on the CPU (a bf16 activation under autocast):
 /// there it normalises in the weight's dtype and rounds the result to the

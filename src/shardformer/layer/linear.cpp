@@ -344,6 +344,15 @@ at::Tensor Linear1D_ColImpl::forward(const at::Tensor& input) {
   return forward_prepared(prepare_input(input));
 }
 
+bool Linear1D_ColImpl::plain() const {
+  return !quantized && !output_adapter && !options.seq_parallel() &&
+      (group == nullptr || group->size() == 1);
+}
+
+at::Tensor Linear1D_ColImpl::weight_out_in() const {
+  return options.conv1d_layout() ? weight.t() : weight;
+}
+
 void Linear1D_ColImpl::quantize_(
     const quantization::BnbQuantizationConfig& config) {
   quantize_layer(weight, quantized, options, group, config, "Linear1D_Col");

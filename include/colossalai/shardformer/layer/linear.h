@@ -116,6 +116,14 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
 
+  /// Whether forward(x) is at::linear(x, weight_out_in(), bias) alone:
+  /// full precision, no adapter, one rank (no gather, no split), so an op
+  /// may compute it from the weight directly.
+  bool plain() const;
+  /// The weight as [out, in] (a transposed view of a Conv1D-layout
+  /// weight).
+  at::Tensor weight_out_in() const;
+
   /// This rank's shard of `full` (weights copied). With `fused` > 1 the
   /// output features are that many equal sections (a fused q, k, v
   /// projection: `fused` 3) and each section is split over the group, so
