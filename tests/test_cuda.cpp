@@ -456,16 +456,23 @@ StepRecord graph_run_of(
 
 // `family` "gpt": the zoo's GPT, its fused loss; "llama": a tiny LLaMA
 // (rotary tables, RMSNorm, SwiGLU, grouped-query attention), its
-// forward_loss.
+// forward_loss; "mixtral": a tiny Mixtral whose experts run in grouped
+// GEMMs (no expert count read back to the host).
 StepRecord graph_run(
     const std::string& plugin,
     bool graphed,
     const std::string& family = "gpt") {
   torch::manual_seed(42);
-  if (family == "llama") {
+  if (family == "llama" || family == "mixtral") {
+    auto config = colossalai::models::LlamaConfig::tiny_test();
+    if (family == "mixtral") {
+      config.model_type("mixtral").moe(
+          colossalai::models::MoeConfig().num_experts(4).num_experts_per_tok(2));
+    }
+    colossalai::models::LlamaForCausalLM model(config);
+    colossalai::models::set_grouped_expert_gemm(*model, family == "mixtral");
     return graph_run_of(
-        colossalai::models::LlamaForCausalLM(
-            colossalai::models::LlamaConfig::tiny_test()),
+        model,
         [](auto& boosted, const std::vector<at::Tensor>& in) {
           return boosted.model.forward_loss(in[0], in[1]);
         },
@@ -489,8 +496,10 @@ StepRecord graph_run(
 // rewritten between replays. Without plugin (ATen's fused AdamW) and with
 // LowLevelZero at one rank (our AdamW kernel writing the bf16 weights),
 // with and without clipping on the device (clip_grad_by_norm_tensor,
-// max_norm); and a LLaMA, whose forward must copy nothing from pageable
-// host memory (its rotary frequencies reach the device once).
+// max_norm); a LLaMA, whose forward must copy nothing from pageable host
+// memory (its rotary frequencies reach the device once); and a Mixtral
+// with grouped expert GEMMs, where the device's top-2 combine adds two
+// values into zero (the same bits in either order).
 TEST(Cuda, GraphedStepEqualsEagerSteps) {
   SKIP_WITHOUT_CUDA(1);
   run_distributed(
@@ -501,11 +510,12 @@ TEST(Cuda, GraphedStepEqualsEagerSteps) {
         setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
         at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
         for (const std::string run : {"none", "none_clip", "zero1", "zero1_clip",
-                                      "llama none", "llama zero1"}) {
+                                      "llama none", "llama zero1", "mixtral none",
+                                      "mixtral zero1"}) {
           SCOPED_TRACE(run);
-          const bool llama = run.rfind("llama ", 0) == 0;
-          const auto plugin = llama ? run.substr(6) : run;
-          const auto family = llama ? "llama" : "gpt";
+          const auto space = run.find(' ');
+          const auto plugin = space == std::string::npos ? run : run.substr(space + 1);
+          const auto family = space == std::string::npos ? "gpt" : run.substr(0, space);
           const auto eager = graph_run(plugin, false, family);
           const auto graphed = graph_run(plugin, true, family);
           EXPECT_EQ(eager.step_count, 6);
