@@ -4,7 +4,8 @@
 // drained, so the next kernels start late, and a CUDA graph cannot capture
 // the step. The same operators run on the CPU, so these tests count them
 // there (testing::host_syncs) for every family and plugin; on a GPU
-// (tests/gpu/run.sh) they run as they are.
+// (tests/gpu/run.sh) they run as they are, and also count the copies to
+// the host the host waits for (none exist on the CPU).
 //
 // What a step may still read, by design:
 // - the fused causal-LM loss checks its targets against the vocabulary
@@ -21,12 +22,14 @@
 //   the step (ColossalAI's does; CPU LibTorch has no fp16 matmul, so it is
 //   not counted here);
 // - MoE's expert loop copies the expert counts to the host once per sparse
-//   layer to cut the rows (a copy, which this counter does not see).
+//   layer to cut the rows (seen on a GPU only); grouped expert GEMMs
+//   (models::set_grouped_expert_gemm) do not.
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
 
 #include <colossalai/booster/booster.h>
+#include <colossalai/initialize.h>
 #include <colossalai/booster/plugin/gemini_plugin.h>
 #include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
@@ -41,6 +44,7 @@
 #include <colossalai/models/opt.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/quantization/bnb.h>
+#include <colossalai/utils/compat.h>
 #include <zoo/gpt.h>
 
 #include <gtest/gtest.h>
@@ -119,13 +123,17 @@ auto causal_lm_step(Args... args) {
   };
 }
 
-// A step whose forward and backward read `reads` values back and nothing
-// data-sized (the fused loss's target check, and what a test names), and
-// whose optimizer step reads nothing.
-void expect_reads(const StepSyncs& s, int reads, const std::string& what) {
+// A step whose forward and backward read `reads` values back, copy
+// `copies` tensors to the host and nothing data-sized (the fused loss's
+// target check, and what a test names), and whose optimizer step reads
+// nothing.
+void expect_reads(const StepSyncs& s, int reads, const std::string& what, int copies = 0) {
   Syncs want;
   if (reads > 0) {
     want["aten::_local_scalar_dense"] = reads;
+  }
+  if (copies > 0) {
+    want[colossalai::testing::kCopyToHost] = copies;
   }
   EXPECT_EQ(s.forward_backward, want)
       << what << ": forward and backward read " << describe(s.forward_backward);
@@ -175,6 +183,18 @@ TEST(HostSyncs, CountsReadsBackAndDataSizedOutputs) {
   EXPECT_EQ(host_syncs(op_calls([&] { (void)x.index({x.gt(2)}); })),
             (Syncs{{"aten::nonzero", 1}}));
   EXPECT_TRUE(host_syncs(op_calls([&] { (void)(x * 2).cumsum(0); })).empty());
+  // A copy to the host the host waits for: none on the CPU; from a GPU,
+  // blocking or into pageable memory, not into pinned memory asynchronously.
+  EXPECT_TRUE(host_syncs(op_calls([&] { (void)x.cpu(); })).empty());
+  if (torch::cuda::is_available()) {
+    const auto d = x.cuda();
+    const Syncs one{{colossalai::testing::kCopyToHost, 1}};
+    EXPECT_EQ(host_syncs(op_calls([&] { (void)d.cpu(); })), one);
+    const auto pageable = at::empty({6}, at::kLong);
+    EXPECT_EQ(host_syncs(op_calls([&] { pageable.copy_(d, /*non_blocking=*/true); })), one);
+    const auto pinned = at::empty({6}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    EXPECT_TRUE(host_syncs(op_calls([&] { pinned.copy_(d, /*non_blocking=*/true); })).empty());
+  }
   // FusedAdamW's step on the CPU: ATen's fused kernel, where this LibTorch
   // has one for the CPU, reads each step count inside itself.
   auto p = torch::randn({3}).requires_grad_();
@@ -191,8 +211,9 @@ TEST(HostSyncs, CountsReadsBackAndDataSizedOutputs) {
 // weights: forward, backward and the optimizer's step read nothing back but
 // the fused loss's target check (BERT's masked-LM loss has none), a
 // padding mask and a mixture of experts included (their expert counts come
-// from the sorted routing, not bincount; the expert loop then copies the
-// counts once per sparse layer, which this counter does not see).
+// from the sorted routing, not bincount; on a GPU the expert loop then
+// copies them to the host once per sparse layer, grouped expert GEMMs do
+// not).
 TEST(HostSyncs, EveryFamilyReadsOnlyItsTargetsAtOneRank) {
   colossalai::testing::run_distributed(1, [](int, int) {
     const auto mask = at::ones({4, 16}, at::kLong).index_put_({0, at::indexing::Slice(0, 3)}, 0);
@@ -232,15 +253,23 @@ TEST(HostSyncs, EveryFamilyReadsOnlyItsTargetsAtOneRank) {
           step_syncs(models::OPTForCausalLM(models::OPTConfig::tiny_test()), options(), causal_lm_step(mask)),
           1,
           "OPT" + on);
+      // The expert loop copies each sparse layer's counts to the host (seen
+      // on a GPU); grouped expert GEMMs keep them on the device where they
+      // apply (bf16 on a Hopper / Blackwell GPU, the CPU; LibTorch 2.10+).
+      const auto device = colossalai::current_device();
+      const bool grouped_applies = colossalai::compat::has_grouped_mm(device, at::kBFloat16);
       for (const std::string type : {"mixtral", "qwen2_moe"}) {
-        expect_reads(
-            step_syncs(models::LlamaForCausalLM(moe_config(type)), options(), causal_lm_step()),
-            1,
-            type + on);
-        expect_reads(
-            step_syncs(models::LlamaForCausalLM(moe_config(type)), options(), causal_lm_step(mask)),
-            1,
-            type + ", padding mask" + on);
+        for (const bool grouped : {false, true}) {
+          const int copies = device.is_cpu() || (grouped && grouped_applies) ? 0 : 2;
+          const std::string name = type + (grouped ? " grouped" : "") + on;
+          auto model = [&] {
+            models::LlamaForCausalLM m(moe_config(type));
+            models::set_grouped_expert_gemm(*m, grouped);
+            return m;
+          };
+          expect_reads(step_syncs(model(), options(), causal_lm_step()), 1, name, copies);
+          expect_reads(step_syncs(model(), options(), causal_lm_step(mask)), 1, name + ", padding mask", copies);
+        }
       }
       models::BertForMaskedLM bert(models::BertConfig::tiny_test());
       expect_reads(

@@ -155,12 +155,36 @@ void deterministic_on_gpu() {
 
 namespace {
 
-// ATen's CPU fused Adam / AdamW read each tensor's step count with item();
-// their CUDA kernels read them on the device.
-bool cpu_kernel_scope(const char* name) {
-  return std::strcmp(name, "aten::_fused_adamw_") == 0 ||
-      std::strcmp(name, "aten::_fused_adam_") == 0;
+// Whether `f`'s first tensor argument (or first tensor of a list) is on
+// the CPU.
+bool runs_on_cpu(const at::RecordFunction& f) {
+  for (const auto& v : f.inputs()) {
+    if (v.isTensor()) {
+      return v.toTensor().device().is_cpu();
+    }
+    if (v.isTensorList() && !v.toTensorList().empty()) {
+      return v.toTensorList().get(0).device().is_cpu();
+    }
+  }
+  return true;
 }
+
+// Operators whose CPU kernels read back inside themselves where the CUDA
+// ones do not: ATen's fused Adam / AdamW read each tensor's step count with
+// item() (their CUDA kernels read them on the device), its grouped GEMM
+// reads the groups' offsets to loop over them (its CUDA kernel takes them
+// on the device).
+bool cpu_kernel_scope(const at::RecordFunction& f) {
+  const char* name = f.name();
+  return (std::strcmp(name, "aten::_fused_adamw_") == 0 ||
+          std::strcmp(name, "aten::_fused_adam_") == 0 ||
+          std::strcmp(name, "aten::_grouped_mm") == 0) &&
+      runs_on_cpu(f);
+}
+
+// What op_calls' start callback hands its end callback for a call that
+// opened a cpu_kernel_scope.
+struct ScopeOpened : at::ObserverContext {};
 
 // What op_calls counts into: one tally for every thread running `fn`'s
 // operators (the callback travels with the thread-local state to
@@ -174,6 +198,24 @@ std::atomic<OpTally*> g_op_tally{nullptr};
 thread_local std::string t_scope; // the outermost cpu_kernel_scope running
 thread_local int t_depth = 0;
 
+// Whether `f` copies from a device to the host and the host waits for it:
+// aten::copy_ into a CPU tensor from another device, blocking, or into
+// pageable memory (where CUDA copies synchronously even when asked not to).
+bool blocking_copy_to_host(const at::RecordFunction& f) {
+  if (std::strcmp(f.name(), "aten::copy_") != 0) {
+    return false;
+  }
+  const auto in = f.inputs();
+  if (in.size() < 2 || !in[0].isTensor() || !in[1].isTensor()) {
+    return false;
+  }
+  const auto& self = in[0].toTensor();
+  const auto& src = in[1].toTensor();
+  const bool non_blocking = in.size() > 2 && in[2].isBool() && in[2].toBool();
+  return self.device().is_cpu() && !src.device().is_cpu() &&
+      (!non_blocking || !self.is_pinned());
+}
+
 } // namespace
 
 std::map<std::string, int> op_calls(const std::function<void()>& fn) {
@@ -182,25 +224,39 @@ std::map<std::string, int> op_calls(const std::function<void()>& fn) {
   TORCH_CHECK(
       g_op_tally.compare_exchange_strong(expected, &tally),
       "op_calls: already counting");
-  const auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
+  // Inputs: to tell a copy to the host from other copies, and where a
+  // kernel runs.
+  auto callback = at::RecordFunctionCallback(
       [](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
         auto* t = g_op_tally.load();
-        if (t != nullptr) {
-          const std::string name =
-              t_depth > 0 ? t_scope + " > " + f.name() : f.name();
-          if (cpu_kernel_scope(f.name()) && t_depth++ == 0) {
+        if (t == nullptr) {
+          return nullptr;
+        }
+        const std::string name =
+            t_depth > 0 ? t_scope + " > " + f.name() : f.name();
+        // Inputs are valid here only: the end callback learns from the
+        // context whether this call opened a scope.
+        std::unique_ptr<at::ObserverContext> scope;
+        if (cpu_kernel_scope(f)) {
+          if (t_depth++ == 0) {
             t_scope = f.name();
           }
-          std::lock_guard<std::mutex> lock(t->mu);
-          ++t->calls[name];
+          scope = std::make_unique<ScopeOpened>();
         }
-        return nullptr;
+        const bool to_host = blocking_copy_to_host(f);
+        std::lock_guard<std::mutex> lock(t->mu);
+        ++t->calls[name];
+        if (to_host) {
+          ++t->calls[kCopyToHost];
+        }
+        return scope;
       },
-      [](const at::RecordFunction& f, at::ObserverContext*) {
-        if (g_op_tally.load() != nullptr && cpu_kernel_scope(f.name())) {
+      [](const at::RecordFunction&, at::ObserverContext* scope) {
+        if (scope != nullptr) {
           --t_depth;
         }
-      }));
+      });
+  const auto handle = at::addThreadLocalCallback(callback.needsInputs(true));
   struct Remove {
     at::CallbackHandle handle;
     ~Remove() {
@@ -214,7 +270,8 @@ std::map<std::string, int> op_calls(const std::function<void()>& fn) {
 }
 
 std::map<std::string, int> host_syncs(const std::map<std::string, int>& calls) {
-  static const std::array<const char*, 10> kSyncing = {
+  static const std::array<const char*, 11> kSyncing = {
+      kCopyToHost,
       "aten::_local_scalar_dense",
       "aten::equal",
       "aten::nonzero",

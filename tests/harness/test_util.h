@@ -122,18 +122,24 @@ inline bool same_across_tiers(
   return at::allclose(a, b, 0.0, 2 * steps * 3.2 * lr);
 }
 
+/// What op_calls counts a copy from a device to the host under that the
+/// host waits for (blocking, or into pageable memory).
+constexpr const char* kCopyToHost = "copy to the host";
+
 /// How often `fn` runs each operator (on this thread, where LibTorch also
 /// runs a CPU backward): name -> calls. Operators that ATen's CPU fused
-/// Adam / AdamW kernels run inside themselves count as "outer > inner".
+/// Adam / AdamW and grouped GEMM kernels run inside themselves count as
+/// "outer > inner" (their CUDA kernels read nothing back); copies to the
+/// host the host waits for count once more as kCopyToHost.
 std::map<std::string, int> op_calls(const std::function<void()>& fn);
 
 /// The calls in `calls` (op_calls) of operators after which a GPU's host
 /// waits for the device: a value read back (item() and a tensor's truth,
-/// aten::_local_scalar_dense; equal) or an output sized by the data
-/// (nonzero and what indexes by a mask, masked_select, bincount, unique).
-/// They run on the CPU as well, so a CPU test shows a step free of them; a
-/// copy to the host (.cpu()) looks the same as no copy there and is not
-/// seen.
+/// aten::_local_scalar_dense; equal), an output sized by the data
+/// (nonzero and what indexes by a mask, masked_select, bincount, unique),
+/// or a copy to the host (kCopyToHost). The first two run on the CPU as
+/// well, so a CPU test shows a step free of them; a copy to the host is
+/// seen only where there is a device (on the CPU `.cpu()` copies nothing).
 std::map<std::string, int> host_syncs(const std::map<std::string, int>& calls);
 
 /// Makes a GPU run repeat bit for bit, for tests that compare runs bitwise:
