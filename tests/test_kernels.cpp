@@ -2524,7 +2524,7 @@ TEST(Kernels, GroupedSwigluAppliesOnlyWhereTheGroupedGemmDoes) {
   const auto [g, u, d] = weights(8, 16, at::kFloat);
   EXPECT_EQ(kn::grouped_swiglu_applies(torch::randn({5, 16}), g, u, d), has_grouped_mm_on_cpu());
   // float64 (no grouped GEMM), rows of 6 float32 (24 bytes), a weight of
-  // another shape, rows of another dtype outside autocast.
+  // another shape, rows of another dtype outside autocast, too many experts.
   const auto [g64, u64, d64] = weights(8, 16, at::kDouble);
   EXPECT_FALSE(kn::grouped_swiglu_applies(torch::randn({5, 16}, at::kDouble), g64, u64, d64));
   const auto [g6, u6, d6] = weights(6, 16, at::kFloat);
@@ -2533,6 +2533,14 @@ TEST(Kernels, GroupedSwigluAppliesOnlyWhereTheGroupedGemmDoes) {
   odd[1] = torch::randn({8, 8});
   EXPECT_FALSE(kn::grouped_swiglu_applies(torch::randn({5, 16}), odd, u, d));
   EXPECT_FALSE(kn::grouped_swiglu_applies(torch::randn({5, 16}, at::kBFloat16), g, u, d));
+  // 1024 experts: more groups than ATen's grouped kernel takes.
+  const std::vector<at::Tensor> many_in(1024, g[0]), many_out(1024, d[0]);
+  EXPECT_FALSE(kn::grouped_swiglu_applies(torch::randn({5, 16}), many_in, many_in, many_out));
+  EXPECT_EQ(
+      kn::grouped_swiglu_applies(
+          torch::randn({5, 16}), at::TensorList(many_in).slice(0, 1023),
+          at::TensorList(many_in).slice(0, 1023), at::TensorList(many_out).slice(0, 1023)),
+      has_grouped_mm_on_cpu());
   // Refused by name: counts of another length, and what does not apply.
   const auto counts = torch::tensor({2, 3}, at::kLong);
   EXPECT_THROW(kn::grouped_swiglu(torch::randn({5, 16}), counts.narrow(0, 0, 1), g, u, d), c10::Error);

@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace colossalai {
@@ -22,9 +23,15 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Rows per group are a multiple of this, and at least this: 16 bytes of
-// bf16, the granule the grouped kernels expect of a group's extent.
+// Rows per group are a multiple of this, and at least this (16 bytes of
+// bf16). ATen's grouped kernels take any group size for these layouts; an
+// empty group would leave the weight gradient's product a sum of no terms,
+// which their tests do not cover, and whole granules keep every group's
+// rows aligned.
 constexpr int64_t kGroupRows = 8;
+// CUTLASS's grouped GEMM in ATen takes fewer groups than this, and int32
+// extents.
+constexpr int64_t kMaxGroups = 1024;
 
 bool whole_16_bytes(int64_t elements, at::ScalarType dtype) {
   return elements * static_cast<int64_t>(c10::elementSize(dtype)) % 16 == 0;
@@ -237,8 +244,11 @@ bool grouped_swiglu_applies(
        down[0].scalar_type() != compute)) {
     return false;
   }
+  const int64_t e = static_cast<int64_t>(gate.size());
+  const int64_t padded_rows = rows.size(0) + (kGroupRows + 1) * e;
   return compat::has_grouped_mm(rows.device(), compute) &&
-      whole_16_bytes(c, compute) && whole_16_bytes(inter, compute);
+      whole_16_bytes(c, compute) && whole_16_bytes(inter, compute) &&
+      e < kMaxGroups && padded_rows <= std::numeric_limits<int32_t>::max();
 }
 
 at::Tensor grouped_swiglu(

@@ -7,8 +7,9 @@
 /// expert on its rows means one GEMM per expert and projection, cut at
 /// counts the host must read (a GPU's queue drains once per layer, and a
 /// CUDA graph cannot capture it). This op keeps the counts on the device:
-/// each expert's rows are padded to a multiple of 8 (at least 8; the
-/// padding rows are zeros and stay out of every result) and
+/// each expert's rows are padded to a multiple of 8 (at least 8, so no
+/// group is empty; the padding rows are zeros and stay out of every
+/// result) and
 /// at::_grouped_mm multiplies every group by its own weight in one call,
 /// forward and backward (compat::has_grouped_mm: LibTorch 2.10+, bf16 on
 /// Hopper / Blackwell GPUs, float32 / 16-bit on the CPU).
@@ -48,9 +49,9 @@ at::Tensor grouped_swiglu(
     at::TensorList down);
 
 /// Whether grouped_swiglu takes these: compat::has_grouped_mm for the
-/// compute dtype on rows' device, E >= 1 weights of one shape, dtype and
-/// device per projection, C and I whole multiples of 16 bytes in the
-/// compute dtype.
+/// compute dtype on rows' device, 1 to 1023 experts' weights of one shape,
+/// dtype and device per projection, C and I whole multiples of 16 bytes in
+/// the compute dtype, padded rows within int32.
 bool grouped_swiglu_applies(
     const at::Tensor& rows,
     at::TensorList gate,
