@@ -602,6 +602,29 @@ TEST(Cuda, GraphedStepRefusesHostReadsAndNewShapes) {
                 what == "checkpoint" ? "gradient_checkpointing_ratio 0" : "dropout 0");
           });
         }
+        // A mixture of experts' expert loop reads its counts back: refused
+        // by name, with the option that captures it.
+        {
+          auto config = colossalai::models::LlamaConfig::tiny_test().model_type("mixtral").moe(
+              colossalai::models::MoeConfig().num_experts(4).num_experts_per_tok(2));
+          colossalai::models::LlamaForCausalLM model(config);
+          auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+              model->parameters(), torch::optim::AdamWOptions(1e-3));
+          cb::Booster booster(cb::BoosterOptions().device("cuda").mixed_precision("bf16"));
+          auto boosted = booster.boost(model, opt);
+          cb::GraphedStep step(
+              boosted.optimizer,
+              [&](const std::vector<at::Tensor>& in) {
+                boosted.optimizer->zero_grad();
+                auto loss = boosted.model.forward_loss(in[0], in[1]);
+                booster.backward(loss, *boosted.optimizer);
+                boosted.optimizer->step();
+                return loss;
+              },
+              cb::GraphedStepOptions().warmup(1));
+          step(batch(16));
+          expect_error([&] { step(batch(16)); }, "set_grouped_expert_gemm");
+        }
         // LowLevelZero's fp16 loss scaler reads its overflow flag on the
         // host (the CPU refuses fp16 before this question arises).
         {

@@ -3,6 +3,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
 #include <colossalai/kernels/grouped_swiglu.h>
+#include <colossalai/utils/compat.h>
 
 #include "model_init.h"
 
@@ -164,6 +165,12 @@ at::Tensor SparseMoeBlockImpl::run_local(
       return kernels::grouped_swiglu(x, counts, gate, up, down);
     }
   }
+  TORCH_CHECK(
+      !compat::stream_capturing(x.device()),
+      "SparseMoeBlock: the expert loop reads each layer's expert counts back "
+      "to the host, which a CUDA graph's capture cannot; run the experts in "
+      "grouped GEMMs (models::set_grouped_expert_gemm: bf16 on a compute "
+      "capability 9 / 10 GPU, LibTorch 2.10+) to capture the step");
   // Every local expert runs, on no rows too: its gradient is then zero, not
   // missing, so data-parallel reductions see the same tensors on every
   // rank.
