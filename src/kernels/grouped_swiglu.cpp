@@ -205,7 +205,8 @@ void check_shapes(
       rows.sizes(),
       " and ",
       counts.sizes());
-  const int64_t c = rows.size(1), inter = gate[0].dim() == 2 ? gate[0].size(0) : -1;
+  const int64_t c = rows.size(1);
+  const int64_t inter = gate[0].dim() == 2 ? gate[0].size(0) : -1;
   TORCH_CHECK(
       uniform(gate, inter, c, rows.device()) &&
           uniform(up, inter, c, rows.device()) &&

@@ -19,11 +19,13 @@
 /// check; clip_grad_by_norm_tensor and LowLevelZero's max_norm at one rank
 /// clip on the device and are captured), step an optimizer whose scalars live
 /// on the host (torch::optim::AdamW: use FusedAdamW), swap a random
-/// generator's state (a Dropout with p > 0, activation checkpointing), or
-/// communicate (one process; a plugin's optimizer wrapper other than
-/// LowLevelZero's at one rank is refused). The fused loss skips its check of
-/// the targets' range inside a capture (an out-of-range target gives a NaN
-/// loss instead of an error).
+/// generator's state (a Dropout with p > 0, activation checkpointing), run a
+/// mixture of experts' expert loop (it reads the counts back; grouped expert
+/// GEMMs, models::set_grouped_expert_gemm, do not), or communicate (one
+/// process; a plugin's optimizer wrapper other than LowLevelZero's at one
+/// rank is refused). The fused loss skips its check of the targets' range
+/// inside a capture (an out-of-range target gives a NaN loss instead of an
+/// error).
 /// The step function must take the same path every call: the graph repeats
 /// the kernels of the capture, not the function.
 ///
