@@ -190,14 +190,14 @@ at::Tensor SparseMoeBlockImpl::run_local(
 at::Tensor SparseMoeBlockImpl::run_experts(
     const at::Tensor& rows,
     const at::Tensor& counts) {
+  if (ep_group_ == nullptr) {
+    return run_local(rows, counts);
+  }
   auto host_counts = [](const at::Tensor& t) {
     auto c = t.to(at::kCPU, at::kLong).contiguous();
     return std::vector<int64_t>(
         c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
   };
-  if (ep_group_ == nullptr) {
-    return run_local(rows, counts);
-  }
   // Dispatch: rank r gets the rows of its experts. First the counts, so
   // each rank knows how many rows of each of its experts every rank sends.
   const int n = ep_group_->size();

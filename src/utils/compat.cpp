@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #ifdef COLOSSALAI_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -94,12 +95,20 @@ bool has_grouped_mm(at::Device device, at::ScalarType dtype) {
   }
 #ifdef COLOSSALAI_WITH_CUDA
   if (device.is_cuda() && dtype == at::kBFloat16) {
-    int major = 0;
-    const int index =
-        device.has_index() ? device.index() : c10::cuda::current_device();
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(
-        &major, cudaDevAttrComputeCapabilityMajor, index));
-    return major == 9 || major == 10;
+    // Every device's compute capability, read once: a sparse layer asks on
+    // every forward.
+    static const std::vector<int> majors = [] {
+      std::vector<int> m(static_cast<size_t>(c10::cuda::device_count()), 0);
+      for (size_t i = 0; i < m.size(); ++i) {
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(
+            &m[i], cudaDevAttrComputeCapabilityMajor, static_cast<int>(i)));
+      }
+      return m;
+    }();
+    const auto index = static_cast<size_t>(
+        device.has_index() ? device.index() : c10::cuda::current_device());
+    return index < majors.size() &&
+        (majors[index] == 9 || majors[index] == 10);
   }
 #endif
 #endif
