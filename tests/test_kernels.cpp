@@ -947,6 +947,93 @@ TEST(Kernels, CrossEntropyGradIsAutogradsGradient) {
       c10::Error);
 }
 
+// A target outside the vocabulary that is not ignored (the fused loss's
+// check reports it, on a GPU at a later call) gives its row NaN, loss and
+// gradient, in ATen as in the CUDA kernel, and indexes nothing (ATen's
+// gather would fail, on a GPU with a device-side assertion); the other rows
+// are as if it were ignored. float32 and float64 on the CPU; on a GPU the
+// kernel (float32) and ATen (float64).
+TEST(Kernels, CrossEntropyGradGivesAStrayTargetsRowNaN) {
+  torch::manual_seed(8);
+  const int64_t n = 6, vocab = 11;
+  std::vector<at::Device> devices{at::kCPU};
+  if (torch::cuda::is_available()) {
+    devices.emplace_back(at::kCUDA);
+  }
+  for (const auto& device : devices) {
+    for (const auto type : {at::kFloat, at::kDouble}) {
+      SCOPED_TRACE(device.str() + " " + c10::toString(type));
+      const auto o = at::device(device).dtype(type);
+      const auto x = torch::randn({n, vocab}, o);
+      const auto t = torch::tensor(std::vector<int64_t>{3, vocab, -100, -1, 0, vocab + 5}).to(device);
+      const auto stray = torch::tensor({false, true, false, true, false, true}).to(device);
+      const auto scale = torch::full({}, 0.25, o);
+      auto g = x.clone();
+      const auto rows = kn::detail::cross_entropy_grad_(g, t, -100, scale);
+      auto g_ignored = x.clone();
+      const auto rows_ignored =
+          kn::detail::cross_entropy_grad_(g_ignored, t.masked_fill(stray, -100), -100, scale);
+      EXPECT_TRUE(rows.index({stray}).isnan().all().item<bool>());
+      EXPECT_TRUE(g.index({stray}).isnan().all().item<bool>());
+      const auto kept = stray.logical_not();
+      EXPECT_TRUE(rows.index({kept}).equal(rows_ignored.index({kept})));
+      EXPECT_TRUE(g.index({kept}).equal(g_ignored.index({kept})));
+    }
+  }
+}
+
+// The fused loss checks its targets without reading a value back: on the
+// CPU at once, by name.
+TEST(Kernels, FusedLinearCrossEntropyChecksItsTargetsWithoutAHostRead) {
+  const auto h = torch::randn({4, 8}), w = torch::randn({10, 8});
+  const auto t = torch::randint(10, {4}, torch::kLong);
+  const auto calls = colossalai::testing::op_calls(
+      [&] { (void)kn::fused_linear_cross_entropy(h, w, {}, t); });
+  EXPECT_TRUE(colossalai::testing::host_syncs(calls).empty());
+  for (const int64_t stray : {-1, 10}) {
+    try {
+      kn::fused_linear_cross_entropy(h, w, {}, t.clone().index_put_({2}, stray));
+      ADD_FAILURE() << "target " << stray << " was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("outside [0, 10)"), std::string::npos) << e.what();
+    }
+  }
+  kn::synchronize_target_checks(); // nothing pending on the CPU
+}
+
+// On a GPU the check stays on the device: a call with a stray target on
+// the GPU raises at the latest at synchronize_target_checks, once, naming
+// the call; calls with good targets read nothing back and raise nothing
+// afterwards. A target on the host is checked at once.
+TEST(Kernels, FusedLinearCrossEntropyOnCudaChecksItsTargetsLater) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "needs a CUDA device";
+  }
+  const auto o = at::device(at::kCUDA).dtype(at::kBFloat16);
+  const auto h = torch::randn({64, 32}, o), w = torch::randn({50, 32}, o);
+  const auto t = torch::randint(50, {64}, at::device(at::kCUDA).dtype(at::kLong));
+  kn::synchronize_target_checks();
+  const auto calls = colossalai::testing::op_calls(
+      [&] { (void)kn::fused_linear_cross_entropy(h, w, {}, t); });
+  EXPECT_TRUE(colossalai::testing::host_syncs(calls).empty())
+      << "the check read back from the GPU";
+  std::string error;
+  try {
+    (void)kn::fused_linear_cross_entropy(h, w, {}, t.clone().index_put_({5}, 50));
+    kn::synchronize_target_checks();
+  } catch (const c10::Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("outside [0, 50)"), std::string::npos) << error;
+  EXPECT_NE(error.find("in call "), std::string::npos) << error;
+  EXPECT_NO_THROW(kn::synchronize_target_checks()); // reported once
+  EXPECT_NO_THROW((void)kn::fused_linear_cross_entropy(h, w, {}, t));
+  EXPECT_NO_THROW(kn::synchronize_target_checks());
+  EXPECT_THROW(
+      (void)kn::fused_linear_cross_entropy(h, w, {}, t.cpu().index_put_({0}, -7)),
+      c10::Error);
+}
+
 // On a GPU: the CUDA kernel against the float64 function of the same
 // (rounded) logits, element by element, for rows whose length in bytes is
 // not a multiple of 16 (GPT-2's 50257; the kernel reads the unaligned head

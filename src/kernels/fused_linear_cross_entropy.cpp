@@ -8,6 +8,7 @@
 #include <colossalai/utils/compat.h>
 
 #include "linear_dtype.h"
+#include "target_check.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -168,20 +169,15 @@ struct FusedLinearCrossEntropy
     const auto acc = at::promote_types(compute, at::kFloat);
     const auto acc_opts = h.options().dtype(acc);
 
+    // NOTE [Deferred target check]: on a GPU an earlier call's check
+    // raises here, this call's at a later one; none inside a capture.
+    detail::check_targets(
+        "fused_linear_cross_entropy",
+        target,
+        shard ? shard->vocab_size : vocab,
+        ignore_index);
     const auto tgt = target.to(h.device());
     const auto valid = tgt.ne(ignore_index);
-    // One check for every chunk (the kernel would give such a row NaN). It
-    // reads a flag back to the host, which a CUDA graph's capture cannot:
-    // a captured step goes without it.
-    const int64_t whole = shard ? shard->vocab_size : vocab;
-    TORCH_CHECK(
-        compat::stream_capturing(tgt.device()) ||
-            !(tgt.lt(0) | tgt.ge(whole)).logical_and(valid).any().item<bool>(),
-        "fused_linear_cross_entropy: a target is outside [0, ",
-        whole,
-        ") and is not ignore_index (",
-        ignore_index,
-        ")");
     // The scale stays on the device: no synchronisation for the count.
     const auto scale =
         mean ? valid.sum().to(acc).reciprocal() : at::ones({}, acc_opts);
@@ -443,16 +439,23 @@ at::Tensor cross_entropy_grad_(
   }
 #endif
   // The kernel's computation in ATen: float32 (float64 for float64 logits).
+  // A target outside [0, V) that is not ignored gives its row NaN, as
+  // the kernel does, and indexes nothing.
   const auto acc = at::promote_types(logits.scalar_type(), at::kFloat);
   const auto valid = target.ne(ignore_index);
-  const auto t = target.masked_fill(valid.logical_not(), 0).unsqueeze(1);
+  const auto stray = valid.logical_and(
+      target.lt(0).logical_or_(target.ge(logits.size(1))));
+  const auto t = target.masked_fill(valid.logical_not().logical_or_(stray), 0)
+                     .unsqueeze(1);
+  const auto nan = std::numeric_limits<double>::quiet_NaN();
   const auto vf = valid.to(acc);
   auto p = logits.to(acc); // may alias `logits`
   const auto lse = at::logsumexp(p, 1);
-  auto row_loss = (lse - p.gather(1, t).squeeze(1)) * vf;
+  auto row_loss =
+      (lse - p.gather(1, t).squeeze(1).masked_fill(stray, nan)) * vf;
   p.sub_(lse.unsqueeze(1)).exp_();
   p.scatter_add_(1, t, at::full({rows, 1}, -1.0, p.options()));
-  p.mul_((vf * scale.to(acc)).unsqueeze(1));
+  p.mul_((vf * scale.to(acc)).masked_fill(stray, nan).unsqueeze(1));
   if (!p.is_same(logits)) {
     logits.copy_(p);
   }

@@ -91,6 +91,16 @@ at::Tensor fused_linear_cross_entropy(
     const at::Tensor& target,
     const FusedLinearCrossEntropyOptions& options = {});
 
+/// Waits for the target checks of earlier fused_linear_cross_entropy calls
+/// on a GPU and raises if one found a target outside [0, vocab) that is not
+/// ignore_index. Each call checks its targets: where they are on the host,
+/// at once; on a GPU on the device, and a later call raises once that check
+/// has finished, so that no step waits for the device to read it back (the
+/// failed call's loss and gradients are not valid). Call this where the
+/// answer must be known, e.g. before saving a checkpoint. Inside a CUDA
+/// graph's capture no check is made.
+void synchronize_target_checks();
+
 /// The reference: at::linear, then cross-entropy of the logits in float32
 /// (float64 for float64 inputs).
 at::Tensor linear_cross_entropy_reference(
@@ -108,9 +118,9 @@ namespace detail {
 /// computed in float32 (float64 for float64 logits) and rounded once to the
 /// logits' dtype. Rows whose target is `ignore_index` get loss 0 and a zero
 /// gradient. `target` [N] int64 must be in [0, V) or ignore_index (the
-/// caller checks; the CUDA kernel gives NaN otherwise); `scale` is one
-/// value on the logits' device. Returns the losses [N], float32 (float64).
-/// The CUDA kernel on a GPU, ATen elsewhere.
+/// caller checks; both paths give any other target's row NaN); `scale` is
+/// one value on the logits' device. Returns the losses [N], float32
+/// (float64). The CUDA kernel on a GPU, ATen elsewhere.
 at::Tensor cross_entropy_grad_(
     at::Tensor& logits,
     const at::Tensor& target,

@@ -1,0 +1,28 @@
+#pragma once
+
+// The fused loss's check of its targets against the vocabulary, without
+// making the host wait for a GPU (NOTE [Deferred target check] in
+// target_check.cpp).
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace colossalai {
+namespace kernels {
+namespace detail {
+
+/// Refuses a target outside [0, vocab) that is not ignore_index, naming
+/// `op`: at once where `target` is on the CPU; on a GPU once the device
+/// has computed the check, at a later call (this one reports the earlier
+/// calls' checks that have finished). Inside a CUDA graph's capture it
+/// checks nothing.
+void check_targets(
+    const char* op,
+    const at::Tensor& target,
+    int64_t vocab,
+    int64_t ignore_index);
+
+} // namespace detail
+} // namespace kernels
+} // namespace colossalai
