@@ -174,6 +174,7 @@ struct FusedLinearCrossEntropy
     detail::check_targets(
         "fused_linear_cross_entropy",
         target,
+        h.device(),
         shard ? shard->vocab_size : vocab,
         ignore_index);
     const auto tgt = target.to(h.device());

@@ -7,11 +7,14 @@
 
 #ifdef COLOSSALAI_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <deque>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -36,7 +39,7 @@ namespace kernels {
 namespace {
 
 struct Pending {
-  const char* op = nullptr;
+  const char* op = nullptr; // a literal
   uint64_t call = 0; // the call's number among this process's checks
   int64_t vocab = 0;
   int64_t ignore_index = 0;
@@ -46,9 +49,18 @@ struct Pending {
 #endif
 };
 
-std::mutex mu;
-std::deque<Pending> pending; // guarded by mu
-uint64_t calls = 0; // guarded by mu
+// Process-wide (any thread's next call reports a finished check), and
+// never destroyed: at exit the last checks are still pending, and freeing
+// their pinned flags and events after CUDA has shut down can abort.
+std::mutex& mu() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+std::deque<Pending>& pending() { // guarded by mu()
+  static auto* q = new std::deque<Pending>;
+  return *q;
+}
+uint64_t calls = 0; // guarded by mu()
 
 // `when`: empty, or where the target was, ending in a space.
 std::string out_of_range(const Pending& p, const std::string& when) {
@@ -59,30 +71,49 @@ std::string out_of_range(const Pending& p, const std::string& when) {
 }
 
 // Takes the finished checks (all of them with `wait`) off the list and
-// raises for the first that failed.
+// raises for the first that failed. The waits happen outside the lock.
 void report(bool wait) {
-  std::string error;
+  std::deque<Pending> mine;
   uint64_t now = 0;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<std::mutex> lock(mu());
+    mine.swap(pending());
     now = calls;
-    for (auto it = pending.begin(); it != pending.end();) {
+  }
+  std::deque<Pending> unfinished;
+  std::string error;
+  {
+#ifdef COLOSSALAI_WITH_CUDA
+    // A query from this thread must not end another thread's capture.
+    c10::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
+    if (!mine.empty()) {
+      relaxed.emplace(cudaStreamCaptureModeRelaxed);
+    }
+#endif
+    for (auto& p : mine) {
 #ifdef COLOSSALAI_WITH_CUDA
       if (wait) {
-        it->done->synchronize();
-      } else if (!it->done->query()) {
-        ++it;
+        p.done->synchronize();
+      } else if (!p.done->query()) {
+        unfinished.push_back(std::move(p));
         continue;
       }
 #endif
-      if (*it->flag.data_ptr<bool>() && error.empty()) {
+      if (*p.flag.data_ptr<bool>() && error.empty()) {
         std::ostringstream when;
-        when << "in call " << it->call << " of the " << now
+        when << "in call " << p.call << " of the " << now
              << " checked so far (its loss and gradients are not valid) ";
-        error = out_of_range(*it, when.str());
+        error = out_of_range(p, when.str());
       }
-      it = pending.erase(it);
     }
+    mine.clear();
+  }
+  if (!unfinished.empty()) {
+    std::lock_guard<std::mutex> lock(mu());
+    auto& q = pending();
+    q.insert(q.begin(), // before any check queued meanwhile
+             std::make_move_iterator(unfinished.begin()),
+             std::make_move_iterator(unfinished.end()));
   }
   (void)wait;
   TORCH_CHECK(
@@ -95,6 +126,15 @@ void report(bool wait) {
 } // namespace
 
 void synchronize_target_checks() {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (at::globalContext().hasCUDA()) {
+    const at::Device here(at::kCUDA, c10::cuda::current_device());
+    TORCH_CHECK(
+        !compat::stream_capturing(here),
+        "synchronize_target_checks: a CUDA graph is being captured on this "
+        "thread's stream, which cannot wait for the device");
+  }
+#endif
   report(/*wait=*/true);
 }
 
@@ -103,15 +143,22 @@ namespace detail {
 void check_targets(
     const char* op,
     const at::Tensor& target,
+    const at::Device& device,
     int64_t vocab,
     int64_t ignore_index) {
-  report(/*wait=*/false);
-  if (compat::stream_capturing(target.device())) {
-    return; // NOTE [Deferred target check]: a capture cannot read back
+  // A capture can neither read back nor wait: a device target is not
+  // checked then, and no earlier check is reported.
+  const bool capturing = compat::stream_capturing(device) ||
+      compat::stream_capturing(target.device());
+  if (capturing && !target.is_cpu()) {
+    return;
+  }
+  if (!capturing) {
+    report(/*wait=*/false);
   }
   uint64_t call = 0;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    std::lock_guard<std::mutex> lock(mu());
     call = ++calls;
   }
   const auto bad = (target.lt(0) | target.ge(vocab))
@@ -134,8 +181,8 @@ void check_targets(
     p.flag.copy_(bad, /*non_blocking=*/true);
     p.done = std::make_shared<at::cuda::CUDAEvent>();
     p.done->record(c10::cuda::getCurrentCUDAStream());
-    std::lock_guard<std::mutex> lock(mu);
-    pending.push_back(std::move(p));
+    std::lock_guard<std::mutex> lock(mu());
+    pending().push_back(std::move(p));
     return;
   }
 #endif

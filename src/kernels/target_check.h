@@ -5,6 +5,7 @@
 // target_check.cpp).
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <cstdint>
 
@@ -15,11 +16,12 @@ namespace detail {
 /// Refuses a target outside [0, vocab) that is not ignore_index, naming
 /// `op`: at once where `target` is on the CPU; on a GPU once the device
 /// has computed the check, at a later call (this one reports the earlier
-/// calls' checks that have finished). Inside a CUDA graph's capture it
-/// checks nothing.
+/// calls' checks that have finished). Inside a CUDA graph's capture on
+/// `device` (where the op computes) or the target's, it checks nothing.
 void check_targets(
     const char* op,
     const at::Tensor& target,
+    const at::Device& device,
     int64_t vocab,
     int64_t ignore_index);
 

@@ -96,9 +96,11 @@ at::Tensor fused_linear_cross_entropy(
 /// ignore_index. Each call checks its targets: where they are on the host,
 /// at once; on a GPU on the device, and a later call raises once that check
 /// has finished, so that no step waits for the device to read it back (the
-/// failed call's loss and gradients are not valid). Call this where the
-/// answer must be known, e.g. before saving a checkpoint. Inside a CUDA
-/// graph's capture no check is made.
+/// failed call's loss and gradients are not valid). The checks are the
+/// process's: the next call on any thread reports a finished one. Call this
+/// where the answer must be known, e.g. before saving a checkpoint (not
+/// inside a CUDA graph's capture, where it is refused). Inside a capture no
+/// check is made of targets on the GPU.
 void synchronize_target_checks();
 
 /// The reference: at::linear, then cross-entropy of the logits in float32
