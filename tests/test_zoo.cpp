@@ -448,3 +448,84 @@ TEST(Attention, FusedAndExplicitPathsAgree) {
           false),
       c10::Error);
 }
+
+// Which kernel attention runs, and a scope that allows only some: on the
+// CPU (LibTorch 2.5+) the fused kernel ("flash") runs by default, only
+// "math" inside a guard that allows it alone, the default again after; a
+// guard that allows no kernel that takes the inputs makes the call fail
+// (ATen's "No available kernel"), not fall back. The math kernel's output
+// is the explicit path's within fp32 rounding. Before 2.5 the guard is
+// refused by name.
+TEST(Attention, SdpaKernelGuardChoosesTheKernel) {
+  namespace compat = colossalai::compat;
+  torch::manual_seed(3);
+  const auto q = torch::randn({2, 4, 16, 8}), k = torch::randn({2, 2, 16, 8}),
+             v = torch::randn({2, 2, 16, 8});
+  const auto before = compat::sdpa_backend(q, k, v, {}, true);
+  if (!COLOSSALAI_TORCH_AT_LEAST(2, 5)) {
+    EXPECT_THROW(compat::SdpaKernelGuard({compat::SdpaBackend::math}), c10::Error);
+    return;
+  }
+  EXPECT_EQ(before, "flash");
+  {
+    compat::SdpaKernelGuard math({compat::SdpaBackend::math});
+    EXPECT_EQ(compat::sdpa_backend(q, k, v, {}, true), "math");
+    const auto y = compat::scaled_dot_product_attention(q, k, v, {}, true);
+    EXPECT_TRUE(torch::allclose(y, compat::explicit_attention(q, k, v, {}, true), 0, 2e-5));
+  }
+  EXPECT_EQ(compat::sdpa_backend(q, k, v, {}, true), before);
+  {
+    // The CPU has no cuDNN kernel.
+    compat::SdpaKernelGuard none({compat::SdpaBackend::cudnn});
+    EXPECT_THROW(compat::scaled_dot_product_attention(q, k, v, {}, true), c10::Error);
+  }
+  EXPECT_EQ(compat::sdpa_backend(q, k, v, {}, true), before);
+  EXPECT_THROW(compat::SdpaKernelGuard({}), c10::Error);
+}
+
+// On a GPU each of SDPA's kernels that takes Llama-shaped bf16 inputs (32
+// query heads, 8 key/value heads of 64, causal, 2 x 256 tokens) computes
+// the float64 attention and its gradients: norm-relative error under 1e-2,
+// the upper end of bf16 operands' rounding (inputs and output rounded to
+// 2^-9 relative, sums in float32 inside the kernels), so that choosing one
+// (--sdpa in bench_gpu_gpt_step) trains the same model.
+TEST(Attention, EverySdpaKernelOnCudaIsTheAttention) {
+  namespace compat = colossalai::compat;
+  if (!torch::cuda::is_available() || !COLOSSALAI_TORCH_AT_LEAST(2, 5)) {
+    GTEST_SKIP() << "needs a CUDA device and LibTorch 2.5";
+  }
+  torch::manual_seed(4);
+  const auto o = at::device(at::kCUDA).dtype(at::kBFloat16);
+  const auto q0 = torch::randn({2, 32, 256, 64}, o), k0 = torch::randn({2, 8, 256, 64}, o),
+             v0 = torch::randn({2, 8, 256, 64}, o), dy = torch::randn({2, 32, 256, 64}, o);
+  auto grads = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool fused) {
+    auto qq = q.detach().requires_grad_(), kk = k.detach().requires_grad_(),
+         vv = v.detach().requires_grad_();
+    auto y = fused ? compat::scaled_dot_product_attention(qq, kk, vv, {}, true)
+                   : compat::explicit_attention(qq, kk, vv, {}, true);
+    y.backward(dy.to(y.scalar_type()));
+    return std::vector<at::Tensor>{y.detach(), qq.grad(), kk.grad(), vv.grad()};
+  };
+  const auto want = grads(q0.to(at::kDouble), k0.to(at::kDouble), v0.to(at::kDouble), false);
+  const char* names[] = {"output", "dq", "dk", "dv"};
+  int ran = 0;
+  for (const auto b : {compat::SdpaBackend::flash, compat::SdpaBackend::cudnn,
+                       compat::SdpaBackend::efficient}) {
+    std::vector<at::Tensor> got;
+    std::string kernel;
+    try {
+      compat::SdpaKernelGuard only({b});
+      kernel = compat::sdpa_backend(q0, k0, v0, {}, true);
+      got = grads(q0, k0, v0, true);
+    } catch (const c10::Error&) {
+      continue; // this kernel does not take these inputs here
+    }
+    ++ran;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const auto err = (got[i].to(at::kDouble) - want[i]).norm().item<double>() /
+          want[i].norm().item<double>();
+      EXPECT_LT(err, 1e-2) << kernel << " " << names[i];
+    }
+  }
+  EXPECT_GT(ran, 0) << "no fused attention kernel ran on this GPU";
+}

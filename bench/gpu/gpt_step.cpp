@@ -23,6 +23,7 @@
 //                      [--loss logits|fused] [--plugin none|zero1]
 //                      [--split-steps 5] [--profile 0]
 //                      [--recompute-mlp off|on] [--cuda-graph off|on]
+//                      [--sdpa default|flash|cudnn|efficient|math]
 //
 // --optimizer: LibTorch's AdamW (a loop of per-tensor ops), FusedAdamW
 // (at::_fused_adamw_, one pass) or HybridAdam (its device path).
@@ -49,6 +50,10 @@
 // once in a CUDA graph after the warm-up steps and replayed
 // (booster::GraphedStep; needs --optimizer fused_adamw). No split timing
 // then: a replay is one launch.
+// --sdpa KERNEL: attention may run only that kernel of SDPA's
+// (compat::SdpaKernelGuard, LibTorch 2.5+); default: ATen's choice. The
+// JSON names the kernel ATen picks for the model's attention either way
+// ("sdpa_backend").
 // --plugin zero1: LowLevelZeroPlugin (stage 1, precision bf16) at world size
 // one: bf16 parameters, fp32 masters in the optimizer, no autocast (no cast
 // of every weight in every forward), as ColossalAI trains in bf16.
@@ -112,6 +117,7 @@ struct Args {
   int profile = 0;
   bool recompute_mlp = false;
   bool cuda_graph = false;
+  std::string sdpa = "default";
 };
 
 Args parse(int argc, char** argv) {
@@ -152,6 +158,12 @@ Args parse(int argc, char** argv) {
     } else if (k == "--cuda-graph") {
       TORCH_CHECK(v == "on" || v == "off", "--cuda-graph must be on or off, got ", v);
       a.cuda_graph = v == "on";
+    } else if (k == "--sdpa") {
+      TORCH_CHECK(
+          v == "default" || v == "flash" || v == "cudnn" || v == "efficient" || v == "math",
+          "--sdpa must be default, flash, cudnn, efficient or math, got ",
+          v);
+      a.sdpa = v;
     }
     else
       TORCH_CHECK(false, "unknown option ", k);
@@ -428,6 +440,27 @@ int run(const Args& a) {
   auto rates = matmul_rates(dev, n);
   const double peak = cbench::median(rates);
 
+  namespace compat = colossalai::compat;
+  c10::optional<compat::SdpaKernelGuard> only_kernel;
+  if (a.sdpa != "default") {
+    const auto b = a.sdpa == "flash" ? compat::SdpaBackend::flash
+        : a.sdpa == "cudnn"          ? compat::SdpaBackend::cudnn
+        : a.sdpa == "efficient"      ? compat::SdpaBackend::efficient
+                                     : compat::SdpaBackend::math;
+    only_kernel.emplace(std::vector<compat::SdpaBackend>{b});
+  }
+  // The kernel ATen picks for causal attention of these heads (bf16).
+  std::string sdpa_backend;
+  auto attention_kernel = [&](int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t seq) {
+    const auto o = at::device(dev).dtype(at::kBFloat16);
+    sdpa_backend = compat::sdpa_backend(
+        at::empty({a.batch, heads, seq, head_dim}, o),
+        at::empty({a.batch, kv_heads, seq, head_dim}, o),
+        at::empty({a.batch, kv_heads, seq, head_dim}, o),
+        {},
+        true);
+  };
+
   std::fprintf(stderr, "building %s\n", a.model.c_str());
   torch::manual_seed(0);
   double last_loss = 0;
@@ -443,6 +476,8 @@ int run(const Args& a) {
     const auto cfg = small
         ? colossalai::models::LlamaConfig::small_cpu().max_position_embeddings(t)
         : cbench::llama_workload("llama-1b").max_position_embeddings(t);
+    attention_kernel(
+        cfg.num_attention_heads(), cfg.num_key_value_heads(), cfg.resolved_head_dim(), t);
     colossalai::models::LlamaForCausalLM model(cfg);
     model->to(dev);
     colossalai::models::set_mlp_activation_recompute(*model, a.recompute_mlp);
@@ -494,6 +529,7 @@ int run(const Args& a) {
               .attn_pdrop(0)
               .resid_pdrop(0);
     t = cfg.n_positions();
+    attention_kernel(cfg.n_head(), cfg.n_head(), cfg.n_embd() / cfg.n_head(), t);
     colossalai::models::GPT2LMHeadModel model(cfg);
     model->to(dev);
     colossalai::models::set_mlp_activation_recompute(*model, a.recompute_mlp);
@@ -521,6 +557,7 @@ int run(const Args& a) {
         : colossalai::zoo::GPTConfig::small_cpu();
     cfg.recompute_gelu(a.recompute_mlp);
     t = cfg.block_size();
+    attention_kernel(cfg.n_head(), cfg.n_head(), cfg.n_embd() / cfg.n_head(), t);
     colossalai::zoo::GPT model(cfg);
     model->to(dev);
     params = cfg.num_parameters();
@@ -551,8 +588,10 @@ int run(const Args& a) {
        << a.loss << ", plugin " << a.plugin
        << (a.recompute_mlp ? ", MLP activation recomputed" : "")
        << (a.cuda_graph ? ", CUDA graph" : "")
+       << (a.sdpa != "default" ? ", attention " + a.sdpa + " only" : std::string())
        << ")\",\n  \"recompute_mlp\": " << (a.recompute_mlp ? "true" : "false")
        << ",\n  \"cuda_graph\": " << (a.cuda_graph ? "true" : "false")
+       << ",\n  \"sdpa\": \"" << a.sdpa << "\",\n  \"sdpa_backend\": \"" << sdpa_backend << "\""
        << ",\n  \"optimizer_kind\": \""
        << a.optimizer << "\",\n  \"plugin\": \"" << a.plugin
        << "\",\n  \"loss_kind\": \"" << a.loss << "\",\n  \"model\": \"" << a.model

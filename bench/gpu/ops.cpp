@@ -8,6 +8,8 @@
 // over GPT-2 medium's parameters that writes their bf16 copies, against
 // ATen's fused AdamW and a cast; one token through an 8B-shaped NF4 and
 // int8 weight, the packed bytes read directly against dequantize + matmul;
+// causal attention at Llama 3.2 1B's shape with SDPA's default kernel
+// against each other one allowed alone;
 // a Mixtral-shaped sparse layer's experts in grouped GEMMs against one GEMM
 // per expert.
 // Medians over --reps timed runs
@@ -287,6 +289,51 @@ int main(int argc, char** argv) {
       // x and dy read, out and dx written.
       r.bytes = 4.0 * x.numel() * x.element_size();
       rows.push_back(r);
+    }
+
+    // 5b. Causal attention at Llama 3.2 1B's shape (4 x 2048 tokens, 32
+    // query heads and 8 key/value heads of 64), forward and backward: the
+    // kernel SDPA picks by default (ours: what every family runs) against
+    // each other kernel allowed alone (compat::SdpaKernelGuard), where it
+    // takes these inputs. The "ATen / ours" column then says whether a
+    // kernel other than the default is faster.
+    if (colossalai::compat::has_fused_attention()) {
+      const int64_t b = gpu ? 4 : 1, t = gpu ? 2048 : 256, h = 32, hk = 8, d = 64;
+      auto q = torch::randn({b, h, t, d}, opts).requires_grad_(true);
+      auto k = torch::randn({b, hk, t, d}, opts).requires_grad_(true);
+      auto v = torch::randn({b, hk, t, d}, opts).requires_grad_(true);
+      const auto dy = torch::randn({b, h, t, d}, opts);
+      namespace compat = colossalai::compat;
+      const auto chosen = compat::sdpa_backend(q, k, v, {}, true);
+      auto run = [&] {
+        for (auto* x : {&q, &k, &v})
+          x->mutable_grad() = at::Tensor();
+        compat::scaled_dot_product_attention(q, k, v, {}, true).backward(dy);
+      };
+      const auto ours = time_ms(dev, reps, run);
+      const std::pair<const char*, compat::SdpaBackend> others[] = {
+          {"flash", compat::SdpaBackend::flash},
+          {"cudnn", compat::SdpaBackend::cudnn},
+          {"efficient", compat::SdpaBackend::efficient},
+          {"math", compat::SdpaBackend::math}};
+      for (const auto& [name, backend] : others) {
+        if (name == chosen || (gpu && std::string(name) == "math"))
+          continue; // the math path at this size: 4 x 32 x 2048^2 scores
+        try {
+          Row r{std::string("causal attention, forward + backward: default (") + chosen +
+                    ") against " + name + " alone",
+                std::to_string(b) + " x " + std::to_string(t) + ", 32 / 8 heads of 64 " + dtype};
+          r.ours = ours;
+          const compat::SdpaKernelGuard only({backend});
+          r.aten = time_ms(dev, reps, run);
+          // Causal: half of the 4 (forward) + 10 (backward) b h t^2 d.
+          r.flops = 7.0 * b * h * t * t * d;
+          rows.push_back(r);
+        } catch (const std::exception& e) {
+          std::cerr << "bench_gpu_ops: attention with " << name
+                    << " alone did not run: " << std::string(e.what()).substr(0, 200) << "\n";
+        }
+      }
     }
 
     // 6. GPT-2 medium's MLP output over a batch of 8 x 1024: GELU then the

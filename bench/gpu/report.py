@@ -28,7 +28,8 @@ def main():
     order = ["ours", "ours_fused_adamw", "ours_fused", "ours_hybrid_adam",
              "ours_zero1_bf16_logits", "ours_zero1_bf16", "ours_zero1_bf16_recompute", "ours_zero1_bf16_graph", "torch", "torch_fused",
              "torch_compile", "torch_loop", "hf_ours_fused", "hf_ours_zero1_bf16", "hf_torch_fused", "llama_ours", "llama_ours_fused_adamw",
-             "llama_ours_fused", "llama_ours_fused_recompute", "llama_ours_fused_graph", "llama_ours_zero1_bf16", "llama_torch_fused",
+             "llama_ours_fused", "llama_ours_fused_recompute", "llama_ours_fused_graph", "llama_ours_fused_sdpa_flash",
+             "llama_ours_fused_sdpa_cudnn", "llama_ours_zero1_bf16", "llama_torch_fused",
              "llama_torch_compile"]
     found = sorted({re.sub(r"_[0-9]+\.json$", "", os.path.basename(p))
                     for p in glob.glob(os.path.join(folder, "*_[0-9]*.json"))},
@@ -92,6 +93,11 @@ def main():
                          f"{100 * mfu:.1f}% | {mm / 1e12:.1f} | {mem / (1 << 30):.2f} | "
                          f"{step / base_ms:.3f}x |")
         lines.append("")
+        kernels = sorted({r["sdpa_backend"] for _, rs in rows for r in rs
+                          if r.get("sdpa") == "default" and r.get("sdpa_backend")})
+        if kernels:
+            lines += ["Attention kernel ATen picks for our model's causal attention "
+                      "(bf16, by default): " + ", ".join(kernels) + ".", ""]
         split = [(n, rs) for n, rs in rows if rs[0].get("split_ms", {}).get("steps", 0) > 0]
         if split:
             lines += ["Where a step's time goes (ours): steps that synchronise after the "

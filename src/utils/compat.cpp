@@ -5,6 +5,7 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -439,35 +440,179 @@ at::Tensor explicit_attention(
   return at::matmul(at::softmax(att, -1), v);
 }
 
+#if COLOSSALAI_TORCH_AT_LEAST(2, 0)
+namespace {
+
+// What scaled_dot_product_attention hands at::scaled_dot_product_attention:
+// the mask (an explicit one may not be combined with is_causal, so it takes
+// the causal one folded in; the kernels' causal mask is aligned top-left,
+// so a shorter query block takes the explicit one too), the causal flag,
+// and from 2.5 grouped-query attention read in place (no repeated copy of
+// k and v: a decoding step would copy the whole cache).
+struct SdpaArgs {
+  at::Tensor k, v;
+  c10::optional<at::Tensor> mask;
+  bool causal = false;
+  bool gqa = false;
+};
+
+SdpaArgs sdpa_args(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const c10::optional<at::Tensor>& mask,
+    bool is_causal) {
+  SdpaArgs a;
+  const bool masked = mask.has_value() && mask->defined();
+  const bool own_causal = !masked && (!is_causal || q.size(-2) == k.size(-2));
+  if (!own_causal) {
+    a.mask = attention_mask(q, k, mask, is_causal);
+  }
+  a.causal = own_causal && is_causal;
+#if COLOSSALAI_TORCH_AT_LEAST(2, 5)
+  a.gqa = query_heads_per_kv(q, k) > 1;
+  a.k = k;
+  a.v = v;
+#else
+  a.k = repeat_heads(k, q);
+  a.v = repeat_heads(v, q);
+#endif
+  return a;
+}
+
+} // namespace
+#endif
+
 at::Tensor scaled_dot_product_attention(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
     const c10::optional<at::Tensor>& mask,
     bool is_causal) {
-#if COLOSSALAI_TORCH_AT_LEAST(2, 0)
-  const bool masked = mask.has_value() && mask->defined();
-  // An explicit mask may not be combined with is_causal: fold it in. (The
-  // kernels' causal mask is aligned top-left, so a shorter query block
-  // takes the explicit one.)
-  const bool own_causal = !masked && (!is_causal || q.size(-2) == k.size(-2));
-  c10::optional<at::Tensor> m;
-  if (!own_causal) {
-    m = attention_mask(q, k, mask, is_causal);
-  }
-  const bool causal = own_causal && is_causal;
 #if COLOSSALAI_TORCH_AT_LEAST(2, 5)
-  // Grouped-query attention read in place (no repeated copy of k and v:
-  // a decoding step would copy the whole cache).
-  const bool gqa = query_heads_per_kv(q, k) > 1;
+  const auto a = sdpa_args(q, k, v, mask, is_causal);
   return at::scaled_dot_product_attention(
-      q, k, v, m, 0.0, causal, c10::nullopt, gqa);
-#else
-  return at::scaled_dot_product_attention(
-      q, repeat_heads(k, q), repeat_heads(v, q), m, 0.0, causal);
-#endif
+      q, a.k, a.v, a.mask, 0.0, a.causal, c10::nullopt, a.gqa);
+#elif COLOSSALAI_TORCH_AT_LEAST(2, 0)
+  const auto a = sdpa_args(q, k, v, mask, is_causal);
+  return at::scaled_dot_product_attention(q, a.k, a.v, a.mask, 0.0, a.causal);
 #else
   return explicit_attention(q, k, v, mask, is_causal);
+#endif
+}
+
+std::string sdpa_backend(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const c10::optional<at::Tensor>& mask,
+    bool is_causal) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 0)
+  const auto a = sdpa_args(q, k, v, mask, is_causal);
+#if COLOSSALAI_TORCH_AT_LEAST(2, 5)
+  const int64_t choice = at::_fused_sdp_choice(
+      q, a.k, a.v, a.mask, 0.0, a.causal, c10::nullopt, a.gqa);
+#else
+  const int64_t choice =
+      at::_fused_sdp_choice(q, a.k, a.v, a.mask, 0.0, a.causal);
+#endif
+  // at::SDPBackend's values.
+  switch (choice) {
+    case 0:
+      return "math";
+    case 1:
+      return "flash";
+    case 2:
+      return "efficient";
+    case 3:
+      return "cudnn";
+    case 4:
+      return "overrideable";
+    default:
+      return "unknown (" + std::to_string(choice) + ")";
+  }
+#else
+  (void)q;
+  (void)k;
+  (void)v;
+  (void)mask;
+  (void)is_causal;
+  return "explicit";
+#endif
+}
+
+#if COLOSSALAI_TORCH_AT_LEAST(2, 5)
+namespace {
+
+bool sdpa_enabled(SdpaBackend b) {
+  auto& c = at::globalContext();
+  switch (b) {
+    case SdpaBackend::math:
+      return c.userEnabledMathSDP();
+    case SdpaBackend::flash:
+      return c.userEnabledFlashSDP();
+    case SdpaBackend::efficient:
+      return c.userEnabledMemEfficientSDP();
+    case SdpaBackend::cudnn:
+      return c.userEnabledCuDNNSDP();
+  }
+  return false;
+}
+
+void set_sdpa_enabled(SdpaBackend b, bool on) {
+  auto& c = at::globalContext();
+  switch (b) {
+    case SdpaBackend::math:
+      c.setSDPUseMath(on);
+      break;
+    case SdpaBackend::flash:
+      c.setSDPUseFlash(on);
+      break;
+    case SdpaBackend::efficient:
+      c.setSDPUseMemEfficient(on);
+      break;
+    case SdpaBackend::cudnn:
+      c.setSDPUseCuDNN(on);
+      break;
+  }
+}
+
+constexpr SdpaBackend kSdpaBackends[] = {
+    SdpaBackend::math,
+    SdpaBackend::flash,
+    SdpaBackend::efficient,
+    SdpaBackend::cudnn};
+
+} // namespace
+#endif
+
+SdpaKernelGuard::SdpaKernelGuard(const std::vector<SdpaBackend>& allowed) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 5)
+  TORCH_CHECK(
+      !allowed.empty(),
+      "SdpaKernelGuard: allow at least one attention kernel");
+  for (const auto b : kSdpaBackends) {
+    before_[static_cast<int>(b)] = sdpa_enabled(b);
+  }
+  for (const auto b : kSdpaBackends) {
+    set_sdpa_enabled(
+        b, std::find(allowed.begin(), allowed.end(), b) != allowed.end());
+  }
+#else
+  (void)allowed;
+  TORCH_CHECK(
+      false,
+      "SdpaKernelGuard: choosing scaled_dot_product_attention's kernels "
+      "needs LibTorch 2.5 or later; this is ",
+      TORCH_VERSION);
+#endif
+}
+
+SdpaKernelGuard::~SdpaKernelGuard() {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 5)
+  for (const auto b : kSdpaBackends) {
+    set_sdpa_enabled(b, before_[static_cast<int>(b)]);
+  }
 #endif
 }
 

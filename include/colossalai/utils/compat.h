@@ -13,6 +13,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #define COLOSSALAI_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||             \
@@ -79,6 +80,43 @@ at::Tensor scaled_dot_product_attention(
     const at::Tensor& v,
     const c10::optional<at::Tensor>& mask,
     bool is_causal);
+/// The kernels at::scaled_dot_product_attention chooses among
+/// (torch.nn.attention.SDPBackend's).
+enum class SdpaBackend { math, flash, efficient, cudnn };
+
+/// The kernel `scaled_dot_product_attention(q, k, v, mask, is_causal)`
+/// runs for these inputs under the current settings (ATen's own choice):
+/// "math", "flash", "efficient", "cudnn", "overrideable", or "explicit"
+/// (LibTorch 1.13: the explicit path).
+std::string sdpa_backend(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const c10::optional<at::Tensor>& mask,
+    bool is_causal);
+
+/// While alive, scaled_dot_product_attention may run only the `allowed`
+/// kernels (torch.nn.attention.sdpa_kernel); the settings before come back
+/// at its end. Process-wide, as ATen's settings are. Inputs that none of
+/// them takes are refused by ATen ("No available kernel"). LibTorch 2.5
+/// and later; refused by name before.
+///
+/// Example:
+/// \code
+///   compat::SdpaKernelGuard only({compat::SdpaBackend::cudnn});
+///   auto y = compat::scaled_dot_product_attention(q, k, v, {}, true);
+/// \endcode
+class SdpaKernelGuard {
+ public:
+  explicit SdpaKernelGuard(const std::vector<SdpaBackend>& allowed);
+  ~SdpaKernelGuard();
+  SdpaKernelGuard(const SdpaKernelGuard&) = delete;
+  SdpaKernelGuard& operator=(const SdpaKernelGuard&) = delete;
+
+ private:
+  bool before_[4] = {}; // SdpaBackend's order
+};
+
 /// The explicit path of `scaled_dot_product_attention`, on every version
 /// (the reference the fused one is checked against).
 at::Tensor explicit_attention(
