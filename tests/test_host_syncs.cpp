@@ -8,8 +8,8 @@
 // the host the host waits for (none exist on the CPU).
 //
 // The fused causal-LM loss checks its targets against the vocabulary on
-// every call without a read: on a GPU a later call raises once the device
-// has computed the check (kernels::synchronize_target_checks waits for it).
+// every call without a read: on a GPU the next call raises
+// (kernels::synchronize_target_checks waits for the checks at once).
 //
 // What a step may still read, by design:
 // - position_ids without an attention_mask are looked at once per forward

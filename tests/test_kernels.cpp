@@ -948,7 +948,7 @@ TEST(Kernels, CrossEntropyGradIsAutogradsGradient) {
 }
 
 // A target outside the vocabulary that is not ignored (the fused loss's
-// check reports it, on a GPU at a later call) gives its row NaN, loss and
+// check reports it, on a GPU at the next call) gives its row NaN, loss and
 // gradient, in ATen as in the CUDA kernel, and indexes nothing (ATen's
 // gather would fail, on a GPU with a device-side assertion); the other rows
 // are as if it were ignored. float32 and float64 on the CPU; on a GPU the
@@ -1002,10 +1002,10 @@ TEST(Kernels, FusedLinearCrossEntropyChecksItsTargetsWithoutAHostRead) {
 }
 
 // On a GPU the check stays on the device: a call with a stray target on
-// the GPU raises at the latest at synchronize_target_checks, once, naming
-// the call; calls with good targets read nothing back and raise nothing
-// afterwards. A target on the host is checked at once.
-TEST(Kernels, FusedLinearCrossEntropyOnCudaChecksItsTargetsLater) {
+// the GPU returns, and the next call (or synchronize_target_checks) raises,
+// once, naming the call; calls with good targets read nothing back and
+// raise nothing afterwards. A target on the host is checked at once.
+TEST(Kernels, FusedLinearCrossEntropyOnCudaChecksItsTargetsAtTheNextCall) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "needs a CUDA device";
   }
@@ -1017,16 +1017,24 @@ TEST(Kernels, FusedLinearCrossEntropyOnCudaChecksItsTargetsLater) {
       [&] { (void)kn::fused_linear_cross_entropy(h, w, {}, t); });
   EXPECT_TRUE(colossalai::testing::host_syncs(calls).empty())
       << "the check read back from the GPU";
-  std::string error;
-  try {
-    (void)kn::fused_linear_cross_entropy(h, w, {}, t.clone().index_put_({5}, 50));
-    kn::synchronize_target_checks();
-  } catch (const c10::Error& e) {
-    error = e.what();
+  const auto stray = t.clone().index_put_({5}, 50);
+  for (const bool explicitly : {false, true}) {
+    SCOPED_TRACE(explicitly ? "synchronize_target_checks" : "the next call");
+    EXPECT_NO_THROW((void)kn::fused_linear_cross_entropy(h, w, {}, stray));
+    std::string error;
+    try {
+      if (explicitly) {
+        kn::synchronize_target_checks();
+      } else {
+        (void)kn::fused_linear_cross_entropy(h, w, {}, t);
+      }
+    } catch (const c10::Error& e) {
+      error = e.what();
+    }
+    EXPECT_NE(error.find("outside [0, 50)"), std::string::npos) << error;
+    EXPECT_NE(error.find("in call "), std::string::npos) << error;
+    EXPECT_NO_THROW(kn::synchronize_target_checks()); // reported once
   }
-  EXPECT_NE(error.find("outside [0, 50)"), std::string::npos) << error;
-  EXPECT_NE(error.find("in call "), std::string::npos) << error;
-  EXPECT_NO_THROW(kn::synchronize_target_checks()); // reported once
   EXPECT_NO_THROW((void)kn::fused_linear_cross_entropy(h, w, {}, t));
   EXPECT_NO_THROW(kn::synchronize_target_checks());
   EXPECT_THROW(

@@ -160,6 +160,20 @@ if ! cmake --build "$BUILD_DIR" -j "$(nproc)" --target bench_gpu_gpt_step bench_
 fi
 export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
+# The reports, written however the run ends (a failed variant, a stopped
+# run): whatever results it left.
+write_reports() {
+  # The step report needs the rounds' results (--rounds 0 leaves none).
+  if compgen -G "$out_dir/*_1.json" >/dev/null; then
+    "$PY" bench/gpu/report.py "$out_dir" || say "report.py failed"
+  fi
+  if [ -n "$scale_models" ] || [ -n "$load_model" ] || [ -n "$qlora_models" ]; then
+    "$PY" bench/gpu/scale_report.py "$out_dir" || say "scale_report.py failed"
+  fi
+}
+trap write_reports EXIT
+trap 'exit 143' TERM INT
+
 # ---- run: ours and PyTorch's, alternated ---------------------------------------------
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv \
   >"$out_dir/nvidia-smi.csv" 2>/dev/null || true
@@ -205,10 +219,10 @@ if [ -z "$only" ] || [[ ops =~ $only ]]; then
     tail -20 "$out_dir/ops.log" >&2
   fi
 fi
-# A variant that has not yet run on a GPU (the CUDA-graph ones, one
-# attention kernel alone) failing is reported and the rounds go on; any
-# other failure ends the run.
-untried_re='(_graph|_sdpa_[a-z]+)$'
+# A variant that has not yet run on a GPU (the CUDA-graph ones, the MLP
+# recomputed, one attention kernel alone) failing is reported and the
+# rounds go on; any other failure ends the run.
+untried_re='(_graph|_recompute|_sdpa_[a-z]+)$'
 run_or_stop() { # name, then run_variant's arguments
   local name=$1
   shift
@@ -318,11 +332,4 @@ for model in ${qlora_models//,/ }; do
     tail -1 "$out_dir/$name.log"
   done
 done
-# The step report needs the rounds' results (--rounds 0 leaves none).
-if compgen -G "$out_dir/*_1.json" >/dev/null; then
-  "$PY" bench/gpu/report.py "$out_dir"
-fi
-if [ -n "$scale_models" ] || [ -n "$load_model" ] || [ -n "$qlora_models" ]; then
-  "$PY" bench/gpu/scale_report.py "$out_dir"
-fi
 say "report: $out_dir/report.md"

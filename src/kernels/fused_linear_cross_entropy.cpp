@@ -169,8 +169,8 @@ struct FusedLinearCrossEntropy
     const auto acc = at::promote_types(compute, at::kFloat);
     const auto acc_opts = h.options().dtype(acc);
 
-    // NOTE [Deferred target check]: on a GPU an earlier call's check
-    // raises here, this call's at a later one; none inside a capture.
+    // NOTE [Deferred target check]: on a GPU the previous call's check
+    // raises here, this call's at the next one; none inside a capture.
     detail::check_targets(
         "fused_linear_cross_entropy",
         target,

@@ -14,7 +14,6 @@
 #endif
 
 #include <deque>
-#include <iterator>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -30,11 +29,15 @@ namespace kernels {
 // device has run the whole forward so far: every training step would drain
 // the queue once, and a CUDA graph could not capture the step. So on a GPU
 // the check is computed on the device and copied into pinned host memory
-// behind an event; a later call (or synchronize_target_checks) reads it
-// once the event has passed and raises then, naming the call it came from.
-// That call's loss and gradients are not valid (the kernel makes the row
-// NaN), and an optimizer step may have applied them already. Targets on the host are checked at once, as the CPU's
-// are: nothing waits.
+// behind an event, and the next call (or synchronize_target_checks) reads
+// it and raises, naming the call it came from. The next call waits for
+// that event if the device has not passed it yet: by then the device is
+// normally a whole step further, so nothing waits, and the error comes at
+// the same call on every rank (ranks with the same targets, as tensor
+// parallel ones, stay in step). The failed call's loss and gradients are
+// not valid (the kernel makes the row NaN), and an optimizer step may have
+// applied them already. Targets on the host are checked at once, as the
+// CPU's are: nothing waits.
 
 namespace {
 
@@ -49,7 +52,7 @@ struct Pending {
 #endif
 };
 
-// Process-wide (any thread's next call reports a finished check), and
+// Process-wide (any thread's next call reports an earlier check), and
 // never destroyed: at exit the last checks are still pending, and freeing
 // their pinned flags and events after CUDA has shut down can abort.
 std::mutex& mu() {
@@ -70,9 +73,10 @@ std::string out_of_range(const Pending& p, const std::string& when) {
   return os.str();
 }
 
-// Takes the finished checks (all of them with `wait`) off the list and
-// raises for the first that failed. The waits happen outside the lock.
-void report(bool wait) {
+// Takes the earlier calls' checks off the list, waiting for those the
+// device has not passed yet, and raises for the first that failed. The
+// waits happen outside the lock.
+void report() {
   std::deque<Pending> mine;
   uint64_t now = 0;
   {
@@ -80,11 +84,10 @@ void report(bool wait) {
     mine.swap(pending());
     now = calls;
   }
-  std::deque<Pending> unfinished;
   std::string error;
   {
 #ifdef COLOSSALAI_WITH_CUDA
-    // A query from this thread must not end another thread's capture.
+    // A wait on this thread must not end another thread's capture.
     c10::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
     if (!mine.empty()) {
       relaxed.emplace(cudaStreamCaptureModeRelaxed);
@@ -92,12 +95,7 @@ void report(bool wait) {
 #endif
     for (auto& p : mine) {
 #ifdef COLOSSALAI_WITH_CUDA
-      if (wait) {
-        p.done->synchronize();
-      } else if (!p.done->query()) {
-        unfinished.push_back(std::move(p));
-        continue;
-      }
+      p.done->synchronize();
 #endif
       if (*p.flag.data_ptr<bool>() && error.empty()) {
         std::ostringstream when;
@@ -108,19 +106,11 @@ void report(bool wait) {
     }
     mine.clear();
   }
-  if (!unfinished.empty()) {
-    std::lock_guard<std::mutex> lock(mu());
-    auto& q = pending();
-    q.insert(q.begin(), // before any check queued meanwhile
-             std::make_move_iterator(unfinished.begin()),
-             std::make_move_iterator(unfinished.end()));
-  }
-  (void)wait;
   TORCH_CHECK(
       error.empty(),
       error,
       ". On a GPU the targets are checked without waiting for the device, "
-      "so the error comes at a later call");
+      "so the error comes at the next call");
 }
 
 } // namespace
@@ -135,7 +125,7 @@ void synchronize_target_checks() {
         "thread's stream, which cannot wait for the device");
   }
 #endif
-  report(/*wait=*/true);
+  report();
 }
 
 namespace detail {
@@ -154,7 +144,7 @@ void check_targets(
     return;
   }
   if (!capturing) {
-    report(/*wait=*/false);
+    report();
   }
   uint64_t call = 0;
   {

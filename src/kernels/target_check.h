@@ -14,10 +14,10 @@ namespace kernels {
 namespace detail {
 
 /// Refuses a target outside [0, vocab) that is not ignore_index, naming
-/// `op`: at once where `target` is on the CPU; on a GPU once the device
-/// has computed the check, at a later call (this one reports the earlier
-/// calls' checks that have finished). Inside a CUDA graph's capture on
-/// `device` (where the op computes) or the target's, it checks nothing.
+/// `op`: at once where `target` is on the CPU; on a GPU at the next call
+/// (this one reports the earlier calls' checks, waiting for the device to
+/// have passed them). Inside a CUDA graph's capture on `device` (where the
+/// op computes) or the target's, it checks nothing on the GPU.
 void check_targets(
     const char* op,
     const at::Tensor& target,

@@ -151,8 +151,10 @@ fi
 
 if [ "$bench" = 1 ]; then
   say "bench/gpu"
-  # shellcheck disable=SC2086
-  PYTHON=$python BUILD_DIR=$build limited bench/gpu/run.sh --out-dir "$out_dir" $bench_args \
+  # The arguments as the shell would split and unquote them (a quoted
+  # --only regex reaches bench/gpu/run.sh without its quotes).
+  eval "bench_argv=($bench_args)"
+  PYTHON=$python BUILD_DIR=$build limited bench/gpu/run.sh --out-dir "$out_dir" "${bench_argv[@]}" \
     > "$out_dir/bench-gpu.log" 2>&1
   record "bench/gpu (report.md)" $? "$out_dir/bench-gpu.log"
 fi

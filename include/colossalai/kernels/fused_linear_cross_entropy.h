@@ -94,13 +94,14 @@ at::Tensor fused_linear_cross_entropy(
 /// Waits for the target checks of earlier fused_linear_cross_entropy calls
 /// on a GPU and raises if one found a target outside [0, vocab) that is not
 /// ignore_index. Each call checks its targets: where they are on the host,
-/// at once; on a GPU on the device, and a later call raises once that check
-/// has finished, so that no step waits for the device to read it back (the
-/// failed call's loss and gradients are not valid). The checks are the
-/// process's: the next call on any thread reports a finished one. Call this
-/// where the answer must be known, e.g. before saving a checkpoint (not
-/// inside a CUDA graph's capture, where it is refused). Inside a capture no
-/// check is made of targets on the GPU.
+/// at once; on a GPU on the device, and the next call raises, so that no
+/// step waits for the device to read it back (the next call waits for the
+/// check only if the device has not passed it yet; the failed call's loss
+/// and gradients are not valid). The checks are the process's: the next
+/// call on any thread reports them. Call this where the answer must be
+/// known, e.g. before saving a checkpoint (not inside a CUDA graph's
+/// capture, where it is refused). Inside a capture no check is made of
+/// targets on the GPU.
 void synchronize_target_checks();
 
 /// The reference: at::linear, then cross-entropy of the logits in float32
