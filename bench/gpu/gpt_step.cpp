@@ -449,16 +449,13 @@ int run(const Args& a) {
                                      : compat::SdpaBackend::math;
     only_kernel.emplace(std::vector<compat::SdpaBackend>{b});
   }
-  // The kernel ATen picks for causal attention of these heads (bf16).
+  // The kernel ATen picks for causal attention of these heads (bf16; its
+  // choice depends on whether a gradient is wanted, as in training).
   std::string sdpa_backend;
   auto attention_kernel = [&](int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t seq) {
     const auto o = at::device(dev).dtype(at::kBFloat16);
-    sdpa_backend = compat::sdpa_backend(
-        at::empty({a.batch, heads, seq, head_dim}, o),
-        at::empty({a.batch, kv_heads, seq, head_dim}, o),
-        at::empty({a.batch, kv_heads, seq, head_dim}, o),
-        {},
-        true);
+    auto like = [&](int64_t h) { return at::empty({a.batch, h, seq, head_dim}, o).requires_grad_(); };
+    sdpa_backend = compat::sdpa_backend(like(heads), like(kv_heads), like(kv_heads), {}, true);
   };
 
   std::fprintf(stderr, "building %s\n", a.model.c_str());
