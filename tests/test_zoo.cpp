@@ -453,7 +453,7 @@ TEST(Attention, FusedAndExplicitPathsAgree) {
 // CPU (LibTorch 2.5+) the fused kernel ("flash") runs by default, only
 // "math" inside a guard that allows it alone, the default again after; a
 // guard that allows no kernel that takes the inputs makes the call fail
-// (ATen's "No available kernel"), not fall back. The math kernel's output
+// (ATen finds no viable kernel), not fall back. The math kernel's output
 // is the explicit path's within fp32 rounding. Before 2.5 the guard is
 // refused by name.
 TEST(Attention, SdpaKernelGuardChoosesTheKernel) {

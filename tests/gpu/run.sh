@@ -92,9 +92,9 @@ else
   fi
   targets=()
   if [ -n "$tests_re" ]; then
-    # shellcheck disable=SC2207
     # Every benchmark bench/gpu/run.sh builds, so that a later call with
     # --skip-suite (a warm machine keeps build-gpu/) starts timing at once.
+    # shellcheck disable=SC2207
     targets=(--target test_cuda train_fashion_mnist bench_gpu_gpt_step bench_gpu_ops bench_load_pretrained
       bench_gpu_scale_step bench_gpu_qlora_step
       $(ls tests/test_*.cpp | sed 's|.*/||; s|\.cpp$||' | grep -E "$tests_re"))

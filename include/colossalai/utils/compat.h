@@ -98,8 +98,8 @@ std::string sdpa_backend(
 /// While alive, scaled_dot_product_attention may run only the `allowed`
 /// kernels (torch.nn.attention.sdpa_kernel); the settings before come back
 /// at its end. Process-wide, as ATen's settings are. Inputs that none of
-/// them takes are refused by ATen ("No available kernel"). LibTorch 2.5
-/// and later; refused by name before.
+/// them takes are refused by ATen (no viable kernel). LibTorch 2.5 and
+/// later; refused by name before.
 ///
 /// Example:
 /// \code
