@@ -540,10 +540,10 @@ TEST(Cuda, GraphedStepRefusesHostReadsAndNewShapes) {
   run_distributed(
       1,
       [](int, int) {
-        auto run = [](const std::string& what, std::function<void(cb::GraphedStep&)> calls) {
-          SCOPED_TRACE(what);
-          torch::manual_seed(1);
-          zoo::GPT model(tiny());
+        // Boosts `model` (bf16 autocast, FusedAdamW) and hands `calls` a
+        // GraphedStep whose step is zero_grad, `train` (the loss, its
+        // backward and what a case adds) and the optimizer's step.
+        auto with_step = [](auto model, auto train, const std::function<void(cb::GraphedStep&)>& calls) {
           auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
               model->parameters(), torch::optim::AdamWOptions(1e-3));
           cb::Booster booster(cb::BoosterOptions().device("cuda").mixed_precision("bf16"));
@@ -552,7 +552,20 @@ TEST(Cuda, GraphedStepRefusesHostReadsAndNewShapes) {
               boosted.optimizer,
               [&](const std::vector<at::Tensor>& in) {
                 boosted.optimizer->zero_grad();
-                auto loss = boosted.model(in[0], in[1]);
+                auto loss = train(booster, boosted, in);
+                boosted.optimizer->step();
+                return loss;
+              },
+              cb::GraphedStepOptions().warmup(1));
+          calls(step);
+        };
+        auto run = [&](const std::string& what, std::function<void(cb::GraphedStep&)> calls) {
+          SCOPED_TRACE(what);
+          torch::manual_seed(1);
+          with_step(
+              zoo::GPT(tiny()),
+              [&](cb::Booster& booster, auto& boosted, const std::vector<at::Tensor>& in) {
+                at::Tensor loss = boosted.model(in[0], in[1]);
                 booster.backward(loss, *boosted.optimizer);
                 if (what == "item") {
                   EXPECT_TRUE(std::isfinite(loss.item<float>()));
@@ -565,11 +578,9 @@ TEST(Cuda, GraphedStepRefusesHostReadsAndNewShapes) {
                   namespace sl = colossalai::shardformer::layer;
                   loss = sl::Dropout(sl::DropoutOptions(0.5))(loss);
                 }
-                boosted.optimizer->step();
                 return loss;
               },
-              cb::GraphedStepOptions().warmup(1));
-          calls(step);
+              calls);
         };
         auto batch = [](int64_t t) {
           auto b = zoo::random_tokens(2, tiny(), 7);
@@ -607,23 +618,17 @@ TEST(Cuda, GraphedStepRefusesHostReadsAndNewShapes) {
         {
           auto config = colossalai::models::LlamaConfig::tiny_test().model_type("mixtral").moe(
               colossalai::models::MoeConfig().num_experts(4).num_experts_per_tok(2));
-          colossalai::models::LlamaForCausalLM model(config);
-          auto opt = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
-              model->parameters(), torch::optim::AdamWOptions(1e-3));
-          cb::Booster booster(cb::BoosterOptions().device("cuda").mixed_precision("bf16"));
-          auto boosted = booster.boost(model, opt);
-          cb::GraphedStep step(
-              boosted.optimizer,
-              [&](const std::vector<at::Tensor>& in) {
-                boosted.optimizer->zero_grad();
+          with_step(
+              colossalai::models::LlamaForCausalLM(config),
+              [](cb::Booster& booster, auto& boosted, const std::vector<at::Tensor>& in) {
                 auto loss = boosted.model.forward_loss(in[0], in[1]);
                 booster.backward(loss, *boosted.optimizer);
-                boosted.optimizer->step();
                 return loss;
               },
-              cb::GraphedStepOptions().warmup(1));
-          step(batch(16));
-          expect_error([&] { step(batch(16)); }, "set_grouped_expert_gemm");
+              [&](cb::GraphedStep& step) {
+                step(batch(16));
+                expect_error([&] { step(batch(16)); }, "set_grouped_expert_gemm");
+              });
         }
         // LowLevelZero's fp16 loss scaler reads its overflow flag on the
         // host (the CPU refuses fp16 before this question arises).
