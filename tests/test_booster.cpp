@@ -9,6 +9,7 @@
 #include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
+#include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/data/distributed_sampler.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/error.h>
@@ -141,6 +142,171 @@ TEST(DynamicLossScaler, HysteresisGrowthAndBounds) {
         colossalai::amp::DynamicLossScaler(
             colossalai::amp::DynamicLossScalerOptions().hysteresis(0));
       }).find("hysteresis"),
+      std::string::npos);
+}
+
+// The rule on a device (here the CPU's tensors) is the host's rule:
+// the same scales and growth counts over a long random run of verdicts,
+// with the bounds and the hysteresis reached. Powers of two are exact in
+// the device's float32; other factors round once per update there, so
+// after k updates the two differ by at most k float32 roundings.
+TEST(DynamicLossScaler, RuleOnTheDeviceIsTheHostsRule) {
+  namespace amp = colossalai::amp;
+  for (bool powers_of_two : {true, false}) {
+    const auto options = amp::DynamicLossScalerOptions()
+                             .initial_scale(8)
+                             .min_scale(0.25)
+                             .max_scale(64)
+                             .growth_factor(powers_of_two ? 2.0 : 1.5)
+                             .backoff_factor(powers_of_two ? 0.5 : 0.7)
+                             .growth_interval(3)
+                             .hysteresis(2);
+    amp::DynamicLossScaler host(options), device(options);
+    EXPECT_FALSE(device.on_device());
+    EXPECT_EQ(device.scale_tensor(at::kCPU).item<float>(), 8.0f);
+    EXPECT_TRUE(device.on_device());
+    auto gen = at::detail::createCPUGenerator(11);
+    const auto draws = at::rand({400}, gen);
+    bool saw_min = false, saw_max = false;
+    for (int64_t k = 0; k < draws.numel(); ++k) {
+      // Runs of overflows early, clean runs late: both bounds are reached.
+      const bool inf = draws[k].item<double>() < (k < 200 ? 0.6 : 0.15);
+      host.update(inf);
+      if (k % 2 == 0) {
+        device.update(at::full({1}, inf ? 1.0 : 0.0));
+      } else {
+        device.update(inf); // on the device too, from a host verdict
+      }
+      const double bound = (k + 1) * std::ldexp(1.0, -23) * host.scale();
+      ASSERT_NEAR(device.scale(), host.scale(), powers_of_two ? 0 : bound)
+          << "update " << k;
+      ASSERT_EQ(device.growth_tracker(), host.growth_tracker())
+          << "update " << k;
+      saw_min = saw_min || host.scale() == 0.25;
+      saw_max = saw_max || host.scale() == 64;
+    }
+    if (powers_of_two) {
+      EXPECT_TRUE(saw_min && saw_max);
+    }
+  }
+}
+
+namespace {
+
+// FusedAdamW made to take the verdict on the host, for comparison.
+struct HostVerdictAdamW : colossalai::nn::optimizer::FusedAdamW {
+  using FusedAdamW::FusedAdamW;
+  bool skips_step_on_device() const override {
+    return false;
+  }
+};
+
+} // namespace
+
+// fp16's loss scaling over FusedAdamW reads nothing back per step: the
+// kernel skips an overflowing step where the verdict is, the scale is
+// updated there, and the host takes the skipped step's count back at the
+// next step. Bit for bit the training of the same optimizer given the
+// verdict on the host (the same kernel, the same float32 unscale), with
+// inf and nan planted, the scale backing off and growing again.
+TEST(GradScaler, FusedAdamWSkipsOnTheDeviceWithoutAReadBack) {
+  using colossalai::testing::host_syncs;
+  using colossalai::testing::op_calls;
+  namespace opt_ns = colossalai::nn::optimizer;
+  if (!colossalai::compat::has_fused_adam(at::kCPU)) {
+    GTEST_SKIP() << "this LibTorch has no fused Adam on the CPU (2.4+)";
+  }
+  torch::manual_seed(0);
+  torch::nn::Linear a(4, 3), b(4, 3);
+  b->weight.data().copy_(a->weight.data());
+  b->bias.data().copy_(a->bias.data());
+  const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  auto fused_a = std::make_shared<opt_ns::FusedAdamW>(a->parameters(), options);
+  auto fused_b = std::make_shared<HostVerdictAdamW>(b->parameters(), options);
+  const auto scaler = colossalai::amp::GradScalerOptions()
+                          .init_scale(1024)
+                          .growth_interval(2);
+  cb::mixed_precision::TorchAMPOptimizer on_device(fused_a, scaler);
+  cb::mixed_precision::TorchAMPOptimizer on_host(fused_b, scaler);
+  const auto x = torch::randn({8, 4});
+  const auto step_of = [](opt_ns::FusedAdamW& o, const at::Tensor& p) {
+    return static_cast<torch::optim::AdamWParamState&>(
+               *o.state().at(colossalai::compat::optimizer_state_key<
+                             std::remove_reference_t<decltype(o.state())>>(p)))
+        .step();
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> planted = {0, inf, 0, 0, std::nan(""), 0, 0, 0};
+  for (size_t k = 0; k < planted.size(); ++k) {
+    std::map<std::string, int> calls;
+    for (auto* which : {&on_device, &on_host}) {
+      auto& model = which == &on_device ? a : b;
+      auto run = [&] {
+        which->zero_grad();
+        which->backward(model(x).pow(2).mean());
+        if (planted[k] != 0) {
+          model->weight.mutable_grad()[1][2] = planted[k];
+        }
+        which->step();
+      };
+      if (which == &on_device) {
+        calls = op_calls(run);
+      } else {
+        run();
+      }
+    }
+    EXPECT_TRUE(host_syncs(calls).empty())
+        << "step " << k << " read back; calls include " << calls.size()
+        << " operators";
+    // Until the next step the skipped one's count is still advanced.
+    const int64_t counted = step_of(*fused_a, a->weight);
+    EXPECT_EQ(on_device.last_step_skipped(), planted[k] != 0) << "step " << k;
+    EXPECT_EQ(on_host.last_step_skipped(), planted[k] != 0) << "step " << k;
+    EXPECT_EQ(counted - (planted[k] != 0 ? 1 : 0), step_of(*fused_a, a->weight));
+    EXPECT_EQ(step_of(*fused_a, a->weight), step_of(*fused_b, b->weight));
+    EXPECT_TRUE(at::equal(a->weight, b->weight)) << "step " << k;
+    EXPECT_TRUE(at::equal(a->bias, b->bias)) << "step " << k;
+    EXPECT_EQ(on_device.scaler().get_scale(), on_host.scaler().get_scale())
+        << "step " << k;
+  }
+  // 1024, backed off twice, grown twice (growth_interval 2 clean steps).
+  EXPECT_EQ(on_device.scaler().get_scale(), 1024.0);
+  EXPECT_EQ(step_of(*fused_a, a->weight), 6);
+
+  // A checkpoint saved right after a skipped step holds the count the
+  // host takes back (save_optimizer asks for the verdict first).
+  {
+    on_device.zero_grad();
+    on_device.backward(a(x).pow(2).mean());
+    a->weight.mutable_grad()[0][0] = inf;
+    on_device.step();
+    const colossalai::testing::ScratchDir dir("fp16-skip");
+    colossalai::checkpoint_io::GeneralCheckpointIO io;
+    io.save_optimizer(on_device, dir.path + "/optim.bin");
+    auto fresh = std::make_shared<opt_ns::FusedAdamW>(a->parameters(), options);
+    ci::OptimizerWrapper loaded(fresh);
+    io.load_optimizer(loaded, dir.path + "/optim.bin");
+    EXPECT_EQ(step_of(*fresh, a->weight), 6);
+    EXPECT_TRUE(on_device.last_step_skipped());
+    EXPECT_EQ(step_of(*fused_a, a->weight), 6);
+  }
+
+  // Clipping on the device too: the unscaled gradients' norm, nothing
+  // read back; the host-verdict optimizer is refused by name.
+  for (auto* which : {&on_device, &on_host}) {
+    which->zero_grad();
+    which->backward((which == &on_device ? a : b)(x).pow(2).mean());
+  }
+  on_host.clip_grad_by_norm(1e9);
+  const double want = torch::nn::utils::clip_grad_norm_(b->parameters(), 1e9);
+  at::Tensor norm;
+  const auto calls =
+      op_calls([&] { norm = on_device.clip_grad_by_norm_tensor(1e9); });
+  EXPECT_TRUE(host_syncs(calls).empty());
+  EXPECT_NEAR(norm.item<double>(), want, 1e-6 * want);
+  EXPECT_NE(
+      error_of([&] { on_host.clip_grad_by_norm_tensor(1.0); })
+          .find("FusedAdamW"),
       std::string::npos);
 }
 

@@ -362,6 +362,58 @@ TEST(Cuda, Fp16LossScalerSkipsAnOverflowingStepAndBacksOff) {
       on_cuda());
 }
 
+// fp16 over FusedAdamW on a GPU: no value read back and no copy the host
+// waits for in a step (the verdict reaches pinned memory behind an
+// event); an overflowing step is skipped by the kernel on the device, and
+// the host learns it at the next step, taking the step count back.
+TEST(Cuda, Fp16WithFusedAdamWStepsWithoutWaitingForTheDevice) {
+  SKIP_WITHOUT_CUDA(1);
+  run_distributed(
+      1,
+      [](int, int) {
+        namespace mp = cb::mixed_precision;
+        using colossalai::testing::host_syncs;
+        using colossalai::testing::op_calls;
+        auto fp16 = std::make_shared<mp::FP16TorchMixedPrecision>(
+            colossalai::amp::GradScalerOptions().init_scale(1024));
+        cb::Booster booster(cb::BoosterOptions().mixed_precision(fp16));
+        torch::manual_seed(0);
+        torch::nn::Linear model(64, 64);
+        auto fused = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+            model->parameters(), torch::optim::AdamWOptions(1e-3));
+        auto boosted = booster.boost(model, fused);
+        auto* amp =
+            dynamic_cast<mp::TorchAMPOptimizer*>(boosted.optimizer.get());
+        ASSERT_NE(amp, nullptr);
+        const auto x = at::randn({16, 64}).to(colossalai::current_device());
+        auto step = [&](bool plant) {
+          boosted.optimizer->zero_grad();
+          booster.backward(
+              boosted.model(x).pow(2).mean(), *boosted.optimizer);
+          if (plant) {
+            model->weight.mutable_grad()[3][5] =
+                std::numeric_limits<double>::infinity();
+          }
+          boosted.optimizer->step();
+        };
+        step(false); // the optimizer's state and the scale move to the GPU
+        for (bool plant : {false, true, false}) {
+          const auto before = model->weight.detach().clone();
+          const auto syncs = host_syncs(op_calls([&] { step(plant); }));
+          EXPECT_TRUE(syncs.empty()) << "a step made the host wait";
+          EXPECT_EQ(amp->last_step_skipped(), plant);
+          EXPECT_EQ(at::equal(model->weight.detach(), before), plant);
+        }
+        EXPECT_EQ(amp->scaler().get_scale(), 512.0);
+        const auto& state = static_cast<torch::optim::AdamWParamState&>(
+            *fused->state().at(colossalai::compat::optimizer_state_key<
+                               std::remove_reference_t<decltype(
+                                   fused->state())>>(model->weight)));
+        EXPECT_EQ(state.step(), 3); // four steps, one skipped
+      },
+      on_cuda());
+}
+
 TEST(Cuda, HybridAdamOnCudaEqualsAdamW) {
   SKIP_WITHOUT_CUDA(1);
   torch::manual_seed(0);

@@ -19,8 +19,10 @@
 // - LLM.int8's quantized layers find their outlier columns (as
 //   bitsandbytes does);
 // - fp16's loss scaler reads whether the gradients overflowed, to skip
-//   the step (ColossalAI's does; CPU LibTorch has no fp16 matmul, so it is
-//   not counted here);
+//   the step (ColossalAI's does), except over FusedAdamW / FusedAdam,
+//   which skip on the device (test_booster's GradScaler tests count that
+//   step on the CPU, test_cuda's on a GPU; CPU LibTorch has no fp16
+//   matmul, so fp16 mixed precision is not counted here);
 // - MoE's expert loop copies the expert counts to the host once per sparse
 //   layer to cut the rows (seen on a GPU only); grouped expert GEMMs
 //   (models::set_grouped_expert_gemm) do not.

@@ -1152,7 +1152,8 @@ TEST(FusedAdam, SlicedFusedCallsEqualOneCall) {
         steps2.push_back(steps1.back().clone());
       }
       d::fused_adam_in_slices(
-          p1, low, m1, v1, x1, steps1, 1e-2, 0.9, 0.999, 0.1, 1e-8, true, true, 5000);
+          p1, low, m1, v1, x1, steps1, 1e-2, 0.9, 0.999, 0.1, 1e-8, true, true,
+          at::Tensor(), 5000);
       colossalai::compat::fused_adam_(
           p2, high, m2, v2, x2, steps2, 1e-2, 0.9, 0.999, 0.1, 1e-8, true, true);
     }

@@ -235,6 +235,7 @@ void CheckpointIO::save_optimizer(
     interface::OptimizerWrapper& optimizer,
     const std::string& checkpoint,
     const SaveOptimizerOptions& options) {
+  optimizer.synchronize_step(); // the state as the last step left it
   if (options.use_async()) {
     synchronize(); // the snapshot buffers are free again
     snapshot_cursor_ = 0;
@@ -260,6 +261,8 @@ void CheckpointIO::load_optimizer(
     const std::string& checkpoint) {
   synchronize();
   sync_point();
+  // A skipped step's counts taken back before the state is replaced.
+  optimizer.synchronize_step();
   const auto& path = checkpoint;
   TORCH_CHECK(
       detail::exists(path),

@@ -197,7 +197,8 @@ void fused_adam_any(
     double weight_decay,
     double eps,
     bool amsgrad,
-    bool decoupled) {
+    bool decoupled,
+    const c10::optional<at::Tensor>& found_inf) {
   constexpr bool tensor_lr = std::is_same_v<Lr, at::Tensor>;
 #if COLOSSALAI_TORCH_AT_LEAST(2, 1)
   // The tensor overload came in 2.2 (a discarded branch is not compiled).
@@ -205,11 +206,13 @@ void fused_adam_any(
     if (decoupled) {
       at::_fused_adamw_(
           params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-          lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false);
+          lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false,
+          /*grad_scale=*/c10::nullopt, found_inf);
     } else {
       at::_fused_adam_(
           params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-          lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false);
+          lr, beta1, beta2, weight_decay, eps, amsgrad, /*maximize=*/false,
+          /*grad_scale=*/c10::nullopt, found_inf);
     }
     return;
   }
@@ -217,6 +220,7 @@ void fused_adam_any(
   (void)params, (void)grads, (void)exp_avgs, (void)exp_avg_sqs;
   (void)max_exp_avg_sqs, (void)state_steps, (void)lr, (void)beta1;
   (void)beta2, (void)weight_decay, (void)eps, (void)amsgrad, (void)decoupled;
+  (void)found_inf;
   TORCH_CHECK(
       false,
       "fused_adam_: this LibTorch has no fused Adam",
@@ -238,10 +242,11 @@ void fused_adam_(
     double weight_decay,
     double eps,
     bool amsgrad,
-    bool decoupled) {
+    bool decoupled,
+    const c10::optional<at::Tensor>& found_inf) {
   fused_adam_any(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                  state_steps, lr, beta1, beta2, weight_decay, eps, amsgrad,
-                 decoupled);
+                 decoupled, found_inf);
 }
 
 void fused_adam_(
@@ -257,10 +262,11 @@ void fused_adam_(
     double weight_decay,
     double eps,
     bool amsgrad,
-    bool decoupled) {
+    bool decoupled,
+    const c10::optional<at::Tensor>& found_inf) {
   fused_adam_any(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                  state_steps, lr, beta1, beta2, weight_decay, eps, amsgrad,
-                 decoupled);
+                 decoupled, found_inf);
 }
 
 at::Tensor layer_norm(

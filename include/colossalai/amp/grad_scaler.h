@@ -25,6 +25,11 @@ struct GradScalerOptions {
 /// `growth_interval` clean steps the scale grows. The update rule is
 /// `DynamicLossScaler`'s with hysteresis 1 and no bounds.
 ///
+/// unscale_ reads the verdict on the host. unscale_on_device_ leaves it on
+/// the device for an optimizer that skips there (PyTorch's fused
+/// optimizers' found_inf): from then on the scale lives on the device and
+/// scale(), unscale and update() read nothing back.
+///
 /// Example:
 /// \code
 ///   GradScaler scaler;
@@ -36,17 +41,25 @@ class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
 
-  at::Tensor scale(const at::Tensor& loss) const;
+  /// The loss times the scale, in float32 (on the loss's device, where the
+  /// scale lives on one).
+  at::Tensor scale(const at::Tensor& loss);
   /// Divides the gradients by the scale (once per step) and returns whether
   /// any of them is inf or nan.
   bool unscale_(const std::vector<at::Tensor>& params);
-  /// Whether the current step saw an overflow (after unscale_).
-  bool found_inf() const {
-    return found_inf_;
-  }
-  /// Adjusts the scale after a step (skipped or not) and resets the step state.
+  /// unscale_ without a read back: the gradients (all on one device)
+  /// divided by the scale there, and the verdict returned as a float32
+  /// 0-dim tensor on that device (1: some gradient is inf or nan). Once per
+  /// step, as unscale_ (after it, its verdict as a tensor).
+  at::Tensor unscale_on_device_(const std::vector<at::Tensor>& params);
+  /// Whether the current step saw an overflow (after unscale_; a read back
+  /// after unscale_on_device_).
+  bool found_inf() const;
+  /// Adjusts the scale after a step (skipped or not) and resets the step
+  /// state; on the device where unscale_on_device_ gave the verdict.
   void update();
 
+  /// The scale (a read back once it lives on a device).
   double get_scale() const {
     return scaler_.scale();
   }
@@ -62,6 +75,7 @@ class GradScaler {
   DynamicLossScaler scaler_;
   bool unscaled_ = false;
   bool found_inf_ = false;
+  at::Tensor device_found_inf_; // unscale_on_device_'s verdict
 };
 
 } // namespace amp

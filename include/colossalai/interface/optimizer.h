@@ -52,6 +52,13 @@ class OptimizerWrapper {
       double max_norm,
       double norm_type = 2.0);
   virtual void clip_grad_by_value(double clip_value);
+  /// Completes what the host's state owes to the last step, where that
+  /// step's verdict stayed on the device (fp16 mixed precision with a
+  /// fused Adam: an overflowing step skipped there takes its step counts
+  /// back here). Waits only for a device that has not passed that step.
+  /// The booster calls it before the optimizer's state is saved or loaded;
+  /// the next step() calls it first.
+  virtual void synchronize_step() {}
 
   /// CUDA graphs (booster::GraphedStep; NOTE [Captured optimizer steps]).
   /// Why this optimizer's step cannot be captured, or empty where it can:

@@ -136,7 +136,10 @@ bool has_fused_adam(at::Device device);
 /// update over tensors of one device and dtype. `state_steps` are fp32
 /// tensors on that device holding each parameter's step count after this
 /// step (1 on the first); the kernel corrects the moments' bias with them.
-/// `max_exp_avg_sqs` is empty unless `amsgrad`. Requires has_fused_adam.
+/// `max_exp_avg_sqs` is empty unless `amsgrad`. `found_inf`: a float32
+/// one-element tensor on that device that, where 1, makes the kernel change
+/// nothing (read there, not on the host: a loss scaler's verdict). Requires
+/// has_fused_adam.
 void fused_adam_(
     at::TensorList params,
     at::TensorList grads,
@@ -150,7 +153,8 @@ void fused_adam_(
     double weight_decay,
     double eps,
     bool amsgrad,
-    bool decoupled);
+    bool decoupled,
+    const c10::optional<at::Tensor>& found_inf = c10::nullopt);
 
 /// Whether fused_adam_ takes a tensor learning rate on `device`: where
 /// has_fused_adam holds, from LibTorch 2.2.
@@ -173,7 +177,8 @@ void fused_adam_(
     double weight_decay,
     double eps,
     bool amsgrad,
-    bool decoupled);
+    bool decoupled,
+    const c10::optional<at::Tensor>& found_inf = c10::nullopt);
 
 /// Whether `device` is a CUDA device whose current stream is capturing a
 /// CUDA graph: work that reads a value back to the host cannot run then.

@@ -1,5 +1,6 @@
 #include <colossalai/booster/mixed_precision/bf16.h>
 #include <colossalai/booster/mixed_precision/fp16_torch.h>
+#include <colossalai/nn/optimizer/fused_adam.h>
 
 namespace colossalai {
 namespace booster {
@@ -58,12 +59,67 @@ void TorchAMPOptimizer::backward(const at::Tensor& loss, bool retain_graph) {
   interface::OptimizerWrapper::backward(scaler_.scale(loss), retain_graph);
 }
 
+at::Tensor TorchAMPOptimizer::scale_loss(const at::Tensor& loss) {
+  return scaler_.scale(loss);
+}
+
+namespace {
+
+// The optimizer, where it can skip this step on the device and the
+// gradients it would step lie on one device.
+nn::optimizer::SkipsStepOnDevice* skipping_on_device(
+    torch::optim::Optimizer& optim,
+    const std::vector<at::Tensor>& params) {
+  auto* skipping = dynamic_cast<nn::optimizer::SkipsStepOnDevice*>(&optim);
+  if (skipping == nullptr || !skipping->skips_step_on_device()) {
+    return nullptr;
+  }
+  c10::optional<at::Device> device;
+  for (const auto& p : params) {
+    if (p.grad().defined()) {
+      if (device.has_value() && *device != p.grad().device()) {
+        return nullptr;
+      }
+      device = p.grad().device();
+    }
+  }
+  return device.has_value() ? skipping : nullptr;
+}
+
+} // namespace
+
 void TorchAMPOptimizer::step() {
-  last_step_skipped_ = scaler_.unscale_(parameters());
+  synchronize_step();
+  const auto params = parameters();
+  if (auto* skipping = skipping_on_device(*optim_, params)) {
+    // The verdict stays on the device: the kernel skips there, the scale
+    // is updated there, and the host reads it at the next step.
+    const auto found_inf = scaler_.unscale_on_device_(params);
+    skipping->skip_step_if(found_inf);
+    optim_->step();
+    scaler_.update();
+    verdict_ = utils::DeferredRead(found_inf);
+    return;
+  }
+  last_step_skipped_ = scaler_.unscale_(params);
   if (!last_step_skipped_) {
     optim_->step();
   }
   scaler_.update();
+}
+
+void TorchAMPOptimizer::synchronize_step() {
+  if (!verdict_.defined()) {
+    return;
+  }
+  last_step_skipped_ = verdict_.value() != 0;
+  verdict_ = utils::DeferredRead();
+  if (last_step_skipped_) {
+    auto* skipping = dynamic_cast<nn::optimizer::SkipsStepOnDevice*>(
+        optim_.get());
+    TORCH_INTERNAL_ASSERT(skipping != nullptr);
+    skipping->undo_step_counts();
+  }
 }
 
 double TorchAMPOptimizer::clip_grad_by_norm(double max_norm, double norm_type) {
@@ -74,13 +130,20 @@ double TorchAMPOptimizer::clip_grad_by_norm(double max_norm, double norm_type) {
 }
 
 at::Tensor TorchAMPOptimizer::clip_grad_by_norm_tensor(
-    double /*max_norm*/,
-    double /*norm_type*/) {
+    double max_norm,
+    double norm_type) {
+  const auto params = parameters();
   TORCH_CHECK(
-      false,
-      "clip_grad_by_norm_tensor: with fp16 the gradients are unscaled after "
-      "an overflow check read on the host; use clip_grad_by_norm");
-  return at::Tensor();
+      skipping_on_device(*optim_, params) != nullptr,
+      "clip_grad_by_norm_tensor: with fp16 the gradients are unscaled on the "
+      "device only for an optimizer that skips an overflowing step there "
+      "(FusedAdamW, FusedAdam, every gradient on one device); use "
+      "clip_grad_by_norm");
+  // An overflowing step's norm is inf or nan and its gradients follow; the
+  // step that reads the same verdict skips them.
+  scaler_.unscale_on_device_(params);
+  return interface::OptimizerWrapper::clip_grad_by_norm_tensor(
+      max_norm, norm_type);
 }
 
 void TorchAMPOptimizer::clip_grad_by_value(double clip_value) {

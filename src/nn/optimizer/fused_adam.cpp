@@ -113,13 +113,25 @@ void write_copy(const at::Tensor& copy, const at::Tensor& p) {
 }
 
 // Adam and AdamW keep the same state fields under different types.
+//
+// `skip`: the verdict of a step skipped on the device, for this step only
+// (SkipsStepOnDevice); the parameters stepped are recorded there.
 template <class Options, class State, class Base>
 torch::Tensor fused_step(
     Base& opt,
     typename Base::LossClosure closure,
     bool decoupled,
+    detail::DeviceSkip& skip,
     const Copies* copies = nullptr) {
+  const at::Tensor found_inf = std::move(skip.found_inf);
+  skip.found_inf = at::Tensor();
+  skip.stepped.clear();
   if (!fusable(opt.param_groups())) {
+    // No kernel to skip on the device (the caller asked without
+    // skips_step_on_device): the verdict is read here.
+    if (found_inf.defined() && found_inf.item<double>() != 0) {
+      return torch::Tensor();
+    }
     auto loss = opt.Base::step(std::move(closure));
     torch::NoGradGuard no_grad;
     for (auto& group : opt.param_groups()) {
@@ -172,6 +184,9 @@ torch::Tensor fused_step(
         b.max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
       }
       b.steps.push_back(s.step());
+      if (found_inf.defined()) {
+        skip.stepped.push_back(p);
+      }
     }
     for (auto& [where, b] : buckets) {
       std::vector<at::Tensor> working;
@@ -186,6 +201,11 @@ torch::Tensor fused_step(
       if (any_copy && decoupled && !o.amsgrad() &&
           std::get<1>(where) == at::kFloat && one_dtype(working) &&
           kernels::adamw_step_fused_applies(b.params, b.grads, working)) {
+        // This kernel takes no verdict (skips_step_on_device says no with
+        // copies): read it, the counts left for undo_step_counts.
+        if (found_inf.defined() && found_inf.item<double>() != 0) {
+          continue;
+        }
         kernels::adamw_step_(
             b.params,
             b.grads,
@@ -209,7 +229,9 @@ torch::Tensor fused_step(
           o.weight_decay(),
           o.eps(),
           o.amsgrad(),
-          decoupled);
+          decoupled,
+          found_inf);
+      // A skipped step's copies are of masters it left as they were.
       for (size_t i = 0; i < working.size(); ++i) {
         write_copy(working[i], b.params[i]);
       }
@@ -537,6 +559,18 @@ void graph_step(Base& opt, detail::FusedGraph& graph, const char* name) {
   graph_launch(graph);
 }
 
+// Takes back the step counts the last step skipped on the device advanced
+// (SkipsStepOnDevice::undo_step_counts); once.
+template <class State, class Base>
+void undo_counts(Base& opt, detail::DeviceSkip& skip) {
+  for (const auto& p : skip.stepped) {
+    if (auto* s = state_of<State>(opt, p); s != nullptr && s->step() > 0) {
+      s->step(s->step() - 1);
+    }
+  }
+  skip.stepped.clear();
+}
+
 template <class Options, class State, class Base>
 void set_mode(
     Base& opt,
@@ -564,7 +598,22 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       static_cast<torch::optim::AdamW&>(*this),
       std::move(closure),
       true,
+      skip_,
       &copies_);
+}
+
+bool FusedAdamW::skips_step_on_device() const {
+  return !(graph_ && graph_->on) && copies_.empty() &&
+      fusable(param_groups());
+}
+
+void FusedAdamW::skip_step_if(at::Tensor found_inf) {
+  skip_.found_inf = std::move(found_inf);
+}
+
+void FusedAdamW::undo_step_counts() {
+  undo_counts<torch::optim::AdamWParamState>(
+      static_cast<torch::optim::AdamW&>(*this), skip_);
 }
 
 std::string FusedAdamW::graph_capture_blocker() const {
@@ -617,7 +666,20 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
     return torch::Tensor();
   }
   return fused_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-      static_cast<torch::optim::Adam&>(*this), std::move(closure), false);
+      static_cast<torch::optim::Adam&>(*this), std::move(closure), false, skip_);
+}
+
+bool FusedAdam::skips_step_on_device() const {
+  return !(graph_ && graph_->on) && fusable(param_groups());
+}
+
+void FusedAdam::skip_step_if(at::Tensor found_inf) {
+  skip_.found_inf = std::move(found_inf);
+}
+
+void FusedAdam::undo_step_counts() {
+  undo_counts<torch::optim::AdamParamState>(
+      static_cast<torch::optim::Adam&>(*this), skip_);
 }
 
 std::string FusedAdam::graph_capture_blocker() const {

@@ -77,7 +77,7 @@ inline std::vector<at::Tensor> sub(
 /// compat::fused_adam_ over tensors whose gradients may be 16-bit
 /// (float32 parameters): in slices of at most `max_elements` (see
 /// in_grad_slices), each with its gradients converted. `Lr` is a double, or
-/// a float32 device tensor (LibTorch 2.2+).
+/// a float32 device tensor (LibTorch 2.2+); `found_inf` as compat's.
 template <class Lr>
 void fused_adam_in_slices(
     const std::vector<at::Tensor>& params,
@@ -93,6 +93,7 @@ void fused_adam_in_slices(
     double eps,
     bool amsgrad,
     bool decoupled,
+    const at::Tensor& found_inf = at::Tensor(),
     int64_t max_elements = kGradSliceElements) {
   if (params.empty()) {
     return;
@@ -114,7 +115,9 @@ void fused_adam_in_slices(
             weight_decay,
             eps,
             amsgrad,
-            decoupled);
+            decoupled,
+            found_inf.defined() ? c10::optional<at::Tensor>(found_inf)
+                                : c10::nullopt);
       },
       max_elements);
 }

@@ -2,6 +2,7 @@
 
 #include <colossalai/amp/grad_scaler.h>
 #include <colossalai/booster/mixed_precision/mixed_precision_base.h>
+#include <colossalai/utils/deferred_read.h>
 
 namespace colossalai {
 namespace booster {
@@ -10,6 +11,13 @@ namespace mixed_precision {
 /// The optimizer side of fp16 autocast training: scales the loss in
 /// backward, unscales and checks the gradients for inf/nan before step or
 /// clipping, skips the step on overflow and updates the scale.
+///
+/// Over an optimizer that skips on the device (nn::optimizer::FusedAdamW,
+/// FusedAdam: SkipsStepOnDevice) a step reads nothing back: the verdict
+/// and the scale stay on the device, and the host learns the verdict at
+/// the next step (or last_step_skipped, synchronize_step), when it takes
+/// back a skipped step's step counts. Over any other optimizer the verdict
+/// is read on the host before the step, as ColossalAI's does.
 class TorchAMPOptimizer : public interface::OptimizerWrapper {
  public:
   TorchAMPOptimizer(
@@ -17,21 +25,28 @@ class TorchAMPOptimizer : public interface::OptimizerWrapper {
       amp::GradScalerOptions options = {});
 
   void backward(const at::Tensor& loss, bool retain_graph = false) override;
+  at::Tensor scale_loss(const at::Tensor& loss) override;
   /// Returns after updating the scale; the step is skipped on overflow (see
   /// `last_step_skipped`).
   void step() override;
+  void synchronize_step() override;
   double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
-  /// Refused: the gradients are unscaled after a host-side overflow check.
+  /// Over an optimizer that skips on the device (as step()); refused over
+  /// others, whose gradients are unscaled after a host-side overflow check.
   at::Tensor clip_grad_by_norm_tensor(double max_norm, double norm_type = 2.0)
       override;
   void clip_grad_by_value(double clip_value) override;
   std::string graph_capture_blocker() const override {
-    return "fp16 mixed precision: the GradScaler reads whether the "
-           "gradients overflowed on the host every step; a captured step "
-           "takes mixed_precision bf16";
+    return "fp16 mixed precision: the GradScaler's verdict on whether the "
+           "gradients overflowed reaches the host after the step, which a "
+           "replayed graph would not wait for; a captured step takes "
+           "mixed_precision bf16";
   }
 
-  bool last_step_skipped() const {
+  /// Whether the last step was skipped (waits for a verdict left on the
+  /// device).
+  bool last_step_skipped() {
+    synchronize_step();
     return last_step_skipped_;
   }
   amp::GradScaler& scaler() {
@@ -41,6 +56,8 @@ class TorchAMPOptimizer : public interface::OptimizerWrapper {
  private:
   amp::GradScaler scaler_;
   bool last_step_skipped_ = false;
+  // A step skipped on the device: its verdict, read at the next step.
+  utils::DeferredRead verdict_;
 };
 
 /// ColossalAI's "fp16" mixed precision: fp16 autocast + dynamic loss scaling

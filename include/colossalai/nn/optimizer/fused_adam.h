@@ -9,6 +9,7 @@
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace colossalai {
 namespace nn {
@@ -16,6 +17,14 @@ namespace optimizer {
 
 namespace detail {
 struct FusedGraph;
+
+/// A fused optimizer's part in a step skipped on the device
+/// (SkipsStepOnDevice): the next step's found_inf, and the parameters
+/// whose step counts the last such step advanced.
+struct DeviceSkip {
+  at::Tensor found_inf;
+  std::vector<at::Tensor> stepped;
+};
 } // namespace detail
 
 /// An optimizer whose step a CUDA graph can capture
@@ -42,6 +51,25 @@ class GraphCapturable {
   virtual void prepare_graph_step() = 0;
 };
 
+/// An optimizer whose next step can take the loss scaler's overflow
+/// verdict on the device, as PyTorch's fused optimizers take GradScaler's
+/// found_inf: fp16 training then reads nothing back per step
+/// (mixed_precision::TorchAMPOptimizer asks for it).
+class SkipsStepOnDevice {
+ public:
+  virtual ~SkipsStepOnDevice() = default;
+  /// Whether the next step() can skip on the device: every parameter with
+  /// a gradient takes a fused kernel that reads found_inf there.
+  virtual bool skips_step_on_device() const = 0;
+  /// The next step() only: where `found_inf` (a float32 one-element tensor
+  /// on the parameters' device) is 1 it changes no parameter, moment or
+  /// working copy. It advances the step counts as a taken step does;
+  /// undo_step_counts() takes that step's advance back, for the caller
+  /// that has read the verdict since.
+  virtual void skip_step_if(at::Tensor found_inf) = 0;
+  virtual void undo_step_counts() = 0;
+};
+
 /// `torch::optim::AdamW` whose step runs LibTorch's fused multi-tensor kernel
 /// (`at::_fused_adamw_`, what Python's `AdamW(fused=True)` calls): one pass
 /// over parameter, gradient and both moments per step instead of the dozen
@@ -65,7 +93,8 @@ class GraphCapturable {
 /// \endcode
 class FusedAdamW : public torch::optim::AdamW,
                    public GraphCapturable,
-                   public WorkingCopies {
+                   public WorkingCopies,
+                   public SkipsStepOnDevice {
  public:
   using torch::optim::AdamW::AdamW;
   torch::Tensor step(LossClosure closure = nullptr) override;
@@ -82,16 +111,25 @@ class FusedAdamW : public torch::optim::AdamW,
   /// precision optimizers register their bf16 / fp16 weights here.
   void set_working_copy(const at::Tensor& param, at::Tensor copy) override;
 
+  /// Where every parameter with a gradient takes ATen's fused kernel
+  /// (not where a working copy is registered, nor in graph mode).
+  bool skips_step_on_device() const override;
+  void skip_step_if(at::Tensor found_inf) override;
+  void undo_step_counts() override;
+
  private:
   // param's TensorImpl -> (param, copy)
   std::unordered_map<const void*, std::pair<at::Tensor, at::Tensor>> copies_;
   std::shared_ptr<detail::FusedGraph> graph_;
+  detail::DeviceSkip skip_;
 };
 
 /// `torch::optim::Adam` (L2 weight decay added to the gradient) stepped by
 /// `at::_fused_adam_`; otherwise as `FusedAdamW` (ColossalAI's `FusedAdam`
 /// with `adamw_mode=False`).
-class FusedAdam : public torch::optim::Adam, public GraphCapturable {
+class FusedAdam : public torch::optim::Adam,
+                  public GraphCapturable,
+                  public SkipsStepOnDevice {
  public:
   using torch::optim::Adam::Adam;
   torch::Tensor step(LossClosure closure = nullptr) override;
@@ -100,8 +138,13 @@ class FusedAdam : public torch::optim::Adam, public GraphCapturable {
   void set_graph_mode(bool on) override;
   void prepare_graph_step() override;
 
+  bool skips_step_on_device() const override;
+  void skip_step_if(at::Tensor found_inf) override;
+  void undo_step_counts() override;
+
  private:
   std::shared_ptr<detail::FusedGraph> graph_;
+  detail::DeviceSkip skip_;
 };
 
 } // namespace optimizer
