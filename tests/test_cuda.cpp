@@ -29,6 +29,7 @@
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/shardformer/layer/normalization.h>
 #include <colossalai/zero/fully_sharded.h>
+#include <colossalai/zero/sharded_optimizer.h>
 
 #include <harness/multiprocess.h>
 #include <harness/zoo_util.h>
@@ -362,10 +363,12 @@ TEST(Cuda, Fp16LossScalerSkipsAnOverflowingStepAndBacksOff) {
       on_cuda());
 }
 
-// fp16 over FusedAdamW on a GPU: no value read back and no copy the host
-// waits for in a step (the verdict reaches pinned memory behind an
-// event); an overflowing step is skipped by the kernel on the device, and
-// the host learns it at the next step, taking the step count back.
+// fp16 over FusedAdamW on a GPU, without a plugin and with LowLevelZero at
+// one rank (its fp16 weights written by the AdamW kernel's pass): no value
+// read back and no copy the host waits for in a step (the verdict reaches
+// pinned memory behind an event); an overflowing step is skipped by the
+// kernel on the device, and the host learns it at the next step, taking
+// the step count back.
 TEST(Cuda, Fp16WithFusedAdamWStepsWithoutWaitingForTheDevice) {
   SKIP_WITHOUT_CUDA(1);
   run_distributed(
@@ -374,42 +377,63 @@ TEST(Cuda, Fp16WithFusedAdamWStepsWithoutWaitingForTheDevice) {
         namespace mp = cb::mixed_precision;
         using colossalai::testing::host_syncs;
         using colossalai::testing::op_calls;
-        auto fp16 = std::make_shared<mp::FP16TorchMixedPrecision>(
-            colossalai::amp::GradScalerOptions().init_scale(1024));
-        cb::Booster booster(cb::BoosterOptions().mixed_precision(fp16));
-        torch::manual_seed(0);
-        torch::nn::Linear model(64, 64);
-        auto fused = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
-            model->parameters(), torch::optim::AdamWOptions(1e-3));
-        auto boosted = booster.boost(model, fused);
-        auto* amp =
-            dynamic_cast<mp::TorchAMPOptimizer*>(boosted.optimizer.get());
-        ASSERT_NE(amp, nullptr);
-        const auto x = at::randn({16, 64}).to(colossalai::current_device());
-        auto step = [&](bool plant) {
-          boosted.optimizer->zero_grad();
-          booster.backward(
-              boosted.model(x).pow(2).mean(), *boosted.optimizer);
-          if (plant) {
-            model->weight.mutable_grad()[3][5] =
-                std::numeric_limits<double>::infinity();
+        for (bool zero : {false, true}) {
+          SCOPED_TRACE(zero ? "LowLevelZero fp16" : "no plugin, fp16");
+          cb::BoosterOptions options;
+          if (zero) {
+            options.plugin(std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+                cb::plugin::LowLevelZeroPluginOptions().stage(2).precision(
+                    "fp16")));
+          } else {
+            options.mixed_precision(
+                std::make_shared<mp::FP16TorchMixedPrecision>(
+                    colossalai::amp::GradScalerOptions().init_scale(1024)));
           }
-          boosted.optimizer->step();
-        };
-        step(false); // the optimizer's state and the scale move to the GPU
-        for (bool plant : {false, true, false}) {
-          const auto before = model->weight.detach().clone();
-          const auto syncs = host_syncs(op_calls([&] { step(plant); }));
-          EXPECT_TRUE(syncs.empty()) << "a step made the host wait";
-          EXPECT_EQ(amp->last_step_skipped(), plant);
-          EXPECT_EQ(at::equal(model->weight.detach(), before), plant);
+          cb::Booster booster(options);
+          torch::manual_seed(0);
+          torch::nn::Linear model(64, 64);
+          auto fused =
+              std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+                  model->parameters(), torch::optim::AdamWOptions(1e-3));
+          auto boosted = booster.boost(model, fused);
+          auto skipped = [&] {
+            if (auto* amp = dynamic_cast<mp::TorchAMPOptimizer*>(
+                    boosted.optimizer.get())) {
+              return amp->last_step_skipped();
+            }
+            auto* sharded = dynamic_cast<colossalai::zero::ShardedOptimizer*>(
+                boosted.optimizer.get());
+            EXPECT_NE(sharded, nullptr);
+            return sharded != nullptr && sharded->last_step_skipped();
+          };
+          const auto x = at::randn({16, 64}).to(colossalai::current_device());
+          auto step = [&](bool plant) {
+            boosted.optimizer->zero_grad();
+            auto out = boosted.model(x);
+            if (plant) {
+              out = out * std::numeric_limits<float>::infinity();
+            }
+            booster.backward(
+                out.to(at::kFloat).pow(2).mean(), *boosted.optimizer);
+            boosted.optimizer->step();
+          };
+          step(false); // the optimizer's state and the scale move to the GPU
+          for (bool plant : {false, true, false}) {
+            const auto before = model->weight.detach().clone();
+            const auto syncs = host_syncs(op_calls([&] { step(plant); }));
+            EXPECT_TRUE(syncs.empty()) << "a step made the host wait";
+            EXPECT_EQ(skipped(), plant);
+            EXPECT_EQ(at::equal(model->weight.detach(), before), plant);
+          }
+          int64_t counts = 0;
+          for (const auto& kv : fused->state()) {
+            counts = std::max(
+                counts,
+                static_cast<torch::optim::AdamWParamState&>(*kv.second)
+                    .step());
+          }
+          EXPECT_EQ(counts, 3); // four steps, one skipped
         }
-        EXPECT_EQ(amp->scaler().get_scale(), 512.0);
-        const auto& state = static_cast<torch::optim::AdamWParamState&>(
-            *fused->state().at(colossalai::compat::optimizer_state_key<
-                               std::remove_reference_t<decltype(
-                                   fused->state())>>(model->weight)));
-        EXPECT_EQ(state.step(), 3); // four steps, one skipped
       },
       on_cuda());
 }

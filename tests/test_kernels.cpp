@@ -1636,6 +1636,51 @@ TEST(Kernels, AdamWStepCudaKernelEqualsTheReference) {
   }
 }
 
+// A loss scaler's verdict: found_inf 1 leaves every parameter, moment and
+// copy as it was, 0 is the step without it bit for bit; on the CPU (the
+// reference) and, on a GPU, the kernel reading it on the device. A verdict
+// of another dtype or device is refused by name.
+TEST(Kernels, AdamWStepSkipsWhereFoundInfIsSet) {
+  std::vector<at::Device> devices{at::kCPU};
+  if (torch::cuda::is_available()) {
+    devices.emplace_back(at::kCUDA);
+  }
+  for (const auto& dev : devices) {
+    SCOPED_TRACE(dev.str());
+    auto a = adamw_case(dev, at::kBFloat16, at::kBFloat16);
+    for (auto& w : a.w) {
+      if (w.defined()) {
+        w.fill_(7);
+      }
+    }
+    const auto before = clone(a);
+    const auto opts = at::device(dev).dtype(at::kFloat);
+    kn::adamw_step_(a.p, a.g, a.m, a.v, a.w, a.steps, kAdamW, at::ones({}, opts));
+    for (size_t i = 0; i < a.p.size(); ++i) {
+      EXPECT_TRUE(at::equal(a.p[i], before.p[i])) << "param " << i;
+      EXPECT_TRUE(at::equal(a.m[i], before.m[i])) << "exp_avg " << i;
+      EXPECT_TRUE(at::equal(a.v[i], before.v[i])) << "exp_avg_sq " << i;
+      if (a.w[i].defined()) {
+        EXPECT_TRUE(at::equal(a.w[i], before.w[i])) << "copy " << i;
+      }
+    }
+    auto b = clone(a);
+    kn::adamw_step_(a.p, a.g, a.m, a.v, a.w, a.steps, kAdamW, at::zeros({1}, opts));
+    kn::adamw_step_(b.p, b.g, b.m, b.v, b.w, b.steps, kAdamW);
+    for (size_t i = 0; i < a.p.size(); ++i) {
+      EXPECT_TRUE(at::equal(a.p[i], b.p[i]) && at::equal(a.v[i], b.v[i])) << i;
+      EXPECT_FALSE(a.p[i].numel() > 0 && at::equal(a.p[i], before.p[i])) << i;
+    }
+    try {
+      kn::adamw_step_(a.p, a.g, a.m, a.v, a.w, a.steps, kAdamW,
+                      at::ones({}, at::device(dev).dtype(at::kDouble)));
+      ADD_FAILURE() << "a float64 found_inf was taken";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("found_inf"), std::string::npos);
+    }
+  }
+}
+
 // The step split for a CUDA graph: the launch recorded once (before any
 // upload, as a capture records it), then upload + launch per step with the
 // learning rate changing, equals adamw_step_ with the same scalars bit for

@@ -12,6 +12,7 @@
 #include <colossalai/initialize.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
+#include <colossalai/utils/compat.h>
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
@@ -22,6 +23,8 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <limits>
+#include <map>
 
 namespace cb = colossalai::booster;
 namespace cz = colossalai::zero;
@@ -314,6 +317,106 @@ TEST(LowLevelZero, OverflowOnOneRankSkipsTheStepEverywhere) {
     EXPECT_TRUE(at::equal(before, model->fc2->weight.detach()));
     // Hysteresis 2: the second overflow halves the scale.
     EXPECT_EQ(opt->loss_scale(), 512.0);
+  });
+}
+
+// fp16's loss scaling over FusedAdamW at two ranks reads nothing back
+// per step: each rank's verdict is agreed across ranks on the device
+// (all-reduce MAX), the kernel skips there, the host learns it at the next
+// step. Bit for bit the same training as the same optimizer given the
+// verdict on the host, with an inf on one rank, a nan on the other, and an
+// inf that a clip by value would make finite (the verdict is taken before
+// the clip, as PyTorch's GradScaler takes it).
+TEST(LowLevelZero, Fp16OverFusedAdamWAgreesOnTheVerdictWithoutAReadBack) {
+  if (!colossalai::compat::has_fused_adam(at::kCPU)) {
+    GTEST_SKIP() << "this LibTorch has no fused Adam on the CPU (2.4+)";
+  }
+  run_distributed(2, [](int rank, int world) {
+    using colossalai::nn::optimizer::FusedAdamW;
+    using colossalai::testing::host_syncs;
+    using colossalai::testing::op_calls;
+    struct HostVerdictAdamW : FusedAdamW {
+      using FusedAdamW::FusedAdamW;
+      bool skips_step_on_device() const override {
+        return false;
+      }
+    };
+    // step -> (rank, value) planted in fc1.weight's last gradient element.
+    const std::map<int, std::pair<int, float>> planted = {
+        {1, {1, std::numeric_limits<float>::infinity()}},
+        {3, {0, std::nanf("")}},
+        {4, {1, std::numeric_limits<float>::infinity()}}};
+    struct Run {
+      std::vector<at::Tensor> params;
+      std::vector<bool> skipped;
+      std::vector<double> scales;
+      int reads = 0;
+    };
+    auto train = [&](bool on_device) {
+      auto model = make_model();
+      const auto o = torch::optim::AdamWOptions(1e-2).weight_decay(0.01);
+      std::shared_ptr<torch::optim::Optimizer> inner;
+      if (on_device) {
+        inner = std::make_shared<FusedAdamW>(model->parameters(), o);
+      } else {
+        inner = std::make_shared<HostVerdictAdamW>(model->parameters(), o);
+      }
+      auto opt = std::make_shared<cz::LowLevelZeroOptimizer>(
+          inner,
+          colossalai::distributed::world_group(),
+          cz::LowLevelZeroOptimizerOptions()
+              .stage(2)
+              .dtype(at::kHalf)
+              .loss_scaler(colossalai::amp::DynamicLossScalerOptions()
+                               .initial_scale(1024)
+                               .hysteresis(1)
+                               .growth_interval(2)));
+      int step = 0;
+      model->fc1->weight.register_hook([&](at::Tensor g) {
+        auto it = planted.find(step);
+        if (it == planted.end() || it->second.first != rank) {
+          return g;
+        }
+        g = g.clone();
+        g.view({-1})[-1] = it->second.second;
+        return g;
+      });
+      Run out;
+      for (step = 0; step < 6; ++step) {
+        auto b = local_batch(step, rank, world);
+        const auto calls = op_calls([&] {
+          opt->zero_grad();
+          opt->backward(torch::mse_loss(model(b.first), b.second));
+          if (step == 4) {
+            opt->clip_grad_by_value(0.5);
+          }
+          opt->step();
+        });
+        out.reads += static_cast<int>(host_syncs(calls).size());
+        out.skipped.push_back(opt->last_step_skipped());
+        out.scales.push_back(opt->loss_scale());
+      }
+      for (const auto& p : model->parameters()) {
+        out.params.push_back(p.detach().clone());
+      }
+      return out;
+    };
+    const auto device = train(true);
+    const auto host = train(false);
+    EXPECT_EQ(device.reads, 0) << "rank " << rank;
+    EXPECT_GT(host.reads, 0) << "rank " << rank; // the host's verdict
+    EXPECT_EQ(
+        device.skipped,
+        (std::vector<bool>{false, true, false, true, true, false}));
+    EXPECT_EQ(device.skipped, host.skipped);
+    EXPECT_EQ(
+        device.scales,
+        (std::vector<double>{1024, 512, 512, 256, 128, 128}));
+    EXPECT_EQ(device.scales, host.scales);
+    for (size_t i = 0; i < device.params.size(); ++i) {
+      EXPECT_TRUE(at::equal(device.params[i], host.params[i]))
+          << "rank " << rank << ", parameter " << i;
+    }
   });
 }
 

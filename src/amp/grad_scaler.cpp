@@ -75,9 +75,22 @@ void DynamicLossScaler::to_device(const at::Device& device) {
   hysteresis_left_t_ = at::full({}, hysteresis_left_, on.dtype(at::kLong));
 }
 
+at::Tensor DynamicLossScaler::scale_loss(const at::Tensor& loss) const {
+  // fp32 multiply: the scale (2^16 and up) must not overflow an fp16 loss.
+  if (lives_on(loss.device())) {
+    return loss.to(at::kFloat) * scale_t_;
+  }
+  return loss.to(at::kFloat) * scale();
+}
+
 at::Tensor DynamicLossScaler::scale_tensor(const at::Device& device) {
   to_device(device);
   return scale_t_;
+}
+
+at::Tensor DynamicLossScaler::inv_scale_tensor(const at::Device& device) {
+  to_device(device);
+  return scale_t_.to(at::kDouble).reciprocal().to(at::kFloat);
 }
 
 void DynamicLossScaler::update(const at::Tensor& found_inf) {
@@ -175,12 +188,8 @@ GradScaler::GradScaler(GradScalerOptions options)
             .hysteresis(1);
       }()) {}
 
-at::Tensor GradScaler::scale(const at::Tensor& loss) {
-  // fp32 multiply: the scale (2^16 and up) must not overflow an fp16 loss.
-  if (scaler_.on_device()) {
-    return loss.to(at::kFloat) * scaler_.scale_tensor(loss.device());
-  }
-  return loss.to(at::kFloat) * scaler_.scale();
+at::Tensor GradScaler::scale(const at::Tensor& loss) const {
+  return scaler_.scale_loss(loss);
 }
 
 namespace {
@@ -206,11 +215,7 @@ bool GradScaler::unscale_(const std::vector<at::Tensor>& params) {
   if (scaler_.on_device() && !grads.empty()) {
     // The scale is on the device: unscale there and read the verdict.
     device_found_inf_ = unscale_and_check_(
-        grads,
-        scaler_.scale_tensor(grads.front().device())
-            .to(at::kDouble)
-            .reciprocal()
-            .to(at::kFloat));
+        grads, scaler_.inv_scale_tensor(grads.front().device()));
     return found_inf();
   }
   const double inv = 1.0 / scaler_.scale();
@@ -234,13 +239,8 @@ at::Tensor GradScaler::unscale_on_device_(
         : at::full({}, found_inf_ ? 1.0 : 0.0, at::device(device));
   }
   unscaled_ = true;
-  // 1 / scale in double, then float32: what unscale_ multiplies by.
-  device_found_inf_ = unscale_and_check_(
-      grads,
-      scaler_.scale_tensor(device)
-          .to(at::kDouble)
-          .reciprocal()
-          .to(at::kFloat));
+  device_found_inf_ =
+      unscale_and_check_(grads, scaler_.inv_scale_tensor(device));
   return device_found_inf_;
 }
 

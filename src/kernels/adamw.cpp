@@ -37,6 +37,23 @@ Corrections corrections(const AdamWStepOptions& o, int64_t step) {
       std::sqrt(1.0 - std::pow(o.beta2(), s))};
 }
 
+// found_inf, where given: one float32 element on the parameters' device.
+void check_found_inf(const at::Tensor& found_inf, at::TensorList params) {
+  if (!found_inf.defined()) {
+    return;
+  }
+  TORCH_CHECK(
+      found_inf.numel() == 1 && found_inf.scalar_type() == at::kFloat &&
+          (params.empty() || found_inf.device() == params[0].device()),
+      "adamw_step_: found_inf must be one float32 element on the "
+      "parameters' device, got shape ",
+      found_inf.sizes(),
+      " ",
+      found_inf.scalar_type(),
+      " on ",
+      found_inf.device());
+}
+
 bool kernel_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
@@ -223,7 +240,8 @@ void launch_tables(
     size_t num_blocks,
     at::ScalarType grad_dtype,
     at::ScalarType working_dtype,
-    const AdamWStepOptions& o) {
+    const AdamWStepOptions& o,
+    const at::Tensor& found_inf) {
   const auto* base = table.data_ptr<uint8_t>();
   cuda::check_launch(
       cuda::adamw_step(
@@ -237,6 +255,7 @@ void launch_tables(
           static_cast<float>(o.beta2()),
           static_cast<float>(1.0 - o.beta2()),
           static_cast<float>(o.eps()),
+          found_inf.defined() ? found_inf.data_ptr<float>() : nullptr,
           c10::cuda::getCurrentCUDAStream().stream()),
       "adamw_step_",
       "the AdamW kernel's launch");
@@ -249,7 +268,8 @@ void fused(
     at::TensorList exp_avg_sqs,
     at::TensorList working,
     at::ArrayRef<int64_t> steps,
-    const AdamWStepOptions& o) {
+    const AdamWStepOptions& o,
+    const at::Tensor& found_inf) {
   const auto device = params[0].device();
   const c10::cuda::CUDAGuard guard(device);
   const auto t =
@@ -264,7 +284,8 @@ void fused(
       t.blocks.size(),
       grads[0].scalar_type(),
       t.working_dtype,
-      o);
+      o,
+      found_inf);
 }
 #endif
 
@@ -277,8 +298,17 @@ void adamw_step_reference_(
     at::TensorList exp_avg_sqs,
     at::TensorList working,
     at::ArrayRef<int64_t> steps,
-    const AdamWStepOptions& o) {
+    const AdamWStepOptions& o,
+    const at::Tensor& found_inf) {
   check(params, grads, exp_avgs, exp_avg_sqs, working, steps);
+  check_found_inf(found_inf, params);
+  // Read on the host: on the CPU a plain load, on a GPU (where the kernel
+  // is not built) a wait.
+  if (found_inf.defined() &&
+      (found_inf.is_cpu() ? *found_inf.data_ptr<float>()
+                          : found_inf.item<float>()) != 0.0f) {
+    return;
+  }
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
     auto p = params[i].view({-1});
@@ -304,17 +334,27 @@ void adamw_step_(
     at::TensorList exp_avg_sqs,
     at::TensorList working,
     at::ArrayRef<int64_t> steps,
-    const AdamWStepOptions& options) {
+    const AdamWStepOptions& options,
+    const at::Tensor& found_inf) {
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   if (adamw_step_fused_applies(params, grads, working)) {
     check(params, grads, exp_avgs, exp_avg_sqs, working, steps);
+    check_found_inf(found_inf, params);
     at::NoGradGuard no_grad;
-    fused(params, grads, exp_avgs, exp_avg_sqs, working, steps, options);
+    fused(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        working,
+        steps,
+        options,
+        found_inf.defined() ? found_inf.contiguous() : found_inf);
     return;
   }
 #endif
   adamw_step_reference_(
-      params, grads, exp_avgs, exp_avg_sqs, working, steps, options);
+      params, grads, exp_avgs, exp_avg_sqs, working, steps, options, found_inf);
 }
 
 bool adamw_step_fused_applies(
@@ -511,7 +551,8 @@ void AdamWStepGraph::launch() {
       m.num_blocks,
       m.grads[0].scalar_type(),
       m.working_dtype,
-      m.fixed);
+      m.fixed,
+      at::Tensor());
 #endif
 }
 

@@ -29,7 +29,12 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(
     float w1,
     float beta2,
     float w2,
-    float eps) {
+    float eps,
+    const float* __restrict__ found_inf) {
+  // An overflowing step (uniform over the launch) writes nothing.
+  if (found_inf != nullptr && *found_inf != 0.0f) {
+    return;
+  }
   const AdamWBlock b = blocks[blockIdx.x];
   const AdamWTensor t = tensors[b.tensor];
   const int64_t begin = static_cast<int64_t>(b.chunk) * kAdamWChunk;
@@ -86,6 +91,7 @@ cudaError_t adamw_step(
     float beta2,
     float one_minus_beta2,
     float eps,
+    const float* found_inf,
     cudaStream_t stream) {
   if (num_blocks == 0) {
     return cudaSuccess;
@@ -96,7 +102,13 @@ cudaError_t adamw_step(
       using W = decltype(w);
       adamw_kernel<G, W>
           <<<static_cast<unsigned>(num_blocks), kThreads, 0, stream>>>(
-              tensors, blocks, one_minus_beta1, beta2, one_minus_beta2, eps);
+              tensors,
+              blocks,
+              one_minus_beta1,
+              beta2,
+              one_minus_beta2,
+              eps,
+              found_inf);
       return cudaGetLastError();
     });
   });

@@ -38,7 +38,9 @@ struct AdamWBlock {
 /// to; both arrays in device memory. Every grad has `grad_dtype`, every
 /// working copy `working_dtype`. 1 - beta1 and 1 - beta2 come taken in
 /// double and rounded once, as torch.optim.AdamW passes them to ATen (1 -
-/// 0.999f in float is 1.3e-5 away from float(1 - 0.999)).
+/// 0.999f in float is 1.3e-5 away from float(1 - 0.999)). `found_inf`:
+/// null, or a device float that, where nonzero, makes every block return
+/// without writing (a loss scaler's overflow verdict).
 cudaError_t adamw_step(
     Dtype grad_dtype,
     Dtype working_dtype,
@@ -49,6 +51,7 @@ cudaError_t adamw_step(
     float beta2,
     float one_minus_beta2,
     float eps,
+    const float* found_inf,
     cudaStream_t stream);
 
 } // namespace cuda

@@ -60,6 +60,9 @@ class DynamicLossScaler {
   /// The scale as a float32 0-dim tensor on `device`, the state moved
   /// there first if it is elsewhere.
   at::Tensor scale_tensor(const at::Device& device);
+  /// 1 / scale on `device` (the state moved there): taken in double and
+  /// rounded to float32 once, the factor a host-side 1.0 / scale() is.
+  at::Tensor inv_scale_tensor(const at::Device& device);
   /// The update rule on found_inf's device (the state moved there first):
   /// `found_inf` a one-element tensor, nonzero where the step overflowed;
   /// nothing is read back.
@@ -68,6 +71,14 @@ class DynamicLossScaler {
   bool on_device() const {
     return scale_t_.defined();
   }
+  /// Whether the state lives on `device`.
+  bool lives_on(const at::Device& device) const {
+    return on_device() && scale_t_.device() == device;
+  }
+  /// `loss` (in float32) times the scale: by the tensor where the state
+  /// lives on loss's device, else by its value (read where the state is
+  /// elsewhere: free from the CPU, where offloaded shards keep it).
+  at::Tensor scale_loss(const at::Tensor& loss) const;
 
   /// Clean steps since the last overflow or growth (a read back where the
   /// state is on a device).

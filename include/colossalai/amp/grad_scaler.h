@@ -41,9 +41,8 @@ class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
 
-  /// The loss times the scale, in float32 (on the loss's device, where the
-  /// scale lives on one).
-  at::Tensor scale(const at::Tensor& loss);
+  /// The loss times the scale, in float32 (DynamicLossScaler::scale_loss).
+  at::Tensor scale(const at::Tensor& loss) const;
   /// Divides the gradients by the scale (once per step) and returns whether
   /// any of them is inf or nan.
   bool unscale_(const std::vector<at::Tensor>& params);

@@ -44,8 +44,11 @@ struct AdamWStepOptions {
 /// step, >= 1) and `working`: empty, or one tensor per parameter (undefined
 /// for none) of the parameter's number of elements in one dtype (float32,
 /// float16 or bfloat16) that receives the updated parameter rounded to it.
-/// Every tensor contiguous, all on one device. The fused kernel runs where
-/// adamw_step_fused_applies, the reference elsewhere.
+/// Every tensor contiguous, all on one device. `found_inf`: undefined, or a
+/// float32 one-element tensor on that device which, where nonzero, makes
+/// the step change nothing (a loss scaler's overflow verdict: the kernel
+/// reads it on the device, the reference on the host). The fused kernel
+/// runs where adamw_step_fused_applies, the reference elsewhere.
 void adamw_step_(
     at::TensorList params,
     at::TensorList grads,
@@ -53,7 +56,8 @@ void adamw_step_(
     at::TensorList exp_avg_sqs,
     at::TensorList working,
     at::ArrayRef<int64_t> steps,
-    const AdamWStepOptions& options);
+    const AdamWStepOptions& options,
+    const at::Tensor& found_inf = at::Tensor());
 
 /// The reference: torch.optim.AdamW's single-tensor update in ATen ops,
 /// then each working copy's copy_ of its parameter.
@@ -64,7 +68,8 @@ void adamw_step_reference_(
     at::TensorList exp_avg_sqs,
     at::TensorList working,
     at::ArrayRef<int64_t> steps,
-    const AdamWStepOptions& options);
+    const AdamWStepOptions& options,
+    const at::Tensor& found_inf = at::Tensor());
 
 /// Whether adamw_step_ runs the fused kernel for these tensors: a build
 /// with CUDA kernels and every tensor on one CUDA device.

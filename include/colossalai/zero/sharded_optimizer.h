@@ -4,6 +4,7 @@
 #include <colossalai/checkpoint_io/state_dict.h>
 #include <colossalai/distributed/process_group.h>
 #include <colossalai/interface/optimizer.h>
+#include <colossalai/utils/deferred_read.h>
 
 #include <torch/arg.h>
 
@@ -14,6 +15,11 @@
 #include <vector>
 
 namespace colossalai {
+namespace nn {
+namespace optimizer {
+class SkipsStepOnDevice;
+} // namespace optimizer
+} // namespace nn
 namespace placement {
 class PlacementTable;
 } // namespace placement
@@ -39,6 +45,13 @@ struct ShardedOptimizerOptions {
 /// norm and by value, dynamic loss scaling with the overflow decision agreed
 /// across ranks (a step with inf/nan anywhere is skipped everywhere), and
 /// full optimizer states gathered from or scattered to pieces.
+///
+/// Loss scaling reads nothing back where the user's optimizer skips on the
+/// device (nn::optimizer::SkipsStepOnDevice: FusedAdamW, FusedAdam) and
+/// every gradient it steps lies on the shard group's device: the verdict
+/// is agreed across ranks there, the kernel skips there, and the host
+/// learns it at the next step (or synchronize_step, last_step_skipped),
+/// taking the skipped step's counts back.
 class ShardedOptimizer : public interface::OptimizerWrapper {
  public:
   ~ShardedOptimizer() override;
@@ -58,11 +71,15 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
       override;
   void clip_grad_by_value(double clip_value) override;
 
-  /// Whether the last step was skipped for an inf/nan gradient.
-  bool last_step_skipped() const {
+  /// Whether the last step was skipped for an inf/nan gradient (waits for
+  /// a verdict left on the device).
+  bool last_step_skipped() {
+    synchronize_step();
     return skipped_;
   }
-  /// The loss scale (1 without loss scaling).
+  void synchronize_step() override;
+  /// The loss scale (1 without loss scaling; a read back once the scale
+  /// lives on the device).
   double loss_scale() const;
   /// Flat groups whose new weights the strategy began to publish (upload to
   /// the device) during the last step's host update, while the optimizer
@@ -159,6 +176,15 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// clip_grad_norm_ arithmetic), else the float64 partials reduced.
   at::Tensor global_norm_on_device(double norm_type);
   void scale_grads(double factor);
+  /// The overflow flag of this rank's gradients agreed across every rank
+  /// that steps with it (a float32 one-element tensor, 1 or 0, on the
+  /// last group's device).
+  at::Tensor agreed_overflow(at::Tensor flag);
+  /// The user's optimizer, where it can skip this step on the device and
+  /// every gradient it steps lies on the shard group's device; else null.
+  nn::optimizer::SkipsStepOnDevice* skipping_on_device();
+  /// step()'s loss-scaled part with the verdict left on the device.
+  void step_skipping_on_device(nn::optimizer::SkipsStepOnDevice& skipping);
 
   void sum_partial_grads();
   /// The user's optimizer's step, with group_stepped_on_host called as
@@ -175,6 +201,11 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   distributed::ProcessGroupPtr group_;
   bool unscaled_ = false;
   bool skipped_ = false;
+  // A step whose verdict stayed on the device: read at the next step.
+  utils::DeferredRead verdict_;
+  // Whether this rank's gradients overflowed, taken by unscale(): a float32
+  // flag on their device, before any clip.
+  at::Tensor local_found_inf_;
   int64_t published_during_step_ = 0;
 };
 

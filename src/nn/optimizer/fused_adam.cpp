@@ -201,11 +201,6 @@ torch::Tensor fused_step(
       if (any_copy && decoupled && !o.amsgrad() &&
           std::get<1>(where) == at::kFloat && one_dtype(working) &&
           kernels::adamw_step_fused_applies(b.params, b.grads, working)) {
-        // This kernel takes no verdict (skips_step_on_device says no with
-        // copies): read it, the counts left for undo_step_counts.
-        if (found_inf.defined() && found_inf.item<double>() != 0) {
-          continue;
-        }
         kernels::adamw_step_(
             b.params,
             b.grads,
@@ -213,7 +208,8 @@ torch::Tensor fused_step(
             b.exp_avg_sqs,
             working,
             b.steps,
-            detail::adamw_kernel_options(o));
+            detail::adamw_kernel_options(o),
+            found_inf);
         continue;
       }
       detail::fused_adam_in_slices(
@@ -603,8 +599,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 }
 
 bool FusedAdamW::skips_step_on_device() const {
-  return !(graph_ && graph_->on) && copies_.empty() &&
-      fusable(param_groups());
+  return !(graph_ && graph_->on) && fusable(param_groups());
 }
 
 void FusedAdamW::skip_step_if(at::Tensor found_inf) {

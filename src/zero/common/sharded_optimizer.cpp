@@ -1,4 +1,6 @@
+#include <colossalai/amp/grad_scaler.h>
 #include <colossalai/checkpoint_io/optimizer_state.h>
+#include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/zero/sharded_optimizer.h>
 
@@ -88,15 +90,42 @@ void ShardedOptimizer::backward(const at::Tensor& loss, bool retain) {
 }
 
 at::Tensor ShardedOptimizer::scale_loss(const at::Tensor& loss) {
-  // fp32 multiply: the scale must not overflow an fp16 loss.
-  return scaler_ ? loss.to(at::kFloat) * scaler_->scale() : loss;
+  return scaler_ ? scaler_->scale_loss(loss) : loss;
 }
+
+namespace {
+
+// The device every one of `tensors` lies on, if they share one.
+c10::optional<at::Device> one_device(const std::vector<at::Tensor>& tensors) {
+  c10::optional<at::Device> device;
+  for (const auto& t : tensors) {
+    if (!t.defined() || (device.has_value() && t.device() != *device)) {
+      return c10::nullopt;
+    }
+    device = t.device();
+  }
+  return device;
+}
+
+} // namespace
 
 void ShardedOptimizer::unscale() {
   if (!scaler_ || unscaled_) {
     return;
   }
   unscaled_ = true;
+  const auto grads = shard_grads();
+  const auto device = one_device(grads);
+  if (scaler_->on_device() && device.has_value()) {
+    local_found_inf_ =
+        amp::unscale_and_check_(grads, scaler_->inv_scale_tensor(*device));
+    return;
+  }
+  // The verdict is taken before a clip changes the gradients (a clip by
+  // value would make an inf finite), as PyTorch's GradScaler.unscale_
+  // takes it. Gradients on several devices (host shards) with the scale
+  // on a device read it back: their step reads the verdict anyway.
+  local_found_inf_ = amp::any_non_finite(grads);
   scale_grads(1.0 / scaler_->scale());
 }
 
@@ -115,11 +144,15 @@ std::vector<at::Tensor> ShardedOptimizer::shard_grads() const {
 }
 
 bool ShardedOptimizer::overflow() {
-  const auto grads = shard_grads();
+  TORCH_INTERNAL_ASSERT(local_found_inf_.defined(), "overflow before unscale");
+  return agreed_overflow(local_found_inf_).item<float>() > 0;
+}
+
+at::Tensor ShardedOptimizer::agreed_overflow(at::Tensor flag) {
   // Shards differ per rank: every rank skips if any saw inf/nan. The flag
   // moves to the group's device (NCCL takes no host tensors; offloaded
   // shards live on the host).
-  auto flag = amp::any_non_finite(grads);
+  flag = flag.reshape({1});
   if (group_ != nullptr && group_->size() > 1) {
     flag = flag.to(group_->device());
     distributed::all_reduce(flag, *group_, distributed::ReduceOp::kMax).wait();
@@ -132,7 +165,54 @@ bool ShardedOptimizer::overflow() {
       distributed::all_reduce(flag, *g, distributed::ReduceOp::kMax).wait();
     }
   }
-  return flag.item<float>() > 0;
+  return flag;
+}
+
+nn::optimizer::SkipsStepOnDevice* ShardedOptimizer::skipping_on_device() {
+  auto* skipping =
+      dynamic_cast<nn::optimizer::SkipsStepOnDevice*>(optim_.get());
+  if (skipping == nullptr || !skipping->skips_step_on_device()) {
+    return nullptr;
+  }
+  // Every gradient the optimizer steps (pieces and whole parameters) and
+  // every group the verdict is agreed over on one device: the flag never
+  // moves between host and device.
+  std::vector<at::Tensor> grads = shard_grads();
+  for (const auto& group : optim_->param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined()) {
+        grads.push_back(p.grad());
+      }
+    }
+  }
+  const auto device = one_device(grads);
+  if (!device.has_value() ||
+      (group_ != nullptr && group_->size() > 1 &&
+       group_->device() != *device)) {
+    return nullptr;
+  }
+  if (placement_ != nullptr) {
+    for (const auto* g : placement_->reduction_groups()) {
+      if (g->device() != *device) {
+        return nullptr;
+      }
+    }
+  }
+  return skipping;
+}
+
+void ShardedOptimizer::synchronize_step() {
+  if (!verdict_.defined()) {
+    return;
+  }
+  skipped_ = verdict_.value() != 0;
+  verdict_ = utils::DeferredRead();
+  if (skipped_) {
+    auto* skipping =
+        dynamic_cast<nn::optimizer::SkipsStepOnDevice*>(optim_.get());
+    TORCH_INTERNAL_ASSERT(skipping != nullptr);
+    skipping->undo_step_counts();
+  }
 }
 
 void ShardedOptimizer::set_placement(
@@ -200,8 +280,15 @@ at::Tensor ShardedOptimizer::global_norm_on_device(double norm_type) {
 }
 
 void ShardedOptimizer::step() {
+  synchronize_step();
   published_during_step_ = 0;
   sum_partial_grads();
+  if (scaler_ != nullptr) {
+    if (auto* skipping = skipping_on_device()) {
+      step_skipping_on_device(*skipping);
+      return;
+    }
+  }
   unscale();
   skipped_ = scaler_ != nullptr && overflow();
   if (!skipped_) {
@@ -221,6 +308,34 @@ void ShardedOptimizer::step() {
   }
   unscaled_ = false;
   partials_summed_ = false;
+  local_found_inf_ = at::Tensor();
+}
+
+void ShardedOptimizer::step_skipping_on_device(
+    nn::optimizer::SkipsStepOnDevice& skipping) {
+  // The scale moves to the gradients' device on the first such step;
+  // from then on the verdict, the clip and the scale's update stay there.
+  if (!scaler_->on_device()) {
+    scaler_->scale_tensor(shard_grads().front().device());
+  }
+  unscale();
+  const auto found_inf = agreed_overflow(local_found_inf_).reshape({});
+  if (options_.max_norm() > 0) {
+    // An overflowing step's norm is inf or nan, and so its gradients
+    // become; the kernel skips them with the same verdict.
+    interface::scale_by_clip_coef(
+        shard_grads(),
+        global_norm_on_device(options_.norm_type()),
+        options_.max_norm());
+  }
+  skipping.skip_step_if(found_inf);
+  step_optimizer();
+  after_step(); // a skipped step publishes the weights it left as they were
+  scaler_->update(found_inf);
+  verdict_ = utils::DeferredRead(found_inf);
+  unscaled_ = false;
+  partials_summed_ = false;
+  local_found_inf_ = at::Tensor();
 }
 
 void ShardedOptimizer::step_optimizer() {
@@ -275,8 +390,9 @@ std::string ShardedOptimizer::sharded_graph_blocker(
     const std::string& plugin) const {
   if (scaler_) {
     return plugin +
-        " with fp16: the loss scaler reads the overflow flag on the host "
-        "every step; a captured step takes precision bf16 or fp32";
+        " with fp16: the loss scaler's overflow verdict reaches the host "
+        "after the step (or is read before it), which a replayed graph "
+        "would not wait for; a captured step takes precision bf16 or fp32";
   }
   if (group_ != nullptr && group_->size() > 1) {
     return plugin + " over " + std::to_string(group_->size()) +

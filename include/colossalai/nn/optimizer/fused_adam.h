@@ -111,8 +111,9 @@ class FusedAdamW : public torch::optim::AdamW,
   /// precision optimizers register their bf16 / fp16 weights here.
   void set_working_copy(const at::Tensor& param, at::Tensor copy) override;
 
-  /// Where every parameter with a gradient takes ATen's fused kernel
-  /// (not where a working copy is registered, nor in graph mode).
+  /// Where every parameter with a gradient takes a fused kernel (ATen's,
+  /// or kernels::adamw_step_ with working copies on a GPU); not in graph
+  /// mode.
   bool skips_step_on_device() const override;
   void skip_step_if(at::Tensor found_inf) override;
   void undo_step_counts() override;
