@@ -15,6 +15,7 @@
 #include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/utils/compat.h>
 
 #include <harness/multiprocess.h>
@@ -28,8 +29,10 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <set>
+#include <tuple>
 
 namespace cb = colossalai::booster;
 namespace ci = colossalai::interface;
@@ -201,6 +204,57 @@ struct HostVerdictAdamW : colossalai::nn::optimizer::FusedAdamW {
   }
 };
 
+// Two copies of one model trained side by side in fp16 through `on_device`
+// (the verdict left to the optimizer) and `on_host` (read before the
+// step), planted[k] put into step k's weight gradient: the device side
+// reads nothing back in a step, and both skip the same steps and reach the
+// same weights, scales and step counts (count_a, count_b: each side's
+// weight's). `tentative`: a skipped step's count stays advanced until its
+// verdict is read.
+void expect_both_verdicts_train_alike(
+    cb::mixed_precision::TorchAMPOptimizer& on_device,
+    torch::nn::Linear& a,
+    cb::mixed_precision::TorchAMPOptimizer& on_host,
+    torch::nn::Linear& b,
+    const at::Tensor& x,
+    const std::vector<double>& planted,
+    bool tentative,
+    const std::function<int64_t()>& count_a,
+    const std::function<int64_t()>& count_b) {
+  using colossalai::testing::host_syncs;
+  using colossalai::testing::op_calls;
+  for (size_t k = 0; k < planted.size(); ++k) {
+    std::map<std::string, int> calls;
+    for (auto* which : {&on_device, &on_host}) {
+      auto& model = which == &on_device ? a : b;
+      auto run = [&] {
+        which->zero_grad();
+        which->backward(model(x).pow(2).mean());
+        if (planted[k] != 0) {
+          model->weight.mutable_grad()[1][2] = planted[k];
+        }
+        which->step();
+      };
+      if (which == &on_device) {
+        calls = op_calls(run);
+      } else {
+        run();
+      }
+    }
+    EXPECT_TRUE(host_syncs(calls).empty()) << "step " << k << " read back";
+    const int64_t counted = count_a();
+    const bool skipped = planted[k] != 0;
+    EXPECT_EQ(on_device.last_step_skipped(), skipped) << "step " << k;
+    EXPECT_EQ(on_host.last_step_skipped(), skipped) << "step " << k;
+    EXPECT_EQ(counted - (tentative && skipped ? 1 : 0), count_a());
+    EXPECT_EQ(count_a(), count_b()) << "step " << k;
+    EXPECT_TRUE(at::equal(a->weight, b->weight)) << "step " << k;
+    EXPECT_TRUE(at::equal(a->bias, b->bias)) << "step " << k;
+    EXPECT_EQ(on_device.scaler().get_scale(), on_host.scaler().get_scale())
+        << "step " << k;
+  }
+}
+
 } // namespace
 
 // fp16's loss scaling over FusedAdamW reads nothing back per step: the
@@ -236,39 +290,11 @@ TEST(GradScaler, FusedAdamWSkipsOnTheDeviceWithoutAReadBack) {
         .step();
   };
   const double inf = std::numeric_limits<double>::infinity();
-  const std::vector<double> planted = {0, inf, 0, 0, std::nan(""), 0, 0, 0};
-  for (size_t k = 0; k < planted.size(); ++k) {
-    std::map<std::string, int> calls;
-    for (auto* which : {&on_device, &on_host}) {
-      auto& model = which == &on_device ? a : b;
-      auto run = [&] {
-        which->zero_grad();
-        which->backward(model(x).pow(2).mean());
-        if (planted[k] != 0) {
-          model->weight.mutable_grad()[1][2] = planted[k];
-        }
-        which->step();
-      };
-      if (which == &on_device) {
-        calls = op_calls(run);
-      } else {
-        run();
-      }
-    }
-    EXPECT_TRUE(host_syncs(calls).empty())
-        << "step " << k << " read back; calls include " << calls.size()
-        << " operators";
-    // Until the next step the skipped one's count is still advanced.
-    const int64_t counted = step_of(*fused_a, a->weight);
-    EXPECT_EQ(on_device.last_step_skipped(), planted[k] != 0) << "step " << k;
-    EXPECT_EQ(on_host.last_step_skipped(), planted[k] != 0) << "step " << k;
-    EXPECT_EQ(counted - (planted[k] != 0 ? 1 : 0), step_of(*fused_a, a->weight));
-    EXPECT_EQ(step_of(*fused_a, a->weight), step_of(*fused_b, b->weight));
-    EXPECT_TRUE(at::equal(a->weight, b->weight)) << "step " << k;
-    EXPECT_TRUE(at::equal(a->bias, b->bias)) << "step " << k;
-    EXPECT_EQ(on_device.scaler().get_scale(), on_host.scaler().get_scale())
-        << "step " << k;
-  }
+  expect_both_verdicts_train_alike(
+      on_device, a, on_host, b, x, {0, inf, 0, 0, std::nan(""), 0, 0, 0},
+      /*tentative=*/true,
+      [&] { return step_of(*fused_a, a->weight); },
+      [&] { return step_of(*fused_b, b->weight); });
   // 1024, backed off twice, grown twice (growth_interval 2 clean steps).
   EXPECT_EQ(on_device.scaler().get_scale(), 1024.0);
   EXPECT_EQ(step_of(*fused_a, a->weight), 6);
@@ -308,6 +334,114 @@ TEST(GradScaler, FusedAdamWSkipsOnTheDeviceWithoutAReadBack) {
       error_of([&] { on_host.clip_grad_by_norm_tensor(1.0); })
           .find("FusedAdamW"),
       std::string::npos);
+}
+
+// The same with HybridAdam on the CPU (ColossalAI's optimizer for ZeRO and
+// Gemini): its host step reads the verdict where it is, on the host, for
+// free; a skipped step advances no count.
+TEST(GradScaler, HybridAdamTakesTheVerdictWithoutAReadBack) {
+  namespace opt_ns = colossalai::nn::optimizer;
+  struct HostVerdictAdam : opt_ns::HybridAdam {
+    using HybridAdam::HybridAdam;
+    bool skips_step_on_device() const override {
+      return false;
+    }
+  };
+  torch::manual_seed(0);
+  torch::nn::Linear a(4, 3), b(4, 3);
+  b->weight.data().copy_(a->weight.data());
+  b->bias.data().copy_(a->bias.data());
+  const auto options = opt_ns::HybridAdamOptions(1e-2).weight_decay(0.1);
+  auto adam_a = std::make_shared<opt_ns::HybridAdam>(a->parameters(), options);
+  auto adam_b = std::make_shared<HostVerdictAdam>(b->parameters(), options);
+  const auto scaler = colossalai::amp::GradScalerOptions()
+                          .init_scale(1024)
+                          .growth_interval(2);
+  cb::mixed_precision::TorchAMPOptimizer on_device(adam_a, scaler);
+  cb::mixed_precision::TorchAMPOptimizer on_host(adam_b, scaler);
+  const auto x = torch::randn({8, 4});
+  const auto step_of = [](opt_ns::HybridAdam& o, const at::Tensor& p) {
+    return static_cast<opt_ns::HybridAdamParamState&>(
+               *o.state().at(colossalai::compat::optimizer_state_key<
+                             std::remove_reference_t<decltype(o.state())>>(p)))
+        .step();
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  // A skipped host step advances no count.
+  expect_both_verdicts_train_alike(
+      on_device, a, on_host, b, x, {0, inf, 0, std::nan(""), 0},
+      /*tentative=*/false,
+      [&] { return step_of(*adam_a, a->weight); },
+      [&] { return step_of(*adam_b, b->weight); });
+  EXPECT_EQ(step_of(*adam_a, a->weight), 3);
+}
+
+// fp16 in graph mode (what booster::GraphedStep drives on a GPU), outside
+// a capture: after warm-up steps, set_graph_mode; then per step the host's
+// half (prepare_graph_step: the previous step's verdict read, a skip's
+// counts taken back, the counts advanced), the step, after_graph_replay.
+// Bit for bit the eager steps with the verdict on the device, an inf
+// planted in a graph-mode step. The learning rate is a power of two: exact
+// in the float32 the graph-mode kernel reads from memory.
+TEST(GradScaler, GraphModeStepsEqualEagerSteps) {
+  namespace opt_ns = colossalai::nn::optimizer;
+  if (!colossalai::compat::has_fused_adam_tensor_lr(at::kCPU)) {
+    GTEST_SKIP() << "this LibTorch has no fused Adam on the CPU reading the "
+                    "learning rate from memory (2.4+)";
+  }
+  const auto x = torch::randn({8, 4});
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> planted = {0, 0, 0, inf, 0, 0};
+  auto train = [&](bool graph_mode) {
+    torch::manual_seed(0);
+    torch::nn::Linear model(4, 3);
+    auto fused = std::make_shared<opt_ns::FusedAdamW>(
+        model->parameters(),
+        torch::optim::AdamWOptions(std::ldexp(1.0, -7)).weight_decay(0.125));
+    cb::mixed_precision::TorchAMPOptimizer opt(
+        fused, colossalai::amp::GradScalerOptions().init_scale(1024));
+    EXPECT_EQ(opt.graph_capture_blocker(), "");
+    std::vector<bool> skipped;
+    for (size_t k = 0; k < planted.size(); ++k) {
+      if (graph_mode && k == 2) {
+        opt.set_graph_mode(true);
+      } else if (graph_mode && k > 2) {
+        opt.prepare_graph_step();
+      }
+      // Zeroed in place: graph mode reads the gradients it bound, as a
+      // replayed backward writes into the same memory.
+      opt.zero_grad(/*set_to_none=*/false);
+      opt.backward(model(x).pow(2).mean());
+      if (planted[k] != 0) {
+        model->weight.mutable_grad()[0][1] = planted[k];
+      }
+      opt.step();
+      opt.after_graph_replay();
+      skipped.push_back(opt.last_step_skipped());
+    }
+    const auto& s = static_cast<torch::optim::AdamWParamState&>(
+        *fused->state().at(colossalai::compat::optimizer_state_key<
+                           std::remove_reference_t<decltype(
+                               fused->state())>>(model->weight)));
+    return std::make_tuple(
+        model->weight.detach().clone(), skipped, s.step(),
+        opt.scaler().get_scale());
+  };
+  const auto eager = train(false);
+  const auto graphed = train(true);
+  EXPECT_TRUE(at::equal(std::get<0>(eager), std::get<0>(graphed)));
+  EXPECT_EQ(
+      std::get<1>(graphed),
+      (std::vector<bool>{false, false, false, true, false, false}));
+  EXPECT_EQ(std::get<1>(eager), std::get<1>(graphed));
+  EXPECT_EQ(std::get<2>(eager), 5);
+  EXPECT_EQ(std::get<2>(graphed), 5);
+  EXPECT_EQ(std::get<3>(eager), std::get<3>(graphed));
+  // Over an optimizer that cannot skip on the device: refused by name.
+  torch::nn::Linear other(4, 3);
+  cb::mixed_precision::TorchAMPOptimizer sgd(std::make_shared<torch::optim::SGD>(
+      other->parameters(), torch::optim::SGDOptions(0.1)));
+  EXPECT_NE(sgd.graph_capture_blocker().find("FusedAdamW"), std::string::npos);
 }
 
 TEST(OptimizerWrapper, ClippingMatchesTorch) {
@@ -806,11 +940,17 @@ TEST(GraphedStep, RefusesWhatItCannotCaptureByName) {
       };
       EXPECT_TRUE(torch::equal(train(true), train(false)));
     }
+    // fp16: over FusedAdamW the optimizer decides (the verdict stays on
+    // the device); over an optimizer that cannot skip there, refused.
     {
       auto model = torch::nn::Linear(8, 4);
       cb::mixed_precision::TorchAMPOptimizer amp(
           std::make_shared<copt::FusedAdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3)));
-      contains(amp.graph_capture_blocker(), "bf16");
+      EXPECT_EQ(amp.graph_capture_blocker(), fused_why);
+      cb::mixed_precision::TorchAMPOptimizer sgd(
+          std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1)));
+      contains(sgd.graph_capture_blocker(), "bf16");
+      contains(sgd.graph_capture_blocker(), "FusedAdamW");
     }
     // The step object refuses before its first call.
     auto model = torch::nn::Linear(8, 4);

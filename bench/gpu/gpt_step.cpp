@@ -24,6 +24,7 @@
 //                      [--split-steps 5] [--profile 0]
 //                      [--recompute-mlp off|on] [--cuda-graph off|on]
 //                      [--sdpa default|flash|cudnn|efficient|math]
+//                      [--precision bf16|fp16]
 //
 // --optimizer: LibTorch's AdamW (a loop of per-tensor ops), FusedAdamW
 // (at::_fused_adamw_, one pass) or HybridAdam (its device path).
@@ -57,6 +58,9 @@
 // --plugin zero1: LowLevelZeroPlugin (stage 1, precision bf16) at world size
 // one: bf16 parameters, fp32 masters in the optimizer, no autocast (no cast
 // of every weight in every forward), as ColossalAI trains in bf16.
+// --precision fp16: fp16 instead (the booster's fp16 autocast with its
+// GradScaler, or LowLevelZero's fp16 weights): dynamic loss scaling, whose
+// overflow verdict stays on the device over fused_adamw and hybrid_adam.
 //
 // Builds against a CPU LibTorch as well (for a smoke test with
 // --device cpu --model gpt-small-cpu); device memory statistics need CUDA.
@@ -118,6 +122,7 @@ struct Args {
   bool recompute_mlp = false;
   bool cuda_graph = false;
   std::string sdpa = "default";
+  std::string precision = "bf16";
 };
 
 Args parse(int argc, char** argv) {
@@ -164,6 +169,9 @@ Args parse(int argc, char** argv) {
           "--sdpa must be default, flash, cudnn, efficient or math, got ",
           v);
       a.sdpa = v;
+    } else if (k == "--precision") {
+      TORCH_CHECK(v == "bf16" || v == "fp16", "--precision must be bf16 or fp16, got ", v);
+      a.precision = v;
     }
     else
       TORCH_CHECK(false, "unknown option ", k);
@@ -298,9 +306,9 @@ std::vector<double> time_steps(
     // One process: launch_from_env without a launcher's variables.
     colossalai::launch_from_env(colossalai::LaunchOptions().device(a.device));
     booster_options.plugin(std::make_shared<cb::plugin::LowLevelZeroPlugin>(
-        cb::plugin::LowLevelZeroPluginOptions().stage(1).precision("bf16")));
+        cb::plugin::LowLevelZeroPluginOptions().stage(1).precision(a.precision)));
   } else {
-    booster_options.mixed_precision("bf16");
+    booster_options.mixed_precision(a.precision);
   }
   cb::Booster booster(booster_options);
   auto boosted = booster.boost(model, optimizer);
@@ -581,7 +589,7 @@ int run(const Args& a) {
 
   std::ostringstream json;
   json << "{\n  \"benchmark\": \"gpu_gpt_step\",\n  \"implementation\": "
-       << "\"ours (C++, Booster bf16, " << a.optimizer << ", loss "
+       << "\"ours (C++, Booster " << a.precision << ", " << a.optimizer << ", loss "
        << a.loss << ", plugin " << a.plugin
        << (a.recompute_mlp ? ", MLP activation recomputed" : "")
        << (a.cuda_graph ? ", CUDA graph" : "")
@@ -596,8 +604,9 @@ int run(const Args& a) {
        << ",\n  \"config\": {\"device\": \"" << a.device
        << "\", \"batch\": " << a.batch << ", \"seq_len\": " << t
        << ", \"precision\": \""
-       << (a.plugin == "zero1" ? "bf16 parameters, fp32 masters"
-                               : "bf16 autocast, fp32 parameters")
+       << (a.plugin == "zero1" ? a.precision + " parameters, fp32 masters"
+                               : a.precision + " autocast, fp32 parameters")
+       << (a.precision == "fp16" ? ", dynamic loss scaling" : "")
        << "\", \"optimizer\": "
        << "\"" << a.optimizer << "(3e-4, wd 0.01)\", \"steps\": " << a.steps
        << ", \"warmup\": " << a.warmup << "},\n  \"machine\": "

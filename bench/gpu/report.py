@@ -26,7 +26,8 @@ def runs(folder, prefix):
 def main():
     folder = sys.argv[1]
     order = ["ours", "ours_fused_adamw", "ours_fused", "ours_hybrid_adam",
-             "ours_zero1_bf16_logits", "ours_zero1_bf16", "ours_zero1_bf16_recompute", "ours_zero1_bf16_graph", "torch", "torch_fused",
+             "ours_zero1_bf16_logits", "ours_zero1_bf16", "ours_zero1_bf16_recompute", "ours_zero1_bf16_graph", "ours_fp16",
+             "ours_zero1_fp16_graph", "torch", "torch_fused", "torch_fused_fp16",
              "torch_compile", "torch_loop", "hf_ours_fused", "hf_ours_zero1_bf16", "hf_torch_fused", "llama_ours", "llama_ours_fused_adamw",
              "llama_ours_fused", "llama_ours_fused_recompute", "llama_ours_fused_graph", "llama_ours_fused_sdpa_flash",
              "llama_ours_fused_sdpa_cudnn", "llama_ours_zero1_bf16", "llama_torch_fused",
@@ -135,9 +136,11 @@ def main():
     summary = {"models": {}}
     found_runs = dict(groups)
 
-    def fastest(prefix):
-        # Ours in summary.json: the fastest of our variants in this folder.
-        mine = [n for n in found_runs if re.fullmatch(prefix + r"(_.*)?", n)]
+    def fastest(prefix, fp16=False):
+        # Ours in summary.json: the fastest of our variants in this folder
+        # (bf16 ones, or fp16 ones for the fp16 rows).
+        mine = [n for n in found_runs if re.fullmatch(prefix + r"(_.*)?", n)
+                and ("fp16" in n) == fp16]
         return min(mine, key=lambda n: statistics.median(
             r["step_ms"]["median"] for r in found_runs[n]), default=None)
     # Which variant stands for ours / eager / compile in summary.json:
@@ -146,6 +149,8 @@ def main():
     # the transformers-compatible family (the fastest hf_ours variant).
     roles = {"gpt2-medium": {"ours": fastest("ours"), "eager": "torch",
                              "eager_fused_adamw": "torch_fused", "compile": "torch_compile",
+                             "ours_fp16": fastest("ours", fp16=True),
+                             "eager_fused_adamw_fp16": "torch_fused_fp16",
                              "ours_transformers_family": fastest("hf_ours"),
                              "transformers": "hf_torch_fused"},
              "llama-1b": {"ours": fastest("llama_ours"), "eager": "llama_torch_fused",

@@ -17,9 +17,12 @@
 # masters, no autocast: ours_zero1_bf16_logits, ours_zero1_bf16; the last
 # with each MLP's activation recomputed in backward: ours_zero1_bf16_recompute;
 # the same step captured once in a CUDA graph and replayed:
-# ours_zero1_bf16_graph); PyTorch
-# eager with its default AdamW (torch) and with AdamW(fused=True)
-# (torch_fused); then GPT-2 medium as transformers' GPT2LMHeadModel
+# ours_zero1_bf16_graph); fp16 with dynamic loss scaling, its overflow
+# verdict left on the device (autocast: ours_fp16; LowLevelZero's fp16
+# weights in a CUDA graph: ours_zero1_fp16_graph); PyTorch
+# eager with its default AdamW (torch), with AdamW(fused=True)
+# (torch_fused) and the same in fp16 with its GradScaler
+# (torch_fused_fp16); then GPT-2 medium as transformers' GPT2LMHeadModel
 # (tied head, vocabulary 50257): ours with the transformers-compatible
 # models::GPT2LMHeadModel and the fused loss, autocast (hf_ours_fused) and
 # LowLevelZero bf16 (hf_ours_zero1_bf16), and transformers' own model in
@@ -187,8 +190,11 @@ variants=(
   "ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
   "ours_zero1_bf16_recompute|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --recompute-mlp on"
   "ours_zero1_bf16_graph|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --cuda-graph on"
+  "ours_fp16|cpp|--precision fp16 --optimizer fused_adamw --loss fused"
+  "ours_zero1_fp16_graph|cpp|--precision fp16 --plugin zero1 --optimizer fused_adamw --loss fused --cuda-graph on"
   "torch|py|"
   "torch_fused|py|--fused"
+  "torch_fused_fp16|py|--fused --fp16"
   "hf_ours_fused|cpp|--model gpt2-medium-hf --optimizer fused_adamw --loss fused"
   "hf_ours_zero1_bf16|cpp|--model gpt2-medium-hf --plugin zero1 --optimizer fused_adamw --loss fused"
   "hf_torch_fused|py|--model gpt2-medium-hf --fused"
@@ -220,9 +226,9 @@ if [ -z "$only" ] || [[ ops =~ $only ]]; then
   fi
 fi
 # A variant that has not yet run on a GPU (the CUDA-graph ones, the MLP
-# recomputed, one attention kernel alone) failing is reported and the
+# recomputed, one attention kernel alone, fp16) failing is reported and the
 # rounds go on; any other failure ends the run.
-untried_re='(_graph|_recompute|_sdpa_[a-z]+)$'
+untried_re='(_graph|_recompute|_sdpa_[a-z]+|_fp16)$'
 run_or_stop() { # name, then run_variant's arguments
   local name=$1
   shift

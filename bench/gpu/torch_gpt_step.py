@@ -100,6 +100,8 @@ def main():
                    help="AdamW's multi-tensor path (auto: PyTorch's default)")
     p.add_argument("--fused", action="store_true",
                    help="AdamW(fused=True): one fused kernel per step")
+    p.add_argument("--fp16", action="store_true",
+                   help="fp16 autocast with torch.amp.GradScaler instead of bf16")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model (compiled in the warm-up steps)")
     p.add_argument("--seq", type=int, default=0,
@@ -126,16 +128,22 @@ def main():
     tokens = torch.randint(0, cfg["vocab"], (a.batch, cfg["ctx"] + 1), generator=g)
     x, y = tokens[:, :-1].contiguous().to(dev), tokens[:, 1:].contiguous().to(dev)
     last = [0.0]
+    scaler = torch.amp.GradScaler(dev.type) if a.fp16 else None
 
     def step():
         sync(dev)
         t0 = time.perf_counter()
         opt.zero_grad()
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.float16 if a.fp16 else torch.bfloat16):
             logits = fwd(x)
         loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]).float(), y.reshape(-1))
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         sync(dev)
         last[0] = loss.item()
         return (time.perf_counter() - t0) * 1e3
@@ -160,7 +168,8 @@ def main():
                           f"{'torch.compile' if a.compile else 'eager'} (Python), AdamW {kind}",
         "model": a.model, "parameters": params,
         "config": {"device": a.device, "batch": a.batch, "seq_len": cfg["ctx"],
-                   "precision": "bf16 autocast, fp32 parameters",
+                   "precision": ("fp16 autocast, fp32 parameters, GradScaler" if a.fp16
+                                 else "bf16 autocast, fp32 parameters"),
                    "optimizer": f"AdamW(3e-4, wd 0.01, {kind})",
                    "steps": a.steps, "warmup": a.warmup},
         "machine": machine(),

@@ -213,6 +213,7 @@ at::Tensor GraphedStep::operator()(const std::vector<at::Tensor>& inputs) {
       }
       m.optimizer->prepare_graph_step();
       m.graph->replay();
+      m.optimizer->after_graph_replay();
     }
   }
   ready.record(*m.stream);

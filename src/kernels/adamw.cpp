@@ -525,7 +525,7 @@ void AdamWStepGraph::upload(
 #endif
 }
 
-void AdamWStepGraph::launch() {
+void AdamWStepGraph::launch(const at::Tensor& found_inf) {
   auto& m = *impl_;
   if (!m.fused) {
     TORCH_CHECK(m.uploaded, "AdamWStepGraph::launch: no step uploaded yet");
@@ -536,9 +536,11 @@ void AdamWStepGraph::launch() {
         m.exp_avg_sqs,
         m.working,
         m.steps,
-        m.options);
+        m.options,
+        found_inf);
     return;
   }
+  check_found_inf(found_inf, m.params);
 #ifdef COLOSSALAI_WITH_CUDA_KERNELS
   // Inside a capture the table is written before the first replay.
   if (m.num_blocks == 0) {
@@ -552,7 +554,7 @@ void AdamWStepGraph::launch() {
       m.grads[0].scalar_type(),
       m.working_dtype,
       m.fixed,
-      at::Tensor());
+      found_inf);
 #endif
 }
 

@@ -16,8 +16,10 @@
 ///
 /// What a captured step may not do, and is refused by name: read a value
 /// back to the host (.item(), clip_grad_by_norm's norm, fp16's overflow
-/// verdict, which even over FusedAdamW reaches the host after the step and
-/// decides its step counts; clip_grad_by_norm_tensor and LowLevelZero's max_norm at one rank
+/// verdict over an optimizer that cannot skip on the device: over
+/// FusedAdamW / FusedAdam the captured step skips there, and the host
+/// reads each replay's verdict before the next replay, waiting for it;
+/// clip_grad_by_norm_tensor and LowLevelZero's max_norm at one rank
 /// clip on the device and are captured), step an optimizer whose scalars live
 /// on the host (torch::optim::AdamW: use FusedAdamW), swap a random
 /// generator's state (a Dropout with p > 0, activation checkpointing), run a

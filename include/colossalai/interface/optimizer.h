@@ -76,6 +76,9 @@ class OptimizerWrapper {
   /// through is made again on this one (LowLevelZero's gradient hooks,
   /// whose accumulator nodes run on the stream they were made on).
   virtual void prepare_graph_stream() {}
+  /// Called on the step's stream after each replay: what the host learns
+  /// from a replay later (fp16's overflow verdict) is queued here.
+  virtual void after_graph_replay() {}
   /// Makes graph_capture_blocker() say `why` (a plugin that leaves this
   /// wrapper as it is but communicates in the model's backward).
   void refuse_graph_capture(std::string why) {
@@ -99,6 +102,10 @@ class OptimizerWrapper {
   /// The user's optimizer's own blocker (GraphCapturable), or why it has
   /// none.
   std::string optimizer_graph_blocker() const;
+  /// What refuse_graph_capture set (empty: nothing).
+  const std::string& graph_refusal() const {
+    return graph_refusal_;
+  }
 
   std::shared_ptr<torch::optim::Optimizer> optim_;
 

@@ -122,8 +122,9 @@ class AdamWStepGraph {
   /// The next launch's step counts (one per parameter, >= 1) and learning
   /// rate and weight decay; beta1, beta2 and eps must be the constructor's.
   void upload(at::ArrayRef<int64_t> steps, const AdamWStepOptions& options);
-  /// One update with the last upload's scalars.
-  void launch();
+  /// One update with the last upload's scalars; `found_inf` as
+  /// adamw_step_'s (a capture records its address).
+  void launch(const at::Tensor& found_inf = at::Tensor());
 
  private:
   struct Impl;

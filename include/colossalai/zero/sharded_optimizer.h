@@ -4,7 +4,7 @@
 #include <colossalai/checkpoint_io/state_dict.h>
 #include <colossalai/distributed/process_group.h>
 #include <colossalai/interface/optimizer.h>
-#include <colossalai/utils/deferred_read.h>
+#include <colossalai/nn/optimizer/skips_step_on_device.h>
 
 #include <torch/arg.h>
 
@@ -15,11 +15,6 @@
 #include <vector>
 
 namespace colossalai {
-namespace nn {
-namespace optimizer {
-class SkipsStepOnDevice;
-} // namespace optimizer
-} // namespace nn
 namespace placement {
 class PlacementTable;
 } // namespace placement
@@ -78,6 +73,13 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
     return skipped_;
   }
   void synchronize_step() override;
+  /// With fp16 over FusedAdamW / FusedAdam a captured step leaves its
+  /// verdict on the device as an eager one does; prepare_graph_step reads
+  /// the previous replay's (waiting for it) before the optimizer's host
+  /// half, after_graph_replay queues the replay's.
+  void set_graph_mode(bool on) override;
+  void prepare_graph_step() override;
+  void after_graph_replay() override;
   /// The loss scale (1 without loss scaling; a read back once the scale
   /// lives on the device).
   double loss_scale() const;
@@ -201,8 +203,8 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   distributed::ProcessGroupPtr group_;
   bool unscaled_ = false;
   bool skipped_ = false;
-  // A step whose verdict stayed on the device: read at the next step.
-  utils::DeferredRead verdict_;
+  // Steps that skip on the device: their verdicts, read at the next step.
+  nn::optimizer::DeviceVerdict verdict_;
   // Whether this rank's gradients overflowed, taken by unscale(): a float32
   // flag on their device, before any clip.
   at::Tensor local_found_inf_;

@@ -1,6 +1,6 @@
 #include <colossalai/booster/mixed_precision/bf16.h>
 #include <colossalai/booster/mixed_precision/fp16_torch.h>
-#include <colossalai/nn/optimizer/fused_adam.h>
+#include <colossalai/nn/optimizer/skips_step_on_device.h>
 
 namespace colossalai {
 namespace booster {
@@ -98,7 +98,7 @@ void TorchAMPOptimizer::step() {
     skipping->skip_step_if(found_inf);
     optim_->step();
     scaler_.update();
-    verdict_ = utils::DeferredRead(found_inf);
+    verdict_.record(found_inf);
     return;
   }
   last_step_skipped_ = scaler_.unscale_(params);
@@ -108,17 +108,38 @@ void TorchAMPOptimizer::step() {
   scaler_.update();
 }
 
-void TorchAMPOptimizer::synchronize_step() {
-  if (!verdict_.defined()) {
-    return;
+std::string TorchAMPOptimizer::graph_capture_blocker() const {
+  if (!graph_refusal().empty()) {
+    return graph_refusal();
   }
-  last_step_skipped_ = verdict_.value() != 0;
-  verdict_ = utils::DeferredRead();
-  if (last_step_skipped_) {
-    auto* skipping = dynamic_cast<nn::optimizer::SkipsStepOnDevice*>(
-        optim_.get());
-    TORCH_INTERNAL_ASSERT(skipping != nullptr);
-    skipping->undo_step_counts();
+  if (dynamic_cast<const nn::optimizer::SkipsStepOnDevice*>(optim_.get()) ==
+      nullptr) {
+    return "fp16 mixed precision reads the overflow verdict on the host "
+           "before the step, unless the optimizer skips an overflowing step "
+           "on the device (nn::optimizer::FusedAdamW, FusedAdam); or take "
+           "mixed_precision bf16";
+  }
+  return optimizer_graph_blocker();
+}
+
+void TorchAMPOptimizer::set_graph_mode(bool on) {
+  synchronize_step();
+  verdict_.reset_capture();
+  interface::OptimizerWrapper::set_graph_mode(on);
+}
+
+void TorchAMPOptimizer::prepare_graph_step() {
+  synchronize_step();
+  interface::OptimizerWrapper::prepare_graph_step();
+}
+
+void TorchAMPOptimizer::after_graph_replay() {
+  verdict_.after_replay();
+}
+
+void TorchAMPOptimizer::synchronize_step() {
+  if (const auto skipped = verdict_.settle(*optim_)) {
+    last_step_skipped_ = *skipped;
   }
 }
 

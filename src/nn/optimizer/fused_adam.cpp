@@ -434,11 +434,13 @@ void graph_bind(Base& opt, detail::FusedGraph& graph, const char* name) {
 }
 
 // The device's half: what a capture records and a replay repeats.
-void graph_launch(detail::FusedGraph& graph) {
+// `found_inf`: a loss scaler's verdict (SkipsStepOnDevice), whose address
+// a capture records.
+void graph_launch(detail::FusedGraph& graph, const at::Tensor& found_inf) {
   torch::NoGradGuard no_grad;
   for (auto& call : graph.calls) {
     if (call.kernel) {
-      call.kernel->launch();
+      call.kernel->launch(found_inf);
       continue;
     }
     const auto& b = call.tensors;
@@ -457,7 +459,8 @@ void graph_launch(detail::FusedGraph& graph) {
         call.weight_decay,
         call.eps,
         call.amsgrad,
-        call.decoupled);
+        call.decoupled,
+        found_inf);
     for (size_t i = 0; i < call.working.size(); ++i) {
       write_copy(call.working[i], b.params[i]);
     }
@@ -541,8 +544,18 @@ void graph_prepare(Base& opt, detail::FusedGraph& graph, const char* name) {
 // prepare_graph_step writes them), inside one nothing runs, so nothing
 // advances. Later ones launch the device's half with the scalars of the
 // last prepare_graph_step: what a replay does.
+//
+// `skip`: a verdict for this step (SkipsStepOnDevice); a capture records
+// its tensor. A replay's counts are the host's half's (undo_counts).
 template <class Options, class State, class Base>
-void graph_step(Base& opt, detail::FusedGraph& graph, const char* name) {
+void graph_step(
+    Base& opt,
+    detail::FusedGraph& graph,
+    const char* name,
+    detail::DeviceSkip& skip) {
+  const at::Tensor found_inf = std::move(skip.found_inf);
+  skip.found_inf = at::Tensor();
+  skip.stepped.clear();
   if (!graph.bound) {
     graph_bind(opt, graph, name);
     if (graph.calls.empty()) {
@@ -552,13 +565,28 @@ void graph_step(Base& opt, detail::FusedGraph& graph, const char* name) {
       graph_prepare<Options, State>(opt, graph, name);
     }
   }
-  graph_launch(graph);
+  graph_launch(graph, found_inf);
 }
 
 // Takes back the step counts the last step skipped on the device advanced
 // (SkipsStepOnDevice::undo_step_counts); once.
+// In graph mode, every planned parameter's: the host's half advanced them
+// all for the step (or replay) whose verdict came.
 template <class State, class Base>
-void undo_counts(Base& opt, detail::DeviceSkip& skip) {
+void undo_counts(
+    Base& opt,
+    detail::DeviceSkip& skip,
+    const std::shared_ptr<detail::FusedGraph>& graph) {
+  if (graph && graph->on && graph->bound) {
+    for (const auto& call : graph->calls) {
+      for (const auto& p : call.tensors.params) {
+        if (auto* s = state_of<State>(opt, p); s != nullptr && s->step() > 0) {
+          s->step(s->step() - 1);
+        }
+      }
+    }
+    return;
+  }
   for (const auto& p : skip.stepped) {
     if (auto* s = state_of<State>(opt, p); s != nullptr && s->step() > 0) {
       s->step(s->step() - 1);
@@ -587,7 +615,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   if (graph_ && graph_->on) {
     TORCH_CHECK(closure == nullptr, "FusedAdamW: no closure in graph mode");
     graph_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-        static_cast<torch::optim::AdamW&>(*this), *graph_, "FusedAdamW");
+        static_cast<torch::optim::AdamW&>(*this), *graph_, "FusedAdamW", skip_);
     return torch::Tensor();
   }
   return fused_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
@@ -599,7 +627,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 }
 
 bool FusedAdamW::skips_step_on_device() const {
-  return !(graph_ && graph_->on) && fusable(param_groups());
+  return fusable(param_groups());
 }
 
 void FusedAdamW::skip_step_if(at::Tensor found_inf) {
@@ -608,7 +636,7 @@ void FusedAdamW::skip_step_if(at::Tensor found_inf) {
 
 void FusedAdamW::undo_step_counts() {
   undo_counts<torch::optim::AdamWParamState>(
-      static_cast<torch::optim::AdamW&>(*this), skip_);
+      static_cast<torch::optim::AdamW&>(*this), skip_, graph_);
 }
 
 std::string FusedAdamW::graph_capture_blocker() const {
@@ -657,7 +685,7 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
   if (graph_ && graph_->on) {
     TORCH_CHECK(closure == nullptr, "FusedAdam: no closure in graph mode");
     graph_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-        static_cast<torch::optim::Adam&>(*this), *graph_, "FusedAdam");
+        static_cast<torch::optim::Adam&>(*this), *graph_, "FusedAdam", skip_);
     return torch::Tensor();
   }
   return fused_step<torch::optim::AdamOptions, torch::optim::AdamParamState>(
@@ -665,7 +693,7 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
 }
 
 bool FusedAdam::skips_step_on_device() const {
-  return !(graph_ && graph_->on) && fusable(param_groups());
+  return fusable(param_groups());
 }
 
 void FusedAdam::skip_step_if(at::Tensor found_inf) {
@@ -674,7 +702,7 @@ void FusedAdam::skip_step_if(at::Tensor found_inf) {
 
 void FusedAdam::undo_step_counts() {
   undo_counts<torch::optim::AdamParamState>(
-      static_cast<torch::optim::Adam&>(*this), skip_);
+      static_cast<torch::optim::Adam&>(*this), skip_, graph_);
 }
 
 std::string FusedAdam::graph_capture_blocker() const {

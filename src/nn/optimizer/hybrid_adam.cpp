@@ -1,5 +1,6 @@
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 
+#include <colossalai/kernels/adamw.h>
 #include <colossalai/utils/compat.h>
 
 #include "hybrid_adam_internal.h"
@@ -7,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -152,6 +154,16 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  // A loss scaler's verdict for this step only (SkipsStepOnDevice). On
+  // the host it is read here, for free, and a skipped step advances
+  // nothing.
+  const torch::Tensor found_inf = std::move(impl_->found_inf);
+  impl_->found_inf = torch::Tensor();
+  impl_->stepped.clear();
+  if (found_inf.defined() && found_inf.is_cpu() &&
+      *found_inf.to(at::kFloat).data_ptr<float>() != 0.0f) {
+    return loss;
+  }
 
   int64_t total_numel = 0;
   if (impl_->fraction > 0) {
@@ -233,6 +245,9 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
         state.exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
       }
       state.step(state.step() + 1);
+      if (found_inf.defined()) {
+        impl_->stepped.push_back(p);
+      }
 
       torch::Tensor working;
       auto w = impl_->working.find(p.unsafeGetTensorImpl());
@@ -279,10 +294,63 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
   // while the host updates its parameters (offloaded masters' steps no
   // longer leave the device idle).
 #ifdef COLOSSALAI_WITH_CUDA
-  detail::device_update(device_items);
+  detail::device_update(device_items, found_inf);
 #endif
+  // Host parameters beside a verdict on a device (skips_step_on_device
+  // said no): read it.
+  if (found_inf.defined() && !found_inf.is_cpu() &&
+      (!offloaded.empty() || !resident.empty()) &&
+      found_inf.item<float>() != 0.0f) {
+    return loss;
+  }
   impl_->run_offloaded(offloaded, resident);
   return loss;
+}
+
+bool HybridAdam::skips_step_on_device() const {
+  c10::optional<at::Device> device;
+  for (const auto& group : param_groups_) {
+    const auto* o = dynamic_cast<const HybridAdamOptions*>(&group.options());
+    for (const auto& p : group.params()) {
+      const auto& g = p.grad();
+      if (!g.defined()) {
+        continue;
+      }
+      if (o == nullptr || (device.has_value() && *device != p.device())) {
+        return false;
+      }
+      device = p.device();
+      if (p.is_cpu()) {
+        continue;
+      }
+      // The device's kernels that read the verdict there: the AdamW
+      // kernel, ATen's fused Adam (detail::device_update's first two).
+      const bool dense = o->bias_correction() && p.is_contiguous() &&
+          g.is_contiguous() && p.scalar_type() == at::kFloat;
+      const bool kernel = o->adamw_mode() &&
+          kernels::adamw_step_fused_applies({p}, {g}, {});
+      if (!dense || !(kernel || compat::has_fused_adam(p.device()))) {
+        return false;
+      }
+    }
+  }
+  return device.has_value();
+}
+
+void HybridAdam::skip_step_if(at::Tensor found_inf) {
+  impl_->found_inf = std::move(found_inf);
+}
+
+void HybridAdam::undo_step_counts() {
+  for (const auto& p : impl_->stepped) {
+    auto found = state_.find(compat::optimizer_state_key<
+                             std::remove_reference_t<decltype(state_)>>(p));
+    if (found != state_.end()) {
+      auto& s = static_cast<HybridAdamParamState&>(*found->second);
+      s.step(std::max<int64_t>(s.step() - 1, 0));
+    }
+  }
+  impl_->stepped.clear();
 }
 
 void HybridAdam::set_host_step_hook(

@@ -30,7 +30,9 @@ namespace {
 // call per group, device, gradient dtype and working dtype; the items it
 // takes are marked `done`. Needs the CUDA kernels; without them it takes
 // nothing.
-void kernel_update(std::vector<DeviceItem>& items) {
+void kernel_update(
+    std::vector<DeviceItem>& items,
+    const torch::Tensor& found_inf) {
   using Key = std::tuple<const HybridAdamOptions*, std::string, int, int>;
   std::map<Key, std::vector<DeviceItem*>> calls;
   for (auto& it : items) {
@@ -73,7 +75,8 @@ void kernel_update(std::vector<DeviceItem>& items) {
         vs,
         ws,
         steps,
-        adamw_kernel_options(o));
+        adamw_kernel_options(o),
+        found_inf);
   }
 }
 
@@ -81,7 +84,9 @@ void kernel_update(std::vector<DeviceItem>& items) {
 // Adam) for parameters of one group, device and step count: it applies one
 // lr, one weight decay and one bias correction to the whole call. Returns
 // the items it left for the multi-tensor path.
-std::vector<DeviceItem> fused_update(std::vector<DeviceItem>& items) {
+std::vector<DeviceItem> fused_update(
+    std::vector<DeviceItem>& items,
+    const torch::Tensor& found_inf) {
   using Key = std::tuple<const HybridAdamOptions*, std::string, int64_t>;
   std::map<Key, std::vector<DeviceItem*>> calls;
   std::vector<DeviceItem> rest;
@@ -128,16 +133,25 @@ std::vector<DeviceItem> fused_update(std::vector<DeviceItem>& items) {
         o.weight_decay(),
         o.eps(),
         /*amsgrad=*/false,
-        /*decoupled=*/o.adamw_mode());
+        /*decoupled=*/o.adamw_mode(),
+        found_inf);
   }
   return rest;
 }
 
 } // namespace
 
-void device_update(std::vector<DeviceItem>& all) {
-  kernel_update(all);
-  auto items = fused_update(all);
+void device_update(
+    std::vector<DeviceItem>& all,
+    const torch::Tensor& found_inf) {
+  kernel_update(all, found_inf);
+  auto items = fused_update(all, found_inf);
+  // The multi-tensor ops take no verdict: read it (skips_step_on_device
+  // said no where such items come).
+  if (!items.empty() && found_inf.defined() &&
+      found_inf.item<float>() != 0.0f) {
+    items.clear();
+  }
   if (!items.empty()) {
     std::vector<torch::Tensor> ps, gs, ms, vs;
     std::vector<at::Scalar> b1, omb1, b2, omb2, eps, sbc2, step, decay;

@@ -61,7 +61,12 @@ struct DeviceItem {
 // bias correction is on; otherwise the same arithmetic as the CPU kernel as
 // multi-tensor (_foreach) ATen ops, with per-parameter constants as scalar
 // lists.
-void device_update(std::vector<DeviceItem>& items);
+// `found_inf`: undefined, or a loss scaler's verdict on the items' device
+// that, where 1, leaves them as they are (the kernels read it there; the
+// multi-tensor ops' items, where any, have it read on the host).
+void device_update(
+    std::vector<DeviceItem>& items,
+    const torch::Tensor& found_inf = torch::Tensor());
 #endif
 
 } // namespace detail
@@ -69,6 +74,10 @@ void device_update(std::vector<DeviceItem>& items);
 struct HybridAdam::Impl {
   std::unordered_map<const c10::TensorImpl*, torch::Tensor> working;
   std::function<void(const torch::Tensor&)> host_step_hook;
+  // SkipsStepOnDevice: the next step's verdict; the parameters whose step
+  // counts the last step given one advanced.
+  torch::Tensor found_inf;
+  std::vector<torch::Tensor> stepped;
 
   double fraction = 0;
   std::string dir; // this optimizer's own subdirectory

@@ -1,7 +1,8 @@
 #include <colossalai/amp/grad_scaler.h>
 #include <colossalai/checkpoint_io/optimizer_state.h>
-#include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
+#include <colossalai/nn/optimizer/skips_step_on_device.h>
+#include <colossalai/utils/compat.h>
 #include <colossalai/zero/sharded_optimizer.h>
 
 #include "flat_params.h"
@@ -201,17 +202,24 @@ nn::optimizer::SkipsStepOnDevice* ShardedOptimizer::skipping_on_device() {
   return skipping;
 }
 
+void ShardedOptimizer::set_graph_mode(bool on) {
+  synchronize_step();
+  verdict_.reset_capture();
+  interface::OptimizerWrapper::set_graph_mode(on);
+}
+
+void ShardedOptimizer::prepare_graph_step() {
+  synchronize_step(); // the previous replay's verdict: waits for it
+  interface::OptimizerWrapper::prepare_graph_step();
+}
+
+void ShardedOptimizer::after_graph_replay() {
+  verdict_.after_replay();
+}
+
 void ShardedOptimizer::synchronize_step() {
-  if (!verdict_.defined()) {
-    return;
-  }
-  skipped_ = verdict_.value() != 0;
-  verdict_ = utils::DeferredRead();
-  if (skipped_) {
-    auto* skipping =
-        dynamic_cast<nn::optimizer::SkipsStepOnDevice*>(optim_.get());
-    TORCH_INTERNAL_ASSERT(skipping != nullptr);
-    skipping->undo_step_counts();
+  if (const auto skipped = verdict_.settle(*optim_)) {
+    skipped_ = *skipped;
   }
 }
 
@@ -315,8 +323,14 @@ void ShardedOptimizer::step_skipping_on_device(
     nn::optimizer::SkipsStepOnDevice& skipping) {
   // The scale moves to the gradients' device on the first such step;
   // from then on the verdict, the clip and the scale's update stay there.
+  const auto device = shard_grads().front().device();
+  const bool capturing = compat::stream_capturing(device);
+  TORCH_CHECK(
+      !capturing || scaler_->lives_on(device),
+      "a captured fp16 step needs an eager step first (the loss scale "
+      "moves to the device there)");
   if (!scaler_->on_device()) {
-    scaler_->scale_tensor(shard_grads().front().device());
+    scaler_->scale_tensor(device);
   }
   unscale();
   const auto found_inf = agreed_overflow(local_found_inf_).reshape({});
@@ -332,7 +346,7 @@ void ShardedOptimizer::step_skipping_on_device(
   step_optimizer();
   after_step(); // a skipped step publishes the weights it left as they were
   scaler_->update(found_inf);
-  verdict_ = utils::DeferredRead(found_inf);
+  verdict_.record(found_inf);
   unscaled_ = false;
   partials_summed_ = false;
   local_found_inf_ = at::Tensor();
@@ -388,11 +402,14 @@ void ShardedOptimizer::step_optimizer() {
 
 std::string ShardedOptimizer::sharded_graph_blocker(
     const std::string& plugin) const {
-  if (scaler_) {
+  if (scaler_ &&
+      dynamic_cast<const nn::optimizer::SkipsStepOnDevice*>(optim_.get()) ==
+          nullptr) {
     return plugin +
-        " with fp16: the loss scaler's overflow verdict reaches the host "
-        "after the step (or is read before it), which a replayed graph "
-        "would not wait for; a captured step takes precision bf16 or fp32";
+        " with fp16 reads the loss scaler's overflow verdict on the host "
+        "before the step, unless the optimizer skips an overflowing step "
+        "on the device (nn::optimizer::FusedAdamW, FusedAdam); or take "
+        "precision bf16 or fp32";
   }
   if (group_ != nullptr && group_->size() > 1) {
     return plugin + " over " + std::to_string(group_->size()) +

@@ -2,7 +2,7 @@
 
 #include <colossalai/amp/grad_scaler.h>
 #include <colossalai/booster/mixed_precision/mixed_precision_base.h>
-#include <colossalai/utils/deferred_read.h>
+#include <colossalai/nn/optimizer/skips_step_on_device.h>
 
 namespace colossalai {
 namespace booster {
@@ -18,6 +18,14 @@ namespace mixed_precision {
 /// the next step (or last_step_skipped, synchronize_step), when it takes
 /// back a skipped step's step counts. Over any other optimizer the verdict
 /// is read on the host before the step, as ColossalAI's does.
+///
+/// Such a step can be captured in a CUDA graph (booster::GraphedStep) over
+/// FusedAdamW / FusedAdam: the captured step scales, unscales, skips and
+/// updates the scale on the device, and before each replay the host reads
+/// the previous replay's verdict (prepare_graph_step), which waits for that
+/// replay to end: the device idles between replays for as long as the
+/// host prepares the next (the step counts the replay's bias corrections
+/// use depend on that verdict).
 class TorchAMPOptimizer : public interface::OptimizerWrapper {
  public:
   TorchAMPOptimizer(
@@ -36,12 +44,15 @@ class TorchAMPOptimizer : public interface::OptimizerWrapper {
   at::Tensor clip_grad_by_norm_tensor(double max_norm, double norm_type = 2.0)
       override;
   void clip_grad_by_value(double clip_value) override;
-  std::string graph_capture_blocker() const override {
-    return "fp16 mixed precision: the GradScaler's verdict on whether the "
-           "gradients overflowed reaches the host after the step, which a "
-           "replayed graph would not wait for; a captured step takes "
-           "mixed_precision bf16";
-  }
+  /// Refused over an optimizer that cannot skip on the device.
+  std::string graph_capture_blocker() const override;
+  /// Reads a pending verdict before the mode changes.
+  void set_graph_mode(bool on) override;
+  /// Reads the previous replay's verdict (waiting for that replay), then
+  /// the optimizer's host half.
+  void prepare_graph_step() override;
+  /// Queues the replay's verdict for the next prepare_graph_step.
+  void after_graph_replay() override;
 
   /// Whether the last step was skipped (waits for a verdict left on the
   /// device).
@@ -56,8 +67,8 @@ class TorchAMPOptimizer : public interface::OptimizerWrapper {
  private:
   amp::GradScaler scaler_;
   bool last_step_skipped_ = false;
-  // A step skipped on the device: its verdict, read at the next step.
-  utils::DeferredRead verdict_;
+  // Steps that skip on the device: their verdicts, read at the next step.
+  nn::optimizer::DeviceVerdict verdict_;
 };
 
 /// ColossalAI's "fp16" mixed precision: fp16 autocast + dynamic loss scaling

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <colossalai/nn/optimizer/skips_step_on_device.h>
 #include <colossalai/nn/optimizer/working_copies.h>
 
 #include <torch/optim/adam.h>
@@ -51,25 +52,6 @@ class GraphCapturable {
   virtual void prepare_graph_step() = 0;
 };
 
-/// An optimizer whose next step can take the loss scaler's overflow
-/// verdict on the device, as PyTorch's fused optimizers take GradScaler's
-/// found_inf: fp16 training then reads nothing back per step
-/// (mixed_precision::TorchAMPOptimizer asks for it).
-class SkipsStepOnDevice {
- public:
-  virtual ~SkipsStepOnDevice() = default;
-  /// Whether the next step() can skip on the device: every parameter with
-  /// a gradient takes a fused kernel that reads found_inf there.
-  virtual bool skips_step_on_device() const = 0;
-  /// The next step() only: where `found_inf` (a float32 one-element tensor
-  /// on the parameters' device) is 1 it changes no parameter, moment or
-  /// working copy. It advances the step counts as a taken step does;
-  /// undo_step_counts() takes that step's advance back, for the caller
-  /// that has read the verdict since.
-  virtual void skip_step_if(at::Tensor found_inf) = 0;
-  virtual void undo_step_counts() = 0;
-};
-
 /// `torch::optim::AdamW` whose step runs LibTorch's fused multi-tensor kernel
 /// (`at::_fused_adamw_`, what Python's `AdamW(fused=True)` calls): one pass
 /// over parameter, gradient and both moments per step instead of the dozen
@@ -112,8 +94,9 @@ class FusedAdamW : public torch::optim::AdamW,
   void set_working_copy(const at::Tensor& param, at::Tensor copy) override;
 
   /// Where every parameter with a gradient takes a fused kernel (ATen's,
-  /// or kernels::adamw_step_ with working copies on a GPU); not in graph
-  /// mode.
+  /// or kernels::adamw_step_ with working copies on a GPU); in graph mode
+  /// too (the captured launch reads the verdict's tensor each replay, and
+  /// undo_step_counts takes back what prepare_graph_step advanced).
   bool skips_step_on_device() const override;
   void skip_step_if(at::Tensor found_inf) override;
   void undo_step_counts() override;

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <colossalai/nn/optimizer/skips_step_on_device.h>
 #include <colossalai/nn/optimizer/working_copies.h>
 
 #include <torch/arg.h>
@@ -138,7 +139,9 @@ CpuAdamIsa cpu_adam_isa();
 ///   optimizer.step();
 ///   optimizer.zero_grad();
 /// \endcode
-class HybridAdam : public torch::optim::Optimizer, public WorkingCopies {
+class HybridAdam : public torch::optim::Optimizer,
+                   public WorkingCopies,
+                   public SkipsStepOnDevice {
  public:
   explicit HybridAdam(
       std::vector<torch::optim::OptimizerParamGroup> param_groups,
@@ -167,6 +170,13 @@ class HybridAdam : public torch::optim::Optimizer, public WorkingCopies {
   /// owner of host master shards start a shard's upload to the device while
   /// the host steps the others (ZeRO offload, Gemini). Null: none.
   void set_host_step_hook(std::function<void(const torch::Tensor&)> hook);
+
+  /// Where every parameter with a gradient lies on one device: on the CPU
+  /// (the host step reads the verdict there, for free), or on a GPU with
+  /// bias correction on (the AdamW kernel's or ATen's fused update).
+  bool skips_step_on_device() const override;
+  void skip_step_if(at::Tensor found_inf) override;
+  void undo_step_counts() override;
 
   /// Whether `param`'s states are kept in files (decided at its first step).
   bool is_offloaded(const torch::Tensor& param) const;
