@@ -148,6 +148,35 @@ TEST(DynamicLossScaler, HysteresisGrowthAndBounds) {
       std::string::npos);
 }
 
+// Unscaling on the device takes float32, float16 and bfloat16 gradients in
+// one list (ATen's CUDA pass takes no bf16, which is unscaled apart), each
+// divided exactly (powers of two), and finds an inf in any of them; on the
+// CPU, and on a GPU where there is one.
+TEST(GradScaler, UnscaleAndCheckTakesEveryDtype) {
+  std::vector<at::Device> devices{at::kCPU};
+  if (torch::cuda::is_available()) {
+    devices.emplace_back(at::kCUDA);
+  }
+  for (const auto& dev : devices) {
+    SCOPED_TRACE(dev.str());
+    for (int bad = -1; bad < 3; ++bad) {
+      std::vector<at::Tensor> grads;
+      for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+        grads.push_back(at::full({5}, 6.0, at::device(dev).dtype(dtype)));
+      }
+      if (bad >= 0) {
+        grads[bad][2] = std::numeric_limits<double>::infinity();
+      }
+      const auto found = colossalai::amp::unscale_and_check_(
+          grads, at::full({}, 0.5, at::device(dev).dtype(at::kFloat)));
+      EXPECT_EQ(found.item<float>(), bad >= 0 ? 1.0f : 0.0f) << bad;
+      for (size_t i = 0; i < grads.size(); ++i) {
+        EXPECT_EQ(grads[i][0].item<double>(), 3.0) << bad << ", " << i;
+      }
+    }
+  }
+}
+
 // The rule on a device (here the CPU's tensors) is the host's rule:
 // the same scales and growth counts over a long random run of verdicts,
 // with the bounds and the hysteresis reached. Powers of two are exact in

@@ -540,6 +540,7 @@ StepRecord graph_run_of(
     }
   }
   EXPECT_EQ(!graphed || step->captured(), true);
+  boosted.optimizer->synchronize_step(); // fp16: the last verdict's counts
   for (const auto& p : model->parameters()) {
     out.weights.push_back(p.detach().to(at::kCPU, at::kFloat, false, true));
   }

@@ -1,6 +1,7 @@
 #include <colossalai/amp/grad_scaler.h>
 
 #include <limits>
+#include <map>
 
 namespace colossalai {
 namespace amp {
@@ -162,14 +163,32 @@ at::Tensor unscale_and_check_(
   if (defined.empty()) {
     return found;
   }
+  const auto inv = inv_scale.reshape({});
+  std::vector<at::Tensor> rest;
   if (inv_scale.is_cuda()) {
-    at::_amp_foreach_non_finite_check_and_unscale_(
-        defined, found, inv_scale.reshape({}));
+    // ATen's pass, one call per dtype (as Python's GradScaler groups
+    // them); its CUDA kernel takes no bf16, which the composition below
+    // unscales.
+    std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+    for (const auto& g : defined) {
+      if (g.scalar_type() == at::kBFloat16) {
+        rest.push_back(g);
+      } else {
+        by_dtype[g.scalar_type()].push_back(g);
+      }
+    }
+    for (auto& [dtype, grads] : by_dtype) {
+      (void)dtype;
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv);
+    }
+  } else {
+    rest = std::move(defined);
+  }
+  if (rest.empty()) {
     return found;
   }
-  found = any_non_finite(defined).reshape({});
-  const auto inv = inv_scale.reshape({});
-  for (auto& g : defined) {
+  found = at::maximum(found, any_non_finite(rest).reshape({}));
+  for (auto& g : rest) {
     g.mul_(inv);
   }
   return found;

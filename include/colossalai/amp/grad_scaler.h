@@ -65,6 +65,10 @@ class GradScaler {
   int64_t growth_tracker() const {
     return scaler_.growth_tracker();
   }
+  /// Whether the scale lives on `device` (DynamicLossScaler::lives_on).
+  bool scale_lives_on(const at::Device& device) const {
+    return scaler_.lives_on(device);
+  }
   const GradScalerOptions& options() const {
     return options_;
   }

@@ -1,6 +1,7 @@
 #include <colossalai/booster/mixed_precision/bf16.h>
 #include <colossalai/booster/mixed_precision/fp16_torch.h>
 #include <colossalai/nn/optimizer/skips_step_on_device.h>
+#include <colossalai/utils/compat.h>
 
 namespace colossalai {
 namespace booster {
@@ -66,10 +67,11 @@ at::Tensor TorchAMPOptimizer::scale_loss(const at::Tensor& loss) {
 namespace {
 
 // The optimizer, where it can skip this step on the device and the
-// gradients it would step lie on one device.
+// gradients it would step lie on one device (written to `where`).
 nn::optimizer::SkipsStepOnDevice* skipping_on_device(
     torch::optim::Optimizer& optim,
-    const std::vector<at::Tensor>& params) {
+    const std::vector<at::Tensor>& params,
+    at::Device* where = nullptr) {
   auto* skipping = dynamic_cast<nn::optimizer::SkipsStepOnDevice*>(&optim);
   if (skipping == nullptr || !skipping->skips_step_on_device()) {
     return nullptr;
@@ -83,7 +85,13 @@ nn::optimizer::SkipsStepOnDevice* skipping_on_device(
       device = p.grad().device();
     }
   }
-  return device.has_value() ? skipping : nullptr;
+  if (!device.has_value()) {
+    return nullptr;
+  }
+  if (where != nullptr) {
+    *where = *device;
+  }
+  return skipping;
 }
 
 } // namespace
@@ -91,9 +99,14 @@ nn::optimizer::SkipsStepOnDevice* skipping_on_device(
 void TorchAMPOptimizer::step() {
   synchronize_step();
   const auto params = parameters();
-  if (auto* skipping = skipping_on_device(*optim_, params)) {
+  at::Device device(at::kCPU);
+  if (auto* skipping = skipping_on_device(*optim_, params, &device)) {
     // The verdict stays on the device: the kernel skips there, the scale
     // is updated there, and the host reads it at the next step.
+    TORCH_CHECK(
+        !compat::stream_capturing(device) || scaler_.scale_lives_on(device),
+        "a captured fp16 step needs an eager step first (the loss scale "
+        "moves to the device there)");
     const auto found_inf = scaler_.unscale_on_device_(params);
     skipping->skip_step_if(found_inf);
     optim_->step();

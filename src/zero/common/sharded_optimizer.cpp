@@ -177,8 +177,11 @@ nn::optimizer::SkipsStepOnDevice* ShardedOptimizer::skipping_on_device() {
   }
   // Every gradient the optimizer steps (pieces and whole parameters) and
   // every group the verdict is agreed over on one device: the flag never
-  // moves between host and device.
+  // moves between host and device. The verdict is the shards'.
   std::vector<at::Tensor> grads = shard_grads();
+  if (grads.empty()) {
+    return nullptr;
+  }
   for (const auto& group : optim_->param_groups()) {
     for (const auto& p : group.params()) {
       if (p.grad().defined()) {
