@@ -22,6 +22,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -416,6 +417,72 @@ TEST(LowLevelZero, Fp16OverFusedAdamWAgreesOnTheVerdictWithoutAReadBack) {
     for (size_t i = 0; i < device.params.size(); ++i) {
       EXPECT_TRUE(at::equal(device.params[i], host.params[i]))
           << "rank " << rank << ", parameter " << i;
+    }
+  });
+}
+
+// fp16 in graph mode at one rank (what booster::GraphedStep drives on a
+// GPU), outside a capture: after two ordinary steps, set_graph_mode; then
+// per step the host's half (prepare_graph_step: the previous step's verdict
+// read, a skip's counts taken back, the counts advanced) and the step.
+// Bit for bit the ordinary steps, an inf planted in a graph-mode step; the
+// learning rate a power of two (exact in the float32 graph mode reads).
+TEST(LowLevelZero, Fp16GraphModeEqualsOrdinarySteps) {
+  if (!colossalai::compat::has_fused_adam_tensor_lr(at::kCPU)) {
+    GTEST_SKIP() << "no fused Adam reading its learning rate from memory on "
+                    "the CPU in this LibTorch (2.4+)";
+  }
+  run_distributed(1, [](int, int) {
+    auto train = [](bool graph_mode) {
+      auto model = make_model();
+      auto fused = std::make_shared<colossalai::nn::optimizer::FusedAdamW>(
+          model->parameters(),
+          torch::optim::AdamWOptions(std::ldexp(1.0, -7)).weight_decay(0.125));
+      auto opt = std::make_shared<cz::LowLevelZeroOptimizer>(
+          fused,
+          colossalai::distributed::world_group(),
+          cz::LowLevelZeroOptimizerOptions().stage(1).dtype(at::kHalf).loss_scaler(
+              colossalai::amp::DynamicLossScalerOptions().initial_scale(1024).hysteresis(1)));
+      EXPECT_EQ(opt->graph_capture_blocker(), "");
+      int step = 0;
+      model->fc1->weight.register_hook([&](at::Tensor g) {
+        if (step != 4) {
+          return g;
+        }
+        g = g.clone();
+        g.view({-1})[0] = std::numeric_limits<float>::infinity();
+        return g;
+      });
+      // Nothing asks for a verdict between steps: prepare_graph_step (and
+      // an ordinary step) must read the previous one itself.
+      for (step = 0; step < 6; ++step) {
+        if (graph_mode && step == 2) {
+          opt->set_graph_mode(true);
+        } else if (graph_mode && step > 2) {
+          opt->prepare_graph_step();
+        }
+        auto b = local_batch(step, 0, 1);
+        opt->zero_grad();
+        opt->backward(torch::mse_loss(model(b.first), b.second));
+        opt->step();
+        opt->after_graph_replay();
+      }
+      EXPECT_FALSE(opt->last_step_skipped());
+      std::vector<at::Tensor> out;
+      for (const auto& p : model->parameters()) {
+        out.push_back(p.detach().clone());
+      }
+      for (const auto& kv : fused->state()) {
+        EXPECT_EQ(
+            static_cast<const torch::optim::AdamWParamState&>(*kv.second).step(), 5);
+      }
+      EXPECT_EQ(opt->loss_scale(), 512.0); // backed off once
+      return out;
+    };
+    const auto graphed = train(true);
+    const auto ordinary = train(false);
+    for (size_t i = 0; i < graphed.size(); ++i) {
+      EXPECT_TRUE(at::equal(graphed[i], ordinary[i])) << "parameter " << i;
     }
   });
 }
