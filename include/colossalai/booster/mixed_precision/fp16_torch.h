@@ -13,7 +13,7 @@ namespace mixed_precision {
 /// clipping, skips the step on overflow and updates the scale.
 ///
 /// Over an optimizer that skips on the device (nn::optimizer::FusedAdamW,
-/// FusedAdam: SkipsStepOnDevice) a step reads nothing back: the verdict
+/// FusedAdam, HybridAdam: SkipsStepOnDevice) a step reads nothing back: the verdict
 /// and the scale stay on the device, and the host learns the verdict at
 /// the next step (or last_step_skipped, synchronize_step), when it takes
 /// back a skipped step's step counts. Over any other optimizer the verdict
