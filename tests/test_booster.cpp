@@ -225,6 +225,16 @@ TEST(DynamicLossScaler, RuleOnTheDeviceIsTheHostsRule) {
 
 namespace {
 
+// `param`'s step count in `optimizer`'s state (of type State).
+template <class State, class Optimizer>
+int64_t step_count(Optimizer& optimizer, const at::Tensor& param) {
+  auto& state = optimizer.state();
+  return static_cast<State&>(
+             *state.at(colossalai::compat::optimizer_state_key<
+                       std::remove_reference_t<decltype(state)>>(param)))
+      .step();
+}
+
 // FusedAdamW made to take the verdict on the host, for comparison.
 struct HostVerdictAdamW : colossalai::nn::optimizer::FusedAdamW {
   using FusedAdamW::FusedAdamW;
@@ -313,10 +323,7 @@ TEST(GradScaler, FusedAdamWSkipsOnTheDeviceWithoutAReadBack) {
   cb::mixed_precision::TorchAMPOptimizer on_host(fused_b, scaler);
   const auto x = torch::randn({8, 4});
   const auto step_of = [](opt_ns::FusedAdamW& o, const at::Tensor& p) {
-    return static_cast<torch::optim::AdamWParamState&>(
-               *o.state().at(colossalai::compat::optimizer_state_key<
-                             std::remove_reference_t<decltype(o.state())>>(p)))
-        .step();
+    return step_count<torch::optim::AdamWParamState>(o, p);
   };
   const double inf = std::numeric_limits<double>::infinity();
   expect_both_verdicts_train_alike(
@@ -390,10 +397,7 @@ TEST(GradScaler, HybridAdamTakesTheVerdictWithoutAReadBack) {
   cb::mixed_precision::TorchAMPOptimizer on_host(adam_b, scaler);
   const auto x = torch::randn({8, 4});
   const auto step_of = [](opt_ns::HybridAdam& o, const at::Tensor& p) {
-    return static_cast<opt_ns::HybridAdamParamState&>(
-               *o.state().at(colossalai::compat::optimizer_state_key<
-                             std::remove_reference_t<decltype(o.state())>>(p)))
-        .step();
+    return step_count<opt_ns::HybridAdamParamState>(o, p);
   };
   const double inf = std::numeric_limits<double>::infinity();
   // A skipped host step advances no count.
@@ -449,12 +453,10 @@ TEST(GradScaler, GraphModeStepsEqualEagerSteps) {
       opt.after_graph_replay();
     }
     EXPECT_FALSE(opt.last_step_skipped());
-    const auto& s = static_cast<torch::optim::AdamWParamState&>(
-        *fused->state().at(colossalai::compat::optimizer_state_key<
-                           std::remove_reference_t<decltype(
-                               fused->state())>>(model->weight)));
     return std::make_tuple(
-        model->weight.detach().clone(), s.step(), opt.scaler().get_scale());
+        model->weight.detach().clone(),
+        step_count<torch::optim::AdamWParamState>(*fused, model->weight),
+        opt.scaler().get_scale());
   };
   const auto eager = train(false);
   const auto graphed = train(true);

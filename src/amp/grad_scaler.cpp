@@ -226,17 +226,14 @@ std::vector<at::Tensor> grads_of(const std::vector<at::Tensor>& params) {
 } // namespace
 
 bool GradScaler::unscale_(const std::vector<at::Tensor>& params) {
+  const auto grads = grads_of(params);
+  if (!unscaled_ && scaler_.on_device() && !grads.empty()) {
+    unscale_on_device_(params); // the scale is there; the verdict read below
+  }
   if (unscaled_) {
     return found_inf();
   }
   unscaled_ = true;
-  const auto grads = grads_of(params);
-  if (scaler_.on_device() && !grads.empty()) {
-    // The scale is on the device: unscale there and read the verdict.
-    device_found_inf_ = unscale_and_check_(
-        grads, scaler_.inv_scale_tensor(grads.front().device()));
-    return found_inf();
-  }
   const double inv = 1.0 / scaler_.scale();
   auto flag = any_non_finite(grads);
   for (const auto& g : grads) {

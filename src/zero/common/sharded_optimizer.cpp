@@ -1,4 +1,3 @@
-#include <colossalai/amp/grad_scaler.h>
 #include <colossalai/checkpoint_io/optimizer_state.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/nn/optimizer/skips_step_on_device.h>
