@@ -232,6 +232,14 @@ std::string slurp(const std::string& file) {
   return std::string((std::istreambuf_iterator<char>(in)), {});
 }
 
+// A shell command that writes the previous command's exit status to `file`
+// whole: a waiter that polls for `file` must not read it between the shell's
+// creating it and writing the number (that read gives no status at all).
+std::string save_status(const std::string& file) {
+  return "echo $? > '" + file + ".part' && mv '" + file + ".part' '" + file +
+      "'";
+}
+
 // The process of a job started with COLOSSALAI_TEST_MARK=`mark` (which its
 // launcher and ranks inherit) for which `is(environ, cmdline)` holds, or -1.
 pid_t job_process(
@@ -275,8 +283,8 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
       std::to_string(colossalai::testing::free_port()) + " " + kBin +
       " --data '" + corpus() + "'" + common + "--resume --out " + dir.path +
       "/b --checkpoint " + ckpt + " > '" + dir.path +
-      "/log' 2>&1; echo $? > '" + dir.path +
-      "/rc') > /dev/null 2>&1 & echo started");
+      "/log' 2>&1; " + save_status(dir.path + "/rc") +
+      ") > /dev/null 2>&1 & echo started");
   ASSERT_EQ(started.first, 0) << started.second;
   const auto since = [](std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t)
@@ -350,7 +358,8 @@ TEST(FinetuneLm, KilledRankRestartsAndSigtermSavesOnTheWayOut) {
       "/c --checkpoint " + ck2 + " > '" + dir.path + "/log2' 2>&1";
   ASSERT_EQ(
       colossalai::testing::run_shell(
-          "(" + job + "; echo $? > '" + dir.path + "/rc2') > /dev/null 2>&1 &")
+          "(" + job + "; " + save_status(dir.path + "/rc2") +
+          ") > /dev/null 2>&1 &")
           .first,
       0);
   t0 = std::chrono::steady_clock::now();
@@ -451,8 +460,8 @@ TEST(FinetuneLm, ElasticJobShrinksWhenANodeDiesAndGrowsWhenItReturns) {
         "' run --nnodes 1:2 --nproc_per_node 1 --rdzv_endpoint " + endpoint +
         " --rdzv_conf last_call_timeout=1,join_timeout=120 --max_restarts 3 " +
         kBin + train + "--resume --out " + d + "/out --checkpoint " + ckpt +
-        " > '" + d + "/" + name + ".log' 2>&1; echo $? > '" + d + "/" + name +
-        ".rc') > /dev/null 2>&1 &");
+        " > '" + d + "/" + name + ".log' 2>&1; " +
+        save_status(d + "/" + name + ".rc") + ") > /dev/null 2>&1 &");
     ASSERT_EQ(r.first, 0) << r.second;
   };
   const auto since = [](std::chrono::steady_clock::time_point t) {
