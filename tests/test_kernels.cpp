@@ -3,6 +3,7 @@
 // GPU the CUDA kernels against the reference, forward and backward, in
 // every dtype they take.
 
+#include <colossalai/amp/shared_cast.h>
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/interface/optimizer.h>
@@ -15,6 +16,7 @@
 #include <colossalai/kernels/rope.h>
 #include <colossalai/kernels/silu_mul.h>
 #include <colossalai/kernels/silu_mul_linear.h>
+#include <colossalai/lora/lora_model.h>
 #include <colossalai/models/bloom.h>
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
@@ -22,6 +24,7 @@
 #include <colossalai/models/opt.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/quantization/bnb.h>
+#include <colossalai/quantization/quantize_model.h>
 #include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/utils/compat.h>
 
@@ -2447,6 +2450,214 @@ TEST(Kernels, Gpt2AndBloomRecomputingTheMlpGeluEqualsKeepingIt) {
   expect_recomputing_the_mlp_changes_nothing<models::GPT2LMHeadModel>(gpt2, gpt2.n_layer());
   const auto bloom = models::BloomConfig::tiny_test();
   expect_recomputing_the_mlp_changes_nothing<models::BloomForCausalLM>(bloom, bloom.n_layer());
+}
+
+// ------------------------------------------------ autocast's shared cast ---
+
+int casts_in(const std::map<std::string, int>& calls) {
+  const auto it = calls.find("aten::_to_copy");
+  return it == calls.end() ? 0 : it->second;
+}
+
+// Three linears reading one float32 input under CPU bf16 autocast, each
+// taking a SharedCast's get() or the input itself: outputs, the input's
+// gradient and the weights' bit for bit; one cast of the input in forward
+// instead of three, its bytes shared by the readers; no cast where
+// autocast would not cast (off, float64, bf16 already) or with shared
+// casts off.
+TEST(Kernels, SharedCastIsAutocastsCastMadeOnce) {
+  namespace amp = colossalai::amp;
+  torch::manual_seed(31);
+  const auto x0 = torch::randn({3, 5, 16});
+  std::vector<at::Tensor> w0;
+  for (int i = 0; i < 3; ++i) {
+    w0.push_back(torch::randn({8, 16}));
+  }
+  const auto dy = torch::randn({3, 5, 8});
+  struct Run {
+    std::vector<at::Tensor> y;
+    at::Tensor dx;
+    std::vector<at::Tensor> dw;
+    int casts = 0;
+  };
+  auto run = [&](bool shared) {
+    auto x = x0.clone().requires_grad_(true);
+    // An activation: autocast keeps one cast of a leaf for all its readers
+    // (as of a weight), and sums their gradients in bf16 there.
+    const auto h = x * 1;
+    std::vector<at::Tensor> w;
+    for (const auto& v : w0) {
+      w.push_back(v.clone().requires_grad_(true));
+    }
+    Run r;
+    {
+      colossalai::compat::AutocastGuard cast(at::kCPU, at::kBFloat16);
+      const auto calls = colossalai::testing::op_calls([&] {
+        const amp::SharedCast xin(h);
+        for (const auto& wi : w) {
+          r.y.push_back(at::linear(shared ? xin.get() : h, wi));
+        }
+      });
+      r.casts = casts_in(calls);
+    }
+    auto loss = at::zeros({}, at::kFloat);
+    for (auto& y : r.y) {
+      loss = loss + (y.to(at::kFloat) * dy).sum();
+    }
+    loss.backward();
+    r.dx = x.grad();
+    for (const auto& wi : w) {
+      r.dw.push_back(wi.grad());
+    }
+    return r;
+  };
+  const auto each = run(false), shared = run(true);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(shared.y[i].scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(shared.y[i], each.y[i])) << i;
+    EXPECT_TRUE(at::equal(shared.dw[i], each.dw[i])) << i;
+  }
+  EXPECT_EQ(shared.dx.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(shared.dx, each.dx));
+  // Three weights cast either way; the input once instead of three times.
+  EXPECT_EQ(each.casts, 6);
+  EXPECT_EQ(shared.casts, 4);
+
+  auto x = x0.clone().requires_grad_(true) * 1;
+  {
+    colossalai::compat::AutocastGuard cast(at::kCPU, at::kBFloat16);
+    const amp::SharedCast xin(x);
+    const auto a = xin.get(), b = xin.get();
+    EXPECT_EQ(a.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(a.data_ptr(), b.data_ptr()); // one copy kept
+    EXPECT_NE(a.unsafeGetTensorImpl(), b.unsafeGetTensorImpl());
+    EXPECT_NE(a.grad_fn(), b.grad_fn()); // a backward node each
+    EXPECT_TRUE(at::equal(a, x.to(at::kBFloat16)));
+    {
+      torch::NoGradGuard no_grad;
+      EXPECT_FALSE(xin.get().requires_grad());
+    }
+    for (const auto& other :
+         {x.to(at::kDouble), x.to(at::kBFloat16), at::ones({3}, at::kLong)}) {
+      const amp::SharedCast uncast(other);
+      EXPECT_TRUE(uncast.get().is_same(other)) << other.scalar_type();
+    }
+    amp::set_shared_casts(false);
+    const amp::SharedCast off(x);
+    amp::set_shared_casts(true);
+    EXPECT_TRUE(off.get().is_same(x));
+    EXPECT_TRUE(off.input().is_same(x));
+  }
+  const amp::SharedCast no_autocast(x);
+  EXPECT_TRUE(no_autocast.get().is_same(x));
+}
+
+// One forward and backward of `model` under CPU bf16 autocast with shared
+// casts on or off: the loss, every gradient, and the forward's casts.
+struct AutocastStep {
+  at::Tensor loss;
+  std::vector<at::Tensor> grads;
+  int casts = 0;
+};
+
+template <class Model>
+AutocastStep autocast_step(Model& model, const at::Tensor& ids, bool shared) {
+  colossalai::amp::set_shared_casts(shared);
+  for (auto& p : model->parameters()) {
+    p.mutable_grad() = at::Tensor();
+  }
+  torch::manual_seed(5); // the same dropout masks in every run
+  AutocastStep out;
+  {
+    colossalai::compat::AutocastGuard cast(at::kCPU, at::kBFloat16);
+    at::Tensor logits;
+    out.casts = casts_in(colossalai::testing::op_calls([&] { logits = model->forward(ids); }));
+    out.loss = model->loss(logits, ids);
+  }
+  colossalai::amp::set_shared_casts(true);
+  out.loss.backward();
+  for (const auto& p : model->parameters()) {
+    out.grads.push_back(p.grad());
+  }
+  return out;
+}
+
+// A model under autocast with shared casts trains as with a cast per layer,
+// bit for bit (loss and every gradient), with `fewer` casts in forward.
+template <class Model>
+void expect_shared_casts_change_nothing(Model& model, int64_t vocab, int fewer) {
+  const auto ids = torch::randint(vocab, {2, 9});
+  const auto each = autocast_step(model, ids, false);
+  const auto shared = autocast_step(model, ids, true);
+  EXPECT_TRUE(at::equal(shared.loss, each.loss)) << shared.loss << " vs " << each.loss;
+  ASSERT_EQ(shared.grads.size(), each.grads.size());
+  for (size_t i = 0; i < each.grads.size(); ++i) {
+    ASSERT_EQ(shared.grads[i].defined(), each.grads[i].defined()) << i;
+    if (each.grads[i].defined()) {
+      EXPECT_TRUE(at::equal(shared.grads[i], each.grads[i])) << "parameter " << i;
+    }
+  }
+  EXPECT_EQ(each.casts - shared.casts, fewer);
+}
+
+// LLaMA (q, k and v share one cast, gate and up another: 3 fewer per
+// layer), with qkv biases, and OPT (2 fewer per layer). Under LoRA (with
+// dropout) the adapters read the input as before and the base layers the
+// shared cast; quantized layers (NF4, LLM.int8) read the input in their
+// own compute dtype and the cast is never made.
+TEST(Kernels, SharedAutocastCastsTrainBitForBit) {
+  namespace models = colossalai::models;
+  namespace cl = colossalai::lora;
+  namespace q = colossalai::quantization;
+  torch::manual_seed(32);
+  auto config = models::LlamaConfig::tiny_test();
+  const int layers = static_cast<int>(config.num_hidden_layers());
+  {
+    SCOPED_TRACE("llama");
+    models::LlamaForCausalLM llama(config);
+    expect_shared_casts_change_nothing(llama, config.vocab_size(), 3 * layers);
+  }
+  {
+    SCOPED_TRACE("llama, qkv bias");
+    models::LlamaForCausalLM llama(models::LlamaConfig(config).attention_bias(true));
+    expect_shared_casts_change_nothing(llama, config.vocab_size(), 3 * layers);
+  }
+  {
+    SCOPED_TRACE("opt");
+    const auto opt_config = models::OPTConfig::tiny_test();
+    models::OPTForCausalLM opt(opt_config);
+    expect_shared_casts_change_nothing(
+        opt, opt_config.vocab_size(), 2 * static_cast<int>(opt_config.num_hidden_layers()));
+  }
+  {
+    SCOPED_TRACE("llama, LoRA with dropout");
+    models::LlamaForCausalLM llama(config);
+    cl::LoraModel lora(
+        llama.ptr(),
+        cl::LoraConfig().r(4).lora_alpha(8).lora_dropout(0.25).target_modules(
+            {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}));
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& p : llama->named_parameters()) {
+        if (p.key().find("lora_B") != std::string::npos) {
+          p.value().normal_(0, 0.1); // A's gradient nonzero too
+        }
+      }
+    }
+    llama->train();
+    expect_shared_casts_change_nothing(llama, config.vocab_size(), 3 * layers);
+  }
+  for (const auto& qc :
+       {q::BnbQuantizationConfig()
+            .load_in_4bit(true)
+            .bnb_4bit_quant_type("nf4")
+            .bnb_4bit_compute_dtype(at::kFloat),
+        q::BnbQuantizationConfig().load_in_8bit(true)}) {
+    SCOPED_TRACE(qc.load_in_4bit() ? "llama, NF4" : "llama, LLM.int8");
+    models::LlamaForCausalLM llama(config);
+    q::quantize_model(*llama, qc);
+    expect_shared_casts_change_nothing(llama, config.vocab_size(), 0);
+  }
 }
 
 // ------------------------------------------------ grouped expert GEMMs ---

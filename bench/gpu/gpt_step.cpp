@@ -24,7 +24,7 @@
 //                      [--split-steps 5] [--profile 0]
 //                      [--recompute-mlp off|on] [--cuda-graph off|on]
 //                      [--sdpa default|flash|cudnn|efficient|math]
-//                      [--precision bf16|fp16]
+//                      [--precision bf16|fp16] [--shared-casts on|off]
 //
 // --optimizer: LibTorch's AdamW (a loop of per-tensor ops), FusedAdamW
 // (at::_fused_adamw_, one pass) or HybridAdam (its device path).
@@ -61,6 +61,10 @@
 // --precision fp16: fp16 instead (the booster's fp16 autocast with its
 // GradScaler, or LowLevelZero's fp16 weights): dynamic loss scaling, whose
 // overflow verdict stays on the device over fused_adamw and hybrid_adam.
+// --shared-casts off: under autocast every linear casts its input itself
+// (three kept copies of the norm's output for q, k and v) instead of one
+// cast shared by the layers reading it (amp::SharedCast; the default). The
+// same results either way; only autocast's LLaMA and OPT layers differ.
 //
 // Builds against a CPU LibTorch as well (for a smoke test with
 // --device cpu --model gpt-small-cpu); device memory statistics need CUDA.
@@ -123,6 +127,7 @@ struct Args {
   bool cuda_graph = false;
   std::string sdpa = "default";
   std::string precision = "bf16";
+  bool shared_casts = true;
 };
 
 Args parse(int argc, char** argv) {
@@ -172,6 +177,9 @@ Args parse(int argc, char** argv) {
     } else if (k == "--precision") {
       TORCH_CHECK(v == "bf16" || v == "fp16", "--precision must be bf16 or fp16, got ", v);
       a.precision = v;
+    } else if (k == "--shared-casts") {
+      TORCH_CHECK(v == "on" || v == "off", "--shared-casts must be on or off, got ", v);
+      a.shared_casts = v == "on";
     }
     else
       TORCH_CHECK(false, "unknown option ", k);
@@ -435,6 +443,7 @@ std::vector<double> time_steps(
 
 int run(const Args& a) {
   const at::Device dev(a.device);
+  colossalai::amp::set_shared_casts(a.shared_casts);
   const bool llama = a.model == "llama3.2-1b" || a.model == "llama-small-cpu";
   const bool gpt2_hf = a.model == "gpt2-medium-hf" || a.model == "gpt2-small-cpu-hf";
   TORCH_CHECK(
@@ -594,7 +603,9 @@ int run(const Args& a) {
        << (a.recompute_mlp ? ", MLP activation recomputed" : "")
        << (a.cuda_graph ? ", CUDA graph" : "")
        << (a.sdpa != "default" ? ", attention " + a.sdpa + " only" : std::string())
+       << (a.shared_casts ? "" : ", a cast per linear")
        << ")\",\n  \"recompute_mlp\": " << (a.recompute_mlp ? "true" : "false")
+       << ",\n  \"shared_casts\": " << (a.shared_casts ? "true" : "false")
        << ",\n  \"cuda_graph\": " << (a.cuda_graph ? "true" : "false")
        << ",\n  \"sdpa\": \"" << a.sdpa << "\",\n  \"sdpa_backend\": \"" << sdpa_backend << "\""
        << ",\n  \"optimizer_kind\": \""

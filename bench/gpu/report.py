@@ -29,7 +29,7 @@ def main():
              "ours_zero1_bf16_logits", "ours_zero1_bf16", "ours_zero1_bf16_recompute", "ours_zero1_bf16_graph", "ours_fp16",
              "ours_zero1_fp16_graph", "torch", "torch_fused", "torch_fused_fp16",
              "torch_compile", "torch_loop", "hf_ours_fused", "hf_ours_zero1_bf16", "hf_torch_fused", "llama_ours", "llama_ours_fused_adamw",
-             "llama_ours_fused", "llama_ours_fused_recompute", "llama_ours_fused_graph", "llama_ours_fused_sdpa_flash",
+             "llama_ours_fused", "llama_ours_fused_recompute", "llama_ours_fused_cast_each", "llama_ours_fused_graph", "llama_ours_fused_sdpa_flash",
              "llama_ours_fused_sdpa_cudnn", "llama_ours_zero1_bf16", "llama_torch_fused",
              "llama_torch_compile"]
     found = sorted({re.sub(r"_[0-9]+\.json$", "", os.path.basename(p))

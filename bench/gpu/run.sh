@@ -32,7 +32,9 @@
 # fused loss with the MLPs' product recomputed: llama_ours_fused_recompute;
 # the fused loss in a CUDA graph: llama_ours_fused_graph; the fused loss
 # with attention on SDPA's flash or cuDNN kernel alone:
-# llama_ours_fused_sdpa_flash, llama_ours_fused_sdpa_cudnn), LowLevelZero bf16
+# llama_ours_fused_sdpa_flash, llama_ours_fused_sdpa_cudnn; the fused loss
+# with autocast casting each linear's input itself, as before shared casts:
+# llama_ours_fused_cast_each), LowLevelZero bf16
 # (fused loss); transformers' LlamaForCausalLM with
 # AdamW(fused=True).
 # --compile adds one torch.compile run (fused AdamW) after the rounds, of
@@ -253,6 +255,7 @@ llama_variants=(
   "llama_ours_fused_adamw|cpp|--optimizer fused_adamw"
   "llama_ours_fused|cpp|--optimizer fused_adamw --loss fused"
   "llama_ours_fused_recompute|cpp|--optimizer fused_adamw --loss fused --recompute-mlp on"
+  "llama_ours_fused_cast_each|cpp|--optimizer fused_adamw --loss fused --shared-casts off"
   "llama_ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
   "llama_ours_fused_graph|cpp|--optimizer fused_adamw --loss fused --cuda-graph on"
   "llama_ours_fused_sdpa_flash|cpp|--optimizer fused_adamw --loss fused --sdpa flash"

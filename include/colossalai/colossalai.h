@@ -3,6 +3,7 @@
 /// Umbrella header: the whole public API.
 
 #include <colossalai/amp/grad_scaler.h>
+#include <colossalai/amp/shared_cast.h>
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/graphed_step.h>
 #include <colossalai/booster/mixed_precision/bf16.h>

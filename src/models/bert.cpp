@@ -226,8 +226,9 @@ at::Tensor BertSelfAttentionImpl::forward(
     const at::Tensor& x,
     const at::Tensor& mask) {
   const int64_t b = x.size(0);
-  // One shared input for q, k and v: one gradient sum over tp, not three.
-  auto xin = query->prepare_input(x);
+  // One shared input for q, k and v: one gradient sum over tp, not three,
+  // and under autocast one cast kept, not three.
+  const auto xin = query->prepare_shared_input(x);
   auto q = query->forward_prepared(xin);
   const int64_t t = q.size(1); // the whole sequence under split_gather
   q = q.view({b, t, -1, head_dim_}).transpose(1, 2);

@@ -207,8 +207,9 @@ at::Tensor LlamaAttentionImpl::forward(
   const auto& st = *state_;
   const int64_t d = config_.resolved_head_dim();
   const int64_t b = x.size(0);
-  // One shared input for q, k and v: one gradient sum over tp, not three.
-  auto xin = q_proj->prepare_input(x);
+  // One shared input for q, k and v: one gradient sum over tp, not three,
+  // and under autocast one cast kept, not three.
+  const auto xin = q_proj->prepare_shared_input(x);
   auto q = q_proj->forward_prepared(xin);
   const int64_t t = q.size(1); // whole sequence under split_gather
   q = q.view({b, t, -1, d});

@@ -73,7 +73,8 @@ inline at::Tensor gelu_projected(
 }
 
 /// down(silu(gate(x)) * up(x)), LLaMA's MLP and the experts': gate and up
-/// share one prepared input (one gradient sum over tp, as q, k and v).
+/// share one prepared input (one gradient sum over tp, and under autocast
+/// one cast kept, as q, k and v).
 /// With `recompute` and a plain down projection the product is formed
 /// again in backward instead of kept (kernels::silu_mul_linear).
 inline at::Tensor swiglu(
@@ -82,7 +83,7 @@ inline at::Tensor swiglu(
     shardformer::layer::Linear1D_RowImpl& down,
     const at::Tensor& x,
     bool recompute = false) {
-  auto xin = gate.prepare_input(x);
+  const auto xin = gate.prepare_shared_input(x);
   auto g = gate.forward_prepared(xin);
   auto u = up.forward_prepared(xin);
   if (recompute && down.plain()) {

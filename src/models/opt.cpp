@@ -107,8 +107,9 @@ OPTAttentionImpl::OPTAttentionImpl(
 at::Tensor OPTAttentionImpl::forward(
     const at::Tensor& x,
     const at::Tensor& mask) {
-  // One shared input for q, k and v: one gradient sum over tp, not three.
-  auto xin = q_proj->prepare_input(x);
+  // One shared input for q, k and v: one gradient sum over tp, not three,
+  // and under autocast one cast kept, not three.
+  const auto xin = q_proj->prepare_shared_input(x);
   auto q = q_proj->forward_prepared(xin);
   const int64_t b = q.size(0);
   const int64_t t = q.size(1); // whole sequence under split_gather

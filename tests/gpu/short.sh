@@ -43,7 +43,7 @@ case "$stage" in
     rounds=${3:-3}
     PYTHON=python3 BUILD_DIR=build-gpu timeout -k 10 540 bench/gpu/run.sh --out-dir "$dir" \
       --rounds "$rounds" --steps 10 --llama-rounds 1 \
-      --only '^(ops|ours_zero1_bf16|ours_zero1_bf16_graph|ours_fused|torch|torch_fused|llama_ours_fused|llama_ours_fused_recompute|llama_ours_fused_graph|llama_ours_fused_sdpa_cudnn|llama_ours_zero1_bf16|llama_torch_fused|profile_ours_zero1_bf16|profile_llama_ours_fused)$' \
+      --only '^(ops|ours_zero1_bf16|ours_zero1_bf16_graph|ours_fused|torch|torch_fused|llama_ours_fused|llama_ours_fused_recompute|llama_ours_fused_cast_each|llama_ours_fused_graph|llama_ours_fused_sdpa_cudnn|llama_ours_zero1_bf16|llama_torch_fused|profile_ours_zero1_bf16|profile_llama_ours_fused)$' \
       > "$dir/bench-gpu.log" 2>&1
     rc=$?
     # A run stopped by the time box leaves its results without a report.

@@ -325,7 +325,25 @@ at::Tensor Linear1D_ColImpl::prepare_input(const at::Tensor& input) const {
                                 : cdf::copy_to_group(input, group);
 }
 
+amp::SharedCast Linear1D_ColImpl::prepare_shared_input(
+    const at::Tensor& input) const {
+  return amp::SharedCast(prepare_input(input));
+}
+
+at::Tensor Linear1D_ColImpl::forward_prepared(const amp::SharedCast& prepared) {
+  const bool own_way =
+      quantized != nullptr || (options.seq_parallel() && options.ring());
+  return forward_prepared(
+      own_way ? prepared.input() : prepared.get(), prepared.input());
+}
+
 at::Tensor Linear1D_ColImpl::forward_prepared(const at::Tensor& prepared) {
+  return forward_prepared(prepared, prepared);
+}
+
+at::Tensor Linear1D_ColImpl::forward_prepared(
+    const at::Tensor& prepared,
+    const at::Tensor& adapter_input) {
   at::Tensor y;
   if (options.seq_parallel() && options.ring()) {
     y = detail::ring_gather_matmul(
@@ -335,7 +353,7 @@ at::Tensor Linear1D_ColImpl::forward_prepared(const at::Tensor& prepared) {
     y = apply_linear(prepared, weight, bias, options, quantized.get());
   }
   if (output_adapter) {
-    y = y + output_adapter(prepared);
+    y = y + output_adapter(adapter_input);
   }
   return options.gather_output() ? cdf::gather_along_dim(y, -1, group) : y;
 }

@@ -17,6 +17,7 @@
 ///   auto c_fc = Linear1D_ColImpl::from_full(conv_weight.t(), conv_bias, tp);
 /// \endcode
 
+#include <colossalai/amp/shared_cast.h>
 #include <colossalai/distributed/process_group.h>
 #include <colossalai/shardformer/layer/parallel_module.h>
 
@@ -98,6 +99,18 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
   /// \endcode
   at::Tensor prepare_input(const at::Tensor& input) const;
   at::Tensor forward_prepared(const at::Tensor& prepared);
+  /// prepare_input for the layers that share it, cast once under autocast
+  /// (amp::SharedCast: one 16-bit copy kept for all of them, not one each).
+  /// \code
+  ///   const auto xin = q_proj->prepare_shared_input(x);
+  ///   auto q = q_proj->forward_prepared(xin), k = k_proj->forward_prepared(xin);
+  /// \endcode
+  amp::SharedCast prepare_shared_input(const at::Tensor& input) const;
+  /// forward_prepared of a shared input: the matmul reads the shared cast,
+  /// except where it reads the input its own way (a quantized weight's
+  /// compute dtype; a ring layer's gather); an adapter reads the input
+  /// (its dropout draws from the input's dtype).
+  at::Tensor forward_prepared(const amp::SharedCast& prepared);
 
   /// Shards this whole layer in place over `group` (see ParallelModule).
   void shard_(const distributed::ProcessGroupPtr& group) override;
@@ -150,6 +163,12 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
   distributed::ProcessGroupPtr group;
   /// The quantized weight's state (null: full precision).
   std::shared_ptr<quantization::QuantizedWeight> quantized;
+
+ private:
+  // The matmul reads `prepared`, the adapter `adapter_input`.
+  at::Tensor forward_prepared(
+      const at::Tensor& prepared,
+      const at::Tensor& adapter_input);
 };
 TORCH_MODULE(Linear1D_Col);
 

@@ -20,8 +20,6 @@ namespace sl = shardformer::layer;
 
 using checkpoint_io::StateDict;
 
-constexpr const char* kName = "HybridParallelPlugin";
-
 bool tp_active(const HybridState& s) {
   return s.tp != nullptr && s.tp->size() > 1;
 }
