@@ -2600,14 +2600,35 @@ void expect_shared_casts_change_nothing(Model& model, int64_t vocab, int fewer) 
   EXPECT_EQ(each.casts - shared.casts, fewer);
 }
 
+// LoRA adapters on every projection that reads the attention's and the
+// MLP's input, their B nonzero so that A's gradient is too.
+std::shared_ptr<colossalai::lora::LoraModel> lora_on_inputs(
+    colossalai::models::LlamaForCausalLM& llama,
+    double dropout) {
+  namespace cl = colossalai::lora;
+  auto lora = std::make_shared<cl::LoraModel>(
+      llama.ptr(),
+      cl::LoraConfig().r(4).lora_alpha(8).lora_dropout(dropout).target_modules(
+          {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}));
+  torch::NoGradGuard no_grad;
+  for (const auto& p : llama->named_parameters()) {
+    if (p.key().find("lora_B") != std::string::npos) {
+      p.value().normal_(0, 0.1);
+    }
+  }
+  llama->train();
+  return lora;
+}
+
 // LLaMA (q, k and v share one cast, gate and up another: 3 fewer per
-// layer), with qkv biases, and OPT (2 fewer per layer). Under LoRA (with
-// dropout) the adapters read the input as before and the base layers the
-// shared cast; quantized layers (NF4, LLM.int8) read the input in their
-// own compute dtype and the cast is never made.
+// layer), with qkv biases, and OPT (2 fewer per layer). LoRA adapters
+// without dropout read the shared cast too (8 fewer per layer: the
+// adapters' 5 casts as well); with dropout they read the input as before
+// (3 fewer). Quantized layers (NF4, LLM.int8) read the input in their own
+// compute dtype: alone the cast is never made (0 fewer), under adapters
+// without dropout the adapters share it (3 fewer).
 TEST(Kernels, SharedAutocastCastsTrainBitForBit) {
   namespace models = colossalai::models;
-  namespace cl = colossalai::lora;
   namespace q = colossalai::quantization;
   torch::manual_seed(32);
   auto config = models::LlamaConfig::tiny_test();
@@ -2629,34 +2650,28 @@ TEST(Kernels, SharedAutocastCastsTrainBitForBit) {
     expect_shared_casts_change_nothing(
         opt, opt_config.vocab_size(), 2 * static_cast<int>(opt_config.num_hidden_layers()));
   }
-  {
-    SCOPED_TRACE("llama, LoRA with dropout");
+  for (const double dropout : {0.0, 0.25}) {
+    SCOPED_TRACE("llama, LoRA with dropout " + std::to_string(dropout));
     models::LlamaForCausalLM llama(config);
-    cl::LoraModel lora(
-        llama.ptr(),
-        cl::LoraConfig().r(4).lora_alpha(8).lora_dropout(0.25).target_modules(
-            {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}));
-    {
-      torch::NoGradGuard no_grad;
-      for (const auto& p : llama->named_parameters()) {
-        if (p.key().find("lora_B") != std::string::npos) {
-          p.value().normal_(0, 0.1); // A's gradient nonzero too
-        }
-      }
-    }
-    llama->train();
-    expect_shared_casts_change_nothing(llama, config.vocab_size(), 3 * layers);
+    const auto lora = lora_on_inputs(llama, dropout);
+    expect_shared_casts_change_nothing(llama, config.vocab_size(), (dropout == 0 ? 8 : 3) * layers);
   }
-  for (const auto& qc :
-       {q::BnbQuantizationConfig()
-            .load_in_4bit(true)
-            .bnb_4bit_quant_type("nf4")
-            .bnb_4bit_compute_dtype(at::kFloat),
-        q::BnbQuantizationConfig().load_in_8bit(true)}) {
-    SCOPED_TRACE(qc.load_in_4bit() ? "llama, NF4" : "llama, LLM.int8");
-    models::LlamaForCausalLM llama(config);
-    q::quantize_model(*llama, qc);
-    expect_shared_casts_change_nothing(llama, config.vocab_size(), 0);
+  for (const bool adapters : {false, true}) {
+    for (const auto& qc :
+         {q::BnbQuantizationConfig()
+              .load_in_4bit(true)
+              .bnb_4bit_quant_type("nf4")
+              .bnb_4bit_compute_dtype(at::kFloat),
+          q::BnbQuantizationConfig().load_in_8bit(true)}) {
+      SCOPED_TRACE(std::string(qc.load_in_4bit() ? "llama, NF4" : "llama, LLM.int8") + (adapters ? ", LoRA" : ""));
+      models::LlamaForCausalLM llama(config);
+      q::quantize_model(*llama, qc);
+      std::shared_ptr<colossalai::lora::LoraModel> lora;
+      if (adapters) {
+        lora = lora_on_inputs(llama, 0.0);
+      }
+      expect_shared_casts_change_nothing(llama, config.vocab_size(), adapters ? 3 * layers : 0);
+    }
   }
 }
 

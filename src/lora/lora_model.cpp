@@ -180,6 +180,7 @@ void LoraModel::attach() {
             : x;
         return at::linear(at::linear(h, l->A), l->B) * l->scaling;
       };
+      l->parallel->output_adapter_takes_cast = l->dropout == 0;
     }
   }
   refresh();
@@ -227,6 +228,7 @@ void LoraModel::merge() {
       l->base.add_(l->delta());
       if (l->parallel != nullptr) {
         l->parallel->output_adapter = nullptr;
+        l->parallel->output_adapter_takes_cast = false;
       }
     }
   }

@@ -331,29 +331,35 @@ amp::SharedCast Linear1D_ColImpl::prepare_shared_input(
 }
 
 at::Tensor Linear1D_ColImpl::forward_prepared(const amp::SharedCast& prepared) {
-  const bool own_way =
-      quantized != nullptr || (options.seq_parallel() && options.ring());
-  return forward_prepared(
-      own_way ? prepared.input() : prepared.get(), prepared.input());
+  return forward_prepared(prepared.input(), &prepared);
 }
 
 at::Tensor Linear1D_ColImpl::forward_prepared(const at::Tensor& prepared) {
-  return forward_prepared(prepared, prepared);
+  return forward_prepared(prepared, nullptr);
 }
 
 at::Tensor Linear1D_ColImpl::forward_prepared(
     const at::Tensor& prepared,
-    const at::Tensor& adapter_input) {
+    const amp::SharedCast* shared) {
   at::Tensor y;
   if (options.seq_parallel() && options.ring()) {
     y = detail::ring_gather_matmul(
         prepared, weight_io(weight, options), options.seq_dim(), group);
     y = bias.defined() ? y + bias : y;
   } else {
-    y = apply_linear(prepared, weight, bias, options, quantized.get());
+    // A quantized weight casts the input to its compute dtype itself.
+    const bool cast = shared != nullptr && quantized == nullptr;
+    y = apply_linear(
+        cast ? shared->get() : prepared,
+        weight,
+        bias,
+        options,
+        quantized.get());
   }
   if (output_adapter) {
-    y = y + output_adapter(adapter_input);
+    const bool cast = shared != nullptr && output_adapter_takes_cast &&
+        !(options.seq_parallel() && options.ring());
+    y = y + output_adapter(cast ? shared->get() : prepared);
   }
   return options.gather_output() ? cdf::gather_along_dim(y, -1, group) : y;
 }

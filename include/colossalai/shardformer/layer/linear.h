@@ -108,8 +108,9 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
   amp::SharedCast prepare_shared_input(const at::Tensor& input) const;
   /// forward_prepared of a shared input: the matmul reads the shared cast,
   /// except where it reads the input its own way (a quantized weight's
-  /// compute dtype; a ring layer's gather); an adapter reads the input
-  /// (its dropout draws from the input's dtype).
+  /// compute dtype; a ring layer's gather); an adapter reads it where
+  /// output_adapter_takes_cast (LoRA without dropout; a dropout draws from
+  /// the input as it is).
   at::Tensor forward_prepared(const amp::SharedCast& prepared);
 
   /// Shards this whole layer in place over `group` (see ParallelModule).
@@ -165,10 +166,11 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
   std::shared_ptr<quantization::QuantizedWeight> quantized;
 
  private:
-  // The matmul reads `prepared`, the adapter `adapter_input`.
+  // `shared`: prepared's shared cast (or null), read by the matmul and the
+  // adapter where they can, each where its own cast would have been made.
   at::Tensor forward_prepared(
       const at::Tensor& prepared,
-      const at::Tensor& adapter_input);
+      const amp::SharedCast* shared);
 };
 TORCH_MODULE(Linear1D_Col);
 

@@ -100,6 +100,10 @@ class ParallelModule {
   /// given the layer's input, its result is added to the output. Empty:
   /// none.
   std::function<at::Tensor(const at::Tensor& input)> output_adapter;
+  /// Whether output_adapter's first use of its input is a matmul (LoRA
+  /// without dropout), so that under autocast it may read the input's
+  /// shared cast (amp::SharedCast) in place of the input.
+  bool output_adapter_takes_cast = false;
 };
 
 namespace detail {
