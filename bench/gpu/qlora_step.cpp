@@ -15,11 +15,15 @@
 //       [--layers N] [--seq 2048] [--batch 4] [--r 16] [--alpha 32]
 //       [--checkpointing 1] [--steps 10] [--warmup 2] [--split-steps 3]
 //       [--matmul-n 8192] [--generate 32] [--device cuda|cpu] [--out FILE.json]
+//       [--shared-casts on|off]
 //
 // --generate N then times greedy generation of N tokens after a 16-token
 // prompt (batch 1, KV cache, bf16 autocast) with the few-row products on
 // the packed weight (gemv_max_rows 4) and with dequantize + matmul (0),
 // alternating, two runs each: ms per token (prefill included); 0: none.
+// --shared-casts off: under autocast each adapter casts its float32 input
+// itself, instead of the adapters reading one input sharing one cast
+// (amp::SharedCast; the default). The same results either way.
 
 #include <colossalai/colossalai.h>
 
@@ -63,6 +67,7 @@ struct Args {
   int steps = 10, warmup = 2, split_steps = 3;
   int64_t matmul_n = 8192;
   int64_t generate = 32;
+  bool shared_casts = true;
 };
 
 Args parse(int argc, char** argv) {
@@ -85,6 +90,10 @@ Args parse(int argc, char** argv) {
     else if (k == "--generate") a.generate = std::stoll(v);
     else if (k == "--device") a.device = v;
     else if (k == "--out") a.out = v;
+    else if (k == "--shared-casts") {
+      TORCH_CHECK(v == "on" || v == "off", "--shared-casts must be on or off, got ", v);
+      a.shared_casts = v == "on";
+    }
     else TORCH_CHECK(false, "unknown option ", k);
   }
   a.device = cbench::resolve_device(a.device);
@@ -97,6 +106,7 @@ using cbench::numel;
 
 int run(const Args& a) {
   const at::Device dev(a.device);
+  colossalai::amp::set_shared_casts(a.shared_casts);
   auto cfg = cbench::llama_workload(a.model).max_position_embeddings(a.seq);
   if (a.layers > 0)
     cfg.num_hidden_layers(a.layers);
@@ -220,7 +230,8 @@ int run(const Args& a) {
     << footprint.data_bytes + footprint.state_bytes << ",\n  \"config\": {\"device\": \"" << a.device << "\", \"batch\": "
     << a.batch << ", \"seq_len\": " << a.seq << ", \"layers\": " << cfg.num_hidden_layers()
     << ", \"r\": " << a.r << ", \"alpha\": " << a.alpha << ", \"checkpointing\": "
-    << (a.checkpointing ? "true" : "false") << ", \"steps\": " << a.steps
+    << (a.checkpointing ? "true" : "false") << ", \"shared_casts\": "
+    << (a.shared_casts ? "true" : "false") << ", \"steps\": " << a.steps
     << ", \"warmup\": " << a.warmup << "},\n  \"machine\": " << cbench::machine_json()
     << ",\n  \"matmul\": {\"bf16_flops_median\": " << rate << "},\n  \"flops_per_token\": " << flops
     << ",\n  \"quantize_s\": " << quantize_s << ",\n  \"step_ms\": " << cbench::stats_json(times)
