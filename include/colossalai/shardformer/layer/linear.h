@@ -103,7 +103,8 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
   /// (amp::SharedCast: one 16-bit copy kept for all of them, not one each).
   /// \code
   ///   const auto xin = q_proj->prepare_shared_input(x);
-  ///   auto q = q_proj->forward_prepared(xin), k = k_proj->forward_prepared(xin);
+  ///   auto q = q_proj->forward_prepared(xin);
+  ///   auto k = k_proj->forward_prepared(xin);
   /// \endcode
   amp::SharedCast prepare_shared_input(const at::Tensor& input) const;
   /// forward_prepared of a shared input: the matmul reads the shared cast,
