@@ -64,7 +64,8 @@
 // --shared-casts off: under autocast every linear casts its input itself
 // (three kept copies of the norm's output for q, k and v) instead of one
 // cast shared by the layers reading it (amp::SharedCast; the default). The
-// same results either way; only autocast's LLaMA and OPT layers differ.
+// same results either way; here only the LLaMA models differ (GPT-2's q, k
+// and v are one linear, and so are its MLP's first).
 //
 // Builds against a CPU LibTorch as well (for a smoke test with
 // --device cpu --model gpt-small-cpu); device memory statistics need CUDA.
