@@ -341,25 +341,28 @@ at::Tensor Linear1D_ColImpl::forward_prepared(const at::Tensor& prepared) {
 at::Tensor Linear1D_ColImpl::forward_prepared(
     const at::Tensor& prepared,
     const amp::SharedCast* shared) {
+  // A ring layer gathers `prepared` inside its matmul: no shared cast.
+  const bool ring = options.seq_parallel() && options.ring();
+  const amp::SharedCast* cast = ring ? nullptr : shared;
   at::Tensor y;
-  if (options.seq_parallel() && options.ring()) {
+  if (ring) {
     y = detail::ring_gather_matmul(
         prepared, weight_io(weight, options), options.seq_dim(), group);
     y = bias.defined() ? y + bias : y;
   } else {
     // A quantized weight casts the input to its compute dtype itself.
-    const bool cast = shared != nullptr && quantized == nullptr;
     y = apply_linear(
-        cast ? shared->get() : prepared,
+        cast != nullptr && quantized == nullptr ? cast->get() : prepared,
         weight,
         bias,
         options,
         quantized.get());
   }
   if (output_adapter) {
-    const bool cast = shared != nullptr && output_adapter_takes_cast &&
-        !(options.seq_parallel() && options.ring());
-    y = y + output_adapter(cast ? shared->get() : prepared);
+    y = y +
+        output_adapter(
+            cast != nullptr && output_adapter_takes_cast ? cast->get()
+                                                         : prepared);
   }
   return options.gather_output() ? cdf::gather_along_dim(y, -1, group) : y;
 }
