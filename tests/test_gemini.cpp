@@ -460,6 +460,11 @@ struct GeminiRun {
   // Units whose device parameter shards each step refreshed during
   // HybridAdam's host update (NOTE [Publishing during the host step]).
   std::vector<int64_t> published;
+  // Units each step updated during its backward (NOTE [Host steps overlap
+  // the backward]), and whether HybridAdam held such updates when the
+  // backward returned.
+  std::vector<int64_t> ahead;
+  std::vector<bool> ahead_after_backward;
 };
 
 // AdamW, or with `hybrid` HybridAdam (the same update in its own kernel).
@@ -493,9 +498,17 @@ GeminiRun train(
     boosted.optimizer->zero_grad();
     booster.backward(
         zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+    if (hybrid) {
+      run.ahead_after_backward.push_back(
+          static_cast<colossalai::nn::optimizer::HybridAdam&>(*optimizer)
+              .stepped_ahead());
+    }
     boosted.optimizer->step();
     run.steps.push_back(m->placement_stats());
     run.published.push_back(sharded->groups_published_during_step());
+    run.ahead.push_back(
+        dynamic_cast<cz::FullyShardedOptimizer&>(*sharded)
+            .units_stepped_ahead());
   }
   run.memory = m->memory_stats();
   run.unit_numels = m->unit_numels();
@@ -633,6 +646,133 @@ TEST(GeminiPlugin, HostChunksRefreshDuringHybridAdamsStep) {
         host.steps[2].host_to_device - host.steps[1].host_to_device,
         host.memory.shards);
     expect_same_weights(host, device, "host against device chunks", true);
+  });
+}
+
+TEST(GeminiPlugin, OverlapHostStepUpdatesHostChunksDuringTheBackward) {
+  // Half the chunks' fp32 shards on the host: with overlap_host_step
+  // HybridAdam updates each of them during the backward, as soon as its
+  // reduced gradient is on the host (NOTE [Host steps overlap the
+  // backward]), and step() the device's. The weights equal the same
+  // training without it bit for bit (the same arithmetic on the same
+  // values; the tiers are the same in both), in fp32 and in bf16 (bf16
+  // gradient shards, device parameter shards refreshed by the overlapped
+  // upload), and the bytes uploaded are the same.
+  run_distributed(2, [](int, int) {
+    const int rank = colossalai::distributed::world_group()->rank();
+    for (const std::string precision : {"fp32", "bf16"}) {
+      const auto base =
+          chunked(4000).precision(precision).offload_optim_frac(0.5);
+      auto plain = train(base, tiny(), rank, 3, 4, true);
+      auto overlapped = train(
+          GO(base).overlap_host_step(true), tiny(), rank, 3, 4, true);
+      const auto units = static_cast<int64_t>(plain.unit_numels.size());
+      ASSERT_GT(units, 2) << precision;
+      for (size_t s = 0; s < plain.steps.size(); ++s) {
+        EXPECT_EQ(plain.ahead[s], 0) << precision << " step " << s;
+        EXPECT_FALSE(plain.ahead_after_backward[s]);
+        // The host chunks (about half of them), every step.
+        EXPECT_GT(overlapped.ahead[s], 0) << precision << " step " << s;
+        EXPECT_LT(overlapped.ahead[s], units) << precision << " step " << s;
+        EXPECT_EQ(overlapped.ahead[s], overlapped.ahead[0]) << precision;
+        EXPECT_TRUE(overlapped.ahead_after_backward[s]);
+        EXPECT_EQ(
+            overlapped.steps[s].host_to_device, plain.steps[s].host_to_device)
+            << precision << " step " << s;
+      }
+      expect_same_weights(plain, overlapped, precision + " overlapped");
+    }
+    // Every chunk on the device: nothing to take ahead, nothing changes.
+    auto device = train(
+        chunked(4000).overlap_host_step(true), tiny(), rank, 2, 4, true);
+    for (auto n : device.ahead) {
+      EXPECT_EQ(n, 0);
+    }
+    // Every chunk on the host: each is taken ahead.
+    auto host = train(
+        chunked(4000).offload_optim_frac(1.0).overlap_host_step(true),
+        tiny(),
+        rank,
+        2,
+        4,
+        true);
+    for (auto n : host.ahead) {
+      EXPECT_EQ(n, static_cast<int64_t>(host.unit_numels.size()));
+    }
+  });
+}
+
+TEST(GeminiPlugin, OverlapHostStepRefusesWhatItCannotServe) {
+  run_distributed(1, [](int, int) {
+    const auto base =
+        chunked(4000).offload_optim_frac(0.5).overlap_host_step(true);
+    // Options that need every gradient before any update, or several
+    // backwards per step.
+    for (const auto& c : std::vector<std::pair<GO, std::string>>{
+             {GO(base).max_norm(1.0), "max_norm"},
+             {GO(base).enable_gradient_accumulation(true),
+              "enable_gradient_accumulation"}}) {
+      auto msg = error_of([&] { cb::plugin::GeminiPlugin plugin(c.first); });
+      EXPECT_NE(msg.find("overlap_host_step"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(c.second), std::string::npos) << msg;
+    }
+    // Another optimizer than HybridAdam.
+    {
+      auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(base);
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      zoo::GPT model(tiny());
+      auto adamw = std::make_shared<torch::optim::AdamW>(
+          model->parameters(), torch::optim::AdamWOptions(1e-3));
+      auto msg = error_of([&] { booster.boost(model, adamw); });
+      EXPECT_NE(msg.find("HybridAdam"), std::string::npos) << msg;
+    }
+    // What a loop may do between the backward and step(), each on a fresh
+    // run: the host chunks were already updated with the gradients and the
+    // options as they were, so each is refused by name.
+    using colossalai::nn::optimizer::HybridAdam;
+    auto between = [&](const std::string& expect, auto&& act) {
+      auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(base);
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      torch::manual_seed(0);
+      zoo::GPT model(tiny());
+      auto hybrid = std::make_shared<HybridAdam>(
+          model->parameters(),
+          colossalai::nn::optimizer::HybridAdamOptions(1e-3));
+      auto boosted = booster.boost(model, hybrid);
+      auto b = zoo::random_tokens(2, tiny(), 0);
+      boosted.optimizer->zero_grad();
+      booster.backward(
+          zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+      ASSERT_TRUE(hybrid->stepped_ahead());
+      auto msg = error_of([&] { act(booster, boosted, *hybrid, b); });
+      if (expect.empty()) {
+        EXPECT_EQ(msg, "");
+      } else {
+        EXPECT_NE(msg.find(expect), std::string::npos) << expect << ": " << msg;
+      }
+    };
+    between("second backward", [](auto& booster, auto& boosted, auto&, auto& b) {
+      booster.backward(
+          zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+    });
+    between("changed between", [](auto&, auto& boosted, auto& hybrid, auto&) {
+      hybrid.param_groups()[0].options().set_lr(0.5);
+      boosted.optimizer->step();
+    });
+    between("zero_grad", [](auto&, auto& boosted, auto&, auto&) {
+      boosted.optimizer->zero_grad();
+    });
+    between("clip_grad_by_norm", [](auto&, auto& boosted, auto&, auto&) {
+      boosted.optimizer->clip_grad_by_norm(1.0);
+    });
+    // Without any of that the step goes through, and the next one too.
+    between("", [](auto& booster, auto& boosted, auto&, auto& b) {
+      boosted.optimizer->step();
+      boosted.optimizer->zero_grad();
+      booster.backward(
+          zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+      boosted.optimizer->step();
+    });
   });
 }
 

@@ -68,11 +68,71 @@ void release_freed_host_memory() {
 #endif
 }
 
+struct StreamPoint::Event {
+#ifdef COLOSSALAI_WITH_CUDA
+  at::cuda::CUDAEvent event;
+#endif
+};
+
+StreamPoint StreamPoint::now(const at::Device& device) {
+  StreamPoint p;
+#ifdef COLOSSALAI_WITH_CUDA
+  if (device.is_cuda()) {
+    p.event_ = std::make_shared<Event>();
+    p.event_->event.record(c10::cuda::getCurrentCUDAStream(device.index()));
+  }
+#else
+  (void)device;
+#endif
+  return p;
+}
+
+void StreamPoint::block_current(const at::Device& device) const {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (event_ && device.is_cuda()) {
+    event_->event.block(c10::cuda::getCurrentCUDAStream(device.index()));
+  }
+#else
+  (void)device;
+#endif
+}
+
+void StreamPoint::synchronize() const {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (event_) {
+    event_->event.synchronize();
+  }
+#endif
+}
+
+StreamPoint upload_after(
+    const StreamPoint& after,
+    const at::Tensor& dst,
+    const at::Tensor& src) {
+#ifdef COLOSSALAI_WITH_CUDA
+  if (dst.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(dst.device());
+    const auto side = c10::cuda::getStreamFromPool(
+        /*isHighPriority=*/false, dst.device().index());
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    if (after.event_) {
+      after.event_->event.block(side);
+    }
+    // Temporaries come from and return to the side stream's pool.
+    dst.copy_(to_device(src, dst.device(), dst.scalar_type()));
+    return StreamPoint::now(dst.device());
+  }
+#endif
+  (void)after;
+  dst.copy_(src);
+  return StreamPoint();
+}
+
 // NOTE [Offload copies overlap the backward]
 struct HostCopies::Impl {
 #ifdef COLOSSALAI_WITH_CUDA
   c10::optional<c10::cuda::CUDAStream> side;
-  c10::optional<at::cuda::CUDAEvent> last; // the side stream's latest copy
+  StreamPoint last; // the side stream's latest copy
 #endif
 };
 
@@ -102,10 +162,9 @@ void HostCopies::copy(const at::Tensor& dst, const at::Tensor& src) {
     {
       const c10::cuda::CUDAStreamGuard on_side(*impl_->side);
       dst.copy_(s, /*non_blocking=*/true);
+      impl_->last = StreamPoint::now(src.device()); // on the side stream
     }
     s.record_stream(*impl_->side);
-    impl_->last.emplace();
-    impl_->last->record(*impl_->side);
     return;
   }
 #endif
@@ -114,10 +173,16 @@ void HostCopies::copy(const at::Tensor& dst, const at::Tensor& src) {
 
 void HostCopies::wait() {
 #ifdef COLOSSALAI_WITH_CUDA
-  if (impl_->last) {
-    impl_->last->synchronize();
-    impl_->last.reset();
-  }
+  impl_->last.synchronize();
+  impl_->last = StreamPoint();
+#endif
+}
+
+StreamPoint HostCopies::landed() const {
+#ifdef COLOSSALAI_WITH_CUDA
+  return impl_->last;
+#else
+  return StreamPoint();
 #endif
 }
 

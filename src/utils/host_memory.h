@@ -63,6 +63,42 @@ at::Tensor zeros_like_pinned(
 /// first (the sharded optimizers do when their backward finalizes).
 /// Elsewhere (a host source, a pageable destination, a CPU-only build) a
 /// copy is the plain blocking copy_.
+/// A point in a device's work queue (a CUDA event on a stream), or no point
+/// at all: for the host and in builds without CUDA, whose copies are done
+/// when they return. Copyable; every copy names the same point.
+class StreamPoint {
+ public:
+  StreamPoint() = default;
+  /// The work queued so far on `device`'s current stream (of the calling
+  /// thread).
+  static StreamPoint now(const at::Device& device);
+  /// Makes `device`'s current stream wait for the point, without the host
+  /// waiting.
+  void block_current(const at::Device& device) const;
+  /// Blocks the host until the point has run.
+  void synchronize() const;
+
+ private:
+  friend class HostCopies;
+  friend StreamPoint upload_after(
+      const StreamPoint&,
+      const at::Tensor&,
+      const at::Tensor&);
+  struct Event;
+  std::shared_ptr<Event> event_;
+};
+
+/// dst (a device tensor) = src (a host tensor of the offload tier, in any
+/// dtype), from any thread, on a side stream of dst's device that first
+/// waits for `after`: the copy overlaps whatever the device computes
+/// meanwhile. Returns the point at which dst holds the values; src must not
+/// change and dst must not be read before it (block_current). On the host a
+/// plain copy_.
+StreamPoint upload_after(
+    const StreamPoint& after,
+    const at::Tensor& dst,
+    const at::Tensor& src);
+
 class HostCopies {
  public:
   HostCopies();
@@ -74,6 +110,9 @@ class HostCopies {
   void copy(const at::Tensor& dst, const at::Tensor& src);
   /// Blocks until every copy started has landed.
   void wait();
+  /// The point at which every copy started so far has landed (any thread
+  /// may wait for it).
+  StreamPoint landed() const;
 
  private:
   struct Impl;

@@ -212,6 +212,17 @@ struct FullyShardedOptions {
   /// Gemini's tiers (what TorchFSDPPlugin leaves at their defaults): where
   /// each unit's state lives and which units stay gathered.
   TORCH_ARG(PlacementOptions, placement) = {};
+  /// NOTE [Host steps overlap the backward]: each unit whose fp32 shard
+  /// lives on the host (cpu_offload, Gemini's host tier) is updated by
+  /// HybridAdam as soon as its reduced gradient has reached the host, on a
+  /// background thread, and its device parameter shard uploaded on a side
+  /// stream, while the device computes the rest of the backward; step()
+  /// then waits for them and updates the rest. The weights are those of
+  /// the step without it, bit for bit. Needs HybridAdam, no max_norm and
+  /// no fp16 loss scaling (both need every gradient before any update),
+  /// one backward per step (no accumulation over backwards), and the
+  /// learning rate set before the backward (step() refuses a changed one).
+  TORCH_ARG(bool, overlap_host_step) = false;
   /// Modules whose parameters (their sub-modules' included) are neither
   /// sharded nor synchronized, as in PyTorch.
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) =
@@ -348,6 +359,11 @@ class FullyShardedOptimizer : public ShardedOptimizer {
       ShardedOptimizerOptions options = {});
 
   void step() override;
+  /// Units whose host update the last step took ahead, during the backward
+  /// (FullyShardedOptions::overlap_host_step).
+  int64_t units_stepped_ahead() const {
+    return units_stepped_ahead_;
+  }
 
  protected:
   void after_step() override;
@@ -358,7 +374,14 @@ class FullyShardedOptimizer : public ShardedOptimizer {
   void zero_extra_grads(bool set_to_none) override;
 
  private:
+  // FullyShardedOptions::overlap_host_step: checks what it needs and hands
+  // host units to HybridAdam::step_ahead during the backward.
+  void overlap_host_step(const ShardedOptimizerOptions& options);
+  // In step(): waits for those updates and their uploads.
+  void finish_host_steps_ahead();
+
   std::shared_ptr<detail::FsdpState> state_;
+  int64_t units_stepped_ahead_ = 0;
 };
 
 } // namespace zero

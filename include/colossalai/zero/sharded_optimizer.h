@@ -194,6 +194,9 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   void step_optimizer();
   /// One rank holds every shard and no placement spreads the model.
   bool one_rank() const;
+  /// Refuses `what` while host shards were updated ahead of the coming
+  /// step (NOTE [Host steps overlap the backward]).
+  void check_none_stepped_ahead(const char* what) const;
 
   ShardedOptimizerOptions options_;
   std::unique_ptr<amp::DynamicLossScaler> scaler_;

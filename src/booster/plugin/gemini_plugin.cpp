@@ -86,8 +86,27 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
       o.norm_type() == 2.0,
       "GeminiPlugin: only norm_type 2.0 is supported, got ",
       o.norm_type());
+  if (o.overlap_host_step()) {
+    const char* why = o.enable_gradient_accumulation()
+        ? "enable_gradient_accumulation: several backwards add to gradients "
+          "the first one's overlapped step already consumed"
+        : o.max_norm() > 0
+        ? "max_norm: clipping needs the global norm of every gradient "
+          "before any chunk is updated"
+        : dtype == at::kHalf
+        ? "precision fp16: the loss scaler may skip the step, known only "
+          "after the whole backward"
+        : nullptr;
+    TORCH_CHECK(
+        why == nullptr,
+        "GeminiPlugin: overlap_host_step updates host chunks during the "
+        "backward, which cannot serve ",
+        why ? why : "",
+        "; turn one of them off");
+  }
   zero::FullyShardedOptions e;
-  e.param_dtype(dtype).reduce_dtype(dtype);
+  e.param_dtype(dtype).reduce_dtype(dtype).overlap_host_step(
+      o.overlap_host_step());
   zero::PlacementOptions po;
   po.policy(
         autop ? zero::PlacementPolicy::kAuto : zero::PlacementPolicy::kStatic)

@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <string>
+#include <unordered_map>
 
 namespace colossalai {
 namespace nn {
@@ -147,8 +149,151 @@ HybridAdam::HybridAdam(
 HybridAdam::~HybridAdam() = default;
 HybridAdam::HybridAdam(HybridAdam&&) = default;
 
+void HybridAdam::add_item(
+    size_t gi,
+    const torch::Tensor& p,
+    int64_t total_numel,
+    bool counted,
+    Items& items) {
+  const auto& group = param_groups_[gi];
+  const auto* options = dynamic_cast<const HybridAdamOptions*>(&group.options());
+  const torch::Tensor& grad = p.grad();
+  TORCH_CHECK(
+      !grad.is_sparse(), "HybridAdam does not support sparse gradients");
+  TORCH_CHECK(
+      grad.numel() == p.numel() && grad.device() == p.device(),
+      "HybridAdam: a gradient (",
+      grad.numel(),
+      " elements on ",
+      grad.device(),
+      ") does not match its parameter (",
+      p.numel(),
+      " elements on ",
+      p.device(),
+      ")");
+  TORCH_CHECK(
+      p.scalar_type() == at::kFloat,
+      "HybridAdam: parameters must be fp32 (the master copy), got ",
+      p.scalar_type(),
+      "; keep bf16/fp16 weights as working copies (set_working_copy)");
+  const auto gt = grad.scalar_type();
+  TORCH_CHECK(
+      gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf,
+      "HybridAdam: gradients must be fp32, bf16 or fp16, got ",
+      gt);
+  const bool on_cpu = p.is_cpu();
+#ifndef COLOSSALAI_WITH_CUDA
+  TORCH_CHECK(
+      on_cpu,
+      "HybridAdam: parameter on ",
+      p.device(),
+      "; this build updates CPU parameters only");
+#endif
+
+  detail::Record* record =
+      on_cpu ? &impl_->record_for(p, total_numel) : nullptr;
+  const bool offload = record != nullptr && record->offload;
+  const auto key = compat::optimizer_state_key<
+      std::remove_reference_t<decltype(state_)>>(p);
+  auto found = state_.find(key);
+  if (found == state_.end()) {
+    auto fresh = std::make_unique<HybridAdamParamState>();
+    fresh->step(0);
+    found = state_.emplace(key, std::move(fresh)).first;
+    if (offload) {
+      record->on_disk = false; // no files yet: start from zeros
+    }
+  }
+  auto& state = static_cast<HybridAdamParamState&>(*found->second);
+  if (!offload && !state.exp_avg().defined()) {
+    state.exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+    state.exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
+  }
+  state.step(state.step() + 1);
+  if (counted) {
+    impl_->stepped.push_back(p);
+  }
+
+  torch::Tensor working;
+  auto w = impl_->working.find(p.unsafeGetTensorImpl());
+  if (w != impl_->working.end()) {
+    working = w->second;
+  }
+
+#ifdef COLOSSALAI_WITH_CUDA
+  if (!on_cpu) {
+    detail::DeviceItem it;
+    it.param = p;
+    it.grad = grad; // 16-bit ones converted as the update goes
+    it.working = working;
+    it.state = &state;
+    it.scalars = make_scalars(*options, state.step());
+    it.options = options;
+    items.device.push_back(std::move(it));
+    return;
+  }
+#endif
+  detail::CpuItem it;
+  if (p.is_contiguous()) {
+    it.param = p;
+  } else {
+    it.param = p.contiguous();
+    it.target = p;
+  }
+  it.grad = grad.contiguous();
+  it.working = working;
+  it.state = &state;
+  it.record = record;
+  it.scalars = make_scalars(*options, state.step());
+  if (offload) {
+    items.offloaded.push_back(std::move(it));
+  } else {
+    state.exp_avg(detail::as_kernel_state(state.exp_avg(), p.numel()));
+    state.exp_avg_sq(detail::as_kernel_state(state.exp_avg_sq(), p.numel()));
+    items.resident.push_back(std::move(it));
+  }
+}
+
+int64_t HybridAdam::total_numel() const {
+  int64_t n = 0;
+  if (impl_->fraction > 0) {
+    for (const auto& group : param_groups_) {
+      for (const auto& p : group.params()) {
+        n += p.numel();
+      }
+    }
+  }
+  return n;
+}
+
+const HybridAdamOptions& HybridAdam::checked_options(size_t gi) const {
+  const auto* options =
+      dynamic_cast<const HybridAdamOptions*>(&param_groups_[gi].options());
+  TORCH_CHECK(
+      options != nullptr, group_where(gi), "options must be HybridAdamOptions");
+  check_options(*options, group_where(gi));
+  return *options;
+}
+
 torch::Tensor HybridAdam::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
+  // Updates queued ahead (NOTE [Host steps overlap the backward]) are part
+  // of this step: they finish first, with this step's options.
+  wait_ahead();
+  auto ahead = std::move(impl_->ahead);
+  auto ahead_options = std::move(impl_->ahead_options);
+  impl_->ahead.clear();
+  impl_->ahead_options.clear();
+  for (const auto& kv : ahead_options) {
+    TORCH_CHECK(
+        kv.first < param_groups_.size() &&
+            checked_options(kv.first) == *kv.second,
+        group_where(kv.first),
+        "its options (lr, betas, eps, weight_decay, ...) changed between "
+        "the backward and step(), after some of its host parameters were "
+        "updated ahead with the old ones (step_ahead; a plugin's "
+        "overlap_host_step): set them before the backward");
+  }
   torch::Tensor loss;
   if (closure != nullptr) {
     at::AutoGradMode enable_grad(true);
@@ -160,133 +305,23 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
   const torch::Tensor found_inf = std::move(impl_->found_inf);
   impl_->found_inf = torch::Tensor();
   impl_->stepped.clear();
+  TORCH_CHECK(
+      !found_inf.defined() || ahead.empty(),
+      "HybridAdam: a loss scaler's verdict for a step whose host parameters "
+      "were partly updated ahead (step_ahead): a step that may be skipped "
+      "cannot be taken ahead");
   if (found_inf.defined() && found_inf.is_cpu() &&
       *found_inf.to(at::kFloat).data_ptr<float>() != 0.0f) {
     return loss;
   }
 
-  int64_t total_numel = 0;
-  if (impl_->fraction > 0) {
-    for (const auto& group : param_groups_) {
-      for (const auto& p : group.params()) {
-        total_numel += p.numel();
-      }
-    }
-  }
-
-  std::vector<detail::CpuItem> resident;
-  std::vector<detail::CpuItem> offloaded;
-#ifdef COLOSSALAI_WITH_CUDA
-  std::vector<detail::DeviceItem> device_items;
-#endif
+  const int64_t numel = total_numel();
+  Items items;
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
-    auto& group = param_groups_[gi];
-    const auto* options =
-        dynamic_cast<const HybridAdamOptions*>(&group.options());
-    TORCH_CHECK(
-        options != nullptr,
-        group_where(gi),
-        "options must be HybridAdamOptions");
-    check_options(*options, group_where(gi));
-    for (auto& p : group.params()) {
-      torch::Tensor grad = p.grad();
-      if (!grad.defined()) {
-        continue;
-      }
-      TORCH_CHECK(
-          !grad.is_sparse(), "HybridAdam does not support sparse gradients");
-      TORCH_CHECK(
-          grad.numel() == p.numel() && grad.device() == p.device(),
-          "HybridAdam: a gradient (",
-          grad.numel(),
-          " elements on ",
-          grad.device(),
-          ") does not match its parameter (",
-          p.numel(),
-          " elements on ",
-          p.device(),
-          ")");
-      TORCH_CHECK(
-          p.scalar_type() == at::kFloat,
-          "HybridAdam: parameters must be fp32 (the master copy), got ",
-          p.scalar_type(),
-          "; keep bf16/fp16 weights as working copies (set_working_copy)");
-      const auto gt = grad.scalar_type();
-      TORCH_CHECK(
-          gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf,
-          "HybridAdam: gradients must be fp32, bf16 or fp16, got ",
-          gt);
-      const bool on_cpu = p.is_cpu();
-#ifndef COLOSSALAI_WITH_CUDA
-      TORCH_CHECK(
-          on_cpu,
-          "HybridAdam: parameter on ",
-          p.device(),
-          "; this build updates CPU parameters only");
-#endif
-
-      detail::Record* record =
-          on_cpu ? &impl_->record_for(p, total_numel) : nullptr;
-      const bool offload = record != nullptr && record->offload;
-      const auto key = compat::optimizer_state_key<
-          std::remove_reference_t<decltype(state_)>>(p);
-      auto found = state_.find(key);
-      if (found == state_.end()) {
-        auto fresh = std::make_unique<HybridAdamParamState>();
-        fresh->step(0);
-        found = state_.emplace(key, std::move(fresh)).first;
-        if (offload) {
-          record->on_disk = false; // no files yet: start from zeros
-        }
-      }
-      auto& state = static_cast<HybridAdamParamState&>(*found->second);
-      if (!offload && !state.exp_avg().defined()) {
-        state.exp_avg(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-        state.exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Contiguous));
-      }
-      state.step(state.step() + 1);
-      if (found_inf.defined()) {
-        impl_->stepped.push_back(p);
-      }
-
-      torch::Tensor working;
-      auto w = impl_->working.find(p.unsafeGetTensorImpl());
-      if (w != impl_->working.end()) {
-        working = w->second;
-      }
-
-#ifdef COLOSSALAI_WITH_CUDA
-      if (!on_cpu) {
-        detail::DeviceItem it;
-        it.param = p;
-        it.grad = grad; // 16-bit ones converted as the update goes
-        it.working = working;
-        it.state = &state;
-        it.scalars = make_scalars(*options, state.step());
-        it.options = options;
-        device_items.push_back(std::move(it));
-        continue;
-      }
-#endif
-      detail::CpuItem it;
-      if (p.is_contiguous()) {
-        it.param = p;
-      } else {
-        it.param = p.contiguous();
-        it.target = p;
-      }
-      it.grad = grad.contiguous();
-      it.working = working;
-      it.state = &state;
-      it.record = record;
-      it.scalars = make_scalars(*options, state.step());
-      if (offload) {
-        offloaded.push_back(std::move(it));
-      } else {
-        state.exp_avg(detail::as_kernel_state(state.exp_avg(), p.numel()));
-        state.exp_avg_sq(
-            detail::as_kernel_state(state.exp_avg_sq(), p.numel()));
-        resident.push_back(std::move(it));
+    checked_options(gi);
+    for (auto& p : param_groups_[gi].params()) {
+      if (p.grad().defined() && ahead.count(p.unsafeGetTensorImpl()) == 0) {
+        add_item(gi, p, numel, found_inf.defined(), items);
       }
     }
   }
@@ -294,17 +329,108 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
   // while the host updates its parameters (offloaded masters' steps no
   // longer leave the device idle).
 #ifdef COLOSSALAI_WITH_CUDA
-  detail::device_update(device_items, found_inf);
+  detail::device_update(items.device, found_inf);
 #endif
   // Host parameters beside a verdict on a device (skips_step_on_device
   // said no): read it.
   if (found_inf.defined() && !found_inf.is_cpu() &&
-      (!offloaded.empty() || !resident.empty()) &&
+      (!items.offloaded.empty() || !items.resident.empty()) &&
       found_inf.item<float>() != 0.0f) {
     return loss;
   }
-  impl_->run_offloaded(offloaded, resident);
+  impl_->run_offloaded(items.offloaded, items.resident);
   return loss;
+}
+
+size_t HybridAdam::step_ahead(
+    const std::vector<torch::Tensor>& params,
+    std::function<void()> ready,
+    std::function<void()> then) {
+  torch::NoGradGuard no_grad;
+  TORCH_CHECK(
+      !impl_->found_inf.defined(),
+      "HybridAdam::step_ahead: the coming step carries a loss scaler's "
+      "verdict (skip_step_if); a step that may be skipped cannot be taken "
+      "ahead");
+  std::unordered_map<const c10::TensorImpl*, size_t> group_of;
+  for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
+    for (const auto& p : param_groups_[gi].params()) {
+      group_of.emplace(p.unsafeGetTensorImpl(), gi);
+    }
+  }
+  const int64_t numel = total_numel();
+  Items items;
+  for (const auto& p : params) {
+    const auto it = group_of.find(p.unsafeGetTensorImpl());
+    TORCH_CHECK(
+        it != group_of.end(),
+        "HybridAdam::step_ahead: not a parameter of this optimizer");
+    TORCH_CHECK(
+        impl_->ahead.count(p.unsafeGetTensorImpl()) == 0,
+        "HybridAdam::step_ahead: a parameter was already updated ahead of "
+        "this step (a second backward before step()?)");
+    // Left to step(): no gradient, a GPU's, or states kept in files.
+    if (!p.grad().defined() || !p.is_cpu() ||
+        impl_->record_for(p, numel).offload) {
+      continue;
+    }
+    const size_t gi = it->second;
+    const auto& options = checked_options(gi);
+    if (impl_->ahead_options.count(gi) == 0) {
+      impl_->ahead_options.emplace(
+          gi, std::make_unique<HybridAdamOptions>(options));
+    }
+    impl_->ahead.insert(p.unsafeGetTensorImpl());
+    add_item(gi, p, numel, /*counted=*/false, items);
+  }
+  if (items.resident.empty()) {
+    return 0;
+  }
+  if (!impl_->ahead_worker) {
+    impl_->ahead_worker = std::make_unique<detail::SerialWorker>();
+  }
+  const size_t n = items.resident.size();
+  impl_->ahead_jobs.push_back(impl_->ahead_worker->submit(
+      [resident = std::move(items.resident),
+       ready = std::move(ready),
+       then = std::move(then)] {
+        if (ready) {
+          ready();
+        }
+        for (const auto& it : resident) {
+          detail::run_cpu_item(
+              it,
+              it.state->exp_avg().data_ptr<float>(),
+              it.state->exp_avg_sq().data_ptr<float>(),
+              nullptr);
+        }
+        if (then) {
+          then();
+        }
+      }));
+  return n;
+}
+
+void HybridAdam::wait_ahead() {
+  auto jobs = std::move(impl_->ahead_jobs);
+  impl_->ahead_jobs.clear();
+  std::exception_ptr failed;
+  for (auto& f : jobs) {
+    try {
+      f.get(); // every job, even after a failure: none may outlive the step
+    } catch (...) {
+      if (!failed) {
+        failed = std::current_exception();
+      }
+    }
+  }
+  if (failed) {
+    std::rethrow_exception(failed);
+  }
+}
+
+bool HybridAdam::stepped_ahead() const {
+  return !impl_->ahead.empty();
 }
 
 bool HybridAdam::skips_step_on_device() const {

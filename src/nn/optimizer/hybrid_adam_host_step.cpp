@@ -31,10 +31,6 @@ torch::Tensor as_kernel_state(const torch::Tensor& t, int64_t numel) {
   return t.to(at::kCPU, at::kFloat).contiguous();
 }
 
-} // namespace detail
-
-namespace {
-
 void run_cpu_item(
     const detail::CpuItem& it,
     float* exp_avg,
@@ -60,7 +56,7 @@ void run_cpu_item(
   }
 }
 
-} // namespace
+} // namespace detail
 
 // Streams the offloaded parameters' states through the three slots while
 // `rest` (the in-memory parameters) is updated during the first reads.
@@ -70,7 +66,7 @@ void HybridAdam::Impl::run_offloaded(
   const size_t n = items.size();
   if (n == 0) {
     for (auto& it : rest) {
-      run_cpu_item(
+      detail::run_cpu_item(
           it,
           it.state->exp_avg().data_ptr<float>(),
           it.state->exp_avg_sq().data_ptr<float>(),
@@ -153,7 +149,7 @@ void HybridAdam::Impl::run_offloaded(
     submit_load(1);
   }
   for (auto& it : rest) {
-    run_cpu_item(
+    detail::run_cpu_item(
         it,
         it.state->exp_avg().data_ptr<float>(),
         it.state->exp_avg_sq().data_ptr<float>(),
@@ -163,7 +159,7 @@ void HybridAdam::Impl::run_offloaded(
     if (loads[j].valid()) {
       loads[j].get();
     }
-    run_cpu_item(
+    detail::run_cpu_item(
         items[j],
         bufs[j].exp_avg.data_ptr<float>(),
         bufs[j].exp_avg_sq.data_ptr<float>(),

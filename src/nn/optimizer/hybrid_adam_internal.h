@@ -12,10 +12,12 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <memory>
 #include <string>
 #include <system_error>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace colossalai {
@@ -46,6 +48,14 @@ struct CpuItem {
 // A state tensor as the kernel needs it: contiguous fp32 on the CPU.
 torch::Tensor as_kernel_state(const torch::Tensor& t, int64_t numel);
 
+// Updates one host parameter with the given state buffers, then calls
+// `hook` (if any) with the parameter.
+void run_cpu_item(
+    const CpuItem& it,
+    float* exp_avg,
+    float* exp_avg_sq,
+    const std::function<void(const torch::Tensor&)>& hook);
+
 #ifdef COLOSSALAI_WITH_CUDA
 struct DeviceItem {
   torch::Tensor param;
@@ -71,6 +81,16 @@ void device_update(
 
 } // namespace detail
 
+// One step's work: host parameters with states in memory, with states in
+// files, and device parameters.
+struct HybridAdam::Items {
+  std::vector<detail::CpuItem> resident;
+  std::vector<detail::CpuItem> offloaded;
+#ifdef COLOSSALAI_WITH_CUDA
+  std::vector<detail::DeviceItem> device;
+#endif
+};
+
 struct HybridAdam::Impl {
   std::unordered_map<const c10::TensorImpl*, torch::Tensor> working;
   std::function<void(const torch::Tensor&)> host_step_hook;
@@ -90,7 +110,16 @@ struct HybridAdam::Impl {
   std::array<torch::Tensor, 3> slot_exp_avg;
   std::array<torch::Tensor, 3> slot_exp_avg_sq;
 
+  // Updates queued by step_ahead (NOTE [Host steps overlap the backward]):
+  // their parameters, the options each group had then, the jobs.
+  std::unordered_set<const c10::TensorImpl*> ahead;
+  std::unordered_map<size_t, std::unique_ptr<HybridAdamOptions>>
+      ahead_options;
+  std::unique_ptr<detail::SerialWorker> ahead_worker;
+  std::vector<std::future<void>> ahead_jobs;
+
   ~Impl() {
+    ahead_worker.reset(); // finishes queued updates while their states live
     worker.reset(); // finishes pending writes before the files go
     if (!dir.empty()) {
       std::error_code ec;

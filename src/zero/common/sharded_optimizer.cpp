@@ -426,11 +426,24 @@ std::string ShardedOptimizer::sharded_graph_blocker(
   return std::string();
 }
 
+void ShardedOptimizer::check_none_stepped_ahead(const char* what) const {
+  const auto* hybrid =
+      dynamic_cast<const nn::optimizer::HybridAdam*>(optim_.get());
+  TORCH_CHECK(
+      hybrid == nullptr || !hybrid->stepped_ahead(),
+      what,
+      ": between the backward and step() with overlap_host_step, whose "
+      "host shards were already updated with the gradients as they were; "
+      "call it before the backward's end (e.g. zero_grad before the "
+      "forward), or turn overlap_host_step off");
+}
+
 bool ShardedOptimizer::one_rank() const {
   return (group_ == nullptr || group_->size() == 1) && placement_ == nullptr;
 }
 
 void ShardedOptimizer::zero_grad(bool set_to_none) {
+  check_none_stepped_ahead("zero_grad");
   partials_summed_ = false;
   for (auto* g : groups_) {
     // A shard known to hold zeros (e.g. LowLevelZero's step cleared it)
@@ -446,6 +459,7 @@ void ShardedOptimizer::zero_grad(bool set_to_none) {
 double ShardedOptimizer::clip_grad_by_norm(double max_norm, double norm_type) {
   TORCH_CHECK(max_norm > 0, "clip_grad_by_norm: max_norm must be positive");
   TORCH_CHECK(norm_type > 0, "clip_grad_by_norm: norm_type must be positive");
+  check_none_stepped_ahead("clip_grad_by_norm");
   sum_partial_grads();
   unscale();
   const double norm = global_norm(norm_type);
@@ -459,6 +473,7 @@ double ShardedOptimizer::clip_grad_by_norm(double max_norm, double norm_type) {
 at::Tensor ShardedOptimizer::clip_grad_by_norm_tensor(
     double max_norm,
     double norm_type) {
+  check_none_stepped_ahead("clip_grad_by_norm_tensor");
   TORCH_CHECK(
       scaler_ == nullptr,
       "clip_grad_by_norm_tensor: with fp16 the gradients are unscaled after "
@@ -473,6 +488,7 @@ at::Tensor ShardedOptimizer::clip_grad_by_norm_tensor(
 
 void ShardedOptimizer::clip_grad_by_value(double clip_value) {
   TORCH_CHECK(clip_value >= 0, "clip_grad_by_value: clip_value must be >= 0");
+  check_none_stepped_ahead("clip_grad_by_value");
   unscale();
   for (auto* g : groups_) {
     g->shard_grad.clamp_(-clip_value, clip_value);

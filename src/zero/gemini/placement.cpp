@@ -344,6 +344,25 @@ void Placement::begin_step() {
   refreshed_.assign(st_.units.size(), false);
 }
 
+utils::StreamPoint Placement::upload_param_shard(
+    size_t k,
+    const utils::StreamPoint& after) const {
+  const auto& u = st_.units[k];
+  if (!u.param_shard.defined()) {
+    return utils::StreamPoint();
+  }
+  return utils::upload_after(after, u.param_shard, u.shard_data);
+}
+
+void Placement::refreshed_ahead(size_t k) {
+  refreshed_.resize(st_.units.size(), false);
+  const auto& u = st_.units[k];
+  if (u.param_shard.defined()) {
+    refreshed_[k] = true;
+    stats_.host_to_device += bytes_of(u.param_shard);
+  }
+}
+
 bool Placement::refresh_param_shard(size_t k) {
   refreshed_.resize(st_.units.size(), false);
   refreshed_[k] = copy_param_shard(k);

@@ -82,6 +82,15 @@ struct GeminiPluginOptions {
   TORCH_ARG(int, extra_dp_size) = 1;
   /// Reduce-scatters overlap the rest of backward (always true here).
   TORCH_ARG(bool, enable_async_reduce) = true;
+  /// An addition (NOTE [Host steps overlap the backward]): HybridAdam
+  /// updates each chunk whose fp32 shard lives on the host as soon as its
+  /// gradient has reached the host, on a background thread, and uploads
+  /// its new weights while the device computes the rest of the backward;
+  /// step() updates the rest. The weights are the same bit for bit. Needs
+  /// HybridAdam, max_norm 0, precision bf16 or fp32, one backward per step
+  /// (not enable_gradient_accumulation), and the learning rate set before
+  /// the backward.
+  TORCH_ARG(bool, overlap_host_step) = false;
   /// Accepted for compatibility.
   TORCH_ARG(bool, verbose) = false;
 };

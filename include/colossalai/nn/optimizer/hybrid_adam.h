@@ -171,6 +171,29 @@ class HybridAdam : public torch::optim::Optimizer,
   /// the host steps the others (ZeRO offload, Gemini). Null: none.
   void set_host_step_hook(std::function<void(const torch::Tensor&)> hook);
 
+  /// NOTE [Host steps overlap the backward]
+  /// Takes the coming step's update of `params` (host parameters of this
+  /// optimizer whose gradients are final for it) now, on a background
+  /// thread: the update waits for `ready()` (e.g. the gradients' copy to
+  /// the host landing), then `then()` runs there (e.g. the updated shard's
+  /// upload to the device). The next step() waits for these updates first
+  /// and leaves their parameters out. They use each group's options as
+  /// they are now: step() refuses a group whose options changed since.
+  /// Parameters without a gradient, on a GPU, or whose states are kept in
+  /// files (nvme_offload_fraction) are left to step(). Not for a step a
+  /// loss scaler may skip (skip_step_if). Returns the number of parameters
+  /// taken. A plugin's `overlap_host_step` calls it as each shard's
+  /// gradient reaches the host, so the host updates overlap the rest of
+  /// the backward.
+  size_t step_ahead(
+      const std::vector<torch::Tensor>& params,
+      std::function<void()> ready = nullptr,
+      std::function<void()> then = nullptr);
+  /// Waits for every update step_ahead queued; rethrows the first failure.
+  void wait_ahead();
+  /// Whether step_ahead took any parameter since the last step().
+  bool stepped_ahead() const;
+
   /// Where every parameter with a gradient lies on one device: on the CPU
   /// (the host step reads the verdict there, for free), or on a GPU with
   /// bias correction on (the AdamW kernel's or ATen's fused update).
@@ -196,6 +219,19 @@ class HybridAdam : public torch::optim::Optimizer,
       std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> own,
       std::vector<torch::optim::OptimizerParamGroup>& param_groups,
       HybridAdamOptions defaults);
+
+  struct Items;
+  // Appends p's update to `items`: its state created and its step counted
+  // (`counted`: recorded for undo_step_counts).
+  void add_item(
+      size_t group,
+      const torch::Tensor& p,
+      int64_t total_numel,
+      bool counted,
+      Items& items);
+  // All parameters' elements where states may go to files, else 0.
+  int64_t total_numel() const;
+  const HybridAdamOptions& checked_options(size_t group) const;
 
   struct Impl;
   std::unique_ptr<Impl> impl_;
