@@ -713,6 +713,106 @@ TEST(HybridAdam, HostStepHookSeesEachParameterOnceUpdated) {
   fs::remove_all(dir);
 }
 
+// NOTE [Host steps overlap the backward]: step_ahead takes some parameters'
+// update of the coming step on a background thread, after `ready` and
+// before `then`; step() waits for it and steps the rest. Over three steps
+// with two groups (different learning rates and weight decay), half the
+// parameters taken ahead each step equal every parameter stepped by step()
+// bit for bit, states included. A call that includes a parameter whose
+// states are in files takes nothing; a changed learning rate, a loss
+// scaler's verdict, a second call for the same parameter are refused; a
+// failure in the job comes out of step().
+TEST(HybridAdam, StepAheadEqualsStep) {
+  auto a = make_params(kSizes, 5);
+  auto b = clone_params(a);
+  auto groups = [](const std::vector<torch::Tensor>& ps) {
+    std::vector<torch::optim::OptimizerParamGroup> g;
+    g.emplace_back(
+        std::vector<torch::Tensor>(ps.begin(), ps.begin() + 4),
+        std::make_unique<opt::HybridAdamOptions>(
+            opt::HybridAdamOptions(1e-3).weight_decay(0.1)));
+    g.emplace_back(
+        std::vector<torch::Tensor>(ps.begin() + 4, ps.end()),
+        std::make_unique<opt::HybridAdamOptions>(
+            opt::HybridAdamOptions(3e-3)));
+    return g;
+  };
+  opt::HybridAdam plain(groups(a));
+  opt::HybridAdam ahead(groups(b));
+  for (int step = 1; step <= 3; ++step) {
+    const auto grads = make_grads(a, step);
+    set_grads(a, grads);
+    set_grads(b, grads);
+    plain.step();
+    // Every other parameter, across both groups, in two calls.
+    std::vector<std::string> events;
+    std::vector<torch::Tensor> first = {b[0], b[2], b[4]};
+    std::vector<torch::Tensor> second = {b[6]};
+    const auto before = b[0].detach().clone();
+    EXPECT_EQ(
+        ahead.step_ahead(
+            first,
+            [&] {
+              events.push_back("ready");
+              EXPECT_TRUE(torch::equal(b[0], before)); // not yet updated
+            },
+            [&] {
+              events.push_back("then");
+              EXPECT_FALSE(torch::equal(b[0], before)); // updated
+            }),
+        3u);
+    EXPECT_EQ(ahead.step_ahead(second), 1u);
+    EXPECT_TRUE(ahead.stepped_ahead());
+    expect_error([&] { ahead.step_ahead({b[2]}); }, "already updated ahead");
+    ahead.step();
+    EXPECT_FALSE(ahead.stepped_ahead());
+    EXPECT_EQ(events, (std::vector<std::string>{"ready", "then"}));
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "step " << step << " param " << i;
+      const auto& sa = static_cast<const opt::HybridAdamParamState&>(
+          *plain.state().at(colossalai::compat::optimizer_state_key<
+                            std::remove_reference_t<decltype(plain.state())>>(
+              a[i])));
+      const auto& sb = static_cast<const opt::HybridAdamParamState&>(
+          *ahead.state().at(colossalai::compat::optimizer_state_key<
+                            std::remove_reference_t<decltype(ahead.state())>>(
+              b[i])));
+      EXPECT_EQ(sa.step(), sb.step());
+      EXPECT_TRUE(torch::equal(sa.exp_avg(), sb.exp_avg()));
+      EXPECT_TRUE(torch::equal(sa.exp_avg_sq(), sb.exp_avg_sq()));
+    }
+  }
+  // The learning rate changed after the update was taken ahead.
+  set_grads(b, make_grads(b, 4));
+  ahead.step_ahead({b[0]});
+  ahead.param_groups()[0].options().set_lr(0.5);
+  expect_error([&] { ahead.step(); }, "changed between the backward and step()");
+  // A loss scaler's verdict for the coming step.
+  set_grads(b, make_grads(b, 5));
+  ahead.skip_step_if(torch::zeros({}));
+  expect_error([&] { ahead.step_ahead({b[0]}); }, "loss scaler");
+  ahead.step();
+  // A failure in the job (here the wait for the gradient) comes out of step().
+  set_grads(b, make_grads(b, 6));
+  ahead.step_ahead({b[1]}, [] { TORCH_CHECK(false, "copy failed"); });
+  expect_error([&] { ahead.step(); }, "copy failed");
+  EXPECT_FALSE(ahead.stepped_ahead());
+  // States in files: the whole call is left to step().
+  const std::string dir = make_temp_dir();
+  {
+    auto c = make_params(kSizes, 6);
+    opt::HybridAdam files(
+        c, opt::HybridAdamOptions(1e-3).nvme_offload_fraction(0.3).nvme_offload_dir(dir));
+    set_grads(c, make_grads(c, 1));
+    files.step(); // decides which parameters' states go to files
+    set_grads(c, make_grads(c, 2));
+    EXPECT_EQ(files.step_ahead(c), 0u);
+    EXPECT_FALSE(files.stepped_ahead());
+    files.step();
+  }
+  fs::remove_all(dir);
+}
+
 TEST(HybridAdam, RejectsBadOptions) {
   auto p = torch::zeros({4}, torch::requires_grad());
   using O = opt::HybridAdamOptions;

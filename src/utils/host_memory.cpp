@@ -118,8 +118,10 @@ StreamPoint upload_after(
     if (after.event_) {
       after.event_->event.block(side);
     }
-    // Temporaries come from and return to the side stream's pool.
+    // Temporaries come from and return to the side stream's pool; dst's
+    // memory is not handed out again before this stream has written it.
     dst.copy_(to_device(src, dst.device(), dst.scalar_type()));
+    dst.record_stream(side);
     return StreamPoint::now(dst.device());
   }
 #endif

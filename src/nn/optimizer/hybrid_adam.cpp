@@ -279,11 +279,11 @@ torch::Tensor HybridAdam::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   // Updates queued ahead (NOTE [Host steps overlap the backward]) are part
   // of this step: they finish first, with this step's options.
-  wait_ahead();
   auto ahead = std::move(impl_->ahead);
   auto ahead_options = std::move(impl_->ahead_options);
   impl_->ahead.clear();
   impl_->ahead_options.clear();
+  wait_ahead();
   for (const auto& kv : ahead_options) {
     TORCH_CHECK(
         kv.first < param_groups_.size() &&
@@ -359,7 +359,7 @@ size_t HybridAdam::step_ahead(
     }
   }
   const int64_t numel = total_numel();
-  Items items;
+  std::vector<std::pair<size_t, torch::Tensor>> taken;
   for (const auto& p : params) {
     const auto it = group_of.find(p.unsafeGetTensorImpl());
     TORCH_CHECK(
@@ -369,12 +369,18 @@ size_t HybridAdam::step_ahead(
         impl_->ahead.count(p.unsafeGetTensorImpl()) == 0,
         "HybridAdam::step_ahead: a parameter was already updated ahead of "
         "this step (a second backward before step()?)");
-    // Left to step(): no gradient, a GPU's, or states kept in files.
-    if (!p.grad().defined() || !p.is_cpu() ||
-        impl_->record_for(p, numel).offload) {
-      continue;
+    if (!p.grad().defined()) {
+      continue; // not part of any step
     }
-    const size_t gi = it->second;
+    // All or nothing: a GPU's parameter, or states kept in files, leave
+    // the whole call to step().
+    if (!p.is_cpu() || impl_->record_for(p, numel).offload) {
+      return 0;
+    }
+    taken.emplace_back(it->second, p);
+  }
+  Items items;
+  for (const auto& [gi, p] : taken) {
     const auto& options = checked_options(gi);
     if (impl_->ahead_options.count(gi) == 0) {
       impl_->ahead_options.emplace(

@@ -196,14 +196,22 @@ void FullyShardedOptimizer::overlap_host_step(
       }
     }
     // The gradient's copy to the host, and the device's work queued so far
-    // (this unit's last reads of its parameter shard among it).
+    // (this unit's last reads of its parameter shard among it). The job
+    // holds its own references to the shards: the placement may drop the
+    // unit's device shard meanwhile (the upload is then wasted, and the
+    // step does not count it).
     const auto landed = st->host_copies.landed();
     const auto after = utils::StreamPoint::now(st->device);
+    auto dst = u.param_shard;
+    auto src = u.shard_data;
     return hybrid->step_ahead(
         pieces,
         [landed] { landed.synchronize(); },
-        [st, k, after] {
-          auto point = st->placement->upload_param_shard(k, after);
+        [st, after, dst, src] {
+          if (!dst.defined()) {
+            return; // gathers read the host shard itself
+          }
+          auto point = utils::upload_after(after, dst, src);
           const std::lock_guard<std::mutex> lock(st->ahead_mu);
           st->ahead_uploads.push_back(std::move(point));
         });

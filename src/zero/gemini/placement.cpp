@@ -344,16 +344,6 @@ void Placement::begin_step() {
   refreshed_.assign(st_.units.size(), false);
 }
 
-utils::StreamPoint Placement::upload_param_shard(
-    size_t k,
-    const utils::StreamPoint& after) const {
-  const auto& u = st_.units[k];
-  if (!u.param_shard.defined()) {
-    return utils::StreamPoint();
-  }
-  return utils::upload_after(after, u.param_shard, u.shard_data);
-}
-
 void Placement::refreshed_ahead(size_t k) {
   refreshed_.resize(st_.units.size(), false);
   const auto& u = st_.units[k];

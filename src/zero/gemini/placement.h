@@ -52,8 +52,6 @@
 
 #include <colossalai/zero/fully_sharded.h>
 
-#include "../../utils/host_memory.h"
-
 #include <functional>
 #include <vector>
 
@@ -118,15 +116,9 @@ class Placement {
   bool refresh_param_shard(size_t k);
   // Forgets refreshes of an earlier step that did not complete.
   void begin_step();
-  // Unit k's device parameter shard (if any) from its fp32 shard updated
-  // ahead of the step, from the optimizer's thread: on a side stream after
-  // `after` (NOTE [Host steps overlap the backward]). Touches unit k's
-  // tensors only. Returns where it lands.
-  utils::StreamPoint upload_param_shard(
-      size_t k,
-      const utils::StreamPoint& after) const;
   // In the step, after begin_step: unit k's device parameter shard holds
-  // its updated weights already (accounts the upload_param_shard).
+  // its updated weights already, uploaded during the backward (NOTE [Host
+  // steps overlap the backward]); accounts the upload.
   void refreshed_ahead(size_t k);
   // How the optimizer's states of a unit move with it: whether they can
   // (none is kept in files), and the move itself.
