@@ -506,9 +506,7 @@ GeminiRun train(
     boosted.optimizer->step();
     run.steps.push_back(m->placement_stats());
     run.published.push_back(sharded->groups_published_during_step());
-    run.ahead.push_back(
-        dynamic_cast<cz::FullyShardedOptimizer&>(*sharded)
-            .units_stepped_ahead());
+    run.ahead.push_back(sharded->groups_stepped_ahead());
   }
   run.memory = m->memory_stats();
   run.unit_numels = m->unit_numels();

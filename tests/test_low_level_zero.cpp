@@ -857,6 +857,122 @@ TEST(LowLevelZero, OffloadPublishesEachBucketDuringHybridAdamsStep) {
   });
 }
 
+// NOTE [Host steps overlap the backward]: with cpu_offload and
+// overlap_host_step, HybridAdam updates each bucket's host master slice
+// during the backward, as soon as its reduced gradient is on the host (at
+// one rank the bucket's weights are uploaded then too; across ranks the
+// all-gathers stay in step()). The weights equal the same training without
+// it bit for bit (the same update on the same values), at one and two
+// ranks, in fp32 and bf16, and with stage 1's no_sync micro-batches before
+// the synchronising backward. Every bucket is taken ahead, none published
+// during step() (that is what the overlap replaced).
+TEST(LowLevelZero, OverlapHostStepUpdatesBucketsDuringTheBackward) {
+  namespace opt = colossalai::nn::optimizer;
+  for (int n : {1, 2}) {
+    run_distributed(n, [](int rank, int world) {
+      for (const std::string precision : {"fp32", "bf16"}) {
+        for (int stage : {1, 2}) {
+          auto train = [&](bool overlap) {
+            auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+                cb::plugin::LowLevelZeroPluginOptions()
+                    .stage(stage)
+                    .precision(precision)
+                    .reduce_bucket_size_in_m(0.0005)
+                    .cpu_offload(true)
+                    .overlap_host_step(overlap));
+            cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+            auto model = make_model();
+            auto hybrid = std::make_shared<opt::HybridAdam>(
+                model->parameters(),
+                opt::HybridAdamOptions(1e-2).weight_decay(0.01));
+            auto boosted = booster.boost(model, hybrid);
+            auto* zo =
+                dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
+            EXPECT_NE(zo, nullptr);
+            for (int s = 0; s < 3; ++s) {
+              boosted.optimizer->zero_grad();
+              if (stage == 1) { // a micro-batch that does not synchronise
+                auto guard =
+                    booster.no_sync(boosted.model, boosted.optimizer.get());
+                mse_backward(booster, boosted, 10 + s, rank, world);
+                EXPECT_FALSE(hybrid->stepped_ahead());
+              }
+              mse_backward(booster, boosted, s, rank, world);
+              EXPECT_EQ(hybrid->stepped_ahead(), overlap);
+              boosted.optimizer->step();
+              EXPECT_EQ(zo->groups_stepped_ahead(), overlap ? 3 : 0);
+              EXPECT_EQ(
+                  zo->groups_published_during_step(),
+                  overlap || world > 1 ? 0 : 3);
+            }
+            std::vector<at::Tensor> out;
+            for (const auto& p : model->parameters()) {
+              out.push_back(p.detach().clone());
+            }
+            return out;
+          };
+          const auto plain = train(false);
+          const auto overlapped = train(true);
+          ASSERT_EQ(plain.size(), overlapped.size());
+          for (size_t i = 0; i < plain.size(); ++i) {
+            EXPECT_TRUE(torch::equal(plain[i], overlapped[i]))
+                << precision << " stage " << stage << " at " << world
+                << " ranks: parameter " << i;
+          }
+        }
+      }
+    });
+  }
+}
+
+TEST(LowLevelZero, OverlapHostStepRefusesWhatItCannotServe) {
+  namespace opt = colossalai::nn::optimizer;
+  run_distributed(1, [](int rank, int world) {
+    using O = cb::plugin::LowLevelZeroPluginOptions;
+    const auto base =
+        O().stage(2).precision("fp32").cpu_offload(true).overlap_host_step(true);
+    for (const auto& c : std::vector<std::pair<O, std::string>>{
+             {O(base).cpu_offload(false), "cpu_offload"},
+             {O(base).max_norm(1.0), "max_norm"}}) {
+      const auto msg = colossalai::testing::error_of(
+          [&] { cb::plugin::LowLevelZeroPlugin plugin(c.first); });
+      EXPECT_NE(msg.find("overlap_host_step"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(c.second), std::string::npos) << msg;
+    }
+    auto boost = [&](cb::Booster& booster, MLP& model, bool hybrid) {
+      std::shared_ptr<torch::optim::Optimizer> o;
+      if (hybrid) {
+        o = std::make_shared<opt::HybridAdam>(
+            model->parameters(), opt::HybridAdamOptions(1e-2));
+      } else {
+        o = adamw(model);
+      }
+      return booster.boost(model, o);
+    };
+    {
+      cb::Booster booster(cb::BoosterOptions().plugin(
+          std::make_shared<cb::plugin::LowLevelZeroPlugin>(base)));
+      auto model = make_model();
+      const auto msg = colossalai::testing::error_of(
+          [&] { boost(booster, model, false); });
+      EXPECT_NE(msg.find("HybridAdam"), std::string::npos) << msg;
+    }
+    // A second synchronising backward before step() is refused before it
+    // adds to any gradient; step() then goes through.
+    cb::Booster booster(cb::BoosterOptions().plugin(
+        std::make_shared<cb::plugin::LowLevelZeroPlugin>(base)));
+    auto model = make_model();
+    auto boosted = boost(booster, model, true);
+    boosted.optimizer->zero_grad();
+    mse_backward(booster, boosted, 0, rank, world);
+    const auto msg = colossalai::testing::error_of(
+        [&] { mse_backward(booster, boosted, 1, rank, world); });
+    EXPECT_NE(msg.find("second backward"), std::string::npos) << msg;
+    EXPECT_EQ(
+        colossalai::testing::error_of([&] { boosted.optimizer->step(); }), "");
+  });
+}
+
 // At one rank each bf16 gradient goes straight into the zero gradient
 // shard (no flat buffer in between), which keeps bf16 for AdamW (NOTE
 // [Gradient shards in bf16]), or float32 with communication_dtype fp32: the

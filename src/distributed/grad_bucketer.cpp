@@ -119,6 +119,7 @@ void GradBucketer::begin_backward() {
   if (in_backward_) {
     return;
   }
+  handler_->before_backward();
   in_backward_ = true;
   std::weak_ptr<GradBucketer> weak = shared_from_this();
   torch::autograd::Engine::get_default_engine().queue_callback([weak]() {

@@ -76,6 +76,9 @@ struct GradBucketerOptions {
 class BucketHandler {
  public:
   virtual ~BucketHandler() = default;
+  /// Before a backward's first gradient changes any state: may throw to
+  /// refuse the backward, leaving the bucketer as it was.
+  virtual void before_backward() {}
   /// First gradient of a backward (before it is filled).
   virtual void on_backward_begin() {}
   /// Copies parameter `param`'s gradient into its bucket; `used` is false

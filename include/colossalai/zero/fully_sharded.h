@@ -359,11 +359,6 @@ class FullyShardedOptimizer : public ShardedOptimizer {
       ShardedOptimizerOptions options = {});
 
   void step() override;
-  /// Units whose host update the last step took ahead, during the backward
-  /// (FullyShardedOptions::overlap_host_step).
-  int64_t units_stepped_ahead() const {
-    return units_stepped_ahead_;
-  }
 
  protected:
   void after_step() override;
@@ -376,12 +371,11 @@ class FullyShardedOptimizer : public ShardedOptimizer {
  private:
   // FullyShardedOptions::overlap_host_step: checks what it needs and hands
   // host units to HybridAdam::step_ahead during the backward.
-  void overlap_host_step(const ShardedOptimizerOptions& options);
+  void overlap_host_step();
   // In step(): waits for those updates and their uploads.
   void finish_host_steps_ahead();
 
   std::shared_ptr<detail::FsdpState> state_;
-  int64_t units_stepped_ahead_ = 0;
 };
 
 } // namespace zero

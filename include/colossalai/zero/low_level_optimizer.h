@@ -38,6 +38,12 @@ struct LowLevelZeroOptimizerOptions {
       amp::DynamicLossScalerOptions().initial_scale(4294967296.0);
   /// Keep master weights, gradient slices and optimizer states on the CPU.
   TORCH_ARG(bool, cpu_offload) = false;
+  /// With cpu_offload: HybridAdam updates each bucket's host master slice
+  /// as soon as its reduced gradient has reached the host, during the
+  /// backward (NOTE [Host steps overlap the backward]); at one rank the
+  /// bucket's weights are uploaded then too. Same weights bit for bit.
+  /// Needs HybridAdam, no max_norm, no fp16, one backward per step.
+  TORCH_ARG(bool, overlap_host_step) = false;
 };
 
 /// Bytes this rank holds for the model's training state.
@@ -141,6 +147,10 @@ class LowLevelZeroOptimizer : public ShardedOptimizer {
   void zero_extra_grads(bool set_to_none) override;
 
  private:
+  // overlap_host_step: checks what it needs and hands host buckets to
+  // HybridAdam::step_ahead during the backward.
+  void overlap_host_step();
+
   std::shared_ptr<Impl> impl_;
 };
 

@@ -15,6 +15,11 @@
 #include <vector>
 
 namespace colossalai {
+namespace nn {
+namespace optimizer {
+class HybridAdam;
+} // namespace optimizer
+} // namespace nn
 namespace placement {
 class PlacementTable;
 } // namespace placement
@@ -89,6 +94,12 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   int64_t groups_published_during_step() const {
     return published_during_step_;
   }
+  /// Flat groups whose host update the last step took ahead, during the
+  /// backward (a plugin's overlap_host_step: NOTE [Host steps overlap the
+  /// backward]).
+  int64_t groups_stepped_ahead() const {
+    return groups_stepped_ahead_;
+  }
 
   /// Receives one parameter's full optimizer state.
   using StateSink =
@@ -160,6 +171,15 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// class does on the host (loss scaling, ranks, placement), or empty.
   /// max_norm clips on the device at one rank.
   std::string sharded_graph_blocker(const std::string& plugin) const;
+
+  /// overlap_host_step (NOTE [Host steps overlap the backward]): the
+  /// HybridAdam that takes host groups' updates ahead, once what it needs
+  /// is checked (HybridAdam, no max_norm, no loss scaling); `plugin` names
+  /// the option's owner in the errors.
+  std::shared_ptr<nn::optimizer::HybridAdam> host_step_ahead_optimizer(
+      const std::string& plugin) const;
+  /// Set by the strategy's step: groups_stepped_ahead().
+  int64_t groups_stepped_ahead_ = 0;
 
   const std::vector<detail::FlatParams*>& flat_groups() const {
     return groups_;

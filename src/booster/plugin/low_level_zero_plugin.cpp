@@ -96,6 +96,23 @@ LowLevelZeroPlugin::LowLevelZeroPlugin(LowLevelZeroPluginOptions options)
   TORCH_CHECK(
       options_.reduce_bucket_size_in_m() > 0,
       "LowLevelZeroPlugin: reduce_bucket_size_in_m must be > 0");
+  if (options_.overlap_host_step()) {
+    const char* why = !options_.cpu_offload()
+        ? "cpu_offload(false): without it no master slice lives on the host"
+        : options_.max_norm() > 0
+        ? "max_norm: clipping needs the global norm of every gradient "
+          "before any slice is updated"
+        : dtype_ == at::kHalf
+        ? "precision fp16: the loss scaler may skip the step, known only "
+          "after the whole backward"
+        : nullptr;
+    TORCH_CHECK(
+        why == nullptr,
+        "LowLevelZeroPlugin: overlap_host_step updates host master slices "
+        "during the backward, which does not go with ",
+        why ? why : "",
+        "; change one of them");
+  }
   TORCH_CHECK(
       options_.master_weights() || dtype_ == at::kFloat,
       "LowLevelZeroPlugin: master_weights(false) is not supported; "
@@ -129,6 +146,7 @@ void LowLevelZeroPlugin::configure(
       dtype_,
       options_.reduce_bucket_size_in_m(),
       "LowLevelZeroPlugin");
+  zo.overlap_host_step(options_.overlap_host_step());
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), dp_group_, zo);
   zero_model->optimizer = zero_opt;

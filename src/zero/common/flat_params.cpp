@@ -110,6 +110,37 @@ void accumulate_grad(
   g.grad_is_zero = false;
 }
 
+bool step_group_ahead(
+    nn::optimizer::HybridAdam& optimizer,
+    const FlatParams& g,
+    size_t k,
+    const utils::HostCopies& copies,
+    at::Tensor dst,
+    const at::Device& device,
+    const std::shared_ptr<StepsAhead>& ahead) {
+  std::vector<at::Tensor> pieces;
+  for (const auto& piece : g.pieces) {
+    if (piece.grad().defined()) {
+      pieces.push_back(piece);
+    }
+  }
+  const auto landed = copies.landed();
+  const auto after = utils::StreamPoint::now(device);
+  std::function<void()> upload;
+  if (dst.defined()) {
+    upload = [ahead, k, after, dst, src = g.shard_data] {
+      ahead->add_upload(k, utils::upload_after(after, dst, src));
+    };
+  }
+  const bool taken =
+      optimizer.step_ahead(
+          pieces, [landed] { landed.synchronize(); }, std::move(upload)) > 0;
+  if (taken) {
+    ahead->note_taken(k);
+  }
+  return taken;
+}
+
 distributed::Work all_gather_flat(
     at::Tensor& full,
     const at::Tensor& shard,

@@ -21,9 +21,18 @@
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 namespace colossalai {
+namespace nn {
+namespace optimizer {
+class HybridAdam;
+} // namespace optimizer
+} // namespace nn
 namespace zero {
 namespace detail {
 
@@ -125,6 +134,107 @@ void accumulate_grad(
     FlatParams& g,
     const at::Tensor& reduced,
     utils::HostCopies& copies);
+
+// NOTE [Host steps overlap the backward]
+// With host master shards (ZeRO-Offload, Gemini's host tier) a step is the
+// device's backward, then the host's Adam over the offloaded shards, then
+// their upload: the device idles while the host steps, and the host while
+// the device computes. But a unit's gradient is final as soon as its
+// reduced shard has reached the host, long before the backward ends (the
+// backward runs from the last unit to the first). With overlap_host_step
+// the engine hands each such unit to HybridAdam::step_ahead there: a
+// background thread waits for the gradient's copy to land, updates the
+// unit's fp32 shard and states with the CPU kernel, and uploads the new
+// weights to the unit's device parameter shard on a side stream that first
+// waits for the work queued before (the backward's last reads of that
+// shard). step() waits for those threads, makes the device's stream wait
+// for the uploads, and updates what is left (the device's units). The
+// arithmetic is step()'s on the same values, so the weights are the same
+// bit for bit; only the time the host takes moves into the backward.
+// What it cannot serve is refused by name: clipping by the global norm and
+// fp16's overflow check need every gradient before any update; a second
+// backward before step() would add to gradients already consumed (the
+// next backward's first hook refuses it); options changed after the
+// backward would not reach the units already stepped (HybridAdam::step
+// refuses them); zero_grad and clipping between the backward and step()
+// come too late for those units.
+
+/// NOTE [Host steps overlap the backward]: a strategy's groups updated
+/// ahead of the coming step, and where their uploads to the device land.
+/// The backward's thread marks and queues; the optimizer's background
+/// thread adds uploads; step() finishes.
+class StepsAhead {
+ public:
+  /// On the backward's thread: group k was handed to the optimizer.
+  void note_taken(size_t k) {
+    taken_.push_back(k);
+  }
+  /// On the optimizer's thread: group k's device copy lands at `landed`.
+  void add_upload(size_t k, utils::StreamPoint landed) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    uploads_.emplace_back(k, std::move(landed));
+  }
+  bool pending() const {
+    return !taken_.empty();
+  }
+  size_t count() const {
+    return taken_.size();
+  }
+  bool taken(size_t k) const {
+    return std::find(taken_.begin(), taken_.end(), k) != taken_.end();
+  }
+  /// After the optimizer's wait_ahead: makes `device`'s current stream
+  /// wait for every upload, returns the groups uploaded, and forgets all.
+  std::vector<size_t> finish(const at::Device& device) {
+    std::vector<size_t> uploaded;
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [k, landed] : uploads_) {
+        landed.block_current(device); // the next forward reads them
+        uploaded.push_back(k);
+      }
+      uploads_.clear();
+    }
+    taken_.clear();
+    return uploaded;
+  }
+  /// Forgets all (a step that failed).
+  void clear() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    uploads_.clear();
+    taken_.clear();
+  }
+
+ private:
+  std::vector<size_t> taken_; // backward's thread, then step()
+  std::mutex mu_;
+  std::vector<std::pair<size_t, utils::StreamPoint>> uploads_;
+};
+
+/// NOTE [Host steps overlap the backward]: hands group `g` (index k) to
+/// `optimizer`'s step_ahead on the backward's thread, once its gradient
+/// shard was handed to `copies`. After the update, on the optimizer's
+/// thread, `dst` (a device copy of the weights; undefined: none to
+/// refresh) gets the updated master shard on a side stream, after the
+/// device's work queued now (the backward's last reads of `dst` among it).
+/// The job holds its own references: a strategy may drop `dst` meanwhile.
+/// Returns whether the optimizer took the group (then noted in `ahead`).
+bool step_group_ahead(
+    nn::optimizer::HybridAdam& optimizer,
+    const FlatParams& g,
+    size_t k,
+    const utils::HostCopies& copies,
+    at::Tensor dst,
+    const at::Device& device,
+    const std::shared_ptr<StepsAhead>& ahead);
+
+/// NOTE [Host steps overlap the backward]: why a second backward before
+/// step() is refused where host shards were updated ahead.
+inline constexpr const char* kSecondBackwardAhead =
+    "overlap_host_step: a second backward before optimizer.step(); the "
+    "first one's host shards were already updated for the coming step. "
+    "Call step() after every backward, or turn overlap_host_step off to "
+    "accumulate gradients over several backwards";
 
 /// Starts the all-gather of every rank's `shard` into the padded `full`
 /// (no collective when the layout has one rank: a copy).

@@ -426,6 +426,33 @@ std::string ShardedOptimizer::sharded_graph_blocker(
   return std::string();
 }
 
+std::shared_ptr<nn::optimizer::HybridAdam> ShardedOptimizer::
+    host_step_ahead_optimizer(const std::string& plugin) const {
+  auto hybrid = std::dynamic_pointer_cast<nn::optimizer::HybridAdam>(optim_);
+  TORCH_CHECK(
+      hybrid != nullptr,
+      plugin,
+      ": overlap_host_step updates the host shards during the backward with "
+      "HybridAdam (colossalai::nn::optimizer::HybridAdam); got another "
+      "optimizer. Use HybridAdam or turn overlap_host_step off");
+  TORCH_CHECK(
+      options_.max_norm() == 0,
+      plugin,
+      ": overlap_host_step updates each host shard before the backward "
+      "ends, and max_norm ",
+      options_.max_norm(),
+      " clips by the global gradient norm, known only then. Set max_norm 0 "
+      "or turn overlap_host_step off");
+  TORCH_CHECK(
+      scaler_ == nullptr,
+      plugin,
+      ": overlap_host_step updates each host shard before the backward "
+      "ends, and fp16 loss scaling skips a step whose gradients overflowed, "
+      "known only then. Use precision bf16 or fp32, or turn "
+      "overlap_host_step off");
+  return hybrid;
+}
+
 void ShardedOptimizer::check_none_stepped_ahead(const char* what) const {
   const auto* hybrid =
       dynamic_cast<const nn::optimizer::HybridAdam*>(optim_.get());

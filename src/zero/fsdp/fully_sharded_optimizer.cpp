@@ -134,117 +134,37 @@ FullyShardedOptimizer::FullyShardedOptimizer(
       state_->S > 1 ? state_->shard_group : nullptr,
       state_->ignored_params);
   if (state_->o.overlap_host_step()) {
-    overlap_host_step(with_scaler(options, *state_));
+    overlap_host_step();
   }
 }
 
-// NOTE [Host steps overlap the backward]
-// With host master shards (ZeRO-Offload, Gemini's host tier) a step is the
-// device's backward, then the host's Adam over the offloaded shards, then
-// their upload: the device idles while the host steps, and the host while
-// the device computes. But a unit's gradient is final as soon as its
-// reduced shard has reached the host, long before the backward ends (the
-// backward runs from the last unit to the first). With overlap_host_step
-// the engine hands each such unit to HybridAdam::step_ahead there: a
-// background thread waits for the gradient's copy to land, updates the
-// unit's fp32 shard and states with the CPU kernel, and uploads the new
-// weights to the unit's device parameter shard on a side stream that first
-// waits for the work queued before (the backward's last reads of that
-// shard). step() waits for those threads, makes the device's stream wait
-// for the uploads, and updates what is left (the device's units). The
-// arithmetic is step()'s on the same values, so the weights are the same
-// bit for bit; only the time the host takes moves into the backward.
-// What it cannot serve is refused by name: clipping by the global norm and
-// fp16's overflow check need every gradient before any update; a second
-// backward before step() would add to gradients already consumed (the
-// next backward's first hook refuses it); options changed after the
-// backward would not reach the units already stepped (HybridAdam::step
-// refuses them); zero_grad and clipping between the backward and step()
-// come too late for those units.
-void FullyShardedOptimizer::overlap_host_step(
-    const ShardedOptimizerOptions& options) {
-  auto* hybrid = dynamic_cast<nn::optimizer::HybridAdam*>(optim_.get());
-  TORCH_CHECK(
-      hybrid != nullptr,
-      "overlap_host_step: the host shards are updated during the backward "
-      "by HybridAdam (colossalai::nn::optimizer::HybridAdam); got another "
-      "optimizer. Use HybridAdam or turn overlap_host_step off");
-  TORCH_CHECK(
-      options.max_norm() == 0,
-      "overlap_host_step: max_norm ",
-      options.max_norm(),
-      " clips by the global gradient norm, known only after the whole "
-      "backward, and each host shard is updated before that. Set max_norm "
-      "0 or turn overlap_host_step off");
-  TORCH_CHECK(
-      !options.loss_scaler(),
-      "overlap_host_step: fp16 loss scaling skips a step whose gradients "
-      "overflowed, known only after the whole backward, and each host shard "
-      "is updated before that. Use precision bf16 or fp32, or turn "
-      "overlap_host_step off");
-  std::weak_ptr<FsdpState> weak = state_;
-  state_->step_ahead = [hybrid, weak](size_t k) -> size_t {
-    auto st = weak.lock();
-    if (!st) {
-      return 0;
+void FullyShardedOptimizer::overlap_host_step() {
+  std::weak_ptr<nn::optimizer::HybridAdam> weak_optimizer =
+      host_step_ahead_optimizer("FSDP / Gemini");
+  std::weak_ptr<FsdpState> weak_state = state_;
+  state_->step_ahead = [weak_optimizer, weak_state](size_t k) {
+    auto optimizer = weak_optimizer.lock();
+    auto st = weak_state.lock();
+    if (optimizer && st) {
+      const auto& u = st->units[k];
+      detail::step_group_ahead(
+          *optimizer, u, k, st->host_copies, u.param_shard, st->device,
+          st->ahead);
     }
-    auto& u = st->units[k];
-    std::vector<at::Tensor> pieces;
-    for (const auto& piece : u.pieces) {
-      if (piece.grad().defined()) {
-        pieces.push_back(piece);
-      }
-    }
-    // The gradient's copy to the host, and the device's work queued so far
-    // (this unit's last reads of its parameter shard among it). The job
-    // holds its own references to the shards: the placement may drop the
-    // unit's device shard meanwhile (the upload is then wasted, and the
-    // step does not count it).
-    const auto landed = st->host_copies.landed();
-    const auto after = utils::StreamPoint::now(st->device);
-    auto dst = u.param_shard;
-    auto src = u.shard_data;
-    return hybrid->step_ahead(
-        pieces,
-        [landed] { landed.synchronize(); },
-        [st, after, dst, src] {
-          if (!dst.defined()) {
-            return; // gathers read the host shard itself
-          }
-          auto point = utils::upload_after(after, dst, src);
-          const std::lock_guard<std::mutex> lock(st->ahead_mu);
-          st->ahead_uploads.push_back(std::move(point));
-        });
   };
 }
 
 void FullyShardedOptimizer::finish_host_steps_ahead() {
   auto& st = *state_;
+  groups_stepped_ahead_ = 0;
   if (!st.step_ahead) {
     return;
   }
-  auto* hybrid = static_cast<nn::optimizer::HybridAdam*>(optim_.get());
-  const auto clear = c10::make_scope_exit([&st] {
-    st.ahead_pending = false;
-    for (auto& u : st.units) {
-      u.stepped_ahead = false;
-    }
-    const std::lock_guard<std::mutex> lock(st.ahead_mu);
-    st.ahead_uploads.clear();
-  });
-  hybrid->wait_ahead();
-  {
-    const std::lock_guard<std::mutex> lock(st.ahead_mu);
-    for (const auto& point : st.ahead_uploads) {
-      point.block_current(st.device); // the next forward reads them
-    }
-  }
-  units_stepped_ahead_ = 0;
-  for (size_t k = 0; k < st.units.size(); ++k) {
-    if (st.units[k].stepped_ahead) {
-      st.placement->refreshed_ahead(k);
-      ++units_stepped_ahead_;
-    }
+  const auto clear = c10::make_scope_exit([&st] { st.ahead->clear(); });
+  static_cast<nn::optimizer::HybridAdam&>(*optim_).wait_ahead();
+  groups_stepped_ahead_ = static_cast<int64_t>(st.ahead->count());
+  for (size_t k : st.ahead->finish(st.device)) {
+    st.placement->refreshed_ahead(k);
   }
 }
 

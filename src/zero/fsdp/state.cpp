@@ -216,13 +216,11 @@ at::Tensor FsdpState::exit_scope(size_t s, const at::Tensor& output) {
   return output;
 }
 
+void FsdpState::before_backward() {
+  TORCH_CHECK(!ahead->pending(), kSecondBackwardAhead);
+}
+
 void FsdpState::pre_backward(size_t s) {
-  TORCH_CHECK(
-      in_backward() || !ahead_pending,
-      "overlap_host_step: a second backward before optimizer.step(); the "
-      "first one's host shards were already updated for the coming step. "
-      "Call step() after every backward, or turn overlap_host_step off to "
-      "accumulate gradients over several backwards");
   bucketer->begin_backward();
   placement->moment();
   gather_scope(s);
@@ -300,9 +298,8 @@ void FsdpState::complete(size_t bucket) {
   u.flat_grad = at::Tensor();
   u.reduced = at::Tensor();
   u.staging = 0;
-  if (step_ahead && u.offloaded && step_ahead(bucket_unit[bucket]) > 0) {
-    u.stepped_ahead = true;
-    ahead_pending = true;
+  if (step_ahead && u.offloaded) {
+    step_ahead(bucket_unit[bucket]);
   }
 }
 

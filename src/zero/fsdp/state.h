@@ -11,7 +11,6 @@
 
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -30,9 +29,6 @@ struct Unit : FlatParams {
   bool keep_gathered = false;   // parameters stay gathered between uses
   at::Tensor param_shard;       // the device copy, in param_dtype
   int64_t optim_bytes = 0;      // its optimizer states, after each step
-  // Updated ahead of the coming step (NOTE [Host steps overlap the
-  // backward]).
-  bool stepped_ahead = false;
 
   std::vector<std::string> param_names;
 
@@ -96,13 +92,9 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
   // overlap the backward]).
   utils::HostCopies host_copies;
   // NOTE [Host steps overlap the backward]: set by the optimizer with
-  // overlap_host_step; queues unit k's host update and returns the
-  // parameters it took. The uploads' landing points, added from the
-  // optimizer's thread.
-  std::function<size_t(size_t)> step_ahead;
-  std::mutex ahead_mu;
-  std::vector<utils::StreamPoint> ahead_uploads;
-  bool ahead_pending = false; // a unit was stepped ahead since the last step
+  // overlap_host_step; hands unit k's host update to it.
+  std::function<void(size_t)> step_ahead;
+  std::shared_ptr<StepsAhead> ahead = std::make_shared<StepsAhead>();
   std::vector<std::pair<size_t, size_t>> grad_params; // (unit, index)
   std::vector<size_t> bucket_unit;
   std::vector<std::vector<size_t>> buckets; // until the bucketer exists
@@ -162,6 +154,7 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
 
   // Backward (BucketHandler: see NOTE [Gradient bucketing]).
   void pre_backward(size_t s);
+  void before_backward() override;
   void fill(size_t param, bool used) override;
   void on_bucket_ready(size_t bucket) override;
   distributed::Work launch(size_t bucket) override;

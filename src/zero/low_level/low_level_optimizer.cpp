@@ -1,7 +1,10 @@
 #include <colossalai/checkpoint_io/optimizer_state.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/nn/optimizer/working_copies.h>
 #include <colossalai/zero/low_level_optimizer.h>
+
+#include <c10/util/ScopeExit.h>
 
 #include "../../distributed/grad_bucketer.h"
 #include "../../utils/host_memory.h"
@@ -56,6 +59,11 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   // Device-to-host gradient copies of cpu_offload (NOTE [Offload copies
   // overlap the backward]).
   utils::HostCopies host_copies;
+  // overlap_host_step (NOTE [Host steps overlap the backward]): hands
+  // bucket k's host update to the optimizer; the buckets handed.
+  std::function<void(size_t)> step_ahead;
+  std::shared_ptr<detail::StepsAhead> ahead =
+      std::make_shared<detail::StepsAhead>();
   int64_t gathers = 0;
 
   // Parameters with a group of their own (pg_to_param_list), by identity.
@@ -240,11 +248,18 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     if (b.filled) { // the gradients are in place
       b.filled = false;
       b.grad_is_zero = false;
-      return;
+    } else {
+      detail::accumulate_grad(b, b.out, host_copies);
+      b.grads = at::Tensor();
+      b.out = at::Tensor();
     }
-    detail::accumulate_grad(b, b.out, host_copies);
-    b.grads = at::Tensor();
-    b.out = at::Tensor();
+    if (step_ahead) { // set with cpu_offload only
+      step_ahead(k);
+    }
+  }
+
+  void before_backward() override {
+    TORCH_CHECK(!ahead->pending(), detail::kSecondBackwardAhead);
   }
 
   void on_finalized(bool /*synced*/) override {
@@ -374,13 +389,57 @@ LowLevelZeroOptimizer::LowLevelZeroOptimizer(
       std::move(groups),
       impl_->n() > 1 ? impl_->group : nullptr);
   impl_->attach_working_copies(*optimizer);
+  if (options.overlap_host_step()) {
+    overlap_host_step();
+  }
 }
 
 LowLevelZeroOptimizer::~LowLevelZeroOptimizer() = default;
 
+void LowLevelZeroOptimizer::overlap_host_step() {
+  TORCH_CHECK(
+      impl_->o.cpu_offload(),
+      "LowLevelZeroPlugin: overlap_host_step needs cpu_offload (without "
+      "it no master slice lives on the host)");
+  std::weak_ptr<nn::optimizer::HybridAdam> weak_optimizer =
+      host_step_ahead_optimizer("LowLevelZeroPlugin");
+  std::weak_ptr<Impl> weak_impl = impl_;
+  impl_->step_ahead = [weak_optimizer, weak_impl](size_t k) {
+    auto optimizer = weak_optimizer.lock();
+    auto impl = weak_impl.lock();
+    if (!optimizer || !impl) {
+      return;
+    }
+    auto& b = impl->buckets[k];
+    // At one rank the bucket's weights are refreshed with its update;
+    // across ranks the all-gathers keep step()'s order on every rank.
+    const bool upload = b.ranks->size() == 1 && Impl::needs_gather(b);
+    detail::step_group_ahead(
+        *optimizer,
+        b,
+        k,
+        impl->host_copies,
+        upload ? b.working : at::Tensor(),
+        b.working.device(),
+        impl->ahead);
+  };
+}
+
 void LowLevelZeroOptimizer::step() {
   for (auto& b : impl_->buckets) {
     b.published = false; // a step that threw may have left some set
+  }
+  groups_stepped_ahead_ = 0;
+  if (impl_->step_ahead) {
+    const auto clear = c10::make_scope_exit([this] { impl_->ahead->clear(); });
+    static_cast<nn::optimizer::HybridAdam&>(*optim_).wait_ahead();
+    groups_stepped_ahead_ = static_cast<int64_t>(impl_->ahead->count());
+    const auto device = impl_->buckets.empty()
+        ? at::Device(at::kCPU)
+        : impl_->buckets.front().working.device();
+    for (size_t k : impl_->ahead->finish(device)) {
+      impl_->buckets[k].published = true; // gather() skips it
+    }
   }
   ShardedOptimizer::step();
   for (auto& b : impl_->buckets) {

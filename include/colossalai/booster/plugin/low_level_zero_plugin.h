@@ -40,6 +40,16 @@ struct LowLevelZeroPluginOptions {
   /// Master slices, gradient slices and optimizer states in host memory;
   /// pass a HybridAdam for the fused CPU update.
   TORCH_ARG(bool, cpu_offload) = false;
+  /// An addition, with cpu_offload (NOTE [Host steps overlap the
+  /// backward]): HybridAdam updates each bucket's host master slice as soon
+  /// as its gradient has reached the host, on a background thread, while
+  /// the device computes the rest of the backward (at one rank the
+  /// bucket's weights are uploaded then too); step() waits for them. The
+  /// weights are the same bit for bit. Needs HybridAdam, max_norm 0,
+  /// precision bf16 or fp32, one synchronising backward per step (no_sync
+  /// backwards before it are fine), and the learning rate set before the
+  /// backward.
+  TORCH_ARG(bool, overlap_host_step) = false;
   /// Only true is supported (the optimizer always updates fp32 slices).
   TORCH_ARG(bool, master_weights) = true;
   /// Accepted for compatibility; nothing extra is printed.
