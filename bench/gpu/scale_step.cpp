@@ -36,7 +36,8 @@
 //   bench_gpu_scale_step [--model llama2-7b|llama3-8b|llama-small-cpu]
 //       [--layers N] [--vocab V] [--seq 4096] [--batch 1] [--setup gemini_static]
 //       [--offload-optim-frac auto|F] [--activation-gb 16] [--gpu-margin-mem-ratio 0]
-//       [--chunk-size-m 0] [--checkpointing 1] [--steps 5] [--warmup 2]
+//       [--chunk-size-m 0] [--checkpointing 1] [--overlap-host-step 0]
+//       [--steps 5] [--warmup 2]
 //       [--split-steps 2] [--matmul-n 8192] [--device cuda|cpu]
 //       [--check-formula TOL] [--out FILE.json]
 
@@ -84,6 +85,7 @@ struct Args {
   double margin_ratio = 0; // gemini_auto's gpu_margin_mem_ratio
   double chunk_size_m = 0;
   bool checkpointing = true;
+  bool overlap_host_step = false;
   int steps = 5;
   int warmup = 2;
   int split_steps = 2;
@@ -110,6 +112,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--gpu-margin-mem-ratio") a.margin_ratio = std::stod(v);
     else if (k == "--chunk-size-m") a.chunk_size_m = std::stod(v);
     else if (k == "--checkpointing") a.checkpointing = v != "0";
+    else if (k == "--overlap-host-step") a.overlap_host_step = v != "0";
     else if (k == "--steps") a.steps = std::stoi(v);
     else if (k == "--warmup") a.warmup = std::stoi(v);
     else if (k == "--split-steps") a.split_steps = std::stoi(v);
@@ -203,11 +206,17 @@ Formula formula(const std::string& setup, double p, double f) {
   return {(1 - f) * 14 * p + f * 2 * p, f * 14 * p};
 }
 
+// The setup as the report names it: the overlapped host step is a setup of
+// its own.
+std::string setup_name(const Args& a) {
+  return a.setup + (a.overlap_host_step ? "_overlap" : "");
+}
+
 // What a run that does not fit writes: the setup, the reason, no timings.
 int does_not_fit(const Args& a, const Shape& s, const Formula& want, const std::string& why) {
   std::ostringstream j;
   j << "{\n  \"benchmark\": \"scale_step\",\n  \"model\": \"" << a.model
-    << "\",\n  \"parameters\": " << s.params << ",\n  \"plugin\": \"" << a.setup
+    << "\",\n  \"parameters\": " << s.params << ",\n  \"plugin\": \"" << setup_name(a)
     << "\",\n  \"error\": \"does not fit: " << why << "\",\n  \"tokens_per_s\": null"
     << ",\n  \"formula\": {\"device_model_bytes\": " << want.device
     << ", \"host_model_bytes\": " << want.host << "}\n}\n";
@@ -298,11 +307,15 @@ int train(const Args& a, const Shape& s, Formula want, double frac, int64_t capa
       o.placement_policy("auto").gpu_margin_mem_ratio(a.margin_ratio);
     else
       o.offload_optim_frac(frac);
+    o.overlap_host_step(a.overlap_host_step);
     plugin = std::make_shared<cb::plugin::GeminiPlugin>(o);
   } else {
     plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
-        cb::plugin::LowLevelZeroPluginOptions().stage(2).precision("bf16").cpu_offload(
-            a.setup == "zero2_offload"));
+        cb::plugin::LowLevelZeroPluginOptions()
+            .stage(2)
+            .precision("bf16")
+            .cpu_offload(a.setup == "zero2_offload")
+            .overlap_host_step(a.overlap_host_step));
   }
   cb::Booster booster(cb::BoosterOptions().plugin(plugin).device(a.device));
 
@@ -374,6 +387,9 @@ int train(const Args& a, const Shape& s, Formula want, double frac, int64_t capa
   // during the host step (NOTE [Publishing during the host step]).
   const auto* sharded = dynamic_cast<const cz::ShardedOptimizer*>(boosted.optimizer.get());
   const int64_t published = sharded != nullptr ? sharded->groups_published_during_step() : -1;
+  // ... and those updated during the backward (NOTE [Host steps overlap the
+  // backward]).
+  const int64_t ahead = sharded != nullptr ? sharded->groups_stepped_ahead() : -1;
   int64_t h2d = -1, d2h = -1;
   if (fsdp != nullptr && a.steps > 0) {
     const auto after = fsdp->placement_stats();
@@ -415,12 +431,14 @@ int train(const Args& a, const Shape& s, Formula want, double frac, int64_t capa
   const double spec = 989e12; // H100 / H200 SXM dense bf16
 
   std::ostringstream j;
-  j << "{\n  \"benchmark\": \"scale_step\",\n  \"implementation\": \"ours (C++, " << a.setup
+  const std::string setup = setup_name(a);
+  j << "{\n  \"benchmark\": \"scale_step\",\n  \"implementation\": \"ours (C++, " << setup
     << ", HybridAdam, fused loss)\",\n  \"model\": \"" << a.model << "\",\n  \"parameters\": " << s.params
-    << ",\n  \"plugin\": \"" << a.setup << "\",\n  \"config\": {\"device\": \"" << a.device
+    << ",\n  \"plugin\": \"" << setup << "\",\n  \"config\": {\"device\": \"" << a.device
     << "\", \"batch\": " << a.batch << ", \"seq_len\": " << a.seq << ", \"layers\": "
     << s.cfg.num_hidden_layers() << ", \"checkpointing\": " << (a.checkpointing ? "true" : "false")
-    << ", \"offload_optim_frac\": " << frac << ", \"precision\": \"bf16 parameters, fp32 masters\""
+    << ", \"offload_optim_frac\": " << frac
+    << ", \"overlap_host_step\": " << (a.overlap_host_step ? "true" : "false") << ", \"precision\": \"bf16 parameters, fp32 masters\""
     << ", \"optimizer\": \"HybridAdam(3e-4, wd 0.01)\", \"steps\": " << a.steps
     << ", \"warmup\": " << a.warmup << ", \"host_threads\": " << at::get_num_threads()
     << "},\n  \"machine\": " << cbench::machine_json() << ",\n  \"matmul\": {\"n\": "
@@ -433,7 +451,8 @@ int train(const Args& a, const Shape& s, Formula want, double frac, int64_t capa
     << (b_ms.empty() ? 0 : cbench::median(b_ms)) << ", \"optimizer\": "
     << (o_ms.empty() ? 0 : cbench::median(o_ms)) << "},\n  \"copies_per_step\": {\"host_to_device_bytes\": "
     << h2d << ", \"device_to_host_bytes\": " << d2h
-    << ", \"groups_published_during_step\": " << published << "},\n  \"tokens_per_s\": " << tokens_per_s
+    << ", \"groups_published_during_step\": " << published
+    << ", \"groups_stepped_ahead\": " << ahead << "},\n  \"tokens_per_s\": " << tokens_per_s
     << ",\n  \"mfu_measured\": " << tokens_per_s * s.flops / peak_rate
     << ",\n  \"mfu_measured_with_recompute\": " << tokens_per_s * s.flops_recompute / peak_rate
     << ",\n  \"mfu_spec\": " << tokens_per_s * s.flops / spec
