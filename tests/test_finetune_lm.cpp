@@ -173,8 +173,9 @@ TEST(FinetuneLm, Zero2LossFallsAndResumeEqualsTheStraightRun) {
 
 // The 7B recipe's options on a tiny LLaMA: every layer recomputed in
 // backward, the fp32 state of half of Gemini's chunk bytes (or all of
-// ZeRO-2's) in host memory, HybridAdam stepping it there; and Gemini's auto
-// placement moving chunks into the device margin at the first step.
+// ZeRO-2's) in host memory, HybridAdam stepping it there (Gemini's during
+// the backward: --overlap-host-step); and Gemini's auto placement moving
+// chunks into the device margin at the first step.
 TEST(FinetuneLm, OffloadedStatesWithRecomputationLossFalls) {
   if (corpus().empty()) {
     GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
@@ -182,7 +183,7 @@ TEST(FinetuneLm, OffloadedStatesWithRecomputationLossFalls) {
   Scratch dir;
   int run_index = 0;
   for (const std::string plugin :
-       {"gemini --offload-frac 0.5", "zero2 --offload",
+       {"gemini --offload-frac 0.5 --overlap-host-step", "zero2 --offload",
         "gemini --placement auto --gpu-margin 0.5"}) {
     SCOPED_TRACE(plugin);
     const std::string out = dir.path + "/" + std::to_string(run_index++);
@@ -802,6 +803,7 @@ TEST(FinetuneLm, BadOptionsAreNamed) {
   has("--plugin tensor", "--plugin");
   has("--plugin ddp --offload", "--offload needs --plugin zero1, zero2 or gemini");
   has("--plugin gemini --offload-frac 1.5", "--offload-frac is gemini's static share");
+  has("--plugin zero2 --overlap-host-step", "--overlap-host-step needs states in host memory");
   has("--plugin zero2 --placement auto", "--placement needs --plugin gemini");
   has("--plugin gemini --gpu-margin 0.5", "--gpu-margin is gemini's");
 }

@@ -804,7 +804,10 @@ TEST(HybridAdam, StepAheadEqualsStep) {
     opt::HybridAdam files(
         c, opt::HybridAdamOptions(1e-3).nvme_offload_fraction(0.3).nvme_offload_dir(dir));
     set_grads(c, make_grads(c, 1));
-    files.step(); // decides which parameters' states go to files
+    // Before the first step() nothing is taken: step() decides which
+    // parameters' states go to files, in group order.
+    EXPECT_EQ(files.step_ahead({c.back()}), 0u);
+    files.step();
     set_grads(c, make_grads(c, 2));
     EXPECT_EQ(files.step_ahead(c), 0u);
     EXPECT_FALSE(files.stepped_ahead());

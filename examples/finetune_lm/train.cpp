@@ -4,6 +4,7 @@
 //               [--plugin none|ddp|zero1|zero2|fsdp|gemini|hybrid|moe_hybrid]
 //               [--tp N] [--pp N] [--sp N] [--sp-mode M] [--zero N] [--ep N]
 //               [--lora R] [--qlora] [--offload] [--offload-frac F]
+//               [--overlap-host-step]
 //               [--placement static|auto] [--gpu-margin F] [--grad-checkpoint]
 //               [--precision fp32|bf16|fp16] [--steps N] [--seq-len T]
 //               [--batch-size B] [--lr X] [--warmup N] [--schedule S]
@@ -72,7 +73,7 @@ struct Args {
   std::string sp_mode = "all_to_all";
   int lora = 0;
   bool qlora = false;
-  bool offload = false, grad_checkpoint = false;
+  bool offload = false, grad_checkpoint = false, overlap_host_step = false;
   double offload_frac = -1; // unset
   std::string placement = "static";
   double gpu_margin = 0; // gemini auto: gpu_margin_mem_ratio
@@ -151,6 +152,12 @@ Args parse(int argc, char** argv) {
       a.offload_frac,
       "gemini, static placement: share of the chunk bytes whose fp32 state "
       "lives in host memory");
+  app.add_flag(
+      "--overlap-host-step",
+      a.overlap_host_step,
+      "with --offload or --offload-frac: HybridAdam updates each host chunk "
+      "or bucket during the backward, as soon as its gradient is on the "
+      "host (overlap_host_step)");
   app.add_option("--placement", a.placement, "gemini: placement policy")
       ->check(CLI::IsMember({"static", "auto"}))
       ->capture_default_str();
@@ -309,6 +316,11 @@ Args parse(int argc, char** argv) {
       a.placement == "static" || a.plugin == "gemini",
       "--placement needs --plugin gemini");
   TORCH_CHECK(
+      !a.overlap_host_step ||
+          (a.offload || (a.plugin == "gemini" && a.offload_frac > 0)),
+      "--overlap-host-step needs states in host memory: --offload (zero1, "
+      "zero2, gemini) or gemini's --offload-frac");
+  TORCH_CHECK(
       a.gpu_margin == 0 ||
           (a.placement == "auto" && a.gpu_margin > 0 && a.gpu_margin <= 1),
       "--gpu-margin is gemini's gpu_margin_mem_ratio in [0, 1], with "
@@ -455,7 +467,8 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
             LowLevelZeroPluginOptions()
                 .stage(a.plugin == "zero1" ? 1 : 2)
                 .precision(a.precision)
-                .cpu_offload(a.offload)),
+                .cpu_offload(a.offload)
+                .overlap_host_step(a.overlap_host_step)),
         ""};
   }
   if (a.plugin == "fsdp") {
@@ -474,6 +487,7 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
         a.placement);
     if (a.placement == "static") {
       o.offload_optim_frac(a.offload ? 1.0 : std::max(0.0, a.offload_frac));
+      o.overlap_host_step(a.overlap_host_step);
     } else {
       o.gpu_margin_mem_ratio(a.gpu_margin);
     }

@@ -208,8 +208,13 @@ void GradBucketer::launch(size_t b, bool from_hook) {
   auto& bucket = buckets_[b];
   bucket.work = handler_->launch(b);
   bucket.launched = true;
-  in_flight_.push_back(b);
   overlapped_ += from_hook ? 1 : 0;
+  if (options_.complete_local_at_once && bucket.work.is_noop() &&
+      in_flight_.empty()) {
+    handler_->complete(b);
+    return;
+  }
+  in_flight_.push_back(b);
   while (options_.max_in_flight > 0 &&
          in_flight_.size() > options_.max_in_flight) {
     complete_oldest();

@@ -70,6 +70,11 @@ struct GradBucketerOptions {
   bool ordered = true;
   /// Buckets launched but not yet completed; 0: no limit.
   size_t max_in_flight = 0;
+  /// A bucket whose launch started no collective (one rank) completes at
+  /// once when nothing launched before it is in flight, instead of waiting
+  /// for later launches: its result (e.g. a gradient shard, and a host step
+  /// taken ahead from it) is ready as soon as the hook that completed it.
+  bool complete_local_at_once = false;
 };
 
 /// What a strategy does with its buckets. Called on the backward thread.

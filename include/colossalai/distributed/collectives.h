@@ -61,6 +61,11 @@ class Work {
   /// True when the network part is done (wait() then returns at once, save for
   /// local post-processing).
   bool is_completed() const;
+  /// True for a Work that stands for no operation at all (default
+  /// constructed, or moved from): nothing ran, nothing will.
+  bool is_noop() const {
+    return state_ == nullptr;
+  }
 
  private:
   std::unique_ptr<State> state_;

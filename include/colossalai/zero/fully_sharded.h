@@ -99,11 +99,12 @@ enum class PlacementPolicy {
 /// FullyShardedOptions::cpu_offload.
 struct PlacementOptions {
   TORCH_ARG(PlacementPolicy, policy) = PlacementPolicy::kStatic;
-  /// Static: share of the units' bytes, first units first, whose shards
-  /// and gradient shards (and so optimizer states) live in host memory:
-  /// units are offloaded in order until the offloaded bytes reach this
-  /// share (Gemini's offload_optim_frac; FullyShardedOptions::cpu_offload
-  /// is 1.0). On a CPU-only build both tiers are host memory;
+  /// Static: share of the units' bytes, first units first (last units
+  /// first with overlap_host_step, whose host updates then overlap the
+  /// backward of the rest), whose shards and gradient shards (and so
+  /// optimizer states) live in host memory: units are offloaded in order
+  /// until the offloaded bytes reach this share (Gemini's
+  /// offload_optim_frac; FullyShardedOptions::cpu_offload is 1.0). On a CPU-only build both tiers are host memory;
   /// memory_stats() still reports what is placed in the host tier.
   TORCH_ARG(double, offload_optim_fraction) = 0.0;
   /// Share of the units' bytes, last units first, whose parameters stay

@@ -373,8 +373,14 @@ size_t HybridAdam::step_ahead(
       continue; // not part of any step
     }
     // All or nothing: a GPU's parameter, or states kept in files, leave
-    // the whole call to step().
-    if (!p.is_cpu() || impl_->record_for(p, numel).offload) {
+    // the whole call to step(). Which states go to files step() decides,
+    // in group order (the first that fit, as ColossalAI chooses them).
+    if (!p.is_cpu()) {
+      return 0;
+    }
+    const auto record = impl_->records.find(p.unsafeGetTensorImpl());
+    if (record == impl_->records.end() ? impl_->fraction > 0
+                                       : record->second.offload) {
       return 0;
     }
     taken.emplace_back(it->second, p);

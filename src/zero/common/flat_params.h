@@ -136,28 +136,34 @@ void accumulate_grad(
     utils::HostCopies& copies);
 
 // NOTE [Host steps overlap the backward]
-// With host master shards (ZeRO-Offload, Gemini's host tier) a step is the
-// device's backward, then the host's Adam over the offloaded shards, then
-// their upload: the device idles while the host steps, and the host while
-// the device computes. But a unit's gradient is final as soon as its
-// reduced shard has reached the host, long before the backward ends (the
-// backward runs from the last unit to the first). With overlap_host_step
-// the engine hands each such unit to HybridAdam::step_ahead there: a
-// background thread waits for the gradient's copy to land, updates the
-// unit's fp32 shard and states with the CPU kernel, and uploads the new
-// weights to the unit's device parameter shard on a side stream that first
-// waits for the work queued before (the backward's last reads of that
-// shard). step() waits for those threads, makes the device's stream wait
-// for the uploads, and updates what is left (the device's units). The
-// arithmetic is step()'s on the same values, so the weights are the same
-// bit for bit; only the time the host takes moves into the backward.
+// With master shards on the host (ZeRO's cpu_offload, Gemini's host tier)
+// a step is the device's backward, then HybridAdam's CPU update of every
+// host shard, then their upload: the host idles while the device computes,
+// and the device while the host steps. At 7B scale the host step is of the
+// order of the whole backward. But a group's (chunk's, bucket's) gradient
+// is final as soon as its reduced shard has reached the host, long before
+// the backward ends (the backward runs from the last group to the first).
+// With overlap_host_step the strategy hands each host group to
+// HybridAdam::step_ahead there (step_group_ahead): a background thread
+// waits for the gradient's copy to land (HostCopies::landed), updates the
+// master shard and its states with the CPU kernel, and uploads the new
+// weights (Gemini's device parameter shard; ZeRO's weights at one rank) on
+// a side stream that first waits for the device's work queued before the
+// hand-over, the backward's last reads of those weights among it
+// (utils::upload_after). step() waits for the thread, makes the device's
+// stream wait for the uploads, and updates the rest (the device's groups;
+// across ZeRO ranks the all-gathers, which must keep one order on every
+// rank). The arithmetic is step()'s on the same values, so the weights are
+// the same bit for bit; only the host's time moves into the backward.
 // What it cannot serve is refused by name: clipping by the global norm and
 // fp16's overflow check need every gradient before any update; a second
-// backward before step() would add to gradients already consumed (the
-// next backward's first hook refuses it); options changed after the
-// backward would not reach the units already stepped (HybridAdam::step
-// refuses them); zero_grad and clipping between the backward and step()
-// come too late for those units.
+// synchronising backward before step() would add to gradients already
+// consumed (refused before it changes anything, BucketHandler::
+// before_backward); options changed after the backward would not reach
+// the groups already updated (HybridAdam::step refuses them); zero_grad
+// and clipping between the backward and step() come too late for those
+// groups (ShardedOptimizer refuses them). On a CPU-only machine the "device"
+// and the host are the same cores, and nothing is gained.
 
 /// NOTE [Host steps overlap the backward]: a strategy's groups updated
 /// ahead of the coming step, and where their uploads to the device land.

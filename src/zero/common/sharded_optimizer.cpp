@@ -531,6 +531,7 @@ std::map<int64_t, checkpoint_io::StateDict> ShardedOptimizer::full_states() {
 }
 
 void ShardedOptimizer::stream_full_states(const StateSink& sink) {
+  check_none_stepped_ahead("saving the optimizer's states"); // half a step
   constexpr int kRoot = 0;
   // Unsharded states are handed over by the optimizer group's root; each
   // flat group's by the root of the ranks sharing it.
@@ -626,6 +627,7 @@ void ShardedOptimizer::load_full_state(
     int64_t id,
     const checkpoint_io::StateDict& state,
     const std::string& file) {
+  check_none_stepped_ahead("loading the optimizer's states");
   int64_t n = 0;
   at::Tensor param;
   for (auto& g : optim_->param_groups()) {

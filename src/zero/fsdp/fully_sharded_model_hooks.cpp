@@ -21,6 +21,7 @@ void FsdpState::install_grad_hooks() {
     distributed::GradBucketerOptions bo;
     bo.ordered = false;
     bo.max_in_flight = 2;
+    bo.complete_local_at_once = true; // one rank: each shard at once
     bucketer = std::make_shared<distributed::GradBucketer>(
         params.size(), std::move(buckets), this, bo);
   }

@@ -103,7 +103,13 @@ void Placement::assign_tiers() {
       done += numels[k];
     }
   };
-  mark(optim_fraction, false, [](detail::Unit& u) { u.offloaded = true; });
+  // With overlap_host_step the host share is the last units: the first
+  // whose gradients the backward completes, so their host updates overlap
+  // the backward of all the others (NOTE [Host steps overlap the
+  // backward]).
+  mark(optim_fraction, st_.o.overlap_host_step(), [](detail::Unit& u) {
+    u.offloaded = true;
+  });
   mark(
       param_fraction, false, [](detail::Unit& u) { u.param_offloaded = true; });
   // The last units are the first backward needs again.

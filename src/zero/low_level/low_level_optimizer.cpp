@@ -127,6 +127,7 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     bo.ordered = true;
     bo.overlap = o.overlap_communication();
     bo.max_in_flight = 2; // bounds the gradient buffers alive at once
+    bo.complete_local_at_once = true; // one rank: each slice at once
     bucketer = std::make_shared<distributed::GradBucketer>(
         working.size(), std::move(plan), this, bo);
     size_t bad = 0;

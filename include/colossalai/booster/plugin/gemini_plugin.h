@@ -33,9 +33,9 @@ struct GeminiPluginOptions {
   /// re-gather for backward. Their gradients and optimizer states stay
   /// sharded.
   TORCH_ARG(double, shard_param_frac) = 1.0;
-  /// Static: share of chunk bytes (first chunks first) whose fp32 shards,
-  /// gradients and optimizer states live in host memory; the optimizer
-  /// updates them there.
+  /// Static: share of chunk bytes (first chunks first; last chunks first
+  /// with overlap_host_step) whose fp32 shards, gradients and optimizer
+  /// states live in host memory; the optimizer updates them there.
   TORCH_ARG(double, offload_optim_frac) = 0.0;
   /// Static, with shard_param_frac 1 and offload_optim_frac 1: share of
   /// chunk bytes (first chunks first) that keep no device copy of their
@@ -86,7 +86,8 @@ struct GeminiPluginOptions {
   /// updates each chunk whose fp32 shard lives on the host as soon as its
   /// gradient has reached the host, on a background thread, and uploads
   /// its new weights while the device computes the rest of the backward;
-  /// step() updates the rest. The weights are the same bit for bit. Needs
+  /// step() updates the rest. Static placement then puts the last chunks
+  /// on the host (the first the backward completes). The weights are the same bit for bit. Needs
   /// HybridAdam, max_norm 0, precision bf16 or fp32, one backward per step
   /// (not enable_gradient_accumulation), and the learning rate set before
   /// the backward.
