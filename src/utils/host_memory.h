@@ -51,18 +51,6 @@ at::Tensor zeros_like_pinned(
     const at::Tensor& t,
     c10::optional<at::ScalarType> dtype = c10::nullopt);
 
-/// NOTE [Offload copies overlap the backward]
-/// A gradient shard whose state lives on the host reaches it while the
-/// backward goes on: a copy into a page-locked host tensor runs on a side
-/// stream, ordered after the work queued before it (the reduction that
-/// produced its source), while the device computes what follows; the
-/// source is marked in use by that stream, so the caching allocator does
-/// not hand its memory out before the copy has read it. A blocking copy
-/// here would drain the device's queue at every offloaded shard and leave
-/// it idle while the host catches up. Readers of a destination call wait()
-/// first (the sharded optimizers do when their backward finalizes).
-/// Elsewhere (a host source, a pageable destination, a CPU-only build) a
-/// copy is the plain blocking copy_.
 /// A point in a device's work queue (a CUDA event on a stream), or no point
 /// at all: for the host and in builds without CUDA, whose copies are done
 /// when they return. Copyable; every copy names the same point.
@@ -99,6 +87,18 @@ StreamPoint upload_after(
     const at::Tensor& dst,
     const at::Tensor& src);
 
+/// NOTE [Offload copies overlap the backward]
+/// A gradient shard whose state lives on the host reaches it while the
+/// backward goes on: a copy into a page-locked host tensor runs on a side
+/// stream, ordered after the work queued before it (the reduction that
+/// produced its source), while the device computes what follows; the
+/// source is marked in use by that stream, so the caching allocator does
+/// not hand its memory out before the copy has read it. A blocking copy
+/// here would drain the device's queue at every offloaded shard and leave
+/// it idle while the host catches up. Readers of a destination call wait()
+/// first (the sharded optimizers do when their backward finalizes).
+/// Elsewhere (a host source, a pageable destination, a CPU-only build) a
+/// copy is the plain blocking copy_.
 class HostCopies {
  public:
   HostCopies();

@@ -104,8 +104,9 @@ struct PlacementOptions {
   /// backward of the rest), whose shards and gradient shards (and so
   /// optimizer states) live in host memory: units are offloaded in order
   /// until the offloaded bytes reach this share (Gemini's
-  /// offload_optim_frac; FullyShardedOptions::cpu_offload is 1.0). On a CPU-only build both tiers are host memory;
-  /// memory_stats() still reports what is placed in the host tier.
+  /// offload_optim_frac; FullyShardedOptions::cpu_offload is 1.0). On a
+  /// CPU-only build both tiers are host memory; memory_stats() still
+  /// reports what is placed in the host tier.
   TORCH_ARG(double, offload_optim_fraction) = 0.0;
   /// Share of the units' bytes, last units first, whose parameters stay
   /// gathered between uses (Gemini's shard_param_frac = 1 - this): they are
@@ -373,8 +374,6 @@ class FullyShardedOptimizer : public ShardedOptimizer {
   // FullyShardedOptions::overlap_host_step: checks what it needs and hands
   // host units to HybridAdam::step_ahead during the backward.
   void overlap_host_step();
-  // In step(): waits for those updates and their uploads.
-  void finish_host_steps_ahead();
 
   std::shared_ptr<detail::FsdpState> state_;
 };

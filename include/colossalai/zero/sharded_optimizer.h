@@ -27,6 +27,7 @@ namespace zero {
 
 namespace detail {
 struct FlatParams;
+class StepsAhead;
 } // namespace detail
 
 struct ShardedOptimizerOptions {
@@ -178,8 +179,13 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// the option's owner in the errors.
   std::shared_ptr<nn::optimizer::HybridAdam> host_step_ahead_optimizer(
       const std::string& plugin) const;
-  /// Set by the strategy's step: groups_stepped_ahead().
-  int64_t groups_stepped_ahead_ = 0;
+  /// At the start of the strategy's step: waits for the updates taken
+  /// ahead, makes `device`'s stream wait for their uploads, counts them
+  /// (groups_stepped_ahead), and returns the groups whose device copies
+  /// the uploads refreshed. Nothing without overlap_host_step.
+  std::vector<size_t> finish_steps_ahead(
+      detail::StepsAhead& ahead,
+      const at::Device& device);
 
   const std::vector<detail::FlatParams*>& flat_groups() const {
     return groups_;
@@ -232,6 +238,7 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   // flag on their device, before any clip.
   at::Tensor local_found_inf_;
   int64_t published_during_step_ = 0;
+  int64_t groups_stepped_ahead_ = 0;
 };
 
 } // namespace zero

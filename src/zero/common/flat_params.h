@@ -21,7 +21,6 @@
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
-#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -185,9 +184,6 @@ class StepsAhead {
   }
   size_t count() const {
     return taken_.size();
-  }
-  bool taken(size_t k) const {
-    return std::find(taken_.begin(), taken_.end(), k) != taken_.end();
   }
   /// After the optimizer's wait_ahead: makes `device`'s current stream
   /// wait for every upload, returns the groups uploaded, and forgets all.

@@ -453,6 +453,20 @@ std::shared_ptr<nn::optimizer::HybridAdam> ShardedOptimizer::
   return hybrid;
 }
 
+std::vector<size_t> ShardedOptimizer::finish_steps_ahead(
+    detail::StepsAhead& ahead,
+    const at::Device& device) {
+  groups_stepped_ahead_ = 0;
+  auto* hybrid = dynamic_cast<nn::optimizer::HybridAdam*>(optim_.get());
+  if (hybrid == nullptr || !ahead.pending()) {
+    return {};
+  }
+  const auto clear = c10::make_scope_exit([&ahead] { ahead.clear(); });
+  hybrid->wait_ahead();
+  groups_stepped_ahead_ = static_cast<int64_t>(ahead.count());
+  return ahead.finish(device);
+}
+
 void ShardedOptimizer::check_none_stepped_ahead(const char* what) const {
   const auto* hybrid =
       dynamic_cast<const nn::optimizer::HybridAdam*>(optim_.get());

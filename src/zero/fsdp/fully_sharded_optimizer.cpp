@@ -3,8 +3,6 @@
 
 #include "state.h"
 
-#include <c10/util/ScopeExit.h>
-
 #include <unordered_map>
 #include <vector>
 
@@ -140,7 +138,7 @@ FullyShardedOptimizer::FullyShardedOptimizer(
 
 void FullyShardedOptimizer::overlap_host_step() {
   std::weak_ptr<nn::optimizer::HybridAdam> weak_optimizer =
-      host_step_ahead_optimizer("FSDP / Gemini");
+      host_step_ahead_optimizer("GeminiPlugin");
   std::weak_ptr<FsdpState> weak_state = state_;
   state_->step_ahead = [weak_optimizer, weak_state](size_t k) {
     auto optimizer = weak_optimizer.lock();
@@ -154,27 +152,15 @@ void FullyShardedOptimizer::overlap_host_step() {
   };
 }
 
-void FullyShardedOptimizer::finish_host_steps_ahead() {
-  auto& st = *state_;
-  groups_stepped_ahead_ = 0;
-  if (!st.step_ahead) {
-    return;
-  }
-  const auto clear = c10::make_scope_exit([&st] { st.ahead->clear(); });
-  static_cast<nn::optimizer::HybridAdam&>(*optim_).wait_ahead();
-  groups_stepped_ahead_ = static_cast<int64_t>(st.ahead->count());
-  for (size_t k : st.ahead->finish(st.device)) {
-    st.placement->refreshed_ahead(k);
-  }
-}
-
 void FullyShardedOptimizer::step() {
   auto& st = *state_;
   TORCH_CHECK(
       !st.in_backward() && !st.in_forward,
       "FSDP: step() during forward or backward");
   st.placement->begin_step();
-  finish_host_steps_ahead();
+  for (size_t k : finish_steps_ahead(*st.ahead, st.device)) {
+    st.placement->refreshed_ahead(k); // after_step skips them
+  }
   if (st.placement->margin_pending()) {
     use_device_margin(*optim_, st);
   }

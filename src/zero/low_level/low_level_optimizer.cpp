@@ -4,8 +4,6 @@
 #include <colossalai/nn/optimizer/working_copies.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
-#include <c10/util/ScopeExit.h>
-
 #include "../../distributed/grad_bucketer.h"
 #include "../../utils/host_memory.h"
 #include "../common/flat_params.h"
@@ -430,15 +428,9 @@ void LowLevelZeroOptimizer::step() {
   for (auto& b : impl_->buckets) {
     b.published = false; // a step that threw may have left some set
   }
-  groups_stepped_ahead_ = 0;
-  if (impl_->step_ahead) {
-    const auto clear = c10::make_scope_exit([this] { impl_->ahead->clear(); });
-    static_cast<nn::optimizer::HybridAdam&>(*optim_).wait_ahead();
-    groups_stepped_ahead_ = static_cast<int64_t>(impl_->ahead->count());
-    const auto device = impl_->buckets.empty()
-        ? at::Device(at::kCPU)
-        : impl_->buckets.front().working.device();
-    for (size_t k : impl_->ahead->finish(device)) {
+  if (!impl_->buckets.empty()) {
+    const auto device = impl_->buckets.front().working.device();
+    for (size_t k : finish_steps_ahead(*impl_->ahead, device)) {
       impl_->buckets[k].published = true; // gather() skips it
     }
   }
