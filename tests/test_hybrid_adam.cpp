@@ -715,13 +715,14 @@ TEST(HybridAdam, HostStepHookSeesEachParameterOnceUpdated) {
 
 // NOTE [Host steps overlap the backward]: step_ahead takes some parameters'
 // update of the coming step on a background thread, after `ready` and
-// before `then`; step() waits for it and steps the rest. Over three steps
-// with two groups (different learning rates and weight decay), half the
-// parameters taken ahead each step equal every parameter stepped by step()
-// bit for bit, states included. A call that includes a parameter whose
-// states are in files takes nothing; a changed learning rate, a loss
-// scaler's verdict, a second call for the same parameter are refused; a
-// failure in the job comes out of step().
+// before `then`; step() waits for it and steps the rest. With two groups
+// (different learning rates and weight decay), after a first step() that
+// creates the states, three steps with half the parameters taken ahead
+// equal every parameter stepped by step() bit for bit, states included. A
+// call that includes a parameter without states yet (before its first
+// step) or whose states are in files takes nothing; a changed learning
+// rate, a loss scaler's verdict, a second call for the same parameter are
+// refused; a failure in the job comes out of step().
 TEST(HybridAdam, StepAheadEqualsStep) {
   auto a = make_params(kSizes, 5);
   auto b = clone_params(a);
@@ -739,11 +740,17 @@ TEST(HybridAdam, StepAheadEqualsStep) {
   };
   opt::HybridAdam plain(groups(a));
   opt::HybridAdam ahead(groups(b));
-  for (int step = 1; step <= 3; ++step) {
+  for (int step = 1; step <= 4; ++step) {
     const auto grads = make_grads(a, step);
     set_grads(a, grads);
     set_grads(b, grads);
     plain.step();
+    if (step == 1) { // no states yet: the first step() creates them
+      EXPECT_EQ(ahead.step_ahead(b), 0u);
+      EXPECT_FALSE(ahead.stepped_ahead());
+      ahead.step();
+      continue;
+    }
     // Every other parameter, across both groups, in two calls.
     std::vector<std::string> events;
     std::vector<torch::Tensor> first = {b[0], b[2], b[4]};

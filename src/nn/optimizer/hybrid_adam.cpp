@@ -372,10 +372,14 @@ size_t HybridAdam::step_ahead(
     if (!p.grad().defined()) {
       continue; // not part of any step
     }
-    // All or nothing: a GPU's parameter, or states kept in files, leave
-    // the whole call to step(). Which states go to files step() decides,
-    // in group order (the first that fit, as ColossalAI chooses them).
-    if (!p.is_cpu()) {
+    // All or nothing: a GPU's parameter, one without states yet, or one
+    // whose states are kept in files leaves the whole call to step(). The
+    // first step creates the states (on the stepping thread, not the
+    // backward's) and decides which go to files, in group order (the first
+    // that fit, as ColossalAI chooses them).
+    if (!p.is_cpu() ||
+        state_.count(compat::optimizer_state_key<
+                     std::remove_reference_t<decltype(state_)>>(p)) == 0) {
       return 0;
     }
     const auto record = impl_->records.find(p.unsafeGetTensorImpl());

@@ -180,7 +180,8 @@ class HybridAdam : public torch::optim::Optimizer,
   /// and leaves their parameters out. They use each group's options as
   /// they are now: step() refuses a group whose options changed since.
   /// Parameters without a gradient are not part of the step. Where one of
-  /// the others lies on a GPU or keeps its states in files
+  /// the others lies on a GPU, has no states yet (before its first step,
+  /// which creates them) or keeps its states in files
   /// (nvme_offload_fraction), none is taken: all are left to step(). Not
   /// for a step a loss scaler may skip (skip_step_if). Returns the number
   /// of parameters taken. A plugin's `overlap_host_step` calls it as each shard's
