@@ -11,6 +11,11 @@
 #                                  # fused ops alone, GPT-2 medium and
 #                                  # Llama 3.2 1B ours against PyTorch eager,
 #                                  # profiles; ROUNDS (default 3) GPT-2 rounds
+#   tests/gpu/short.sh scale OUT [MODEL]
+#                                  # 7B-class fine-tuning (bench/gpu/run.sh
+#                                  # --scale): Gemini static with and without
+#                                  # overlap_host_step, MODEL (default
+#                                  # llama3-8b), 3 timed steps each
 #
 # Each writes its logs and JSON under /tmp/gpu-<stage>, a tarball of them
 # and its summary into OUT, and prints the summary last.
@@ -20,7 +25,7 @@ cd "$(dirname "$0")/../.." || exit 1
 stage=${1:-}
 out=${2:-}
 if [ -z "$stage" ] || [ -z "$out" ]; then
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 mkdir -p "$out"
@@ -51,8 +56,19 @@ case "$stage" in
     summary=$dir/report.md
     tail -30 "$dir/bench-gpu.log"
     ;;
+  scale)
+    model=${3:-llama3-8b}
+    PYTHON=python3 BUILD_DIR=build-gpu timeout -k 10 540 bench/gpu/run.sh --out-dir "$dir" \
+      --rounds 0 --scale "$model" --scale-args "--steps 3 --warmup 1 --split-steps 1" \
+      --only "^scale_${model}_(gemini_static|gemini_static_overlap)\$" \
+      > "$dir/bench-gpu.log" 2>&1
+    rc=$?
+    [ -f "$dir/scale.md" ] || python3 bench/gpu/scale_report.py "$dir" >/dev/null 2>&1
+    summary=$dir/scale.md
+    tail -30 "$dir/bench-gpu.log"
+    ;;
   *)
-    echo "tests/gpu/short.sh: the stage is tests or bench, got $stage" >&2
+    echo "tests/gpu/short.sh: the stage is tests, bench or scale, got $stage" >&2
     exit 2
     ;;
 esac
