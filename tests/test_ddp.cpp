@@ -177,6 +177,66 @@ TEST(TorchDDP, OneBucketPlanner) {
       (Plan{{4, 3, 2}, {1, 0}}));
 }
 
+// A bucket whose launch starts no collective (one rank) completes in the
+// hook that finished it with complete_local_at_once (what the sharded
+// engines set, so a host shard's update can start there: NOTE [Host steps
+// overlap the backward]); without it, it waits until max_in_flight later
+// launches push it out, or until the backward finalizes. A refusal in
+// before_backward leaves the bucketer as it was.
+TEST(GradBucketer, LocalBucketsCompleteAtOnceWhereAsked) {
+  namespace cd = colossalai::distributed;
+  struct Recorder : cd::BucketHandler {
+    std::vector<std::string> events;
+    bool refuse = false;
+    void before_backward() override {
+      TORCH_CHECK(!refuse, "refused");
+    }
+    void fill(size_t, bool) override {}
+    cd::Work launch(size_t b) override {
+      events.push_back("launch " + std::to_string(b));
+      return cd::Work(); // one rank: no collective
+    }
+    void complete(size_t b) override {
+      events.push_back("complete " + std::to_string(b));
+    }
+    void on_finalized(bool) override {
+      events.push_back("finalized");
+    }
+  };
+  for (bool at_once : {false, true}) {
+    SCOPED_TRACE(at_once);
+    Recorder handler;
+    cd::GradBucketerOptions o;
+    o.ordered = false;
+    o.max_in_flight = 2;
+    o.complete_local_at_once = at_once;
+    // The backward reaches c (bucket 2) first, then b, then a.
+    auto c = torch::ones({2}, torch::requires_grad());
+    auto b = torch::ones({2}, torch::requires_grad());
+    auto a = torch::ones({2}, torch::requires_grad());
+    auto bucketer = std::make_shared<cd::GradBucketer>(
+        3, std::vector<std::vector<size_t>>{{0}, {1}, {2}}, &handler, o);
+    size_t bad = 0;
+    ASSERT_TRUE(bucketer->attach_hooks({a, b, c}, &bad));
+    auto loss = ((c * 3).sum() * 2 + b.sum()) * 2 + a.sum();
+    loss.backward();
+    const std::vector<std::string> at_once_order = {
+        "launch 2", "complete 2", "launch 1", "complete 1",
+        "launch 0", "complete 0", "finalized"};
+    // The third launch pushes the first out; finalize completes the rest.
+    const std::vector<std::string> bounded_order = {
+        "launch 2", "launch 1", "launch 0", "complete 2",
+        "complete 1", "complete 0", "finalized"};
+    EXPECT_EQ(handler.events, at_once ? at_once_order : bounded_order);
+    handler.events.clear();
+    handler.refuse = true;
+    auto again = (a + b + c).sum();
+    EXPECT_THROW(again.backward(), c10::Error);
+    EXPECT_FALSE(bucketer->in_backward());
+    EXPECT_TRUE(handler.events.empty());
+  }
+}
+
 TEST(TorchDDP, MatchesSingleProcessTwoRanks) {
   run_distributed(
       2, [](int rank, int world) { train_ddp_matches(rank, world, {}); });
