@@ -219,9 +219,11 @@ struct FullyShardedOptions {
   /// HybridAdam as soon as its reduced gradient has reached the host, on a
   /// background thread, and its device parameter shard uploaded on a side
   /// stream, while the device computes the rest of the backward; step()
-  /// then waits for them and updates the rest. The weights are those of
-  /// the step without it, bit for bit. Needs HybridAdam, no max_norm and
-  /// no fp16 loss scaling (both need every gradient before any update),
+  /// then waits for them and updates the rest. The update is step()'s
+  /// arithmetic, bit for bit where the same units are on the host (static
+  /// placement puts the last ones there with it). Needs HybridAdam, no
+  /// max_norm and no fp16 loss scaling (both need every gradient before
+  /// any update),
   /// one backward per step (no accumulation over backwards), and the
   /// learning rate set before the backward (step() refuses a changed one).
   TORCH_ARG(bool, overlap_host_step) = false;

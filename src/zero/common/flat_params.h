@@ -153,7 +153,9 @@ void accumulate_grad(
 // stream wait for the uploads, and updates the rest (the device's groups;
 // across ZeRO ranks the all-gathers, which must keep one order on every
 // rank). The arithmetic is step()'s on the same values, so the weights are
-// the same bit for bit; only the host's time moves into the backward. The
+// the same bit for bit where the same groups live on the host (Gemini's
+// static placement puts the last ones there with the option: the first
+// the backward completes); only the host's time moves into the backward. The
 // first step is not overlapped: it creates the optimizer's states (on the
 // stepping thread: zeroing them on the backward's would hold up the
 // device's queue, and on a CPU-only machine it would count them as

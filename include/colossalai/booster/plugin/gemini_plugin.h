@@ -87,7 +87,8 @@ struct GeminiPluginOptions {
   /// gradient has reached the host, on a background thread, and uploads
   /// its new weights while the device computes the rest of the backward;
   /// step() updates the rest. Static placement then puts the last chunks
-  /// on the host (the first the backward completes). The weights are the same bit for bit. Needs
+  /// on the host (the first the backward completes). The update is step()'s
+  /// arithmetic, bit for bit where the same chunks are on the host. Needs
   /// HybridAdam, max_norm 0, precision bf16 or fp32, one backward per step
   /// (not enable_gradient_accumulation), and the learning rate set before
   /// the backward.
