@@ -540,6 +540,24 @@ void expect_same_weights(
   }
 }
 
+// Auto placement of placement_model()'s chunks, with a small warm-up
+// share for non-model data.
+GO auto_placement() {
+  return GO(chunked(262144)
+                .placement_policy("auto")
+                .warmup_non_model_data_ratio(0.3)
+                .steady_cuda_cap_ratio(0.85));
+}
+
+// A capacity whose margin is about half the model states, from the
+// non-model memory `host` (auto placement, no margin) measured at its first
+// step (CPU or GPU alike).
+int64_t half_margin_capacity(const GeminiRun& host) {
+  const auto& h0 = host.steps.front();
+  return static_cast<int64_t>(
+      static_cast<double>(h0.peak_non_model + h0.host_model / 2) / 0.85);
+}
+
 } // namespace
 
 TEST(GeminiPlugin, ShardParamFracKeepsTheLastChunksGathered) {
@@ -862,17 +880,10 @@ TEST(GeminiPlugin, AutoPlacementMovesChunksIntoTheDeviceMargin) {
   run_distributed(2, [](int, int) {
     const int rank = colossalai::distributed::world_group()->rank();
     const auto cfg = placement_model();
-    const auto base = GO(chunked(262144)
-                             .placement_policy("auto")
-                             .warmup_non_model_data_ratio(0.3)
-                             .steady_cuda_cap_ratio(0.85));
+    const auto base = auto_placement();
     const auto host = train(GO(base), cfg, rank, 4, 1);
     const auto all = train(GO(base).gpu_margin_mem_ratio(1.0), cfg, rank, 4, 1);
-    // A capacity whose margin is about half the model states, from the
-    // non-model memory this device measured (CPU or GPU alike).
-    const auto& h0 = host.steps.front();
-    const auto capacity = static_cast<int64_t>(
-        static_cast<double>(h0.peak_non_model + h0.host_model / 2) / 0.85);
+    const auto capacity = half_margin_capacity(host);
     const auto some = train(
         GO(base).gpu_margin_mem_ratio(0.5).device_memory_capacity(capacity),
         cfg,
@@ -928,15 +939,10 @@ TEST(GeminiPlugin, OverlapHostStepFollowsAutoPlacementIntoTheMargin) {
   run_distributed(2, [](int, int) {
     const int rank = colossalai::distributed::world_group()->rank();
     const auto cfg = placement_model();
-    const auto base = GO(chunked(262144)
-                             .placement_policy("auto")
-                             .warmup_non_model_data_ratio(0.3)
-                             .steady_cuda_cap_ratio(0.85));
+    const auto base = auto_placement();
     // The capacity AutoPlacementMovesChunksIntoTheDeviceMargin takes.
-    const auto host = train(GO(base), cfg, rank, 4, 1);
-    const auto& h0 = host.steps.front();
-    const auto capacity = static_cast<int64_t>(
-        static_cast<double>(h0.peak_non_model + h0.host_model / 2) / 0.85);
+    const auto capacity =
+        half_margin_capacity(train(GO(base), cfg, rank, 4, 1));
     const auto some = GO(base).gpu_margin_mem_ratio(0.5).device_memory_capacity(
         capacity);
     const auto plain = train(GO(some), cfg, rank, 3, 1, true);
