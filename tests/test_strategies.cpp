@@ -146,20 +146,40 @@ std::pair<at::Tensor, at::Tensor> global_batch(int step, int world) {
   return zoo::random_tokens(kMicro * world, tiny(), 1000 + step);
 }
 
-// Full weights after kSteps under `plugin` (gathered where sharded).
+// Full weights after kSteps under `plugin` (gathered where sharded). At
+// step `raise_at` a first backward raises halfway (a hook on a parameter in
+// the middle of the model, on every rank), and the loop goes on as a
+// training loop that skips such a batch would: zero_grad, the step again.
 std::vector<at::Tensor> train(
     const Strategy& s,
     bool sgd,
     int rank,
-    int world) {
+    int world,
+    int raise_at = -1) {
   cb::Booster booster(cb::BoosterOptions().plugin(s.make()));
   auto model = make_model();
   auto boosted = booster.boost(model, make_opt(model, sgd));
+  bool raise = false;
+  const auto params = model->parameters();
+  params[params.size() / 2].register_hook([&raise](const at::Tensor& g) {
+    TORCH_CHECK(!raise, "a hook raised");
+    return g;
+  });
   for (int step = 0; step < kSteps; ++step) {
     auto b = global_batch(step, world);
     auto x = b.first.narrow(0, kMicro * rank, kMicro);
     auto y = b.second.narrow(0, kMicro * rank, kMicro);
     boosted.optimizer->zero_grad();
+    if (step == raise_at) {
+      raise = true;
+      const auto msg = colossalai::testing::error_of([&] {
+        booster.backward(
+            zoo::gpt_loss(boosted.model(x), y), *boosted.optimizer);
+      });
+      raise = false;
+      EXPECT_NE(msg.find("a hook raised"), std::string::npos) << msg;
+      boosted.optimizer->zero_grad();
+    }
     booster.backward(zoo::gpt_loss(boosted.model(x), y), *boosted.optimizer);
     boosted.optimizer->step();
   }
@@ -241,7 +261,32 @@ void every_strategy(int rank, int world) {
   }
 }
 
+// NOTE [A backward that raised]: a backward that raised halfway leaves
+// nothing behind that zero_grad does not clear. The hook raises after the
+// later half's gradients were bucketed (some collectives launched, some
+// completed, FSDP's units gathered for the backward), on every rank alike.
+void raised_backward_dropped(int rank, int world) {
+  colossalai::testing::deterministic_on_gpu();
+  for (const auto& s : strategies()) {
+    const auto plain = train(s, false, rank, world);
+    const auto raised = train(s, false, rank, world, 1);
+    ASSERT_EQ(plain.size(), raised.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_TRUE(at::equal(plain[i], raised[i]))
+          << s.name << ", world " << world << ": parameter " << i;
+    }
+  }
+}
+
 } // namespace
+
+TEST(Strategies, ARaisedBackwardIsDroppedOnOneRank) {
+  run_distributed(1, raised_backward_dropped);
+}
+
+TEST(Strategies, ARaisedBackwardIsDroppedOnTwoRanks) {
+  run_distributed(2, raised_backward_dropped);
+}
 
 TEST(Strategies, AllMatchOnOneRank) {
   run_distributed(1, every_strategy);

@@ -4,6 +4,7 @@
 
 #include <torch/csrc/autograd/engine.h>
 
+#include <functional>
 #include <map>
 #include <tuple>
 
@@ -115,19 +116,58 @@ bool GradBucketer::sole_owner_of_hooks() const {
   return true;
 }
 
+namespace {
+
+// Held by a backward's finalize callback: tells its bucketer when the
+// engine dropped the callback unrun (NOTE [A backward that raised]).
+struct FinalizeToken {
+  std::function<void()> on_dropped;
+  bool ran = false;
+  ~FinalizeToken() {
+    if (!ran) {
+      on_dropped();
+    }
+  }
+};
+
+} // namespace
+
 void GradBucketer::begin_backward() {
+  if (abandoned()) {
+    recover_abandoned();
+  }
   if (in_backward_) {
     return;
   }
   handler_->before_backward();
   in_backward_ = true;
+  const uint64_t number = ++backwards_;
   std::weak_ptr<GradBucketer> weak = shared_from_this();
-  torch::autograd::Engine::get_default_engine().queue_callback([weak]() {
+  auto token = std::make_shared<FinalizeToken>();
+  token->on_dropped = [weak, number] {
     if (auto self = weak.lock()) {
-      self->finalize();
+      self->abandoned_.store(number);
     }
-  });
+  };
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [weak, token]() {
+        token->ran = true;
+        if (auto self = weak.lock()) {
+          self->finalize();
+        }
+      });
   handler_->on_backward_begin();
+}
+
+void GradBucketer::recover_abandoned() {
+  for (size_t b : in_flight_) {
+    try {
+      buckets_[b].work.wait();
+    } catch (const std::exception&) {
+      // Its result is dropped; a broken group fails the next collective.
+    }
+  }
+  reset();
 }
 
 void GradBucketer::ready(size_t param, bool used) {
@@ -145,6 +185,9 @@ void GradBucketer::ready(size_t param, bool used) {
 
 void GradBucketer::flush(const std::vector<char>& used) {
   TORCH_INTERNAL_ASSERT(used.size() == ready_.size());
+  if (abandoned()) {
+    recover_abandoned();
+  }
   TORCH_CHECK(!in_backward_, "gradient synchronisation inside a backward");
   const bool saved = sync_;
   sync_ = true;

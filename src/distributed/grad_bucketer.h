@@ -21,11 +21,24 @@
 // calling `complete`, and resets; an error anywhere resets too, so the next
 // backward starts clean. With sync off (no_sync), readiness is still
 // tracked (FSDP reshards on it) but nothing is filled or launched.
+//
+// NOTE [A backward that raised]
+// The autograd engine runs a backward's queued callbacks only when the
+// backward ends; one that raised (a hook's check, the device out of
+// memory) drops them unrun, so finalize never comes. The callback holds a
+// token that notices it was dropped unrun (abandoned), and the next
+// backward (or flush) first waits for the collectives the raised one
+// launched (a rank that raised at the same point as the others launched
+// the same ones), drops their results and resets, as torch's plain
+// autograd leaves a raised backward: what it accumulated stays until
+// zero_grad. Without this the next backward found half-full buckets.
 
 #include <colossalai/distributed/collectives.h>
 
 #include "../utils/grad_ready_hook.h"
 
+#include <atomic>
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <string>
@@ -145,8 +158,10 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   bool sync() const {
     return sync_;
   }
+  /// Inside a backward (not one that raised: NOTE [A backward that
+  /// raised]).
   bool in_backward() const {
-    return in_backward_;
+    return in_backward_ && !abandoned();
   }
   /// Inside finalize (buckets completing there were not overlapped).
   bool finalizing() const {
@@ -182,6 +197,12 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   void complete_oldest();
   void finalize();
   void reset();
+  /// The backward under way raised: its finalize will never run.
+  bool abandoned() const {
+    return in_backward_ && abandoned_.load() == backwards_;
+  }
+  /// NOTE [A backward that raised]: waits for its collectives and resets.
+  void recover_abandoned();
 
   BucketHandler* handler_;
   GradBucketerOptions options_;
@@ -198,6 +219,10 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   std::deque<size_t> in_flight_;
   size_t overlapped_ = 0;
   size_t overlapped_last_ = 0;
+  uint64_t backwards_ = 0; // backwards begun
+  // The number of the last backward whose finalize was dropped unrun (set
+  // from whichever thread frees the engine's graph task); 0: none.
+  std::atomic<uint64_t> abandoned_{0};
 };
 
 } // namespace distributed

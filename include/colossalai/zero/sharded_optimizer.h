@@ -176,16 +176,16 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// overlap_host_step (NOTE [Host steps overlap the backward]): the
   /// HybridAdam that takes host groups' updates ahead, once what it needs
   /// is checked (HybridAdam, no max_norm, no loss scaling); `plugin` names
-  /// the option's owner in the errors.
+  /// the option's owner in the errors. `ahead` is where the strategy notes
+  /// the groups it hands over.
   std::shared_ptr<nn::optimizer::HybridAdam> host_step_ahead_optimizer(
-      const std::string& plugin) const;
+      const std::string& plugin,
+      std::shared_ptr<detail::StepsAhead> ahead);
   /// At the start of the strategy's step: waits for the updates taken
   /// ahead, makes `device`'s stream wait for their uploads, counts them
   /// (groups_stepped_ahead), and returns the groups whose device copies
   /// the uploads refreshed. Nothing without overlap_host_step.
-  std::vector<size_t> finish_steps_ahead(
-      detail::StepsAhead& ahead,
-      const at::Device& device);
+  std::vector<size_t> finish_steps_ahead(const at::Device& device);
 
   const std::vector<detail::FlatParams*>& flat_groups() const {
     return groups_;
@@ -223,6 +223,11 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   /// Refuses `what` while host shards were updated ahead of the coming
   /// step (NOTE [Host steps overlap the backward]).
   void check_none_stepped_ahead(const char* what) const;
+  /// After a backward that raised once host shards were updated ahead:
+  /// waits for those updates and their uploads (the step stays refused).
+  void settle_raised_steps_ahead();
+  /// Before loading states over them: settles and forgets those updates.
+  void drop_raised_steps_ahead();
 
   ShardedOptimizerOptions options_;
   std::unique_ptr<amp::DynamicLossScaler> scaler_;
@@ -239,6 +244,7 @@ class ShardedOptimizer : public interface::OptimizerWrapper {
   at::Tensor local_found_inf_;
   int64_t published_during_step_ = 0;
   int64_t groups_stepped_ahead_ = 0;
+  std::shared_ptr<detail::StepsAhead> steps_ahead_; // overlap_host_step
 };
 
 } // namespace zero

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
 
 #include <algorithm>
 #include <cmath>
@@ -447,6 +448,14 @@ void HybridAdam::wait_ahead() {
 
 bool HybridAdam::stepped_ahead() const {
   return !impl_->ahead.empty();
+}
+
+void HybridAdam::drop_ahead() {
+  const auto forget = c10::make_scope_exit([this] {
+    impl_->ahead.clear();
+    impl_->ahead_options.clear();
+  });
+  wait_ahead();
 }
 
 bool HybridAdam::skips_step_on_device() const {

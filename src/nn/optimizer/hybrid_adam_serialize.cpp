@@ -56,7 +56,22 @@ std::vector<HybridAdamParamState*> fetch_states(
 
 } // namespace
 
+namespace {
+
+void check_not_mid_step(const HybridAdam& optimizer, const char* what) {
+  TORCH_CHECK(
+      !optimizer.stepped_ahead(),
+      "HybridAdam::",
+      what,
+      ": between step_ahead and step(), some parameters' states already "
+      "hold the coming step (a plugin's overlap_host_step takes them during "
+      "the backward): call it after step()");
+}
+
+} // namespace
+
 void HybridAdam::save(torch::serialize::OutputArchive& archive) const {
+  check_not_mid_step(*this, "save");
   // The archive gets the offloaded states too; they are read for the
   // duration of the save and dropped again (the files stay current).
   auto& self = const_cast<HybridAdam&>(*this);
@@ -72,6 +87,7 @@ void HybridAdam::save(torch::serialize::OutputArchive& archive) const {
 }
 
 void HybridAdam::load(torch::serialize::InputArchive& archive) {
+  check_not_mid_step(*this, "load");
   // Loaded states are in memory; the next step writes offloaded ones out.
   torch::optim::serialize<HybridAdamParamState, HybridAdamOptions>(
       archive, *this);

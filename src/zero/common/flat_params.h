@@ -167,8 +167,14 @@ void accumulate_grad(
 // before_backward); options changed after the backward would not reach
 // the groups already updated (HybridAdam::step refuses them); zero_grad
 // and clipping between the backward and step() come too late for those
-// groups (ShardedOptimizer refuses them). On a CPU-only machine the "device"
-// and the host are the same cores, and nothing is gained.
+// groups (ShardedOptimizer refuses them). A backward that raised after some
+// groups were taken (NOTE [A backward that raised]) leaves a step that can
+// be neither finished (the other gradients are incomplete) nor taken back:
+// ShardedOptimizer::backward waits for the updates and uploads taken before
+// it rethrows, so nothing runs in the background any more, and everything
+// but loading the optimizer's states (a checkpoint) is refused by name. On
+// a CPU-only machine the "device" and the host are the same cores, and
+// nothing is gained.
 
 /// NOTE [Host steps overlap the backward]: a strategy's groups updated
 /// ahead of the coming step, and where their uploads to the device land.
@@ -179,6 +185,15 @@ class StepsAhead {
   /// On the backward's thread: group k was handed to the optimizer.
   void note_taken(size_t k) {
     taken_.push_back(k);
+    ended_ = false;
+  }
+  /// In the strategy's finalize: the backward that took them ended.
+  void note_backward_end() {
+    ended_ = true;
+  }
+  /// Groups were taken by a backward that raised before its end.
+  bool raised() const {
+    return pending() && !ended_;
   }
   /// On the optimizer's thread: group k's device copy lands at `landed`.
   void add_upload(size_t k, utils::StreamPoint landed) {
@@ -206,8 +221,17 @@ class StepsAhead {
     taken_.clear();
     return uploaded;
   }
-  /// Forgets all (a step that failed).
+  /// After the optimizer's wait_ahead: blocks the host until every upload
+  /// landed (no copy left in flight), keeping all.
+  void settle() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& upload : uploads_) {
+      upload.second.synchronize();
+    }
+  }
+  /// Settles, then forgets all (a step that failed, or was dropped).
   void clear() {
+    settle();
     const std::lock_guard<std::mutex> lock(mu_);
     uploads_.clear();
     taken_.clear();
@@ -215,6 +239,7 @@ class StepsAhead {
 
  private:
   std::vector<size_t> taken_; // backward's thread, then step()
+  bool ended_ = false;
   std::mutex mu_;
   std::vector<std::pair<size_t, utils::StreamPoint>> uploads_;
 };
@@ -243,6 +268,17 @@ inline constexpr const char* kSecondBackwardAhead =
     "first one's host shards were already updated for the coming step. "
     "Call step() after every backward, or turn overlap_host_step off to "
     "accumulate gradients over several backwards";
+
+/// NOTE [Host steps overlap the backward]: why everything but loading the
+/// optimizer's states is refused after a backward that raised once host
+/// shards were updated ahead.
+inline constexpr const char* kRaisedBackwardAhead =
+    "overlap_host_step: the last backward raised after some host shards had "
+    "been updated for the coming step, and the other gradients are "
+    "incomplete: that step can be neither finished nor taken back. Load the "
+    "model and the optimizer from a checkpoint to go on (booster.load_model, "
+    "booster.load_optimizer), or turn overlap_host_step off where a loop "
+    "skips the batches whose backward raised";
 
 /// Starts the all-gather of every rank's `shard` into the padded `full`
 /// (no collective when the layout has one rank: a copy).

@@ -86,7 +86,14 @@ void ShardedOptimizer::backward(const at::Tensor& loss, bool retain) {
       loss.numel() == 1,
       "backward: the loss must be a scalar, got shape ",
       loss.sizes());
-  scale_loss(loss).backward({}, retain);
+  try {
+    scale_loss(loss).backward({}, retain);
+  } catch (...) {
+    // NOTE [Host steps overlap the backward]: nothing may go on updating
+    // or uploading in the background behind the caller's back.
+    settle_raised_steps_ahead();
+    throw;
+  }
 }
 
 at::Tensor ShardedOptimizer::scale_loss(const at::Tensor& loss) {
@@ -427,7 +434,9 @@ std::string ShardedOptimizer::sharded_graph_blocker(
 }
 
 std::shared_ptr<nn::optimizer::HybridAdam> ShardedOptimizer::
-    host_step_ahead_optimizer(const std::string& plugin) const {
+    host_step_ahead_optimizer(
+        const std::string& plugin,
+        std::shared_ptr<detail::StepsAhead> ahead) {
   auto hybrid = std::dynamic_pointer_cast<nn::optimizer::HybridAdam>(optim_);
   TORCH_CHECK(
       hybrid != nullptr,
@@ -450,17 +459,21 @@ std::shared_ptr<nn::optimizer::HybridAdam> ShardedOptimizer::
       "ends, and fp16 loss scaling skips a step whose gradients overflowed, "
       "known only then. Use precision bf16 or fp32, or turn "
       "overlap_host_step off");
+  TORCH_INTERNAL_ASSERT(ahead != nullptr);
+  steps_ahead_ = std::move(ahead);
   return hybrid;
 }
 
 std::vector<size_t> ShardedOptimizer::finish_steps_ahead(
-    detail::StepsAhead& ahead,
     const at::Device& device) {
   groups_stepped_ahead_ = 0;
   auto* hybrid = dynamic_cast<nn::optimizer::HybridAdam*>(optim_.get());
-  if (hybrid == nullptr || !ahead.pending()) {
+  if (hybrid == nullptr || steps_ahead_ == nullptr ||
+      !steps_ahead_->pending()) {
     return {};
   }
+  auto& ahead = *steps_ahead_;
+  TORCH_CHECK(!ahead.raised(), "step(): ", detail::kRaisedBackwardAhead);
   const auto clear = c10::make_scope_exit([&ahead] { ahead.clear(); });
   hybrid->wait_ahead();
   groups_stepped_ahead_ = static_cast<int64_t>(ahead.count());
@@ -468,6 +481,11 @@ std::vector<size_t> ShardedOptimizer::finish_steps_ahead(
 }
 
 void ShardedOptimizer::check_none_stepped_ahead(const char* what) const {
+  TORCH_CHECK(
+      steps_ahead_ == nullptr || !steps_ahead_->raised(),
+      what,
+      ": ",
+      detail::kRaisedBackwardAhead);
   const auto* hybrid =
       dynamic_cast<const nn::optimizer::HybridAdam*>(optim_.get());
   TORCH_CHECK(
@@ -477,6 +495,29 @@ void ShardedOptimizer::check_none_stepped_ahead(const char* what) const {
       "host shards were already updated with the gradients as they were; "
       "call it before the backward's end (e.g. zero_grad before the "
       "forward), or turn overlap_host_step off");
+}
+
+void ShardedOptimizer::settle_raised_steps_ahead() {
+  if (steps_ahead_ == nullptr || !steps_ahead_->raised()) {
+    return;
+  }
+  auto* hybrid = dynamic_cast<nn::optimizer::HybridAdam*>(optim_.get());
+  try {
+    hybrid->wait_ahead();
+  } catch (const std::exception&) {
+    // The backward's own error is the one to report; the step that would
+    // have shown this one is refused anyway.
+  }
+  steps_ahead_->settle();
+}
+
+void ShardedOptimizer::drop_raised_steps_ahead() {
+  if (steps_ahead_ == nullptr || !steps_ahead_->raised()) {
+    return;
+  }
+  settle_raised_steps_ahead();
+  dynamic_cast<nn::optimizer::HybridAdam&>(*optim_).drop_ahead();
+  steps_ahead_->clear();
 }
 
 bool ShardedOptimizer::one_rank() const {
@@ -641,6 +682,7 @@ void ShardedOptimizer::load_full_state(
     int64_t id,
     const checkpoint_io::StateDict& state,
     const std::string& file) {
+  drop_raised_steps_ahead(); // the states loaded replace that step's
   check_none_stepped_ahead("loading the optimizer's states");
   int64_t n = 0;
   at::Tensor param;

@@ -138,7 +138,7 @@ FullyShardedOptimizer::FullyShardedOptimizer(
 
 void FullyShardedOptimizer::overlap_host_step() {
   std::weak_ptr<nn::optimizer::HybridAdam> weak_optimizer =
-      host_step_ahead_optimizer("GeminiPlugin");
+      host_step_ahead_optimizer("GeminiPlugin", state_->ahead);
   std::weak_ptr<FsdpState> weak_state = state_;
   state_->step_ahead = [weak_optimizer, weak_state](size_t k) {
     auto optimizer = weak_optimizer.lock();
@@ -158,7 +158,7 @@ void FullyShardedOptimizer::step() {
       !st.in_backward() && !st.in_forward,
       "FSDP: step() during forward or backward");
   st.placement->begin_step();
-  for (size_t k : finish_steps_ahead(*st.ahead, st.device)) {
+  for (size_t k : finish_steps_ahead(st.device)) {
     st.placement->refreshed_ahead(k); // after_step skips them
   }
   if (st.placement->margin_pending()) {

@@ -217,7 +217,9 @@ at::Tensor FsdpState::exit_scope(size_t s, const at::Tensor& output) {
 }
 
 void FsdpState::before_backward() {
-  TORCH_CHECK(!ahead->pending(), kSecondBackwardAhead);
+  TORCH_CHECK(
+      !ahead->pending(),
+      ahead->raised() ? kRaisedBackwardAhead : kSecondBackwardAhead);
 }
 
 void FsdpState::pre_backward(size_t s) {
@@ -305,6 +307,7 @@ void FsdpState::complete(size_t bucket) {
 
 void FsdpState::on_finalized(bool /*synced*/) {
   host_copies.wait(); // the step reads the host gradient shards next
+  ahead->note_backward_end();
   if (reshard_at_rest()) {
     for (size_t k = 0; k < units.size(); ++k) {
       reshard(k); // includes units prefetched but never used

@@ -258,11 +258,15 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   }
 
   void before_backward() override {
-    TORCH_CHECK(!ahead->pending(), detail::kSecondBackwardAhead);
+    TORCH_CHECK(
+        !ahead->pending(),
+        ahead->raised() ? detail::kRaisedBackwardAhead
+                        : detail::kSecondBackwardAhead);
   }
 
   void on_finalized(bool /*synced*/) override {
     host_copies.wait(); // the step reads the host gradient shards next
+    ahead->note_backward_end();
   }
 
   void on_reset() override {
@@ -401,7 +405,7 @@ void LowLevelZeroOptimizer::overlap_host_step() {
       "LowLevelZeroPlugin: overlap_host_step needs cpu_offload (without "
       "it no master slice lives on the host)");
   std::weak_ptr<nn::optimizer::HybridAdam> weak_optimizer =
-      host_step_ahead_optimizer("LowLevelZeroPlugin");
+      host_step_ahead_optimizer("LowLevelZeroPlugin", impl_->ahead);
   std::weak_ptr<Impl> weak_impl = impl_;
   impl_->step_ahead = [weak_optimizer, weak_impl](size_t k) {
     auto optimizer = weak_optimizer.lock();
@@ -430,7 +434,7 @@ void LowLevelZeroOptimizer::step() {
   }
   if (!impl_->buckets.empty()) {
     const auto device = impl_->buckets.front().working.device();
-    for (size_t k : finish_steps_ahead(*impl_->ahead, device)) {
+    for (size_t k : finish_steps_ahead(device)) {
       impl_->buckets[k].published = true; // gather() skips it
     }
   }

@@ -153,6 +153,7 @@ class HybridAdam : public torch::optim::Optimizer,
   HybridAdam(HybridAdam&&);
 
   torch::Tensor step(LossClosure closure = nullptr) override;
+  /// Both refused between step_ahead and step() (half a step).
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
@@ -195,6 +196,11 @@ class HybridAdam : public torch::optim::Optimizer,
   void wait_ahead();
   /// Whether step_ahead took any parameter since the last step().
   bool stepped_ahead() const;
+  /// Waits for every update step_ahead queued and forgets them: the next
+  /// step() updates every parameter with a gradient again. For a step that
+  /// will not come (a backward that raised midway), before states are
+  /// loaded over it; the parameters keep the updates already made.
+  void drop_ahead();
 
   /// Where every parameter with a gradient lies on one device: on the CPU
   /// (the host step reads the verdict there, for free), or on a GPU with
