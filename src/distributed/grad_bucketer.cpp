@@ -58,12 +58,20 @@ std::vector<std::vector<size_t>> plan_buckets(
   return buckets;
 }
 
+namespace {
+
+// Identifies a bucketer's hooks (an address could be a dead bucketer's).
+std::atomic<uint64_t> next_bucketer_id{1};
+
+} // namespace
+
 GradBucketer::GradBucketer(
     size_t num_params,
     std::vector<std::vector<size_t>> buckets,
     BucketHandler* handler,
     GradBucketerOptions options)
-    : handler_(handler),
+    : id_(next_bucketer_id++),
+      handler_(handler),
       options_(options),
       bucket_of_(num_params, -1),
       ready_(num_params, 0) {
@@ -90,7 +98,7 @@ bool GradBucketer::attach_hooks(
     if (bucket_of_[i] < 0) {
       continue;
     }
-    auto acc = utils::on_grad_accumulated(params[i], [weak, i]() {
+    auto acc = utils::on_grad_accumulated(params[i], id_, [weak, i]() {
       if (auto self = weak.lock()) {
         self->ready(i);
       }

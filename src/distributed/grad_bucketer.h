@@ -31,7 +31,11 @@
 // launched (a rank that raised at the same point as the others launched
 // the same ones), drops their results and resets, as torch's plain
 // autograd leaves a raised backward: what it accumulated stays until
-// zero_grad. Without this the next backward found half-full buckets.
+// zero_grad. Without this the next backward found half-full buckets. The
+// tasks the raised backward left queued keep the accumulators they name
+// alive until the next backward on that thread, so hooks put back
+// meanwhile (FSDP's summon_full_params) find them: a hook is installed once
+// per accumulator (utils::on_grad_accumulated's owner).
 
 #include <colossalai/distributed/collectives.h>
 
@@ -204,6 +208,7 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   /// NOTE [A backward that raised]: waits for its collectives and resets.
   void recover_abandoned();
 
+  const uint64_t id_; // tags its hooks (utils::on_grad_accumulated)
   BucketHandler* handler_;
   GradBucketerOptions options_;
   std::vector<Bucket> buckets_;

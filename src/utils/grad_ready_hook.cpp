@@ -10,7 +10,11 @@ namespace {
 
 class GradReadyHook : public torch::autograd::FunctionPostHook {
  public:
-  explicit GradReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  GradReadyHook(uint64_t owner, std::function<void()> fn)
+      : owner_(owner), fn_(std::move(fn)) {}
+  uint64_t owner() const {
+    return owner_;
+  }
   torch::autograd::variable_list operator()(
       const torch::autograd::variable_list& outputs,
       const torch::autograd::variable_list& /*inputs*/) override {
@@ -19,6 +23,7 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
   }
 
  private:
+  uint64_t owner_;
   std::function<void()> fn_;
 };
 
@@ -26,11 +31,19 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
 
 GradAccumulatorPtr on_grad_accumulated(
     const at::Tensor& param,
+    uint64_t owner,
     std::function<void()> fn) {
   auto acc = torch::autograd::impl::grad_accumulator(param);
-  if (acc != nullptr) {
-    acc->add_post_hook(std::make_unique<GradReadyHook>(std::move(fn)));
+  if (acc == nullptr) {
+    return acc;
   }
+  for (const auto& hook : acc->post_hooks()) {
+    const auto* ours = dynamic_cast<const GradReadyHook*>(hook.get());
+    if (ours != nullptr && ours->owner() == owner) {
+      return acc; // installed before, on the same accumulator
+    }
+  }
+  acc->add_post_hook(std::make_unique<GradReadyHook>(owner, std::move(fn)));
   return acc;
 }
 

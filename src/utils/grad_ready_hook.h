@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -22,10 +23,15 @@ using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(
 /// Installs `fn` as a post-hook of `param`'s gradient accumulator and
 /// returns the accumulator, which the caller must keep alive (the parameter
 /// holds it only weakly). Returns null when `param` is not a leaf that
-/// requires grad. (The accumulator's post-hook, not 2.x's
+/// requires grad. An accumulator that already carries a hook of `owner`
+/// (an id unique to the caller) gets no second one: something else (a
+/// live autograd graph, the tasks a backward that raised left queued) may
+/// keep an accumulator alive across a re-installation, which would then
+/// report twice. (The accumulator's post-hook, not 2.x's
 /// register_post_accumulate_grad_hook: the same place, on every version.)
 GradAccumulatorPtr on_grad_accumulated(
     const at::Tensor& param,
+    uint64_t owner,
     std::function<void()> fn);
 
 } // namespace utils
