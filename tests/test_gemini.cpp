@@ -144,6 +144,13 @@ cz::FullyShardedModel* engine_of(Boosted& boosted) {
 
 using GO = cb::plugin::GeminiPluginOptions;
 
+// HybridAdam at lr 1e-3, the AdamW the tests compare with.
+std::shared_ptr<colossalai::nn::optimizer::HybridAdam> hybrid_adam(
+    zoo::GPT& model) {
+  return std::make_shared<colossalai::nn::optimizer::HybridAdam>(
+      model->parameters(), colossalai::nn::optimizer::HybridAdamOptions(1e-3));
+}
+
 cb::plugin::GeminiPluginOptions chunked(int64_t chunk_size) {
   return cb::plugin::GeminiPluginOptions().precision("fp32").chunk_size(
       chunk_size);
@@ -482,8 +489,7 @@ GeminiRun train(
   zoo::GPT model(cfg);
   std::shared_ptr<torch::optim::Optimizer> optimizer;
   if (hybrid) {
-    optimizer = std::make_shared<colossalai::nn::optimizer::HybridAdam>(
-        model->parameters(), colossalai::nn::optimizer::HybridAdamOptions(1e-3));
+    optimizer = hybrid_adam(model);
   } else {
     optimizer = std::make_shared<torch::optim::AdamW>(
         model->parameters(), torch::optim::AdamWOptions(1e-3));
@@ -762,15 +768,12 @@ TEST(GeminiPlugin, OverlapHostStepRefusesWhatItCannotServe) {
     // What a loop may do between the backward and step(), each on a fresh
     // run: the host chunks were already updated with the gradients and the
     // options as they were, so each is refused by name.
-    using colossalai::nn::optimizer::HybridAdam;
     auto between = [&](const std::string& expect, auto&& act) {
       auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(base);
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
       torch::manual_seed(0);
       zoo::GPT model(tiny());
-      auto hybrid = std::make_shared<HybridAdam>(
-          model->parameters(),
-          colossalai::nn::optimizer::HybridAdamOptions(1e-3));
+      auto hybrid = hybrid_adam(model);
       auto boosted = booster.boost(model, hybrid);
       auto b = zoo::random_tokens(2, tiny(), 0);
       for (int s = 0; s < 2; ++s) { // the first step creates the states
@@ -826,7 +829,6 @@ TEST(GeminiPlugin, OverlapHostStepRefusesWhatItCannotServe) {
 // for bit as without the failure (the same chunks on the host in both).
 TEST(GeminiPlugin, OverlapHostStepRefusesTheStepOfABackwardThatRaised) {
   run_distributed(1, [](int, int) {
-    using colossalai::nn::optimizer::HybridAdam;
     const colossalai::testing::ScratchDir dir("colossalai_gemini_raised");
     auto train = [&](bool raise) {
       auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
@@ -834,9 +836,7 @@ TEST(GeminiPlugin, OverlapHostStepRefusesTheStepOfABackwardThatRaised) {
       cb::Booster booster(cb::BoosterOptions().plugin(plugin));
       torch::manual_seed(0);
       zoo::GPT model(tiny());
-      auto hybrid = std::make_shared<HybridAdam>(
-          model->parameters(),
-          colossalai::nn::optimizer::HybridAdamOptions(1e-3));
+      auto hybrid = hybrid_adam(model);
       auto boosted = booster.boost(model, hybrid);
       bool fail = false;
       const auto params = model->parameters();

@@ -7,6 +7,7 @@
 #include <colossalai/lora/lora_model.h>
 #include <colossalai/quantization/quantize_model.h>
 
+#include "../distributed/grad_bucketer.h"
 #include "../utils/host_memory.h"
 
 #include <algorithm>
@@ -321,7 +322,12 @@ void Booster::save_lora_as_pretrained(
 void Booster::backward(
     const at::Tensor& loss,
     interface::OptimizerWrapper& optimizer) {
-  optimizer.backward(loss);
+  try {
+    optimizer.backward(loss);
+  } catch (...) {
+    distributed::GradBucketer::settle_raised_backward();
+    throw;
+  }
 }
 
 pipeline::PipelineOutput Booster::execute_pipeline(

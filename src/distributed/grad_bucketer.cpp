@@ -4,8 +4,10 @@
 
 #include <torch/csrc/autograd/engine.h>
 
+#include <chrono>
 #include <functional>
 #include <map>
+#include <thread>
 #include <tuple>
 
 namespace colossalai {
@@ -126,15 +128,24 @@ bool GradBucketer::sole_owner_of_hooks() const {
 
 namespace {
 
+// Finalize callbacks queued and not yet freed with their graph task.
+std::atomic<int64_t> live_tokens{0};
+
 // Held by a backward's finalize callback: tells its bucketer when the
 // engine dropped the callback unrun (NOTE [A backward that raised]).
 struct FinalizeToken {
   std::function<void()> on_dropped;
   bool ran = false;
+  FinalizeToken() {
+    ++live_tokens;
+  }
+  FinalizeToken(const FinalizeToken&) = delete;
+  FinalizeToken& operator=(const FinalizeToken&) = delete;
   ~FinalizeToken() {
     if (!ran) {
       on_dropped();
     }
+    --live_tokens;
   }
 };
 
@@ -165,6 +176,16 @@ void GradBucketer::begin_backward() {
         }
       });
   handler_->on_backward_begin();
+}
+
+void GradBucketer::settle_raised_backward() {
+  // The autograd thread that ran the raised backward's last task may free
+  // its graph task (and the token) a moment after the caller saw the error.
+  const auto until =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  while (live_tokens.load() > 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 void GradBucketer::recover_abandoned() {

@@ -24,18 +24,22 @@
 //
 // NOTE [A backward that raised]
 // The autograd engine runs a backward's queued callbacks only when the
-// backward ends; one that raised (a hook's check, the device out of
-// memory) drops them unrun, so finalize never comes. The callback holds a
-// token that notices it was dropped unrun (abandoned), and the next
-// backward (or flush) first waits for the collectives the raised one
-// launched (a rank that raised at the same point as the others launched
-// the same ones), drops their results and resets, as torch's plain
-// autograd leaves a raised backward: what it accumulated stays until
-// zero_grad. Without this the next backward found half-full buckets. The
-// tasks the raised backward left queued keep the accumulators they name
-// alive until the next backward on that thread, so hooks put back
-// meanwhile (FSDP's summon_full_params) find them: a hook is installed once
-// per accumulator (utils::on_grad_accumulated's owner).
+// backward ends; one that raised (a hook's check, the device out of memory)
+// drops them unrun, so finalize never comes. The callback holds a token that
+// notices it was dropped unrun (abandoned), and the next backward (or flush)
+// first waits for the collectives the raised one launched (a rank that
+// raised at the same point as the others launched the same ones), drops
+// their results and resets, as torch's plain autograd leaves a raised
+// backward: what it accumulated stays until zero_grad. Without this the next
+// backward found half-full buckets. The token fires when the engine frees
+// the raised backward's graph task, which the autograd thread that ran its
+// last task may do a moment after the caller saw the error:
+// Booster::backward waits for that before it rethrows
+// (settle_raised_backward), so that a quick next backward is not taken for
+// the raised one. The tasks it left queued keep the accumulators they name
+// alive until the next backward on that thread, so hooks put back meanwhile
+// (FSDP's summon_full_params) find them: a hook is installed once per
+// accumulator (utils::on_grad_accumulated's owner).
 
 #include <colossalai/distributed/collectives.h>
 
@@ -150,6 +154,11 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   void ready(size_t param, bool used = true);
   /// Starts a backward without a gradient (FSDP's pre-backward hook).
   void begin_backward();
+  /// After a backward raised, on the caller's thread: waits (at most half a
+  /// second) until the engine freed every graph task holding a bucketer's
+  /// finalize, so that the next backward is told apart from the raised one
+  /// (NOTE [A backward that raised]). Booster::backward calls it.
+  static void settle_raised_backward();
 
   void set_sync(bool sync) {
     sync_ = sync;
