@@ -189,6 +189,9 @@ void GradBucketer::settle_raised_backward() {
 }
 
 void GradBucketer::recover_abandoned() {
+  // Forgotten, or a flush (in_backward_ without a backward number of its
+  // own) would be taken for the raised backward again.
+  abandoned_.store(0);
   for (size_t b : in_flight_) {
     try {
       buckets_[b].work.wait();

@@ -35,6 +35,33 @@ std::string error_of(const std::function<void()>& fn) {
   return "";
 }
 
+std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  out.reserve(params.size());
+  for (const auto& p : params) {
+    out.push_back(p.detach().cpu().clone());
+  }
+  return out;
+}
+
+std::vector<size_t> differing(
+    const std::vector<at::Tensor>& want,
+    const std::vector<at::Tensor>& got) {
+  std::vector<size_t> out;
+  const size_t n = std::min(want.size(), got.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (want[i].sizes() != got[i].sizes() ||
+        want[i].scalar_type() != got[i].scalar_type() ||
+        !at::equal(host(want[i]), host(got[i]))) {
+      out.push_back(i);
+    }
+  }
+  if (want.size() != got.size()) {
+    out.push_back(n);
+  }
+  return out;
+}
+
 std::string temp_dir(const std::string& prefix) {
   namespace fs = std::filesystem;
   auto dir = fs::temp_directory_path() /

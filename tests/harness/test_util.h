@@ -86,6 +86,16 @@ inline std::vector<at::Tensor> host(const std::vector<at::Tensor>& ts) {
   return out;
 }
 
+/// Detached copies of `params` on the host: one run's weights, to compare
+/// with another's.
+std::vector<at::Tensor> snapshot(const std::vector<at::Tensor>& params);
+/// The positions at which `got` differs from `want` in any bit (shape,
+/// dtype or value), with one past the shorter where the counts differ:
+/// EXPECT_EQ(differing(a, b), std::vector<size_t>{}).
+std::vector<size_t> differing(
+    const std::vector<at::Tensor>& want,
+    const std::vector<at::Tensor>& got);
+
 /// Mean squared error whose target follows the output to its device, as the
 /// boosted criterion's does: a test's CPU batch against a boosted model's
 /// output on the rank's device.
