@@ -52,8 +52,8 @@
 # seq 4096 with every layer checkpointed, one run per setup: ours with
 # Gemini's static placement (the host share its memory formula needs), the
 # same with overlap_host_step (the host chunks' HybridAdam steps during the
-# backward), with auto placement and gpu_margin_mem_ratio 0.8, with ZeRO-2
-# cpu_offload (and with overlap_host_step), and
+# backward), with auto placement and gpu_margin_mem_ratio 0.8 (and with
+# overlap_host_step), with ZeRO-2 cpu_offload (and with overlap_host_step), and
 # with ZeRO-2 all on the device (16 bytes a parameter with bf16 gradient
 # shards: LLaMA-2-7B's 108 GB fit an H200) (bench_gpu_scale_step), and
 # PyTorch FSDP2 +
@@ -306,6 +306,7 @@ scale_variants=(
   "gemini_static|cpp|--setup gemini_static"
   "gemini_static_overlap|cpp|--setup gemini_static --overlap-host-step 1"
   "gemini_auto|cpp|--setup gemini_auto --gpu-margin-mem-ratio 0.8"
+  "gemini_auto_overlap|cpp|--setup gemini_auto --gpu-margin-mem-ratio 0.8 --overlap-host-step 1"
   "zero2_offload|cpp|--setup zero2_offload"
   "zero2_offload_overlap|cpp|--setup zero2_offload --overlap-host-step 1"
   "zero2|cpp|--setup zero2"
