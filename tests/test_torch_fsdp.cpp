@@ -16,6 +16,7 @@
 #include <colossalai/checkpoint_io/safetensors.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/initialize.h>
+#include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/utils/compat.h>
 
 #include <harness/multiprocess.h>
@@ -756,6 +757,57 @@ TEST(TorchFSDP, BadOptionsAreClearErrors) {
         },
         "not in the boosted model");
   });
+}
+
+// NOTE [Host steps overlap the backward]: with cpu_offload every unit's
+// shard is on the host, so HybridAdam takes every unit during the backward
+// (from the second step: the first creates the states), and the weights are
+// those of the same training without the option, bit for bit. Without
+// cpu_offload the option is refused by name.
+TEST(TorchFSDP, OverlapHostStepWithCpuOffload) {
+  for (int n : {1, 2}) {
+    run_distributed(n, [](int rank, int world) {
+      auto train = [&](bool overlap) {
+        Case c;
+        c.offload = true;
+        auto plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
+            options_for(c).overlap_host_step(overlap));
+        cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+        auto model = make_model();
+        auto hybrid = std::make_shared<colossalai::nn::optimizer::HybridAdam>(
+            model->parameters(),
+            colossalai::nn::optimizer::HybridAdamOptions(1e-3).weight_decay(
+                0.01));
+        auto boosted = booster.boost(model, hybrid);
+        auto& sharded = dynamic_cast<cz::ShardedOptimizer&>(*boosted.optimizer);
+        for (int s = 0; s < 3; ++s) {
+          auto b = local_batch(s, rank, world);
+          boosted.optimizer->zero_grad();
+          booster.backward(
+              zoo::gpt_loss(boosted.model(b.first), b.second),
+              *boosted.optimizer);
+          EXPECT_EQ(hybrid->stepped_ahead(), overlap && s > 0);
+          boosted.optimizer->step();
+          EXPECT_EQ(
+              sharded.groups_stepped_ahead(),
+              overlap && s > 0 ? static_cast<int64_t>(tiny().n_layer() + 1)
+                               : 0)
+              << "step " << s; // a unit per block and the root's
+        }
+        return colossalai::testing::snapshot(full_params(boosted.model));
+      };
+      EXPECT_EQ(
+          colossalai::testing::differing(train(false), train(true)),
+          std::vector<size_t>{})
+          << world << " ranks";
+      const auto msg = colossalai::testing::error_of([] {
+        cb::plugin::TorchFSDPPlugin plugin(
+            cb::plugin::TorchFSDPPluginOptions().overlap_host_step(true));
+      });
+      EXPECT_NE(msg.find("overlap_host_step"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("cpu_offload"), std::string::npos) << msg;
+    });
+  }
 }
 
 // Ignored modules keep their parameters whole; everything else is sharded.

@@ -12,6 +12,14 @@ TorchFSDPPlugin::TorchFSDPPlugin(TorchFSDPPluginOptions options)
       options_.hybrid_shard_size() >= 0,
       "TorchFSDPPlugin: hybrid_shard_size must be >= 0, got ",
       options_.hybrid_shard_size());
+  // NOTE [Host steps overlap the backward]: the engine refuses another
+  // optimizer than HybridAdam and fp16's loss scaler at boost.
+  TORCH_CHECK(
+      !options_.overlap_host_step() || options_.cpu_offload() ||
+          options_.placement().offload_optim_fraction() > 0,
+      "TorchFSDPPlugin: overlap_host_step updates the shards that live on "
+      "the host during the backward, and without cpu_offload none does. Set "
+      "cpu_offload or turn overlap_host_step off");
   if (options_.process_group()) {
     dp_group_ = options_.process_group();
   } else {
