@@ -77,7 +77,6 @@ std::shared_ptr<colossalai::nn::optimizer::HybridAdam> hybrid_adam(MLP& m) {
       m->parameters(), opt::HybridAdamOptions(1e-2).weight_decay(0.01));
 }
 
-
 std::shared_ptr<torch::optim::AdamW> adamw(MLP& m) {
   return std::make_shared<torch::optim::AdamW>(
       m->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
@@ -1058,7 +1057,6 @@ TEST(LowLevelZero, OneRankGradientShardsHoldTheModelsGradients) {
   });
 }
 
-
 // NOTE [Host steps overlap the backward]: a backward that raised after
 // some buckets were updated ahead leaves a step that can be neither
 // finished nor taken back. Everything but loading a checkpoint is refused
@@ -1130,4 +1128,5 @@ TEST(LowLevelZero, OverlapHostStepRefusesTheStepOfABackwardThatRaised) {
         colossalai::testing::differing(train(false), train(true)),
         std::vector<size_t>{});
   });
+  std::filesystem::remove_all(ckpt_dir());
 }
