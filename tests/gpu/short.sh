@@ -34,6 +34,20 @@ dir=/tmp/gpu-$stage
 rm -rf "$dir"
 mkdir -p "$dir"
 
+# bench/gpu/run.sh ARGS... in a 540 s box, then REPORT (bench/gpu/REPORT_SCRIPT
+# writes it) and the log's tail; sets rc and summary.
+bench_stage() {
+  local script=$1 report=$2
+  shift 2
+  PYTHON=python3 BUILD_DIR=build-gpu timeout -k 10 540 bench/gpu/run.sh --out-dir "$dir" \
+    "$@" > "$dir/bench-gpu.log" 2>&1
+  rc=$?
+  # A run stopped by the time box leaves its results without a report.
+  [ -f "$dir/$report" ] || python3 "bench/gpu/$script" "$dir" >/dev/null 2>&1
+  summary=$dir/$report
+  tail -30 "$dir/bench-gpu.log"
+}
+
 case "$stage" in
   tests)
     # test_cuda always runs; these are the programs whose GPU paths are
@@ -46,26 +60,14 @@ case "$stage" in
     ;;
   bench)
     rounds=${3:-3}
-    PYTHON=python3 BUILD_DIR=build-gpu timeout -k 10 540 bench/gpu/run.sh --out-dir "$dir" \
-      --rounds "$rounds" --steps 10 --llama-rounds 1 \
-      --only '^(ops|ours_zero1_bf16|ours_zero1_bf16_graph|ours_fused|torch|torch_fused|llama_ours_fused|llama_ours_fused_recompute|llama_ours_fused_cast_each|llama_ours_fused_graph|llama_ours_fused_sdpa_cudnn|llama_ours_zero1_bf16|llama_torch_fused|profile_ours_zero1_bf16|profile_llama_ours_fused)$' \
-      > "$dir/bench-gpu.log" 2>&1
-    rc=$?
-    # A run stopped by the time box leaves its results without a report.
-    [ -f "$dir/report.md" ] || python3 bench/gpu/report.py "$dir" >/dev/null 2>&1
-    summary=$dir/report.md
-    tail -30 "$dir/bench-gpu.log"
+    bench_stage report.py report.md --rounds "$rounds" --steps 10 --llama-rounds 1 \
+      --only '^(ops|ours_zero1_bf16|ours_zero1_bf16_graph|ours_fused|torch|torch_fused|llama_ours_fused|llama_ours_fused_recompute|llama_ours_fused_cast_each|llama_ours_fused_graph|llama_ours_fused_sdpa_cudnn|llama_ours_zero1_bf16|llama_torch_fused|profile_ours_zero1_bf16|profile_llama_ours_fused)$'
     ;;
   scale)
     model=${3:-llama3-8b}
-    PYTHON=python3 BUILD_DIR=build-gpu timeout -k 10 540 bench/gpu/run.sh --out-dir "$dir" \
+    bench_stage scale_report.py scale.md \
       --rounds 0 --scale "$model" --scale-args "--steps 3 --warmup 1 --split-steps 1" \
-      --only "^scale_${model}_(gemini_static|gemini_static_overlap)\$" \
-      > "$dir/bench-gpu.log" 2>&1
-    rc=$?
-    [ -f "$dir/scale.md" ] || python3 bench/gpu/scale_report.py "$dir" >/dev/null 2>&1
-    summary=$dir/scale.md
-    tail -30 "$dir/bench-gpu.log"
+      --only "^scale_${model}_(gemini_static|gemini_static_overlap)\$"
     ;;
   *)
     echo "tests/gpu/short.sh: the stage is tests, bench or scale, got $stage" >&2
