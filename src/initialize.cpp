@@ -383,6 +383,7 @@ void launch(const LaunchOptions& o) {
   rt.gloo_device = staging->gloo_device;
   rt.world = staging->world;
   rt.group_name_uses = staging->group_name_uses;
+  rt.groups = staging->groups;
   rt.initialized = true;
 }
 
@@ -470,6 +471,7 @@ void destroy() {
   rt.store.reset();
   rt.gloo_device.reset();
   rt.group_name_uses.clear();
+  rt.groups.clear();
   rt.initialized = false;
 }
 

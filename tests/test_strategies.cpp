@@ -27,6 +27,8 @@
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
+#include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/error.h>
 #include <colossalai/initialize.h>
 
 #include <harness/multiprocess.h>
@@ -146,38 +148,65 @@ std::pair<at::Tensor, at::Tensor> global_batch(int step, int world) {
   return zoo::random_tokens(kMicro * world, tiny(), 1000 + step);
 }
 
-// Full weights after kSteps under `plugin` (gathered where sharded). At
-// step `raise_at` a first backward raises halfway (a hook on a parameter in
-// the middle of the model, on every rank), and the loop goes on as a
-// training loop that skips such a batch would: zero_grad, the step again.
+// A first backward at step `step` raises halfway, from a hook on parameter
+// `where[rank]` of model->parameters() (`where[0]` when there is none for
+// the rank), on the ranks listed (every rank: none listed). The loop goes on
+// as a training loop that skips such a batch would: zero_grad, the step
+// again. `booster` false: the raised backward is the loss's own, not
+// Booster::backward.
+struct Raise {
+  int step = -1;
+  std::vector<size_t> where{kMiddle};
+  std::vector<int> ranks;
+  bool booster = true;
+  static constexpr size_t kMiddle = static_cast<size_t>(-1);
+};
+
+// Full weights after kSteps under `plugin` (gathered where sharded), with
+// the backward that `raise` says raising.
 std::vector<at::Tensor> train(
     const Strategy& s,
     bool sgd,
     int rank,
     int world,
-    int raise_at = -1) {
+    const Raise& raise = {}) {
   cb::Booster booster(cb::BoosterOptions().plugin(s.make()));
   auto model = make_model();
   auto boosted = booster.boost(model, make_opt(model, sgd));
-  bool raise = false;
+  bool raising = false;
   const auto params = model->parameters();
-  params[params.size() / 2].register_hook([&raise](const at::Tensor& g) {
-    TORCH_CHECK(!raise, "a hook raised");
-    return g;
-  });
+  const size_t where = raise.where.size() > static_cast<size_t>(rank)
+      ? raise.where[rank]
+      : raise.where[0];
+  params[where == Raise::kMiddle ? params.size() / 2 : where].register_hook(
+      [&raising](const at::Tensor& g) {
+        TORCH_CHECK(!raising, "a hook raised");
+        return g;
+      });
+  const bool raises_here = raise.ranks.empty() ||
+      std::count(raise.ranks.begin(), raise.ranks.end(), rank) > 0;
   for (int step = 0; step < kSteps; ++step) {
     auto b = global_batch(step, world);
     auto x = b.first.narrow(0, kMicro * rank, kMicro);
     auto y = b.second.narrow(0, kMicro * rank, kMicro);
     boosted.optimizer->zero_grad();
-    if (step == raise_at) {
-      raise = true;
-      const auto msg = colossalai::testing::error_of([&] {
-        booster.backward(
-            zoo::gpt_loss(boosted.model(x), y), *boosted.optimizer);
-      });
-      raise = false;
-      EXPECT_NE(msg.find("a hook raised"), std::string::npos) << msg;
+    if (step == raise.step && raises_here) {
+      raising = true;
+      try {
+        auto loss = zoo::gpt_loss(boosted.model(x), y);
+        if (raise.booster) {
+          booster.backward(loss, *boosted.optimizer);
+        } else {
+          loss.backward();
+        }
+        ADD_FAILURE() << "the backward did not raise";
+      } catch (const colossalai::distributed::DistributedError&) {
+        throw; // the ranks did not raise alike: the run is over
+      } catch (const std::exception& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find("a hook raised"), std::string::npos) << msg;
+      }
+      raising = false;
       // FSDP's full parameters (a checkpoint's save or load) put its
       // gradient hooks back while the raised backward's leftovers may
       // still hold the accumulators: one report per backward all the same.
@@ -276,12 +305,67 @@ void every_strategy(int rank, int world) {
 void raised_backward_dropped(int rank, int world) {
   colossalai::testing::deterministic_on_gpu();
   for (const auto& s : strategies()) {
-    EXPECT_EQ(
-        colossalai::testing::differing(
-            train(s, false, rank, world), train(s, false, rank, world, 1)),
-        std::vector<size_t>{})
-        << s.name << ", world " << world;
+    for (bool through_booster : {true, false}) {
+      Raise raise;
+      raise.step = 1;
+      raise.booster = through_booster;
+      EXPECT_EQ(
+          colossalai::testing::differing(
+              train(s, false, rank, world),
+              train(s, false, rank, world, raise)),
+          std::vector<size_t>{})
+          << s.name << ", world " << world
+          << (through_booster ? "" : ", the loss's own backward");
+    }
   }
+}
+
+// NOTE [A backward that raised on some ranks]: a backward raised on rank 0
+// alone (raise.ranks), or on both ranks after different collectives
+// (raise.where); every rank then fails with a DistributedError, none goes
+// on with gradients paired across two backwards, and the group refuses
+// what comes next by name.
+void raised_unlike(const std::string& strategy, const Raise& raise) {
+  colossalai::testing::MultiProcessOptions o;
+  o.collective_timeout_seconds = 2; // what the raised rank waits for
+  o.final_barrier = false;          // the group is broken, by design
+  run_distributed(
+      2,
+      [&](int rank, int world) {
+        const auto all = strategies();
+        const auto s = std::find_if(all.begin(), all.end(), [&](auto& x) {
+          return x.name == strategy;
+        });
+        ASSERT_NE(s, all.end());
+        std::string msg;
+        try {
+          train(*s, false, rank, world, raise);
+          ADD_FAILURE() << strategy << ": rank " << rank << " went on";
+        } catch (const colossalai::distributed::DistributedError& e) {
+          msg = e.what();
+        }
+        const bool raised = raise.ranks.empty() || raise.ranks.front() == rank;
+        if (raised) {
+          EXPECT_NE(msg.find("a hook raised"), std::string::npos) << msg;
+          EXPECT_NE(
+              msg.find(
+                  raise.ranks.empty() ? "after different numbers"
+                                      : "1 of the group's 2 ranks did not"),
+              std::string::npos)
+              << msg;
+          const auto refused = colossalai::testing::error_of([] {
+            colossalai::distributed::barrier(
+                *colossalai::distributed::world_group())
+                .wait();
+          });
+          EXPECT_NE(refused.find("barrier refused"), std::string::npos)
+              << refused;
+        } else {
+          // Its collectives wait for ones rank 0 never issues.
+          EXPECT_NE(msg.find("failed"), std::string::npos) << msg;
+        }
+      },
+      o);
 }
 
 } // namespace
@@ -292,6 +376,31 @@ TEST(Strategies, ARaisedBackwardIsDroppedOnOneRank) {
 
 TEST(Strategies, ARaisedBackwardIsDroppedOnTwoRanks) {
   run_distributed(2, raised_backward_dropped);
+}
+
+TEST(Strategies, ABackwardRaisedOnOneRankFailsEveryRank) {
+  Raise raise;
+  raise.step = 1;
+  raise.ranks = {0};
+  for (const char* s : {"ddp", "zero2", "fsdp_blocks", "gemini_offload"}) {
+    SCOPED_TRACE(s);
+    raised_unlike(s, raise);
+  }
+}
+
+TEST(Strategies, BackwardsRaisedAtDifferentPointsFailEveryRank) {
+  // Rank 0 raises before any bucket is full, rank 1 after the first one
+  // launched and before it waits on any (two may be in flight). Rank 1
+  // raising later waits in a collective rank 0 never issues (as it does
+  // where the backward gathers parameters, FSDP and Gemini): the case above.
+  Raise raise;
+  raise.step = 1;
+  const size_t n = zoo::GPT(tiny())->parameters().size();
+  raise.where = {n - 2, n - 6};
+  for (const char* s : {"zero1", "zero2"}) {
+    SCOPED_TRACE(s);
+    raised_unlike(s, raise);
+  }
 }
 
 TEST(Strategies, AllMatchOnOneRank) {

@@ -324,8 +324,23 @@ void Booster::backward(
     interface::OptimizerWrapper& optimizer) {
   try {
     optimizer.backward(loss);
+  } catch (const distributed::DistributedError& e) {
+    // The group is broken already: nothing to agree on.
+    distributed::GradBucketer::settle_raised_backward();
+    distributed::GradBucketer::recover_raised_backward(
+        distributed::error_text(e), /*agree=*/false);
+    throw;
+  } catch (const std::exception& e) {
+    // NOTE [A backward that raised on some ranks]: a DistributedError
+    // replaces the error where the other ranks did not raise alike.
+    distributed::GradBucketer::settle_raised_backward();
+    distributed::GradBucketer::recover_raised_backward(
+        distributed::error_text(e));
+    throw;
   } catch (...) {
     distributed::GradBucketer::settle_raised_backward();
+    distributed::GradBucketer::recover_raised_backward(
+        "an exception of unknown type");
     throw;
   }
 }

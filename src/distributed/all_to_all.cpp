@@ -14,6 +14,7 @@ Work all_to_all(
     const ProcessGroup& group,
     std::vector<int64_t> output_splits,
     std::vector<int64_t> input_splits) {
+  Issue issue(group, "all_to_all");
   check_dense(output, "all_to_all", "output");
   check_dense(input, "all_to_all", "input");
   if (auto w = via_carried(

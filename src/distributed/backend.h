@@ -8,8 +8,10 @@
 #include "../utils/compat_c10d.h"
 #include "shm_channel.h"
 
+#include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 namespace colossalai {
@@ -23,6 +25,16 @@ struct Transport {
   compat::BackendPtr backend;
   std::shared_ptr<ShmChannel> shm;
   TransportInfo info;
+  // The group's own keys in the rendezvous store (out of band: usable while
+  // the group's collectives are stuck).
+  c10::intrusive_ptr<::c10d::Store> store;
+  // NOTE [A backward that raised on some ranks]: collectives the caller
+  // issued on the group, agreements made on it, and why it may not go on.
+  mutable std::atomic<uint64_t> issued{0};
+  mutable std::atomic<uint64_t> agreements{0};
+  mutable std::atomic<bool> broken{false};
+  mutable std::mutex broken_mutex;
+  mutable std::string broken_reason;
 };
 
 inline compat::Backend& backend(const ProcessGroup& group) {

@@ -33,6 +33,49 @@ inline void count(const at::Tensor& t, const ProcessGroup& g) {
   g.add_bytes_communicated(n);
 }
 
+// NOTE [A backward that raised on some ranks] (raised_backward.h) compares
+// how many collectives each rank issued on a group. Each call of the public
+// API counts once, on the caller's thread; the operations it is made of (a
+// replacement's phases, a carried copy's, one replayed on the channel's
+// thread, one a Work's wait starts) do not, so ranks that made the same
+// calls count alike whatever their paths and timing.
+inline thread_local int g_issue_depth = 0;
+
+/// Throws the reason a group may not go on, once it has one.
+void check_usable(const ProcessGroup& g, const char* op);
+
+class Issue {
+ public:
+  Issue(const ProcessGroup& g, const char* op) {
+    if (g_issue_depth == 0) {
+      const auto& t = g.transport_handle();
+      check_usable(g, op);
+      if (t.shm == nullptr || !t.shm->on_channel_thread()) {
+        t.issued.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    ++g_issue_depth;
+  }
+  ~Issue() {
+    --g_issue_depth;
+  }
+  Issue(const Issue&) = delete;
+  Issue& operator=(const Issue&) = delete;
+};
+
+// Inside a Work's wait: what it starts is part of the operation it ends.
+class Nested {
+ public:
+  Nested() {
+    ++g_issue_depth;
+  }
+  ~Nested() {
+    --g_issue_depth;
+  }
+  Nested(const Nested&) = delete;
+  Nested& operator=(const Nested&) = delete;
+};
+
 inline bool gloo(const ProcessGroup& g) {
   return g.backend_type() == BackendType::kGloo;
 }

@@ -92,6 +92,7 @@ void Work::wait() {
   }
   // Finished exactly once: the state leaves the handle before anything runs.
   auto st = std::move(state_);
+  detail::Nested nested;
   try {
     if (st->work) {
       st->work->wait();
@@ -135,6 +136,7 @@ std::pair<int64_t, int64_t> shard_range(int64_t numel, int world, int rank) {
 }
 
 Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
+  Issue issue(group, "all_reduce");
   check_dense(tensor, "all_reduce", "input");
   if (foreign(group, tensor)) {
     auto c = carried(group, tensor, true);
@@ -192,6 +194,7 @@ Work all_reduce(at::Tensor& tensor, const ProcessGroup& group, ReduceOp op) {
 }
 
 Work broadcast(at::Tensor& tensor, int src, const ProcessGroup& group) {
+  Issue issue(group, "broadcast");
   check_dense(tensor, "broadcast", "input");
   if (foreign(group, tensor)) {
     auto c = carried(group, tensor, group.rank() == src);
@@ -235,6 +238,7 @@ Work all_gather(
     at::Tensor& output,
     const at::Tensor& input,
     const ProcessGroup& group) {
+  Issue issue(group, "all_gather");
   check_dense(output, "all_gather", "output");
   check_dense(input, "all_gather", "input");
   if (auto w = via_carried(
@@ -335,6 +339,7 @@ Work gather(
     const at::Tensor& input,
     int root,
     const ProcessGroup& group) {
+  Issue issue(group, "gather");
   check_dense(input, "gather", "input");
   if (auto w = via_carried(
           output,
@@ -405,6 +410,7 @@ Work send(
     int dst,
     const ProcessGroup& group,
     int tag) {
+  check_usable(group, "send");
   check_dense(tensor, "send", "input");
   if (foreign(group, tensor)) {
     auto c = carried(group, tensor, true);
@@ -427,6 +433,7 @@ Work send(
 }
 
 Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag) {
+  check_usable(group, "recv");
   check_dense(tensor, "recv", "output");
   if (foreign(group, tensor)) {
     auto c = carried(group, tensor, false);
@@ -494,6 +501,7 @@ at::Tensor recv_tensor(int src, const ProcessGroup& group, int tag) {
 }
 
 Work barrier(const ProcessGroup& group) {
+  Issue issue(group, "barrier");
   if (group.size() == 1) {
     return Work();
   }

@@ -1,12 +1,14 @@
 #include "grad_bucketer.h"
 
 #include "../utils/grad_ready_hook.h"
+#include "raised_backward.h"
 
 #include <torch/csrc/autograd/engine.h>
 
 #include <chrono>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <thread>
 #include <tuple>
 
@@ -131,6 +133,10 @@ namespace {
 // Finalize callbacks queued and not yet freed with their graph task.
 std::atomic<int64_t> live_tokens{0};
 
+// Bucketers whose backward raised, not yet recovered.
+std::mutex raised_mutex;
+std::vector<std::weak_ptr<GradBucketer>> raised_bucketers;
+
 // Held by a backward's finalize callback: tells its bucketer when the
 // engine dropped the callback unrun (NOTE [A backward that raised]).
 struct FinalizeToken {
@@ -153,7 +159,7 @@ struct FinalizeToken {
 
 void GradBucketer::begin_backward() {
   if (abandoned()) {
-    recover_abandoned();
+    recover_raised_backward("a backward that raised before this one");
   }
   if (in_backward_) {
     return;
@@ -165,6 +171,11 @@ void GradBucketer::begin_backward() {
   auto token = std::make_shared<FinalizeToken>();
   token->on_dropped = [weak, number] {
     if (auto self = weak.lock()) {
+      {
+        // Listed before it shows as abandoned: whoever sees that finds it.
+        std::lock_guard<std::mutex> lock(raised_mutex);
+        raised_bucketers.push_back(weak);
+      }
       self->abandoned_.store(number);
     }
   };
@@ -185,6 +196,42 @@ void GradBucketer::settle_raised_backward() {
       std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
   while (live_tokens.load() > 0 && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void GradBucketer::recover_raised_backward(
+    const std::string& cause,
+    bool agree) {
+  std::vector<std::weak_ptr<GradBucketer>> taken;
+  {
+    std::lock_guard<std::mutex> lock(raised_mutex);
+    taken.swap(raised_bucketers);
+  }
+  std::vector<std::shared_ptr<GradBucketer>> raised;
+  for (const auto& weak : taken) {
+    if (auto self = weak.lock()) {
+      raised.push_back(std::move(self));
+    }
+  }
+  if (raised.empty()) {
+    return;
+  }
+  if (agree) {
+    try {
+      detail::agree_after_raise(cause);
+    } catch (...) {
+      // Nothing dropped: they stay raised, and every later backward fails
+      // here again (the broken group refuses at once).
+      std::lock_guard<std::mutex> lock(raised_mutex);
+      raised_bucketers.insert(
+          raised_bucketers.end(), taken.begin(), taken.end());
+      throw;
+    }
+  }
+  for (const auto& self : raised) {
+    if (self->abandoned()) {
+      self->recover_abandoned();
+    }
   }
 }
 
@@ -218,7 +265,7 @@ void GradBucketer::ready(size_t param, bool used) {
 void GradBucketer::flush(const std::vector<char>& used) {
   TORCH_INTERNAL_ASSERT(used.size() == ready_.size());
   if (abandoned()) {
-    recover_abandoned();
+    recover_raised_backward("a backward that raised before this flush");
   }
   TORCH_CHECK(!in_backward_, "gradient synchronisation inside a backward");
   const bool saved = sync_;

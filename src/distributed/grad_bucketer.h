@@ -39,7 +39,9 @@
 // the raised one. The tasks it left queued keep the accumulators they name
 // alive until the next backward on that thread, so hooks put back meanwhile
 // (FSDP's summon_full_params) find them: a hook is installed once per
-// accumulator (utils::on_grad_accumulated's owner).
+// accumulator (utils::on_grad_accumulated's owner). Before anything is
+// dropped the ranks agree that theirs raised at the same point (NOTE [A
+// backward that raised on some ranks] in raised_backward.h).
 
 #include <colossalai/distributed/collectives.h>
 
@@ -159,6 +161,17 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   /// finalize, so that the next backward is told apart from the raised one
   /// (NOTE [A backward that raised]). Booster::backward calls it.
   static void settle_raised_backward();
+  /// After a backward raised: agrees with the other ranks that theirs
+  /// raised after the same collectives (NOTE [A backward that raised on
+  /// some ranks] in raised_backward.h), then drops what the raised backward
+  /// left in every bucketer. Throws DistributedError, with `cause` in its
+  /// message, where the ranks disagree: the run cannot go on. `agree` false
+  /// skips the agreement (the backward raised a DistributedError: the group
+  /// is broken already). Booster::backward calls it; otherwise the next
+  /// backward does, after whatever ran in between.
+  static void recover_raised_backward(
+      const std::string& cause,
+      bool agree = true);
 
   void set_sync(bool sync) {
     sync_ = sync;

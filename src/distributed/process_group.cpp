@@ -123,6 +123,7 @@ ProcessGroupPtr create_group(
   }
   auto transport = std::make_shared<Transport>();
   transport->backend = std::move(backend);
+  transport->store = store;
   TransportInfo& info = transport->info;
   if (group_size == 1) {
     info = {"local", "a group of one: every operation is a local copy", 0};
@@ -159,7 +160,7 @@ ProcessGroupPtr create_group(
     line << "]: " << info.name << " (" << info.reason << ")\n";
     std::cerr << line.str() << std::flush;
   }
-  return std::make_shared<ProcessGroup>(
+  auto group = std::make_shared<ProcessGroup>(
       std::move(transport),
       rt.backend,
       global_ranks,
@@ -167,6 +168,16 @@ ProcessGroupPtr create_group(
       name,
       rt.timeout,
       rt.device);
+  rt.groups.erase(
+      std::remove_if(
+          rt.groups.begin(),
+          rt.groups.end(),
+          [](const std::weak_ptr<const ProcessGroup>& g) {
+            return g.expired();
+          }),
+      rt.groups.end());
+  rt.groups.push_back(group);
+  return group;
 }
 
 } // namespace detail

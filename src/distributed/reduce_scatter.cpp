@@ -206,6 +206,7 @@ Work reduce_scatter(
     const at::Tensor& input,
     const ProcessGroup& group,
     ReduceOp op) {
+  Issue issue(group, "reduce_scatter");
   check_dense(output, "reduce_scatter", "output");
   check_dense(input, "reduce_scatter", "input");
   if (auto w = via_carried(

@@ -10,7 +10,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <map>
+#include <memory>
 #include <mutex>
+#include <vector>
 
 namespace colossalai {
 namespace distributed {
@@ -32,6 +34,9 @@ struct Runtime {
   std::shared_ptr<::gloo::transport::Device> gloo_device;
   ProcessGroupPtr world;
   std::map<std::string, int> group_name_uses; // makes store prefixes unique
+  // Every group this process created, in creation order (NOTE [A backward
+  // that raised on some ranks]).
+  std::vector<std::weak_ptr<const ProcessGroup>> groups;
 };
 
 Runtime& runtime();
