@@ -8,6 +8,7 @@
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/checkpoint_io/general_checkpoint_io.h>
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/error.h>
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
 #include <colossalai/pipeline/schedule.h>
@@ -321,6 +322,79 @@ TEST(Pipeline, LlamaMatchesOneProcessOnFourRanks) {
   run_distributed(4, [](int, int world) {
     check_setups<models::LlamaForCausalLM>(world, false);
   });
+}
+
+// A backward that raises in one stage only (a hook on its first trainable
+// parameter, at step 1) while the loop goes on past any error but a
+// DistributedError, as a loop that skips failed batches does: the stages'
+// sends, receives and collectives can no longer pair up, so no rank may
+// complete a step from then on; every rank ends in a DistributedError
+// within about the group timeout (none hangs: the harness's deadline).
+void raise_in_one_stage(int world, const HPO& options, int raising_rank) {
+  colossalai::testing::MultiProcessOptions o;
+  o.collective_timeout_seconds = 3;
+  o.final_barrier = false; // the groups are broken, by design
+  run_distributed(
+      world,
+      [&](int rank, int) {
+        auto plugin = std::make_shared<HybridParallelPlugin>(options);
+        cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+        auto model = make<models::GPT2LMHeadModel>();
+        auto boosted = booster.boost(
+            model,
+            colossalai::testing::make_optimizer(model->parameters(), true));
+        bool raising = false;
+        for (auto& p : model->parameters()) {
+          if (p.requires_grad()) { // held by this stage
+            p.register_hook([&raising](const at::Tensor& g) {
+              TORCH_CHECK(!raising, "a hook raised");
+              return g;
+            });
+            break;
+          }
+        }
+        const int64_t local = kGlobalBatch / plugin->dp_size();
+        int step = 0;
+        std::string error;
+        for (; step < kSteps; ++step) {
+          auto b = batch(step, model->config().vocab_size());
+          auto x = b.first.narrow(0, local * plugin->dp_rank(), local);
+          auto y = b.second.narrow(0, local * plugin->dp_rank(), local);
+          boosted.optimizer->zero_grad();
+          raising = step == 1 && rank == raising_rank;
+          try {
+            booster.execute_pipeline(
+                [&] {
+                  return cp::Batch{x, y};
+                },
+                boosted.model,
+                [&](const at::Tensor& logits, const cp::Batch& mb) {
+                  return model->loss(logits, mb[1]);
+                },
+                boosted.optimizer.get());
+            boosted.optimizer->step();
+            EXPECT_EQ(step, 0) << "rank " << rank << " completed step " << step;
+          } catch (const cd::DistributedError& e) {
+            error = e.what();
+            break;
+          } catch (const std::exception& e) {
+            EXPECT_EQ(rank, raising_rank) << e.what();
+            EXPECT_NE(
+                std::string(e.what()).find("a hook raised"), std::string::npos)
+                << e.what();
+          }
+          raising = false;
+        }
+        EXPECT_LT(step, kSteps) << "rank " << rank << " trained on";
+        EXPECT_NE(error.find("failed"), std::string::npos) << error;
+      },
+      o);
+}
+
+TEST(Pipeline, ABackwardRaisedInOneStageFailsEveryRank) {
+  raise_in_one_stage(2, base().pp_size(2), 0);
+  // Beside data parallelism (ZeRO-1 buckets), in a last stage.
+  raise_in_one_stage(4, base().pp_size(2).zero_stage(1), 3);
 }
 
 TEST(Pipeline, MisuseNamesTheOption) {

@@ -159,7 +159,7 @@ struct FinalizeToken {
 
 void GradBucketer::begin_backward() {
   if (abandoned()) {
-    recover_raised_backward("a backward that raised before this one");
+    recover_raised_backward("its error went to the caller");
   }
   if (in_backward_) {
     return;
@@ -265,7 +265,7 @@ void GradBucketer::ready(size_t param, bool used) {
 void GradBucketer::flush(const std::vector<char>& used) {
   TORCH_INTERNAL_ASSERT(used.size() == ready_.size());
   if (abandoned()) {
-    recover_raised_backward("a backward that raised before this flush");
+    recover_raised_backward("its error went to the caller");
   }
   TORCH_CHECK(!in_backward_, "gradient synchronisation inside a backward");
   const bool saved = sync_;
