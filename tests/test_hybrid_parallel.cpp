@@ -252,6 +252,67 @@ void check_setups(int world, bool sgd) {
   }
 }
 
+// NOTE [A backward that raised]: a backward raised halfway on every rank
+// alike (a hook on a parameter in the middle of the model, after the later
+// blocks' tensor-, sequence- and data-parallel collectives ran) is dropped
+// under HybridParallel too: zero_grad and the step again give the weights
+// of training without the raise, bit for bit.
+std::map<std::string, at::Tensor> train_raising(
+    const HPO& options,
+    bool raise) {
+  auto plugin = std::make_shared<HybridParallelPlugin>(options);
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  auto model = make<models::GPT2LMHeadModel>(false);
+  auto boosted = booster.boost(model, make_opt(model->parameters(), false));
+  bool raising = false;
+  const auto params = model->parameters();
+  params[params.size() / 2].register_hook([&raising](const at::Tensor& g) {
+    TORCH_CHECK(!raising, "a hook raised");
+    return g;
+  });
+  const int64_t micro = kGlobalBatch / plugin->dp_size();
+  for (int step = 0; step < kSteps; ++step) {
+    auto b = batch(step, model->config().vocab_size());
+    auto x = b.first.narrow(0, micro * plugin->dp_rank(), micro);
+    auto y = b.second.narrow(0, micro * plugin->dp_rank(), micro);
+    boosted.optimizer->zero_grad();
+    if (raise && step == 1) {
+      raising = true;
+      const auto msg = colossalai::testing::error_of([&] {
+        booster.backward(model->loss(boosted.model(x), y), *boosted.optimizer);
+      });
+      raising = false;
+      EXPECT_NE(msg.find("a hook raised"), std::string::npos) << msg;
+      boosted.optimizer->zero_grad();
+    }
+    booster.backward(model->loss(boosted.model(x), y), *boosted.optimizer);
+    boosted.optimizer->step();
+  }
+  return whole_weights(*model, plugin->shard_info());
+}
+
+void raised_backward_dropped(int world) {
+  run_distributed(world, [world](int, int) {
+    for (const auto& s : setups(world, false)) {
+      SCOPED_TRACE(s.name);
+      const auto want = train_raising(s.options, false);
+      const auto got = train_raising(s.options, true);
+      ASSERT_EQ(got.size(), want.size());
+      for (const auto& kv : want) {
+        EXPECT_TRUE(at::equal(got.at(kv.first), kv.second)) << kv.first;
+      }
+    }
+  });
+}
+
+TEST(HybridParallel, ARaisedBackwardIsDroppedOnTwoRanks) {
+  raised_backward_dropped(2);
+}
+
+TEST(HybridParallel, ARaisedBackwardIsDroppedOnFourRanks) {
+  raised_backward_dropped(4);
+}
+
 TEST(HybridParallel, Gpt2MatchesOneProcessOnTwoRanks) {
   run_distributed(2, [](int, int world) {
     check_setups<models::GPT2LMHeadModel>(world, true);
