@@ -8,6 +8,7 @@
 #include <colossalai/quantization/quantize_model.h>
 
 #include "../distributed/grad_bucketer.h"
+#include "../distributed/raised_backward.h"
 #include "../utils/host_memory.h"
 
 #include <algorithm>
@@ -319,28 +320,47 @@ void Booster::save_lora_as_pretrained(
   TORCH_CHECK(error.empty(), error);
 }
 
+namespace detail {
+
+uint64_t collectives_issued() {
+  return distributed::detail::collectives_issued();
+}
+
+void after_raised_pass(const char* pass, uint64_t issued) {
+  std::string cause;
+  bool broken = false; // a DistributedError: nothing left to agree on
+  try {
+    throw;
+  } catch (const distributed::DistributedError& e) {
+    cause = distributed::error_text(e);
+    broken = true;
+  } catch (const std::exception& e) {
+    cause = distributed::error_text(e);
+  } catch (...) {
+    cause = "an exception of unknown type";
+  }
+  const bool backward = std::string(pass) == "backward";
+  if (backward) {
+    distributed::GradBucketer::settle_raised_backward();
+  }
+  if (!broken && distributed::detail::collectives_issued() != issued) {
+    distributed::detail::agree_after_raise(pass, cause);
+  }
+  if (backward) {
+    distributed::GradBucketer::recover_raised_backward(cause, false);
+  }
+}
+
+} // namespace detail
+
 void Booster::backward(
     const at::Tensor& loss,
     interface::OptimizerWrapper& optimizer) {
+  const uint64_t issued = detail::collectives_issued();
   try {
     optimizer.backward(loss);
-  } catch (const distributed::DistributedError& e) {
-    // The group is broken already: nothing to agree on.
-    distributed::GradBucketer::settle_raised_backward();
-    distributed::GradBucketer::recover_raised_backward(
-        distributed::error_text(e), /*agree=*/false);
-    throw;
-  } catch (const std::exception& e) {
-    // NOTE [A backward that raised on some ranks]: a DistributedError
-    // replaces the error where the other ranks did not raise alike.
-    distributed::GradBucketer::settle_raised_backward();
-    distributed::GradBucketer::recover_raised_backward(
-        distributed::error_text(e));
-    throw;
   } catch (...) {
-    distributed::GradBucketer::settle_raised_backward();
-    distributed::GradBucketer::recover_raised_backward(
-        "an exception of unknown type");
+    detail::after_raised_pass("backward", issued);
     throw;
   }
 }

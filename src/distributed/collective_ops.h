@@ -40,6 +40,7 @@ inline void count(const at::Tensor& t, const ProcessGroup& g) {
 // thread, one a Work's wait starts) do not, so ranks that made the same
 // calls count alike whatever their paths and timing.
 inline thread_local int g_issue_depth = 0;
+inline std::atomic<uint64_t> g_issued{0}; // on every group
 
 /// Throws the reason a group may not go on, once it has one.
 void check_usable(const ProcessGroup& g, const char* op);
@@ -52,6 +53,7 @@ class Issue {
       check_usable(g, op);
       if (t.shm == nullptr || !t.shm->on_channel_thread()) {
         t.issued.fetch_add(1, std::memory_order_relaxed);
+        g_issued.fetch_add(1, std::memory_order_relaxed);
       }
     }
     ++g_issue_depth;

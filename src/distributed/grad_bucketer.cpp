@@ -5,6 +5,7 @@
 
 #include <torch/csrc/autograd/engine.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -166,6 +167,7 @@ void GradBucketer::begin_backward() {
   }
   handler_->before_backward();
   in_backward_ = true;
+  issued_at_begin_ = detail::collectives_issued();
   const uint64_t number = ++backwards_;
   std::weak_ptr<GradBucketer> weak = shared_from_this();
   auto token = std::make_shared<FinalizeToken>();
@@ -216,9 +218,15 @@ void GradBucketer::recover_raised_backward(
   if (raised.empty()) {
     return;
   }
-  if (agree) {
+  // One that raised before any collective since it began left nothing to
+  // pair up (NOTE [A backward that raised on some ranks]).
+  uint64_t began = detail::collectives_issued();
+  for (const auto& self : raised) {
+    began = std::min(began, self->issued_at_begin_);
+  }
+  if (agree && began != detail::collectives_issued()) {
     try {
-      detail::agree_after_raise(cause);
+      detail::agree_after_raise("backward", cause);
     } catch (...) {
       // Nothing dropped: they stay raised, and every later backward fails
       // here again (the broken group refuses at once).

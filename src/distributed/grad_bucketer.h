@@ -162,13 +162,15 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   /// (NOTE [A backward that raised]). Booster::backward calls it.
   static void settle_raised_backward();
   /// After a backward raised: agrees with the other ranks that theirs
-  /// raised after the same collectives (NOTE [A backward that raised on
-  /// some ranks] in raised_backward.h), then drops what the raised backward
-  /// left in every bucketer. Throws DistributedError, with `cause` in its
-  /// message, where the ranks disagree: the run cannot go on. `agree` false
-  /// skips the agreement (the backward raised a DistributedError: the group
-  /// is broken already). Booster::backward calls it; otherwise the next
-  /// backward does, after whatever ran in between.
+  /// raised after the same collectives, where it had issued any since it
+  /// began (NOTE [A backward that raised on some ranks] in
+  /// raised_backward.h), then drops what the raised backward left in every
+  /// bucketer. Throws DistributedError, with `cause` in its message, where
+  /// the ranks disagree: the run cannot go on. `agree` false skips the
+  /// agreement (the caller made it, or the backward raised a
+  /// DistributedError: the group is broken already). Booster::backward
+  /// calls it; otherwise the next backward does, after whatever ran in
+  /// between.
   static void recover_raised_backward(
       const std::string& cause,
       bool agree = true);
@@ -247,6 +249,8 @@ class GradBucketer : public std::enable_shared_from_this<GradBucketer> {
   size_t overlapped_ = 0;
   size_t overlapped_last_ = 0;
   uint64_t backwards_ = 0; // backwards begun
+  // detail::collectives_issued() when this backward began.
+  uint64_t issued_at_begin_ = 0;
   // The number of the last backward whose finalize was dropped unrun (set
   // from whichever thread frees the engine's graph task); 0: none.
   std::atomic<uint64_t> abandoned_{0};

@@ -40,14 +40,17 @@ namespace {
   throw DistributedError(text);
 }
 
-void agree_on(const ProcessGroup& g, const std::string& cause) {
+void agree_on(
+    const ProcessGroup& g,
+    const std::string& pass,
+    const std::string& cause) {
   const auto& t = g.transport_handle();
-  check_usable(g, "recovering from a backward that raised");
+  check_usable(g, ("recovering from a " + pass + " that raised").c_str());
   const uint64_t issued = t.issued.load();
   const std::string key =
       "raised_backward/" + std::to_string(++t.agreements) + "/";
   const std::string mine = key + "issued/" + std::to_string(issued);
-  const std::string raised = "a backward raised here (" + cause + ")";
+  const std::string raised = "a " + pass + " raised here (" + cause + ")";
   const auto deadline = std::chrono::steady_clock::now() + g.timeout();
   int64_t arrived = 0;
   int64_t alike = 0;
@@ -90,8 +93,8 @@ void agree_on(const ProcessGroup& g, const std::string& cause) {
             "one within " + std::to_string(g.timeout().count()) +
             " ms: their collectives wait for ones this rank never issued, " +
             "so the group's operations no longer pair up (skipping a " +
-            "batch whose backward raised works only where it raises on " +
-            "every rank alike)");
+            "batch whose " + pass + " raised works only where it raises " +
+            "on every rank alike)");
   }
   if (alike < g.size()) {
     fail(
@@ -105,7 +108,11 @@ void agree_on(const ProcessGroup& g, const std::string& cause) {
 
 } // namespace
 
-void agree_after_raise(const std::string& cause) {
+uint64_t collectives_issued() {
+  return g_issued.load();
+}
+
+void agree_after_raise(const std::string& pass, const std::string& cause) {
   std::vector<std::shared_ptr<const ProcessGroup>> groups;
   {
     auto& rt = runtime();
@@ -123,7 +130,7 @@ void agree_after_raise(const std::string& cause) {
   // In creation order, the same on every member (groups are created in
   // one order everywhere).
   for (const auto& g : groups) {
-    agree_on(*g, cause);
+    agree_on(*g, pass, cause);
   }
 }
 

@@ -32,6 +32,7 @@
 #include <torch/arg.h>
 #include <torch/nn/pimpl.h>
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -108,6 +109,16 @@ template <class T>
 std::shared_ptr<torch::nn::Module> as_module(const std::shared_ptr<T>& m) {
   return m;
 }
+
+/// Collectives this process has issued, on every group.
+uint64_t collectives_issued();
+/// In the catch block of a forward or backward (`pass`) that raised, with
+/// collectives_issued() from before it: where it had issued any, every
+/// rank must have raised after the same ones, or the run cannot go on and
+/// a DistributedError replaces the error (NOTE [A backward that raised on
+/// some ranks] in src/distributed/raised_backward.h); a backward's
+/// leftovers are then dropped.
+void after_raised_pass(const char* pass, uint64_t issued);
 } // namespace detail
 
 /// A boosted model, called with the user module's own forward signature: the
@@ -125,8 +136,15 @@ class BoostedModel {
 
   template <class... Args>
   auto operator()(Args&&... args) {
+    // Before the wrappers' pre-forward work, which may gather parameters.
+    const uint64_t issued = detail::collectives_issued();
     Scope scope(*wrapper_);
-    return module_->forward(prepare(std::forward<Args>(args))...);
+    try {
+      return module_->forward(prepare(std::forward<Args>(args))...);
+    } catch (...) {
+      detail::after_raised_pass("forward", issued);
+      throw;
+    }
   }
 
   /// `M::forward_loss` (the causal families' loss without the logits,
@@ -134,8 +152,15 @@ class BoostedModel {
   /// work around it as a call: `boosted.model.forward_loss(ids, targets)`.
   template <class... Args>
   auto forward_loss(Args&&... args) {
+    // Before the wrappers' pre-forward work, which may gather parameters.
+    const uint64_t issued = detail::collectives_issued();
     Scope scope(*wrapper_);
-    return module_->forward_loss(prepare(std::forward<Args>(args))...);
+    try {
+      return module_->forward_loss(prepare(std::forward<Args>(args))...);
+    } catch (...) {
+      detail::after_raised_pass("forward", issued);
+      throw;
+    }
   }
 
   /// The user's module (parameters, train()/eval(), children).
