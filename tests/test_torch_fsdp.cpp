@@ -514,6 +514,36 @@ TEST(TorchFSDP, MemoryAtRestIsTheShardAndPeakAddsUnitsInFlight) {
   }
 }
 
+// The first forward records the units' order that prefetching follows; one
+// that raised partway (a token id too large, at the embedding) records none,
+// and the next forward does.
+TEST(TorchFSDP, AFirstForwardThatRaisedRecordsNoOrder) {
+  run_distributed(2, [](int rank, int world) {
+    cb::plugin::TorchFSDPPluginOptions o;
+    o.auto_wrap_policy(cz::module_type_wrap_policy<zoo::BlockImpl>());
+    cb::Booster booster(cb::BoosterOptions().plugin(
+        std::make_shared<cb::plugin::TorchFSDPPlugin>(o)));
+    auto model = make_model();
+    auto boosted = booster.boost(model, make_opt(model, true));
+    auto b = local_batch(0, rank, world);
+    const auto msg = colossalai::testing::error_of(
+        [&] { boosted.model(b.first + tiny().vocab_size()); });
+    EXPECT_NE(msg.find("out of range"), std::string::npos) << msg;
+    EXPECT_EQ(
+        fsdp(boosted.model).execution_order(), std::vector<std::string>{});
+    for (int step = 0; step < 2; ++step) {
+      boosted.optimizer->zero_grad();
+      booster.backward(
+          zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+      boosted.optimizer->step();
+    }
+    EXPECT_EQ(
+        fsdp(boosted.model).execution_order(),
+        (std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2"}));
+    EXPECT_GT(fsdp(boosted.model).prefetch_count(), 0);
+  });
+}
+
 TEST(TorchFSDP, PrefetchOffGathersOnDemandAndStillMatches) {
   run_distributed(2, [](int rank, int world) {
     Case c;

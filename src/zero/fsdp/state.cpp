@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <exception>
 
 namespace colossalai {
 namespace zero {
@@ -127,6 +128,7 @@ void FsdpState::root_pre_forward() {
   TORCH_CHECK(
       !in_backward(), "FSDP: forward while a backward pass is in progress");
   in_forward = true;
+  exceptions_at_forward = std::uncaught_exceptions();
   recording = !order_recorded;
   placement->begin_forward();
   placement->moment();
@@ -148,7 +150,11 @@ void FsdpState::root_post_forward() {
   }
   if (recording) {
     recording = false;
-    order_recorded = true;
+    if (std::uncaught_exceptions() > exceptions_at_forward) {
+      order.clear(); // it raised partway: the order is the next forward's
+    } else {
+      order_recorded = true;
+    }
   }
   if (!torch::autograd::GradMode::is_enabled() && reshard_at_rest()) {
     // No backward follows a no-grad forward: release everything now.

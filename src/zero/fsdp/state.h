@@ -101,6 +101,9 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
   std::vector<size_t> order; // non-root scopes in first-forward order
   bool order_recorded = false;
   bool recording = false;
+  // std::uncaught_exceptions() when the forward began: a forward that
+  // raised partway records no order (the next one does).
+  int exceptions_at_forward = 0;
 
   bool in_forward = false;
   bool summoned = false;
