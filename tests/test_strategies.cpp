@@ -153,18 +153,21 @@ std::pair<at::Tensor, at::Tensor> global_batch(int step, int world) {
 // the rank), on the ranks listed (every rank: none listed). The loop goes on
 // as a training loop that skips such a batch would: zero_grad, the step
 // again. `booster` false: the raised backward is the loss's own, not
-// Booster::backward.
+// Booster::backward. `forward`: the forward raises instead, as it begins,
+// after FSDP and Gemini gathered (token ids of a floating dtype: checked on
+// the host, where an id out of range would be a device-side assert on a
+// GPU).
 struct Raise {
   int step = -1;
   std::vector<size_t> where{kMiddle};
   std::vector<int> ranks;
   bool booster = true;
-  bool forward = false; // the forward raises instead (a token id too large)
+  bool forward = false;
   static constexpr size_t kMiddle = static_cast<size_t>(-1);
 };
 
 // Full weights after kSteps under `plugin` (gathered where sharded), with
-// the backward that `raise` says raising.
+// the pass that `raise` says raising.
 std::vector<at::Tensor> train(
     const Strategy& s,
     bool sgd,
@@ -195,19 +198,19 @@ std::vector<at::Tensor> train(
       raising = true;
       try {
         auto loss = zoo::gpt_loss(
-            boosted.model(raise.forward ? x + tiny().vocab_size() : x), y);
+            boosted.model(raise.forward ? x.to(at::kFloat) : x), y);
         if (raise.booster) {
           booster.backward(loss, *boosted.optimizer);
         } else {
           loss.backward();
         }
-        ADD_FAILURE() << "the backward did not raise";
+        ADD_FAILURE() << "the pass did not raise";
       } catch (const colossalai::distributed::DistributedError&) {
         throw; // the ranks did not raise alike: the run is over
       } catch (const std::exception& e) {
         const std::string msg = e.what();
         EXPECT_NE(
-            msg.find(raise.forward ? "out of range" : "a hook raised"),
+            msg.find(raise.forward ? "int64 token ids" : "a hook raised"),
             std::string::npos)
             << msg;
       }
@@ -308,7 +311,7 @@ void every_strategy(int rank, int world) {
 // completed, FSDP's units gathered for the backward), on every rank alike;
 // FSDP's full parameters are summoned before the next backward. Through
 // Booster::backward, through the loss's own backward, and a forward that
-// raised instead (at the embedding, after FSDP and Gemini gathered).
+// raised instead (as it began, after FSDP and Gemini gathered).
 void raised_pass_dropped(int rank, int world) {
   colossalai::testing::deterministic_on_gpu();
   for (const auto& s : strategies()) {
@@ -357,7 +360,7 @@ void raised_unlike(const std::string& strategy, const Raise& raise) {
         const bool raised = raise.ranks.empty() || raise.ranks.front() == rank;
         if (raised) {
           EXPECT_NE(
-              msg.find(raise.forward ? "out of range" : "a hook raised"),
+              msg.find(raise.forward ? "int64 token ids" : "a hook raised"),
               std::string::npos)
               << msg;
           EXPECT_NE(
@@ -405,9 +408,8 @@ TEST(Strategies, ABackwardRaisedOnOneRankFailsEveryRank) {
 // rank before it issued any collective left nothing to pair up: the other
 // ranks wait for its collectives as for a slow rank, and its step again
 // issues them. DDP's one bucket of the tiny GPT is not full when the hook
-// raises; LowLevelZero and DDP communicate nothing in the forward (the
-// token id too large fails at the embedding). Bit for bit the weights of
-// training without the raise, on both ranks.
+// raises; LowLevelZero and DDP communicate nothing in the forward. Bit for
+// bit the weights of training without the raise, on both ranks.
 void raised_before_any_collective(const std::string& strategy, Raise raise) {
   raise.step = 1;
   raise.ranks = {0};
