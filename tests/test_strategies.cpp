@@ -340,7 +340,9 @@ void raised_pass_dropped(int rank, int world) {
 // what comes next by name.
 void raised_unlike(const std::string& strategy, const Raise& raise) {
   colossalai::testing::MultiProcessOptions o;
-  o.collective_timeout_seconds = 2; // what the raised rank waits for
+  // What the raised rank waits for; also the rendezvous's limit, which a
+  // loaded 2-core machine needs seconds of.
+  o.collective_timeout_seconds = 6;
   o.final_barrier = false;          // the group is broken, by design
   run_distributed(
       2,
