@@ -388,7 +388,9 @@ void raise_in_one_stage(int world, const HPO& options, int raising_rank) {
           raising = false;
         }
         EXPECT_LT(step, kSteps) << "rank " << rank << " trained on";
-        EXPECT_NE(error.find("failed"), std::string::npos) << error;
+        // A timed-out collective or receive, or (the raised stage, at its
+        // next backward) the ranks' disagreement.
+        EXPECT_FALSE(error.empty()) << "rank " << rank;
       },
       o);
 }
