@@ -34,10 +34,10 @@ void break_group(const ProcessGroup& group, const std::string& reason) {
 namespace {
 
 [[noreturn]] void fail(const ProcessGroup& g, const std::string& why) {
-  const std::string text = g.describe() + ": " + why +
-      "; restart every rank and load the last checkpoint";
-  break_group(g, text);
-  throw DistributedError(text);
+  const std::string reason =
+      why + "; restart every rank and load the last checkpoint";
+  break_group(g, reason);
+  throw DistributedError(g.describe() + ": " + reason);
 }
 
 void agree_on(
