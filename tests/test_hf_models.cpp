@@ -741,15 +741,8 @@ void check_hybrid(
     boosted.optimizer->zero_grad();
     at::Tensor loss;
     if (pipelined) {
-      auto out = booster.execute_pipeline(
-          [&] {
-            return cp::Batch{x, y};
-          },
-          boosted.model,
-          [&](const at::Tensor& logits, const cp::Batch& mb) {
-            return model->loss(logits, mb[1]);
-          },
-          boosted.optimizer.get());
+      auto out =
+          colossalai::testing::pipeline_step(booster, boosted, model, x, y);
       loss = out.loss.defined() ? out.loss : at::zeros({});
     } else {
       loss = model->loss(boosted.model(x), y);

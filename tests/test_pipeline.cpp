@@ -267,15 +267,8 @@ void check_setups(int world, bool sgd) {
       auto x = b.first.narrow(0, local * plugin->dp_rank(), local);
       auto y = b.second.narrow(0, local * plugin->dp_rank(), local);
       boosted.optimizer->zero_grad();
-      auto out = booster.execute_pipeline(
-          [&] {
-            return cp::Batch{x, y};
-          },
-          boosted.model,
-          [&](const at::Tensor& logits, const cp::Batch& mb) {
-            return model->loss(logits, mb[1]);
-          },
-          boosted.optimizer.get());
+      auto out =
+          colossalai::testing::pipeline_step(booster, boosted, model, x, y);
       boosted.optimizer->step();
       // The loss lives where the last stage is; the mean over dp there.
       const bool last = plugin->stage_manager()->holds_last_stage();
@@ -365,15 +358,7 @@ void raise_in_one_stage(int world, const HPO& options, int raising_rank) {
           boosted.optimizer->zero_grad();
           raising = step == 1 && rank == raising_rank;
           try {
-            booster.execute_pipeline(
-                [&] {
-                  return cp::Batch{x, y};
-                },
-                boosted.model,
-                [&](const at::Tensor& logits, const cp::Batch& mb) {
-                  return model->loss(logits, mb[1]);
-                },
-                boosted.optimizer.get());
+            colossalai::testing::pipeline_step(booster, boosted, model, x, y);
             boosted.optimizer->step();
             EXPECT_EQ(step, 0) << "rank " << rank << " completed step " << step;
           } catch (const cd::DistributedError& e) {
@@ -651,15 +636,7 @@ TEST(Pipeline, TrainingResumesFromCheckpointsAtOtherLayouts) {
       auto y = b.second.narrow(0, local * plugin->dp_rank(), local);
       boosted.optimizer->zero_grad();
       if (options.pp_size() > 1) {
-        booster.execute_pipeline(
-            [&] {
-              return cp::Batch{x, y};
-            },
-            boosted.model,
-            [&](const at::Tensor& logits, const cp::Batch& mb) {
-              return model->loss(logits, mb[1]);
-            },
-            boosted.optimizer.get());
+        colossalai::testing::pipeline_step(booster, boosted, model, x, y);
       } else {
         booster.backward(model->loss(boosted.model(x), y), *boosted.optimizer);
       }

@@ -130,6 +130,15 @@ std::vector<Strategy> strategies() {
   };
 }
 
+Strategy strategy_named(const std::string& name) {
+  for (auto& s : strategies()) {
+    if (s.name == name) {
+      return s;
+    }
+  }
+  TORCH_CHECK(false, "no strategy named ", name);
+}
+
 std::shared_ptr<torch::optim::Optimizer> make_opt(zoo::GPT& m, bool sgd) {
   if (sgd) {
     return std::make_shared<torch::optim::SGD>(
@@ -347,14 +356,10 @@ void raised_unlike(const std::string& strategy, const Raise& raise) {
   run_distributed(
       2,
       [&](int rank, int world) {
-        const auto all = strategies();
-        const auto s = std::find_if(all.begin(), all.end(), [&](auto& x) {
-          return x.name == strategy;
-        });
-        ASSERT_NE(s, all.end());
+        const auto s = strategy_named(strategy);
         std::string msg;
         try {
-          train(*s, false, rank, world, raise);
+          train(s, false, rank, world, raise);
           ADD_FAILURE() << strategy << ": rank " << rank << " went on";
         } catch (const colossalai::distributed::DistributedError& e) {
           msg = e.what();
@@ -416,14 +421,10 @@ void raised_before_any_collective(const std::string& strategy, Raise raise) {
   raise.step = 1;
   raise.ranks = {0};
   run_distributed(2, [&](int rank, int world) {
-    const auto all = strategies();
-    const auto s = std::find_if(
-        all.begin(), all.end(), [&](auto& x) { return x.name == strategy; });
-    ASSERT_NE(s, all.end());
+    const auto s = strategy_named(strategy);
     EXPECT_EQ(
         colossalai::testing::differing(
-            train(*s, false, rank, world),
-            train(*s, false, rank, world, raise)),
+            train(s, false, rank, world), train(s, false, rank, world, raise)),
         std::vector<size_t>{})
         << strategy << (raise.forward ? ", forward" : ", backward");
   });

@@ -2,6 +2,7 @@
 // Helpers of the tests that train the zoo's transformers under the hybrid
 // plugin against one process.
 
+#include <colossalai/booster/booster.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/shardformer/policy.h>
 #include <harness/test_util.h>
@@ -18,6 +19,25 @@
 
 namespace colossalai {
 namespace testing {
+
+/// One execute_pipeline over the batch (x, y), with the model's own loss.
+template <class Boosted, class Model>
+pipeline::PipelineOutput pipeline_step(
+    booster::Booster& booster,
+    Boosted& boosted,
+    Model& model,
+    const at::Tensor& x,
+    const at::Tensor& y) {
+  return booster.execute_pipeline(
+      [&] {
+        return pipeline::Batch{x, y};
+      },
+      boosted.model,
+      [&](const at::Tensor& logits, const pipeline::Batch& mb) {
+        return model->loss(logits, mb[1]);
+      },
+      boosted.optimizer.get());
+}
 
 /// SGD with momentum or AdamW (the two optimizers every equality test runs).
 inline std::shared_ptr<torch::optim::Optimizer> make_optimizer(
