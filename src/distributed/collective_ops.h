@@ -50,7 +50,9 @@ class Issue {
   Issue(const ProcessGroup& g, const char* op) {
     if (g_issue_depth == 0) {
       const auto& t = g.transport_handle();
-      check_usable(g, op);
+      if (t.broken.load(std::memory_order_acquire)) {
+        check_usable(g, op); // throws the reason
+      }
       if (t.shm == nullptr || !t.shm->on_channel_thread()) {
         t.issued.fetch_add(1, std::memory_order_relaxed);
         g_issued.fetch_add(1, std::memory_order_relaxed);
