@@ -379,8 +379,21 @@ pipeline::PipelineOutput Booster::execute_pipeline(
       plugin_ ? plugin_->name() : std::string("no plugin"));
   TORCH_CHECK(data_iter != nullptr, "execute_pipeline: data_iter is empty");
   TORCH_CHECK(criterion != nullptr, "execute_pipeline: criterion is empty");
-  return plugin_->execute_pipeline(
-      data_iter, model, criterion, optimizer, return_loss, return_outputs);
+  const uint64_t issued = distributed::detail::operations_issued();
+  try {
+    return plugin_->execute_pipeline(
+        data_iter, model, criterion, optimizer, return_loss, return_outputs);
+  } catch (const distributed::DistributedError&) {
+    throw;
+  } catch (const std::exception& e) {
+    // NOTE [A backward that raised on some ranks]: a raise before this step
+    // sent or received anything (a bad batch, a misuse) leaves no peer
+    // waiting; after, the stages cannot pair up again.
+    if (distributed::detail::operations_issued() == issued) {
+      throw;
+    }
+    distributed::detail::fail_after_raised_pipeline(distributed::error_text(e));
+  }
 }
 
 plugin::NoSyncGuard Booster::no_sync(

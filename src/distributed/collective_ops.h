@@ -41,6 +41,8 @@ inline void count(const at::Tensor& t, const ProcessGroup& g) {
 // calls count alike whatever their paths and timing.
 inline thread_local int g_issue_depth = 0;
 inline std::atomic<uint64_t> g_issued{0}; // on every group
+// Sends and receives, which pair by peer and tag, not by count.
+inline std::atomic<uint64_t> g_exchanged{0};
 
 /// Throws the reason a group may not go on, once it has one.
 void check_usable(const ProcessGroup& g, const char* op);

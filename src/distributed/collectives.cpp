@@ -1,4 +1,5 @@
 #include "collective_ops.h"
+#include "raised_backward.h"
 
 #include <algorithm>
 #include <atomic>
@@ -111,6 +112,15 @@ DistributedError detail::failure(
     const ProcessGroup& group,
     const std::string& op,
     const std::exception& cause) {
+  // NOTE [A backward that raised on some ranks]: it waited for a rank whose
+  // pass raised.
+  const std::string raised = raised_elsewhere(group);
+  if (!raised.empty()) {
+    return DistributedError(
+        group.describe() + ": " + op + " failed: " + raised +
+        ", and this rank waited for that rank's part (" + error_text(cause) +
+        "); restart every rank and load the last checkpoint");
+  }
   return DistributedError(
       group.describe() + ": " + op + " failed (timeout " +
       std::to_string(group.timeout().count()) +
@@ -411,6 +421,7 @@ Work send(
     const ProcessGroup& group,
     int tag) {
   check_usable(group, "send");
+  g_exchanged.fetch_add(1, std::memory_order_relaxed);
   check_dense(tensor, "send", "input");
   if (foreign(group, tensor)) {
     auto c = carried(group, tensor, true);
@@ -434,6 +445,7 @@ Work send(
 
 Work recv(at::Tensor& tensor, int src, const ProcessGroup& group, int tag) {
   check_usable(group, "recv");
+  g_exchanged.fetch_add(1, std::memory_order_relaxed);
   check_dense(tensor, "recv", "output");
   if (foreign(group, tensor)) {
     auto c = carried(group, tensor, false);

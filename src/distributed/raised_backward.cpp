@@ -33,6 +33,93 @@ void break_group(const ProcessGroup& group, const std::string& reason) {
 
 namespace {
 
+// This file's store calls come from the caller's thread and from that of an
+// operation failing: one at a time.
+std::mutex& store_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// The world group of a run of more than one rank, else null. `wait`: an
+// operation may fail while its caller holds the runtime (creating a
+// group), so its error only tries.
+std::shared_ptr<const ProcessGroup> world_of_run(bool wait) {
+  auto& rt = runtime();
+  std::unique_lock<std::mutex> lock(rt.mutex, std::defer_lock);
+  if (wait) {
+    lock.lock();
+  } else if (!lock.try_lock()) {
+    return nullptr;
+  }
+  if (!rt.initialized || rt.world == nullptr || rt.world->size() < 2) {
+    return nullptr;
+  }
+  return rt.world;
+}
+
+// The world's keys of the next agreement: every rank counts the world's
+// agreements alike.
+std::string board(const ProcessGroup& world) {
+  return "raised/" +
+      std::to_string(world.transport_handle().agreements.load() + 1) + "/";
+}
+
+// Files what raised here for the others' errors, unless another rank
+// filed first (a rank whose error came from waiting on it may raise too);
+// returns the keys it went under, "" where there is no run or the store
+// does not answer (the agreement after it says so).
+std::string file_cause(const std::string& text) {
+  auto world = world_of_run(true);
+  if (world == nullptr) {
+    return "";
+  }
+  const std::string key = board(*world);
+  const std::string value = std::to_string(world->rank()) + "\n" + text;
+  try {
+    std::lock_guard<std::mutex> lock(store_mutex());
+    auto& store = *world->transport_handle().store;
+    if (store.add(key + "filers", 1) == 1) {
+      store.set(
+          key + "cause", std::vector<uint8_t>(value.begin(), value.end()));
+    }
+  } catch (const std::exception&) {
+    return "";
+  }
+  return key;
+}
+
+// Waits, at most `limit`, until `others` ranks have read the cause filed
+// under `key`: a store hosted here leaves with this process.
+void await_readers(
+    const std::string& key,
+    int64_t others,
+    std::chrono::milliseconds limit) {
+  auto world = world_of_run(true);
+  if (key.empty() || world == nullptr || others <= 0) {
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  auto& store = *world->transport_handle().store;
+  try {
+    while (std::chrono::steady_clock::now() < deadline) {
+      {
+        std::lock_guard<std::mutex> lock(store_mutex());
+        if (store.add(key + "read", 0) >= others) {
+          return;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const std::exception&) {
+    // The store's host has left: nobody can read any more.
+  }
+}
+
+std::string raised_where(const std::string& pass) {
+  return "global rank " + std::to_string(runtime().rank) + "'s " + pass +
+      " raised";
+}
+
 [[noreturn]] void fail(const ProcessGroup& g, const std::string& why) {
   const std::string reason =
       why + "; restart every rank and load the last checkpoint";
@@ -43,7 +130,8 @@ namespace {
 void agree_on(
     const ProcessGroup& g,
     const std::string& pass,
-    const std::string& cause) {
+    const std::string& cause,
+    const std::string& filed) {
   const auto& t = g.transport_handle();
   check_usable(g, ("recovering from a " + pass + " that raised").c_str());
   const uint64_t issued = t.issued.load();
@@ -86,6 +174,9 @@ void agree_on(
     }
   }
   if (arrived < g.size()) {
+    // Those that did not come time out in a collective this rank never
+    // issued and read the cause.
+    await_readers(filed, g.size() - arrived, g.timeout());
     fail(
         g,
         raised + ", and " + std::to_string(g.size() - arrived) + " of the " +
@@ -127,11 +218,82 @@ void agree_after_raise(const std::string& pass, const std::string& cause) {
       }
     }
   }
+  const std::string filed = file_cause(raised_where(pass) + " (" + cause + ")");
   // In creation order, the same on every member (groups are created in
   // one order everywhere).
   for (const auto& g : groups) {
-    agree_on(*g, pass, cause);
+    agree_on(*g, pass, cause, filed);
   }
+}
+
+uint64_t operations_issued() {
+  return g_issued.load() + g_exchanged.load();
+}
+
+void fail_after_raised_pipeline(const std::string& cause) {
+  const std::string after =
+      " after the stages had exchanged activations or gradients: their "
+      "sends and receives no longer pair up; restart every rank and load "
+      "the last checkpoint";
+  const std::string filed =
+      file_cause(raised_where("pipeline step") + " (" + cause + ")" + after);
+  const std::string reason =
+      "a pipeline step raised here (" + cause + ")" + after;
+  std::vector<std::shared_ptr<const ProcessGroup>> groups;
+  {
+    auto& rt = runtime();
+    std::lock_guard<std::mutex> lock(rt.mutex);
+    for (const auto& weak : rt.groups) {
+      if (auto g = weak.lock()) {
+        groups.push_back(std::move(g));
+      }
+    }
+  }
+  for (const auto& g : groups) {
+    break_group(*g, reason);
+  }
+  // The others fail from operations that began about when this one
+  // raised; a group timeout more for a rank still busy with its part.
+  if (auto world = world_of_run(true)) {
+    await_readers(filed, world->size() - 1, 2 * world->timeout());
+  }
+  throw DistributedError(
+      "rank " + std::to_string(runtime().rank) + ": " + reason);
+}
+
+std::string raised_elsewhere(const ProcessGroup& group) {
+  auto world = world_of_run(false);
+  if (world == nullptr) {
+    return "";
+  }
+  const std::string key = board(*world);
+  std::string text;
+  try {
+    std::lock_guard<std::mutex> lock(store_mutex());
+    auto& store = *world->transport_handle().store;
+    if (!store.check({key + "cause"})) {
+      return "";
+    }
+    const auto value = store.get(key + "cause");
+    text.assign(value.begin(), value.end());
+    const auto line = text.find('\n');
+    if (line == std::string::npos ||
+        text.compare(0, line, std::to_string(world->rank())) == 0) {
+      return ""; // filed here
+    }
+    text.erase(0, line + 1);
+    // Once per process and filing: the filer waits for that many.
+    static std::string counted;
+    if (counted != key) {
+      store.add(key + "read", 1);
+      counted = key;
+    }
+  } catch (const std::exception&) {
+    return ""; // the store's host has left
+  }
+  break_group(
+      group, text + "; restart every rank and load the last checkpoint");
+  return text;
 }
 
 } // namespace detail

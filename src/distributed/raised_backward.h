@@ -23,6 +23,19 @@
 // collective timeout, as with a rank that died. A pass that raised before
 // issuing any collective needs no agreement: the others wait for its
 // collectives as for a slow rank, and its next pass issues them.
+//
+// Before it agrees, a raised rank files what raised in the world group's
+// keys, one generation per agreement the world made (the same count on
+// every rank). A member that did not raise fails from its own collective
+// timeout; its error then reads that filing and names the raised rank's
+// cause rather than only a timeout. A raised rank that hosts the store
+// would take the filing with it on exit, so before it fails for ranks that
+// did not come it waits, at most another group timeout, until that many
+// ranks have read it (a dead rank costs it two timeouts). A pipeline step
+// that raised after its stages had exchanged anything cannot agree at all
+// (sends and receives pair by peer, not by count): it files its cause,
+// breaks every group of the process and waits for the others to read, then
+// fails.
 
 #include <colossalai/distributed/process_group.h>
 
@@ -47,6 +60,22 @@ uint64_t collectives_issued();
 
 /// Refuses, from now on, every operation on `group` with `reason`.
 void break_group(const ProcessGroup& group, const std::string& reason);
+
+/// Collectives, sends and receives this process issued so far: a pipeline
+/// step that issued none before it raised left no peer waiting on it.
+uint64_t operations_issued();
+
+/// After a pipeline step raised here, having exchanged activations or
+/// gradients: files `cause`, breaks every group of this process, waits (at
+/// most twice the world's timeout) for the other ranks to read the cause,
+/// and throws the DistributedError that names it.
+[[noreturn]] void fail_after_raised_pipeline(const std::string& cause);
+
+/// What another rank filed after a pass of its raised, for the error of an
+/// operation of `group` that failed here (it waited for that rank), or ""
+/// where nothing was filed or the store does not answer. Breaks `group` with
+/// it.
+std::string raised_elsewhere(const ProcessGroup& group);
 
 } // namespace detail
 } // namespace distributed
