@@ -139,13 +139,35 @@ Strategy strategy_named(const std::string& name) {
   TORCH_CHECK(false, "no strategy named ", name);
 }
 
-std::shared_ptr<torch::optim::Optimizer> make_opt(zoo::GPT& m, bool sgd) {
-  if (sgd) {
-    return std::make_shared<torch::optim::SGD>(
-        m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+// An optimizer whose step raises while `*raising` (NOTE [A step that
+// raised]): before it updates anything, as a failed allocation would.
+template <class O>
+struct RaisingStep : O {
+  template <class... A>
+  explicit RaisingStep(const bool* raising, A&&... a)
+      : O(std::forward<A>(a)...), raising_(raising) {}
+  at::Tensor step(
+      torch::optim::Optimizer::LossClosure closure = nullptr) override {
+    TORCH_CHECK(!*raising_, "a step raised");
+    return O::step(std::move(closure));
   }
-  return std::make_shared<torch::optim::AdamW>(
-      m->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  const bool* raising_;
+};
+
+std::shared_ptr<torch::optim::Optimizer> make_opt(
+    zoo::GPT& m,
+    bool sgd,
+    const bool* raising = nullptr) {
+  static const bool never = false;
+  raising = raising != nullptr ? raising : &never;
+  if (sgd) {
+    return std::make_shared<RaisingStep<torch::optim::SGD>>(
+        raising, m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  return std::make_shared<RaisingStep<torch::optim::AdamW>>(
+      raising,
+      m->parameters(),
+      torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
 }
 
 zoo::GPT make_model() {
@@ -165,13 +187,16 @@ std::pair<at::Tensor, at::Tensor> global_batch(int step, int world) {
 // Booster::backward. `forward`: the forward raises instead, as it begins,
 // after FSDP and Gemini gathered (token ids of a floating dtype: checked on
 // the host, where an id out of range would be a device-side assert on a
-// GPU).
+// GPU). `in_step`: the optimizer's step raises instead, after a whole
+// backward; `skip_step`: no raise, that step is not taken.
 struct Raise {
   int step = -1;
   std::vector<size_t> where{kMiddle};
   std::vector<int> ranks;
   bool booster = true;
   bool forward = false;
+  bool in_step = false;
+  bool skip_step = false;
   static constexpr size_t kMiddle = static_cast<size_t>(-1);
 };
 
@@ -185,8 +210,9 @@ std::vector<at::Tensor> train(
     const Raise& raise = {}) {
   cb::Booster booster(cb::BoosterOptions().plugin(s.make()));
   auto model = make_model();
-  auto boosted = booster.boost(model, make_opt(model, sgd));
   bool raising = false;
+  bool raising_step = false;
+  auto boosted = booster.boost(model, make_opt(model, sgd, &raising_step));
   const auto params = model->parameters();
   const size_t where = raise.where.size() > static_cast<size_t>(rank)
       ? raise.where[rank]
@@ -203,7 +229,8 @@ std::vector<at::Tensor> train(
     auto x = b.first.narrow(0, kMicro * rank, kMicro);
     auto y = b.second.narrow(0, kMicro * rank, kMicro);
     boosted.optimizer->zero_grad();
-    if (step == raise.step && raises_here) {
+    if (step == raise.step && raises_here && !raise.in_step &&
+        !raise.skip_step) {
       raising = true;
       try {
         auto loss = zoo::gpt_loss(
@@ -234,6 +261,24 @@ std::vector<at::Tensor> train(
       boosted.optimizer->zero_grad();
     }
     booster.backward(zoo::gpt_loss(boosted.model(x), y), *boosted.optimizer);
+    if (step == raise.step && raises_here && raise.skip_step) {
+      continue;
+    }
+    if (step == raise.step && raises_here && raise.in_step) {
+      raising_step = true;
+      try {
+        boosted.optimizer->step();
+        ADD_FAILURE() << "the step did not raise";
+      } catch (const colossalai::distributed::DistributedError&) {
+        throw; // the ranks did not raise alike: the run is over
+      } catch (const std::exception& e) {
+        EXPECT_NE(
+            std::string(e.what()).find("a step raised"), std::string::npos)
+            << e.what();
+      }
+      raising_step = false;
+      continue;
+    }
     boosted.optimizer->step();
   }
   auto* f = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
@@ -342,6 +387,32 @@ void raised_pass_dropped(int rank, int world) {
   }
 }
 
+// NOTE [A step that raised]: a step whose optimizer raised on every rank
+// (before it updated anything) is the same, bit for bit, as a step not
+// taken, under every strategy.
+void raised_step_dropped(int rank, int world) {
+  colossalai::testing::deterministic_on_gpu();
+  for (const auto& s : strategies()) {
+    Raise skip;
+    skip.step = 1;
+    skip.skip_step = true;
+    Raise raise;
+    raise.step = 1;
+    raise.in_step = true;
+    const auto skipped = train(s, false, rank, world, skip);
+    EXPECT_EQ(
+        colossalai::testing::differing(
+            skipped, train(s, false, rank, world, raise)),
+        std::vector<size_t>{})
+        << s.name << ", world " << world;
+    // The skip is visible: the runs differ from one that took the step.
+    EXPECT_FALSE(
+        colossalai::testing::differing(skipped, train(s, false, rank, world))
+            .empty())
+        << s.name;
+  }
+}
+
 // NOTE [A backward that raised on some ranks]: a backward raised on rank 0
 // alone (raise.ranks), or on both ranks after different collectives
 // (raise.where); every rank then fails with a DistributedError, none goes
@@ -365,8 +436,9 @@ void raised_unlike(const std::string& strategy, const Raise& raise) {
           msg = e.what();
         }
         const bool raised = raise.ranks.empty() || raise.ranks.front() == rank;
-        const std::string cause =
-            raise.forward ? "int64 token ids" : "a hook raised";
+        const std::string cause = raise.forward ? "int64 token ids"
+            : raise.in_step                     ? "a step raised"
+                                                : "a hook raised";
         if (raised) {
           EXPECT_NE(msg.find(cause), std::string::npos) << msg;
           EXPECT_NE(
@@ -401,6 +473,28 @@ TEST(Strategies, ARaisedPassIsDroppedOnOneRank) {
 
 TEST(Strategies, ARaisedPassIsDroppedOnTwoRanks) {
   run_distributed(2, raised_pass_dropped);
+}
+
+TEST(Strategies, ARaisedStepIsDroppedOnOneRank) {
+  run_distributed(1, raised_step_dropped);
+}
+
+TEST(Strategies, ARaisedStepIsDroppedOnTwoRanks) {
+  run_distributed(2, raised_step_dropped);
+}
+
+// NOTE [A step that raised]: on one rank only, every rank fails, whether
+// the step communicates (ZeRO's all-gather) or not (DDP's replicas, FSDP's
+// and Gemini's shards).
+TEST(Strategies, AStepRaisedOnOneRankFailsEveryRank) {
+  Raise raise;
+  raise.step = 1;
+  raise.ranks = {0};
+  raise.in_step = true;
+  for (const char* s : {"ddp", "zero2", "fsdp_blocks", "gemini_auto"}) {
+    SCOPED_TRACE(s);
+    raised_unlike(s, raise);
+  }
 }
 
 TEST(Strategies, ABackwardRaisedOnOneRankFailsEveryRank) {

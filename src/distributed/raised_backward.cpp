@@ -4,6 +4,8 @@
 #include "collective_ops.h"
 #include "runtime.h"
 
+#include <c10/util/ScopeExit.h>
+
 #include <chrono>
 #include <thread>
 
@@ -224,6 +226,33 @@ void agree_after_raise(const std::string& pass, const std::string& cause) {
   for (const auto& g : groups) {
     agree_on(*g, pass, cause, filed);
   }
+}
+
+void guard_step(const std::function<void()>& step) {
+  // A wrapper's step that calls its base's agrees once.
+  static thread_local int depth = 0;
+  if (depth > 0) {
+    step();
+    return;
+  }
+  std::exception_ptr raised;
+  std::string cause;
+  try {
+    ++depth;
+    const auto leave = c10::make_scope_exit([] { --depth; });
+    step();
+    return;
+  } catch (const DistributedError&) {
+    throw; // a group that cannot go on: nothing left to agree on
+  } catch (const std::exception& e) {
+    raised = std::current_exception();
+    cause = error_text(e);
+  } catch (...) {
+    raised = std::current_exception();
+    cause = "an exception of unknown type";
+  }
+  agree_after_raise("step", cause);
+  std::rethrow_exception(raised);
 }
 
 uint64_t operations_issued() {

@@ -36,9 +36,22 @@
 // (sends and receives pair by peer, not by count): it files its cause,
 // breaks every group of the process and waits for the others to read, then
 // fails.
+//
+// NOTE [A step that raised]
+// An optimizer step that raised on some ranks only leaves the ranks apart
+// even where it communicated nothing: DDP's replicas no longer hold the same
+// weights, a sharded optimizer stepped some shards and not others, and a
+// ZeRO rank that raised before its all-gather pairs its next backward's
+// reduce-scatters with the others' all-gathers. So after any step that
+// raised, the ranks agree as after a pass, whether it communicated or not:
+// where every rank raised after the same collectives, what the step left is
+// the same on every rank and the loop may go on (a step whose optimizer
+// raised before it updated anything is then the same as one skipped);
+// otherwise every rank fails.
 
 #include <colossalai/distributed/process_group.h>
 
+#include <functional>
 #include <string>
 
 namespace colossalai {
@@ -60,6 +73,11 @@ uint64_t collectives_issued();
 
 /// Refuses, from now on, every operation on `group` with `reason`.
 void break_group(const ProcessGroup& group, const std::string& reason);
+
+/// Runs an optimizer wrapper's `step`. Where the outermost step of this
+/// thread raised anything but a DistributedError, the ranks agree as after
+/// a pass (NOTE [A step that raised]) before it propagates.
+void guard_step(const std::function<void()>& step);
 
 /// Collectives, sends and receives this process issued so far: a pipeline
 /// step that issued none before it raised left no peer waiting on it.

@@ -4,6 +4,8 @@
 #include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/utils/compat.h>
 
+#include "../distributed/raised_backward.h"
+
 #include <c10/util/Type.h>
 
 #include <algorithm>
@@ -34,7 +36,7 @@ OptimizerWrapper::OptimizerWrapper(
 }
 
 void OptimizerWrapper::step() {
-  optim_->step();
+  distributed::detail::guard_step([this] { optim_->step(); });
 }
 
 void OptimizerWrapper::zero_grad(bool set_to_none) {

@@ -3,6 +3,8 @@
 #include <colossalai/nn/optimizer/skips_step_on_device.h>
 #include <colossalai/utils/compat.h>
 
+#include "../../distributed/raised_backward.h"
+
 namespace colossalai {
 namespace booster {
 namespace mixed_precision {
@@ -97,28 +99,30 @@ nn::optimizer::SkipsStepOnDevice* skipping_on_device(
 } // namespace
 
 void TorchAMPOptimizer::step() {
-  synchronize_step();
-  const auto params = parameters();
-  at::Device device(at::kCPU);
-  if (auto* skipping = skipping_on_device(*optim_, params, &device)) {
-    // The verdict stays on the device: the kernel skips there, the scale
-    // is updated there, and the host reads it at the next step.
-    TORCH_CHECK(
-        !compat::stream_capturing(device) || scaler_.scale_lives_on(device),
-        "a captured fp16 step needs an eager step first (the loss scale "
-        "moves to the device there)");
-    const auto found_inf = scaler_.unscale_on_device_(params);
-    skipping->skip_step_if(found_inf);
-    optim_->step();
+  distributed::detail::guard_step([this] {
+    synchronize_step();
+    const auto params = parameters();
+    at::Device device(at::kCPU);
+    if (auto* skipping = skipping_on_device(*optim_, params, &device)) {
+      // The verdict stays on the device: the kernel skips there, the scale
+      // is updated there, and the host reads it at the next step.
+      TORCH_CHECK(
+          !compat::stream_capturing(device) || scaler_.scale_lives_on(device),
+          "a captured fp16 step needs an eager step first (the loss scale "
+          "moves to the device there)");
+      const auto found_inf = scaler_.unscale_on_device_(params);
+      skipping->skip_step_if(found_inf);
+      optim_->step();
+      scaler_.update();
+      verdict_.record(found_inf);
+      return;
+    }
+    last_step_skipped_ = scaler_.unscale_(params);
+    if (!last_step_skipped_) {
+      optim_->step();
+    }
     scaler_.update();
-    verdict_.record(found_inf);
-    return;
-  }
-  last_step_skipped_ = scaler_.unscale_(params);
-  if (!last_step_skipped_) {
-    optim_->step();
-  }
-  scaler_.update();
+  });
 }
 
 std::string TorchAMPOptimizer::graph_capture_blocker() const {

@@ -4,6 +4,7 @@
 #include <colossalai/utils/compat.h>
 #include <colossalai/zero/sharded_optimizer.h>
 
+#include "../../distributed/raised_backward.h"
 #include "flat_params.h"
 
 #include <colossalai/placement/gradients.h>
@@ -297,35 +298,37 @@ at::Tensor ShardedOptimizer::global_norm_on_device(double norm_type) {
 }
 
 void ShardedOptimizer::step() {
-  synchronize_step();
-  published_during_step_ = 0;
-  sum_partial_grads();
-  if (scaler_ != nullptr) {
-    if (auto* skipping = skipping_on_device()) {
-      step_skipping_on_device(*skipping);
-      return;
+  distributed::detail::guard_step([this] {
+    synchronize_step();
+    published_during_step_ = 0;
+    sum_partial_grads();
+    if (scaler_ != nullptr) {
+      if (auto* skipping = skipping_on_device()) {
+        step_skipping_on_device(*skipping);
+        return;
+      }
     }
-  }
-  unscale();
-  skipped_ = scaler_ != nullptr && overflow();
-  if (!skipped_) {
-    if (options_.max_norm() > 0) {
-      // Clipped by a coefficient that stays on the device: a step with
-      // max_norm reads nothing back (and a CUDA graph may capture it).
-      interface::scale_by_clip_coef(
-          shard_grads(),
-          global_norm_on_device(options_.norm_type()),
-          options_.max_norm());
+    unscale();
+    skipped_ = scaler_ != nullptr && overflow();
+    if (!skipped_) {
+      if (options_.max_norm() > 0) {
+        // Clipped by a coefficient that stays on the device: a step with
+        // max_norm reads nothing back (and a CUDA graph may capture it).
+        interface::scale_by_clip_coef(
+            shard_grads(),
+            global_norm_on_device(options_.norm_type()),
+            options_.max_norm());
+      }
+      step_optimizer();
+      after_step();
     }
-    step_optimizer();
-    after_step();
-  }
-  if (scaler_) {
-    scaler_->update(skipped_);
-  }
-  unscaled_ = false;
-  partials_summed_ = false;
-  local_found_inf_ = at::Tensor();
+    if (scaler_) {
+      scaler_->update(skipped_);
+    }
+    unscaled_ = false;
+    partials_summed_ = false;
+    local_found_inf_ = at::Tensor();
+  });
 }
 
 void ShardedOptimizer::step_skipping_on_device(

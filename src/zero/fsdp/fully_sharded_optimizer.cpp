@@ -1,6 +1,7 @@
 #include <colossalai/checkpoint_io/optimizer_state.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 
+#include "../../distributed/raised_backward.h"
 #include "state.h"
 
 #include <unordered_map>
@@ -153,18 +154,20 @@ void FullyShardedOptimizer::overlap_host_step() {
 }
 
 void FullyShardedOptimizer::step() {
-  auto& st = *state_;
-  TORCH_CHECK(
-      !st.in_backward() && !st.in_forward,
-      "FSDP: step() during forward or backward");
-  st.placement->begin_step();
-  for (size_t k : finish_steps_ahead(st.device)) {
-    st.placement->refreshed_ahead(k); // after_step skips them
-  }
-  if (st.placement->margin_pending()) {
-    use_device_margin(*optim_, st);
-  }
-  ShardedOptimizer::step();
+  distributed::detail::guard_step([this] {
+    auto& st = *state_;
+    TORCH_CHECK(
+        !st.in_backward() && !st.in_forward,
+        "FSDP: step() during forward or backward");
+    st.placement->begin_step();
+    for (size_t k : finish_steps_ahead(st.device)) {
+      st.placement->refreshed_ahead(k); // after_step skips them
+    }
+    if (st.placement->margin_pending()) {
+      use_device_margin(*optim_, st);
+    }
+    ShardedOptimizer::step();
+  });
 }
 
 bool FullyShardedOptimizer::publishes_during_step() const {

@@ -5,6 +5,7 @@
 #include <colossalai/zero/low_level_optimizer.h>
 
 #include "../../distributed/grad_bucketer.h"
+#include "../../distributed/raised_backward.h"
 #include "../../utils/host_memory.h"
 #include "../common/flat_params.h"
 
@@ -429,20 +430,22 @@ void LowLevelZeroOptimizer::overlap_host_step() {
 }
 
 void LowLevelZeroOptimizer::step() {
-  for (auto& b : impl_->buckets) {
-    b.published = false; // a step that threw may have left some set
-  }
-  if (!impl_->buckets.empty()) {
-    const auto device = impl_->buckets.front().working.device();
-    for (size_t k : finish_steps_ahead(device)) {
-      impl_->buckets[k].published = true; // gather() skips it
+  distributed::detail::guard_step([this] {
+    for (auto& b : impl_->buckets) {
+      b.published = false; // a step that threw may have left some set
     }
-  }
-  ShardedOptimizer::step();
-  for (auto& b : impl_->buckets) {
-    b.shard_grad.zero_();
-    b.grad_is_zero = true;
-  }
+    if (!impl_->buckets.empty()) {
+      const auto device = impl_->buckets.front().working.device();
+      for (size_t k : finish_steps_ahead(device)) {
+        impl_->buckets[k].published = true; // gather() skips it
+      }
+    }
+    ShardedOptimizer::step();
+    for (auto& b : impl_->buckets) {
+      b.shard_grad.zero_();
+      b.grad_is_zero = true;
+    }
+  });
 }
 
 std::string LowLevelZeroOptimizer::graph_capture_blocker() const {

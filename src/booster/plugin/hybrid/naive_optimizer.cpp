@@ -1,4 +1,5 @@
 #include "naive_optimizer.h"
+#include "../../../distributed/raised_backward.h"
 
 #include <colossalai/placement/gradients.h>
 
@@ -33,12 +34,14 @@ HybridParallelNaiveOptimizer::HybridParallelNaiveOptimizer(
 }
 
 void HybridParallelNaiveOptimizer::step() {
-  sum_partial_grads();
-  if (max_norm_ > 0) {
-    clip_on_device(max_norm_, 2.0);
-  }
-  optim_->step();
-  summed_ = false;
+  distributed::detail::guard_step([this] {
+    sum_partial_grads();
+    if (max_norm_ > 0) {
+      clip_on_device(max_norm_, 2.0);
+    }
+    optim_->step();
+    summed_ = false;
+  });
 }
 
 void HybridParallelNaiveOptimizer::zero_grad(bool set_to_none) {
