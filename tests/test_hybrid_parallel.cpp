@@ -256,14 +256,22 @@ void check_setups(int world, bool sgd) {
 // alike (a hook on a parameter in the middle of the model, after the later
 // blocks' tensor-, sequence- and data-parallel collectives ran) is dropped
 // under HybridParallel too: zero_grad and the step again give the weights
-// of training without the raise, bit for bit.
+// of training without the raise, bit for bit. NOTE [A step that raised]:
+// so is a step whose optimizer raised on every rank, after the step's
+// gradient sums and clipping: as a step not taken.
+enum class Raising { kNone, kBackward, kStep, kSkipStep };
+
 std::map<std::string, at::Tensor> train_raising(
     const HPO& options,
-    bool raise) {
+    Raising raise) {
   auto plugin = std::make_shared<HybridParallelPlugin>(options);
   cb::Booster booster(cb::BoosterOptions().plugin(plugin));
   auto model = make<models::GPT2LMHeadModel>(false);
-  auto boosted = booster.boost(model, make_opt(model->parameters(), false));
+  bool raising_step = false;
+  auto boosted = booster.boost(
+      model,
+      colossalai::testing::make_optimizer(
+          model->parameters(), false, &raising_step));
   bool raising = false;
   const auto params = model->parameters();
   params[params.size() / 2].register_hook([&raising](const at::Tensor& g) {
@@ -276,7 +284,7 @@ std::map<std::string, at::Tensor> train_raising(
     auto x = b.first.narrow(0, micro * plugin->dp_rank(), micro);
     auto y = b.second.narrow(0, micro * plugin->dp_rank(), micro);
     boosted.optimizer->zero_grad();
-    if (raise && step == 1) {
+    if (raise == Raising::kBackward && step == 1) {
       raising = true;
       const auto msg = colossalai::testing::error_of([&] {
         booster.backward(model->loss(boosted.model(x), y), *boosted.optimizer);
@@ -286,31 +294,45 @@ std::map<std::string, at::Tensor> train_raising(
       boosted.optimizer->zero_grad();
     }
     booster.backward(model->loss(boosted.model(x), y), *boosted.optimizer);
-    boosted.optimizer->step();
+    if (step == 1 && raise == Raising::kSkipStep) {
+      continue;
+    }
+    raising_step = step == 1 && raise == Raising::kStep;
+    const auto msg =
+        colossalai::testing::error_of([&] { boosted.optimizer->step(); });
+    // The optimizer's own error (the ranks agreed), not a DistributedError.
+    EXPECT_EQ(msg.rfind("a step raised", 0), raising_step ? 0 : msg.npos)
+        << msg;
+    raising_step = false;
   }
   return whole_weights(*model, plugin->shard_info());
 }
 
-void raised_backward_dropped(int world) {
+void raised_pass_or_step_dropped(int world) {
   run_distributed(world, [world](int, int) {
     for (const auto& s : setups(world, false)) {
       SCOPED_TRACE(s.name);
-      const auto want = train_raising(s.options, false);
-      const auto got = train_raising(s.options, true);
-      ASSERT_EQ(got.size(), want.size());
-      for (const auto& kv : want) {
-        EXPECT_TRUE(at::equal(got.at(kv.first), kv.second)) << kv.first;
+      for (auto raise : {Raising::kBackward, Raising::kStep}) {
+        const auto want = train_raising(
+            s.options,
+            raise == Raising::kStep ? Raising::kSkipStep : Raising::kNone);
+        const auto got = train_raising(s.options, raise);
+        ASSERT_EQ(got.size(), want.size());
+        for (const auto& kv : want) {
+          EXPECT_TRUE(at::equal(got.at(kv.first), kv.second))
+              << kv.first << (raise == Raising::kStep ? ", step" : "");
+        }
       }
     }
   });
 }
 
-TEST(HybridParallel, ARaisedBackwardIsDroppedOnTwoRanks) {
-  raised_backward_dropped(2);
+TEST(HybridParallel, ARaisedBackwardOrStepIsDroppedOnTwoRanks) {
+  raised_pass_or_step_dropped(2);
 }
 
-TEST(HybridParallel, ARaisedBackwardIsDroppedOnFourRanks) {
-  raised_backward_dropped(4);
+TEST(HybridParallel, ARaisedBackwardOrStepIsDroppedOnFourRanks) {
+  raised_pass_or_step_dropped(4);
 }
 
 TEST(HybridParallel, Gpt2MatchesOneProcessOnTwoRanks) {

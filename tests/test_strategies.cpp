@@ -139,35 +139,12 @@ Strategy strategy_named(const std::string& name) {
   TORCH_CHECK(false, "no strategy named ", name);
 }
 
-// An optimizer whose step raises while `*raising` (NOTE [A step that
-// raised]): before it updates anything, as a failed allocation would.
-template <class O>
-struct RaisingStep : O {
-  template <class... A>
-  explicit RaisingStep(const bool* raising, A&&... a)
-      : O(std::forward<A>(a)...), raising_(raising) {}
-  at::Tensor step(
-      torch::optim::Optimizer::LossClosure closure = nullptr) override {
-    TORCH_CHECK(!*raising_, "a step raised");
-    return O::step(std::move(closure));
-  }
-  const bool* raising_;
-};
-
 std::shared_ptr<torch::optim::Optimizer> make_opt(
     zoo::GPT& m,
     bool sgd,
-    const bool* raising = nullptr) {
-  static const bool never = false;
-  raising = raising != nullptr ? raising : &never;
-  if (sgd) {
-    return std::make_shared<RaisingStep<torch::optim::SGD>>(
-        raising, m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  }
-  return std::make_shared<RaisingStep<torch::optim::AdamW>>(
-      raising,
-      m->parameters(),
-      torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+    const bool* raising_step = nullptr) {
+  return colossalai::testing::make_optimizer(
+      m->parameters(), sgd, raising_step);
 }
 
 zoo::GPT make_model() {

@@ -39,16 +39,41 @@ pipeline::PipelineOutput pipeline_step(
       boosted.optimizer.get());
 }
 
-/// SGD with momentum or AdamW (the two optimizers every equality test runs).
+/// An optimizer whose step raises while `*raising`, before it updates
+/// anything, as a failed allocation would (NOTE [A step that raised]).
+template <class O>
+struct RaisingStep : O {
+  template <class... A>
+  explicit RaisingStep(const bool* raising, A&&... a)
+      : O(std::forward<A>(a)...), raising_(raising) {}
+  at::Tensor step(
+      torch::optim::Optimizer::LossClosure closure = nullptr) override {
+    TORCH_CHECK(!*raising_, "a step raised");
+    return O::step(std::move(closure));
+  }
+  const bool* raising_;
+};
+
+/// SGD with momentum or AdamW (the two optimizers every equality test runs);
+/// with `raising_step`, one whose step raises while `*raising_step`.
 inline std::shared_ptr<torch::optim::Optimizer> make_optimizer(
     const std::vector<at::Tensor>& params,
-    bool sgd) {
+    bool sgd,
+    const bool* raising_step = nullptr) {
   if (sgd) {
-    return std::make_shared<torch::optim::SGD>(
-        params, torch::optim::SGDOptions(0.1).momentum(0.9));
+    const auto o = torch::optim::SGDOptions(0.1).momentum(0.9);
+    if (raising_step != nullptr) {
+      return std::make_shared<RaisingStep<torch::optim::SGD>>(
+          raising_step, params, o);
+    }
+    return std::make_shared<torch::optim::SGD>(params, o);
   }
-  return std::make_shared<torch::optim::AdamW>(
-      params, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  const auto o = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
+  if (raising_step != nullptr) {
+    return std::make_shared<RaisingStep<torch::optim::AdamW>>(
+        raising_step, params, o);
+  }
+  return std::make_shared<torch::optim::AdamW>(params, o);
 }
 
 /// The largest elementwise difference between two lists of tensors.
