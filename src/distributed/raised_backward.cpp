@@ -7,6 +7,7 @@
 #include <c10/util/ScopeExit.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <thread>
 
 namespace colossalai {
@@ -35,11 +36,12 @@ void break_group(const ProcessGroup& group, const std::string& reason) {
 
 namespace {
 
-// This file's store calls come from the caller's thread and from that of an
-// operation failing: one at a time.
+// This file's store calls come from the caller's thread and from a failed
+// operation's lookup: one at a time. Never destroyed: a lookup across a
+// dropped link may outlive the process's static objects.
 std::mutex& store_mutex() {
-  static std::mutex m;
-  return m;
+  static auto* m = new std::mutex();
+  return *m;
 }
 
 // The world group of a run of more than one rank, else null. `wait`: an
@@ -295,33 +297,61 @@ std::string raised_elsewhere(const ProcessGroup& group) {
   if (world == nullptr) {
     return "";
   }
-  const std::string key = board(*world);
+  struct Lookup {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+    std::string text;
+  };
+  auto lookup = std::make_shared<Lookup>();
+  // On a thread of its own, waited for a few seconds at most: across a
+  // dropped link the store answers no sooner than its socket gives up
+  // (minutes), and this error must come within the group timeout.
+  std::thread([lookup,
+               store = world->transport_handle().store,
+               key = board(*world),
+               me = std::to_string(world->rank())] {
+    std::string text;
+    try {
+      std::lock_guard<std::mutex> lock(store_mutex());
+      if (store->check({key + "cause"})) {
+        const auto value = store->get(key + "cause");
+        text.assign(value.begin(), value.end());
+        const auto line = text.find('\n');
+        if (line == std::string::npos || text.compare(0, line, me) == 0) {
+          text.clear(); // filed here
+        } else {
+          text.erase(0, line + 1);
+          // Once per process and filing: the filer waits for that many.
+          static auto* counted = new std::string();
+          if (*counted != key) {
+            store->add(key + "read", 1);
+            *counted = key;
+          }
+        }
+      }
+    } catch (const std::exception&) {
+      text.clear(); // the store's host has left
+    }
+    std::lock_guard<std::mutex> lock(lookup->mutex);
+    lookup->text = std::move(text);
+    lookup->done = true;
+    lookup->done_cv.notify_all();
+  }).detach();
   std::string text;
-  try {
-    std::lock_guard<std::mutex> lock(store_mutex());
-    auto& store = *world->transport_handle().store;
-    if (!store.check({key + "cause"})) {
+  {
+    std::unique_lock<std::mutex> lock(lookup->mutex);
+    const auto limit = std::min<std::chrono::milliseconds>(
+        group.timeout(), std::chrono::seconds(5));
+    if (!lookup->done_cv.wait_for(lock, limit, [&] { return lookup->done; })) {
       return "";
     }
-    const auto value = store.get(key + "cause");
-    text.assign(value.begin(), value.end());
-    const auto line = text.find('\n');
-    if (line == std::string::npos ||
-        text.compare(0, line, std::to_string(world->rank())) == 0) {
-      return ""; // filed here
-    }
-    text.erase(0, line + 1);
-    // Once per process and filing: the filer waits for that many.
-    static std::string counted;
-    if (counted != key) {
-      store.add(key + "read", 1);
-      counted = key;
-    }
-  } catch (const std::exception&) {
-    return ""; // the store's host has left
+    text = lookup->text;
   }
-  break_group(
-      group, text + "; restart every rank and load the last checkpoint");
+  if (!text.empty()) {
+    break_group(
+        group, text + "; restart every rank and load the last checkpoint");
+  }
   return text;
 }
 

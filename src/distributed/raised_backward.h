@@ -91,8 +91,8 @@ uint64_t operations_issued();
 
 /// What another rank filed after a pass of its raised, for the error of an
 /// operation of `group` that failed here (it waited for that rank), or ""
-/// where nothing was filed or the store does not answer. Breaks `group` with
-/// it.
+/// where nothing was filed or the store does not answer within a few
+/// seconds. Breaks `group` with it.
 std::string raised_elsewhere(const ProcessGroup& group);
 
 } // namespace detail
