@@ -324,8 +324,14 @@ TEST(Pipeline, LlamaMatchesOneProcessOnFourRanks) {
 // complete a step from then on; every rank ends in a DistributedError that
 // names the hook's error, the raised one at once (NOTE [A backward that
 // raised on some ranks]), the others from their timeouts (none hangs: the
-// harness's deadline).
-void raise_in_one_stage(int world, const HPO& options, int raising_rank) {
+// harness's deadline). `in_step`: the stage's optimizer step raises
+// instead (NOTE [A step that raised]); the other stages may complete that
+// step, not the next, and name it.
+void raise_in_one_stage(
+    int world,
+    const HPO& options,
+    int raising_rank,
+    bool in_step = false) {
   colossalai::testing::MultiProcessOptions o;
   // Also the rendezvous's limit, which 4 ranks on a loaded 2-core machine
   // need seconds of.
@@ -337,9 +343,11 @@ void raise_in_one_stage(int world, const HPO& options, int raising_rank) {
         auto plugin = std::make_shared<HybridParallelPlugin>(options);
         cb::Booster booster(cb::BoosterOptions().plugin(plugin));
         auto model = make<models::GPT2LMHeadModel>();
+        bool raising_step = false;
         auto boosted = booster.boost(
             model,
-            colossalai::testing::make_optimizer(model->parameters(), true));
+            colossalai::testing::make_optimizer(
+                model->parameters(), true, &raising_step));
         bool raising = false;
         for (auto& p : model->parameters()) {
           if (p.requires_grad()) { // held by this stage
@@ -358,11 +366,13 @@ void raise_in_one_stage(int world, const HPO& options, int raising_rank) {
           auto x = b.first.narrow(0, local * plugin->dp_rank(), local);
           auto y = b.second.narrow(0, local * plugin->dp_rank(), local);
           boosted.optimizer->zero_grad();
-          raising = step == 1 && rank == raising_rank;
+          raising = step == 1 && rank == raising_rank && !in_step;
+          raising_step = step == 1 && rank == raising_rank && in_step;
           try {
             colossalai::testing::pipeline_step(booster, boosted, model, x, y);
             boosted.optimizer->step();
-            EXPECT_EQ(step, 0) << "rank " << rank << " completed step " << step;
+            EXPECT_LE(step, in_step && rank != raising_rank ? 1 : 0)
+                << "rank " << rank << " completed step " << step;
           } catch (const cd::DistributedError& e) {
             error = e.what();
             break;
@@ -370,15 +380,20 @@ void raise_in_one_stage(int world, const HPO& options, int raising_rank) {
             ADD_FAILURE() << "rank " << rank << ": " << e.what();
           }
           raising = false;
+          raising_step = false;
         }
-        EXPECT_EQ(step, 1) << "rank " << rank << " trained on";
-        EXPECT_NE(error.find("a hook raised"), std::string::npos) << error;
+        EXPECT_LE(step, 2) << "rank " << rank << " trained on";
+        EXPECT_NE(
+            error.find(in_step ? "a step raised" : "a hook raised"),
+            std::string::npos)
+            << error;
+        const std::string pass = in_step ? "step" : "pipeline step";
         EXPECT_NE(
             error.find(
                 rank == raising_rank
-                    ? "a pipeline step raised here"
-                    : "global rank " + std::to_string(raising_rank) +
-                        "'s pipeline step raised"),
+                    ? "a " + pass + " raised here"
+                    : "global rank " + std::to_string(raising_rank) + "'s " +
+                        pass + " raised"),
             std::string::npos)
             << error;
       },
@@ -389,6 +404,11 @@ TEST(Pipeline, ABackwardRaisedInOneStageFailsEveryRank) {
   raise_in_one_stage(2, base().pp_size(2), 0);
   // Beside data parallelism (ZeRO-1 buckets), in a last stage.
   raise_in_one_stage(4, base().pp_size(2).zero_stage(1), 3);
+}
+
+TEST(Pipeline, AStepRaisedInOneStageFailsEveryRank) {
+  raise_in_one_stage(2, base().pp_size(2), 1, true);
+  raise_in_one_stage(4, base().pp_size(2).zero_stage(1), 0, true);
 }
 
 TEST(Pipeline, MisuseNamesTheOption) {
