@@ -20,6 +20,7 @@
 #include <colossalai/models/gpt2.h>
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
+#include <harness/zoo_util.h>
 #include <zoo/gpt.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -564,6 +565,91 @@ TEST(DistributedFaults, KilledPeerDuringPointToPointRaisesDistributedError) {
     EXPECT_LT(kill_to_error.back(), 20.0);
   }
   EXPECT_EQ(shm_entries(), shm_before);
+}
+
+// NOTE [A backward that raised on some ranks]: after a raise the ranks
+// agree through the rendezvous store. A store that stops answering (its
+// host hung: rank 0, which serves it, stopped with SIGSTOP after its
+// backward) fails the raised rank (its optimizer's step raised) within the
+// agreement's bound, three group timeouts and 5 s, naming the store,
+// instead of waiting on the socket for as long as TCP does.
+TEST(DistributedFaults, AStoreThatStopsAnsweringFailsAnAgreementInTime) {
+  const std::string stamp = "/tmp/colossalai-test-stop." +
+      std::to_string(colossalai::testing::test_process());
+  std::filesystem::remove(stamp);
+  constexpr int kTimeout = 4;
+  colossalai::testing::MultiProcessOptions o;
+  o.final_barrier = false;
+  o.collective_timeout_seconds = kTimeout;
+  o.timeout_seconds = 120;
+  auto results = colossalai::testing::run_processes(
+      2,
+      [&](int rank, int world) {
+        bool raising = false;
+        cb::Booster booster(cb::BoosterOptions().plugin(
+            std::make_shared<cb::plugin::TorchDDPPlugin>()));
+        torch::manual_seed(0);
+        zoo::GPT model(zoo::GPTConfig::tiny_test());
+        auto boosted = booster.boost(
+            model,
+            colossalai::testing::make_optimizer(
+                model->parameters(), true, &raising));
+        auto b = zoo::random_tokens(2 * world, model->config(), 7);
+        booster.backward(
+            zoo::gpt_loss(
+                boosted.model(b.first.narrow(0, 2 * rank, 2)),
+                b.second.narrow(0, 2 * rank, 2)),
+            *boosted.optimizer);
+        if (rank == 0) {
+          std::ofstream(stamp + ".tmp") << ::getpid() << "\n";
+          std::filesystem::rename(stamp + ".tmp", stamp);
+          ::raise(SIGSTOP); // rank 1 kills it
+          return;
+        }
+        int stopped = 0;
+        while (!(std::ifstream(stamp) >> stopped)) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        raising = true;
+        const auto start = std::chrono::steady_clock::now();
+        std::string msg;
+        try {
+          boosted.optimizer->step();
+          ADD_FAILURE() << "the step did not raise";
+        } catch (const colossalai::distributed::DistributedError& e) {
+          msg = e.what();
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << "not a DistributedError: " << e.what();
+        }
+        const double took = seconds_since(start);
+        ::kill(stopped, SIGKILL);
+        EXPECT_NE(msg.find("a step raised"), std::string::npos) << msg;
+        EXPECT_NE(
+            msg.find("rendezvous store did not answer"), std::string::npos)
+            << msg;
+        // The bound, and as long again for a loaded machine.
+        EXPECT_LT(took, 2 * (3 * kTimeout + 5)) << msg;
+        std::cout << "STOPPED_STORE_TO_ERROR " << took << " s: " << msg
+                  << std::endl;
+      },
+      o);
+  if (results.empty()) {
+    return; // a child rank
+  }
+  std::filesystem::remove(stamp);
+  ASSERT_EQ(results.size(), 2u);
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, r.rank == 0 ? 128 + SIGKILL : 0) << r.output;
+    EXPECT_FALSE(r.timed_out) << r.output;
+    std::istringstream lines(r.output);
+    std::string line;
+    while (std::getline(lines, line)) {
+      if (line.find("STOPPED_STORE_TO_ERROR") != std::string::npos) {
+        std::cout << line << "\n";
+      }
+    }
+  }
 }
 
 // A rank killed (SIGKILL, or SIGTERM as a launcher's teardown sends) at each

@@ -1065,17 +1065,31 @@ TEST(GeminiPlugin, OverlapHostStepFollowsAutoPlacementIntoTheMargin) {
     for (auto n : plain.unit_numels) {
       units += n > 0 ? 1 : 0;
     }
+    // Each run moves what the rule gives for the margin it measured. The
+    // two margins agree within a few KB on an idle machine; under load the
+    // overlapped run's worker allocates at other moments, and they have
+    // differed by 660 KB, past the stretch that moves the same chunks: the
+    // tiers then differ (the weights are still equal bit for bit on the CPU,
+    // where both tiers step alike).
+    for (const auto* r : {&plain, &overlapped}) {
+      const auto margin = r->steps.front().device_margin;
+      EXPECT_EQ(
+          r->steps.back().margin_units,
+          moved_into(r->unit_numels, 2, margin).first)
+          << "device margin " << margin << " bytes";
+    }
     const auto moved = overlapped.steps.back().margin_units;
-    EXPECT_EQ(moved, plain.steps.back().margin_units)
-        << "device margins measured: " << plain.steps.front().device_margin
-        << " and " << overlapped.steps.front().device_margin << " bytes";
     EXPECT_GT(moved, 0);
     EXPECT_LT(moved, units);
     EXPECT_EQ(overlapped.ahead.front(), 0);
     for (size_t s = 1; s < overlapped.ahead.size(); ++s) {
       EXPECT_EQ(overlapped.ahead[s], units - moved) << "step " << s;
     }
-    expect_same_weights(plain, overlapped, "auto placement, overlapped");
+    expect_same_weights(
+        plain,
+        overlapped,
+        "auto placement, overlapped",
+        plain.steps.back().margin_units != moved);
   });
 }
 

@@ -222,11 +222,60 @@ void agree_after_raise(const std::string& pass, const std::string& cause) {
       }
     }
   }
-  const std::string filed = file_cause(raised_where(pass) + " (" + cause + ")");
-  // In creation order, the same on every member (groups are created in
-  // one order everywhere).
+  if (groups.empty()) {
+    return;
+  }
+  struct Agreement {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+    std::exception_ptr error;
+  };
+  auto agreement = std::make_shared<Agreement>();
+  // On a thread of its own: a store whose host hung, or across a dropped
+  // link, blocks a call for as long as its socket waits (minutes), past the
+  // agreement's own deadline.
+  std::thread([agreement, groups, pass, cause] {
+    std::exception_ptr error;
+    try {
+      const std::string filed =
+          file_cause(raised_where(pass) + " (" + cause + ")");
+      // In creation order, the same on every member (groups are created
+      // in one order everywhere).
+      for (const auto& g : groups) {
+        agree_on(*g, pass, cause, filed);
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(agreement->mutex);
+    agreement->error = error;
+    agreement->done = true;
+    agreement->done_cv.notify_all();
+  }).detach();
+  // The first group may wait its timeout for a slow member; a group that
+  // fails waits at most its timeout for the others, as long again for them
+  // to read the cause, and ends the agreement.
+  std::chrono::milliseconds limit{0};
   for (const auto& g : groups) {
-    agree_on(*g, pass, cause, filed);
+    limit = std::max(limit, 3 * g->timeout() + std::chrono::seconds(5));
+  }
+  std::unique_lock<std::mutex> lock(agreement->mutex);
+  if (!agreement->done_cv.wait_for(
+          lock, limit, [&] { return agreement->done; })) {
+    const std::string reason = "a " + pass + " raised here (" + cause +
+        "), and the rendezvous store did not answer within " +
+        std::to_string(limit.count()) + " ms while the ranks compared " +
+        "where theirs stopped (its host hung, or the link to it dropped); " +
+        "restart every rank and load the last checkpoint";
+    for (const auto& g : groups) {
+      break_group(*g, reason);
+    }
+    throw DistributedError(
+        "rank " + std::to_string(runtime().rank) + ": " + reason);
+  }
+  if (agreement->error) {
+    std::rethrow_exception(agreement->error);
   }
 }
 
