@@ -124,6 +124,43 @@ std::string raised_where(const std::string& pass) {
       " raised";
 }
 
+// Runs `body` on a thread of its own and waits for it at most `limit`:
+// false where it has not finished by then (it goes on alone); its error,
+// where it finished with one, is rethrown here. Store calls need it: a store
+// whose host hung, or across a dropped link, blocks a call for as long as
+// its socket waits (minutes).
+bool finished_within(
+    std::function<void()> body,
+    std::chrono::milliseconds limit) {
+  struct State {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+    std::exception_ptr error;
+  };
+  auto state = std::make_shared<State>();
+  std::thread([state, body = std::move(body)] {
+    std::exception_ptr error;
+    try {
+      body();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->error = error;
+    state->done = true;
+    state->done_cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(state->mutex);
+  if (!state->done_cv.wait_for(lock, limit, [&] { return state->done; })) {
+    return false;
+  }
+  if (state->error) {
+    std::rethrow_exception(state->error);
+  }
+  return true;
+}
+
 [[noreturn]] void fail(const ProcessGroup& g, const std::string& why) {
   const std::string reason =
       why + "; restart every rank and load the last checkpoint";
@@ -225,34 +262,6 @@ void agree_after_raise(const std::string& pass, const std::string& cause) {
   if (groups.empty()) {
     return;
   }
-  struct Agreement {
-    std::mutex mutex;
-    std::condition_variable done_cv;
-    bool done = false;
-    std::exception_ptr error;
-  };
-  auto agreement = std::make_shared<Agreement>();
-  // On a thread of its own: a store whose host hung, or across a dropped
-  // link, blocks a call for as long as its socket waits (minutes), past the
-  // agreement's own deadline.
-  std::thread([agreement, groups, pass, cause] {
-    std::exception_ptr error;
-    try {
-      const std::string filed =
-          file_cause(raised_where(pass) + " (" + cause + ")");
-      // In creation order, the same on every member (groups are created
-      // in one order everywhere).
-      for (const auto& g : groups) {
-        agree_on(*g, pass, cause, filed);
-      }
-    } catch (...) {
-      error = std::current_exception();
-    }
-    std::lock_guard<std::mutex> lock(agreement->mutex);
-    agreement->error = error;
-    agreement->done = true;
-    agreement->done_cv.notify_all();
-  }).detach();
   // The first group may wait its timeout for a slow member; a group that
   // fails waits at most its timeout for the others, as long again for them
   // to read the cause, and ends the agreement.
@@ -260,9 +269,18 @@ void agree_after_raise(const std::string& pass, const std::string& cause) {
   for (const auto& g : groups) {
     limit = std::max(limit, 3 * g->timeout() + std::chrono::seconds(5));
   }
-  std::unique_lock<std::mutex> lock(agreement->mutex);
-  if (!agreement->done_cv.wait_for(
-          lock, limit, [&] { return agreement->done; })) {
+  const bool answered = finished_within(
+      [groups, pass, cause] {
+        const std::string filed =
+            file_cause(raised_where(pass) + " (" + cause + ")");
+        // In creation order, the same on every member (groups are created
+        // in one order everywhere).
+        for (const auto& g : groups) {
+          agree_on(*g, pass, cause, filed);
+        }
+      },
+      limit);
+  if (!answered) {
     const std::string reason = "a " + pass + " raised here (" + cause +
         "), and the rendezvous store did not answer within " +
         std::to_string(limit.count()) + " ms while the ranks compared " +
@@ -273,9 +291,6 @@ void agree_after_raise(const std::string& pass, const std::string& cause) {
     }
     throw DistributedError(
         "rank " + std::to_string(runtime().rank) + ": " + reason);
-  }
-  if (agreement->error) {
-    std::rethrow_exception(agreement->error);
   }
 }
 
@@ -346,62 +361,46 @@ std::string raised_elsewhere(const ProcessGroup& group) {
   if (world == nullptr) {
     return "";
   }
-  struct Lookup {
-    std::mutex mutex;
-    std::condition_variable done_cv;
-    bool done = false;
-    std::string text;
-  };
-  auto lookup = std::make_shared<Lookup>();
-  // On a thread of its own, waited for a few seconds at most: across a
-  // dropped link the store answers no sooner than its socket gives up
-  // (minutes), and this error must come within the group timeout.
-  std::thread([lookup,
-               store = world->transport_handle().store,
-               key = board(*world),
-               me = std::to_string(world->rank())] {
-    std::string text;
-    try {
-      std::lock_guard<std::mutex> lock(store_mutex());
-      if (store->check({key + "cause"})) {
-        const auto value = store->get(key + "cause");
-        text.assign(value.begin(), value.end());
-        const auto line = text.find('\n');
-        if (line == std::string::npos || text.compare(0, line, me) == 0) {
-          text.clear(); // filed here
-        } else {
-          text.erase(0, line + 1);
+  // Waited for a few seconds at most: this error must come within the
+  // group timeout, not when a dropped link's socket gives up.
+  auto found = std::make_shared<std::string>();
+  try {
+    const bool answered = finished_within(
+        [found,
+         store = world->transport_handle().store,
+         key = board(*world),
+         me = std::to_string(world->rank())] {
+          std::lock_guard<std::mutex> lock(store_mutex());
+          if (!store->check({key + "cause"})) {
+            return;
+          }
+          const auto value = store->get(key + "cause");
+          std::string text(value.begin(), value.end());
+          const auto line = text.find('\n');
+          if (line == std::string::npos || text.compare(0, line, me) == 0) {
+            return; // filed here
+          }
           // Once per process and filing: the filer waits for that many.
           static auto* counted = new std::string();
           if (*counted != key) {
             store->add(key + "read", 1);
             *counted = key;
           }
-        }
-      }
-    } catch (const std::exception&) {
-      text.clear(); // the store's host has left
-    }
-    std::lock_guard<std::mutex> lock(lookup->mutex);
-    lookup->text = std::move(text);
-    lookup->done = true;
-    lookup->done_cv.notify_all();
-  }).detach();
-  std::string text;
-  {
-    std::unique_lock<std::mutex> lock(lookup->mutex);
-    const auto limit = std::min<std::chrono::milliseconds>(
-        group.timeout(), std::chrono::seconds(5));
-    if (!lookup->done_cv.wait_for(lock, limit, [&] { return lookup->done; })) {
+          *found = text.substr(line + 1);
+        },
+        std::min<std::chrono::milliseconds>(
+            group.timeout(), std::chrono::seconds(5)));
+    if (!answered) {
       return "";
     }
-    text = lookup->text;
+  } catch (const std::exception&) {
+    return ""; // the store's host has left
   }
-  if (!text.empty()) {
+  if (!found->empty()) {
     break_group(
-        group, text + "; restart every rank and load the last checkpoint");
+        group, *found + "; restart every rank and load the last checkpoint");
   }
-  return text;
+  return *found;
 }
 
 } // namespace detail
