@@ -330,8 +330,6 @@ void fail_after_raised_pipeline(const std::string& cause) {
       " after the stages had exchanged activations or gradients: their "
       "sends and receives no longer pair up; restart every rank and load "
       "the last checkpoint";
-  const std::string filed =
-      file_cause(raised_where("pipeline step") + " (" + cause + ")" + after);
   const std::string reason =
       "a pipeline step raised here (" + cause + ")" + after;
   std::vector<std::shared_ptr<const ProcessGroup>> groups;
@@ -348,9 +346,15 @@ void fail_after_raised_pipeline(const std::string& cause) {
     break_group(*g, reason);
   }
   // The others fail from operations that began about when this one
-  // raised; a group timeout more for a rank still busy with its part.
+  // raised; a group timeout more for a rank still busy with its part. On a
+  // thread of its own, as the agreement: the store may not answer.
   if (auto world = world_of_run(true)) {
-    await_readers(filed, world->size() - 1, 2 * world->timeout());
+    const auto wait = 2 * world->timeout();
+    finished_within(
+        [text = raised_where("pipeline step") + " (" + cause + ")" + after,
+         others = world->size() - 1,
+         wait] { await_readers(file_cause(text), others, wait); },
+        wait + std::chrono::seconds(5));
   }
   throw DistributedError(
       "rank " + std::to_string(runtime().rank) + ": " + reason);

@@ -33,9 +33,12 @@
 // did not come it waits, at most another group timeout, until that many
 // ranks have read it (a dead rank costs it two timeouts). A pipeline step
 // that raised after its stages had exchanged anything cannot agree at all
-// (sends and receives pair by peer, not by count): it files its cause,
-// breaks every group of the process and waits for the others to read, then
-// fails.
+// (sends and receives pair by peer, not by count): it breaks every group
+// of the process, files its cause and waits for the others to read, then
+// fails. These store calls run on a thread of their own with a deadline
+// (three group timeouts and 5 s for an agreement, 5 s for reading another
+// rank's filing): a store whose host hung, or across a dropped link, blocks
+// a call for as long as its socket waits.
 //
 // NOTE [A step that raised]
 // An optimizer step that raised on some ranks only leaves the ranks apart
