@@ -6,6 +6,7 @@
 
 #include <c10/util/ScopeExit.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <thread>
@@ -366,7 +367,15 @@ std::string raised_elsewhere(const ProcessGroup& group) {
     return "";
   }
   // Waited for a few seconds at most: this error must come within the
-  // group timeout, not when a dropped link's socket gives up.
+  // group timeout, not when a dropped link's socket gives up. A store that
+  // did not answer once (its host died or hung) is not asked again: the
+  // lookups would queue behind the first, each failed operation a wait
+  // longer.
+  static std::atomic<const void*> unanswered{nullptr};
+  const void* asked = world->transport_handle().store.get();
+  if (unanswered.load() == asked) {
+    return "";
+  }
   auto found = std::make_shared<std::string>();
   try {
     const bool answered = finished_within(
@@ -395,9 +404,11 @@ std::string raised_elsewhere(const ProcessGroup& group) {
         std::min<std::chrono::milliseconds>(
             group.timeout(), std::chrono::seconds(5)));
     if (!answered) {
+      unanswered.store(asked);
       return "";
     }
   } catch (const std::exception&) {
+    unanswered.store(asked);
     return ""; // the store's host has left
   }
   if (!found->empty()) {
