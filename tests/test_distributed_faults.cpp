@@ -611,7 +611,18 @@ TEST(DistributedFaults, AStoreThatStopsAnsweringFailsAnAgreementInTime) {
         while (!(std::ifstream(stamp) >> stopped)) {
           std::this_thread::sleep_for(std::chrono::milliseconds(10));
         }
-        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        // Until the kernel shows it stopped (state T in /proc/PID/stat).
+        auto state = [stopped] {
+          std::ifstream stat("/proc/" + std::to_string(stopped) + "/stat");
+          std::string all((std::istreambuf_iterator<char>(stat)), {});
+          const auto paren = all.rfind(')');
+          return paren == std::string::npos || paren + 2 >= all.size()
+              ? '?'
+              : all[paren + 2];
+        };
+        while (state() != 'T') {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
         raising = true;
         const auto start = std::chrono::steady_clock::now();
         std::string msg;
