@@ -13,7 +13,8 @@
 // peak during a step.
 //
 //   bench_zero_step [--nproc 2] [--steps 4] [--rounds 3]
-//                   [--setups ddp,zero1,zero2,fsdp,fsdp_noprefetch,gemini,
+//                   [--setups ddp,zero1,zero2,zero1_overlap_ag,
+//                             zero2_overlap_ag,fsdp,fsdp_noprefetch,gemini,
 //                             gemini_auto]
 //                   [--out FILE.json]
 
@@ -99,11 +100,16 @@ int run_rank(
               .hidden_dim(cfg.n_embd())
               .max_prefetch(1)
               .placement_policy(name == "gemini" ? "static" : "auto"));
-    } else if (name == "zero1" || name == "zero2") {
+    } else if (
+        name == "zero1" || name == "zero2" || name == "zero1_overlap_ag" ||
+        name == "zero2_overlap_ag") {
+      // _overlap_ag: overlap_allgather, the step's all-gathers waited for
+      // block by block in the next forward.
       plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
           cb::plugin::LowLevelZeroPluginOptions()
-              .stage(name == "zero1" ? 1 : 2)
-              .precision("fp32"));
+              .stage(name.rfind("zero1", 0) == 0 ? 1 : 2)
+              .precision("fp32")
+              .overlap_allgather(name.find("_overlap_ag") != name.npos));
     } else {
       TORCH_CHECK(false, "unknown setup '", name, "'");
     }
@@ -126,13 +132,19 @@ int run_rank(
   TORCH_CHECK(
       !setups.empty() && setups[0]->name == "ddp",
       "--setups must start with ddp (the baseline of every ratio)");
-  auto step = [&](Setup& s) {
+  // `last`: the last timed step of a round also waits for what its step
+  // left in flight (overlap_allgather's all-gathers), which the next step
+  // would otherwise find done.
+  auto step = [&](Setup& s, bool last = false) {
     auto t0 = std::chrono::steady_clock::now();
     s.boosted.optimizer->zero_grad();
     auto loss =
         colossalai::zoo::gpt_loss(s.boosted.model(batch.first), batch.second);
     s.booster.backward(loss, *s.boosted.optimizer);
     s.boosted.optimizer->step();
+    if (last) {
+      s.boosted.model.wrapper()->synchronize_weights();
+    }
     return std::chrono::duration<double, std::milli>(
                std::chrono::steady_clock::now() - t0)
         .count();
@@ -164,7 +176,7 @@ int run_rank(
       cd::barrier(*cd::world_group()).wait();
       const int64_t b0 = cd::bytes_communicated();
       for (int i = 0; i < steps; ++i)
-        times[s->name].push_back(step(*s));
+        times[s->name].push_back(step(*s, i == steps - 1));
       bytes[s->name] += cd::bytes_communicated() - b0;
     }
     cd::barrier(*cd::world_group()).wait();
@@ -229,6 +241,8 @@ int run_rank(
       {"ddp", 16.0 * psi},
       {"zero1", (8.0 + 8.0 / n) * psi},
       {"zero2", (4.0 + 12.0 / n) * psi},
+      {"zero1_overlap_ag", (8.0 + 8.0 / n) * psi},
+      {"zero2_overlap_ag", (4.0 + 12.0 / n) * psi},
       {"fsdp", 16.0 / n * psi},
       {"fsdp_noprefetch", 16.0 / n * psi},
       {"gemini", 16.0 / n * psi},
@@ -237,6 +251,8 @@ int run_rank(
       {"ddp", 16.0 * psi},
       {"zero1", (4.0 + 12.0 / n) * psi},
       {"zero2", (4.0 + 12.0 / n) * psi},
+      {"zero1_overlap_ag", (4.0 + 12.0 / n) * psi},
+      {"zero2_overlap_ag", (4.0 + 12.0 / n) * psi},
       {"fsdp", 16.0 / n * psi},
       {"fsdp_noprefetch", 16.0 / n * psi},
       {"gemini", 16.0 / n * psi},

@@ -82,6 +82,18 @@ std::vector<Setup> setups(int world, bool llama) {
   s.push_back({"tp2_dp2", base().tp_size(2)});
   s.push_back({"tp2_zero1", base().tp_size(2).zero_stage(1)});
   s.push_back({"tp2_zero2", base().tp_size(2).zero_stage(2)});
+  // NOTE [All-gathers overlap the next forward]: the blocks wait for their
+  // parameters; recomputed ones run their forward again in backward.
+  s.push_back(
+      {"tp2_zero1_overlap_allgather",
+       base().tp_size(2).zero_stage(1).overlap_allgather(true)});
+  s.push_back(
+      {"tp2_zero2_overlap_allgather_checkpoint_all",
+       base()
+           .tp_size(2)
+           .zero_stage(2)
+           .overlap_allgather(true)
+           .gradient_checkpointing_ratio(1.0)});
   s.push_back(
       {"tp4_ring",
        base()
@@ -239,6 +251,7 @@ void check_setups(int world, bool sgd) {
       EXPECT_NEAR(losses[step], expect.first[step], kLossTol)
           << "step " << step;
     }
+    boosted.model.wrapper()->synchronize_weights(); // overlap_allgather
     auto got = whole_weights(*model, plugin->shard_info());
     ASSERT_EQ(got.size(), expect.second.size());
     const double atol = sgd ? kSgdAtol : 2 * kSteps * 3.2e-3;
@@ -305,6 +318,7 @@ std::map<std::string, at::Tensor> train_raising(
         << msg;
     raising_step = false;
   }
+  boosted.model.wrapper()->synchronize_weights(); // overlap_allgather
   return whole_weights(*model, plugin->shard_info());
 }
 
@@ -723,6 +737,10 @@ TEST(HybridParallel, InvalidOptionsNameTheOption) {
         std::string::npos);
     EXPECT_NE(
         make_plugin(HPO().precision("fp16")).find("fp16"), std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO().precision("fp32").tp_size(2).overlap_allgather(true))
+            .find("overlap_allgather needs zero_stage"),
+        std::string::npos);
     EXPECT_NE(
         make_plugin(HPO()
                         .precision("fp32")

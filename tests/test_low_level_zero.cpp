@@ -10,6 +10,7 @@
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/initialize.h>
+#include <colossalai/nn/hookable_module.h>
 #include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/utils/compat.h>
@@ -24,6 +25,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 
@@ -114,7 +116,8 @@ void zero_matches(
     double clip,
     bool sgd = false,
     bool offload = false,
-    bool overlap = true) {
+    bool overlap = true,
+    bool overlap_allgather = false) {
   auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
       cb::plugin::LowLevelZeroPluginOptions()
           .stage(stage)
@@ -122,6 +125,7 @@ void zero_matches(
           .max_norm(clip)
           .cpu_offload(offload)
           .overlap_communication(overlap)
+          .overlap_allgather(overlap_allgather)
           .reduce_bucket_size_in_m(0.0005)); // several buckets
   cb::Booster booster(cb::BoosterOptions().plugin(plugin));
   torch::manual_seed(7 + rank); // rank 0's weights must win
@@ -139,13 +143,14 @@ void zero_matches(
     boosted.optimizer->step();
   }
   auto ref = reference(5, world, clip, sgd);
-  auto got = model->parameters();
+  auto got = boosted.model.parameters(); // after overlap_allgather's gathers
   for (size_t i = 0; i < ref.size(); ++i) {
     const auto g = colossalai::testing::host(got[i]);
     EXPECT_TRUE(at::allclose(g, ref[i], 1e-4, 1e-5))
         << "stage " << stage << (offload ? ", cpu_offload" : "")
-        << (overlap ? "" : ", no overlap") << ": parameter " << i
-        << " differs by " << (g - ref[i]).abs().max().item<double>();
+        << (overlap ? "" : ", no overlap")
+        << (overlap_allgather ? ", overlap_allgather" : "") << ": parameter "
+        << i << " differs by " << (g - ref[i]).abs().max().item<double>();
   }
 }
 
@@ -194,6 +199,11 @@ TEST(LowLevelZero, Stage1And2MatchSingleProcessOnTwoRanks) {
     zero_matches(rank, world, 1, 0.05, /*sgd=*/true, /*offload=*/true);
     zero_matches(rank, world, 1, 0, true, false, /*overlap=*/false);
     zero_matches(rank, world, 2, 0.05, true, false, /*overlap=*/false);
+    // A model without hookable modules: the whole wait before the forward.
+    zero_matches(
+        rank, world, 1, 0, true, false, true, /*overlap_allgather=*/true);
+    zero_matches(
+        rank, world, 2, 0.05, true, true, true, /*overlap_allgather=*/true);
   });
 }
 
@@ -572,13 +582,6 @@ TEST(LowLevelZero, BadOptionsAreClearErrors) {
                                              .precision("fp32")
                                              .norm_type(1.0));
         }).find("norm_type"),
-        std::string::npos);
-    EXPECT_NE(
-        msg([] {
-          cb::plugin::LowLevelZeroPlugin(cb::plugin::LowLevelZeroPluginOptions()
-                                             .precision("fp32")
-                                             .overlap_allgather(true));
-        }).find("overlap_allgather"),
         std::string::npos);
     // The plugin applies its own precision: a Booster mixed_precision that
     // contradicts it is refused (it used to train in fp32 without a word);
@@ -1129,4 +1132,197 @@ TEST(LowLevelZero, OverlapHostStepRefusesTheStepOfABackwardThatRaised) {
         std::vector<size_t>{});
   });
   std::filesystem::remove_all(ckpt_dir());
+}
+
+namespace {
+
+// NOTE [All-gathers overlap the next forward]: a model whose blocks open a
+// ForwardScope, and a probe each block's forward calls once its own
+// parameters are complete.
+std::function<void(int)> g_block_probe;
+
+struct BlockImpl : torch::nn::Module, colossalai::nn::HookableModule {
+  explicit BlockImpl(int index) : index(index) {
+    fc = register_module("fc", torch::nn::Linear(16, 16));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto scope = forward_scope();
+    if (g_block_probe) {
+      g_block_probe(index);
+    }
+    return scope.exit(x + torch::gelu(fc(x)));
+  }
+  int index;
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct TowerImpl : torch::nn::Module {
+  TowerImpl() {
+    in = register_module("in", torch::nn::Linear(8, 16));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) {
+      blocks->push_back(Block(i));
+    }
+    head = register_module("head", torch::nn::Linear(16, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = in(x);
+    for (const auto& b : *blocks) {
+      h = b->as<BlockImpl>()->forward(h);
+    }
+    return head(h);
+  }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+};
+TORCH_MODULE(Tower);
+
+std::string overlap_ckpt() {
+  return ckpt_dir() + "_overlap";
+}
+
+// 6 steps of ZeRO on the tower, saving the model and optimizer after step
+// 2 and loading them back after step 4 (with the all-gathers of step 4 in
+// flight when overlap_allgather is on): the weights at the end. With
+// `in_flight_per_block`, the all-gathers still in flight as each block
+// began, in the forwards that followed a step (not those after the save
+// and the load, which waited for them).
+std::vector<at::Tensor> train_tower(
+    int rank,
+    int world,
+    int stage,
+    const std::string& precision,
+    bool overlap_allgather,
+    std::vector<std::vector<int64_t>>* in_flight_per_block = nullptr) {
+  auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+      cb::plugin::LowLevelZeroPluginOptions()
+          .stage(stage)
+          .precision(precision)
+          .reduce_bucket_size_in_m(0.0002) // ~200 elements: ~one layer each
+          .overlap_allgather(overlap_allgather));
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  torch::manual_seed(11);
+  Tower model;
+  auto opt = std::make_shared<torch::optim::AdamW>(
+      model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  auto boosted = booster.boost(model, opt);
+  auto* zo = dynamic_cast<cz::LowLevelZeroOptimizer*>(boosted.optimizer.get());
+  EXPECT_NE(zo, nullptr);
+  if (overlap_allgather) {
+    // Issued by first use: the root's layers (before the forward), then
+    // block by block.
+    const auto& order = zo->gather_order();
+    auto at = [&](const at::Tensor& p) {
+      return std::find(order.begin(), order.end(), zo->bucket_of(p)) -
+          order.begin();
+    };
+    auto blocks = model->blocks;
+    EXPECT_LT(
+        at(model->head->weight), at(blocks[0]->as<BlockImpl>()->fc->weight));
+    EXPECT_LT(
+        at(model->in->weight), at(blocks[0]->as<BlockImpl>()->fc->weight));
+    EXPECT_LT(
+        at(blocks[0]->as<BlockImpl>()->fc->weight),
+        at(blocks[1]->as<BlockImpl>()->fc->weight));
+    EXPECT_LT(
+        at(blocks[1]->as<BlockImpl>()->fc->weight),
+        at(blocks[2]->as<BlockImpl>()->fc->weight));
+  }
+  std::vector<int64_t> seen;
+  g_block_probe = [&](int) { seen.push_back(zo->gathers_in_flight()); };
+  for (int s = 0; s < 6; ++s) {
+    seen.clear();
+    mse_backward(booster, boosted, s, rank, world);
+    if (in_flight_per_block != nullptr && s % 2 == 1) {
+      in_flight_per_block->push_back(seen);
+    }
+    boosted.optimizer->step();
+    boosted.optimizer->zero_grad();
+    if (overlap_allgather && world > 1) {
+      // Every bucket's all-gather is left to the next forward.
+      EXPECT_GT(zo->gathers_last_step(), 0);
+      EXPECT_EQ(zo->gathers_in_flight(), zo->gathers_last_step());
+    } else {
+      EXPECT_EQ(zo->gathers_in_flight(), 0);
+    }
+    if (s == 1) {
+      booster.save_model(boosted.model, overlap_ckpt() + "/model");
+      booster.save_optimizer(*boosted.optimizer, overlap_ckpt() + "/optim");
+    }
+    if (s == 3) {
+      booster.load_model(boosted.model, overlap_ckpt() + "/model");
+      booster.load_optimizer(*boosted.optimizer, overlap_ckpt() + "/optim");
+      EXPECT_EQ(zo->gathers_in_flight(), 0);
+    }
+  }
+  g_block_probe = nullptr;
+  std::vector<at::Tensor> out;
+  for (const auto& p : boosted.model.parameters()) { // waits for the gathers
+    out.push_back(p.detach().clone());
+  }
+  EXPECT_EQ(zo->gathers_in_flight(), 0);
+  return out;
+}
+
+} // namespace
+
+TEST(LowLevelZero, OverlapAllgatherLeavesTheGathersToTheNextForward) {
+  run_distributed(2, [](int rank, int world) {
+    for (int stage : {1, 2}) {
+      for (const char* precision : {"fp32", "bf16"}) {
+        const std::string what =
+            "stage " + std::to_string(stage) + ", " + precision;
+        std::vector<std::vector<int64_t>> in_flight;
+        auto overlapped =
+            train_tower(rank, world, stage, precision, true, &in_flight);
+        auto waited = train_tower(rank, world, stage, precision, false);
+        // The same bits (an all-gather copies them), saves and loads with
+        // gathers in flight included.
+        EXPECT_EQ(
+            colossalai::testing::differing(overlapped, waited),
+            std::vector<size_t>{})
+            << what;
+        // Each block found the later blocks' all-gathers still in flight,
+        // and its own done.
+        ASSERT_EQ(in_flight.size(), 3u) << what;
+        for (const auto& v : in_flight) {
+          ASSERT_EQ(v.size(), 3u) << what;
+          EXPECT_GT(v[0], v[1]) << what;
+          EXPECT_GT(v[1], v[2]) << what;
+          EXPECT_EQ(v[2], 0) << what;
+        }
+      }
+    }
+  });
+  std::filesystem::remove_all(overlap_ckpt());
+}
+
+TEST(LowLevelZero, OverlapAllgatherRefusesABlockWithHooksOfItsOwn) {
+  struct OtherHooks : colossalai::nn::ForwardHooks {
+    void pre_forward() override {}
+    at::Tensor post_forward(const at::Tensor& y) override {
+      return y;
+    }
+  };
+  run_distributed(1, [](int, int) {
+    auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+        cb::plugin::LowLevelZeroPluginOptions()
+            .precision("fp32")
+            .overlap_allgather(true));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    Tower model;
+    model->blocks[1]->as<BlockImpl>()->set_forward_hooks(
+        std::make_shared<OtherHooks>());
+    auto opt = std::make_shared<torch::optim::AdamW>(
+        model->parameters(), torch::optim::AdamWOptions(1e-2));
+    try {
+      booster.boost(model, opt);
+      ADD_FAILURE() << "boost accepted a block with hooks of its own";
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("overlap_allgather"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("'blocks.1'"), std::string::npos) << msg;
+    }
+  });
 }

@@ -192,6 +192,12 @@ std::vector<Setup> setups(int world) {
       {"pp4_zbv", base().pp_size(4).pp_style("zbv").num_model_chunks(2)});
   s.push_back({"pp2_tp2", base().pp_size(2).tp_size(2)});
   s.push_back({"pp2_dp2_zero1", base().pp_size(2).zero_stage(1)});
+  // NOTE [All-gathers overlap the next forward]: a stage's embeddings or
+  // head waited for as the pipeline step begins, its blocks in their
+  // forwards (the first micro-batch's).
+  s.push_back(
+      {"pp2_dp2_zero1_overlap_allgather",
+       base().pp_size(2).zero_stage(1).overlap_allgather(true)});
   s.push_back({"pp2_dp2_ddp", base().pp_size(2).zero_stage(0)});
   s.push_back(
       {"pp2_dp2_zbv_zero1_clip",
@@ -284,6 +290,7 @@ void check_setups(int world, bool sgd) {
       }
     }
     // Every held parameter equals the reference's; released ones are gone.
+    boosted.model.wrapper()->synchronize_weights(); // overlap_allgather
     auto got = whole_weights(*model, plugin->shard_info());
     EXPECT_GT(got.size(), 0u);
     EXPECT_LT(got.size(), expect.second.size());

@@ -302,6 +302,7 @@ void Booster::save_lora_as_pretrained(
       it != lora_.end(),
       "Booster.save_lora_as_pretrained: the model has no LoRA adapters "
       "(call enable_lora before boost)");
+  model.synchronize_weights(); // the adapters as the last step left them
   const bool distributed = distributed::is_initialized();
   std::string error;
   if (!distributed || distributed::get_rank() == 0) {

@@ -320,6 +320,7 @@ void Booster::save_checkpoint(
   error = guarded([&] {
     auto lora = lora_.find(model.unwrap().get());
     if (lora != lora_.end()) {
+      model.synchronize_weights(); // the adapters as the last step left them
       if (is_rank0()) {
         lora->second->save_pretrained(
             cd::join(partial, "adapter"), options.use_safetensors());
@@ -423,6 +424,7 @@ TrainingState Booster::resume_or_start(
     state = read_state(cd::join(chosen, kState));
     auto lora = lora_.find(model.unwrap().get());
     if (lora != lora_.end()) {
+      model.synchronize_weights(); // else an update in flight overwrites it
       const auto adapter = cd::join(chosen, "adapter");
       const auto st = cd::join(adapter, "adapter_model.safetensors");
       const auto file = cd::exists(st) ? st : cd::join(adapter, "adapter_model.bin");

@@ -186,6 +186,7 @@ void CheckpointIO::save_model(
         h.save_refusal ? h.save_refusal(*model.unwrap()) : std::string();
     TORCH_CHECK(why.empty(), "save_model: ", why);
   }
+  model.synchronize_weights(); // the last step's weights, all of them
   // Every rank takes part (state may have to be gathered); only writers
   // write.
   if (options.shard()) {
@@ -202,6 +203,8 @@ void CheckpointIO::load_model(
     bool strict) {
   synchronize();
   sync_point();
+  // An update still in flight would overwrite what loads.
+  model.synchronize_weights();
   const auto& path = checkpoint;
   TORCH_CHECK(
       detail::exists(path),

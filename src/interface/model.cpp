@@ -26,6 +26,12 @@ void ModelWrapper::enter_forward() {
   }
 }
 
+void ModelWrapper::synchronize_weights() {
+  for (ModelWrapper* m = this; m != nullptr; m = m->inner_.get()) {
+    m->finish_weight_updates();
+  }
+}
+
 void ModelWrapper::exit_forward() noexcept {
   if (inner_) {
     inner_->exit_forward();

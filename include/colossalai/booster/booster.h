@@ -163,8 +163,10 @@ class BoostedModel {
     }
   }
 
-  /// The user's module (parameters, train()/eval(), children).
+  /// The user's module (parameters, train()/eval(), children), with its
+  /// weights complete (ModelWrapper::synchronize_weights).
   M& unwrap() {
+    wrapper_->synchronize_weights();
     return module_;
   }
   const std::shared_ptr<interface::ModelWrapper>& wrapper() const {
@@ -177,6 +179,7 @@ class BoostedModel {
     module_->eval();
   }
   std::vector<at::Tensor> parameters() const {
+    wrapper_->synchronize_weights();
     return module_->parameters();
   }
 

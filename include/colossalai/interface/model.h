@@ -34,6 +34,14 @@ class ModelWrapper {
   void enter_forward();
   void exit_forward() noexcept;
 
+  /// Completes the weight updates the last step left in flight in this
+  /// wrapper or one it wraps (ZeRO's overlap_allgather): the module's
+  /// parameters then hold the last step's values. A forward through the
+  /// boosted model waits for what it uses by itself, and the booster calls
+  /// this before it saves or loads the model; call it before reading the
+  /// weights any other way between a step and the next forward.
+  void synchronize_weights();
+
   /// Applied to every tensor argument of forward, innermost wrapper first
   /// (e.g. a cast of floating inputs to the training dtype).
   at::Tensor prepare_input(const at::Tensor& input) {
@@ -46,6 +54,8 @@ class ModelWrapper {
   }
   virtual void pre_forward() {}
   virtual void post_forward() noexcept {}
+  /// This wrapper's part of synchronize_weights.
+  virtual void finish_weight_updates() {}
 
  private:
   std::shared_ptr<torch::nn::Module> module_;

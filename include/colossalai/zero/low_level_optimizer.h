@@ -44,6 +44,11 @@ struct LowLevelZeroOptimizerOptions {
   /// bucket's weights are uploaded then too. Same weights bit for bit.
   /// Needs HybridAdam, no max_norm, no fp16, one backward per step.
   TORCH_ARG(bool, overlap_host_step) = false;
+  /// Leave each bucket's post-step all-gather in flight when step()
+  /// returns; the next forward waits for a bucket just before the first
+  /// module that uses it (NOTE [All-gathers overlap the next forward]).
+  /// Buckets at one rank have nothing to gather and complete in step().
+  TORCH_ARG(bool, overlap_allgather) = false;
 };
 
 /// Bytes this rank holds for the model's training state.
@@ -131,6 +136,22 @@ class LowLevelZeroOptimizer : public ShardedOptimizer {
   std::vector<int64_t> bucket_numels() const;
   /// All-gathers issued by the last step (one per bucket).
   int64_t gathers_last_step() const;
+
+  /// overlap_allgather (NOTE [All-gathers overlap the next forward]).
+  /// The bucket holding `param` (one of working_params()), or -1.
+  int64_t bucket_of(const at::Tensor& param) const;
+  /// The order the steps issue their all-gathers in: a permutation of the
+  /// buckets, the same on every rank (default: bucket order).
+  void set_gather_order(std::vector<size_t> order);
+  const std::vector<size_t>& gather_order() const;
+  /// Completes the listed buckets' all-gathers still in flight, in order.
+  void wait_gathers(const std::vector<size_t>& buckets);
+  /// Completes every all-gather still in flight: the weights then hold the
+  /// last step's values (step() and a load of the optimizer's state do it
+  /// first).
+  void wait_all_gathers();
+  /// All-gathers issued and not yet completed.
+  int64_t gathers_in_flight() const;
 
   /// Re-reads the master slices from the working parameters (after the
   /// model's weights were loaded).

@@ -9,6 +9,7 @@
 #include <colossalai/placement/gradients.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
+#include "gather_wait_model.h"
 #include "hybrid/check_options.h"
 #include "hybrid/checkpoint_io.h"
 #include "hybrid/naive_optimizer.h"
@@ -356,9 +357,13 @@ void HybridParallelPlugin::apply_data_parallel(
   if (options_.ep_size() > 1) {
     own_groups.emplace_back(moe_dp_group_, expert_params_);
   }
+  zo.overlap_allgather(options_.overlap_allgather());
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), mixed_dp_group_, zo, std::move(own_groups));
   zero_opt->set_placement(placement_);
+  if (options_.overlap_allgather()) {
+    model = std::make_shared<detail::GatherWaitModel>(model, zero_opt, kName);
+  }
   guard_pipeline();
   state_->zero = zero_opt;
   optimizer = zero_opt;

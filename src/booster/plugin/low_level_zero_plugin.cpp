@@ -3,6 +3,7 @@
 #include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
 #include <colossalai/initialize.h>
 
+#include "gather_wait_model.h"
 #include "plugin_options.h"
 #include "zero_options.h"
 
@@ -36,11 +37,14 @@ class ZeroStateAccess : public checkpoint_io::StateAccess {
       int64_t id,
       const checkpoint_io::StateDict& state,
       const std::string& file) override {
-    zero_of(optimizer).load_full_state(id, state, file);
+    auto& zero = zero_of(optimizer);
+    zero.wait_all_gathers(); // they would write the master slices back
+    zero.load_full_state(id, state, file);
   }
   void load_model(
       interface::ModelWrapper& model,
       const std::function<void()>& load) override {
+    model.synchronize_weights(); // else they would overwrite what loads
     load();
     // The master slices follow the loaded weights.
     auto* m = interface::find_wrapper<LowLevelZeroModel>(model);
@@ -89,10 +93,6 @@ LowLevelZeroPlugin::LowLevelZeroPlugin(LowLevelZeroPluginOptions options)
       options_.norm_type());
   TORCH_CHECK(
       options_.max_norm() >= 0, "LowLevelZeroPlugin: max_norm must be >= 0");
-  TORCH_CHECK(
-      !options_.overlap_allgather(),
-      "LowLevelZeroPlugin: overlap_allgather(true) is not supported: the "
-      "post-step all-gather (one per bucket) completes inside step()");
   TORCH_CHECK(
       options_.reduce_bucket_size_in_m() > 0,
       "LowLevelZeroPlugin: reduce_bucket_size_in_m must be > 0");
@@ -147,9 +147,14 @@ void LowLevelZeroPlugin::configure(
       options_.reduce_bucket_size_in_m(),
       "LowLevelZeroPlugin");
   zo.overlap_host_step(options_.overlap_host_step());
+  zo.overlap_allgather(options_.overlap_allgather());
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), dp_group_, zo);
   zero_model->optimizer = zero_opt;
+  if (options_.overlap_allgather()) {
+    model = std::make_shared<detail::GatherWaitModel>(
+        model, zero_opt, "LowLevelZeroPlugin");
+  }
   optimizer = zero_opt;
 }
 

@@ -45,6 +45,8 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     // Gradients copied straight into the zero shard_grad by this backward
     // (direct_fill), not yet completed.
     bool filled = false;
+    // overlap_allgather: the post-step all-gather, until it is waited for.
+    distributed::Work gathering;
   };
 
   distributed::ProcessGroupPtr group;
@@ -64,6 +66,8 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   std::shared_ptr<detail::StepsAhead> ahead =
       std::make_shared<detail::StepsAhead>();
   int64_t gathers = 0;
+  std::vector<size_t> gather_order; // a permutation of the buckets
+  std::unordered_map<const void*, size_t> bucket_by_param;
 
   // Parameters with a group of their own (pg_to_param_list), by identity.
   std::unordered_map<const void*, size_t> own_group;
@@ -121,6 +125,10 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
         where[plan[b][i]] = {b, i};
       }
       build_bucket(bucket);
+      gather_order.push_back(b);
+    }
+    for (size_t i = 0; i < working.size(); ++i) {
+      bucket_by_param.emplace(working[i].unsafeGetTensorImpl(), where[i].first);
     }
     distributed::GradBucketerOptions bo;
     bo.ordered = true;
@@ -312,11 +320,14 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     return true;
   }
 
-  // One all-gather per bucket of the updated shards into the weights.
+  // One all-gather per bucket of the updated shards into the weights, in
+  // gather_order. With overlap_allgather those across ranks are left in
+  // flight (NOTE [All-gathers overlap the next forward]).
   void gather() {
     std::vector<distributed::Work> works;
     gathers = 0;
-    for (auto& b : buckets) {
+    for (size_t k : gather_order) {
+      auto& b = buckets[k];
       if (!needs_gather(b)) {
         continue;
       }
@@ -325,15 +336,33 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
         b.published = false;
         continue;
       }
-      works.push_back(gather_bucket(b));
+      auto work = gather_bucket(b);
+      if (o.overlap_allgather() && b.ranks->size() > 1) {
+        b.gathering = std::move(work);
+      } else {
+        works.push_back(std::move(work));
+      }
     }
     for (auto& w : works) {
       w.wait();
     }
     // Host masters (cpu_offload) crossed asynchronously; the next step may
-    // write them before any backward waits.
+    // write them before any backward waits. (The current stream's copies:
+    // all-gathers left in flight run on.)
     if (o.cpu_offload() && !buckets.empty()) {
       utils::wait_for_device(buckets.front().working.device());
+    }
+  }
+
+  // Work::wait leaves the handle empty first, so a wait that throws (a
+  // broken group) is not repeated by every later one.
+  void wait_gather(size_t k) {
+    buckets.at(k).gathering.wait();
+  }
+
+  void wait_all() {
+    for (size_t k : gather_order) {
+      wait_gather(k);
     }
   }
 };
@@ -431,6 +460,7 @@ void LowLevelZeroOptimizer::overlap_host_step() {
 
 void LowLevelZeroOptimizer::step() {
   distributed::detail::guard_step([this] {
+    impl_->wait_all(); // a step without a forward since the last one
     for (auto& b : impl_->buckets) {
       b.published = false; // a step that threw may have left some set
     }
@@ -534,6 +564,49 @@ int64_t LowLevelZeroOptimizer::gathers_last_step() const {
   return impl_->gathers;
 }
 
+int64_t LowLevelZeroOptimizer::bucket_of(const at::Tensor& param) const {
+  auto it = impl_->bucket_by_param.find(param.unsafeGetTensorImpl());
+  return it == impl_->bucket_by_param.end() ? -1
+                                            : static_cast<int64_t>(it->second);
+}
+
+void LowLevelZeroOptimizer::set_gather_order(std::vector<size_t> order) {
+  std::vector<char> seen(impl_->buckets.size(), 0);
+  for (size_t k : order) {
+    TORCH_CHECK(
+        k < seen.size() && !seen[k],
+        "LowLevelZeroOptimizer: the gather order must list every bucket once");
+    seen[k] = 1;
+  }
+  TORCH_CHECK(
+      order.size() == seen.size(),
+      "LowLevelZeroOptimizer: the gather order must list every bucket once");
+  wait_all_gathers();
+  impl_->gather_order = std::move(order);
+}
+
+const std::vector<size_t>& LowLevelZeroOptimizer::gather_order() const {
+  return impl_->gather_order;
+}
+
+void LowLevelZeroOptimizer::wait_gathers(const std::vector<size_t>& buckets) {
+  for (size_t k : buckets) {
+    impl_->wait_gather(k);
+  }
+}
+
+void LowLevelZeroOptimizer::wait_all_gathers() {
+  impl_->wait_all();
+}
+
+int64_t LowLevelZeroOptimizer::gathers_in_flight() const {
+  int64_t n = 0;
+  for (const auto& b : impl_->buckets) {
+    n += b.gathering.is_noop() ? 0 : 1;
+  }
+  return n;
+}
+
 MemoryStats LowLevelZeroOptimizer::memory_stats() const {
   MemoryStats s;
   for (const auto& b : impl_->buckets) {
@@ -559,6 +632,7 @@ MemoryStats LowLevelZeroOptimizer::memory_stats() const {
 }
 
 void LowLevelZeroOptimizer::sync_master_from_working() {
+  impl_->wait_all();
   at::NoGradGuard no_grad;
   for (auto& b : impl_->buckets) {
     if (!b.aliased) {

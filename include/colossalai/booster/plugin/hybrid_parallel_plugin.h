@@ -106,6 +106,11 @@ struct HybridParallelPluginOptions {
   /// "" (the working dtype), "fp32", "bf16" or "fp16" (ZeRO).
   TORCH_ARG(std::string, communication_dtype) = "";
   TORCH_ARG(bool, overlap_communication) = true;
+  /// ZeRO (zero_stage 1-2): leave the parameter all-gathers of step() in
+  /// flight for the next forward to wait for block by block, as
+  /// LowLevelZeroPluginOptions::overlap_allgather (NOTE [All-gathers overlap
+  /// the next forward]).
+  TORCH_ARG(bool, overlap_allgather) = false;
   /// How to shard the model; null: the model's own (ShardableModel) or the
   /// base Policy (every ParallelModule over the tensor group).
   TORCH_ARG(std::shared_ptr<shardformer::Policy>, custom_policy) = nullptr;

@@ -33,9 +33,14 @@ struct LowLevelZeroPluginOptions {
   TORCH_ARG(std::string, communication_dtype) = "";
   /// Start each gradient bucket's reduction from backward hooks.
   TORCH_ARG(bool, overlap_communication) = true;
-  /// Not supported (true is refused): the parameter all-gather after step
-  /// is one collective per bucket, all started at once and waited before
-  /// step returns (C++ modules have no forward hooks to wait in).
+  /// Leave the parameter all-gathers of step() in flight: the next forward
+  /// waits for each bucket as the first module holding its parameters
+  /// begins (each `colossalai::nn::HookableModule`, e.g. a transformer
+  /// block; parameters outside every such module before the forward), so
+  /// they overlap the forward's first layers. Read the weights any other
+  /// way only after `boosted.model.wrapper()->synchronize_weights()`
+  /// (checkpoints and the next step wait by themselves). NOTE [All-gathers
+  /// overlap the next forward].
   TORCH_ARG(bool, overlap_allgather) = false;
   /// Master slices, gradient slices and optimizer states in host memory;
   /// pass a HybridAdam for the fused CPU update.

@@ -104,6 +104,12 @@ HybridLayout check_hybrid_options(
       ": precision 'fp16' with zero_stage 0 is not supported (its loss "
       "scaler lives in the ZeRO optimizer); use zero_stage(1) or "
       "precision('bf16')");
+  TORCH_CHECK(
+      !(o.overlap_allgather() && o.zero_stage() == 0),
+      kName,
+      ": overlap_allgather needs zero_stage 1 or 2 (without ZeRO no "
+      "parameter is all-gathered after the step); set zero_stage or "
+      "overlap_allgather(false)");
   TORCH_CHECK(o.max_norm() >= 0, kName, ": max_norm must be >= 0");
   TORCH_CHECK(
       o.gradient_checkpointing_ratio() >= 0.0 &&

@@ -245,6 +245,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   void load_model(
       interface::ModelWrapper& model,
       const std::function<void()>& load) override {
+    model.synchronize_weights(); // else they would overwrite what loads
     load();
     if (auto z = state_->zero.lock()) {
       z->sync_master_from_working();
@@ -409,6 +410,7 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
       }
     }
     if (auto z = zero_of(optimizer)) {
+      z->wait_all_gathers(); // they would write the master slices back
       z->load_full_state(id, mine, file);
     } else {
       checkpoint_io::detail::load_param_state(

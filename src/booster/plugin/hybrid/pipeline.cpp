@@ -13,6 +13,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include "../../../utils/host_memory.h"
+#include "../gather_wait_model.h"
 #include "checkpoint_io.h"
 #include "pipeline_guard.h"
 
@@ -272,6 +273,11 @@ pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
   };
   set_sync(false);
   NoSyncGuard restore([&]() { set_sync(sync); });
+  // The stages run past the wrappers: overlap_allgather's wait before the
+  // forward (the blocks' own waits run in their forwards).
+  if (auto* waits = interface::find_wrapper<detail::GatherWaitModel>(model)) {
+    waits->before_forward();
+  }
   auto module = model.unwrap();
   auto forward = [&](int chunk,
                      const pipeline::Batch& mb,
