@@ -16,7 +16,7 @@
 //                   [--setups ddp,zero1,zero2,zero1_overlap_ag,
 //                             zero2_overlap_ag,fsdp,fsdp_noprefetch,gemini,
 //                             gemini_auto]
-//                   [--out FILE.json]
+//                   [--zero-bucket-m 12] [--out FILE.json]
 
 #include "bench_util.h"
 
@@ -65,6 +65,7 @@ colossalai::zero::FullyShardedModel* fsdp_of(Setup& s) {
 int run_rank(
     int steps,
     int rounds,
+    double bucket_m,
     const std::string& names,
     const std::string& out) {
   colossalai::launch_from_env();
@@ -109,6 +110,7 @@ int run_rank(
           cb::plugin::LowLevelZeroPluginOptions()
               .stage(name.rfind("zero1", 0) == 0 ? 1 : 2)
               .precision("fp32")
+              .reduce_bucket_size_in_m(bucket_m)
               .overlap_allgather(name.find("_overlap_ag") != name.npos));
     } else {
       TORCH_CHECK(false, "unknown setup '", name, "'");
@@ -262,6 +264,7 @@ int run_rank(
   std::ostringstream json;
   json << "{\n  \"benchmark\": \"zero_step\",\n  \"model\": \"gpt-small-cpu\","
        << "\n  \"parameters\": " << psi << ",\n  \"world_size\": " << world
+       << ",\n  \"zero_bucket_m\": " << bucket_m
        << ",\n  \"floor_ms\": " << median(times["floor"])
        << ",\n  \"lockstep_floor_ms\": " << median(times["lockstep"])
        << ",\n  \"largest_unit_parameters\": " << largest_unit
@@ -316,6 +319,7 @@ int run_rank(
 
 int main(int argc, char** argv) {
   int nproc = 2, steps = 4, rounds = 3;
+  double bucket_m = 12; // ColossalAI's reduce_bucket_size_in_m
   std::string out, names = "ddp,zero1,zero2,fsdp,fsdp_noprefetch,gemini";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
@@ -329,6 +333,8 @@ int main(int argc, char** argv) {
       out = v;
     else if (k == "--setups")
       names = v;
+    else if (k == "--zero-bucket-m")
+      bucket_m = std::stod(v);
     else {
       std::cerr << "unknown option " << k << "\n";
       return 2;
@@ -338,7 +344,7 @@ int main(int argc, char** argv) {
     if (!colossalai::launcher::launched_by_launcher()) {
       return colossalai::launcher::run_self(nproc, argc, argv);
     }
-    return run_rank(steps, rounds, names, out);
+    return run_rank(steps, rounds, bucket_m, names, out);
   } catch (const std::exception& e) {
     std::cerr << "error: " << cd::error_text(e) << std::endl;
     return 1;
