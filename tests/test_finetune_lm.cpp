@@ -196,34 +196,45 @@ TEST(FinetuneLm, OffloadedStatesWithRecomputationLossFalls) {
 
 // A LoRA run resumed from its checkpoint (the adapters, the optimizer and
 // the scheduler of checkpoint-6) equals the straight run from step 7 on.
+// Under ZeRO-2 in bf16 the fp32 master weights must follow the adapters
+// loaded; they once kept the fresh start's, and step 8's loss was 2.4e-2
+// off (growing). They are the loaded bf16 adapters widened, as ColossalAI
+// re-derives masters from the model it loads, so the resumed run differs
+// from the straight one by the masters' rounding to bf16 (2^-9 relative):
+// 3e-4 in the loss over these 6 steps; the bound 3e-3 is 10x that and 8x
+// below the failure.
 TEST(FinetuneLm, LoraResumeEqualsTheStraightRun) {
   if (corpus().empty()) {
     GTEST_SKIP() << "Debian's fortunes are absent: ./scripts/setup.sh";
   }
-  Scratch dir;
-  const std::string common =
-      " --plugin none --nproc 1 --config llama-tiny --steps 12 --seq-len 32 "
-      "--batch-size 8 --vocab-size 512 --lr 3e-3 --warmup 3 --samples 0 "
-      "--lora 4 --save-every 6 ";
-  const auto straight =
-      run(common + "--out " + dir.path + "/a --checkpoint " + dir.path + "/ca");
-  ASSERT_EQ(straight.first, 0) << straight.second;
-  const auto part =
-      run(common + "--stop-after 6 --out " + dir.path + "/b --checkpoint " +
-          dir.path + "/cb");
-  ASSERT_EQ(part.first, 0) << part.second;
-  EXPECT_TRUE(fs::exists(dir.path + "/cb/checkpoint-6/adapter"));
-  const auto resumed =
-      run(common + "--resume --out " + dir.path + "/c --checkpoint " +
-          dir.path + "/cb");
-  ASSERT_EQ(resumed.first, 0) << resumed.second;
-  EXPECT_NE(resumed.second.find("checkpoint-6'"), std::string::npos)
-      << resumed.second;
-  const auto a = losses(dir.path + "/a"), c = losses(dir.path + "/c");
-  ASSERT_EQ(c.size(), 6u) << resumed.second;
-  for (size_t i = 0; i < c.size(); ++i) {
-    EXPECT_EQ(c[i].first, a[6 + i].first);
-    EXPECT_EQ(c[i].second, a[6 + i].second) << "step " << c[i].first;
+  for (const std::string plugin : {"none", "zero2 --precision bf16"}) {
+    SCOPED_TRACE(plugin);
+    Scratch dir;
+    const std::string common = " --plugin " + plugin +
+        " --nproc 1 --config llama-tiny --steps 12 --seq-len 32 "
+        "--batch-size 8 --vocab-size 512 --lr 3e-3 --warmup 3 --samples 0 "
+        "--lora 4 --save-every 6 ";
+    const auto straight = run(
+        common + "--out " + dir.path + "/a --checkpoint " + dir.path + "/ca");
+    ASSERT_EQ(straight.first, 0) << straight.second;
+    const auto part =
+        run(common + "--stop-after 6 --out " + dir.path + "/b --checkpoint " +
+            dir.path + "/cb");
+    ASSERT_EQ(part.first, 0) << part.second;
+    EXPECT_TRUE(fs::exists(dir.path + "/cb/checkpoint-6/adapter"));
+    const auto resumed =
+        run(common + "--resume --out " + dir.path + "/c --checkpoint " +
+            dir.path + "/cb");
+    ASSERT_EQ(resumed.first, 0) << resumed.second;
+    EXPECT_NE(resumed.second.find("checkpoint-6'"), std::string::npos)
+        << resumed.second;
+    const auto a = losses(dir.path + "/a"), c = losses(dir.path + "/c");
+    ASSERT_EQ(c.size(), 6u) << resumed.second;
+    const double tol = plugin == "none" ? 0.0 : 3e-3;
+    for (size_t i = 0; i < c.size(); ++i) {
+      EXPECT_EQ(c[i].first, a[6 + i].first);
+      EXPECT_NEAR(c[i].second, a[6 + i].second, tol) << "step " << c[i].first;
+    }
   }
 }
 

@@ -424,14 +424,16 @@ TrainingState Booster::resume_or_start(
     state = read_state(cd::join(chosen, kState));
     auto lora = lora_.find(model.unwrap().get());
     if (lora != lora_.end()) {
-      model.synchronize_weights(); // else an update in flight overwrites it
       const auto adapter = cd::join(chosen, "adapter");
       const auto st = cd::join(adapter, "adapter_model.safetensors");
       const auto file = cd::exists(st) ? st : cd::join(adapter, "adapter_model.bin");
-      lora->second->load_adapter_state_dict(
-          cd::exists(st) ? checkpoint_io::safetensors::load_file(file)
-                         : checkpoint_io::load_bin(file),
-          file);
+      const auto state = cd::exists(st)
+          ? checkpoint_io::safetensors::load_file(file)
+          : checkpoint_io::load_bin(file);
+      // In the plugin's scope: ZeRO's master weights follow the adapters
+      // (a bf16 resume used to step from the masters of the fresh start).
+      checkpoint_io_->load_model_tensors(
+          model, [&] { lora->second->load_adapter_state_dict(state, file); });
     } else {
       checkpoint_io_->load_model(model, cd::join(chosen, "model"));
     }

@@ -234,6 +234,14 @@ void CheckpointIO::load_model(
   }
 }
 
+void CheckpointIO::load_model_tensors(
+    interface::ModelWrapper& model,
+    const std::function<void()>& load) {
+  synchronize();
+  model.synchronize_weights(); // else an update in flight overwrites them
+  load_in_model_scope(model, load);
+}
+
 void CheckpointIO::save_optimizer(
     interface::OptimizerWrapper& optimizer,
     const std::string& checkpoint,

@@ -23,6 +23,12 @@ void DistributedCheckpointIO::sync_point() {
   distributed::barrier(*group_).wait();
 }
 
+void DistributedCheckpointIO::load_in_model_scope(
+    interface::ModelWrapper& model,
+    const std::function<void()>& load) {
+  access_->load_model(model, load);
+}
+
 void DistributedCheckpointIO::stream_model_state(
     interface::ModelWrapper& model,
     const TensorSink& sink) {

@@ -7,6 +7,7 @@
 #include <torch/arg.h>
 
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -92,6 +93,14 @@ class CheckpointIO {
   /// error, if any.
   void synchronize();
 
+  /// Runs `load`, which writes into the module's own tensors (a training
+  /// checkpoint's LoRA adapters), in the scope the plugin needs: after it,
+  /// ZeRO re-reads its master weights from the loaded ones, which its next
+  /// step would otherwise write back over them.
+  void load_model_tensors(
+      interface::ModelWrapper& model,
+      const std::function<void()>& load);
+
  protected:
   /// Whether this process writes files (e.g. only rank 0 under DDP). Every
   /// rank runs the save_* methods (they may gather state); only writers write.
@@ -101,6 +110,13 @@ class CheckpointIO {
   /// Where processes meet: after each save, and before each load, so files
   /// are complete before anyone reads them.
   virtual void sync_point() {}
+  /// load_model_tensors' scope (the plugin's StateAccess::load_model).
+  virtual void load_in_model_scope(
+      interface::ModelWrapper& model,
+      const std::function<void()>& load) {
+    (void)model;
+    load();
+  }
 
   virtual void save_unsharded_model(
       interface::ModelWrapper& model,

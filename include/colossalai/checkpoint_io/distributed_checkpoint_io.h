@@ -34,6 +34,9 @@ class DistributedCheckpointIO : public GeneralCheckpointIO {
  protected:
   bool is_writer() const override;
   void sync_point() override;
+  void load_in_model_scope(
+      interface::ModelWrapper& model,
+      const std::function<void()>& load) override;
   void stream_model_state(
       interface::ModelWrapper& model,
       const TensorSink& sink) override;
