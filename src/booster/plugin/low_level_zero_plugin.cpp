@@ -44,7 +44,6 @@ class ZeroStateAccess : public checkpoint_io::StateAccess {
   void load_model(
       interface::ModelWrapper& model,
       const std::function<void()>& load) override {
-    model.synchronize_weights(); // else they would overwrite what loads
     load();
     // The master slices follow the loaded weights.
     auto* m = interface::find_wrapper<LowLevelZeroModel>(model);

@@ -245,7 +245,6 @@ class HybridStateAccess : public checkpoint_io::StateAccess {
   void load_model(
       interface::ModelWrapper& model,
       const std::function<void()>& load) override {
-    model.synchronize_weights(); // else they would overwrite what loads
     load();
     if (auto z = state_->zero.lock()) {
       z->sync_master_from_working();
