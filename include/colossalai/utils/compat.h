@@ -222,6 +222,19 @@ at::Tensor grouped_mm(
     const at::Tensor& b,
     const at::Tensor& offs);
 
+/// Whether this LibTorch has the float8 dtypes (float8_e4m3fn,
+/// float8_e5m2): 2.1 and later.
+bool has_float8();
+
+/// float32 `x` cast to float8 (e4m3fn when `e4m3`, else e5m2) with
+/// round-to-nearest-even, its bytes as a uint8 tensor of x's shape.
+/// Requires has_float8.
+at::Tensor to_float8_bytes(const at::Tensor& x, bool e4m3);
+
+/// The float8 values whose bytes `bytes` (uint8) holds, as float32.
+/// Requires has_float8.
+at::Tensor float8_bytes_to_float(const at::Tensor& bytes, bool e4m3);
+
 /// at::layer_norm. LibTorch before 2.1 cannot take a 16-bit input beside
 /// float32 weight and bias on the CPU (a bf16 activation under autocast):
 /// there it normalises in the weight's dtype and rounds the result to the

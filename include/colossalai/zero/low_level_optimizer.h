@@ -49,6 +49,13 @@ struct LowLevelZeroOptimizerOptions {
   /// module that uses it (NOTE [All-gathers overlap the next forward]).
   /// Buckets at one rank have nothing to gather and complete in step().
   TORCH_ARG(bool, overlap_allgather) = false;
+  /// Buckets whose group spans more than one node all-gather their
+  /// parameters through FP8 (e4m3, per-rank scale; quantization/fp8.h):
+  /// every rank's weights become the same 8-bit rounding of the fp32
+  /// masters, which stay exact (float32 weights then get masters of their
+  /// own). Gradients reduce in full precision, as in ColossalAI. Model
+  /// saves gather the masters exactly first.
+  TORCH_ARG(bool, fp8_communication) = false;
 };
 
 /// Bytes this rank holds for the model's training state.
@@ -153,6 +160,10 @@ class LowLevelZeroOptimizer : public ShardedOptimizer {
   /// All-gathers issued and not yet completed.
   int64_t gathers_in_flight() const;
 
+  /// fp8_communication: all-gathers the master slices into the weights at
+  /// full precision (collective over every bucket's group; the next step
+  /// rounds them to FP8 again). Model saves call it. Nothing otherwise.
+  void gather_exact_weights();
   /// Re-reads the master slices from the working parameters (after the
   /// model's weights were loaded).
   void sync_master_from_working();

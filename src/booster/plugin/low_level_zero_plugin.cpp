@@ -2,6 +2,9 @@
 #include <colossalai/booster/plugin/torch_ddp_model.h>
 #include <colossalai/checkpoint_io/distributed_checkpoint_io.h>
 #include <colossalai/initialize.h>
+#include <colossalai/quantization/fp8.h>
+
+#include <torch/version.h>
 
 #include "gather_wait_model.h"
 #include "plugin_options.h"
@@ -27,6 +30,19 @@ class LowLevelZeroModel : public detail::CastInputModel {
 // under any plugin; loading keeps this rank's slices.
 class ZeroStateAccess : public checkpoint_io::StateAccess {
  public:
+  void stream_model(
+      interface::ModelWrapper& model,
+      const checkpoint_io::TensorSink& sink) override {
+    // fp8_communication leaves the weights rounded to 8 bits; a checkpoint
+    // holds the masters' values.
+    auto* m = interface::find_wrapper<LowLevelZeroModel>(model);
+    if (m != nullptr) {
+      if (auto opt = m->optimizer.lock()) {
+        opt->gather_exact_weights();
+      }
+    }
+    checkpoint_io::StateAccess::stream_model(model, sink);
+  }
   void stream_optimizer(
       interface::OptimizerWrapper& optimizer,
       const checkpoint_io::StateSink& sink) override {
@@ -95,6 +111,11 @@ LowLevelZeroPlugin::LowLevelZeroPlugin(LowLevelZeroPluginOptions options)
   TORCH_CHECK(
       options_.reduce_bucket_size_in_m() > 0,
       "LowLevelZeroPlugin: reduce_bucket_size_in_m must be > 0");
+  TORCH_CHECK(
+      !options_.fp8_communication() || quantization::fp8_supported(),
+      "LowLevelZeroPlugin: fp8_communication needs LibTorch 2.1 or later "
+      "(its float8 dtypes); this is ",
+      TORCH_VERSION);
   if (options_.overlap_host_step()) {
     const char* why = !options_.cpu_offload()
         ? "cpu_offload(false): without it no master slice lives on the host"
@@ -147,6 +168,7 @@ void LowLevelZeroPlugin::configure(
       "LowLevelZeroPlugin");
   zo.overlap_host_step(options_.overlap_host_step());
   zo.overlap_allgather(options_.overlap_allgather());
+  zo.fp8_communication(options_.fp8_communication());
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), dp_group_, zo);
   zero_model->optimizer = zero_opt;

@@ -3,10 +3,12 @@
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/initialize.h>
+#include <colossalai/quantization/fp8.h>
 
 #include "../../zero/ddp/reducer.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/version.h>
 
 #include <map>
 #include <unordered_set>
@@ -93,6 +95,8 @@ TorchDDPModel::TorchDDPModel(
   ro.find_unused_parameters = options.find_unused_parameters();
   ro.gradient_as_bucket_view = options.gradient_as_bucket_view();
   ro.static_graph = options.static_graph();
+  ro.fp8 = options.fp8_communication() && quantization::fp8_compresses(*group_);
+  fp8_ = ro.fp8;
   reducer_ = std::make_shared<zero::detail::Reducer>(
       std::move(names), std::move(params), group_, ro);
   reducer_->register_hooks();
@@ -142,12 +146,21 @@ size_t TorchDDPModel::buckets_overlapped() const {
   return reducer_->buckets_overlapped();
 }
 
+bool TorchDDPModel::fp8_communication() const {
+  return fp8_;
+}
+
 TorchDDPPlugin::TorchDDPPlugin(TorchDDPPluginOptions options)
     : options_(options) {
   TORCH_CHECK(
       options.bucket_cap_mb() > 0,
       "TorchDDPPlugin: bucket_cap_mb must be > 0, got ",
       options.bucket_cap_mb());
+  TORCH_CHECK(
+      !options.fp8_communication() || quantization::fp8_supported(),
+      "TorchDDPPlugin: fp8_communication needs LibTorch 2.1 or later (its "
+      "float8 dtypes); this is ",
+      TORCH_VERSION);
 }
 
 void TorchDDPPlugin::configure(

@@ -1,5 +1,7 @@
 #include "reducer.h"
 
+#include <colossalai/quantization/fp8.h>
+
 #include <map>
 #include <sstream>
 #include <tuple>
@@ -119,6 +121,10 @@ void Reducer::fill(size_t param, bool used) {
 
 distributed::Work Reducer::launch(size_t bucket) {
   // (fill divided every gradient by the world size already.)
+  if (options_.fp8) {
+    return quantization::all_reduce_fp8(
+        buffers_[bucket], *group_, distributed::ReduceOp::kSum, "e5m2");
+  }
   return distributed::all_reduce(buffers_[bucket], *group_);
 }
 

@@ -19,6 +19,8 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   bool gradient_as_bucket_view = false;
   bool static_graph = false;
+  /// Buckets all-reduce through FP8 (e5m2, NOTE [FP8 messages]).
+  bool fp8 = false;
 };
 
 /// DDP's strategy on the shared bucketer: buckets of whole gradients,

@@ -2,6 +2,7 @@
 #include <colossalai/nn/optimizer/fused_adam.h>
 #include <colossalai/nn/optimizer/hybrid_adam.h>
 #include <colossalai/nn/optimizer/working_copies.h>
+#include <colossalai/quantization/fp8.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
 #include "../../distributed/grad_bucketer.h"
@@ -47,6 +48,8 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     bool filled = false;
     // overlap_allgather: the post-step all-gather, until it is waited for.
     distributed::Work gathering;
+    // fp8_communication across nodes: the all-gathers carry FP8.
+    bool fp8 = false;
   };
 
   distributed::ProcessGroupPtr group;
@@ -152,7 +155,9 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     auto flat32 = b.layout.flatten(b.params, first.options().dtype(at::kFloat));
     // cpu_offload keeps the master (and so the optimizer states created for
     // its pieces) in host memory; without it they live with the weights.
-    b.aliased = first.scalar_type() == at::kFloat && !o.cpu_offload();
+    // FP8 all-gathers round the weights, so the masters must be their own.
+    b.fp8 = o.fp8_communication() && quantization::fp8_compresses(*b.ranks);
+    b.aliased = first.scalar_type() == at::kFloat && !o.cpu_offload() && !b.fp8;
     for (const auto& p : b.params) {
       TORCH_CHECK(
           p.scalar_type() == first.scalar_type() &&
@@ -299,7 +304,11 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   // The bucket's updated shard, cast to the working dtype on the weights'
   // device (from pinned host memory: asynchronously), all-gathered into
   // the weights (one rank: copied).
-  static distributed::Work gather_bucket(Bucket& b) {
+  static distributed::Work gather_bucket(Bucket& b, bool exact = false) {
+    if (b.fp8 && !exact) { // cast once, from the float32 master
+      auto src = utils::to_device(b.shard_data, b.working.device(), at::kFloat);
+      return quantization::all_gather_fp8(b.working, src, *b.ranks, "e4m3");
+    }
     // A copy: the input must not alias the output it is gathered into.
     auto src = utils::to_device(
         b.shard_data, b.working.device(), b.working.scalar_type());
@@ -629,6 +638,19 @@ MemoryStats LowLevelZeroOptimizer::memory_stats() const {
     }
   }
   return s;
+}
+
+void LowLevelZeroOptimizer::gather_exact_weights() {
+  impl_->wait_all();
+  std::vector<distributed::Work> works;
+  for (auto& b : impl_->buckets) {
+    if (b.fp8) {
+      works.push_back(Impl::gather_bucket(b, /*exact=*/true));
+    }
+  }
+  for (auto& w : works) {
+    w.wait();
+  }
 }
 
 void LowLevelZeroOptimizer::sync_master_from_working() {

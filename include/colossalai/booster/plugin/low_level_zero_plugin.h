@@ -42,6 +42,12 @@ struct LowLevelZeroPluginOptions {
   /// (checkpoints and the next step wait by themselves). NOTE [All-gathers
   /// overlap the next forward].
   TORCH_ARG(bool, overlap_allgather) = false;
+  /// Parameter all-gathers travel as FP8 (e4m3) where the data-parallel
+  /// group spans more than one node: the forward sees weights rounded to 8
+  /// bits (within 2^-4 of the masters, which stay exact); gradients reduce
+  /// in full precision (LowLevelZeroOptimizerOptions::fp8_communication).
+  /// Needs LibTorch 2.1 or later.
+  TORCH_ARG(bool, fp8_communication) = false;
   /// Master slices, gradient slices and optimizer states in host memory;
   /// pass a HybridAdam for the fused CPU update.
   TORCH_ARG(bool, cpu_offload) = false;

@@ -58,6 +58,9 @@ class TorchDDPModel : public interface::ModelWrapper {
   /// Buckets whose all-reduce started while backward was still running, in
   /// the last synchronized backward (the rest started at its end).
   size_t buckets_overlapped() const;
+  /// Whether gradients travel as FP8 (fp8_communication, and the group
+  /// spans nodes).
+  bool fp8_communication() const;
 
  protected:
   void pre_forward() override;
@@ -68,6 +71,7 @@ class TorchDDPModel : public interface::ModelWrapper {
   distributed::ProcessGroupPtr group_;
   TorchDDPPluginOptions options_;
   std::shared_ptr<zero::detail::Reducer> reducer_;
+  bool fp8_ = false;
 };
 
 /// Broadcasts `tensors` from group rank `src`, coalesced per dtype into one

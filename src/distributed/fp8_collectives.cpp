@@ -1,0 +1,186 @@
+// NOTE [FP8 messages]
+// The FP8 collectives move bytes, not floats: each message is a row of
+// 4 + L bytes, its float32 inverse scale and then its L values in FP8
+// (quantization/fp8_rows.h), so that a value and its scale travel in one
+// operation of the byte-moving collectives (all-gather, all-to-all), which
+// every backend carries for uint8. Rows are padded to a common length L,
+// the longest shard. Nothing here reduces in FP8 on the wire: an
+// all-reduce is an all-to-all of blocks, a float32 sum at each block's
+// owner, and an all-gather of the sums (ColossalAI's scheme), and every
+// rank, the owner included, decodes the gathered bytes, so every rank
+// ends with the same values.
+
+#include <colossalai/quantization/fp8.h>
+
+#include "../quantization/fp8_rows.h"
+#include "collective_ops.h"
+
+namespace colossalai {
+namespace quantization {
+
+namespace {
+
+void fp8_check_input(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(
+      t.is_floating_point() && t.element_size() >= 2,
+      op,
+      ": ",
+      what,
+      " must be float32, bf16 or fp16, got ",
+      t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", what, " must be contiguous");
+}
+
+} // namespace
+
+distributed::Work all_gather_fp8(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const distributed::ProcessGroup& group,
+    const std::string& fp8_format) {
+  const bool e4m3 = detail::fp8_is_e4m3(fp8_format, "all_gather_fp8");
+  fp8_check_input(output, "all_gather_fp8", "output");
+  fp8_check_input(input, "all_gather_fp8", "input");
+  const int world = group.size();
+  const int64_t total = output.numel();
+  const auto mine = distributed::shard_range(total, world, group.rank());
+  TORCH_CHECK(
+      input.numel() == mine.second - mine.first,
+      "all_gather_fp8: input has ",
+      input.numel(),
+      " elements, this rank's shard of ",
+      total,
+      " has ",
+      mine.second - mine.first);
+  distributed::detail::Issue issue(group, "all_gather_fp8");
+  if (world == 1 || total == 0) {
+    output.copy_(input.view_as(output));
+    return distributed::Work();
+  }
+  const int64_t longest = (total + world - 1) / world;
+  auto row = at::zeros({1, longest}, input.options().dtype(at::kFloat));
+  row.narrow(1, 0, input.numel()).copy_(input.reshape({1, -1}));
+  auto sent = detail::fp8_pack_rows(row, e4m3).view({-1});
+  auto received = at::empty({world * (4 + longest)}, sent.options());
+  auto gathered = std::make_shared<distributed::Work>(
+      distributed::all_gather(received, sent, group));
+  auto out = output; // shares the storage
+  return distributed::detail::make_work(
+      nullptr,
+      [gathered, sent, received, out, world, longest, total, e4m3]() mutable {
+        gathered->wait();
+        auto values = detail::fp8_unpack_rows(
+            received.view({world, 4 + longest}), e4m3); // [world, longest]
+        auto flat = out.view({-1});
+        for (int r = 0; r < world; ++r) {
+          const auto range = distributed::shard_range(total, world, r);
+          flat.narrow(0, range.first, range.second - range.first)
+              .copy_(values[r].narrow(0, 0, range.second - range.first));
+        }
+      },
+      "all_gather_fp8",
+      group,
+      [gathered] { return gathered->is_completed(); });
+}
+
+distributed::Work all_reduce_fp8(
+    at::Tensor& tensor,
+    const distributed::ProcessGroup& group,
+    distributed::ReduceOp op,
+    const std::string& fp8_format) {
+  const bool e4m3 = detail::fp8_is_e4m3(fp8_format, "all_reduce_fp8");
+  fp8_check_input(tensor, "all_reduce_fp8", "tensor");
+  TORCH_CHECK(
+      op == distributed::ReduceOp::kSum || op == distributed::ReduceOp::kAvg,
+      "all_reduce_fp8: only kSum and kAvg reduce through FP8");
+  distributed::detail::Issue issue(group, "all_reduce_fp8");
+  const int world = group.size();
+  if (world == 1 || tensor.numel() == 0) {
+    return distributed::Work();
+  }
+  const int64_t total = tensor.numel();
+  const int64_t block = (total + world - 1) / world;
+  auto blocks = at::zeros({world, block}, tensor.options().dtype(at::kFloat));
+  blocks.view({-1}).narrow(0, 0, total).copy_(tensor.view({-1}));
+  auto sent = detail::fp8_pack_rows(blocks, e4m3).view({-1});
+  auto received = at::empty_like(sent);
+  auto exchanged = std::make_shared<distributed::Work>(
+      distributed::all_to_all(received, sent, group));
+  auto out = tensor;      // shares the storage
+  const auto* g = &group; // make_work keeps the group alive
+  return distributed::detail::make_work(
+      nullptr,
+      [exchanged,
+       sent,
+       received,
+       out,
+       g,
+       op,
+       world,
+       block,
+       total,
+       fp8_format,
+       e4m3]() mutable {
+        exchanged->wait();
+        // This rank's block from every rank, added in rank order.
+        auto sum =
+            detail::fp8_unpack_rows(received.view({world, 4 + block}), e4m3)
+                .sum(0);
+        if (op == distributed::ReduceOp::kAvg) {
+          sum.div_(world);
+        }
+        auto whole = at::empty({world * block}, sum.options());
+        all_gather_fp8(whole, sum, *g, fp8_format).wait();
+        out.view({-1}).copy_(whole.narrow(0, 0, total));
+      },
+      "all_reduce_fp8",
+      group,
+      [exchanged] { return exchanged->is_completed(); });
+}
+
+distributed::Work all_to_all_fp8(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const distributed::ProcessGroup& group,
+    const std::string& fp8_format) {
+  const bool e4m3 = detail::fp8_is_e4m3(fp8_format, "all_to_all_fp8");
+  fp8_check_input(output, "all_to_all_fp8", "output");
+  fp8_check_input(input, "all_to_all_fp8", "input");
+  const int world = group.size();
+  TORCH_CHECK(
+      input.numel() % world == 0 && output.numel() == input.numel(),
+      "all_to_all_fp8: input and output must have the same number of "
+      "elements, a multiple of the group's ",
+      world,
+      " ranks; got ",
+      input.numel(),
+      " and ",
+      output.numel());
+  distributed::detail::Issue issue(group, "all_to_all_fp8");
+  if (world == 1 || input.numel() == 0) {
+    output.copy_(input.view_as(output));
+    return distributed::Work();
+  }
+  const int64_t block = input.numel() / world;
+  auto sent =
+      detail::fp8_pack_rows(input.to(at::kFloat).reshape({world, block}), e4m3)
+          .view({-1});
+  auto received = at::empty_like(sent);
+  auto exchanged = std::make_shared<distributed::Work>(
+      distributed::all_to_all(received, sent, group));
+  auto out = output;
+  return distributed::detail::make_work(
+      nullptr,
+      [exchanged, sent, received, out, world, block, e4m3]() mutable {
+        exchanged->wait();
+        out.view({world, block})
+            .copy_(detail::fp8_unpack_rows(
+                received.view({world, 4 + block}), e4m3));
+      },
+      "all_to_all_fp8",
+      group,
+      [exchanged] { return exchanged->is_completed(); });
+}
+
+} // namespace quantization
+} // namespace colossalai
