@@ -10,13 +10,18 @@
 //            DDP / lockstep is the cost of the gradient bytes alone;
 //   single   rank 0 alone trains a plain (unboosted) copy of the model while
 //            the other ranks wait: the single-process floor.
+//   ddp_fp8  (--fp8 1) steps of a second copy boosted with
+//            fp8_communication: gradients all-reduced through FP8 where the
+//            ranks span nodes (`colossalai run --nnodes`, e.g. across the
+//            rate-limited link of bench/netns_link.sh).
 // Each block also records the process CPU time per step (all threads:
 // compute, the collectives' worker, Gloo's), which tells communication
 // work apart from waiting. Reports medians with p10/p90, peak RSS per rank,
 // machine and bytes communicated per step, as JSON and one table line.
 //
 //   bench_ddp_step [--nproc 2] [--steps 10] [--rounds 3] [--warmup 2]
-//                  [--threads 1] [--bucket-cap-mb 25] [--out FILE.json]
+//                  [--threads 1] [--bucket-cap-mb 25] [--fp8 0|1]
+//                  [--out FILE.json]
 
 #include <colossalai/colossalai.h>
 
@@ -80,6 +85,7 @@ struct Args {
   int warmup = 2;
   int threads = 1;
   double bucket_cap_mb = 25;
+  bool fp8 = false;
   std::string out;
 };
 
@@ -101,6 +107,8 @@ Args parse(int argc, char** argv) {
       a.threads = std::stoi(v);
     else if (k == "--bucket-cap-mb")
       a.bucket_cap_mb = std::stod(v);
+    else if (k == "--fp8")
+      a.fp8 = std::stoi(v) != 0;
     else if (k == "--out")
       a.out = v;
     else
@@ -133,6 +141,27 @@ int run_rank(const Args& a) {
   auto* ddp = colossalai::interface::find_wrapper<cb::plugin::TorchDDPModel>(
       *boosted.model.wrapper());
 
+  // --fp8: the same model and optimizer boosted with fp8_communication.
+  auto fp8_plugin = std::make_shared<cb::plugin::TorchDDPPlugin>(
+      cb::plugin::TorchDDPPluginOptions()
+          .bucket_cap_mb(a.bucket_cap_mb)
+          .fp8_communication(a.fp8));
+  cb::Booster fp8_booster(cb::BoosterOptions().plugin(fp8_plugin));
+  torch::manual_seed(0);
+  colossalai::zoo::GPT fp8_model(cfg);
+  auto fp8_optimizer = std::make_shared<torch::optim::AdamW>(
+      fp8_model->parameters(),
+      torch::optim::AdamWOptions(3e-4)
+          .betas({0.9, 0.999})
+          .eps(1e-8)
+          .weight_decay(0.01));
+  auto fp8_boosted = a.fp8 ? fp8_booster.boost(fp8_model, fp8_optimizer)
+                           : decltype(fp8_booster.boost(fp8_model)){};
+  const bool fp8_compressed = a.fp8 &&
+      colossalai::interface::find_wrapper<cb::plugin::TorchDDPModel>(
+          *fp8_boosted.model.wrapper())
+          ->fp8_communication();
+
   // The single-process floor: a plain copy of the model on rank 0.
   torch::manual_seed(0);
   colossalai::zoo::GPT single_model(cfg);
@@ -163,22 +192,23 @@ int run_rank(const Args& a) {
     return ms(t0, t3);
   };
   std::map<std::string, std::vector<double>> ddp_phases; // synced steps
-  enum class Mode { kDdp, kNoSync, kLockstep };
+  enum class Mode { kDdp, kNoSync, kLockstep, kDdpFp8 };
   auto step = [&](Mode mode) {
     const bool sync = mode == Mode::kDdp;
+    auto& b = mode == Mode::kDdpFp8 ? fp8_boosted : boosted;
+    auto& bo = mode == Mode::kDdpFp8 ? fp8_booster : booster;
     auto t0 = clock::now();
-    boosted.optimizer->zero_grad();
-    auto loss =
-        colossalai::zoo::gpt_loss(boosted.model(batch.first), batch.second);
+    b.optimizer->zero_grad();
+    auto loss = colossalai::zoo::gpt_loss(b.model(batch.first), batch.second);
     auto t1 = clock::now();
-    if (sync) {
-      booster.backward(loss, *boosted.optimizer);
+    if (mode == Mode::kNoSync || mode == Mode::kLockstep) {
+      auto guard = bo.no_sync(b.model, b.optimizer.get());
+      bo.backward(loss, *b.optimizer);
     } else {
-      auto guard = booster.no_sync(boosted.model, boosted.optimizer.get());
-      booster.backward(loss, *boosted.optimizer);
+      bo.backward(loss, *b.optimizer);
     }
     auto t2 = clock::now();
-    boosted.optimizer->step();
+    b.optimizer->step();
     if (mode == Mode::kLockstep) {
       cd::barrier(*cd::world_group()).wait();
     }
@@ -190,13 +220,16 @@ int run_rank(const Args& a) {
     }
     return ms(t0, t3);
   };
-  const std::vector<std::pair<Mode, std::string>> modes = {
+  std::vector<std::pair<Mode, std::string>> modes = {
       {Mode::kDdp, "ddp"},
       {Mode::kNoSync, "no_sync"},
       {Mode::kLockstep, "lockstep"}};
+  if (a.fp8) {
+    modes.push_back({Mode::kDdpFp8, "ddp_fp8"});
+  }
 
   std::map<std::string, std::vector<double>> times, cpu;
-  int64_t bytes = 0, synced_steps = 0;
+  int64_t bytes = 0, synced_steps = 0, fp8_bytes = 0;
   for (int w = 0; w < a.warmup; ++w) {
     for (const auto& m : modes) {
       step(m.first);
@@ -220,6 +253,9 @@ int run_rank(const Args& a) {
       if (m.first == Mode::kDdp) {
         bytes += cd::bytes_communicated() - b0;
         synced_steps += a.steps;
+      }
+      if (m.first == Mode::kDdpFp8) {
+        fp8_bytes += cd::bytes_communicated() - b0;
       }
       if (rank == 0) {
         std::fprintf(
@@ -272,7 +308,11 @@ int run_rank(const Args& a) {
        << "  \"implementation\": \"ours (C++, TorchDDPPlugin)\",\n"
        << "  \"machine\": " << colossalai::bench::machine_json() << ",\n"
        << "  \"step_ms\": "
-       << stats_json(times, {"ddp", "no_sync", "lockstep", "single"}) << ",\n"
+       << (a.fp8
+               ? stats_json(
+                     times, {"ddp", "no_sync", "lockstep", "single", "ddp_fp8"})
+               : stats_json(times, {"ddp", "no_sync", "lockstep", "single"}))
+       << ",\n"
        << "  \"cpu_ms_per_step\": "
        << stats_json(cpu, {"ddp", "no_sync", "lockstep"}) << ",\n"
        << "  \"single_phases_ms\": " << phases_json(phases) << ",\n"
@@ -282,6 +322,17 @@ int run_rank(const Args& a) {
        << ", \"lockstep_over_no_sync\": " << lockstep_ms / floor_ms
        << ", \"ddp_over_single\": " << ddp_ms / single_ms
        << ", \"single_over_no_sync\": " << single_ms / floor_ms << "},\n"
+       << (a.fp8 ? "  \"fp8\": {\"compressed\": " +
+                   std::string(fp8_compressed ? "true" : "false") +
+                   ", \"ddp_fp8_over_ddp\": " +
+                   std::to_string(median(times["ddp_fp8"]) / ddp_ms) +
+                   ", \"ddp_fp8_over_no_sync\": " +
+                   std::to_string(median(times["ddp_fp8"]) / floor_ms) +
+                   ", \"bytes_per_step\": " +
+                   std::to_string(
+                       static_cast<double>(fp8_bytes) / synced_steps) +
+                   "},\n"
+                 : std::string())
        << "  \"ddp_step_ms\": {\"median\": " << ddp_ms
        << ", \"p10\": " << percentile(times["ddp"], 0.1)
        << ", \"p90\": " << percentile(times["ddp"], 0.9) << "},\n"
@@ -311,6 +362,15 @@ int run_rank(const Args& a) {
       ddp_ms / floor_ms,
       bytes_per_step / 1e6,
       all[0].item<double>() / 1e6);
+  if (a.fp8) {
+    std::printf(
+        "| fp8_communication | %s | DDP through FP8 %.1f ms (%.2fx DDP) | "
+        "%.1f MB/step |\n",
+        fp8_compressed ? "compressed" : "not compressed (one node)",
+        median(times["ddp_fp8"]),
+        median(times["ddp_fp8"]) / ddp_ms,
+        static_cast<double>(fp8_bytes) / synced_steps / 1e6);
+  }
   return 0;
 }
 

@@ -14,7 +14,8 @@
 //
 //   bench_zero_step [--nproc 2] [--steps 4] [--rounds 3]
 //                   [--setups ddp,zero1,zero2,zero1_overlap_ag,
-//                             zero2_overlap_ag,fsdp,fsdp_noprefetch,gemini,
+//                             zero2_overlap_ag,zero1_fp8,zero2_fp8,fsdp,
+//                             fsdp_noprefetch,gemini,
 //                             gemini_auto]
 //                   [--zero-bucket-m 12] [--out FILE.json]
 
@@ -103,15 +104,19 @@ int run_rank(
               .placement_policy(name == "gemini" ? "static" : "auto"));
     } else if (
         name == "zero1" || name == "zero2" || name == "zero1_overlap_ag" ||
-        name == "zero2_overlap_ag") {
+        name == "zero2_overlap_ag" || name == "zero1_fp8" ||
+        name == "zero2_fp8") {
       // _overlap_ag: overlap_allgather, the step's all-gathers waited for
-      // block by block in the next forward.
+      // block by block in the next forward. _fp8: fp8_communication, the
+      // all-gathers through FP8 where the ranks span nodes (float32
+      // weights then keep masters of their own).
       plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
           cb::plugin::LowLevelZeroPluginOptions()
               .stage(name.rfind("zero1", 0) == 0 ? 1 : 2)
               .precision("fp32")
               .reduce_bucket_size_in_m(bucket_m)
-              .overlap_allgather(name.find("_overlap_ag") != name.npos));
+              .overlap_allgather(name.find("_overlap_ag") != name.npos)
+              .fp8_communication(name.find("_fp8") != name.npos));
     } else {
       TORCH_CHECK(false, "unknown setup '", name, "'");
     }
@@ -245,6 +250,8 @@ int run_rank(
       {"zero2", (4.0 + 12.0 / n) * psi},
       {"zero1_overlap_ag", (8.0 + 8.0 / n) * psi},
       {"zero2_overlap_ag", (4.0 + 12.0 / n) * psi},
+      {"zero1_fp8", (8.0 + 12.0 / n) * psi},
+      {"zero2_fp8", (4.0 + 16.0 / n) * psi},
       {"fsdp", 16.0 / n * psi},
       {"fsdp_noprefetch", 16.0 / n * psi},
       {"gemini", 16.0 / n * psi},
@@ -255,6 +262,8 @@ int run_rank(
       {"zero2", (4.0 + 12.0 / n) * psi},
       {"zero1_overlap_ag", (4.0 + 12.0 / n) * psi},
       {"zero2_overlap_ag", (4.0 + 12.0 / n) * psi},
+      {"zero1_fp8", (4.0 + 16.0 / n) * psi},
+      {"zero2_fp8", (4.0 + 16.0 / n) * psi},
       {"fsdp", 16.0 / n * psi},
       {"fsdp_noprefetch", 16.0 / n * psi},
       {"gemini", 16.0 / n * psi},

@@ -38,9 +38,14 @@ at::Tensor detail::fp8_pack_rows(const at::Tensor& rows, bool e4m3) {
   // scale 0 and the whole row NaN (inf * 0), which overflow checks see.
   auto amax = rows.abs().amax({1}, /*keepdim=*/true);
   amax = at::where(amax > 0, amax, at::ones_like(amax));
-  auto bytes = compat::to_float8_bytes(rows * (largest / amax), e4m3);
-  auto inverse = (amax / largest).view(at::kByte); // [R, 4]
-  return at::cat({inverse, bytes}, 1);
+  const int64_t length = rows.size(1);
+  auto packed =
+      at::empty({rows.size(0), 4 + length}, rows.options().dtype(at::kByte));
+  packed.narrow(1, 0, 4).copy_((amax / largest).view(at::kByte));
+  // Cast as it is copied into each row's place.
+  compat::float8_view(packed.narrow(1, 4, length), e4m3)
+      .copy_(rows * (largest / amax));
+  return packed;
 }
 
 at::Tensor detail::fp8_unpack_rows(const at::Tensor& packed, bool e4m3) {
@@ -49,8 +54,9 @@ at::Tensor detail::fp8_unpack_rows(const at::Tensor& packed, bool e4m3) {
   auto inverse = packed.narrow(1, 0, 4)
                      .clone(at::MemoryFormat::Contiguous)
                      .view(at::kFloat);
-  auto bytes = packed.narrow(1, 4, packed.size(1) - 4).contiguous();
-  return compat::float8_bytes_to_float(bytes, e4m3) * inverse;
+  return compat::float8_view(packed.narrow(1, 4, packed.size(1) - 4), e4m3)
+             .to(at::kFloat) *
+      inverse;
 }
 
 Fp8Tensor cast_to_fp8(const at::Tensor& x, const std::string& fp8_format) {
@@ -82,8 +88,7 @@ at::Tensor cast_from_fp8(
       q.data.scalar_type() == at::kByte,
       "cast_from_fp8: data must hold the FP8 bytes as uint8, got ",
       q.data.scalar_type());
-  return (compat::float8_bytes_to_float(q.data.contiguous(), e4m3) *
-          q.scale_inv)
+  return (compat::float8_view(q.data, e4m3).to(at::kFloat) * q.scale_inv)
       .to(dtype);
 }
 

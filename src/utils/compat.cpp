@@ -166,21 +166,10 @@ bool has_float8() {
   return COLOSSALAI_TORCH_AT_LEAST(2, 1);
 }
 
-at::Tensor to_float8_bytes(const at::Tensor& x, bool e4m3) {
-  TORCH_INTERNAL_ASSERT(x.scalar_type() == at::kFloat);
-#if COLOSSALAI_TORCH_AT_LEAST(2, 1)
-  return x.to(e4m3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2).view(at::kByte);
-#else
-  (void)e4m3;
-  TORCH_CHECK(false, "float8 needs LibTorch 2.1 or later");
-#endif
-}
-
-at::Tensor float8_bytes_to_float(const at::Tensor& bytes, bool e4m3) {
+at::Tensor float8_view(const at::Tensor& bytes, bool e4m3) {
   TORCH_INTERNAL_ASSERT(bytes.scalar_type() == at::kByte);
 #if COLOSSALAI_TORCH_AT_LEAST(2, 1)
-  return bytes.view(e4m3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2)
-      .to(at::kFloat);
+  return bytes.view(e4m3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2);
 #else
   (void)e4m3;
   TORCH_CHECK(false, "float8 needs LibTorch 2.1 or later");

@@ -226,14 +226,10 @@ at::Tensor grouped_mm(
 /// float8_e5m2): 2.1 and later.
 bool has_float8();
 
-/// float32 `x` cast to float8 (e4m3fn when `e4m3`, else e5m2) with
-/// round-to-nearest-even, its bytes as a uint8 tensor of x's shape.
-/// Requires has_float8.
-at::Tensor to_float8_bytes(const at::Tensor& x, bool e4m3);
-
-/// The float8 values whose bytes `bytes` (uint8) holds, as float32.
-/// Requires has_float8.
-at::Tensor float8_bytes_to_float(const at::Tensor& bytes, bool e4m3);
+/// `bytes` (uint8, any strides) viewed as float8: e4m3fn when `e4m3`, else
+/// e5m2; the same storage, shape and strides. Copying a float tensor into
+/// it casts with round-to-nearest-even. Requires has_float8.
+at::Tensor float8_view(const at::Tensor& bytes, bool e4m3);
 
 /// at::layer_norm. LibTorch before 2.1 cannot take a 16-bit input beside
 /// float32 weight and bias on the CPU (a bf16 activation under autocast):
