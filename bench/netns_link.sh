@@ -54,11 +54,18 @@ node() {
     "$cli" run --nnodes 2 --node_rank "$1" --nproc_per_node 1 \
       --master_addr 10.231.9.1 --master_port 29651 "${@:4}" >"$log/node.$1" 2>&1
 }
+# Bytes each end has sent: what crossed the link, headers included.
+sent() {
+  in_ns "$1" ip -s -j link show dev "$2" |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)[0]["stats64"]["tx"]["bytes"])'
+}
+a0=$(sent "$a" "${tag}a"); b0=$(sent "$b" "${tag}b")
 node 0 "$a" "${tag}a" "${@}" & p0=$!
 node 1 "$b" "${tag}b" "${@}" & p1=$!
 wait $p0; r0=$?
 wait $p1; r1=$?
 cat "$log/node.0"
+echo "link: $rate; bytes sent by node 0: $(( $(sent "$a" "${tag}a") - a0 )), by node 1: $(( $(sent "$b" "${tag}b") - b0 ))"
 if [[ $r0 != 0 || $r1 != 0 ]]; then
   echo "FAILED: launchers exited with $r0 and $r1; node 1's output:"
   tail -n 30 "$log/node.1"

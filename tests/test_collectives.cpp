@@ -533,12 +533,13 @@ TEST(Harness, ChildThatNeverReachesItsInvocationFails) {
 }
 
 // Which path each operation takes, over Gloo's sockets: Gloo's own flat
-// all-gather, reduce-scatter and bf16 sums where the linked LibTorch has
-// them, the replacements where it does not (NOTE [Gloo replacements]);
+// all-gather and bf16 sums where the linked LibTorch has them, the
+// replacements where it does not, and the replacement reduce-scatter always
+// (Gloo's own sends an all-reduce's bytes; NOTE [Gloo replacements]);
 // shared memory where every rank is on this host. The results themselves
 // are checked by the tests above on whichever path runs. Expected: 1.13 has
-// none of the three; 2.15's Gloo declares all three (its headers). Releases
-// in between are found at run time and the path is printed.
+// neither; 2.15's Gloo declares both (its headers). Releases in between are
+// found at run time and the path is printed.
 TEST(Collectives, PathsSayWhatRan) {
   std::optional<cd::CollectivePath> expected;
   if (!COLOSSALAI_TORCH_AT_LEAST(2, 0)) {
@@ -568,7 +569,10 @@ TEST(Collectives, PathsSayWhatRan) {
           auto range = cd::shard_range(n, world, rank);
           auto out = at::empty({range.second - range.first});
           cd::reduce_scatter(out, input(rank, n, at::kFloat), *group).wait();
-          check("reduce_scatter", "fp32 reduce_scatter n=" + std::to_string(n));
+          EXPECT_EQ(
+              cd::collective_path("reduce_scatter"),
+              cd::CollectivePath::kReplacement)
+              << "fp32 reduce_scatter n=" << n;
         }
         {
           // Max: Gloo's own reduce-scatter only sums (2.6 returns sums).

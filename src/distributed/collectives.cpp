@@ -23,9 +23,11 @@
 //    call order, so this stays consistent as long as every rank waits in the
 //    same order relative to its other calls on the group, as SPMD code does.
 // Where the backend has the operation itself it is used: NCCL always, Gloo
-// from the LibTorch 2.x releases that implement flat all-gather,
-// reduce-scatter and bf16 sums (found at the first call; NOTE [c10d backends
-// across versions]); `collective_path` says which path the last call took.
+// from the LibTorch 2.x releases that implement flat all-gather and bf16
+// sums (found at the first call; NOTE [c10d backends across versions]);
+// `collective_path` says which path the last call took. Not Gloo's
+// reduce-scatter: it moves an all-reduce's bytes (2 (N-1) / N of the
+// input per rank, measured across a link), twice the replacement's.
 // These replacements serve groups that span hosts (or run with
 // shm_collectives off): on one host the shared-memory channel carries all
 // four operations (NOTE [Shared-memory collectives]).

@@ -66,7 +66,7 @@ distributed::Work all_gather_fp8(
       distributed::all_gather(received, sent, group));
   auto out = output; // shares the storage
   return distributed::detail::make_work(
-      nullptr,
+      compat::WorkPtr(),
       [gathered, sent, received, out, world, longest, total, e4m3]() mutable {
         gathered->wait();
         auto values = detail::fp8_unpack_rows(
@@ -109,7 +109,7 @@ distributed::Work all_reduce_fp8(
   auto out = tensor;      // shares the storage
   const auto* g = &group; // make_work keeps the group alive
   return distributed::detail::make_work(
-      nullptr,
+      compat::WorkPtr(),
       [exchanged,
        sent,
        received,
@@ -170,7 +170,7 @@ distributed::Work all_to_all_fp8(
       distributed::all_to_all(received, sent, group));
   auto out = output;
   return distributed::detail::make_work(
-      nullptr,
+      compat::WorkPtr(),
       [exchanged, sent, received, out, world, block, e4m3]() mutable {
         exchanged->wait();
         out.view({world, block})

@@ -149,9 +149,8 @@ Work reduce_scatter_p2p(
       });
 }
 
-// Reduce-scatter through the backend's own flat collective, an uneven input
-// padded to equal shards; nullopt where Gloo refuses it (NOTE [c10d
-// backends across versions]).
+// Reduce-scatter through the backend's own flat collective (NCCL), an
+// uneven input padded to equal shards.
 c10::optional<Work> reduce_scatter_native(
     at::Tensor out,
     at::Tensor in,
@@ -180,10 +179,7 @@ c10::optional<Work> reduce_scatter_native(
           detail::backend(group), dst, src, opts);
     });
   };
-  auto w = gloo(group) ? try_gloo_native(kReduceScatter, launch) : launch();
-  if (!w) {
-    return c10::nullopt;
-  }
+  auto w = launch();
   record(kReduceScatter, CollectivePath::kBackend);
   std::function<void()> finish;
   if (!even || op == ReduceOp::kAvg) {
@@ -263,15 +259,10 @@ Work reduce_scatter(
     return shm_work(
         channel->reduce_scatter(out, in, sizes, op), "reduce_scatter", group);
   }
-  // Gloo's own reduce-scatter only sums: LibTorch 2.6's ignores MAX / MIN
-  // and returns sums (test_collectives' ChunkedReduceScatterInFlight).
-  const bool sums = op == ReduceOp::kSum || op == ReduceOp::kAvg;
-  if (sums && gloo_reduces(input.scalar_type()) &&
-      g_gloo_native[kReduceScatter].load() != Native::kNo) {
-    if (auto w = reduce_scatter_native(out, in, sizes, group, op)) {
-      return std::move(*w);
-    }
-  }
+  // Gloo's own reduce-scatter is not used even where LibTorch has it: it
+  // sends what an all-reduce sends, twice the replacement's bytes (10 MiB
+  // per 10 MiB tensor at 2 ranks across a link, against 5 MiB), and 2.6's
+  // ignores MAX / MIN (NOTE [Gloo replacements]).
   record(kReduceScatter, CollectivePath::kReplacement);
   const bool low =
       input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kHalf;
@@ -311,9 +302,7 @@ int64_t reduce_scatter_workspace_bytes(
   }
   const int64_t m = shard_sizes(numel, n)[0];
   const int64_t elt = static_cast<int64_t>(c10::elementSize(dtype));
-  if (gloo(group) &&
-      (g_gloo_native[kReduceScatter].load() != Native::kYes ||
-       !gloo_reduces(dtype))) {
+  if (gloo(group)) {
     return m * n * elt; // the all-to-all's receive buffer (see above)
   }
   return m * n == numel ? 0 : (m * n + m) * elt; // padded input and output

@@ -10,10 +10,10 @@
 /// arrival. Each value then carries a relative error of at most 2^-4 (e4m3:
 /// 3 mantissa bits) or 2^-3 (e5m2: 2 bits) of itself, plus float32's
 /// rounding, while it stays in the format's normal range: above
-/// amax * 2^-14 (e4m3: 2^-6 / 448 > 2^-15) or amax * 2^-29 (e5m2); a smaller
-/// value is off by at most half a subnormal step, amax * 2^-18 (e4m3) or
-/// amax * 2^-32 (e5m2). A non-finite value makes the whole message NaN, so
-/// fp16's overflow check still sees it.
+/// amax * 2^-14 (e4m3) or amax * 2^-29 (e5m2); a smaller value is off by at
+/// most half a subnormal step, amax * 2^-18 (e4m3) or amax * 2^-32 (e5m2).
+/// An infinity turns its whole message into NaN and a NaN stays NaN, so
+/// fp16's overflow check still sees them.
 ///
 /// As in ColossalAI, e4m3 carries weights and activations (precision) and
 /// e5m2 gradients (range). Needs LibTorch 2.1 or later (`fp8_supported`).
@@ -69,8 +69,8 @@ distributed::Work all_gather_fp8(
 /// sent to its owner by an all-to-all; the owner adds the blocks in float32
 /// and sends the sum, cast again, to every rank by an all-gather. Every
 /// rank decodes the same bytes, so all end equal. The all-to-all starts
-/// here, the all-gather when the Work is waited for. Default e5m2: it
-/// carries gradients.
+/// here, the all-gather when the Work is waited for (is_completed() speaks
+/// of the all-to-all). Default e5m2: it carries gradients.
 distributed::Work all_reduce_fp8(
     at::Tensor& tensor,
     const distributed::ProcessGroup& group,
