@@ -120,6 +120,14 @@ Args parse(int argc, char** argv) {
 using colossalai::bench::median;
 using colossalai::bench::percentile;
 
+// Every copy of the model trains with the same optimizer settings.
+torch::optim::AdamWOptions adamw_options() {
+  return torch::optim::AdamWOptions(3e-4)
+      .betas({0.9, 0.999})
+      .eps(1e-8)
+      .weight_decay(0.01);
+}
+
 int run_rank(const Args& a) {
   colossalai::launch_from_env();
   at::set_num_threads(a.threads);
@@ -132,11 +140,7 @@ int run_rank(const Args& a) {
   torch::manual_seed(0);
   colossalai::zoo::GPT model(cfg);
   auto optimizer = std::make_shared<torch::optim::AdamW>(
-      model->parameters(),
-      torch::optim::AdamWOptions(3e-4)
-          .betas({0.9, 0.999})
-          .eps(1e-8)
-          .weight_decay(0.01));
+      model->parameters(), adamw_options());
   auto boosted = booster.boost(model, optimizer);
   auto* ddp = colossalai::interface::find_wrapper<cb::plugin::TorchDDPModel>(
       *boosted.model.wrapper());
@@ -150,11 +154,7 @@ int run_rank(const Args& a) {
   torch::manual_seed(0);
   colossalai::zoo::GPT fp8_model(cfg);
   auto fp8_optimizer = std::make_shared<torch::optim::AdamW>(
-      fp8_model->parameters(),
-      torch::optim::AdamWOptions(3e-4)
-          .betas({0.9, 0.999})
-          .eps(1e-8)
-          .weight_decay(0.01));
+      fp8_model->parameters(), adamw_options());
   auto fp8_boosted = a.fp8 ? fp8_booster.boost(fp8_model, fp8_optimizer)
                            : decltype(fp8_booster.boost(fp8_model)){};
   const bool fp8_compressed = a.fp8 &&
@@ -165,12 +165,7 @@ int run_rank(const Args& a) {
   // The single-process floor: a plain copy of the model on rank 0.
   torch::manual_seed(0);
   colossalai::zoo::GPT single_model(cfg);
-  torch::optim::AdamW single_opt(
-      single_model->parameters(),
-      torch::optim::AdamWOptions(3e-4)
-          .betas({0.9, 0.999})
-          .eps(1e-8)
-          .weight_decay(0.01));
+  torch::optim::AdamW single_opt(single_model->parameters(), adamw_options());
 
   auto batch = colossalai::zoo::random_tokens(8, cfg, 100 + rank);
   // Phases of the single-process step (zero_grad + forward + loss,

@@ -19,32 +19,12 @@ shift 2
 tag="cbl$$"
 log="$(mktemp -d)"
 
-skip() { echo "SKIPPED: $*"; exit 77; }
-[[ "$(id -u)" == 0 ]] || skip "needs root to create network namespaces"
-command -v ip >/dev/null && command -v tc >/dev/null || skip "needs ip and tc (Debian: iproute2)"
-# Namespaces held by sleeping processes, entered through /proc/PID/ns/net
-# (nothing mounted); they and the veth pair vanish with the holders.
-unshare --net sleep 100000 & a=$!
-unshare --net sleep 100000 & b=$!
-cleanup() {
-  { kill -9 "$a" "$b"; wait "$a" "$b"; } 2>/dev/null
-  rm -rf "$log"
-}
-trap cleanup EXIT
-in_ns() { nsenter --net="/proc/$1/ns/net" "${@:2}"; }
-sleep 0.2
-in_ns "$a" true 2>/dev/null || skip "cannot create or enter network namespaces here"
-ip link add "${tag}a" type veth peer name "${tag}b" || skip "cannot create a veth pair"
-ip link set "${tag}a" netns "$a" && ip link set "${tag}b" netns "$b" ||
-  { ip link del "${tag}a" 2>/dev/null; skip "cannot move a veth end into a namespace"; }
-in_ns "$a" ip addr add 10.231.9.1/24 dev "${tag}a"
-in_ns "$b" ip addr add 10.231.9.2/24 dev "${tag}b"
-for ns in "$a" "$b"; do in_ns "$ns" ip link set lo up; done
-in_ns "$a" ip link set "${tag}a" up
-in_ns "$b" ip link set "${tag}b" up
+source "$(dirname "$0")/../tests/netns/two_namespaces.sh"
+command -v tc >/dev/null || skip "needs tc (Debian: iproute2)"
+two_namespaces "$tag" 10.231.9 100000
 # Each direction is limited where it leaves: a 1 MiB bucket, packets
 # waiting at most 50 ms.
-for end in "$a:${tag}a" "$b:${tag}b"; do
+for end in "$a:$va" "$b:$vb"; do
   in_ns "${end%%:*}" tc qdisc add dev "${end#*:}" root tbf rate "$rate" \
     burst 1mbit latency 50ms || skip "tc cannot shape the link"
 done
@@ -59,13 +39,13 @@ sent() {
   in_ns "$1" ip -s -j link show dev "$2" |
     python3 -c 'import json, sys; print(json.load(sys.stdin)[0]["stats64"]["tx"]["bytes"])'
 }
-a0=$(sent "$a" "${tag}a"); b0=$(sent "$b" "${tag}b")
-node 0 "$a" "${tag}a" "${@}" & p0=$!
-node 1 "$b" "${tag}b" "${@}" & p1=$!
+a0=$(sent "$a" "$va"); b0=$(sent "$b" "$vb")
+node 0 "$a" "$va" "${@}" & p0=$!
+node 1 "$b" "$vb" "${@}" & p1=$!
 wait $p0; r0=$?
 wait $p1; r1=$?
 cat "$log/node.0"
-echo "link: $rate; bytes sent by node 0: $(( $(sent "$a" "${tag}a") - a0 )), by node 1: $(( $(sent "$b" "${tag}b") - b0 ))"
+echo "link: $rate; bytes sent by node 0: $(( $(sent "$a" "$va") - a0 )), by node 1: $(( $(sent "$b" "$vb") - b0 ))"
 if [[ $r0 != 0 || $r1 != 0 ]]; then
   echo "FAILED: launchers exited with $r0 and $r1; node 1's output:"
   tail -n 30 "$log/node.1"

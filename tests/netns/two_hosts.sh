@@ -19,31 +19,8 @@ trainer="${3:-}"
 tag="cai$$"
 log="$(mktemp -d)"
 
-skip() { echo "SKIPPED: $*"; exit 77; }
-[[ "$(id -u)" == 0 ]] || skip "needs root to create network namespaces"
-command -v ip >/dev/null || skip "needs ip (Debian: iproute2)"
-# Each host is a network namespace held by a sleeping process and entered
-# through /proc/PID/ns/net: nothing is mounted (`ip netns add` mounts
-# /run/netns, which outlives the test in a chroot), and the namespaces and
-# their veth pair vanish when the holders exit.
-unshare --net sleep 600 & a=$!
-unshare --net sleep 600 & b=$!
-cleanup() {
-  { kill -9 "$a" "$b"; wait "$a" "$b"; } 2>/dev/null
-  rm -rf "$log"
-}
-trap cleanup EXIT
-in_ns() { nsenter --net="/proc/$1/ns/net" "${@:2}"; }
-sleep 0.2
-in_ns "$a" true 2>/dev/null || skip "cannot create or enter network namespaces here"
-ip link add "${tag}va" type veth peer name "${tag}vb" || skip "cannot create a veth pair"
-ip link set "${tag}va" netns "$a" && ip link set "${tag}vb" netns "$b" ||
-  { ip link del "${tag}va" 2>/dev/null; skip "cannot move a veth end into a namespace"; }
-in_ns "$a" ip addr add 10.231.7.1/24 dev "${tag}va"
-in_ns "$b" ip addr add 10.231.7.2/24 dev "${tag}vb"
-for ns in "$a" "$b"; do in_ns "$ns" ip link set lo up; done
-in_ns "$a" ip link set "${tag}va" up
-in_ns "$b" ip link set "${tag}vb" up
+source "$(dirname "$0")/two_namespaces.sh"
+two_namespaces "$tag" 10.231.7 600
 
 # host NODE_RANK NS IFACE MODE: one launcher, one rank, in the background.
 host() {
@@ -56,8 +33,8 @@ host() {
 
 status=0
 echo "== training across two hosts (DDP, ZeRO-2)"
-host 0 "$a" "${tag}va" train & p0=$!
-host 1 "$b" "${tag}vb" train & p1=$!
+host 0 "$a" "$va" train & p0=$!
+host 1 "$b" "$vb" train & p1=$!
 wait $p0; r0=$?
 wait $p1; r1=$?
 if [[ $r0 != 0 || $r1 != 0 ]] || ! grep -q "zero2 across hosts matches one process" "$log/train.0"; then
@@ -69,14 +46,14 @@ else
 fi
 
 echo "== dropping the link mid-training"
-host 0 "$a" "${tag}va" drop & p0=$!
-host 1 "$b" "${tag}vb" drop & p1=$!
+host 0 "$a" "$va" drop & p0=$!
+host 1 "$b" "$vb" drop & p1=$!
 for _ in $(seq 600); do
   grep -q TRAINING "$log/drop.0" 2>/dev/null && grep -q TRAINING "$log/drop.1" 2>/dev/null && break
   sleep 0.1
 done
 start=$(date +%s%N)
-in_ns "$a" ip link set "${tag}va" down
+in_ns "$a" ip link set "$va" down
 wait $p0; r0=$?
 wait $p1; r1=$?
 elapsed_ms=$(( ($(date +%s%N) - start) / 1000000 ))
@@ -95,7 +72,7 @@ fi
 corpus=/usr/share/games/fortunes/computers
 if [[ -n "$trainer" && -e "$corpus" ]]; then
   echo "== an elastic job: host b dies, the job goes on alone, b returns"
-  in_ns "$a" ip link set "${tag}va" up # down since the last part
+  in_ns "$a" ip link set "$va" up # down since the last part
   steps=200
   # node NAME NS IFACE: one elastic launcher of one rank, in the background.
   node() {
@@ -120,8 +97,8 @@ if [[ -n "$trainer" && -e "$corpus" ]]; then
     local end=$((SECONDS + $1)); shift
     until "$@"; do (( SECONDS < end )) || return 1; sleep 0.1; done
   }
-  node a "$a" "${tag}va" & pa=$!
-  node b "$b" "${tag}vb" & pb=$!
+  node a "$a" "$va" & pa=$!
+  node b "$b" "$vb" & pb=$!
   reached() {
     ! kill -0 $pa 2>/dev/null ||
       { grep -q "2 node(s)" "$log/elastic.a" && test -d "$log/ckpt/checkpoint-20"; }
@@ -144,7 +121,7 @@ if [[ -n "$trainer" && -e "$corpus" ]]; then
     else
       echo "host b killed at checkpoint-$killed_at; host a trained alone to" \
         "checkpoint-$(newest), $(( ($(date +%s%N) - start) / 1000000 )) ms after the kill"
-      node b2 "$b" "${tag}vb" & pb=$!
+      node b2 "$b" "$vb" & pb=$!
       start=$(date +%s%N)
       if ! wait_until 120 grep -q "2 node(s)" "$log/elastic.b2"; then
         echo "FAIL: host b could not join again"
