@@ -4,11 +4,11 @@
 // (quantization/fp8_rows.h), so that a value and its scale travel in one
 // operation of the byte-moving collectives (all-gather, all-to-all), which
 // every backend carries for uint8. Rows are padded to a common length L,
-// the longest shard. Nothing here reduces in FP8 on the wire: an
-// all-reduce is an all-to-all of blocks, a float32 sum at each block's
-// owner, and an all-gather of the sums (ColossalAI's scheme), and every
-// rank, the owner included, decodes the gathered bytes, so every rank
-// ends with the same values.
+// the longest shard. Nothing here reduces in FP8 on the wire: a
+// reduce-scatter is an all-to-all of shards and a float32 sum at each
+// shard's owner; an all-reduce adds an all-gather of the sums (ColossalAI's
+// scheme), and every rank, the owner included, decodes the gathered bytes,
+// so every rank ends with the same values.
 
 #include <colossalai/quantization/fp8.h>
 
@@ -83,59 +83,126 @@ distributed::Work all_gather_fp8(
       [gathered] { return gathered->is_completed(); });
 }
 
-distributed::Work all_reduce_fp8(
-    at::Tensor& tensor,
+namespace {
+
+// The flat `input` as [world, longest] float32 rows, row r rank r's shard
+// (distributed::shard_range), zero-padded; a view when nothing is to pad
+// or convert.
+at::Tensor shard_rows(const at::Tensor& input, int world, int64_t longest) {
+  const int64_t total = input.numel();
+  auto flat = input.view({-1});
+  if (total == world * longest && input.scalar_type() == at::kFloat) {
+    return flat.view({world, longest});
+  }
+  auto rows = at::zeros({world, longest}, input.options().dtype(at::kFloat));
+  for (int r = 0; r < world; ++r) {
+    const auto range = distributed::shard_range(total, world, r);
+    rows[r]
+        .narrow(0, 0, range.second - range.first)
+        .copy_(flat.narrow(0, range.first, range.second - range.first));
+  }
+  return rows;
+}
+
+void fp8_check_sum(distributed::ReduceOp op, const char* name) {
+  TORCH_CHECK(
+      op == distributed::ReduceOp::kSum || op == distributed::ReduceOp::kAvg,
+      name,
+      ": only kSum and kAvg reduce through FP8");
+}
+
+} // namespace
+
+distributed::Work reduce_scatter_fp8(
+    at::Tensor& output,
+    const at::Tensor& input,
     const distributed::ProcessGroup& group,
     distributed::ReduceOp op,
     const std::string& fp8_format) {
-  const bool e4m3 = detail::fp8_is_e4m3(fp8_format, "all_reduce_fp8");
-  fp8_check_input(tensor, "all_reduce_fp8", "tensor");
-  TORCH_CHECK(
-      op == distributed::ReduceOp::kSum || op == distributed::ReduceOp::kAvg,
-      "all_reduce_fp8: only kSum and kAvg reduce through FP8");
-  distributed::detail::Issue issue(group, "all_reduce_fp8");
+  const bool e4m3 = detail::fp8_is_e4m3(fp8_format, "reduce_scatter_fp8");
+  fp8_check_input(output, "reduce_scatter_fp8", "output");
+  fp8_check_input(input, "reduce_scatter_fp8", "input");
+  fp8_check_sum(op, "reduce_scatter_fp8");
   const int world = group.size();
-  if (world == 1 || tensor.numel() == 0) {
+  const int64_t total = input.numel();
+  const auto mine = distributed::shard_range(total, world, group.rank());
+  const int64_t length = mine.second - mine.first;
+  TORCH_CHECK(
+      output.numel() == length,
+      "reduce_scatter_fp8: output has ",
+      output.numel(),
+      " elements, this rank's shard of ",
+      total,
+      " has ",
+      length);
+  distributed::detail::Issue issue(group, "reduce_scatter_fp8");
+  if (world == 1 || total == 0) {
+    output.copy_(input.view_as(output));
     return distributed::Work();
   }
-  const int64_t total = tensor.numel();
-  const int64_t block = (total + world - 1) / world;
-  auto blocks = at::zeros({world, block}, tensor.options().dtype(at::kFloat));
-  blocks.view({-1}).narrow(0, 0, total).copy_(tensor.view({-1}));
-  auto sent = detail::fp8_pack_rows(blocks, e4m3).view({-1});
+  const int64_t longest = (total + world - 1) / world;
+  auto sent =
+      detail::fp8_pack_rows(shard_rows(input, world, longest), e4m3).view({-1});
   auto received = at::empty_like(sent);
   auto exchanged = std::make_shared<distributed::Work>(
       distributed::all_to_all(received, sent, group));
-  auto out = tensor;      // shares the storage
-  const auto* g = &group; // make_work keeps the group alive
+  auto out = output; // shares the storage
   return distributed::detail::make_work(
       compat::WorkPtr(),
       [exchanged,
        sent,
        received,
        out,
-       g,
        op,
        world,
-       block,
-       total,
-       fp8_format,
+       longest,
+       length,
        e4m3]() mutable {
         exchanged->wait();
-        // This rank's block from every rank, added in rank order.
+        // This rank's shard from every rank, added in rank order.
         auto sum =
-            detail::fp8_unpack_rows(received.view({world, 4 + block}), e4m3)
+            detail::fp8_unpack_rows(received.view({world, 4 + longest}), e4m3)
                 .sum(0);
         if (op == distributed::ReduceOp::kAvg) {
           sum.div_(world);
         }
-        auto whole = at::empty({world * block}, sum.options());
-        all_gather_fp8(whole, sum, *g, fp8_format).wait();
-        out.view({-1}).copy_(whole.narrow(0, 0, total));
+        out.view({-1}).copy_(sum.narrow(0, 0, length));
+      },
+      "reduce_scatter_fp8",
+      group,
+      [exchanged] { return exchanged->is_completed(); });
+}
+
+distributed::Work all_reduce_fp8(
+    at::Tensor& tensor,
+    const distributed::ProcessGroup& group,
+    distributed::ReduceOp op,
+    const std::string& fp8_format) {
+  detail::fp8_is_e4m3(fp8_format, "all_reduce_fp8");
+  fp8_check_input(tensor, "all_reduce_fp8", "tensor");
+  fp8_check_sum(op, "all_reduce_fp8");
+  distributed::detail::Issue issue(group, "all_reduce_fp8");
+  const int world = group.size();
+  if (world == 1 || tensor.numel() == 0) {
+    return distributed::Work();
+  }
+  const auto mine =
+      distributed::shard_range(tensor.numel(), world, group.rank());
+  auto sum =
+      at::empty({mine.second - mine.first}, tensor.options().dtype(at::kFloat));
+  auto scattered = std::make_shared<distributed::Work>(
+      reduce_scatter_fp8(sum, tensor, group, op, fp8_format));
+  auto out = tensor;      // shares the storage
+  const auto* g = &group; // make_work keeps the group alive
+  return distributed::detail::make_work(
+      compat::WorkPtr(),
+      [scattered, sum, out, g, fp8_format]() mutable {
+        scattered->wait();
+        all_gather_fp8(out, sum, *g, fp8_format).wait();
       },
       "all_reduce_fp8",
       group,
-      [exchanged] { return exchanged->is_completed(); });
+      [scattered] { return scattered->is_completed(); });
 }
 
 distributed::Work all_to_all_fp8(

@@ -64,13 +64,25 @@ distributed::Work all_gather_fp8(
     const distributed::ProcessGroup& group,
     const std::string& fp8_format = "e4m3");
 
-/// In-place all-reduce (kSum or kAvg) through FP8: each rank's tensor is
-/// split into one block per rank, each block cast with its own scale and
-/// sent to its owner by an all-to-all; the owner adds the blocks in float32
-/// and sends the sum, cast again, to every rank by an all-gather. Every
-/// rank decodes the same bytes, so all end equal. The all-to-all starts
-/// here, the all-gather when the Work is waited for (is_completed() speaks
-/// of the all-to-all). Default e5m2: it carries gradients.
+/// distributed::reduce_scatter (kSum or kAvg) through FP8: the flat
+/// `input` is split into one shard per rank (as `distributed::shard_range`
+/// splits it), each shard cast under its own scale and sent to its owner by
+/// an all-to-all; the owner adds what it receives in float32, in rank
+/// order, into `output` (this rank's shard). Default e5m2: it carries
+/// gradients.
+distributed::Work reduce_scatter_fp8(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const distributed::ProcessGroup& group,
+    distributed::ReduceOp op = distributed::ReduceOp::kSum,
+    const std::string& fp8_format = "e5m2");
+
+/// In-place all-reduce (kSum or kAvg) through FP8: a reduce_scatter_fp8
+/// (each owner sums its shard in float32), then an all_gather_fp8 of the
+/// sums, cast again. Every rank decodes the same bytes, so all end equal.
+/// The all-to-all starts here, the all-gather when the Work is waited for
+/// (is_completed() speaks of the all-to-all). Default e5m2: it carries
+/// gradients.
 distributed::Work all_reduce_fp8(
     at::Tensor& tensor,
     const distributed::ProcessGroup& group,

@@ -205,6 +205,15 @@ struct FullyShardedOptions {
   /// momentum in their dtype; with fp16 the loss scale is undone in fp16).
   /// No effect with a float32 reduce_dtype.
   TORCH_ARG(bool, keep_low_precision_grads) = false;
+  /// Parameter all-gathers travel as FP8 (e4m3) and gradient
+  /// reduce-scatters (and the replicas' all-reduce of kHybridShard /
+  /// kNoShard) as FP8 (e5m2) where their group spans more than one node
+  /// (quantization/fp8.h, as ColossalAI's fp8_communication): a quarter of
+  /// float32's bytes. The forward and backward compute with weights rounded
+  /// to 8 bits (within 2^-4 of the fp32 shards, which stay exact);
+  /// summon_full_params, stream_full_state and so checkpoints gather the
+  /// shards exactly. Needs LibTorch 2.1 or later.
+  TORCH_ARG(bool, fp8_communication) = false;
   /// Dtype buffers are kept in (default: param_dtype).
   TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;
   /// Shards, gradient shards (and so optimizer states) in host memory, and
@@ -333,6 +342,10 @@ class FullyShardedModel : public interface::ModelWrapper {
   /// optimizer steps.
   FullyShardedMemoryStats peak_memory_stats() const;
   void reset_peak_memory_stats();
+
+  /// Whether some of its traffic travels as FP8: fp8_communication, and
+  /// the shard group or the replicas span more than one node.
+  bool fp8_communication() const;
 
   /// Number of all-gathers started by backward prefetch (for tests).
   int64_t prefetch_count() const;

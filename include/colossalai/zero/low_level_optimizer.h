@@ -53,8 +53,9 @@ struct LowLevelZeroOptimizerOptions {
   /// parameters through FP8 (e4m3, per-rank scale; quantization/fp8.h):
   /// every rank's weights become the same 8-bit rounding of the fp32
   /// masters, which stay exact (float32 weights then get masters of their
-  /// own). Gradients reduce in full precision, as in ColossalAI. Model
-  /// saves gather the masters exactly first.
+  /// own). Their gradients reduce-scatter through FP8 too (e5m2, a scale
+  /// per rank's slice), as in ColossalAI. Model saves gather the masters
+  /// exactly first.
   TORCH_ARG(bool, fp8_communication) = false;
 };
 

@@ -6,6 +6,9 @@
 #include "plugin_options.h"
 
 #include <colossalai/initialize.h>
+#include <colossalai/quantization/fp8.h>
+
+#include <torch/version.h>
 
 #include <set>
 
@@ -104,9 +107,16 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
         why ? why : "",
         "; turn one of them off");
   }
+  TORCH_CHECK(
+      !o.fp8_communication() || quantization::fp8_supported(),
+      "GeminiPlugin: fp8_communication needs LibTorch 2.1 or later (its "
+      "float8 dtypes); this is ",
+      TORCH_VERSION);
   zero::FullyShardedOptions e;
-  e.param_dtype(dtype).reduce_dtype(dtype).overlap_host_step(
-      o.overlap_host_step());
+  e.param_dtype(dtype)
+      .reduce_dtype(dtype)
+      .overlap_host_step(o.overlap_host_step())
+      .fp8_communication(o.fp8_communication());
   zero::PlacementOptions po;
   po.policy(
         autop ? zero::PlacementPolicy::kAuto : zero::PlacementPolicy::kStatic)

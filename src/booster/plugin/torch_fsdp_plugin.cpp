@@ -1,6 +1,10 @@
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
 
+#include <colossalai/quantization/fp8.h>
+
 #include "fully_sharded_parts.h"
+
+#include <torch/version.h>
 
 namespace colossalai {
 namespace booster {
@@ -20,6 +24,11 @@ TorchFSDPPlugin::TorchFSDPPlugin(TorchFSDPPluginOptions options)
       "TorchFSDPPlugin: overlap_host_step updates the shards that live on "
       "the host during the backward, and without cpu_offload none does. Set "
       "cpu_offload or turn overlap_host_step off");
+  TORCH_CHECK(
+      !options_.fp8_communication() || quantization::fp8_supported(),
+      "TorchFSDPPlugin: fp8_communication needs LibTorch 2.1 or later (its "
+      "float8 dtypes); this is ",
+      TORCH_VERSION);
   if (options_.process_group()) {
     dp_group_ = options_.process_group();
   } else {

@@ -9,8 +9,10 @@
 
 #include <colossalai/initialize.h>
 #include <colossalai/nn/hookable_module.h>
+#include <colossalai/quantization/fp8.h>
 
 #include <torch/nn/module.h>
+#include <torch/version.h>
 
 #include <limits>
 #include <map>
@@ -106,6 +108,16 @@ FullyShardedModel::FullyShardedModel(
   auto dp =
       st.o.process_group() ? st.o.process_group() : distributed::world_group();
   make_groups(st, dp);
+  if (st.o.fp8_communication()) {
+    TORCH_CHECK(
+        quantization::fp8_supported(),
+        "FSDP: fp8_communication needs LibTorch 2.1 or later (its float8 "
+        "dtypes); this is ",
+        TORCH_VERSION);
+    st.fp8_shard = st.S > 1 && quantization::fp8_compresses(*st.shard_group);
+    st.fp8_replicate =
+        st.R > 1 && quantization::fp8_compresses(*st.replicate_group);
+  }
 
   auto module = unwrap();
   // A lazy model (NOTE [Lazy initialization]) is materialised below, unit

@@ -47,6 +47,10 @@ void FullyShardedModel::reset_peak_memory_stats() {
   state_->peak = state_->measure();
 }
 
+bool FullyShardedModel::fp8_communication() const {
+  return state_->fp8_shard || state_->fp8_replicate;
+}
+
 int64_t FullyShardedModel::prefetch_count() const {
   return state_->prefetches;
 }

@@ -1,6 +1,7 @@
 #include "state.h"
 
 #include <colossalai/nn/checkpoint.h>
+#include <colossalai/quantization/fp8.h>
 
 #include <colossalai/utils/compat.h>
 
@@ -44,7 +45,9 @@ void FsdpState::launch_gather(size_t k, bool prefetch) {
     return;
   }
   u.gather_src = src;
-  u.gather_work = distributed::all_gather(u.full, u.gather_src, *shard_group);
+  u.gather_work = fp8_shard
+      ? quantization::all_gather_fp8(u.full, u.gather_src, *shard_group, "e4m3")
+      : distributed::all_gather(u.full, u.gather_src, *shard_group);
   u.gathering = true;
 }
 
@@ -274,6 +277,13 @@ void FsdpState::on_bucket_ready(size_t bucket) {
   }
 }
 
+distributed::Work FsdpState::all_reduce_replicas(at::Tensor& grad) {
+  return fp8_replicate
+      ? quantization::all_reduce_fp8(
+            grad, *replicate_group, distributed::ReduceOp::kSum, "e5m2")
+      : distributed::all_reduce(grad, *replicate_group);
+}
+
 distributed::Work FsdpState::launch(size_t bucket) {
   auto& u = units[bucket_unit[bucket]];
   auto& flat = u.flat_grad;
@@ -281,13 +291,20 @@ distributed::Work FsdpState::launch(size_t bucket) {
   distributed::Work work;
   if (S > 1) {
     u.reduced = at::empty({u.layout.shard}, flat.options());
-    work = distributed::reduce_scatter(u.reduced, flat, *shard_group);
-    u.staging = distributed::reduce_scatter_workspace_bytes(
-        flat.numel(), flat.scalar_type(), *shard_group);
+    if (fp8_shard) {
+      work = quantization::reduce_scatter_fp8(
+          u.reduced, flat, *shard_group, distributed::ReduceOp::kSum, "e5m2");
+      // The FP8 rows sent and received: S of 4 + shard bytes each.
+      u.staging = 2 * S * (4 + u.layout.shard);
+    } else {
+      work = distributed::reduce_scatter(u.reduced, flat, *shard_group);
+      u.staging = distributed::reduce_scatter_workspace_bytes(
+          flat.numel(), flat.scalar_type(), *shard_group);
+    }
   } else {
     u.reduced = flat;
     if (R > 1) {
-      work = distributed::all_reduce(u.reduced, *replicate_group);
+      work = all_reduce_replicas(u.reduced);
     }
   }
   sample_peak();
@@ -297,7 +314,7 @@ distributed::Work FsdpState::launch(size_t bucket) {
 void FsdpState::complete(size_t bucket) {
   auto& u = units[bucket_unit[bucket]];
   if (S > 1 && R > 1) {
-    distributed::all_reduce(u.reduced, *replicate_group).wait();
+    all_reduce_replicas(u.reduced).wait();
   }
   accumulate_grad(u, u.reduced, host_copies);
   if (u.offloaded) {

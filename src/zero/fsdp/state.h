@@ -78,6 +78,10 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
   at::Device device = at::kCPU;
   at::ScalarType param_dtype = at::kFloat;
   at::ScalarType reduce_dtype = at::kFloat;
+  // fp8_communication, where the group spans nodes: the shard group's
+  // gathers and reduce-scatters, the replicas' all-reduce.
+  bool fp8_shard = false;
+  bool fp8_replicate = false;
 
   std::vector<Unit> units;   // units[0] is the root's (possibly empty)
   std::vector<Scope> scopes; // scopes[0] is the root
@@ -161,6 +165,8 @@ struct FsdpState : std::enable_shared_from_this<FsdpState>,
   void fill(size_t param, bool used) override;
   void on_bucket_ready(size_t bucket) override;
   distributed::Work launch(size_t bucket) override;
+  // Sums `grad` over the replicas (R > 1), through FP8 with fp8_replicate.
+  distributed::Work all_reduce_replicas(at::Tensor& grad);
   void complete(size_t bucket) override;
   void on_finalized(bool synced) override;
   void on_reset() override;

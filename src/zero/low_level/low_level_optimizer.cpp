@@ -48,7 +48,8 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     bool filled = false;
     // overlap_allgather: the post-step all-gather, until it is waited for.
     distributed::Work gathering;
-    // fp8_communication across nodes: the all-gathers carry FP8.
+    // fp8_communication across nodes: the all-gathers (e4m3) and the
+    // gradient reduce-scatters (e5m2) carry FP8.
     bool fp8 = false;
   };
 
@@ -253,6 +254,10 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
     // an all-reduce's bytes) is all it needs. The stages differ in what
     // they keep between backwards (stage 1 can accumulate locally).
     b.out = at::empty({b.layout.shard}, b.grads.options());
+    if (b.fp8) {
+      return quantization::reduce_scatter_fp8(
+          b.out, b.grads, *b.ranks, distributed::ReduceOp::kSum, "e5m2");
+    }
     return distributed::reduce_scatter(b.out, b.grads, *b.ranks);
   }
 

@@ -93,6 +93,12 @@ struct GeminiPluginOptions {
   /// (not enable_gradient_accumulation), and the learning rate set before
   /// the backward.
   TORCH_ARG(bool, overlap_host_step) = false;
+  /// Chunk all-gathers travel as FP8 (e4m3) and gradient reduce-scatters
+  /// as FP8 (e5m2) where the data-parallel group spans more than one node:
+  /// weights computed with are rounded to 8 bits, the fp32 shards stay
+  /// exact, checkpoints hold them (zero::FullyShardedOptions::
+  /// fp8_communication). Needs LibTorch 2.1 or later.
+  TORCH_ARG(bool, fp8_communication) = false;
   /// Accepted for compatibility.
   TORCH_ARG(bool, verbose) = false;
 };

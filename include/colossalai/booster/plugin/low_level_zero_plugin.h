@@ -42,11 +42,12 @@ struct LowLevelZeroPluginOptions {
   /// (checkpoints and the next step wait by themselves). NOTE [All-gathers
   /// overlap the next forward].
   TORCH_ARG(bool, overlap_allgather) = false;
-  /// Parameter all-gathers travel as FP8 (e4m3) where the data-parallel
-  /// group spans more than one node: the forward sees weights rounded to 8
-  /// bits (within 2^-4 of the masters, which stay exact); gradients reduce
-  /// in full precision (LowLevelZeroOptimizerOptions::fp8_communication).
-  /// Needs LibTorch 2.1 or later.
+  /// Parameter all-gathers (e4m3) and gradient reduce-scatters (e5m2)
+  /// travel as FP8 where the data-parallel group spans more than one node:
+  /// the forward sees weights rounded to 8 bits (within 2^-4 of the
+  /// masters, which stay exact), the optimizer gradients within 2^-3 of
+  /// each rank's contribution (LowLevelZeroOptimizerOptions::
+  /// fp8_communication). Needs LibTorch 2.1 or later.
   TORCH_ARG(bool, fp8_communication) = false;
   /// Master slices, gradient slices and optimizer states in host memory;
   /// pass a HybridAdam for the fused CPU update.
