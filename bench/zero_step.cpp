@@ -15,8 +15,8 @@
 //   bench_zero_step [--nproc 2] [--steps 4] [--rounds 3]
 //                   [--setups ddp,zero1,zero2,zero1_overlap_ag,
 //                             zero2_overlap_ag,zero1_fp8,zero2_fp8,fsdp,
-//                             fsdp_noprefetch,gemini,
-//                             gemini_auto]
+//                             fsdp_noprefetch,fsdp_fp8,gemini,
+//                             gemini_auto,gemini_fp8]
 //                   [--zero-bucket-m 12] [--out FILE.json]
 
 #include "bench_util.h"
@@ -41,12 +41,6 @@ namespace cd = colossalai::distributed;
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2]
-                      : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
 struct Setup {
   std::string name;
   cb::Booster booster;
@@ -54,6 +48,8 @@ struct Setup {
   cb::Boosted<colossalai::zoo::GPT, std::nullptr_t, std::nullptr_t> boosted;
 };
 
+using colossalai::bench::median;
+using colossalai::bench::stats_json;
 using colossalai::bench::tensor_bytes;
 
 using colossalai::bench::split;
@@ -79,16 +75,22 @@ int run_rank(
     std::shared_ptr<cb::plugin::Plugin> plugin;
     if (name == "ddp") {
       plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
-    } else if (name == "fsdp" || name == "fsdp_noprefetch") {
+    } else if (
+        name == "fsdp" || name == "fsdp_noprefetch" || name == "fsdp_fp8") {
+      // _fp8: fp8_communication, gathers and reduce-scatters through FP8
+      // where the ranks span nodes.
       namespace cz = colossalai::zero;
       plugin = std::make_shared<cb::plugin::TorchFSDPPlugin>(
           cb::plugin::TorchFSDPPluginOptions()
               .auto_wrap_policy(
                   cz::module_type_wrap_policy<colossalai::zoo::BlockImpl>())
               .backward_prefetch(
-                  name == "fsdp" ? cz::BackwardPrefetch::kBackwardPre
-                                 : cz::BackwardPrefetch::kNone));
-    } else if (name == "gemini" || name == "gemini_auto") {
+                  name == "fsdp_noprefetch"
+                      ? cz::BackwardPrefetch::kNone
+                      : cz::BackwardPrefetch::kBackwardPre)
+              .fp8_communication(name == "fsdp_fp8"));
+    } else if (
+        name == "gemini" || name == "gemini_auto" || name == "gemini_fp8") {
       // gpt-small-cpu is below the default min_chunk_size_m (32 Mi
       // elements, where it would be one gathered chunk): 1 Mi-element
       // chunks on the hidden-dim interval make it ~6 sharded chunks. Auto
@@ -101,15 +103,16 @@ int run_rank(
               .search_range_m(1)
               .hidden_dim(cfg.n_embd())
               .max_prefetch(1)
-              .placement_policy(name == "gemini" ? "static" : "auto"));
+              .placement_policy(name == "gemini_auto" ? "auto" : "static")
+              .fp8_communication(name == "gemini_fp8"));
     } else if (
         name == "zero1" || name == "zero2" || name == "zero1_overlap_ag" ||
         name == "zero2_overlap_ag" || name == "zero1_fp8" ||
         name == "zero2_fp8") {
       // _overlap_ag: overlap_allgather, the step's all-gathers waited for
       // block by block in the next forward. _fp8: fp8_communication, the
-      // all-gathers through FP8 where the ranks span nodes (float32
-      // weights then keep masters of their own).
+      // all-gathers and reduce-scatters through FP8 where the ranks span
+      // nodes (float32 weights then keep masters of their own).
       plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
           cb::plugin::LowLevelZeroPluginOptions()
               .stage(name.rfind("zero1", 0) == 0 ? 1 : 2)
@@ -254,8 +257,10 @@ int run_rank(
       {"zero2_fp8", (4.0 + 16.0 / n) * psi},
       {"fsdp", 16.0 / n * psi},
       {"fsdp_noprefetch", 16.0 / n * psi},
+      {"fsdp_fp8", 16.0 / n * psi},
       {"gemini", 16.0 / n * psi},
-      {"gemini_auto", 16.0 / n * psi}};
+      {"gemini_auto", 16.0 / n * psi},
+      {"gemini_fp8", 16.0 / n * psi}};
   std::map<std::string, double> layout = {
       {"ddp", 16.0 * psi},
       {"zero1", (4.0 + 12.0 / n) * psi},
@@ -266,8 +271,10 @@ int run_rank(
       {"zero2_fp8", (4.0 + 16.0 / n) * psi},
       {"fsdp", 16.0 / n * psi},
       {"fsdp_noprefetch", 16.0 / n * psi},
+      {"fsdp_fp8", 16.0 / n * psi},
       {"gemini", 16.0 / n * psi},
-      {"gemini_auto", 20.0 / n * psi}}; // + cached parameter shards
+      {"gemini_auto", 20.0 / n * psi}, // + cached parameter shards
+      {"gemini_fp8", 16.0 / n * psi}};
   if (rank != 0)
     return 0;
   std::ostringstream json;
@@ -293,6 +300,7 @@ int run_rank(
     const auto& name = setups[i]->name;
     double ms = median(times[name]);
     json << (i ? "," : "") << "\n    \"" << name << "\": {\"step_ms\": " << ms
+         << ", \"step_ms_spread\": " << stats_json(times[name])
          << ", \"vs_ddp\": " << ms / ddp_ms
          << ", \"vs_floor\": " << ms / floor_ms
          << ", \"vs_lockstep_floor\": " << ms / lockstep_ms

@@ -16,15 +16,22 @@
 
 #include <colossalai/booster/booster.h>
 #include <colossalai/booster/plugin/gemini_plugin.h>
+#include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/moe_hybrid_parallel_plugin.h>
 #include <colossalai/booster/plugin/torch_ddp_model.h>
 #include <colossalai/booster/plugin/torch_ddp_plugin.h>
 #include <colossalai/booster/plugin/torch_fsdp_plugin.h>
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/functional.h>
+#include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
+#include <colossalai/pipeline/p2p.h>
 #include <colossalai/quantization/fp8.h>
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
+#include <harness/zoo_util.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -780,7 +787,7 @@ void gemini_fp8(int rank, int /*world*/) {
 // float32, the all-reduce's 1 becomes about 3/8 (its all-to-all and
 // all-gather of FP8 halves): 3.38 / 4 = 0.84 of the bytes; FP8 on the shard
 // group too would leave about 0.25.
-void hybrid_fp8(int rank, int /*world*/) {
+void hsdp_fp8(int rank, int /*world*/) {
   auto plugin_of = [](bool fp8) {
     return std::make_shared<cb::plugin::TorchFSDPPlugin>(
         cb::plugin::TorchFSDPPluginOptions()
@@ -857,5 +864,286 @@ TEST(Fp8, HybridShardReducesOnlyTheReplicasThroughFp8) {
   }
   colossalai::testing::MultiProcessOptions two_nodes;
   two_nodes.env[-1]["LOCAL_WORLD_SIZE"] = "2";
-  run_distributed(4, hybrid_fp8, two_nodes);
+  run_distributed(4, hsdp_fp8, two_nodes);
+}
+
+namespace {
+
+// Pipeline transfers between stages on two nodes: activations arrive as
+// the e4m3 rounding of what was sent and gradients as the e5m2 one, bit
+// for bit, in the sender's dtype and shape; integer tensors, and anything
+// within one node, arrive exact.
+void p2p_fp8(int rank, bool across_nodes) {
+  namespace cp = colossalai::pipeline;
+  cp::PipelineP2PCommunication p2p(cd::world_group());
+  p2p.set_fp8_communication(true);
+  auto activations = spread(7 * 143, 600).view({7, 143});
+  auto grad = spread(7 * 143, 601).view({7, 143}).to(at::kBFloat16);
+  auto ids = at::arange(50, at::kLong);
+  auto rounded = [](const at::Tensor& x, const char* format) {
+    return q::cast_from_fp8(
+               q::cast_to_fp8(x.to(at::kFloat), format), format, at::kFloat)
+        .to(x.scalar_type());
+  };
+  if (rank == 0) {
+    p2p.send(activations, 1, cp::StreamKey{1, false}, 0);
+    p2p.send(ids, 1, cp::StreamKey{2, false}, 0);
+    auto got = p2p.post_recv(1, cp::StreamKey{1, true}, 0).wait();
+    EXPECT_EQ(got.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(got.sizes(), grad.sizes());
+    EXPECT_TRUE(at::equal(got, across_nodes ? rounded(grad, "e5m2") : grad));
+    EXPECT_EQ(across_nodes, !at::equal(got, grad));
+  } else {
+    auto got = p2p.post_recv(0, cp::StreamKey{1, false}, 0).wait();
+    EXPECT_EQ(got.scalar_type(), at::kFloat);
+    EXPECT_EQ(got.sizes(), activations.sizes());
+    EXPECT_TRUE(at::equal(
+        got, across_nodes ? rounded(activations, "e4m3") : activations));
+    EXPECT_EQ(across_nodes, !at::equal(got, activations));
+    EXPECT_TRUE(
+        at::equal(p2p.post_recv(0, cp::StreamKey{2, false}, 0).wait(), ids));
+    p2p.send(grad, 0, cp::StreamKey{1, true}, 0);
+  }
+  p2p.wait_sends();
+}
+
+// One step of HybridParallelPlugin with `options` on GPT-2 (8 samples over
+// the data-parallel ranks): the loss where the last stage is (or 0) and the
+// bytes this rank handed to collectives.
+std::pair<double, int64_t> hybrid_step(
+    const cb::plugin::HybridParallelPluginOptions& options) {
+  namespace models = colossalai::models;
+  auto plugin = std::make_shared<cb::plugin::HybridParallelPlugin>(options);
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  torch::manual_seed(11);
+  models::GPT2LMHeadModel model(models::GPT2Config::tiny_test().n_layer(4));
+  auto opt = std::make_shared<torch::optim::SGD>(
+      model->parameters(), torch::optim::SGDOptions(0.1));
+  auto boosted = booster.boost(model, opt);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(900);
+  auto tokens = at::randint(model->config().vocab_size(), {8, 17}, gen);
+  const int64_t local = 8 / plugin->dp_size();
+  auto rows = tokens.narrow(0, local * plugin->dp_rank(), local);
+  auto x = rows.narrow(1, 0, 16).contiguous();
+  auto y = rows.narrow(1, 1, 16).contiguous();
+  const int64_t before = cd::bytes_communicated();
+  boosted.optimizer->zero_grad();
+  double loss = 0;
+  if (options.pp_size() > 1) {
+    auto out =
+        colossalai::testing::pipeline_step(booster, boosted, model, x, y);
+    loss = out.loss.defined() ? out.loss.item<double>() : 0;
+  } else {
+    auto l = model->loss(boosted.model(x), y);
+    booster.backward(l, *boosted.optimizer);
+    loss = l.item<double>();
+  }
+  boosted.optimizer->step();
+  return {loss, cd::bytes_communicated() - before};
+}
+
+// HybridParallelPlugin across 2 nodes: pipeline stages (and the tied
+// embedding's gradients between the first and last), tensor-parallel
+// layers and ZeRO's data-parallel traffic exchange FP8. Payload handed to
+// the collectives, against float32's: a quarter for transfers, gathers and
+// reduce-scatters (plus a 4-byte scale per message); 3/8 for an
+// all-reduce, whose all-to-all hands over every block (its own included)
+// and whose all-gather the sum, though it sends a quarter of the bytes on
+// a link; tensor parallelism's loss (its statistics and its input's
+// gradient) stays float32. Bounds: 0.3 for ZeRO; 0.35 for the pipeline,
+// where the tied embedding's all-reduce is about half of the bytes (about
+// 0.7 with either it or the transfers in float32); 0.45 for tensor
+// parallelism (0.69 with its backward all-reduces in float32); 1 with
+// nothing compressed. ZeRO's first loss is the same (the weights differ
+// only after the first gather); where activations travel, the loss is that
+// of rounded activations, a sanity check at 5% (a tiny model's
+// cross-entropy, about ln(vocab), moves by a fraction of their 2^-4
+// relative change).
+void hybrid_fp8(int rank, int /*world*/) {
+  using HPO = cb::plugin::HybridParallelPluginOptions;
+  const std::vector<std::pair<std::string, HPO>> layouts = {
+      {"pp2", HPO().precision("fp32").pp_size(2).num_microbatches(2)},
+      {"tp2", HPO().precision("fp32").tp_size(2)},
+      {"dp2 zero1", HPO().precision("fp32").zero_stage(1)}};
+  for (const auto& [name, base] : layouts) {
+    SCOPED_TRACE(name);
+    const auto plain = hybrid_step(base);
+    auto with = base;
+    const auto fp8 = hybrid_step(with.fp8_communication(true));
+    const int64_t percent = name == "tp2" ? 45 : name == "pp2" ? 35 : 30;
+    EXPECT_LE(fp8.second * 100, plain.second * percent)
+        << fp8.second << " bytes against " << plain.second;
+    if (name == "dp2 zero1") {
+      EXPECT_EQ(fp8.first, plain.first);
+    } else if (name == "tp2" || rank == 1) { // where the loss is
+      EXPECT_NEAR(fp8.first, plain.first, 0.05 * plain.first);
+      EXPECT_NE(fp8.first, plain.first);
+    }
+  }
+}
+
+} // namespace
+
+TEST(Fp8, PipelineStagesExchangeFp8AcrossNodes) {
+  if (!q::fp8_supported()) {
+    GTEST_SKIP() << "no float8 dtypes before LibTorch 2.1";
+  }
+  run_distributed(
+      2, [](int rank, int) { p2p_fp8(rank, true); }, nodes_of_one());
+  colossalai::testing::MultiProcessOptions one_node;
+  one_node.env[-1]["LOCAL_WORLD_SIZE"] = "2";
+  run_distributed(
+      2, [](int rank, int) { p2p_fp8(rank, false); }, one_node);
+}
+
+TEST(Fp8, HybridParallelCommunicatesThroughFp8AcrossNodes) {
+  if (!q::fp8_supported()) {
+    expect_fp8_refused("HybridParallelPlugin", [] {
+      cb::plugin::HybridParallelPlugin(cb::plugin::HybridParallelPluginOptions()
+                                           .precision("fp32")
+                                           .fp8_communication(true));
+    });
+    GTEST_SKIP() << "no float8 dtypes before LibTorch 2.1";
+  }
+  run_distributed(2, hybrid_fp8, nodes_of_one());
+}
+
+namespace {
+
+// e4m3 / e5m2 rounding of `x` sent as one message.
+at::Tensor fp8_rounded(const at::Tensor& x, const char* format) {
+  return q::cast_from_fp8(
+             q::cast_to_fp8(x.contiguous().to(at::kFloat), format),
+             format,
+             at::kFloat)
+      .to(x.scalar_type())
+      .view(x.sizes());
+}
+
+// The autograd collectives with fp8 on 3 ranks as 3 nodes: forward as
+// e4m3, backward as e5m2, each rank's message under its own scale, bit
+// for bit what the FP8 collectives give.
+void functional_fp8(int rank, int world) {
+  namespace cdf = cd::functional;
+  auto g = cd::world_group();
+  // gather_along_dim: every rank's chunk, rounded as its own message.
+  {
+    auto x = spread(4 * 6, 700 + rank).view({4, 6}).requires_grad_();
+    auto y = cdf::gather_along_dim(x, -1, g, /*fp8=*/true);
+    for (int r = 0; r < world; ++r) {
+      auto sent = spread(4 * 6, 700 + r).view({4, 6});
+      EXPECT_TRUE(at::equal(y.narrow(1, 6 * r, 6), fp8_rounded(sent, "e4m3")))
+          << "chunk of rank " << r;
+    }
+  }
+  // copy_to_group: its backward all-reduce is all_reduce_fp8 in e5m2.
+  {
+    auto x = spread(30, 710).requires_grad_();
+    auto go = spread(30, 720 + rank);
+    cdf::copy_to_group(x, g, /*fp8=*/true).backward(go);
+    auto want = go.clone();
+    q::all_reduce_fp8(want, *g, cd::ReduceOp::kSum, "e5m2").wait();
+    EXPECT_TRUE(at::equal(x.grad(), want));
+    auto plain = go.clone();
+    cd::all_reduce(plain, *g).wait();
+    EXPECT_FALSE(at::equal(x.grad(), plain));
+  }
+  // all_to_all_single, uneven: rank r sends 1 + (r + j) % 3 rows of 5 to
+  // rank j; each block arrives rounded as its own message, and the
+  // gradients go back the same way in e5m2.
+  {
+    std::vector<int64_t> splits(world);
+    int64_t rows = 0;
+    for (int j = 0; j < world; ++j) {
+      splits[j] = 1 + (rank + j) % 3;
+      rows += splits[j];
+    }
+    // Symmetric: what rank j sends here is 1 + (j + rank) % 3 rows.
+    auto x = spread(rows * 5, 730 + rank).view({rows, 5}).requires_grad_();
+    auto y = cdf::all_to_all_single(x, splits, splits, g, /*fp8=*/true);
+    auto go = spread(rows * 5, 740 + rank).view({rows, 5});
+    y.backward(go);
+    int64_t at_row = 0;
+    for (int j = 0; j < world; ++j) {
+      // Rank j's block for this rank, and this rank's gradient block for j
+      // as it came back from j.
+      int64_t offset = 0;
+      for (int k = 0; k < rank; ++k) {
+        offset += 1 + (j + k) % 3;
+      }
+      int64_t their_rows = 0;
+      for (int k = 0; k < world; ++k) {
+        their_rows += 1 + (j + k) % 3;
+      }
+      auto theirs = spread(their_rows * 5, 730 + j).view({their_rows, 5});
+      EXPECT_TRUE(at::equal(
+          y.narrow(0, at_row, splits[j]),
+          fp8_rounded(theirs.narrow(0, offset, splits[j]), "e4m3")))
+          << "from rank " << j;
+      auto their_go = spread(their_rows * 5, 740 + j).view({their_rows, 5});
+      EXPECT_TRUE(at::equal(
+          x.grad().narrow(0, at_row, splits[j]),
+          fp8_rounded(their_go.narrow(0, offset, splits[j]), "e5m2")))
+          << "gradient from rank " << j;
+      at_row += splits[j];
+    }
+  }
+}
+
+// MoeHybridParallelPlugin, experts split over 2 ranks as 2 nodes: the
+// token exchange hands the expert-parallel group about a quarter of its
+// float32 bytes (1 uncompressed; the per-expert counts, 32 bytes a layer,
+// stay int64).
+void moe_fp8(int rank, int /*world*/) {
+  namespace models = colossalai::models;
+  using HPO = cb::plugin::HybridParallelPluginOptions;
+  auto run = [rank](bool fp8) {
+    auto plugin = std::make_shared<cb::plugin::MoeHybridParallelPlugin>(
+        HPO().precision("fp32").ep_size(2).zero_stage(1).fp8_communication(
+            fp8));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    torch::manual_seed(5);
+    models::LlamaForCausalLM model(
+        models::LlamaConfig::tiny_test().model_type("mixtral").moe(
+            models::MoeConfig().num_experts(4)));
+    auto opt = std::make_shared<torch::optim::SGD>(
+        model->parameters(), torch::optim::SGDOptions(0.1));
+    auto boosted = booster.boost(model, opt);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(910 + rank);
+    auto tokens = at::randint(model->config().vocab_size(), {4, 17}, gen);
+    auto x = tokens.narrow(1, 0, 16).contiguous();
+    auto y = tokens.narrow(1, 1, 16).contiguous();
+    const int64_t before = plugin->ep_group()->bytes_communicated();
+    boosted.optimizer->zero_grad();
+    auto loss = model->loss(boosted.model(x), y);
+    booster.backward(loss, *boosted.optimizer);
+    boosted.optimizer->step();
+    return std::make_pair(
+        loss.item<double>(), plugin->ep_group()->bytes_communicated() - before);
+  };
+  const auto plain = run(false);
+  const auto fp8 = run(true);
+  EXPECT_GT(plain.second, 0);
+  EXPECT_LE(fp8.second * 10, plain.second * 3)
+      << fp8.second << " bytes against " << plain.second;
+  // A sanity check, as the pipeline's above: the experts see their tokens
+  // rounded to e4m3.
+  EXPECT_NEAR(fp8.first, plain.first, 0.05 * plain.first);
+  EXPECT_NE(fp8.first, plain.first);
+}
+
+} // namespace
+
+TEST(Fp8, FunctionalCollectivesTravelAsFp8AcrossNodes) {
+  if (!q::fp8_supported()) {
+    GTEST_SKIP() << "no float8 dtypes before LibTorch 2.1";
+  }
+  run_distributed(3, functional_fp8, nodes_of_one());
+}
+
+TEST(Fp8, MoeExpertExchangeTravelsAsFp8AcrossNodes) {
+  if (!q::fp8_supported()) {
+    GTEST_SKIP() << "no float8 dtypes before LibTorch 2.1";
+  }
+  run_distributed(2, moe_fp8, nodes_of_one());
 }

@@ -249,5 +249,106 @@ distributed::Work all_to_all_fp8(
       [exchanged] { return exchanged->is_completed(); });
 }
 
+distributed::Work all_to_all_fp8(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const distributed::ProcessGroup& group,
+    const std::vector<int64_t>& output_splits,
+    const std::vector<int64_t>& input_splits,
+    const std::string& fp8_format) {
+  const bool e4m3 = detail::fp8_is_e4m3(fp8_format, "all_to_all_fp8");
+  fp8_check_input(output, "all_to_all_fp8", "output");
+  fp8_check_input(input, "all_to_all_fp8", "input");
+  const int world = group.size();
+  TORCH_CHECK(
+      input.dim() > 0 && output.dim() > 0 &&
+          static_cast<int>(output_splits.size()) == world &&
+          static_cast<int>(input_splits.size()) == world,
+      "all_to_all_fp8: needs tensors with rows and ",
+      world,
+      " output and input splits");
+  const int64_t width =
+      c10::multiply_integers(input.sizes().begin() + 1, input.sizes().end());
+  int64_t in_rows = 0, out_rows = 0;
+  for (int r = 0; r < world; ++r) {
+    in_rows += input_splits[r];
+    out_rows += output_splits[r];
+  }
+  TORCH_CHECK(
+      in_rows == input.size(0) && out_rows == output.size(0) &&
+          output.numel() == out_rows * width,
+      "all_to_all_fp8: the splits (",
+      in_rows,
+      " rows in, ",
+      out_rows,
+      " out) do not match the tensors' rows (",
+      input.size(0),
+      ", ",
+      output.size(0),
+      ") of ",
+      width,
+      " values");
+  distributed::detail::Issue issue(group, "all_to_all_fp8");
+  if (world == 1) {
+    output.copy_(input.view_as(output));
+    return distributed::Work();
+  }
+  // One message per rank: its rows under their own scale, 4 + rows x width
+  // bytes (an empty message still carries its 4).
+  std::vector<at::Tensor> messages;
+  std::vector<int64_t> in_bytes, out_bytes;
+  const auto flat = input.view({input.size(0), width});
+  int64_t row = 0;
+  for (int r = 0; r < world; ++r) {
+    const int64_t n = input_splits[r] * width;
+    auto values =
+        flat.narrow(0, row, input_splits[r]).reshape({1, n}).to(at::kFloat);
+    messages.push_back(
+        n > 0 ? detail::fp8_pack_rows(values, e4m3).view({-1})
+              : at::zeros({4}, input.options().dtype(at::kByte)));
+    in_bytes.push_back(4 + n);
+    out_bytes.push_back(4 + output_splits[r] * width);
+    row += input_splits[r];
+  }
+  auto sent = at::cat(messages);
+  int64_t total = 0;
+  for (auto b : out_bytes) {
+    total += b;
+  }
+  auto received = at::empty({total}, sent.options());
+  auto exchanged = std::make_shared<distributed::Work>(
+      distributed::all_to_all(received, sent, group, out_bytes, in_bytes));
+  auto out = output;
+  return distributed::detail::make_work(
+      compat::WorkPtr(),
+      [exchanged,
+       sent,
+       received,
+       out,
+       output_splits,
+       width,
+       world,
+       e4m3]() mutable {
+        exchanged->wait();
+        auto rows = out.view({out.size(0), width});
+        int64_t at_byte = 0, at_row = 0;
+        for (int r = 0; r < world; ++r) {
+          const int64_t n = output_splits[r] * width;
+          if (n > 0) {
+            rows.narrow(0, at_row, output_splits[r])
+                .copy_(
+                    detail::fp8_unpack_rows(
+                        received.narrow(0, at_byte, 4 + n).view({1, -1}), e4m3)
+                        .view({output_splits[r], width}));
+          }
+          at_byte += 4 + n;
+          at_row += output_splits[r];
+        }
+      },
+      "all_to_all_fp8",
+      group,
+      [exchanged] { return exchanged->is_completed(); });
+}
+
 } // namespace quantization
 } // namespace colossalai

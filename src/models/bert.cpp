@@ -436,13 +436,15 @@ at::Tensor BertForMaskedLMImpl::forward_stage(
       head.transform(x),
       bert->embeddings->word_embeddings->weight,
       state_.tp,
-      /*gather_output=*/false);
+      /*gather_output=*/false,
+      /*vocab_size=*/-1,
+      state_.fp8);
   logits = logits + head.bias.to(logits.scalar_type());
   if (state_.parallel_output) {
     return logits;
   }
   // ColossalAI's parallel_output false: the whole vocabulary, padding cut.
-  auto full = cdf::gather_along_dim(logits, -1, state_.tp);
+  auto full = cdf::gather_along_dim(logits, -1, state_.tp, state_.fp8);
   return full.size(-1) > config_.vocab_size()
       ? full.narrow(-1, 0, config_.vocab_size())
       : full;

@@ -56,7 +56,8 @@ shardformer::ShardInfo BertPolicy::shard(
          blk->intermediate->dense.get()},
         {self_out.dense.get(), out.dense.get()},
         tp,
-        mode);
+        mode,
+        cfg.fp8_communication());
     set_dropout(self.dropout, tp, true); // heads are split
     set_dropout(self_out.dropout, act_group, act_group != nullptr);
     set_dropout(out.dropout, act_group, act_group != nullptr);

@@ -407,7 +407,8 @@ shardformer::ShardInfo BloomPolicy::shard(
         {a.query_key_value.get(), mlp.dense_h_to_4h.get()},
         {a.dense.get(), mlp.dense_4h_to_h.get()},
         tp,
-        mode);
+        mode,
+        cfg.fp8_communication());
     set_dropout(a.attention_dropout, tp, true); // heads are split
     set_dropout(a.hidden_dropout, act_group, act_group != nullptr);
     set_dropout(mlp.hidden_dropout, act_group, act_group != nullptr);

@@ -103,7 +103,7 @@ at::Tensor GPT2AttentionImpl::forward(
   auto parts = qkv.view({b, t, 3, heads, head_dim_});
   if (ulysses) {
     // Sequence chunks with every head -> the whole sequence, sp-th of heads.
-    parts = cdf::all_to_all_along_dims(parts, 3, 1, state_->sp);
+    parts = cdf::all_to_all_along_dims(parts, 3, 1, state_->sp, state_->fp8);
     t = parts.size(1);
     heads = parts.size(3);
   }
@@ -118,7 +118,7 @@ at::Tensor GPT2AttentionImpl::forward(
                q, k, v, *state_, drop ? attn_dropout.get() : nullptr, mask)
                .transpose(1, 2); // [B, T, H, D]
   if (ulysses) {
-    y = to_sequence_shards(y, state_->sp);
+    y = to_sequence_shards(y, state_->sp, state_->fp8);
   }
   y = y.reshape({b, y.size(1), -1});
   return resid_dropout(c_proj(y));
@@ -343,7 +343,8 @@ shardformer::ShardInfo GPT2Policy::shard(
         {a.c_attn.get(), mlp.c_fc.get()},
         {a.c_proj.get(), mlp.c_proj.get()},
         tp,
-        mode);
+        mode,
+        cfg.fp8_communication());
     set_dropout(a.attn_dropout, tp, true); // heads are split
     set_dropout(a.resid_dropout, act_group, act_group != nullptr);
     set_dropout(mlp.dropout, act_group, act_group != nullptr);

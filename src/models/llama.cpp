@@ -226,9 +226,9 @@ at::Tensor LlamaAttentionImpl::forward(
   q = apply_rope(q, tables.first, tables.second);
   k = apply_rope(k, tables.first, tables.second);
   if (st.sp_mode == shardformer::SequenceParallelMode::kAllToAll) {
-    q = to_head_shards(q, st.sp);
-    k = to_head_shards(k, st.sp);
-    v = to_head_shards(v, st.sp);
+    q = to_head_shards(q, st.sp, st.fp8);
+    k = to_head_shards(k, st.sp, st.fp8);
+    v = to_head_shards(v, st.sp, st.fp8);
   }
   auto keys = k.transpose(1, 2), values = v.transpose(1, 2); // [B, KV, T, D]
   if (st.kv_cache != nullptr) {
@@ -245,7 +245,7 @@ at::Tensor LlamaAttentionImpl::forward(
                q.transpose(1, 2), keys, values, st, nullptr, mask)
                .transpose(1, 2); // [B, T, H, D]
   if (st.sp_mode == shardformer::SequenceParallelMode::kAllToAll) {
-    y = to_sequence_shards(y, st.sp);
+    y = to_sequence_shards(y, st.sp, st.fp8);
   }
   return o_proj(y.reshape({b, y.size(1), -1}));
 }
@@ -587,7 +587,8 @@ shardformer::ShardInfo LlamaPolicy::shard(
         {a.q_proj.get(), a.k_proj.get(), a.v_proj.get()},
         {a.o_proj.get()},
         tp,
-        mode);
+        mode,
+        cfg.fp8_communication());
     const auto p = "model.layers." + std::to_string(i) + ".";
     if (layer->moe) {
       // Tokens are routed per row of the whole sequence; the router is
@@ -610,12 +611,13 @@ shardformer::ShardInfo LlamaPolicy::shard(
             {e->gate_proj.get(), e->up_proj.get()},
             {e->down_proj.get()},
             tp,
-            mode);
+            mode,
+            cfg.fp8_communication());
       }
       const auto& ep = cfg.ep_group();
       if (ep != nullptr && ep->size() > 1) {
         auto& block = *layer->moe;
-        block.set_expert_parallel(ep);
+        block.set_expert_parallel(ep, cfg.fp8_communication());
         const auto prefix = p +
             (m.config().model_type() == "mixtral" ? "block_sparse_moe"
                                                   : "mlp") +
@@ -635,7 +637,8 @@ shardformer::ShardInfo LlamaPolicy::shard(
           {mlp.gate_proj.get(), mlp.up_proj.get()},
           {mlp.down_proj.get()},
           tp,
-          mode);
+          mode,
+          cfg.fp8_communication());
       // Row layers add their bias after the sum: its gradient is partial
       // only where each rank holds part of the sequence.
       if (split_gather && mlp.down_proj->bias.defined()) {

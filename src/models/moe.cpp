@@ -131,7 +131,8 @@ at::Tensor SparseMoeBlockImpl::forward(const at::Tensor& x) {
 }
 
 void SparseMoeBlockImpl::set_expert_parallel(
-    distributed::ProcessGroupPtr group) {
+    distributed::ProcessGroupPtr group,
+    bool fp8) {
   const int64_t e = config_.num_experts();
   const int n = group == nullptr ? 1 : group->size();
   TORCH_CHECK(
@@ -144,6 +145,7 @@ void SparseMoeBlockImpl::set_expert_parallel(
   num_local_ = e / n;
   first_local_ = (group == nullptr ? 0 : group->rank()) * num_local_;
   ep_group_ = n > 1 ? std::move(group) : nullptr;
+  ep_fp8_ = fp8;
 }
 
 at::Tensor SparseMoeBlockImpl::run_local(
@@ -214,8 +216,8 @@ at::Tensor SparseMoeBlockImpl::run_experts(
     }
   }
   namespace cdf = distributed::functional;
-  auto arrived =
-      cdf::all_to_all_single(rows, output_splits, input_splits, ep_group_);
+  auto arrived = cdf::all_to_all_single(
+      rows, output_splits, input_splits, ep_group_, ep_fp8_);
   // Arrived rows are by source rank, then expert; each expert's rows are
   // gathered into one run (source order kept), computed, and put back.
   std::vector<int64_t> start(n, 0);
@@ -250,7 +252,8 @@ at::Tensor SparseMoeBlockImpl::run_experts(
       1.0 / ep);
   // Row perm[i] of `arrived` became row i: scatter back to arrival order.
   auto back = at::zeros_like(computed).index_copy(0, index, computed);
-  return cdf::all_to_all_single(back, input_splits, output_splits, ep_group_);
+  return cdf::all_to_all_single(
+      back, input_splits, output_splits, ep_group_, ep_fp8_);
 }
 
 int64_t set_grouped_expert_gemm(torch::nn::Module& model, bool on) {

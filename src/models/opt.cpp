@@ -441,7 +441,8 @@ shardformer::ShardInfo OPTPolicy::shard(
         {a.q_proj.get(), a.k_proj.get(), a.v_proj.get(), layer->fc1.get()},
         {a.out_proj.get(), layer->fc2.get()},
         tp,
-        mode);
+        mode,
+        cfg.fp8_communication());
     set_dropout(a.dropout, tp, true); // heads are split
     set_dropout(layer->dropout, act_group, act_group != nullptr);
     if (split_gather) {

@@ -55,6 +55,7 @@ void configure_parallel_state(
       st.sp_size(),
       ")");
   st.parallel_output = cfg.parallel_output();
+  st.fp8 = cfg.fp8_communication();
   TORCH_CHECK(
       cfg.gradient_checkpointing_ratio() >= 0.0 &&
           cfg.gradient_checkpointing_ratio() <= 1.0,
@@ -120,7 +121,8 @@ at::Tensor CachedForward::finish(
       : hidden;
   auto logits = hidden_to_logits(x);
   if (state_.tp_size() > 1 && state_.parallel_output) {
-    logits = cdf::gather_along_dim(logits, logits.dim() - 1, state_.tp);
+    logits =
+        cdf::gather_along_dim(logits, logits.dim() - 1, state_.tp, state_.fp8);
   }
   return logits.size(-1) > vocab_size ? logits.narrow(-1, 0, vocab_size)
                                       : logits;
@@ -157,7 +159,8 @@ at::Tensor tied_lm_head_logits(
       weight,
       state.tp,
       /*gather_output=*/!state.parallel_output,
-      vocab_size);
+      vocab_size,
+      state.fp8);
 }
 
 at::Tensor causal_lm_loss(
@@ -366,14 +369,18 @@ at::Tensor packed_documents_mask(
 
 at::Tensor to_head_shards(
     const at::Tensor& x,
-    const distributed::ProcessGroupPtr& sp) {
-  return cdf::all_to_all_along_dims(x, /*scatter_dim=*/2, /*gather_dim=*/1, sp);
+    const distributed::ProcessGroupPtr& sp,
+    bool fp8) {
+  return cdf::all_to_all_along_dims(
+      x, /*scatter_dim=*/2, /*gather_dim=*/1, sp, fp8);
 }
 
 at::Tensor to_sequence_shards(
     const at::Tensor& x,
-    const distributed::ProcessGroupPtr& sp) {
-  return cdf::all_to_all_along_dims(x, /*scatter_dim=*/1, /*gather_dim=*/2, sp);
+    const distributed::ProcessGroupPtr& sp,
+    bool fp8) {
+  return cdf::all_to_all_along_dims(
+      x, /*scatter_dim=*/1, /*gather_dim=*/2, sp, fp8);
 }
 
 std::pair<at::Tensor, at::Tensor> sequence_chunk(
@@ -435,19 +442,19 @@ at::Tensor causal_lm_head_loss(
 
 at::Tensor split_sequence(const at::Tensor& x, const ParallelState& st) {
   return st.sp_mode == shardformer::SequenceParallelMode::kSplitGather
-      ? cdf::split_along_dim(x, 1, st.tp)
+      ? cdf::split_along_dim(x, 1, st.tp, st.fp8)
       : x;
 }
 
 at::Tensor gather_sequence(const at::Tensor& x, const ParallelState& st) {
   if (st.sp_mode == shardformer::SequenceParallelMode::kSplitGather) {
-    return cdf::gather_along_dim(x, 1, st.tp);
+    return cdf::gather_along_dim(x, 1, st.tp, st.fp8);
   }
   if (!st.sequence_on_sp() || sequence_split_output(st)) {
     return x;
   }
   auto whole =
-      cdf::gather_along_dim(cdf::scale_grad(x, st.sp_size()), 1, st.sp);
+      cdf::gather_along_dim(cdf::scale_grad(x, st.sp_size()), 1, st.sp, st.fp8);
   if (st.sp_mode == shardformer::SequenceParallelMode::kRingAttn &&
       st.sp_size() > 1) {
     // Gathered in rank order of the zigzag chunks: back to token order.
@@ -490,15 +497,18 @@ void shard_linears(
     std::initializer_list<sl::Linear1D_ColImpl*> cols,
     std::initializer_list<sl::Linear1D_RowImpl*> rows,
     const distributed::ProcessGroupPtr& tp,
-    shardformer::SequenceParallelMode sp_mode) {
+    shardformer::SequenceParallelMode sp_mode,
+    bool fp8) {
   const bool seq_parallel = shardformer::on_tensor_group(sp_mode);
   const bool ring = sp_mode == shardformer::SequenceParallelMode::kRing;
   for (auto* col : cols) {
     col->options.seq_parallel(seq_parallel).ring(ring);
+    col->fp8_communication = fp8;
     col->shard_(tp);
   }
   for (auto* row : rows) {
     row->options.seq_parallel(seq_parallel).ring(ring);
+    row->fp8_communication = fp8;
     row->shard_(tp);
   }
 }

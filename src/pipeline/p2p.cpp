@@ -1,4 +1,7 @@
 #include <colossalai/pipeline/p2p.h>
+#include <colossalai/quantization/fp8.h>
+
+#include "../quantization/fp8_rows.h"
 
 namespace colossalai {
 namespace pipeline {
@@ -42,6 +45,12 @@ const distributed::ProcessGroup& PipelineP2PCommunication::channel(
   TORCH_INTERNAL_ASSERT(
       up_ != nullptr, "pipeline: a one-way channel sends only to lower ranks");
   return *up_;
+}
+
+bool PipelineP2PCommunication::fp8_with(int peer, at::ScalarType dtype) const {
+  return fp8_ && at::isFloatingType(dtype) && c10::elementSize(dtype) >= 2 &&
+      quantization::fp8_compresses(
+             {group_->ranks()[group_->rank()], group_->ranks()[peer]});
 }
 
 void PipelineP2PCommunication::send(
@@ -96,6 +105,12 @@ void PipelineP2PCommunication::send(
     ++metadata_sent_;
     sent_[key] = meta;
   }
+  if (fp8_with(dst, t.scalar_type())) {
+    // One row: the scale, then a byte per value (NOTE [FP8 messages]).
+    t = quantization::detail::fp8_pack_rows(
+            t.to(at::kFloat).reshape({1, -1}), /*e4m3=*/!key.grad)
+            .view({-1});
+  }
   auto w = distributed::send(t, dst, channel(dst, true), kTag);
   sends_.push_back({t, std::move(w)});
 }
@@ -130,9 +145,22 @@ PendingRecv PipelineP2PCommunication::post_recv(
     meta.sizes.assign(p + 2, p + 2 + p[1]);
     received_[key] = meta;
   }
-  auto t = at::empty(
-      meta.sizes,
-      at::TensorOptions().dtype(meta.dtype).device(group_->device()));
+  const auto options =
+      at::TensorOptions().dtype(meta.dtype).device(group_->device());
+  if (fp8_with(src, meta.dtype)) {
+    const int64_t numel = c10::multiply_integers(meta.sizes);
+    auto bytes = at::empty({4 + numel}, options.dtype(at::kByte));
+    auto w = distributed::recv(bytes, src, channel(src, false), kTag);
+    const bool e4m3 = !key.grad;
+    return PendingRecv(
+        bytes, std::move(w), [meta, e4m3](const at::Tensor& received) {
+          return quantization::detail::fp8_unpack_rows(
+                     received.view({1, -1}), e4m3)
+              .view(meta.sizes)
+              .to(meta.dtype);
+        });
+  }
+  auto t = at::empty(meta.sizes, options);
   auto w = distributed::recv(t, src, channel(src, false), kTag);
   return PendingRecv(t, std::move(w));
 }

@@ -2,6 +2,7 @@
 
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/interface/optimizer.h>
+#include <colossalai/quantization/fp8.h>
 
 #include <ATen/ATen.h>
 
@@ -10,7 +11,8 @@ namespace placement {
 
 void sum_flat(
     const std::vector<at::Tensor>& tensors,
-    const distributed::ProcessGroup& group) {
+    const distributed::ProcessGroup& group,
+    bool fp8) {
   if (tensors.empty()) {
     return;
   }
@@ -20,7 +22,11 @@ void sum_flat(
     parts.push_back(t.reshape({-1}));
   }
   auto flat = at::cat(parts).to(group.device());
-  distributed::all_reduce(flat, group).wait();
+  (fp8 && quantization::fp8_compresses(group)
+       ? quantization::all_reduce_fp8(
+             flat, group, distributed::ReduceOp::kSum, "e5m2")
+       : distributed::all_reduce(flat, group))
+      .wait();
   int64_t offset = 0;
   for (const auto& t : tensors) {
     // The handles share the caller's tensors: the sums land there.

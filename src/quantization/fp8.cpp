@@ -93,7 +93,11 @@ at::Tensor cast_from_fp8(
 }
 
 bool fp8_compresses(const distributed::ProcessGroup& group) {
-  if (group.size() < 2) {
+  return fp8_compresses(group.ranks());
+}
+
+bool fp8_compresses(const std::vector<int>& ranks) {
+  if (ranks.size() < 2) {
     return false;
   }
   // torchrun's variable is also what `colossalai run` exports; OpenMPI's
@@ -105,7 +109,6 @@ bool fp8_compresses(const distributed::ProcessGroup& group) {
   if (!per_node || *per_node < 1) {
     return true;
   }
-  const auto& ranks = group.ranks();
   const auto [lo, hi] = std::minmax_element(ranks.begin(), ranks.end());
   return *lo / *per_node != *hi / *per_node;
 }

@@ -57,6 +57,7 @@ ShardInfo Policy::shard(torch::nn::Module& model, const ShardConfig& config) {
       "(pass one as custom_policy)");
   for (const auto& item : model.named_modules()) {
     if (auto* p = dynamic_cast<layer::ParallelModule*>(item.value().get())) {
+      p->fp8_communication = config.fp8_communication();
       p->shard_(config.tensor_parallel_process_group());
     }
   }

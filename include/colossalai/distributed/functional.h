@@ -7,16 +7,24 @@
 /// with tensors of the same shape (the split dimension divisible by the
 /// group size). A null group or a group of one rank makes each the identity.
 ///
-/// | operator                  | forward                | backward |
-/// |---------------------------|------------------------|-----------------------|
-/// | copy_to_group             | identity               | all-reduce (sum) | |
-/// reduce_from_group         | all-reduce (sum)       | identity              |
-/// | split_along_dim           | keep this rank's chunk | all-gather along dim
-/// | | gather_along_dim          | all-gather along dim   | keep this rank's
-/// chunk| | reduce_scatter_along_dim  | reduce-scatter (sum)   | all-gather
-/// along dim  | | gather_along_dim_reduce_scatter_backward | all-gather |
-/// reduce-scatter (sum) | | all_to_all_along_dims     | all-to-all | the
-/// reverse all-to-all|
+// clang-format off
+/// | operator                                 | forward              | backward             |
+/// |------------------------------------------|----------------------|----------------------|
+/// | copy_to_group                            | identity             | all-reduce (sum)     |
+/// | reduce_from_group                        | all-reduce (sum)     | identity             |
+/// | split_along_dim                          | keep this rank's chunk | all-gather along dim |
+/// | gather_along_dim                         | all-gather along dim | keep this rank's chunk |
+/// | reduce_scatter_along_dim                 | reduce-scatter (sum) | all-gather along dim |
+/// | gather_along_dim_reduce_scatter_backward | all-gather           | reduce-scatter (sum) |
+/// | all_to_all_along_dims                    | all-to-all           | the reverse all-to-all |
+/// | all_to_all_single                        | uneven all-to-all    | the reverse exchange |
+// clang-format on
+///
+/// `fp8` (ColossalAI's fp8_communication): where `group` spans more than
+/// one node (quantization::fp8_compresses), floating-point tensors travel
+/// as FP8 with one scale per rank's message (quantization/fp8.h):
+/// activations forward as e4m3, gradients backward as e5m2. Within a node
+/// it changes nothing. Needs LibTorch 2.1 or later.
 ///
 /// Example (a column- then row-parallel MLP, Megatron's layout):
 /// \code
@@ -37,25 +45,33 @@ namespace functional {
 
 /// Identity; backward sums the gradient over the group (the input is used
 /// by every rank's shard of the next layer).
-at::Tensor copy_to_group(const at::Tensor& x, const ProcessGroupPtr& group);
+at::Tensor copy_to_group(
+    const at::Tensor& x,
+    const ProcessGroupPtr& group,
+    bool fp8 = false);
 
 /// Sums the partial results of the ranks; backward passes the gradient
 /// through (every rank's partial contributed with weight one).
-at::Tensor reduce_from_group(const at::Tensor& x, const ProcessGroupPtr& group);
+at::Tensor reduce_from_group(
+    const at::Tensor& x,
+    const ProcessGroupPtr& group,
+    bool fp8 = false);
 
 /// This rank's chunk of `x` along `dim` (group-rank order); backward
 /// all-gathers the chunks' gradients.
 at::Tensor split_along_dim(
     const at::Tensor& x,
     int64_t dim,
-    const ProcessGroupPtr& group);
+    const ProcessGroupPtr& group,
+    bool fp8 = false);
 
 /// Concatenates every rank's `x` along `dim` (group-rank order); backward
 /// keeps this rank's chunk of the gradient.
 at::Tensor gather_along_dim(
     const at::Tensor& x,
     int64_t dim,
-    const ProcessGroupPtr& group);
+    const ProcessGroupPtr& group,
+    bool fp8 = false);
 
 /// Sums `x` over the group and keeps this rank's chunk along `dim`
 /// (sequence parallelism leaving a row-parallel layer); backward
@@ -63,7 +79,8 @@ at::Tensor gather_along_dim(
 at::Tensor reduce_scatter_along_dim(
     const at::Tensor& x,
     int64_t dim,
-    const ProcessGroupPtr& group);
+    const ProcessGroupPtr& group,
+    bool fp8 = false);
 
 /// All-gathers along `dim` (sequence parallelism entering a column-parallel
 /// layer); backward reduce-scatters the gradient along `dim`, since every
@@ -71,7 +88,8 @@ at::Tensor reduce_scatter_along_dim(
 at::Tensor gather_along_dim_reduce_scatter_backward(
     const at::Tensor& x,
     int64_t dim,
-    const ProcessGroupPtr& group);
+    const ProcessGroupPtr& group,
+    bool fp8 = false);
 
 /// Splits `x` along `scatter_dim` into one chunk per rank, sends chunk r to
 /// rank r, and concatenates what arrives along `gather_dim` (Ulysses
@@ -81,7 +99,8 @@ at::Tensor all_to_all_along_dims(
     const at::Tensor& x,
     int64_t scatter_dim,
     int64_t gather_dim,
-    const ProcessGroupPtr& group);
+    const ProcessGroupPtr& group,
+    bool fp8 = false);
 
 /// Sends rows [sum(input_splits[:r]), +input_splits[r]) of `x` to rank r
 /// and concatenates what arrives, output_splits[r] rows from rank r, in
@@ -93,7 +112,8 @@ at::Tensor all_to_all_single(
     const at::Tensor& x,
     const std::vector<int64_t>& output_splits,
     const std::vector<int64_t>& input_splits,
-    const ProcessGroupPtr& group);
+    const ProcessGroupPtr& group,
+    bool fp8 = false);
 
 /// Identity whose backward multiplies the gradient by `factor` (e.g. the
 /// sequence-parallel size where every rank of a group computes the same

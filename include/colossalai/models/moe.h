@@ -123,8 +123,11 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   /// experts [r * E / n, (r + 1) * E / n) for the tokens every rank routes
   /// to them, which travel there and back by all-to-all. The block keeps
   /// every expert module; the plugin releases the others' parameters. E
-  /// must divide by the group's size.
-  void set_expert_parallel(distributed::ProcessGroupPtr group);
+  /// must divide by the group's size. `fp8`: the token exchange travels as
+  /// FP8 where the group spans nodes (distributed/functional.h).
+  void set_expert_parallel(
+      distributed::ProcessGroupPtr group,
+      bool fp8 = false);
   /// The experts this rank computes: [first, first + count).
   int64_t first_local_expert() const {
     return first_local_;
@@ -164,6 +167,7 @@ class SparseMoeBlockImpl : public torch::nn::Module {
   bool mixtral_;
   at::Tensor router_logits_;
   distributed::ProcessGroupPtr ep_group_;
+  bool ep_fp8_ = false;
   int64_t first_local_ = 0;
   int64_t num_local_ = 0;
   bool grouped_gemm_ = false;

@@ -41,6 +41,9 @@ struct ParallelState {
   /// Share of the blocks (the first ones) that recompute their activations
   /// in backward (ColossalAI: int(ratio x num_layers) blocks).
   double gradient_checkpointing_ratio = 0.0;
+  /// ShardConfig::fp8_communication: the model's own tensor- and
+  /// sequence-parallel collectives travel as FP8 across nodes.
+  bool fp8 = false;
   /// The cache of the forward_cached in progress (null otherwise): the
   /// model's forward begins a step of it, each attention layer appends its
   /// keys and values and attends to all it holds (NOTE [Generation]).
@@ -248,13 +251,16 @@ at::Tensor packed_documents_mask(
     const at::Device& device);
 
 /// Ulysses: [B, T / sp, H, D] sequence-sharded -> [B, T, H / sp, D]
-/// head-sharded over `sp` (and `to_sequence_shards` back).
+/// head-sharded over `sp` (and `to_sequence_shards` back); `fp8`:
+/// ParallelState::fp8.
 at::Tensor to_head_shards(
     const at::Tensor& x,
-    const distributed::ProcessGroupPtr& sp);
+    const distributed::ProcessGroupPtr& sp,
+    bool fp8 = false);
 at::Tensor to_sequence_shards(
     const at::Tensor& x,
-    const distributed::ProcessGroupPtr& sp);
+    const distributed::ProcessGroupPtr& sp,
+    bool fp8 = false);
 
 /// This rank's tokens of a [B, T] int64 batch and their positions when
 /// `state` splits the sequence over sp (contiguous chunks for all_to_all,
@@ -329,18 +335,21 @@ template <class Layer>
 void shard_vocab_parallel(Layer& layer, const shardformer::ShardConfig& cfg) {
   layer.options.make_vocab_size_divisible_by(
       cfg.make_vocab_size_divisible_by());
+  layer.fp8_communication = cfg.fp8_communication();
   layer.shard_(cfg.tensor_parallel_process_group());
 }
 
 /// Shards a block's column-parallel layers, then its row-parallel ones, in
 /// the order given, over `tp`, with sequence parallelism in the layers when
 /// `sp_mode` is split_gather or ring (ring also overlaps their matmuls):
-/// every family's blocks shard their linears this way.
+/// every family's blocks shard their linears this way. `fp8`:
+/// ShardConfig::fp8_communication.
 void shard_linears(
     std::initializer_list<shardformer::layer::Linear1D_ColImpl*> cols,
     std::initializer_list<shardformer::layer::Linear1D_RowImpl*> rows,
     const distributed::ProcessGroupPtr& tp,
-    shardformer::SequenceParallelMode sp_mode);
+    shardformer::SequenceParallelMode sp_mode,
+    bool fp8);
 
 /// Points `d` at `group` (null: none), its input `sharded` over it (each
 /// rank its own mask) or replicated (the same mask), and resets it so its

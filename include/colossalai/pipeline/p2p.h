@@ -32,6 +32,7 @@
 
 #include <colossalai/distributed/collectives.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -56,8 +57,14 @@ struct StreamKey {
 class PendingRecv {
  public:
   PendingRecv() = default;
-  PendingRecv(at::Tensor tensor, distributed::Work work)
-      : tensor_(std::move(tensor)), work_(std::move(work)) {}
+  /// `decode`, when set, turns what arrived into the tensor (FP8 bytes).
+  PendingRecv(
+      at::Tensor tensor,
+      distributed::Work work,
+      std::function<at::Tensor(const at::Tensor&)> decode = nullptr)
+      : tensor_(std::move(tensor)),
+        work_(std::move(work)),
+        decode_(std::move(decode)) {}
   bool valid() const {
     return tensor_.defined();
   }
@@ -65,12 +72,17 @@ class PendingRecv {
   /// after the group timeout).
   at::Tensor wait() {
     work_.wait();
+    if (decode_) {
+      tensor_ = decode_(tensor_);
+      decode_ = nullptr;
+    }
     return tensor_;
   }
 
  private:
   at::Tensor tensor_;
   distributed::Work work_;
+  std::function<at::Tensor(const at::Tensor&)> decode_;
 };
 
 class PipelineP2PCommunication {
@@ -96,6 +108,14 @@ class PipelineP2PCommunication {
   /// Completes every send started so far.
   void wait_sends();
 
+  /// fp8_communication: floating-point tensors between stages on different
+  /// nodes travel as FP8 with one scale per message (quantization/fp8.h),
+  /// activations as e4m3 and gradients as e5m2; the receiver gets them
+  /// back in the sender's dtype. Set on every stage alike.
+  void set_fp8_communication(bool enabled) {
+    fp8_ = enabled;
+  }
+
   /// Metadata messages sent so far (tests: one per stream with the cache).
   int64_t metadata_sent() const {
     return metadata_sent_;
@@ -111,10 +131,13 @@ class PipelineP2PCommunication {
   };
   // The group that carries a message to (sending) or from `peer`.
   const distributed::ProcessGroup& channel(int peer, bool sending) const;
+  // Whether a message of `dtype` to or from `peer` travels as FP8.
+  bool fp8_with(int peer, at::ScalarType dtype) const;
 
   distributed::ProcessGroupPtr group_;
   distributed::ProcessGroupPtr up_; // messages to higher ranks (null: one way)
   bool cache_;
+  bool fp8_ = false;
   std::map<StreamKey, Meta> sent_, received_;
   struct InFlight {
     at::Tensor tensor;

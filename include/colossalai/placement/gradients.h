@@ -12,10 +12,13 @@ namespace colossalai {
 namespace placement {
 
 /// Sums `tensors` over `group` in place, in one all-reduce of their
-/// concatenation (on the group's device). Collective over `group`.
+/// concatenation (on the group's device). Collective over `group`. `fp8`:
+/// through quantization::all_reduce_fp8 (e5m2) where the group spans
+/// nodes.
 void sum_flat(
     const std::vector<at::Tensor>& tensors,
-    const distributed::ProcessGroup& group);
+    const distributed::ProcessGroup& group,
+    bool fp8 = false);
 
 /// Sums over each axis the gradients that are Partial over it, in one
 /// all-reduce of their concatenation per axis. `grads[i]` is (the part this

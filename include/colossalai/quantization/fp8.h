@@ -31,6 +31,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <vector>
 
 namespace colossalai {
 namespace quantization {
@@ -97,6 +98,17 @@ distributed::Work all_to_all_fp8(
     const distributed::ProcessGroup& group,
     const std::string& fp8_format = "e5m2");
 
+/// distributed::all_to_all with uneven splits (rows of dim 0; the
+/// dispatch and combine of expert parallelism) through FP8: the rows for
+/// each rank cast under their own scale. Default e5m2.
+distributed::Work all_to_all_fp8(
+    at::Tensor& output,
+    const at::Tensor& input,
+    const distributed::ProcessGroup& group,
+    const std::vector<int64_t>& output_splits,
+    const std::vector<int64_t>& input_splits,
+    const std::string& fp8_format = "e5m2");
+
 /// Whether a plugin's `fp8_communication` compresses `group`'s traffic: when
 /// its members span more than one node, as ColossalAI does (within a node,
 /// NVLink or shared memory moves the bytes faster than the casts cost).
@@ -104,6 +116,8 @@ distributed::Work all_to_all_fp8(
 /// consecutive global ranks per node. Without LOCAL_WORLD_SIZE (or
 /// OpenMPI's / Slurm's equivalents) every group is compressed.
 bool fp8_compresses(const distributed::ProcessGroup& group);
+/// The same for a set of global ranks (e.g. two pipeline stages).
+bool fp8_compresses(const std::vector<int>& global_ranks);
 
 } // namespace quantization
 } // namespace colossalai

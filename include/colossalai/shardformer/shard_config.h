@@ -96,6 +96,12 @@ struct ShardConfig {
   /// sparse layer's experts between them, exchanging tokens with
   /// all-to-all; null: every rank holds every expert.
   TORCH_ARG(distributed::ProcessGroupPtr, ep_group) = nullptr;
+  /// Tensor- and sequence-parallel collectives and the expert-parallel
+  /// token exchange travel as FP8 where their group spans nodes
+  /// (distributed/functional.h's `fp8`): activations e4m3, gradients e5m2
+  /// (HybridParallelPluginOptions::fp8_communication). The vocabulary-
+  /// parallel loss's statistics stay float32.
+  TORCH_ARG(bool, fp8_communication) = false;
 };
 
 } // namespace shardformer

@@ -7,6 +7,7 @@
 #include <colossalai/lazy/lazy_init.h>
 #include <colossalai/pipeline/schedule.h>
 #include <colossalai/placement/gradients.h>
+#include <colossalai/quantization/fp8.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
 #include "gather_wait_model.h"
@@ -16,6 +17,8 @@
 #include "hybrid/pipeline_guard.h"
 #include "plugin_options.h"
 #include "zero_options.h"
+
+#include <torch/version.h>
 
 #include <algorithm>
 #include <set>
@@ -48,6 +51,12 @@ HybridParallelPlugin::HybridParallelPlugin(
     HybridParallelPluginOptions options,
     bool experts)
     : options_(std::move(options)) {
+  TORCH_CHECK(
+      !options_.fp8_communication() || quantization::fp8_supported(),
+      kName,
+      ": fp8_communication needs LibTorch 2.1 or later (its float8 dtypes); "
+      "this is ",
+      TORCH_VERSION);
   const int world = distributed::get_world_size();
   const auto layout = detail::check_hybrid_options(options_, world, experts);
   const int tp = options_.tp_size(), pp = options_.pp_size();
@@ -222,7 +231,8 @@ void HybridParallelPlugin::apply_tensor_parallel(torch::nn::Module& module) {
       .parallel_output(options_.parallel_output())
       .make_vocab_size_divisible_by(options_.make_vocab_size_divisible_by())
       .gradient_checkpointing_ratio(options_.gradient_checkpointing_ratio())
-      .ep_group(options_.ep_size() > 1 ? ep_group_ : nullptr);
+      .ep_group(options_.ep_size() > 1 ? ep_group_ : nullptr)
+      .fp8_communication(options_.fp8_communication());
   policy_ = shardformer::resolve_policy(module, options_.custom_policy());
   info_ = shardformer::shard_model(module, cfg, policy_);
   state_->tp = options_.tp_size() > 1 ? tp_group_ : nullptr;
@@ -327,7 +337,8 @@ void HybridParallelPlugin::apply_data_parallel(
               .bucket_cap_mb(options_.ddp_bucket_cap_mb())
               .find_unused_parameters(options_.find_unused_parameters())
               .gradient_as_bucket_view(options_.gradient_as_bucket_view())
-              .static_graph(options_.static_graph()),
+              .static_graph(options_.static_graph())
+              .fp8_communication(options_.fp8_communication()),
           expert_names);
       ddp_ = ddp;
       model = ddp;
@@ -357,7 +368,8 @@ void HybridParallelPlugin::apply_data_parallel(
   if (options_.ep_size() > 1) {
     own_groups.emplace_back(moe_dp_group_, expert_params_);
   }
-  zo.overlap_allgather(options_.overlap_allgather());
+  zo.overlap_allgather(options_.overlap_allgather())
+      .fp8_communication(options_.fp8_communication());
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
       optimizer->optimizer_ptr(), mixed_dp_group_, zo, std::move(own_groups));
   zero_opt->set_placement(placement_);

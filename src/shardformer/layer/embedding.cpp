@@ -57,7 +57,9 @@ void Embedding1DImpl::shard_(const distributed::ProcessGroupPtr& g) {
 
 at::Tensor Embedding1DImpl::forward(const at::Tensor& input) {
   auto y = at::embedding(weight, input);
-  return options.gather_output() ? cdf::gather_along_dim(y, -1, group) : y;
+  return options.gather_output()
+      ? cdf::gather_along_dim(y, -1, group, fp8_communication)
+      : y;
 }
 
 std::shared_ptr<Embedding1DImpl> Embedding1DImpl::from_full(
@@ -152,7 +154,7 @@ at::Tensor VocabParallelEmbedding1DImpl::forward(const at::Tensor& input) {
   auto outside = (input < vocab_start_) | (input >= vocab_start_ + rows);
   auto local = (input - vocab_start_).masked_fill(outside, 0);
   auto y = at::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0);
-  return cdf::reduce_from_group(y, group);
+  return cdf::reduce_from_group(y, group, fp8_communication);
 }
 
 std::shared_ptr<VocabParallelEmbedding1DImpl> VocabParallelEmbedding1DImpl::
@@ -208,7 +210,12 @@ void VocabParallelLMHead1DImpl::shard_(const distributed::ProcessGroupPtr& g) {
 
 at::Tensor VocabParallelLMHead1DImpl::forward(const at::Tensor& hidden) {
   return lm_head_logits(
-      hidden, weight, group, options.gather_output(), options.num_embeddings());
+      hidden,
+      weight,
+      group,
+      options.gather_output(),
+      options.num_embeddings(),
+      fp8_communication);
 }
 
 at::Tensor lm_head_logits(
@@ -216,12 +223,13 @@ at::Tensor lm_head_logits(
     const at::Tensor& weight,
     const distributed::ProcessGroupPtr& group,
     bool gather_output,
-    int64_t vocab_size) {
-  auto logits = at::linear(cdf::copy_to_group(hidden, group), weight);
+    int64_t vocab_size,
+    bool fp8) {
+  auto logits = at::linear(cdf::copy_to_group(hidden, group, fp8), weight);
   if (!gather_output) {
     return logits;
   }
-  auto full = cdf::gather_along_dim(logits, -1, group);
+  auto full = cdf::gather_along_dim(logits, -1, group, fp8);
   return vocab_size >= 0 && vocab_size < full.size(-1)
       ? full.narrow(-1, 0, vocab_size)
       : full;

@@ -320,9 +320,10 @@ at::Tensor Linear1D_ColImpl::prepare_input(const at::Tensor& input) const {
     return input; // gathered inside the matmul
   }
   // Every rank's shard reads the whole input: its gradient sums over them.
-  return options.seq_parallel() ? cdf::gather_along_dim_reduce_scatter_backward(
-                                      input, options.seq_dim(), group)
-                                : cdf::copy_to_group(input, group);
+  return options.seq_parallel()
+      ? cdf::gather_along_dim_reduce_scatter_backward(
+            input, options.seq_dim(), group, fp8_communication)
+      : cdf::copy_to_group(input, group, fp8_communication);
 }
 
 amp::SharedCast Linear1D_ColImpl::prepare_shared_input(
@@ -364,7 +365,9 @@ at::Tensor Linear1D_ColImpl::forward_prepared(
             cast != nullptr && output_adapter_takes_cast ? cast->get()
                                                          : prepared);
   }
-  return options.gather_output() ? cdf::gather_along_dim(y, -1, group) : y;
+  return options.gather_output()
+      ? cdf::gather_along_dim(y, -1, group, fp8_communication)
+      : y;
 }
 
 at::Tensor Linear1D_ColImpl::forward(const at::Tensor& input) {
@@ -478,8 +481,9 @@ void Linear1D_RowImpl::shard_(const distributed::ProcessGroupPtr& g) {
 }
 
 at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
-  auto x =
-      options.parallel_input() ? input : cdf::split_along_dim(input, -1, group);
+  auto x = options.parallel_input()
+      ? input
+      : cdf::split_along_dim(input, -1, group, fp8_communication);
   const int64_t local_in =
       quantized ? quantized->shape()[1] : weight.size(in_dim(options));
   TORCH_CHECK(
@@ -500,8 +504,9 @@ at::Tensor Linear1D_RowImpl::forward(const at::Tensor& input) {
     auto partial =
         apply_linear(x, weight, at::Tensor(), options, quantized.get());
     y = options.seq_parallel()
-        ? cdf::reduce_scatter_along_dim(partial, options.seq_dim(), group)
-        : cdf::reduce_from_group(partial, group);
+        ? cdf::reduce_scatter_along_dim(
+              partial, options.seq_dim(), group, fp8_communication)
+        : cdf::reduce_from_group(partial, group, fp8_communication);
   }
   if (output_adapter) {
     y = y + output_adapter(x);

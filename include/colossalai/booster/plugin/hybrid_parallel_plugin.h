@@ -111,6 +111,16 @@ struct HybridParallelPluginOptions {
   /// LowLevelZeroPluginOptions::overlap_allgather (NOTE [All-gathers overlap
   /// the next forward]).
   TORCH_ARG(bool, overlap_allgather) = false;
+  /// Traffic that crosses nodes travels as FP8 (quantization/fp8.h, as
+  /// ColossalAI's fp8_communication): the data-parallel gradient
+  /// all-reduce (e5m2) or ZeRO's gradient reduce-scatters (e5m2) and
+  /// parameter all-gathers (e4m3), activations (e4m3) and their gradients
+  /// (e5m2) between pipeline stages, and the tensor- and sequence-parallel
+  /// collectives and MoeHybridParallelPlugin's expert token exchange (e4m3
+  /// forward, e5m2 backward; ShardConfig::fp8_communication). Ring layers'
+  /// overlapped transfers and the loss's statistics stay full precision.
+  /// Needs LibTorch 2.1 or later.
+  TORCH_ARG(bool, fp8_communication) = false;
   /// How to shard the model; null: the model's own (ShardableModel) or the
   /// base Policy (every ParallelModule over the tensor group).
   TORCH_ARG(std::shared_ptr<shardformer::Policy>, custom_policy) = nullptr;

@@ -137,13 +137,15 @@ TORCH_MODULE(VocabParallelLMHead1D);
 /// vocabulary rows, x W_r^T, with the input's gradient summed over the group
 /// (VocabParallelLMHead1D; `weight` is usually the tied embedding's shard).
 /// With `gather_output` the logits are all-gathered and cut back to
-/// `vocab_size` (ColossalAI's parallel_output false).
+/// `vocab_size` (ColossalAI's parallel_output false). `fp8`: the
+/// collectives travel as FP8 across nodes (distributed/functional.h).
 at::Tensor lm_head_logits(
     const at::Tensor& hidden,
     const at::Tensor& weight,
     const distributed::ProcessGroupPtr& group,
     bool gather_output = false,
-    int64_t vocab_size = -1);
+    int64_t vocab_size = -1,
+    bool fp8 = false);
 
 /// Mean cross entropy of vocabulary-sharded logits ([N, V_pad / tp] on
 /// each rank, rank-major) against `target` ([N], global ids) without

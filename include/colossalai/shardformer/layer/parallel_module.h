@@ -104,6 +104,11 @@ class ParallelModule {
   /// without dropout), so that under autocast it may read the input's
   /// shared cast (amp::SharedCast) in place of the input.
   bool output_adapter_takes_cast = false;
+  /// ShardConfig::fp8_communication: the layer's tensor-parallel
+  /// collectives travel as FP8 where its group spans more than one node
+  /// (distributed/functional.h's `fp8`). Ring layers' overlapped transfers
+  /// stay in the working dtype.
+  bool fp8_communication = false;
 };
 
 namespace detail {

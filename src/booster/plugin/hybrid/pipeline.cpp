@@ -127,6 +127,7 @@ std::set<std::string> HybridParallelPlugin::apply_pipeline(
   }
   auto p2p = std::make_shared<pipeline::PipelineP2PCommunication>(
       pp_group_, options_.enable_metadata_cache());
+  p2p->set_fp8_communication(options_.fp8_communication());
   schedule_ = std::make_shared<pipeline::PipelineSchedule>(
       stage_manager_, p2p, options_.pp_style(), options_.overlap_p2p());
   return held;
@@ -143,7 +144,9 @@ void HybridParallelPlugin::sync_shared_grads() {
     }
     grads.push_back(p.mutable_grad());
   }
-  placement::sum_flat(grads, *shared_group_);
+  // Gradients crossing between the first and last stages: FP8 with
+  // fp8_communication.
+  placement::sum_flat(grads, *shared_group_, options_.fp8_communication());
 }
 
 pipeline::PipelineOutput HybridParallelPlugin::execute_pipeline(
