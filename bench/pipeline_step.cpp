@@ -30,7 +30,12 @@
 //   bench_pipeline_step [--nproc 4] [--schedules 1f1b,interleaved,zbv]
 //                       [--microbatches 4,8] [--microbatch-size 2]
 //                       [--layers 8] [--warmup 1] [--steps 3] [--rounds 2]
-//                       [--out FILE.json]
+//                       [--fp8 0,1] [--out FILE.json]
+//
+// --fp8 0,1 runs each setup without and with fp8_communication (name
+// suffix _fp8): the activations and gradients between stages on different
+// nodes, and the tied embedding's gradients, travel as FP8 (across hosts,
+// e.g. under bench/netns_link.sh).
 
 #include "bench_util.h"
 
@@ -70,6 +75,7 @@ using colossalai::bench::split;
 struct Options {
   int microbatch_size = 2, layers = 8, warmup = 1, steps = 3, rounds = 2;
   std::string schedules = "1f1b,interleaved,zbv", microbatches = "4,8", out;
+  std::string fp8 = "0";
 };
 
 // Milliseconds on steady_clock (CLOCK_MONOTONIC: one clock for every process
@@ -305,38 +311,42 @@ int run_rank(const Options& o) {
         style,
         "' (1f1b, interleaved, zbv)");
     for (const auto& ms : split(o.microbatches)) {
-      const int m = std::stoi(ms);
-      if (style == "interleaved" && m % world != 0) {
-        if (rank == 0)
-          std::fprintf(
-              stderr,
-              "interleaved m=%d: m must be a multiple of %d stages\n",
-              m,
-              world);
-        continue;
+      for (const auto& f : split(o.fp8)) {
+        const bool fp8 = f == "1";
+        const int m = std::stoi(ms);
+        if (style == "interleaved" && m % world != 0) {
+          if (rank == 0)
+            std::fprintf(
+                stderr,
+                "interleaved m=%d: m must be a multiple of %d stages\n",
+                m,
+                world);
+          continue;
+        }
+        auto s = std::make_unique<Setup>();
+        s->style = style;
+        s->chunks = style == "1f1b" ? 1 : 2;
+        s->m = m;
+        s->name = style + "_m" + std::to_string(m) + (fp8 ? "_fp8" : "");
+        s->plugin = std::make_shared<HybridParallelPlugin>(
+            HPO()
+                .precision("fp32")
+                .pp_size(world)
+                .num_microbatches(m)
+                .pp_style(style)
+                .num_model_chunks(s->chunks)
+                .fp8_communication(fp8)
+                .custom_policy(std::make_shared<TimedGPT2Policy>()));
+        s->booster = std::make_unique<cb::Booster>(
+            cb::BoosterOptions().plugin(s->plugin));
+        torch::manual_seed(0);
+        s->model = models::GPT2LMHeadModel(cfg);
+        auto opt = std::make_shared<torch::optim::AdamW>(
+            s->model->parameters(),
+            torch::optim::AdamWOptions(3e-4).weight_decay(0.01));
+        s->boosted = s->booster->boost(s->model, opt);
+        setups.push_back(std::move(s));
       }
-      auto s = std::make_unique<Setup>();
-      s->style = style;
-      s->chunks = style == "1f1b" ? 1 : 2;
-      s->m = m;
-      s->name = style + "_m" + std::to_string(m);
-      s->plugin = std::make_shared<HybridParallelPlugin>(
-          HPO()
-              .precision("fp32")
-              .pp_size(world)
-              .num_microbatches(m)
-              .pp_style(style)
-              .num_model_chunks(s->chunks)
-              .custom_policy(std::make_shared<TimedGPT2Policy>()));
-      s->booster =
-          std::make_unique<cb::Booster>(cb::BoosterOptions().plugin(s->plugin));
-      torch::manual_seed(0);
-      s->model = models::GPT2LMHeadModel(cfg);
-      auto opt = std::make_shared<torch::optim::AdamW>(
-          s->model->parameters(),
-          torch::optim::AdamWOptions(3e-4).weight_decay(0.01));
-      s->boosted = s->booster->boost(s->model, opt);
-      setups.push_back(std::move(s));
     }
   }
   TORCH_CHECK(!setups.empty(), "no setup fits ", world, " stages");
@@ -557,6 +567,8 @@ int main(int argc, char** argv) {
       o.steps = std::stoi(v);
     else if (k == "--rounds")
       o.rounds = std::stoi(v);
+    else if (k == "--fp8")
+      o.fp8 = v;
     else if (k == "--out")
       o.out = v;
     else {
