@@ -265,6 +265,7 @@ StageStep analyse(
 struct Setup {
   std::string name, style;
   int chunks = 1, m = 0;
+  bool fp8 = false; // fp8_communication
   std::shared_ptr<HybridParallelPlugin> plugin;
   std::unique_ptr<cb::Booster> booster;
   models::GPT2LMHeadModel model{nullptr};
@@ -328,6 +329,7 @@ int run_rank(const Options& o) {
         s->chunks = style == "1f1b" ? 1 : 2;
         s->m = m;
         s->name = style + "_m" + std::to_string(m) + (fp8 ? "_fp8" : "");
+        s->fp8 = fp8;
         s->plugin = std::make_shared<HybridParallelPlugin>(
             HPO()
                 .precision("fp32")
@@ -514,6 +516,7 @@ int run_rank(const Options& o) {
     }
     json << (first_setup ? "" : ",") << "\n    \"" << s.name << "\": {"
          << "\"schedule\": \"" << s.style << "\", \"chunks\": " << s.chunks
+         << ", \"fp8_communication\": " << (s.fp8 ? "true" : "false")
          << ", \"microbatches\": " << s.m
          << ", \"global_batch\": " << s.m * o.microbatch_size
          << ", \"step_ms\": " << colossalai::bench::stats_json(ms)
@@ -526,7 +529,7 @@ int run_rank(const Options& o) {
          << ",\n      \"per_stage\": [" << stages.str()
          << "],\n      \"timeline\": [" << timeline.str() << "]}";
     first_setup = false;
-    table << "| " << s.style << " | " << s.m << " | "
+    table << "| " << s.style << (s.fp8 ? " (FP8)" : "") << " | " << s.m << " | "
           << fmt(colossalai::bench::median(ms), 0) << " | " << fmt(work, 0)
           << " | " << fmt(mean_span, 3) << " | " << fmt(mean_compute, 2) << " ("
           << per_bubble.str() << ") | "
