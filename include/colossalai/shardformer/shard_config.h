@@ -100,7 +100,7 @@ struct ShardConfig {
   /// token exchange travel as FP8 where their group spans nodes
   /// (distributed/functional.h's `fp8`): activations e4m3, gradients e5m2
   /// (HybridParallelPluginOptions::fp8_communication). The vocabulary-
-  /// parallel loss's statistics stay float32.
+  /// parallel loss stays float32.
   TORCH_ARG(bool, fp8_communication) = false;
 };
 

@@ -117,8 +117,10 @@ struct HybridParallelPluginOptions {
   /// parameter all-gathers (e4m3), activations (e4m3) and their gradients
   /// (e5m2) between pipeline stages, and the tensor- and sequence-parallel
   /// collectives and MoeHybridParallelPlugin's expert token exchange (e4m3
-  /// forward, e5m2 backward; ShardConfig::fp8_communication). Ring layers'
-  /// overlapped transfers and the loss's statistics stay full precision.
+  /// forward, e5m2 backward; ShardConfig::fp8_communication), and the tied
+  /// embedding's gradients between the first and last stage. Ring layers'
+  /// overlapped transfers and the vocabulary-parallel loss stay full
+  /// precision.
   /// Needs LibTorch 2.1 or later.
   TORCH_ARG(bool, fp8_communication) = false;
   /// How to shard the model; null: the model's own (ShardableModel) or the
