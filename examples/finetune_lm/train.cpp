@@ -74,6 +74,7 @@ struct Args {
   int lora = 0;
   bool qlora = false;
   bool offload = false, grad_checkpoint = false, overlap_host_step = false;
+  bool fp8_communication = false;
   double offload_frac = -1; // unset
   std::string placement = "static";
   double gpu_margin = 0; // gemini auto: gpu_margin_mem_ratio
@@ -158,6 +159,12 @@ Args parse(int argc, char** argv) {
       "with --offload or --offload-frac: HybridAdam updates each host chunk "
       "or bucket during the backward, as soon as its gradient is on the "
       "host (overlap_host_step)");
+  app.add_flag(
+      "--fp8-communication",
+      a.fp8_communication,
+      "what crosses nodes (ranks on other hosts) travels as FP8: gradients, "
+      "gathered parameters, pipeline and tensor-parallel activations "
+      "(fp8_communication; LibTorch 2.1+)");
   app.add_option("--placement", a.placement, "gemini: placement policy")
       ->check(CLI::IsMember({"static", "auto"}))
       ->capture_default_str();
@@ -316,6 +323,9 @@ Args parse(int argc, char** argv) {
       a.placement == "static" || a.plugin == "gemini",
       "--placement needs --plugin gemini");
   TORCH_CHECK(
+      !a.fp8_communication || a.plugin != "none",
+      "--fp8-communication needs a --plugin that communicates (not none)");
+  TORCH_CHECK(
       !a.overlap_host_step ||
           (a.offload || (a.plugin == "gemini" && a.offload_frac > 0)),
       "--overlap-host-step needs states in host memory: --offload (zero1, "
@@ -459,7 +469,10 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
     return {nullptr, a.precision};
   }
   if (a.plugin == "ddp") {
-    return {std::make_shared<TorchDDPPlugin>(), a.precision};
+    return {
+        std::make_shared<TorchDDPPlugin>(
+            TorchDDPPluginOptions().fp8_communication(a.fp8_communication)),
+        a.precision};
   }
   if (a.plugin == "zero1" || a.plugin == "zero2") {
     return {
@@ -468,7 +481,8 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
                 .stage(a.plugin == "zero1" ? 1 : 2)
                 .precision(a.precision)
                 .cpu_offload(a.offload)
-                .overlap_host_step(a.overlap_host_step)),
+                .overlap_host_step(a.overlap_host_step)
+                .fp8_communication(a.fp8_communication)),
         ""};
   }
   if (a.plugin == "fsdp") {
@@ -476,15 +490,20 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
         a.precision != "fp16" || at::hasCUDA(),
         "--plugin fsdp --precision fp16 needs CUDA");
     return {
-        std::make_shared<TorchFSDPPlugin>(TorchFSDPPluginOptions().param_dtype(
-            a.precision == "bf16"       ? at::kBFloat16
-                : a.precision == "fp16" ? at::kHalf
-                                        : at::kFloat)),
+        std::make_shared<TorchFSDPPlugin>(
+            TorchFSDPPluginOptions()
+                .param_dtype(
+                    a.precision == "bf16"       ? at::kBFloat16
+                        : a.precision == "fp16" ? at::kHalf
+                                                : at::kFloat)
+                .fp8_communication(a.fp8_communication)),
         ""};
   }
   if (a.plugin == "gemini") {
-    auto o = GeminiPluginOptions().precision(a.precision).placement_policy(
-        a.placement);
+    auto o = GeminiPluginOptions()
+                 .precision(a.precision)
+                 .placement_policy(a.placement)
+                 .fp8_communication(a.fp8_communication);
     if (a.placement == "static") {
       o.offload_optim_frac(a.offload ? 1.0 : std::max(0.0, a.offload_frac));
       o.overlap_host_step(a.overlap_host_step);
@@ -499,7 +518,8 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
                .zero_stage(a.zero)
                .precision(a.precision)
                .ep_size(a.ep)
-               .gradient_checkpointing_ratio(a.grad_checkpoint ? 1.0 : 0.0);
+               .gradient_checkpointing_ratio(a.grad_checkpoint ? 1.0 : 0.0)
+               .fp8_communication(a.fp8_communication);
   if (a.pp > 1) {
     o.num_microbatches(a.pp);
   }
