@@ -817,7 +817,8 @@ TEST(FinetuneLm, BadOptionsAreNamed) {
   has("--plugin zero2 --overlap-host-step", "--overlap-host-step needs states in host memory");
   has("--plugin zero2 --placement auto", "--placement needs --plugin gemini");
   has("--plugin gemini --gpu-margin 0.5", "--gpu-margin is gemini's");
-  has("--plugin none --nproc 1 --fp8-communication", "--fp8-communication needs a");
+  has("--plugin none --nproc 1 --fp8-communication",
+      "--fp8-communication needs a");
 }
 
 #else
