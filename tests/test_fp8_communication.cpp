@@ -37,6 +37,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
 
 namespace cb = colossalai::booster;
 namespace cd = colossalai::distributed;
@@ -338,10 +339,12 @@ Net make_net() {
   return Net();
 }
 
+using NetBoosted = cb::Boosted<Net, std::nullptr_t, std::nullptr_t>;
+
 // Bytes this rank hands to collectives in one training step.
 int64_t step_bytes(
     cb::Booster& booster,
-    cb::Boosted<Net, std::nullptr_t, std::nullptr_t>& boosted,
+    NetBoosted& boosted,
     const std::pair<at::Tensor, at::Tensor>& b) {
   const int64_t before = cd::bytes_communicated();
   boosted.optimizer->zero_grad();
@@ -349,6 +352,48 @@ int64_t step_bytes(
       boosted.criterion(boosted.model(b.first), b.second), *boosted.optimizer);
   boosted.optimizer->step();
   return cd::bytes_communicated() - before;
+}
+
+using OptimizerOf =
+    std::function<std::shared_ptr<torch::optim::Optimizer>(Net&)>;
+
+OptimizerOf adamw() {
+  return [](Net& m) {
+    return std::make_shared<torch::optim::AdamW>(
+        m->parameters(), torch::optim::AdamWOptions(1e-2));
+  };
+}
+OptimizerOf sgd(double lr) {
+  return [lr](Net& m) {
+    return std::make_shared<torch::optim::SGD>(
+        m->parameters(), torch::optim::SGDOptions(lr));
+  };
+}
+
+// The bytes of the first step of a fresh model under `plugin`: the same
+// step without FP8, to compare with.
+int64_t plain_step_bytes(
+    std::shared_ptr<cb::plugin::Plugin> plugin,
+    const OptimizerOf& optimizer,
+    int rank) {
+  cb::Booster booster(cb::BoosterOptions().plugin(std::move(plugin)));
+  auto model = make_net();
+  auto boosted = booster.boost(model, optimizer(model), mse);
+  return step_bytes(booster, boosted, batch(0, rank));
+}
+
+// 20 steps on a fixed batch lower its loss.
+void expect_loss_falls(cb::Booster& booster, NetBoosted& boosted, int rank) {
+  double first = 0, last = 0;
+  const auto fixed = batch(1, rank);
+  for (int s = 1; s <= 20; ++s) {
+    boosted.optimizer->zero_grad();
+    auto loss = boosted.criterion(boosted.model(fixed.first), fixed.second);
+    booster.backward(loss, *boosted.optimizer);
+    boosted.optimizer->step();
+    (s == 1 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first);
 }
 
 // DDP's first backward: every rank's gradients against the mean of the
@@ -406,16 +451,7 @@ void ddp_gradients(int rank, int world, bool expect_fp8) {
   // Training goes on through FP8 gradients: the weights stay the same on
   // every rank and the loss on a fixed batch falls.
   boosted.optimizer->step();
-  double first = 0, last = 0;
-  const auto fixed = batch(1, rank);
-  for (int s = 1; s <= 20; ++s) {
-    boosted.optimizer->zero_grad();
-    auto loss = boosted.criterion(boosted.model(fixed.first), fixed.second);
-    booster.backward(loss, *boosted.optimizer);
-    boosted.optimizer->step();
-    (s == 1 ? first : last) = loss.item<double>();
-  }
-  EXPECT_LT(last, first);
+  expect_loss_falls(booster, boosted, rank);
   for (const auto& p : boosted.model.parameters()) {
     expect_same_on_every_rank(p, *cd::world_group(), "weight");
   }
@@ -463,36 +499,17 @@ void zero_fp8(int rank, int world, int stage, const std::string& precision) {
             .precision(precision)
             .fp8_communication(fp8));
   };
-  auto adam = [](Net& m) {
-    return std::make_shared<torch::optim::AdamW>(
-        m->parameters(), torch::optim::AdamWOptions(1e-2));
-  };
-  int64_t plain_bytes = 0;
-  {
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin_of(false)));
-    auto model = make_net();
-    auto boosted = booster.boost(model, adam(model), mse);
-    plain_bytes = step_bytes(booster, boosted, batch(0, rank));
-  }
+  const int64_t plain_bytes = plain_step_bytes(plugin_of(false), adamw(), rank);
   cb::Booster booster(cb::BoosterOptions().plugin(plugin_of(true)));
   auto model = make_net();
-  auto boosted = booster.boost(model, adam(model), mse);
+  auto boosted = booster.boost(model, adamw()(model), mse);
   // Gradient reduce-scatters and weight all-gathers both in FP8: a quarter
   // of float32's bytes (0.75 with only the gathers in FP8, 0.5 with only
   // the reduce-scatters), half of bf16's (0.83, 0.67).
   const int64_t fp8_bytes = step_bytes(booster, boosted, batch(0, rank));
   EXPECT_LE(fp8_bytes * 10, plain_bytes * (precision == "bf16" ? 6 : 3))
       << fp8_bytes << " bytes against " << plain_bytes;
-  double first = 0, last = 0;
-  const auto b = batch(1, rank);
-  for (int s = 0; s < 20; ++s) {
-    boosted.optimizer->zero_grad();
-    auto loss = boosted.criterion(boosted.model(b.first), b.second);
-    booster.backward(loss, *boosted.optimizer);
-    boosted.optimizer->step();
-    (s == 0 ? first : last) = loss.item<double>();
-  }
-  EXPECT_LT(last, first);
+  expect_loss_falls(booster, boosted, rank);
   std::vector<at::Tensor> rounded;
   for (const auto& p : boosted.model.parameters()) {
     rounded.push_back(p.detach().to(at::kDouble).clone());
@@ -571,7 +588,7 @@ std::vector<at::Tensor> full_values(cz::FullyShardedModel& fsdp, Net& model) {
 // A save of `boosted` loads into a plain model as exactly `want`.
 void expect_saved_exactly(
     cb::Booster& booster,
-    cb::Boosted<Net, std::nullptr_t, std::nullptr_t>& boosted,
+    NetBoosted& boosted,
     const std::vector<at::Tensor>& want,
     const std::string& name) {
   const auto dir =
@@ -604,21 +621,10 @@ void fsdp_fp8(int rank, int world) {
     return std::make_shared<cb::plugin::TorchFSDPPlugin>(
         cb::plugin::TorchFSDPPluginOptions().fp8_communication(fp8));
   };
-  // The same step without FP8, for its bytes.
-  int64_t plain_bytes = 0;
-  {
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin_of(false)));
-    auto model = make_net();
-    auto opt = std::make_shared<torch::optim::SGD>(
-        model->parameters(), torch::optim::SGDOptions(lr));
-    auto boosted = booster.boost(model, opt, mse);
-    plain_bytes = step_bytes(booster, boosted, batch(0, rank));
-  }
+  const int64_t plain_bytes = plain_step_bytes(plugin_of(false), sgd(lr), rank);
   cb::Booster booster(cb::BoosterOptions().plugin(plugin_of(true)));
   auto model = make_net();
-  auto opt = std::make_shared<torch::optim::SGD>(
-      model->parameters(), torch::optim::SGDOptions(lr));
-  auto boosted = booster.boost(model, opt, mse);
+  auto boosted = booster.boost(model, sgd(lr)(model), mse);
   auto* fsdp = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
       *boosted.model.wrapper());
   ASSERT_NE(fsdp, nullptr);
@@ -694,16 +700,7 @@ void fsdp_fp8(int rank, int world) {
   EXPECT_GT(worst_grad, 1e-5); // rounded to 2 mantissa bits
 
   // Training goes on; every rank computes with the same weights.
-  double first = 0, last = 0;
-  const auto fixed = batch(1, rank);
-  for (int s = 1; s <= 20; ++s) {
-    boosted.optimizer->zero_grad();
-    auto loss = boosted.criterion(boosted.model(fixed.first), fixed.second);
-    booster.backward(loss, *boosted.optimizer);
-    boosted.optimizer->step();
-    (s == 1 ? first : last) = loss.item<double>();
-  }
-  EXPECT_LT(last, first);
+  expect_loss_falls(booster, boosted, rank);
   expect_saved_exactly(booster, boosted, full_values(*fsdp, model), "fp8_fsdp");
 }
 
@@ -718,20 +715,10 @@ void gemini_fp8(int rank, int /*world*/) {
             .chunk_size(512)
             .fp8_communication(fp8));
   };
-  auto adam = [](Net& m) {
-    return std::make_shared<torch::optim::AdamW>(
-        m->parameters(), torch::optim::AdamWOptions(1e-2));
-  };
-  int64_t plain_bytes = 0;
-  {
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin_of(false)));
-    auto model = make_net();
-    auto boosted = booster.boost(model, adam(model), mse);
-    plain_bytes = step_bytes(booster, boosted, batch(0, rank));
-  }
+  const int64_t plain_bytes = plain_step_bytes(plugin_of(false), adamw(), rank);
   cb::Booster booster(cb::BoosterOptions().plugin(plugin_of(true)));
   auto model = make_net();
-  auto boosted = booster.boost(model, adam(model), mse);
+  auto boosted = booster.boost(model, adamw()(model), mse);
   auto* fsdp = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
       *boosted.model.wrapper());
   ASSERT_NE(fsdp, nullptr);
@@ -741,16 +728,7 @@ void gemini_fp8(int rank, int /*world*/) {
   // collective kept bf16.
   EXPECT_LE(fp8_bytes * 10, plain_bytes * 6)
       << fp8_bytes << " bytes against " << plain_bytes;
-  double first = 0, last = 0;
-  const auto fixed = batch(1, rank);
-  for (int s = 1; s <= 20; ++s) {
-    boosted.optimizer->zero_grad();
-    auto loss = boosted.criterion(boosted.model(fixed.first), fixed.second);
-    booster.backward(loss, *boosted.optimizer);
-    boosted.optimizer->step();
-    (s == 1 ? first : last) = loss.item<double>();
-  }
-  EXPECT_LT(last, first);
+  expect_loss_falls(booster, boosted, rank);
   // A forward computes with the same 8-bit rounding of the exact shards on
   // every rank: the bf16 shard (2^-8), its e4m3 rounding (2^-4), and that
   // in bf16 (2^-8): within (1 + 2^-8)^2 (1 + 2^-4) - 1 < 2^-4 + 0.0084.
@@ -758,7 +736,7 @@ void gemini_fp8(int rank, int /*world*/) {
   model->record = true;
   {
     at::NoGradGuard no_grad;
-    boosted.model(fixed.first);
+    boosted.model(batch(1, rank).first);
   }
   model->record = false;
   double amax = 0, worst = 0;
@@ -795,20 +773,11 @@ void hsdp_fp8(int rank, int /*world*/) {
             .hybrid_shard_size(2)
             .fp8_communication(fp8));
   };
-  auto sgd = [](Net& m) {
-    return std::make_shared<torch::optim::SGD>(
-        m->parameters(), torch::optim::SGDOptions(0.1));
-  };
-  int64_t plain_bytes = 0;
-  {
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin_of(false)));
-    auto model = make_net();
-    auto boosted = booster.boost(model, sgd(model), mse);
-    plain_bytes = step_bytes(booster, boosted, batch(0, rank));
-  }
+  const int64_t plain_bytes =
+      plain_step_bytes(plugin_of(false), sgd(0.1), rank);
   cb::Booster booster(cb::BoosterOptions().plugin(plugin_of(true)));
   auto model = make_net();
-  auto boosted = booster.boost(model, sgd(model), mse);
+  auto boosted = booster.boost(model, sgd(0.1)(model), mse);
   auto* fsdp = colossalai::interface::find_wrapper<cz::FullyShardedModel>(
       *boosted.model.wrapper());
   ASSERT_NE(fsdp, nullptr);
@@ -818,16 +787,7 @@ void hsdp_fp8(int rank, int /*world*/) {
       << fp8_bytes << " bytes against " << plain_bytes;
   EXPECT_LE(fp8_bytes * 100, plain_bytes * 92)
       << fp8_bytes << " bytes against " << plain_bytes;
-  double first = 0, last = 0;
-  const auto fixed = batch(1, rank);
-  for (int s = 1; s <= 20; ++s) {
-    boosted.optimizer->zero_grad();
-    auto loss = boosted.criterion(boosted.model(fixed.first), fixed.second);
-    booster.backward(loss, *boosted.optimizer);
-    boosted.optimizer->step();
-    (s == 1 ? first : last) = loss.item<double>();
-  }
-  EXPECT_LT(last, first);
+  expect_loss_falls(booster, boosted, rank);
   for (const auto& w : full_values(*fsdp, model)) {
     expect_same_on_every_rank(w, *cd::world_group(), "weight");
   }

@@ -210,7 +210,7 @@ distributed::Work all_to_all_fp8(
     const at::Tensor& input,
     const distributed::ProcessGroup& group,
     const std::string& fp8_format) {
-  const bool e4m3 = detail::fp8_is_e4m3(fp8_format, "all_to_all_fp8");
+  detail::fp8_is_e4m3(fp8_format, "all_to_all_fp8");
   fp8_check_input(output, "all_to_all_fp8", "output");
   fp8_check_input(input, "all_to_all_fp8", "input");
   const int world = group.size();
@@ -223,30 +223,16 @@ distributed::Work all_to_all_fp8(
       input.numel(),
       " and ",
       output.numel());
-  distributed::detail::Issue issue(group, "all_to_all_fp8");
-  if (world == 1 || input.numel() == 0) {
-    output.copy_(input.view_as(output));
+  if (input.numel() == 0) {
+    distributed::detail::Issue issue(group, "all_to_all_fp8");
     return distributed::Work();
   }
-  const int64_t block = input.numel() / world;
-  auto sent =
-      detail::fp8_pack_rows(input.to(at::kFloat).reshape({world, block}), e4m3)
-          .view({-1});
-  auto received = at::empty_like(sent);
-  auto exchanged = std::make_shared<distributed::Work>(
-      distributed::all_to_all(received, sent, group));
-  auto out = output;
-  return distributed::detail::make_work(
-      compat::WorkPtr(),
-      [exchanged, sent, received, out, world, block, e4m3]() mutable {
-        exchanged->wait();
-        out.view({world, block})
-            .copy_(detail::fp8_unpack_rows(
-                received.view({world, 4 + block}), e4m3));
-      },
-      "all_to_all_fp8",
-      group,
-      [exchanged] { return exchanged->is_completed(); });
+  // Equal blocks are the uneven exchange with every split equal: one
+  // message, one scale, per rank.
+  const std::vector<int64_t> splits(world, input.numel() / world);
+  auto rows_out = output.view({-1, 1});
+  return all_to_all_fp8(
+      rows_out, input.view({-1, 1}), group, splits, splits, fp8_format);
 }
 
 distributed::Work all_to_all_fp8(
