@@ -25,6 +25,7 @@
 //                      [--recompute-mlp off|on] [--cuda-graph off|on]
 //                      [--sdpa default|flash|cudnn|efficient|math]
 //                      [--precision bf16|fp16] [--shared-casts on|off]
+//                      [--use-fp8 off|on]
 //
 // --optimizer: LibTorch's AdamW (a loop of per-tensor ops), FusedAdamW
 // (at::_fused_adamw_, one pass) or HybridAdam (its device path).
@@ -61,6 +62,10 @@
 // --precision fp16: fp16 instead (the booster's fp16 autocast with its
 // GradScaler, or LowLevelZero's fp16 weights): dynamic loss scaling, whose
 // overflow verdict stays on the device over fused_adamw and hybrid_adam.
+// --use-fp8 on (with --plugin zero1): the plugin's use_fp8, each linear
+// whose sizes allow it multiplied in FP8 (quantization/fp8_linear.h;
+// Hopper's FP8 rate is twice bf16's). The MFU counts the same model FLOPs
+// against the same bf16 peak.
 // --shared-casts off: under autocast every linear casts its input itself
 // (three kept copies of the norm's output for q, k and v) instead of one
 // cast shared by the layers reading it (amp::SharedCast; the default). The
@@ -129,6 +134,7 @@ struct Args {
   std::string sdpa = "default";
   std::string precision = "bf16";
   bool shared_casts = true;
+  bool use_fp8 = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -181,8 +187,11 @@ Args parse(int argc, char** argv) {
     } else if (k == "--shared-casts") {
       TORCH_CHECK(v == "on" || v == "off", "--shared-casts must be on or off, got ", v);
       a.shared_casts = v == "on";
-    }
-    else
+    } else if (k == "--use-fp8") {
+      TORCH_CHECK(
+          v == "on" || v == "off", "--use-fp8 must be on or off, got ", v);
+      a.use_fp8 = v == "on";
+    } else
       TORCH_CHECK(false, "unknown option ", k);
   }
   TORCH_CHECK(
@@ -198,6 +207,9 @@ Args parse(int argc, char** argv) {
       a.plugin == "none" || a.plugin == "zero1",
       "--plugin must be none or zero1, got ",
       a.plugin);
+  TORCH_CHECK(
+      !a.use_fp8 || a.plugin == "zero1",
+      "--use-fp8 on is the plugin's use_fp8: it needs --plugin zero1");
   a.device = cbench::resolve_device(a.device);
   return a;
 }
@@ -315,7 +327,10 @@ std::vector<double> time_steps(
     // One process: launch_from_env without a launcher's variables.
     colossalai::launch_from_env(colossalai::LaunchOptions().device(a.device));
     booster_options.plugin(std::make_shared<cb::plugin::LowLevelZeroPlugin>(
-        cb::plugin::LowLevelZeroPluginOptions().stage(1).precision(a.precision)));
+        cb::plugin::LowLevelZeroPluginOptions()
+            .stage(1)
+            .precision(a.precision)
+            .use_fp8(a.use_fp8)));
   } else {
     booster_options.mixed_precision(a.precision);
   }
@@ -599,19 +614,23 @@ int run(const Args& a) {
 
   std::ostringstream json;
   json << "{\n  \"benchmark\": \"gpu_gpt_step\",\n  \"implementation\": "
-       << "\"ours (C++, Booster " << a.precision << ", " << a.optimizer << ", loss "
-       << a.loss << ", plugin " << a.plugin
+       << "\"ours (C++, Booster " << a.precision << ", " << a.optimizer
+       << ", loss " << a.loss << ", plugin " << a.plugin
        << (a.recompute_mlp ? ", MLP activation recomputed" : "")
        << (a.cuda_graph ? ", CUDA graph" : "")
-       << (a.sdpa != "default" ? ", attention " + a.sdpa + " only" : std::string())
+       << (a.sdpa != "default" ? ", attention " + a.sdpa + " only"
+                               : std::string())
        << (a.shared_casts ? "" : ", a cast per linear")
+       << (a.use_fp8 ? ", FP8 linears" : "")
        << ")\",\n  \"recompute_mlp\": " << (a.recompute_mlp ? "true" : "false")
+       << ",\n  \"use_fp8\": " << (a.use_fp8 ? "true" : "false")
        << ",\n  \"shared_casts\": " << (a.shared_casts ? "true" : "false")
        << ",\n  \"cuda_graph\": " << (a.cuda_graph ? "true" : "false")
-       << ",\n  \"sdpa\": \"" << a.sdpa << "\",\n  \"sdpa_backend\": \"" << sdpa_backend << "\""
-       << ",\n  \"optimizer_kind\": \""
-       << a.optimizer << "\",\n  \"plugin\": \"" << a.plugin
-       << "\",\n  \"loss_kind\": \"" << a.loss << "\",\n  \"model\": \"" << a.model
+       << ",\n  \"sdpa\": \"" << a.sdpa << "\",\n  \"sdpa_backend\": \""
+       << sdpa_backend << "\""
+       << ",\n  \"optimizer_kind\": \"" << a.optimizer
+       << "\",\n  \"plugin\": \"" << a.plugin << "\",\n  \"loss_kind\": \""
+       << a.loss << "\",\n  \"model\": \"" << a.model
        << "\",\n  \"parameters\": " << params
        << ",\n  \"config\": {\"device\": \"" << a.device
        << "\", \"batch\": " << a.batch << ", \"seq_len\": " << t
@@ -621,15 +640,18 @@ int run(const Args& a) {
        << (a.precision == "fp16" ? ", dynamic loss scaling" : "")
        << "\", \"optimizer\": "
        << "\"" << a.optimizer << "(3e-4, wd 0.01)\", \"steps\": " << a.steps
-       << ", \"warmup\": " << a.warmup << "},\n  \"machine\": "
-       << cbench::machine_json() << ",\n  \"device_name\": \""
-       << device_name(dev) << "\",\n  \"matmul\": {\"n\": " << n
-       << ", \"bf16_flops_median\": " << peak
-       << ", \"bf16_flops_max\": " << *std::max_element(rates.begin(), rates.end())
+       << ", \"warmup\": " << a.warmup
+       << "},\n  \"machine\": " << cbench::machine_json()
+       << ",\n  \"device_name\": \"" << device_name(dev)
+       << "\",\n  \"matmul\": {\"n\": " << n
+       << ", \"bf16_flops_median\": " << peak << ", \"bf16_flops_max\": "
+       << *std::max_element(rates.begin(), rates.end())
        << "},\n  \"flops_per_token\": " << flops_per_token
        << ",\n  \"step_ms\": " << cbench::stats_json(times)
-       << ",\n  \"split_ms\": {\"steps\": " << (a.cuda_graph ? 0 : a.split_steps)
-       << ", \"forward\": " << split.forward << ", \"backward\": " << split.backward
+       << ",\n  \"split_ms\": {\"steps\": "
+       << (a.cuda_graph ? 0 : a.split_steps)
+       << ", \"forward\": " << split.forward
+       << ", \"backward\": " << split.backward
        << ", \"optimizer\": " << split.optimizer << "}"
        << (kernels_json.empty() ? "" : ",\n  \"kernels\": " + kernels_json)
        << ",\n  \"tokens_per_s\": " << tokens_per_s << ",\n  \"mfu\": " << mfu

@@ -4,9 +4,10 @@
 // vocabularies of 50257 and 50304, Llama 3's), RMSNorm and the
 // SwiGLU gate at Llama 1B's widths, the rotary embedding of its queries,
 // forward and backward; GPT-2 medium's GELU + output projection with the
-// GELU recomputed in backward (what keeping one tensor less costs); an AdamW step
-// over GPT-2 medium's parameters that writes their bf16 copies, against
-// ATen's fused AdamW and a cast; one token through an 8B-shaped NF4 and
+// GELU recomputed in backward (what keeping one tensor less costs); a
+// linear layer through FP8 against bf16 (Llama 1B's MLP up projection); an
+// AdamW step over GPT-2 medium's parameters that writes their bf16 copies,
+// against ATen's fused AdamW and a cast; one token through an 8B-shaped NF4 and
 // int8 weight, the packed bytes read directly against dequantize + matmul;
 // causal attention at Llama 3.2 1B's shape with SDPA's default kernel
 // against each other one allowed alone;
@@ -15,7 +16,8 @@
 // Medians over --reps timed runs
 // after warm-up, with the p10-p90 spread; JSON to --out, a table on stdout.
 //
-//   bench_gpu_ops [--device cuda|cpu] [--dtype bf16|fp32] [--reps 20] [--out FILE.json]
+//   bench_gpu_ops [--device cuda|cpu] [--dtype bf16|fp32] [--reps 20] [--out
+//   FILE.json]
 //
 // On the CPU (no CUDA kernels) the ops run their ATen algorithms: what
 // the chunking alone costs or saves there.
@@ -29,6 +31,7 @@
 #include <colossalai/kernels/rope.h>
 #include <colossalai/kernels/silu_mul.h>
 #include <colossalai/quantization/bnb.h>
+#include <colossalai/quantization/fp8_linear.h>
 #include <colossalai/utils/compat.h>
 
 #include "../bench_util.h"
@@ -356,6 +359,31 @@ int main(int argc, char** argv) {
       };
       r.ours = time_ms(dev, reps, [&] { run(true); });
       r.aten = time_ms(dev, reps, [&] { run(false); });
+      rows.push_back(r);
+    }
+
+    // 6b. A linear layer through FP8 (use_fp8: e4m3 operands, e5m2 output
+    // gradient, at::_scaled_mm), forward and backward, against the bf16
+    // linear: Llama 3.2 1B's MLP up projection over 4 x 2048 tokens.
+    if (type == at::kBFloat16 && colossalai::compat::has_float8() &&
+        (!gpu || colossalai::compat::has_scaled_mm(dev))) {
+      const int64_t n = gpu ? 8192 : 256, in = 2048, outf = 8192;
+      auto x = torch::randn({n, in}, opts).requires_grad_(true);
+      auto w = (torch::randn({outf, in}, opts) * 0.02).requires_grad_(true);
+      const auto dy = torch::randn({n, outf}, opts);
+      Row r{
+          "linear in FP8 (use_fp8), forward + backward",
+          std::to_string(n) + " x 2048 -> 8192 " + dtype};
+      auto run = [&](bool fp8) {
+        for (auto* t : {&x, &w})
+          t->mutable_grad() = at::Tensor();
+        auto y = fp8 ? colossalai::quantization::linear_fp8(x, w, {})
+                     : at::linear(x, w);
+        y.backward(dy);
+      };
+      r.ours = time_ms(dev, reps, [&] { run(true); });
+      r.aten = time_ms(dev, reps, [&] { run(false); });
+      r.flops = 3 * 2.0 * n * in * outf;
       rows.push_back(r);
     }
 

@@ -26,11 +26,11 @@ def runs(folder, prefix):
 def main():
     folder = sys.argv[1]
     order = ["ours", "ours_fused_adamw", "ours_fused", "ours_hybrid_adam",
-             "ours_zero1_bf16_logits", "ours_zero1_bf16", "ours_zero1_bf16_recompute", "ours_zero1_bf16_graph", "ours_fp16",
+             "ours_zero1_bf16_logits", "ours_zero1_bf16", "ours_zero1_bf16_recompute", "ours_zero1_bf16_graph", "ours_zero1_bf16_fp8", "ours_fp16",
              "ours_zero1_fp16_graph", "torch", "torch_fused", "torch_fused_fp16",
              "torch_compile", "torch_loop", "hf_ours_fused", "hf_ours_zero1_bf16", "hf_torch_fused", "llama_ours", "llama_ours_fused_adamw",
              "llama_ours_fused", "llama_ours_fused_recompute", "llama_ours_fused_cast_each", "llama_ours_fused_graph", "llama_ours_fused_sdpa_flash",
-             "llama_ours_fused_sdpa_cudnn", "llama_ours_zero1_bf16", "llama_torch_fused",
+             "llama_ours_fused_sdpa_cudnn", "llama_ours_zero1_bf16", "llama_ours_zero1_bf16_fp8", "llama_torch_fused",
              "llama_torch_compile"]
     found = sorted({re.sub(r"_[0-9]+\.json$", "", os.path.basename(p))
                     for p in glob.glob(os.path.join(folder, "*_[0-9]*.json"))},

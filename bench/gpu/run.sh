@@ -17,7 +17,7 @@
 # masters, no autocast: ours_zero1_bf16_logits, ours_zero1_bf16; the last
 # with each MLP's activation recomputed in backward: ours_zero1_bf16_recompute;
 # the same step captured once in a CUDA graph and replayed:
-# ours_zero1_bf16_graph); fp16 with dynamic loss scaling, its overflow
+# ours_zero1_bf16_graph; its linears in FP8, use_fp8: ours_zero1_bf16_fp8); fp16 with dynamic loss scaling, its overflow
 # verdict left on the device (autocast: ours_fp16; LowLevelZero's fp16
 # weights in a CUDA graph: ours_zero1_fp16_graph); PyTorch
 # eager with its default AdamW (torch), with AdamW(fused=True)
@@ -35,7 +35,7 @@
 # llama_ours_fused_sdpa_flash, llama_ours_fused_sdpa_cudnn; the fused loss
 # with autocast casting each linear's input itself, as before shared casts:
 # llama_ours_fused_cast_each), LowLevelZero bf16
-# (fused loss); transformers' LlamaForCausalLM with
+# (fused loss; with use_fp8: llama_ours_zero1_bf16_fp8); transformers' LlamaForCausalLM with
 # AdamW(fused=True).
 # --compile adds one torch.compile run (fused AdamW) after the rounds, of
 # each model the rounds ran.
@@ -194,6 +194,7 @@ variants=(
   "ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
   "ours_zero1_bf16_recompute|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --recompute-mlp on"
   "ours_zero1_bf16_graph|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --cuda-graph on"
+  "ours_zero1_bf16_fp8|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --use-fp8 on"
   "ours_fp16|cpp|--precision fp16 --optimizer fused_adamw --loss fused"
   "ours_zero1_fp16_graph|cpp|--precision fp16 --plugin zero1 --optimizer fused_adamw --loss fused --cuda-graph on"
   "torch|py|"
@@ -232,7 +233,7 @@ fi
 # A variant that has not yet run on a GPU (the CUDA-graph ones, the MLP
 # recomputed, one attention kernel alone, fp16) failing is reported and the
 # rounds go on; any other failure ends the run.
-untried_re='(_graph|_recompute|_sdpa_[a-z]+|_fp16)$'
+untried_re='(_graph|_recompute|_sdpa_[a-z]+|_fp16|_fp8)$'
 run_or_stop() { # name, then run_variant's arguments
   local name=$1
   shift
@@ -259,6 +260,7 @@ llama_variants=(
   "llama_ours_fused_recompute|cpp|--optimizer fused_adamw --loss fused --recompute-mlp on"
   "llama_ours_fused_cast_each|cpp|--optimizer fused_adamw --loss fused --shared-casts off"
   "llama_ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
+  "llama_ours_zero1_bf16_fp8|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --use-fp8 on"
   "llama_ours_fused_graph|cpp|--optimizer fused_adamw --loss fused --cuda-graph on"
   "llama_ours_fused_sdpa_flash|cpp|--optimizer fused_adamw --loss fused --sdpa flash"
   "llama_ours_fused_sdpa_cudnn|cpp|--optimizer fused_adamw --loss fused --sdpa cudnn"

@@ -75,6 +75,7 @@ struct Args {
   bool qlora = false;
   bool offload = false, grad_checkpoint = false, overlap_host_step = false;
   bool fp8_communication = false;
+  bool use_fp8 = false;
   double offload_frac = -1; // unset
   std::string placement = "static";
   double gpu_margin = 0; // gemini auto: gpu_margin_mem_ratio
@@ -165,6 +166,12 @@ Args parse(int argc, char** argv) {
       "what crosses nodes (ranks on other hosts) travels as FP8: gradients, "
       "gathered parameters, pipeline and tensor-parallel activations "
       "(fp8_communication; LibTorch 2.1+)");
+  app.add_flag(
+      "--use-fp8",
+      a.use_fp8,
+      "linear layers multiply in FP8 (use_fp8; zero1, zero2, gemini, hybrid "
+      "and moe_hybrid with --precision bf16 or fp16; LibTorch 2.1+, on a GPU "
+      "Ada or Hopper)");
   app.add_option("--placement", a.placement, "gemini: placement policy")
       ->check(CLI::IsMember({"static", "auto"}))
       ->capture_default_str();
@@ -326,6 +333,12 @@ Args parse(int argc, char** argv) {
       !a.fp8_communication || a.plugin != "none",
       "--fp8-communication needs a --plugin that communicates (not none)");
   TORCH_CHECK(
+      !a.use_fp8 ||
+          !(a.plugin == "none" || a.plugin == "ddp" || a.plugin == "fsdp"),
+      "--use-fp8 needs --plugin zero1, zero2, gemini, hybrid or moe_hybrid "
+      "(their use_fp8), not ",
+      a.plugin);
+  TORCH_CHECK(
       !a.overlap_host_step ||
           (a.offload || (a.plugin == "gemini" && a.offload_frac > 0)),
       "--overlap-host-step needs states in host memory: --offload (zero1, "
@@ -482,7 +495,8 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
                 .precision(a.precision)
                 .cpu_offload(a.offload)
                 .overlap_host_step(a.overlap_host_step)
-                .fp8_communication(a.fp8_communication)),
+                .fp8_communication(a.fp8_communication)
+                .use_fp8(a.use_fp8)),
         ""};
   }
   if (a.plugin == "fsdp") {
@@ -503,7 +517,8 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
     auto o = GeminiPluginOptions()
                  .precision(a.precision)
                  .placement_policy(a.placement)
-                 .fp8_communication(a.fp8_communication);
+                 .fp8_communication(a.fp8_communication)
+                 .use_fp8(a.use_fp8);
     if (a.placement == "static") {
       o.offload_optim_frac(a.offload ? 1.0 : std::max(0.0, a.offload_frac));
       o.overlap_host_step(a.overlap_host_step);
@@ -519,7 +534,8 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
                .precision(a.precision)
                .ep_size(a.ep)
                .gradient_checkpointing_ratio(a.grad_checkpoint ? 1.0 : 0.0)
-               .fp8_communication(a.fp8_communication);
+               .fp8_communication(a.fp8_communication)
+               .use_fp8(a.use_fp8);
   if (a.pp > 1) {
     o.num_microbatches(a.pp);
   }

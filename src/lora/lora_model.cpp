@@ -4,6 +4,7 @@
 #include "lora_model_internal.h"
 
 #include <colossalai/checkpoint_io/model_state_hooks.h>
+#include <colossalai/quantization/fp8_linear.h>
 #include <colossalai/quantization/quantize_model.h>
 #include <colossalai/quantization/quantized_weight.h>
 
@@ -178,7 +179,11 @@ void LoraModel::attach() {
         auto h = l->dropout > 0
             ? at::dropout(x, l->dropout, l->module->is_training())
             : x;
-        return at::linear(at::linear(h, l->A), l->B) * l->scaling;
+        // Inside a use_fp8 forward, through FP8 where the rank allows
+        // (a multiple of 16).
+        return quantization::linear(
+                   quantization::linear(h, l->A, {}), l->B, {}) *
+            l->scaling;
       };
       l->parallel->output_adapter_takes_cast = l->dropout == 0;
     }

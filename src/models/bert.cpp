@@ -3,6 +3,7 @@
 #include "model_init.h"
 
 #include <colossalai/distributed/functional.h>
+#include <colossalai/quantization/fp8_linear.h>
 #include <colossalai/utils/compat.h>
 
 #include <torch/nn/init.h>
@@ -384,7 +385,10 @@ BertPredictionHeadTransformImpl::BertPredictionHeadTransformImpl(
 }
 
 at::Tensor BertPredictionHeadTransformImpl::forward(const at::Tensor& x) {
-  return norm(LayerNorm, at::gelu(dense(x), approximate_));
+  return norm(
+      LayerNorm,
+      at::gelu(
+          quantization::linear(x, dense->weight, dense->bias), approximate_));
 }
 
 BertLMPredictionHeadImpl::BertLMPredictionHeadImpl(const BertConfig& c) {

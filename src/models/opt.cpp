@@ -3,6 +3,7 @@
 #include "model_init.h"
 
 #include <colossalai/models/kv_cache.h>
+#include <colossalai/quantization/fp8_linear.h>
 
 #include <torch/nn/init.h>
 
@@ -279,7 +280,7 @@ at::Tensor OPTDecoderImpl::forward_stage(
         config_.pad_token_id(),
         embed_tokens->weight);
     if (project_in) {
-      tokens = project_in(tokens);
+      tokens = quantization::linear(tokens, project_in->weight, {});
     }
     x = split_sequence(tokens + embed_positions(pos + kPositionOffset), st);
   }
@@ -299,7 +300,7 @@ at::Tensor OPTDecoderImpl::forward_stage(
     x = final_layer_norm(x);
   }
   x = gather_sequence(x, st);
-  return project_out ? project_out(x) : x;
+  return project_out ? quantization::linear(x, project_out->weight, {}) : x;
 }
 
 OPTModelImpl::OPTModelImpl(const OPTConfig& c, const ParallelState* state) {

@@ -1,4 +1,5 @@
 #include <colossalai/nn/checkpoint.h>
+#include <colossalai/quantization/fp8_linear.h>
 #include <colossalai/utils/compat.h>
 
 #include <ATen/Context.h>
@@ -25,6 +26,7 @@ struct Replay : torch::CustomClassHolder {
   // Restorers of the owner's own streams at the first run.
   std::vector<std::function<void()>> streams;
   c10::optional<at::ScalarType> autocast_cpu, autocast_cuda;
+  bool fp8_linear = false; // inside a use_fp8 forward
 };
 
 std::vector<at::Device> devices_of(const std::vector<at::Tensor>& inputs) {
@@ -136,6 +138,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
       if (replay.autocast_cuda) {
         cuda_cast.emplace(at::kCUDA, *replay.autocast_cuda);
       }
+      quantization::Fp8LinearScope fp8(replay.fp8_linear);
       RecomputeScope recomputing;
       outputs = replay.fn(detached);
     } catch (...) {
@@ -197,6 +200,7 @@ std::vector<at::Tensor> checkpoint(
   replay->streams = stream_snapshots(owner);
   replay->autocast_cpu = compat::autocast_dtype(at::kCPU);
   replay->autocast_cuda = compat::autocast_dtype(at::kCUDA);
+  replay->fp8_linear = quantization::fp8_linear_enabled();
   // The recomputation reaches the parameters inside `fn` only through an
   // input that requires grad. Where none does (a frozen embedding's output
   // under LoRA), the first floating input is marked, as transformers'

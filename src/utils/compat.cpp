@@ -1,6 +1,7 @@
 #include <colossalai/utils/compat.h>
 
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <malloc.h>
 #include <unistd.h>
@@ -166,6 +167,15 @@ bool has_float8() {
   return COLOSSALAI_TORCH_AT_LEAST(2, 1);
 }
 
+at::ScalarType float8_type(bool e4m3) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 1)
+  return e4m3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+#else
+  (void)e4m3;
+  TORCH_CHECK(false, "float8 needs LibTorch 2.1 or later");
+#endif
+}
+
 at::Tensor float8_view(const at::Tensor& bytes, bool e4m3) {
   TORCH_INTERNAL_ASSERT(bytes.scalar_type() == at::kByte);
 #if COLOSSALAI_TORCH_AT_LEAST(2, 1)
@@ -173,6 +183,75 @@ at::Tensor float8_view(const at::Tensor& bytes, bool e4m3) {
 #else
   (void)e4m3;
   TORCH_CHECK(false, "float8 needs LibTorch 2.1 or later");
+#endif
+}
+
+bool has_scaled_mm(at::Device device) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 4)
+  if (device.is_cpu()) {
+    // Builds differ: ask the dispatcher once.
+    static const bool cpu = [] {
+      const auto op =
+          c10::Dispatcher::singleton().findOp({"aten::_scaled_mm", ""});
+      return op.has_value() &&
+          op->hasKernelForDispatchKey(c10::DispatchKey::CPU);
+    }();
+    return cpu;
+  }
+#ifdef COLOSSALAI_WITH_CUDA
+  if (device.is_cuda()) {
+    // Every device's compute capability, read once.
+    static const std::vector<int> capability = [] {
+      std::vector<int> c(static_cast<size_t>(c10::cuda::device_count()), 0);
+      for (size_t i = 0; i < c.size(); ++i) {
+        int major = 0;
+        int minor = 0;
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(
+            &major, cudaDevAttrComputeCapabilityMajor, static_cast<int>(i)));
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(
+            &minor, cudaDevAttrComputeCapabilityMinor, static_cast<int>(i)));
+        c[i] = 10 * major + minor;
+      }
+      return c;
+    }();
+    const auto index = static_cast<size_t>(
+        device.has_index() ? device.index() : c10::cuda::current_device());
+    return index < capability.size() && capability[index] >= 89;
+  }
+#endif
+#endif
+  (void)device;
+  return false;
+}
+
+at::Tensor scaled_mm(
+    const at::Tensor& a,
+    const at::Tensor& b,
+    const at::Tensor& scale_a,
+    const at::Tensor& scale_b,
+    const at::Tensor& bias,
+    at::ScalarType out_dtype,
+    bool fast_accum) {
+#if COLOSSALAI_TORCH_AT_LEAST(2, 4)
+  TORCH_INTERNAL_ASSERT(has_scaled_mm(a.device()));
+  return at::_scaled_mm(
+      a,
+      b,
+      scale_a,
+      scale_b,
+      bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
+      /*scale_result=*/c10::nullopt,
+      out_dtype,
+      fast_accum);
+#else
+  (void)a;
+  (void)b;
+  (void)scale_a;
+  (void)scale_b;
+  (void)bias;
+  (void)out_dtype;
+  (void)fast_accum;
+  TORCH_INTERNAL_ASSERT(false, "scaled_mm needs LibTorch 2.4 or later");
 #endif
 }
 

@@ -53,7 +53,7 @@ case "$stage" in
     # test_cuda always runs; these are the programs whose GPU paths are
     # newest (kernels, host reads, attention kernels, optimizers, plugins).
     timeout -k 10 560 tests/gpu/run.sh --python python3 --out-dir "$dir" \
-      --tests '^(test_kernels|test_host_syncs|test_zoo|test_hybrid_adam|test_booster|test_low_level_zero|test_gemini)$' \
+      --tests '^(test_kernels|test_host_syncs|test_zoo|test_hybrid_adam|test_booster|test_low_level_zero|test_gemini|test_fp8_training)$' \
       --skip-example --skip-bench --stage-timeout 320
     rc=$?
     summary=$dir/gpu-tests.md
@@ -61,7 +61,7 @@ case "$stage" in
   bench)
     rounds=${3:-3}
     bench_stage report.py report.md --rounds "$rounds" --steps 10 --llama-rounds 1 \
-      --only '^(ops|ours_zero1_bf16|ours_zero1_bf16_graph|ours_fused|torch|torch_fused|llama_ours_fused|llama_ours_fused_recompute|llama_ours_fused_cast_each|llama_ours_fused_graph|llama_ours_fused_sdpa_cudnn|llama_ours_zero1_bf16|llama_torch_fused|profile_ours_zero1_bf16|profile_llama_ours_fused)$'
+      --only '^(ops|ours_zero1_bf16|ours_zero1_bf16_graph|ours_zero1_bf16_fp8|ours_fused|torch|torch_fused|llama_ours_fused|llama_ours_fused_recompute|llama_ours_fused_cast_each|llama_ours_fused_graph|llama_ours_fused_sdpa_cudnn|llama_ours_zero1_bf16|llama_ours_zero1_bf16_fp8|llama_torch_fused|profile_ours_zero1_bf16|profile_llama_ours_fused)$'
     ;;
   scale)
     model=${3:-llama3-8b}

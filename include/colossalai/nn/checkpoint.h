@@ -2,7 +2,8 @@
 
 /// Activation checkpointing (`torch.utils.checkpoint`, reentrant): run a
 /// function without keeping its intermediate activations; backward runs it
-/// again, with the random streams and autocast state of the first run, and
+/// again, with the random streams, autocast state and FP8 linear scope
+/// (quantization/fp8_linear.h) of the first run, and
 /// back-propagates through the recomputation. Memory for a block's
 /// activations is traded for one more forward of it.
 ///

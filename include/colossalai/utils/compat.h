@@ -226,10 +226,34 @@ at::Tensor grouped_mm(
 /// float8_e5m2): 2.1 and later.
 bool has_float8();
 
+/// The float8 dtype: float8_e4m3fn when `e4m3`, else float8_e5m2.
+/// Requires has_float8.
+at::ScalarType float8_type(bool e4m3);
+
 /// `bytes` (uint8, any strides) viewed as float8: e4m3fn when `e4m3`, else
 /// e5m2; the same storage, shape and strides. Copying a float tensor into
 /// it casts with round-to-nearest-even. Requires has_float8.
 at::Tensor float8_view(const at::Tensor& bytes, bool e4m3);
+
+/// Whether at::_scaled_mm (a product of two float8 matrices, each under a
+/// float32 scale) runs on `device`: from LibTorch 2.4 (its present
+/// signature), on the CPU where the build registers a kernel for it, and on
+/// a CUDA device of compute capability 8.9 or later.
+bool has_scaled_mm(at::Device device);
+
+/// (a * scale_a) @ (b * scale_b) (+ bias) as `out_dtype`: `a` float8 [m, k]
+/// row-major, `b` float8 [k, n] column-major (a transposed view of a
+/// contiguous [n, k]), the scales float32 scalars, every size a multiple of
+/// 16 on a GPU. `fast_accum`: Hopper's faster, less exact accumulation.
+/// Requires has_scaled_mm.
+at::Tensor scaled_mm(
+    const at::Tensor& a,
+    const at::Tensor& b,
+    const at::Tensor& scale_a,
+    const at::Tensor& scale_b,
+    const at::Tensor& bias,
+    at::ScalarType out_dtype,
+    bool fast_accum);
 
 /// at::layer_norm. LibTorch before 2.1 cannot take a 16-bit input beside
 /// float32 weight and bias on the CPU (a bf16 activation under autocast):

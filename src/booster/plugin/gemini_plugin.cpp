@@ -2,6 +2,7 @@
 
 #include "../../zero/common/flat_params.h"
 #include "../../zero/gemini/chunk_plan.h"
+#include "fp8_linear_model.h"
 #include "fully_sharded_parts.h"
 #include "plugin_options.h"
 
@@ -112,6 +113,9 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
       "GeminiPlugin: fp8_communication needs LibTorch 2.1 or later (its "
       "float8 dtypes); this is ",
       TORCH_VERSION);
+  if (o.use_fp8()) {
+    detail::check_use_fp8("GeminiPlugin", dtype);
+  }
   zero::FullyShardedOptions e;
   e.param_dtype(dtype)
       .reduce_dtype(dtype)
@@ -190,6 +194,9 @@ void GeminiPlugin::configure(
     oo.loss_scaler(detail::loss_scaler_options(gemini_));
   }
   detail::shard_fully(model, optimizer, engine, oo);
+  if (gemini_.use_fp8()) {
+    model = std::make_shared<detail::Fp8LinearModel>(model, "GeminiPlugin");
+  }
 }
 
 } // namespace plugin

@@ -10,6 +10,7 @@
 #include <colossalai/quantization/fp8.h>
 #include <colossalai/zero/low_level_optimizer.h>
 
+#include "fp8_linear_model.h"
 #include "gather_wait_model.h"
 #include "hybrid/check_options.h"
 #include "hybrid/checkpoint_io.h"
@@ -63,6 +64,9 @@ HybridParallelPlugin::HybridParallelPlugin(
   const int sp = layout.sp_axis_size, dp = layout.dp_size;
   const int ep = layout.ep_size;
   dtype_ = layout.dtype;
+  if (options_.use_fp8()) {
+    detail::check_use_fp8(kName, dtype_);
+  }
   sp_mode_ = layout.sp_mode;
   sp_size_ = layout.sp_size;
 
@@ -304,8 +308,12 @@ void HybridParallelPlugin::build_placement(
 void HybridParallelPlugin::apply_data_parallel(
     std::shared_ptr<interface::ModelWrapper>& model,
     std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
-  // A pipeline's model is called through execute_pipeline only.
+  // use_fp8's scope, then (a pipeline's model is called through
+  // execute_pipeline only) the guard, whose scope opens the ones inside it.
   auto guard_pipeline = [&] {
+    if (options_.use_fp8()) {
+      model = std::make_shared<detail::Fp8LinearModel>(model, kName);
+    }
     if (options_.pp_size() > 1) {
       auto guard = std::make_shared<detail::PipelineGuardModel>(model);
       guard_ = guard;

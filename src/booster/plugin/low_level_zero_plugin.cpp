@@ -6,6 +6,7 @@
 
 #include <torch/version.h>
 
+#include "fp8_linear_model.h"
 #include "gather_wait_model.h"
 #include "plugin_options.h"
 #include "zero_options.h"
@@ -142,6 +143,9 @@ LowLevelZeroPlugin::LowLevelZeroPlugin(LowLevelZeroPluginOptions options)
       "LowLevelZeroPlugin: precision 'fp16' needs a CUDA device "
       "(CPU LibTorch cannot multiply fp16 matrices); use "
       "precision('bf16') or precision('fp32') on CPU");
+  if (options_.use_fp8()) {
+    detail::check_use_fp8("LowLevelZeroPlugin", dtype_);
+  }
 }
 
 void LowLevelZeroPlugin::configure(
@@ -175,6 +179,10 @@ void LowLevelZeroPlugin::configure(
   if (options_.overlap_allgather()) {
     model = std::make_shared<detail::GatherWaitModel>(
         model, zero_opt, "LowLevelZeroPlugin");
+  }
+  if (options_.use_fp8()) {
+    model =
+        std::make_shared<detail::Fp8LinearModel>(model, "LowLevelZeroPlugin");
   }
   optimizer = zero_opt;
 }

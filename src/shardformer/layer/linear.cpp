@@ -1,6 +1,7 @@
 #include <colossalai/checkpoint_io/model_state_hooks.h>
 #include <colossalai/distributed/functional.h>
 #include <colossalai/initialize.h>
+#include <colossalai/quantization/fp8_linear.h>
 #include <colossalai/quantization/quantize_model.h>
 #include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/shardformer/layer/linear.h>
@@ -95,7 +96,8 @@ at::Tensor apply_linear(
     return b.defined() ? y + b : y;
   }
   // A transposed view: at::linear multiplies by w.t() without a copy.
-  return at::linear(x, o.conv1d_layout() ? w.t() : w, b);
+  // Inside a use_fp8 forward, through FP8 (quantization/fp8_linear.h).
+  return quantization::linear(x, o.conv1d_layout() ? w.t() : w, b);
 }
 
 // The quantized weight's layout as the layer stores it (conv1d: [in, out]).

@@ -123,6 +123,16 @@ struct HybridParallelPluginOptions {
   /// precision.
   /// Needs LibTorch 2.1 or later.
   TORCH_ARG(bool, fp8_communication) = false;
+  /// FP8 mixed precision (ColossalAI's use_fp8): inside the model's
+  /// forward, each linear layer whose weight trains multiplies in FP8
+  /// (e4m3 operands, e5m2 output gradients, one scale per tensor, float32
+  /// accumulation; quantization/fp8_linear.h). Layers of
+  /// colossalai::shardformer::layer and models and
+  /// colossalai::quantization::linear take part; LibTorch's own
+  /// torch::nn::Linear cannot (a warning after the first forward says when
+  /// nothing took part). Needs precision bf16 or fp16, LibTorch 2.1 or
+  /// later, and on a GPU compute capability 8.9 or later.
+  TORCH_ARG(bool, use_fp8) = false;
   /// How to shard the model; null: the model's own (ShardableModel) or the
   /// base Policy (every ParallelModule over the tensor group).
   TORCH_ARG(std::shared_ptr<shardformer::Policy>, custom_policy) = nullptr;
