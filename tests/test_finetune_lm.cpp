@@ -819,6 +819,7 @@ TEST(FinetuneLm, BadOptionsAreNamed) {
   has("--plugin gemini --gpu-margin 0.5", "--gpu-margin is gemini's");
   has("--plugin none --nproc 1 --fp8-communication",
       "--fp8-communication needs a");
+  has("--plugin ddp --use-fp8", "--use-fp8 needs --plugin zero1, zero2");
 }
 
 #else

@@ -25,6 +25,9 @@
 /// as they are, as ColossalAI rewrites only its trained parameters' linears.
 /// LibTorch's own `torch::nn::Linear` computes inside its compiled forward,
 /// where no scope reaches: call `linear` in a module's forward to take part.
+/// Ops that form their own products stay 16-bit: the fused linear +
+/// cross-entropy head, the opt-in MLP recomputation (gelu_linear,
+/// silu_mul_linear), grouped expert GEMMs and ring layers.
 ///
 /// Example:
 /// \code
