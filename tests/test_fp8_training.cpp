@@ -164,6 +164,120 @@ TEST(Fp8Linear, ForwardAndGradientsWithinTheFormatsBounds) {
   EXPECT_FALSE(at::equal(y, at::linear(x.detach(), w.detach(), b.detach())));
 }
 
+namespace {
+
+// Values over 24 binades, signs mixed, some zeros: both formats' normal
+// and subnormal ranges once scaled.
+at::Tensor spread(int64_t n, int seed, at::ScalarType dtype) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto mag = at::exp2(at::rand({n}, gen) * 24 - 12);
+  auto sign = at::where(at::rand({n}, gen) < 0.5, -1.0, 1.0);
+  auto zero = at::rand({n}, gen) < 0.05;
+  return at::where(zero, at::zeros({n}), mag * sign).to(dtype);
+}
+
+// linear_fp8's cast against fp8.h's (the same scale rule, tested against
+// the formats in test_fp8_communication), as bytes.
+void expect_cast_equals_fp8h(const at::Tensor& x, const at::Device& device) {
+  for (const bool e4m3 : {true, false}) {
+    SCOPED_TRACE(e4m3 ? "e4m3" : "e5m2");
+    const auto format = e4m3 ? "e4m3" : "e5m2";
+    const auto [values, scale_inv] =
+        q::detail::fp8_linear_cast(x.to(device), e4m3);
+    const auto want = q::cast_to_fp8(x.to(at::kFloat), format);
+    EXPECT_EQ(values.sizes(), x.sizes());
+    EXPECT_TRUE(values.is_contiguous());
+    EXPECT_TRUE(at::equal(
+        values.cpu().view(at::kByte), want.data.contiguous().view(x.sizes())));
+    EXPECT_EQ(scale_inv.dim(), 0);
+    EXPECT_EQ(scale_inv.item<float>(), want.scale_inv.item<float>());
+  }
+}
+
+} // namespace
+
+TEST(Fp8Linear, CastIsFp8CommunicationsCast) {
+  if (!q::fp8_supported()) {
+    GTEST_SKIP() << "no float8 dtypes before LibTorch 2.1";
+  }
+  for (const auto dtype : {at::kBFloat16, at::kFloat}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    expect_cast_equals_fp8h(spread(4099, 40, dtype), at::kCPU);
+    // A transposed view (a Conv1D weight) comes out row-major.
+    expect_cast_equals_fp8h(
+        spread(48 * 32, 41, dtype).view({48, 32}).t(), at::kCPU);
+  }
+  // All zeros: amax taken as 1, the values zero. An infinity: its operand
+  // decodes (values x scale) as NaN throughout, so the product does too.
+  const auto zeros = q::detail::fp8_linear_cast(at::zeros({32}), true);
+  EXPECT_EQ(zeros.second.item<float>(), 1.0f / 448);
+  EXPECT_TRUE(at::equal(zeros.first.to(at::kFloat), at::zeros({32})));
+  auto inf = spread(32, 42, at::kFloat);
+  inf[3] = INFINITY;
+  const auto [values, scale_inv] = q::detail::fp8_linear_cast(inf, true);
+  EXPECT_TRUE((values.to(at::kFloat) * scale_inv).isnan().all().item<bool>());
+  auto w = random({16, 32}, 43).requires_grad_(true);
+  EXPECT_TRUE(q::linear_fp8(inf.to(at::kBFloat16).expand({16, 32}), w, {})
+                  .isnan()
+                  .all()
+                  .item<bool>());
+}
+
+// On a GPU (compute capability 8.9+): the cast kernel gives fp8.h's bytes,
+// aligned or not, in every dtype, and the op trains within the formats'
+// bounds with at::_scaled_mm's products (Hopper's fast accumulation in the
+// forward stays far inside them).
+TEST(Fp8Linear, GpuCastAndProducts) {
+  if (!q::fp8_supported() || !torch::cuda::is_available() ||
+      !colossalai::compat::has_scaled_mm(at::Device("cuda"))) {
+    GTEST_SKIP() << "needs a GPU of compute capability 8.9+ and LibTorch 2.4+";
+  }
+  const at::Device cuda("cuda");
+  for (const auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    expect_cast_equals_fp8h(spread(1 << 16, 50, dtype), cuda);
+    // Unaligned start, odd length: the element-wise path.
+    expect_cast_equals_fp8h(spread(4100, 51, dtype).narrow(0, 1, 4099), cuda);
+    expect_cast_equals_fp8h(
+        spread(48 * 32, 52, dtype).view({48, 32}).t(), cuda);
+  }
+  auto x = random({64, 96}, 53).to(cuda).requires_grad_(true);
+  auto w = random({48, 96}, 54, 0.1).to(cuda).requires_grad_(true);
+  auto b = random({48}, 55, 0.1).to(cuda).requires_grad_(true);
+  const auto dy = random({64, 48}, 56).to(cuda);
+  auto y = q::linear_fp8(x, w, b);
+  y.backward(dy);
+  const auto xd = x.detach().cpu().to(at::kDouble);
+  const auto wd = w.detach().cpu().to(at::kDouble);
+  const auto bd = b.detach().cpu().to(at::kDouble);
+  const auto dyd = dy.cpu().to(at::kDouble);
+  const double e4 = std::ldexp(1.0, -4), e5 = std::ldexp(1.0, -3);
+  const double slack = std::ldexp(1.0, -6); // sums, bf16, subnormals
+  const auto rel = at::full({}, std::ldexp(1.0, -8), at::kDouble);
+  EXPECT_LE(
+      excess(
+          y.detach().cpu(),
+          at::matmul(xd, wd.t()) + bd,
+          rel,
+          (2 * e4 + e4 * e4 + slack) * at::matmul(xd.abs(), wd.abs().t()) +
+              slack * bd.abs()),
+      0);
+  EXPECT_LE(
+      excess(
+          x.grad().cpu(),
+          at::matmul(dyd, wd),
+          rel,
+          (e5 + e4 + e5 * e4 + slack) * at::matmul(dyd.abs(), wd.abs())),
+      0);
+  EXPECT_LE(
+      excess(
+          w.grad().cpu(),
+          at::matmul(dyd.t(), xd),
+          rel,
+          (e5 + e4 + e5 * e4 + slack) * at::matmul(dyd.abs().t(), xd.abs())),
+      0);
+}
+
 TEST(Fp8Linear, EverythingElseIsThePlainLinear) {
   if (!q::fp8_supported()) {
     GTEST_SKIP() << "no float8 dtypes before LibTorch 2.1";

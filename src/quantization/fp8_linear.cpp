@@ -6,11 +6,20 @@
 
 #include "../kernels/linear_dtype.h"
 
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+#include "../kernels/cuda_launch.h"
+#include "../kernels/fp8_cast_cuda.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
+#include <cmath>
 
 namespace colossalai {
 namespace quantization {
@@ -49,15 +58,37 @@ struct Fp8Operand {
 
 Fp8Operand cast_tensorwise(const at::Tensor& x, bool e4m3) {
   const double largest = e4m3 ? 448.0 : 57344.0;
-  auto amax = x.abs().amax().to(at::kFloat);
-  amax = at::where(amax > 0, amax, at::ones_like(amax));
+  // Three passes: the largest magnitude (a reduction, no |x| kept), the
+  // scaling (a one-element, not zero-dimensional, scale makes the product
+  // float32 as it reads x), the cast; on a GPU the last two are one kernel.
   // Row-major whatever the input's strides (a Conv1D weight's transposed
-  // view): the products take their operands' layouts as described above.
+  // view), as the products take it.
+  auto amax = at::linalg_vector_norm(x, INFINITY).to(at::kFloat).reshape({1});
+  amax = at::where(amax > 0, amax, at::ones_like(amax));
+#ifdef COLOSSALAI_WITH_CUDA_KERNELS
+  if (x.is_cuda()) {
+    // The scaling and the cast in one pass (fp8_cast.cu), the same bytes.
+    const c10::cuda::CUDAGuard guard(x.device());
+    const auto xc = x.contiguous();
+    auto values =
+        at::empty(xc.sizes(), xc.options().dtype(compat::float8_type(e4m3)));
+    kernels::cuda::check_launch(
+        kernels::cuda::scale_cast_fp8(
+            kernels::cuda::dtype_of(xc.scalar_type(), "linear_fp8"),
+            xc.data_ptr(),
+            amax.data_ptr<float>(),
+            static_cast<uint8_t*>(values.data_ptr()),
+            xc.numel(),
+            e4m3,
+            c10::cuda::getCurrentCUDAStream().stream()),
+        "linear_fp8",
+        "the cast kernel's launch");
+    return {values, (amax / largest).reshape({})};
+  }
+#endif
   return {
-      (x.to(at::kFloat) * (largest / amax))
-          .to(compat::float8_type(e4m3))
-          .contiguous(),
-      amax / largest};
+      (x * (largest / amax)).to(compat::float8_type(e4m3)).contiguous(),
+      (amax / largest).reshape({})};
 }
 
 // (a * scale_a) @ (b * scale_b) + bias as `dtype`.
@@ -244,6 +275,13 @@ Fp8LinearScope::~Fp8LinearScope() {
 
 bool fp8_linear_enabled() {
   return fp8_enabled;
+}
+
+std::pair<at::Tensor, at::Tensor> detail::fp8_linear_cast(
+    const at::Tensor& x,
+    bool e4m3) {
+  auto cast = cast_tensorwise(x, e4m3);
+  return {cast.values, cast.scale_inv};
 }
 
 Fp8LinearCounts fp8_linear_counts() {

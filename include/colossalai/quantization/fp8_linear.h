@@ -42,6 +42,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace colossalai {
 namespace quantization {
@@ -97,6 +98,16 @@ struct Fp8LinearCounts {
   int64_t fp8 = 0;
 };
 Fp8LinearCounts fp8_linear_counts();
+
+namespace detail {
+/// linear_fp8's cast of one operand (exposed for its tests): the FP8 values
+/// (float8 dtype, row-major) and the float32 scalar they are multiplied
+/// by, scaled so that the largest magnitude lands on the format's largest
+/// finite value. `e4m3`: float8_e4m3fn, else float8_e5m2.
+std::pair<at::Tensor, at::Tensor> fp8_linear_cast(
+    const at::Tensor& x,
+    bool e4m3);
+} // namespace detail
 
 } // namespace quantization
 } // namespace colossalai
