@@ -17,7 +17,7 @@
 # masters, no autocast: ours_zero1_bf16_logits, ours_zero1_bf16; the last
 # with each MLP's activation recomputed in backward: ours_zero1_bf16_recompute;
 # the same step captured once in a CUDA graph and replayed:
-# ours_zero1_bf16_graph; its linears in FP8, use_fp8: ours_zero1_bf16_fp8); fp16 with dynamic loss scaling, its overflow
+# ours_zero1_bf16_graph); fp16 with dynamic loss scaling, its overflow
 # verdict left on the device (autocast: ours_fp16; LowLevelZero's fp16
 # weights in a CUDA graph: ours_zero1_fp16_graph); PyTorch
 # eager with its default AdamW (torch), with AdamW(fused=True)
@@ -26,7 +26,8 @@
 # (tied head, vocabulary 50257): ours with the transformers-compatible
 # models::GPT2LMHeadModel and the fused loss, autocast (hf_ours_fused) and
 # LowLevelZero bf16 (hf_ours_zero1_bf16), and transformers' own model in
-# PyTorch eager with AdamW(fused=True) (hf_torch_fused).
+# PyTorch eager with AdamW(fused=True) (hf_torch_fused); last, ours_zero1_bf16
+# with its linears in FP8 (use_fp8: ours_zero1_bf16_fp8).
 # --llama-rounds N adds N rounds of a Llama-3.2-1B-shaped model (batch
 # 4 x 2048): ours with AdamW, FusedAdamW (whole logits, fused loss, the
 # fused loss with the MLPs' product recomputed: llama_ours_fused_recompute;
@@ -35,8 +36,9 @@
 # llama_ours_fused_sdpa_flash, llama_ours_fused_sdpa_cudnn; the fused loss
 # with autocast casting each linear's input itself, as before shared casts:
 # llama_ours_fused_cast_each), LowLevelZero bf16
-# (fused loss; with use_fp8: llama_ours_zero1_bf16_fp8); transformers' LlamaForCausalLM with
-# AdamW(fused=True).
+# (fused loss); transformers' LlamaForCausalLM with
+# AdamW(fused=True); last, LowLevelZero bf16 with use_fp8
+# (llama_ours_zero1_bf16_fp8).
 # --compile adds one torch.compile run (fused AdamW) after the rounds, of
 # each model the rounds ran.
 # Before the rounds, bench_gpu_ops times each fused op alone against its
@@ -194,7 +196,6 @@ variants=(
   "ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
   "ours_zero1_bf16_recompute|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --recompute-mlp on"
   "ours_zero1_bf16_graph|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --cuda-graph on"
-  "ours_zero1_bf16_fp8|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --use-fp8 on"
   "ours_fp16|cpp|--precision fp16 --optimizer fused_adamw --loss fused"
   "ours_zero1_fp16_graph|cpp|--precision fp16 --plugin zero1 --optimizer fused_adamw --loss fused --cuda-graph on"
   "torch|py|"
@@ -203,6 +204,7 @@ variants=(
   "hf_ours_fused|cpp|--model gpt2-medium-hf --optimizer fused_adamw --loss fused"
   "hf_ours_zero1_bf16|cpp|--model gpt2-medium-hf --plugin zero1 --optimizer fused_adamw --loss fused"
   "hf_torch_fused|py|--model gpt2-medium-hf --fused"
+  "ours_zero1_bf16_fp8|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --use-fp8 on"
 )
 run_variant() { # name, program, options, round
   local name=$1 prog=$2 opts=$3 i=$4
@@ -260,11 +262,11 @@ llama_variants=(
   "llama_ours_fused_recompute|cpp|--optimizer fused_adamw --loss fused --recompute-mlp on"
   "llama_ours_fused_cast_each|cpp|--optimizer fused_adamw --loss fused --shared-casts off"
   "llama_ours_zero1_bf16|cpp|--plugin zero1 --optimizer fused_adamw --loss fused"
-  "llama_ours_zero1_bf16_fp8|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --use-fp8 on"
   "llama_ours_fused_graph|cpp|--optimizer fused_adamw --loss fused --cuda-graph on"
   "llama_ours_fused_sdpa_flash|cpp|--optimizer fused_adamw --loss fused --sdpa flash"
   "llama_ours_fused_sdpa_cudnn|cpp|--optimizer fused_adamw --loss fused --sdpa cudnn"
   "llama_torch_fused|py|--fused"
+  "llama_ours_zero1_bf16_fp8|cpp|--plugin zero1 --optimizer fused_adamw --loss fused --use-fp8 on"
 )
 for i in $(seq 1 "$llama_rounds"); do
   for v in "${llama_variants[@]}"; do
