@@ -19,7 +19,9 @@
 #include <colossalai/booster/plugin/gemini_plugin.h>
 #include <colossalai/booster/plugin/hybrid_parallel_plugin.h>
 #include <colossalai/booster/plugin/low_level_zero_plugin.h>
+#include <colossalai/booster/plugin/moe_hybrid_parallel_plugin.h>
 #include <colossalai/models/gpt2.h>
+#include <colossalai/models/llama.h>
 #include <colossalai/nn/checkpoint.h>
 #include <colossalai/quantization/fp8.h>
 #include <colossalai/quantization/fp8_linear.h>
@@ -513,6 +515,60 @@ void hybrid(int rank, int /*world*/) {
   (void)rank;
 }
 
+// ZeRO-2 with use_fp8 and fp8_communication across 2 nodes (weights
+// gathered in e4m3, then cast again for the products), and
+// MoeHybridParallelPlugin at ep 2 (a Mixtral-shaped LLaMA: attention's
+// products in FP8; an expert's routed rows are rarely a multiple of 16 and
+// stay bf16).
+void fp8_with_others(int rank, int /*world*/) {
+  {
+    SCOPED_TRACE("zero2 + fp8_communication");
+    auto zero = [](bool fp8) {
+      return std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+          cb::plugin::LowLevelZeroPluginOptions()
+              .stage(2)
+              .precision("bf16")
+              .fp8_communication(fp8)
+              .use_fp8(fp8));
+    };
+    expect_fp8_training(
+        train(zero(true), rank, 2, false),
+        train(zero(false), rank, 2, false),
+        8 * 8);
+  }
+  SCOPED_TRACE("moe_hybrid ep2");
+  auto run = [rank](bool fp8) {
+    auto plugin = std::make_shared<cb::plugin::MoeHybridParallelPlugin>(
+        cb::plugin::HybridParallelPluginOptions()
+            .precision("bf16")
+            .ep_size(2)
+            .zero_stage(1)
+            .use_fp8(fp8));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    torch::manual_seed(5);
+    models::LlamaForCausalLM model(
+        models::LlamaConfig::tiny_test().model_type("mixtral").moe(
+            models::MoeConfig().num_experts(4)));
+    auto opt = std::make_shared<torch::optim::AdamW>(
+        model->parameters(), torch::optim::AdamWOptions(3e-3));
+    auto boosted = booster.boost(model, opt);
+    const auto [x, y] = tokens(rank, 2);
+    Run r;
+    const auto before = q::fp8_linear_counts();
+    for (int s = 0; s < 8; ++s) {
+      boosted.optimizer->zero_grad();
+      auto loss = model->loss(boosted.model(x), y);
+      booster.backward(loss, *boosted.optimizer);
+      boosted.optimizer->step();
+      r.losses.push_back(loss.item<double>());
+    }
+    r.fp8_products = q::fp8_linear_counts().fp8 - before.fp8;
+    return r;
+  };
+  // q, k, v and o in each of 2 layers, 8 steps.
+  expect_fp8_training(run(true), run(false), 4 * 2 * 8);
+}
+
 #if COLOSSALAI_TORCH_AT_LEAST(2, 1)
 // Collects warnings while alive.
 struct Warnings : c10::WarningHandler {
@@ -579,6 +635,15 @@ TEST(Fp8Linear, HybridParallelTrainsThroughFp8) {
     GTEST_SKIP() << "no float8 dtypes before LibTorch 2.1";
   }
   run_distributed(2, hybrid);
+}
+
+TEST(Fp8Linear, TrainsBesideFp8CommunicationAndExperts) {
+  if (!q::fp8_supported()) {
+    GTEST_SKIP() << "no float8 dtypes before LibTorch 2.1";
+  }
+  colossalai::testing::MultiProcessOptions nodes;
+  nodes.env[-1]["LOCAL_WORLD_SIZE"] = "1"; // each rank its own node
+  run_distributed(2, fp8_with_others, nodes);
 }
 
 TEST(Fp8Linear, RefusedOrWarnedByName) {
