@@ -9,6 +9,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
+#include <initializer_list>
+
 namespace colossalai {
 namespace kernels {
 namespace cuda {
@@ -69,6 +72,40 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
   }
   __syncthreads(); // `shared` is free for the next sum
   return v;
+}
+
+// An elementwise kernel's loop: f(i) for every i of [0, n) (elements, or
+// packs of them), spread over the grid.
+template <class F>
+__device__ __forceinline__ void grid_loop(int64_t n, F&& f) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < n;
+       i += stride) {
+    f(i);
+  }
+}
+
+// Whether an elementwise kernel may load and store 16 bytes at a time:
+// every pointer 16-byte aligned and `n` a multiple of the pack.
+inline bool aligned(
+    std::initializer_list<const void*> ps,
+    int64_t n,
+    int64_t pack) {
+  for (const void* p : ps) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+      return false;
+    }
+  }
+  return n % pack == 0;
+}
+
+// An elementwise kernel's blocks of `threads` for `work` items: enough to
+// fill the device several times over; grid_loop covers the rest.
+inline unsigned grid_for(int64_t work, int threads) {
+  const int64_t blocks = (work + threads - 1) / threads;
+  return static_cast<unsigned>(
+      blocks < 65536 ? (blocks < 1 ? 1 : blocks) : 65536);
 }
 
 // Calls `f` with a value of the element type `dtype` names (its type is

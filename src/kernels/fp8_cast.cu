@@ -36,30 +36,19 @@ __global__ void __launch_bounds__(kThreads) scale_cast_kernel(
     int64_t n) {
   // IEEE division, as ATen's largest / amax on float32.
   const float scale = (kE4m3 ? 448.0f : 57344.0f) / *amax;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first =
-      static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (kVec) {
     using P = Pack<T>;
-    constexpr int k = P::kSize;
-    for (int64_t p = first; p < n / k; p += stride) {
+    grid_loop(n / P::kSize, [&](int64_t p) {
       const P v = reinterpret_cast<const P*>(x)[p];
 #pragma unroll
-      for (int j = 0; j < k; ++j) {
-        out[p * k + j] = to_fp8<kE4m3>(to_float(v.v[j]) * scale);
+      for (int j = 0; j < P::kSize; ++j) {
+        out[p * P::kSize + j] = to_fp8<kE4m3>(to_float(v.v[j]) * scale);
       }
-    }
+    });
   } else {
-    for (int64_t i = first; i < n; i += stride) {
-      out[i] = to_fp8<kE4m3>(to_float(x[i]) * scale);
-    }
+    grid_loop(
+        n, [&](int64_t i) { out[i] = to_fp8<kE4m3>(to_float(x[i]) * scale); });
   }
-}
-
-unsigned grid_for(int64_t work) {
-  const int64_t blocks = (work + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(
-      blocks < 65536 ? (blocks < 1 ? 1 : blocks) : 65536);
 }
 
 template <class T, bool kE4m3>
@@ -70,12 +59,13 @@ void launch(
     int64_t n,
     cudaStream_t stream) {
   constexpr int64_t pack = Pack<T>::kSize;
-  if (reinterpret_cast<uintptr_t>(x) % 16 == 0 && n % pack == 0) {
+  if (aligned({x}, n, pack)) {
     scale_cast_kernel<T, kE4m3, true>
-        <<<grid_for(n / pack), kThreads, 0, stream>>>(x, amax, out, n);
+        <<<grid_for(n / pack, kThreads), kThreads, 0, stream>>>(
+            x, amax, out, n);
   } else {
     scale_cast_kernel<T, kE4m3, false>
-        <<<grid_for(n), kThreads, 0, stream>>>(x, amax, out, n);
+        <<<grid_for(n, kThreads), kThreads, 0, stream>>>(x, amax, out, n);
   }
 }
 

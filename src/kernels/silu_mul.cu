@@ -21,18 +21,6 @@ __device__ __forceinline__ float sigmoid(float x) {
   return 1.0f / (1.0f + expf(-x));
 }
 
-// Calls f(i) for every i of [0, n) (elements, or packs of them), spread
-// over the grid.
-template <class F>
-__device__ __forceinline__ void grid_loop(int64_t n, F&& f) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < n;
-       i += stride) {
-    f(i);
-  }
-}
-
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads) forward_kernel(
     const T* __restrict__ gate,
@@ -96,23 +84,6 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(
   }
 }
 
-bool aligned(std::initializer_list<const void*> ps, int64_t n, int64_t pack) {
-  for (const void* p : ps) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
-      return false;
-    }
-  }
-  return n % pack == 0;
-}
-
-// Enough blocks to fill the device several times over; the grid loop
-// covers the rest.
-unsigned grid_for(int64_t work) {
-  const int64_t blocks = (work + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(
-      blocks < 65536 ? (blocks < 1 ? 1 : blocks) : 65536);
-}
-
 } // namespace
 
 cudaError_t silu_mul_forward(
@@ -133,10 +104,10 @@ cudaError_t silu_mul_forward(
     constexpr int64_t pack = Pack<T>::kSize;
     if (aligned({gate, up, out}, n, pack)) {
       forward_kernel<T, true>
-          <<<grid_for(n / pack), kThreads, 0, stream>>>(g, u, o, n);
+          <<<grid_for(n / pack, kThreads), kThreads, 0, stream>>>(g, u, o, n);
     } else {
       forward_kernel<T, false>
-          <<<grid_for(n), kThreads, 0, stream>>>(g, u, o, n);
+          <<<grid_for(n, kThreads), kThreads, 0, stream>>>(g, u, o, n);
     }
     return cudaGetLastError();
   });
@@ -164,10 +135,11 @@ cudaError_t silu_mul_backward(
     constexpr int64_t pack = Pack<T>::kSize;
     if (aligned({dout, gate, up, d_gate, d_up}, n, pack)) {
       backward_kernel<T, true>
-          <<<grid_for(n / pack), kThreads, 0, stream>>>(dy, g, u, dg, du, n);
+          <<<grid_for(n / pack, kThreads), kThreads, 0, stream>>>(
+              dy, g, u, dg, du, n);
     } else {
       backward_kernel<T, false>
-          <<<grid_for(n), kThreads, 0, stream>>>(dy, g, u, dg, du, n);
+          <<<grid_for(n, kThreads), kThreads, 0, stream>>>(dy, g, u, dg, du, n);
     }
     return cudaGetLastError();
   });

@@ -204,6 +204,18 @@ c10::optional<at::Tensor> optional_bias(const at::Tensor& bias) {
   return bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt;
 }
 
+// The sizes linear_fp8 multiplies in FP8: rows, input and output features
+// all multiples of 16.
+bool sizes_allow_fp8(const at::Tensor& input, const at::Tensor& weight) {
+  if (weight.dim() != 2 || input.dim() < 1) {
+    return false;
+  }
+  const int64_t in = input.size(-1);
+  const int64_t rows = in == 0 ? 0 : input.numel() / in;
+  return in > 0 && rows > 0 && in % 16 == 0 && rows % 16 == 0 &&
+      weight.size(1) == in && weight.size(0) > 0 && weight.size(0) % 16 == 0;
+}
+
 } // namespace
 
 bool linear_fp8_applies(
@@ -211,17 +223,11 @@ bool linear_fp8_applies(
     const at::Tensor& weight,
     const at::Tensor& bias) {
   const auto dtype = input.scalar_type();
-  if ((dtype != at::kBFloat16 && dtype != at::kHalf) ||
-      weight.scalar_type() != dtype || weight.dim() != 2 || input.dim() < 1 ||
-      weight.device() != input.device() ||
-      (bias.defined() &&
-       (bias.scalar_type() != dtype || bias.device() != input.device()))) {
-    return false;
-  }
-  const int64_t in = input.size(-1);
-  const int64_t rows = in == 0 ? 0 : input.numel() / in;
-  return in > 0 && rows > 0 && in % 16 == 0 && rows % 16 == 0 &&
-      weight.size(1) == in && weight.size(0) > 0 && weight.size(0) % 16 == 0;
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) &&
+      weight.scalar_type() == dtype && weight.device() == input.device() &&
+      (!bias.defined() ||
+       (bias.scalar_type() == dtype && bias.device() == input.device())) &&
+      sizes_allow_fp8(input, weight);
 }
 
 at::Tensor linear_fp8(
@@ -244,7 +250,8 @@ at::Tensor linear(
     return at::linear(input, weight, optional_bias(bias));
   }
   linear_calls.fetch_add(1, std::memory_order_relaxed);
-  if (!weight.requires_grad()) {
+  // Sizes first: a product that stays 16-bit casts nothing here.
+  if (!weight.requires_grad() || !sizes_allow_fp8(input, weight)) {
     return at::linear(input, weight, optional_bias(bias));
   }
   // Under autocast, the operands as autocast would hand them to the matmul.

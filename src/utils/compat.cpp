@@ -1,7 +1,6 @@
 #include <colossalai/utils/compat.h>
 
 #include <ATen/autocast_mode.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <malloc.h>
 #include <unistd.h>
@@ -188,16 +187,6 @@ at::Tensor float8_view(const at::Tensor& bytes, bool e4m3) {
 
 bool has_scaled_mm(at::Device device) {
 #if COLOSSALAI_TORCH_AT_LEAST(2, 4)
-  if (device.is_cpu()) {
-    // Builds differ: ask the dispatcher once.
-    static const bool cpu = [] {
-      const auto op =
-          c10::Dispatcher::singleton().findOp({"aten::_scaled_mm", ""});
-      return op.has_value() &&
-          op->hasKernelForDispatchKey(c10::DispatchKey::CPU);
-    }();
-    return cpu;
-  }
 #ifdef COLOSSALAI_WITH_CUDA
   if (device.is_cuda()) {
     // Every device's compute capability, read once.

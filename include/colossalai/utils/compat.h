@@ -236,9 +236,9 @@ at::ScalarType float8_type(bool e4m3);
 at::Tensor float8_view(const at::Tensor& bytes, bool e4m3);
 
 /// Whether at::_scaled_mm (a product of two float8 matrices, each under a
-/// float32 scale) runs on `device`: from LibTorch 2.4 (its present
-/// signature), on the CPU where the build registers a kernel for it, and on
-/// a CUDA device of compute capability 8.9 or later.
+/// float32 scale) runs at speed on `device`: a CUDA device of compute
+/// capability 8.9 or later, from LibTorch 2.4 (its present signature). Not
+/// the CPU: ATen's CPU kernel, where a build has one, is a reference loop.
 bool has_scaled_mm(at::Device device);
 
 /// (a * scale_a) @ (b * scale_b) (+ bias) as `out_dtype`: `a` float8 [m, k]

@@ -54,7 +54,9 @@ class Fp8LinearModel : public interface::ModelWrapper {
 
  protected:
   void pre_forward() override {
-    before_ = quantization::fp8_linear_counts();
+    if (!checked_) {
+      before_ = quantization::fp8_linear_counts();
+    }
     scope_.emplace();
   }
   void post_forward() noexcept override {
