@@ -271,7 +271,7 @@ TEST(GeminiPlugin, CheckpointLoadsInOneProcessWithoutAPlugin) {
 TEST(GeminiPlugin, UnsupportedOptionsNameTheOption) {
   run_distributed(1, [](int, int) {
     using O = cb::plugin::GeminiPluginOptions;
-    const std::vector<std::pair<O, std::string>> cases = {
+    std::vector<std::pair<O, std::string>> cases = {
         {O().precision("fp32").placement_policy("cuda"), "placement_policy"},
         {O().precision("fp32").shard_param_frac(-0.5), "shard_param_frac"},
         {O().precision("fp32").offload_optim_frac(1.5), "offload_optim_frac"},
@@ -299,6 +299,12 @@ TEST(GeminiPlugin, UnsupportedOptionsNameTheOption) {
         {O().precision("fp8"), "precision"},
         {O(), "fp16"}, // the default needs CUDA
     };
+    if (colossalai::current_device().is_cuda()) {
+      cases.push_back({O().precision("fp32").pin_memory(false), "pin_memory"});
+    } else { // nothing is page-locked without a GPU
+      cb::plugin::GeminiPlugin unpinned(
+          O().precision("fp32").pin_memory(false));
+    }
     for (const auto& c : cases) {
       if (c.second == std::string("fp16") &&
           !colossalai::current_device().is_cpu()) {
@@ -320,6 +326,91 @@ TEST(GeminiPlugin, UnsupportedOptionsNameTheOption) {
     // (in the fp32 gradient shards), but there is no no_sync.
     msg = error_of([&] { booster.no_sync(boosted.model); });
     EXPECT_NE(msg.find("does not support no_sync"), std::string::npos) << msg;
+  });
+}
+
+TEST(GeminiPlugin, ForceOutputsFp32WidensTheOutputsAndTrainsTheSame) {
+  // force_outputs_fp32 casts the bf16 logits to float32, differentiably.
+  // gpt_loss computes in float32 anyway, so three steps with and without
+  // it give the same weights bit for bit, and its logits are the bf16 ones
+  // widened.
+  run_distributed(2, [](int rank, int) {
+    const auto cfg = tiny();
+    std::vector<at::Tensor> logits;
+    std::vector<std::vector<at::Tensor>> weights;
+    for (const bool fp32 : {false, true}) {
+      auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
+          GO().precision("bf16").chunk_size(4000).force_outputs_fp32(fp32));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      torch::manual_seed(0);
+      zoo::GPT model(cfg);
+      auto boosted = booster.boost(
+          model,
+          std::make_shared<torch::optim::AdamW>(
+              model->parameters(), torch::optim::AdamWOptions(1e-2)));
+      for (int step = 0; step < 3; ++step) {
+        auto b = zoo::random_tokens(2, cfg, 40 + 2 * step + rank);
+        boosted.optimizer->zero_grad();
+        auto out = boosted.model(b.first);
+        if (step == 0) {
+          logits.push_back(out.detach().clone());
+        }
+        booster.backward(zoo::gpt_loss(out, b.second), *boosted.optimizer);
+        boosted.optimizer->step();
+      }
+      auto full = engine_of(boosted)->summon_full_params();
+      std::vector<at::Tensor> w;
+      for (const auto& p : model->parameters()) {
+        w.push_back(colossalai::testing::host(p.detach()).clone());
+      }
+      weights.push_back(std::move(w));
+    }
+    EXPECT_EQ(logits[0].scalar_type(), at::kBFloat16);
+    EXPECT_EQ(logits[1].scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(logits[0].to(at::kFloat), logits[1]));
+    for (size_t i = 0; i < weights[0].size(); ++i) {
+      EXPECT_TRUE(at::equal(weights[0][i], weights[1][i])) << "parameter " << i;
+    }
+  });
+}
+
+namespace {
+
+// A forward that returns tensors inside a tuple, a vector and a pair.
+struct ManyOutputsImpl : torch::nn::Module {
+  ManyOutputsImpl() : fc(register_module("fc", torch::nn::Linear(8, 8))) {}
+  std::tuple<
+      at::Tensor,
+      at::Tensor,
+      std::vector<at::Tensor>,
+      std::pair<at::Tensor, int>>
+  forward(const at::Tensor& x) {
+    auto y = fc(x);
+    return {y, y.argmax(-1), {y * 2, y.sum(-1)}, {y.mean(), 7}};
+  }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(ManyOutputs);
+
+} // namespace
+
+TEST(GeminiPlugin, ForceOutputsFp32ReachesTensorsInsideTuplesAndVectors) {
+  run_distributed(1, [](int, int) {
+    auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
+        GO().precision("bf16").force_outputs_fp32(true));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    ManyOutputs model;
+    auto boosted = booster.boost(model);
+    auto [y, index, more, mean] = boosted.model(torch::randn({4, 8}));
+    EXPECT_EQ(y.scalar_type(), at::kFloat);
+    EXPECT_EQ(index.scalar_type(), at::kLong); // not floating: untouched
+    ASSERT_EQ(more.size(), 2u);
+    EXPECT_EQ(more[0].scalar_type(), at::kFloat);
+    EXPECT_EQ(more[1].scalar_type(), at::kFloat);
+    EXPECT_EQ(mean.first.scalar_type(), at::kFloat);
+    EXPECT_EQ(mean.second, 7);
+    // The model itself computed in bf16.
+    EXPECT_EQ(model->fc->weight.scalar_type(), at::kBFloat16);
   });
 }
 

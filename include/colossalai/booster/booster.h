@@ -39,6 +39,10 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace colossalai {
 namespace data {
@@ -110,6 +114,19 @@ std::shared_ptr<torch::nn::Module> as_module(const std::shared_ptr<T>& m) {
   return m;
 }
 
+// Whether a type forward returns may hold tensors for the wrappers' output
+// transform: a tensor, or a tuple, pair or vector of such types.
+template <class T>
+struct holds_tensors : std::is_same<T, at::Tensor> {};
+template <class... T>
+struct holds_tensors<std::tuple<T...>> : std::disjunction<holds_tensors<T>...> {
+};
+template <class A, class B>
+struct holds_tensors<std::pair<A, B>>
+    : std::disjunction<holds_tensors<A>, holds_tensors<B>> {};
+template <class T, class A>
+struct holds_tensors<std::vector<T, A>> : holds_tensors<T> {};
+
 /// Collectives this process has issued, on every group.
 uint64_t collectives_issued();
 /// In the catch block of a forward or backward (`pass`) that raised, with
@@ -140,7 +157,14 @@ class BoostedModel {
     const uint64_t issued = detail::collectives_issued();
     Scope scope(*wrapper_);
     try {
-      return module_->forward(prepare(std::forward<Args>(args))...);
+      using R =
+          decltype(module_->forward(prepare(std::forward<Args>(args))...));
+      if constexpr (std::is_void_v<R>) {
+        module_->forward(prepare(std::forward<Args>(args))...);
+      } else {
+        return finish<std::decay_t<R>>(
+            module_->forward(prepare(std::forward<Args>(args))...));
+      }
     } catch (...) {
       detail::after_raised_pass("forward", issued);
       throw;
@@ -156,7 +180,9 @@ class BoostedModel {
     const uint64_t issued = detail::collectives_issued();
     Scope scope(*wrapper_);
     try {
-      return module_->forward_loss(prepare(std::forward<Args>(args))...);
+      return finish<std::decay_t<decltype(module_->forward_loss(
+          prepare(std::forward<Args>(args))...))>>(
+          module_->forward_loss(prepare(std::forward<Args>(args))...));
     } catch (...) {
       detail::after_raised_pass("forward", issued);
       throw;
@@ -192,6 +218,50 @@ class BoostedModel {
       return wrapper_->prepare_input(arg);
     } else {
       return std::forward<T>(arg);
+    }
+  }
+
+  // Tensors forward returns pass through the wrappers' output transform,
+  // also inside tuples, pairs and vectors; anything else is returned as is.
+  template <class R>
+  R finish(R result) {
+    finish_in_place(result);
+    return result;
+  }
+  template <class T>
+  void finish_in_place(T& value) {
+    if constexpr (std::is_same_v<T, at::Tensor>) {
+      value = wrapper_->finish_output(value);
+    } else if constexpr (detail::holds_tensors<T>::value) {
+      finish_elements(value);
+    }
+  }
+  template <class... E>
+  void finish_elements(std::tuple<E...>& t) {
+    finish_tuple(t, std::index_sequence_for<E...>{});
+  }
+  template <class Tuple, size_t... I>
+  void finish_tuple(Tuple& t, std::index_sequence<I...>) {
+    (finish_element<std::tuple_element_t<I, Tuple>>(std::get<I>(t)), ...);
+  }
+  template <class A, class B>
+  void finish_elements(std::pair<A, B>& p) {
+    finish_element<A>(p.first);
+    finish_element<B>(p.second);
+  }
+  template <class T, class A>
+  void finish_elements(std::vector<T, A>& v) {
+    for (auto& e : v) {
+      finish_in_place(e);
+    }
+  }
+  // A const or reference member (another object's tensor) is left alone.
+  template <class Declared, class T>
+  void finish_element(T& e) {
+    if constexpr (
+        !std::is_reference_v<Declared> && !std::is_const_v<Declared> &&
+        detail::holds_tensors<Declared>::value) {
+      finish_in_place(e);
     }
   }
 

@@ -47,10 +47,19 @@ class ModelWrapper {
   at::Tensor prepare_input(const at::Tensor& input) {
     return transform_input(inner_ ? inner_->prepare_input(input) : input);
   }
+  /// Applied to every tensor forward returns (alone, or in a tuple, pair or
+  /// vector), innermost wrapper first (e.g. GeminiPlugin's
+  /// force_outputs_fp32).
+  at::Tensor finish_output(const at::Tensor& output) {
+    return transform_output(inner_ ? inner_->finish_output(output) : output);
+  }
 
  protected:
   virtual at::Tensor transform_input(const at::Tensor& input) {
     return input;
+  }
+  virtual at::Tensor transform_output(const at::Tensor& output) {
+    return output;
   }
   virtual void pre_forward() {}
   virtual void post_forward() noexcept {}

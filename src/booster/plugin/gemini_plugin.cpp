@@ -116,6 +116,11 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
   if (o.use_fp8()) {
     detail::check_use_fp8("GeminiPlugin", dtype);
   }
+  TORCH_CHECK(
+      o.pin_memory() || !current_device().is_cuda(),
+      "GeminiPlugin: pin_memory(false) is not supported on a CUDA device: "
+      "host chunks are page-locked, so their transfers run asynchronously "
+      "(the default, pin_memory(true))");
   zero::FullyShardedOptions e;
   e.param_dtype(dtype)
       .reduce_dtype(dtype)
@@ -140,6 +145,22 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
                            : zero::BackwardPrefetch::kNone);
   return e;
 }
+
+// force_outputs_fp32: floating outputs cast to float32 (a differentiable
+// cast: the gradient reaches the 16-bit graph in its own dtype).
+class OutputsFp32Model : public interface::ModelWrapper {
+ public:
+  using interface::ModelWrapper::ModelWrapper;
+
+ protected:
+  at::Tensor transform_output(const at::Tensor& output) override {
+    // As ColossalAI's _cast_float: every floating dtype, float64 included.
+    return output.defined() && output.is_floating_point() &&
+            output.scalar_type() != at::kFloat
+        ? output.to(at::kFloat)
+        : output;
+  }
+};
 
 } // namespace
 
@@ -196,6 +217,9 @@ void GeminiPlugin::configure(
   detail::shard_fully(model, optimizer, engine, oo);
   if (gemini_.use_fp8()) {
     model = std::make_shared<detail::Fp8LinearModel>(model, "GeminiPlugin");
+  }
+  if (gemini_.force_outputs_fp32()) {
+    model = std::make_shared<OutputsFp32Model>(model);
   }
 }
 

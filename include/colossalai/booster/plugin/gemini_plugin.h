@@ -109,6 +109,22 @@ struct GeminiPluginOptions {
   /// nothing took part). Needs precision bf16 or fp16, LibTorch 2.1 or
   /// later, and on a GPU compute capability 8.9 or later.
   TORCH_ARG(bool, use_fp8) = false;
+  /// Host-resident chunk data (fp32 shards, gradient shards, optimizer
+  /// states, offloaded parameter shards) is page-locked on a CUDA device,
+  /// so its transfers run asynchronously at the bus's speed: ColossalAI's
+  /// pin_memory(true). Its default (false) is not: pageable transfers
+  /// block the host and stage through a copy, and the overlapped host
+  /// step needs asynchronous ones. false is refused on a CUDA device and
+  /// accepted on the CPU, where nothing is pinned.
+  TORCH_ARG(bool, pin_memory) = true;
+  /// Floating-point tensors the model's forward returns (alone, or in a
+  /// tuple, pair or vector) are cast to float32, differentiably: a loss
+  /// computed from them then runs in float32.
+  TORCH_ARG(bool, force_outputs_fp32) = false;
+  /// ColossalAI replicates tensor-parallel parameters whole under it; here
+  /// Gemini's parameters are always whole (tp_size 1), so either value
+  /// runs the same. The chunks stay sharded over the ranks.
+  TORCH_ARG(bool, strict_ddp_mode) = false;
   /// Accepted for compatibility.
   TORCH_ARG(bool, verbose) = false;
 };
