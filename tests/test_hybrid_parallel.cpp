@@ -9,6 +9,7 @@
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/models/gpt2.h>
 #include <colossalai/models/llama.h>
+#include <colossalai/shardformer/layer/linear.h>
 #include <colossalai/shardformer/policy.h>
 #include <colossalai/utils/compat.h>
 #include <harness/multiprocess.h>
@@ -65,6 +66,13 @@ std::vector<Setup> setups(int world, bool llama) {
              .enable_sequence_parallelism(true)
              .sequence_parallelism_mode("split_gather")});
     s.push_back(
+        {"tp2_split_gather_overlap",
+         base()
+             .tp_size(2)
+             .enable_sequence_parallelism(true)
+             .sequence_parallelism_mode("split_gather")
+             .enable_sequence_overlap(true)});
+    s.push_back(
         {"tp2_ring",
          base()
              .tp_size(2)
@@ -107,6 +115,14 @@ std::vector<Setup> setups(int world, bool llama) {
            .zero_stage(1)
            .enable_sequence_parallelism(true)
            .sequence_parallelism_mode("split_gather")});
+  s.push_back(
+      {"tp2_dp2_zero2_split_gather_overlap",
+       base()
+           .tp_size(2)
+           .zero_stage(2)
+           .enable_sequence_parallelism(true)
+           .sequence_parallelism_mode("split_gather")
+           .enable_sequence_overlap(true)});
   if (llama) {
     // Four ring hops: the zigzag chunks are 2 tokens of 16.
     s.push_back(
@@ -226,6 +242,19 @@ void check_setups(int world, bool sgd) {
     cb::Booster booster(cb::BoosterOptions().plugin(plugin));
     auto model = make<Model>(sgd);
     auto boosted = booster.boost(model, make_opt(model->parameters(), sgd));
+    if (s.options.enable_sequence_overlap()) {
+      // Every column layer takes the overlapped path (NOTE [Sequence
+      // overlap]).
+      int columns = 0;
+      for (const auto& m : model->modules()) {
+        if (auto* col = m->template as<
+                        colossalai::shardformer::layer::Linear1D_Col>()) {
+          EXPECT_TRUE(col->overlaps()) << m->name();
+          ++columns;
+        }
+      }
+      EXPECT_GT(columns, 0);
+    }
     const int dp = plugin->dp_size();
     ASSERT_EQ(kGlobalBatch % dp, 0);
     const int64_t micro = kGlobalBatch / dp;
@@ -757,6 +786,20 @@ TEST(HybridParallel, InvalidOptionsNameTheOption) {
         std::string::npos);
     EXPECT_NE(
         make_plugin(HPO().precision("fp32").sp_size(2)).find("sp_size"),
+        std::string::npos);
+    EXPECT_NE(
+        make_plugin(
+            HPO().precision("fp32").tp_size(2).enable_sequence_overlap(true))
+            .find("enable_sequence_overlap needs enable_sequence_parallelism"),
+        std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO()
+                        .precision("fp32")
+                        .sp_size(2)
+                        .enable_sequence_parallelism(true)
+                        .sequence_parallelism_mode("all_to_all")
+                        .enable_sequence_overlap(true))
+            .find("'all_to_all' has none to overlap"),
         std::string::npos);
     EXPECT_NE(
         make_plugin(HPO().precision("fp32").zero_stage(3)).find("zero_stage"),

@@ -10,6 +10,7 @@
 // tolerance needs justifying. Only the cross entropy, which needs exp and
 // log, uses floats; its bound is derived where it is checked.
 
+#include <colossalai/booster/booster.h>
 #include <colossalai/distributed/collectives.h>
 #include <colossalai/distributed/functional.h>
 #include <colossalai/nn/loss.h>
@@ -250,6 +251,84 @@ TEST(ParallelLayers, SequenceParallelColumnRowKeepsTheSequenceSharded) {
     auto bias_grad = row->bias.grad().clone();
     cd::all_reduce(bias_grad, *g).wait();
     expect_equal(bias_grad, proj->bias.grad(), "row bias gradient (summed)");
+  });
+}
+
+TEST(ParallelLayers, SequenceOverlapGathersOnceAndEqualsTheFullLayers) {
+  // enable_sequence_overlap (NOTE [Sequence overlap]): three column layers
+  // reading one sequence-split input (q, k, v; one without bias, one in
+  // GPT-2's Conv1D layout) run as one Function: one all-gather forward, one
+  // reduce-scatter of the summed input gradient backward. Integer values
+  // keep every sum exact, so the results equal the full layers bit for bit
+  // whatever the summation order.
+  at_tp_2_and_4([](int rank, int world) {
+    namespace cbd = colossalai::booster::detail;
+    auto g = cd::world_group();
+    const int64_t in = 8, out = 2 * world, seq = 2 * world;
+    std::vector<torch::nn::Linear> full;
+    for (int i = 0; i < 3; ++i) {
+      full.push_back(int_linear(in, out, 21 + 2 * i));
+    }
+    auto x = ints({3, seq, in}, 27).requires_grad_();
+    at::Tensor loss = at::zeros({});
+    std::vector<at::Tensor> refs;
+    for (int i = 0; i < 3; ++i) {
+      auto y = i == 1 ? at::linear(x, full[i]->weight) : full[i](x);
+      refs.push_back(y.detach());
+      loss = loss + (y * ints(y.sizes(), 30 + i)).sum();
+    }
+    loss.backward();
+
+    std::vector<std::shared_ptr<sl::Linear1D_ColImpl>> cols;
+    for (int i = 0; i < 3; ++i) {
+      cols.push_back(
+          i == 2 ? sl::Linear1D_ColImpl::from_full(
+                       full[i]->weight, full[i]->bias, g)
+                 : sl::Linear1D_ColImpl::from_full(*full[i], g));
+      if (i == 1) {
+        cols[i]->bias = at::Tensor(); // this one has no bias
+      }
+      cols[i]->options.seq_parallel(true).overlap(true);
+      EXPECT_TRUE(cols[i]->overlaps());
+    }
+    auto xs = x.detach().chunk(world, 1)[rank].clone().requires_grad_();
+    const auto before = cbd::collectives_issued();
+    const auto ys = sl::forward_shared_input(
+        {cols[0].get(), cols[1].get(), cols[2].get()}, xs);
+    EXPECT_EQ(cbd::collectives_issued() - before, 1u); // one all-gather
+    ASSERT_EQ(ys.size(), 3u);
+    EXPECT_NE(
+        ys[0].grad_fn()->name().find("OverlapGatherLinears"), std::string::npos)
+        << ys[0].grad_fn()->name();
+    at::Tensor mine = at::zeros({});
+    for (int i = 0; i < 3; ++i) {
+      expect_equal(
+          ys[i], refs[i].chunk(world, 2)[rank], "output " + std::to_string(i));
+      mine = mine +
+          (ys[i] * ints(refs[i].sizes(), 30 + i).chunk(world, 2)[rank]).sum();
+    }
+    const auto before_backward = cbd::collectives_issued();
+    mine.backward();
+    // One reduce-scatter for the three layers' input gradient.
+    EXPECT_EQ(cbd::collectives_issued() - before_backward, 1u);
+    expect_equal(xs.grad(), x.grad().chunk(world, 1)[rank], "input gradient");
+    for (int i = 0; i < 3; ++i) {
+      expect_equal(
+          cols[i]->weight.grad(),
+          full[i]->weight.grad().chunk(world, 0)[rank],
+          "weight gradient " + std::to_string(i));
+      if (i != 1) {
+        expect_equal(
+            cols[i]->bias.grad(),
+            full[i]->bias.grad().chunk(world, 0)[rank],
+            "bias gradient " + std::to_string(i));
+      }
+    }
+    // One layer alone overlaps the same way through forward().
+    cols[0]->zero_grad();
+    auto xs0 = x.detach().chunk(world, 1)[rank].clone().requires_grad_();
+    auto y0 = cols[0]->forward(xs0);
+    expect_equal(y0, refs[0].chunk(world, 2)[rank], "forward() output");
   });
 }
 

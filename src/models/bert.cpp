@@ -229,14 +229,12 @@ at::Tensor BertSelfAttentionImpl::forward(
   const int64_t b = x.size(0);
   // One shared input for q, k and v: one gradient sum over tp, not three,
   // and under autocast one cast kept, not three.
-  const auto xin = query->prepare_shared_input(x);
-  auto q = query->forward_prepared(xin);
-  const int64_t t = q.size(1); // the whole sequence under split_gather
-  q = q.view({b, t, -1, head_dim_}).transpose(1, 2);
-  auto k =
-      key->forward_prepared(xin).view({b, t, -1, head_dim_}).transpose(1, 2);
-  auto v =
-      value->forward_prepared(xin).view({b, t, -1, head_dim_}).transpose(1, 2);
+  const auto qkv =
+      sl::forward_shared_input({query.get(), key.get(), value.get()}, x);
+  const int64_t t = qkv[0].size(1); // the whole sequence under split_gather
+  auto q = qkv[0].view({b, t, -1, head_dim_}).transpose(1, 2);
+  auto k = qkv[1].view({b, t, -1, head_dim_}).transpose(1, 2);
+  auto v = qkv[2].view({b, t, -1, head_dim_}).transpose(1, 2);
   auto y = bidirectional_attention(q, k, v, dropout.get(), mask)
                .transpose(1, 2); // [B, T, H / tp, D]
   return y.reshape({b, t, -1});

@@ -57,7 +57,7 @@ shardformer::ShardInfo BertPolicy::shard(
         {self_out.dense.get(), out.dense.get()},
         tp,
         mode,
-        cfg.fp8_communication());
+        cfg);
     set_dropout(self.dropout, tp, true); // heads are split
     set_dropout(self_out.dropout, act_group, act_group != nullptr);
     set_dropout(out.dropout, act_group, act_group != nullptr);

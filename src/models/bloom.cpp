@@ -408,7 +408,7 @@ shardformer::ShardInfo BloomPolicy::shard(
         {a.dense.get(), mlp.dense_4h_to_h.get()},
         tp,
         mode,
-        cfg.fp8_communication());
+        cfg);
     set_dropout(a.attention_dropout, tp, true); // heads are split
     set_dropout(a.hidden_dropout, act_group, act_group != nullptr);
     set_dropout(mlp.hidden_dropout, act_group, act_group != nullptr);

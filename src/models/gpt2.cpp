@@ -344,7 +344,7 @@ shardformer::ShardInfo GPT2Policy::shard(
         {a.c_proj.get(), mlp.c_proj.get()},
         tp,
         mode,
-        cfg.fp8_communication());
+        cfg);
     set_dropout(a.attn_dropout, tp, true); // heads are split
     set_dropout(a.resid_dropout, act_group, act_group != nullptr);
     set_dropout(mlp.dropout, act_group, act_group != nullptr);

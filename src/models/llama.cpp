@@ -209,12 +209,12 @@ at::Tensor LlamaAttentionImpl::forward(
   const int64_t b = x.size(0);
   // One shared input for q, k and v: one gradient sum over tp, not three,
   // and under autocast one cast kept, not three.
-  const auto xin = q_proj->prepare_shared_input(x);
-  auto q = q_proj->forward_prepared(xin);
-  const int64_t t = q.size(1); // whole sequence under split_gather
-  q = q.view({b, t, -1, d});
-  auto k = k_proj->forward_prepared(xin).view({b, t, -1, d});
-  auto v = v_proj->forward_prepared(xin).view({b, t, -1, d});
+  const auto qkv =
+      sl::forward_shared_input({q_proj.get(), k_proj.get(), v_proj.get()}, x);
+  const int64_t t = qkv[0].size(1); // whole sequence under split_gather
+  auto q = qkv[0].view({b, t, -1, d});
+  auto k = qkv[1].view({b, t, -1, d});
+  auto v = qkv[2].view({b, t, -1, d});
   if (q_norm) {
     q = q_norm(q);
     k = k_norm(k);
@@ -588,7 +588,7 @@ shardformer::ShardInfo LlamaPolicy::shard(
         {a.o_proj.get()},
         tp,
         mode,
-        cfg.fp8_communication());
+        cfg);
     const auto p = "model.layers." + std::to_string(i) + ".";
     if (layer->moe) {
       // Tokens are routed per row of the whole sequence; the router is
@@ -612,7 +612,7 @@ shardformer::ShardInfo LlamaPolicy::shard(
             {e->down_proj.get()},
             tp,
             mode,
-            cfg.fp8_communication());
+            cfg);
       }
       const auto& ep = cfg.ep_group();
       if (ep != nullptr && ep->size() > 1) {
@@ -638,7 +638,7 @@ shardformer::ShardInfo LlamaPolicy::shard(
           {mlp.down_proj.get()},
           tp,
           mode,
-          cfg.fp8_communication());
+          cfg);
       // Row layers add their bias after the sum: its gradient is partial
       // only where each rank holds part of the sequence.
       if (split_gather && mlp.down_proj->bias.defined()) {

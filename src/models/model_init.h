@@ -83,9 +83,9 @@ inline at::Tensor swiglu(
     shardformer::layer::Linear1D_RowImpl& down,
     const at::Tensor& x,
     bool recompute = false) {
-  const auto xin = gate.prepare_shared_input(x);
-  auto g = gate.forward_prepared(xin);
-  auto u = up.forward_prepared(xin);
+  const auto gu = shardformer::layer::forward_shared_input({&gate, &up}, x);
+  const auto& g = gu[0];
+  const auto& u = gu[1];
   if (recompute && down.plain()) {
     return kernels::silu_mul_linear(g, u, down.weight_out_in(), down.bias);
   }

@@ -110,16 +110,14 @@ at::Tensor OPTAttentionImpl::forward(
     const at::Tensor& mask) {
   // One shared input for q, k and v: one gradient sum over tp, not three,
   // and under autocast one cast kept, not three.
-  const auto xin = q_proj->prepare_shared_input(x);
-  auto q = q_proj->forward_prepared(xin);
-  const int64_t b = q.size(0);
-  const int64_t t = q.size(1); // whole sequence under split_gather
+  const auto qkv =
+      sl::forward_shared_input({q_proj.get(), k_proj.get(), v_proj.get()}, x);
+  const int64_t b = qkv[0].size(0);
+  const int64_t t = qkv[0].size(1); // whole sequence under split_gather
   // Heads per rank: num_heads / tp (the column layers' output features).
-  q = q.view({b, t, -1, head_dim_}).transpose(1, 2);
-  auto k =
-      k_proj->forward_prepared(xin).view({b, t, -1, head_dim_}).transpose(1, 2);
-  auto v =
-      v_proj->forward_prepared(xin).view({b, t, -1, head_dim_}).transpose(1, 2);
+  auto q = qkv[0].view({b, t, -1, head_dim_}).transpose(1, 2);
+  auto k = qkv[1].view({b, t, -1, head_dim_}).transpose(1, 2);
+  auto v = qkv[2].view({b, t, -1, head_dim_}).transpose(1, 2);
   if (state_->kv_cache != nullptr) {
     std::tie(k, v) = state_->kv_cache->update(layer_idx_, k, v);
   }
@@ -443,7 +441,7 @@ shardformer::ShardInfo OPTPolicy::shard(
         {a.out_proj.get(), layer->fc2.get()},
         tp,
         mode,
-        cfg.fp8_communication());
+        cfg);
     set_dropout(a.dropout, tp, true); // heads are split
     set_dropout(layer->dropout, act_group, act_group != nullptr);
     if (split_gather) {

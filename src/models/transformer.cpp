@@ -498,11 +498,14 @@ void shard_linears(
     std::initializer_list<sl::Linear1D_RowImpl*> rows,
     const distributed::ProcessGroupPtr& tp,
     shardformer::SequenceParallelMode sp_mode,
-    bool fp8) {
+    const shardformer::ShardConfig& cfg) {
   const bool seq_parallel = shardformer::on_tensor_group(sp_mode);
   const bool ring = sp_mode == shardformer::SequenceParallelMode::kRing;
+  const bool fp8 = cfg.fp8_communication();
   for (auto* col : cols) {
-    col->options.seq_parallel(seq_parallel).ring(ring);
+    col->options.seq_parallel(seq_parallel)
+        .ring(ring)
+        .overlap(seq_parallel && cfg.enable_sequence_overlap());
     col->fp8_communication = fp8;
     col->shard_(tp);
   }

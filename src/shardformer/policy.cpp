@@ -136,6 +136,10 @@ ShardInfo shard_model(
         config.sequence_parallel_process_group() == nullptr),
       "shard_model: all_to_all sequence parallelism needs "
       "sequence_parallel_process_group");
+  TORCH_CHECK(
+      !config.enable_sequence_overlap() || on_tensor_group(mode),
+      "shard_model: enable_sequence_overlap needs enable_sequence_parallelism "
+      "with sequence_parallelism_mode 'split_gather' or 'ring'");
   auto info = policy->shard(model, config);
   for (auto& kv : collect_shard_specs(model)) {
     info.specs.emplace(kv.first, kv.second);

@@ -342,14 +342,14 @@ void shard_vocab_parallel(Layer& layer, const shardformer::ShardConfig& cfg) {
 /// Shards a block's column-parallel layers, then its row-parallel ones, in
 /// the order given, over `tp`, with sequence parallelism in the layers when
 /// `sp_mode` is split_gather or ring (ring also overlaps their matmuls):
-/// every family's blocks shard their linears this way. `fp8`:
-/// ShardConfig::fp8_communication.
+/// every family's blocks shard their linears this way. `cfg` gives
+/// fp8_communication and enable_sequence_overlap.
 void shard_linears(
     std::initializer_list<shardformer::layer::Linear1D_ColImpl*> cols,
     std::initializer_list<shardformer::layer::Linear1D_RowImpl*> rows,
     const distributed::ProcessGroupPtr& tp,
     shardformer::SequenceParallelMode sp_mode,
-    bool fp8);
+    const shardformer::ShardConfig& cfg);
 
 /// Points `d` at `group` (null: none), its input `sharded` over it (each
 /// rank its own mask) or replicated (the same mask), and resets it so its

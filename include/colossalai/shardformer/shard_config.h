@@ -79,6 +79,11 @@ struct ShardConfig {
   TORCH_ARG(bool, enable_sequence_parallelism) = false;
   /// "split_gather", "ring", "all_to_all" or "ring_attn".
   TORCH_ARG(std::string, sequence_parallelism_mode) = "split_gather";
+  /// split_gather: the column layers' backward reduce-scatters the input
+  /// gradient while it computes the weight gradients
+  /// (Linear1DOptions::overlap); ring overlaps already. Needs
+  /// enable_sequence_parallelism.
+  TORCH_ARG(bool, enable_sequence_overlap) = false;
   /// Accepted with no effect: colossalai::models (Bloom's ALiBi aside) use
   /// at::scaled_dot_product_attention on 2.x whenever attention dropout is
   /// off (HybridParallelPluginOptions::enable_flash_attention).

@@ -6,10 +6,12 @@
 #include <colossalai/quantization/quantized_weight.h>
 #include <colossalai/shardformer/layer/linear.h>
 
+#include "overlap_linear.h"
 #include "ring_linear.h"
 
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace colossalai {
@@ -317,9 +319,19 @@ void Linear1D_ColImpl::shard_(const distributed::ProcessGroupPtr& g) {
   }
 }
 
+bool Linear1D_ColImpl::overlaps() const {
+  return options.seq_parallel() && options.overlap() && !options.ring() &&
+      group != nullptr && group->size() > 1 && quantized == nullptr &&
+      !output_adapter && !options.gather_output() && !fp8_communication &&
+      !quantization::fp8_linear_enabled();
+}
+
 at::Tensor Linear1D_ColImpl::prepare_input(const at::Tensor& input) const {
   if (options.seq_parallel() && options.ring()) {
     return input; // gathered inside the matmul
+  }
+  if (overlaps()) {
+    return input; // gathered inside the overlapped linear
   }
   // Every rank's shard reads the whole input: its gradient sums over them.
   return options.seq_parallel()
@@ -344,6 +356,10 @@ at::Tensor Linear1D_ColImpl::forward_prepared(const at::Tensor& prepared) {
 at::Tensor Linear1D_ColImpl::forward_prepared(
     const at::Tensor& prepared,
     const amp::SharedCast* shared) {
+  if (overlaps()) {
+    return detail::gather_linears_overlapped(
+        prepared, {weight_out_in()}, {bias}, options.seq_dim(), group)[0];
+  }
   // A ring layer gathers `prepared` inside its matmul: no shared cast.
   const bool ring = options.seq_parallel() && options.ring();
   const amp::SharedCast* cast = ring ? nullptr : shared;
@@ -374,6 +390,40 @@ at::Tensor Linear1D_ColImpl::forward_prepared(
 
 at::Tensor Linear1D_ColImpl::forward(const at::Tensor& input) {
   return forward_prepared(prepare_input(input));
+}
+
+std::vector<at::Tensor> forward_shared_input(
+    const std::vector<Linear1D_ColImpl*>& layers,
+    const at::Tensor& input) {
+  TORCH_CHECK(!layers.empty(), "forward_shared_input: no layers");
+  const auto* first = layers.front();
+  const bool overlap = std::all_of(layers.begin(), layers.end(), [&](auto* l) {
+    return l->overlaps() && l->group == first->group &&
+        l->options.seq_dim() == first->options.seq_dim();
+  });
+  if (overlap) {
+    std::vector<at::Tensor> ws, bs;
+    for (auto* l : layers) {
+      ws.push_back(l->weight_out_in());
+      bs.push_back(l->bias);
+    }
+    return detail::gather_linears_overlapped(
+        input, ws, bs, first->options.seq_dim(), first->group);
+  }
+  // Layers that overlap on their own gather in forward_prepared; the rest
+  // share one prepared input.
+  const auto shared = std::find_if(
+      layers.begin(), layers.end(), [](auto* l) { return !l->overlaps(); });
+  c10::optional<amp::SharedCast> xin;
+  if (shared != layers.end()) {
+    xin.emplace((*shared)->prepare_shared_input(input));
+  }
+  std::vector<at::Tensor> out;
+  for (auto* l : layers) {
+    out.push_back(
+        l->overlaps() ? l->forward_prepared(input) : l->forward_prepared(*xin));
+  }
+  return out;
 }
 
 bool Linear1D_ColImpl::plain() const {

@@ -82,6 +82,12 @@ struct HybridParallelPluginOptions {
   /// or "ring_attn" (ring attention: key / value chunks passed around the
   /// sp group; no attention dropout). "" = all_to_all, ColossalAI's default.
   TORCH_ARG(std::string, sequence_parallelism_mode) = "";
+  /// split_gather: each block's column layers reduce-scatter their input
+  /// gradient while they compute their weight gradients, one collective
+  /// per shared input (NOTE [Sequence overlap]); ring overlaps already and
+  /// takes it as is. Needs enable_sequence_parallelism; all_to_all and
+  /// ring_attn refuse it (their collectives are not the column layers').
+  TORCH_ARG(bool, enable_sequence_overlap) = false;
   /// Keep the LM head's logits split over the vocabulary.
   TORCH_ARG(bool, parallel_output) = true;
   TORCH_ARG(double, initial_scale) = 65536.0;

@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace colossalai {
 namespace quantization {
@@ -65,6 +66,15 @@ struct Linear1DOptions {
   /// gathers inside its matmul: prepare_input is the identity and layers
   /// sharing an input each gather it.
   TORCH_ARG(bool, ring) = false;
+  /// With seq_parallel (not ring): a column layer's backward starts the
+  /// input gradient's reduce-scatter before it computes its weight
+  /// gradient, which then runs while the sum travels (ColossalAI's
+  /// enable_sequence_overlap; NOTE [Sequence overlap]). Layers that read
+  /// one input overlap together through forward_shared_input, with one
+  /// gather and one reduce-scatter. A layer with an adapter, a quantized
+  /// weight, gather_output, fp8_communication or inside a use_fp8 forward
+  /// gathers as split_gather does.
+  TORCH_ARG(bool, overlap) = false;
   /// Column layer: the output features are this many equal sections (a
   /// fused q, k, v projection: 3), each split over the group separately
   /// (ColossalAI's FusedLinear1D_Col).
@@ -159,6 +169,11 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
       bool gather_output = false,
       int64_t fused = 1);
 
+  /// Whether forward_prepared gathers the sequence itself, overlapping its
+  /// backward's reduce-scatter (Linear1DOptions::overlap); prepare_input is
+  /// then the identity.
+  bool overlaps() const;
+
   Linear1DOptions options;
   at::Tensor weight; ///< [out / tp, in] ([in, out / tp] in conv1d_layout)
   at::Tensor bias;   ///< [out / tp], undefined without bias
@@ -174,6 +189,18 @@ class Linear1D_ColImpl : public torch::nn::Cloneable<Linear1D_ColImpl>,
       const amp::SharedCast* shared);
 };
 TORCH_MODULE(Linear1D_Col);
+
+/// Column layers that read one input (q, k and v; gate and up), their
+/// outputs in order: prepare_shared_input once and forward_prepared on
+/// each, or, where all of them overlap (Linear1D_ColImpl::overlaps), one
+/// all-gather for all, whose backward reduce-scatters the summed input
+/// gradient while the weight gradients are computed.
+/// \code
+///   auto qkv = forward_shared_input({q.get(), k.get(), v.get()}, x);
+/// \endcode
+std::vector<at::Tensor> forward_shared_input(
+    const std::vector<Linear1D_ColImpl*>& layers,
+    const at::Tensor& input);
 
 /// y = x A^T + b with A's columns (input features) split over the group:
 /// each rank multiplies its slice of the input by its columns and the

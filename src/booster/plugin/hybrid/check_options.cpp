@@ -133,6 +133,15 @@ HybridLayout check_hybrid_options(
         : shardformer::parse_sequence_parallel_mode(
               o.sequence_parallelism_mode(), kName);
     const char* mode = shardformer::to_string(out.sp_mode);
+    TORCH_CHECK(
+        !o.enable_sequence_overlap() ||
+            shardformer::on_tensor_group(out.sp_mode),
+        kName,
+        ": enable_sequence_overlap overlaps the column layers' collectives "
+        "of sequence_parallelism_mode 'split_gather' (and 'ring', which "
+        "overlaps already); '",
+        mode,
+        "' has none to overlap");
     if (shardformer::on_tensor_group(out.sp_mode)) {
       TORCH_CHECK(
           tp > 1,
@@ -164,6 +173,10 @@ HybridLayout check_hybrid_options(
         kName,
         ": sequence_parallelism_mode is set but "
         "enable_sequence_parallelism is false");
+    TORCH_CHECK(
+        !o.enable_sequence_overlap(),
+        kName,
+        ": enable_sequence_overlap needs enable_sequence_parallelism(true)");
   }
   out.sp_size = shardformer::on_tensor_group(out.sp_mode) ? tp : sp;
   TORCH_CHECK(
