@@ -18,13 +18,15 @@
 //   bench_hybrid_step [--nproc 4] [--global-batch 16] [--steps 3]
 //                     [--rounds 3] [--models gpt2,llama]
 //                     [--setups dp,tp,tp2_dp2,tp2_zero1,tp_split_gather,
-//                               tp_ring,sp_all_to_all,sp_ring_attn]
+//                               tp_split_gather_overlap,tp_ring,
+//                               sp_all_to_all,sp_ring_attn]
 //                     [--out FILE.json]
 //
 // Setups: dp (tp 1, DDP over every rank), tp (tp over every rank), tp2_dp2
 // (tp 2, DDP over the rest), tp2_zero1 (tp 2, ZeRO-1 over the rest), and the
-// sequence-parallel modes over every rank: tp_split_gather and tp_ring (on
-// the tensor group), sp_all_to_all and sp_ring_attn (sp axis, tp 1). Setups
+// sequence-parallel modes over every rank: tp_split_gather,
+// tp_split_gather_overlap (enable_sequence_overlap) and tp_ring (on the
+// tensor group), sp_all_to_all and sp_ring_attn (sp axis, tp 1). Setups
 // that do not fit the world size or the model's heads are skipped. The
 // sequence-parallel setups have no byte formula here (-1).
 
@@ -161,9 +163,11 @@ std::vector<Result> run_model(const Options& o, int world) {
     std::string mode;
     if (name == "tp") {
       tp = world;
-    } else if (name == "tp_split_gather" || name == "tp_ring") {
+    } else if (
+        name == "tp_split_gather" || name == "tp_ring" ||
+        name == "tp_split_gather_overlap") {
       tp = world;
-      mode = name.substr(3);
+      mode = name == "tp_ring" ? "ring" : "split_gather";
     } else if (name == "sp_all_to_all" || name == "sp_ring_attn") {
       sp = world;
       mode = name.substr(3);
@@ -187,7 +191,9 @@ std::vector<Result> run_model(const Options& o, int world) {
     }
     opts.tp_size(tp).zero_stage(zero);
     if (!mode.empty()) {
-      opts.enable_sequence_parallelism(true).sequence_parallelism_mode(mode);
+      opts.enable_sequence_parallelism(true)
+          .sequence_parallelism_mode(mode)
+          .enable_sequence_overlap(name == "tp_split_gather_overlap");
       if (sp > 1)
         opts.sp_size(sp);
     }
