@@ -18,7 +18,10 @@
 // reduce-scatter, computes the weight and bias gradients while it travels
 // and only then waits (ColossalAI's async_grad_reduce_scatter). The bytes,
 // the gathered input kept for backward and the sums are split_gather's:
-// the gradients are the same up to the order of the layers' sums.
+// the gradients are the same up to the order of the layers' sums. Under
+// autocast both collectives carry the 16-bit operands (split_gather's carry
+// float32): half the bytes, and the reduce-scatter sums in 16 bits, as in a
+// model cast to 16 bits.
 
 namespace colossalai {
 namespace shardformer {
@@ -143,8 +146,9 @@ std::vector<at::Tensor> gather_linears_overlapped(
       " must name a dimension before the features of a ",
       x.dim(),
       "-d input");
-  // Under autocast, the operands as autocast would hand them to the matmuls
-  // (a Function's own ops are not autocast).
+  // Under autocast, the operands as autocast would hand them to the matmuls,
+  // cast before the gather: backward's products (autocast is off there) run
+  // in that dtype too.
   const auto cast = compat::autocast_dtype(x.device().type());
   const bool casts = cast && at::isFloatingType(x.scalar_type());
   auto input = casts ? x.to(*cast) : x;

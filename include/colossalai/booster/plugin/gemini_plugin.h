@@ -112,9 +112,9 @@ struct GeminiPluginOptions {
   /// Host-resident chunk data (fp32 shards, gradient shards, optimizer
   /// states, offloaded parameter shards) is page-locked on a CUDA device,
   /// so its transfers run asynchronously at the bus's speed: ColossalAI's
-  /// pin_memory(true). Its default (false) is not: pageable transfers
-  /// block the host and stage through a copy, and the overlapped host
-  /// step needs asynchronous ones. false is refused on a CUDA device and
+  /// pin_memory(true), the default here. ColossalAI's default, false, is
+  /// refused on a CUDA device (pageable transfers block the host and stage
+  /// through a copy; the overlapped host step needs asynchronous ones) and
   /// accepted on the CPU, where nothing is pinned.
   TORCH_ARG(bool, pin_memory) = true;
   /// Floating-point tensors the model's forward returns (alone, or in a
