@@ -808,6 +808,7 @@ TEST(FinetuneLm, BadOptionsAreNamed) {
   has("--plugin hybrid --nproc 3 --tp 2", "not a multiple of tp x pp x sp");
   has("--plugin hybrid --sp-mode zigzag", "--sp-mode must be");
   has("--plugin hybrid --sp-mode ring", "give --tp > 1");
+  has("--plugin hybrid --tp 2 --sp-overlap", "--sp-overlap needs");
   has("--model /nonexistent", "has no config.json");
   has("--data /nonexistent/corpus.txt", "does not exist");
   has("--plugin none --nproc 2", "--plugin none trains in one process");

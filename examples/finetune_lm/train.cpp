@@ -2,7 +2,8 @@
 //
 //   finetune_lm [--model DIR | --config gpt2-tiny|llama-tiny] [--data PATH]
 //               [--plugin none|ddp|zero1|zero2|fsdp|gemini|hybrid|moe_hybrid]
-//               [--tp N] [--pp N] [--sp N] [--sp-mode M] [--zero N] [--ep N]
+//               [--tp N] [--pp N] [--sp N] [--sp-mode M] [--sp-overlap]
+//               [--zero N] [--ep N]
 //               [--lora R] [--qlora] [--offload] [--offload-frac F]
 //               [--overlap-host-step]
 //               [--placement static|auto] [--gpu-margin F] [--grad-checkpoint]
@@ -76,6 +77,7 @@ struct Args {
   bool offload = false, grad_checkpoint = false, overlap_host_step = false;
   bool fp8_communication = false;
   bool use_fp8 = false;
+  bool sp_overlap = false;
   double offload_frac = -1; // unset
   std::string placement = "static";
   double gpu_margin = 0; // gemini auto: gpu_margin_mem_ratio
@@ -134,6 +136,12 @@ Args parse(int argc, char** argv) {
          "hybrid: all_to_all or ring_attn (over --sp ranks), split_gather or "
          "ring (over the --tp group)")
       ->capture_default_str();
+  app.add_flag(
+      "--sp-overlap",
+      a.sp_overlap,
+      "hybrid, --sp-mode split_gather: each block's input-gradient "
+      "reduce-scatter travels while the weight gradients are computed "
+      "(enable_sequence_overlap)");
   app.add_option("--zero", a.zero, "hybrid: ZeRO stage (0, 1, 2)")
       ->capture_default_str();
   app.add_option(
@@ -299,6 +307,11 @@ Args parse(int argc, char** argv) {
       a.sp_mode,
       " splits the sequence over the tensor-parallel group: give --tp > 1 "
       "and leave --sp at 1");
+  TORCH_CHECK(
+      !a.sp_overlap ||
+          ((a.plugin == "hybrid" || a.plugin == "moe_hybrid") && over_tp),
+      "--sp-overlap needs --plugin hybrid (or moe_hybrid) with --sp-mode "
+      "split_gather or ring");
   TORCH_CHECK(
       a.plugin != "none" || a.nproc == 1,
       "--plugin none trains in one process: use --nproc 1");
@@ -543,7 +556,9 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
     o.sp_size(a.sp).enable_sequence_parallelism(true).sequence_parallelism_mode(
         a.sp_mode);
   } else if (a.sp_mode == "split_gather" || a.sp_mode == "ring") {
-    o.enable_sequence_parallelism(true).sequence_parallelism_mode(a.sp_mode);
+    o.enable_sequence_parallelism(true)
+        .sequence_parallelism_mode(a.sp_mode)
+        .enable_sequence_overlap(a.sp_overlap);
   }
   if (a.plugin == "moe_hybrid") {
     return {std::make_shared<MoeHybridParallelPlugin>(o), ""};
