@@ -195,6 +195,51 @@ TEST(GeminiPlugin, ChunksAreShardedAndStraddleModules) {
   });
 }
 
+TEST(GeminiPlugin, ExtraDpSizeShardsEachCopyOverItsGroup) {
+  // extra_dp_size 2 at 4 ranks: ranks {0, 1} and {2, 3} each shard one
+  // copy, so a rank keeps 1/2 of every chunk (not 1/4), and after a step
+  // the copies hold the same weights.
+  run_distributed(4, [](int rank, int) {
+    auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
+        chunked(4000).extra_dp_size(2));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    torch::manual_seed(0);
+    zoo::GPT model(tiny());
+    const auto numels = numels_of(model);
+    auto boosted = booster.boost(
+        model,
+        std::make_shared<torch::optim::AdamW>(
+            model->parameters(), torch::optim::AdamWOptions(1e-3)));
+    auto* m = engine_of(boosted);
+    ASSERT_NE(m, nullptr);
+    const auto plan = gm::pack_chunks(numels, 4000, 2);
+    ASSERT_EQ(m->unit_names().size(), plan.size());
+    int64_t padded = 0;
+    for (const auto n : m->unit_numels()) {
+      padded += n;
+    }
+    EXPECT_EQ(m->memory_stats().shards, padded / 2 * 4);
+    auto b = zoo::random_tokens(2, tiny(), rank);
+    boosted.optimizer->zero_grad();
+    booster.backward(
+        zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+    boosted.optimizer->step();
+    auto full = m->summon_full_params();
+    std::vector<at::Tensor> weights;
+    for (const auto& p : model->parameters()) {
+      weights.push_back(colossalai::testing::host(p.detach()).reshape(-1));
+    }
+    auto flat = at::cat(weights);
+    // Every rank's whole weights: the two copies stayed equal.
+    auto group = colossalai::distributed::world_group();
+    auto all = at::empty({4 * flat.numel()}, flat.options());
+    colossalai::distributed::all_gather(all, flat, *group).wait();
+    for (int r = 1; r < 4; ++r) {
+      EXPECT_TRUE(at::equal(all.chunk(4)[r], all.chunk(4)[0])) << "rank " << r;
+    }
+  });
+}
+
 TEST(GeminiPlugin, SmallModelsAreOneChunkKeptGathered) {
   run_distributed(2, [](int, int world) {
     // Default min_chunk_size_m (32 Mi elements) exceeds the model.
@@ -295,6 +340,8 @@ TEST(GeminiPlugin, UnsupportedOptionsNameTheOption) {
         {O().precision("fp32").device_memory_capacity(-1),
          "device_memory_capacity"},
         {O().precision("fp32").tp_size(2), "tp_size"},
+        {O().precision("fp32").extra_dp_size(0), "extra_dp_size"},
+        {O().precision("fp32").extra_dp_size(2), "must divide"}, // 1 rank
         {O().precision("fp32").chunk_size(-1), "chunk_size"},
         {O().precision("fp8"), "precision"},
         {O(), "fp16"}, // the default needs CUDA

@@ -120,6 +120,12 @@ std::vector<Strategy> strategies() {
          return o.offload_optim_frac(1.0).offload_param_frac(0.5);
        }),
        true},
+      // Two copies of the chunks (hybrid sharding), each sharded over half
+      // the ranks; at one rank, one copy.
+      {"gemini_extra_dp", "reduce_scatter + all_reduce", gemini([](GO o) {
+         return o.extra_dp_size(
+             std::min(2, colossalai::distributed::world_group()->size()));
+       })},
       // Auto placement, half the chunks kept gathered between uses.
       {"gemini_auto",
        "reduce_scatter",

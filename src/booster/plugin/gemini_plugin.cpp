@@ -75,9 +75,13 @@ zero::FullyShardedOptions engine_options(const GeminiPluginOptions& o) {
       "GeminiPlugin: master_weights(false) is not supported (the fp32 shards "
       "are the master weights)");
   TORCH_CHECK(
-      o.tp_size() == 1 && o.extra_dp_size() == 1,
-      "GeminiPlugin: tp_size and extra_dp_size must be 1 (use "
-      "HybridParallelPlugin for tensor parallelism)");
+      o.tp_size() == 1,
+      "GeminiPlugin: tp_size must be 1 (use HybridParallelPlugin for tensor "
+      "parallelism)");
+  TORCH_CHECK(
+      o.extra_dp_size() >= 1,
+      "GeminiPlugin: extra_dp_size must be >= 1, got ",
+      o.extra_dp_size());
   TORCH_CHECK(
       o.max_prefetch() >= 0,
       "GeminiPlugin: max_prefetch must be >= 0, got ",
@@ -167,6 +171,12 @@ class OutputsFp32Model : public interface::ModelWrapper {
 GeminiPlugin::GeminiPlugin(GeminiPluginOptions options)
     : gemini_(std::move(options)), engine_(engine_options(gemini_)) {
   engine_.process_group(dp_group_);
+  TORCH_CHECK(
+      dp_group_->size() % gemini_.extra_dp_size() == 0,
+      "GeminiPlugin: extra_dp_size (",
+      gemini_.extra_dp_size(),
+      ") must divide the data-parallel size ",
+      dp_group_->size());
 }
 
 std::shared_ptr<checkpoint_io::CheckpointIO> GeminiPlugin::get_checkpoint_io() {
@@ -177,7 +187,8 @@ void GeminiPlugin::configure(
     std::shared_ptr<interface::ModelWrapper>& model,
     std::shared_ptr<interface::OptimizerWrapper>& optimizer) {
   TORCH_CHECK(model != nullptr, "GeminiPlugin: boost needs a model");
-  const int dp = dp_group_->size();
+  // The ranks that share one copy of the chunks (ColossalAI's zero group).
+  const int dp = dp_group_->size() / gemini_.extra_dp_size();
   int64_t chunk_size = gemini_.chunk_size();
   bool keep_gathered = false;
   if (chunk_size == 0) {
@@ -206,9 +217,13 @@ void GeminiPlugin::configure(
       zero::detail::steps_from_low_precision_grads(optimizer->unwrap()));
   // A model below min_chunk_size is one chunk kept gathered on every rank,
   // its gradients all-reduced (ColossalAI's keep_gathered).
+  // With extra_dp_size, each group of dp consecutive ranks shards one copy
+  // and the copies all-reduce their gradient shards.
   engine.sharding_strategy(
-      keep_gathered ? zero::ShardingStrategy::kNoShard
-                    : zero::ShardingStrategy::kFullShard);
+      keep_gathered                     ? zero::ShardingStrategy::kNoShard
+          : gemini_.extra_dp_size() > 1 ? zero::ShardingStrategy::kHybridShard
+                                        : zero::ShardingStrategy::kFullShard);
+  engine.hybrid_shard_size(dp);
   zero::ShardedOptimizerOptions oo;
   oo.max_norm(gemini_.max_norm()).norm_type(gemini_.norm_type());
   if (gemini_.precision() == "fp16") {

@@ -79,6 +79,14 @@ struct GeminiPluginOptions {
   TORCH_ARG(double, norm_type) = 2.0;
   /// Only 1 is supported (tensor parallelism is HybridParallelPlugin's).
   TORCH_ARG(int, tp_size) = 1;
+  /// Copies of the sharded model states: the data-parallel ranks form
+  /// extra_dp_size groups of consecutive ranks (a node, say), each group
+  /// shards one copy of the chunks, and the copies all-reduce their
+  /// reduce-scattered gradient shards (hybrid sharding: 1 / (world /
+  /// extra_dp_size) of the states per rank, the heavy gathers and
+  /// reduce-scatters within a group). ColossalAI's mesh puts a copy's ranks
+  /// extra_dp_size apart instead; only the placement of ranks differs.
+  /// Must divide the data-parallel size.
   TORCH_ARG(int, extra_dp_size) = 1;
   /// Reduce-scatters overlap the rest of backward (always true here).
   TORCH_ARG(bool, enable_async_reduce) = true;
