@@ -243,6 +243,40 @@ TEST(LowLevelZero, Bf16TrainsAndReplicasAgree) {
   });
 }
 
+namespace {
+
+// Records the dtype of the input its forward received.
+struct InputDtypeImpl : torch::nn::Module {
+  InputDtypeImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    seen = x.scalar_type();
+    return fc(x.to(fc->weight.scalar_type()));
+  }
+  torch::nn::Linear fc;
+  at::ScalarType seen = at::kFloat;
+};
+TORCH_MODULE(InputDtype);
+
+} // namespace
+
+TEST(LowLevelZero, CastInputsFalsePassesInputsAsGiven) {
+  run_distributed(1, [](int, int) {
+    for (const bool cast : {true, false}) {
+      auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+          cb::plugin::LowLevelZeroPluginOptions().precision("bf16").cast_inputs(
+              cast));
+      cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+      InputDtype model;
+      auto boosted = booster.boost(
+          model,
+          std::make_shared<torch::optim::SGD>(
+              model->parameters(), torch::optim::SGDOptions(0.1)));
+      boosted.model(torch::randn({2, 4}));
+      EXPECT_EQ(model->seen, cast ? at::kBFloat16 : at::kFloat);
+    }
+  });
+}
+
 TEST(LowLevelZero, NoSyncOnlyWithStage1) {
   run_distributed(2, [](int rank, int world) {
     {

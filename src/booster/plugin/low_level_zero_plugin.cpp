@@ -161,7 +161,8 @@ void LowLevelZeroPlugin::configure(
     state.push_back(b);
   }
   broadcast_coalesced(state, 0, *dp_group_); // every rank starts equal
-  auto zero_model = std::make_shared<LowLevelZeroModel>(model, dtype_);
+  auto zero_model = std::make_shared<LowLevelZeroModel>(
+      model, dtype_, options_.cast_inputs());
   model = zero_model;
 
   auto zo = detail::zero_optimizer_options(

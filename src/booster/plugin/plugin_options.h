@@ -56,21 +56,25 @@ amp::DynamicLossScalerOptions loss_scaler_options(const PluginOptions& o) {
 /// it (ZeRO and HybridParallel keep bf16 / fp16 weights).
 class CastInputModel : public interface::ModelWrapper {
  public:
+  /// `cast` false: inputs pass as given (LowLevelZeroPlugin's cast_inputs).
   CastInputModel(
       std::shared_ptr<interface::ModelWrapper> inner,
-      at::ScalarType dtype)
-      : interface::ModelWrapper(std::move(inner)), dtype_(dtype) {}
+      at::ScalarType dtype,
+      bool cast = true)
+      : interface::ModelWrapper(std::move(inner)), dtype_(dtype), cast_(cast) {}
 
  protected:
   at::Tensor transform_input(const at::Tensor& x) override {
     // An undefined tensor (an optional argument left out) passes as is.
-    return x.defined() && x.is_floating_point() && x.scalar_type() != dtype_
+    return cast_ && x.defined() && x.is_floating_point() &&
+            x.scalar_type() != dtype_
         ? x.to(dtype_)
         : x;
   }
 
  private:
   at::ScalarType dtype_;
+  bool cast_;
 };
 
 } // namespace detail

@@ -76,6 +76,10 @@ struct LowLevelZeroPluginOptions {
   TORCH_ARG(bool, master_weights) = true;
   /// Accepted for compatibility; nothing extra is printed.
   TORCH_ARG(bool, verbose) = false;
+  /// Floating-point tensors passed to the model's forward are cast to the
+  /// working dtype (bf16 / fp16); false: they reach the model as given (a
+  /// model that casts them itself, or keeps some inputs in float32).
+  TORCH_ARG(bool, cast_inputs) = true;
 };
 
 /// ZeRO-1/2 data parallelism: optimizer states (and with stage 2 gradients)
