@@ -158,86 +158,75 @@ cb::plugin::GeminiPluginOptions chunked(int64_t chunk_size) {
 
 } // namespace
 
+namespace {
+
+// Gemini at `world` ranks with `extra_dp` copies of the chunks: each copy is
+// sharded over world / extra_dp consecutive ranks.
+void chunks_are_sharded(int rank, int world, int extra_dp) {
+  const int shards = world / extra_dp;
+  auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
+      chunked(4000).extra_dp_size(extra_dp));
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  torch::manual_seed(0);
+  zoo::GPT model(tiny());
+  const auto numels = numels_of(model);
+  auto boosted = booster.boost(
+      model,
+      std::make_shared<torch::optim::AdamW>(
+          model->parameters(), torch::optim::AdamWOptions(1e-3)));
+  auto* m = engine_of(boosted);
+  ASSERT_NE(m, nullptr);
+  // The units are the packed chunks, in parameter order.
+  const auto plan = gm::pack_chunks(numels, 4000, shards);
+  const auto names = m->unit_names();
+  ASSERT_EQ(names.size(), plan.size());
+  int64_t padded = 0;
+  for (size_t c = 0; c < plan.size(); ++c) {
+    EXPECT_EQ(names[c], "chunk" + std::to_string(c));
+    padded += m->unit_numels()[c];
+    EXPECT_GE(m->unit_numels()[c], plan[c].used);
+  }
+  // Each rank keeps 1/shards of every chunk, in fp32.
+  EXPECT_EQ(m->memory_stats().shards, padded / shards * 4);
+  // A training step gathers and releases chunks by module: afterwards
+  // nothing stays gathered.
+  auto b = zoo::random_tokens(2, tiny(), rank);
+  boosted.optimizer->zero_grad();
+  booster.backward(
+      zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
+  boosted.optimizer->step();
+  EXPECT_EQ(m->memory_stats().gathered_params, 0);
+  EXPECT_EQ(m->execution_order().size(), 2u); // the two blocks
+  // Every rank stepped on its own batch, yet all hold the same weights:
+  // the copies all-reduced their gradient shards.
+  auto full = m->summon_full_params();
+  std::vector<at::Tensor> weights;
+  for (const auto& p : model->parameters()) {
+    weights.push_back(colossalai::testing::host(p.detach()).reshape(-1));
+  }
+  auto flat = at::cat(weights);
+  auto all = at::empty({world * flat.numel()}, flat.options());
+  colossalai::distributed::all_gather(
+      all, flat, *colossalai::distributed::world_group())
+      .wait();
+  for (int r = 1; r < world; ++r) {
+    EXPECT_TRUE(at::equal(all.chunk(world)[r], all.chunk(world)[0]))
+        << "rank " << r;
+  }
+}
+
+} // namespace
+
 TEST(GeminiPlugin, ChunksAreShardedAndStraddleModules) {
-  run_distributed(2, [](int rank, int world) {
-    auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(chunked(4000));
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    torch::manual_seed(0);
-    zoo::GPT model(tiny());
-    const auto numels = numels_of(model);
-    auto boosted = booster.boost(
-        model,
-        std::make_shared<torch::optim::AdamW>(
-            model->parameters(), torch::optim::AdamWOptions(1e-3)));
-    auto* m = engine_of(boosted);
-    ASSERT_NE(m, nullptr);
-    // The units are the packed chunks, in parameter order.
-    const auto plan = gm::pack_chunks(numels, 4000, world);
-    const auto names = m->unit_names();
-    ASSERT_EQ(names.size(), plan.size());
-    int64_t padded = 0;
-    for (size_t c = 0; c < plan.size(); ++c) {
-      EXPECT_EQ(names[c], "chunk" + std::to_string(c));
-      padded += m->unit_numels()[c];
-      EXPECT_GE(m->unit_numels()[c], plan[c].used);
-    }
-    // Each rank keeps 1/world of every chunk, in fp32.
-    EXPECT_EQ(m->memory_stats().shards, padded / world * 4);
-    // A training step gathers and releases chunks by module: afterwards
-    // nothing stays gathered.
-    auto b = zoo::random_tokens(2, tiny(), rank);
-    boosted.optimizer->zero_grad();
-    booster.backward(
-        zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
-    boosted.optimizer->step();
-    EXPECT_EQ(m->memory_stats().gathered_params, 0);
-    EXPECT_EQ(m->execution_order().size(), 2u); // the two blocks
-  });
+  run_distributed(
+      2, [](int rank, int world) { chunks_are_sharded(rank, world, 1); });
 }
 
 TEST(GeminiPlugin, ExtraDpSizeShardsEachCopyOverItsGroup) {
   // extra_dp_size 2 at 4 ranks: ranks {0, 1} and {2, 3} each shard one
-  // copy, so a rank keeps 1/2 of every chunk (not 1/4), and after a step
-  // the copies hold the same weights.
-  run_distributed(4, [](int rank, int) {
-    auto plugin = std::make_shared<cb::plugin::GeminiPlugin>(
-        chunked(4000).extra_dp_size(2));
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    torch::manual_seed(0);
-    zoo::GPT model(tiny());
-    const auto numels = numels_of(model);
-    auto boosted = booster.boost(
-        model,
-        std::make_shared<torch::optim::AdamW>(
-            model->parameters(), torch::optim::AdamWOptions(1e-3)));
-    auto* m = engine_of(boosted);
-    ASSERT_NE(m, nullptr);
-    const auto plan = gm::pack_chunks(numels, 4000, 2);
-    ASSERT_EQ(m->unit_names().size(), plan.size());
-    int64_t padded = 0;
-    for (const auto n : m->unit_numels()) {
-      padded += n;
-    }
-    EXPECT_EQ(m->memory_stats().shards, padded / 2 * 4);
-    auto b = zoo::random_tokens(2, tiny(), rank);
-    boosted.optimizer->zero_grad();
-    booster.backward(
-        zoo::gpt_loss(boosted.model(b.first), b.second), *boosted.optimizer);
-    boosted.optimizer->step();
-    auto full = m->summon_full_params();
-    std::vector<at::Tensor> weights;
-    for (const auto& p : model->parameters()) {
-      weights.push_back(colossalai::testing::host(p.detach()).reshape(-1));
-    }
-    auto flat = at::cat(weights);
-    // Every rank's whole weights: the two copies stayed equal.
-    auto group = colossalai::distributed::world_group();
-    auto all = at::empty({4 * flat.numel()}, flat.options());
-    colossalai::distributed::all_gather(all, flat, *group).wait();
-    for (int r = 1; r < 4; ++r) {
-      EXPECT_TRUE(at::equal(all.chunk(4)[r], all.chunk(4)[0])) << "rank " << r;
-    }
-  });
+  // copy, so a rank keeps 1/2 of every chunk (not 1/4).
+  run_distributed(
+      4, [](int rank, int world) { chunks_are_sharded(rank, world, 2); });
 }
 
 TEST(GeminiPlugin, SmallModelsAreOneChunkKeptGathered) {
