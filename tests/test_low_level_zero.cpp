@@ -617,6 +617,13 @@ TEST(LowLevelZero, BadOptionsAreClearErrors) {
                                              .norm_type(1.0));
         }).find("norm_type"),
         std::string::npos);
+    EXPECT_NE(
+        msg([] {
+          cb::plugin::LowLevelZeroPlugin(cb::plugin::LowLevelZeroPluginOptions()
+                                             .precision("fp32")
+                                             .extra_dp_size(2)); // 1 rank
+        }).find("extra_dp_size"),
+        std::string::npos);
     // The plugin applies its own precision: a Booster mixed_precision that
     // contradicts it is refused (it used to train in fp32 without a word);
     // one that repeats it is accepted.
@@ -743,6 +750,45 @@ TEST(LowLevelZero, CheckpointSavedOnTwoRanksLoadsAtAnyWorldSizeAndUnderDDP) {
     auto plugin = std::make_shared<cb::plugin::TorchDDPPlugin>();
     expect_close_to_reference(
         resume_and_train(plugin, rank, world, 3, 5), "DDP");
+  });
+  std::filesystem::remove_all(ckpt_dir());
+}
+
+TEST(LowLevelZero, ExtraDpSizeTrainsAndItsCheckpointLoadsAnywhere) {
+  // extra_dp_size 2 at 4 ranks: two copies, each sharded over 2 ranks.
+  // 3 steps, save; then 2 more at 1 rank without copies and at 4 ranks with
+  // them: both equal the 5 uninterrupted single-process steps.
+  run_distributed(4, [](int rank, int world) {
+    auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+        zero2().extra_dp_size(2));
+    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+    auto model = make_model();
+    auto boosted = booster.boost(model, adamw(model));
+    for (int s = 0; s < 3; ++s) {
+      auto b = batch12(s, rank, world);
+      boosted.optimizer->zero_grad();
+      booster.backward(
+          colossalai::testing::mse_loss(boosted.model(b.first), b.second),
+          *boosted.optimizer);
+      boosted.optimizer->step();
+    }
+    booster.save_model(boosted.model, ckpt_dir() + "/model");
+    booster.save_optimizer(
+        *boosted.optimizer,
+        ckpt_dir() + "/optim",
+        colossalai::checkpoint_io::SaveOptimizerOptions().shard(true));
+  });
+  run_distributed(1, [](int rank, int world) {
+    auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(zero2());
+    expect_close_to_reference(
+        resume_and_train(plugin, rank, world, 3, 5), "ZeRO-2 on 1");
+  });
+  run_distributed(4, [](int rank, int world) {
+    auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+        zero2().extra_dp_size(2));
+    expect_close_to_reference(
+        resume_and_train(plugin, rank, world, 3, 5),
+        "ZeRO-2, extra_dp_size 2, on 4");
   });
   std::filesystem::remove_all(ckpt_dir());
 }

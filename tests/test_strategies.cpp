@@ -104,6 +104,19 @@ std::vector<Strategy> strategies() {
        []() -> P { return std::make_shared<cb::plugin::TorchDDPPlugin>(); }},
       {"zero1", "all_reduce over flat buckets", zero(1)},
       {"zero2", "reduce_scatter", zero(2)},
+      // Two copies of the sharded states, each over half the ranks; at one
+      // rank, one copy.
+      {"zero2_extra_dp",
+       "reduce_scatter + all_reduce",
+       []() -> P {
+         return std::make_shared<cb::plugin::LowLevelZeroPlugin>(
+             cb::plugin::LowLevelZeroPluginOptions()
+                 .stage(2)
+                 .precision("fp32")
+                 .reduce_bucket_size_in_m(0.005)
+                 .extra_dp_size(std::min(
+                     2, colossalai::distributed::world_group()->size())));
+       }},
       {"fsdp", "reduce_scatter", fsdp(false, cz::ShardingStrategy::kFullShard)},
       {"fsdp_blocks",
        "reduce_scatter",

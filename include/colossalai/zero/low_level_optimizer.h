@@ -57,6 +57,11 @@ struct LowLevelZeroOptimizerOptions {
   /// per rank's slice), as in ColossalAI. Model saves gather the masters
   /// exactly first.
   TORCH_ARG(bool, fp8_communication) = false;
+  /// Ranks holding the same shards as this one (LowLevelZeroPlugin's
+  /// extra_dp_size): each bucket reduce-scattered over the optimizer's
+  /// group is then all-reduced over them, so the copies step the same
+  /// gradients. Null: one copy.
+  TORCH_ARG(distributed::ProcessGroupPtr, replica_group) = nullptr;
 };
 
 /// Bytes this rank holds for the model's training state.

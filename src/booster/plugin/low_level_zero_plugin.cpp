@@ -6,6 +6,7 @@
 
 #include <torch/version.h>
 
+#include "../../zero/common/hybrid_groups.h"
 #include "fp8_linear_model.h"
 #include "gather_wait_model.h"
 #include "plugin_options.h"
@@ -113,6 +114,13 @@ LowLevelZeroPlugin::LowLevelZeroPlugin(LowLevelZeroPluginOptions options)
       options_.reduce_bucket_size_in_m() > 0,
       "LowLevelZeroPlugin: reduce_bucket_size_in_m must be > 0");
   TORCH_CHECK(
+      options_.extra_dp_size() >= 1 &&
+          dp_group_->size() % options_.extra_dp_size() == 0,
+      "LowLevelZeroPlugin: extra_dp_size (",
+      options_.extra_dp_size(),
+      ") must be >= 1 and divide the data-parallel size ",
+      dp_group_->size());
+  TORCH_CHECK(
       !options_.fp8_communication() || quantization::fp8_supported(),
       "LowLevelZeroPlugin: fp8_communication needs LibTorch 2.1 or later "
       "(its float8 dtypes); this is ",
@@ -174,8 +182,19 @@ void LowLevelZeroPlugin::configure(
   zo.overlap_host_step(options_.overlap_host_step());
   zo.overlap_allgather(options_.overlap_allgather());
   zo.fp8_communication(options_.fp8_communication());
+  auto shards = dp_group_;
+  if (options_.extra_dp_size() > 1) {
+    auto groups = zero::detail::hybrid_groups(
+        dp_group_, dp_group_->size() / options_.extra_dp_size(), "zero");
+    shards = groups.shards != nullptr
+        ? groups.shards
+        : distributed::new_group(
+              {distributed::get_rank()},
+              "zero_alone_" + std::to_string(distributed::get_rank()));
+    zo.replica_group(groups.replicas);
+  }
   auto zero_opt = std::make_shared<zero::LowLevelZeroOptimizer>(
-      optimizer->optimizer_ptr(), dp_group_, zo);
+      optimizer->optimizer_ptr(), shards, zo);
   zero_model->optimizer = zero_opt;
   if (options_.overlap_allgather()) {
     model = std::make_shared<detail::GatherWaitModel>(

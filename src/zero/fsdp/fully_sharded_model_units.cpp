@@ -1,6 +1,7 @@
 // Building FullyShardedModel's units: the shard/replicate process groups,
 // the module's preparation, and each unit's flat layout and shards.
 
+#include "../common/hybrid_groups.h"
 #include "fully_sharded_model_internal.h"
 
 #include "../../utils/host_memory.h"
@@ -35,25 +36,11 @@ void make_groups(FsdpState& st, const distributed::ProcessGroupPtr& dp) {
         h,
         ") must divide the data-parallel size ",
         world);
-    const int me = dp->rank();
-    std::vector<int> shard_ranks, replica_ranks;
-    for (int i = 0; i < h; ++i) {
-      shard_ranks.push_back(dp->global_rank(me / h * h + i));
-    }
-    for (int j = 0; j < world / h; ++j) {
-      replica_ranks.push_back(dp->global_rank(j * h + me % h));
-    }
+    auto groups = hybrid_groups(dp, h, "fsdp");
     st.S = h;
     st.R = world / h;
-    st.shard_group = h > 1
-        ? distributed::new_group(
-              shard_ranks, "fsdp_shard_" + std::to_string(shard_ranks[0]))
-        : nullptr;
-    st.replicate_group = st.R > 1
-        ? distributed::new_group(
-              replica_ranks,
-              "fsdp_replicate_" + std::to_string(replica_ranks[0]))
-        : nullptr;
+    st.shard_group = std::move(groups.shards);
+    st.replicate_group = std::move(groups.replicas);
   }
 }
 

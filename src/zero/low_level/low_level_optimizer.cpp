@@ -80,6 +80,15 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   int n() const {
     return group->size();
   }
+  // Copies of the optimizer group's shards (extra_dp_size); 1: none.
+  int replicas() const {
+    return o.replica_group() == nullptr ? 1 : o.replica_group()->size();
+  }
+  // Whether bucket b's reduced gradient is all-reduced over the copies
+  // (buckets over a group of their own have none).
+  bool replicated(const Bucket& b) const {
+    return replicas() > 1 && b.ranks == group;
+  }
 
   // NOTE [Gradient shards in bf16]: the reduced gradients' dtype where
   // weights and communication are bf16 and the optimizer steps from them,
@@ -218,7 +227,7 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   // shard that holds gradients keeps the buffer, so that an abandoned backward
   // leaves the shard as it was (on_reset re-zeroes a direct one).
   bool direct_fill(const Bucket& b) const {
-    return b.ranks->size() == 1 && b.grad_is_zero &&
+    return b.ranks->size() == 1 && !replicated(b) && b.grad_is_zero &&
         comm_dtype == b.working.scalar_type() &&
         b.shard_grad.device() == b.working.device();
   }
@@ -245,11 +254,16 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
   distributed::Work launch(size_t k) override {
     auto& b = buckets[k];
     const int n = b.ranks->size();
-    if (n == 1) { // nothing to average or scatter
+    const int r = replicated(b) ? replicas() : 1;
+    if (n == 1) { // nothing to scatter
       b.out = b.grads;
-      return distributed::Work();
+      if (r == 1) {
+        return distributed::Work();
+      }
+      b.out.div_(r);
+      return distributed::all_reduce(b.out, *o.replica_group());
     }
-    b.grads.div_(n); // average first: keeps fp16 sums in range
+    b.grads.div_(n * r); // average first: keeps fp16 sums in range
     // Both stages: a rank steps only its slice, so a reduce-scatter (half
     // an all-reduce's bytes) is all it needs. The stages differ in what
     // they keep between backwards (stage 1 can accumulate locally).
@@ -267,6 +281,10 @@ struct LowLevelZeroOptimizer::Impl : distributed::BucketHandler {
       b.filled = false;
       b.grad_is_zero = false;
     } else {
+      if (b.ranks->size() > 1 && replicated(b)) {
+        // The copies' shards of the same slice: their average.
+        distributed::all_reduce(b.out, *o.replica_group()).wait();
+      }
       detail::accumulate_grad(b, b.out, host_copies);
       b.grads = at::Tensor();
       b.out = at::Tensor();

@@ -80,6 +80,12 @@ struct LowLevelZeroPluginOptions {
   /// working dtype (bf16 / fp16); false: they reach the model as given (a
   /// model that casts them itself, or keeps some inputs in float32).
   TORCH_ARG(bool, cast_inputs) = true;
+  /// Copies of the sharded states, as ColossalAI's: the ranks form groups
+  /// of world / extra_dp_size consecutive ranks (a node, say), each group
+  /// shards one copy of the masters, gradients and optimizer states, and
+  /// the copies all-reduce their reduce-scattered gradient slices (hybrid
+  /// sharding). Must divide the world size.
+  TORCH_ARG(int, extra_dp_size) = 1;
 };
 
 /// ZeRO-1/2 data parallelism: optimizer states (and with stage 2 gradients)
