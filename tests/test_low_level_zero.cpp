@@ -713,28 +713,37 @@ cb::plugin::LowLevelZeroPluginOptions zero2() {
   return cb::plugin::LowLevelZeroPluginOptions().stage(2).precision("fp32");
 }
 
+// 3 steps of ZeRO under `options` on batch12, then the model and the
+// sharded optimizer saved to ckpt_dir().
+void train_three_steps_and_save(
+    const cb::plugin::LowLevelZeroPluginOptions& options,
+    int rank,
+    int world) {
+  auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(options);
+  cb::Booster booster(cb::BoosterOptions().plugin(plugin));
+  auto model = make_model();
+  auto boosted = booster.boost(model, adamw(model));
+  for (int s = 0; s < 3; ++s) {
+    auto b = batch12(s, rank, world);
+    boosted.optimizer->zero_grad();
+    booster.backward(
+        colossalai::testing::mse_loss(boosted.model(b.first), b.second),
+        *boosted.optimizer);
+    boosted.optimizer->step();
+  }
+  booster.save_model(boosted.model, ckpt_dir() + "/model");
+  booster.save_optimizer(
+      *boosted.optimizer,
+      ckpt_dir() + "/optim",
+      colossalai::checkpoint_io::SaveOptimizerOptions().shard(true));
+}
+
 } // namespace
 
 TEST(LowLevelZero, CheckpointSavedOnTwoRanksLoadsAtAnyWorldSizeAndUnderDDP) {
   // 3 steps on 2 ranks, save (optimizer states gathered from the slices).
   run_distributed(2, [](int rank, int world) {
-    auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(zero2());
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    auto model = make_model();
-    auto boosted = booster.boost(model, adamw(model));
-    for (int s = 0; s < 3; ++s) {
-      auto b = batch12(s, rank, world);
-      boosted.optimizer->zero_grad();
-      booster.backward(
-          colossalai::testing::mse_loss(boosted.model(b.first), b.second),
-          *boosted.optimizer);
-      boosted.optimizer->step();
-    }
-    booster.save_model(boosted.model, ckpt_dir() + "/model");
-    booster.save_optimizer(
-        *boosted.optimizer,
-        ckpt_dir() + "/optim",
-        colossalai::checkpoint_io::SaveOptimizerOptions().shard(true));
+    train_three_steps_and_save(zero2(), rank, world);
   });
   // Then 2 more steps at 1, 2 and 3 ranks and under DDP: all equal the 5
   // uninterrupted single-process steps.
@@ -759,24 +768,7 @@ TEST(LowLevelZero, ExtraDpSizeTrainsAndItsCheckpointLoadsAnywhere) {
   // 3 steps, save; then 2 more at 1 rank without copies and at 4 ranks with
   // them: both equal the 5 uninterrupted single-process steps.
   run_distributed(4, [](int rank, int world) {
-    auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(
-        zero2().extra_dp_size(2));
-    cb::Booster booster(cb::BoosterOptions().plugin(plugin));
-    auto model = make_model();
-    auto boosted = booster.boost(model, adamw(model));
-    for (int s = 0; s < 3; ++s) {
-      auto b = batch12(s, rank, world);
-      boosted.optimizer->zero_grad();
-      booster.backward(
-          colossalai::testing::mse_loss(boosted.model(b.first), b.second),
-          *boosted.optimizer);
-      boosted.optimizer->step();
-    }
-    booster.save_model(boosted.model, ckpt_dir() + "/model");
-    booster.save_optimizer(
-        *boosted.optimizer,
-        ckpt_dir() + "/optim",
-        colossalai::checkpoint_io::SaveOptimizerOptions().shard(true));
+    train_three_steps_and_save(zero2().extra_dp_size(2), rank, world);
   });
   run_distributed(1, [](int rank, int world) {
     auto plugin = std::make_shared<cb::plugin::LowLevelZeroPlugin>(zero2());
