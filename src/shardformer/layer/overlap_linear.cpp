@@ -1,12 +1,13 @@
 #include "overlap_linear.h"
+#include "ring_linear.h"
 
 #include "../../kernels/linear_dtype.h"
 
 #include <colossalai/distributed/collectives.h>
+#include <colossalai/distributed/functional.h>
 #include <colossalai/utils/compat.h>
 
 #include <torch/autograd.h>
-#include <torch/custom_class.h>
 
 // NOTE [Sequence overlap]
 // split_gather all-gathers the sequence before the column layers of a block
@@ -34,25 +35,6 @@ namespace cd = distributed;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct OverlapGroup : torch::CustomClassHolder {
-  distributed::ProcessGroupPtr group;
-  int64_t seq_dim = 1;
-};
-
-// `x` all-gathered along `dim`: the sequence moved outermost, so each rank's
-// chunk is one contiguous run of the flat collective.
-at::Tensor gather_seq(
-    const at::Tensor& x,
-    int64_t dim,
-    const cd::ProcessGroup& g) {
-  auto local = x.movedim(dim, 0).contiguous();
-  auto sizes = local.sizes().vec();
-  sizes[0] *= g.size();
-  auto whole = at::empty(sizes, local.options());
-  cd::all_gather(whole, local, g).wait();
-  return whole.movedim(0, dim);
-}
-
 class OverlapGatherLinears
     : public torch::autograd::Function<OverlapGatherLinears> {
  public:
@@ -61,8 +43,10 @@ class OverlapGatherLinears
       const at::Tensor& x,
       at::TensorList ws,
       at::TensorList bs,
-      c10::intrusive_ptr<OverlapGroup> h) {
-    const auto whole = gather_seq(x, h->seq_dim, *h->group);
+      c10::intrusive_ptr<SeqGroup> h) {
+    // Grad mode is off inside forward: the collective alone, no node.
+    const auto whole =
+        distributed::functional::gather_along_dim(x, h->seq_dim, h->group);
     variable_list ys;
     for (size_t i = 0; i < ws.size(); ++i) {
       const auto b = kernels::detail::bias_of(bs[i]);
@@ -86,7 +70,7 @@ class OverlapGatherLinears
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto capsule = ctx->saved_data.at("group").toCapsule();
-    const auto& h = *static_cast<const OverlapGroup*>(capsule.get());
+    const auto& h = *static_cast<const SeqGroup*>(capsule.get());
     const auto has_bias = ctx->saved_data.at("has_bias").toIntVector();
     const auto& g = *h.group;
     const auto& whole = saved[0];
@@ -136,16 +120,7 @@ std::vector<at::Tensor> gather_linears_overlapped(
     const distributed::ProcessGroupPtr& group) {
   TORCH_INTERNAL_ASSERT(w_out_in.size() == biases.size() && !w_out_in.empty());
   TORCH_INTERNAL_ASSERT(group != nullptr && group->size() > 1);
-  auto h = c10::make_intrusive<OverlapGroup>();
-  h->group = group;
-  h->seq_dim = c10::maybe_wrap_dim(seq_dim, x.dim());
-  TORCH_CHECK(
-      h->seq_dim < x.dim() - 1,
-      "sequence overlap: seq_dim ",
-      seq_dim,
-      " must name a dimension before the features of a ",
-      x.dim(),
-      "-d input");
+  auto h = seq_group(x, seq_dim, group, "sequence overlap");
   // Under autocast, the operands as autocast would hand them to the matmuls,
   // cast before the gather: backward's products (autocast is off there) run
   // in that dtype too.

@@ -34,11 +34,6 @@ using torch::autograd::variable_list;
 
 constexpr int kRingTag = 21;
 
-struct GroupHolder : torch::CustomClassHolder {
-  distributed::ProcessGroupPtr group;
-  int64_t seq_dim = 1;
-};
-
 // All-gathers `local` along `dim` around the ring, calling `each(chunk, c)`
 // on chunk c as it is in hand (the next hop already posted); returns the
 // whole tensor.
@@ -99,7 +94,7 @@ void save(
     AutogradContext* ctx,
     const at::Tensor& input,
     const at::Tensor& w_io,
-    c10::intrusive_ptr<GroupHolder> h) {
+    c10::intrusive_ptr<SeqGroup> h) {
   ctx->save_for_backward({input, w_io});
   ctx->saved_data["group"] = at::IValue::make_capsule(std::move(h));
 }
@@ -107,8 +102,8 @@ void save(
 struct Saved {
   at::Tensor input, w_t; // w_t: w_io transposed, [out, in]
   c10::intrusive_ptr<torch::CustomClassHolder> capsule;
-  const GroupHolder& holder() const {
-    return *static_cast<const GroupHolder*>(capsule.get());
+  const SeqGroup& holder() const {
+    return *static_cast<const SeqGroup*>(capsule.get());
   }
 };
 
@@ -123,7 +118,7 @@ class GatherMatmul : public torch::autograd::Function<GatherMatmul> {
       AutogradContext* ctx,
       const at::Tensor& x,
       const at::Tensor& w_io,
-      c10::intrusive_ptr<GroupHolder> h) {
+      c10::intrusive_ptr<SeqGroup> h) {
     const auto& g = *h->group;
     std::vector<at::Tensor> ys(g.size());
     auto whole = ring_gather(x, h->seq_dim, g, [&](const at::Tensor& c, int i) {
@@ -153,7 +148,7 @@ class MatmulReduceScatter
       AutogradContext* ctx,
       const at::Tensor& x,
       const at::Tensor& w_io,
-      c10::intrusive_ptr<GroupHolder> h) {
+      c10::intrusive_ptr<SeqGroup> h) {
     const auto& g = *h->group;
     auto y = ring_reduce_scatter(g, [&](int c) {
       return at::matmul(chunk_of(x, h->seq_dim, c, g.size()), w_io);
@@ -175,24 +170,26 @@ class MatmulReduceScatter
   }
 };
 
-c10::intrusive_ptr<GroupHolder> holder(
+} // namespace
+
+c10::intrusive_ptr<SeqGroup> seq_group(
     const at::Tensor& x,
     int64_t seq_dim,
-    const distributed::ProcessGroupPtr& group) {
-  auto h = c10::make_intrusive<GroupHolder>();
+    const distributed::ProcessGroupPtr& group,
+    const char* who) {
+  auto h = c10::make_intrusive<SeqGroup>();
   h->group = group;
   h->seq_dim = seq_dim < 0 ? seq_dim + x.dim() : seq_dim;
   TORCH_CHECK(
       h->seq_dim >= 0 && h->seq_dim < x.dim() - 1,
-      "ring sequence parallelism: seq_dim ",
+      who,
+      ": seq_dim ",
       seq_dim,
       " must name a dimension before the features of a ",
       x.dim(),
       "-d input");
   return h;
 }
-
-} // namespace
 
 at::Tensor ring_gather_matmul(
     const at::Tensor& x,
@@ -202,7 +199,8 @@ at::Tensor ring_gather_matmul(
   if (group == nullptr || group->size() == 1) {
     return at::matmul(x, w_io);
   }
-  return GatherMatmul::apply(x, w_io, holder(x, seq_dim, group))[0];
+  return GatherMatmul::apply(
+      x, w_io, seq_group(x, seq_dim, group, "ring sequence parallelism"))[0];
 }
 
 at::Tensor ring_matmul_reduce_scatter(
@@ -213,7 +211,7 @@ at::Tensor ring_matmul_reduce_scatter(
   if (group == nullptr || group->size() == 1) {
     return at::matmul(x, w_io);
   }
-  auto h = holder(x, seq_dim, group);
+  auto h = seq_group(x, seq_dim, group, "ring sequence parallelism");
   TORCH_CHECK(
       x.size(h->seq_dim) % group->size() == 0,
       "ring sequence parallelism: the sequence length ",

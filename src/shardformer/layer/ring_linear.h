@@ -6,11 +6,27 @@
 #include <colossalai/distributed/process_group.h>
 
 #include <ATen/core/Tensor.h>
+#include <torch/custom_class.h>
 
 namespace colossalai {
 namespace shardformer {
 namespace layer {
 namespace detail {
+
+/// What the sequence-parallel Functions (ring and overlapped layers) keep
+/// for backward: the group and the sequence dimension, non-negative.
+struct SeqGroup : torch::CustomClassHolder {
+  distributed::ProcessGroupPtr group;
+  int64_t seq_dim = 1;
+};
+
+/// `seq_dim` of `x` wrapped and checked (a dimension before the features),
+/// with `group`; `who` names the caller in the error.
+c10::intrusive_ptr<SeqGroup> seq_group(
+    const at::Tensor& x,
+    int64_t seq_dim,
+    const distributed::ProcessGroupPtr& group,
+    const char* who);
 
 /// Column layer: this rank's sequence chunk `x` [.., T / n (seq_dim), in]
 /// all-gathered along `seq_dim` and multiplied by `w_io` [in, out] ->
