@@ -809,6 +809,7 @@ TEST(FinetuneLm, BadOptionsAreNamed) {
   has("--plugin hybrid --sp-mode zigzag", "--sp-mode must be");
   has("--plugin hybrid --sp-mode ring", "give --tp > 1");
   has("--plugin hybrid --tp 2 --sp-overlap", "--sp-overlap needs");
+  has("--plugin hybrid --sp 2 --inner-ring 2", "--inner-ring needs");
   has("--model /nonexistent", "has no config.json");
   has("--data /nonexistent/corpus.txt", "does not exist");
   has("--plugin none --nproc 2", "--plugin none trains in one process");

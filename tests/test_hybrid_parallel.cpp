@@ -149,6 +149,14 @@ std::vector<Setup> setups(int world, bool llama) {
              .sp_size(2)
              .enable_sequence_parallelism(true)
              .sequence_parallelism_mode("ring_attn")});
+    // Double ring: two inner rings of 2 joined by two inter rings.
+    s.push_back(
+        {"sp4_ring_attn_double_ring",
+         base()
+             .sp_size(4)
+             .enable_sequence_parallelism(true)
+             .sequence_parallelism_mode("ring_attn")
+             .inner_ring_size(2)});
   }
   if (llama) {
     // Four key/value heads: all_to_all over 2 ranks beside tp 2 would
@@ -255,6 +263,11 @@ void check_setups(int world, bool sgd) {
       }
       EXPECT_GT(columns, 0);
     }
+    // Double ring: the attention's chunks cross on the inter rings.
+    const auto& rings = model->parallel_state().rings;
+    ASSERT_EQ(rings.defined(), s.options.inner_ring_size() > 0);
+    const int64_t inter_bytes =
+        rings.defined() ? rings.inter->bytes_communicated() : 0;
     const int dp = plugin->dp_size();
     ASSERT_EQ(kGlobalBatch % dp, 0);
     const int64_t micro = kGlobalBatch / dp;
@@ -272,6 +285,9 @@ void check_setups(int world, bool sgd) {
       at::Tensor l = loss.detach().to(at::kFloat).reshape({1}).clone();
       cd::all_reduce(l, *plugin->dp_group()).wait();
       losses.push_back(l.item<double>() / dp);
+    }
+    if (rings.defined()) {
+      EXPECT_GT(rings.inter->bytes_communicated(), inter_bytes);
     }
     const bool clip = s.options.max_norm() > 0;
     const auto expect =
@@ -800,6 +816,20 @@ TEST(HybridParallel, InvalidOptionsNameTheOption) {
                         .sequence_parallelism_mode("all_to_all")
                         .enable_sequence_overlap(true))
             .find("'all_to_all' has none to overlap"),
+        std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO().precision("fp32").tp_size(2).inner_ring_size(2))
+            .find("inner_ring_size sizes the inner rings of "
+                  "sequence_parallelism_mode 'ring_attn'"),
+        std::string::npos);
+    EXPECT_NE(
+        make_plugin(HPO()
+                        .precision("fp32")
+                        .sp_size(4)
+                        .enable_sequence_parallelism(true)
+                        .sequence_parallelism_mode("ring_attn")
+                        .inner_ring_size(3))
+            .find("inner_ring_size 3 must divide sp_size 4"),
         std::string::npos);
     EXPECT_NE(
         make_plugin(HPO().precision("fp32").zero_stage(3)).find("zero_stage"),

@@ -7,8 +7,9 @@
 // 2^24 and exact: the sharded and the full computation must agree bit for
 // bit whatever order the ranks and BLAS add in. So a wrong slice, a missing
 // or doubled reduction, or a wrong adjoint shows as a difference, and no
-// tolerance needs justifying. Only the cross entropy, which needs exp and
-// log, uses floats; its bound is derived where it is checked.
+// tolerance needs justifying. Only the cross entropy and ring attention,
+// which need exp and log, use floats; their bounds are derived where they
+// are checked.
 
 #include <colossalai/booster/booster.h>
 #include <colossalai/distributed/collectives.h>
@@ -17,6 +18,7 @@
 #include <colossalai/shardformer/layer/embedding.h>
 #include <colossalai/shardformer/layer/linear.h>
 #include <colossalai/shardformer/layer/normalization.h>
+#include <colossalai/shardformer/layer/ring_attention.h>
 
 #include <harness/multiprocess.h>
 #include <harness/test_util.h>
@@ -329,6 +331,92 @@ TEST(ParallelLayers, SequenceOverlapGathersOnceAndEqualsTheFullLayers) {
     auto xs0 = x.detach().chunk(world, 1)[rank].clone().requires_grad_();
     auto y0 = cols[0]->forward(xs0);
     expect_equal(y0, refs[0].chunk(world, 2)[rank], "forward() output");
+  });
+}
+
+TEST(ParallelLayers, RingAndDoubleRingAttentionEqualCausalAttention) {
+  // ring_attn over 4 ranks as one ring and as double rings (inner rings of
+  // 1 and 2), against causal attention of the whole sequence in float64.
+  // Bound: the ring computes in float32 (u = 6e-8). A sum of m terms is off
+  // by at most m u times the sum of their sizes; normal draws stay below 5.
+  // An output row averages at most T = 32 values of v with weights that sum
+  // to 1, after casts, exp, 8-term scores and one rescale per block (<= 8):
+  // under 50 u x 5 = 1.5e-5. A gradient sums up to 32 products of sizes
+  // <= 5 x 5 over weights <= 1: 50 u x 32 x 25 = 2.4e-3 worst case. A
+  // chunk or gradient at the wrong rank, or a block missed, is off by O(1).
+  run_distributed(4, [](int rank, int world) {
+    auto sp = cd::world_group();
+    const int64_t b = 2, h = 2, t = 32, d = 8;
+    auto gen = at::detail::createCPUGenerator(41);
+    auto q = at::randn({b, h, t, d}, gen, at::kDouble);
+    auto k = at::randn({b, h, t, d}, gen, at::kDouble);
+    auto v = at::randn({b, h, t, d}, gen, at::kDouble);
+    auto w = at::randn({b, h, t, d}, gen, at::kDouble);
+    auto qr = q.clone().requires_grad_(), kr = k.clone().requires_grad_(),
+         vr = v.clone().requires_grad_();
+    auto causal = at::ones({t, t}, at::kBool).triu(1);
+    auto ref = at::matmul(
+        at::softmax(
+            (at::matmul(qr, kr.transpose(-2, -1)) / std::sqrt(double(d)))
+                .masked_fill(causal, -INFINITY),
+            -1),
+        vr);
+    (ref * w).sum().backward();
+
+    const auto pos = sl::zigzag_positions(t, world);
+    const auto mine = pos[rank];
+    auto local = [&](const at::Tensor& x) {
+      return x.index_select(2, mine).to(at::kFloat);
+    };
+    auto close = [&](const at::Tensor& got,
+                     const at::Tensor& want,
+                     double atol,
+                     const std::string& what) {
+      const auto diff = (got.to(at::kDouble) - want.index_select(2, mine))
+                            .abs()
+                            .max()
+                            .item<double>();
+      EXPECT_LT(diff, atol) << what;
+    };
+    const int64_t chunk = 2 * b * h * (t / world) * d * 4; // k and v, fp32
+    auto bytes = [](const cd::ProcessGroupPtr& g) {
+      return g == nullptr ? 0 : g->bytes_communicated();
+    };
+    for (int inner : {0, 1, 2}) {
+      SCOPED_TRACE("inner_ring_size " + std::to_string(inner));
+      const auto rings = sl::get_double_ring_groups(sp, inner);
+      ASSERT_EQ(rings.defined(), inner != 0);
+      auto ql = local(q).requires_grad_(), kl = local(k).requires_grad_(),
+           vl = local(v).requires_grad_();
+      const int64_t sp0 = bytes(sp), in0 = bytes(rings.inner),
+                    out0 = bytes(rings.inter);
+      auto y = sl::ring_attention(ql, kl, vl, pos, sp, rings);
+      (y * local(w)).sum().backward();
+      close(y, ref.detach(), 2e-5, "output");
+      close(ql.grad(), qr.grad(), 2.5e-3, "query gradient");
+      close(kl.grad(), kr.grad(), 2.5e-3, "key gradient");
+      close(vl.grad(), vr.grad(), 2.5e-3, "value gradient");
+      // Chunks sent: forward n - 1 hops of the keys and values, backward
+      // n - 1 again and n of their gradients; a double ring of I x O sends
+      // O (I - 1) of each on the inner ring per pass, the gradients I hops
+      // a round there, and O - 1 chunks a pass plus O gradients across.
+      if (inner == 0) {
+        EXPECT_EQ(bytes(sp) - sp0, (3 * world - 2) * chunk);
+      } else {
+        const int i = inner, o = world / inner;
+        EXPECT_EQ(bytes(sp) - sp0, 0);
+        EXPECT_EQ(
+            bytes(rings.inner) - in0,
+            (2 * o * (i - 1) + (i > 1 ? o * i : 0)) * chunk);
+        EXPECT_EQ(bytes(rings.inter) - out0, (2 * (o - 1) + o) * chunk);
+      }
+    }
+    EXPECT_FALSE(sl::get_double_ring_groups(sp, 4).defined()); // one ring
+    EXPECT_NE(
+        error_of([&]() {
+          sl::get_double_ring_groups(sp, 3);
+        }).find("inner_ring_size 3 must divide the sequence-parallel size 4"),
+        std::string::npos);
   });
 }
 

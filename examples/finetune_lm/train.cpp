@@ -3,6 +3,7 @@
 //   finetune_lm [--model DIR | --config gpt2-tiny|llama-tiny] [--data PATH]
 //               [--plugin none|ddp|zero1|zero2|fsdp|gemini|hybrid|moe_hybrid]
 //               [--tp N] [--pp N] [--sp N] [--sp-mode M] [--sp-overlap]
+//               [--inner-ring N]
 //               [--zero N] [--ep N]
 //               [--lora R] [--qlora] [--offload] [--offload-frac F]
 //               [--overlap-host-step]
@@ -78,6 +79,7 @@ struct Args {
   bool fp8_communication = false;
   bool use_fp8 = false;
   bool sp_overlap = false;
+  int inner_ring = 0;
   double offload_frac = -1; // unset
   std::string placement = "static";
   double gpu_margin = 0; // gemini auto: gpu_margin_mem_ratio
@@ -142,6 +144,12 @@ Args parse(int argc, char** argv) {
       "hybrid, --sp-mode split_gather: each block's input-gradient "
       "reduce-scatter travels while the weight gradients are computed "
       "(enable_sequence_overlap)");
+  app.add_option(
+         "--inner-ring",
+         a.inner_ring,
+         "hybrid, --sp-mode ring_attn: double ring attention, inner rings of "
+         "N consecutive sp ranks (inner_ring_size; 0: one ring)")
+      ->capture_default_str();
   app.add_option("--zero", a.zero, "hybrid: ZeRO stage (0, 1, 2)")
       ->capture_default_str();
   app.add_option(
@@ -312,6 +320,9 @@ Args parse(int argc, char** argv) {
           ((a.plugin == "hybrid" || a.plugin == "moe_hybrid") && over_tp),
       "--sp-overlap needs --plugin hybrid (or moe_hybrid) with --sp-mode "
       "split_gather or ring");
+  TORCH_CHECK(
+      a.inner_ring == 0 || (a.sp_mode == "ring_attn" && a.sp > 1),
+      "--inner-ring needs --sp-mode ring_attn with --sp > 1");
   TORCH_CHECK(
       a.plugin != "none" || a.nproc == 1,
       "--plugin none trains in one process: use --nproc 1");
@@ -553,8 +564,10 @@ std::pair<std::shared_ptr<cb::plugin::DPPluginBase>, std::string> make_plugin(
     o.num_microbatches(a.pp);
   }
   if (a.sp > 1) {
-    o.sp_size(a.sp).enable_sequence_parallelism(true).sequence_parallelism_mode(
-        a.sp_mode);
+    o.sp_size(a.sp)
+        .enable_sequence_parallelism(true)
+        .sequence_parallelism_mode(a.sp_mode)
+        .inner_ring_size(a.inner_ring);
   } else if (a.sp_mode == "split_gather" || a.sp_mode == "ring") {
     o.enable_sequence_parallelism(true)
         .sequence_parallelism_mode(a.sp_mode)

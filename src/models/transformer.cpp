@@ -54,6 +54,15 @@ void configure_parallel_state(
       ") divisible by sp_size (",
       st.sp_size(),
       ")");
+  TORCH_CHECK(
+      cfg.inner_ring_size() == 0 ||
+          st.sp_mode == shardformer::SequenceParallelMode::kRingAttn,
+      policy,
+      ": inner_ring_size (double ring attention) needs "
+      "sequence_parallelism_mode 'ring_attn'");
+  st.rings = st.sp_mode == shardformer::SequenceParallelMode::kRingAttn
+      ? sl::get_double_ring_groups(st.sp, cfg.inner_ring_size())
+      : sl::DoubleRing();
   st.parallel_output = cfg.parallel_output();
   st.fp8 = cfg.fp8_communication();
   TORCH_CHECK(
@@ -490,7 +499,8 @@ at::Tensor sequence_attention(
       k,
       v,
       sl::zigzag_positions(q.size(2) * st.sp_size(), st.sp_size()),
-      st.sp);
+      st.sp,
+      st.rings);
 }
 
 void shard_linears(

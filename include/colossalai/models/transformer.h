@@ -8,6 +8,7 @@
 #include <colossalai/distributed/process_group.h>
 #include <colossalai/shardformer/layer/linear.h>
 #include <colossalai/shardformer/layer/normalization.h>
+#include <colossalai/shardformer/layer/ring_attention.h>
 #include <colossalai/shardformer/policy.h>
 #include <colossalai/shardformer/shard_config.h>
 
@@ -37,6 +38,9 @@ struct ParallelState {
   shardformer::SequenceParallelMode sp_mode =
       shardformer::SequenceParallelMode::kNone;
   distributed::ProcessGroupPtr sp;
+  /// ring_attn's double ring over `sp` (ShardConfig::inner_ring_size);
+  /// empty: one ring.
+  shardformer::layer::DoubleRing rings;
   bool parallel_output = true;
   /// Share of the blocks (the first ones) that recompute their activations
   /// in backward (ColossalAI: int(ratio x num_layers) blocks).

@@ -84,6 +84,10 @@ struct ShardConfig {
   /// (Linear1DOptions::overlap); ring overlaps already. Needs
   /// enable_sequence_parallelism.
   TORCH_ARG(bool, enable_sequence_overlap) = false;
+  /// ring_attn: inner rings of this many consecutive sp ranks joined by
+  /// inter rings (layer::get_double_ring_groups); 0 or the sp size: one
+  /// ring. Must divide the sp size.
+  TORCH_ARG(int, inner_ring_size) = 0;
   /// Accepted with no effect: colossalai::models (Bloom's ALiBi aside) use
   /// at::scaled_dot_product_attention on 2.x whenever attention dropout is
   /// off (HybridParallelPluginOptions::enable_flash_attention).

@@ -230,6 +230,7 @@ void HybridParallelPlugin::apply_tensor_parallel(torch::nn::Module& module) {
               ? "split_gather"
               : shardformer::to_string(sp_mode_))
       .enable_sequence_overlap(options_.enable_sequence_overlap())
+      .inner_ring_size(options_.inner_ring_size())
       .enable_flash_attention(all || options_.enable_flash_attention())
       .enable_fused_normalization(all || options_.enable_fused_normalization())
       .enable_jit_fused(false)

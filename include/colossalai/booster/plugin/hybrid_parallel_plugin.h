@@ -88,6 +88,12 @@ struct HybridParallelPluginOptions {
   /// takes it as is. Needs enable_sequence_parallelism; all_to_all and
   /// ring_attn refuse it (their collectives are not the column layers').
   TORCH_ARG(bool, enable_sequence_overlap) = false;
+  /// ring_attn across hosts: the sp group as inner rings of this many
+  /// consecutive sp ranks (one host's, ideally) joined by inter rings, so
+  /// every rank sends across hosts once per inner round, hidden behind the
+  /// round's blocks (ColossalAI's 2D ring attention). 0 (unset) or sp_size:
+  /// one ring. Must divide sp_size; other modes refuse it.
+  TORCH_ARG(int, inner_ring_size) = 0;
   /// Keep the LM head's logits split over the vocabulary.
   TORCH_ARG(bool, parallel_output) = true;
   TORCH_ARG(double, initial_scale) = 65536.0;

@@ -15,11 +15,21 @@
 /// so every rank has the same causal work; the causal mask compares global
 /// positions, so any split works.
 ///
+/// Double ring (ColossalAI's 2D ring, `inner_ring_size`): the sp ranks form
+/// inner rings of consecutive ranks (one host's, ideally) joined by inter
+/// rings. The chunks go round the inner ring; meanwhile each rank sends the
+/// chunk it began the round with to the next inner ring, so every rank
+/// crosses hosts once per inner round, with a whole round of blocks to hide
+/// it, instead of a few ranks at the host boundaries crossing at every step.
+///
 /// Example:
 /// \code
 ///   auto pos = zigzag_positions(T, sp->size());     // [sp, T / sp]
 ///   // q, k, v: [B, H, T / sp, D], this rank's tokens pos[sp->rank()]
 ///   auto y = ring_attention(q, k, v, pos, sp);       // [B, H, T / sp, D]
+///   // Two inner rings of 4 over 8 ranks (two hosts of 4):
+///   auto rings = get_double_ring_groups(sp, 4);      // every sp rank calls
+///   auto z = ring_attention(q, k, v, pos, sp, rings);
 /// \endcode
 
 #include <colossalai/distributed/process_group.h>
@@ -36,6 +46,26 @@ namespace layer {
 /// seq_len must divide by 2 sp_size (one rank: 0 .. seq_len - 1).
 at::Tensor zigzag_positions(int64_t seq_len, int sp_size);
 
+/// The rings of double ring attention. `inner`: the ranks sp_rank /
+/// inner_size x inner_size + 0 .. inner_size - 1 of sp; `inter`: the sp
+/// ranks at this rank's place in every inner ring, in ring order. Empty
+/// (null groups): one ring over sp.
+struct DoubleRing {
+  distributed::ProcessGroupPtr inner, inter;
+  bool defined() const {
+    return inner != nullptr;
+  }
+};
+
+/// Creates this rank's inner and inter rings for inner rings of
+/// `inner_ring_size` ranks (collective: every member of sp calls it, as
+/// ColossalAI's `RingAttention.get_double_ring_groups`). inner_ring_size
+/// must divide sp's size; 0 or sp's size give the empty DoubleRing (one
+/// ring).
+DoubleRing get_double_ring_groups(
+    const distributed::ProcessGroupPtr& sp,
+    int inner_ring_size);
+
 /// Causal attention of this rank's q [B, H, T_l, D] over every rank's k, v
 /// [B, H, T_l, D] (as many heads as q: repeat grouped key / value heads
 /// first). `positions` [sp, T_l]: the global positions of each rank's
@@ -43,12 +73,15 @@ at::Tensor zigzag_positions(int64_t seq_len, int sp_size);
 /// mask empties, fills or cuts is decided there (device positions are
 /// copied back once per call). Scores and the softmax run in fp32; the
 /// output has q's dtype. A null or one-rank `sp` is plain causal attention.
+/// `rings`: the double ring of sp (get_double_ring_groups), empty for one
+/// ring.
 at::Tensor ring_attention(
     const at::Tensor& q,
     const at::Tensor& k,
     const at::Tensor& v,
     const at::Tensor& positions,
-    const distributed::ProcessGroupPtr& sp);
+    const distributed::ProcessGroupPtr& sp,
+    const DoubleRing& rings = {});
 
 } // namespace layer
 } // namespace shardformer

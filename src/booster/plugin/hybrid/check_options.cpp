@@ -180,6 +180,22 @@ HybridLayout check_hybrid_options(
   }
   out.sp_size = shardformer::on_tensor_group(out.sp_mode) ? tp : sp;
   TORCH_CHECK(
+      o.inner_ring_size() == 0 ||
+          out.sp_mode == shardformer::SequenceParallelMode::kRingAttn,
+      kName,
+      ": inner_ring_size sizes the inner rings of "
+      "sequence_parallelism_mode 'ring_attn' (double ring attention); "
+      "leave it 0 without ring_attn");
+  TORCH_CHECK(
+      o.inner_ring_size() >= 0 && o.inner_ring_size() <= sp &&
+          (o.inner_ring_size() == 0 || sp % o.inner_ring_size() == 0),
+      kName,
+      ": inner_ring_size ",
+      o.inner_ring_size(),
+      " must divide sp_size ",
+      sp,
+      " (0: one ring)");
+  TORCH_CHECK(
       world % (tp * pp * sp) == 0,
       kName,
       ": the world size ",
