@@ -19,14 +19,17 @@
 //                     [--rounds 3] [--models gpt2,llama]
 //                     [--setups dp,tp,tp2_dp2,tp2_zero1,tp_split_gather,
 //                               tp_split_gather_overlap,tp_ring,
-//                               sp_all_to_all,sp_ring_attn]
+//                               sp_all_to_all,sp_ring_attn,
+//                               sp_ring_attn_double]
 //                     [--out FILE.json]
 //
 // Setups: dp (tp 1, DDP over every rank), tp (tp over every rank), tp2_dp2
 // (tp 2, DDP over the rest), tp2_zero1 (tp 2, ZeRO-1 over the rest), and the
 // sequence-parallel modes over every rank: tp_split_gather,
 // tp_split_gather_overlap (enable_sequence_overlap) and tp_ring (on the
-// tensor group), sp_all_to_all and sp_ring_attn (sp axis, tp 1). Setups
+// tensor group), sp_all_to_all and sp_ring_attn (sp axis, tp 1), and
+// sp_ring_attn_double (inner_ring_size: the ranks per host, LOCAL_WORLD_SIZE,
+// where it splits the world; half the ranks on one host). Setups
 // that do not fit the world size or the model's heads are skipped. The
 // sequence-parallel setups have no byte formula here (-1).
 
@@ -44,6 +47,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -171,6 +175,17 @@ std::vector<Result> run_model(const Options& o, int world) {
     } else if (name == "sp_all_to_all" || name == "sp_ring_attn") {
       sp = world;
       mode = name.substr(3);
+    } else if (name == "sp_ring_attn_double") {
+      if (world % 2 != 0)
+        continue;
+      sp = world;
+      mode = "ring_attn";
+      const char* local = std::getenv("LOCAL_WORLD_SIZE");
+      const int per_host = local == nullptr ? 0 : std::atoi(local);
+      opts.inner_ring_size(
+          per_host > 0 && per_host < world && world % per_host == 0
+              ? per_host
+              : world / 2);
     } else if (name == "tp2_dp2" || name == "tp2_zero1") {
       if (world != 4)
         continue;

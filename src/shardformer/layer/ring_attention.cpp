@@ -24,17 +24,17 @@
 // full or partial; which one is decided from the positions on the host
 // (reading a device mask back would stall a GPU's queue at every block).
 //
-// The double ring is the same loop nested: sp rank
-// R x I + p (inner ring R, place p of I) runs O = n / I rounds of I steps.
-// At step i of round o it holds the chunk of sp rank
-// ((R - o) mod O) x I + (p - i) mod I: the chunks go round the inner ring
-// within a round, and the chunk a rank began round o with (sent on the
-// inter ring while the round runs) begins round o + 1 at the same place of
-// the next inner ring. One ring is O = 1 with the inner ring sp. In
-// backward each accumulator follows its chunk: I inner hops per round,
-// which bring it back to the place its chunk began the round at, then one
-// inter hop to where that chunk begins the next round; after O rounds it is
-// home. Every hop of an accumulator travels while the next block computes.
+// The double ring is the same loop nested: sp rank R x I + p (inner ring
+// R, place p of I) runs O = n / I rounds of I steps. At step i of round o
+// it holds the chunk of sp rank ((R - o) mod O) x I + (p - i) mod I: the
+// chunks go round the inner ring within a round, and the chunk a rank
+// began round o with (sent on the inter ring while the round runs) begins
+// round o + 1 at the same place of the next inner ring. One ring is O = 1
+// with the inner ring sp. In backward each accumulator follows its chunk:
+// I inner hops per round, which bring it back to the place its chunk began
+// the round at, then one inter hop to where that chunk begins the next
+// round; after O rounds it is home. Every hop of an accumulator travels
+// while the next block computes.
 
 namespace colossalai {
 namespace shardformer {
