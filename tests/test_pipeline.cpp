@@ -118,6 +118,109 @@ TEST(PipelineSchedule, EveryPairReceivesInSendOrder) {
       std::string::npos);
 }
 
+TEST(PipelineSchedule, CostsShapeTheZeroBubbleV) {
+  // One micro-batch through 1F1B: p forwards and p backwards in a row,
+  // 2 (p - 1) hops between them.
+  for (int p : {2, 4}) {
+    for (int64_t comm : {0, 1, 3}) {
+      const auto sim = cp::simulate(
+          cp::generate("1f1b", p, 1, 1),
+          1,
+          false,
+          cp::ScheduleCosts().backward(3).comm(comm));
+      EXPECT_EQ(sim.makespan, p * (1 + 3) + 2 * (p - 1) * comm)
+          << "p " << p << " comm " << comm;
+    }
+  }
+  // ZB-V generated for the costs it runs at is valid and, run at those
+  // costs, finishes no later than the unit-cost schedule does (a tighter
+  // activation budget instead trades time for memory).
+  const std::vector<cp::ScheduleCosts> costs = {
+      cp::ScheduleCosts().backward_weight(2),
+      cp::ScheduleCosts().backward_input(2).comm(1),
+      cp::ScheduleCosts().forward(2).backward_input(3).backward_weight(1).comm(
+          2),
+      cp::ScheduleCosts().max_in_flight(1)};
+  for (int p : {2, 4}) {
+    for (int m : {4, 8}) {
+      for (size_t k = 0; k < costs.size(); ++k) {
+        SCOPED_TRACE(
+            "p " + std::to_string(p) + " m " + std::to_string(m) + " costs " +
+            std::to_string(k));
+        const auto v = cp::zero_bubble_v(p, m, costs[k]);
+        EXPECT_EQ(cp::check_schedule(v, p, 2, true, "test"), m);
+        const auto made = cp::simulate(v, 2, true, costs[k]);
+        const auto unit =
+            cp::simulate(cp::zero_bubble_v(p, m), 2, true, costs[k]);
+        if (costs[k].max_in_flight() == 0) {
+          EXPECT_LE(made.makespan, unit.makespan);
+        }
+        // Activations held per chunk stay within max_in_flight (p unset).
+        const int budget =
+            costs[k].max_in_flight() > 0 ? costs[k].max_in_flight() : p;
+        for (int s = 0; s < p; ++s) {
+          int held[2] = {0, 0}, most = 0;
+          for (const auto& a : v[s]) {
+            held[a.chunk] += a.kind == cp::ActionKind::kForward ? 1
+                : a.kind == cp::ActionKind::kBackwardWeight     ? -1
+                                                                : 0;
+            most = std::max({most, held[0], held[1]});
+          }
+          EXPECT_LE(most, budget) << "stage " << s;
+        }
+      }
+    }
+  }
+  EXPECT_THROW(
+      cp::zero_bubble_v(2, 4, cp::ScheduleCosts().backward_weight(0)),
+      c10::Error);
+}
+
+TEST(PipelineSchedule, CheckScheduleNamesTheProblem) {
+  auto error = [](const std::vector<std::vector<cp::Action>>& s) {
+    return colossalai::testing::error_of(
+        [&] { cp::check_schedule(s, 2, 1, false, "scheduler_nodes"); });
+  };
+  using K = cp::ActionKind;
+  const std::vector<cp::Action> gpipe = {
+      {K::kForward, 0, 0},
+      {K::kForward, 0, 1},
+      {K::kBackward, 0, 0},
+      {K::kBackward, 0, 1}};
+  EXPECT_EQ(cp::check_schedule({gpipe, gpipe}, 2, 1, false, "x"), 2);
+  EXPECT_NE(
+      error({gpipe}).find("one list of actions per pipeline stage"),
+      std::string::npos);
+  auto chunk1 = gpipe;
+  chunk1[1].chunk = 1;
+  EXPECT_NE(
+      error({gpipe, chunk1})
+          .find("stage 1 runs F1.1, outside num_model_chunks"),
+      std::string::npos);
+  auto missing = gpipe;
+  missing.pop_back();
+  EXPECT_NE(
+      error({gpipe, missing}).find("scheduler_nodes:"), std::string::npos);
+  // Stage 1 takes micro-batch 1's forward first: out of send order.
+  auto swapped = gpipe;
+  std::swap(swapped[0], swapped[1]);
+  EXPECT_NE(
+      error({gpipe, swapped}).find("out of send order"), std::string::npos);
+  // Stage 0 waits for micro-batch 0's gradient before sending micro-batch
+  // 1's forward, which stage 1 waits for first.
+  const std::vector<cp::Action> early_b = {
+      {K::kForward, 0, 0},
+      {K::kBackward, 0, 0},
+      {K::kForward, 0, 1},
+      {K::kBackward, 0, 1}};
+  const std::vector<cp::Action> late_b = {
+      {K::kForward, 0, 0},
+      {K::kForward, 0, 1},
+      {K::kBackward, 0, 1},
+      {K::kBackward, 0, 0}};
+  EXPECT_NE(error({early_b, late_b}).find("deadlocks"), std::string::npos);
+}
+
 TEST(PipelineSchedule, SimulatorFindsADeadlock) {
   // Stage 0 waits for a gradient before sending the forward it needs.
   std::vector<std::vector<cp::Action>> bad = {
@@ -173,6 +276,28 @@ HPO base() {
   return HPO().precision("fp32").num_microbatches(4);
 }
 
+// scheduler_nodes: ZB-V made for weight passes twice as long as the
+// others and hops of one unit; it differs from the unit-cost ZB-V.
+std::vector<std::vector<cp::Action>> costed_zbv(int pp) {
+  auto v =
+      cp::zero_bubble_v(pp, 4, cp::ScheduleCosts().backward_weight(2).comm(1));
+  TORCH_INTERNAL_ASSERT(v != cp::zero_bubble_v(pp, 4));
+  return v;
+}
+
+// scheduler_nodes: GPipe (every forward, then every backward) on 1F1B's
+// layout.
+std::vector<std::vector<cp::Action>> gpipe(int pp) {
+  std::vector<cp::Action> stage;
+  for (int i = 0; i < 4; ++i) {
+    stage.push_back({cp::ActionKind::kForward, 0, i});
+  }
+  for (int i = 0; i < 4; ++i) {
+    stage.push_back({cp::ActionKind::kBackward, 0, i});
+  }
+  return std::vector<std::vector<cp::Action>>(pp, stage);
+}
+
 std::vector<Setup> setups(int world) {
   std::vector<Setup> s;
   if (world == 2) {
@@ -182,6 +307,13 @@ std::vector<Setup> setups(int world) {
          base().pp_size(2).pp_style("interleaved").num_model_chunks(2)});
     s.push_back(
         {"pp2_zbv", base().pp_size(2).pp_style("zbv").num_model_chunks(2)});
+    s.push_back(
+        {"pp2_zbv_scheduler_nodes",
+         base().pp_size(2).pp_style("zbv").num_model_chunks(2).scheduler_nodes(
+             costed_zbv(2))});
+    s.push_back(
+        {"pp2_gpipe_scheduler_nodes",
+         base().pp_size(2).scheduler_nodes(gpipe(2))});
     return s;
   }
   s.push_back({"pp4_1f1b", base().pp_size(4)});
@@ -190,6 +322,10 @@ std::vector<Setup> setups(int world) {
        base().pp_size(4).pp_style("interleaved").num_model_chunks(2)});
   s.push_back(
       {"pp4_zbv", base().pp_size(4).pp_style("zbv").num_model_chunks(2)});
+  s.push_back(
+      {"pp4_zbv_scheduler_nodes",
+       base().pp_size(4).pp_style("zbv").num_model_chunks(2).scheduler_nodes(
+           costed_zbv(4))});
   s.push_back({"pp2_tp2", base().pp_size(2).tp_size(2)});
   s.push_back({"pp2_dp2_zero1", base().pp_size(2).zero_stage(1)});
   // NOTE [All-gathers overlap the next forward]: a stage's embeddings or
@@ -282,6 +418,16 @@ void check_setups(int world, bool sgd) {
       at::Tensor l = last ? out.loss.reshape({1}).clone() : at::zeros({1});
       cd::all_reduce(l, *plugin->dp_group()).wait();
       losses.push_back(last ? l.item<double>() / dp : -1);
+    }
+    if (!s.options.scheduler_nodes().empty()) {
+      // The stage ran its list of scheduler_nodes, in that order.
+      const auto& mine =
+          s.options.scheduler_nodes()[plugin->stage_manager()->stage()];
+      const auto& ran = plugin->schedule()->timeline();
+      ASSERT_EQ(ran.size(), mine.size());
+      for (size_t i = 0; i < ran.size(); ++i) {
+        EXPECT_EQ(cp::to_string(ran[i].action), cp::to_string(mine[i]));
+      }
     }
     if (plugin->stage_manager()->holds_last_stage()) {
       for (int step = 0; step < kSteps; ++step) {
@@ -445,6 +591,45 @@ TEST(Pipeline, MisuseNamesTheOption) {
     expect_error(
         [] { HybridParallelPlugin(base().pp_size(2).pp_style("gpipe")); },
         "pp_style");
+    expect_error(
+        [] { HybridParallelPlugin(base().scheduler_nodes(gpipe(2))); },
+        "scheduler_nodes schedule a pipeline; they need pp_size > 1");
+    expect_error(
+        [] {
+          HybridParallelPlugin(
+              base().pp_size(2).num_microbatches(8).scheduler_nodes(gpipe(2)));
+        },
+        "scheduler_nodes schedule 4 micro-batches, num_microbatches is 8");
+    expect_error(
+        [] {
+          HybridParallelPlugin(base().pp_size(2).scheduler_nodes(gpipe(3)));
+        },
+        "HybridParallelPlugin: scheduler_nodes: one list of actions per "
+        "pipeline stage");
+    {
+      // microbatch_size 1 splits 6 samples into 6 micro-batches.
+      auto mine = std::make_shared<HybridParallelPlugin>(
+          HPO().precision("fp32").pp_size(2).microbatch_size(1).scheduler_nodes(
+              gpipe(2)));
+      cb::Booster b(cb::BoosterOptions().plugin(mine));
+      auto m = make<models::GPT2LMHeadModel>();
+      auto bm = b.boost(
+          m, colossalai::testing::make_optimizer(m->parameters(), true));
+      auto ids6 = at::randint(100, {6, kSeq});
+      expect_error(
+          [&] {
+            b.execute_pipeline(
+                [&] {
+                  return cp::Batch{ids6, ids6};
+                },
+                bm.model,
+                [&](const at::Tensor& logits, const cp::Batch& mb) {
+                  return m->loss(logits, mb[1]);
+                },
+                bm.optimizer.get());
+          },
+          "scheduler_nodes schedule 4 micro-batches, and this step has 6");
+    }
 
     auto plugin = std::make_shared<HybridParallelPlugin>(base().pp_size(2));
     cb::Booster booster(cb::BoosterOptions().plugin(plugin));

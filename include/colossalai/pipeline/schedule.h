@@ -21,11 +21,16 @@
 ///    stage with unit costs: a ready BI first, then a ready F (chunk 1, on
 ///    the way to the loss, before chunk 0) while at most p micro-batches per
 ///    chunk hold activations, else a pending W.
-/// `simulate` runs a schedule's per-stage lists with unit costs and
-/// blocking receives, as the engine does; a schedule it finishes cannot
-/// deadlock in the engine (every action's inputs are produced by actions
-/// that started earlier in the simulation), and its idle share is the
-/// schedule's bubble.
+///    `ScheduleCosts` (ColossalAI's PipelineGraph costs) weighs the
+///    passes and the hops between stages, and caps the micro-batches
+///    holding activations.
+/// `simulate` runs a schedule's per-stage lists with unit costs (or
+/// `ScheduleCosts`) and blocking receives, as the engine does; a schedule
+/// it finishes cannot deadlock in the engine (every action's inputs are
+/// produced by actions that started earlier in the simulation), and its
+/// idle share is the schedule's bubble. A schedule of one's own
+/// (HybridParallelPluginOptions::scheduler_nodes) is checked with
+/// `check_schedule`.
 ///
 /// The engine (`PipelineSchedule`) runs one stage's list: a forward reads
 /// the micro-batch (first virtual stage) or the previous stage's output, and
@@ -40,7 +45,11 @@
 /// Example:
 /// \code
 ///   auto actions = one_f_one_b(/*stage=*/1, /*stages=*/4, /*m=*/8);
-///   auto sim = simulate(generate("1f1b", 4, 1, 8));  // sim.bubble
+///   auto sim = simulate(generate("1f1b", 4, 1, 8), 1, false); // sim.bubble
+///   // ZB-V for weight passes twice as long as the others, hops of 1:
+///   auto costs = ScheduleCosts().backward_weight(2).comm(1);
+///   auto v = zero_bubble_v(4, 8, costs);
+///   auto bubble = simulate(v, 2, true, costs).bubble;
 /// \endcode
 
 #include <colossalai/pipeline/p2p.h>
@@ -48,6 +57,7 @@
 #include <colossalai/pipeline/types.h>
 
 #include <ATen/ATen.h>
+#include <torch/arg.h>
 
 #include <functional>
 #include <memory>
@@ -56,22 +66,6 @@
 
 namespace colossalai {
 namespace pipeline {
-
-enum class ActionKind {
-  kForward,
-  kBackward,      ///< input and weight gradients at once
-  kBackwardInput, ///< the input's gradient (zero-bubble)
-  kBackwardWeight ///< the weights' gradients (zero-bubble)
-};
-
-struct Action {
-  ActionKind kind;
-  int chunk;
-  int micro_batch;
-  bool operator==(const Action& o) const {
-    return kind == o.kind && chunk == o.chunk && micro_batch == o.micro_batch;
-  }
-};
 
 /// "F0.3" (forward, chunk 0, micro-batch 3), "B", "BI", "W".
 std::string to_string(const Action& a);
@@ -85,10 +79,29 @@ std::vector<Action> interleaved(
     int num_stages,
     int num_chunks,
     int num_microbatches);
-/// Every stage's list (the V shape is generated for all stages at once).
+/// What each pass costs, in any time unit (ColossalAI's PipelineGraph
+/// f_cost, b_cost, w_cost, c_cost): a forward, a whole backward (B, of
+/// 1F1B and interleaved), an input gradient (BI), a weight gradient (W),
+/// and a hop between two stages (a hand-off inside a stage is free). The
+/// defaults are one unit per action. `max_in_flight`: how many
+/// micro-batches per chunk a stage may hold activations for in
+/// zero_bubble_v (ColossalAI's memory limit, counted in micro-batches;
+/// 0: num_stages).
+struct ScheduleCosts {
+  TORCH_ARG(int64_t, forward) = 1;
+  TORCH_ARG(int64_t, backward) = 1;
+  TORCH_ARG(int64_t, backward_input) = 1;
+  TORCH_ARG(int64_t, backward_weight) = 1;
+  TORCH_ARG(int64_t, comm) = 0;
+  TORCH_ARG(int, max_in_flight) = 0;
+};
+
+/// Every stage's list (the V shape is generated for all stages at once),
+/// for passes that cost `costs`.
 std::vector<std::vector<Action>> zero_bubble_v(
     int num_stages,
-    int num_microbatches);
+    int num_microbatches,
+    const ScheduleCosts& costs = {});
 /// Every stage's list for `style` ("1f1b", "interleaved", "zbv").
 std::vector<std::vector<Action>> generate(
     const std::string& style,
@@ -97,17 +110,19 @@ std::vector<std::vector<Action>> generate(
     int num_microbatches);
 
 struct Simulation {
-  /// Time steps until the last stage finishes (unit cost per action).
+  /// Time until the last stage finishes (in the costs' unit).
   int64_t makespan = 0;
   /// Idle share of stages x makespan.
   double bubble = 0;
 };
-/// Runs `schedule` with unit costs and blocking receives; throws naming the
-/// stuck stages if it deadlocks or an action is missing or repeated.
+/// Runs `schedule` with `costs` (unit costs by default) and blocking
+/// receives; throws naming the stuck stages if it deadlocks or an action is
+/// missing or repeated.
 Simulation simulate(
     const std::vector<std::vector<Action>>& schedule,
     int num_chunks,
-    bool zbv);
+    bool zbv,
+    const ScheduleCosts& costs = {});
 
 /// Where the schedule's messages between two stages arrive in another
 /// order than they are sent ("" when they never do): the first pair and
@@ -118,6 +133,19 @@ std::string p2p_order_mismatch(
     const std::vector<std::vector<Action>>& schedule,
     int num_chunks,
     bool zbv);
+
+/// Checks a schedule of one's own for `num_stages` stages of `num_chunks`
+/// chunks (the V's layout when `zbv`): one list per stage, chunks and
+/// micro-batches in range, micro-batches 0 .. m - 1 all used, every pass
+/// run once and nothing deadlocking (`simulate`), each pair of stages
+/// receiving in send order (`p2p_order_mismatch`). Throws naming the first
+/// problem, prefixed by `who`; returns m.
+int check_schedule(
+    const std::vector<std::vector<Action>>& schedule,
+    int num_stages,
+    int num_chunks,
+    bool zbv,
+    const std::string& who);
 
 /// One action's span in the last step (milliseconds from its start).
 struct TimelineEvent {
@@ -135,11 +163,14 @@ using StageForward = std::function<at::Tensor(
 
 class PipelineSchedule {
  public:
+  /// `custom`: every stage's list to run instead of `style`'s generated
+  /// one (checked with check_schedule); it fixes the micro-batch count.
   PipelineSchedule(
       std::shared_ptr<PipelineStageManager> stage_manager,
       std::shared_ptr<PipelineP2PCommunication> p2p,
       std::string style,
-      bool overlap_p2p);
+      bool overlap_p2p,
+      std::vector<std::vector<Action>> custom = {});
 
   /// Runs forward and backward of every micro-batch in this stage's order;
   /// with gradients disabled (a NoGradGuard, as ColossalAI reads
@@ -175,6 +206,8 @@ class PipelineSchedule {
   std::shared_ptr<PipelineP2PCommunication> p2p_;
   std::string style_;
   bool overlap_;
+  std::vector<std::vector<Action>> custom_;
+  int custom_m_ = 0;
   std::vector<TimelineEvent> timeline_;
   // Generated per micro-batch count (ZB-V generates all stages at once).
   int cached_m_ = -1;

@@ -31,5 +31,24 @@ struct PipelineOutput {
   at::Tensor outputs;
 };
 
+/// One step of a pipeline schedule (NOTE [Pipeline schedules] in
+/// pipeline/schedule.h): a pass of model chunk `chunk` on micro-batch
+/// `micro_batch`.
+enum class ActionKind {
+  kForward,
+  kBackward,      ///< input and weight gradients at once
+  kBackwardInput, ///< the input's gradient (zero-bubble)
+  kBackwardWeight ///< the weights' gradients (zero-bubble)
+};
+
+struct Action {
+  ActionKind kind;
+  int chunk;
+  int micro_batch;
+  bool operator==(const Action& o) const {
+    return kind == o.kind && chunk == o.chunk && micro_batch == o.micro_batch;
+  }
+};
+
 } // namespace pipeline
 } // namespace colossalai

@@ -15,16 +15,26 @@ PipelineSchedule::PipelineSchedule(
     std::shared_ptr<PipelineStageManager> stage_manager,
     std::shared_ptr<PipelineP2PCommunication> p2p,
     std::string style,
-    bool overlap_p2p)
+    bool overlap_p2p,
+    std::vector<std::vector<Action>> custom)
     : sm_(std::move(stage_manager)),
       p2p_(std::move(p2p)),
       style_(std::move(style)),
-      overlap_(overlap_p2p) {
+      overlap_(overlap_p2p),
+      custom_(std::move(custom)) {
   TORCH_INTERNAL_ASSERT(sm_ != nullptr && p2p_ != nullptr);
   TORCH_CHECK(
       (style_ == "zbv") == sm_->use_zbv(),
       "PipelineSchedule: pp_style 'zbv' and the V-shaped stage manager go "
       "together");
+  if (!custom_.empty()) {
+    custom_m_ = check_schedule(
+        custom_,
+        sm_->num_stages(),
+        sm_->num_model_chunks(),
+        sm_->use_zbv(),
+        "scheduler_nodes");
+  }
 }
 
 namespace {
@@ -68,7 +78,16 @@ PipelineOutput PipelineSchedule::forward_backward_step(
   TORCH_INTERNAL_ASSERT(
       static_cast<int>(chunk_params.size()) == sm_->num_model_chunks());
   if (cached_m_ != m) {
-    auto all = generate(style_, sm_->num_stages(), sm_->num_model_chunks(), m);
+    TORCH_CHECK(
+        custom_.empty() || m == custom_m_,
+        "pipeline: scheduler_nodes schedule ",
+        custom_m_,
+        " micro-batches, and this step has ",
+        m,
+        " (num_microbatches, or the batch over microbatch_size)");
+    auto all = custom_.empty()
+        ? generate(style_, sm_->num_stages(), sm_->num_model_chunks(), m)
+        : custom_;
     const std::string mismatch =
         p2p_order_mismatch(all, sm_->num_model_chunks(), sm_->use_zbv());
     TORCH_INTERNAL_ASSERT(

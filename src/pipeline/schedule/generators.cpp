@@ -78,29 +78,73 @@ std::vector<Action> interleaved(int stage, int p, int chunks, int m) {
 
 namespace {
 
-// Unit-cost state of every (virtual stage, micro-batch): when its F and its
-// input gradient (B or BI) finish; -1: not yet.
+void check_costs(const ScheduleCosts& c) {
+  TORCH_CHECK(
+      c.forward() >= 1 && c.backward() >= 1 && c.backward_input() >= 1 &&
+          c.backward_weight() >= 1 && c.comm() >= 0 && c.max_in_flight() >= 0,
+      "ScheduleCosts: forward, backward, backward_input and backward_weight "
+      "must be >= 1, comm and max_in_flight >= 0");
+}
+
+int64_t cost_of(ActionKind kind, const ScheduleCosts& c) {
+  switch (kind) {
+    case ActionKind::kForward:
+      return c.forward();
+    case ActionKind::kBackward:
+      return c.backward();
+    case ActionKind::kBackwardInput:
+      return c.backward_input();
+    case ActionKind::kBackwardWeight:
+      return c.backward_weight();
+  }
+  return 1;
+}
+
+// State of every (virtual stage, micro-batch): when its F and its input
+// gradient (B or BI) finish; -1: not yet. A result reaches another stage
+// `comm` later.
 struct SimState {
-  SimState(int v, int m)
-      : v(v), m(m), f(v * m, -1), b(v * m, -1), w(v * m, -1) {}
-  int v, m;
+  SimState(int p, int chunks, int m, bool zbv, int64_t comm)
+      : p(p),
+        v(p * chunks),
+        m(m),
+        zbv(zbv),
+        comm(comm),
+        f(v * m, -1),
+        b(v * m, -1),
+        w(v * m, -1) {}
+  int p, v, m;
+  bool zbv;
+  int64_t comm, last = 0; // the latest finish
   std::vector<int64_t> f, b, w;
   int64_t& at(std::vector<int64_t>& x, int vs, int mb) {
     return x[vs * m + mb];
   }
+  int owner(int vs) const {
+    return zbv ? (vs < p ? vs : 2 * p - 1 - vs) : vs % p;
+  }
+  // Whether a result of virtual stage `from` that finished at `finish` is
+  // at virtual stage `to` by t.
+  bool arrived(int64_t finish, int from, int to, int64_t t) const {
+    return finish >= 0 && finish + (owner(from) != owner(to) ? comm : 0) <= t;
+  }
   // Whether `a` (on virtual stage vs) can start at time t.
   bool ready(ActionKind kind, int vs, int mb, int64_t t) {
-    auto done = [&](int64_t finish) { return finish >= 0 && finish <= t; };
     switch (kind) {
       case ActionKind::kForward:
-        return vs == 0 || done(at(f, vs - 1, mb));
+        return vs == 0 || arrived(at(f, vs - 1, mb), vs - 1, vs, t);
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput:
-        return done(at(f, vs, mb)) && (vs == v - 1 || done(at(b, vs + 1, mb)));
+        return arrived(at(f, vs, mb), vs, vs, t) &&
+            (vs == v - 1 || arrived(at(b, vs + 1, mb), vs + 1, vs, t));
       case ActionKind::kBackwardWeight:
-        return done(at(b, vs, mb));
+        return arrived(at(b, vs, mb), vs, vs, t);
     }
     return false;
+  }
+  // Whether a result is still on its way between stages at t.
+  bool in_transit(int64_t t) const {
+    return last + comm > t;
   }
   void finish(ActionKind kind, int vs, int mb, int64_t t) {
     auto& slot = kind == ActionKind::kForward ? at(f, vs, mb)
@@ -111,6 +155,7 @@ struct SimState {
     if (kind == ActionKind::kBackward) {
       at(w, vs, mb) = t;
     }
+    last = std::max(last, t);
   }
 };
 
@@ -119,7 +164,9 @@ struct SimState {
 Simulation simulate(
     const std::vector<std::vector<Action>>& schedule,
     int chunks,
-    bool zbv) {
+    bool zbv,
+    const ScheduleCosts& costs) {
+  check_costs(costs);
   const int p = static_cast<int>(schedule.size());
   TORCH_CHECK(p >= 1, "simulate: no stages");
   int m = 0;
@@ -128,7 +175,7 @@ Simulation simulate(
       m = std::max(m, a.micro_batch + 1);
     }
   }
-  SimState st(p * chunks, m);
+  SimState st(p, chunks, m, zbv, costs.comm());
   std::vector<size_t> next(p, 0);
   std::vector<int64_t> busy_until(p, 0);
   int64_t t = 0, busy = 0, end = 0;
@@ -147,16 +194,18 @@ Simulation simulate(
       if (!st.ready(a.kind, vs, a.micro_batch, t)) {
         continue;
       }
-      st.finish(a.kind, vs, a.micro_batch, t + 1);
-      busy_until[s] = t + 1;
-      end = std::max(end, t + 1);
+      const int64_t cost = cost_of(a.kind, costs);
+      st.finish(a.kind, vs, a.micro_batch, t + cost);
+      busy_until[s] = t + cost;
+      end = std::max(end, t + cost);
       ++next[s];
-      ++busy;
+      busy += cost;
       --left;
       started = true;
     }
     if (!started &&
-        *std::max_element(busy_until.begin(), busy_until.end()) <= t) {
+        *std::max_element(busy_until.begin(), busy_until.end()) <= t &&
+        !st.in_transit(t)) {
       std::ostringstream msg;
       for (int s = 0; s < p; ++s) {
         if (next[s] < schedule[s].size()) {
@@ -184,10 +233,15 @@ Simulation simulate(
   return out;
 }
 
-std::vector<std::vector<Action>> zero_bubble_v(int p, int m) {
+std::vector<std::vector<Action>> zero_bubble_v(
+    int p,
+    int m,
+    const ScheduleCosts& costs) {
   TORCH_CHECK(p >= 1 && m >= 1);
+  check_costs(costs);
   const int v = 2 * p;
-  SimState st(v, m);
+  const int budget = costs.max_in_flight() > 0 ? costs.max_in_flight() : p;
+  SimState st(p, 2, m, true, costs.comm());
   std::vector<std::vector<Action>> out(p);
   // Per stage and chunk: next forward / input-gradient micro-batch, and
   // micro-batches holding activations (forward done, weights not yet).
@@ -216,11 +270,12 @@ std::vector<std::vector<Action>> zero_bubble_v(int p, int m) {
             pick = Action{ActionKind::kBackwardInput, c, mb};
           }
         }
-        // 2. A forward, within the activation budget (p per chunk).
+        // 2. A forward, within the activation budget (p per chunk, or
+        //    max_in_flight).
         if (!pick) {
           for (int c : {1, 0}) {
             const int mb = next_f[s][c];
-            if (mb < m && (held[s][c] < p || relax) &&
+            if (mb < m && (held[s][c] < budget || relax) &&
                 st.ready(ActionKind::kForward, vs(c), mb, t)) {
               pick = Action{ActionKind::kForward, c, mb};
               break;
@@ -236,7 +291,8 @@ std::vector<std::vector<Action>> zero_bubble_v(int p, int m) {
           continue;
         }
         const auto& a = *pick;
-        st.finish(a.kind, vs(a.chunk), a.micro_batch, t + 1);
+        const int64_t cost = cost_of(a.kind, costs);
+        st.finish(a.kind, vs(a.chunk), a.micro_batch, t + cost);
         if (a.kind == ActionKind::kForward) {
           ++next_f[s][a.chunk];
           ++held[s][a.chunk];
@@ -248,19 +304,23 @@ std::vector<std::vector<Action>> zero_bubble_v(int p, int m) {
           --held[s][a.chunk];
         }
         out[s].push_back(a);
-        busy_until[s] = t + 1;
+        busy_until[s] = t + cost;
         ++done;
         started = true;
       }
-      // Nothing can run and nothing is running: lift the budget once.
+      // Nothing can run, nothing is running or on its way: lift the budget
+      // once.
       relax = !started &&
-          *std::max_element(busy_until.begin(), busy_until.end()) <= t;
+          *std::max_element(busy_until.begin(), busy_until.end()) <= t &&
+          !st.in_transit(t);
       if (!relax) {
         break;
       }
     }
     TORCH_INTERNAL_ASSERT(
-        started || *std::max_element(busy_until.begin(), busy_until.end()) > t,
+        started ||
+            *std::max_element(busy_until.begin(), busy_until.end()) > t ||
+            st.in_transit(t),
         "zero_bubble_v: the generator is stuck");
   }
   return out;
@@ -317,6 +377,51 @@ std::string p2p_order_mismatch(
     }
   }
   return "";
+}
+
+int check_schedule(
+    const std::vector<std::vector<Action>>& schedule,
+    int p,
+    int chunks,
+    bool zbv,
+    const std::string& who) {
+  TORCH_CHECK(
+      static_cast<int>(schedule.size()) == p,
+      who,
+      ": one list of actions per pipeline stage: got ",
+      schedule.size(),
+      " for pp_size ",
+      p);
+  int m = 0;
+  for (int s = 0; s < p; ++s) {
+    for (const auto& a : schedule[s]) {
+      TORCH_CHECK(
+          a.chunk >= 0 && a.chunk < chunks && a.micro_batch >= 0,
+          who,
+          ": stage ",
+          s,
+          " runs ",
+          to_string(a),
+          ", outside num_model_chunks ",
+          chunks,
+          " or below micro-batch 0");
+      m = std::max(m, a.micro_batch + 1);
+    }
+  }
+  TORCH_CHECK(m > 0, who, ": the schedule has no actions");
+  try {
+    simulate(schedule, chunks, zbv);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, who, ": ", e.what_without_backtrace());
+  }
+  const auto mismatch = p2p_order_mismatch(schedule, chunks, zbv);
+  TORCH_CHECK(
+      mismatch.empty(),
+      who,
+      ": two stages would receive out of send order (NCCL pairs a pair's "
+      "messages by order): ",
+      mismatch);
+  return m;
 }
 
 std::vector<std::vector<Action>> generate(

@@ -53,6 +53,13 @@ struct HybridParallelPluginOptions {
   TORCH_ARG(bool, enable_metadata_cache) = true;
   /// Post each receive before the action ahead of it computes.
   TORCH_ARG(bool, overlap_p2p) = true;
+  /// A schedule of one's own instead of pp_style's generated one: every
+  /// stage's actions (ColossalAI's scheduler_nodes for zbv), e.g.
+  /// pipeline::zero_bubble_v(pp, m, costs) for measured pass costs. Any
+  /// pp_style takes one for its layout; it is checked at construction
+  /// (pipeline::check_schedule: it must finish and receive in send order)
+  /// and fixes the micro-batch count. Empty: generated.
+  TORCH_ARG(std::vector<std::vector<pipeline::Action>>, scheduler_nodes) = {};
   /// Sequence-parallel size of all_to_all and ring_attn (their own mesh
   /// axis); 0 = unset (1). split_gather and ring use the tensor group and
   /// refuse an sp_size other than 0 or 1.

@@ -1,6 +1,7 @@
 #include "check_options.h"
 
 #include <colossalai/initialize.h>
+#include <colossalai/pipeline/schedule.h>
 
 #include "../plugin_options.h"
 
@@ -27,6 +28,10 @@ void check_pipeline_options(const HybridParallelPluginOptions& o) {
       kName,
       ": num_microbatches and microbatch_size must be >= 0");
   if (pp == 1) {
+    TORCH_CHECK(
+        o.scheduler_nodes().empty(),
+        kName,
+        ": scheduler_nodes schedule a pipeline; they need pp_size > 1");
     return;
   }
   TORCH_CHECK(
@@ -59,6 +64,21 @@ void check_pipeline_options(const HybridParallelPluginOptions& o) {
         ": pp_style 'zbv' cannot recompute blocks "
         "(gradient_checkpointing_ratio must be 0): its input-gradient pass "
         "would accumulate weight gradients too");
+  }
+  if (!o.scheduler_nodes().empty()) {
+    const int m = pipeline::check_schedule(
+        o.scheduler_nodes(),
+        pp,
+        o.num_model_chunks(),
+        style == "zbv",
+        std::string(kName) + ": scheduler_nodes");
+    TORCH_CHECK(
+        o.num_microbatches() == 0 || o.num_microbatches() == m,
+        kName,
+        ": scheduler_nodes schedule ",
+        m,
+        " micro-batches, num_microbatches is ",
+        o.num_microbatches());
   }
   TORCH_CHECK(
       o.zero_stage() < 2,

@@ -129,7 +129,11 @@ std::set<std::string> HybridParallelPlugin::apply_pipeline(
       pp_group_, options_.enable_metadata_cache());
   p2p->set_fp8_communication(options_.fp8_communication());
   schedule_ = std::make_shared<pipeline::PipelineSchedule>(
-      stage_manager_, p2p, options_.pp_style(), options_.overlap_p2p());
+      stage_manager_,
+      p2p,
+      options_.pp_style(),
+      options_.overlap_p2p(),
+      options_.scheduler_nodes());
   return held;
 }
 
