@@ -27,10 +27,18 @@
 // per-stage timelines (kind, chunk, micro-batch, start, end, compute start;
 // one clock across ranks, steady_clock being system-wide) go to the JSON.
 //
-//   bench_pipeline_step [--nproc 4] [--schedules 1f1b,interleaved,zbv]
+//   bench_pipeline_step [--nproc 4]
+//                       [--schedules 1f1b,interleaved,zbv,zbv_costed]
 //                       [--microbatches 4,8] [--microbatch-size 2]
 //                       [--layers 8] [--warmup 1] [--steps 3] [--rounds 2]
 //                       [--fp8 0,1] [--out FILE.json]
+//
+// zbv_costed: ZB-V generated for this machine's pass costs
+// (pipeline::zero_bubble_v with ScheduleCosts, run as scheduler_nodes). The
+// costs are the mean compute time of the forwards, input gradients and
+// weight gradients of all stages in one step of the zbv setup of the same
+// micro-batch count (run after the warm-up), in units of a quarter of the
+// shortest; it needs zbv in --schedules.
 //
 // --fp8 0,1 runs each setup without and with fp8_communication (name
 // suffix _fp8): the activations and gradients between stages on different
@@ -273,6 +281,8 @@ struct Setup {
   std::vector<double> ms; // this rank's step times
   int64_t activation = 0; // peak heap in use minus before, this rank
   StageStep last;
+  std::string costs; // zbv_costed: the costs its schedule was made for
+  cp::ScheduleCosts cost_model;
 };
 
 std::pair<at::Tensor, at::Tensor> global_batch(
@@ -305,12 +315,45 @@ int run_rank(const Options& o) {
   const int64_t seq = cfg.n_positions(), vocab = cfg.vocab_size();
 
   std::vector<std::unique_ptr<Setup>> setups;
+  auto make_setup = [&](const std::string& style,
+                        const std::string& name,
+                        int m,
+                        bool fp8,
+                        std::vector<std::vector<cp::Action>> nodes) {
+    auto s = std::make_unique<Setup>();
+    s->style = style;
+    s->chunks = style == "1f1b" ? 1 : 2;
+    s->m = m;
+    s->name = name;
+    s->fp8 = fp8;
+    s->plugin = std::make_shared<HybridParallelPlugin>(
+        HPO()
+            .precision("fp32")
+            .pp_size(world)
+            .num_microbatches(m)
+            .pp_style(style)
+            .num_model_chunks(s->chunks)
+            .fp8_communication(fp8)
+            .scheduler_nodes(std::move(nodes))
+            .custom_policy(std::make_shared<TimedGPT2Policy>()));
+    s->booster =
+        std::make_unique<cb::Booster>(cb::BoosterOptions().plugin(s->plugin));
+    torch::manual_seed(0);
+    s->model = models::GPT2LMHeadModel(cfg);
+    auto opt = std::make_shared<torch::optim::AdamW>(
+        s->model->parameters(),
+        torch::optim::AdamWOptions(3e-4).weight_decay(0.01));
+    s->boosted = s->booster->boost(s->model, opt);
+    return s;
+  };
+  std::vector<std::pair<int, bool>> costed; // (m, fp8) of zbv_costed
   for (const auto& style : split(o.schedules)) {
     TORCH_CHECK(
-        style == "1f1b" || style == "interleaved" || style == "zbv",
+        style == "1f1b" || style == "interleaved" || style == "zbv" ||
+            style == "zbv_costed",
         "unknown schedule '",
         style,
-        "' (1f1b, interleaved, zbv)");
+        "' (1f1b, interleaved, zbv, zbv_costed)");
     for (const auto& ms : split(o.microbatches)) {
       for (const auto& f : split(o.fp8)) {
         const bool fp8 = f == "1";
@@ -324,30 +367,16 @@ int run_rank(const Options& o) {
                 world);
           continue;
         }
-        auto s = std::make_unique<Setup>();
-        s->style = style;
-        s->chunks = style == "1f1b" ? 1 : 2;
-        s->m = m;
-        s->name = style + "_m" + std::to_string(m) + (fp8 ? "_fp8" : "");
-        s->fp8 = fp8;
-        s->plugin = std::make_shared<HybridParallelPlugin>(
-            HPO()
-                .precision("fp32")
-                .pp_size(world)
-                .num_microbatches(m)
-                .pp_style(style)
-                .num_model_chunks(s->chunks)
-                .fp8_communication(fp8)
-                .custom_policy(std::make_shared<TimedGPT2Policy>()));
-        s->booster = std::make_unique<cb::Booster>(
-            cb::BoosterOptions().plugin(s->plugin));
-        torch::manual_seed(0);
-        s->model = models::GPT2LMHeadModel(cfg);
-        auto opt = std::make_shared<torch::optim::AdamW>(
-            s->model->parameters(),
-            torch::optim::AdamWOptions(3e-4).weight_decay(0.01));
-        s->boosted = s->booster->boost(s->model, opt);
-        setups.push_back(std::move(s));
+        if (style == "zbv_costed") {
+          costed.emplace_back(m, fp8);
+          continue;
+        }
+        setups.push_back(make_setup(
+            style,
+            style + "_m" + std::to_string(m) + (fp8 ? "_fp8" : ""),
+            m,
+            fp8,
+            {}));
       }
     }
   }
@@ -393,6 +422,56 @@ int run_rank(const Options& o) {
     for (int i = 0; i < o.warmup; ++i)
       step(*s, counter++, false, false); // creates the optimizer states
     step(*s, counter++, true, false);    // memory, untimed
+  }
+  // zbv_costed: one analysed step of the zbv setup of the same m, its mean
+  // compute time per pass kind over all stages, then ZB-V for those costs.
+  for (const auto& [m, fp8] : costed) {
+    Setup* zbv = nullptr;
+    for (auto& s : setups)
+      if (s->style == "zbv" && s->m == m && s->fp8 == fp8)
+        zbv = s.get();
+    TORCH_CHECK(
+        zbv != nullptr, "zbv_costed needs zbv in --schedules (m ", m, ")");
+    step(*zbv, counter++, false, true);
+    at::Tensor sums = at::zeros({6}, at::kDouble); // F, BI, W: time, count
+    for (const auto& e : zbv->last.events) {
+      const int k = int(e[0]) == kF ? 0 : int(e[0]) == kBI ? 1 : 2;
+      const double ms = e[4] - e[5];
+      if (int(e[0]) != kB && ms > 0) { // a BI of stage 0 computes nothing
+        sums[2 * k] += ms;
+        sums[2 * k + 1] += 1;
+      }
+    }
+    cd::all_reduce(sums, *cd::world_group()).wait();
+    double mean[3];
+    for (int k = 0; k < 3; ++k)
+      mean[k] = sums[2 * k].item<double>() /
+          std::max(1.0, sums[2 * k + 1].item<double>());
+    const double unit = *std::min_element(mean, mean + 3) / 4;
+    auto units = [&](double ms) {
+      return std::max<int64_t>(1, std::llround(ms / unit));
+    };
+    const auto costs = cp::ScheduleCosts()
+                           .forward(units(mean[0]))
+                           .backward_input(units(mean[1]))
+                           .backward_weight(units(mean[2]));
+    auto s = make_setup(
+        "zbv",
+        "zbv_costed_m" + std::to_string(m) + (fp8 ? "_fp8" : ""),
+        m,
+        fp8,
+        cp::zero_bubble_v(world, m, costs));
+    std::ostringstream c;
+    c << "F " << costs.forward() << " : BI " << costs.backward_input()
+      << " : W " << costs.backward_weight() << " (F " << fmt(mean[0], 2)
+      << " ms, BI " << fmt(mean[1], 2) << " ms, W " << fmt(mean[2], 2)
+      << " ms)";
+    s->costs = c.str();
+    s->cost_model = costs;
+    for (int i = 0; i < o.warmup; ++i)
+      step(*s, counter++, false, false);
+    step(*s, counter++, true, false);
+    setups.push_back(std::move(s));
   }
   if (rank == 0)
     std::fprintf(stderr, "warm-up and memory steps done\n");
@@ -467,8 +546,11 @@ int run_rank(const Options& o) {
     const int p = world;
     const double formula =
         s.style == "1f1b" ? double(p - 1) / (s.m + p - 1) : -1;
+    const auto& nodes = s.plugin->options().scheduler_nodes();
     const auto sim = cp::simulate(
-        cp::generate(s.style, p, s.chunks, s.m), s.chunks, s.style == "zbv");
+        nodes.empty() ? cp::generate(s.style, p, s.chunks, s.m) : nodes,
+        s.chunks,
+        s.style == "zbv");
     double origin = std::numeric_limits<double>::infinity();
     for (int r = 0; r < world; ++r)
       origin = std::min(origin, row[r][5].item<double>());
@@ -516,7 +598,17 @@ int run_rank(const Options& o) {
     }
     json << (first_setup ? "" : ",") << "\n    \"" << s.name << "\": {"
          << "\"schedule\": \"" << s.style << "\", \"chunks\": " << s.chunks
-         << ", \"fp8_communication\": " << (s.fp8 ? "true" : "false")
+         << ", \"costs\": \"" << s.costs << "\"";
+    if (!s.costs.empty()) {
+      // What the generator expects: this schedule and the unit-cost ZB-V,
+      // both run at the measured costs.
+      json << ", \"simulated_makespan_at_costs\": "
+           << cp::simulate(nodes, 2, true, s.cost_model).makespan
+           << ", \"unit_zbv_simulated_makespan_at_costs\": "
+           << cp::simulate(cp::zero_bubble_v(p, s.m), 2, true, s.cost_model)
+                  .makespan;
+    }
+    json << ", \"fp8_communication\": " << (s.fp8 ? "true" : "false")
          << ", \"microbatches\": " << s.m
          << ", \"global_batch\": " << s.m * o.microbatch_size
          << ", \"step_ms\": " << colossalai::bench::stats_json(ms)
@@ -529,7 +621,8 @@ int run_rank(const Options& o) {
          << ",\n      \"per_stage\": [" << stages.str()
          << "],\n      \"timeline\": [" << timeline.str() << "]}";
     first_setup = false;
-    table << "| " << s.style << (s.fp8 ? " (FP8)" : "") << " | " << s.m << " | "
+    table << "| " << (s.costs.empty() ? s.style : "zbv costed")
+          << (s.fp8 ? " (FP8)" : "") << " | " << s.m << " | "
           << fmt(colossalai::bench::median(ms), 0) << " | " << fmt(work, 0)
           << " | " << fmt(mean_span, 3) << " | " << fmt(mean_compute, 2) << " ("
           << per_bubble.str() << ") | "
