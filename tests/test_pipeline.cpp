@@ -602,6 +602,21 @@ TEST(Pipeline, MisuseNamesTheOption) {
         "scheduler_nodes schedule 4 micro-batches, num_microbatches is 8");
     expect_error(
         [] {
+          auto split = gpipe(2);
+          for (auto& stage : split) {
+            stage.back().kind = cp::ActionKind::kBackwardInput;
+            stage.push_back(
+                {cp::ActionKind::kBackwardWeight, 0, stage.back().micro_batch});
+          }
+          HybridParallelPlugin(base()
+                                   .pp_size(2)
+                                   .scheduler_nodes(split)
+                                   .gradient_checkpointing_ratio(0.5));
+        },
+        "scheduler_nodes with split backward passes (BI, W) cannot "
+        "recompute blocks");
+    expect_error(
+        [] {
           HybridParallelPlugin(base().pp_size(2).scheduler_nodes(gpipe(3)));
         },
         "HybridParallelPlugin: scheduler_nodes: one list of actions per "

@@ -79,6 +79,19 @@ void check_pipeline_options(const HybridParallelPluginOptions& o) {
         m,
         " micro-batches, num_microbatches is ",
         o.num_microbatches());
+    bool split = false;
+    for (const auto& stage : o.scheduler_nodes()) {
+      for (const auto& a : stage) {
+        split = split || a.kind == pipeline::ActionKind::kBackwardInput ||
+            a.kind == pipeline::ActionKind::kBackwardWeight;
+      }
+    }
+    TORCH_CHECK(
+        !split || o.gradient_checkpointing_ratio() == 0.0,
+        kName,
+        ": scheduler_nodes with split backward passes (BI, W) cannot "
+        "recompute blocks (gradient_checkpointing_ratio must be 0): the "
+        "input-gradient pass would accumulate weight gradients too");
   }
   TORCH_CHECK(
       o.zero_stage() < 2,
