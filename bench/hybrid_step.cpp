@@ -33,6 +33,7 @@
 // that do not fit the world size or the model's heads are skipped. The
 // sequence-parallel setups have no byte formula here (-1).
 
+#include "bench_launch.h"
 #include "bench_util.h"
 
 #include <colossalai/colossalai.h>
@@ -475,13 +476,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  try {
-    if (!colossalai::launcher::launched_by_launcher()) {
-      return colossalai::launcher::run_self(nproc, argc, argv);
-    }
-    return run_rank(o);
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << cd::error_text(e) << std::endl;
-    return 1;
-  }
+  return colossalai::bench::launch_ranks(
+      nproc, argc, argv, [&] { return run_rank(o); });
 }

@@ -19,6 +19,7 @@
 //   bench_moe_step [--nproc 4] [--global-batch 8] [--steps 3] [--rounds 3]
 //                  [--setups ep1,ep2,ep4] [--out FILE.json]
 
+#include "bench_launch.h"
 #include "bench_util.h"
 
 #include <colossalai/colossalai.h>
@@ -261,13 +262,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  try {
-    if (!colossalai::launcher::launched_by_launcher()) {
-      return colossalai::launcher::run_self(nproc, argc, argv);
-    }
-    return run_rank(o);
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << cd::error_text(e) << std::endl;
-    return 1;
-  }
+  return colossalai::bench::launch_ranks(
+      nproc, argc, argv, [&] { return run_rank(o); });
 }

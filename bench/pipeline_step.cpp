@@ -45,6 +45,7 @@
 // nodes, and the tied embedding's gradients, travel as FP8 (across hosts,
 // e.g. under bench/netns_link.sh).
 
+#include "bench_launch.h"
 #include "bench_util.h"
 
 #include <colossalai/colossalai.h>
@@ -672,13 +673,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  try {
-    if (!colossalai::launcher::launched_by_launcher()) {
-      return colossalai::launcher::run_self(nproc, argc, argv);
-    }
-    return run_rank(o);
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << cd::error_text(e) << std::endl;
-    return 1;
-  }
+  return colossalai::bench::launch_ranks(
+      nproc, argc, argv, [&] { return run_rank(o); });
 }

@@ -18,6 +18,7 @@
 // --inner: the inner ring sizes to compare (0: one ring); each must divide
 // the world size.
 
+#include "bench_launch.h"
 #include "bench_util.h"
 
 #include <colossalai/colossalai.h>
@@ -201,13 +202,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  try {
-    if (!colossalai::launcher::launched_by_launcher()) {
-      return colossalai::launcher::run_self(nproc, argc, argv);
-    }
-    return run_rank(o);
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << cd::error_text(e) << std::endl;
-    return 1;
-  }
+  return colossalai::bench::launch_ranks(
+      nproc, argc, argv, [&] { return run_rank(o); });
 }

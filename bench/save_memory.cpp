@@ -13,6 +13,7 @@
 //   bench_save_memory [--nproc 2] [--setups fsdp,zero2] [--size_per_shard 4]
 //                     [--out FILE.json]
 
+#include "bench_launch.h"
 #include "bench_util.h"
 
 #include <colossalai/colossalai.h>
@@ -250,13 +251,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  try {
-    if (!colossalai::launcher::launched_by_launcher()) {
-      return colossalai::launcher::run_self(nproc, argc, argv);
-    }
-    return run_rank(names, size_per_shard, out);
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << cd::error_text(e) << std::endl;
-    return 1;
-  }
+  return colossalai::bench::launch_ranks(
+      nproc, argc, argv, [&] { return run_rank(names, size_per_shard, out); });
 }

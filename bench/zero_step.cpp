@@ -19,6 +19,7 @@
 //                             gemini_auto,gemini_fp8]
 //                   [--zero-bucket-m 12] [--out FILE.json]
 
+#include "bench_launch.h"
 #include "bench_util.h"
 
 #include <colossalai/colossalai.h>
@@ -357,13 +358,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  try {
-    if (!colossalai::launcher::launched_by_launcher()) {
-      return colossalai::launcher::run_self(nproc, argc, argv);
-    }
+  return colossalai::bench::launch_ranks(nproc, argc, argv, [&] {
     return run_rank(steps, rounds, bucket_m, names, out);
-  } catch (const std::exception& e) {
-    std::cerr << "error: " << cd::error_text(e) << std::endl;
-    return 1;
-  }
+  });
 }
